@@ -1,0 +1,55 @@
+# The two commands: `make train` and `make test`. The first target run creates .venv and installs into it.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CH ?= 01
+ARGS ?=
+# CPU build of torch where there is no NVIDIA driver (it lies on disk on the course's CI machines);
+# the normal (CUDA) build where there is one.
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
+
+.PHONY: help setup train test test-fast lab grade lint bench clean
+
+help:
+	@echo "make train            train the default model (2 CPU ranks, or one rank per GPU)"
+	@echo "make test             the whole suite: unit, multi-rank, notebooks (nbval), exercise self-check"
+	@echo "make lab              open the course in JupyterLab"
+	@echo "make grade CH=NN      grade your solution of exercises/NN_*.py"
+	@echo "make lint             ruff check"
+	@echo "make bench            run the benchmarks and rewrite bench/RESULTS.md"
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+train: $(STAMP)
+	$(PY) -m refimpl.train --nproc-per-node auto $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q --durations=15 $(ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" --deselect tests/test_chapters.py $(ARGS)
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab chapters/
+
+grade: $(STAMP)
+	$(PY) -m exercises.grade $(CH)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+bench: $(STAMP)
+	$(PY) -m bench.run_all
+
+clean:
+	rm -rf build runs .pytest_cache chapters/.build

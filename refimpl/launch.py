@@ -1,0 +1,133 @@
+"""Run a function on N local ranks, for tests, graders and benchmarks (chapter 00).
+
+:func:`run_ranks` spawns ``world_size`` processes, gives each the torchrun environment (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, a free ``MASTER_PORT``), initialises a gloo (or NCCL)
+process group with an explicit timeout, calls ``fn(ctx, *args)`` and returns the results in rank order.
+It never hangs: the first rank that fails kills the others and its traceback is raised in the caller as
+:class:`RankFailed`; a whole run longer than ``timeout_s`` is killed too.
+
+``fn`` must be importable (defined at module level in an importable module): spawned processes cannot
+receive functions defined in a notebook; notebooks use :mod:`refimpl.notebook` instead.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+class RankFailed(RuntimeError):
+    """A rank raised, crashed or timed out; the message holds its traceback."""
+
+    def __init__(self, rank: int | None, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    fn: Callable[..., Any],
+    args: tuple,
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout_s: float,
+    backend: str | None,
+    env: dict[str, str],
+    results: Any,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    try:
+        from refimpl.distributed import init_distributed, teardown
+
+        ctx = init_distributed(timeout_s=timeout_s, backend=backend)
+        value = fn(ctx, *args)
+        results.put((rank, "ok", value))
+        teardown()
+    except BaseException:  # noqa: BLE001 - report everything, including CheckpointException / SystemExit
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    collective_timeout_s: float | None = None,
+    backend: str | None = None,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(ctx, *args)`` on ``world_size`` fresh processes; return the per-rank results in rank order.
+
+    ``collective_timeout_s`` (default ``timeout_s / 2``) bounds each collective, so a rank stuck in one
+    fails with a message; ``timeout_s`` bounds the whole run. Results must be picklable.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, args, rank, world_size, port, collective_timeout_s or timeout_s / 2, backend, env or {},
+                  results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < world_size:
+            try:
+                rank, status, value = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+                if dead:
+                    # The rank may have put its report just before exiting: drain once more.
+                    try:
+                        rank, status, value = results.get(timeout=1.0)
+                    except queue.Empty:
+                        r = dead[0]
+                        raise RankFailed(r, f"rank {r} died with exit code {procs[r].exitcode} "
+                                            "without a Python traceback") from None
+                elif time.monotonic() > deadline:
+                    missing = [r for r in range(world_size) if r not in out]
+                    raise RankFailed(None, f"ranks {missing} did not finish within {timeout_s:.0f} s") from None
+                else:
+                    continue
+            if status == "error":
+                raise RankFailed(rank, f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(out) == world_size else 0.1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        results.close()
+    return [out[r] for r in range(world_size)]

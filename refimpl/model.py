@@ -1,0 +1,148 @@
+"""The running example of the course: a small GPT over bytes (chapter 01).
+
+Decoder-only, pre-LayerNorm blocks (GPT-2, Radford et al. 2019), causal self-attention through
+``torch.nn.functional.scaled_dot_product_attention``, a GELU MLP, learned position embeddings and an
+optional tie between the input embedding and the output layer (Press & Wolf 2017). Module names follow
+Megatron-LM (``query_key_value``, ``dense``, ``dense_h_to_4h``, ``dense_4h_to_h``) so that the tensor
+parallel chapter can replace them one for one.
+
+Shapes: b = micro-batch, s = sequence length, h = hidden size, a = attention heads, d = h / a, v = vocab.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from refimpl.config import ModelConfig
+
+
+class CausalSelfAttention(nn.Module):
+    """softmax(Q K^T / sqrt(d) + causal mask) V over ``num_attention_heads`` heads, then a projection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        qkv = self.query_key_value(x)  # [b, s, 3h]
+        qkv = qkv.view(b, s, 3, self.num_heads, self.head_dim)  # [b, s, 3, a, d]
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x [b, a, s, d]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, a, s, d]
+        y = y.transpose(1, 2).reshape(b, s, h)  # [b, s, a*d] = [b, s, h]
+        return self.dense(y)
+
+
+class MLP(nn.Module):
+    """GELU(x W1 + b1) W2 + b2 with W1: h -> ffn_hidden_size (4h by default)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.ffn_hidden_size)
+        self.dense_4h_to_h = nn.Linear(config.ffn_hidden_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
+
+
+class TransformerBlock(nn.Module):
+    """x + Attn(LN(x)), then + MLP(LN(.)): the pre-LN residual block."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
+        self.self_attention = CausalSelfAttention(config)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h] -> [b, s, h]
+        x = x + self.self_attention(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Embedding(nn.Module):
+    """Token embedding plus learned absolute position embedding."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_seq_len, config.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> [b, s, h]
+        s = input_ids.shape[1]
+        positions = torch.arange(s, device=input_ids.device)  # [s]
+        return self.word_embeddings(input_ids) + self.position_embeddings(positions)  # [b, s, h]
+
+
+class GPT(nn.Module):
+    """The course's language model: embedding, ``num_layers`` blocks, final LayerNorm, output layer.
+
+    ``forward(input_ids [b, s]) -> logits [b, s, v]``. Initialisation is a pure function of ``seed``
+    (a private ``torch.Generator``; the global RNG is not touched): normal(0, 0.02) weights, zero biases,
+    and the residual output projections scaled by 1 / sqrt(2 * num_layers) as in GPT-2.
+    """
+
+    def __init__(self, config: ModelConfig, *, seed: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.embedding = Embedding(config)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+        self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
+        self.output_layer = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.output_layer.weight = self.embedding.word_embeddings.weight
+        self.reset_parameters(seed=seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, *, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        residual_std = 0.02 / math.sqrt(2 * self.config.num_layers)
+        for name, p in self.named_parameters():  # tied weights appear once
+            if name.endswith("bias"):
+                p.zero_()
+            elif "layernorm" in name:
+                p.fill_(1.0)
+            else:
+                std = residual_std if name.endswith(("dense.weight", "dense_4h_to_h.weight")) else 0.02
+                # Draw on the CPU so that every device gets the same numbers from the same seed.
+                p.copy_(torch.randn(p.shape, generator=generator) * std)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(input_ids)  # [b, s, h]
+        for layer in self.layers:
+            x = layer(x)  # [b, s, h]
+        return self.output_layer(self.final_layernorm(x))  # [b, s, v]
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, num_tokens: int | None = None) -> torch.Tensor:
+    """Next-token cross entropy, summed over tokens and divided by ``num_tokens``.
+
+    ``num_tokens`` defaults to the tokens in this call (a plain mean). Under data parallelism and gradient
+    accumulation pass the token count of the whole global batch, so that the sum of every rank's and
+    every micro-batch's loss is exactly the mean over the global batch (chapter 03's trap).
+    """
+    total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")  # [b*s, v]
+    return total / (labels.numel() if num_tokens is None else num_tokens)
+
+
+@torch.no_grad()
+def generate(
+    model: GPT, prompt: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.8, seed: int = 0
+) -> torch.Tensor:
+    """Sample ``max_new_tokens`` continuation tokens of ``prompt`` ([s] int64); returns [s + new]."""
+    generator = torch.Generator(device=prompt.device).manual_seed(seed)
+    tokens = prompt.clone()
+    for _ in range(max_new_tokens):
+        context = tokens[-model.config.max_seq_len :].unsqueeze(0)  # [1, s]
+        logits = model(context)[0, -1].float()  # [v]
+        probs = torch.softmax(logits / max(temperature, 1e-6), dim=-1)
+        next_token = torch.multinomial(probs, 1, generator=generator)  # [1]
+        tokens = torch.cat([tokens, next_token])
+    return tokens

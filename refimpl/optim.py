@@ -1,0 +1,54 @@
+"""The optimizer of the course's runs: AdamW with decoupled weight decay and a warm-up + cosine schedule.
+
+AdamW (Loshchilov & Hutter 2019) decays only matrices (2-D weights); biases, LayerNorm parameters and the
+embeddings are left undecayed, as in GPT-2/nanoGPT. The learning rate is a pure function of the step
+(linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` at ``total_steps``), so
+a resumed run needs only the step to continue the schedule exactly (chapter 01, chapter 09).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from refimpl.config import OptimConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: 2-D weights outside the embedding decay, everything else does not."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim >= 2 and "embedding" not in name else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        param_groups(model, config.weight_decay),
+        lr=config.lr,
+        betas=(config.beta1, config.beta2),
+        eps=config.eps,
+        foreach=False,  # the same per-tensor arithmetic on every backend: bitwise comparable runs
+    )
+
+
+def lr_at(step: int, config: OptimConfig, total_steps: int) -> float:
+    """lr(step): ``lr * (step + 1) / warmup`` during warm-up, then cosine from ``lr`` to ``min_lr_ratio * lr``."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    decay_steps = max(1, total_steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / decay_steps)
+    floor = config.min_lr_ratio * config.lr
+    return floor + 0.5 * (config.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,127 @@
+"""The analytic model of a training run: parameters, FLOPs and memory before anything runs (chapters 00-01).
+
+Every figure here is a formula that a chapter checks against a measurement:
+
+* parameters: counted from the architecture, equal to ``sum(p.numel())`` of :class:`refimpl.model.GPT`;
+* FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B): ``6 N + 12 L H Q T`` with N parameters,
+  L layers, H heads, Q head dim, T sequence length. The ``6 N`` counts forward (2N) and backward (4N)
+  matrix multiplies; ``12 L H Q T`` the attention scores and the weighted sum. Only weights that sit in a
+  matrix multiply cost FLOPs, so :func:`flops_per_token` can count exactly those (``matmul_only=True``)
+  and then equals what ``torch.utils.flop_counter.FlopCounterMode`` measures;
+* memory of the model state per device: weights, gradients and the optimizer's state (Adam keeps two
+  moments per parameter and one ``step`` scalar per tensor in PyTorch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from refimpl.config import ModelConfig
+
+# Dense (not 2:4 sparse) peak throughput in FLOP/s, by device name fragment and dtype.
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "tf32": 494.5e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "tf32": 494.5e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12, "tf32": 156e12},
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamCount:
+    """Parameters of a GPT by role; ``total`` counts a tied embedding once."""
+
+    embedding: int  # word + position embeddings
+    layers: int  # all transformer blocks
+    final_layernorm: int
+    output_layer: int  # 0 when tied to the word embedding
+    matmul: int  # weights that enter a matrix multiply (what costs FLOPs)
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.layers + self.final_layernorm + self.output_layer
+
+
+def param_count(config: ModelConfig) -> ParamCount:
+    """Count the parameters of :class:`refimpl.model.GPT` for ``config`` without building it."""
+    h, f, v, n = config.hidden_size, config.ffn_hidden_size, config.vocab_size, config.num_layers
+    attention = (h * 3 * h + 3 * h) + (h * h + h)  # query_key_value and dense, with biases
+    mlp = (h * f + f) + (f * h + h)  # dense_h_to_4h and dense_4h_to_h
+    layernorms = 2 * 2 * h  # two LayerNorms of weight + bias
+    per_layer = attention + mlp + layernorms
+    return ParamCount(
+        embedding=v * h + config.max_seq_len * h,
+        layers=n * per_layer,
+        final_layernorm=2 * h,
+        output_layer=0 if config.tie_word_embeddings else h * v,
+        matmul=n * (4 * h * h + 2 * h * f) + h * v,  # the output layer multiplies, tied or not
+    )
+
+
+def num_param_tensors(config: ModelConfig) -> int:
+    """How many parameter tensors the model has (Adam keeps one ``step`` scalar per tensor)."""
+    per_layer = 2 + 2 + 2 + 2 + 2 + 2  # 2 LayerNorms, qkv, dense, two MLP linears; weight + bias each
+    return 2 + config.num_layers * per_layer + 2 + (0 if config.tie_word_embeddings else 1)
+
+
+def flops_per_token(config: ModelConfig, seq_len: int, *, matmul_only: bool = False) -> float:
+    """Training FLOPs per token, forward + backward: ``6 N + 12 L H Q T`` (PaLM appendix B).
+
+    With ``matmul_only`` N counts only weights inside matrix multiplies (no position embedding,
+    LayerNorm or bias); that is the number a FLOP counter measures. The attention term counts the full
+    T x T score matrix, as PaLM and ``FlopCounterMode`` do, although a causal mask could skip half.
+    """
+    counts = param_count(config)
+    n = counts.matmul if matmul_only else counts.total
+    attention = 12 * config.num_layers * config.num_attention_heads * config.head_dim * seq_len
+    return 6.0 * n + attention
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateMemory:
+    """Bytes of model state held by one device."""
+
+    weights: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer
+
+
+def state_memory(
+    config: ModelConfig,
+    *,
+    param_bytes: int = 4,
+    grad_bytes: int = 4,
+    optimizer: str = "adamw",
+    state_bytes: int = 4,
+) -> StateMemory:
+    """Weights, gradients and optimizer state of a single, unsharded replica.
+
+    Adam/AdamW (Kingma & Ba 2015): two moments of ``state_bytes`` per parameter plus PyTorch's ``step``
+    counter, a float32 scalar tensor per parameter tensor. SGD without momentum keeps nothing.
+    """
+    n = param_count(config).total
+    if optimizer in ("adam", "adamw"):
+        opt = 2 * state_bytes * n + 4 * num_param_tensors(config)
+    elif optimizer == "sgd":
+        opt = 0
+    else:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected 'adamw', 'adam' or 'sgd'")
+    return StateMemory(weights=param_bytes * n, grads=grad_bytes * n, optimizer=opt)
+
+
+def model_flops_utilization(
+    tokens_per_s: float, flops_per_tok: float, num_devices: int, peak_flops_per_device: float
+) -> float:
+    """MFU = tokens/s x FLOPs per token / (devices x peak) (PaLM appendix B)."""
+    return tokens_per_s * flops_per_tok / (num_devices * peak_flops_per_device)
+
+
+def peak_flops(device_name: str, dtype: str = "bf16") -> float | None:
+    """Dense peak FLOP/s of a device from :data:`PEAK_FLOPS`, or None when unknown (e.g. a CPU)."""
+    for fragment, table in PEAK_FLOPS.items():
+        if fragment in device_name.upper():
+            return table.get(dtype)
+    return None
