@@ -1,0 +1,1 @@
+"""The learner's exercises: stubs in ``NN_topic.py``, graded by ``make grade CH=NN``."""

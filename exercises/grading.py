@@ -1,0 +1,110 @@
+"""The autograder behind ``make grade CH=NN``: run each task's check, print a per-task score.
+
+A chapter's checks live in ``exercises/checks/chNN.py`` as ``TASKS: list[Task]``. A check receives the
+*path* of the module to grade (the learner's ``exercises/NN_topic.py``, or ``exercises/reference/chNN.py``
+that re-exports refimpl's implementations) and raises on a wrong answer. Paths, not modules, so that a
+check can load the module again inside the ranks it spawns (:func:`refimpl.launch.run_ranks`).
+The test suite grades both: the reference must score full marks and the untouched stubs zero.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True, kw_only=True)
+class Task:
+    """One graded piece of an exercise: ``check(module_path)`` raises AssertionError on a wrong answer."""
+
+    name: str
+    points: int
+    check: Callable[[str], None]
+
+
+@dataclass(kw_only=True)
+class TaskResult:
+    name: str
+    points: int
+    earned: int
+    message: str = ""
+
+
+@dataclass(kw_only=True)
+class Report:
+    chapter: str
+    module_path: str
+    results: list[TaskResult] = field(default_factory=list)
+
+    @property
+    def earned(self) -> int:
+        return sum(r.earned for r in self.results)
+
+    @property
+    def total(self) -> int:
+        return sum(r.points for r in self.results)
+
+    @property
+    def passed(self) -> bool:
+        return self.earned == self.total
+
+
+def load_module(path: str | Path) -> ModuleType:
+    """Import a file by path under a private name (exercise files start with digits)."""
+    path = Path(path).resolve()
+    name = f"_graded_{path.parent.name}_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def exercise_path(chapter: str) -> Path:
+    """``exercises/NN_*.py`` for chapter ``NN``."""
+    chapter = f"{int(chapter):02d}"
+    matches = sorted(HERE.glob(f"{chapter}_*.py"))
+    if not matches:
+        available = sorted(p.name[:2] for p in HERE.glob("[0-9][0-9]_*.py"))
+        raise SystemExit(f"error: no exercise for chapter {chapter}; available: {', '.join(available)}")
+    return matches[0]
+
+
+def reference_path(chapter: str) -> Path:
+    return HERE / "reference" / f"ch{int(chapter):02d}.py"
+
+
+def grade(chapter: str, module_path: str | Path | None = None, *, verbose: bool = True) -> Report:
+    """Grade ``module_path`` (default: the learner's exercise file) against chapter ``chapter``'s checks."""
+    chapter = f"{int(chapter):02d}"
+    checks = importlib.import_module(f"exercises.checks.ch{chapter}")
+    path = str(module_path or exercise_path(chapter))
+    report = Report(chapter=chapter, module_path=path)
+    for task in checks.TASKS:
+        try:
+            task.check(path)
+            result = TaskResult(name=task.name, points=task.points, earned=task.points, message="ok")
+        except NotImplementedError:
+            result = TaskResult(name=task.name, points=task.points, earned=0, message="not implemented yet")
+        except Exception as exc:  # a wrong answer or a crash: show the learner why
+            last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            if "NotImplementedError" in str(exc):
+                last = "not implemented yet"
+            result = TaskResult(name=task.name, points=task.points, earned=0, message=last)
+        report.results.append(result)
+        if verbose:
+            mark = "PASS" if result.earned == result.points else "FAIL"
+            print(f"  [{mark}] {task.name:<40s} {result.earned}/{result.points}  {result.message}", flush=True)
+    if verbose:
+        print(f"chapter {chapter}: {report.earned}/{report.total} points", flush=True)
+    return report

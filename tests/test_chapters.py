@@ -1,0 +1,42 @@
+"""Every chapter executes as a notebook under nbval, with its assertions (DESIGN.md: the chapter contract).
+
+The jupytext percent-format source ``chapters/NN_topic.py`` is converted to ``build/chapters/NN_topic.ipynb``
+inside the test (never a manual step) and executed by ``pytest --nbval-lax`` in a child process, so a chapter
+that raises in any cell, on any rank, fails here with the failing cell's output.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jupytext
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.py"))
+CHAPTER_TIMEOUT_S = 420
+
+
+def test_there_are_chapters():
+    assert CHAPTERS, "no chapters found"
+
+
+@pytest.mark.timeout(CHAPTER_TIMEOUT_S + 60)
+@pytest.mark.parametrize("source", CHAPTERS, ids=[p.stem for p in CHAPTERS])
+def test_chapter_executes(source: Path, tmp_path: Path):
+    build = ROOT / "build" / "chapters"
+    build.mkdir(parents=True, exist_ok=True)
+    notebook = build / f"{source.stem}.ipynb"
+    jupytext.write(jupytext.read(source), notebook, fmt="ipynb")
+    env = dict(os.environ, MPLBACKEND="Agg", PYTHONPATH=str(ROOT), REFIMPL_CACHE=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
+           "--nbval-cell-timeout=300", "--timeout", str(CHAPTER_TIMEOUT_S), "--rootdir", str(build),
+           str(notebook)]
+    proc = subprocess.run(cmd, cwd=ROOT / "chapters", env=env, capture_output=True, text=True,
+                          timeout=CHAPTER_TIMEOUT_S + 30)
+    tail = (proc.stdout + proc.stderr)[-8000:]
+    assert proc.returncode == 0, f"chapter {source.name} failed under nbval:\n{tail}"
+    assert " passed" in proc.stdout, f"nbval ran no cell of {source.name}:\n{tail}"
