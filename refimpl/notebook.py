@@ -1,4 +1,4 @@
-"""Run code on many ranks from a notebook: one ipyparallel engine per rank.
+"""Run code on many ranks from a notebook: one ipyparallel engine per rank (DESIGN.md, "Running many ranks").
 
 A chapter starts its ranks once and then runs ``%%px`` cells on all of them::
 
@@ -8,23 +8,28 @@ A chapter starts its ranks once and then runs ``%%px`` cells on all of them::
     t = torch.ones(2, device=device)
     dist.all_reduce(t)              # every engine has rank, world_size, device, dist, torch
 
-Engines keep their state between cells. A cell that raises on any rank fails in the notebook and shows
-that rank's traceback. A collective that a rank never joins does not hang the notebook: the blocked ranks
-raise after ``timeout_s`` (the process-group timeout, which gloo applies to each collective). After such
-a timeout the process group is out of step and unusable: call ``ranks.stop()`` and start again.
+Engines keep their state between cells; engine id ``i`` is rank ``i`` (the ``[stdout:i]`` labels). A cell
+that raises on any rank fails in the notebook and shows that rank's traceback. A collective that a rank
+never joins does not hang the notebook: the blocked ranks raise after ``timeout_s`` (the process-group
+timeout, which gloo applies to each collective). The group is then out of step (its next collective
+fails): ``ranks.restart_process_group()`` makes a new one and keeps the engines' state. Interrupting the
+kernel stops the waiting, not the engines.
 
-``Ranks.run(fn, ...)`` calls a function on every rank and returns the results in rank order. Functions
-are shipped by code, not by name when they are defined in the notebook: their global names are looked up
-in each *engine's* namespace (where ``rank``, ``dist``, ... live), not in the notebook's, so pass data as
-arguments. Module-level functions are imported on the engines by module name; the engines get the
-notebook's ``sys.path`` plus the repository root, so ``import refimpl`` and the caller's modules work.
+``ranks.run(fn, *args)`` calls ``fn`` on every rank and returns the results in rank order. ipyparallel
+ships a function's code (not by cloudpickle: with its own "canning" and pickle). A function defined in
+the notebook looks its global names up in each *engine's* namespace (``rank``, ``dist``, ...), not in the
+notebook's: pass data as arguments. A function defined in a module is run with that module imported on
+the engine, by name; the engines get the notebook's ``sys.path`` plus the repository root, so
+``refimpl`` and the notebook's own modules import there.
 
 ``run_command`` runs a script (e.g. ``torchrun ...``) from a cell and raises when it fails, which
-``!torchrun`` does not (see DESIGN.md, "Running many ranks").
+``!torchrun`` does not.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import queue
 import re
@@ -75,28 +80,65 @@ class CommandFailed(RuntimeError):
         super().__init__(f"command {shlex.join(self.cmd)} {why}; last output:\n{tail}")
 
 
-def _setup_engine(
-    rank_: int, world_size_: int, port: int, paths: list[str], backend: str | None, timeout_s: float
+def _clean_traceback(tb: str) -> str:
+    """Drop colour codes and the frames of ipyparallel's own apply machinery from an engine traceback."""
+    lines = _ANSI.sub("", tb).rstrip().splitlines()
+    kept: list[str] = []
+    skipping = False
+    for line in lines:
+        if line.startswith("File "):
+            skipping = "ipyparallel/engine/kernel.py" in line or line.startswith("File <string>:1")
+        if not skipping:
+            kept.append(line)
+    if lines and (not kept or kept[-1] != lines[-1]):
+        kept.append(lines[-1])  # the exception line, whatever frame raised
+    return "\n".join(kept)
+
+
+def _failures(results: list[Any]) -> dict[int, str]:
+    """Rank -> cleaned traceback for every failed AsyncResult (one per rank, in rank order)."""
+    import ipyparallel as ipp
+
+    failures: dict[int, str] = {}
+    for rank, ar in enumerate(results):
+        if not ar.ready():
+            failures[rank] = "(no answer: still running, e.g. blocked in a collective)"
+            continue
+        try:
+            ar.get(0)
+        except ipp.error.RemoteError as e:
+            elist = getattr(e, "elist", None) or [(e.ename, e.evalue, e.traceback, e.engine_info)]
+            for ename, evalue, tb, _ in elist:
+                failures[rank] = _clean_traceback(tb or f"{ename}: {evalue}")
+    return failures
+
+
+def _prepare_engine(paths: list[str]) -> None:
+    """Runs on every engine first: extend sys.path, import torch (slow: do it before the clock starts)."""
+    import sys
+
+    for p in reversed(paths):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    import torch.distributed  # noqa: F401
+
+
+def _init_engine(
+    rank_: int, world_size_: int, port: int, backend: str | None, timeout_s: float
 ) -> tuple[str, str]:
-    """Runs on each engine (shipped as an interactive function): env, sys.path, device, process group.
+    """Runs on each engine (shipped as an interactive function): env, device, process group.
 
     It is self-contained (imports inside) because its globals are the engine's namespace, where it
     leaves ``rank``, ``world_size``, ``device``, ``dist`` and ``torch`` for the ``%%px`` cells.
     """
     import datetime
     import os
-    import sys
 
-    for p in reversed(paths):
-        if p not in sys.path:
-            sys.path.insert(0, p)
-    os.environ.update(
-        RANK=str(rank_), WORLD_SIZE=str(world_size_), LOCAL_RANK=str(rank_),
-        LOCAL_WORLD_SIZE=str(world_size_), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
     import torch
     import torch.distributed as dist
 
+    env = {"RANK": rank_, "WORLD_SIZE": world_size_, "LOCAL_RANK": rank_, "LOCAL_WORLD_SIZE": world_size_}
+    os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend is None:
         use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world_size_
         backend = "nccl" if use_cuda else "gloo"
@@ -131,16 +173,16 @@ class Ranks:
     manager or call ``stop()``; both are bounded in time and ``stop()`` is idempotent.
     """
 
-    def __init__(self, cluster: Any, client: Any, view: Any, backend: str, devices: list[str],
-                 timeout_s: float) -> None:
+    def __init__(self, cluster: Any, client: Any, engine_ids: list[int], timeout_s: float) -> None:
         self.cluster = cluster
         self.client = client
-        self.view = view
-        self.world_size: int = len(view.targets)
-        self.backend = backend
-        self.devices = devices
+        self.view = client[engine_ids]
+        self.view.block = True
+        self.world_size = len(engine_ids)
         self.timeout_s = timeout_s
-        self._engine_ids: list[int] = list(view.targets)
+        self.backend = ""
+        self.devices: list[str] = []
+        self._engine_ids = list(engine_ids)
         self._stopped = False
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
@@ -149,27 +191,39 @@ class Ranks:
         Output printed on the engines is shown after the call. Raises ``RankError`` with every failing
         rank's traceback if ``fn`` raised anywhere.
         """
-        import ipyparallel as ipp
+        return self._call(fn, args, kwargs, wait_s=None)
 
+    def _call(self, fn: Callable[..., Any], args: Any, kwargs: Any, wait_s: float | None) -> list[Any]:
+        """Apply ``fn`` on each rank's engine; wait at most ``wait_s`` (None: no limit) for all of them."""
         if self._stopped:
             raise RuntimeError("these ranks were stopped")
-        ar = self.view.apply_async(fn, *args, **kwargs)
-        try:
-            results = ar.get()
-        except ipp.error.CompositeError as e:
-            raise self._rank_error(e.elist) from None
-        except ipp.error.RemoteError as e:
-            raise self._rank_error([(e.ename, e.evalue, e.traceback, e.engine_info)]) from None
-        ar.display_outputs()
-        return list(results)
+        pending = [self.client[eid].apply_async(fn, *args, **kwargs) for eid in self._engine_ids]
+        self.client.wait(pending, timeout=-1 if wait_s is None else wait_s)
+        failures = _failures(pending)
+        if failures:
+            raise RankError(failures)
+        for ar in pending:
+            ar.display_outputs()
+        return [ar.get(0) for ar in pending]
 
-    def _rank_error(self, elist: list[Any]) -> RankError:
-        failures: dict[int, str] = {}
-        for ename, evalue, tb, info in elist:
-            eid = (info or {}).get("engine_id", -1)
-            rank = self._engine_ids.index(eid) if eid in self._engine_ids else eid
-            failures[rank] = _ANSI.sub("", tb or f"{ename}: {evalue}")
-        return RankError(failures)
+    def restart_process_group(self, *, backend: str | None = None, timeout_s: float | None = None) -> None:
+        """(Re)create the process group on every rank, on a fresh port; engine state is kept.
+
+        Use it after a collective timed out: the old group is out of step (its next collectives fail),
+        and so is every group made from it.
+        """
+        import ipyparallel as ipp
+
+        self.timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        args = (self.world_size, _free_port(), backend or self.backend or None, self.timeout_s)
+        init = ipp.interactive(_init_engine)
+        pending = [self.client[eid].apply_async(init, r, *args) for r, eid in enumerate(self._engine_ids)]
+        self.client.wait(pending, timeout=self.timeout_s + 60)
+        failures = _failures(pending)
+        if failures:
+            raise RankError(failures)
+        self.devices = [ar.get(0)[0] for ar in pending]
+        self.backend = pending[0].get(0)[1]
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Destroy the process groups, stop the engines and the controller. Idempotent, bounded."""
@@ -177,42 +231,22 @@ class Ranks:
             return
         self._stopped = True
         deadline = time.monotonic() + timeout_s
-        try:  # a rank stuck in a collective cannot answer: do not wait for it long
+        # a rank stuck in a collective cannot answer: do not wait for it long
+        with contextlib.suppress(Exception):
             self.view.apply_async(_teardown_engine).get(timeout=min(5.0, timeout_s / 3))
-        except Exception:
-            pass
-        try:  # ask the engines to exit (fast); stop_cluster then TERMs, and KILLs after 5 s, what is left
+        # ask the engines to exit (fast); stop_cluster then TERMs, and KILLs after 5 s, what is left
+        with contextlib.suppress(Exception):
             self.client.shutdown(targets="all", block=False)
-        except Exception:
-            pass
-        stopper = threading.Thread(target=self._stop_cluster, daemon=True)
-        stopper.start()
-        stopper.join(max(1.0, deadline - time.monotonic()))
-        if stopper.is_alive():  # last resort: kill the engine processes we started
-            for engine_set in list(self.cluster.engines.values()):
-                for launcher in getattr(engine_set, "launchers", {}).values():
-                    pid = getattr(launcher, "pid", None)
-                    if pid:
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                        except OSError:
-                            pass
-        try:
+        _stop_cluster(self.cluster, max(1.0, deadline - time.monotonic()))
+        with contextlib.suppress(Exception):
             self.client.close()
-        except Exception:
-            pass
-
-    def _stop_cluster(self) -> None:
-        try:
-            self.cluster.stop_cluster_sync()
-        except Exception:
-            pass
 
     def __enter__(self) -> Ranks:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     def __repr__(self) -> str:
@@ -220,8 +254,28 @@ class Ranks:
         return f"Ranks(world_size={self.world_size}, backend={self.backend!r}, {state})"
 
 
-def start_ranks(world_size: int, *, timeout_s: float = 60.0, backend: str | None = None,
-                activate: bool = True, startup_timeout_s: float = 180.0) -> Ranks:
+def _stop_cluster(cluster: Any, timeout_s: float) -> None:
+    """Stop the controller and engines, waiting at most ``timeout_s``, then SIGKILL what is left."""
+    stopper = threading.Thread(target=lambda: cluster.stop_cluster_sync(), daemon=True)
+    stopper.start()
+    stopper.join(timeout_s)
+    if stopper.is_alive():
+        for engine_set in list(cluster.engines.values()):
+            for launcher in getattr(engine_set, "launchers", {}).values():
+                if getattr(launcher, "pid", None):
+                    with contextlib.suppress(OSError):
+                        os.kill(launcher.pid, signal.SIGKILL)
+
+
+def start_ranks(
+    world_size: int,
+    *,
+    timeout_s: float = 60.0,
+    backend: str | None = None,
+    activate: bool = True,
+    stream: bool | None = None,
+    startup_timeout_s: float = 180.0,
+) -> Ranks:
     """Start ``world_size`` local engines, one per rank, each with an initialised process group.
 
     Each engine ends with ``rank``, ``world_size``, ``device``, ``dist`` (torch.distributed) and ``torch``
@@ -229,58 +283,55 @@ def start_ranks(world_size: int, *, timeout_s: float = 60.0, backend: str | None
     ``sys.path`` plus the repository root on its path. ``backend=None`` picks NCCL on ``cuda:LOCAL_RANK``
     when there is a GPU per rank, else gloo on CPU (one intra-op thread per rank). ``timeout_s`` is the
     process-group timeout: a collective that some rank never joins raises after it. ``activate`` registers
-    the ``%px``/``%%px`` magics on this view when running under IPython. Starting waits at most
-    ``startup_timeout_s``; on failure everything started is stopped before raising.
+    the ``%px``/``%%px`` magics on this view when running under IPython. ``stream`` (default: True unless
+    env ``REFIMPL_PX_STREAM=0``) shows a ``%%px`` cell's output live; when streaming, a failing cell has
+    already shown the tracebacks and raises a short ``AlreadyDisplayedError``, which is all nbval reports,
+    so set ``REFIMPL_PX_STREAM=0`` under nbval to get the tracebacks in its report. Starting waits at
+    most ``startup_timeout_s`` (plus ``timeout_s`` for the process group); on failure everything started
+    is stopped before raising.
     """
     import ipyparallel as ipp
 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    import logging
-
-    cluster = ipp.Cluster(n=world_size, engines="local", log_level=logging.WARNING,
-                          engine_timeout=int(startup_timeout_s))
-    client = None
+    # ERROR: the engines exit non-zero when stopped, and ipyparallel would dump their logs as warnings
+    cluster = ipp.Cluster(n=world_size, engines="local", log_level=logging.ERROR)
+    ranks = None
     try:
-        client = cluster.start_and_connect_sync(n=world_size)
-        engine_ids = sorted(client.ids)[:world_size]
-        view = client[engine_ids]
-        view.block = True
-        port = _free_port()
+        cluster.start_cluster_sync(n=world_size)
+        client = cluster.connect_client_sync()
+        client.wait_for_engines(world_size, timeout=startup_timeout_s, interactive=False)
+        ranks = Ranks(cluster, client, sorted(client.ids)[:world_size], timeout_s)
         paths = [_REPO_ROOT, *[p for p in sys.path if p]]
-        setup = ipp.interactive(_setup_engine)
-        pending = [client[eid].apply_async(setup, r, world_size, port, paths, backend, timeout_s)
-                   for r, eid in enumerate(engine_ids)]
-        deadline = time.monotonic() + startup_timeout_s
-        done = [ar.get(timeout=max(1.0, deadline - time.monotonic())) for ar in pending]
-        ranks = Ranks(cluster, client, view, done[0][1], [d for d, _ in done], timeout_s)
-    except BaseException as e:
-        _stop_quietly(cluster, client)
-        if isinstance(e, ipp.error.RemoteError):
-            raise RuntimeError(f"starting {world_size} ranks failed:\n{_ANSI.sub('', str(e))}") from e
+        ranks._call(ipp.interactive(_prepare_engine), (paths,), {}, wait_s=startup_timeout_s)
+        ranks.restart_process_group(backend=backend)
+    except BaseException:
+        if ranks is not None:
+            ranks.stop()
+        else:
+            _stop_cluster(cluster, 30.0)
         raise
     if activate:
         try:
             from IPython import get_ipython
         except ImportError:
             get_ipython = None  # type: ignore[assignment]
-        if get_ipython is not None and get_ipython() is not None:
-            view.activate()
+        ip = get_ipython() if get_ipython is not None else None
+        if ip is not None:
+            ranks.view.activate()
+            if stream is None:
+                stream = os.environ.get("REFIMPL_PX_STREAM", "1") != "0"
+            ip.run_line_magic("pxconfig", "--stream" if stream else "--no-stream")
     return ranks
 
 
-def _stop_quietly(cluster: Any, client: Any) -> None:
-    """Stop a half-started cluster without raising (used on a failed start)."""
-    try:
-        if client is not None:
-            client.close()
-        cluster.stop_cluster_sync()
-    except Exception:
-        pass
-
-
-def run_command(cmd: Sequence[str] | str, *, timeout_s: float = 600.0, env: Mapping[str, str] | None = None,
-                cwd: str | os.PathLike[str] | None = None) -> str:
+def run_command(
+    cmd: Sequence[str] | str,
+    *,
+    timeout_s: float = 600.0,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+) -> str:
     """Run ``cmd`` (e.g. ``torchrun ...``) from a cell, print its output as it comes, return all of it.
 
     A string is split like a shell would (no shell is run). The child runs in its own process group with
@@ -289,10 +340,22 @@ def run_command(cmd: Sequence[str] | str, *, timeout_s: float = 600.0, env: Mapp
     the whole process group when it runs past ``timeout_s`` (or on KeyboardInterrupt, which is re-raised).
     """
     argv = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
-    child_env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1",
-                 **(env or {})}
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", env=child_env, cwd=cwd, start_new_session=True)
+    child_env = {
+        **os.environ,
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        env=child_env,
+        cwd=cwd,
+        start_new_session=True,
+    )
     lines: queue.Queue[str | None] = queue.Queue()
 
     def pump() -> None:  # a thread reads; the caller's thread prints (so output lands in the cell)
@@ -305,49 +368,36 @@ def run_command(cmd: Sequence[str] | str, *, timeout_s: float = 600.0, env: Mapp
     reader.start()
     out: list[str] = []
     deadline = time.monotonic() + timeout_s
-    timed_out, eof = False, False
+    timed_out = False
     try:
-        while not eof:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                timed_out = True
-                break
+        while (left := deadline - time.monotonic()) > 0:
             try:
                 line = lines.get(timeout=min(left, 0.5))
             except queue.Empty:
                 continue
             if line is None:
-                eof = True
-            else:
-                out.append(line)
-                print(line, end="", flush=True)
-    finally:
-        if timed_out or not eof:
-            _kill_group(proc)
-    try:
-        returncode = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:  # output closed early but the child lives on
+                break
+            out.append(line)
+            print(line, end="", flush=True)
+        proc.wait(timeout=max(0.01, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
         timed_out = True
-        _kill_group(proc)
-        returncode = proc.wait(timeout=10)
+    finally:  # on timeout or KeyboardInterrupt, nothing of the command may outlive the call
+        if proc.poll() is None:
+            _kill_group(proc)
     reader.join(timeout=5)
     while not lines.empty():
         line = lines.get_nowait()
-        if line is not None:
-            out.append(line)
+        out.append(line or "")
     output = "".join(out)
-    if timed_out or returncode != 0:
-        raise CommandFailed(argv, None if timed_out else returncode, output, timed_out)
+    if timed_out or proc.returncode != 0:
+        raise CommandFailed(argv, None if timed_out else proc.returncode, output, timed_out)
     return output
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:
     """Kill the child's whole process group (it was started in a new session), then reap it."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
