@@ -36,7 +36,10 @@ class DataError(ValueError):
 
 def encode(text: str) -> torch.Tensor:
     """UTF-8 bytes of ``text`` as int64 token ids in [0, 256)."""
-    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+    data = bytearray(text.encode("utf-8"))
+    if not data:  # torch.frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(data, dtype=torch.uint8).long()
 
 
 def decode(tokens: torch.Tensor | list[int]) -> str:
@@ -69,7 +72,9 @@ def _source_files(data: str | None) -> list[Path]:
         return default_corpus_files()
     path = Path(data).expanduser()
     if not path.exists():
-        raise DataError(f"data path {str(path)!r} does not exist (give a text file or a folder of text files)")
+        raise DataError(
+            f"data path {str(path)!r} does not exist (give a text file or a folder of text files)"
+        )
     if path.is_file():
         return [path]
     files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
@@ -97,7 +102,8 @@ def prepare_corpus(data: str | None = None, cache_dir: str | os.PathLike | None 
     never see half a file. A cached file whose sha256 no longer matches its manifest is rebuilt.
     """
     files = _source_files(data)
-    cache = Path(cache_dir or os.environ.get("REFIMPL_CACHE", Path.home() / ".cache" / "refimpl")).expanduser()
+    default_cache = os.environ.get("REFIMPL_CACHE", Path.home() / ".cache" / "refimpl")
+    cache = Path(cache_dir or default_cache).expanduser()
     key = hashlib.sha256()
     for f in files:
         st = f.stat()
@@ -152,7 +158,8 @@ class ShardedBatches:
         self.num_windows = (len(tokens) - 1) // seq_len  # windows of seq_len + 1 tokens, stride seq_len
         if self.num_windows < global_batch_size:
             raise DataError(
-                f"the corpus has {len(tokens):,} tokens = {self.num_windows} windows of {seq_len + 1} tokens, "
+                f"the corpus has {len(tokens):,} tokens = {self.num_windows} windows of {seq_len + 1} "
+                f"tokens, "
                 f"fewer than one global batch of {global_batch_size} sequences; use more data, a smaller "
                 f"--batch-size or a shorter --seq-len"
             )
@@ -171,7 +178,8 @@ class ShardedBatches:
                 f"global batch size {self.global_batch_size} does not divide among {world_size} ranks"
             )
         epoch, position = divmod(step, self.steps_per_epoch)
-        rows = self._permutation(epoch)[position * self.global_batch_size : (position + 1) * self.global_batch_size]
+        b = self.global_batch_size
+        rows = self._permutation(epoch)[position * b : (position + 1) * b]  # [B] window ids of the step
         per_rank = self.global_batch_size // world_size
         return rows[rank * per_rank : (rank + 1) * per_rank]  # [B / W]
 

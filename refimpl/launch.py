@@ -116,7 +116,8 @@ def run_ranks(
                                             "without a Python traceback") from None
                 elif time.monotonic() > deadline:
                     missing = [r for r in range(world_size) if r not in out]
-                    raise RankFailed(None, f"ranks {missing} did not finish within {timeout_s:.0f} s") from None
+                    message = f"ranks {missing} did not finish within {timeout_s:.0f} s"
+                    raise RankFailed(None, message) from None
                 else:
                     continue
             if status == "error":

@@ -92,10 +92,13 @@ class GPT(nn.Module):
     def __init__(self, config: ModelConfig, *, seed: int = 0) -> None:
         super().__init__()
         self.config = config
-        self.embedding = Embedding(config)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
-        self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
-        self.output_layer = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # The layers' own default init draws from the global RNG; fork it so that building a model leaves
+        # the caller's random stream untouched (our init below uses a private generator).
+        with torch.random.fork_rng(devices=[]):
+            self.embedding = Embedding(config)
+            self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+            self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
+            self.output_layer = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.output_layer.weight = self.embedding.word_embeddings.weight
         self.reset_parameters(seed=seed)

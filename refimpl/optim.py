@@ -40,7 +40,7 @@ def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.AdamW:
 
 
 def lr_at(step: int, config: OptimConfig, total_steps: int) -> float:
-    """lr(step): ``lr * (step + 1) / warmup`` during warm-up, then cosine from ``lr`` to ``min_lr_ratio * lr``."""
+    """lr(step): ``lr * (step + 1) / warmup`` in warm-up, then cosine from ``lr`` to ``min_lr_ratio * lr``."""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
     decay_steps = max(1, total_steps - config.warmup_steps)

@@ -32,7 +32,8 @@ def plot_loss(
     for label, (steps, losses) in curves.items():
         ax.plot(list(steps), list(losses), label=label)
     if reference is not None:
-        ax.axhline(reference, ls="--", color="grey", lw=1, label=f"uniform over bytes: ln 256 = {reference:.2f}")
+        ax.axhline(reference, ls="--", color="grey", lw=1,
+                   label=f"uniform over bytes: ln 256 = {reference:.2f}")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(title)
