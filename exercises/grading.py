@@ -84,10 +84,24 @@ def reference_path(chapter: str) -> Path:
     return HERE / "reference" / f"ch{int(chapter):02d}.py"
 
 
+def _checks_module(chapter: str) -> ModuleType:
+    """``exercises.checks.chNN``, or a one-line error naming the chapters that have exercises."""
+    name = f"exercises.checks.ch{chapter}"
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise
+        available = sorted(p.stem[2:] for p in (HERE / "checks").glob("ch[0-9][0-9].py"))
+        raise SystemExit(
+            f"error: no exercise for chapter {chapter}; available: {', '.join(available) or 'none'}"
+        ) from None
+
+
 def grade(chapter: str, module_path: str | Path | None = None, *, verbose: bool = True) -> Report:
     """Grade ``module_path`` (default: the learner's exercise file) against chapter ``chapter``'s checks."""
     chapter = f"{int(chapter):02d}"
-    checks = importlib.import_module(f"exercises.checks.ch{chapter}")
+    checks = _checks_module(chapter)
     path = str(module_path or exercise_path(chapter))
     report = Report(chapter=chapter, module_path=path)
     for task in checks.TASKS:
@@ -104,7 +118,8 @@ def grade(chapter: str, module_path: str | Path | None = None, *, verbose: bool 
         report.results.append(result)
         if verbose:
             mark = "PASS" if result.earned == result.points else "FAIL"
-            print(f"  [{mark}] {task.name:<40s} {result.earned}/{result.points}  {result.message}", flush=True)
+            score = f"{result.earned}/{result.points}"
+            print(f"  [{mark}] {task.name:<40s} {score}  {result.message}", flush=True)
     if verbose:
         print(f"chapter {chapter}: {report.earned}/{report.total} points", flush=True)
     return report

@@ -1,0 +1,128 @@
+"""The autograder is itself tested (DESIGN.md, the chapter contract, point 3).
+
+For every chapter with checks (``exercises/checks/chNN.py``):
+
+* refimpl's answers (``exercises/reference/chNN.py``) score full marks;
+* the untouched stubs (``exercises/NN_*.py``) score zero on every task, as "not implemented yet";
+* each plausible wrong answer in the checks' ``MUTANTS`` fails its own task and only that one, so no
+  check passes everything (negative controls);
+
+and ``python -m exercises.grade`` behaves as a command: exit 1 below full marks, 0 with ``--reference``,
+one clear line for a chapter that has no exercise.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from exercises.grading import exercise_path, grade, reference_path
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAPTERS = sorted(p.stem[2:] for p in (ROOT / "exercises" / "checks").glob("ch[0-9][0-9].py"))
+
+
+def _summary(report) -> str:
+    return "\n".join(f"  {r.name}: {r.earned}/{r.points} {r.message}" for r in report.results)
+
+
+def _mutant_params() -> list:
+    params = []
+    for chapter in CHAPTERS:
+        try:
+            mutants = getattr(importlib.import_module(f"exercises.checks.ch{chapter}"), "MUTANTS", {})
+        except Exception as exc:  # surface a broken checks module as a failing test, not a collection error
+            params.append(pytest.param(chapter, None, repr(exc), id=f"ch{chapter}-import-error"))
+            continue
+        if not mutants:
+            skip = pytest.mark.skip(reason=f"exercises/checks/ch{chapter}.py declares no MUTANTS")
+            params.append(pytest.param(chapter, None, None, id=f"ch{chapter}-no-mutants", marks=skip))
+        for task, source in sorted(mutants.items()):
+            params.append(pytest.param(chapter, task, source, id=f"ch{chapter}-{task}"))
+    return params
+
+
+def test_there_are_exercises():
+    assert "01" in CHAPTERS
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_reference_scores_full_marks(chapter: str):
+    report = grade(chapter, reference_path(chapter), verbose=False)
+    assert report.results, f"chapter {chapter} has no tasks"
+    assert report.passed, f"refimpl's reference answers lose points in chapter {chapter}:\n{_summary(report)}"
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_untouched_stubs_score_zero(chapter: str):
+    report = grade(chapter, exercise_path(chapter), verbose=False)
+    assert report.earned == 0 and all(r.earned == 0 for r in report.results), _summary(report)
+    assert all(r.message == "not implemented yet" for r in report.results), (
+        f"every stub must raise NotImplementedError:\n{_summary(report)}")
+
+
+@pytest.mark.parametrize("chapter, task, source", _mutant_params())
+def test_wrong_answer_fails_its_task_only(chapter: str, task: str | None, source: str | None, tmp_path: Path):
+    assert task is not None, f"exercises/checks/ch{chapter}.py failed to import: {source}"
+    slug = re.sub(r"[^A-Za-z0-9_]+", "_", task)  # task names may hold spaces, dots and slashes
+    path = tmp_path / f"mutant_ch{chapter}_{slug}.py"
+    path.write_text(source)
+    report = grade(chapter, path, verbose=False)
+    by_name = {r.name: r for r in report.results}
+    assert task in by_name, f"MUTANTS names {task!r}, which is not a task of chapter {chapter}"
+    wrong = by_name[task]
+    assert wrong.earned == 0, f"the wrong answer for {task!r} was accepted:\n{_summary(report)}"
+    assert wrong.message not in ("ok", "not implemented yet"), wrong.message
+    others = [r for r in report.results if r.name != task and r.earned != r.points]
+    assert not others, f"a wrong {task!r} alone must not fail other tasks:\n{_summary(report)}"
+
+
+def test_hint_for_a_common_mistake(tmp_path: Path):
+    """Chapter 01: counting the tied output layer twice fails with a message that says so."""
+    path = tmp_path / "tied_twice.py"
+    path.write_text(
+        "from exercises.reference.ch01 import *  # noqa: F403\n"
+        "from refimpl.planner import param_count\n"
+        "def count_parameters(config):\n"
+        "    c = param_count(config)\n"
+        "    return c.total + (config.hidden_size * config.vocab_size if config.tie_word_embeddings else 0)\n"
+    )
+    report = grade("01", path, verbose=False)
+    result = {r.name: r for r in report.results}["count_parameters"]
+    assert result.earned == 0
+    assert "count it once" in result.message, result.message
+
+
+def _grade_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "exercises.grade", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+
+
+def test_cli_stubs_exit_nonzero():
+    proc = _grade_cli("01")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "chapter 01: 0/" in proc.stdout, proc.stdout
+
+
+def test_cli_reference_full_marks_with_table():
+    proc = _grade_cli("01", "--reference")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    checks = importlib.import_module("exercises.checks.ch01")
+    for task in checks.TASKS:
+        assert f"[PASS] {task.name}" in proc.stdout, proc.stdout
+    total = sum(t.points for t in checks.TASKS)
+    assert f"chapter 01: {total}/{total} points" in proc.stdout, proc.stdout
+
+
+def test_cli_unknown_chapter_is_a_clear_error():
+    proc = _grade_cli("99")
+    assert proc.returncode != 0
+    assert "no exercise for chapter 99" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
