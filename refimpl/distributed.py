@@ -40,9 +40,14 @@ class DistributedContext:
         return self.world_size > 1 or dist.is_initialized()
 
 
-def choose_device(local_rank: int) -> tuple[torch.device, str]:
-    """``(cuda:local_rank, "nccl")`` when a GPU is there for this rank, else ``(cpu, "gloo")``."""
-    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
+def choose_device(local_rank: int, local_world_size: int | None = None) -> tuple[torch.device, str]:
+    """``(cuda:local_rank, "nccl")`` when every rank of this node gets a GPU, else ``(cpu, "gloo")``.
+
+    All ranks must make the same choice: one rank on NCCL and another on gloo would hang at the first
+    collective, so 2 ranks on a 1-GPU box both use the CPU.
+    """
+    n = local_world_size if local_world_size is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if torch.cuda.is_available() and torch.cuda.device_count() >= max(n, local_rank + 1):
         return torch.device("cuda", local_rank), "nccl"
     return torch.device("cpu"), "gloo"
 

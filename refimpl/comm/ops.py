@@ -14,6 +14,9 @@ import torch.distributed as dist
 from refimpl.comm.tracer import CommEvent, active_tracers, now, wire_bytes
 
 ReduceOp = dist.ReduceOp
+# torch 2.13 renamed the flat-tensor forms (the old names warn); older releases only have the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -73,12 +76,12 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
                           async_op: bool = False):
     return _call("reduce_scatter", _nbytes(input), group, None, async_op,
-                 lambda: dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op))
+                 lambda: _reduce_scatter(output, input, op=op, group=group, async_op=async_op))
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     return _call("all_gather", _nbytes(output), group, None, async_op,
-                 lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op))
+                 lambda: _all_gather(output, input, group=group, async_op=async_op))
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None, async_op: bool = False):

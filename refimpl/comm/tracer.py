@@ -102,7 +102,8 @@ class CommTracer:
         out: dict[str, OpTotal] = {}
         for e in self.select(step=step):
             t = out.get(e.op, OpTotal(count=0, nbytes=0, wire_bytes=0.0))
-            out[e.op] = OpTotal(count=t.count + 1, nbytes=t.nbytes + e.nbytes, wire_bytes=t.wire_bytes + e.wire_bytes)
+            out[e.op] = OpTotal(count=t.count + 1, nbytes=t.nbytes + e.nbytes,
+                                wire_bytes=t.wire_bytes + e.wire_bytes)
         return out
 
     def bytes_sent(self, *, step: int | None = None, op: str | None = None) -> float:
