@@ -1,7 +1,8 @@
 """Matplotlib figures shared by the trainer and the chapters.
 
-Every function returns the figure (a notebook displays it) and, given ``path``, also writes a PNG; the
-non-interactive Agg backend is used when no display is there, so the trainer can plot on a headless box.
+Every function returns the figure (a notebook displays it) and, given ``path``, also writes a PNG;
+matplotlib falls back to its non-interactive Agg backend when no display is there (a headless box), and a
+notebook kernel shows the figures inline.
 """
 
 from __future__ import annotations
@@ -11,13 +12,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
-
-if not os.environ.get("DISPLAY") and "ipykernel" not in os.environ.get("MPLBACKEND", "") and \
-        "JPY_PARENT_PID" not in os.environ:
-    matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def plot_loss(

@@ -1,0 +1,59 @@
+"""Chapter 03 exercises: data parallelism from one all-reduce per tensor to buckets.
+
+Grade with ``make grade CH=03`` (or ``python -m exercises.grade 03``). Three tasks:
+
+1. ``sync_gradients_naive``: after ``backward()``, every rank's gradients become the mean over ranks.
+2. ``assign_buckets``: cut the gradients, in reverse registration order, into buckets of a fixed size.
+3. ``sync_bucket``: average a list of tensors with a single all-reduce.
+
+Make every collective through ``refimpl.comm.ops`` (same signatures as ``torch.distributed``), so that the
+grader's tracer can count them. Chapter 03 explains each piece; ``refimpl/parallel/data_parallel.py`` is the
+solution, do not peek before trying.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist  # noqa: F401  (you will need it)
+from torch import nn
+
+from refimpl.comm import ops  # noqa: F401  (you will need it)
+
+
+def sync_gradients_naive(module: nn.Module, process_group: Any = None) -> None:
+    """Average the gradients of ``module`` over the ranks of ``process_group``, in place.
+
+    * one ``ops.all_reduce`` (a sum) per **trainable** parameter (``requires_grad``), in the order of
+      ``module.parameters()``; frozen parameters are left alone;
+    * divide by the world size (``dist.get_world_size(process_group)``) to turn the sum into a mean;
+    * a trainable parameter whose ``.grad`` is ``None`` contributes zeros and receives the mean: every rank
+      must issue the same collectives, or they wait for each other forever.
+    """
+    raise NotImplementedError("exercise 03.1: sync_gradients_naive")
+
+
+def assign_buckets(numels: Sequence[int], cap_numel: int) -> list[list[int]]:
+    """Which parameters each bucket holds, buckets in the order they are sent.
+
+    Lay the parameters out in one flat buffer in **reverse** order (parameter ``len(numels) - 1`` first,
+    because backward produces the last layer's gradients first), then cut the buffer every ``cap_numel``
+    elements. A parameter that straddles a cut belongs to both buckets; one longer than the cap spans
+    several; a parameter with 0 elements belongs to none. Return, for each bucket, the indices of the
+    parameters it holds (a part of), in buffer order. Raise ``ValueError`` if ``cap_numel < 1``.
+
+    >>> assign_buckets([3, 5, 2], cap_numel=4)   # buffer: p2 p2 p1 p1 | p1 p1 p1 p0 | p0 p0
+    [[2, 1], [1, 0], [0]]
+    """
+    raise NotImplementedError("exercise 03.2: assign_buckets")
+
+
+def sync_bucket(tensors: Sequence[torch.Tensor], process_group: Any = None) -> None:
+    """Average ``tensors`` (one dtype and device) over the ranks with exactly **one** ``ops.all_reduce``.
+
+    Flatten them into one buffer (``torch.cat`` of ``t.reshape(-1)``), divide by the world size, all-reduce
+    the buffer, and copy each slice back into its tensor (in place: the caller keeps its references).
+    """
+    raise NotImplementedError("exercise 03.3: sync_bucket")
