@@ -1,0 +1,224 @@
+"""Checks of chapter 04's exercises (ZeRO); see exercises/grading.py for the contract.
+
+Task 1 runs here. Tasks 2 and 3 run on 2 ranks (:func:`refimpl.launch.run_ranks`), each rank loading the
+graded file again by path; the shapes are uneven on purpose (3 rows over 2 ranks: 2 and 1; 1 row: 1 and
+0), results are compared with a single-process computation of the same arithmetic, and a tracer checks
+that the traffic went through ``refimpl.comm.ops`` as a reduce-scatter and an all-gather.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from exercises.grading import Task, load_module
+
+WORLD = 2
+TIMEOUT_S = 120
+
+
+def _rows(rows: int, rank: int, world: int) -> tuple[int, int]:
+    chunk = -(-rows // world)
+    start = min(rank * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
+def _probe(fn, *args) -> None:
+    """Call ``fn`` here, without a process group: a stub raises NotImplementedError at once (no ranks are
+    started for it); an implementation may fail on its first collective, which is expected and ignored."""
+    try:
+        fn(*args)
+    except NotImplementedError:
+        raise
+    except Exception:  # noqa: BLE001 - e.g. "Default process group has not been initialized"
+        pass
+
+
+# ------------------------------------------------------------------------------------------ 04.1
+def check_shard_rows(path: str) -> None:
+    mod = load_module(path)
+    got = [tuple(mod.shard_rows(9, r, 4)) for r in range(4)]
+    assert got == [(0, 3), (3, 6), (6, 9), (9, 9)], (
+        f"shard_rows(9, r, 4) for r = 0..3 gave {got}; want chunks of ceil(9/4) = 3 rows: "
+        "[(0, 3), (3, 6), (6, 9), (9, 9)]")
+    for rows in (1, 2, 3, 5, 8, 9, 31, 259):
+        for n in (1, 2, 3, 4, 7, 8):
+            for r in range(n):
+                want, have = _rows(rows, r, n), tuple(mod.shard_rows(rows, r, n))
+                assert have == want, f"shard_rows({rows}, {r}, {n}) = {have}, want {want}"
+    try:
+        mod.shard_rows(4, 2, 2)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("shard_rows(4, rank=2, world_size=2) must raise ValueError")
+
+
+# ------------------------------------------------------------------------------------------ 04.2
+def _params(seed: int) -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(3, 5), (3,), (1, 4), (6,)]  # rows over 2 ranks: 2+1, 2+1, 1+0 (an empty shard), 3+3
+    return [nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+
+
+def _grads(step: int, rank: int, params: list[nn.Parameter]) -> list[torch.Tensor | None]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    grads = [torch.randn(p.shape, generator=g) for p in params]
+    grads[3] = None  # the last parameter gets no gradient: it must be left alone
+    return grads
+
+
+def _step_on_rank(ctx, path: str) -> None:
+    from refimpl.comm.tracer import CommTracer
+
+    mod = load_module(path)
+    rank, world = ctx.rank, ctx.world_size
+    params = _params(0)
+    shards = [p.detach()[slice(*_rows(p.shape[0], rank, world))] for p in params]
+    # SGD with momentum, not Adam: it is sensitive to the scale of the gradient (a sum is not a mean)
+    opt = torch.optim.SGD(shards, lr=0.1, momentum=0.9)
+    ref = _params(0)
+    ref_opt = torch.optim.SGD(ref, lr=0.1, momentum=0.9)
+    with CommTracer() as tracer:
+        for step in range(2):
+            for p, g in zip(params, _grads(step, rank, params), strict=True):
+                p.grad = g
+            mod.sharded_step(params, shards, opt)
+            per_rank = [_grads(step, r, ref) for r in range(world)]
+            for i, p in enumerate(ref):
+                p.grad = None if per_rank[0][i] is None else sum(gr[i] for gr in per_rank) / world
+            ref_opt.step()
+    for i, (p, want) in enumerate(zip(params, ref, strict=True)):
+        assert torch.allclose(p.detach(), want.detach(), rtol=1e-5, atol=1e-6), (
+            f"rank {rank}: parameter {i} (shape {tuple(p.shape)}) after 2 steps differs from one device "
+            f"training on the mean gradient by {(p - want).abs().max().item():.3g}; is the gradient the mean "
+            "over ranks, and are the updated rows gathered back into every rank's parameter?")
+    assert all(s.grad is None for s in shards), "set shards[i].grad = None after the step"
+    summary = tracer.summary()
+    assert "all_reduce" not in summary, "no all-reduce: reduce-scatter the gradients, all-gather the rows"
+    for op in ("reduce_scatter", "all_gather"):
+        assert op in summary, f"no {op} seen: use refimpl.comm.ops so that the tracer sees it"
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    stepped = sum(s.numel() for s, p in zip(shards, params, strict=True) if p.grad is not None)
+    assert sum(t.numel() for t in state) == stepped, "the optimizer state must stay sharded"
+
+
+def check_sharded_step(path: str) -> None:
+    from refimpl.launch import run_ranks
+
+    mod = load_module(path)
+    params = _params(0)
+    _probe(mod.sharded_step, params, [p.detach() for p in params], torch.optim.SGD(params, lr=0.1))
+    run_ranks(_step_on_rank, WORLD, path, timeout_s=TIMEOUT_S)
+
+
+# ------------------------------------------------------------------------------------------ 04.3
+def _unit() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 3))  # rows: 3+3, 3+3, 2+1, 2+1
+
+
+def _unit_on_rank(ctx, path: str) -> None:
+    from refimpl.comm.tracer import CommTracer
+
+    mod = load_module(path)
+    rank, world = ctx.rank, ctx.world_size
+    reference = _unit()
+    unit = _unit()
+    fulls, shards = [], []
+    for m in unit.modules():
+        for name, p in list(m._parameters.items()):
+            full = nn.Parameter(torch.empty_like(p))
+            full.untyped_storage().resize_(0)  # sharded: the full tensor holds no memory
+            shards.append(p.detach()[slice(*_rows(p.shape[0], rank, world))].clone())
+            m._parameters[name] = full
+            fulls.append(full)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
+    with CommTracer() as tracer:
+        mod.unshard_(fulls, shards)
+        for f, p in zip(fulls, reference.parameters(), strict=True):
+            assert torch.equal(f.detach(), p.detach()), "after unshard_ a full parameter is not the original"
+        out = unit(x)
+        mod.reshard_(fulls)
+        assert all(f.untyped_storage().nbytes() == 0 for f in fulls), \
+            "after reshard_ every full parameter must hold 0 bytes (untyped_storage().resize_(0))"
+        mod.unshard_(fulls, shards)
+        out.square().sum().backward()
+        mod.reshard_(fulls)
+    reference(x).square().sum().backward()
+    for i, (f, p) in enumerate(zip(fulls, reference.parameters(), strict=True)):
+        assert f.grad is not None and torch.allclose(f.grad, p.grad, rtol=1e-5, atol=1e-6), (
+            f"rank {rank}: gradient of parameter {i} after gather/free/gather is not the plain module's")
+    assert "all_gather" in tracer.summary(), "no all_gather seen: use refimpl.comm.ops.all_gather_into_tensor"
+
+
+def check_unshard(path: str) -> None:
+    from refimpl.launch import run_ranks
+
+    mod = load_module(path)
+    full = nn.Parameter(torch.zeros(2, 3))
+    _probe(mod.reshard_, [full])
+    _probe(mod.unshard_, [full], [torch.ones(2, 3)])
+    run_ranks(_unit_on_rank, WORLD, path, timeout_s=TIMEOUT_S)
+
+
+TASKS = [
+    Task(name="04.1 shard_rows", points=3, check=check_shard_rows),
+    Task(name="04.2 sharded_step (2 ranks)", points=4, check=check_sharded_step),
+    Task(name="04.3 unshard_ and reshard_ around a unit (2 ranks)", points=3, check=check_unshard),
+]
+
+# Plausible wrong answers, each of which must fail its own task and only that one (tests/test_exercises.py).
+MUTANTS = {
+    "04.1 shard_rows": '''
+from exercises.reference.ch04 import *  # noqa: F403
+
+
+def shard_rows(rows, rank, world_size):
+    chunk = rows // world_size  # floor: the last rows belong to nobody
+    return rank * chunk, (rank + 1) * chunk
+''',
+    "04.2 sharded_step (2 ranks)": '''
+import torch
+import torch.distributed as dist
+
+from exercises.reference.ch04 import *  # noqa: F403
+from refimpl.comm import ops
+from refimpl.parallel.zero import ShardSpec, all_gather_into, pack_for_reduce_scatter, unpack_reduce_scatter
+
+
+def sharded_step(params, shards, optimizer, process_group=None):
+    rank, n = dist.get_rank(process_group), dist.get_world_size(process_group)
+    stepped = []
+    for p, shard in zip(params, shards):
+        if p.grad is None:
+            continue
+        spec = ShardSpec(p.shape, rank, n)
+        packed = pack_for_reduce_scatter([p.grad], [spec])
+        out = packed.new_empty(packed.shape[1])
+        ops.reduce_scatter_tensor(out, packed.view(-1), group=process_group)  # the sum: never divided by n
+        shard.grad = unpack_reduce_scatter(out, [spec])[0].clone()
+        stepped.append((p, shard, spec))
+    optimizer.step()
+    with torch.no_grad():
+        for p, shard, spec in stepped:
+            all_gather_into([shard], [spec], [p.detach()], process_group)
+            shard.grad = None
+''',
+    "04.3 unshard_ and reshard_ around a unit (2 ranks)": '''
+import torch
+import torch.distributed as dist
+
+from exercises.reference.ch04 import *  # noqa: F403
+from refimpl.parallel.zero import ShardSpec, all_gather_into
+
+
+def unshard_(fulls, shards, process_group=None):
+    rank, n = dist.get_rank(process_group), dist.get_world_size(process_group)
+    for f in fulls:
+        f.untyped_storage().resize_(f.numel() * f.element_size())
+    with torch.no_grad():  # writes into the parameter itself: its version counter moves
+        specs = [ShardSpec(f.shape, rank, n) for f in fulls]
+        all_gather_into(list(shards), specs, list(fulls), process_group)
+''',
+}

@@ -1,0 +1,156 @@
+"""Memory and traffic of ZeRO stages 0-3, as formulas a chapter checks against measurement (chapter 04).
+
+Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", section
+5 and figure 1. With Psi parameters, N data-parallel ranks and mixed-precision Adam (fp16 weights and
+gradients, K = 12 bytes of optimizer state per parameter: fp32 master weights, momentum and variance), the
+model state held by one device is
+
+    stage 0 (plain data parallelism)        (2 + 2 + K) Psi
+    stage 1 (P_os, optimizer state sharded)  4 Psi + K Psi / N
+    stage 2 (P_os+g, + gradients sharded)    2 Psi + (2 + K) Psi / N
+    stage 3 (P_os+g+p, + parameters)         (4 + K) Psi / N
+
+:func:`zero_memory_paper` is that table. The course trains in fp32 on a CPU with ``torch.optim.AdamW`` and no
+master copy, so the same table with the dtypes actually used is ``weights 4, gradients 4, K = 8`` (two fp32
+moments) plus PyTorch's ``step`` counter, one fp32 scalar tensor per parameter tensor (as
+:func:`refimpl.planner.state_memory` counts it). :func:`zero_memory` is that table made *exact*: a parameter
+is split along dim 0 into chunks of ``ceil(rows / N)`` rows (torch.chunk and FSDP2's rule), so the last
+ranks may hold fewer rows (or none); ``Psi / N`` becomes the rank's true shard size :func:`sharded_numel`.
+For shapes whose first dim divides by N the two agree to the byte.
+
+Traffic per step and rank (ring algorithm, as :func:`refimpl.comm.tracer.wire_bytes` counts it), in
+elements: data parallelism all-reduces the gradients, 2 (N-1)/N Psi; stages 1 and 2 reduce-scatter the
+gradients and all-gather the updated parameters, (N-1)/N Psi each, the same 2 (N-1)/N Psi; stage 3 also
+all-gathers every unit for its forward and again for its backward, 3 (N-1)/N Psi, 1.5x data parallelism
+(the root unit, needed again at once by the backward, is not freed after forward, as in FSDP2).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from refimpl.planner import StateMemory
+
+ADAM_MIXED_PRECISION_K = 12  # fp32 master weights + momentum + variance, bytes per parameter (the paper's K)
+STAGES = (0, 1, 2, 3)
+
+Shape = Sequence[int]
+
+
+def _check(stage: int, world_size: int) -> None:
+    if stage not in STAGES:
+        raise ValueError(f"ZeRO stage must be one of {STAGES}, got {stage!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+
+
+def zero_memory_paper(
+    psi: float, world_size: int, stage: int, *, k: float = ADAM_MIXED_PRECISION_K,
+    weight_bytes: float = 2, grad_bytes: float = 2,
+) -> StateMemory:
+    """The paper's per-device model-state bytes (fractional: ``Psi / N`` is not rounded)."""
+    _check(stage, world_size)
+    n = world_size
+    weights = weight_bytes * psi / (n if stage >= 3 else 1)
+    grads = grad_bytes * psi / (n if stage >= 2 else 1)
+    optimizer = k * psi / (n if stage >= 1 else 1)
+    return StateMemory(weights=weights, grads=grads, optimizer=optimizer)  # type: ignore[arg-type]
+
+
+def shard_rows(dim0: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rows ``[start, end)`` of a tensor's dim 0 that ``rank`` owns: chunks of ``ceil(dim0 / N)`` rows.
+
+    The last ranks get fewer rows, possibly none (9 rows over 4 ranks: 3, 3, 3, 0), as ``torch.chunk`` and
+    FSDP2 split. A 0-d tensor counts as one row.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside a world of size {world_size}")
+    chunk = -(-dim0 // world_size)
+    start = min(rank * chunk, dim0)
+    return start, min(start + chunk, dim0)
+
+
+def _rows_and_row_numel(shape: Shape) -> tuple[int, int]:
+    shape = tuple(shape)
+    if not shape:
+        return 1, 1
+    rows = shape[0]
+    return rows, math.prod(shape[1:])
+
+
+def sharded_numel(shapes: Sequence[Shape], rank: int, world_size: int) -> int:
+    """Elements ``rank`` holds of parameters ``shapes``, each split along dim 0: the exact ``Psi / N``."""
+    total = 0
+    for shape in shapes:
+        rows, row_numel = _rows_and_row_numel(shape)
+        start, end = shard_rows(rows, rank, world_size)
+        total += (end - start) * row_numel
+    return total
+
+
+def padded_numel(shapes: Sequence[Shape], world_size: int) -> int:
+    """Elements a collective moves for ``shapes``: each padded to ``N * ceil(rows / N)`` rows."""
+    total = 0
+    for shape in shapes:
+        rows, row_numel = _rows_and_row_numel(shape)
+        total += world_size * -(-rows // world_size) * row_numel
+    return total
+
+
+def zero_memory(
+    shapes: Sequence[Shape], world_size: int, stage: int, *, rank: int = 0,
+    trainable: Sequence[bool] | None = None, param_bytes: int = 4, grad_bytes: int = 4,
+    moment_bytes: int = 8, step_bytes: int = 4,
+) -> StateMemory:
+    """Exact bytes of model state on ``rank`` at ZeRO ``stage`` for parameters of ``shapes``.
+
+    Counted at rest (after backward or after the optimizer step, when no unit is gathered): weights,
+    gradients of the ``trainable`` parameters (default: all), and AdamW's state: ``moment_bytes`` per
+    element (exp_avg + exp_avg_sq) plus one ``step`` scalar of ``step_bytes`` per trainable tensor (the
+    sharded optimizers keep a, possibly empty, shard of every tensor on every rank).
+    """
+    _check(stage, world_size)
+    trainable = [True] * len(shapes) if trainable is None else list(trainable)
+    if len(trainable) != len(shapes):
+        raise ValueError(f"{len(trainable)} trainable flags for {len(shapes)} shapes")
+    trained = [s for s, t in zip(shapes, trainable, strict=True) if t]
+    full_all = sum(math.prod(s) for s in shapes)
+    full_trained = sum(math.prod(s) for s in trained)
+    shard_all = sharded_numel(shapes, rank, world_size)
+    shard_trained = sharded_numel(trained, rank, world_size)
+    weights = param_bytes * (shard_all if stage >= 3 else full_all)
+    grads = grad_bytes * (shard_trained if stage >= 2 else full_trained)
+    moments = moment_bytes * (shard_trained if stage >= 1 else full_trained)
+    return StateMemory(weights=weights, grads=grads, optimizer=moments + step_bytes * len(trained))
+
+
+def zero_comm_bytes(
+    unit_shapes: Sequence[Sequence[Shape]], world_size: int, stage: int, *,
+    trainable: Sequence[Sequence[bool]] | None = None, bytes_per_element: int = 4, root_unit: int | None = 0,
+) -> float:
+    """Wire bytes one rank sends in one optimizer step at ZeRO ``stage`` (ring model, one micro-batch).
+
+    ``unit_shapes[u]`` lists the parameter shapes of unit ``u`` and ``trainable[u]`` which of them get a
+    gradient (default: all); stages 0-2 only use the trainable total. Stage 0 all-reduces the unpadded
+    gradients; stages 1-3 move padded tensors (:func:`padded_numel`): stages 1-2 reduce-scatter the
+    gradients and all-gather the stepped parameters; stage 3 all-gathers every unit (all its parameters,
+    frozen ones too) for forward, again for backward except ``root_unit`` (kept after forward, as FSDP2
+    does; None: re-gather every unit), and reduce-scatters the trainable ones.
+    """
+    _check(stage, world_size)
+    n = world_size
+    if trainable is None:
+        trainable = [[True] * len(shapes) for shapes in unit_shapes]
+    trained = [[s for s, t in zip(shapes, flags, strict=True) if t]
+               for shapes, flags in zip(unit_shapes, trainable, strict=True)]
+    if n == 1:
+        return 0.0
+    ring = (n - 1) / n * bytes_per_element
+    if stage == 0:
+        return 2 * ring * sum(math.prod(s) for shapes in trained for s in shapes)
+    if stage in (1, 2):
+        return 2 * ring * sum(padded_numel(shapes, n) for shapes in trained)
+    gathers = sum((1 if u == root_unit else 2) * padded_numel(shapes, n)
+                  for u, shapes in enumerate(unit_shapes))
+    return ring * (gathers + sum(padded_numel(shapes, n) for shapes in trained))

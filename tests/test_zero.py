@@ -1,0 +1,530 @@
+"""ZeRO stages 1-3 (chapter 04): same parameters as one device, as data parallelism and as FSDP2; bytes per
+rank equal to the formula; traffic equal to the formula; a consolidated optimizer state that round-trips.
+
+Every rank trains a small GPT with *uneven* shapes (259-token vocabulary, width 18, FFN 37, 9 positions:
+at 4 ranks the position embedding's shards are 3, 3, 3 and 0 rows), a frozen parameter, a parameter that
+is never used and one used only on some steps, for STEPS AdamW steps on its shard of the same global
+batches.
+
+Tolerances (DESIGN.md, "Correctness"):
+* **vs data parallelism at 2 ranks, and vs FSDP2: bit for bit.** A reduce-scatter and an all-reduce both
+  add two numbers per element at 2 ranks (commutative), both divide by 2 (exact), and AdamW is elementwise,
+  so stepping a shard is stepping those elements of the full tensor. FSDP2 splits, pads, reduces and steps
+  exactly as we do.
+* **vs one device, and vs data parallelism at 4 ranks: ``ATOL``.** One device sums the batch inside its
+  matmuls, gloo sums four ranks in an order that depends on where an element sits in the buffer: gradients
+  differ by a few ulps. AdamW's update ``m / (sqrt(v) + eps)`` is insensitive to that where a gradient is
+  large, but turns noise into a step where the gradient is itself rounding noise: the key bias of
+  attention has an exact gradient of 0 (softmax ignores a shift common to all keys) and a float gradient
+  of ~1e-11, so its update, ~lr * |g| / eps, depends on the rounding. Measured after 5 steps at
+  lr = 1e-3: at most 2e-6 (1.3e-6 vs one device at 2 ranks, 1.8e-6 at 4). ATOL = 1e-5 is 1 % of one
+  step's update; a rank that skips the gradient averaging drifts by ~lr per step, 100x more.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from refimpl.comm.tracer import CommTracer
+from refimpl.config import ModelConfig
+from refimpl.launch import run_ranks
+from refimpl.model import GPT, lm_loss
+from refimpl.optim import param_groups
+from refimpl.parallel.memory import PeakStateBytes, state_bytes
+from refimpl.parallel.zero import (
+    FullyShardedDataParallel,
+    ShardedOptimizer,
+    ShardSpec,
+    allreduce_gradients,
+    copy_out_all_gather,
+    pack_for_all_gather,
+    pack_for_reduce_scatter,
+    shard_of,
+    unpack_reduce_scatter,
+)
+from refimpl.parallel.zero_planner import (
+    padded_numel,
+    shard_rows,
+    sharded_numel,
+    zero_comm_bytes,
+    zero_memory,
+    zero_memory_paper,
+)
+from refimpl.planner import num_param_tensors, param_count, state_memory
+
+STEPS = 5
+LR = 1e-3
+ATOL = 1e-5
+GLOBAL_BATCH = 4
+SEQ = 8
+SPAWN_TIMEOUT = 300
+CFG = ModelConfig(num_layers=2, hidden_size=18, num_attention_heads=3, ffn_hidden_size=37,
+                  max_seq_len=SEQ + 1, vocab_size=259)
+SOMETIMES_STEPS = (1, STEPS - 1)  # the "sometimes" layer is used on these steps only
+
+
+class UglyGPT(GPT):
+    """The course's GPT plus frozen parameters, one never used, and a layer used on some steps only."""
+
+    def __init__(self) -> None:
+        super().__init__(CFG, seed=0)
+        g = torch.Generator().manual_seed(1)
+        self.never = nn.Linear(3, 5)
+        self.sometimes = nn.Linear(CFG.hidden_size, CFG.hidden_size)
+        with torch.no_grad():
+            for p in [*self.never.parameters(), *self.sometimes.parameters()]:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        self.final_layernorm.bias.requires_grad_(False)
+        # frozen at the start of a block: backward reads them after the block's last trainable gradient
+        self.layers[0].input_layernorm.requires_grad_(False)
+        self.layers[0].self_attention.query_key_value.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, use_sometimes: bool = False) -> torch.Tensor:
+        x = self.embedding(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        if use_sometimes:
+            x = x + self.sometimes(x)
+        return self.output_layer(self.final_layernorm(x))
+
+
+def _trained_flags(model: nn.Module) -> list[bool]:
+    """Which parameters get a gradient (and optimizer state) in the last step."""
+    never = {id(p) for p in model.never.parameters()}
+    return [p.requires_grad and id(p) not in never for p in model.parameters()]
+
+
+def _unit_shapes(model: nn.Module) -> tuple[list[list], list[list]]:
+    """Shapes and trained flags per stage-3 unit: the root (all outside the blocks), then each block."""
+    flags = dict(zip([id(p) for p in model.parameters()], _trained_flags(model), strict=True))
+    units: list[list] = [[] for _ in range(1 + CFG.num_layers)]
+    trained: list[list] = [[] for _ in range(1 + CFG.num_layers)]
+    for name, p in model.named_parameters():
+        u = 1 + int(name.split(".")[1]) if name.startswith("layers.") else 0
+        units[u].append(tuple(p.shape))
+        trained[u].append(flags[id(p)])
+    return units, trained
+
+
+def _batch(step: int, rank: int = 0, world: int = 1) -> torch.Tensor:
+    ids = torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(100 + step))
+    per = GLOBAL_BATCH // world
+    return ids[rank * per : (rank + 1) * per]
+
+
+def _adamw() -> dict:
+    return dict(lr=LR, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+
+
+def _copy(model: nn.Module) -> nn.Module:
+    """A fresh UglyGPT with ``model``'s values (a deepcopy would also copy the gradient hooks)."""
+    twin = UglyGPT()
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+def _setup(kind: str, model: nn.Module, group=None, *, stage_bucket: int = 300):
+    kw = _adamw()
+    if kind in ("single", "dp"):
+        return model, torch.optim.AdamW(param_groups(model, 0.1), **kw)
+    if kind == "ddp":
+        ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True, process_group=group)
+        return ddp, torch.optim.AdamW(param_groups(model, 0.1), **kw)
+    if kind in ("zero1", "zero2"):
+        opt = ShardedOptimizer(param_groups(model, 0.1), torch.optim.AdamW, group, stage=int(kind[-1]),
+                               bucket_numel=stage_bucket, **kw)
+        return model, opt
+    if kind in ("zero3", "zero3_prefetch"):
+        fsdp = FullyShardedDataParallel(model, process_group=group, prefetch=kind.endswith("prefetch"))
+        return fsdp, torch.optim.AdamW(param_groups(fsdp, 0.1), **kw)
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(param_groups(model, 0.1), **kw)
+    raise ValueError(kind)
+
+
+def _full_params(kind: str, model: nn.Module) -> dict[str, torch.Tensor]:
+    if kind.startswith("zero3"):
+        return model.full_state_dict()
+    if kind == "fsdp2":
+        return {k: v.full_tensor().detach().clone() for k, v in model.named_parameters()}
+    if kind == "ddp":
+        model = model.module
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _step(kind, model, opt, step, rank, world, clip=None):
+    opt.zero_grad()
+    ids = _batch(step, rank, world)
+    loss = lm_loss(model(ids[:, :-1], use_sometimes=step in SOMETIMES_STEPS), ids[:, 1:])
+    loss.backward()
+    if kind == "dp":
+        allreduce_gradients(model.parameters())
+    if clip is not None:
+        if kind in ("zero1", "zero2"):
+            opt.clip_grad_norm_(clip)
+        elif kind.startswith("zero3"):
+            model.clip_grad_norm_(clip)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=False)
+    opt.step()
+
+
+def _train(kind: str, rank: int, world: int, *, clip=None, steps=STEPS, tracer=None):
+    """Train ``steps`` steps; return (model, optimizer, wrapper) with grads and state still in place."""
+    base = UglyGPT()
+    model, opt = _setup(kind, base)
+    for step in range(steps):
+        if kind == "single":  # one device trains the whole global batch
+            _step(kind, model, opt, step, 0, 1, clip)
+        else:
+            _step(kind, model, opt, step, rank, world, clip)
+        if tracer is not None:
+            tracer.step()
+    return model, opt, base
+
+
+def _freed(fsdp: FullyShardedDataParallel) -> list[bool]:
+    return [sp.unsharded.untyped_storage().nbytes() == 0 for u in fsdp.units for sp in u.params]
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), a.keys() ^ b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _state_is_sharded(opt_bytes: int, rank: int, world: int) -> bool:
+    """The check a sharded optimizer must pass: its state is the stage-1 formula's, not the full one's."""
+    model = UglyGPT()
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    want = zero_memory(shapes, world, 1, rank=rank, trainable=_trained_flags(model)).optimizer
+    return opt_bytes == want
+
+
+def _cases(ctx, full: bool) -> dict:
+    rank, world = ctx.rank, ctx.world_size
+    out: dict = {}
+    single_model, single_opt, _ = _train("single", rank, world)
+    single = _full_params("single", single_model)
+    shapes = [tuple(p.shape) for p in UglyGPT().parameters()]
+    units, unit_trained = _unit_shapes(UglyGPT())
+    kinds = ["dp", "zero1", "zero2", "zero3", "zero3_prefetch"] + (["ddp", "fsdp2"] if full else [])
+    results = {}
+    for kind in kinds:
+        with CommTracer() as tracer:
+            model, opt, base = _train(kind, rank, world, tracer=tracer)
+        params = _full_params(kind, model)
+        results[kind] = params
+        r = {"vs_single": _max_diff(params, single)}
+        if kind not in ("ddp", "fsdp2"):
+            stage = {"dp": 0, "zero1": 1, "zero2": 2}.get(kind, 3)
+            measured = model.state_bytes(opt) if stage == 3 else state_bytes(model, opt)
+            formula = zero_memory(shapes, world, stage, rank=rank, trainable=_trained_flags(UglyGPT()))
+            r["bytes"] = (measured.weights, measured.grads, measured.optimizer)
+            r["formula"] = (formula.weights, formula.grads, formula.optimizer)
+            r["state_is_sharded"] = _state_is_sharded(measured.optimizer, rank, world)
+            r["wire"] = tracer.bytes_sent(step=STEPS - 1)
+            r["wire_formula"] = zero_comm_bytes(units, world, stage, trainable=unit_trained)
+            r["ops"] = {op: t.count for op, t in tracer.summary(step=STEPS - 1).items()}
+        if kind == "zero3":
+            r["all_freed"] = all(_freed(model))
+        out[kind] = r
+    for kind in kinds:
+        out[kind]["vs_dp"] = _max_diff(results[kind], results["dp"])
+    if full:
+        out["fsdp2"]["vs_zero3"] = _max_diff(results["fsdp2"], results["zero3"])
+        out.update(_clip_cases(rank, world, single))
+        out["accumulation"] = _accumulation(rank, world)
+        out["roundtrip"] = _roundtrip(rank, world, single_opt)
+        out["peak"] = _peak(rank, world)
+    else:
+        out["reshard_to_2"] = _load_at_other_world_size(rank, world)
+    return out
+
+
+def _clip_cases(rank: int, world: int, single: dict) -> dict:
+    clip = 0.05  # below the gradient norm of these steps: every step is clipped
+    out, params = {}, {}
+    for kind in ("dp", "zero1", "zero2", "zero3"):
+        model, _, _ = _train(kind, rank, world, clip=clip)
+        params[kind] = _full_params(kind, model)
+    ref_model, _, _ = _train("single", rank, world, clip=clip)
+    ref = _full_params("single", ref_model)
+    for kind in ("zero1", "zero2", "zero3"):
+        out[f"clip {kind}"] = {"vs_single": _max_diff(params[kind], ref),
+                               "vs_dp": _max_diff(params[kind], params["dp"]),
+                               "unclipped_differs": _max_diff(params[kind], single) > 10 * ATOL}
+    return out
+
+
+def _accumulation(rank: int, world: int, steps: int = 3) -> dict:
+    """Two micro-batches per rank and step, loss / 2, no no-sync: every backward reduces its gradients
+    (stage 2 and 3 add the reduced shards up), so the step sees the same mean gradient."""
+    params = {}
+    for kind in ("dp", "zero2", "zero3"):
+        model, opt = _setup(kind, UglyGPT())
+        for step in range(steps):
+            opt.zero_grad()
+            ids = _batch(step, rank, world)
+            for micro in (ids[: len(ids) // 2], ids[len(ids) // 2 :]):
+                use = step in SOMETIMES_STEPS
+                (lm_loss(model(micro[:, :-1], use_sometimes=use), micro[:, 1:]) / 2).backward()
+            if kind == "dp":
+                allreduce_gradients(model.parameters())
+            opt.step()
+        params[kind] = _full_params(kind, model)
+    single, _, _ = _train("single", rank, world, steps=steps)
+    ref = _full_params("single", single)
+    return {kind: (_max_diff(params[kind], ref), _max_diff(params[kind], params["dp"])) for kind in params}
+
+
+def _roundtrip(rank: int, world: int, single_opt: torch.optim.Optimizer) -> dict:
+    """Consolidate a stage-2 state, load it into a fresh stage-1 optimizer, continue both: same parameters."""
+    model, opt, _ = _train("zero2", rank, world, steps=3)
+    sd = opt.state_dict()
+    reference = single_opt.state_dict()
+    same_layout = sd["state"].keys() == reference["state"].keys() and all(
+        sd["state"][i].keys() == reference["state"][i].keys()
+        and all(torch.as_tensor(sd["state"][i][k]).shape == torch.as_tensor(v).shape
+                for k, v in reference["state"][i].items())
+        for i in reference["state"])
+    twin = _copy(model)
+    twin_opt = ShardedOptimizer(param_groups(twin, 0.1), torch.optim.AdamW, stage=1, **_adamw())
+    twin_opt.load_state_dict(sd)
+    restored = twin_opt.state_dict()
+    exact_restore = all(torch.equal(torch.as_tensor(restored["state"][i][k]), torch.as_tensor(v))
+                        for i, s in sd["state"].items() for k, v in s.items())
+    plain = torch.optim.AdamW(param_groups(_copy(model), 0.1), **_adamw())
+    plain.load_state_dict(sd)  # the consolidated state is a plain AdamW state
+    for step in range(3, STEPS):
+        _step("zero2", model, opt, step, rank, world)
+        _step("zero1", twin, twin_opt, step, rank, world)
+    a, b = _full_params("zero2", model), _full_params("zero1", twin)
+    return {"same_layout": same_layout, "exact_restore": exact_restore,
+            "continued_bitwise": all(torch.equal(a[k], b[k]) for k in a)}
+
+
+def _load_at_other_world_size(rank: int, world: int) -> dict:
+    model, opt, _ = _train("zero2", rank, world, steps=2)
+    sd = opt.state_dict()
+    pair = dist.new_group([0, 1])  # collective: every rank calls it
+    if rank >= 2:
+        return {}
+    twin = _copy(model)
+    twin_opt = ShardedOptimizer(param_groups(twin, 0.1), torch.optim.AdamW, pair, stage=2, **_adamw())
+    twin_opt.load_state_dict(sd)
+    again = twin_opt.state_dict()
+    return {"exact": all(torch.equal(torch.as_tensor(again["state"][i][k]), torch.as_tensor(v))
+                         for i, s in sd["state"].items() for k, v in s.items()),
+            "shard_rows": twin_opt.shard(twin.embedding.word_embeddings.weight).shape[0]}
+
+
+def _peak(rank: int, world: int) -> dict:
+    """Peak bytes of one stage-3 step: shards + one gathered unit (+ the next one with prefetch)."""
+    out = {}
+    for prefetch in (False, True):
+        base = UglyGPT()
+        fsdp = FullyShardedDataParallel(base, prefetch=prefetch)
+        opt = torch.optim.AdamW(param_groups(fsdp, 0.1), **_adamw())
+        _step("zero3", fsdp, opt, 0, rank, world)
+        with PeakStateBytes(lambda f=fsdp, o=opt: f.state_bytes(o)) as peak:
+            _step("zero3", fsdp, opt, STEPS - 1, rank, world)
+        out[prefetch] = (peak.peak.total, fsdp.state_bytes(opt).total, peak.samples)
+    return out
+
+
+def _worker(ctx, full: bool) -> dict:
+    torch.manual_seed(0)
+    return _cases(ctx, full)
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_ranks(_worker, 2, True, timeout_s=SPAWN_TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    return run_ranks(_worker, 4, False, timeout_s=SPAWN_TIMEOUT)
+
+
+# ------------------------------------------------------------------------------------ single-process tests
+def test_shard_rows_cover_every_row_once_with_ceil_chunks():
+    assert [shard_rows(9, r, 4) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 9)]
+    for rows in (1, 2, 3, 7, 9, 16, 259):
+        for n in (1, 2, 3, 4, 8):
+            spans = [shard_rows(rows, r, n) for r in range(n)]
+            assert spans[0][0] == 0 and spans[-1][1] == rows
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+            assert all(e - s <= math.ceil(rows / n) for s, e in spans)
+    with pytest.raises(ValueError):
+        shard_rows(4, 4, 4)
+
+
+def test_pack_and_unpack_emulate_the_collectives_on_uneven_shapes():
+    """All-gather and reduce-scatter done by hand over N simulated ranks give the full tensor / its sum."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(9, 2), (5,), (3, 4, 2), (1, 3), (259, 3)]
+    for n in (1, 2, 3, 4):
+        fulls = [torch.randn(s, generator=g) for s in shapes]
+        packed = []
+        for r in range(n):
+            specs = [ShardSpec(torch.Size(s), r, n) for s in shapes]
+            shards = [shard_of(f, sp) for f, sp in zip(fulls, specs, strict=True)]
+            packed.append(pack_for_all_gather(shards, specs))
+        assert all(p.numel() == padded_numel(shapes, n) // n for p in packed)
+        outs = [torch.full(s, float("nan")) for s in shapes]
+        copy_out_all_gather(torch.cat(packed), [ShardSpec(torch.Size(s), 0, n) for s in shapes], outs)
+        assert all(torch.equal(a, b) for a, b in zip(outs, fulls, strict=True))
+        grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(n)]
+        specs0 = [ShardSpec(torch.Size(s), 0, n) for s in shapes]
+        summed = sum(pack_for_reduce_scatter(gr, specs0) for gr in grads)
+        for r in range(n):
+            specs = [ShardSpec(torch.Size(s), r, n) for s in shapes]
+            local = unpack_reduce_scatter(summed[r], specs)
+            for i, spec in enumerate(specs):
+                want = shard_of(sum(gr[i] for gr in grads), spec)
+                assert torch.allclose(local[i], want, atol=1e-6) and local[i].shape == spec.local_shape
+
+
+def test_paper_figure_1_numbers():
+    """7.5B parameters, 64 GPUs, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB (Rajbhandari et al., figure 1)."""
+    got = [round(zero_memory_paper(7.5e9, 64, s).total / 1e9, 1) for s in range(4)]
+    assert got == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_exact_formula_matches_the_paper_form_when_rows_divide():
+    cfg = ModelConfig()  # every first dim divides by 2 and 4
+    shapes = [tuple(p.shape) for p in GPT(cfg).parameters()]
+    psi, tensors = param_count(cfg).total, num_param_tensors(cfg)
+    for n in (2, 4):
+        for stage in range(4):
+            exact = zero_memory(shapes, n, stage)
+            paper = zero_memory_paper(psi, n, stage, k=8, weight_bytes=4, grad_bytes=4)
+            assert exact.total == paper.total + 4 * tensors
+        assert zero_memory(shapes, n, 0) == state_memory(cfg)  # stage 0 is the planner's replica
+    uneven = [tuple(p.shape) for p in UglyGPT().parameters()]
+    assert sum(sharded_numel(uneven, r, 4) for r in range(4)) == sum(math.prod(s) for s in uneven)
+    ratio = zero_comm_bytes([shapes], 4, 3, root_unit=None) / zero_comm_bytes([shapes], 4, 0)
+    assert ratio == pytest.approx(1.5, rel=1e-12)
+
+
+def test_state_bytes_counts_each_storage_once():
+    model = GPT(CFG)  # tied: the output layer is the word embedding
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    lm_loss(model(_batch(0)[:, :-1]), _batch(0)[:, 1:]).backward()
+    opt.step()
+    got = state_bytes(model, opt)
+    assert got == state_memory(CFG)
+
+
+def test_one_process_without_a_process_group_equals_plain_adamw():
+    """World size 1 (no torch.distributed): every stage is plain AdamW, bit for bit; storage is freed."""
+    ref_model, _, _ = _train("single", 0, 1)
+    ref = _full_params("single", ref_model)
+    for kind in ("zero1", "zero2", "zero3", "zero3_prefetch"):
+        model, opt, _ = _train(kind, 0, 1)
+        got = _full_params(kind, model)
+        assert all(torch.equal(got[k], ref[k]) for k in ref), kind
+        if kind.startswith("zero3"):
+            assert all(_freed(model))
+            assert [u.name for u in model.units] == ["<root>", "layers.0", "layers.1"]
+
+
+def test_sharded_optimizer_rejects_stage_3():
+    with pytest.raises(ValueError, match="FullyShardedDataParallel"):
+        ShardedOptimizer(GPT(CFG).parameters(), torch.optim.AdamW, stage=3)
+
+
+# ---------------------------------------------------------------------------------------- two ranks
+ZERO = ["zero1", "zero2", "zero3", "zero3_prefetch"]
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.parametrize("kind", ZERO)
+def test_two_ranks_equal_data_parallelism_bitwise_and_one_device(two_ranks, kind):
+    for rank, r in enumerate(two_ranks):
+        assert r[kind]["vs_dp"] == 0.0, f"rank {rank}: not bit-identical to data parallelism: {r[kind]}"
+        assert r[kind]["vs_single"] < ATOL, (rank, r[kind])
+        assert r["dp"]["vs_single"] < ATOL
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+def test_two_ranks_equal_torch_ddp_and_fsdp2_bitwise(two_ranks):
+    for r in two_ranks:
+        assert r["ddp"]["vs_dp"] == 0.0, r["ddp"]
+        assert r["fsdp2"]["vs_zero3"] == 0.0, f"our ZeRO-3 differs from fully_shard: {r['fsdp2']}"
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.parametrize("kind", ["dp", *ZERO])
+def test_two_ranks_bytes_and_traffic_equal_the_formulas(two_ranks, kind):
+    for rank, r in enumerate(two_ranks):
+        assert r[kind]["bytes"] == r[kind]["formula"], f"rank {rank} {kind}: measured != formula"
+        assert r[kind]["wire"] == pytest.approx(r[kind]["wire_formula"], rel=1e-12), (rank, r[kind])
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+def test_negative_control_unsharded_optimizer_fails_the_sharded_check(two_ranks):
+    for r in two_ranks:
+        assert not r["dp"]["state_is_sharded"], "plain AdamW passed the 'state is sharded' check"
+        assert all(r[k]["state_is_sharded"] for k in ZERO)
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+def test_clipping_uses_the_global_norm(two_ranks):
+    for r in two_ranks:
+        for kind in ("zero1", "zero2", "zero3"):
+            c = r[f"clip {kind}"]
+            assert c["vs_single"] < ATOL and c["vs_dp"] < ATOL and c["unclipped_differs"], (kind, c)
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+def test_gradient_accumulation_over_micro_batches(two_ranks):
+    for r in two_ranks:
+        for kind, (vs_single, vs_dp) in r["accumulation"].items():
+            assert vs_single < ATOL and vs_dp < ATOL, (kind, vs_single, vs_dp)
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+def test_state_dict_round_trip(two_ranks):
+    for r in two_ranks:
+        assert r["roundtrip"] == {"same_layout": True, "exact_restore": True, "continued_bitwise": True}
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+def test_stage3_frees_units_and_peaks_at_one_or_two_gathered_units(two_ranks):
+    for r in two_ranks:
+        assert r["zero3"]["all_freed"]
+        (no_pf, rest, samples), (pf, rest_pf, _) = r["peak"][False], r["peak"][True]
+        assert samples > 100 and rest < no_pf <= pf and rest == rest_pf
+
+
+# ---------------------------------------------------------------------------------------- four ranks
+@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.parametrize("kind", ["dp", *ZERO])
+def test_four_ranks_uneven_shards(four_ranks, kind):
+    for rank, r in enumerate(four_ranks):
+        assert r[kind]["vs_single"] < ATOL and r[kind]["vs_dp"] < ATOL, (rank, r[kind])
+        assert r[kind]["bytes"] == r[kind]["formula"], f"rank {rank} {kind}: measured != formula"
+        assert r[kind]["wire"] == pytest.approx(r[kind]["wire_formula"], rel=1e-12)
+        assert r[kind]["state_is_sharded"] == (kind != "dp")
+    shards = [four_ranks[r]["zero3"]["bytes"][0] for r in range(4)]
+    assert len(set(shards)) > 1, "the shapes were meant to give ranks shards of different sizes"
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+def test_consolidated_state_loads_at_another_world_size(four_ranks):
+    for rank in (0, 1):  # 259 rows over 2 ranks: 130 and 129
+        assert four_ranks[rank]["reshard_to_2"] == {"exact": True, "shard_rows": 130 - rank}
