@@ -1,0 +1,572 @@
+"""Checkpoints (chapter 09): sharded, verified, atomic; resharding; bitwise resume.
+
+Everything is compared bit for bit (``torch.equal``, ``==`` on losses): saving and loading copy bytes, and
+a resumed run replays exactly the arithmetic of the uninterrupted one.
+
+The multi-rank runs are batched into three spawns: 4 ranks save (flat shards with uneven ranges, a ZeRO-1
+training state, a save that crashes before its commit), then 2 and 3 ranks load them (into ZeRO-2 and
+FSDP); the 2-rank spawn also loads a plain checkpoint written by this process and runs the round trip,
+the asynchronous save (training goes on meanwhile) and the bitwise resume. Damaged checkpoints are copies of
+the 4-rank folder checked in this process.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import random
+import shutil
+import signal
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import refimpl.checkpoint as ckpt_mod
+from refimpl.checkpoint import (
+    CheckpointConfig,
+    Checkpointer,
+    CheckpointError,
+    FlatShard,
+    SaveSchedule,
+    capture_rng_state,
+    expected_shapes,
+    find_latest_valid,
+    list_checkpoints,
+    load_training_state,
+    optimizer_shards,
+    restore_rng_state,
+    save_training_state,
+)
+from refimpl.checkpoint_format import MANIFEST, ShardMeta, plan_pieces, read_manifest, verify_checkpoint
+from refimpl.config import ConfigError, ModelConfig, OptimConfig
+from refimpl.distributed import seed_everything
+from refimpl.launch import run_ranks
+from refimpl.model import GPT, lm_loss
+from refimpl.optim import build_optimizer, lr_at, param_groups, set_lr
+
+SPAWN_TIMEOUT = 240
+OPTIM = OptimConfig(lr=1e-2, warmup_steps=2)
+# Global tensors saved as flat shards at 4 ranks: numel 10, 21 and 40 are not multiples of 4 (nor 10, 40
+# of 3). [start, end) of the flattened tensor per rank; "a" leaves rank 2 empty, "c" is replicated.
+SHAPES = {"a": (10,), "b": (7, 3), "c": (40,)}
+SAVE_SPANS = {"a": [(0, 1), (1, 5), (5, 5), (5, 10)], "b": [(0, 6), (6, 12), (12, 18), (18, 21)],
+              "c": [(0, 40)] * 4}
+
+
+def _tiny_gpt(seed: int = 0) -> GPT:
+    return GPT(ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, max_seq_len=16), seed=seed)
+
+
+def _reference(name: str, step: int) -> torch.Tensor:
+    """The global value of flat-shard tensor ``name`` in the checkpoint of ``step``."""
+    shape = SHAPES[name]
+    g = torch.Generator().manual_seed(100 * ord(name) + step)  # not hash(): it differs per process
+    return torch.randn(math.prod(shape), generator=g, dtype=torch.float64).reshape(shape)
+
+
+def _flat_shards(rank: int, step: int) -> dict[str, FlatShard]:
+    out = {}
+    for name, spans in SAVE_SPANS.items():
+        start, end = spans[rank]
+        out[name] = FlatShard(_reference(name, step).reshape(-1)[start:end].clone(), SHAPES[name], start)
+    return out
+
+
+def _portable(obj):
+    """Tensors as numpy arrays: results cross the process boundary by value (torch would share storage
+    through file descriptors that die with the worker)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().numpy().copy()
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj)
+    if isinstance(obj, dict):
+        return {k: _portable(v) for k, v in obj.items()}
+    return obj
+
+
+def _by_name(model: torch.nn.Module, optimizer_state: dict) -> dict[str, dict]:
+    """A consolidated optimizer state dict keyed by parameter name instead of index."""
+    names = [n for g in param_groups(model, OPTIM.weight_decay) for n in _names_of(model, g["params"])]
+    return {names[i]: {k: v.clone() for k, v in s.items()} for i, s in optimizer_state["state"].items()}
+
+
+def _names_of(model: torch.nn.Module, params: list) -> list[str]:
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    return [by_id[id(p)] for p in params]
+
+
+def _zero_optimizer(model: torch.nn.Module, stage: int):
+    from refimpl.parallel.zero import ShardedOptimizer
+
+    return ShardedOptimizer(param_groups(model, OPTIM.weight_decay), torch.optim.AdamW, stage=stage,
+                            lr=OPTIM.lr, betas=(OPTIM.beta1, OPTIM.beta2), eps=OPTIM.eps, foreach=False)
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed data per (step, rank), rows picked with the global RNGs (so a resume must restore them)."""
+    pool = torch.randint(0, 256, (4, 9), generator=torch.Generator().manual_seed(1000 + 10 * step + rank))
+    rows = (torch.randint(0, 4, (2,)) + int(4 * random.random()) + int(np.random.randint(4))) % 4
+    window = pool[rows]
+    return window[:, :-1], window[:, 1:]
+
+
+def _train(model, optimizer, ctx, start: int, stop: int, total: int = 4) -> list[float]:
+    """Data-parallel AdamW steps ``[start, stop)`` (gradients averaged by hand); the global losses."""
+    losses = []
+    for step in range(start, stop):
+        set_lr(optimizer, lr_at(step, OPTIM, total))
+        x, y = _batch(step, ctx.rank)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        if ctx.world_size > 1:
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad.div_(ctx.world_size)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        value = loss.detach().clone()
+        if ctx.world_size > 1:
+            dist.all_reduce(value)
+        losses.append(value.item())
+    return losses
+
+
+class _CrashingCheckpointer(Checkpointer):
+    """Every rank fails after its file is written, before the manifest and the rename (a crash)."""
+
+    def _commit(self, job, files):
+        raise RuntimeError("simulated crash before the commit")
+
+
+# ------------------------------------------------------------------------------------------ rank workers
+def _save_at_4(ctx, folder: str) -> dict:
+    flat = os.path.join(folder, "flat")
+    ck = Checkpointer(CheckpointConfig(folder=flat, keep_last=3, split_min_numel=2))
+    for step in (1, 2):
+        ck.save(step, _flat_shards(ctx.rank, step), state={"step": step}, rank_state={"rank": ctx.rank})
+    crash = _CrashingCheckpointer(CheckpointConfig(folder=flat))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        crash.save(3, _flat_shards(ctx.rank, 3))
+    dist.barrier()
+    out: dict = {}
+    if ctx.rank == 0:
+        out["leftovers"] = sorted(p.name for p in os.scandir(flat) if ".tmp-" in p.name)
+        out["leftover_files"] = sorted(os.listdir(os.path.join(flat, out["leftovers"][0])))
+        out["latest"] = open(os.path.join(flat, "latest")).read().strip()
+        out["c_files"] = sorted({p["file"] for p in read_manifest(os.path.join(flat, "step_00000002"))
+                                 ["entries"]["c"]["pieces"]})
+    dist.barrier()
+    info = ck.find_latest_valid()
+    out["found_step"] = info.step
+    out["leftovers_after"] = [p.name for p in os.scandir(flat) if ".tmp-" in p.name]
+
+    # ZeRO-1 at 4 ranks: two steps, then the training state as it is held (1/4 of the moments per rank).
+    seed_everything(0, rank=ctx.rank)
+    model = _tiny_gpt()
+    optimizer = _zero_optimizer(model, stage=1)
+    _train(model, optimizer, ctx, 0, 2)
+    zero_ck = Checkpointer(CheckpointConfig(folder=os.path.join(folder, "zero1")))
+    save_training_state(zero_ck, 2, model=model, optimizer=optimizer)
+    out["zero_moments_saved_here"] = sum(s.numel for n, s in optimizer_shards(model, optimizer).items()
+                                         if n.endswith("exp_avg"))
+    consolidated = optimizer.state_dict()  # collective
+    out["model"] = _portable(model.state_dict())
+    out["optimizer"] = _portable(_by_name(model, consolidated))
+    return out
+
+
+def _load(ctx, folder: str, zero_ref: dict, plain_ref: dict | None) -> dict:
+    from refimpl.parallel.zero import FullyShardedDataParallel
+
+    w, r = ctx.world_size, ctx.rank
+    zero_ref, plain_ref = _portable(zero_ref), _portable(plain_ref)
+    ck = Checkpointer(CheckpointConfig(folder=os.path.join(folder, "flat")))
+    info = ck.find_latest_valid(expected=SHAPES)
+    assert info.step == 2
+    for name, shape in SHAPES.items():  # uneven ranges at the new world size: ceil chunks, last short
+        total = math.prod(shape)
+        chunk = -(-total // w)
+        start, end = min(r * chunk, total), min((r + 1) * chunk, total)
+        target = torch.full((end - start,), float("nan"), dtype=torch.float64)
+        rank_state = ck.load(info, {name: FlatShard(target, shape, start)})
+        assert torch.equal(target, _reference(name, 2).reshape(-1)[start:end]), name
+        full = torch.empty(shape, dtype=torch.float64)
+        ck.load(info, {name: full})
+        assert torch.equal(full, _reference(name, 2)), name
+        assert rank_state == {"rank": r}  # ranks 0..w-1 < 4 all had a file
+
+    # ZeRO-1 at 4 -> FSDP (ZeRO-3) at w, and -> ZeRO-2 at w.
+    zero_ck = Checkpointer(CheckpointConfig(folder=os.path.join(folder, "zero1")))
+    fsdp = FullyShardedDataParallel(_tiny_gpt(seed=7))
+    fsdp_opt = build_optimizer(fsdp, OPTIM)
+    zinfo = zero_ck.resume_point(expected=expected_shapes(fsdp))
+    state = load_training_state(zero_ck, zinfo, model=fsdp, optimizer=fsdp_opt)
+    assert state["step"] == 2
+    full = fsdp.full_state_dict()
+    for name, value in zero_ref["model"].items():
+        if name in full:
+            assert torch.equal(full[name], value), name
+    checked = 0
+    for entry, shard in optimizer_shards(fsdp, fsdp_opt).items():
+        _, pname, key = entry.split("/")
+        ref = zero_ref["optimizer"][pname][key]
+        if ref.dim() == 0:
+            assert torch.equal(shard.tensor, ref), entry
+        else:
+            flat = ref.reshape(-1)[shard.offset : shard.offset + shard.numel]
+            assert torch.equal(shard.tensor.reshape(-1), flat), entry
+            checked += shard.numel if key == "exp_avg" else 0
+    model = _tiny_gpt(seed=8)
+    zero2 = _zero_optimizer(model, stage=2)
+    load_training_state(zero_ck, zinfo, model=model, optimizer=zero2)
+    consolidated = _by_name(model, zero2.state_dict())
+    for pname, ref_state in zero_ref["optimizer"].items():
+        for key, ref in ref_state.items():
+            assert torch.equal(consolidated[pname][key], ref), (pname, key)
+    for name, value in zero_ref["model"].items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+    if plain_ref is not None:  # a plain model and AdamW saved by one process, loaded at w ranks
+        plain_ck = Checkpointer(CheckpointConfig(folder=os.path.join(folder, "plain1")))
+        model = _tiny_gpt(seed=9)
+        optimizer = build_optimizer(model, OPTIM)
+        load_training_state(plain_ck, plain_ck.find_latest_valid(), model=model, optimizer=optimizer)
+        for name, value in plain_ref["model"].items():
+            assert torch.equal(model.state_dict()[name], value), name
+        for pname, ref_state in plain_ref["optimizer"].items():
+            for key, ref in ref_state.items():
+                assert torch.equal(_by_name(model, optimizer.state_dict())[pname][key], ref), (pname, key)
+    return {"moments_checked": checked}
+
+
+def _at_2_ranks(ctx, folder: str, zero_ref: dict, plain_ref: dict, resume_folder: str) -> dict:
+    return {"load": _load(ctx, folder, zero_ref, plain_ref),
+            "resume": _roundtrip_and_resume(ctx, resume_folder)}
+
+
+def _roundtrip_and_resume(ctx, folder: str) -> list[list[float]]:
+    """Uninterrupted 4 steps vs 2 steps + async save (training goes on meanwhile) + fresh load + 2 steps."""
+    seed_everything(0, rank=ctx.rank)
+    model = _tiny_gpt()
+    optimizer = build_optimizer(model, OPTIM)
+    uninterrupted = _train(model, optimizer, ctx, 0, 4)
+
+    seed_everything(0, rank=ctx.rank)
+    model = _tiny_gpt()
+    optimizer = build_optimizer(model, OPTIM)
+    _train(model, optimizer, ctx, 0, 2)
+    saved_model = copy.deepcopy(model.state_dict())
+    saved_optim = copy.deepcopy(optimizer.state_dict())
+    ck = Checkpointer(CheckpointConfig(folder=folder, async_save=True))
+    save_training_state(ck, 2, model=model, optimizer=optimizer, extra={"data": {"next_step": 2}},
+                        config={"optim": {"lr": OPTIM.lr}})
+    _train(model, optimizer, ctx, 2, 3)  # goes on while the files are written; moves the RNGs too
+    assert ck.wait() is not None
+
+    seed_everything(123, rank=ctx.rank)  # a restarted process: other weights, other RNG streams
+    model = _tiny_gpt(seed=5)
+    optimizer = build_optimizer(model, OPTIM)
+    resume_ck = Checkpointer(CheckpointConfig(folder=folder))
+    info = resume_ck.resume_point(expected=expected_shapes(model))
+    state = load_training_state(resume_ck, info, model=model, optimizer=optimizer)
+    assert state["step"] == 2 and state["data"] == {"next_step": 2}
+    assert info.manifest["config"] == {"optim": {"lr": OPTIM.lr}} and info.manifest["world_size"] == 2
+    for name, value in saved_model.items():
+        assert torch.equal(model.state_dict()[name], value), name
+    loaded = optimizer.state_dict()
+    assert loaded["param_groups"] == saved_optim["param_groups"]
+    for index, entry in saved_optim["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(loaded["state"][index][key], value), (index, key)
+    resumed = _train(model, optimizer, ctx, state["step"], 4)
+    return [uninterrupted, resumed]
+
+
+# ------------------------------------------------------------------------------------------------ spawns
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("ckpt")
+    out = run_ranks(_save_at_4, 4, str(folder), timeout_s=SPAWN_TIMEOUT)
+    return {"folder": folder, "rank0": out[0]}
+
+
+@pytest.fixture(scope="module")
+def plain_ref(saved) -> dict:
+    """A plain model + AdamW after one step, saved by this (single) process."""
+    torch.manual_seed(0)
+    model = _tiny_gpt(seed=3)
+    optimizer = build_optimizer(model, OPTIM)
+    x = torch.randint(0, 256, (2, 8))
+    lm_loss(model(x), x).backward()
+    optimizer.step()
+    save_training_state(Checkpointer(CheckpointConfig(folder=saved["folder"] / "plain1")), 1, model=model,
+                        optimizer=optimizer)
+    return _portable({"model": model.state_dict(), "optimizer": _by_name(model, optimizer.state_dict())})
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+def test_save_at_4_ranks_parallel_dedup_and_crash_before_commit(saved):
+    r0 = saved["rank0"]
+    assert r0["c_files"] == [f"rank_{r:05d}.pt" for r in range(4)]  # replicated: written in 4 parallel slices
+    assert r0["latest"] == "step_00000002"  # the crashed save of step 3 did not move "latest"
+    assert len(r0["leftovers"]) == 1 and r0["leftovers"][0].startswith("step_00000003.tmp-")
+    assert r0["leftover_files"] == [f"rank_{r:05d}.pt" for r in range(4)]  # all written, no manifest
+    assert r0["found_step"] == 2 and r0["leftovers_after"] == []
+    total_moments = sum(p.numel() for p in _tiny_gpt().parameters())
+    assert r0["zero_moments_saved_here"] < total_moments // 2  # ZeRO-1: each rank saved its own quarter
+
+
+@pytest.fixture(scope="module")
+def at_2_ranks(saved, plain_ref, tmp_path_factory) -> list[dict]:
+    return run_ranks(_at_2_ranks, 2, str(saved["folder"]), saved["rank0"], plain_ref,
+                     str(tmp_path_factory.mktemp("resume")), timeout_s=SPAWN_TIMEOUT)
+
+
+def _check_moments(results: list[dict]) -> None:
+    total = sum(p.numel() for p in _tiny_gpt().parameters())
+    assert sum(r["moments_checked"] for r in results) == total  # the FSDP shards tile every moment
+
+
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT + 60)
+def test_reshard_4_to_2_ranks_flat_shards_zero_stages_and_1_to_2(at_2_ranks):
+    _check_moments([r["load"] for r in at_2_ranks])
+
+
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT + 60)
+def test_reshard_4_to_3_ranks_flat_shards_and_zero_stages(saved):
+    _check_moments(run_ranks(_load, 3, str(saved["folder"]), saved["rank0"], None, timeout_s=SPAWN_TIMEOUT))
+
+
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT + 60)
+def test_roundtrip_async_save_and_bitwise_resume_at_2_ranks(at_2_ranks):
+    uninterrupted, resumed = at_2_ranks[0]["resume"]
+    assert resumed == uninterrupted[2:]  # exactly, not approximately
+    assert len(set(uninterrupted)) == 4
+
+
+class _OneRank:
+    rank, world_size = 0, 1
+
+
+@pytest.mark.timeout(60)
+def test_bitwise_resume_in_one_process_needs_the_rng_states(tmp_path):
+    seed_everything(0)
+    model = _tiny_gpt()
+    uninterrupted = _train(model, build_optimizer(model, OPTIM), _OneRank, 0, 4)
+    seed_everything(0)
+    model = _tiny_gpt()
+    optimizer = build_optimizer(model, OPTIM)
+    _train(model, optimizer, _OneRank, 0, 2)
+    ck = Checkpointer(CheckpointConfig(folder=tmp_path))
+    save_training_state(ck, 2, model=model, optimizer=optimizer)
+    for restore_rng in (True, False):  # negative control: without the RNG states the batches differ
+        seed_everything(7)
+        model = _tiny_gpt(seed=5)
+        optimizer = build_optimizer(model, OPTIM)
+        state = load_training_state(ck, ck.resume_point(), model=model, optimizer=optimizer,
+                                    restore_rng=restore_rng)
+        resumed = _train(model, optimizer, _OneRank, state["step"], 4)
+        assert (resumed == uninterrupted[2:]) == restore_rng
+
+
+# ------------------------------------------------------------------------------ damage, in this process
+def _damaged_copy(saved, tmp_path, damage) -> tuple:
+    folder = tmp_path / "flat"
+    shutil.copytree(saved["folder"] / "flat", folder)
+    newest = folder / "step_00000002"
+    damage(newest)
+    return folder, newest
+
+
+def _flip_bit(path, position=None):
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if position is None else position
+    data[i] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def _set_version(step_dir):
+    text = (step_dir / MANIFEST).read_text().replace('"format_version": 1', '"format_version": 99')
+    (step_dir / MANIFEST).write_text(text)
+
+
+DAMAGES = {
+    "missing rank file": (lambda d: (d / "rank_00002.pt").unlink(), "rank_00002.pt is missing"),
+    "truncated file": (lambda d: _truncate(d / "rank_00001.pt"), "truncated"),
+    "flipped bit": (lambda d: _flip_bit(d / "rank_00003.pt"), "sha256 mismatch"),
+    "manifest missing": (lambda d: (d / MANIFEST).unlink(), "manifest.json is missing"),
+    "wrong format version": (_set_version, "format version 99 is not supported"),
+    "edited manifest": (lambda d: _flip_bit(d / MANIFEST, position=40), "manifest"),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", list(DAMAGES))
+def test_damaged_checkpoint_is_rejected_and_load_falls_back(saved, tmp_path, kind):
+    damage, message = DAMAGES[kind]
+    folder, newest = _damaged_copy(saved, tmp_path, damage)
+    with pytest.raises(CheckpointError, match=message):
+        verify_checkpoint(newest)
+    info = find_latest_valid(folder)
+    assert info.step == 1 and len(info.skipped) == 1 and message in info.skipped[0]
+    target = torch.empty(SHAPES["b"], dtype=torch.float64)
+    Checkpointer(CheckpointConfig(folder=folder)).load(info, {"b": target})
+    assert torch.equal(target, _reference("b", 1))
+
+
+@pytest.mark.timeout(60)
+def test_wrong_shape_rejected_and_nothing_valid_is_a_clear_error(saved, tmp_path):
+    folder, _ = _damaged_copy(saved, tmp_path, lambda d: None)
+    info = find_latest_valid(folder, expected={"a": (10,), "b": (7, 3)})
+    assert info.step == 2
+    with pytest.raises(CheckpointError, match=r"'b' has shape \(7, 3\) but \(3, 7\) is expected") as err:
+        find_latest_valid(folder, expected={"b": (3, 7)})
+    assert "step_00000002 rejected" in str(err.value) and "step_00000001 rejected" in str(err.value)
+    assert issubclass(CheckpointError, Exception)  # unlike DCP's CheckpointException (a BaseException)
+    assert find_latest_valid(tmp_path / "nothing here") is None
+
+
+@pytest.mark.timeout(60)
+def test_flipped_bit_in_tensor_data_loads_silently_without_the_checksum(saved, tmp_path):
+    """Negative control: torch.load does not notice a flipped bit in tensor bytes; our sha256 does."""
+    folder, newest = _damaged_copy(saved, tmp_path, lambda d: None)
+    path = newest / "rank_00001.pt"
+    piece = torch.load(path, weights_only=True)["pieces"]["a@1"]  # rank 1 holds [1, 5) of "a"
+    position = path.read_bytes().find(piece.numpy().tobytes())
+    assert position > 0
+    _flip_bit(path, position + 3)
+    damaged = torch.load(path, weights_only=True)["pieces"]["a@1"]  # no error...
+    assert not torch.equal(damaged, piece)  # ...but different numbers
+    with pytest.raises(CheckpointError, match="sha256 mismatch"):
+        verify_checkpoint(newest)
+
+
+# ------------------------------------------------------------------------------- protocol, one process
+@pytest.mark.timeout(60)
+def test_keep_last_k_prunes_and_latest_points_to_newest(tmp_path):
+    ck = Checkpointer(CheckpointConfig(folder=tmp_path, keep_last=2))
+    for step in range(1, 5):
+        ck.save(step, {"x": torch.full((3,), float(step))}, state={"step": step})
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004", "step_00000003"]
+    assert (tmp_path / "latest").read_text().strip() == "step_00000004"
+    ck.save(3, {"x": torch.zeros(3)})  # the same step again (a resumed run) replaces it
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004", "step_00000003"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000003", "step_00000004"]
+
+
+@pytest.mark.timeout(60)
+def test_async_snapshot_is_unaffected_by_later_in_place_updates(tmp_path, monkeypatch):
+    release, writing = threading.Event(), threading.Event()
+    real_write = ckpt_mod.write_rank_file
+
+    def slow_write(*args, **kwargs):
+        writing.set()
+        assert release.wait(30)
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt_mod, "write_rank_file", slow_write)
+    weights = torch.arange(1000, dtype=torch.float32)
+    ck = Checkpointer(CheckpointConfig(folder=tmp_path, async_save=True))
+    ck.save(1, {"w": weights})
+    assert writing.wait(30)  # save() returned while the file is not written yet
+    weights.mul_(-1)  # training updates the parameter in place meanwhile
+    release.set()
+    assert ck.wait() == tmp_path / "step_00000001"
+    loaded = torch.empty(1000)
+    ck.load(ck.find_latest_valid(), {"w": loaded})
+    assert torch.equal(loaded, torch.arange(1000, dtype=torch.float32))
+
+
+@pytest.mark.timeout(60)
+def test_async_save_error_is_raised_by_wait(tmp_path, monkeypatch):
+    def failing_write(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(ckpt_mod, "write_rank_file", failing_write)
+    ck = Checkpointer(CheckpointConfig(folder=tmp_path, async_save=True))
+    ck.save(1, {"w": torch.ones(2)})
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        ck.wait()
+    assert list_checkpoints(tmp_path) == [] and [p.name for p in tmp_path.iterdir()] == []
+
+
+@pytest.mark.timeout(60)
+def test_resume_never_refuses_a_folder_with_checkpoints(tmp_path):
+    assert Checkpointer(CheckpointConfig(folder=tmp_path, resume="never")).resume_point() is None
+    Checkpointer(CheckpointConfig(folder=tmp_path)).save(5, {"x": torch.ones(1)})
+    with pytest.raises(CheckpointError, match="already holds checkpoints.*step_00000005"):
+        Checkpointer(CheckpointConfig(folder=tmp_path, resume="never")).resume_point()
+    assert Checkpointer(CheckpointConfig(folder=tmp_path)).resume_point().step == 5
+    with pytest.raises(ConfigError, match="resume"):
+        CheckpointConfig(folder=tmp_path, resume="sometimes")
+
+
+@pytest.mark.timeout(60)
+def test_a_small_view_is_saved_without_its_whole_storage(tmp_path):
+    big = torch.zeros(1_000_000)
+    Checkpointer(CheckpointConfig(folder=tmp_path)).save(1, {"x": FlatShard(big[:10], (10,), 0)})
+    assert (tmp_path / "step_00000001" / "rank_00000.pt").stat().st_size < 10_000
+
+
+@pytest.mark.timeout(60)
+def test_unloadable_state_is_refused_at_save_time(tmp_path):
+    ck = Checkpointer(CheckpointConfig(folder=tmp_path))
+    with pytest.raises(CheckpointError, match="ndarray"):
+        ck.save(1, {}, rank_state={"x": np.zeros(2)})
+    with pytest.raises(CheckpointError, match="JSON"):
+        ck.save(1, {}, state={"x": object()})
+
+
+@pytest.mark.timeout(60)
+def test_rng_capture_restore_gives_the_same_numbers():
+    seed_everything(3)
+    state = capture_rng_state()
+    first = (random.random(), float(np.random.rand()), np.random.randn(), torch.rand(3))
+    random.random(), np.random.rand(), torch.rand(5)  # move on
+    restore_rng_state(state)
+    again = (random.random(), float(np.random.rand()), np.random.randn(), torch.rand(3))
+    assert first[:3] == again[:3] and torch.equal(first[3], again[3])
+
+
+def test_plan_splits_replicas_evenly_and_refuses_bad_layouts():
+    meta = [[ShardMeta("r", (100,), "float32", 0, 100)] for _ in range(4)]
+    pieces = plan_pieces(meta, split_min_numel=10)["r"]["pieces"]
+    assert [(p["rank"], p["start"], p["numel"]) for p in pieces] == [(0, 0, 25), (1, 25, 25), (2, 50, 25),
+                                                                     (3, 75, 25)]
+    small = plan_pieces(meta, split_min_numel=1000)["r"]["pieces"]
+    assert len(small) == 1  # too small to be worth splitting: one writer
+    with pytest.raises(CheckpointError, match=r"elements \[4, 6\) of 10 are held by no rank"):
+        plan_pieces([[ShardMeta("g", (10,), "float32", 0, 4)], [ShardMeta("g", (10,), "float32", 6, 4)]])
+    with pytest.raises(CheckpointError, match="shape"):
+        plan_pieces([[ShardMeta("s", (10,), "float32", 0, 10)], [ShardMeta("s", (11,), "float32", 0, 11)]])
+
+
+def test_save_schedule_every_n_steps_without_process_group():
+    schedule = SaveSchedule(CheckpointConfig(folder="unused", every_steps=3, save_on_sigterm=False))
+    assert [s for s in range(1, 10) if schedule.due(s)] == [3, 6, 9]
+    assert not schedule.stop_requested
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_asks_for_a_save_and_a_stop_then_the_old_handler_returns():
+    before = signal.getsignal(signal.SIGTERM)
+    calls = []
+    signal.signal(signal.SIGTERM, lambda *a: calls.append(a))
+    try:
+        schedule = SaveSchedule(CheckpointConfig(folder="unused", every_steps=100))
+        assert not schedule.due(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert schedule.due(2) and schedule.stop_requested
+        os.kill(os.getpid(), signal.SIGTERM)  # a second SIGTERM goes to the previous handler
+        assert len(calls) == 1
+        schedule.close()
+    finally:
+        signal.signal(signal.SIGTERM, before)
