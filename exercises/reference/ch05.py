@@ -1,0 +1,11 @@
+"""refimpl's answers to the exercises of chapter 05, under the exercise's names and signatures.
+
+The grader's self-test grades this module and expects full marks (tests/test_exercises.py).
+"""
+
+from __future__ import annotations
+
+from refimpl.activations import checkpoint_block
+from refimpl.precision import update_scale
+
+__all__ = ["checkpoint_block", "update_scale"]
