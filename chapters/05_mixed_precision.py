@@ -51,10 +51,11 @@ from refimpl.activation_planner import activation_bytes_per_layer, korthikanti_b
 from refimpl.activations import apply_activation_checkpointing, measure_saved_activations
 from refimpl.config import ModelConfig, OptimConfig
 from refimpl.data import ShardedBatches, prepare_corpus
+from refimpl.loss_scaler import DynamicLossScaler, update_scale
 from refimpl.metrics import format_bytes
 from refimpl.model import GPT, lm_loss
 from refimpl.optim import build_optimizer, lr_at, set_lr
-from refimpl.precision import DynamicLossScaler, MixedPrecision, update_scale
+from refimpl.precision import MixedPrecision
 
 torch.set_num_threads(1)  # small matrices: one thread is as fast, and leaves the second core to the ranks
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from refimpl.precision import LossScalerConfig, ScalerState
+from refimpl.loss_scaler import LossScalerConfig, ScalerState
 
 
 def update_scale(state: ScalerState, found_inf: bool, config: LossScalerConfig) -> ScalerState:
