@@ -37,6 +37,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _context() -> mp.context.BaseContext:
+    """A fork server that has imported torch once, so each rank starts in milliseconds, not seconds.
+
+    Ranks are forked from a clean server process (not from the caller, whose threads and CUDA state must
+    not be forked); like ``spawn`` the function is sent by name. Where fork servers do not exist (Windows,
+    macOS defaults aside) we fall back to ``spawn``.
+    """
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy"])
+    return ctx
+
+
 def _worker(
     fn: Callable[..., Any],
     args: tuple,
@@ -48,6 +62,7 @@ def _worker(
     env: dict[str, str],
     results: Any,
 ) -> None:
+    os.environ.clear()  # the caller's environment as it is now, not the fork server's from its start
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
@@ -84,13 +99,14 @@ def run_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, args, rank, world_size, port, collective_timeout_s or timeout_s / 2, backend, env or {},
+            args=(fn, args, rank, world_size, port, collective_timeout_s or timeout_s / 2, backend,
+                  {**os.environ, **(env or {})},
                   results),
             daemon=True,
         )
