@@ -310,6 +310,26 @@ def _is_sharded_state(value: object, shard: torch.Tensor) -> bool:
 # ----------------------------------------------------------------------------------------------------------
 
 
+@torch.no_grad()
+def clip_sharded_grad_norm_(grads: list[torch.Tensor], max_norm: float, *, device: torch.device,
+                            group: dist.ProcessGroup | None, world_size: int) -> torch.Tensor:
+    """Clip by the global norm when each rank holds a disjoint shard of the gradients.
+
+    ||g||^2 = sum over ranks of the local sums of squares (one all-reduce); then every shard is scaled by
+    min(1, max_norm / (||g|| + 1e-6)), the rule of ``torch.nn.utils.clip_grad_norm_``. Returns ||g||.
+    """
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        sq += g.float().pow(2).sum()
+    if world_size > 1:
+        ops.all_reduce(sq, group=group)
+    norm = sq.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return norm
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     """ZeRO stage 1 or 2 around any ``torch.optim`` optimizer (Rajbhandari et al. 2020; chapter 04).
 
@@ -437,16 +457,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         self.reduce_gradients()
         grads = [s.grad for s in self._shards.values() if s.grad is not None]
-        sq = torch.zeros((), dtype=torch.float32, device=self.params[0].device)
-        for g in grads:
-            sq += g.float().pow(2).sum()
-        if self.world_size > 1:
-            ops.all_reduce(sq, group=self.process_group)
-        norm = sq.sqrt()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return norm
+        return clip_sharded_grad_norm_(grads, max_norm, device=self.params[0].device,
+                                       group=self.process_group, world_size=self.world_size)
 
     # -- the step --------------------------------------------------------------------------------------
 
@@ -837,16 +849,8 @@ class FullyShardedDataParallel(nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (from the shards, one all-reduce); return the norm before."""
         grads = [p.grad for p in self.sharded_parameters() if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float32, device=self.sharded_parameters()[0].device)
-        for g in grads:
-            sq += g.float().pow(2).sum()
-        if self.world_size > 1:
-            ops.all_reduce(sq, group=self.process_group)
-        norm = sq.sqrt()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return norm
+        return clip_sharded_grad_norm_(grads, max_norm, device=self.sharded_parameters()[0].device,
+                                       group=self.process_group, world_size=self.world_size)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
