@@ -17,6 +17,7 @@ help:
 	@echo "make test             the whole suite: unit, multi-rank, notebooks (nbval), exercise self-check"
 	@echo "make lab              open the course in JupyterLab"
 	@echo "make grade CH=NN      grade your solution of exercises/NN_*.py"
+	@echo "make test-fast        the suite without the notebooks"
 	@echo "make lint             ruff check"
 	@echo "make bench            run every benchmark (tables to record in bench/RESULTS.md)"
 

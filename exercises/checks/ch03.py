@@ -14,7 +14,7 @@ import random
 import torch
 from torch import nn
 
-from exercises.grading import Task, load_module
+from exercises.grading import Task, load_module, probe_stub
 
 WORLD = 2
 TIMEOUT_S = 90
@@ -73,21 +73,12 @@ def _expected_buckets(numels: list[int], cap: int) -> list[list[int]]:
     return [list(dict.fromkeys(flat[s : s + cap])) for s in range(0, len(flat), cap)]
 
 
-def _probe(fn, *args) -> None:
-    """Call ``fn`` here, without a process group: a stub raises NotImplementedError at once (no ranks are
-    started for it); an implementation fails on its first collective, which is expected and ignored."""
-    try:
-        fn(*args)
-    except NotImplementedError:
-        raise
-    except Exception:  # noqa: BLE001 - e.g. "Default process group has not been initialized"
-        pass
 
 
 def check_naive(path: str) -> None:
     from refimpl.launch import run_ranks
 
-    _probe(load_module(path).sync_gradients_naive, nn.Linear(2, 2))
+    probe_stub(load_module(path).sync_gradients_naive, nn.Linear(2, 2))
     run_ranks(_naive_on_rank, WORLD, path, timeout_s=TIMEOUT_S)
 
 
@@ -114,7 +105,7 @@ def check_assign_buckets(path: str) -> None:
 def check_sync_bucket(path: str) -> None:
     from refimpl.launch import run_ranks
 
-    _probe(load_module(path).sync_bucket, [torch.zeros(2)])
+    probe_stub(load_module(path).sync_bucket, [torch.zeros(2)])
     run_ranks(_bucket_on_rank, WORLD, path, timeout_s=TIMEOUT_S)
 
 

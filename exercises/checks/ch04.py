@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from exercises.grading import Task, load_module
+from exercises.grading import Task, load_module, probe_stub
 
 WORLD = 2
 TIMEOUT_S = 120
@@ -23,15 +23,6 @@ def _rows(rows: int, rank: int, world: int) -> tuple[int, int]:
     return start, min(start + chunk, rows)
 
 
-def _probe(fn, *args) -> None:
-    """Call ``fn`` here, without a process group: a stub raises NotImplementedError at once (no ranks are
-    started for it); an implementation may fail on its first collective, which is expected and ignored."""
-    try:
-        fn(*args)
-    except NotImplementedError:
-        raise
-    except Exception:  # noqa: BLE001 - e.g. "Default process group has not been initialized"
-        pass
 
 
 # ------------------------------------------------------------------------------------------ 04.1
@@ -108,7 +99,7 @@ def check_sharded_step(path: str) -> None:
 
     mod = load_module(path)
     params = _params(0)
-    _probe(mod.sharded_step, params, [p.detach() for p in params], torch.optim.SGD(params, lr=0.1))
+    probe_stub(mod.sharded_step, params, [p.detach() for p in params], torch.optim.SGD(params, lr=0.1))
     run_ranks(_step_on_rank, WORLD, path, timeout_s=TIMEOUT_S)
 
 
@@ -157,8 +148,8 @@ def check_unshard(path: str) -> None:
 
     mod = load_module(path)
     full = nn.Parameter(torch.zeros(2, 3))
-    _probe(mod.reshard_, [full])
-    _probe(mod.unshard_, [full], [torch.ones(2, 3)])
+    probe_stub(mod.reshard_, [full])
+    probe_stub(mod.unshard_, [full], [torch.ones(2, 3)])
     run_ranks(_unit_on_rank, WORLD, path, timeout_s=TIMEOUT_S)
 
 
