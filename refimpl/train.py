@@ -68,7 +68,7 @@ from refimpl.comm import ops
 from refimpl.config import ConfigError, DataConfig, ModelConfig, OptimConfig, TrainConfig
 from refimpl.data import DataError, ShardedBatches, decode, encode, prepare_corpus
 from refimpl.distributed import DistributedContext, init_distributed, log0, seed_everything, teardown
-from refimpl.metrics import Throughput, format_bytes, format_mfu, peak_memory_bytes, progress
+from refimpl.metrics import Throughput, format_bytes, format_mfu, peak_dtype, peak_memory_bytes, progress
 from refimpl.model import GPT, generate, lm_loss
 from refimpl.optim import build_optimizer, lr_at, param_groups, set_lr
 from refimpl.parallel.data_parallel import DataParallelBucket
@@ -413,7 +413,8 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
     micro = config.data.per_rank_batch(ctx.world_size) // accumulation
     tokens_per_step = config.data.global_batch_size * config.data.seq_len
     meter = Throughput(tokens_per_step=tokens_per_step, num_devices=ctx.world_size, device=ctx.device,
-                       flops_per_token=flops_per_token(config.model, config.data.seq_len))
+                       flops_per_token=flops_per_token(config.model, config.data.seq_len),
+                       dtype=peak_dtype(setup.mp.policy.compute_dtype))  # MFU against this dtype's peak
     log0(ctx, f"model: {param_count(config.model).total:,} parameters | world size {ctx.world_size} on "
               f"{ctx.device.type} ({ctx.backend}) | ZeRO stage {options.zero_stage} | {options.precision} | "
               f"global batch {config.data.global_batch_size} x {config.data.seq_len} tokens = {micro} per "

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -108,17 +106,67 @@ def test_model_flops_utilization_arithmetic():
     assert model_flops_utilization(1000.0, 1e9, 8, 1e12) == pytest.approx(0.125)  # 1 / devices
 
 
-def test_model_flops_utilization_chapter_00_example():
-    # 3.2e15 model FLOP/s delivered by 2048 GPUs of 989e12 dense BF16 peak each.
-    mfu = model_flops_utilization(1.0, 3.2e15, 2048, 989e12)
-    assert mfu == pytest.approx(3.2e15 / (2048 * 989e12))
-    assert round(100 * mfu, 3) == 0.158  # percent
-    assert math.isclose(model_flops_utilization(3.2e15 / 6e9, 6e9, 2048, 989e12), mfu, rel_tol=1e-12)
+def test_mfu_equals_counted_flops_over_peak():
+    # MFU from the formula side (tokens/s x flops_per_token) must equal the FLOP/s a FlopCounterMode
+    # counts over a real training step, divided by the peak: the two sides come from different sources.
+    cfg, b, s = CONFIGS["untied-odd"], 3, 40
+    counted = _measured_train_flops(cfg, b, s)
+    elapsed, peak = 0.5, 67e12  # any duration and peak: the identity holds for all of them
+    mfu = model_flops_utilization(b * s / elapsed, flops_per_token(cfg, s, matmul_only=True), 1, peak)
+    assert mfu == pytest.approx(counted / elapsed / peak, rel=1e-12)
+    # Negative control: the default (all-N) formula over-counts, so its MFU is higher than the counted one.
+    assert model_flops_utilization(b * s / elapsed, flops_per_token(cfg, s), 1, peak) > mfu * 1.01
 
 
 def test_peak_flops():
     assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
     assert peak_flops("NVIDIA H200", "bf16") == 989e12
     assert peak_flops("NVIDIA A100-SXM4-80GB", "bf16") == 312e12
-    assert peak_flops("cpu") is None
-    assert peak_flops("NVIDIA H100 80GB HBM3", "int3") is None
+    assert peak_flops("cpu", "fp32") is None
+    with pytest.raises(ValueError, match="unknown compute dtype"):
+        peak_flops("NVIDIA H100 80GB HBM3", "int3")
+    with pytest.raises(TypeError):
+        peak_flops("NVIDIA H100 80GB HBM3")  # no silent bf16 default
+
+
+@pytest.mark.parametrize(("name", "bf16", "tf32", "fp32"), [
+    ("NVIDIA H100 80GB HBM3", 989e12, 494.7e12, 67e12),
+    ("NVIDIA H200", 989e12, 494.7e12, 67e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12, 156e12, 19.5e12),
+    ("NVIDIA H100 PCIe", 756e12, 378e12, 51e12),  # matched before the SXM entry
+])
+def test_peak_table_has_every_compute_dtype(name, bf16, tf32, fp32):
+    assert peak_flops(name, "bf16") == peak_flops(name, "fp16") == bf16
+    assert (peak_flops(name, "tf32"), peak_flops(name, "fp32")) == (tf32, fp32)
+    assert fp32 < tf32 < bf16  # CUDA-core fp32 < tensor-core tf32 < tensor-core 16-bit
+
+
+def test_peak_dtype_follows_the_compute_dtype_and_matmul_precision():
+    from refimpl.metrics import peak_dtype
+
+    assert peak_dtype(torch.bfloat16) == "bf16"
+    assert peak_dtype(torch.float16) == "fp16"
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")  # PyTorch's default: true fp32, no TF32
+        assert peak_dtype(torch.float32) == "fp32"
+        torch.set_float32_matmul_precision("high")  # TF32 tensor cores allowed
+        assert peak_dtype(torch.float32) == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(before)
+    with pytest.raises(ValueError, match="no peak"):
+        peak_dtype(torch.float64)
+
+
+def test_throughput_requires_the_compute_dtype():
+    from refimpl.metrics import Throughput
+
+    kwargs = dict(tokens_per_step=128, flops_per_token=1e6, num_devices=1, device=torch.device("cpu"))
+    with pytest.raises(TypeError):
+        Throughput(**kwargs)  # no default dtype
+    with pytest.raises(TypeError):
+        Throughput(128, 1e6, 1, torch.device("cpu"), "fp32")  # keyword-only
+    with pytest.raises(ValueError, match="expected one of"):
+        Throughput(**kwargs, dtype="float32")
+    tokens_per_s, mfu = Throughput(**kwargs, dtype="fp32").step()
+    assert tokens_per_s > 0 and mfu is None  # a CPU has no peak in the table: MFU is n/a, not made up
