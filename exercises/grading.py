@@ -36,6 +36,7 @@ class TaskResult:
     points: int
     earned: int
     message: str = ""
+    detail: str = ""  # the traceback of a failed check, printed after the score table
 
 
 @dataclass(kw_only=True)
@@ -110,11 +111,9 @@ def grade(chapter: str, module_path: str | Path | None = None, *, verbose: bool 
             result = TaskResult(name=task.name, points=task.points, earned=task.points, message="ok")
         except NotImplementedError:
             result = TaskResult(name=task.name, points=task.points, earned=0, message="not implemented yet")
-        except Exception as exc:  # a wrong answer or a crash: show the learner why
-            last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-            if "NotImplementedError" in str(exc):
-                last = "not implemented yet"
-            result = TaskResult(name=task.name, points=task.points, earned=0, message=last)
+        except Exception as exc:  # a wrong answer or a crash: show the learner why, short first
+            short, detail = _explain(exc)
+            result = TaskResult(name=task.name, points=task.points, earned=0, message=short, detail=detail)
         report.results.append(result)
         if verbose:
             mark = "PASS" if result.earned == result.points else "FAIL"
@@ -122,7 +121,26 @@ def grade(chapter: str, module_path: str | Path | None = None, *, verbose: bool 
             print(f"  [{mark}] {task.name:<40s} {score}  {result.message}", flush=True)
     if verbose:
         print(f"chapter {chapter}: {report.earned}/{report.total} points", flush=True)
+        for r in report.results:  # the long story after the table, for the tasks that failed
+            if r.detail:
+                print(f"\n--- {r.name}: {r.message}\n{r.detail.rstrip()}", flush=True)
     return report
+
+
+def _explain(exc: Exception) -> tuple[str, str]:
+    """(one line for the score table, the traceback for after it) of a failed check.
+
+    A failure inside a rank (``RankFailed``) already reads ``rank N: Error: message`` on its first line.
+    """
+    text = str(exc)
+    if "NotImplementedError" in text:  # a stub raised inside a rank
+        return "not implemented yet", ""
+    first = text.split("\n", 1)[0].strip()
+    if text.startswith("rank "):
+        short = first
+    else:
+        short = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return short, "".join(traceback.format_exception(exc))
 
 
 def probe_stub(fn: Callable[..., object], *args: object) -> None:

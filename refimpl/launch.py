@@ -3,8 +3,9 @@
 :func:`run_ranks` spawns ``world_size`` processes, gives each the torchrun environment (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, a free ``MASTER_PORT``), initialises a gloo (or NCCL)
 process group with an explicit timeout, calls ``fn(ctx, *args)`` and returns the results in rank order.
-It never hangs: the first rank that fails kills the others and its traceback is raised in the caller as
-:class:`RankFailed`; a whole run longer than ``timeout_s`` is killed too.
+It never hangs: the first rank that fails kills the others and is raised in the caller as
+:class:`RankFailed`, whose first line names the rank and the exception and whose traceback follows; a whole
+run longer than ``timeout_s`` is killed too.
 
 ``fn`` must be importable (defined at module level in an importable module): spawned processes cannot
 receive functions defined in a notebook; notebooks use :mod:`refimpl.notebook` instead.
@@ -23,11 +24,47 @@ from typing import Any
 
 
 class RankFailed(RuntimeError):
-    """A rank raised, crashed or timed out; the message holds its traceback."""
+    """A rank raised, crashed or timed out.
+
+    The message reads short first, then long: its first line names the rank and the exception
+    (``rank 1: AssertionError: grad of layers.0 ...``), the rank's traceback follows. ``summary`` is
+    that first line, for a grader's one-line verdict.
+    """
 
     def __init__(self, rank: int | None, message: str) -> None:
         super().__init__(message)
         self.rank = rank
+
+    @property
+    def summary(self) -> str:
+        return str(self).split("\n", 1)[0]
+
+
+def _exception_line(tb: str) -> str:
+    """The last line of a traceback that is not blank: the exception and its message's first line."""
+    lines = [line for line in tb.splitlines() if line.strip()]
+    if not lines:
+        return "(no traceback)"
+    # a multi-line message: the exception line is the first line that starts without indentation after
+    # the last frame ("  File ..." and the code lines under it are indented)
+    last_frame = max((i for i, line in enumerate(lines) if line.startswith("  File ")), default=None)
+    if last_frame is None:  # not Python's format (e.g. IPython's): the exception is the last line
+        return lines[-1].strip()
+    tail = [line for line in lines[last_frame + 1 :] if not line.startswith("    ")]
+    return (tail[0] if tail else lines[-1]).strip()
+
+
+# A rank whose peer died first fails in its next collective with one of these: it is not the cause.
+_SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "recvBytes",
+              "Socket Timeout")
+
+
+def _first_cause(errors: list[tuple[int, str]]) -> tuple[int, str]:
+    """Of the ranks that failed, the one whose failure looks like the cause, not a consequence."""
+    for rank, tb in errors:
+        if not any(marker in _exception_line(tb) for marker in _SECONDARY):
+            return rank, tb
+    return errors[0]
 
 
 def free_port() -> int:
@@ -137,7 +174,19 @@ def run_ranks(
                 else:
                     continue
             if status == "error":
-                raise RankFailed(rank, f"rank {rank} failed:\n{value}")
+                errors = [(rank, value)]
+                # the others fail a moment later in their next collective: wait briefly so the report
+                # names the rank that caused it, not the first peer that noticed
+                settle = time.monotonic() + 1.0
+                while len(errors) + len(out) < world_size and (left := settle - time.monotonic()) > 0:
+                    try:
+                        r, st, v = results.get(timeout=left)
+                    except queue.Empty:
+                        break
+                    if st == "error":
+                        errors.append((r, v))
+                rank, tb = _first_cause(errors)
+                raise RankFailed(rank, f"rank {rank}: {_exception_line(tb)}\n\n{tb}")
             out[rank] = value
     finally:
         for p in procs:

@@ -1,4 +1,6 @@
-"""Run code on many ranks from a notebook: one ipyparallel engine per rank (DESIGN.md, "Running many ranks").
+"""Run code on many ranks from a notebook: one ipyparallel engine per rank.
+
+See docs/ARCHITECTURE.md, "Running many ranks".
 
 A chapter starts its ranks once and then runs ``%%px`` cells on all of them::
 
@@ -62,9 +64,13 @@ class RankError(RuntimeError):
     """A function failed on one or more ranks; ``failures`` maps rank -> that rank's traceback text."""
 
     def __init__(self, failures: dict[int, str]) -> None:
+        from refimpl.launch import _exception_line
+
         self.failures = failures
+        short = [f"rank {r}: {_exception_line(tb)}" for r, tb in sorted(failures.items())]
         parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())]
-        super().__init__(f"failed on rank(s) {sorted(failures)}:\n" + "\n".join(parts))
+        # short first (which rank, which assertion), the tracebacks after
+        super().__init__("\n".join(short) + "\n\n" + "\n".join(parts))
 
 
 class CommandFailed(RuntimeError):

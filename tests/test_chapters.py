@@ -1,4 +1,4 @@
-"""Every chapter executes as a notebook under nbval, with its assertions (DESIGN.md: the chapter contract).
+"""Every chapter executes as a notebook under nbval, with its assertions (docs/ARCHITECTURE.md: chapters).
 
 The jupytext percent-format source ``chapters/NN_topic.py`` is converted to ``build/chapters/NN_topic.ipynb``
 inside the test (never a manual step) and executed by ``pytest --nbval-lax`` in a child process, so a chapter
@@ -18,6 +18,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.py"))
 CHAPTER_TIMEOUT_S = 420
+# Chapters whose assertions compare floating-point results that are not bitwise (one device vs many ranks,
+# ours vs PyTorch's) carry the numerics marker: CI reruns them under ATEN_CPU_CAPABILITY=default.
+NUMERICS = {"03_data_parallel", "04_zero", "05_mixed_precision", "09_checkpoint_elastic"}
+PARAMS = [pytest.param(p, id=p.stem, marks=[pytest.mark.numerics] if p.stem in NUMERICS else [])
+          for p in CHAPTERS]
 
 
 def test_there_are_chapters():
@@ -25,7 +30,7 @@ def test_there_are_chapters():
 
 
 @pytest.mark.timeout(CHAPTER_TIMEOUT_S + 60)
-@pytest.mark.parametrize("source", CHAPTERS, ids=[p.stem for p in CHAPTERS])
+@pytest.mark.parametrize("source", PARAMS)
 def test_chapter_executes(source: Path, tmp_path: Path):
     build = ROOT / "build" / "chapters"
     build.mkdir(parents=True, exist_ok=True)

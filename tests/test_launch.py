@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from refimpl.launch import RankFailed, free_port, run_ranks
+from refimpl.launch import RankFailed, _exception_line, _first_cause, free_port, run_ranks
 
 
 def _rank_and_sum(ctx, offset):
@@ -67,6 +67,9 @@ def test_a_raising_rank_fails_quickly_with_its_traceback():
     caught = time.time()
     message = str(info.value)
     assert info.value.rank == 1
+    # short first: the rank and the exception on the first line, the traceback after it
+    assert info.value.summary.startswith("rank 1: ValueError: rank one exploded: marker-7f3a"), message[:300]
+    assert message.index("Traceback") > message.index("\n")
     assert "Traceback" in message and "ValueError: rank one exploded: marker-7f3a" in message
     assert "_raise_on_rank_1" in message  # the frame of the failing function
     # Measured from the raise, not from the start: spawning and importing torch is slow on a busy CPU.
@@ -93,3 +96,14 @@ def test_a_collective_only_rank_0_enters_fails_within_the_collective_timeout():
     assert "Traceback" in message
     waited = float(message.rsplit("all_reduce failed after ", 1)[1].split()[0])
     assert 2.5 <= waited < 15, f"the collective failed after {waited} s, with a 3 s timeout"
+
+
+def test_the_report_names_the_cause_not_the_peer_that_noticed():
+    frame = '  File "x.py", line 3, in f\n    dist.all_reduce(t)\n'
+    peer = f"Traceback (most recent call last):\n{frame}RuntimeError: [gloo] Connection closed by peer [1]\n"
+    cause = ("Traceback (most recent call last):\n  File \"x.py\", line 9, in g\n    assert ok, msg\n"
+             "    ^^^^^^^^^^\nAssertionError: grad differs\nsecond line of the message\n")
+    assert _exception_line(cause) == "AssertionError: grad differs"
+    assert _exception_line(peer) == "RuntimeError: [gloo] Connection closed by peer [1]"
+    assert _first_cause([(0, peer), (1, cause)]) == (1, cause)
+    assert _first_cause([(0, peer)]) == (0, peer)  # nothing better known: the first report

@@ -15,11 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import ipyparallel as ipp  # a dependency: a missing one fails here, it does not skip the file
 import pytest
 
-ipp = pytest.importorskip("ipyparallel")
-
-from refimpl.notebook import CommandFailed, RankError, Ranks, _free_port, run_command, start_ranks  # noqa: E402
+from refimpl.notebook import CommandFailed, RankError, Ranks, _free_port, run_command, start_ranks
 
 CLUSTER_TIMEOUT = 300  # pytest-timeout for tests using the cluster: includes its start in the fixture
 TIMEOUT_S = 5.0  # the process-group timeout: a collective that a rank never joins fails after it
@@ -153,6 +152,7 @@ def test_failure_on_rank_1_raises_with_its_traceback(ranks: Ranks) -> None:
         ranks.run(_raise_on_rank_1)
     assert set(info.value.failures) == {1}
     text = str(info.value)
+    assert text.split("\n", 1)[0] == "rank 1: ValueError: boom on rank 1", text[:200]  # short first
     assert "rank 1" in text and "ValueError: boom on rank 1" in text and "_raise_on_rank_1" in text
     assert "ipyparallel/engine/kernel.py" not in text  # its own frames are trimmed
     assert ranks.run(_all_reduce_ones) == [[2.0, 2.0, 2.0]] * 2  # an ordinary error breaks nothing
