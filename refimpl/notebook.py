@@ -190,6 +190,8 @@ class Ranks:
         self.devices: list[str] = []
         self._engine_ids = list(engine_ids)
         self._stopped = False
+        self._pids: list[int] = []  # the controller and the engines (their nannies are found at the end)
+        self._reaper: subprocess.Popen[bytes] | None = None
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every rank at once; return the results in rank order.
@@ -243,9 +245,16 @@ class Ranks:
         # ask the engines to exit (fast); stop_cluster then TERMs, and KILLs after 5 s, what is left
         with contextlib.suppress(Exception):
             self.client.shutdown(targets="all", block=False)
+        from refimpl.reaper import kill_tree, process_tree
+
+        procs = process_tree(self._pids, {})  # now, while the nannies can still be found by their parent
         _stop_cluster(self.cluster, max(1.0, deadline - time.monotonic()))
         with contextlib.suppress(Exception):
             self.client.close()
+        kill_tree(process_tree(self._pids, procs))  # whatever did not exit on request (nannies included)
+        if self._reaper is not None:
+            self._reaper.kill()
+            self._reaper.wait(timeout=5)
 
     def __enter__(self) -> Ranks:
         return self
@@ -262,7 +271,12 @@ class Ranks:
 
 def _stop_cluster(cluster: Any, timeout_s: float) -> None:
     """Stop the controller and engines, waiting at most ``timeout_s``, then SIGKILL what is left."""
-    stopper = threading.Thread(target=lambda: cluster.stop_cluster_sync(), daemon=True)
+
+    def stop() -> None:  # ipyparallel can raise while its launchers exit; what is left is killed below
+        with contextlib.suppress(Exception):
+            cluster.stop_cluster_sync()
+
+    stopper = threading.Thread(target=stop, daemon=True)
     stopper.start()
     stopper.join(timeout_s)
     if stopper.is_alive():
@@ -298,6 +312,8 @@ def start_ranks(
     """
     import ipyparallel as ipp
 
+    from refimpl.reaper import start_reaper
+
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     # ERROR: the engines exit non-zero when stopped, and ipyparallel would dump their logs as warnings
@@ -310,6 +326,10 @@ def start_ranks(
         ranks = Ranks(cluster, client, sorted(client.ids)[:world_size], timeout_s)
         paths = [_REPO_ROOT, *[p for p in sys.path if p]]
         ranks._call(ipp.interactive(_prepare_engine), (paths,), {}, wait_s=startup_timeout_s)
+        engine_pids = ranks._call(os.getpid, (), {}, wait_s=startup_timeout_s)
+        controller_pid = getattr(cluster.controller, "pid", None)
+        ranks._pids = [p for p in [controller_pid, *engine_pids] if p]
+        ranks._reaper = start_reaper(ranks._pids)  # they die with this kernel, however it ends
         ranks.restart_process_group(backend=backend)
     except BaseException:
         if ranks is not None:
