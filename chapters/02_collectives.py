@@ -6,7 +6,7 @@
 #       format_name: percent
 #       format_version: '1.3'
 #   kernelspec:
-#     display_name: Python 3
+#     display_name: Python 3 (ipykernel)
 #     language: python
 #     name: python3
 # ---
@@ -28,20 +28,19 @@
 # | all-to-all | chunk *r* of everybody's tensor | mixture of experts, Ulysses sequence parallelism |
 #
 # This chapter (1) runs each of them on 4 ranks and draws who holds what before and after; (2) builds the
-# all-reduce that NCCL uses, the **ring**, from nothing but `isend`/`irecv`, and proves it equal to
-# `torch.distributed.all_reduce`; (3) proves with a **tracer** that each rank sends exactly
-# $2\frac{n-1}{n}S$ bytes; and (4) measures latency and bandwidth on this machine and fits the
-# **alpha-beta** cost model that later chapters use to reason about time.
+# all-reduce that NCCL uses on large tensors, the **ring**, from nothing but `isend`/`irecv`, and proves it
+# equal to `torch.distributed.all_reduce`; (3) **measures** with a tracer the bytes our ring hands to
+# `isend` and compares them with the ring's formula, $2\frac{n-1}{n}S$ per rank, and says what the tracer
+# can only *model* (what a `torch.distributed` collective puts on the wire); and (4) measures latency and
+# bandwidth on this machine, fits the **alpha-beta** cost model that later chapters use to reason about
+# time, and reports with $R^2$ how much of the measured times the model explains.
 #
 # Everything here lives in `refimpl.comm`: `ops` (the traced calls), `tracer`, `ring`, `cost_model`,
 # `pictures`.
 
 # %%
-import inspect
-
 import torch
 
-from refimpl.comm import ring
 from refimpl.comm.cost_model import fit_alpha_beta, plot_alpha_beta
 from refimpl.comm.pictures import plot_timeline, plot_who_holds_what
 from refimpl.notebook import start_ranks
@@ -67,7 +66,6 @@ from refimpl.comm.ring import (
     naive_all_reduce,
     ring_all_gather,
     ring_all_reduce,
-    ring_bytes_sent,
     ring_reduce_scatter,
 )
 
@@ -176,23 +174,23 @@ fig = plot_who_holds_what({k: ([p[k][0] for p in per_rank], [p[k][1] for p in pe
 # keeps every link busy with an equal share. Put the ranks on a ring, rank $r$ sending to $r+1$ and
 # receiving from $r-1$, and cut the tensor into $n$ chunks.
 #
-# * **Reduce-scatter, $n-1$ steps.** At step $s$ rank $r$ sends its running sum of chunk $(r-s-1) \bmod n$
-#   and receives chunk $(r-s-2) \bmod n$, to which it adds its own values. Each chunk travels once round
-#   the ring collecting one contribution per hop; after $n-1$ steps rank $r$ holds chunk $r$ of the sum.
+# * **Reduce-scatter, $n-1$ steps.** At every step each rank sends one chunk to its right neighbour and
+#   receives one from its left, adds its own values of that chunk to it, and passes the result on at the
+#   next step. A partial sum thus travels once round the ring, collecting one contribution per hop; after
+#   $n-1$ hops it holds all $n$ and stays on the rank that added last. Which chunk a rank must send first
+#   so that rank $r$ ends with chunk $r$ (the layout of `reduce_scatter_tensor`) is for you to work out
+#   in exercise 02.1.
 # * **All-gather, $n-1$ steps.** The finished chunks travel round the ring once more, copied, not added.
 #
 # Per rank and per step one chunk of $S/n$ bytes goes out: $2(n-1)$ steps, so
 # $$\text{bytes sent per rank} = 2\,\frac{n-1}{n}\,S,$$
 # less than $2S$ however many ranks there are. Lengths that $n$ does not divide are cut by
 # `torch.tensor_split` into chunks of $\lceil S/n\rceil$ and $\lfloor S/n\rfloor$ elements (some empty when
-# $S < n$). Here are the two loops, the whole algorithm:
-
-# %%
-print(inspect.getsource(ring._ring_reduce_scatter_))
-print(inspect.getsource(ring._ring_all_gather_))
-
-# %% [markdown]
-# The two phases on the same inputs as above: after the reduce-scatter rank $r$ holds one fully summed
+# $S < n$); a rank then sends every chunk but one per phase, which differs from $\frac{n-1}{n}S$ by less
+# than one element, while the sum over the ranks stays exactly $(n-1)S$ per phase.
+#
+# The code is `refimpl.comm.ring` (the exercise asks you to write it yourself first, so it is not shown
+# here). The two phases on the same inputs as above: after the reduce-scatter rank $r$ holds one fully summed
 # chunk (Σ), after the all-gather every rank holds all of them.
 
 # %%
@@ -268,68 +266,126 @@ for S in (1, 3, 5, 1001, 4096):
     assert torch.equal(ring_all_gather(shard, S), reference)
     if S % n == 0:
         theirs = torch.empty(S // n, device=device)
-        dist.reduce_scatter_tensor(theirs, ints)
+        ops.reduce_scatter_tensor(theirs, ints)   # torch's own (ops: the same call, under its current name)
         assert torch.equal(shard, theirs)
         gathered = torch.empty(S, device=device)
-        dist.all_gather_into_tensor(gathered, shard)
+        ops.all_gather_into_tensor(gathered, shard)
         assert torch.equal(ring_all_gather(shard, S), gathered)
 
 # %% [markdown]
-# ## 3. The tracer proves the traffic
+# ## 3. What the tracer measures, and what it only models
 #
 # `refimpl.comm.CommTracer` is a context manager that records every call made through `refimpl.comm.ops`:
-# the op, its bytes, the group size, the peer, start and end times (an async op's end is stamped when its
-# handle is waited) and the step. `tracer.step()` closes a step, and `tracer.per_step()` gives the totals
-# per step. For point-to-point calls the bytes sent are exact, so the tracer measures what the ring
-# actually sends. Step 0: a tensor that 4 divides ($S$ = 4096 float32 = 16 KiB); step 1: one it does not
-# (1001 elements), where the exact count is $(S - c_r) + (S - c_{r+1})$ elements with $c_i$ the chunk sizes.
-# For comparison the tracer also records `dist.all_reduce` through `ops`, for which it books the ring's
-# cost model, and the naive all-reduce through rank 0.
+# the op, its payload, the bytes this rank sends, the group size, the peer, start and end times (an async
+# op's end is stamped when its handle is waited) and the step. `tracer.step()` closes a step, and
+# `tracer.per_step()` gives the totals per step. Two kinds of numbers, and the difference matters:
+#
+# * **measured**: the payload of every call (`nbytes`, the size of the tensors handed to it), and the bytes
+#   of every point-to-point call (a `send`/`isend` puts exactly its tensor on the wire, a receive nothing);
+#   `tracer.measured_bytes_sent()` sums what this rank handed to `send`/`isend`;
+# * **modelled**: what a `torch.distributed` collective sends. The backend does not say, so the tracer
+#   books the ring's formula for it (`event.measured` is `False`, `tracer.modelled_bytes_sent()`).
+#
+# Our ring is made of `isend`/`irecv`, so its traffic is **measured**, chunk by chunk, from the tensors it
+# sends, and can be held against the formula: $2\frac{n-1}{n}S$ per rank for the all-reduce,
+# $\frac{n-1}{n}S$ for the reduce-scatter and for the all-gather. We try a length that 4 divides
+# (4096 float32 = 16 KiB) and three it does not: 1001, 6 and 3 elements ($3 < n$: one rank owns an empty
+# chunk). For those the formula is not an integer number of elements; each rank sends every chunk but one
+# per phase, so it is off by less than one element per phase, and the ranks together send exactly
+# $n$ times the formula. Each (op, length) is one traced step.
 
 # %%
 # %%px
+LENGTHS = (4096, 1001, 6, 3)
+PHASES = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}  # formula: PHASES[op] (n-1)/n S
+runs = []                                                          # (op, numel) per traced step
 with CommTracer() as tracer:
-    x = torch.ones(4096, device=device)
-    ring_all_reduce(x)
-    tracer.step()
-    y = torch.ones(1001, device=device)
-    ring_all_reduce(y)
-ring_events = list(tracer.events)
+    for numel in LENGTHS:
+        x = torch.ones(numel, device=device)
+        ring_all_reduce(x)
+        runs.append(("all_reduce", numel))
+        tracer.step()
+        shard = ring_reduce_scatter(x)
+        runs.append(("reduce_scatter", numel))
+        tracer.step()
+        ring_all_gather(shard, numel)
+        runs.append(("all_gather", numel))
+        tracer.step()
+ring_events = tracer.select(step=0)  # the all-reduce of 16 KiB, for the timeline below
 
-S0, S1 = x.numel() * 4, y.numel() * 4
-steps = tracer.per_step()
-assert len(steps) == 2
-assert steps[0]["isend"].count == 2 * (n - 1) and steps[0]["irecv"].count == 2 * (n - 1)
-assert tracer.bytes_sent(step=0) == 2 * (n - 1) / n * S0           # the formula, exactly
-assert tracer.bytes_sent(step=1) == ring_bytes_sent(1001, n, rank, 4)  # uneven chunks, exactly
+measured = []
+for step, (op, _) in enumerate(runs):
+    totals = tracer.summary(step=step)
+    assert set(totals) == {"isend", "irecv"}, totals              # only point-to-point: nothing modelled
+    assert totals["isend"].count == PHASES[op] * (n - 1)          # one send per step of each phase
+    measured.append(tracer.measured_bytes_sent(step=step))      # bytes of the tensors handed to isend
 assert all(e.end is not None and e.end >= e.start for e in tracer.events)
-
-with CommTracer() as nccl_model:
-    ops.all_reduce(torch.ones(4096, device=device))
-assert nccl_model.bytes_sent() == tracer.bytes_sent(step=0)          # what NCCL's ring sends
 
 with CommTracer() as naive:
     naive_all_reduce(torch.ones(4096, device=device))
-traffic = (tracer.bytes_sent(step=0), tracer.bytes_sent(step=1), naive.bytes_sent())
+naive_sent = naive.measured_bytes_sent()
+
+# %% [markdown]
+# The notebook collects every rank's measurement and holds it against the formula $f\,\frac{n-1}{n}S$
+# ($f$ = 2 phases for the all-reduce, 1 for the others, $S$ in bytes): equal on every rank when 4 divides
+# the length, within one element per phase otherwise, and the sum over the ranks equal to $n$ times the
+# formula, exactly, in every case.
 
 # %%
-traffic = ranks.run(lambda: traffic)
-S0, S1, n = 4096 * 4, 1001 * 4, WORLD_SIZE
-print(f"formula 2(n-1)/n S = {2 * (n - 1) / n * S0:.0f} bytes for S = {S0} bytes\n")
-print("rank | ring, S = 16384 B | ring, S = 4004 B | naive (through rank 0), S = 16384 B")
-for r, (a, b, c) in enumerate(traffic):
-    print(f"{r:4d} | {a:17.0f} | {b:16.0f} | {c:.0f}")
-assert traffic[0][2] == (n - 1) * S0      # rank 0 of the naive all-reduce sends (n-1) S: grows with n
-assert all(a == 2 * (n - 1) / n * S0 for a, _, _ in traffic)
+per_rank = ranks.run(lambda: (runs, measured, naive_sent))
+runs = per_rank[0][0]
+n, PHASES = WORLD_SIZE, {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}
+print(f"{'op':14s} {'S (bytes)':>9s} | {'f(n-1)/n S':>10s} | measured per rank (bytes) | sum over ranks")
+for i, (op, numel) in enumerate(runs):
+    f, S = PHASES[op], numel * 4
+    sent = [m[i] for _, m, _ in per_rank]
+    print(f"{op:14s} {S:9d} | {f * (n - 1) / n * S:10.1f} | {str(sent):25s} | {sum(sent)} = {n} x formula")
+    # in integers, times n: exact comparisons
+    assert sum(sent) == f * (n - 1) * S, (op, numel, sent)                           # all ranks together
+    assert all(abs(n * b - f * (n - 1) * S) < n * f * 4 for b in sent), (op, numel, sent)  # < 1 element/phase
+    if numel % n == 0:
+        assert all(n * b == f * (n - 1) * S for b in sent), (op, numel, sent)        # every rank, exactly
+
+naive_sent, S = [s for _, _, s in per_rank], 4096 * 4
+print(f"\nnaive all-reduce through rank 0, S = {S} B: measured per rank {naive_sent}, sum {sum(naive_sent)}")
+assert naive_sent[0] == (n - 1) * S                                  # rank 0 sends (n-1) S, the others S
+assert sum(naive_sent) == 2 * (n - 1) * S                            # the same total as the ring ...
+assert not all(n * b == 2 * (n - 1) * S for b in naive_sent)         # ... but the per-rank check fails
 
 # %% [markdown]
 # The ring spreads the work: every rank sends $1.5\,S$ here, where the naive version makes rank 0 send
-# $3S$ (and $(n-1)S$ on $n$ ranks, e.g. $7S$ on 8). The timeline of the traced sends shows the
-# $2(n-1) = 6$ steps of the ring on each rank, the first 3 of the reduce-scatter, then 3 of the
-# all-gather, each waiting on the neighbour's previous step.
+# $3S$ (and $(n-1)S$ on $n$ ranks, e.g. $7S$ on 8) and the others $S$. Both send $2(n-1)S$ in total; what
+# the ring buys is the balance, and the per-rank check is the one that tells them apart (it fails for the
+# naive all-reduce, so it can fail).
+#
+# **What the tracer can not measure.** For `dist.all_reduce` the tracer sees one call and its payload;
+# what gloo (or NCCL) then sends happens inside the backend. It books the ring model for it, and says so:
 
 # %%
-events = ranks.run(lambda: [e for e in ring_events if e.step == 0])
+# %%px
+with CommTracer() as dist_trace:
+    ops.all_reduce(torch.ones(4096, device=device))
+(event,) = dist_trace.events
+assert event.op == "all_reduce" and event.nbytes == 4096 * 4     # measured: which collective, which payload
+assert not event.measured and dist_trace.measured_bytes_sent() == 0  # no byte on the wire was seen
+modelled = dist_trace.modelled_bytes_sent()
+if rank == 0:
+    print(f"dist.all_reduce of {event.nbytes} B: the tracer books {modelled:.0f} B sent per rank, "
+          f"the ring model 2(n-1)/n S, not a measurement")
+
+# %% [markdown]
+# That number is what NCCL's ring would send on a large tensor, a model: NCCL switches to trees for small
+# messages, and gloo, the backend running here, picks its own algorithms (its reduce-scatter is built from
+# an all-reduce). When chapters 03-05 compare traced bytes of `torch.distributed` collectives with their
+# formulas, what is really checked is *which* collectives ran with *which* payloads; the wire bytes are
+# the model's. Only our own point-to-point rings give measured wire bytes, as above.
+#
+# The timeline of the traced sends of the 16 KiB ring all-reduce shows its $2(n-1) = 6$ steps on each
+# rank, the first 3 of the reduce-scatter, then 3 of the all-gather, each waiting on the neighbour's
+# previous step.
+
+# %%
+events = ranks.run(lambda: ring_events)
 fig = plot_timeline(events, ops=["isend", "irecv"], title="ring all-reduce of 16 KiB on 4 ranks: traced p2p")
 
 # %% [markdown]
@@ -347,43 +403,65 @@ fig = plot_timeline(events, ops=["isend", "irecv"], title="ring all-reduce of 16
 # We measure a **ping-pong** between ranks 0 and 1 (one-way time = half the round trip) from 4 bytes to
 # 4 MiB, then `dist.all_reduce` and our ring on all 4 ranks. Each size is warmed up, repeated, and the
 # median kept. Then we fit $\alpha$ and $\beta$ by least squares on the relative error (so that small and
-# large messages count alike). **These numbers describe this machine only**: 4 ranks sharing a few
-# CPU cores pay the operating system's scheduling in every step, so the 4-rank collectives look far
-# slower than the p2p model predicts. On a GPU box the same cell measures NVLink or the network.
+# large messages count alike), and ask how much the fit explains: $R^2$, computed on $\log T$ (what the
+# log-log plot shows),
+# $$R^2 = 1 - \frac{\sum_S (\log T_S - \log \hat T_S)^2}{\sum_S (\log T_S - \overline{\log T})^2},$$
+# the share of the spread of the measured times over the sizes that the line $\hat T = \alpha + S/\beta$
+# accounts for: 1 when every point lies on it, 0 when it does no better than one constant time for all
+# sizes, negative when it does worse. **These numbers describe this machine only**; on a GPU box the same
+# cell measures NVLink or the network.
 
 # %%
 # %%px
-p2p = cost_model.measure_p2p(repeats=3, warmup=1, device=device)
-torch_ar = cost_model.measure_collective(ops.all_reduce, name="dist.all_reduce", repeats=3, warmup=1,
+p2p = cost_model.measure_p2p(repeats=9, warmup=2, device=device)
+torch_ar = cost_model.measure_collective(ops.all_reduce, name="dist.all_reduce", repeats=5, warmup=2,
                                          device=device)
-ring_ar = cost_model.measure_collective(ring_all_reduce, name="ring_all_reduce", repeats=3, warmup=1,
+ring_ar = cost_model.measure_collective(ring_all_reduce, name="ring_all_reduce", repeats=5, warmup=2,
                                         device=device)
 
 # %%
 p2p, torch_ar, ring_ar = ranks.run(lambda: (p2p, torch_ar, ring_ar))[0]
 fits = [fit_alpha_beta(t.sizes_bytes, t.seconds) for t in (p2p, torch_ar, ring_ar)]
+
+
+def verdict(r2: float) -> str:
+    """What an R^2 says about alpha + S/beta (the thresholds are a reading convention, not a test)."""
+    if r2 >= 0.9:
+        return "explains these times well: alpha and beta mean what they say"
+    if r2 >= 0.5:
+        return "explains part of the spread: read alpha and beta as rough"
+    return "says little about these times: something else sets them, alpha and beta describe nothing"
+
+
 for t, f in zip((p2p, torch_ar, ring_ar), fits, strict=True):
     print(f"{t.op:16s} alpha = {f.alpha_s * 1e6:9.1f} us   beta = {f.beta_bytes_per_s / 1e9:6.2f} GB/s   "
-          f"R^2 (log T) = {f.r2:.3f}   alpha*beta = {f.half_bandwidth_bytes / 1024:.0f} KiB")
+          f"alpha*beta = {f.half_bandwidth_bytes / 1024:7.0f} KiB   R^2 (log T) = {f.r2:6.3f}")
+    print(f"{'':16s} measured {', '.join(f'{s * 1e6:.0f}' for s in t.seconds)} us; the model {verdict(f.r2)}")
 link = fits[0]
-assert link.alpha_s > 0 and link.beta_bytes_per_s > 0, "a sane fit has positive latency and bandwidth"
 fig = plot_alpha_beta(
     [p2p, torch_ar, ring_ar], fits=fits,
     models={f"ring predicted from p2p fit: 2(n-1)α + 2(n-1)/n S/β, n={WORLD_SIZE}":
             lambda s: link.ring_all_reduce(s, WORLD_SIZE)})
 
 # %% [markdown]
-# Read the plot from left to right: at small sizes every curve is flat (latency-bound; our Python ring
-# pays its $2(n-1)$ steps of latency), at large sizes it turns into a slope of 1 (bandwidth-bound). The
-# fitted $\alpha\beta$ is the size where the turn happens: below it, sending fewer and larger messages is
-# what pays.
+# **What $R^2$ says here.** Where the model holds, the plot reads from left to right: flat at small sizes
+# (latency-bound; our Python ring pays its $2(n-1)$ steps of latency), then a slope of 1 (bandwidth-bound),
+# the turn at $S = \alpha\beta$: below it, sending fewer and larger messages is what pays. Whether it holds
+# is what the $R^2$ printed above says, run by run. Two ranks exchanging messages while the others wait
+# come closest to a machine of their own, and point-to-point is where the line can fit. The 4-rank
+# collectives on a CPU with fewer cores than ranks (plus the notebook, plus whatever else runs) spend their
+# time waiting for the operating system to schedule a neighbour; their times then follow the scheduler,
+# not the message size, and a low $R^2$ says exactly that: the fitted $\alpha$ and $\beta$ of such a fit
+# describe nothing, and the model is not refuted by it, only not tested. A plain least-squares fit would
+# report some $\alpha$ and $\beta$ all the same; $R^2$ is what keeps us from reading them. (The prediction
+# of the ring from the point-to-point fit, dashed, is only as good as that fit's $R^2$.)
 #
 # Do not expect the ring to win on time here. Its advantage is that every rank's link carries an equal,
 # bounded share at the same time; on one CPU box all the "links" are the same few cores copying through
 # the same memory, so there is nothing to spread the load over, and each of the ring's $2(n-1)$ Python-level
 # steps waits for the operating system to schedule a neighbour. (`bench/bench_collectives.py` measures the
 # ring, the naive all-reduce and `dist.all_reduce` side by side.) Where links are independent (NVLink,
-# InfiniBand), the bytes per rank are what the time follows, and those we proved above.
+# InfiniBand), the bytes per rank are what the time follows, and those we measured above.
 
 # %%
 ranks.stop()
@@ -394,10 +472,14 @@ ranks.stop()
 # * Seven collectives cover all of distributed training. All-reduce = reduce-scatter + all-gather.
 # * The ring all-reduce sends $2\frac{n-1}{n}S$ bytes per rank, whatever $n$, in $2(n-1)$ steps; the naive
 #   all-reduce through one rank makes it send $(n-1)S$. We proved the ring equal to `dist.all_reduce`
-#   (bit for bit on integers, within the rounding bound $\gamma_{n-1}\sum|x_i|$ on floats) and its traffic equal
-#   to the formula, with the tracer, for lengths the world size does not divide.
-# * $T(S) = \alpha + S/\beta$ explains most of the measured times; later chapters use it and the tracer
-#   to predict and to check their communication.
+#   (bit for bit on integers, within the rounding bound $\gamma_{n-1}\sum|x_i|$ on floats), and measured
+#   the bytes it hands to `isend`: equal to the formula on every rank when $n$ divides the length, within
+#   one element per phase otherwise, and $n$ times the formula summed over the ranks.
+# * The tracer measures payloads and point-to-point bytes; for a `torch.distributed` collective it can
+#   only book the ring model. Checks built on it test which collectives ran with which payload.
+# * $T(S) = \alpha + S/\beta$, fitted to measured times, is worth what its $R^2$ says: it can explain
+#   point-to-point times, and says little about collectives on an oversubscribed CPU, whose times follow
+#   the scheduler. Later chapters use it to reason about time on real links.
 #
 # ## Exercise
 #
@@ -410,3 +492,21 @@ ranks.stop()
 #
 # which runs your functions on 2 and 3 ranks, on lengths that do not divide by the world size, against
 # `torch.distributed`.
+
+# %% [markdown]
+# ## Questions
+#
+# 1. In section 3 the ring all-reduce of 1001 float32 on 4 ranks made ranks 1 and 2 send one element
+#    more than ranks 0 and 3. Which chunk does each rank *not* send in each phase, and why does that give
+#    this pattern? Why is the sum over the ranks exact even though $\frac{n-1}{n}S$ is not a whole number
+#    of elements?
+# 2. The naive all-reduce through rank 0 sends the same total number of bytes as the ring, $2(n-1)S$.
+#    On $n$ GPUs with a link each, why is it still slower, and how does the time of each grow with $n$
+#    under the alpha-beta model?
+# 3. For `dist.all_reduce` the tracer books $2\frac{n-1}{n}S$ bytes per rank. Give two reasons why the bytes
+#    NCCL or gloo really put on the wire can differ, and one way to measure them instead of modelling them.
+# 4. Under the alpha-beta model, at which message size $S$ do the ring all-reduce's latency and bandwidth
+#    terms cost the same? How does that size move with $n$, and what does it say about all-reducing each
+#    of a model's hundreds of parameter tensors on its own (chapter 03's buckets)?
+# 5. What does a negative $R^2$ of the alpha-beta fit mean? What would you change in the experiment before
+#    trusting a fit of the collectives on a CPU, and why is $R^2$ computed on $\log T$ rather than on $T$?

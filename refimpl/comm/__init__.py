@@ -1,7 +1,8 @@
 """Communication, made visible: traced ``torch.distributed`` calls and collectives built from point-to-point.
 
 * :mod:`refimpl.comm.ops`: the calls refimpl makes, recorded by a tracer when one is active;
-* :mod:`refimpl.comm.tracer`: :class:`CommTracer`, the record of every call (chapter 02);
+* :mod:`refimpl.comm.tracer`: :class:`CommTracer`, the record of every call (chapter 02): payload and
+  point-to-point bytes measured, the wire bytes of ``torch.distributed`` collectives modelled (ring);
 * :mod:`refimpl.comm.ring`: ring reduce-scatter / all-gather / all-reduce from ``isend``/``irecv``, and the
   naive all-reduce through rank 0 they beat (chapter 02);
 * :mod:`refimpl.comm.cost_model`: measured latency and bandwidth, the alpha-beta model (chapter 02);

@@ -16,8 +16,14 @@ latency ``alpha`` (software overhead, the handshake, the wire's delay) plus the 
 
 Each size is run ``warmup`` times unmeasured (connection setup, allocator, caches), then ``repeats`` times;
 the time of one repeat is the slowest rank's, and the median over repeats is kept (robust to a stray
-slow run on a shared machine). Timings on an oversubscribed CPU are only illustrative: DESIGN.md keeps
-absolute times out of assertions.
+slow run on a shared machine). Timings on an oversubscribed CPU are only illustrative: docs/ARCHITECTURE.md
+keeps absolute times out of assertions.
+
+How well the model explains a measurement is :attr:`AlphaBeta.r2`, the coefficient of determination of
+``log T`` over the measured sizes: the fraction of the spread of the measured (log) times that the fitted
+line accounts for. Near 1: the times are a latency plus a bandwidth term, and ``alpha``, ``beta`` mean what
+they say. Near 0 (or below: worse than one constant time for all sizes): the times follow something else
+(on a CPU with more ranks than cores, the scheduler), and the fitted numbers describe nothing.
 """
 
 from __future__ import annotations
@@ -62,7 +68,8 @@ class Timings:
 
 @dataclass(frozen=True, kw_only=True)
 class AlphaBeta:
-    """``T(S) = alpha_s + S / beta_bytes_per_s``; ``r2``: the fit's coefficient of determination of log T."""
+    """``T(S) = alpha_s + S / beta_bytes_per_s``; ``r2``: the fit's coefficient of determination of log T
+    (1: the line explains every measured time; 0: no better than a constant; see the module docstring)."""
 
     alpha_s: float
     beta_bytes_per_s: float
@@ -87,7 +94,9 @@ def fit_alpha_beta(sizes_bytes: Sequence[float], seconds: Sequence[float]) -> Al
     """Least-squares fit of ``T = alpha + S / beta``, minimising the relative error ``sum ((T_fit - T)/T)^2``.
 
     Exact on data that follow the model. Raises ``ValueError`` with fewer than two distinct sizes. ``r2``
-    is computed on ``log T`` (what the log-log plot shows): 1 is a perfect fit.
+    is ``1 - sum (log T - log T_fit)^2 / sum (log T - mean log T)^2``, on ``log T`` (what the log-log plot
+    shows, and like the relative error it weighs small and large messages alike): 1 is a perfect fit, 0 no
+    better than the mean, negative worse; ``-inf`` when the fitted line is not positive at every size.
     """
     s = np.asarray(sizes_bytes, dtype=np.float64)
     t = np.asarray(seconds, dtype=np.float64)

@@ -1,9 +1,11 @@
 """``torch.distributed`` calls as refimpl makes them: the same signatures, recorded by :class:`CommTracer`.
 
 Every collective and point-to-point call in refimpl goes through this module, so a tracer sees all of
-the library's traffic (chapter 02). Without an active tracer each function is the plain
-``torch.distributed`` call. An async call (``async_op=True``, ``isend``, ``irecv``) returns a
-:class:`TracedWork` whose ``wait()`` stamps the end time of its event.
+the library's calls (chapter 02). The payload of each call is measured from the tensors handed to it; the
+bytes a point-to-point call sends are measured too (the tensor itself), those of a collective are the ring
+model (:func:`refimpl.comm.tracer.wire_bytes`): the backend does not say what it sends. Without an
+active tracer each function is the plain ``torch.distributed`` call. An async call (``async_op=True``,
+``isend``, ``irecv``) returns a :class:`TracedWork` whose ``wait()`` stamps the end time of its event.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from refimpl.comm.tracer import CommEvent, active_tracers, now, wire_bytes
+from refimpl.comm.tracer import P2P_OPS, CommEvent, active_tracers, now, wire_bytes
 
 ReduceOp = dist.ReduceOp
 # torch 2.13 renamed the flat-tensor forms (the old names warn); older releases only have the old names.
@@ -50,10 +52,15 @@ def _call(op: str, payload: int, group, peer, async_op: bool, fn):
     if not tracers:
         return fn()
     n = dist.get_world_size(group)
+    measured = op in P2P_OPS
+    if measured:  # a send puts exactly its tensor on the wire, a receive sends nothing
+        sent = float(payload) if op in ("send", "isend") else 0.0
+    else:         # the backend does not tell: book the ring model
+        sent = wire_bytes(op, payload, n)
     start = now()
     events = [
-        CommEvent(op=op, nbytes=payload, wire_bytes=wire_bytes(op, payload, n), group_size=n, peer=peer,
-                  start=start, end=None, step=t.current_step, async_op=async_op)
+        CommEvent(op=op, nbytes=payload, wire_bytes=sent, group_size=n, peer=peer, start=start, end=None,
+                  step=t.current_step, async_op=async_op, measured=measured)
         for t in tracers
     ]
     result = fn()

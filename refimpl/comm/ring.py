@@ -23,10 +23,11 @@ learning by Baidu's "ring-allreduce", Gibiansky 2017, then Horovod and NCCL). Un
 grows with ``n``, which is why small messages prefer trees. :func:`naive_all_reduce` is the lesson's
 foil: everything through rank 0, which sends ``(n - 1) S`` bytes, growing with ``n``.
 
-Only plain ``isend``/``irecv`` from :mod:`refimpl.comm.ops` are used, so a :class:`CommTracer` sees every
-byte, and not ``batch_isend_irecv`` (it can hang on gloo, see DESIGN.md). Only the sum is implemented;
-a mean is ``sum / n``. ``group`` is a process group (default: the world); peers are addressed by their
-*global* rank, as ``torch.distributed`` point-to-point calls require.
+Only plain ``isend``/``irecv`` from :mod:`refimpl.comm.ops` are used, so a :class:`CommTracer` measures
+every byte these collectives send (the tensors handed to ``isend``; chapter 02 compares that measurement
+with the formulas above), and not ``batch_isend_irecv`` (it can hang on gloo, see docs/ARCHITECTURE.md).
+Only the sum is implemented; a mean is ``sum / n``. ``group`` is a process group (default: the world);
+peers are addressed by their *global* rank, as ``torch.distributed`` point-to-point calls require.
 """
 
 from __future__ import annotations

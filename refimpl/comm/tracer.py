@@ -9,11 +9,23 @@ formula, the overlap of communication with backward as a timeline).
             tracer.step()              # closes step 0, 1, 2
     tracer.summary()                   # {"all_reduce": OpTotal(count=..., nbytes=..., wire_bytes=...)}
 
-Each :class:`CommEvent` records the op, the payload bytes (the tensor handed to the op), the *wire bytes*
-this rank sends under the bandwidth-optimal ring algorithm (NCCL's model: all-reduce 2(n-1)/n S,
-reduce-scatter and all-gather (n-1)/n of the full tensor, broadcast S, p2p send S), the group size, the
+Each :class:`CommEvent` records the op, the payload bytes, the bytes this rank sends, the group size, the
 peer of a point-to-point call, the start time and the end time (when the op returned, or for an async op
-when its handle was waited), and the step.
+when its handle was waited), and the step. What is **measured** and what is **modelled**:
+
+* ``nbytes`` (every op) is measured: ``numel * element_size`` of the tensors handed to the op (for
+  reduce-scatter and all-gather the full, unsharded tensor);
+* ``wire_bytes`` of a point-to-point call is measured too: a ``send``/``isend`` puts exactly the tensor it
+  was handed on the wire (``nbytes``), a ``recv``/``irecv`` sends nothing (``measured=True``);
+* ``wire_bytes`` of a ``torch.distributed`` collective is a **model**: the backend does not say what it
+  sends, so the tracer books what the bandwidth-optimal ring would send (:func:`wire_bytes`: all-reduce
+  2(n-1)/n S, reduce-scatter and all-gather (n-1)/n S, broadcast and reduce S), the model NCCL's ring
+  follows on large messages. gloo picks other algorithms and NCCL uses trees on small messages, so it is
+  not what went on the wire (``measured=False``).
+
+Collectives built from point-to-point calls (:mod:`refimpl.comm.ring`) are therefore measured byte by
+byte: :meth:`CommTracer.measured_bytes_sent` counts only them, :meth:`CommTracer.modelled_bytes_sent`
+only the collectives' model, :meth:`CommTracer.bytes_sent` both (docs/ARCHITECTURE.md, chapter 02).
 
 Active tracers are kept on a process-wide stack, the one piece of process state in refimpl, like
 PyTorch's own profiler: autograd may run gradient hooks on another thread, where a context variable
@@ -30,8 +42,15 @@ _LOCK = threading.Lock()
 _ACTIVE: list[CommTracer] = []
 
 
+P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
+"""Point-to-point ops: their ``wire_bytes`` are measured, not modelled."""
+
+
 @dataclass(kw_only=True)
 class CommEvent:
+    """One call. ``nbytes``: payload, measured from the tensors. ``wire_bytes``: bytes this rank sends,
+    measured for point-to-point calls (``measured=True``), the ring model for collectives (``False``)."""
+
     op: str
     nbytes: int
     wire_bytes: float
@@ -41,20 +60,27 @@ class CommEvent:
     end: float | None
     step: int
     async_op: bool
+    measured: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
 class OpTotal:
+    """Totals of one op: ``nbytes`` measured; ``wire_bytes`` measured when ``measured`` (p2p ops), else the
+    ring model."""
+
     count: int
     nbytes: int
     wire_bytes: float
+    measured: bool = True
 
 
 def wire_bytes(op: str, nbytes: int, group_size: int) -> float:
-    """Bytes one rank sends for ``op`` on ``nbytes`` of payload under the ring algorithm.
+    """Bytes one rank sends for ``op`` on ``nbytes`` of payload: the ring **model** for collectives.
 
-    ``nbytes`` is the full (unsharded) tensor for reduce-scatter and all-gather: the input of a
-    reduce-scatter, the output of an all-gather.
+    A model, not a measurement: what the bandwidth-optimal ring sends (NCCL's ring on large messages);
+    a backend may send something else (gloo's own algorithms, NCCL's trees). ``nbytes`` is the full
+    (unsharded) tensor for reduce-scatter and all-gather: the input of a reduce-scatter, the output of an
+    all-gather. For point-to-point ops it is exact: a send sends its tensor, a receive nothing.
     """
     n = group_size
     if n <= 1:
@@ -98,17 +124,27 @@ class CommTracer:
         return [e for e in self.events if (op is None or e.op == op) and (step is None or e.step == step)]
 
     def summary(self, *, step: int | None = None) -> dict[str, OpTotal]:
-        """Count, payload bytes and wire bytes per op (over all steps, or one)."""
+        """Count, payload bytes (measured) and wire bytes (measured for p2p, modelled for collectives) per op
+        (over all steps, or one)."""
         out: dict[str, OpTotal] = {}
         for e in self.select(step=step):
-            t = out.get(e.op, OpTotal(count=0, nbytes=0, wire_bytes=0.0))
+            t = out.get(e.op, OpTotal(count=0, nbytes=0, wire_bytes=0.0, measured=e.measured))
             out[e.op] = OpTotal(count=t.count + 1, nbytes=t.nbytes + e.nbytes,
-                                wire_bytes=t.wire_bytes + e.wire_bytes)
+                                wire_bytes=t.wire_bytes + e.wire_bytes, measured=t.measured and e.measured)
         return out
 
     def bytes_sent(self, *, step: int | None = None, op: str | None = None) -> float:
-        """Wire bytes this rank sent (ring model for collectives, exact for point-to-point)."""
+        """Wire bytes this rank sent: measured for point-to-point calls **plus the ring model** for
+        ``torch.distributed`` collectives (see :meth:`measured_bytes_sent`, :meth:`modelled_bytes_sent`)."""
         return sum(e.wire_bytes for e in self.select(op=op, step=step))
+
+    def measured_bytes_sent(self, *, step: int | None = None, op: str | None = None) -> int:
+        """Bytes this rank handed to ``send``/``isend``: measured from the tensors, no model involved."""
+        return sum(e.nbytes for e in self.select(op=op, step=step) if e.op in ("send", "isend"))
+
+    def modelled_bytes_sent(self, *, step: int | None = None, op: str | None = None) -> float:
+        """What the ring model books for this rank's ``torch.distributed`` collectives (not measured)."""
+        return sum(e.wire_bytes for e in self.select(op=op, step=step) if not e.measured)
 
     def per_step(self) -> list[dict[str, OpTotal]]:
         return [self.summary(step=s) for s in range(self.current_step + 1) if self.select(step=s)]
