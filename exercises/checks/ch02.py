@@ -5,7 +5,8 @@ again by path) on lengths 1, 2, 5, 64 and 1001, so some chunks are uneven and so
 valued float32 and on int64, and is compared with ``torch.distributed`` (exact: integer sums do not depend
 on the order of the additions) and, for the all-reduce, on random floats within the rounding bound
 ``gamma_(n-1) sum |x_i|``, ``gamma_k = k u / (1 - k u)``. A :class:`~refimpl.comm.tracer.CommTracer`
-checks the rules: only ``isend`` and ``irecv``, ``n - 1`` sends per phase, and exactly the ring's bytes.
+checks the rules: only ``isend`` and ``irecv``, ``n - 1`` sends per phase, and exactly the ring's bytes
+(measured from the tensors handed to ``isend``, against :func:`refimpl.comm.ring.ring_bytes_sent`).
 
 Starting ranks costs seconds, so one run per world size checks all three functions and the three tasks
 read its verdicts (cached per file content); a function that fails on 3 ranks is not run again on 2. A
@@ -51,7 +52,7 @@ def _traffic(tracer, numel: int, element_size: int, n: int, rank: int, op: str, 
         assert len(sends) == steps, (
             f"{what}: {len(sends)} isend calls on rank {rank} of {n}, want {steps} (one per step); "
             "communicate through refimpl.comm.ops.isend/irecv (imported in the exercise file)")
-    sent = sum(e.nbytes for e in sends)
+    sent = tracer.measured_bytes_sent()  # the bytes of the tensors handed to isend
     want = ring_bytes_sent(numel, n, rank, element_size, op=op)
     assert sent == want, (f"{what}: rank {rank} of {n} sent {sent} bytes, the ring sends {want} "
                           f"(every chunk but one per phase, to the rank on the right)")
