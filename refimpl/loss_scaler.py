@@ -113,6 +113,38 @@ def _grads(params_or_optimizer: Iterable[torch.Tensor] | torch.optim.Optimizer) 
     return [p.grad for p in params if p.grad is not None]
 
 
+def _local_overflow(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A 0-d float32 flag on ``device``: 1.0 when any of ``grads`` holds an inf or a NaN (no sync)."""
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    with torch.no_grad():
+        # A tensor holds an inf or a NaN exactly when its min or max is not finite (NaN propagates through
+        # both; +inf is the max, -inf the min): one pass per tensor.
+        extremes = [e.float() for g in grads if g.numel() for e in torch.aminmax(g)]
+        if extremes:
+            found = torch.isfinite(torch.stack(extremes)).all().logical_not().float()
+    return found
+
+
+def _agree_(found: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """All-reduce the flag (MAX) over ``group`` when there is more than one rank: one number per step."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        # gloo reduces CPU tensors, NCCL device tensors: the flag lives where the grads live
+        ops.all_reduce(found, op=ops.ReduceOp.MAX, group=group)
+
+
+def overflow_on_any_rank(
+    grads: Iterable[torch.Tensor], *, device: torch.device | str, group: dist.ProcessGroup | None = None
+) -> bool:
+    """True when any of ``grads`` on any rank of ``group`` holds an inf or a NaN; the same answer everywhere.
+
+    Every rank must call it, also a rank with no gradients (it contributes "no overflow"); the flag is one
+    number all-reduced with MAX on ``device`` (the gradients' device: NCCL reduces only GPU tensors).
+    """
+    found = _local_overflow(list(grads), torch.device(device))
+    _agree_(found, group)
+    return bool(found.item())
+
+
 class DynamicLossScaler:
     """Dynamic loss scaling written from scratch; the same decisions as ``torch.amp.GradScaler``.
 
@@ -179,19 +211,12 @@ class DynamicLossScaler:
                              "over fp32 weights, or MasterWeights.copy_grads_to_master())")
         device = grads[0].device if grads else _collective_device(self.group)
         inv_scale = torch.tensor(1.0 / self._state.scale, dtype=torch.float64).float().to(device)
-        found = torch.zeros((), dtype=torch.float32, device=device)
-        with torch.no_grad():
-            # A tensor holds an inf or a NaN exactly when its min or max is not finite (NaN propagates
-            # through both; +inf is the max, -inf the min): one pass per tensor, no sync until .item().
-            extremes = [e.float() for g in grads if g.numel() for e in torch.aminmax(g)]
-            if extremes:
-                found = torch.isfinite(torch.stack(extremes)).all().logical_not().float()
-            if grads:
+        found = _local_overflow(grads, device)  # tested on the scaled gradients, as GradScaler does
+        if grads:
+            with torch.no_grad():
                 torch._foreach_mul_(grads, inv_scale)
-        if self.agree_across_ranks and dist.is_available() and dist.is_initialized():
-            if dist.get_world_size(self.group) > 1:
-                # gloo reduces CPU tensors, NCCL device tensors: the flag lives where the grads live
-                ops.all_reduce(found, op=ops.ReduceOp.MAX, group=self.group)
+        if self.agree_across_ranks:
+            _agree_(found, self.group)
         self._found_inf = bool(found.item())
         return self._found_inf
 

@@ -4,6 +4,9 @@
   ``torch.amp.GradScaler`` (hysteresis 1, no minimum scale: GradScaler's rule), with growth and backoff
   factors that are not powers of two so that float32 rounding shows, and through a hand-computed trace
   of Megatron's hysteresis and minimum scale.
+* ``overflow_on_any_rank`` runs on 2 ranks (:func:`refimpl.launch.run_ranks`, each rank loads the graded
+  file by path): an inf, a -inf or a NaN on one rank only, a rank with no gradients, and finite gradients
+  everywhere; every rank must give the same answer, with one small collective per call.
 * ``checkpoint_block`` is applied to one block of a small GPT: gradients bit-identical to the plain model,
   only the block's input saved for backward (measured with ``saved_tensors_hooks``), the block's forward
   run again during backward, parameter names unchanged.
@@ -18,7 +21,7 @@ import random
 
 import torch
 
-from exercises.grading import Task, load_module
+from exercises.grading import Task, load_module, probe_stub
 from refimpl.activations import SavedTensorMeter
 from refimpl.config import ModelConfig
 from refimpl.loss_scaler import LossScalerConfig, ScalerState
@@ -114,6 +117,59 @@ def check_hysteresis(path: str) -> None:
             )
 
 
+WORLD = 2
+TIMEOUT_S = 90
+# (rank 0's gradients, rank 1's gradients) per case, as (shape, value at index 0) or None for no tensor;
+# then whether anybody overflowed
+_CASES = [
+    ("finite everywhere", [(3, 1.0), (2, -2.0)], [(4, 0.5)], False),
+    ("inf on rank 1 only", [(3, 1.0), (2, -2.0)], [(4, float("inf"))], True),
+    ("NaN on rank 0 only, in its second tensor", [(3, 1.0), (2, float("nan"))], [(4, 0.5)], True),
+    ("-inf on rank 1, and rank 0 holds no gradient", [], [(5, float("-inf"))], True),
+    ("rank 1 holds no gradient, rank 0 is finite", [(3, 1.0)], [], False),
+]
+
+
+def _overflow_on_rank(ctx, path: str) -> list[tuple[str, bool, int, int]]:
+    from refimpl.comm.tracer import CommTracer
+
+    mod = load_module(path)
+    out = []
+    for name, spec0, spec1, _ in _CASES:
+        grads = []
+        for numel, value in (spec0, spec1)[ctx.rank]:
+            g = torch.full((numel,), 0.25, device=ctx.device)
+            g[0] = value
+            grads.append(g.to(torch.bfloat16) if numel == 2 else g)  # a 16-bit tensor among them
+        with CommTracer() as tracer:
+            answer = mod.overflow_on_any_rank(grads, device=ctx.device)
+        events = tracer.select()
+        out.append((name, bool(answer), len(events), max((e.nbytes for e in events), default=0)))
+    return out
+
+
+def check_overflow_agreement(path: str) -> None:
+    from refimpl.launch import run_ranks
+
+    fn = load_module(path).overflow_on_any_rank
+    probe_stub(lambda: fn([torch.zeros(2)], device=torch.device("cpu")))  # cpu on purpose: no ranks yet
+    per_rank = run_ranks(_overflow_on_rank, WORLD, path, timeout_s=TIMEOUT_S)
+    for k, (name, _, _, want) in enumerate(_CASES):
+        answers = [r[k][1] for r in per_rank]
+        if len(set(answers)) > 1:
+            raise AssertionError(
+                f"{name}: rank 0 says {answers[0]}, rank 1 says {answers[1]}. The ranks disagree: one steps, "
+                "the other skips, and their weights and loss scales part ways")
+        assert answers[0] == want, f"{name}: every rank says {answers[0]}, but the answer is {want}"
+        for rank, r in enumerate(per_rank):
+            _, _, count, nbytes = r[k]
+            assert count >= 1, (f"{name}: rank {rank} ran no collective through refimpl.comm.ops: how "
+                                "does it learn what the other rank saw?")
+            assert count == 1 and nbytes <= 8, (
+                f"{name}: rank {rank} ran {count} collective(s), the largest of {nbytes} bytes; one number "
+                "per call is enough")
+
+
 CONFIG = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, max_seq_len=24, ffn_hidden_size=48)
 
 
@@ -156,6 +212,7 @@ def check_checkpoint_block(path: str) -> None:
 TASKS = [
     Task(name="update_scale: GradScaler's rule", points=3, check=check_update_rule),
     Task(name="update_scale: hysteresis, min scale", points=2, check=check_hysteresis),
+    Task(name="overflow_on_any_rank: all ranks agree", points=3, check=check_overflow_agreement),
     Task(name="checkpoint_block", points=3, check=check_checkpoint_block),
 ]
 
@@ -182,6 +239,14 @@ MUTANTS = {
         "    if not found_inf:  # refills the hysteresis on every finite step\n"
         "        return ScalerState(new.scale, new.growth_tracker, config.hysteresis)\n"
         "    return new\n"
+    ),
+    "overflow_on_any_rank: all ranks agree": _HEADER + (
+        "def overflow_on_any_rank(grads, *, device, group=None):\n"
+        "    # each rank answers for itself: no agreement, so the ranks part ways\n"
+        "    from refimpl.comm import ops\n"
+        "    flag = torch.zeros((), device=device)\n"
+        "    ops.broadcast(flag.clone(), src=0, group=group)  # a collective, but not the answer's\n"
+        "    return any(not torch.isfinite(g).all() for g in grads)\n"
     ),
     "checkpoint_block": _HEADER + (
         "from torch.utils.checkpoint import checkpoint\n"
