@@ -30,6 +30,7 @@ the engine, by name; the engines get the notebook's ``sys.path`` plus the reposi
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import logging
 import os
@@ -376,8 +377,6 @@ def run_command(
         argv,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
         env=child_env,
         cwd=cwd,
         start_new_session=True,
@@ -385,9 +384,14 @@ def run_command(
     lines: queue.Queue[str | None] = queue.Queue()
 
     def pump() -> None:  # a thread reads; the caller's thread prints (so output lands in the cell)
+        # Raw chunks, not lines: a progress bar redraws its line with "\r", which a cell shows in place
+        # (reading lines in text mode would turn every redraw into a new line).
         assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        while chunk := os.read(proc.stdout.fileno(), 65536):
+            lines.put(decoder.decode(chunk))
+        if tail := decoder.decode(b"", final=True):
+            lines.put(tail)
         lines.put(None)
 
     reader = threading.Thread(target=pump, daemon=True)

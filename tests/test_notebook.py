@@ -208,6 +208,16 @@ def test_run_command_returns_output_and_sets_the_rendezvous_env(capsys: pytest.C
 
 
 @pytest.mark.timeout(60)
+def test_run_command_keeps_a_progress_bar_on_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    # tqdm redraws with "\r": a cell shows that in place; turning each redraw into a line would not
+    code = ("import sys, time\nfor i in range(4):\n"
+            "    sys.stderr.write(f'\\rstep {i}/3'); sys.stderr.flush()\n"
+            "    time.sleep(0.05)\nprint()\nprint('done')")
+    out = run_command([PY, "-c", code])
+    assert out == "\rstep 0/3\rstep 1/3\rstep 2/3\rstep 3/3\ndone\n", repr(out)
+    assert capsys.readouterr().out == out
+
+
 def test_run_command_raises_on_non_zero_exit() -> None:
     with pytest.raises(CommandFailed) as info:
         run_command([PY, "-c", "import sys; print('partial output'); sys.exit(3)"])
