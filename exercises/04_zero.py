@@ -1,11 +1,14 @@
 """Chapter 04 exercises: ZeRO, from the partition of a tensor to the gather/free around a unit.
 
-Grade with ``make grade CH=04`` (or ``python -m exercises.grade 04``). Three tasks:
+Grade with ``make grade CH=04`` (or ``python -m exercises.grade 04``). Five tasks:
 
 1. ``shard_rows``: which rows of a tensor's dim 0 a rank owns (chunks of ``ceil(rows / N)``).
 2. ``sharded_step``: the ZeRO-1/2 step: reduce-scatter the gradients, step the shard, all-gather.
 3. ``unshard_`` / ``reshard_``: ZeRO-3's gather before a unit runs and free after it, without breaking the
    tensors autograd saved.
+4. ``install_unit_hooks``: ZeRO-3's schedule over a chain of units, around forward *and* backward: each
+   unit holds memory only while it computes.
+5. ``install_unit_hooks(..., prefetch=True)``: the next unit's gather issued before it is needed.
 
 Make every collective through ``refimpl.comm.ops`` (same signatures as ``torch.distributed``), so that the
 grader's tracer sees them. Chapter 04 explains each piece; ``refimpl/parallel/zero.py`` is the solution, do
@@ -19,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist  # noqa: F401  (you will need it)
+from torch import nn
 
 from refimpl.comm import ops  # noqa: F401  (you will need it)
 
@@ -87,3 +91,32 @@ def reshard_(fulls: Sequence[torch.Tensor]) -> None:
     its bytes are returned.
     """
     raise NotImplementedError("exercise 04.3: reshard_")
+
+
+def install_unit_hooks(
+    units: Sequence[nn.Module], fulls: Sequence[Sequence[torch.Tensor]],
+    shards: Sequence[Sequence[torch.Tensor]], process_group: Any = None, *, prefetch: bool = False,
+) -> list:
+    """ZeRO-3 over a chain of units: install hooks (module and autograd hooks) that gather and free them.
+
+    ``units[u]`` is the ``u``-th module to run in forward (``units[0]`` first, each used once per forward);
+    ``fulls[u]`` are the full parameters registered in its modules, their storage freed (0 bytes) on entry;
+    ``shards[u]`` this rank's rows of them, in the same order. Return the hook handles. The contract, for
+    every training step (forward of the chain, then backward of a loss of its output):
+
+    * while unit ``u``'s forward computes, its full parameters hold their true values, and no other unit
+      holds memory; with ``prefetch=True`` unit ``u + 1`` (if any) is gathered too, and no other;
+    * after the forward of the chain no unit holds memory;
+    * while unit ``u``'s backward computes, it is gathered and no other unit is; with ``prefetch=True``
+      unit ``u - 1`` (if any) is gathered too;
+    * after backward no unit holds memory, and every full parameter's ``.grad`` is this rank's local
+      gradient (no reduction in this exercise);
+    * every unit is all-gathered exactly twice per step, prefetch or not, through your ``unshard_`` (so
+      through ``refimpl.comm.ops``); the hooks keep working step after step.
+
+    Traps: a module's forward hooks run again every forward, but an autograd hook on a tensor lives as long
+    as that tensor: whatever you attach to an output belongs to that step only. The gradient of a unit's
+    output arrives before any gradient of its parameters; a unit is done when *all* its parameters have
+    their gradient, not the first. A prefetched unit is already gathered when its turn comes.
+    """
+    raise NotImplementedError("exercise 04.4: install_unit_hooks")

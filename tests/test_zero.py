@@ -6,24 +6,26 @@ at 4 ranks the position embedding's shards are 3, 3, 3 and 0 rows), a frozen par
 is never used and one used only on some steps, for STEPS AdamW steps on its shard of the same global
 batches.
 
-Tolerances (DESIGN.md, "Correctness"):
-* **vs data parallelism at 2 ranks, and vs FSDP2: bit for bit.** A reduce-scatter and an all-reduce both
-  add two numbers per element at 2 ranks (commutative), both divide by 2 (exact), and AdamW is elementwise,
-  so stepping a shard is stepping those elements of the full tensor. FSDP2 splits, pads, reduces and steps
-  exactly as we do.
-* **vs one device, and vs data parallelism at 4 ranks: ``ATOL``.** One device sums the batch inside its
-  matmuls, gloo sums four ranks in an order that depends on where an element sits in the buffer: gradients
-  differ by a few ulps. AdamW's update ``m / (sqrt(v) + eps)`` is insensitive to that where a gradient is
-  large, but turns noise into a step where the gradient is itself rounding noise: the key bias of
-  attention has an exact gradient of 0 (softmax ignores a shift common to all keys) and a float gradient
-  of ~1e-11, so its update, ~lr * |g| / eps, depends on the rounding. Measured after 5 steps at
-  lr = 1e-3: at most 2e-6 (1.3e-6 vs one device at 2 ranks, 1.8e-6 at 4). ATOL = 1e-5 is 1 % of one
-  step's update; a rank that skips the gradient averaging drifts by ~lr per step, 100x more.
+Tolerances (docs/ARCHITECTURE.md, "Correctness and numerics"):
+* **vs data parallelism at 2 ranks, vs torch DDP and vs FSDP2: bit for bit.** A reduce-scatter and an
+  all-reduce both add two numbers per element at 2 ranks (commutative), both divide by 2 (exact), and AdamW
+  is elementwise, so stepping a shard is stepping those elements of the full tensor. FSDP2 splits, pads,
+  reduces and steps exactly as we do.
+* **vs one device, and vs data parallelism at 4 ranks: ``FACTOR x spread``, measured in the same run.**
+  ``spread`` is how far one device moves when only its summation order changes: the same global batch cut
+  into 2 and into 4 micro-batches (gradients accumulated) against 1, the largest of the two distances
+  after the same steps. Ranks sum the same per-token gradients in yet another order, so they must land
+  within a few spreads. AdamW turns rounding into a step where a gradient is rounding noise of the size of
+  ``eps``: its first update is ``lr * g / (|g| + eps)``, so a gradient of -5.8e-9 against -6.3e-9 moves an
+  element by 0.368 lr against 0.386 lr (chapter 04 measures it). ``FACTOR = 4``: the largest ratio seen of
+  a rank-count difference to the spread is about 2 (2.1e-5 against 1.1e-5, AVX-512 kernels).
+  Negative control: ranks that skip the gradient averaging land 100x farther than the tolerance.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -35,7 +37,7 @@ from refimpl.config import ModelConfig
 from refimpl.launch import run_ranks
 from refimpl.model import GPT, lm_loss
 from refimpl.optim import param_groups
-from refimpl.parallel.memory import PeakStateBytes, state_bytes
+from refimpl.parallel.memory import PeakStateBytes, StateMemory, state_bytes
 from refimpl.parallel.zero import (
     FullyShardedDataParallel,
     ShardedOptimizer,
@@ -51,6 +53,8 @@ from refimpl.parallel.zero_planner import (
     padded_numel,
     shard_rows,
     sharded_numel,
+    zero3_peak_gathered_bytes,
+    zero_collectives,
     zero_comm_bytes,
     zero_memory,
     zero_memory_paper,
@@ -59,7 +63,8 @@ from refimpl.planner import num_param_tensors, param_count, state_memory
 
 STEPS = 5
 LR = 1e-3
-ATOL = 1e-5
+FACTOR = 4  # tolerance = FACTOR x the spread of one device over micro-batch splits (module docstring)
+MICRO_SPLITS = (2, 4)
 GLOBAL_BATCH = 4
 SEQ = 8
 SPAWN_TIMEOUT = 300
@@ -164,12 +169,16 @@ def _full_params(kind: str, model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _step(kind, model, opt, step, rank, world, clip=None):
+def _step(kind, model, opt, step, rank, world, clip=None, micro=1, sync=True):
+    """One step; ``micro`` > 1 cuts this rank's batch into micro-batches (gradients accumulated)."""
     opt.zero_grad()
     ids = _batch(step, rank, world)
-    loss = lm_loss(model(ids[:, :-1], use_sometimes=step in SOMETIMES_STEPS), ids[:, 1:])
-    loss.backward()
-    if kind == "dp":
+    per = len(ids) // micro
+    for m in range(micro):
+        part = ids[m * per : (m + 1) * per]
+        loss = lm_loss(model(part[:, :-1], use_sometimes=step in SOMETIMES_STEPS), part[:, 1:])
+        (loss / micro).backward()
+    if kind == "dp" and sync:
         allreduce_gradients(model.parameters())
     if clip is not None:
         if kind in ("zero1", "zero2"):
@@ -181,15 +190,15 @@ def _step(kind, model, opt, step, rank, world, clip=None):
     opt.step()
 
 
-def _train(kind: str, rank: int, world: int, *, clip=None, steps=STEPS, tracer=None):
+def _train(kind: str, rank: int, world: int, *, clip=None, steps=STEPS, tracer=None, micro=1, sync=True):
     """Train ``steps`` steps; return (model, optimizer, wrapper) with grads and state still in place."""
     base = UglyGPT()
     model, opt = _setup(kind, base)
     for step in range(steps):
         if kind == "single":  # one device trains the whole global batch
-            _step(kind, model, opt, step, 0, 1, clip)
+            _step(kind, model, opt, step, 0, 1, clip, micro)
         else:
-            _step(kind, model, opt, step, rank, world, clip)
+            _step(kind, model, opt, step, rank, world, clip, sync=sync)
         if tracer is not None:
             tracer.step()
     return model, opt, base
@@ -197,6 +206,13 @@ def _train(kind: str, rank: int, world: int, *, clip=None, steps=STEPS, tracer=N
 
 def _freed(fsdp: FullyShardedDataParallel) -> list[bool]:
     return [sp.unsharded.untyped_storage().nbytes() == 0 for u in fsdp.units for sp in u.params]
+
+
+def _spread(single: dict, *, clip=None, steps=STEPS) -> float:
+    """How far one device moves when only the summation order changes: the global batch in 2 and in 4
+    micro-batches against 1 (``single``), the larger distance. The tolerance is ``FACTOR`` times it."""
+    return max(_max_diff(_full_params("single", _train("single", 0, 1, clip=clip, steps=steps, micro=m)[0]),
+                         single) for m in MICRO_SPLITS)
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -217,6 +233,9 @@ def _cases(ctx, full: bool) -> dict:
     out: dict = {}
     single_model, single_opt, _ = _train("single", rank, world)
     single = _full_params("single", single_model)
+    out["spread"] = _spread(single)
+    # negative control: ranks that never average their gradients must be far outside the tolerance
+    out["no_sync_vs_single"] = _max_diff(_full_params("dp", _train("dp", rank, world, sync=False)[0]), single)
     shapes = [tuple(p.shape) for p in UglyGPT().parameters()]
     units, unit_trained = _unit_shapes(UglyGPT())
     kinds = ["dp", "zero1", "zero2", "zero3", "zero3_prefetch"] + (["ddp", "fsdp2"] if full else [])
@@ -234,9 +253,8 @@ def _cases(ctx, full: bool) -> dict:
             r["bytes"] = (measured.weights, measured.grads, measured.optimizer)
             r["formula"] = (formula.weights, formula.grads, formula.optimizer)
             r["state_is_sharded"] = _state_is_sharded(measured.optimizer, rank, world)
-            r["wire"] = tracer.bytes_sent(step=STEPS - 1)
-            r["wire_formula"] = zero_comm_bytes(units, world, stage, trainable=unit_trained)
-            r["ops"] = {op: t.count for op, t in tracer.summary(step=STEPS - 1).items()}
+            r["ops"] = {op: (t.count, t.nbytes) for op, t in tracer.summary(step=STEPS - 1).items()}
+            r["ops_formula"] = zero_collectives(units, world, stage, trainable=unit_trained)
         if kind == "zero3":
             r["all_freed"] = all(_freed(model))
         out[kind] = r
@@ -256,15 +274,17 @@ def _cases(ctx, full: bool) -> dict:
 def _clip_cases(rank: int, world: int, single: dict) -> dict:
     clip = 0.05  # below the gradient norm of these steps: every step is clipped
     out, params = {}, {}
+    spread = None
     for kind in ("dp", "zero1", "zero2", "zero3"):
         model, _, _ = _train(kind, rank, world, clip=clip)
         params[kind] = _full_params(kind, model)
     ref_model, _, _ = _train("single", rank, world, clip=clip)
     ref = _full_params("single", ref_model)
+    spread = _spread(ref, clip=clip)
     for kind in ("zero1", "zero2", "zero3"):
         out[f"clip {kind}"] = {"vs_single": _max_diff(params[kind], ref),
-                               "vs_dp": _max_diff(params[kind], params["dp"]),
-                               "unclipped_differs": _max_diff(params[kind], single) > 10 * ATOL}
+                               "vs_dp": _max_diff(params[kind], params["dp"]), "spread": spread,
+                               "unclipped_vs_single": _max_diff(params[kind], single)}
     return out
 
 
@@ -286,7 +306,9 @@ def _accumulation(rank: int, world: int, steps: int = 3) -> dict:
         params[kind] = _full_params(kind, model)
     single, _, _ = _train("single", rank, world, steps=steps)
     ref = _full_params("single", single)
-    return {kind: (_max_diff(params[kind], ref), _max_diff(params[kind], params["dp"])) for kind in params}
+    spread = _spread(ref, steps=steps)
+    return {kind: (_max_diff(params[kind], ref), _max_diff(params[kind], params["dp"]), spread)
+            for kind in params}
 
 
 def _roundtrip(rank: int, world: int, single_opt: torch.optim.Optimizer) -> dict:
@@ -330,17 +352,32 @@ def _load_at_other_world_size(rank: int, world: int) -> dict:
             "shard_rows": twin_opt.shard(twin.embedding.word_embeddings.weight).shape[0]}
 
 
+def _only(fsdp: FullyShardedDataParallel, kind: str) -> StateMemory:
+    """One kind of the full (gathered) bytes, so that PeakStateBytes follows its own peak."""
+    return StateMemory(**{k: getattr(fsdp.gathered_bytes(), k) if k == kind else 0
+                          for k in ("weights", "grads", "optimizer")})
+
+
 def _peak(rank: int, world: int) -> dict:
-    """Peak bytes of one stage-3 step: shards + one gathered unit (+ the next one with prefetch)."""
+    """Peak bytes of one stage-3 step: of all the state, and of the full (gathered) tensors alone."""
     out = {}
+    units, trained = _unit_shapes(UglyGPT())
     for prefetch in (False, True):
         base = UglyGPT()
         fsdp = FullyShardedDataParallel(base, prefetch=prefetch)
         opt = torch.optim.AdamW(param_groups(fsdp, 0.1), **_adamw())
         _step("zero3", fsdp, opt, 0, rank, world)
-        with PeakStateBytes(lambda f=fsdp, o=opt: f.state_bytes(o)) as peak:
+        with PeakStateBytes(lambda f=fsdp, o=opt: f.state_bytes(o)) as peak, \
+                PeakStateBytes(partial(_only, fsdp, "weights")) as weights, \
+                PeakStateBytes(partial(_only, fsdp, "grads")) as grads:
             _step("zero3", fsdp, opt, STEPS - 1, rank, world)
-        out[prefetch] = (peak.peak.total, fsdp.state_bytes(opt).total, peak.samples)
+        one = zero3_peak_gathered_bytes(units, world, trainable=trained)
+        two = zero3_peak_gathered_bytes(units, world, trainable=trained, prefetch=True)
+        out[prefetch] = {
+            "total": peak.peak.total, "rest": fsdp.state_bytes(opt).total, "samples": peak.samples,
+            "weights": weights.peak.weights, "grads": grads.peak.grads,
+            "gathered_after": fsdp.gathered_bytes().total,
+            "one_weights": one.weights, "two_weights": two.weights, "bound_grads": one.grads}
     return out
 
 
@@ -451,15 +488,42 @@ def test_sharded_optimizer_rejects_stage_3():
 ZERO = ["zero1", "zero2", "zero3", "zero3_prefetch"]
 
 
+def _tol(r: dict) -> float:
+    return FACTOR * r["spread"]
+
+
+def _check_collectives(rank: int, kind: str, r: dict) -> None:
+    """Which collectives ran in the last step, how many, with which payload (bytes of the tensors handed
+    to the ops, recorded by the tracer), against what the stage must move (``zero_collectives``)."""
+    got, want = r[kind]["ops"], r[kind]["ops_formula"]
+    assert got.keys() == want.keys(), f"rank {rank} {kind}: ran {sorted(got)}, want {sorted(want)}"
+    for op, (count, payload) in want.items():
+        assert got[op][1] == payload, f"rank {rank} {kind} {op}: payload {got[op][1]} B, want {payload} B"
+        if kind in ("zero1", "zero2"):  # buckets of 300 elements: several per step, the same bytes
+            assert got[op][0] > count, (rank, kind, op, got[op])
+        else:
+            assert got[op][0] == count, f"rank {rank} {kind} {op}: {got[op][0]} calls, want {count}"
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+def test_tolerance_is_measured_and_the_negative_control_fails_it(two_ranks, four_ranks):
+    for r in [*two_ranks, *four_ranks]:
+        assert 0 < r["spread"], "one device gave the same bits for every micro-batch split"
+        assert r["no_sync_vs_single"] > 100 * _tol(r), (r["spread"], r["no_sync_vs_single"])
+
+
+@pytest.mark.numerics
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)
 @pytest.mark.parametrize("kind", ZERO)
 def test_two_ranks_equal_data_parallelism_bitwise_and_one_device(two_ranks, kind):
     for rank, r in enumerate(two_ranks):
         assert r[kind]["vs_dp"] == 0.0, f"rank {rank}: not bit-identical to data parallelism: {r[kind]}"
-        assert r[kind]["vs_single"] < ATOL, (rank, r[kind])
-        assert r["dp"]["vs_single"] < ATOL
+        assert r[kind]["vs_single"] < _tol(r), (rank, r[kind], r["spread"])
+        assert r["dp"]["vs_single"] < _tol(r), (rank, r["dp"], r["spread"])
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)
 def test_two_ranks_equal_torch_ddp_and_fsdp2_bitwise(two_ranks):
     for r in two_ranks:
@@ -469,10 +533,10 @@ def test_two_ranks_equal_torch_ddp_and_fsdp2_bitwise(two_ranks):
 
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)
 @pytest.mark.parametrize("kind", ["dp", *ZERO])
-def test_two_ranks_bytes_and_traffic_equal_the_formulas(two_ranks, kind):
+def test_two_ranks_bytes_and_collectives_equal_the_formulas(two_ranks, kind):
     for rank, r in enumerate(two_ranks):
         assert r[kind]["bytes"] == r[kind]["formula"], f"rank {rank} {kind}: measured != formula"
-        assert r[kind]["wire"] == pytest.approx(r[kind]["wire_formula"], rel=1e-12), (rank, r[kind])
+        _check_collectives(rank, kind, r)
 
 
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)
@@ -482,19 +546,23 @@ def test_negative_control_unsharded_optimizer_fails_the_sharded_check(two_ranks)
         assert all(r[k]["state_is_sharded"] for k in ZERO)
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)
 def test_clipping_uses_the_global_norm(two_ranks):
     for r in two_ranks:
         for kind in ("zero1", "zero2", "zero3"):
             c = r[f"clip {kind}"]
-            assert c["vs_single"] < ATOL and c["vs_dp"] < ATOL and c["unclipped_differs"], (kind, c)
+            tol = FACTOR * c["spread"]
+            assert c["vs_single"] < tol and c["vs_dp"] < tol, (kind, c)
+            assert c["unclipped_vs_single"] > 10 * tol, f"clipping changed nothing measurable: {c}"
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)
 def test_gradient_accumulation_over_micro_batches(two_ranks):
     for r in two_ranks:
-        for kind, (vs_single, vs_dp) in r["accumulation"].items():
-            assert vs_single < ATOL and vs_dp < ATOL, (kind, vs_single, vs_dp)
+        for kind, (vs_single, vs_dp, spread) in r["accumulation"].items():
+            assert vs_single < FACTOR * spread and vs_dp < FACTOR * spread, (kind, vs_single, vs_dp, spread)
 
 
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)
@@ -505,20 +573,30 @@ def test_state_dict_round_trip(two_ranks):
 
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)
 def test_stage3_frees_units_and_peaks_at_one_or_two_gathered_units(two_ranks):
-    for r in two_ranks:
+    """The full parameters a rank holds reach the root plus one block, never more (plus one block in
+    flight with prefetch): a unit freed late exceeds the bound, and a prefetch that does nothing stays at
+    the one-block figure and fails."""
+    for rank, r in enumerate(two_ranks):
         assert r["zero3"]["all_freed"]
-        (no_pf, rest, samples), (pf, rest_pf, _) = r["peak"][False], r["peak"][True]
-        assert samples > 100 and rest < no_pf <= pf and rest == rest_pf
+        no_pf, pf = r["peak"][False], r["peak"][True]
+        assert no_pf["samples"] > 100 and no_pf["rest"] == pf["rest"] < no_pf["total"] <= pf["total"]
+        assert no_pf["gathered_after"] == pf["gathered_after"] == 0, "full tensors left after the step"
+        # the root and one block at a time: the bound is reached, and a unit freed late exceeds it
+        assert no_pf["weights"] == no_pf["one_weights"], f"rank {rank}: one unit at a time: {no_pf}"
+        # prefetch: a second block in flight while one computes, never a third
+        assert pf["one_weights"] < pf["weights"] <= pf["two_weights"], f"rank {rank}: prefetch: {pf}"
+        assert 0 < no_pf["grads"] <= no_pf["bound_grads"] and 0 < pf["grads"] <= pf["bound_grads"], r["peak"]
 
 
 # ---------------------------------------------------------------------------------------- four ranks
+@pytest.mark.numerics
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)
 @pytest.mark.parametrize("kind", ["dp", *ZERO])
 def test_four_ranks_uneven_shards(four_ranks, kind):
     for rank, r in enumerate(four_ranks):
-        assert r[kind]["vs_single"] < ATOL and r[kind]["vs_dp"] < ATOL, (rank, r[kind])
+        assert r[kind]["vs_single"] < _tol(r) and r[kind]["vs_dp"] < _tol(r), (rank, r[kind], r["spread"])
         assert r[kind]["bytes"] == r[kind]["formula"], f"rank {rank} {kind}: measured != formula"
-        assert r[kind]["wire"] == pytest.approx(r[kind]["wire_formula"], rel=1e-12)
+        _check_collectives(rank, kind, r)
         assert r[kind]["state_is_sharded"] == (kind != "dp")
     shards = [four_ranks[r]["zero3"]["bytes"][0] for r in range(4)]
     assert len(set(shards)) > 1, "the shapes were meant to give ranks shards of different sizes"

@@ -1,9 +1,11 @@
 """Checks of chapter 04's exercises (ZeRO); see exercises/grading.py for the contract.
 
-Task 1 runs here. Tasks 2 and 3 run on 2 ranks (:func:`refimpl.launch.run_ranks`), each rank loading the
+Task 1 runs here. Tasks 2 to 5 run on 2 ranks (:func:`refimpl.launch.run_ranks`), each rank loading the
 graded file again by path; the shapes are uneven on purpose (3 rows over 2 ranks: 2 and 1; 1 row: 1 and
 0), results are compared with a single-process computation of the same arithmetic, and a tracer checks
-that the traffic went through ``refimpl.comm.ops`` as a reduce-scatter and an all-gather.
+that the traffic went through ``refimpl.comm.ops`` as a reduce-scatter and an all-gather. Tasks 4 and 5
+chain three units and record, from hooks of the grader's own inside each unit, which units hold memory
+while each one computes its forward and its backward.
 """
 
 from __future__ import annotations
@@ -153,10 +155,110 @@ def check_unshard(path: str) -> None:
     run_ranks(_unit_on_rank, WORLD, path, timeout_s=TIMEOUT_S)
 
 
+# ------------------------------------------------------------------------------------------ 04.4 / 04.5
+UNITS = 3
+
+
+def _chain() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 4)) for _ in range(UNITS)])
+
+
+def _chain_on_rank(ctx, path: str, prefetch: bool) -> list:
+    from refimpl.comm.tracer import CommTracer
+
+    mod = load_module(path)
+    rank, world = ctx.rank, ctx.world_size
+    reference, chain = _chain(), _chain()
+    fulls: list[list[nn.Parameter]] = []
+    shards: list[list[torch.Tensor]] = []
+    for unit in chain:
+        unit_fulls, unit_shards = [], []
+        for m in unit.modules():
+            for name, p in list(m._parameters.items()):
+                full = nn.Parameter(torch.empty_like(p))
+                full.untyped_storage().resize_(0)
+                unit_shards.append(p.detach()[slice(*_rows(p.shape[0], rank, world))].clone())
+                m._parameters[name] = full
+                unit_fulls.append(full)
+        fulls.append(unit_fulls)
+        shards.append(unit_shards)
+
+    def held() -> set[int]:
+        return {u for u, fs in enumerate(fulls) if any(f.untyped_storage().nbytes() > 0 for f in fs)}
+
+    log: list[tuple[str, int, set[int]]] = []
+    for u, unit in enumerate(chain):  # the grader's probes, inside each unit: its first Linear
+        def on_forward(module, args, u=u):
+            log.append(("forward", u, held()))
+            pairs = zip(fulls[u], reference[u].parameters(), strict=True)
+            assert all(torch.equal(f.detach(), p.detach()) for f, p in pairs), (
+                f"rank {rank}: unit {u} computes its forward with parameters that are not the full ones")
+
+        def mark(module, args, out, u=u):
+            out.register_hook(lambda grad, u=u: log.append(("backward", u, held())))
+
+        unit[0].register_forward_pre_hook(on_forward)
+        unit[0].register_forward_hook(mark)
+    mod.install_unit_hooks(list(chain), fulls, shards, prefetch=prefetch)
+    with CommTracer() as tracer:
+        for step in range(2):
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+            out = chain(x)
+            assert not held(), f"rank {rank}: after the chain's forward units {sorted(held())} hold memory"
+            out.square().sum().backward()
+            assert not held(), f"rank {rank}: after backward units {sorted(held())} still hold memory"
+            reference.zero_grad()
+            reference(x).square().sum().backward()
+            for u in range(UNITS):
+                for i, (f, p) in enumerate(zip(fulls[u], reference[u].parameters(), strict=True)):
+                    assert f.grad is not None and torch.allclose(f.grad, p.grad, rtol=1e-5, atol=1e-7), (
+                        f"rank {rank}, step {step}: the gradient of unit {u}'s parameter {i} is not the "
+                        "plain chain's")
+                    f.grad = None
+            tracer.step()
+    for step in range(2):
+        gathers = len(tracer.select(op="all_gather", step=step))
+        assert gathers == 2 * UNITS, (
+            f"rank {rank}: {gathers} all-gathers in step {step}, want {2 * UNITS}: each unit once for "
+            "forward and once for backward (gathered through your unshard_, so through refimpl.comm.ops)")
+    return log
+
+
+def _log_of(path: str, prefetch: bool) -> list:
+    from refimpl.launch import run_ranks
+
+    mod = load_module(path)
+    probe_stub(mod.install_unit_hooks, [], [], [])
+    return run_ranks(_chain_on_rank, WORLD, path, prefetch, timeout_s=TIMEOUT_S)[0]
+
+
+def check_unit_schedule(path: str) -> None:
+    for phase, u, held in _log_of(path, prefetch=False):
+        assert held == {u}, (
+            f"while unit {u} computes its {phase}, units {sorted(held)} hold memory; want only unit {u}"
+            + (" (is every unit freed once its backward is over?)" if phase == "backward" else ""))
+
+
+def check_unit_prefetch(path: str) -> None:
+    for phase, u, held in _log_of(path, prefetch=True):
+        if phase == "forward":
+            want = {u, u + 1} if u + 1 < UNITS else {u}
+            assert held == want, (f"with prefetch, while unit {u} computes its forward units {sorted(held)} "
+                                  f"hold memory; want {sorted(want)}: the next unit gathered ahead, no other")
+        else:
+            want = {u, u - 1} if u > 0 else {u}
+            assert want <= held, (f"with prefetch, while unit {u} computes its backward units {sorted(held)} "
+                                  f"hold memory; want {sorted(want)} among them: the previous unit ahead")
+
+
 TASKS = [
     Task(name="04.1 shard_rows", points=3, check=check_shard_rows),
     Task(name="04.2 sharded_step (2 ranks)", points=4, check=check_sharded_step),
     Task(name="04.3 unshard_ and reshard_ around a unit (2 ranks)", points=3, check=check_unshard),
+    Task(name="04.4 ZeRO-3 schedule: gather and free around forward and backward", points=3,
+         check=check_unit_schedule),
+    Task(name="04.5 ZeRO-3 prefetch of the next unit", points=2, check=check_unit_prefetch),
 ]
 
 # Plausible wrong answers, each of which must fail its own task and only that one (tests/test_exercises.py).
@@ -211,5 +313,63 @@ def unshard_(fulls, shards, process_group=None):
     with torch.no_grad():  # writes into the parameter itself: its version counter moves
         specs = [ShardSpec(f.shape, rank, n) for f in fulls]
         all_gather_into(list(shards), specs, list(fulls), process_group)
+''',
+    "04.4 ZeRO-3 schedule: gather and free around forward and backward": '''
+from exercises.reference.ch04 import *  # noqa: F403
+from exercises.reference.ch04 import reshard_, unshard_
+
+
+def install_unit_hooks(units, fulls, shards, process_group=None, *, prefetch=False):
+    gathered, ready, handles = [False] * len(units), [0] * len(units), []
+
+    def gather(u):
+        if 0 <= u < len(units) and not gathered[u]:
+            unshard_(fulls[u], shards[u], process_group)
+            gathered[u] = True
+
+    def free(u):
+        reshard_(fulls[u])
+        gathered[u] = False
+
+    def pre(u):
+        def hook(module, args):
+            gather(u)
+            if prefetch:
+                gather(u + 1)
+        return hook
+
+    def post(u):
+        def hook(module, args, output):
+            free(u)
+
+            def before_backward(grad):
+                gather(u)
+                if prefetch:
+                    gather(u - 1)
+            output.register_hook(before_backward)
+        return hook
+
+    def on_grad(u):
+        def hook(param):
+            ready[u] += 1
+            if ready[u] == len(fulls[u]):
+                ready[u] = 0
+                if u == 0:  # backward is over: free every unit now (a unit is freed only at the end)
+                    for v in range(len(units)):
+                        free(v)
+        return hook
+
+    for u, unit in enumerate(units):
+        handles += [unit.register_forward_pre_hook(pre(u)), unit.register_forward_hook(post(u))]
+        handles += [f.register_post_accumulate_grad_hook(on_grad(u)) for f in fulls[u]]
+    return handles
+''',
+    "04.5 ZeRO-3 prefetch of the next unit": '''
+from exercises.reference.ch04 import *  # noqa: F403
+from refimpl.parallel.zero import install_unit_hooks as _gather_when_needed
+
+
+def install_unit_hooks(units, fulls, shards, process_group=None, *, prefetch=False):
+    return _gather_when_needed(units, fulls, shards, process_group)  # the prefetch flag is ignored
 ''',
 }

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from refimpl.comm import ops
-from refimpl.parallel.memory import StateMemory, state_bytes
+from refimpl.parallel.memory import StateMemory, state_bytes, storage_bytes
 from refimpl.parallel.zero_planner import shard_rows
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "ShardedOptimizer",
     "allreduce_gradients",
     "copy_out_all_gather",
+    "install_unit_hooks",
     "pack_for_all_gather",
     "pack_for_reduce_scatter",
     "reshard_",
@@ -298,6 +299,73 @@ def reshard_(fulls: Sequence[torch.Tensor]) -> None:
     """ZeRO-3 after a unit ran: free the memory of the full tensors, keep the tensors (storage size 0)."""
     for f in fulls:
         _free(f)
+
+
+def install_unit_hooks(
+    units: Sequence[nn.Module], fulls: Sequence[Sequence[torch.Tensor]],
+    shards: Sequence[Sequence[torch.Tensor]], process_group: dist.ProcessGroup | None = None, *,
+    prefetch: bool = False,
+) -> list:
+    """ZeRO-3's schedule around units that run one after the other: the lesson behind
+    :class:`FullyShardedDataParallel`, synchronous and without the gradient reduction.
+
+    ``units[u]`` runs ``u``-th in forward; ``fulls[u]`` are its full parameters (registered in its modules,
+    storage freed) and ``shards[u]`` this rank's rows of them. Hooks make each step:
+
+    * before unit ``u``'s forward: gather it (:func:`unshard_`), and with ``prefetch`` unit ``u + 1`` too;
+    * after its forward: free it (:func:`reshard_`), and register a hook on its output for the backward;
+    * before its backward (the gradient of its output has arrived): gather it again, with ``prefetch``
+      unit ``u - 1`` too;
+    * when every parameter of the unit has its gradient accumulated: free it (the full ``.grad`` stays).
+
+    A unit already gathered is not gathered again, so every unit is all-gathered exactly twice per step,
+    prefetch or not. Returns the hook handles.
+    """
+    gathered = [False] * len(units)
+    ready = [0] * len(units)
+    handles: list = []
+
+    def gather(u: int) -> None:
+        if 0 <= u < len(units) and not gathered[u]:
+            unshard_(fulls[u], shards[u], process_group)
+            gathered[u] = True
+
+    def free(u: int) -> None:
+        reshard_(fulls[u])
+        gathered[u] = False
+
+    def on_forward_pre(u: int):
+        def hook(module: nn.Module, args: tuple) -> None:
+            gather(u)
+            if prefetch:
+                gather(u + 1)
+        return hook
+
+    def on_forward(u: int):
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            free(u)
+            tensors = [t for t in _tensors(output) if t.requires_grad]
+            if tensors:
+                def before_backward(_grads: object) -> None:
+                    gather(u)
+                    if prefetch:
+                        gather(u - 1)
+                torch.autograd.graph.register_multi_grad_hook(tensors, before_backward, mode="any")
+        return hook
+
+    def on_grad(u: int):
+        def hook(param: torch.Tensor) -> None:
+            ready[u] += 1
+            if ready[u] == sum(1 for f in fulls[u] if f.requires_grad):
+                ready[u] = 0
+                free(u)
+        return hook
+
+    for u, unit in enumerate(units):
+        handles.append(unit.register_forward_pre_hook(on_forward_pre(u)))
+        handles.append(unit.register_forward_hook(on_forward(u)))
+        handles += [f.register_post_accumulate_grad_hook(on_grad(u)) for f in fulls[u] if f.requires_grad]
+    return handles
 
 
 def _is_sharded_state(value: object, shard: torch.Tensor) -> bool:
@@ -865,6 +933,17 @@ class FullyShardedDataParallel(nn.Module):
             for sp, t in zip(unit.params, outs, strict=True):
                 full[id(sp.sharded)] = t
         return {name: full[id(p)] for name, p in self.module.named_parameters()}
+
+    def gathered_bytes(self) -> StateMemory:
+        """Bytes of *full* tensors this rank holds now: gathered parameters and all-gathers in flight
+        (weights) and full gradients not yet reduce-scattered (grads); the shards are not counted.
+        :func:`refimpl.parallel.zero_planner.zero3_peak_gathered_bytes` bounds its peak over a step."""
+        sps = [sp for u in self.units for sp in u.params]
+        in_flight = [u.pending[1] for u in self.units if u.pending is not None]
+        seen: set = set()
+        weights = storage_bytes([sp.unsharded for sp in sps] + in_flight, exclude=seen)
+        grads = storage_bytes([sp.unsharded.grad for sp in sps], exclude=seen)
+        return StateMemory(weights=weights, grads=grads, optimizer=0)
 
     def state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> StateMemory:
         """Bytes this rank holds now in parameters (shards, gathered units and all-gathers in flight),

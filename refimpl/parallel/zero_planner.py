@@ -18,8 +18,12 @@ is split along dim 0 into chunks of ``ceil(rows / N)`` rows (torch.chunk and FSD
 ranks may hold fewer rows (or none); ``Psi / N`` becomes the rank's true shard size :func:`sharded_numel`.
 For shapes whose first dim divides by N the two agree to the byte.
 
-Traffic per step and rank (ring algorithm, as :func:`refimpl.comm.tracer.wire_bytes` counts it), in
-elements: data parallelism all-reduces the gradients, 2 (N-1)/N Psi; stages 1 and 2 reduce-scatter the
+Which collectives a step issues, how many and with which payload (the bytes of the tensors handed to
+each op, what :class:`refimpl.comm.tracer.CommTracer` records as ``CommEvent.nbytes``) is
+:func:`zero_collectives`: that is what a chapter checks against the tracer. Traffic on the wire is a
+*model* applied to those payloads (the bandwidth-optimal ring, as :func:`refimpl.comm.tracer.wire_bytes`
+books it), :func:`zero_comm_bytes`, per step and rank, in elements: data parallelism all-reduces the
+gradients, 2 (N-1)/N Psi; stages 1 and 2 reduce-scatter the
 gradients and all-gather the updated parameters, (N-1)/N Psi each, the same 2 (N-1)/N Psi; stage 3 also
 all-gathers every unit for its forward and again for its backward, 3 (N-1)/N Psi, 1.5x data parallelism
 (the root unit, needed again at once by the backward, is not freed after forward, as in FSDP2).
@@ -125,11 +129,73 @@ def zero_memory(
     return StateMemory(weights=weights, grads=grads, optimizer=moments + step_bytes * len(trained))
 
 
+def zero_collectives(
+    unit_shapes: Sequence[Sequence[Shape]], world_size: int, stage: int, *,
+    trainable: Sequence[Sequence[bool]] | None = None, bytes_per_element: int = 4, root_unit: int | None = 0,
+) -> dict[str, tuple[int, int]]:
+    """The collectives one rank issues in one optimizer step at ZeRO ``stage``: ``{op: (count, payload)}``.
+
+    The payload is the bytes of the tensor handed to the op (the input of an all-reduce and of a
+    reduce-scatter, the output of an all-gather: the full, padded tensor). One micro-batch per step, every
+    stage-1/2 bucket large enough for all the gradients (one reduce-scatter, one all-gather), stage 3 with
+    one all-gather per unit for forward, one more for backward except ``root_unit`` (kept after forward),
+    and one reduce-scatter per unit that has a trainable parameter. ``{}`` on one rank (no collective).
+    """
+    _check(stage, world_size)
+    n, b = world_size, bytes_per_element
+    if trainable is None:
+        trainable = [[True] * len(shapes) for shapes in unit_shapes]
+    trained = [[s for s, t in zip(shapes, flags, strict=True) if t]
+               for shapes, flags in zip(unit_shapes, trainable, strict=True)]
+    if n == 1:
+        return {}
+    if stage == 0:
+        return {"all_reduce": (1, b * sum(math.prod(s) for shapes in trained for s in shapes))}
+    grads = b * sum(padded_numel(shapes, n) for shapes in trained)
+    if stage in (1, 2):
+        return {"reduce_scatter": (1, grads), "all_gather": (1, grads)}
+    units = [u for u, shapes in enumerate(unit_shapes) if shapes]
+    again = [u for u in units if u != root_unit]
+    gathered = b * sum((1 if u == root_unit else 2) * padded_numel(unit_shapes[u], n) for u in units)
+    return {"all_gather": (len(units) + len(again), gathered),
+            "reduce_scatter": (sum(1 for t in trained if t), grads)}
+
+
+def zero3_peak_gathered_bytes(
+    unit_shapes: Sequence[Sequence[Shape]], world_size: int, *,
+    trainable: Sequence[Sequence[bool]] | None = None, prefetch: bool = False, bytes_per_element: int = 4,
+    root_unit: int = 0,
+) -> StateMemory:
+    """Upper bounds on the *full* (gathered) bytes a ZeRO-3 rank holds at any moment of one step.
+
+    ``weights``: the root unit stays gathered from forward to the end of backward; besides it one other
+    unit at a time: ``full(root) + max_u full(u)``; with ``prefetch`` the next unit's all-gather output
+    (padded rows) is in flight meanwhile: ``+ max_u padded(u)``. A unit freed late (kept until the end of
+    backward) adds a second unit and exceeds it; a prefetch that never happens stays at the first form.
+    ``grads``: the root's full gradients and those of one other unit before its reduce-scatter,
+    ``trained(root) + max_u trained(u)``. The two peaks need not fall at the same moment.
+    """
+    n, b = world_size, bytes_per_element
+    if trainable is None:
+        trainable = [[True] * len(shapes) for shapes in unit_shapes]
+
+    def full(u: int, only_trained: bool) -> int:
+        pairs = zip(unit_shapes[u], trainable[u], strict=True)
+        return sum(math.prod(s) for s, t in pairs if t or not only_trained)
+
+    others = [u for u in range(len(unit_shapes)) if u != root_unit]
+    ahead = max((padded_numel(unit_shapes[u], n) for u in others), default=0) if prefetch else 0
+    weights = full(root_unit, False) + max((full(u, False) for u in others), default=0) + ahead
+    grads = full(root_unit, True) + max((full(u, True) for u in others), default=0)
+    return StateMemory(weights=b * weights, grads=b * grads, optimizer=0)
+
+
 def zero_comm_bytes(
     unit_shapes: Sequence[Sequence[Shape]], world_size: int, stage: int, *,
     trainable: Sequence[Sequence[bool]] | None = None, bytes_per_element: int = 4, root_unit: int | None = 0,
 ) -> float:
-    """Wire bytes one rank sends in one optimizer step at ZeRO ``stage`` (ring model, one micro-batch).
+    """Wire bytes one rank sends in one optimizer step at ZeRO ``stage``: the ring *model* applied to the
+    payloads of :func:`zero_collectives` (all-reduce ``2 (N-1)/N``, the others ``(N-1)/N`` of the payload).
 
     ``unit_shapes[u]`` lists the parameter shapes of unit ``u`` and ``trainable[u]`` which of them get a
     gradient (default: all); stages 0-2 only use the trainable total. Stage 0 all-reduces the unpadded
@@ -138,19 +204,7 @@ def zero_comm_bytes(
     frozen ones too) for forward, again for backward except ``root_unit`` (kept after forward, as FSDP2
     does; None: re-gather every unit), and reduce-scatters the trainable ones.
     """
-    _check(stage, world_size)
-    n = world_size
-    if trainable is None:
-        trainable = [[True] * len(shapes) for shapes in unit_shapes]
-    trained = [[s for s, t in zip(shapes, flags, strict=True) if t]
-               for shapes, flags in zip(unit_shapes, trainable, strict=True)]
-    if n == 1:
-        return 0.0
-    ring = (n - 1) / n * bytes_per_element
-    if stage == 0:
-        return 2 * ring * sum(math.prod(s) for shapes in trained for s in shapes)
-    if stage in (1, 2):
-        return 2 * ring * sum(padded_numel(shapes, n) for shapes in trained)
-    gathers = sum((1 if u == root_unit else 2) * padded_numel(shapes, n)
-                  for u, shapes in enumerate(unit_shapes))
-    return ring * (gathers + sum(padded_numel(shapes, n) for shapes in trained))
+    ops = zero_collectives(unit_shapes, world_size, stage, trainable=trainable,
+                           bytes_per_element=bytes_per_element, root_unit=root_unit)
+    ring = (world_size - 1) / world_size
+    return sum((2 if op == "all_reduce" else 1) * ring * payload for op, (_, payload) in ops.items())
