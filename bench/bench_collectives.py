@@ -9,10 +9,13 @@ that all see the same machine load. Every call starts after a barrier and is tim
 slowest rank's time is the call's time, and the median over the repeats (after a warm-up) is reported.
 
 Printed: a markdown table with, per world size and size, the three medians and the ratios ring / torch
-and naive / torch, and the bytes the busiest rank sends in the ring (2(n-1)/n S when n divides the
-length) and rank 0 in the naive version ((n-1) S). Then, per world size, the alpha-beta model
-(``refimpl.comm.cost_model``) fitted to a ping-pong between ranks 0 and 1. On CPU, compare ratios only;
-absolute times depend on the machine and its load.
+and naive / torch, and the bytes the busiest rank sends in the ring and rank 0 in the naive version,
+**measured** by a :class:`~refimpl.comm.tracer.CommTracer` (the tensors handed to ``isend``/``send`` in one
+extra traced call) and checked against the formulas (2(n-1)/n S when n divides the length, (n-1) S).
+What ``dist.all_reduce`` sends is not measured (the tracer could only book the ring model). Then, per
+world size, the alpha-beta model (``refimpl.comm.cost_model``) fitted to a ping-pong between ranks 0 and
+1, with its R² (how much of the measured times the fit explains; a low R² means the fitted alpha and beta
+describe nothing). On CPU, compare ratios only; absolute times depend on the machine and its load.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def _worker(ctx, sizes: list[int], repeats: int, warmup: int) -> tuple[list[dict
 
     from refimpl.comm.cost_model import measure_p2p
     from refimpl.comm.ring import naive_all_reduce, ring_all_reduce
+    from refimpl.comm.tracer import CommTracer
 
     impls = {"ring": ring_all_reduce, "torch": lambda t: dist.all_reduce(t), "naive": naive_all_reduce}
     rows = []
@@ -56,7 +60,14 @@ def _worker(ctx, sizes: list[int], repeats: int, warmup: int) -> tuple[list[dict
             t = torch.tensor(ts, dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             slowest[name] = statistics.median(t.tolist())
-        rows.append({"size": size, **slowest})
+        sent = {}
+        for name in ("ring", "naive"):  # one more call each, traced: the bytes this rank handed to (i)send
+            with CommTracer() as tracer:
+                impls[name](buf)
+            sent[name] = torch.tensor([tracer.measured_bytes_sent()], dtype=torch.float64)
+            dist.all_reduce(sent[name], op=dist.ReduceOp.MAX)  # the busiest rank
+        rows.append({"size": size, **slowest, "ring_sent": int(sent["ring"].item()),
+                     "naive_sent": int(sent["naive"].item())})
     p2p = measure_p2p(repeats=repeats, warmup=warmup)  # ranks 0 <-> 1, 4 B .. 4 MiB
     return rows, p2p
 
@@ -67,7 +78,7 @@ def run(ranks: list[int], sizes: list[int], repeats: int, warmup: int) -> str:
 
     lines = [
         "| ranks | message | dist.all_reduce | ring (ours) | naive via rank 0 | ring / torch | "
-        "naive / torch | ring: bytes sent by the busiest rank | naive: bytes sent by rank 0 |",
+        "naive / torch | ring: bytes sent by the busiest rank (measured) | naive: by rank 0 (measured) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     from refimpl.comm.cost_model import fit_alpha_beta
@@ -84,11 +95,13 @@ def run(ranks: list[int], sizes: list[int], repeats: int, warmup: int) -> str:
             numel = max(1, row["size"] // 4)
             s = numel * 4
             ring_bytes = max(ring_bytes_sent(numel, world, r, 4) for r in range(world))  # 2(n-1)/n S if even
+            assert row["ring_sent"] == ring_bytes, (world, s, row["ring_sent"])  # measured = formula
+            assert row["naive_sent"] == (world - 1) * s, (world, s, row["naive_sent"])
             lines.append(
                 f"| {world} | {_human(s)} | {row['torch'] * 1e3:.3f} ms | {row['ring'] * 1e3:.3f} ms | "
                 f"{row['naive'] * 1e3:.3f} ms | {row['ring'] / row['torch']:.2f} | "
-                f"{row['naive'] / row['torch']:.2f} | {_human(ring_bytes)} | "
-                f"{_human((world - 1) * s)} |")
+                f"{row['naive'] / row['torch']:.2f} | {_human(row['ring_sent'])} | "
+                f"{_human(row['naive_sent'])} |")
     return "\n".join(lines) + "\n\nAlpha-beta fit of a point-to-point ping-pong:\n" + "\n".join(fits)
 
 
