@@ -19,7 +19,8 @@ ranks: a replicated tensor of ``n`` elements is written as ``W`` slices of ``n /
 **Resharding is range arithmetic.** The manifest lists, for each tensor, its *pieces*: ``(file, start,
 numel)``, sorted and covering ``[0, numel)`` exactly once. A rank that now needs the range ``[o, o + n)``
 (at any world size, for any sharding) copies the intersection ``[max(o, s), min(o + n, s + m))`` of every
-piece ``[s, s + m)`` that overlaps it. Nothing in the format depends on the world size that wrote it.
+piece ``[s, s + m)`` that overlaps it (:func:`plan_read`). Nothing in the format depends on the world size
+that wrote it.
 
 **Trust.** The manifest records each file's sha256 and size and carries its own checksum (the sha256 of
 its canonical JSON without that field). :func:`verify_checkpoint` rejects a missing manifest, a wrong
@@ -333,6 +334,23 @@ def verify_checkpoint(folder: str | os.PathLike, *, expected: Mapping[str, Seque
     return manifest
 
 
+def plan_read(pieces: Sequence[Mapping[str, Any]], start: int, numel: int) -> list[tuple[int, int, int, int]]:
+    """Resharding as range arithmetic: what a reader of the flat range ``[start, start + numel)`` copies.
+
+    ``pieces`` are a manifest entry's pieces (``{"start", "numel", ...}``, sorted, tiling the tensor). The
+    result lists, for every piece ``[s, s + m)`` that overlaps the range, ``(piece index, offset in the
+    piece, offset in the range, length)`` of the intersection ``[max(s, start), min(s + m, start + numel))``,
+    in order; pieces that only touch the range at an end are left out.
+    """
+    end, out = start + numel, []
+    for index, p in enumerate(pieces):
+        s = p["start"]
+        lo, hi = max(s, start), min(s + p["numel"], end)
+        if lo < hi:
+            out.append((index, lo - s, lo - start, hi - lo))
+    return out
+
+
 class CheckpointReader:
     """Reads ranges of global tensors out of a verified checkpoint; files are opened (mmap) on demand."""
 
@@ -368,14 +386,12 @@ class CheckpointReader:
         if not 0 <= start <= start + numel <= total:
             raise CheckpointError(f"range [{start}, {start + numel}) outside {name!r} ({total} elements)")
         out = torch.empty(numel, dtype=dtype_of(entry["dtype"]))
-        end, filled = start + numel, 0
-        for p in entry["pieces"]:
-            s, e = p["start"], p["start"] + p["numel"]
-            lo, hi = max(s, start), min(e, end)
-            if lo < hi:
-                src = self._file(p["file"])["pieces"][piece_key(name, s)]
-                out[lo - start : hi - start].copy_(src[lo - s : hi - s])
-                filled += hi - lo
+        filled = 0
+        for index, src_at, dst_at, n in plan_read(entry["pieces"], start, numel):
+            p = entry["pieces"][index]
+            src = self._file(p["file"])["pieces"][piece_key(name, p["start"])]
+            out[dst_at : dst_at + n].copy_(src[src_at : src_at + n])
+            filled += n
         if filled != numel:
             raise CheckpointError(f"{name!r}: only {filled} of {numel} requested elements found")
         return out

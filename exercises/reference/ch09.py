@@ -1,0 +1,11 @@
+"""refimpl's answers to the exercises of chapter 09, under the exercise's names and signatures.
+
+The grader's self-test grades this module and expects full marks (tests/test_exercises.py).
+"""
+
+from __future__ import annotations
+
+from refimpl.checkpoint import commit
+from refimpl.checkpoint_format import plan_read, verify_checkpoint
+
+__all__ = ["commit", "plan_read", "verify_checkpoint"]
