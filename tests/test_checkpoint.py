@@ -463,6 +463,27 @@ def test_keep_last_k_prunes_and_latest_points_to_newest(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_failed_rename_leaves_latest_on_the_previous_checkpoint(tmp_path, monkeypatch):
+    """The commit point is the rename of the temp folder: when it fails, nothing may name the new step."""
+    ck = Checkpointer(CheckpointConfig(folder=tmp_path))
+    ck.save(1, {"x": torch.ones(3)}, state={"step": 1})
+    real_replace = os.replace
+
+    def failing_rename(src, dst, *args, **kwargs):
+        if os.path.basename(os.fspath(src)).startswith("step_00000002.tmp-"):
+            raise OSError("simulated failure of the commit's rename")
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", failing_rename)
+    with pytest.raises(CheckpointError, match="simulated failure of the commit's rename"):
+        ck.save(2, {"x": torch.full((3,), 2.0)}, state={"step": 2})
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert (tmp_path / "latest").read_text().strip() == "step_00000001"
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001"]
+    assert find_latest_valid(tmp_path).step == 1
+
+
+@pytest.mark.timeout(60)
 def test_async_snapshot_is_unaffected_by_later_in_place_updates(tmp_path, monkeypatch):
     release, writing = threading.Event(), threading.Event()
     real_write = ckpt_mod.write_rank_file
