@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -42,6 +43,7 @@ def grads_of(model: GPT, x: torch.Tensor, dtype: torch.dtype | None = None) -> l
     return [p.grad.clone() for p in model.parameters()]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
 def test_checkpointed_and_plain_blocks_give_identical_gradients(dtype):
     x = batch()
@@ -138,19 +140,25 @@ def flops(model: GPT, x: torch.Tensor) -> tuple[int, dict]:
 
 
 def test_recompute_costs_one_forward_of_the_checkpointed_blocks():
-    x = batch()
-    model = GPT(CONFIG)
-    with FlopCounterMode(display=False) as counter:
-        model(x)
-    forward = counter.get_flop_counts()
-    block_fwd = {i: sum(forward[f"GPT.layers.{i}"].values()) for i in range(CONFIG.num_layers)}
-    last_linear = {i: sum(forward[f"GPT.layers.{i}.mlp.dense_4h_to_h"].values()) for i in range(3)}
+    """Counted under the math attention kernel: the fused CPU kernel has no FLOP formula, and the
+    recomputed attention would be missing from the count."""
+    with sdpa_kernel(SDPBackend.MATH):
+        x = batch()
+        model = GPT(CONFIG)
+        with FlopCounterMode(display=False) as counter:
+            model(x)
+        forward = counter.get_flop_counts()
+        block_fwd = {i: sum(forward[f"GPT.layers.{i}"].values()) for i in range(CONFIG.num_layers)}
+        last_linear = {i: sum(forward[f"GPT.layers.{i}.mlp.dense_4h_to_h"].values()) for i in range(3)}
 
-    plain, _ = flops(model, x)
-    apply_activation_checkpointing(model, [0, 2])
-    with set_checkpoint_early_stop(False):
-        full, _ = flops(model, x)
-    early, _ = flops(model, x)
-    assert full - plain == block_fwd[0] + block_fwd[2]  # exactly one more forward of each checkpointed block
-    # early stop: the recompute ends with the last tensor backward needs, so the last matmul is not rerun
-    assert early - plain == block_fwd[0] + block_fwd[2] - last_linear[0] - last_linear[2]
+        plain, _ = flops(model, x)
+        apply_activation_checkpointing(model, [0, 2])
+        with set_checkpoint_early_stop(False):
+            full, _ = flops(model, x)
+        early, _ = flops(model, x)
+        b, t = x.shape
+        attention = {i: forward[f"GPT.layers.{i}"].get(torch.ops.aten.bmm, 0) for i in (0, 2)}
+        assert attention == {0: 4 * b * t * t * CONFIG.hidden_size, 2: 4 * b * t * t * CONFIG.hidden_size}
+        assert full - plain == block_fwd[0] + block_fwd[2]  # one more forward of each, attention included
+        # early stop: the recompute ends with the last tensor backward needs, so the last matmul is not rerun
+        assert early - plain == block_fwd[0] + block_fwd[2] - last_linear[0] - last_linear[2]
