@@ -7,7 +7,7 @@ on several configurations (tied and untied embeddings, odd widths, one layer, lo
 
 You may import anything from ``torch`` and ``math``, and read ``refimpl`` to understand the model, but
 do not call ``refimpl.planner``, ``refimpl.model.lm_loss`` or ``refimpl.optim.lr_at``: the point is to
-derive these numbers yourself.
+derive these numbers yourself. Chapter 00's exercise (is a throughput claim plausible?) uses ``mfu``.
 """
 
 from __future__ import annotations
@@ -42,6 +42,18 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     the sequences trained, which may be shorter than ``config.max_seq_len``). Return a float.
     """
     raise NotImplementedError("flops_per_token: 6N + 12 L H Q T (PaLM, appendix B)")
+
+
+def mfu(config: ModelConfig, seq_len: int, tokens_per_s: float, num_devices: int, peak_flops: float) -> float:
+    """Model FLOPs utilisation of a run that trains ``GPT(config)`` on sequences of ``seq_len`` tokens.
+
+    ``tokens_per_s`` is the throughput of the whole run (all ``num_devices`` devices together);
+    ``peak_flops`` is the dense peak FLOP/s of *one* device in the dtype the run computes in. MFU is the
+    fraction of the devices' peak that the model's training arithmetic (PaLM's count, your
+    ``flops_per_token``) would fill at that throughput. Return a float fraction (0.4 means 40%); a claim
+    can be impossible, so do not clamp it to 1.
+    """
+    raise NotImplementedError("mfu: the model's FLOP/s over what the devices could deliver at peak")
 
 
 def adam_state_bytes(config: ModelConfig) -> int:

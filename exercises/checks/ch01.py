@@ -96,6 +96,39 @@ def check_flops_per_token(path: str) -> None:
             )
 
 
+MFU_CASES = [  # (config, seq_len, tokens/s of the whole run, devices, dense peak per device)
+    (CONFIGS[0], 128, 5.0e5, 1, 67e12),  # the course's model on one H100 in fp32
+    (CONFIGS[1], 64, 3.0e6, 8, 19.5e12),  # untied, 8 A100s in fp32, sequences shorter than max_seq_len
+    (CONFIGS[3], 33, 1.0e9, 3, 1e12),  # an impossible claim: MFU above 1 must not be clamped
+    (ModelConfig(vocab_size=32000, num_layers=32, hidden_size=4096, num_attention_heads=32, max_seq_len=4096),
+     4096, 1.0e6, 256, 989e12),  # a 6.6 B-parameter model on 256 H100s in bf16
+]
+
+
+def check_mfu(path: str) -> None:
+    mfu = load_module(path).mfu
+    for config, seq_len, tokens_per_s, devices, peak in MFU_CASES:
+        got = mfu(config, seq_len, tokens_per_s, devices, peak)
+        want = tokens_per_s * planner.flops_per_token(config, seq_len) / (devices * peak)
+        if isinstance(got, (int, float)) and math.isclose(got, want, rel_tol=1e-9):
+            continue
+        hint = ""
+        if isinstance(got, (int, float)):
+            if math.isclose(got, want * devices, rel_tol=1e-9) and devices > 1:
+                hint = " Hint: tokens_per_s is the whole run's; divide by the peak of all the devices."
+            elif math.isclose(got, 100 * want, rel_tol=1e-9):
+                hint = " Hint: return a fraction, not a percentage."
+            elif math.isclose(got, min(want, 1.0), rel_tol=1e-9):
+                hint = " Hint: an impossible claim has an MFU above 1; do not clamp it."
+            elif math.isclose(got, want * 6 * planner.param_count(config).total
+                              / planner.flops_per_token(config, seq_len), rel_tol=1e-9):
+                hint = " Hint: the FLOPs per token include the attention term 12 L H Q T."
+        raise AssertionError(
+            f"mfu({_describe(config)}, seq_len={seq_len}, tokens_per_s={tokens_per_s:g}, "
+            f"num_devices={devices}, peak_flops={peak:g}) = {got!r}, expected {want:.6g}.{hint}"
+        )
+
+
 def _measured_adam_state_bytes(config: ModelConfig) -> int:
     """Build GPT(config) and AdamW, take one step, and add up the bytes of the optimizer's state."""
     model = GPT(config)
@@ -204,6 +237,7 @@ def check_lr_at(path: str) -> None:
 TASKS = [
     Task(name="count_parameters", points=2, check=check_count_parameters),
     Task(name="flops_per_token", points=2, check=check_flops_per_token),
+    Task(name="mfu", points=2, check=check_mfu),
     Task(name="adam_state_bytes", points=2, check=check_adam_state_bytes),
     Task(name="next_token_loss", points=2, check=check_next_token_loss),
     Task(name="lr_at", points=2, check=check_lr_at),
@@ -222,6 +256,11 @@ MUTANTS = {
     "flops_per_token": _HEADER + (
         "def flops_per_token(config, seq_len):\n"
         "    return planner.flops_per_token(config, seq_len, matmul_only=True)  # N without the vectors\n"
+    ),
+    "mfu": _HEADER + (
+        "def mfu(config, seq_len, tokens_per_s, num_devices, peak_flops):\n"
+        "    flops = tokens_per_s * planner.flops_per_token(config, seq_len)\n"
+        "    return flops / peak_flops  # one device's peak for the whole run's throughput\n"
     ),
     "adam_state_bytes": _HEADER + (
         "def adam_state_bytes(config):\n"

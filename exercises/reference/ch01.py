@@ -12,7 +12,7 @@ from refimpl.config import ModelConfig
 from refimpl.model import lm_loss
 from refimpl.optim import lr_at  # same signature as the exercise: re-exported as is
 
-__all__ = ["adam_state_bytes", "count_parameters", "flops_per_token", "lr_at", "next_token_loss"]
+__all__ = ["adam_state_bytes", "count_parameters", "flops_per_token", "lr_at", "mfu", "next_token_loss"]
 
 
 def count_parameters(config: ModelConfig) -> int:
@@ -21,6 +21,11 @@ def count_parameters(config: ModelConfig) -> int:
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     return planner.flops_per_token(config, seq_len)
+
+
+def mfu(config: ModelConfig, seq_len: int, tokens_per_s: float, num_devices: int, peak_flops: float) -> float:
+    flops = planner.flops_per_token(config, seq_len)
+    return planner.model_flops_utilization(tokens_per_s, flops, num_devices, peak_flops)
 
 
 def adam_state_bytes(config: ModelConfig) -> int:
