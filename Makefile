@@ -10,12 +10,13 @@ ARGS ?=
 # the normal (CUDA) build where there is one.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: help setup train test test-fast lab grade lint bench clean
+.PHONY: help setup train test test-fast lab book grade lint bench clean
 
 help:
 	@echo "make train            train the default model (2 CPU ranks, or one rank per GPU)"
 	@echo "make test             the whole suite: unit, multi-rank, notebooks (nbval), exercise self-check"
 	@echo "make lab              open the course in JupyterLab"
+	@echo "make book [ONLY=00]   the executed course as static HTML in build/book/ (index.html: the course map)"
 	@echo "make grade CH=NN      grade your solution of exercises/NN_*.py"
 	@echo "make test-fast        the suite without the notebooks"
 	@echo "make lint             ruff check"
@@ -47,6 +48,10 @@ test-fast: $(STAMP)
 # refuses to run as root without --allow-root: in a container we are root.
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root,) chapters/00_orientation.py
+
+# Every chapter executed (a fresh kernel each) and rendered to HTML; ONLY="00 03" builds a subset.
+book: $(STAMP)
+	$(PY) tools/book.py $(if $(ONLY),--only $(ONLY),)
 
 grade: $(STAMP)
 	$(PY) -m exercises.grade $(CH)
