@@ -704,8 +704,8 @@ print(f"step time: plain {t_plain * 1e3:.1f} ms, all blocks checkpointed {t_ckpt
 # one more forward of every block adds at most a third of the FLOPs of a step; the count above, attention
 # included, is x1.235 (+23.5%): less than a third, because the embedding, the output layer and each block's
 # last matmul are not recomputed. The *time* printed above is another matter: on this CPU the
-# checkpointed step took x1.57 and x1.85 the plain one in two of our runs (it varies with the load of the
-# machine), and the extra time is more than one forward pass. The FLOP argument does not predict time at
+# checkpointed step took x1.37, x1.57 and x1.85 the plain one in three of our runs (it varies with the load
+# of the machine), the extra time 0.9 to 1.9 forward passes. The FLOP argument does not predict time at
 # this size: a small model on a CPU spends much of its step outside matmuls (LayerNorm, GELU, the fused
 # attention kernel, autograd's bookkeeping, and the checkpoint's own), and recomputation repeats all of it.
 # Measure the ratio on your hardware, at your model's size (`bench/bench_precision.py`). In exchange the
