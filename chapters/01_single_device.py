@@ -42,7 +42,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from refimpl.config import ModelConfig, OptimConfig
 from refimpl.data import ShardedBatches, decode, encode, prepare_corpus
-from refimpl.metrics import device_peak_flops, format_bytes, format_mfu
+from refimpl.metrics import device_peak_flops, format_bytes, format_mfu, peak_dtype
 from refimpl.model import GPT, generate, lm_loss
 from refimpl.optim import build_optimizer, lr_at, set_lr
 from refimpl.planner import flops_per_token, num_param_tensors, param_count, state_memory
@@ -183,26 +183,57 @@ assert abs(losses[0] - math.log(256)) < 0.5, "a fresh model should be close to a
 assert tail < math.log(256) - 1.5, f"the loss did not fall clearly below ln 256: {tail:.3f}"
 
 # %% [markdown]
-# The loss falls fast from 5.5 to about 3: the model first learns which bytes are frequent in Python
-# source (spaces, `e`, `t`, newlines), then short patterns such as indentation and keywords. A short
-# sample shows how far 80 steps get:
+# The loss falls from about 5.4 to about 2.9 nats per token in 80 steps (81,920 tokens). What has the
+# model learnt? A loss does not say; a sample does. The cell below continues the prompt `def ` twice:
+# **greedily** (always the most likely next byte) and **sampled** at temperature 0.8 with a fixed seed,
+# and measures both against the corpus: the share of spaces, and which letter runs ("words") and Python
+# keywords appear.
 
 # %%
+import keyword
+import re
+
+import numpy as np
+
 prompt = encode("def ").to(device)
-sample = generate(train_model, prompt, max_new_tokens=80, temperature=0.8, seed=0)
-print(decode(sample.cpu()))
+continuations = {
+    name: decode(generate(train_model, prompt, max_new_tokens=80, temperature=temp, seed=0)[len(prompt):])
+    for name, temp in (("greedy", 0.0), ("sampled", 0.8))
+}
+byte_counts = np.bincount(corpus.tokens, minlength=256)
+top_byte = int(byte_counts.argmax())
+print(f"most frequent byte of the corpus: {chr(top_byte)!r}, {byte_counts[top_byte] / len(corpus):.1%} of it")
+words_found = {}
+for name, text in continuations.items():
+    words = re.findall(r"[A-Za-z_]+", text)
+    words_found[name] = {w for w in words if keyword.iskeyword(w)}
+    print(f"{name:>7s}: {text!r}")
+    print(f"         spaces {text.count(' ') / len(text):.0%} | letter runs {words} | "
+          f"Python keywords: {sorted(words_found[name]) or 'none'}")
+assert set(continuations["greedy"]) == {chr(top_byte)}, "the greedy text is the corpus's most frequent byte"
+
+# %% [markdown]
+# The sample shows what the loss of 2.9 means. The greedy continuation is 80 spaces: after 80 steps the
+# most likely next byte, in every context this continuation creates, is the corpus's most frequent byte
+# (the space, 29.2% of the corpus). The sampled continuation is 61% spaces, more than twice the corpus's
+# share; its letter runs (`sp`, `whh`, `stes`, `_yrelpnhlae`, `rnntr` on this CPU) are not words, and it
+# holds no Python keyword. So far the model has learnt which bytes are frequent in Python source and
+# that spaces come in runs (indentation), not yet words or syntax. (On a GPU the sampled bytes differ: its
+# random generator is another one, and its kernels round differently.)
 
 # %% [markdown]
 # **Throughput.** Tokens per second of the loop above, and the arithmetic they represent: each token
 # costs `flops_per_token` FLOPs (section 5). These are absolute times on *this* machine, shared with other
 # work, so they are printed, never asserted; MFU is reported only where a dense peak is known (a GPU).
+# This loop computes in float32, so its MFU divides by the **float32** peak (67 TFLOP/s on an H100, not
+# the 989 of bf16; `peak_dtype` says "tf32" instead if the run enabled TF32 matmuls).
 
 # %%
 tokens_per_s = STEPS * BATCH * SEQ_LEN / elapsed
 achieved = tokens_per_s * flops_per_token(train_cfg, SEQ_LEN)
-peak = device_peak_flops(device, "fp32")
+peak = device_peak_flops(device, dtype=peak_dtype(torch.float32))  # an fp32 run
 print(f"{tokens_per_s:,.0f} tokens/s, {achieved / 1e9:.2f} GFLOP/s achieved on {device}; "
-      f"MFU {format_mfu(None if peak is None else achieved / peak)}")
+      f"MFU {format_mfu(None if peak is None else achieved / peak)} of the {peak_dtype(torch.float32)} peak")
 
 # %% [markdown]
 # ## 4. Memory anatomy of a step
@@ -432,7 +463,7 @@ print(f"default kernel on {device}: {total_default:,d} FLOPs counted; missing {t
 # ## Exercise
 #
 # Open `exercises/01_single_device.py` and implement the stubs: `count_parameters`, `flops_per_token`,
-# `adam_state_bytes`, `next_token_loss` and `lr_at`. Their docstrings say exactly what to return. Grade
+# `mfu`, `adam_state_bytes`, `next_token_loss` and `lr_at`. Their docstrings state the contract. Grade
 # your work with
 #
 # ```
@@ -440,3 +471,20 @@ print(f"default kernel on {device}: {total_default:,d} FLOPs counted; missing {t
 # ```
 #
 # which prints a score per task and tells you what is wrong when a check fails.
+
+# %% [markdown]
+# ## Questions
+#
+# 1. The greedy continuation is nothing but spaces, yet the sampled one is 61% spaces where the corpus
+#    has 29%. What would each be for a model that knew only the byte frequencies, and what do the
+#    measured shares say the model knows beyond them? Which part of the gap is the temperature's doing?
+# 2. At a batch of 8 sequences of 128 bytes the default model saves 34.1 MiB of activations, against
+#    12.9 MiB of model state. From which batch size on do activations outweigh the state, and why does
+#    splitting the batch over data-parallel ranks (chapter 03) shrink one but not the other?
+# 3. The PaLM formula with all N over-counts the measured FLOPs by 2.45% for the tied model and by 5.90%
+#    untied, although the untied model has one more matrix multiply's worth of weights. Where does the
+#    extra over-count come from?
+# 4. Backward cost exactly twice forward here. Name a change to the model or the training set-up that
+#    makes the ratio smaller than 2, and say which matrix multiplies disappear.
+# 5. A float32 run on an H100 achieves 30 TFLOP/s. What is its MFU against the fp32 peak and against the
+#    bf16 peak, which one should it report, and what does the other one tell you?
