@@ -71,16 +71,16 @@ def _worker(ctx, steps: int, warmup: int, micro_batch: int, seq_len: int) -> dic
     cfg = ModelConfig(max_seq_len=seq_len)
     adamw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False)
     g = torch.Generator().manual_seed(ctx.rank)
-    data = [torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1), generator=g)
+    data = [torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1), generator=g).to(ctx.device)
             for _ in range(1 + warmup + steps)]
 
     variants = {}
     for name, prefetch in (("ours", False), ("ours + prefetch", True)):
-        model = FullyShardedDataParallel(GPT(cfg, seed=0), prefetch=prefetch)
+        model = FullyShardedDataParallel(GPT(cfg, seed=0).to(ctx.device), prefetch=prefetch)
         opt = torch.optim.AdamW(param_groups(model, 0.1), **adamw)
         variants[name] = (model, opt, lambda m=model, o=opt: m.state_bytes(o))
-    model = GPT(cfg, seed=0)
-    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    model = GPT(cfg, seed=0).to(ctx.device)
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -15,7 +15,8 @@ ZeRO removes the copies one kind at a time, without changing the arithmetic:
 * **stage 3** (:class:`FullyShardedDataParallel`): parameters are sharded too. The module is cut into
   *units* (a transformer block each, the rest in the root unit); a unit is all-gathered just before its
   forward, freed after it, all-gathered again before its backward, and its gradients reduce-scattered.
-  One extra all-gather per unit: 1.5x the traffic of data parallelism.
+  One extra all-gather per unit: 1.5x the traffic of data parallelism. :func:`install_unit_hooks` is the
+  same schedule in its simplest form (synchronous, no reduction), the lesson and exercise 04.4-04.5.
 
 **How a tensor is split.** Every parameter is split along dim 0 into chunks of ``ceil(rows / N)`` rows,
 rank ``r`` owning chunk ``r`` (FSDP2's ``Shard(0)``; the last ranks may own fewer rows or none). A
