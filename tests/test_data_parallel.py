@@ -2,20 +2,25 @@
 
 Every rank trains a model for STEPS AdamW steps on its shard of the same global batches; at the end its
 parameters must equal those of (a) one device training the whole global batch and (b)
-``torch.nn.parallel.DistributedDataParallel`` on the same shards.
+``torch.nn.parallel.DistributedDataParallel`` on the same shards. Because AdamW is nearly scale-invariant
+(a gradient twice too large moves the parameters by almost the same step), the gradients of the first
+step are compared too, before any optimizer step: a missing division by the world size is then an error
+of 1.0 (relative), not of 1e-3.
 
-Tolerances (DESIGN.md, "Correctness"):
-* **vs DDP, 2 ranks: bit for bit.** Both divide each gradient by W = 2 (exact) and sum two numbers, which
-  is commutative, so the bucket layout (ours cuts tensors, DDP's does not) cannot change a bit.
-* **vs DDP, 4 ranks, and vs one device: ``RTOL``** on the distance moved:
-  ``||theta - theta_ref|| <= RTOL * ||theta_ref - theta_0||``. Gloo's ring sums four numbers in an order
-  that depends on where an element sits in its bucket, and one device sums the batch inside its matmuls in
-  yet another order: each gradient changes by a few ulps (relative ~1e-7). AdamW divides by sqrt(v), so a
-  gradient that is mathematically zero (the attention *key* bias: softmax ignores a constant added to
-  every key) or nearly so is pure rounding noise that Adam turns into a step of up to lr * |g| / eps;
-  these few elements dominate the difference. Measured: ~1e-5 of the distance moved in 6 steps, with
-  single elements up to ~4e-6 (lr = 1e-3). RTOL = 1e-3 is 100 x that, and a missing synchronisation
-  (the negative control) gives ~1, 1000 x RTOL.
+Tolerances (docs/ARCHITECTURE.md, "Correctness and numerics"), all measured in the same run:
+* **2 ranks: bit for bit** against DDP, and against **one device that cuts the global batch into 2
+  micro-batches** (each loss divided by 2). Both divide each gradient by W = 2 (exact: a power of two)
+  and add two numbers (commutative), so neither the bucket layout nor the place of the addition (a
+  collective or ``.grad +=``) can change a bit.
+* **4 ranks, and one device with one micro-batch: ``FACTOR x spread``**, where ``spread`` is the distance
+  between two single-device runs that differ only in summation order: the global batch in one
+  micro-batch and in ``W`` micro-batches (for the parameters ``||a - b|| / ||b - theta_0||``, the
+  distance relative to how far the reference moved; for the gradients ``||g - g_ref|| / ||g_ref||``).
+  Data parallelism *is* such a reordering (a sum per rank, then a sum over ranks in the ring's order), so
+  it lands at about one spread. Measured (ATEN_CPU_CAPABILITY=default and avx2, this file's model): the
+  4-rank distance to one device is 1.1 to 1.25 spreads for the parameters (spread 1.2e-5 to 1.3e-5) and
+  about 1.0 for the gradients (spread 1.4e-7); 4 ranks vs DDP is 0.8 to 1.0 spread. ``FACTOR = 4`` leaves
+  room for other CPUs and is still ~1e4 x below a missing synchronisation or a missing division (~1).
 
 The multi-rank runs are batched: one spawn of 2 ranks and one of 4 compute every case, the tests assert on
 their results.
@@ -47,7 +52,7 @@ from refimpl.parallel.data_parallel import (
 
 STEPS = 6
 LR = 1e-3
-RTOL = 1e-3
+FACTOR = 4  # x the summation-order spread measured in the same run (module docstring)
 GLOBAL_BATCH = 8
 SEQ = 16
 MB = 2**20
@@ -133,6 +138,27 @@ def _train(model: nn.Module, wrapper, data, rank: int, world: int, *, ugly: bool
     return [p.detach().clone() for p in model.parameters()], losses
 
 
+def _single_bf16_wire(make, data, world: int) -> list[torch.Tensor]:
+    """One device doing the bf16 wire's arithmetic by hand: per shard g / W cast to bf16, summed in bf16."""
+    model = make()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=False)
+    for batch in data:
+        parts = []
+        for shard in batch.chunk(world):
+            model.zero_grad(set_to_none=True)
+            lm_loss(model(shard[:, :-1]), shard[:, 1:]).backward()
+            parts.append([(p.grad / world).bfloat16() for p in params])
+        for p, *shares in zip(params, *parts, strict=True):
+            total = shares[0]
+            for share in shares[1:]:
+                total = total + share
+            p.grad = total.float()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def _single(make, data, **kw):
     model = make()
     return _train(model, model, data, 0, 1, **kw)
@@ -151,6 +177,32 @@ def _rel(a, b, init) -> float:
 
 def _equal(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _grel(grads, ref) -> float:
+    """||g - g_ref|| / ||g_ref|| over all gradients: the relative error of the whole gradient."""
+    num = sum(((x - y).double() ** 2).sum() for x, y in zip(grads, ref, strict=True)).sqrt()
+    return (num / sum((y.double() ** 2).sum() for y in ref).sqrt()).item()
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+def _single_grads(make, batch: torch.Tensor, micro_batches: int) -> list[torch.Tensor]:
+    """One device's gradient of the mean loss over ``batch``, summed over ``micro_batches`` slices."""
+    model = make()
+    for x in batch.chunk(micro_batches):
+        (lm_loss(model(x[:, :-1]), x[:, 1:]) / micro_batches).backward()
+    return _grads(model)
+
+
+class NoDivision(DataParallelBucket):
+    """Negative control: the one-line bug of summing the gradients without dividing by the world size."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.world_size = 1  # _launch divides by this: the gradients reach the optimizer W times too large
 
 
 class SkipSync(DataParallelBucket):
@@ -192,8 +244,30 @@ def _cases(ctx, full: bool) -> dict:
     gpt_data, ugly_data = _data(256), _data(32)
     gpt_init, ugly_init = _init(_gpt), _init(Ugly)
 
-    # GPT (tied embeddings) at several caps: 1 bucket, tensors split over buckets, a cap below most tensors
+    # the reference, and the yardstick: one device with the global batch in 1 and in `world` micro-batches
     ref_params, _ = _single(_gpt, gpt_data)
+    split_params, _ = _single(_gpt, gpt_data, accumulation=world)
+    split_acc, _ = _single(_gpt, gpt_data, accumulation=2 * world)  # what 2 micro-batches per rank reorder
+    out["spread"] = _rel(split_params, ref_params, gpt_init)
+    out["spread_acc"] = _rel(split_acc, ref_params, gpt_init)
+
+    # the gradients of the first step, before any optimizer step (AdamW would hide a wrong scale)
+    grad_ref = _single_grads(_gpt, gpt_data[0], 1)
+    grad_split = _single_grads(_gpt, gpt_data[0], world)
+    out["grad_spread"] = _grel(grad_split, grad_ref)
+    shard = gpt_data[0].chunk(world)[rank]
+    for name, wrap in (("bucket", lambda m: DataParallelBucket(m, bucket_cap_mb=4 * 1024 / MB)),
+                       ("naive", DataParallelNaive),
+                       ("no division", lambda m: NoDivision(m, bucket_cap_mb=4 * 1024 / MB))):
+        model = _gpt()
+        dp = wrap(model)
+        lm_loss(dp(shard[:, :-1]), shard[:, 1:]).backward()
+        dp.finish_gradient_synchronization()
+        grads = _grads(model)
+        out[f"grads {name}"] = {"vs_single": _grel(grads, grad_ref),
+                                "bitwise_split": _equal(grads, grad_split)}
+
+    # GPT (tied embeddings) at several caps: 1 bucket, tensors split over buckets, a cap below most tensors
     caps = [25 * MB, 16 * 1024, 4 * 1024] if full else [16 * 1024]
     for cap in caps:
         model = _gpt()
@@ -202,8 +276,10 @@ def _cases(ctx, full: bool) -> dict:
             params, _ = _train(model, dp, gpt_data, rank, world, tracer=tracer)
         ddp_model = _gpt()
         ddp_params, _ = _train(ddp_model, DDP(ddp_model, bucket_cap_mb=cap / MB), gpt_data, rank, world)
+        timeline = dp.last_timeline
         out[f"gpt cap={cap}"] = {
             "vs_single": _rel(params, ref_params, gpt_init),
+            "bitwise_split": _equal(params, split_params),
             "vs_ddp": _rel(params, ddp_params, gpt_init),
             "bitwise_ddp": _equal(params, ddp_params),
             "per_step": _per_step(tracer),
@@ -211,14 +287,20 @@ def _cases(ctx, full: bool) -> dict:
             "grad_bytes": dp.grad_bytes,
             "cap_bytes": dp.bucket_cap_bytes,
             "bucket_bytes": dp.bucket_bytes(),
-            "timeline_complete": all(t is not None for t in [*dp.last_timeline.launch, *dp.last_timeline.done,
-                                                             dp.last_timeline.backward_end]),
-            "exposed_fraction": dp.last_timeline.exposed_fraction(),
+            "timeline_complete": all(t is not None for t in [*timeline.launch, *timeline.done,
+                                                             timeline.backward_end]),
+            "timeline": {k: getattr(timeline, k) for k in ("launch", "done", "grad_ready", "backward_start",
+                                                          "backward_end", "wait_start", "wait_end")},
+            "num_trainable": sum(1 for p in model.parameters() if p.requires_grad),
+            "exposed_seconds": timeline.exposed_seconds(),
+            "comm_seconds": timeline.comm_seconds(),
         }
 
     # frozen + tied + never-used + sometimes-used parameters, find_unused_parameters=True, vs DDP's same mode;
     # a cap of 100 bytes = 25 elements, smaller than every weight matrix
     ref_ugly, _ = _single(Ugly, ugly_data, ugly=True)
+    split_ugly, _ = _single(Ugly, ugly_data, ugly=True, accumulation=world)
+    out["spread_ugly"] = _rel(split_ugly, ref_ugly, ugly_init)
     for cap in ([25 * MB, 100] if full else [100]):
         model = Ugly()
         dp = DataParallelBucket(model, bucket_cap_mb=cap / MB, find_unused_parameters=True)
@@ -229,6 +311,7 @@ def _cases(ctx, full: bool) -> dict:
         ddp_params, _ = _train(ddp_model, ddp, ugly_data, rank, world, ugly=True)
         out[f"ugly cap={cap}"] = {
             "vs_single": _rel(params, ref_ugly, ugly_init),
+            "bitwise_split": _equal(params, split_ugly),
             "vs_ddp": _rel(params, ddp_params, ugly_init),
             "bitwise_ddp": _equal(params, ddp_params),
             "never_grad_is_none": model.never.weight.grad is None,
@@ -247,7 +330,10 @@ def _cases(ctx, full: bool) -> dict:
     dp = DataParallelBucket(model, bucket_cap_mb=100 / MB)
     params, _ = _train(model, dp, ugly_data, rank, world, ugly=True)
     ref_zero, _ = _single(Ugly, ugly_data, ugly=True, zero_fill=True)
-    out["ugly zero-fill"] = {"vs_single_zero_filled": _rel(params, ref_zero, ugly_init)}
+    split_zero, _ = _single(Ugly, ugly_data, ugly=True, zero_fill=True, accumulation=world)
+    out["ugly zero-fill"] = {"vs_single_zero_filled": _rel(params, ref_zero, ugly_init),
+                             "bitwise_split": _equal(params, split_zero),
+                             "spread": _rel(split_zero, ref_zero, ugly_init)}
 
     # the naive wrapper: one all-reduce per trainable tensor
     model = _gpt()
@@ -255,6 +341,7 @@ def _cases(ctx, full: bool) -> dict:
     with CommTracer() as tracer:
         params, _ = _train(model, naive, gpt_data, rank, world, tracer=tracer)
     out["naive"] = {"vs_single": _rel(params, ref_params, gpt_init), "per_step": _per_step(tracer),
+                    "bitwise_split": _equal(params, split_params),
                     "tensors": sum(1 for _ in model.parameters()),
                     "grad_bytes": sum(p.numel() * 4 for p in model.parameters())}
 
@@ -316,10 +403,11 @@ def _cases(ctx, full: bool) -> dict:
     ref_grads = [p.grad for p in single.parameters()]
     right, wrong = grads_after_one_step(False), grads_after_one_step(True)
     out["trap_no_division"] = {
-        "right": max(((a - b).abs().max() / b.abs().max()).item()
-                     for a, b in zip(right, ref_grads, strict=True)),
-        "wrong_over_2x": max(((a - 2 * b).abs().max() / b.abs().max()).item()
-                             for a, b in zip(wrong, ref_grads, strict=True)),
+        "right": _grel(right, ref_grads),
+        "wrong": _grel(wrong, ref_grads),
+        "wrong_over_2x": _grel(wrong, [2 * g for g in ref_grads]),
+        # the yardstick: one device, its global batch in 2 x world micro-batches (the same reordering)
+        "spread": _grel(_single_grads(_gpt, gpt_data[0], 2 * world), ref_grads),
     }
 
     # bf16 on the wire: half the bytes, and a loss that stays close to the fp32 run
@@ -331,7 +419,8 @@ def _cases(ctx, full: bool) -> dict:
     dp32 = DataParallelBucket(model, bucket_cap_mb=16 * 1024 / MB)
     params32, losses32 = _train(model, dp32, gpt_data, rank, world)
     out["bf16"] = {"per_step": _per_step(tracer), "grad_bytes": dp.grad_bytes,
-                   "loss_rel": max(abs(a - b) / b for a, b in zip(losses16, losses32, strict=True)),
+                   "loss_gap": max(abs(a - b) for a, b in zip(losses16, losses32, strict=True)),
+                   "bitwise_by_hand": _equal(params16, _single_bf16_wire(_gpt, gpt_data, world)),
                    "params_differ": not _equal(params16, params32),
                    "grads_fp32": all(p.grad is None or p.grad.dtype == torch.float32
                                      for p in model.parameters())}
@@ -396,11 +485,35 @@ def test_assign_buckets_cuts_the_reversed_flat_buffer_exactly():
 
 
 # ---------------------------------------------------------------------------------------- two ranks
+def _tol(spread: float) -> float:
+    """FACTOR x a summation-order spread measured in the same run; a zero spread would make it vacuous."""
+    assert spread > 0, "the two single-device runs agree bit for bit: no yardstick for the tolerance"
+    return FACTOR * spread
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.parametrize("world", [2, 4])
+def test_gradients_before_the_step_equal_one_device(two_ranks, four_ranks, world):
+    r = {2: two_ranks, 4: four_ranks}[world]
+    tol = _tol(r["grad_spread"])
+    for name in ("bucket", "naive"):
+        g = r[f"grads {name}"]
+        assert g["vs_single"] <= tol, (name, g, tol)
+        if world == 2:  # g0/2 + g1/2 on the wire = one device's .grad after two micro-batches of loss/2
+            assert g["bitwise_split"], (name, g)
+    # negative control: summing without dividing by W is W x the gradient, an error of W - 1
+    wrong = r["grads no division"]["vs_single"]
+    assert abs(wrong - (world - 1)) < 1e-3 and wrong > 1000 * tol, (wrong, tol)
+
+
+@pytest.mark.numerics
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)
 @pytest.mark.parametrize("cap", [25 * MB, 16 * 1024, 4 * 1024])
 def test_gpt_two_ranks_equals_single_device_and_ddp_bitwise(two_ranks, cap):
     r = two_ranks[f"gpt cap={cap}"]
-    assert r["vs_single"] < RTOL, r
+    assert r["bitwise_split"], r  # one device with the global batch in 2 micro-batches, bit for bit
+    assert r["vs_single"] <= _tol(two_ranks["spread"]), r
     assert r["bitwise_ddp"], f"not bit-identical to DDP at 2 ranks: max diff {r['vs_ddp']:.3g}"
 
 
@@ -420,14 +533,29 @@ def test_all_reduces_and_bytes_per_step_follow_the_formula(two_ranks, cap):
 def test_timeline_records_every_bucket(two_ranks):
     r = two_ranks[f"gpt cap={4 * 1024}"]
     assert r["timeline_complete"]
-    assert 0.0 <= r["exposed_fraction"] <= 1.0
+    t = r["timeline"]
+    assert len(t["launch"]) == len(t["done"]) == r["buckets"] > 1
+    assert len(t["grad_ready"]) == r["num_trainable"]  # one hook per tensor (the tied embedding once)
+    assert t["backward_start"] <= min(t["grad_ready"]) and max(t["grad_ready"]) <= t["backward_end"]
+    assert t["launch"] == sorted(t["launch"])  # buckets strictly in order, the same on every rank
+    # every bucket is launched by a gradient hook, inside backward, and the first long before its end
+    assert all(t["backward_start"] <= a <= t["backward_end"] for a in t["launch"])
+    assert t["launch"][0] < t["grad_ready"][-1]
+    assert all(a <= d for a, d in zip(t["launch"], t["done"], strict=True))
+    assert t["backward_end"] <= t["wait_start"] <= t["wait_end"]
+    # the exposed part is what completes after backward: none of it if every bucket finished before
+    last_done = max(t["done"])
+    assert (r["exposed_seconds"] == 0) == (last_done <= t["backward_end"]), (r["exposed_seconds"], t)
+    assert 0 < r["comm_seconds"] <= last_done - t["launch"][0]
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)
 @pytest.mark.parametrize("cap", [25 * MB, 100])
 def test_frozen_tied_unused_parameters_two_ranks(two_ranks, cap):
     r = two_ranks[f"ugly cap={cap}"]
-    assert r["vs_single"] < RTOL, r
+    assert r["bitwise_split"], r
+    assert r["vs_single"] <= _tol(two_ranks["spread_ugly"]), r
     assert r["bitwise_ddp"], f"not bit-identical to DDP(find_unused_parameters=True): {r['vs_ddp']:.3g}"
     assert r["never_grad_is_none"] and r["frozen_unchanged"]
     # one all-reduce per bucket plus the used-flags (one int32 per trainable tensor)
@@ -436,36 +564,42 @@ def test_frozen_tied_unused_parameters_two_ranks(two_ranks, cap):
     assert r["per_step"] == [(r["buckets"] + 1, r["grad_bytes"] + flags)] * STEPS
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)
 def test_unused_parameters_get_zero_gradients_without_find_unused(two_ranks):
-    assert two_ranks["ugly zero-fill"]["vs_single_zero_filled"] < RTOL
+    r = two_ranks["ugly zero-fill"]
+    assert r["bitwise_split"], r
+    assert r["vs_single_zero_filled"] <= _tol(r["spread"]), r
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)
 def test_naive_equals_single_device_with_one_all_reduce_per_tensor(two_ranks):
     r = two_ranks["naive"]
-    assert r["vs_single"] < RTOL
+    assert r["bitwise_split"] and r["vs_single"] <= _tol(two_ranks["spread"]), r
     assert r["per_step"] == [(r["tensors"], r["grad_bytes"])] * STEPS
 
 
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)
 def test_negative_control_without_sync_fails_the_equivalence_check(two_ranks):
-    diff = two_ranks["skip_sync"]["vs_single"]
-    assert diff > 100 * RTOL, f"a wrapper that never synchronises passed the check (diff {diff:.3g})"
+    diff, tol = two_ranks["skip_sync"]["vs_single"], _tol(two_ranks["spread"])
+    assert diff > 1000 * tol, f"a wrapper that never synchronises passed the check (diff {diff:.3g})"
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)
 def test_accumulation_with_no_sync_equals_single_device_and_ddp(two_ranks):
     r = two_ranks["accumulation"]
-    assert r["vs_single"] < RTOL
+    assert r["vs_single"] <= _tol(two_ranks["spread_acc"]), r
     assert r["bitwise_ddp"], r["vs_ddp"]
     assert [c for c, _ in r["per_step"]] == [r["buckets"]] * STEPS  # the first micro-batch sent nothing
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)
 def test_trap_no_sync_around_backward_only_syncs_every_micro_batch(two_ranks):
     r = two_ranks["trap_backward_only"]
-    assert r["vs_single"] < RTOL  # still right (an average of averages), but twice the traffic
+    assert r["vs_single"] <= _tol(two_ranks["spread_acc"]), r  # still right, but twice the traffic
     assert [c for c, _ in r["per_step"]] == [2 * r["buckets"]] * STEPS
     # torch DDP behaves the same: its comm hook runs for both micro-batches. (Step 0 differs: DDP rebuilds
     # its buckets in gradient-ready order after the first synchronised backward, here mid-step.)
@@ -473,22 +607,27 @@ def test_trap_no_sync_around_backward_only_syncs_every_micro_batch(two_ranks):
     assert all(t == 2 * g > 0 for t, g in zip(trap[1:], right[1:], strict=True)), (trap, right)
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)
 def test_trap_forgetting_to_divide_by_accumulation_doubles_the_gradient(two_ranks):
     r = two_ranks["trap_no_division"]
-    assert r["right"] < 1e-5  # relative to the largest gradient entry of each tensor
-    assert r["wrong_over_2x"] < 1e-5
+    tol = _tol(r["spread"])
+    assert r["right"] <= tol and r["wrong_over_2x"] <= tol, r  # exactly twice the true gradient ...
+    assert r["wrong"] > 1000 * tol, r  # ... which the gradient comparison sees at once
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)
 def test_bf16_hook_halves_the_bytes_and_keeps_the_loss(two_ranks):
     r = two_ranks["bf16"]
     assert all(nbytes * 2 == r["grad_bytes"] for _, nbytes in r["per_step"])
-    # bf16 keeps 8 significant bits: each rounding is off by <= 2^-8 relative; over 6 steps the loss
-    # moves far less than that (0.5 %), yet the runs do differ
-    assert r["loss_rel"] < 5e-3 and r["params_differ"] and r["grads_fp32"]
+    # the runs differ from fp32, and at 2 ranks they are bit for bit one device doing the wire's
+    # arithmetic by hand (g / 2 in fp32, cast to bf16, one bf16 addition): the hook adds no other error
+    assert r["params_differ"] and r["grads_fp32"] and r["loss_gap"] > 0
+    assert r["bitwise_by_hand"], {k: v for k, v in r.items() if k != "per_step"}
 
 
+@pytest.mark.numerics
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)
 def test_activation_checkpointing_keeps_the_gradients(two_ranks):
     assert two_ranks["checkpointing"] == {False: True, True: True}
@@ -500,12 +639,13 @@ def test_two_backwards_after_one_forward_raise(two_ranks):
 
 
 # ---------------------------------------------------------------------------------------- four ranks
+@pytest.mark.numerics
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)
 def test_four_ranks_equal_single_device_and_ddp(four_ranks):
-    for key in (f"gpt cap={16 * 1024}", "ugly cap=100"):
-        r = four_ranks[key]
-        assert r["vs_single"] < RTOL, (key, r)
-        assert r["vs_ddp"] < RTOL, (key, r)  # reduction order differs with the bucket layout: not bitwise
+    for key, spread in ((f"gpt cap={16 * 1024}", "spread"), ("ugly cap=100", "spread_ugly")):
+        r, tol = four_ranks[key], _tol(four_ranks[spread])
+        assert r["vs_single"] <= tol, (key, r, tol)
+        assert r["vs_ddp"] <= tol, (key, r, tol)  # reduction order differs with the bucket layout
     r = four_ranks[f"gpt cap={16 * 1024}"]
     assert r["per_step"] == [(math.ceil(r["grad_bytes"] / r["cap_bytes"]), r["grad_bytes"])] * STEPS
     assert four_ranks["ugly cap=100"]["never_grad_is_none"]
