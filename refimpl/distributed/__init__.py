@@ -1,0 +1,31 @@
+"""Who the ranks are and how they are arranged (chapters 00 and 10).
+
+- :mod:`refimpl.distributed.env`: the process group from the torchrun environment, the device, seeding,
+  teardown (chapter 00).
+- :mod:`refimpl.distributed.mesh`: :class:`ParallelDims`, the ``pp x dp x cp x tp`` layout of the ranks and
+  one process group per axis (chapter 10, used from chapter 06 on).
+
+``from refimpl.distributed import init_distributed`` keeps working: env's public names are re-exported here.
+"""
+
+from refimpl.distributed.env import (
+    DistributedContext,
+    all_reduce_mean,
+    choose_device,
+    init_distributed,
+    log0,
+    seed_everything,
+    teardown,
+)
+from refimpl.distributed.mesh import ParallelDims
+
+__all__ = [
+    "DistributedContext",
+    "ParallelDims",
+    "all_reduce_mean",
+    "choose_device",
+    "init_distributed",
+    "log0",
+    "seed_everything",
+    "teardown",
+]

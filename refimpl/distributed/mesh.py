@@ -1,0 +1,175 @@
+"""The layout of the ranks: ``ParallelDims`` (``pp x dp x cp x tp``) and one process group per axis.
+
+Chapter 10 (the 3D trainer) explains it; chapters 06 (tensor), 07 (context) and 08 (pipeline) use it. The
+ranks ``0 .. W-1`` are arranged as a 4-D grid of shape ``(pp, dp, cp, tp)`` in row-major order, so that
+
+    rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i,        W = pp * dp * cp * tp.
+
+**Why this order** (Megatron-LM, Shoeybi et al. 2019, and Narayanan et al. 2021, "Efficient Large-Scale
+Language Model Training on GPU Clusters", section 3): the innermost axis gets adjacent ranks, and adjacent
+ranks share a node on a GPU box (``torchrun`` numbers a node's GPUs consecutively). Tensor parallelism
+all-reduces activations twice per layer in forward and twice in backward, on the critical path, so it must
+run over NVLink: ``tp`` is innermost. Context parallelism passes key/value blocks around a ring every layer
+(overlappable with attention): next to ``tp``. Data parallelism reduces gradients once per step (bucketed,
+overlapped with backward): across nodes is fine. Pipeline parallelism sends one activation per micro-batch
+between neighbouring stages, the least traffic of all: ``pp`` is outermost, spanning nodes.
+
+:class:`ParallelDims` holds the degrees only (pure arithmetic, no process group): its checks run before any
+process starts. :meth:`ParallelDims.build` creates the groups on an initialised default group and returns
+:class:`ParallelGroups`, built once per rank and passed explicitly (no global). The loss and the gradients of
+data parallelism are averaged over the ``dp x cp`` group (the ranks that see different tokens of the same
+model shard). :meth:`ParallelDims.device_mesh` gives torch's ``DeviceMesh`` with the same axis names, to
+compare with DTensor (``parallelize_module``, ``fully_shard``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from refimpl.config import ConfigError
+
+AXES = ("pp", "dp", "cp", "tp")  # outermost first: the row-major order of the rank grid
+LOSS_AXES = ("dp", "cp")  # the loss and data-parallel gradients are averaged over these
+
+
+@dataclass(frozen=True, kw_only=True)
+class Coordinates:
+    """One rank's position in the grid: ``rank = ((pp * DP + dp) * CP + cp) * TP + tp``."""
+
+    pp: int
+    dp: int
+    cp: int
+    tp: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """The degrees of the four parallel axes: data (``dp``), context (``cp``), tensor (``tp``), pipeline
+    (``pp``). Their product is the world size; see the module docstring for the rank order and why."""
+
+    dp: int
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            value = getattr(self, axis)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"the {axis} degree must be a positive integer, got {value!r}")
+
+    @classmethod
+    def from_world(cls, world_size: int, *, dp: int | None = None, cp: int = 1, tp: int = 1,
+                   pp: int = 1) -> ParallelDims:
+        """The layout of ``world_size`` ranks; ``dp`` defaults to ``world_size / (tp * pp * cp)``."""
+        if dp is None:
+            others = cls(dp=1, cp=cp, tp=tp, pp=pp).world_size  # checks the given degrees first
+            if world_size % others:
+                raise ConfigError(f"world size {world_size} is not divisible by tp x pp x cp = {tp} x {pp} "
+                                  f"x {cp} = {others}")
+            dp = world_size // others
+        dims = cls(dp=dp, cp=cp, tp=tp, pp=pp)
+        dims.check(world_size)
+        return dims
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The grid's shape in :data:`AXES` order ``(pp, dp, cp, tp)``."""
+        return (self.pp, self.dp, self.cp, self.tp)
+
+    def describe(self) -> str:
+        return f"dp {self.dp} x cp {self.cp} x tp {self.tp} x pp {self.pp}"
+
+    def check(self, world_size: int) -> None:
+        """Refuse a layout whose product is not the world size."""
+        if self.world_size != world_size:
+            raise ConfigError(f"the layout {self.describe()} = {self.world_size} ranks does not match the "
+                              f"world size {world_size}")
+
+    def rank_of(self, coords: Coordinates) -> int:
+        for axis in AXES:
+            value, size = getattr(coords, axis), getattr(self, axis)
+            if not 0 <= value < size:
+                raise ValueError(f"coordinate {axis}={value} outside 0..{size - 1}")
+        return ((coords.pp * self.dp + coords.dp) * self.cp + coords.cp) * self.tp + coords.tp
+
+    def coordinates(self, rank: int) -> Coordinates:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside 0..{self.world_size - 1} of {self.describe()}")
+        rank, tp = divmod(rank, self.tp)
+        rank, cp = divmod(rank, self.cp)
+        pp, dp = divmod(rank, self.dp)
+        return Coordinates(pp=pp, dp=dp, cp=cp, tp=tp)
+
+    def groups_of(self, *axes: str) -> list[tuple[int, ...]]:
+        """Every group spanning ``axes`` (the other coordinates fixed), ranks ascending, in a fixed order:
+        all ranks must create the groups in the same order (gloo's and NCCL's ``new_group`` rule)."""
+        unknown = [a for a in axes if a not in AXES]
+        if unknown or not axes or len(set(axes)) != len(axes):
+            raise ValueError(f"axes must be distinct names from {AXES}, got {axes}")
+        fixed = [a for a in AXES if a not in axes]
+        groups = []
+        for outer in itertools.product(*(range(getattr(self, a)) for a in fixed)):
+            base = dict(zip(fixed, outer, strict=True))
+            members = [self.rank_of(Coordinates(**base, **dict(zip(axes, inner, strict=True))))
+                       for inner in itertools.product(*(range(getattr(self, a)) for a in axes))]
+            groups.append(tuple(sorted(members)))
+        return groups
+
+    def build(self, *, rank: int, world_size: int, backend: str | None = None) -> ParallelGroups:
+        """Create the groups of every axis and of ``dp x cp`` (collective: every rank calls it, after
+        ``init_process_group``) and keep this rank's. ``backend`` defaults to the default group's."""
+        self.check(world_size)
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelDims.build needs an initialised default process group "
+                               "(refimpl.distributed.init_distributed)")
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise RuntimeError(f"rank {rank} of {world_size} given, but the default group says rank "
+                               f"{dist.get_rank()} of {dist.get_world_size()}")
+        groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
+        members: dict[tuple[str, ...], tuple[int, ...]] = {}
+        for axes in [(a,) for a in AXES] + [LOSS_AXES]:
+            for ranks in self.groups_of(*axes):  # all of them, on every rank, in the same order
+                group = dist.new_group(list(ranks), backend=backend)
+                if rank in ranks:
+                    groups[axes], members[axes] = group, ranks
+        return ParallelGroups(dims=self, rank=rank, coords=self.coordinates(rank), groups=groups,
+                              members=members)
+
+    def device_mesh(self, device_type: str):
+        """torch's ``DeviceMesh`` of the same grid, dims named ``("pp", "dp", "cp", "tp")`` (collective)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, self.shape, mesh_dim_names=AXES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelGroups:
+    """This rank's process groups, one per axis and one for ``dp x cp``, from :meth:`ParallelDims.build`."""
+
+    dims: ParallelDims
+    rank: int
+    coords: Coordinates
+    groups: dict[tuple[str, ...], dist.ProcessGroup] = field(repr=False)
+    members: dict[tuple[str, ...], tuple[int, ...]]
+
+    def group(self, *axes: str) -> dist.ProcessGroup:
+        """The group of ``axes``: one axis name, or ``"dp", "cp"`` for the loss and gradient average."""
+        return self.groups[self._key(axes)]
+
+    def ranks(self, *axes: str) -> tuple[int, ...]:
+        """The global ranks of this rank's group of ``axes``, ascending."""
+        return self.members[self._key(axes)]
+
+    def _key(self, axes: tuple[str, ...]) -> tuple[str, ...]:
+        key = tuple(a for a in AXES if a in axes)
+        if key not in self.groups or len(key) != len(axes):
+            raise KeyError(f"no group for axes {axes}; there are {sorted(self.groups)}")
+        return key

@@ -1,0 +1,137 @@
+"""``ParallelDims`` (refimpl/distributed/mesh.py): the rank formula, the groups measured through real
+collectives on 8 ranks, torch's ``DeviceMesh`` of the same layout, and bad layouts refused."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from refimpl.config import ConfigError
+from refimpl.distributed import ParallelDims
+from refimpl.distributed.mesh import AXES, Coordinates
+from refimpl.launch import run_ranks
+
+WORLD = 8
+LAYOUTS = {  # name -> degrees
+    "dp8": dict(dp=8),
+    "dp2-tp2-pp2": dict(dp=2, tp=2, pp=2),
+    "tp2-pp4": dict(dp=1, tp=2, pp=4),
+    "dp2-cp4": dict(dp=2, cp=4),
+}
+
+
+def _formula_groups(dims: ParallelDims, axes: tuple[str, ...]) -> set[tuple[int, ...]]:
+    """The groups straight from rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i, written out again."""
+    groups: dict[tuple, list[int]] = {}
+    for p, d, c, t in itertools.product(*(range(n) for n in dims.shape)):
+        rank = ((p * dims.dp + d) * dims.cp + c) * dims.tp + t
+        coords = dict(pp=p, dp=d, cp=c, tp=t)
+        groups.setdefault(tuple(coords[a] for a in AXES if a not in axes), []).append(rank)
+    return {tuple(sorted(g)) for g in groups.values()}
+
+
+ALL_AXES = [(a,) for a in AXES] + [("dp", "cp")]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_groups_and_coordinates_follow_the_formula(name):
+    dims = ParallelDims(**LAYOUTS[name])
+    assert dims.world_size == WORLD
+    for axes in ALL_AXES:
+        groups = dims.groups_of(*axes)
+        assert set(groups) == _formula_groups(dims, axes), axes
+        assert sorted(r for g in groups for r in g) == list(range(WORLD))  # a partition of the ranks
+    for rank in range(WORLD):
+        c = dims.coordinates(rank)
+        assert ((c.pp * dims.dp + c.dp) * dims.cp + c.cp) * dims.tp + c.tp == rank
+        assert dims.rank_of(c) == rank
+
+
+def test_tp_is_innermost_and_pp_outermost():
+    dims = ParallelDims(dp=2, tp=2, pp=2)
+    assert dims.groups_of("tp") == [(0, 1), (2, 3), (4, 5), (6, 7)]  # adjacent ranks: one node
+    assert dims.groups_of("dp") == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert dims.groups_of("pp") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert dims.coordinates(5) == Coordinates(pp=1, dp=0, cp=0, tp=1)
+
+
+def _measure_groups(ctx, layouts: dict[str, dict]) -> dict:
+    out = {}
+    for name, degrees in layouts.items():
+        dims = ParallelDims(**degrees)
+        groups = dims.build(rank=ctx.rank, world_size=ctx.world_size)
+        measured = {}
+        for axes in ALL_AXES:
+            t = torch.tensor([float(ctx.rank)], dtype=torch.float64)
+            dist.all_reduce(t, group=groups.group(*axes))
+            size = torch.ones(1, dtype=torch.float64)
+            dist.all_reduce(size, group=groups.group(*axes))
+            measured[axes] = (groups.ranks(*axes), t.item(), size.item(),
+                              tuple(dist.get_process_group_ranks(groups.group(*axes))))
+        mesh = dims.device_mesh("cpu")
+        torch_groups = {a: tuple(sorted(dist.get_process_group_ranks(mesh.get_group(a)))) for a in AXES}
+        out[name] = (groups.coords, measured, torch_groups, mesh.mesh_dim_names)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_groups_measured_through_real_collectives_on_8_ranks():
+    ranks = run_ranks(_measure_groups, WORLD, LAYOUTS, timeout_s=200)
+    for name, degrees in LAYOUTS.items():
+        dims = ParallelDims(**degrees)
+        for rank, result in enumerate(ranks):
+            coords, measured, torch_groups, names = result[name]
+            assert coords == dims.coordinates(rank)
+            assert names == AXES
+            for axes in ALL_AXES:
+                members, rank_sum, size, pg_ranks = measured[axes]
+                (expected,) = [g for g in _formula_groups(dims, axes) if rank in g]
+                assert members == expected and tuple(sorted(pg_ranks)) == expected, (name, rank, axes)
+                # measured through the real group: the sum of the rank ids is the sum of its members
+                assert rank_sum == sum(expected) and size == len(expected), (name, rank, axes)
+            for axis in AXES:  # torch's DeviceMesh of the same layout has the same groups
+                assert torch_groups[axis] == measured[(axis,)][0], (name, rank, axis)
+
+
+def test_negative_control_another_order_would_be_caught():
+    """A dp-innermost order (ranks 0, 1 in one dp group) differs from ours: the checks above can fail."""
+    dims = ParallelDims(dp=2, tp=2, pp=2)
+    assert (0, 1) not in dims.groups_of("dp") and (0, 1) in dims.groups_of("tp")
+    assert set(dims.groups_of("tp")) != _formula_groups(ParallelDims(dp=2, tp=2, pp=2), ("dp",))
+
+
+@pytest.mark.parametrize("degrees, fragment", [
+    (dict(dp=3, tp=2), "does not match the world size 8"),
+    (dict(dp=16), "does not match the world size 8"),
+])
+def test_product_not_the_world_size_is_refused(degrees, fragment):
+    with pytest.raises(ConfigError, match=fragment) as info:
+        ParallelDims(**degrees).check(WORLD)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("degrees", [dict(dp=0), dict(dp=2, tp=-1), dict(dp=2, pp=0), dict(dp=2, cp=1.5),
+                                     dict(dp=True)])
+def test_zero_negative_or_non_integer_degree_is_refused(degrees):
+    with pytest.raises(ConfigError, match="degree must be a positive integer"):
+        ParallelDims(**degrees)
+
+
+def test_from_world_defaults_dp_and_refuses_what_does_not_divide():
+    assert ParallelDims.from_world(8, tp=2) == ParallelDims(dp=4, tp=2)
+    assert ParallelDims.from_world(8, tp=2, pp=2, cp=2) == ParallelDims(dp=1, cp=2, tp=2, pp=2)
+    with pytest.raises(ConfigError, match="not divisible by tp x pp x cp"):
+        ParallelDims.from_world(8, tp=3)
+    with pytest.raises(ConfigError, match="does not match the world size 8"):
+        ParallelDims.from_world(8, dp=2, tp=2)
+
+
+def test_keyword_only_and_frozen():
+    with pytest.raises(TypeError):
+        ParallelDims(2, 1, 1, 1)  # type: ignore[misc]
+    dims = ParallelDims(dp=2)
+    with pytest.raises(AttributeError):
+        dims.dp = 4  # type: ignore[misc]
