@@ -305,6 +305,9 @@ class MixedPrecision:
     With ``policy.master_weights`` the model is cast to 16 bits here and the optimizer must own the fp32
     :attr:`optimizer_module`; otherwise that is the model itself. ``scaler_kwargs`` configure the
     :class:`DynamicLossScaler` (fp16 only); ``group`` is the process group the overflow flag is agreed on.
+    ``wrapper_keeps_master``: a wrapper built with this policy keeps the fp32 master weights itself (ZeRO-3's
+    :class:`~refimpl.parallel.zero.FullyShardedDataParallel` with ``mp_policy``, as FSDP2): no
+    :class:`MasterWeights` here, and no autocast (the wrapper hands the model 16-bit weights).
     """
 
     def __init__(
@@ -314,12 +317,14 @@ class MixedPrecision:
         *,
         device: torch.device | str,
         group: dist.ProcessGroup | None = None,
+        wrapper_keeps_master: bool = False,
         **scaler_kwargs: Any,
     ) -> None:
         self.policy = policy
         self.model = model
         self.device = torch.device(device)
-        self.master = MasterWeights(model, policy.param_dtype) if policy.master_weights else None
+        own_master = policy.master_weights and not wrapper_keeps_master
+        self.master = MasterWeights(model, policy.param_dtype) if own_master else None
         self.scaler = policy.make_scaler(group=group, **scaler_kwargs)
 
     @classmethod

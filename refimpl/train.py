@@ -5,7 +5,9 @@ global batch (:class:`refimpl.data.ShardedBatches`), and the gradients are avera
 the AdamW step: by data parallelism (:class:`refimpl.parallel.data_parallel.DataParallelBucket`, chapter
 03: bucketed all-reduces overlapped with backward), or by ZeRO (``--zero-stage 1/2``: a sharded optimizer;
 ``3``: a fully sharded module; chapter 04). ``--precision bf16/fp16`` computes under autocast (fp16 with a
-dynamic loss scaler) and ``--activation-checkpointing`` recomputes blocks in backward (chapter 05).
+dynamic loss scaler; with ``--zero-stage 3`` as FSDP2 instead: 16-bit all-gathered weights over fp32 master
+shards, gradients reduced in fp32) and ``--activation-checkpointing`` recomputes blocks in backward
+(chapter 05).
 
 **Checkpoints and restarts** (chapter 09). The run saves its whole training state into
 ``--checkpoint-dir`` (default ``<out>/checkpoints``) every ``--checkpoint-every`` steps and/or
@@ -320,7 +322,10 @@ def build_setup(config: TrainConfig, ctx: DistributedContext, options: RunOption
         from refimpl.activations import apply_activation_checkpointing, parse_block_selection
 
         apply_activation_checkpointing(model, parse_block_selection(options.activation_checkpointing))
-    mp = MixedPrecision(MixedPrecisionPolicy.from_name(options.precision), model, device=ctx.device)
+    # ZeRO-3 in 16 bits as FSDP2: 16-bit gathered weights, fp32 master shards, gradients reduced in fp32
+    fsdp_mp = options.zero_stage == 3 and options.precision != "fp32"
+    mp = MixedPrecision(MixedPrecisionPolicy.from_name(options.precision, master_weights=fsdp_mp), model,
+                        device=ctx.device, wrapper_keeps_master=fsdp_mp)
     clip = config.optim.grad_clip
     stage = options.zero_stage
     if stage == 0:
@@ -338,7 +343,7 @@ def build_setup(config: TrainConfig, ctx: DistributedContext, options: RunOption
         return _Setup(model=model, forward=model, state_module=model, mp=mp, optimizer=optimizer,
                       grad_params=list(grads),
                       clip_fn=None if clip is None else (lambda _: optimizer.clip_grad_norm_(clip)))
-    fsdp = FullyShardedDataParallel(model)
+    fsdp = FullyShardedDataParallel(model, mp_policy=mp.policy if fsdp_mp else None)
     return _Setup(model=model, forward=fsdp, state_module=fsdp, mp=mp,
                   optimizer=build_optimizer(fsdp, config.optim), grad_params=fsdp.sharded_parameters(),
                   clip_fn=None if clip is None else (lambda _: fsdp.clip_grad_norm_(clip)))

@@ -46,6 +46,7 @@ from torch import nn
 from refimpl.comm import ops
 from refimpl.parallel.memory import StateMemory, state_bytes, storage_bytes
 from refimpl.parallel.zero_planner import shard_rows
+from refimpl.precision import MixedPrecisionPolicy
 
 __all__ = [
     "FullyShardedDataParallel",
@@ -53,6 +54,7 @@ __all__ = [
     "ShardedOptimizer",
     "allreduce_gradients",
     "copy_out_all_gather",
+    "fp16_divide_factors",
     "install_unit_hooks",
     "pack_for_all_gather",
     "pack_for_reduce_scatter",
@@ -206,16 +208,34 @@ def _buckets(items: Sequence, sizes: Sequence[int], limit: int) -> list[list]:
     return out
 
 
+def fp16_divide_factors(world_size: int) -> tuple[int, int]:
+    """``(pre, post)`` with ``pre * post = N``, ``pre`` the smallest power of two >= ``sqrt(N)``: FSDP2
+    divides fp16 gradients by ``pre`` before the sum and by ``post`` after it, so neither the summands
+    underflow nor the sum overflows fp16's range (``_get_gradient_divide_factors`` in torch)."""
+    pre = 1
+    while world_size % pre == 0 and world_size / pre > pre:
+        pre *= 2
+    return pre, world_size // pre
+
+
 def reduce_scatter_mean(
     grads: Sequence[torch.Tensor], specs: Sequence[ShardSpec], group: dist.ProcessGroup | None
 ) -> list[torch.Tensor]:
-    """Mean over the ranks of this rank's shard of each gradient: one reduce-scatter for all of them."""
+    """Mean over the ranks of this rank's shard of each gradient: one reduce-scatter for all of them.
+
+    The collective runs in the gradients' dtype: sum, then divide by N (exact at N = 2, 4 in fp32 and
+    bf16). In fp16 the division is split around the sum (:func:`fp16_divide_factors`), as FSDP2 does.
+    """
     n = specs[0].world_size
     packed = pack_for_reduce_scatter(grads, specs)  # [N, S]
     reduced = packed.new_empty(packed.shape[1])  # [S]
     if n > 1:
+        pre, post = fp16_divide_factors(n) if packed.dtype == torch.float16 else (1, n)
+        if pre != 1:
+            packed.div_(pre)
         ops.reduce_scatter_tensor(reduced, packed.view(-1), group=group)
-        reduced.div_(n)
+        if post != 1:
+            reduced.div_(post)
     else:
         reduced.copy_(packed[0])
     return unpack_reduce_scatter(reduced, specs)
@@ -679,6 +699,15 @@ class FullyShardedDataParallel(nn.Module):
     the root unit. Frozen parameters are gathered but never reduced. Gradient accumulation works by
     calling backward several times (each reduces its gradients). ``full_state_dict()`` gathers the full
     parameters (collective).
+
+    **Mixed precision** (``mp_policy``, a :class:`refimpl.precision.MixedPrecisionPolicy`; chapter 05),
+    as FSDP2's ``fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype))`` does it: the
+    shards stay fp32 (the master weights; the optimizer and its state see only them). Each shard is cast
+    to ``param_dtype`` *before* the all-gather (half the bytes in bf16/fp16) and the unit computes in
+    ``param_dtype``; its gradients ``g`` (in ``param_dtype``) are cast to ``reduce_dtype``, reduce-
+    scattered in it as ``sum_r g_r / N`` (fp16: ``sum_r (g_r / pre) / post`` with ``pre * post = N``,
+    :func:`fp16_divide_factors`), cast to fp32 and added to the shard's fp32 ``.grad``. Floating-point
+    buffers and inputs are left alone (the course's GPT takes token ids).
     """
 
     def __init__(
@@ -689,6 +718,7 @@ class FullyShardedDataParallel(nn.Module):
         unit_types: tuple[type[nn.Module], ...] | None = None,
         prefetch: bool = False,
         reshard_after_forward: bool = True,
+        mp_policy: MixedPrecisionPolicy | None = None,
     ) -> None:
         super().__init__()
         if unit_types is None:
@@ -698,6 +728,9 @@ class FullyShardedDataParallel(nn.Module):
         self.module = module
         self.process_group = process_group
         self.rank, self.world_size = _world(process_group)
+        # FSDP2's MixedPrecisionPolicy: gather and compute in param_dtype, reduce in reduce_dtype
+        self.param_dtype = None if mp_policy is None else mp_policy.param_dtype
+        self.reduce_dtype = None if mp_policy is None else mp_policy.reduce_dtype
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
         self.units = self._build_units(module, unit_types)
@@ -742,7 +775,8 @@ class FullyShardedDataParallel(nn.Module):
             unit = units.pop() if len(units) == 1 else ""  # shared by two units: the root holds it
             spec = ShardSpec(p.shape, self.rank, self.world_size)
             sharded = nn.Parameter(shard_of(p.detach(), spec).clone(), requires_grad=p.requires_grad)
-            unsharded = nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad)
+            dtype = self.param_dtype if self.param_dtype is not None and p.is_floating_point() else p.dtype
+            unsharded = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad)
             _free(unsharded)
             sp = _ShardedParam(registrations=registrations, spec=spec, sharded=sharded, unsharded=unsharded)
             params_by_unit[unit].append(sp)
@@ -757,7 +791,9 @@ class FullyShardedDataParallel(nn.Module):
         if unit.gathered or unit.pending is not None or not unit.params:
             return
         specs = [sp.spec for sp in unit.params]
-        packed = pack_for_all_gather([sp.sharded.detach() for sp in unit.params], specs)  # [S]
+        # Cast before the all-gather (FSDP2 does the same): a bf16/fp16 all-gather moves half the bytes.
+        shards = [sp.sharded.detach().to(sp.unsharded.dtype) for sp in unit.params]
+        packed = pack_for_all_gather(shards, specs)  # [S]
         gathered = packed.new_empty(self.world_size * packed.numel())  # [N * S]
         work = None
         if self.world_size > 1:
@@ -866,8 +902,12 @@ class FullyShardedDataParallel(nn.Module):
         with_grad = [sp for sp in unit.trainable if sp.unsharded.grad is not None]
         if with_grad:
             specs = [sp.spec for sp in with_grad]
-            local = reduce_scatter_mean([sp.unsharded.grad for sp in with_grad], specs, self.process_group)
+            grads = [sp.unsharded.grad for sp in with_grad]
+            if self.reduce_dtype is not None:
+                grads = [g.to(self.reduce_dtype) for g in grads]
+            local = reduce_scatter_mean(grads, specs, self.process_group)
             for sp, g in zip(with_grad, local, strict=True):
+                g = g.to(sp.sharded.dtype)  # fp32 gradient shards for the fp32 master shards
                 sp.sharded.grad = g.clone() if sp.sharded.grad is None else sp.sharded.grad.add_(g)
                 sp.unsharded.grad = None
         unit.reduced = True
