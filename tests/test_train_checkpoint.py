@@ -45,6 +45,7 @@ MODES = [
     ("zero1-fp32", ["--zero-stage", "1"]),
     ("zero2-bf16-accum", ["--zero-stage", "2", "--precision", "bf16", "--micro-batch-size", "1"]),
     ("zero3-fp16", ["--zero-stage", "3", "--precision", "fp16"]),
+    ("zero3-bf16", ["--zero-stage", "3", "--precision", "bf16"]),  # FSDP2-style bf16 over fp32 shards
 ]
 
 
