@@ -142,3 +142,96 @@ def peak_flops(device_name: str, dtype: str) -> float | None:
         if fragment in device_name.upper():
             return table[dtype]
     return None
+
+
+# -- the memory of a whole run, per rank (the trainer's preflight) ---------------------------------------
+
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def param_shapes(config: ModelConfig) -> list[tuple[int, ...]]:
+    """The shapes of :class:`refimpl.model.GPT`'s parameters in ``named_parameters()`` order (no model
+    built)."""
+    h, f, v = config.hidden_size, config.ffn_hidden_size, config.vocab_size
+    block = [(h,), (h,), (3 * h, h), (3 * h,), (h, h), (h,), (h,), (h,), (f, h), (f,), (h, f), (h,)]
+    shapes = [(v, h), (config.max_seq_len, h)] + block * config.num_layers + [(h,), (h,)]
+    return shapes + ([] if config.tie_word_embeddings else [(v, h)])
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunMemory:
+    """A run's bytes per rank, term by term: ``state`` (model state) and ``activations`` (one micro-batch)."""
+
+    state: dict[str, int]
+    activations: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.state.values()) + sum(self.activations.values())
+
+    def describe(self) -> str:
+        """One line: the total and every non-zero term, in MiB."""
+        terms = [f"{k} {v / 2**20:,.1f}" for k, v in {**self.state, **self.activations}.items() if v]
+        return f"{self.total / 2**20:,.1f} MiB = " + " + ".join(terms)
+
+
+def run_memory_per_rank(
+    config: ModelConfig,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    world_size: int = 1,
+    zero_stage: int = 0,
+    precision: str = "fp32",
+    checkpointed_blocks: set[int] | list[int] | tuple[int, ...] = (),
+) -> RunMemory:
+    """The peak bytes one rank of a training run needs, before anything runs (chapters 01, 04 and 05).
+
+    Model state (:func:`refimpl.parallel.zero_planner.zero_memory`, Rajbhandari et al. 2020): fp32 weights,
+    fp32 gradients and AdamW's two fp32 moments, each full or sharded over ``world_size`` ranks by ZeRO
+    ``zero_stage``; ZeRO-3 adds the gathered root unit and the largest block (its forward/backward peak,
+    :func:`~refimpl.parallel.zero_planner.zero3_peak_gathered_bytes`). ``precision`` bf16/fp16 computes under
+    autocast over fp32 weights and so adds autocast's cached 16-bit copies of the matmul weights.
+
+    Activations of one micro-batch ``b`` of ``s`` tokens (Korthikanti et al. 2022, as
+    :func:`refimpl.activation_planner.activation_bytes` counts our block exactly): the saved tensors of every
+    block (a checkpointed block keeps only its input and recomputes the largest block's tensors in backward),
+    plus what the model saves outside the blocks: the final LayerNorm's input ``r s b h`` and statistics
+    ``2 r s b``, the output layer's input ``p s b h``, the float32 log-softmax ``4 s b V`` of the loss, the
+    int64 token ids, labels and positions, and the loss scalar (what :class:`refimpl.activations.
+    SavedTensorMeter` measures, to the byte). The logits and their float32 gradient, ``(p + 4) s b V``, are
+    transient buffers on top (not saved tensors: an estimate of the loss's peak, not a measured figure).
+    """
+    from refimpl.activation_planner import activation_bytes
+    from refimpl.parallel.zero_planner import zero3_peak_gathered_bytes, zero_memory
+
+    if precision not in _DTYPE_BYTES:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(_DTYPE_BYTES)}")
+    import torch
+
+    p = _DTYPE_BYTES[precision]
+    compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    s, b, h, v = seq_len, micro_batch, config.hidden_size, config.vocab_size
+    shapes = param_shapes(config)
+    zero = zero_memory(shapes, world_size, zero_stage)
+    state = {"weights": zero.weights, "grads": zero.grads, "AdamW state": zero.optimizer}
+    if zero_stage == 3:
+        per_block = 12
+        blocks = [shapes[2 + i * per_block: 2 + (i + 1) * per_block] for i in range(config.num_layers)]
+        root = shapes[:2] + shapes[2 + config.num_layers * per_block:]
+        state["ZeRO-3 gathered units"] = zero3_peak_gathered_bytes([root, *blocks], world_size).weights
+    if p != 4:
+        state["autocast weight copies"] = p * param_count(config).matmul
+    chosen = set(checkpointed_blocks)
+    saved = activation_bytes(config, micro_batch=b, seq_len=s, compute_dtype=compute,
+                             checkpointed_blocks=chosen)
+    full = activation_bytes(config, micro_batch=b, seq_len=s, compute_dtype=compute)
+    activations = {
+        "block activations": sum(saved),
+        "recomputed block (backward)": max(full) if chosen and full else 0,
+        "final layernorm + output layer inputs": 4 * s * b * h + 2 * 4 * s * b + p * s * b * h,
+        "log-softmax (fp32)": 4 * s * b * v,
+        "token ids, labels, positions": 8 * (2 * s * b + s) + 4,
+        "logits + their gradient (transient)": (p + 4) * s * b * v,
+    }
+    return RunMemory(state=state, activations=activations)

@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", default="runs/default", help="the run folder")
     run.add_argument("--log-every", type=int, default=10, help="print a line every N steps")
     run.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
+    run.add_argument("--force", action="store_true",
+                     help="start even when the planner's memory per rank exceeds the machine's memory")
     run.add_argument("--nproc-per-node", default=None,
                      help="launch this many ranks with torchrun ('auto' = one per GPU, else 2 CPU ranks)")
     run.add_argument("--max-restarts", type=int, default=3,
@@ -146,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "end and on SIGTERM)")
     ck.add_argument("--checkpoint-minutes", type=float, default=None, help="also save every T minutes")
     ck.add_argument("--keep-last", type=int, default=3, help="checkpoints kept")
+    ck.add_argument("--sigterm-grace", type=float, default=60.0, metavar="S",
+                    help="after a SIGTERM, wait this long for the step to end and save; then (or at a second "
+                    "SIGTERM) exit at once with status 143, without saving")
     ck.add_argument("--resume", choices=("auto", "never"), default="auto",
                     help="auto: continue from the newest valid checkpoint in the folder; never: refuse a "
                     "folder that holds checkpoints")
@@ -161,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="--fail-rank receives SIGTERM at the start of this step (save and stop)")
     fault.add_argument("--fail-rank", type=_steps, default=(), metavar="RANKS",
                        help="the rank that fails, per attempt (default: the last rank)")
+    fault.add_argument("--test-sleep-in-step", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
     fault.add_argument("--fail-node", action="store_true",
                        help="--fail-at-step kills this machine's torchrun agent and its rank (a lost node; "
                        "give it to one agent's command only)")
@@ -204,8 +210,12 @@ class RunOptions:
     activation_checkpointing: str | None = None
     checkpoint: CheckpointConfig | None = None
     faults: elastic.FaultPlan = field(default_factory=elastic.FaultPlan)
+    sigterm_grace_s: float | None = 60.0  # SaveSchedule: after a SIGTERM, exit at once past this
+    sleep_in_step_s: float = 0.0  # tests only: each step sleeps this long after its first forward
 
     def __post_init__(self) -> None:
+        if self.sigterm_grace_s is not None and not self.sigterm_grace_s >= 0:
+            raise ConfigError(f"--sigterm-grace must be >= 0 seconds, got {self.sigterm_grace_s}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.precision not in PRECISIONS:
@@ -245,7 +255,8 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
                                preempt_at_step=args.preempt_at_step, rank=args.fail_rank, node=args.fail_node)
     return RunOptions(zero_stage=args.zero_stage, precision=args.precision,
                       activation_checkpointing=args.activation_checkpointing, checkpoint=checkpoint,
-                      faults=faults)
+                      faults=faults, sigterm_grace_s=args.sigterm_grace,
+                      sleep_in_step_s=args.test_sleep_in_step)
 
 
 def check_fits(config: TrainConfig, world_size: int) -> ShardedBatches:
@@ -254,6 +265,72 @@ def check_fits(config: TrainConfig, world_size: int) -> ShardedBatches:
     corpus = prepare_corpus(config.data.data, config.data.cache_dir)
     return ShardedBatches(corpus.tokens, seq_len=config.data.seq_len,
                           global_batch_size=config.data.global_batch_size, seed=config.data.seed)
+
+
+MEMORY_ENV = "REFIMPL_MEMORY_BYTES"  # tests: this node's memory in bytes, instead of the measured figure
+
+
+def machine_memory_per_rank(ranks_per_node: int, *, local_rank: int = 0,
+                            launching: bool = False) -> tuple[int, str]:
+    """The bytes one rank may use and where the figure comes from: on a GPU its free memory
+    (``torch.cuda.mem_get_info``; the self-launcher reads the total instead, to create no CUDA context in
+    itself), on a CPU the node's available memory (psutil, else /proc/meminfo) over its ranks."""
+    per = max(ranks_per_node, 1)
+    if os.environ.get(MEMORY_ENV):
+        try:
+            node = int(os.environ[MEMORY_ENV])
+        except ValueError:
+            raise ConfigError(f"{MEMORY_ENV} must be a number of bytes, got "
+                              f"{os.environ[MEMORY_ENV]!r}") from None
+        return node // per, f"{MEMORY_ENV} {format_bytes(node)} / {per} rank(s) on this node"
+    from refimpl.distributed import choose_device
+
+    device, _ = choose_device(local_rank, per)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if launching:
+            return torch.cuda.get_device_properties(device).total_memory, f"the total memory of the {name}"
+        return torch.cuda.mem_get_info(device)[0], f"the free memory of the {name} (torch.cuda.mem_get_info)"
+    try:
+        import psutil
+
+        node = psutil.virtual_memory().available
+    except ImportError:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        node = int(fields["MemAvailable"].split()[0]) * 1024
+    return node // per, f"available memory {format_bytes(node)} / {per} rank(s) on this node"
+
+
+def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: int, ranks_per_node: int,
+                     force: bool = False, local_rank: int = 0, launching: bool = False):
+    """Refuse, before any process starts, a run whose planned bytes per rank exceed the machine's:
+    :func:`refimpl.planner.run_memory_per_rank` (model state by ZeRO stage and precision + one micro-batch's
+    activations) against :func:`machine_memory_per_rank`. ``force``: warn and go on. Returns the estimate."""
+    from refimpl.planner import run_memory_per_rank
+
+    accumulation = config.data.accumulation_steps(world_size)  # a bad split is refused here too
+    micro = config.data.per_rank_batch(world_size) // accumulation
+    n, chosen = config.model.num_layers, []
+    if options.activation_checkpointing is not None:
+        from refimpl.activations import parse_block_selection
+
+        sel = parse_block_selection(options.activation_checkpointing)
+        chosen = (list(range(n)) if sel == "all" else [] if sel == "none" else
+                  [i for i in range(n) if sel(i)] if callable(sel) else [i % n for i in sel if -n <= i < n])
+    need = run_memory_per_rank(config.model, micro_batch=micro, seq_len=config.data.seq_len,
+                               world_size=world_size, zero_stage=options.zero_stage,
+                               precision=options.precision, checkpointed_blocks=chosen)
+    have, source = machine_memory_per_rank(ranks_per_node, local_rank=local_rank, launching=launching)
+    if need.total > have:
+        what = (f"the run needs about {format_bytes(need.total)} per rank (planner: {need.describe()}; "
+                f"micro-batch {micro} x {config.data.seq_len} tokens) but this machine has "
+                f"{format_bytes(have)} per rank ({source})")
+        if not force:
+            raise ConfigError(f"{what}; use a shorter --seq-len, a smaller --micro-batch-size, "
+                              "--activation-checkpointing, a higher --zero-stage or more ranks, or --force")
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"warning: {what}; starting anyway (--force)", file=sys.stderr, flush=True)
+    return need
 
 
 # -- resuming the same run -------------------------------------------------------------------------------
@@ -406,7 +483,7 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
         if start >= config.steps:
             log0(ctx, f"the run in {folder} is complete (step {start} of {config.steps}): nothing to train; "
                       "use another --out (or --checkpoint-dir) to train again")
-        schedule = SaveSchedule(options.checkpoint, device=ctx.device)
+        schedule = SaveSchedule(options.checkpoint, device=ctx.device, grace_s=options.sigterm_grace_s)
     if ctx.is_main:
         (out / "config.json").write_text(json.dumps(config.to_dict() | {"run": options.to_dict()}, indent=1))
         earlier = _read_records(out / "metrics.jsonl", start) if start else []
@@ -452,6 +529,10 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
                         logits = setup.forward(x)
                     if i == 0:
                         faults.mid_step(step, **fault_args)  # the others go on into the collectives
+                        if options.sleep_in_step_s:  # tests: a step too long for a SIGTERM to wait for
+                            print(f"[test] step {step} sleeps {options.sleep_in_step_s:g} s", file=sys.stderr,
+                                  flush=True)
+                            time.sleep(options.sleep_in_step_s)
                         heartbeat.beat(step, 1, "backward and gradient reduction")
                     # The per-rank mean over the rank's micro-batch, / accumulation; the gradients are then
                     # averaged over equal-sized ranks, which gives the mean over the global batch.
@@ -582,6 +663,8 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
         elif not a.startswith("--nproc-per-node="):
             rest.append(a)
     config, options = config_from_args(args), options_from_args(args)
+    preflight_memory(config, options, world_size=int(n), ranks_per_node=int(n), force=args.force,
+                     launching=True)
     check_fits(config, int(n))
     preflight_resume(config, options)
     demo = demo_fault_flags(args, rest, int(n))
@@ -626,6 +709,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.nproc_per_node is not None and not under_launcher:
             return _launch(args, argv)
         config, options = config_from_args(args), options_from_args(args)
+        preflight_memory(config, options, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                         ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), force=args.force,
+                         local_rank=int(os.environ.get("LOCAL_RANK", "0")))
         ctx = init_distributed(timeout_s=config.timeout_s)
         train(config, ctx, options)
         # Only after success: after a failure a peer may be gone or stuck, and teardown's barrier would

@@ -170,3 +170,69 @@ def test_throughput_requires_the_compute_dtype():
         Throughput(**kwargs, dtype="float32")
     tokens_per_s, mfu = Throughput(**kwargs, dtype="fp32").step()
     assert tokens_per_s > 0 and mfu is None  # a CPU has no peak in the table: MFU is n/a, not made up
+
+
+# -- the run's memory per rank (the trainer's preflight) -------------------------------------------------
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_param_shapes_are_the_models(tied):
+    from refimpl.planner import param_shapes
+
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, max_seq_len=16,
+                         tie_word_embeddings=tied)
+    assert param_shapes(config) == [tuple(p.shape) for p in GPT(config, seed=0).parameters()]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("checkpointed", [(), (1,)])
+def test_run_memory_activations_equal_the_measured_saved_bytes(precision, checkpointed):
+    """The planner's saved-activation terms equal, to the byte, what SavedTensorMeter measures in one
+    forward + loss of a small model: per block, and outside the blocks (final LayerNorm, output layer input,
+    fp32 log-softmax, int64 ids). The transient logits term is not a saved tensor and is left out."""
+    from refimpl.activations import apply_activation_checkpointing, measure_saved_activations
+    from refimpl.planner import run_memory_per_rank
+
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, max_seq_len=16)
+    b, s = 3, 16
+    model = GPT(config, seed=0)
+    apply_activation_checkpointing(model, list(checkpointed))
+    x, y = torch.randint(0, 256, (b, s)), torch.randint(0, 256, (b, s))
+    dtype = {"fp32": None, "bf16": torch.bfloat16}[precision]
+
+    def forward():
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            logits = model(x)
+        return lm_loss(logits, y)
+
+    measured = measure_saved_activations(model, forward)
+    plan = run_memory_per_rank(config, micro_batch=b, seq_len=s, precision=precision,
+                               checkpointed_blocks=checkpointed)
+    a = plan.activations
+    assert a["block activations"] == sum(measured.per_block())
+    saved = (a["block activations"] + a["final layernorm + output layer inputs"] + a["log-softmax (fp32)"]
+             + a["token ids, labels, positions"])
+    assert saved == measured.total
+    # Negative control: another micro-batch is another figure (the comparison can fail).
+    other = run_memory_per_rank(config, micro_batch=b + 1, seq_len=s, precision=precision,
+                                checkpointed_blocks=checkpointed)
+    assert other.activations["block activations"] != sum(measured.per_block())
+
+
+def test_run_memory_state_follows_the_zero_stage():
+    from refimpl.parallel.zero_planner import zero_memory
+    from refimpl.planner import run_memory_per_rank, state_memory
+
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, max_seq_len=16)
+    shapes = [tuple(p.shape) for p in GPT(config, seed=0).parameters()]
+    plain = run_memory_per_rank(config, micro_batch=1, seq_len=16)
+    assert sum(plain.state.values()) == state_memory(config).total  # stage 0, one rank: the full replica
+    for stage in (1, 2, 3):
+        plan = run_memory_per_rank(config, micro_batch=1, seq_len=16, world_size=4, zero_stage=stage)
+        z = zero_memory(shapes, 4, stage)
+        assert (plan.state["weights"], plan.state["grads"], plan.state["AdamW state"]) == (
+            z.weights, z.grads, z.optimizer)
+    assert "ZeRO-3 gathered units" in plan.state
+    bf16 = run_memory_per_rank(config, micro_batch=1, seq_len=16, precision="bf16")
+    assert bf16.state["autocast weight copies"] == 2 * param_count(config).matmul
+    with pytest.raises(ValueError, match="unknown precision"):
+        run_memory_per_rank(config, micro_batch=1, seq_len=16, precision="fp8")

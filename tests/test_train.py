@@ -283,3 +283,134 @@ def test_two_rank_gradients_before_the_step_equal_one_device(files, tmp_path, ke
     # curve cannot see that bug: gradient clipping and AdamW both undo a constant factor.)
     assert FACTOR * spread < 1e-3, spread
 
+
+
+# ---------------------------------------------------------------- memory preflight and SIGTERM (issue 11)
+
+GIB = 2**30
+
+
+def _run_cli(args: list[str], cwd: Path, *, memory: int | None = None,
+             timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """The CLI with this node's memory injected (``REFIMPL_MEMORY_BYTES``), so that the verdict does not
+    depend on the machine the test runs on."""
+    env = _env(cwd / "cache") | ({"REFIMPL_MEMORY_BYTES": str(memory)} if memory is not None else {})
+    return subprocess.run([sys.executable, "-m", "refimpl.train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(2 * CLI_TIMEOUT_S)
+@pytest.mark.parametrize("launch", [[], ["--nproc-per-node", "2"]], ids=["plain", "self-launch"])
+def test_a_run_too_large_for_the_memory_is_refused_fast(launch, files, tmp_path):
+    """Issue 11's run (--seq-len 100000) on a node of 16 GiB: one error line with the estimate broken down
+    and the memory per rank, exit status 2, in seconds, and (self-launch) before torchrun starts."""
+    import time
+
+    begin = time.monotonic()
+    r = _run_cli(["--seq-len", "100000", "--steps", "2", "--data", str(files["corpus"]),
+                  "--out", str(tmp_path / "run"), *launch], tmp_path, memory=16 * GIB)
+    elapsed = time.monotonic() - begin
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the run needs about "), r.stderr
+    # two self-launched ranks share the node and each gets half the batch (micro-batch 8 instead of 16)
+    need, blocks, have = ("55.4", "50,195.3", "16.0") if not launch else ("27.8", "25,097.7", "8.0")
+    for figure in (f"{need} GiB per rank", f"block activations {blocks}",
+                   f"this machine has {have} GiB per rank", "--force"):
+        assert figure in lines[0], lines[0]
+    assert "launching:" not in r.stdout and not (tmp_path / "run").exists()
+    assert elapsed < 30, f"refusing took {elapsed:.1f} s"
+
+
+def test_the_default_config_is_not_refused_on_this_machine():
+    """The defaults (one process, and `make train`'s two self-launched CPU ranks) fit this machine's real
+    memory; issue 11's run does not fit a 16 GiB node (the refusal above) but its estimate is the same."""
+    from refimpl.train import machine_memory_per_rank, options_from_args, preflight_memory
+
+    args = build_parser().parse_args([])
+    config, options = config_from_args(args), options_from_args(args)
+    for ranks in (1, 2):
+        need = preflight_memory(config, options, world_size=ranks, ranks_per_node=ranks)
+        have, _ = machine_memory_per_rank(ranks)
+        assert need.total < min(have, GIB), (need.describe(), have)
+    big = build_parser().parse_args(["--seq-len", "100000"])
+    need = preflight_memory(config_from_args(big), options_from_args(big), world_size=1, ranks_per_node=1,
+                            force=True)
+    assert 55 * GIB < need.total < 56 * GIB
+
+
+@pytest.mark.timeout(2 * CLI_TIMEOUT_S + 60)
+def test_force_gets_past_the_memory_check(files, tmp_path):
+    """A node of 1000 bytes (injected) refuses even the tiny run; --force warns (the numbers) and trains."""
+    flags = [*TINY, "--steps", "2", "--batch-size", "2", "--data", str(files["corpus"])]
+    refused = _run_cli([*flags, "--out", str(tmp_path / "refused")], tmp_path, memory=1000)
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.startswith("error: the run needs about "), refused.stderr
+    forced = _run_cli([*flags, "--out", str(tmp_path / "forced"), "--force"], tmp_path, memory=1000)
+    assert forced.returncode == 0, forced.stderr
+    assert "warning: the run needs about " in forced.stderr and "(--force)" in forced.stderr
+    assert len(_read_metrics(tmp_path / "forced")) == 2
+
+
+def _start_sleeping_run(files, out: Path, *extra: str) -> tuple[subprocess.Popen, list[str]]:
+    """A tiny run whose step 0 sleeps (--test-sleep-in-step); returns once the sleep has begun."""
+    cmd = [sys.executable, "-m", "refimpl.train", *TINY, "--steps", "3", "--batch-size", "2",
+           "--data", str(files["corpus"]), "--out", str(out), "--checkpoint-every", "1", *extra]
+    proc = subprocess.Popen(cmd, cwd=out.parent, env=_env(out.parent / "cache"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "[test] step 0 sleeps" in line:
+            return proc, seen
+    proc.wait()
+    raise AssertionError(f"the run ended before its step slept: {''.join(seen)}")
+
+
+def _sigterm_and_wait(proc: subprocess.Popen, timeout: float, *, second_after: float | None = None):
+    import signal
+    import time
+
+    begin = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    if second_after is not None:
+        time.sleep(second_after)
+        assert proc.poll() is None, "the first SIGTERM alone must not end a step at once"  # control
+        proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return time.monotonic() - begin, err
+
+
+@pytest.mark.timeout(CLI_TIMEOUT_S + 60)
+def test_sigterm_in_a_step_that_never_ends_exits_after_the_grace(files, tmp_path):
+    grace = 4
+    proc, _ = _start_sleeping_run(files, tmp_path / "run", "--test-sleep-in-step", "600",
+                                  "--sigterm-grace", str(grace))
+    elapsed, err = _sigterm_and_wait(proc, grace + 30)
+    assert proc.returncode == 143, err
+    assert f"did not end within the grace of {grace} s (--sigterm-grace)" in err, err
+    assert "exiting at once with status 143" in err
+    assert grace - 0.5 <= elapsed <= grace + 5, elapsed  # it waited for the step, then no longer
+    assert not list((tmp_path / "run" / "checkpoints").glob("step*")), "nothing saved"
+
+
+@pytest.mark.timeout(CLI_TIMEOUT_S + 60)
+def test_two_sigterms_exit_at_once(files, tmp_path):
+    proc, _ = _start_sleeping_run(files, tmp_path / "run", "--test-sleep-in-step", "600")  # grace 60 s
+    elapsed, err = _sigterm_and_wait(proc, 30, second_after=1.0)
+    assert proc.returncode == 143, err
+    assert "error: SIGTERM: a second SIGTERM; exiting at once" in err, err
+    assert elapsed < 1.0 + 5, elapsed
+
+
+@pytest.mark.timeout(CLI_TIMEOUT_S + 60)
+def test_sigterm_within_the_grace_still_saves_and_stops(files, tmp_path):
+    """The first SIGTERM's behaviour is kept when the step ends in time: save after the step, exit 143."""
+    proc, _ = _start_sleeping_run(files, tmp_path / "run", "--test-sleep-in-step", "2")
+    elapsed, err = _sigterm_and_wait(proc, 60)
+    assert proc.returncode == 143, err
+    assert "stopped on SIGTERM after saving step 1" in err and "run the same command again" in err, err
+    assert "exiting at once" not in err
