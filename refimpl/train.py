@@ -69,7 +69,14 @@ from refimpl.checkpoint import (
 from refimpl.comm import ops
 from refimpl.config import ConfigError, DataConfig, ModelConfig, OptimConfig, TrainConfig
 from refimpl.data import DataError, ShardedBatches, decode, encode, prepare_corpus
-from refimpl.distributed import DistributedContext, init_distributed, log0, seed_everything, teardown
+from refimpl.distributed import (
+    DistributedContext,
+    ParallelDims,
+    init_distributed,
+    log0,
+    seed_everything,
+    teardown,
+)
 from refimpl.metrics import Throughput, format_bytes, format_mfu, peak_dtype, peak_memory_bytes, progress
 from refimpl.model import GPT, generate, lm_loss
 from refimpl.optim import build_optimizer, lr_at, param_groups, set_lr
@@ -142,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="compute dtype (autocast over fp32 weights; fp16 adds a dynamic loss scaler)")
     par.add_argument("--activation-checkpointing", nargs="?", const="all", default=None, metavar="BLOCKS",
                      help="recompute blocks in backward: all (the default when given), every-N, or 0,2,-1")
+    par.add_argument("--dp", type=int, default=None,
+                     help="data-parallel degree (default: world size / (tp x pp x cp)); dp x cp x tp x pp "
+                     "must be the world size")
+    par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (chapter 06; not built yet)")
+    par.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (chapter 08; not built yet)")
+    par.add_argument("--cp", type=int, default=1, help="context-parallel degree (chapter 07; not built yet)")
     ck = p.add_argument_group("checkpoints")
     ck.add_argument("--checkpoint-dir", default=None, help="default: <out>/checkpoints")
     ck.add_argument("--checkpoint-every", type=int, default=50, help="save every N steps (0: only at the "
@@ -212,8 +225,19 @@ class RunOptions:
     faults: elastic.FaultPlan = field(default_factory=elastic.FaultPlan)
     sigterm_grace_s: float | None = 60.0  # SaveSchedule: after a SIGTERM, exit at once past this
     sleep_in_step_s: float = 0.0  # tests only: each step sleeps this long after its first forward
+    dp: int | None = None  # the layout (refimpl.distributed.ParallelDims); None: world / (tp x pp x cp)
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
 
     def __post_init__(self) -> None:
+        ParallelDims(dp=1 if self.dp is None else self.dp, cp=self.cp, tp=self.tp, pp=self.pp)  # degrees >= 1
+        for flag, degree, chapter in (("--tp", self.tp, "06 tensor parallelism"),
+                                      ("--pp", self.pp, "08 pipeline parallelism"),
+                                      ("--cp", self.cp, "07 context parallelism")):
+            if degree > 1:
+                raise ConfigError(f"{flag} {degree}: not built yet (chapter {chapter} builds it); "
+                                  "today the trainer runs --dp only")
         if self.sigterm_grace_s is not None and not self.sigterm_grace_s >= 0:
             raise ConfigError(f"--sigterm-grace must be >= 0 seconds, got {self.sigterm_grace_s}")
         if self.zero_stage not in (0, 1, 2, 3):
@@ -225,6 +249,10 @@ class RunOptions:
             # unit's forward; the recomputation in backward would run on the shards.
             raise ConfigError("--activation-checkpointing does not work with --zero-stage 3 yet (the "
                               "recomputed forward would see the parameter shards); use --zero-stage 1 or 2")
+
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        """The layout of ``world_size`` ranks (checked: the degrees' product is the world size)."""
+        return ParallelDims.from_world(world_size, dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp)
 
     def to_dict(self) -> dict:
         return {"zero_stage": self.zero_stage, "precision": self.precision,
@@ -256,7 +284,8 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
     return RunOptions(zero_stage=args.zero_stage, precision=args.precision,
                       activation_checkpointing=args.activation_checkpointing, checkpoint=checkpoint,
                       faults=faults, sigterm_grace_s=args.sigterm_grace,
-                      sleep_in_step_s=args.test_sleep_in_step)
+                      sleep_in_step_s=args.test_sleep_in_step,
+                      dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp)
 
 
 def check_fits(config: TrainConfig, world_size: int) -> ShardedBatches:
@@ -453,7 +482,9 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
     checkpoint); return the per-step records (also in metrics.jsonl; on rank 0 they include the steps of
     earlier attempts). Raises :class:`Preempted` after the save that follows a SIGTERM."""
     options = options or RunOptions()
-    batches = check_fits(config, ctx.world_size)
+    dims = options.parallel_dims(ctx.world_size)  # pp x dp x cp x tp, tp innermost (refimpl.distributed.mesh)
+    coords = dims.coordinates(ctx.rank)
+    batches = check_fits(config, dims.dp)  # the global batch is split over the data-parallel axis
     seed_everything(config.data.seed, rank=ctx.rank)
     out = Path(config.out)
     if ctx.is_main:
@@ -491,16 +522,18 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
     else:
         earlier = []
 
-    accumulation = config.data.accumulation_steps(ctx.world_size)
-    micro = config.data.per_rank_batch(ctx.world_size) // accumulation
+    accumulation = config.data.accumulation_steps(dims.dp)  # per data-parallel rank (TP ranks share a batch)
+    micro = config.data.per_rank_batch(dims.dp) // accumulation
     tokens_per_step = config.data.global_batch_size * config.data.seq_len
-    meter = Throughput(tokens_per_step=tokens_per_step, num_devices=ctx.world_size, device=ctx.device,
+    # MFU divides by every device of the run (all of them compute), not by the data-parallel ranks
+    meter = Throughput(tokens_per_step=tokens_per_step, num_devices=dims.world_size, device=ctx.device,
                        flops_per_token=flops_per_token(config.model, config.data.seq_len),
                        dtype=peak_dtype(setup.mp.policy.compute_dtype))  # MFU against this dtype's peak
     log0(ctx, f"model: {param_count(config.model).total:,} parameters | world size {ctx.world_size} on "
               f"{ctx.device.type} ({ctx.backend}) | ZeRO stage {options.zero_stage} | {options.precision} | "
               f"global batch {config.data.global_batch_size} x {config.data.seq_len} tokens = {micro} per "
-              f"micro-batch x {accumulation} accumulation x {ctx.world_size} ranks")
+              f"micro-batch x {accumulation} accumulation x {dims.dp} data-parallel ranks | layout "
+              f"{dims.describe()}")
 
     heartbeat = elastic.Heartbeat(ctx.rank, ctx.world_size)
     faults, mp, dp = options.faults, setup.mp, setup.dp
@@ -515,7 +548,7 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
             faults.before_step(step, **fault_args)
             lr = lr_at(step, config.optim, config.steps)
             set_lr(setup.optimizer, lr)
-            inputs, labels = batches.batch(step, ctx.rank, ctx.world_size)  # [B/W, s] each
+            inputs, labels = batches.batch(step, coords.dp, dims.dp)  # [B/dp, s] each: this dp rank's shard
             loss_sum = torch.zeros((), device=ctx.device)
             for i in range(accumulation):
                 x = inputs[i * micro : (i + 1) * micro].to(ctx.device)
@@ -547,8 +580,10 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
             setup.optimizer.zero_grad(set_to_none=True)
 
             if ctx.world_size > 1:
+                # The mean over the dp x cp ranks (equal token counts). While tp = pp = 1 (the only layouts
+                # options allow) WORLD is the dp x cp group; a TP/PP trainer reduces over that group.
                 ops.all_reduce(loss_sum)
-                loss_sum /= ctx.world_size
+                loss_sum /= dims.dp * dims.cp
             loss_value = loss_sum.item()
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"loss became {loss_value} at step {step}; try a lower --lr")
@@ -663,9 +698,10 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
         elif not a.startswith("--nproc-per-node="):
             rest.append(a)
     config, options = config_from_args(args), options_from_args(args)
+    dims = options.parallel_dims(int(n))  # a layout that does not fit the ranks is refused before torchrun
     preflight_memory(config, options, world_size=int(n), ranks_per_node=int(n), force=args.force,
                      launching=True)
-    check_fits(config, int(n))
+    check_fits(config, dims.dp)
     preflight_resume(config, options)
     demo = demo_fault_flags(args, rest, int(n))
     if demo:
@@ -709,6 +745,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.nproc_per_node is not None and not under_launcher:
             return _launch(args, argv)
         config, options = config_from_args(args), options_from_args(args)
+        options.parallel_dims(int(os.environ.get("WORLD_SIZE", "1")))  # refused before init_process_group
         preflight_memory(config, options, world_size=int(os.environ.get("WORLD_SIZE", "1")),
                          ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), force=args.force,
                          local_rank=int(os.environ.get("LOCAL_RANK", "0")))

@@ -285,6 +285,108 @@ def test_two_rank_gradients_before_the_step_equal_one_device(files, tmp_path, ke
 
 
 
+# ---------------------------------------------------------------- the layout flags (--dp --tp --pp --cp)
+
+# The losses of `RUN_FLAGS --nproc-per-node 4` (world size 4, 1 sequence per rank) recorded at commit 3f4492e,
+# before the trainer knew ParallelDims, as float.hex, per ATEN_CPU_CAPABILITY (the kernels' rounding differs:
+# steps 1 and 2 do). MKL and oneDNN pick their own kernels by CPU, so the run pins them to AVX2 too.
+HEAD_WORLD4_LOSSES = {
+    "avx2": ["0x1.603a0c0000000p+2", "0x1.4b8a6e0000000p+2", "0x1.2f82e20000000p+2", "0x1.11c0460000000p+2",
+             "0x1.f4596e0000000p+1", "0x1.d8cddc0000000p+1"],
+    "default": ["0x1.603a0c0000000p+2", "0x1.4b8a6c0000000p+2", "0x1.2f82e40000000p+2",
+                "0x1.11c0460000000p+2", "0x1.f4596e0000000p+1", "0x1.d8cddc0000000p+1"],
+}
+
+
+def _recorded_capability() -> str:
+    """The recorded capability this session's kernels match: ``default`` when asked for, else ``avx2``
+    (every AVX-512 CPU also runs the AVX2 kernels)."""
+    import platform
+
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "default":
+        return "default"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the recorded losses are x86 figures (AVX2 / default kernels)")
+    return "avx2"
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(CLI_TIMEOUT_S + 60)
+def test_dp4_gives_the_losses_recorded_before_parallel_dims(files, tmp_path):
+    cap = _recorded_capability()
+    out = tmp_path / "dp4"
+    args = [*RUN_FLAGS, "--data", str(files["corpus"]), "--cache-dir", str(files["root"] / "cache"),
+            "--out", str(out), "--nproc-per-node", "4", "--dp", "4", "--timeout", "60"]
+    env = dict(_env(tmp_path / "cache"), ATEN_CPU_CAPABILITY=cap, MKL_ENABLE_INSTRUCTIONS="AVX2",
+               ONEDNN_MAX_CPU_ISA="AVX2")
+    proc = subprocess.run([sys.executable, "-m", "refimpl.train", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert "world size 4" in proc.stdout and "dp 4 x cp 1 x tp 1 x pp 1" in proc.stdout, proc.stdout
+    losses = [float.hex(line["loss"]) for line in _read_metrics(out)]
+    assert losses == HEAD_WORLD4_LOSSES[cap]  # bitwise: the same arithmetic as before
+    # Negative control: the other capability's record differs, so this comparison can fail.
+    assert HEAD_WORLD4_LOSSES["avx2"] != HEAD_WORLD4_LOSSES["default"]
+
+
+LAYOUT_REFUSALS = {  # name -> (flags, what the one error line must say)
+    "tp2": (["--tp", "2"], "chapter 06"),
+    "pp2": (["--pp", "2"], "chapter 08"),
+    "cp2": (["--cp", "2"], "chapter 07"),
+    "dp-not-world": (["--dp", "3"], "does not match the world size 4"),
+    "dp-zero": (["--dp", "0"], "positive integer"),
+}
+
+
+@pytest.fixture(scope="module")
+def layout_refusals(files) -> dict[str, tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]]:
+    """Each refusal twice: through the self-launch (--nproc-per-node 4) and as a rank under torchrun's
+    environment (RANK/WORLD_SIZE set, no MASTER_ADDR: the refusal must come before init_process_group)."""
+
+    def run(job: tuple[str, bool]) -> subprocess.CompletedProcess:
+        name, as_rank = job
+        cwd = files["root"] / f"layout-{name}-{'rank' if as_rank else 'launch'}"
+        cwd.mkdir()
+        args = [*TINY, "--batch-size", "4", "--data", str(files["corpus"]), *LAYOUT_REFUSALS[name][0],
+                "--out", str(cwd / "run")]
+        env = _env(cwd / "cache")
+        if as_rank:
+            env.update(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", LOCAL_WORLD_SIZE="4")
+        else:
+            args += ["--nproc-per-node", "4"]
+        return subprocess.run([sys.executable, "-m", "refimpl.train", *args], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+
+    jobs = [(name, as_rank) for name in LAYOUT_REFUSALS for as_rank in (False, True)]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        done = dict(zip(jobs, pool.map(run, jobs), strict=True))
+    return {name: (done[(name, False)], done[(name, True)]) for name in LAYOUT_REFUSALS}
+
+
+@pytest.mark.timeout(3 * CLI_TIMEOUT_S + 60)
+@pytest.mark.parametrize("name", list(LAYOUT_REFUSALS))
+def test_unbuilt_or_wrong_layout_is_refused_in_one_line(name, layout_refusals, files):
+    for proc in layout_refusals[name]:
+        report = f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        assert proc.returncode == 2, report
+        assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], report  # one line
+        assert proc.stderr.startswith("error: ") and LAYOUT_REFUSALS[name][1] in proc.stderr, report
+        assert "launching" not in proc.stdout and "Traceback" not in proc.stderr, report
+    for where in ("launch", "rank"):
+        assert not (files["root"] / f"layout-{name}-{where}" / "run").exists(), (name, where)
+
+
+def test_layout_flags_default_dp_to_the_world_over_the_other_axes():
+    from refimpl.distributed import ParallelDims
+    from refimpl.train import options_from_args
+
+    args = build_parser().parse_args([*TINY])
+    assert options_from_args(args).parallel_dims(4) == ParallelDims(dp=4)
+    args = build_parser().parse_args([*TINY, "--dp", "2"])
+    with pytest.raises(ValueError, match="does not match the world size 4"):
+        options_from_args(args).parallel_dims(4)
+
+
 # ---------------------------------------------------------------- memory preflight and SIGTERM (issue 11)
 
 GIB = 2**30
