@@ -78,7 +78,7 @@ def test_wrong_answer_fails_its_task_only(chapter: str, task: str | None, source
     wrong = by_name[task]
     assert wrong.earned == 0, f"the wrong answer for {task!r} was accepted:\n{_summary(report)}"
     assert wrong.message not in ("ok", "not implemented yet"), wrong.message
-    # the learner reads one short line per task (e.g. "rank 1: AssertionError: ..."); the traceback comes after
+    # the learner reads one short line per task ("rank 1: AssertionError: ..."), the traceback after it
     assert "\n" not in wrong.message and "Traceback" not in wrong.message, wrong.message
     others = [r for r in report.results if r.name != task and r.earned != r.points]
     assert not others, f"a wrong {task!r} alone must not fail other tasks:\n{_summary(report)}"
