@@ -45,7 +45,7 @@ import importlib.util
 
 import torch
 
-from refimpl.notebook import run_command, start_ranks
+from refimpl.launch import run_command, start_ranks
 from refimpl.planner import PEAK_FLOPS, model_flops_utilization
 
 print("torch", torch.__version__, "| CUDA available:", torch.cuda.is_available())
@@ -59,14 +59,14 @@ assert not missing, f"the course map names modules that do not exist: {missing}"
 # ## 1. Ranks
 #
 # A distributed job is a set of processes, one per device, each with a **rank** in `0..world_size-1`.
-# `torchrun` starts them for scripts; in a notebook, `refimpl.notebook.start_ranks` starts one
+# `torchrun` starts them for scripts; in a notebook, `refimpl.launch.start_ranks` starts one
 # [ipyparallel](https://ipyparallel.readthedocs.io) engine per rank, gives each its rank and device, and
 # initialises the process group (gloo on CPU, NCCL on GPU) with a timeout. A cell that starts with
 # `%%px` then runs on **every** rank, and each engine keeps its variables between cells.
 #
 # Why not `mp.spawn` a function defined here? Spawned processes must import the function by name, and a
 # notebook's functions have no importable name. Why not `!torchrun`? A failing `!` command does not fail
-# the cell: the notebook would go on as if nothing happened. `refimpl.notebook.run_command` raises instead.
+# the cell: the notebook would go on as if nothing happened. `refimpl.launch.run_command` raises instead.
 
 # %%
 WORLD_SIZE = 4
@@ -97,7 +97,7 @@ assert [r for r, _ in results] == list(range(WORLD_SIZE))
 # silently. We check this on purpose: only rank 2 raises, and the notebook sees it.
 
 # %%
-from refimpl.notebook import RankError
+from refimpl.launch import RankError
 
 try:
     ranks.run(lambda: 1 / (rank - 2))  # ZeroDivisionError on rank 2 only

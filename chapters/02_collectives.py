@@ -43,7 +43,7 @@ import torch
 
 from refimpl.comm.cost_model import fit_alpha_beta, plot_alpha_beta
 from refimpl.comm.pictures import plot_timeline, plot_who_holds_what
-from refimpl.notebook import start_ranks
+from refimpl.launch import start_ranks
 
 WORLD_SIZE = 4
 ranks = start_ranks(WORLD_SIZE, timeout_s=60)

@@ -40,8 +40,8 @@ import torch
 
 from refimpl.config import DataConfig
 from refimpl.data import ShardedBatches, prepare_corpus
+from refimpl.launch import start_ranks
 from refimpl.model import lm_loss
-from refimpl.notebook import start_ranks
 
 torch.manual_seed(0)
 WORLD_SIZE = 2  # try 4: every assertion holds, the bitwise comparisons become tolerances (section 2)
@@ -152,7 +152,7 @@ assert not torch.allclose(mean_of_means, global_mean, rtol=1e-3)
 # %% [markdown]
 # ## 2. Ranks, a model, and the single-device reference
 #
-# We start one engine per rank (`refimpl.notebook`). Each `%%px` cell runs on every rank; each engine has
+# We start one engine per rank (`refimpl.launch`). Each `%%px` cell runs on every rank; each engine has
 # `rank`, `world_size`, `device`, `dist` and `torch`, and an initialised process group (gloo on CPU).
 
 # %%

@@ -52,8 +52,8 @@ import torch
 from IPython.display import display
 
 from refimpl.config import ModelConfig
+from refimpl.launch import start_ranks
 from refimpl.model import GPT
-from refimpl.notebook import start_ranks
 from refimpl.parallel.zero_planner import shard_rows, sharded_numel, zero_memory_paper
 from refimpl.viz import plot_bars
 
@@ -148,7 +148,7 @@ print(f"Ψ = {PSI:,d} parameters in {len(shapes)} tensors; Ψ/2 = {PSI // 2:,d},
 # %% [markdown]
 # ## 3. Four ranks, and what each stage does
 #
-# We start 4 engines (`refimpl.notebook`) and make a second process group of ranks 0 and 1, so the same
+# We start 4 engines (`refimpl.launch`) and make a second process group of ranks 0 and 1, so the same
 # engines run every experiment at $N = 4$ and at $N = 2$ (ranks 2 and 3 sit out the latter).
 #
 # The code of the stages, in `refimpl/parallel/zero.py`:

@@ -430,7 +430,7 @@ assert w16.item() == 1.0 and w32.half().item() < 1.0
 # negative control).
 
 # %%
-from refimpl.notebook import start_ranks
+from refimpl.launch import start_ranks
 
 ranks = start_ranks(2, timeout_s=60)
 ranks

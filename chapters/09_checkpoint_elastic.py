@@ -66,8 +66,8 @@ from refimpl.checkpoint import (
 from refimpl.checkpoint_format import read_manifest, verify_checkpoint
 from refimpl.config import ModelConfig, OptimConfig
 from refimpl.distributed import seed_everything
+from refimpl.launch import run_command, start_ranks
 from refimpl.model import GPT, lm_loss
-from refimpl.notebook import run_command, start_ranks
 from refimpl.optim import build_optimizer
 
 torch.set_num_threads(1)  # tiny matrices; leave the other core to the ranks

@@ -46,7 +46,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -60,7 +59,7 @@ RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 FAILURES = "failures.jsonl"
 
 __all__ = [
-    "FAILURES", "FaultPlan", "Heartbeat", "elastic_env", "explain_positions", "free_port", "parse_steps",
+    "FAILURES", "FaultPlan", "Heartbeat", "elastic_env", "explain_positions", "parse_steps",
     "read_failures", "record_failure", "restart_count", "resume_mode", "run_id", "summarize_failures",
     "torchrun_command",
 ]
@@ -86,7 +85,7 @@ def resume_mode(requested: str, folder: str | os.PathLike, job: str | None) -> s
     if requested != "never" or not job:
         return requested
     from refimpl.checkpoint import list_checkpoints
-    from refimpl.checkpoint_format import CheckpointError, read_manifest
+    from refimpl.checkpoint import CheckpointError, read_manifest
 
     found = list_checkpoints(folder)
     if not found:
@@ -321,13 +320,6 @@ def explain_positions(positions: Mapping[int, tuple[int, int, str, float] | None
 
 
 # -- launching -----------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def elastic_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
     """The environment for a torchrun launch: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see the module

@@ -303,7 +303,7 @@ def test_course_in_jupyterlab_and_book(tmp_path: Path):
                     if source.stem == WIDGET_CHAPTER:
                         timings["04 slider lag"] = _check_slider(page)
                     ranks = [p for p in _marked(mark) if "ipyparallel" in " ".join(p.cmdline())
-                             or "refimpl.reaper" in " ".join(p.cmdline())]
+                             or "refimpl.launch.reaper" in " ".join(p.cmdline())]
                     if source.stem == LIVE_RANKS:
                         assert len(ranks) >= 4, f"{source.stem}: expected its ranks alive: {_describe(ranks)}"
                     _shutdown_kernel(page)

@@ -1,6 +1,6 @@
 """Chapters run unchanged on GPUs: no tensor, model, mesh or autocast on a hard-coded device.
 
-Every chapter takes its device from the ranks (``device`` on each engine, see refimpl/notebook.py) or
+Every chapter takes its device from the ranks (``device`` on each engine, see refimpl/launch/notebook.py) or
 picks it once (``torch.device("cuda" if torch.cuda.is_available() else "cpu")``). Passing the literal
 ``"cpu"`` or ``"cuda"`` to a call (``torch.device("cpu")``, ``init_device_mesh("cpu", ...)``,
 ``torch.autocast("cpu")``, ``x.to("cpu")``, ``torch.zeros(..., device="cpu")``) or calling ``.cuda()``

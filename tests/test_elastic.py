@@ -30,7 +30,7 @@ import pytest
 
 from refimpl import elastic
 from refimpl.data import make_corpus_file
-from refimpl.launch import run_ranks
+from refimpl.launch import free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 150  # one torchrun job: 2 attempts of 2 ranks, each a fresh interpreter importing torch
@@ -198,7 +198,7 @@ def test_two_agents_one_lost_the_survivor_resumes_at_world_size_1(data, referenc
     """``--nnodes=1:2``: agent A starts first and hosts the c10d rendezvous store; agent B joins, and its
     rank kills B (a lost machine) in step 3. A's rank fails in the collective, A restarts it, the
     rendezvous closes with A alone, and the survivor reshards the 2-rank checkpoint of step 2."""
-    out, port, job = tmp_path / "elastic", elastic.free_port(), uuid.uuid4().hex[:8]
+    out, port, job = tmp_path / "elastic", free_port(), uuid.uuid4().hex[:8]
     env = _env(data["cache"])
 
     def agent(name: str, *extra: str) -> subprocess.Popen:

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from refimpl.launch import RankFailed, _exception_line, _first_cause, free_port, run_ranks
+from refimpl.launch import RankFailed, free_port, run_ranks
+from refimpl.launch.run_ranks import _exception_line, _first_cause
 
 
 def _rank_and_sum(ctx, offset):

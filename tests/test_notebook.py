@@ -1,4 +1,4 @@
-"""Tests of refimpl.notebook: ranks as ipyparallel engines, %%px, timeouts, run_command.
+"""Tests of refimpl.launch.notebook and .command: ranks as ipyparallel engines, %%px, timeouts, run_command.
 
 One cluster of 2 engines is shared by the module (starting engines and importing torch costs ~10-15 s on
 2 cores). It runs under a throw-away IPython shell so that ``start_ranks`` registers the ``%%px`` magics;
@@ -18,7 +18,7 @@ from typing import Any
 import ipyparallel as ipp  # a dependency: a missing one fails here, it does not skip the file
 import pytest
 
-from refimpl.notebook import CommandFailed, RankError, Ranks, _free_port, run_command, start_ranks
+from refimpl.launch import CommandFailed, RankError, Ranks, free_port, run_command, start_ranks
 
 CLUSTER_TIMEOUT = 300  # pytest-timeout for tests using the cluster: includes its start in the fixture
 TIMEOUT_S = 5.0  # the process-group timeout: a collective that a rank never joins fails after it
@@ -141,7 +141,7 @@ def test_all_reduce_of_ones_is_world_size_on_every_rank(ranks: Ranks) -> None:
 
 @pytest.mark.timeout(CLUSTER_TIMEOUT)
 def test_engines_import_refimpl_and_get_arguments(ranks: Ranks) -> None:
-    ports = ranks.run(_free_port)  # a module-level function: imported by name on the engines
+    ports = ranks.run(free_port)  # a module-level function: imported by name on the engines
     assert all(isinstance(p, int) and p > 0 for p in ports)
     assert ranks.run(ipp.interactive(lambda a, b=0: a + b + globals()["rank"]), 10, b=5) == [15, 16]
 

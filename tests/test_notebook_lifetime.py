@@ -1,4 +1,4 @@
-"""Ranks started from a notebook never outlive it (refimpl.reaper; docs/ARCHITECTURE.md, running ranks).
+"""Ranks started from a notebook never outlive it (refimpl.launch.reaper; docs/ARCHITECTURE.md).
 
 A real Jupyter kernel starts 4 ranks and is then killed with SIGKILL, as a crashed or restarted kernel
 is: within a few seconds no engine, nanny or controller of it may be left. And a clean ``stop()`` leaves
@@ -17,8 +17,8 @@ import psutil
 import pytest
 from jupyter_client.manager import start_new_kernel
 
-from refimpl.notebook import start_ranks
-from refimpl.reaper import process_tree
+from refimpl.launch import start_ranks
+from refimpl.launch.reaper import process_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 GRACE_S = 10.0  # the reaper polls every 0.5 s; SIGKILL and reaping take well under a second more
@@ -49,8 +49,8 @@ def test_killing_the_kernel_kills_its_ranks():
     km, kc = start_new_kernel(kernel_name="python3", env=env, startup_timeout=120)
     pids: list[int] = []
     try:
-        code = ("import json\nfrom refimpl.notebook import start_ranks\n"
-                "from refimpl.reaper import process_tree\n"
+        code = ("import json\nfrom refimpl.launch import start_ranks\n"
+                "from refimpl.launch.reaper import process_tree\n"
                 "ranks = start_ranks(4, timeout_s=30)\n"
                 "print('PIDS', json.dumps(sorted(process_tree(ranks._pids, {}))))")
         out: list[str] = []

@@ -9,7 +9,7 @@ and all their descendants, then exits. It also exits when every target is gone (
 it as well). psutil (an ipyparallel dependency) tells a dead PID from a reused one by its start time.
 Chapter 00 explains the ranks; docs/ARCHITECTURE.md, "Running many ranks".
 
-    python -m refimpl.reaper --watch KERNEL_PID --start-time T --kill PID [PID ...]
+    python -m refimpl.launch.reaper --watch KERNEL_PID --start-time T --kill PID [PID ...]
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def start_reaper(pids: Sequence[int], *, watched_pid: int | None = None) -> subp
     """Start the watchdog for ``pids`` (default: watch this process); returns its handle."""
     watched_pid = os.getpid() if watched_pid is None else watched_pid
     start = psutil.Process(watched_pid).create_time()
-    cmd = [sys.executable, "-m", "refimpl.reaper", "--watch", str(watched_pid), "--start-time", repr(start),
-           "--kill", *map(str, pids)]
+    cmd = [sys.executable, "-m", "refimpl.launch.reaper", "--watch", str(watched_pid),
+           "--start-time", repr(start), "--kill", *map(str, pids)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [_repo_root(), os.environ.get("PYTHONPATH")]
                                                       if p))
     return subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -82,11 +82,12 @@ def start_reaper(pids: Sequence[int], *, watched_pid: int | None = None) -> subp
 
 
 def _repo_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m refimpl.reaper", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m refimpl.launch.reaper",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--watch", type=int, required=True, help="the PID whose death ends the targets")
     parser.add_argument("--start-time", type=float, default=None, help="its start time, vs PID reuse")
     parser.add_argument("--kill", type=int, nargs="+", required=True, help="PIDs to kill, and descendants")

@@ -24,67 +24,43 @@ notebook's: pass data as arguments. A function defined in a module is run with t
 the engine, by name; the engines get the notebook's ``sys.path`` plus the repository root, so
 ``refimpl`` and the notebook's own modules import there.
 
-``run_command`` runs a script (e.g. ``torchrun ...``) from a cell and raises when it fails, which
-``!torchrun`` does not.
+:func:`refimpl.launch.run_command` runs a script (e.g. ``torchrun ...``) from a cell and raises when it
+fails, which ``!torchrun`` does not.
 """
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import logging
 import os
-import queue
 import re
-import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-__all__ = ["CommandFailed", "RankError", "Ranks", "run_command", "start_ranks"]
+from refimpl.launch.run_ranks import _exception_line, free_port
 
-_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+__all__ = ["RankError", "Ranks", "start_ranks"]
+
+_REPO_ROOT = str(Path(__file__).resolve().parents[2])
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-
-
-def _free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that is free now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RankError(RuntimeError):
     """A function failed on one or more ranks; ``failures`` maps rank -> that rank's traceback text."""
 
     def __init__(self, failures: dict[int, str]) -> None:
-        from refimpl.launch import _exception_line
-
         self.failures = failures
         short = [f"rank {r}: {_exception_line(tb)}" for r, tb in sorted(failures.items())]
         parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())]
         # short first (which rank, which assertion), the tracebacks after
         super().__init__("\n".join(short) + "\n\n" + "\n".join(parts))
-
-
-class CommandFailed(RuntimeError):
-    """A command run by ``run_command`` exited non-zero or ran past its timeout."""
-
-    def __init__(self, cmd: Sequence[str], returncode: int | None, output: str, timed_out: bool) -> None:
-        self.cmd = list(cmd)
-        self.returncode = returncode
-        self.output = output
-        self.timed_out = timed_out
-        tail = "\n".join(output.splitlines()[-40:])
-        why = "timed out (process group killed)" if timed_out else f"exited with code {returncode}"
-        super().__init__(f"command {shlex.join(self.cmd)} {why}; last output:\n{tail}")
 
 
 def _clean_traceback(tb: str) -> str:
@@ -224,7 +200,7 @@ class Ranks:
         import ipyparallel as ipp
 
         self.timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        args = (self.world_size, _free_port(), backend or self.backend or None, self.timeout_s)
+        args = (self.world_size, free_port(), backend or self.backend or None, self.timeout_s)
         init = ipp.interactive(_init_engine)
         pending = [self.client[eid].apply_async(init, r, *args) for r, eid in enumerate(self._engine_ids)]
         self.client.wait(pending, timeout=self.timeout_s + 60)
@@ -246,7 +222,7 @@ class Ranks:
         # ask the engines to exit (fast); stop_cluster then TERMs, and KILLs after 5 s, what is left
         with contextlib.suppress(Exception):
             self.client.shutdown(targets="all", block=False)
-        from refimpl.reaper import kill_tree, process_tree
+        from refimpl.launch.reaper import kill_tree, process_tree
 
         procs = process_tree(self._pids, {})  # now, while the nannies can still be found by their parent
         _stop_cluster(self.cluster, max(1.0, deadline - time.monotonic()))
@@ -313,7 +289,7 @@ def start_ranks(
     """
     import ipyparallel as ipp
 
-    from refimpl.reaper import start_reaper
+    from refimpl.launch.reaper import start_reaper
 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -350,84 +326,3 @@ def start_ranks(
                 stream = os.environ.get("REFIMPL_PX_STREAM", "1") != "0"
             ip.run_line_magic("pxconfig", "--stream" if stream else "--no-stream")
     return ranks
-
-
-def run_command(
-    cmd: Sequence[str] | str,
-    *,
-    timeout_s: float = 600.0,
-    env: Mapping[str, str] | None = None,
-    cwd: str | os.PathLike[str] | None = None,
-) -> str:
-    """Run ``cmd`` (e.g. ``torchrun ...``) from a cell, print its output as it comes, return all of it.
-
-    A string is split like a shell would (no shell is run). The child runs in its own process group with
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` and ``PYTHONUNBUFFERED=1`` unless ``env`` says otherwise.
-    Raises ``CommandFailed`` (exit code and the tail of the output) on a non-zero exit, or after killing
-    the whole process group when it runs past ``timeout_s`` (or on KeyboardInterrupt, which is re-raised).
-    """
-    argv = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
-    child_env = {
-        **os.environ,
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-        "PYTHONUNBUFFERED": "1",
-        **(env or {}),
-    }
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=child_env,
-        cwd=cwd,
-        start_new_session=True,
-    )
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:  # a thread reads; the caller's thread prints (so output lands in the cell)
-        # Raw chunks, not lines: a progress bar redraws its line with "\r", which a cell shows in place
-        # (reading lines in text mode would turn every redraw into a new line).
-        assert proc.stdout is not None
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        while chunk := os.read(proc.stdout.fileno(), 65536):
-            lines.put(decoder.decode(chunk))
-        if tail := decoder.decode(b"", final=True):
-            lines.put(tail)
-        lines.put(None)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    out: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    timed_out = False
-    try:
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = lines.get(timeout=min(left, 0.5))
-            except queue.Empty:
-                continue
-            if line is None:
-                break
-            out.append(line)
-            print(line, end="", flush=True)
-        proc.wait(timeout=max(0.01, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        timed_out = True
-    finally:  # on timeout or KeyboardInterrupt, nothing of the command may outlive the call
-        if proc.poll() is None:
-            _kill_group(proc)
-    reader.join(timeout=5)
-    while not lines.empty():
-        line = lines.get_nowait()
-        out.append(line or "")
-    output = "".join(out)
-    if timed_out or proc.returncode != 0:
-        raise CommandFailed(argv, None if timed_out else proc.returncode, output, timed_out)
-    return output
-
-
-def _kill_group(proc: subprocess.Popen[str]) -> None:
-    """Kill the child's whole process group (it was started in a new session), then reap it."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)

@@ -8,7 +8,7 @@ It never hangs: the first rank that fails kills the others and is raised in the 
 run longer than ``timeout_s`` is killed too.
 
 ``fn`` must be importable (defined at module level in an importable module): spawned processes cannot
-receive functions defined in a notebook; notebooks use :mod:`refimpl.notebook` instead.
+receive functions defined in a notebook; notebooks use :func:`refimpl.launch.start_ranks` instead.
 """
 
 from __future__ import annotations
