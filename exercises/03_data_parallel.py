@@ -9,7 +9,7 @@ Grade with ``make grade CH=03`` (or ``python -m exercises.grade 03``). Five task
 5. ``DataParallelBucket.no_sync``: gradient accumulation without communication, then one synchronisation.
 
 Make every collective through ``refimpl.comm.ops`` (same signatures as ``torch.distributed``), so that the
-grader's tracer can count them. Chapter 03 explains each piece; ``refimpl/parallel/data_parallel.py`` is the
+grader's tracer can count them. Chapter 03 explains each piece; ``refimpl/parallel/data_parallel/`` is the
 solution, do not peek before trying.
 """
 

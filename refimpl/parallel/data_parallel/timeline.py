@@ -1,0 +1,58 @@
+"""What one synchronised backward did when (chapter 03): the overlap of backward and bucket all-reduces.
+
+:class:`~refimpl.parallel.data_parallel.data_parallel.DataParallelBucket` leaves one :class:`SyncTimeline`
+per synchronisation (``last_timeline``); :mod:`refimpl.parallel.dp_viz` draws it, and
+:meth:`SyncTimeline.exposed_fraction` is the share of communication that backward did not hide.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["SyncTimeline"]
+
+
+@dataclass
+class SyncTimeline:
+    """What one synchronised backward did when, in ``time.perf_counter`` seconds (the tracer's clock).
+
+    ``launch[b]`` / ``done[b]``: when bucket ``b``'s reduction was launched and seen complete (a callback
+    on the collective's future, so it is the completion, not the later ``wait()``); ``grad_ready``: the
+    time of every gradient hook; ``backward_start`` / ``backward_end``: the first gradient reaching the
+    model's output and the end of the autograd pass; ``wait_start`` / ``wait_end``: the call to
+    ``finish_gradient_synchronization``.
+    """
+
+    launch: list[float | None]
+    done: list[float | None]
+    grad_ready: list[float] = field(default_factory=list)
+    backward_start: float | None = None
+    backward_end: float | None = None
+    wait_start: float | None = None
+    wait_end: float | None = None
+
+    def _intervals(self, not_before: float = -math.inf) -> list[tuple[float, float]]:
+        spans = sorted((max(a, not_before), b) for a, b in zip(self.launch, self.done, strict=True)
+                       if a is not None and b is not None and b > max(a, not_before))
+        merged: list[tuple[float, float]] = []
+        for a, b in spans:
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        return merged
+
+    def comm_seconds(self) -> float:
+        """Wall time during which at least one bucket's reduction was in flight."""
+        return sum(b - a for a, b in self._intervals())
+
+    def exposed_seconds(self) -> float:
+        """The part of :meth:`comm_seconds` after backward ended: communication that nothing hides."""
+        end = self.backward_end if self.backward_end is not None else -math.inf
+        return sum(b - a for a, b in self._intervals(not_before=end))
+
+    def exposed_fraction(self) -> float:
+        total = self.comm_seconds()
+        return self.exposed_seconds() / total if total > 0 else 0.0
+
