@@ -63,7 +63,7 @@ from refimpl.checkpoint import (
     load_training_state,
     save_training_state,
 )
-from refimpl.checkpoint_format import read_manifest, verify_checkpoint
+from refimpl.checkpoint.manifest import read_manifest, verify_checkpoint
 from refimpl.config import ModelConfig, OptimConfig
 from refimpl.distributed import seed_everything
 from refimpl.launch import run_command, start_ranks

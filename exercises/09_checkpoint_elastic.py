@@ -14,7 +14,7 @@ Replace each ``raise NotImplementedError`` with your implementation, then run ``
   and compares with the saved values element for element.
 
 You may use ``os``, ``shutil``, ``hashlib``, ``json``, ``pathlib`` and the helpers imported below; do not
-call ``refimpl.checkpoint.commit``, ``refimpl.checkpoint_format.verify_checkpoint`` /
+call ``refimpl.checkpoint.commit``, ``refimpl.checkpoint.verify_checkpoint`` /
 ``sha256_file`` / ``plan_read`` or ``CheckpointReader`` (that is the answer).
 """
 
@@ -24,12 +24,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from refimpl.checkpoint import LATEST, list_checkpoints, step_dir_name  # noqa: F401 - for your commit
-from refimpl.checkpoint_format import (  # noqa: F401 - for your answers
+from refimpl.checkpoint import (  # noqa: F401 - for your commit and your answers
+    LATEST,
     MANIFEST,
     CheckpointError,
     fsync_dir,
+    list_checkpoints,
     read_manifest,
+    step_dir_name,
     write_manifest,
 )
 

@@ -84,8 +84,7 @@ def resume_mode(requested: str, folder: str | os.PathLike, job: str | None) -> s
     """
     if requested != "never" or not job:
         return requested
-    from refimpl.checkpoint import list_checkpoints
-    from refimpl.checkpoint import CheckpointError, read_manifest
+    from refimpl.checkpoint import CheckpointError, list_checkpoints, read_manifest
 
     found = list_checkpoints(folder)
     if not found:

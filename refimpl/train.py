@@ -398,7 +398,7 @@ def preflight_resume(config: TrainConfig, options: RunOptions) -> None:
         raise CheckpointError(f"{options.checkpoint.folder} already holds checkpoints (newest "
                               f"{found[0].name}) and --resume never refuses to overwrite them; use "
                               "--resume auto or another folder")
-    from refimpl.checkpoint_format import read_manifest
+    from refimpl.checkpoint import read_manifest
 
     try:
         manifest = read_manifest(found[0])

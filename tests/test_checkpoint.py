@@ -25,23 +25,27 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import refimpl.checkpoint as ckpt_mod
+import refimpl.checkpoint.checkpointer as ckpt_mod  # write_rank_file is looked up there
 from refimpl.checkpoint import (
+    MANIFEST,
     CheckpointConfig,
     Checkpointer,
     CheckpointError,
     FlatShard,
     SaveSchedule,
+    ShardMeta,
     capture_rng_state,
     expected_shapes,
     find_latest_valid,
     list_checkpoints,
     load_training_state,
     optimizer_shards,
+    plan_pieces,
+    read_manifest,
     restore_rng_state,
     save_training_state,
+    verify_checkpoint,
 )
-from refimpl.checkpoint_format import MANIFEST, ShardMeta, plan_pieces, read_manifest, verify_checkpoint
 from refimpl.config import ConfigError, ModelConfig, OptimConfig
 from refimpl.distributed import seed_everything
 from refimpl.launch import run_ranks

@@ -28,11 +28,14 @@ from unittest import mock
 import torch
 
 from exercises.grading import Task, load_module
-from refimpl.checkpoint import CheckpointConfig, Checkpointer, find_latest_valid, list_checkpoints
-from refimpl.checkpoint_format import (
+from refimpl.checkpoint import (
+    CheckpointConfig,
+    Checkpointer,
     CheckpointError,
     ShardMeta,
     build_manifest,
+    find_latest_valid,
+    list_checkpoints,
     plan_pieces,
     rank_file_name,
     verify_checkpoint,
@@ -279,8 +282,9 @@ _HEADER = "from exercises.reference.ch09 import *  # noqa: F403\n"
 MUTANTS = {
     "commit: atomic, crash-safe": _HEADER + (
         "import os\n"
-        "from refimpl.checkpoint import STEP_DIR, _delete, _write_latest, list_checkpoints, step_dir_name\n"
-        "from refimpl.checkpoint_format import fsync_dir, write_manifest\n"
+        "from refimpl.checkpoint import STEP_DIR, list_checkpoints, step_dir_name\n"
+        "from refimpl.checkpoint.folder import _delete, _write_latest\n"
+        "from refimpl.checkpoint import fsync_dir, write_manifest\n"
         "def commit(tmp, manifest, *, keep_last):\n"
         "    write_manifest(tmp, manifest)\n"
         "    fsync_dir(tmp)\n"
@@ -297,7 +301,7 @@ MUTANTS = {
         "    return final\n"
     ),
     "verify_checkpoint: sha256": _HEADER + (
-        "from refimpl.checkpoint_format import CheckpointError, read_manifest\n"
+        "from refimpl.checkpoint import CheckpointError, read_manifest\n"
         "def verify_checkpoint(folder):\n"
         "    manifest = read_manifest(folder)\n"
         "    for name, record in manifest['files'].items():  # sizes only: hashing is slow\n"

@@ -5,7 +5,6 @@ The grader's self-test grades this module and expects full marks (tests/test_exe
 
 from __future__ import annotations
 
-from refimpl.checkpoint import commit
-from refimpl.checkpoint_format import plan_read, verify_checkpoint
+from refimpl.checkpoint import commit, plan_read, verify_checkpoint
 
 __all__ = ["commit", "plan_read", "verify_checkpoint"]
