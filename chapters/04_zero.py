@@ -31,7 +31,7 @@
 #
 # (traffic in elements per rank, ring algorithm, large $N$: each term is $(N-1)/N$ of the tensor.)
 #
-# This chapter builds all three stages from scratch (`refimpl/parallel/zero.py`) and proves, on 2 and 4
+# This chapter builds all three stages from scratch (`refimpl/parallel/zero/`) and proves, on 2 and 4
 # CPU ranks:
 #
 # 1. every stage trains to **the same parameters** as data parallelism (bit for bit at 2 ranks) and as a
@@ -151,7 +151,7 @@ print(f"Ψ = {PSI:,d} parameters in {len(shapes)} tensors; Ψ/2 = {PSI // 2:,d},
 # We start 4 engines (`refimpl.launch`) and make a second process group of ranks 0 and 1, so the same
 # engines run every experiment at $N = 4$ and at $N = 2$ (ranks 2 and 3 sit out the latter).
 #
-# The code of the stages, in `refimpl/parallel/zero.py`:
+# The code of the stages, in `refimpl/parallel/zero/`:
 #
 # * **Stage 1**, `ShardedOptimizer(params, torch.optim.AdamW, group, stage=1, ...)`: each rank builds the
 #   inner AdamW over *views of its rows* of every parameter, so AdamW allocates its moments for those rows

@@ -11,7 +11,7 @@ Grade with ``make grade CH=04`` (or ``python -m exercises.grade 04``). Five task
 5. ``install_unit_hooks(..., prefetch=True)``: the next unit's gather issued before it is needed.
 
 Make every collective through ``refimpl.comm.ops`` (same signatures as ``torch.distributed``), so that the
-grader's tracer sees them. Chapter 04 explains each piece; ``refimpl/parallel/zero.py`` is the solution, do
+grader's tracer sees them. Chapter 04 explains each piece; ``refimpl/parallel/zero/`` is the solution, do
 not peek before trying.
 """
 

@@ -1,0 +1,345 @@
+"""ZeRO stage 3: the fully sharded module (Rajbhandari et al. 2020; FSDP, Zhao et al. 2023; chapter 04).
+
+Over 300 lines: one class whose hooks share the units' state; cutting it would scatter one schedule.
+
+Parameters are sharded too. The module is cut into *units* (a transformer block each, the rest in the root
+unit); a unit is all-gathered just before its forward, freed after it, all-gathered again before its
+backward, and its gradients reduce-scattered. One extra all-gather per unit: 1.5x the traffic of data
+parallelism. :func:`refimpl.parallel.zero.unit_hooks.install_unit_hooks` is the same schedule in its
+simplest form (synchronous, no reduction), the lesson and exercise 04.4-04.5.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from refimpl.comm import ops
+from refimpl.parallel.memory import StateMemory, state_bytes, storage_bytes
+from refimpl.parallel.zero.clip_grad import clip_sharded_grad_norm_
+from refimpl.parallel.zero.fsdp_unit import FSDPUnit, _alloc, _free, _ShardedParam, _tensors
+from refimpl.parallel.zero.sharding import ShardSpec, copy_out_all_gather, pack_for_all_gather, shard_of
+from refimpl.parallel.zero.zero_communications import _world, all_gather_into, reduce_scatter_mean
+from refimpl.precision import MixedPrecisionPolicy
+
+
+class FullyShardedDataParallel(nn.Module):
+    """ZeRO stage 3: parameters, gradients and optimizer state sharded over the ranks (chapter 04).
+
+    ``FullyShardedDataParallel(model)`` makes every submodule of a type in ``unit_types`` (default: the
+    course's ``TransformerBlock``) a unit and puts the remaining parameters in the root unit. Each
+    parameter is replaced by this rank's rows (``model.parameters()`` yields the shards: build a plain
+    optimizer on them and its state is sharded too). Around each unit:
+
+    * before forward: all-gather the unit (one collective for all its parameters) into full tensors and
+      register them in the modules; with ``prefetch`` the next unit's all-gather is started too;
+    * after forward: put the shards back and free the full tensors (storage resized to 0, so the tensors
+      autograd saved stay valid), except for the root unit, which backward needs again at once;
+    * before its backward (a hook on the unit's output): all-gather again (prefetching the previous unit);
+    * when every gradient of the unit has arrived: reduce-scatter them (mean over ranks), add this rank's
+      rows to the shards' ``.grad``, free the full gradients and the full parameters (a unit with frozen
+      parameters is freed at the end of backward: its frozen weights may still be needed for the gradient
+      of their input).
+
+    Shared parameters (tied embeddings) must be in one unit: a parameter registered in two units moves to
+    the root unit. Frozen parameters are gathered but never reduced. Gradient accumulation works by
+    calling backward several times (each reduces its gradients). ``full_state_dict()`` gathers the full
+    parameters (collective).
+
+    **Mixed precision** (``mp_policy``, a :class:`refimpl.precision.MixedPrecisionPolicy`; chapter 05),
+    as FSDP2's ``fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype))`` does it: the
+    shards stay fp32 (the master weights; the optimizer and its state see only them). Each shard is cast
+    to ``param_dtype`` *before* the all-gather (half the bytes in bf16/fp16) and the unit computes in
+    ``param_dtype``; its gradients ``g`` (in ``param_dtype``) are cast to ``reduce_dtype``, reduce-
+    scattered in it as ``sum_r g_r / N`` (fp16: ``sum_r (g_r / pre) / post`` with ``pre * post = N``,
+    :func:`fp16_divide_factors`), cast to fp32 and added to the shard's fp32 ``.grad``. Floating-point
+    buffers and inputs are left alone (the course's GPT takes token ids).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        unit_types: tuple[type[nn.Module], ...] | None = None,
+        prefetch: bool = False,
+        reshard_after_forward: bool = True,
+        mp_policy: MixedPrecisionPolicy | None = None,
+    ) -> None:
+        super().__init__()
+        if unit_types is None:
+            from refimpl.model import TransformerBlock
+
+            unit_types = (TransformerBlock,)
+        self.module = module
+        self.process_group = process_group
+        self.rank, self.world_size = _world(process_group)
+        # FSDP2's MixedPrecisionPolicy: gather and compute in param_dtype, reduce in reduce_dtype
+        self.param_dtype = None if mp_policy is None else mp_policy.param_dtype
+        self.reduce_dtype = None if mp_policy is None else mp_policy.reduce_dtype
+        self.prefetch = prefetch
+        self.reshard_after_forward = reshard_after_forward
+        self.units = self._build_units(module, unit_types)
+        self._forward_order: list[FSDPUnit] = []  # units in the order this step's forward ran them
+        self._last_order: list[FSDPUnit] = list(self.units[1:])  # ... and the previous step's
+        self._callback_queued = False
+        root = self.units[0]
+        for unit in self.units[1:]:
+            unit.hooks.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
+            unit.hooks.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+        for unit in self.units:
+            for sp in unit.trainable:
+                sp.unsharded.register_post_accumulate_grad_hook(self._make_grad_ready(unit))
+        self._root = root
+
+    # -- construction ----------------------------------------------------------------------------------
+
+    def _build_units(self, module: nn.Module, unit_types: tuple[type[nn.Module], ...]) -> list[FSDPUnit]:
+        unit_modules: dict[str, nn.Module] = {"": module}  # unit name -> its module ("" is the root)
+        owner: dict[int, str] = {}  # id(module) -> the unit it belongs to
+
+        def walk(m: nn.Module, prefix: str, unit: str) -> None:
+            if m is not module and unit == "" and isinstance(m, unit_types):  # outermost match only
+                unit = prefix
+                unit_modules[unit] = m
+            owner.setdefault(id(m), unit)
+            for name, child in m.named_children():
+                walk(child, f"{prefix}.{name}" if prefix else name, unit)
+
+        walk(module, "", "")
+        regs: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
+        units_of: dict[nn.Parameter, set[str]] = {}
+        for m in module.modules():
+            for name, p in m._parameters.items():
+                if p is None:
+                    continue
+                regs.setdefault(p, []).append((m, name))
+                units_of.setdefault(p, set()).add(owner[id(m)])
+        params_by_unit: dict[str, list[_ShardedParam]] = {name: [] for name in unit_modules}
+        for p, registrations in regs.items():
+            units = units_of[p]
+            unit = units.pop() if len(units) == 1 else ""  # shared by two units: the root holds it
+            spec = ShardSpec(p.shape, self.rank, self.world_size)
+            sharded = nn.Parameter(shard_of(p.detach(), spec).clone(), requires_grad=p.requires_grad)
+            dtype = self.param_dtype if self.param_dtype is not None and p.is_floating_point() else p.dtype
+            unsharded = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad)
+            _free(unsharded)
+            sp = _ShardedParam(registrations=registrations, spec=spec, sharded=sharded, unsharded=unsharded)
+            params_by_unit[unit].append(sp)
+            for m, name in registrations:
+                m._parameters[name] = sharded
+        return [FSDPUnit(name=name or "<root>", module=unit_modules[name], params=params_by_unit[name])
+                for name in unit_modules]
+
+    # -- gather and free -------------------------------------------------------------------------------
+
+    def _start_gather(self, unit: FSDPUnit) -> None:
+        if unit.gathered or unit.pending is not None or not unit.params:
+            return
+        specs = [sp.spec for sp in unit.params]
+        # Cast before the all-gather (FSDP2 does the same): a bf16/fp16 all-gather moves half the bytes.
+        shards = [sp.sharded.detach().to(sp.unsharded.dtype) for sp in unit.params]
+        packed = pack_for_all_gather(shards, specs)  # [S]
+        gathered = packed.new_empty(self.world_size * packed.numel())  # [N * S]
+        work = None
+        if self.world_size > 1:
+            work = ops.all_gather_into_tensor(gathered, packed, group=self.process_group, async_op=True)
+        else:
+            gathered.copy_(packed)
+        unit.pending = (work, gathered)
+
+    def unshard(self, unit: FSDPUnit) -> None:
+        """Make the unit's full parameters available (wait for a prefetch, or all-gather now)."""
+        if unit.gathered:
+            return
+        self._start_gather(unit)
+        if unit.pending is None:  # a unit without parameters
+            unit.gathered = True
+            return
+        work, gathered = unit.pending
+        unit.pending = None
+        if work is not None:
+            work.wait()
+        for sp in unit.params:
+            _alloc(sp.unsharded)
+        # Write through .data: the same storage autograd saved, without bumping the version counter.
+        specs = [sp.spec for sp in unit.params]
+        copy_out_all_gather(gathered, specs, [sp.unsharded.data for sp in unit.params])
+        unit.gathered = True
+
+    def reshard(self, unit: FSDPUnit) -> None:
+        """Free the unit's full parameters (the shards stay)."""
+        if unit.pending is not None:  # a prefetch that was not used: finish it to keep ranks in step
+            self.unshard(unit)
+        for sp in unit.params:
+            _free(sp.unsharded)
+        unit.gathered = False
+
+    @staticmethod
+    def _use(unit: FSDPUnit, which: str) -> None:
+        for sp in unit.params:
+            t = sp.unsharded if which == "unsharded" else sp.sharded
+            for m, name in sp.registrations:
+                m._parameters[name] = t
+
+    # -- hooks -----------------------------------------------------------------------------------------
+
+    def _make_pre_forward(self, unit: FSDPUnit):
+        def hook(module: nn.Module, args: tuple) -> None:
+            self._forward_order.append(unit)
+            self.unshard(unit)
+            self._use(unit, "unsharded")
+            if self.prefetch:
+                following = self._neighbour(unit, +1)
+                if following is not None:
+                    self._start_gather(following)
+        return hook
+
+    def _make_post_forward(self, unit: FSDPUnit):
+        def hook(module: nn.Module, args: tuple, output: object) -> object:
+            self._use(unit, "sharded")
+            if self.reshard_after_forward:
+                self.reshard(unit)
+            self._register_pre_backward(unit, output)
+            return output
+        return hook
+
+    def _neighbour(self, unit: FSDPUnit, step: int) -> FSDPUnit | None:
+        """The unit run ``step`` places after ``unit`` in forward order (this step's order going backward,
+        the previous step's going forward; the root comes before every unit)."""
+        order = self._forward_order if step < 0 else self._last_order
+        if unit is self._root:
+            return (order[-1] if step < 0 else order[0]) if order else None
+        if unit not in order:
+            return None
+        i = order.index(unit) + step
+        return order[i] if 0 <= i < len(order) else None
+
+    def _register_pre_backward(self, unit: FSDPUnit, output: object) -> None:
+        tensors = [t for t in _tensors(output) if t.requires_grad]
+        if not tensors or not torch.is_grad_enabled():
+            return
+
+        def pre_backward(_grads: object) -> None:
+            self._queue_final_callback()
+            self.unshard(unit)
+            if self.prefetch:
+                previous = self._neighbour(unit, -1)
+                if previous is not None:
+                    self._start_gather(previous)
+
+        torch.autograd.graph.register_multi_grad_hook(tensors, pre_backward, mode="any")
+
+    def _queue_final_callback(self) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+
+    def _make_grad_ready(self, unit: FSDPUnit):
+        def hook(param: torch.Tensor) -> None:
+            self._queue_final_callback()
+            unit.ready += 1
+            if unit.ready == len(unit.trainable):
+                self._reduce(unit)
+        return hook
+
+    def _reduce(self, unit: FSDPUnit) -> None:
+        """Reduce-scatter the unit's gradients into the shards' ``.grad``; free the full ones and the unit."""
+        with_grad = [sp for sp in unit.trainable if sp.unsharded.grad is not None]
+        if with_grad:
+            specs = [sp.spec for sp in with_grad]
+            grads = [sp.unsharded.grad for sp in with_grad]
+            if self.reduce_dtype is not None:
+                grads = [g.to(self.reduce_dtype) for g in grads]
+            local = reduce_scatter_mean(grads, specs, self.process_group)
+            for sp, g in zip(with_grad, local, strict=True):
+                g = g.to(sp.sharded.dtype)  # fp32 gradient shards for the fp32 master shards
+                sp.sharded.grad = g.clone() if sp.sharded.grad is None else sp.sharded.grad.add_(g)
+                sp.unsharded.grad = None
+        unit.reduced = True
+        if len(unit.trainable) == len(unit.params):
+            # Every operation that reads these parameters has run: it produced their gradients. A frozen
+            # parameter may still be read later (for its input's gradient): then wait for the end.
+            self.reshard(unit)
+
+    def _finish_backward(self) -> None:
+        """End of backward: reduce units some of whose parameters got no gradient; free every unit."""
+        self._callback_queued = False
+        for unit in self.units:
+            pending = any(sp.unsharded.grad is not None for sp in unit.trainable)
+            if pending and not unit.reduced:
+                self._reduce(unit)
+            self.reshard(unit)
+            unit.ready, unit.reduced = 0, False
+
+    # -- forward ---------------------------------------------------------------------------------------
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        if self._forward_order:
+            self._last_order = self._forward_order
+        self._forward_order = []
+        root = self._root
+        self.unshard(root)
+        self._use(root, "unsharded")
+        if self.prefetch:
+            following = self._neighbour(root, +1)
+            if following is not None:
+                self._start_gather(following)
+        try:
+            output = self.module(*args, **kwargs)
+        finally:
+            self._use(root, "sharded")
+        if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(output)):
+            self._register_pre_backward(root, output)
+        else:  # no backward will come (evaluation): free everything now
+            for unit in self.units:
+                self.reshard(unit)
+        return output
+
+    # -- utilities -------------------------------------------------------------------------------------
+
+    def sharded_parameters(self) -> list[nn.Parameter]:
+        return [sp.sharded for u in self.units for sp in u.params]
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm (from the shards, one all-reduce); return the norm before."""
+        grads = [p.grad for p in self.sharded_parameters() if p.grad is not None]
+        return clip_sharded_grad_norm_(grads, max_norm, device=self.sharded_parameters()[0].device,
+                                       group=self.process_group, world_size=self.world_size)
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter in full, by its name in the wrapped module, on every rank. Collective."""
+        full: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            if not unit.params:
+                continue
+            specs = [sp.spec for sp in unit.params]
+            outs = [sp.sharded.new_empty(sp.spec.shape) for sp in unit.params]
+            all_gather_into([sp.sharded.detach() for sp in unit.params], specs, outs, self.process_group)
+            for sp, t in zip(unit.params, outs, strict=True):
+                full[id(sp.sharded)] = t
+        return {name: full[id(p)] for name, p in self.module.named_parameters()}
+
+    def gathered_bytes(self) -> StateMemory:
+        """Bytes of *full* tensors this rank holds now: gathered parameters and all-gathers in flight
+        (weights) and full gradients not yet reduce-scattered (grads); the shards are not counted.
+        :func:`refimpl.parallel.zero_planner.zero3_peak_gathered_bytes` bounds its peak over a step."""
+        sps = [sp for u in self.units for sp in u.params]
+        in_flight = [u.pending[1] for u in self.units if u.pending is not None]
+        seen: set = set()
+        weights = storage_bytes([sp.unsharded for sp in sps] + in_flight, exclude=seen)
+        grads = storage_bytes([sp.unsharded.grad for sp in sps], exclude=seen)
+        return StateMemory(weights=weights, grads=grads, optimizer=0)
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> StateMemory:
+        """Bytes this rank holds now in parameters (shards, gathered units and all-gathers in flight),
+        gradients (shards and full gradients not yet reduced) and optimizer state."""
+        sps = [sp for u in self.units for sp in u.params]
+        in_flight = [u.pending[1] for u in self.units if u.pending is not None]  # prefetched all-gathers
+        return state_bytes(
+            self.sharded_parameters(), optimizer,
+            extra_params=[sp.unsharded for sp in sps] + in_flight,
+            extra_grads=[sp.unsharded.grad for sp in sps],
+        )

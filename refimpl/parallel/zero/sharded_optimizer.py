@@ -1,0 +1,260 @@
+"""ZeRO stages 1 and 2: the sharded optimizer (Rajbhandari et al. 2020; chapter 04).
+
+* **stage 1** (:class:`ShardedOptimizer`, ``stage=1``): each rank keeps optimizer state for its shard
+  only. After backward the gradients are *reduce-scattered* (each rank receives the mean of its shard),
+  the rank steps its shard, and the updated shards are *all-gathered* into every rank's full parameters.
+  Reduce-scatter + all-gather move exactly what one all-reduce moves: no extra traffic.
+* **stage 2** (``stage=2``): the same, but each gradient is reduce-scattered as soon as backward produced
+  it (in buckets) and the full gradient is freed: a rank keeps only its shard of the gradients.
+
+Assumption, as for DDP without ``find_unused_parameters``: every rank uses the same parameters in a step
+(collectives are issued in the order gradients arrive, which must be the same everywhere). The same step
+tensor by tensor, without buckets, is :func:`refimpl.parallel.zero.sharded_step.sharded_step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from refimpl.parallel.memory import StateMemory, state_bytes
+from refimpl.parallel.zero.clip_grad import clip_sharded_grad_norm_
+from refimpl.parallel.zero.sharding import ShardSpec, shard_of
+from refimpl.parallel.zero.zero_communications import _world, all_gather_into, reduce_scatter_mean
+
+
+def _buckets(items: Sequence, sizes: Sequence[int], limit: int) -> list[list]:
+    """Consecutive items in buckets of about ``limit`` elements (one oversized item is a bucket alone)."""
+    out: list[list] = []
+    current: list = []
+    filled = 0
+    for item, size in zip(items, sizes, strict=True):
+        if current and filled + size > limit:
+            out.append(current)
+            current, filled = [], 0
+        current.append(item)
+        filled += size
+    if current:
+        out.append(current)
+    return out
+
+
+def _is_sharded_state(value: object, shard: torch.Tensor) -> bool:
+    """An optimizer state entry with one value per element of the shard (a moment), not a scalar."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO stage 1 or 2 around any ``torch.optim`` optimizer (Rajbhandari et al. 2020; chapter 04).
+
+    ``ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)`` behaves like the wrapped
+    optimizer on the full parameters of a data-parallel model, but each rank builds the inner optimizer
+    (``self.optimizer``) over *views of its rows* of every parameter, so it keeps state for ``1/N`` of
+    them. Do not all-reduce the gradients yourself: ``step()`` averages them.
+
+    * ``stage=1``: the full gradients stay where backward put them; ``step()`` reduce-scatters them,
+      steps the shards, all-gathers the updated rows into the parameters.
+    * ``stage=2``: a hook reduce-scatters the gradients during backward, in buckets of about
+      ``bucket_numel`` elements, keeps the rank's shard (the ``.grad`` of the shard views) and frees the
+      full gradient (``param.grad`` is None after backward).
+
+    ``param_groups`` are the full-parameter groups (change ``lr`` there, as with any optimizer; it is
+    copied to the inner optimizer at each step). ``state_dict()`` is the *consolidated* state, the one the
+    wrapped optimizer would have on a single device, and ``load_state_dict`` accepts it at any world size;
+    both are collective calls.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict],
+        optimizer_cls: type[torch.optim.Optimizer],
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        stage: int = 1,
+        bucket_numel: int = 2**20,
+        **optimizer_kwargs: object,
+    ) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"ShardedOptimizer implements ZeRO stages 1 and 2, got stage={stage!r}; "
+                             "stage 3 is FullyShardedDataParallel")
+        self.process_group = process_group
+        self.rank, self.world_size = _world(process_group)
+        self.stage = stage
+        self.bucket_numel = bucket_numel
+        self._specs: dict[torch.Tensor, ShardSpec] = {}
+        self._shards: dict[torch.Tensor, torch.Tensor] = {}
+        self._inner_groups: list[dict] = []
+        self._hooks: list = []
+        self._pending: list[torch.Tensor] = []  # stage 2: gradients ready, not yet reduced
+        self._pending_numel = 0
+        self._callback_queued = False
+        self._grads_reduced = False  # stage 1: the shards' .grad hold this step's mean gradient
+        super().__init__(params, dict(optimizer_kwargs))
+        self.optimizer = optimizer_cls(self._inner_groups, **optimizer_kwargs)
+        self.state = self.optimizer.state  # keyed by the shard views
+        for group, inner in zip(self.param_groups, self.optimizer.param_groups, strict=True):
+            for key, value in inner.items():
+                if key != "params":
+                    group.setdefault(key, value)
+
+    # -- construction ----------------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        shards = []
+        for p in group["params"]:
+            if not p.is_contiguous():
+                raise ValueError("ShardedOptimizer needs contiguous parameters (a shard is a view of rows)")
+            spec = ShardSpec(p.shape, self.rank, self.world_size)
+            self._specs[p] = spec
+            self._shards[p] = shard_of(p.detach(), spec)  # a leaf view: stepping it updates p in place
+            shards.append(self._shards[p])
+            if self.stage == 2 and p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        inner = {k: v for k, v in group.items() if k != "params"} | {"params": shards}
+        if hasattr(self, "optimizer"):
+            self.optimizer.add_param_group(inner)
+        else:
+            self._inner_groups.append(inner)
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def shard(self, param: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``param`` (the tensor the inner optimizer steps)."""
+        return self._shards[param]
+
+    # -- gradients -------------------------------------------------------------------------------------
+
+    def _reduce(self, params: list[torch.Tensor]) -> None:
+        """Reduce-scatter ``params``' gradients; add the mean of this rank's rows to the shards' grads."""
+        for bucket in _buckets(params, [self._specs[p].padded_numel for p in params], self.bucket_numel):
+            specs = [self._specs[p] for p in bucket]
+            local = reduce_scatter_mean([p.grad for p in bucket], specs, self.process_group)
+            for p, g in zip(bucket, local, strict=True):
+                shard = self._shards[p]
+                shard.grad = g.clone() if shard.grad is None else shard.grad.add_(g)
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:  # stage 2, inside backward
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+            self._callback_queued = True
+        self._pending.append(param)
+        self._pending_numel += self._specs[param].padded_numel
+        if self._pending_numel >= self.bucket_numel:
+            self._flush_bucket()
+
+    def _flush_bucket(self) -> None:
+        bucket, self._pending, self._pending_numel = self._pending, [], 0
+        if bucket:
+            self._reduce(bucket)
+            for p in bucket:
+                p.grad = None  # the full gradient is gone: only the shard stays
+
+    def _flush(self) -> None:  # stage 2, at the end of backward
+        self._callback_queued = False
+        self._flush_bucket()
+
+    def reduce_gradients(self) -> None:
+        """Stage 1: reduce-scatter the full gradients into the shards (``step`` calls it if needed)."""
+        if self.stage == 1 and not self._grads_reduced:
+            self._reduce([p for p in self.params if p.grad is not None])
+            self._grads_reduced = True
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so that their global L2 norm is at most ``max_norm``; return the norm.
+
+        The norm of the whole (averaged) gradient from the shards: each rank sums the squares of its
+        rows, one all-reduce adds the sums. Same rule as ``torch.nn.utils.clip_grad_norm_``.
+        """
+        self.reduce_gradients()
+        grads = [s.grad for s in self._shards.values() if s.grad is not None]
+        return clip_sharded_grad_norm_(grads, max_norm, device=self.params[0].device,
+                                       group=self.process_group, world_size=self.world_size)
+
+    # -- the step --------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.reduce_gradients()
+        for group, inner in zip(self.param_groups, self.optimizer.param_groups, strict=True):
+            inner.update({k: v for k, v in group.items() if k != "params"})
+        self.optimizer.step()
+        stepped = [p for p in self.params if self._shards[p].grad is not None]
+        sizes = [self._specs[p].padded_numel for p in stepped]
+        for bucket in _buckets(stepped, sizes, self.bucket_numel):
+            all_gather_into([self._shards[p] for p in bucket], [self._specs[p] for p in bucket],
+                            [p.detach() for p in bucket], self.process_group)
+        if self.stage == 1:
+            for p in stepped:
+                self._shards[p].grad = None  # stage 1 keeps full gradients only; the shard was transient
+        self._grads_reduced = False
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            for t in (p, self._shards[p]):
+                if t.grad is not None:
+                    if set_to_none:
+                        t.grad = None
+                    else:
+                        t.grad.zero_()
+        self._grads_reduced = False
+
+    # -- state dict ------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The consolidated state (the wrapped optimizer's format, full tensors) on every rank. Collective."""
+        state: dict[int, dict] = {}
+        for index, p in enumerate(self.params):
+            shard = self._shards[p]
+            local = self.optimizer.state.get(shard, {})
+            entry = {}
+            for key in sorted(local):
+                value = local[key]
+                if _is_sharded_state(value, shard):
+                    full = value.new_empty(p.shape)
+                    all_gather_into([value], [self._specs[p]], [full], self.process_group)
+                    entry[key] = full
+                else:
+                    entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            if entry:
+                state[index] = entry
+        groups, start = [], 0
+        for g in self.param_groups:
+            groups.append({k: v for k, v in g.items() if k != "params"}
+                          | {"params": list(range(start, start + len(g["params"])))})
+            start += len(g["params"])
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a consolidated state (:meth:`state_dict`, or a plain optimizer's); keep this rank's rows."""
+        params = self.params
+        groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("the state dict's parameter groups do not match this optimizer's")
+        inner_state = {}
+        for index, p in enumerate(params):
+            full = state_dict["state"].get(index)
+            if full is None:
+                continue
+            spec = self._specs[p]
+            inner_state[index] = {
+                k: shard_of(v, spec).clone() if _is_sharded_state(v, p) else v for k, v in full.items()
+            }
+        for group, saved in zip(self.param_groups, groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.optimizer.load_state_dict({"state": inner_state, "param_groups": [dict(g) for g in groups]})
+
+    def state_bytes(self, module: nn.Module | None = None) -> StateMemory:
+        """Parameter, gradient and optimizer-state bytes this rank holds (:mod:`refimpl.parallel.memory`)."""
+        return state_bytes(module if module is not None else self.params, self)

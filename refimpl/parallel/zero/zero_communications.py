@@ -1,0 +1,99 @@
+"""ZeRO's collectives over packed shards: the mean reduce-scatter, the all-gather, stage 0's all-reduce.
+
+One reduce-scatter (:func:`reduce_scatter_mean`) or all-gather (:func:`all_gather_into`) serves many
+tensors at once, packed as :mod:`refimpl.parallel.zero.sharding` describes. Reduce-scatter + all-gather
+move exactly what one all-reduce (:func:`allreduce_gradients`, stage 0) moves (Rajbhandari et al. 2020).
+Gradients are averaged over the ranks (sum, then divide by N), as ``DistributedDataParallel`` does; in
+fp16 the division is split around the sum, as FSDP2 does (:func:`fp16_divide_factors`). Every call goes
+through :mod:`refimpl.comm.ops`, so :class:`refimpl.comm.tracer.CommTracer` sees it (chapter 04).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from refimpl.comm import ops
+from refimpl.parallel.zero.sharding import (
+    ShardSpec,
+    copy_out_all_gather,
+    pack_for_all_gather,
+    pack_for_reduce_scatter,
+    unpack_reduce_scatter,
+)
+
+
+def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """``(rank, world_size)`` in ``group``; ``(0, 1)`` when torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise RuntimeError("a process group was given but torch.distributed is not initialised")
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def fp16_divide_factors(world_size: int) -> tuple[int, int]:
+    """``(pre, post)`` with ``pre * post = N``, ``pre`` the smallest power of two >= ``sqrt(N)``: FSDP2
+    divides fp16 gradients by ``pre`` before the sum and by ``post`` after it, so neither the summands
+    underflow nor the sum overflows fp16's range (``_get_gradient_divide_factors`` in torch)."""
+    pre = 1
+    while world_size % pre == 0 and world_size / pre > pre:
+        pre *= 2
+    return pre, world_size // pre
+
+
+def reduce_scatter_mean(
+    grads: Sequence[torch.Tensor], specs: Sequence[ShardSpec], group: dist.ProcessGroup | None
+) -> list[torch.Tensor]:
+    """Mean over the ranks of this rank's shard of each gradient: one reduce-scatter for all of them.
+
+    The collective runs in the gradients' dtype: sum, then divide by N (exact at N = 2, 4 in fp32 and
+    bf16). In fp16 the division is split around the sum (:func:`fp16_divide_factors`), as FSDP2 does.
+    """
+    n = specs[0].world_size
+    packed = pack_for_reduce_scatter(grads, specs)  # [N, S]
+    reduced = packed.new_empty(packed.shape[1])  # [S]
+    if n > 1:
+        pre, post = fp16_divide_factors(n) if packed.dtype == torch.float16 else (1, n)
+        if pre != 1:
+            packed.div_(pre)
+        ops.reduce_scatter_tensor(reduced, packed.view(-1), group=group)
+        if post != 1:
+            reduced.div_(post)
+    else:
+        reduced.copy_(packed[0])
+    return unpack_reduce_scatter(reduced, specs)
+
+
+def all_gather_into(
+    shards: Sequence[torch.Tensor], specs: Sequence[ShardSpec], fulls: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Write every rank's shards into ``fulls``: one all-gather for all of them."""
+    n = specs[0].world_size
+    packed = pack_for_all_gather(shards, specs)  # [S]
+    gathered = packed.new_empty(n * packed.numel())  # [N * S]
+    if n > 1:
+        ops.all_gather_into_tensor(gathered, packed, group=group)
+    else:
+        gathered.copy_(packed)
+    copy_out_all_gather(gathered, specs, fulls)
+
+
+def allreduce_gradients(
+    params: Iterable[torch.Tensor], process_group: dist.ProcessGroup | None = None
+) -> None:
+    """Stage 0, plain data parallelism: average every ``.grad`` over the ranks with one flat all-reduce."""
+    grads = [p.grad for p in params if p.grad is not None]
+    _, n = _world(process_group)
+    if not grads or n == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])  # [Psi]
+    ops.all_reduce(flat, group=process_group)
+    flat.div_(n)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
