@@ -1,0 +1,7 @@
+"""``python -m refimpl.train``: the trainer's command line (:func:`refimpl.train.cli.main`)."""
+
+import sys
+
+from refimpl.train.cli import main
+
+sys.exit(main())

@@ -1,0 +1,207 @@
+"""The trainer's flags and what they become: :func:`build_parser`, :func:`config_from_args` (a
+:class:`refimpl.config.TrainConfig`) and :func:`options_from_args` (a :class:`RunOptions`: parallelism,
+precision, checkpoints and faults, chapters 03-05 and 09)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from refimpl import elastic
+from refimpl.checkpoint import CheckpointConfig
+from refimpl.config import ConfigError, DataConfig, ModelConfig, OptimConfig, TrainConfig
+from refimpl.distributed import ParallelDims
+from refimpl.precision import PRECISIONS
+
+
+def _steps(text: str) -> tuple[int, ...]:
+    try:
+        return elastic.parse_steps(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m refimpl.train",
+        description="Train the course's byte-level GPT with data parallelism or ZeRO (run under torchrun, "
+        "or pass --nproc-per-node to launch it). Writes metrics.jsonl, loss.png, config.json and "
+        "checkpoints into --out, and resumes from them.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    run = p.add_argument_group("run")
+    run.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    run.add_argument("--batch-size", type=int, default=16, help="global batch in sequences (all ranks)")
+    run.add_argument("--micro-batch-size", type=int, default=None,
+                     help="sequences per rank per forward; fewer than batch/ranks means gradient "
+                     "accumulation")
+    run.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    run.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    run.add_argument("--warmup-steps", type=int, default=10, help="linear warm-up steps")
+    run.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and sampling")
+    run.add_argument("--data", default=None,
+                     help="a text file or a folder of text files (default: Python's standard library source)")
+    run.add_argument("--cache-dir", default=None, help="where prepared token files are kept")
+    run.add_argument("--out", default="runs/default", help="the run folder")
+    run.add_argument("--log-every", type=int, default=10, help="print a line every N steps")
+    run.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
+    run.add_argument("--force", action="store_true",
+                     help="start even when the planner's memory per rank exceeds the machine's memory")
+    run.add_argument("--nproc-per-node", default=None,
+                     help="launch this many ranks with torchrun ('auto' = one per GPU, else 2 CPU ranks)")
+    run.add_argument("--max-restarts", type=int, default=3,
+                     help="with --nproc-per-node: torchrun restarts the ranks this often after a failure")
+    run.add_argument("--demo-fault", action=argparse.BooleanOptionalAction, default=None,
+                     help="with --nproc-per-node: kill the last rank once after the first checkpoint, to "
+                     "demonstrate the restart and the resume (default: only when no other flag is given, "
+                     "as in `make train`)")
+    model = p.add_argument_group("model")
+    model.add_argument("--num-layers", type=int, default=4)
+    model.add_argument("--hidden-size", type=int, default=128)
+    model.add_argument("--num-heads", type=int, default=4, help="attention heads; must divide --hidden-size")
+    model.add_argument("--no-tie-embeddings", action="store_true", help="untie input and output embeddings")
+    par = p.add_argument_group("parallelism and precision")
+    par.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0,
+                     help="0: data parallel; 1/2: sharded optimizer state (and gradients); 3: fully sharded")
+    par.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                     help="compute dtype (autocast over fp32 weights; fp16 adds a dynamic loss scaler)")
+    par.add_argument("--activation-checkpointing", nargs="?", const="all", default=None, metavar="BLOCKS",
+                     help="recompute blocks in backward: all (the default when given), every-N, or 0,2,-1")
+    par.add_argument("--dp", type=int, default=None,
+                     help="data-parallel degree (default: world size / (tp x pp x cp)); dp x cp x tp x pp "
+                     "must be the world size")
+    par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (chapter 06; not built yet)")
+    par.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (chapter 08; not built yet)")
+    par.add_argument("--cp", type=int, default=1, help="context-parallel degree (chapter 07; not built yet)")
+    ck = p.add_argument_group("checkpoints")
+    ck.add_argument("--checkpoint-dir", default=None, help="default: <out>/checkpoints")
+    ck.add_argument("--checkpoint-every", type=int, default=50, help="save every N steps (0: only at the "
+                    "end and on SIGTERM)")
+    ck.add_argument("--checkpoint-minutes", type=float, default=None, help="also save every T minutes")
+    ck.add_argument("--keep-last", type=int, default=3, help="checkpoints kept")
+    ck.add_argument("--sigterm-grace", type=float, default=60.0, metavar="S",
+                    help="after a SIGTERM, wait this long for the step to end and save; then (or at a second "
+                    "SIGTERM) exit at once with status 143, without saving")
+    ck.add_argument("--resume", choices=("auto", "never"), default="auto",
+                    help="auto: continue from the newest valid checkpoint in the folder; never: refuse a "
+                    "folder that holds checkpoints")
+    ck.add_argument("--async-checkpoint", action="store_true",
+                    help="write checkpoints in a background thread (training goes on after the snapshot)")
+    fault = p.add_argument_group("fault injection (teaching and tests); STEPS: one step per attempt, "
+                                 "e.g. 3 (the first attempt only) or 1,2,2 (the first three)")
+    fault.add_argument("--fail-at-step", type=_steps, default=(), metavar="STEPS",
+                       help="--fail-rank kills itself (SIGKILL) in the middle of this step")
+    fault.add_argument("--hang-at-step", type=_steps, default=(), metavar="STEPS",
+                       help="--fail-rank stalls in the middle of this step (the collective timeout ends it)")
+    fault.add_argument("--preempt-at-step", type=_steps, default=(), metavar="STEPS",
+                       help="--fail-rank receives SIGTERM at the start of this step (save and stop)")
+    fault.add_argument("--fail-rank", type=_steps, default=(), metavar="RANKS",
+                       help="the rank that fails, per attempt (default: the last rank)")
+    fault.add_argument("--test-sleep-in-step", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
+    fault.add_argument("--fail-node", action="store_true",
+                       help="--fail-at-step kills this machine's torchrun agent and its rank (a lost node; "
+                       "give it to one agent's command only)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        model=ModelConfig(
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+            num_attention_heads=args.num_heads,
+            max_seq_len=args.seq_len,
+            tie_word_embeddings=not args.no_tie_embeddings,
+        ),
+        data=DataConfig(
+            data=args.data,
+            cache_dir=args.cache_dir,
+            seq_len=args.seq_len,
+            global_batch_size=args.batch_size,
+            micro_batch_size=args.micro_batch_size,
+            seed=args.seed,
+        ),
+        optim=OptimConfig(lr=args.lr, warmup_steps=args.warmup_steps),
+        steps=args.steps,
+        out=args.out,
+        log_every=args.log_every,
+        timeout_s=args.timeout,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """What the trainer does beyond :class:`TrainConfig`: parallelism, precision, checkpoints, faults.
+
+    The defaults (no checkpoint folder, no fault) are those of :func:`train` called from Python.
+    """
+
+    zero_stage: int = 0
+    precision: str = "fp32"
+    activation_checkpointing: str | None = None
+    checkpoint: CheckpointConfig | None = None
+    faults: elastic.FaultPlan = field(default_factory=elastic.FaultPlan)
+    sigterm_grace_s: float | None = 60.0  # SaveSchedule: after a SIGTERM, exit at once past this
+    sleep_in_step_s: float = 0.0  # tests only: each step sleeps this long after its first forward
+    dp: int | None = None  # the layout (refimpl.distributed.ParallelDims); None: world / (tp x pp x cp)
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        ParallelDims(dp=1 if self.dp is None else self.dp, cp=self.cp, tp=self.tp, pp=self.pp)  # degrees >= 1
+        for flag, degree, chapter in (("--tp", self.tp, "06 tensor parallelism"),
+                                      ("--pp", self.pp, "08 pipeline parallelism"),
+                                      ("--cp", self.cp, "07 context parallelism")):
+            if degree > 1:
+                raise ConfigError(f"{flag} {degree}: not built yet (chapter {chapter} builds it); "
+                                  "today the trainer runs --dp only")
+        if self.sigterm_grace_s is not None and not self.sigterm_grace_s >= 0:
+            raise ConfigError(f"--sigterm-grace must be >= 0 seconds, got {self.sigterm_grace_s}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.zero_stage == 3 and self.activation_checkpointing not in (None, "none"):
+            # FullyShardedDataParallel registers the gathered parameters in the modules only around the
+            # unit's forward; the recomputation in backward would run on the shards.
+            raise ConfigError("--activation-checkpointing does not work with --zero-stage 3 yet (the "
+                              "recomputed forward would see the parameter shards); use --zero-stage 1 or 2")
+
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        """The layout of ``world_size`` ranks (checked: the degrees' product is the world size)."""
+        return ParallelDims.from_world(world_size, dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp)
+
+    def to_dict(self) -> dict:
+        return {"zero_stage": self.zero_stage, "precision": self.precision,
+                "activation_checkpointing": self.activation_checkpointing}
+
+
+def options_from_args(args: argparse.Namespace) -> RunOptions:
+    if args.checkpoint_every < 0:
+        raise ConfigError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.activation_checkpointing is not None:
+        from refimpl.activations import parse_block_selection
+
+        try:
+            parse_block_selection(args.activation_checkpointing)
+        except ValueError as exc:
+            raise ConfigError(f"--activation-checkpointing: {exc}") from None
+    checkpoint = CheckpointConfig(
+        folder=args.checkpoint_dir or str(Path(args.out) / "checkpoints"),
+        keep_last=args.keep_last,
+        async_save=args.async_checkpoint,
+        every_steps=args.checkpoint_every or None,
+        every_minutes=args.checkpoint_minutes,
+        resume=args.resume,
+    )
+    faults = elastic.FaultPlan(fail_at_step=args.fail_at_step, hang_at_step=args.hang_at_step,
+                               preempt_at_step=args.preempt_at_step, rank=args.fail_rank, node=args.fail_node)
+    return RunOptions(zero_stage=args.zero_stage, precision=args.precision,
+                      activation_checkpointing=args.activation_checkpointing, checkpoint=checkpoint,
+                      faults=faults, sigterm_grace_s=args.sigterm_grace,
+                      sleep_in_step_s=args.test_sleep_in_step,
+                      dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp)

@@ -1,0 +1,125 @@
+"""The command line: :func:`main` (``python -m refimpl.train``), the self-launch under torchrun with
+``--nproc-per-node`` (:func:`_launch`, with the demonstration fault of the default run), and the report of a
+failed launch (:func:`failure_report`: the failures the ranks recorded, where a rerun resumes; chapter 09).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from refimpl import elastic
+from refimpl.checkpoint import CheckpointError, find_latest_valid
+from refimpl.config import ConfigError, TrainConfig
+from refimpl.data import DataError
+from refimpl.distributed import init_distributed, teardown
+from refimpl.train.args import RunOptions, build_parser, config_from_args, options_from_args
+from refimpl.train.loop import SIGTERM_EXIT, Preempted, train
+from refimpl.train.preflight import check_fits, preflight_memory, preflight_resume
+
+
+def _demo_fault_step(config: TrainConfig, options: RunOptions) -> int:
+    """Half-way between the first and the second checkpoint (or half-way through a short run)."""
+    every = options.checkpoint.every_steps if options.checkpoint else None
+    if every and every + every // 2 < config.steps:
+        return every + every // 2
+    return config.steps // 2
+
+
+def demo_fault_flags(args: argparse.Namespace, rest: list[str], nproc: int) -> list[str]:
+    """The fault flags the self-launch adds for the demonstration (see the module docstring), or []."""
+    config, options = config_from_args(args), options_from_args(args)
+    wanted = args.demo_fault if args.demo_fault is not None else not any(a.startswith("-") for a in rest)
+    if not wanted or options.faults.any or options.checkpoint is None:
+        return []
+    return ["--fail-at-step", str(_demo_fault_step(config, options)), "--fail-rank", str(nproc - 1)]
+
+
+def _launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """Re-run this command under torchrun with ``--nproc-per-node`` ranks (our flag removed)."""
+    n = args.nproc_per_node
+    if n == "auto":
+        n = str(torch.cuda.device_count() or 2)
+    if not n.isdigit() or int(n) < 1:
+        print(f"error: --nproc-per-node must be a positive integer or 'auto', got {n!r}", file=sys.stderr)
+        return 2
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc-per-node":
+            skip = True
+        elif not a.startswith("--nproc-per-node="):
+            rest.append(a)
+    config, options = config_from_args(args), options_from_args(args)
+    dims = options.parallel_dims(int(n))  # a layout that does not fit the ranks is refused before torchrun
+    preflight_memory(config, options, world_size=int(n), ranks_per_node=int(n), force=args.force,
+                     launching=True)
+    check_fits(config, dims.dp)
+    preflight_resume(config, options)
+    demo = demo_fault_flags(args, rest, int(n))
+    if demo:
+        rest += demo
+        print(f"demo: rank {demo[3]} will be killed once in step {demo[1]} to show the elastic restart and "
+              "the resume (--no-demo-fault turns this off)", flush=True)
+    cmd = elastic.torchrun_command(rest, nproc_per_node=int(n), max_restarts=args.max_restarts)
+    print("launching:", " ".join(cmd[1:]), flush=True)
+    started = time.time()
+    code = subprocess.call(cmd, env=elastic.elastic_env())
+    if code != 0:
+        print(failure_report(config, options, code, args.max_restarts, since=started), file=sys.stderr)
+    return code
+
+
+def failure_report(config: TrainConfig, options: RunOptions, code: int, max_restarts: int, *,
+                   since: float = 0.0) -> str:
+    """What a failed launch prints: the failures the ranks recorded, and where a rerun would resume."""
+    lines = [f"error: training failed: torchrun exited with {code} (it restarts the ranks at most "
+             f"--max-restarts {max_restarts} times); failures recorded in "
+             f"{Path(config.out) / elastic.FAILURES}:",
+             elastic.summarize_failures(elastic.read_failures(config.out, since=since))]
+    if options.checkpoint is not None:
+        try:
+            info = find_latest_valid(options.checkpoint.folder)
+        except CheckpointError as exc:
+            info, lines = None, [*lines, f"no usable checkpoint: {exc}"]
+        if info is not None:
+            lines.append(f"newest valid checkpoint: {info.path} (step {info.step}); run the same command "
+                         "again to resume from it")
+        elif len(lines) == 2:
+            lines.append(f"no checkpoint in {options.checkpoint.folder}: a rerun starts at step 0")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)  # an unknown flag: usage + exit 2
+    under_launcher = "RANK" in os.environ
+    try:
+        if args.nproc_per_node is not None and not under_launcher:
+            return _launch(args, argv)
+        config, options = config_from_args(args), options_from_args(args)
+        options.parallel_dims(int(os.environ.get("WORLD_SIZE", "1")))  # refused before init_process_group
+        preflight_memory(config, options, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                         ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), force=args.force,
+                         local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        ctx = init_distributed(timeout_s=config.timeout_s)
+        train(config, ctx, options)
+        # Only after success: after a failure a peer may be gone or stuck, and teardown's barrier would
+        # wait for it a whole --timeout more before the agent learns of the failure. Exiting frees all.
+        teardown()
+    except Preempted as exc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(str(exc), file=sys.stderr)
+        return SIGTERM_EXIT
+    except (ConfigError, DataError, FloatingPointError, CheckpointError) as exc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

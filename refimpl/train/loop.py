@@ -1,0 +1,224 @@
+"""The training loop, :func:`train`: resume from the newest valid checkpoint (chapter 09), run the steps
+(:func:`refimpl.train.step.train_step`), append a record per step to ``metrics.jsonl``, save on the
+schedule and on SIGTERM (then raise :class:`Preempted`), and report at the end (``loss.png``,
+``summary.json``, a text sample).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from refimpl import elastic
+from refimpl.checkpoint import (
+    Checkpointer,
+    SaveSchedule,
+    expected_shapes,
+    load_training_state,
+    save_training_state,
+)
+from refimpl.comm import ops
+from refimpl.config import ConfigError, TrainConfig
+from refimpl.data import DataError, decode, encode
+from refimpl.distributed import DistributedContext, log0, seed_everything
+from refimpl.metrics import Throughput, format_bytes, format_mfu, peak_dtype, peak_memory_bytes, progress
+from refimpl.model import generate
+from refimpl.optim import lr_at, set_lr
+from refimpl.planner import flops_per_token, param_count
+from refimpl.train.args import RunOptions
+from refimpl.train.preflight import check_fits, check_same_run
+from refimpl.train.setup import _sampling_model, build_setup
+from refimpl.train.step import train_step
+
+SIGTERM_EXIT = 143  # 128 + SIGTERM: "stopped, not finished" for schedulers and torchrun
+
+
+class Preempted(Exception):
+    """The run saved its state on SIGTERM and stopped after ``step`` completed steps."""
+
+    def __init__(self, step: int, path: Path | None) -> None:
+        super().__init__(f"stopped on SIGTERM after saving step {step} in {path}; run the same command "
+                         "again to resume")
+        self.step, self.path = step, path
+
+
+def _read_records(path: Path, before: int) -> list[dict]:
+    if not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if r["step"] < before]
+
+
+def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | None = None) -> list[dict]:
+    """Run the optimizer steps of ``config`` (resuming from ``options.checkpoint`` when it holds a valid
+    checkpoint); return the per-step records (also in metrics.jsonl; on rank 0 they include the steps of
+    earlier attempts). Raises :class:`Preempted` after the save that follows a SIGTERM."""
+    options = options or RunOptions()
+    dims = options.parallel_dims(ctx.world_size)  # pp x dp x cp x tp, tp innermost (refimpl.distributed.mesh)
+    coords = dims.coordinates(ctx.rank)
+    batches = check_fits(config, dims.dp)  # the global batch is split over the data-parallel axis
+    seed_everything(config.data.seed, rank=ctx.rank)
+    out = Path(config.out)
+    if ctx.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+
+    setup = build_setup(config, ctx, options)
+    attempt = elastic.restart_count()  # for the report only: the resume decision reads the disk
+    job = elastic.run_id()
+    start, info, checkpointer, schedule = 0, None, None, None
+    if options.checkpoint is not None:
+        folder = options.checkpoint.folder
+        mode = elastic.resume_mode(options.checkpoint.resume, folder, job)
+        checkpointer = Checkpointer(dataclasses.replace(options.checkpoint, resume=mode))
+        info = checkpointer.resume_point(expected=expected_shapes(setup.state_module))
+        if info is not None:
+            check_same_run(info.manifest.get("config"), config, info.path)
+            state = load_training_state(checkpointer, info, model=setup.state_module,
+                                        optimizer=setup.optimizer, scaler=setup.mp.scaler)
+            start = state["step"]
+        for reason in info.skipped if info is not None else ():
+            log0(ctx, f"checkpoint rejected: {reason}")
+        saved_world = info.manifest["world_size"] if info is not None else None
+        log0(ctx, f"attempt {attempt} (TORCHELASTIC_RESTART_COUNT of this agent) | "
+                  + (f"resuming from {info.path} (step {start}, saved at world size {saved_world}"
+                     + (", resharded)" if saved_world != ctx.world_size else ")")
+                     if info is not None else f"no checkpoint in {folder}: starting at step 0"))
+        if start >= config.steps:
+            log0(ctx, f"the run in {folder} is complete (step {start} of {config.steps}): nothing to train; "
+                      "use another --out (or --checkpoint-dir) to train again")
+        schedule = SaveSchedule(options.checkpoint, device=ctx.device, grace_s=options.sigterm_grace_s)
+    if ctx.is_main:
+        (out / "config.json").write_text(json.dumps(config.to_dict() | {"run": options.to_dict()}, indent=1))
+        earlier = _read_records(out / "metrics.jsonl", start) if start else []
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier))
+    else:
+        earlier = []
+
+    accumulation = config.data.accumulation_steps(dims.dp)  # per data-parallel rank (TP ranks share a batch)
+    micro = config.data.per_rank_batch(dims.dp) // accumulation
+    tokens_per_step = config.data.global_batch_size * config.data.seq_len
+    # MFU divides by every device of the run (all of them compute), not by the data-parallel ranks
+    meter = Throughput(tokens_per_step=tokens_per_step, num_devices=dims.world_size, device=ctx.device,
+                       flops_per_token=flops_per_token(config.model, config.data.seq_len),
+                       dtype=peak_dtype(setup.mp.policy.compute_dtype))  # MFU against this dtype's peak
+    log0(ctx, f"model: {param_count(config.model).total:,} parameters | world size {ctx.world_size} on "
+              f"{ctx.device.type} ({ctx.backend}) | ZeRO stage {options.zero_stage} | {options.precision} | "
+              f"global batch {config.data.global_batch_size} x {config.data.seq_len} tokens = {micro} per "
+              f"micro-batch x {accumulation} accumulation x {dims.dp} data-parallel ranks | layout "
+              f"{dims.describe()}")
+
+    heartbeat = elastic.Heartbeat(ctx.rank, ctx.world_size)
+    faults, mp = options.faults, setup.mp
+    fault_args = {"rank": ctx.rank, "world_size": ctx.world_size, "local_rank": ctx.local_rank, "out": out}
+
+    def after_first_forward() -> None:  # in the first micro-batch of `step`, between forward and backward
+        faults.mid_step(step, **fault_args)  # the others go on into the collectives
+        if options.sleep_in_step_s:  # tests: a step too long for a SIGTERM to wait for
+            print(f"[test] step {step} sleeps {options.sleep_in_step_s:g} s", file=sys.stderr, flush=True)
+            time.sleep(options.sleep_in_step_s)
+        heartbeat.beat(step, 1, "backward and gradient reduction")
+
+    def before_optimizer_step() -> None:  # the gradients of `step` are reduced
+        heartbeat.beat(step, 2, "optimizer step")
+
+    records: list[dict] = []
+    begin = time.perf_counter()
+    bar = progress(config.steps, enabled=ctx.is_main, initial=start)
+    step = start
+    try:
+        for step in range(start, config.steps):
+            heartbeat.beat(step, 0, "forward")
+            faults.before_step(step, **fault_args)
+            lr = lr_at(step, config.optim, config.steps)
+            set_lr(setup.optimizer, lr)
+            inputs, labels = batches.batch(step, coords.dp, dims.dp)  # [B/dp, s] each: this dp rank's shard
+            loss_sum = train_step(setup, inputs, labels, accumulation=accumulation, micro=micro,
+                                  device=ctx.device, grad_clip=config.optim.grad_clip,
+                                  after_first_forward=after_first_forward,
+                                  before_optimizer_step=before_optimizer_step)
+
+            if ctx.world_size > 1:
+                # The mean over the dp x cp ranks (equal token counts). While tp = pp = 1 (the only layouts
+                # options allow) WORLD is the dp x cp group; a TP/PP trainer reduces over that group.
+                ops.all_reduce(loss_sum)
+                loss_sum /= dims.dp * dims.cp
+            loss_value = loss_sum.item()
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(f"loss became {loss_value} at step {step}; try a lower --lr")
+            tokens_per_s, mfu = meter.step()
+            record = {"step": step, "loss": loss_value, "lr": lr, "tokens_per_s": tokens_per_s,
+                      "mfu": mfu, "peak_memory_bytes": peak_memory_bytes(ctx.device),
+                      "elapsed_s": time.perf_counter() - begin, "attempt": attempt,
+                      "world_size": ctx.world_size}
+            if mp.scaler is not None:
+                record["loss_scale"] = mp.scale
+            records.append(record)
+            if ctx.is_main:
+                with open(out / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_value:.3f}")
+                if step % config.log_every == 0 or step == config.steps - 1:
+                    bar.write(f"step {step:5d} | loss {loss_value:.4f} | lr {lr:.2e} | "
+                              f"{tokens_per_s:,.0f} tok/s | MFU {format_mfu(mfu)} | "
+                              f"peak mem {format_bytes(record['peak_memory_bytes'])}")
+
+            if schedule is not None:
+                done = step + 1
+                if schedule.due(done) or done == config.steps:  # due() is collective: always call it
+                    heartbeat.beat(step, 3, "checkpoint")
+                    save_training_state(checkpointer, done, model=setup.state_module,
+                                        optimizer=setup.optimizer, scaler=mp.scaler,
+                                        extra={"run_id": job, "attempt": attempt},
+                                        config={"train": config.to_dict(), "run": options.to_dict()})
+                    if schedule.stop_requested:
+                        path = checkpointer.wait()
+                        bar.close()
+                        log0(ctx, f"SIGTERM: saved step {done} in {path}; stopping")
+                        raise Preempted(done, path)
+    except Exception as exc:
+        if ctx.world_size > 1 and not isinstance(exc, (Preempted, ConfigError, DataError)):
+            report = heartbeat.explain()
+            first = (str(exc).splitlines() or [""])[0][:300]
+            print(f"[rank {ctx.rank}] step {step} failed: {type(exc).__name__}: {first}\n  {report}",
+                  file=sys.stderr, flush=True)
+            elastic.record_failure(out, rank=ctx.rank, step=step, kind="error",
+                                   message=f"{type(exc).__name__} ({report.splitlines()[-1].strip()})")
+        raise
+    finally:
+        if schedule is not None:
+            schedule.close()
+    bar.close()
+    if checkpointer is not None:
+        checkpointer.close()  # an asynchronous save commits before the run ends
+
+    sampler = _sampling_model(setup, config, options, ctx)
+    all_records = earlier + records
+    if ctx.is_main and all_records:
+        from refimpl.viz import plot_loss
+
+        title = f"{out.name}: loss over {config.steps} steps"
+        title += f" (resumed at step {start})" if start else ""
+        plot_loss({"train": ([r["step"] for r in all_records], [r["loss"] for r in all_records])},
+                  path=out / "loss.png", title=title)
+        sampler.eval()
+        sample = decode(generate(sampler, encode("def ").to(ctx.device), max_new_tokens=120,
+                                 seed=config.data.seed))
+        (out / "sample.txt").write_text(sample)
+        summary = {"restart_count": attempt, "resumed_from_step": start if info is not None else None,
+                   "resumed_from": str(info.path) if info is not None else None,
+                   "checkpoint_world_size": info.manifest["world_size"] if info is not None else None,
+                   "world_size": ctx.world_size, "steps": config.steps,
+                   "first_loss": all_records[0]["loss"], "final_loss": all_records[-1]["loss"]}
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        restarts = (f"restarts: {attempt} (this agent's TORCHELASTIC_RESTART_COUNT); "
+                    + (f"resumed from step {start} ({info.path}) at world size {ctx.world_size}"
+                       if info is not None else "started from step 0"))
+        log0(ctx, f"done: loss {all_records[0]['loss']:.3f} -> {all_records[-1]['loss']:.3f} in "
+                  f"{time.perf_counter() - begin:.1f} s; {restarts}; wrote {out}/metrics.jsonl, loss.png\n"
+                  f"sample:\n{sample}")
+    return all_records

@@ -1,0 +1,137 @@
+"""What is refused before any process starts: the batch split and the data (:func:`check_fits`), the
+planned memory per rank against the machine's (:func:`preflight_memory`, the planner of chapter 10), and a
+checkpoint folder of another run (:func:`preflight_resume`, chapter 09)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from refimpl.checkpoint import CheckpointError, list_checkpoints
+from refimpl.config import ConfigError, TrainConfig
+from refimpl.data import ShardedBatches, prepare_corpus
+from refimpl.metrics import format_bytes
+from refimpl.train.args import RunOptions
+
+
+def check_fits(config: TrainConfig, world_size: int) -> ShardedBatches:
+    """Everything that can be refused before a process group exists: batch split and data size."""
+    config.data.accumulation_steps(world_size)
+    corpus = prepare_corpus(config.data.data, config.data.cache_dir)
+    return ShardedBatches(corpus.tokens, seq_len=config.data.seq_len,
+                          global_batch_size=config.data.global_batch_size, seed=config.data.seed)
+
+
+MEMORY_ENV = "REFIMPL_MEMORY_BYTES"  # tests: this node's memory in bytes, instead of the measured figure
+
+
+def machine_memory_per_rank(ranks_per_node: int, *, local_rank: int = 0,
+                            launching: bool = False) -> tuple[int, str]:
+    """The bytes one rank may use and where the figure comes from: on a GPU its free memory
+    (``torch.cuda.mem_get_info``; the self-launcher reads the total instead, to create no CUDA context in
+    itself), on a CPU the node's available memory (psutil, else /proc/meminfo) over its ranks."""
+    per = max(ranks_per_node, 1)
+    if os.environ.get(MEMORY_ENV):
+        try:
+            node = int(os.environ[MEMORY_ENV])
+        except ValueError:
+            raise ConfigError(f"{MEMORY_ENV} must be a number of bytes, got "
+                              f"{os.environ[MEMORY_ENV]!r}") from None
+        return node // per, f"{MEMORY_ENV} {format_bytes(node)} / {per} rank(s) on this node"
+    from refimpl.distributed import choose_device
+
+    device, _ = choose_device(local_rank, per)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if launching:
+            return torch.cuda.get_device_properties(device).total_memory, f"the total memory of the {name}"
+        return torch.cuda.mem_get_info(device)[0], f"the free memory of the {name} (torch.cuda.mem_get_info)"
+    try:
+        import psutil
+
+        node = psutil.virtual_memory().available
+    except ImportError:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        node = int(fields["MemAvailable"].split()[0]) * 1024
+    return node // per, f"available memory {format_bytes(node)} / {per} rank(s) on this node"
+
+
+def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: int, ranks_per_node: int,
+                     force: bool = False, local_rank: int = 0, launching: bool = False):
+    """Refuse, before any process starts, a run whose planned bytes per rank exceed the machine's:
+    :func:`refimpl.planner.run_memory_per_rank` (model state by ZeRO stage and precision + one micro-batch's
+    activations) against :func:`machine_memory_per_rank`. ``force``: warn and go on. Returns the estimate."""
+    from refimpl.planner import run_memory_per_rank
+
+    accumulation = config.data.accumulation_steps(world_size)  # a bad split is refused here too
+    micro = config.data.per_rank_batch(world_size) // accumulation
+    n, chosen = config.model.num_layers, []
+    if options.activation_checkpointing is not None:
+        from refimpl.activations import parse_block_selection
+
+        sel = parse_block_selection(options.activation_checkpointing)
+        chosen = (list(range(n)) if sel == "all" else [] if sel == "none" else
+                  [i for i in range(n) if sel(i)] if callable(sel) else [i % n for i in sel if -n <= i < n])
+    need = run_memory_per_rank(config.model, micro_batch=micro, seq_len=config.data.seq_len,
+                               world_size=world_size, zero_stage=options.zero_stage,
+                               precision=options.precision, checkpointed_blocks=chosen)
+    have, source = machine_memory_per_rank(ranks_per_node, local_rank=local_rank, launching=launching)
+    if need.total > have:
+        what = (f"the run needs about {format_bytes(need.total)} per rank (planner: {need.describe()}; "
+                f"micro-batch {micro} x {config.data.seq_len} tokens) but this machine has "
+                f"{format_bytes(have)} per rank ({source})")
+        if not force:
+            raise ConfigError(f"{what}; use a shorter --seq-len, a smaller --micro-batch-size, "
+                              "--activation-checkpointing, a higher --zero-stage or more ranks, or --force")
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"warning: {what}; starting anyway (--force)", file=sys.stderr, flush=True)
+    return need
+
+
+# -- resuming the same run -------------------------------------------------------------------------------
+
+def _run_signature(train_config: dict) -> dict:
+    """The settings a checkpoint must share with the run that resumes it (the arithmetic depends on them);
+    the world size, ZeRO stage, precision and logging may change."""
+    data = train_config.get("data", {})
+    sig = {f"model.{k}": v for k, v in train_config.get("model", {}).items()}
+    sig |= {f"optim.{k}": v for k, v in train_config.get("optim", {}).items()}
+    sig |= {f"data.{k}": data.get(k) for k in ("data", "seq_len", "global_batch_size", "seed")}
+    sig["steps"] = train_config.get("steps")
+    return json.loads(json.dumps(sig))
+
+
+def check_same_run(saved: dict | None, config: TrainConfig, where: object) -> None:
+    """Refuse to resume a checkpoint written with other model/data/optimizer settings or step count."""
+    if not saved or "train" not in saved:
+        return
+    before, now = _run_signature(saved["train"]), _run_signature(config.to_dict())
+    diffs = [f"{k}: {before.get(k)!r} in the checkpoint, {v!r} now" for k, v in now.items()
+             if before.get(k) != v]
+    if diffs:
+        raise ConfigError(f"{where} was written by another run configuration ({'; '.join(diffs)}); resume "
+                          "with the same flags, or use another --out / --checkpoint-dir")
+
+
+def preflight_resume(config: TrainConfig, options: RunOptions) -> None:
+    """Before launching: refuse a folder that ``--resume never`` or the run's settings would refuse."""
+    if options.checkpoint is None:
+        return
+    found = list_checkpoints(options.checkpoint.folder)
+    if not found:
+        return
+    if options.checkpoint.resume == "never":
+        raise CheckpointError(f"{options.checkpoint.folder} already holds checkpoints (newest "
+                              f"{found[0].name}) and --resume never refuses to overwrite them; use "
+                              "--resume auto or another folder")
+    from refimpl.checkpoint import read_manifest
+
+    try:
+        manifest = read_manifest(found[0])
+    except CheckpointError:
+        return  # the ranks will verify, skip it and say why
+    check_same_run(manifest.get("config"), config, found[0])
