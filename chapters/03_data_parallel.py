@@ -32,7 +32,7 @@
 # 4. gradient accumulation has two traps, shown wrong and then right;
 # 5. an all-reduce in bf16 halves the bytes, at a small cost in the loss.
 #
-# The code lives in `refimpl/parallel/data_parallel.py`; the communication goes through
+# The code lives in `refimpl/parallel/data_parallel/`; the communication goes through
 # `refimpl.comm.ops`, so chapter 02's tracer sees every byte.
 
 # %%
