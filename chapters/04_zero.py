@@ -153,15 +153,15 @@ print(f"Ψ = {PSI:,d} parameters in {len(shapes)} tensors; Ψ/2 = {PSI // 2:,d},
 #
 # The code of the stages, in `refimpl/parallel/zero/`:
 #
-# * **Stage 1**, `ShardedOptimizer(params, torch.optim.AdamW, group, stage=1, ...)`: each rank builds the
+# * **Stage 1**, `ShardedOptimizer(params, torch.optim.AdamW, group, zero_stage=1, ...)`: each rank builds the
 #   inner AdamW over *views of its rows* of every parameter, so AdamW allocates its moments for those rows
 #   only. `step()` reduce-scatters the full gradients (the rank receives the mean of its rows), steps the
 #   shards (which updates its rows of the parameters in place), and all-gathers the updated rows into every
 #   rank's parameters.
-# * **Stage 2**, `stage=2`: a `register_post_accumulate_grad_hook` reduce-scatters each gradient as soon
+# * **Stage 2**, `zero_stage=2`: a `register_post_accumulate_grad_hook` reduce-scatters each gradient as soon
 #   as backward produces it (in buckets), keeps the rank's rows as the shard's `.grad` and frees the full
 #   gradient, so after backward a rank holds $1/N$ of the gradients.
-# * **Stage 3**, `FullyShardedDataParallel(model, process_group=group)`: every parameter is replaced by the
+# * **Stage 3**, `FullyShardedDataParallel(model, group=group)`: every parameter is replaced by the
 #   rank's rows; each transformer block is a *unit*. A forward pre-hook all-gathers the unit into full
 #   tensors, a forward hook frees them again (the storage is resized to 0, so the tensors autograd saved
 #   stay the same objects), a hook on the unit's output gathers it again before its backward, and when all
@@ -208,9 +208,9 @@ def train(stage, n=1, group=None, *, micro=1, sync=True, grads_of=None):
     """
     model = GPT(cfg, seed=0).to(device)
     if stage == 3:
-        model = FullyShardedDataParallel(model, process_group=group)
+        model = FullyShardedDataParallel(model, group=group)
     if stage in (1, 2):
-        opt = ShardedOptimizer(param_groups(model, 0.1), torch.optim.AdamW, group, stage=stage, **ADAMW)
+        opt = ShardedOptimizer(param_groups(model, 0.1), torch.optim.AdamW, group, zero_stage=stage, **ADAMW)
     else:
         opt = torch.optim.AdamW(param_groups(model, 0.1), **ADAMW)
     seen = []

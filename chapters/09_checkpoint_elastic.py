@@ -305,7 +305,7 @@ def train_step(model, optimizer, step, r, n, group):
 
 
 model = GPT(cfg, seed=0).to(device)
-optimizer = ShardedOptimizer(param_groups(model, 0.1), torch.optim.AdamW, stage=1, **ADAMW)
+optimizer = ShardedOptimizer(param_groups(model, 0.1), torch.optim.AdamW, zero_stage=1, **ADAMW)
 for step in range(3):
     train_step(model, optimizer, step, rank, 4, None)
 ckpt = Checkpointer(CheckpointConfig(folder=FOLDER))
@@ -318,7 +318,7 @@ weights_at_4 = {k: v.detach().clone() for k, v in model.state_dict().items()}
 info = ckpt.find_latest_valid()  # collective: the ranks share the hashing
 if rank < 2:
     model2 = GPT(cfg, seed=1).to(device)  # other weights: everything must come from the checkpoint
-    optimizer2 = ShardedOptimizer(param_groups(model2, 0.1), torch.optim.AdamW, pair, stage=2, **ADAMW)
+    optimizer2 = ShardedOptimizer(param_groups(model2, 0.1), torch.optim.AdamW, pair, zero_stage=2, **ADAMW)
     state = load_training_state(ckpt, info, model=model2, optimizer=optimizer2)
     loaded = optimizer2.state_dict()  # consolidated over the pair
     same_moments = all(torch.equal(loaded["state"][i][k], saved_optimizer["state"][i][k])

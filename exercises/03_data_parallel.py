@@ -25,12 +25,12 @@ from torch import nn
 from refimpl.comm import ops  # noqa: F401  (you will need it)
 
 
-def sync_gradients_naive(module: nn.Module, process_group: Any = None) -> None:
-    """Average the gradients of ``module`` over the ranks of ``process_group``, in place.
+def sync_gradients_naive(module: nn.Module, group: Any = None) -> None:
+    """Average the gradients of ``module`` over the ranks of ``group``, in place.
 
     * one ``ops.all_reduce`` (a sum) per **trainable** parameter (``requires_grad``), in the order of
       ``module.parameters()``; frozen parameters are left alone;
-    * divide by the world size (``dist.get_world_size(process_group)``) to turn the sum into a mean;
+    * divide by the world size (``dist.get_world_size(group)``) to turn the sum into a mean;
     * a trainable parameter whose ``.grad`` is ``None`` contributes zeros and receives the mean: every rank
       must issue the same collectives, or they wait for each other forever.
     """
@@ -52,7 +52,7 @@ def assign_buckets(numels: Sequence[int], cap_numel: int) -> list[list[int]]:
     raise NotImplementedError("exercise 03.2: assign_buckets")
 
 
-def sync_bucket(tensors: Sequence[torch.Tensor], process_group: Any = None) -> None:
+def sync_bucket(tensors: Sequence[torch.Tensor], group: Any = None) -> None:
     """Average ``tensors`` (one dtype and device) over the ranks with exactly **one** ``ops.all_reduce``.
 
     Flatten them into one buffer (``torch.cat`` of ``t.reshape(-1)``), divide by the world size, all-reduce
@@ -64,7 +64,7 @@ def sync_bucket(tensors: Sequence[torch.Tensor], process_group: Any = None) -> N
 class DataParallelBucket(nn.Module):
     """Data parallelism whose bucket all-reduces overlap backward, with gradient accumulation (tasks 4, 5).
 
-    ``DataParallelBucket(module, bucket_cap_mb=25, process_group=None)``; calling it runs ``module``. The
+    ``DataParallelBucket(module, bucket_cap_mb=25, group=None)``; calling it runs ``module``. The
     grader's models give every trainable parameter a gradient in every backward; frozen ones are ignored.
 
     **Task 4, the buckets.** The trainable gradients, in reverse registration order, are cut every
@@ -87,7 +87,7 @@ class DataParallelBucket(nn.Module):
     reset; a tensor is not final until every use in the graph has contributed to it.
     """
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, process_group: Any = None) -> None:
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, group: Any = None) -> None:
         super().__init__()
         raise NotImplementedError("exercise 03.4: DataParallelBucket")
 

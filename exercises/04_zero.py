@@ -43,7 +43,7 @@ def shard_rows(rows: int, rank: int, world_size: int) -> tuple[int, int]:
 
 def sharded_step(
     params: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
-    process_group: Any = None,
+    group: Any = None,
 ) -> None:
     """One ZeRO-1/2 optimizer step on this rank.
 
@@ -66,7 +66,7 @@ def sharded_step(
 
 
 def unshard_(
-    fulls: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], process_group: Any = None
+    fulls: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], group: Any = None
 ) -> None:
     """ZeRO-3, before a unit runs: fill the full parameters ``fulls`` from every rank's ``shards``.
 
@@ -95,7 +95,7 @@ def reshard_(fulls: Sequence[torch.Tensor]) -> None:
 
 def install_unit_hooks(
     units: Sequence[nn.Module], fulls: Sequence[Sequence[torch.Tensor]],
-    shards: Sequence[Sequence[torch.Tensor]], process_group: Any = None, *, prefetch: bool = False,
+    shards: Sequence[Sequence[torch.Tensor]], group: Any = None, *, prefetch: bool = False,
 ) -> list:
     """ZeRO-3 over a chain of units: install hooks (module and autograd hooks) that gather and free them.
 

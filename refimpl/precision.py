@@ -280,8 +280,8 @@ def fp32_accumulating_comm_hook(
     additions; the all-to-all overlaps backward, the rest runs when the bucket is waited on.
     """
 
-    def hook(buffer: torch.Tensor, process_group: Any) -> PendingLowPrecisionReduce:
-        return start_low_precision_all_reduce_(buffer, comm_dtype=comm_dtype, group=process_group,
+    def hook(buffer: torch.Tensor, group: Any) -> PendingLowPrecisionReduce:
+        return start_low_precision_all_reduce_(buffer, comm_dtype=comm_dtype, group=group,
                                                average=False)
 
     hook.__name__ = hook.__qualname__ = f"fp32_accumulating_comm_hook({_NAMES[comm_dtype]})"

@@ -106,7 +106,7 @@ def _names_of(model: torch.nn.Module, params: list) -> list[str]:
 def _zero_optimizer(model: torch.nn.Module, stage: int):
     from refimpl.parallel.zero import ShardedOptimizer
 
-    return ShardedOptimizer(param_groups(model, OPTIM.weight_decay), torch.optim.AdamW, stage=stage,
+    return ShardedOptimizer(param_groups(model, OPTIM.weight_decay), torch.optim.AdamW, zero_stage=stage,
                             lr=OPTIM.lr, betas=(OPTIM.beta1, OPTIM.beta2), eps=OPTIM.eps, foreach=False)
 
 
@@ -171,7 +171,7 @@ def _save_at_4(ctx, folder: str) -> dict:
     # ZeRO-1 at 4 ranks: two steps, then the training state as it is held (1/4 of the moments per rank).
     seed_everything(0, rank=ctx.rank)
     model = _tiny_gpt()
-    optimizer = _zero_optimizer(model, stage=1)
+    optimizer = _zero_optimizer(model, zero_stage=1)
     _train(model, optimizer, ctx, 0, 2)
     zero_ck = Checkpointer(CheckpointConfig(folder=os.path.join(folder, "zero1")))
     save_training_state(zero_ck, 2, model=model, optimizer=optimizer)
@@ -225,7 +225,7 @@ def _load(ctx, folder: str, zero_ref: dict, plain_ref: dict | None) -> dict:
             assert torch.equal(shard.tensor.reshape(-1), flat), entry
             checked += shard.numel if key == "exp_avg" else 0
     model = _tiny_gpt(seed=8)
-    zero2 = _zero_optimizer(model, stage=2)
+    zero2 = _zero_optimizer(model, zero_stage=2)
     load_training_state(zero_ck, zinfo, model=model, optimizer=zero2)
     consolidated = _by_name(model, zero2.state_dict())
     for pname, ref_state in zero_ref["optimizer"].items():

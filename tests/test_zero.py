@@ -141,11 +141,11 @@ def _setup(kind: str, model: nn.Module, group=None, *, stage_bucket: int = 300):
         ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True, process_group=group)
         return ddp, torch.optim.AdamW(param_groups(model, 0.1), **kw)
     if kind in ("zero1", "zero2"):
-        opt = ShardedOptimizer(param_groups(model, 0.1), torch.optim.AdamW, group, stage=int(kind[-1]),
+        opt = ShardedOptimizer(param_groups(model, 0.1), torch.optim.AdamW, group, zero_stage=int(kind[-1]),
                                bucket_numel=stage_bucket, **kw)
         return model, opt
     if kind in ("zero3", "zero3_prefetch"):
-        fsdp = FullyShardedDataParallel(model, process_group=group, prefetch=kind.endswith("prefetch"))
+        fsdp = FullyShardedDataParallel(model, group=group, prefetch=kind.endswith("prefetch"))
         return fsdp, torch.optim.AdamW(param_groups(fsdp, 0.1), **kw)
     if kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -322,7 +322,7 @@ def _roundtrip(rank: int, world: int, single_opt: torch.optim.Optimizer) -> dict
                 for k, v in reference["state"][i].items())
         for i in reference["state"])
     twin = _copy(model)
-    twin_opt = ShardedOptimizer(param_groups(twin, 0.1), torch.optim.AdamW, stage=1, **_adamw())
+    twin_opt = ShardedOptimizer(param_groups(twin, 0.1), torch.optim.AdamW, zero_stage=1, **_adamw())
     twin_opt.load_state_dict(sd)
     restored = twin_opt.state_dict()
     exact_restore = all(torch.equal(torch.as_tensor(restored["state"][i][k]), torch.as_tensor(v))
@@ -344,7 +344,7 @@ def _load_at_other_world_size(rank: int, world: int) -> dict:
     if rank >= 2:
         return {}
     twin = _copy(model)
-    twin_opt = ShardedOptimizer(param_groups(twin, 0.1), torch.optim.AdamW, pair, stage=2, **_adamw())
+    twin_opt = ShardedOptimizer(param_groups(twin, 0.1), torch.optim.AdamW, pair, zero_stage=2, **_adamw())
     twin_opt.load_state_dict(sd)
     again = twin_opt.state_dict()
     return {"exact": all(torch.equal(torch.as_tensor(again["state"][i][k]), torch.as_tensor(v))
@@ -481,7 +481,7 @@ def test_one_process_without_a_process_group_equals_plain_adamw():
 
 def test_sharded_optimizer_rejects_stage_3():
     with pytest.raises(ValueError, match="FullyShardedDataParallel"):
-        ShardedOptimizer(GPT(CFG).parameters(), torch.optim.AdamW, stage=3)
+        ShardedOptimizer(GPT(CFG).parameters(), torch.optim.AdamW, zero_stage=3)
 
 
 # ---------------------------------------------------------------------------------------- two ranks

@@ -267,12 +267,12 @@ _HEADER = (
 )
 MUTANTS = {
     "sync_gradients_naive": _HEADER + (
-        "def sync_gradients_naive(module, process_group=None):\n"
+        "def sync_gradients_naive(module, group=None):\n"
         "    for p in module.parameters():\n"
         "        if p.requires_grad:\n"
         "            if p.grad is None:\n"
         "                p.grad = torch.zeros_like(p)\n"
-        "            ops.all_reduce(p.grad, group=process_group)  # a sum: forgets to divide by the world\n"
+        "            ops.all_reduce(p.grad, group=group)  # a sum: forgets to divide by the world\n"
     ),
     "assign_buckets": _HEADER + (
         "def assign_buckets(numels, cap_numel):\n"
@@ -288,8 +288,8 @@ MUTANTS = {
         "    work.wait()  # right values, but it waits inside the gradient hook: backward stalls\n"
         "    return PendingReduce(work)\n"
         "class DataParallelBucket(_Ours):\n"
-        "    def __init__(self, module, bucket_cap_mb=25, process_group=None):\n"
-        "        super().__init__(module, bucket_cap_mb, process_group, comm_hook=_blocking)\n"
+        "    def __init__(self, module, bucket_cap_mb=25, group=None):\n"
+        "        super().__init__(module, bucket_cap_mb, group, comm_hook=_blocking)\n"
     ),
     "no_sync": _HEADER + (
         "from refimpl.parallel.data_parallel import DataParallelBucket as _Ours\n"
@@ -302,9 +302,9 @@ MUTANTS = {
         "            super()._grad_ready(index, param)\n"
     ),
     "sync_bucket": _HEADER + (
-        "def sync_bucket(tensors, process_group=None):\n"
+        "def sync_bucket(tensors, group=None):\n"
         "    for t in tensors:  # right values, but one all-reduce per tensor\n"
-        "        t.div_(dist.get_world_size(process_group))\n"
-        "        ops.all_reduce(t, group=process_group)\n"
+        "        t.div_(dist.get_world_size(group))\n"
+        "        ops.all_reduce(t, group=group)\n"
     ),
 }

@@ -280,8 +280,8 @@ from refimpl.comm import ops
 from refimpl.parallel.zero import ShardSpec, all_gather_into, pack_for_reduce_scatter, unpack_reduce_scatter
 
 
-def sharded_step(params, shards, optimizer, process_group=None):
-    rank, n = dist.get_rank(process_group), dist.get_world_size(process_group)
+def sharded_step(params, shards, optimizer, group=None):
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
     stepped = []
     for p, shard in zip(params, shards):
         if p.grad is None:
@@ -289,13 +289,13 @@ def sharded_step(params, shards, optimizer, process_group=None):
         spec = ShardSpec(p.shape, rank, n)
         packed = pack_for_reduce_scatter([p.grad], [spec])
         out = packed.new_empty(packed.shape[1])
-        ops.reduce_scatter_tensor(out, packed.view(-1), group=process_group)  # the sum: never divided by n
+        ops.reduce_scatter_tensor(out, packed.view(-1), group=group)  # the sum: never divided by n
         shard.grad = unpack_reduce_scatter(out, [spec])[0].clone()
         stepped.append((p, shard, spec))
     optimizer.step()
     with torch.no_grad():
         for p, shard, spec in stepped:
-            all_gather_into([shard], [spec], [p.detach()], process_group)
+            all_gather_into([shard], [spec], [p.detach()], group)
             shard.grad = None
 ''',
     "04.3 unshard_ and reshard_ around a unit (2 ranks)": '''
@@ -306,25 +306,25 @@ from exercises.reference.ch04 import *  # noqa: F403
 from refimpl.parallel.zero import ShardSpec, all_gather_into
 
 
-def unshard_(fulls, shards, process_group=None):
-    rank, n = dist.get_rank(process_group), dist.get_world_size(process_group)
+def unshard_(fulls, shards, group=None):
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
     for f in fulls:
         f.untyped_storage().resize_(f.numel() * f.element_size())
     with torch.no_grad():  # writes into the parameter itself: its version counter moves
         specs = [ShardSpec(f.shape, rank, n) for f in fulls]
-        all_gather_into(list(shards), specs, list(fulls), process_group)
+        all_gather_into(list(shards), specs, list(fulls), group)
 ''',
     "04.4 ZeRO-3 schedule: gather and free around forward and backward": '''
 from exercises.reference.ch04 import *  # noqa: F403
 from exercises.reference.ch04 import reshard_, unshard_
 
 
-def install_unit_hooks(units, fulls, shards, process_group=None, *, prefetch=False):
+def install_unit_hooks(units, fulls, shards, group=None, *, prefetch=False):
     gathered, ready, handles = [False] * len(units), [0] * len(units), []
 
     def gather(u):
         if 0 <= u < len(units) and not gathered[u]:
-            unshard_(fulls[u], shards[u], process_group)
+            unshard_(fulls[u], shards[u], group)
             gathered[u] = True
 
     def free(u):
@@ -369,7 +369,7 @@ from exercises.reference.ch04 import *  # noqa: F403
 from refimpl.parallel.zero import install_unit_hooks as _gather_when_needed
 
 
-def install_unit_hooks(units, fulls, shards, process_group=None, *, prefetch=False):
-    return _gather_when_needed(units, fulls, shards, process_group)  # the prefetch flag is ignored
+def install_unit_hooks(units, fulls, shards, group=None, *, prefetch=False):
+    return _gather_when_needed(units, fulls, shards, group)  # the prefetch flag is ignored
 ''',
 }

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from refimpl.distributed.placement import chunk_range
 from refimpl.planner import StateMemory
 
 ADAM_MIXED_PRECISION_K = 12  # fp32 master weights + momentum + variance, bytes per parameter (the paper's K)
@@ -63,16 +64,12 @@ def zero_memory_paper(
 
 
 def shard_rows(dim0: int, rank: int, world_size: int) -> tuple[int, int]:
-    """Rows ``[start, end)`` of a tensor's dim 0 that ``rank`` owns: chunks of ``ceil(dim0 / N)`` rows.
-
-    The last ranks get fewer rows, possibly none (9 rows over 4 ranks: 3, 3, 3, 0), as ``torch.chunk`` and
-    FSDP2 split. A 0-d tensor counts as one row.
-    """
+    """Rows ``[start, end)`` of a tensor's dim 0 that ``rank`` owns: the runtime's own rule,
+    :func:`refimpl.distributed.placement.chunk_range` (chunks of ``ceil(dim0 / N)`` rows, the last ranks
+    fewer or none: 9 rows over 4 ranks are 3, 3, 3, 0, as ``torch.chunk`` and FSDP2 split)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside a world of size {world_size}")
-    chunk = -(-dim0 // world_size)
-    start = min(rank * chunk, dim0)
-    return start, min(start + chunk, dim0)
+    return chunk_range(dim0, rank, world_size)
 
 
 def _rows_and_row_numel(shape: Shape) -> tuple[int, int]:

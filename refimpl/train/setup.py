@@ -49,7 +49,7 @@ def build_setup(config: TrainConfig, ctx: DistributedContext, options: RunOption
 
     if stage in (1, 2):  # every rank built the same weights from the seed: no broadcast needed
         o = config.optim
-        optimizer = ShardedOptimizer(param_groups(model, o.weight_decay), torch.optim.AdamW, stage=stage,
+        optimizer = ShardedOptimizer(param_groups(model, o.weight_decay), torch.optim.AdamW, zero_stage=stage,
                                      lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
         # stage 1 checks the full local gradients (reduced in step), stage 2 the shards it kept
         grads = optimizer.params if stage == 1 else [optimizer.shard(p) for p in optimizer.params]

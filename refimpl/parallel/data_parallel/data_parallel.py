@@ -37,7 +37,7 @@ __all__ = ["DataParallelBucket"]
 class DataParallelBucket(nn.Module):
     """Bucketed, overlapped data parallelism in the manner of PyTorch DDP (Li et al. 2020; chapter 03).
 
-    ``DataParallelBucket(module, bucket_cap_mb=25, process_group=None)``. At construction the ranks check
+    ``DataParallelBucket(module, bucket_cap_mb=25, group=None)``. At construction the ranks check
     that they wrap the same trainable parameters and rank 0's parameters and buffers are broadcast. The
     trainable parameters (``module.parameters()``, so a tied weight appears once) are laid out in reverse
     registration order in flat gradient buffers (one per dtype/device), cut every ``bucket_cap_mb``
@@ -86,7 +86,7 @@ class DataParallelBucket(nn.Module):
         self,
         module: nn.Module,
         bucket_cap_mb: float = 25,
-        process_group: Any = None,
+        group: Any = None,
         *,
         average_gradients: bool = True,
         find_unused_parameters: bool = False,
@@ -96,8 +96,8 @@ class DataParallelBucket(nn.Module):
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self.module = module
-        self.process_group = process_group
-        self.world_size = _group_size(process_group)
+        self.group = group
+        self.world_size = _group_size(group)
         self.average_gradients = average_gradients
         self.find_unused_parameters = find_unused_parameters
         self.comm_hook: CommHook = comm_hook or allreduce_hook
@@ -107,8 +107,8 @@ class DataParallelBucket(nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        _check_same_parameters(self._params, self._names, process_group)
-        broadcast_module(module, process_group)
+        _check_same_parameters(self._params, self._names, group)
+        broadcast_module(module, group)
         self._buckets = self._build_buckets()
         self._param_buckets: list[list[int]] = [[] for _ in self._params]
         for b, bucket in enumerate(self._buckets):
@@ -180,7 +180,7 @@ class DataParallelBucket(nn.Module):
         if self.find_unused_parameters:
             device = self._params[0].device if self._params else torch.device("cpu")
             flags = torch.tensor(self._used, dtype=torch.int32, device=device)
-            ops.all_reduce(flags, group=self.process_group)  # after the buckets: the same order everywhere
+            ops.all_reduce(flags, group=self.group)  # after the buckets: the same order everywhere
             used = [bool(v) for v in flags.tolist()]
         with torch.no_grad():
             for b, bucket in enumerate(self._buckets):
@@ -282,7 +282,7 @@ class DataParallelBucket(nn.Module):
         timeline = self.timeline
         assert timeline is not None
         timeline.launch[b] = now()
-        bucket.pending = self.comm_hook(bucket.buffer, self.process_group)
+        bucket.pending = self.comm_hook(bucket.buffer, self.group)
         self._next = b + 1
         with contextlib.suppress(AttributeError, RuntimeError):  # a Work without a future: no stamp
 

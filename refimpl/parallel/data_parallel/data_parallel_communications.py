@@ -44,14 +44,14 @@ def _global_rank_of_first(group: Any) -> int:
 
 
 @torch.no_grad()
-def broadcast_module(module: nn.Module, process_group: Any = None) -> None:
-    """Copy the first rank's parameters and buffers to every rank of ``process_group`` (all replicas equal).
+def broadcast_module(module: nn.Module, group: Any = None) -> None:
+    """Copy the first rank's parameters and buffers to every rank of ``group`` (all replicas equal).
 
     Frozen parameters are copied too: the replicas must be identical, not only their trainable part.
     """
-    src = _global_rank_of_first(process_group)
+    src = _global_rank_of_first(group)
     for t in [*module.parameters(), *module.buffers()]:
-        ops.broadcast(t.data, src=src, group=process_group)
+        ops.broadcast(t.data, src=src, group=group)
 
 
 def _check_same_parameters(params: Sequence[nn.Parameter], names: Sequence[str], group: Any) -> None:
@@ -69,7 +69,7 @@ def _check_same_parameters(params: Sequence[nn.Parameter], names: Sequence[str],
 
 
 @torch.no_grad()
-def sync_bucket(tensors: Sequence[torch.Tensor], process_group: Any = None, *, average: bool = True) -> None:
+def sync_bucket(tensors: Sequence[torch.Tensor], group: Any = None, *, average: bool = True) -> None:
     """Average (or sum) ``tensors`` over the ranks with **one** all-reduce: flatten, reduce, copy back.
 
     The step from the naive sync to buckets: one collective of ``sum(sizes)`` elements instead of one per
@@ -79,8 +79,8 @@ def sync_bucket(tensors: Sequence[torch.Tensor], process_group: Any = None, *, a
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     if average:
-        flat.div_(_group_size(process_group))
-    ops.all_reduce(flat, group=process_group)
+        flat.div_(_group_size(group))
+    ops.all_reduce(flat, group=group)
     offset = 0
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -102,14 +102,14 @@ class PendingReduce:
 
 
 CommHook = Callable[[torch.Tensor, Any], PendingReduce]
-"""``hook(buffer, process_group) -> PendingReduce``: launch the *sum* over ranks of a bucket's buffer
+"""``hook(buffer, group) -> PendingReduce``: launch the *sum* over ranks of a bucket's buffer
 (already divided by the world size when averaging), asynchronously; the result must end up in ``buffer``.
 The counterpart of DDP's ``register_comm_hook``."""
 
 
-def allreduce_hook(buffer: torch.Tensor, process_group: Any) -> PendingReduce:
+def allreduce_hook(buffer: torch.Tensor, group: Any) -> PendingReduce:
     """The default: an async sum all-reduce of the bucket in its own dtype."""
-    return PendingReduce(ops.all_reduce(buffer, group=process_group, async_op=True))
+    return PendingReduce(ops.all_reduce(buffer, group=group, async_op=True))
 
 
 def low_precision_hook(dtype: torch.dtype = torch.bfloat16) -> CommHook:
@@ -125,9 +125,9 @@ def low_precision_hook(dtype: torch.dtype = torch.bfloat16) -> CommHook:
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"low_precision_hook takes torch.float16 or torch.bfloat16, got {dtype}")
 
-    def hook(buffer: torch.Tensor, process_group: Any) -> PendingReduce:
+    def hook(buffer: torch.Tensor, group: Any) -> PendingReduce:
         wire = buffer.to(dtype)
-        work = ops.all_reduce(wire, group=process_group, async_op=True)
+        work = ops.all_reduce(wire, group=group, async_op=True)
         return PendingReduce(work, functools.partial(buffer.copy_, wire))
 
     hook.__name__ = hook.__qualname__ = f"low_precision_hook({str(dtype).removeprefix('torch.')})"

@@ -20,13 +20,13 @@ __all__ = ["DataParallelNaive", "sync_gradients_naive"]
 
 
 @torch.no_grad()
-def sync_gradients_naive(module: nn.Module, process_group: Any = None, *, average: bool = True) -> None:
+def sync_gradients_naive(module: nn.Module, group: Any = None, *, average: bool = True) -> None:
     """One blocking all-reduce per trainable parameter: ``.grad`` becomes the mean (or sum) over ranks.
 
     A parameter without a gradient contributes zeros (and gets one): every rank must issue the same
     collectives in the same order, whatever its own backward used.
     """
-    world = _group_size(process_group)
+    world = _group_size(group)
     for p in module.parameters():
         if not p.requires_grad:
             continue
@@ -34,7 +34,7 @@ def sync_gradients_naive(module: nn.Module, process_group: Any = None, *, averag
             p.grad = torch.zeros_like(p)
         if average:
             p.grad.div_(world)
-        ops.all_reduce(p.grad, group=process_group)
+        ops.all_reduce(p.grad, group=group)
 
 
 class DataParallelNaive(nn.Module):
@@ -47,18 +47,18 @@ class DataParallelNaive(nn.Module):
     has ended, and a model of ``P`` tensors pays ``P`` collective latencies per step.
     """
 
-    def __init__(self, module: nn.Module, process_group: Any = None, *, average_gradients: bool = True):
+    def __init__(self, module: nn.Module, group: Any = None, *, average_gradients: bool = True):
         super().__init__()
         self.module = module
-        self.process_group = process_group
+        self.group = group
         self.average_gradients = average_gradients
-        self.world_size = _group_size(process_group)
-        broadcast_module(module, process_group)
+        self.world_size = _group_size(group)
+        broadcast_module(module, group)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     def finish_gradient_synchronization(self) -> None:
         """After ``loss.backward()``: each gradient becomes the rank mean (:func:`sync_gradients_naive`)."""
-        sync_gradients_naive(self.module, self.process_group, average=self.average_gradients)
+        sync_gradients_naive(self.module, self.group, average=self.average_gradients)
 

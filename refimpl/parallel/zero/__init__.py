@@ -6,11 +6,11 @@ fully sharded module follows FSDP (Zhao et al. 2023) and its second version, ``f
 Data parallelism keeps a full copy of the parameters, the gradients and the optimizer state on every rank.
 ZeRO removes the copies one kind at a time, without changing the arithmetic:
 
-* **stage 1** (:class:`ShardedOptimizer`, ``stage=1``): each rank keeps optimizer state for its shard
+* **stage 1** (:class:`ShardedOptimizer`, ``zero_stage=1``): each rank keeps optimizer state for its shard
   only. After backward the gradients are *reduce-scattered* (each rank receives the mean of its shard),
   the rank steps its shard, and the updated shards are *all-gathered* into every rank's full parameters.
   Reduce-scatter + all-gather move exactly what one all-reduce moves: no extra traffic.
-* **stage 2** (``stage=2``): the same, but each gradient is reduce-scattered as soon as backward produced
+* **stage 2** (``zero_stage=2``): the same, but each gradient is reduce-scattered as soon as backward produced
   it (in buckets) and the full gradient is freed: a rank keeps only its shard of the gradients.
 * **stage 3** (:class:`FullyShardedDataParallel`): parameters are sharded too. The module is cut into
   *units* (a transformer block each, the rest in the root unit); a unit is all-gathered just before its

@@ -61,7 +61,7 @@ class FullyShardedDataParallel(nn.Module):
         self,
         module: nn.Module,
         *,
-        process_group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | None = None,
         unit_types: tuple[type[nn.Module], ...] | None = None,
         prefetch: bool = False,
         reshard_after_forward: bool = True,
@@ -73,8 +73,8 @@ class FullyShardedDataParallel(nn.Module):
 
             unit_types = (TransformerBlock,)
         self.module = module
-        self.process_group = process_group
-        self.rank, self.world_size = _world(process_group)
+        self.group = group
+        self.rank, self.world_size = _world(group)
         # FSDP2's MixedPrecisionPolicy: gather and compute in param_dtype, reduce in reduce_dtype
         self.param_dtype = None if mp_policy is None else mp_policy.param_dtype
         self.reduce_dtype = None if mp_policy is None else mp_policy.reduce_dtype
@@ -144,7 +144,7 @@ class FullyShardedDataParallel(nn.Module):
         gathered = packed.new_empty(self.world_size * packed.numel())  # [N * S]
         work = None
         if self.world_size > 1:
-            work = ops.all_gather_into_tensor(gathered, packed, group=self.process_group, async_op=True)
+            work = ops.all_gather_into_tensor(gathered, packed, group=self.group, async_op=True)
         else:
             gathered.copy_(packed)
         unit.pending = (work, gathered)
@@ -252,7 +252,7 @@ class FullyShardedDataParallel(nn.Module):
             grads = [sp.unsharded.grad for sp in with_grad]
             if self.reduce_dtype is not None:
                 grads = [g.to(self.reduce_dtype) for g in grads]
-            local = reduce_scatter_mean(grads, specs, self.process_group)
+            local = reduce_scatter_mean(grads, specs, self.group)
             for sp, g in zip(with_grad, local, strict=True):
                 g = g.to(sp.sharded.dtype)  # fp32 gradient shards for the fp32 master shards
                 sp.sharded.grad = g.clone() if sp.sharded.grad is None else sp.sharded.grad.add_(g)
@@ -306,7 +306,7 @@ class FullyShardedDataParallel(nn.Module):
         """Clip the global gradient norm (from the shards, one all-reduce); return the norm before."""
         grads = [p.grad for p in self.sharded_parameters() if p.grad is not None]
         return clip_sharded_grad_norm_(grads, max_norm, device=self.sharded_parameters()[0].device,
-                                       group=self.process_group, world_size=self.world_size)
+                                       group=self.group, world_size=self.world_size)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -317,7 +317,7 @@ class FullyShardedDataParallel(nn.Module):
                 continue
             specs = [sp.spec for sp in unit.params]
             outs = [sp.sharded.new_empty(sp.spec.shape) for sp in unit.params]
-            all_gather_into([sp.sharded.detach() for sp in unit.params], specs, outs, self.process_group)
+            all_gather_into([sp.sharded.detach() for sp in unit.params], specs, outs, self.group)
             for sp, t in zip(unit.params, outs, strict=True):
                 full[id(sp.sharded)] = t
         return {name: full[id(p)] for name, p in self.module.named_parameters()}

@@ -1,10 +1,10 @@
 """ZeRO stages 1 and 2: the sharded optimizer (Rajbhandari et al. 2020; chapter 04).
 
-* **stage 1** (:class:`ShardedOptimizer`, ``stage=1``): each rank keeps optimizer state for its shard
+* **stage 1** (:class:`ShardedOptimizer`, ``zero_stage=1``): each rank keeps optimizer state for its shard
   only. After backward the gradients are *reduce-scattered* (each rank receives the mean of its shard),
   the rank steps its shard, and the updated shards are *all-gathered* into every rank's full parameters.
   Reduce-scatter + all-gather move exactly what one all-reduce moves: no extra traffic.
-* **stage 2** (``stage=2``): the same, but each gradient is reduce-scattered as soon as backward produced
+* **stage 2** (``zero_stage=2``): the same, but each gradient is reduce-scattered as soon as backward produced
   it (in buckets) and the full gradient is freed: a rank keeps only its shard of the gradients.
 
 Assumption, as for DDP without ``find_unused_parameters``: every rank uses the same parameters in a step
@@ -55,9 +55,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     (``self.optimizer``) over *views of its rows* of every parameter, so it keeps state for ``1/N`` of
     them. Do not all-reduce the gradients yourself: ``step()`` averages them.
 
-    * ``stage=1``: the full gradients stay where backward put them; ``step()`` reduce-scatters them,
+    * ``zero_stage=1``: the full gradients stay where backward put them; ``step()`` reduce-scatters them,
       steps the shards, all-gathers the updated rows into the parameters.
-    * ``stage=2``: a hook reduce-scatters the gradients during backward, in buckets of about
+    * ``zero_stage=2``: a hook reduce-scatters the gradients during backward, in buckets of about
       ``bucket_numel`` elements, keeps the rank's shard (the ``.grad`` of the shard views) and frees the
       full gradient (``param.grad`` is None after backward).
 
@@ -71,18 +71,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self,
         params: Iterable[torch.Tensor] | Iterable[dict],
         optimizer_cls: type[torch.optim.Optimizer],
-        process_group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | None = None,
         *,
-        stage: int = 1,
+        zero_stage: int = 1,
         bucket_numel: int = 2**20,
         **optimizer_kwargs: object,
     ) -> None:
-        if stage not in (1, 2):
-            raise ValueError(f"ShardedOptimizer implements ZeRO stages 1 and 2, got stage={stage!r}; "
+        if zero_stage not in (1, 2):
+            raise ValueError(f"ShardedOptimizer is ZeRO stages 1 and 2, got zero_stage={zero_stage!r}; "
                              "stage 3 is FullyShardedDataParallel")
-        self.process_group = process_group
-        self.rank, self.world_size = _world(process_group)
-        self.stage = stage
+        self.group = group
+        self.rank, self.world_size = _world(group)
+        self.zero_stage = zero_stage
         self.bucket_numel = bucket_numel
         self._specs: dict[torch.Tensor, ShardSpec] = {}
         self._shards: dict[torch.Tensor, torch.Tensor] = {}
@@ -113,7 +113,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._specs[p] = spec
             self._shards[p] = shard_of(p.detach(), spec)  # a leaf view: stepping it updates p in place
             shards.append(self._shards[p])
-            if self.stage == 2 and p.requires_grad:
+            if self.zero_stage == 2 and p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         inner = {k: v for k, v in group.items() if k != "params"} | {"params": shards}
         if hasattr(self, "optimizer"):
@@ -135,7 +135,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Reduce-scatter ``params``' gradients; add the mean of this rank's rows to the shards' grads."""
         for bucket in _buckets(params, [self._specs[p].padded_numel for p in params], self.bucket_numel):
             specs = [self._specs[p] for p in bucket]
-            local = reduce_scatter_mean([p.grad for p in bucket], specs, self.process_group)
+            local = reduce_scatter_mean([p.grad for p in bucket], specs, self.group)
             for p, g in zip(bucket, local, strict=True):
                 shard = self._shards[p]
                 shard.grad = g.clone() if shard.grad is None else shard.grad.add_(g)
@@ -162,7 +162,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def reduce_gradients(self) -> None:
         """Stage 1: reduce-scatter the full gradients into the shards (``step`` calls it if needed)."""
-        if self.stage == 1 and not self._grads_reduced:
+        if self.zero_stage == 1 and not self._grads_reduced:
             self._reduce([p for p in self.params if p.grad is not None])
             self._grads_reduced = True
 
@@ -175,7 +175,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.reduce_gradients()
         grads = [s.grad for s in self._shards.values() if s.grad is not None]
         return clip_sharded_grad_norm_(grads, max_norm, device=self.params[0].device,
-                                       group=self.process_group, world_size=self.world_size)
+                                       group=self.group, world_size=self.world_size)
 
     # -- the step --------------------------------------------------------------------------------------
 
@@ -193,8 +193,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         sizes = [self._specs[p].padded_numel for p in stepped]
         for bucket in _buckets(stepped, sizes, self.bucket_numel):
             all_gather_into([self._shards[p] for p in bucket], [self._specs[p] for p in bucket],
-                            [p.detach() for p in bucket], self.process_group)
-        if self.stage == 1:
+                            [p.detach() for p in bucket], self.group)
+        if self.zero_stage == 1:
             for p in stepped:
                 self._shards[p].grad = None  # stage 1 keeps full gradients only; the shard was transient
         self._grads_reduced = False
@@ -223,7 +223,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 value = local[key]
                 if _is_sharded_state(value, shard):
                     full = value.new_empty(p.shape)
-                    all_gather_into([value], [self._specs[p]], [full], self.process_group)
+                    all_gather_into([value], [self._specs[p]], [full], self.group)
                     entry[key] = full
                 else:
                     entry[key] = value.clone() if isinstance(value, torch.Tensor) else value

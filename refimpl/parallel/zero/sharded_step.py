@@ -17,7 +17,7 @@ from refimpl.parallel.zero.zero_communications import _world, all_gather_into, r
 
 def sharded_step(
     params: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
-    process_group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> None:
     """One ZeRO step, tensor by tensor: the lesson that :class:`ShardedOptimizer` does in buckets.
 
@@ -26,16 +26,16 @@ def sharded_step(
     mean over ranks of its rows. The optimizer steps the shards, and each parameter's rows are all-gathered
     back into the full parameter on every rank. Parameters without a gradient are skipped.
     """
-    rank, n = _world(process_group)
+    rank, n = _world(group)
     stepped = []
     for p, shard in zip(params, shards, strict=True):
         if p.grad is None:
             continue
         spec = ShardSpec(p.shape, rank, n)
-        shard.grad = reduce_scatter_mean([p.grad], [spec], process_group)[0].clone()
+        shard.grad = reduce_scatter_mean([p.grad], [spec], group)[0].clone()
         stepped.append((p, shard, spec))
     optimizer.step()
     with torch.no_grad():
         for p, shard, spec in stepped:
-            all_gather_into([shard], [spec], [p.detach()], process_group)
+            all_gather_into([shard], [spec], [p.detach()], group)
             shard.grad = None

@@ -2,7 +2,7 @@
 
 Every parameter is split along dim 0 into chunks of ``ceil(rows / N)`` rows, rank ``r`` owning chunk ``r``
 (FSDP2's ``Shard(0)``; the last ranks may own fewer rows or none): :class:`ShardSpec`, with the row
-ranges of :func:`refimpl.parallel.zero_planner.shard_rows`, the same rule the planner counts bytes with.
+ranges of :func:`refimpl.distributed.placement.chunk_range`, the rule the planner counts bytes with too.
 
 A collective over several tensors packs them side by side: the input of a reduce-scatter is an ``[N, S]``
 matrix whose row ``r`` holds chunk ``r`` of every tensor, each padded to ``ceil(rows / N)`` rows, so one
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from refimpl.parallel.zero_planner import shard_rows
+from refimpl.distributed.placement import Box, chunk_range
 
 
 @dataclass(frozen=True)
@@ -51,11 +51,11 @@ class ShardSpec:
 
     @property
     def start(self) -> int:
-        return shard_rows(self.rows, self.rank, self.world_size)[0]
+        return chunk_range(self.rows, self.rank, self.world_size)[0]
 
     @property
     def end(self) -> int:
-        return shard_rows(self.rows, self.rank, self.world_size)[1]
+        return chunk_range(self.rows, self.rank, self.world_size)[1]
 
     @property
     def local_shape(self) -> torch.Size:
@@ -69,8 +69,13 @@ class ShardSpec:
     def padded_numel(self) -> int:
         return self.chunk * self.row_numel
 
+    @property
+    def box(self) -> Box:
+        """This rank's rows as a :class:`~refimpl.distributed.placement.Box` of the full tensor."""
+        return Box.full(self.shape).narrow(0, self.start, self.end - self.start)
+
     def rows_of(self, rank: int) -> tuple[int, int]:
-        return shard_rows(self.rows, rank, self.world_size)
+        return chunk_range(self.rows, rank, self.world_size)
 
 
 def shard_of(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:

@@ -20,7 +20,7 @@ from refimpl.parallel.zero.zero_communications import _world, all_gather_into
 
 def unshard_(
     fulls: Sequence[torch.Tensor], shards: Sequence[torch.Tensor],
-    process_group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> None:
     """ZeRO-3 before a unit runs: give the full tensors ``fulls`` (storage freed) every rank's rows again.
 
@@ -28,11 +28,11 @@ def unshard_(
     through ``.data``, which leaves the version counter alone: tensors that autograd saved in the forward
     pass (the parameter, or views of it such as ``weight.t()``) see the new values and stay valid.
     """
-    rank, n = _world(process_group)
+    rank, n = _world(group)
     for f in fulls:
         _alloc(f)
     specs = [ShardSpec(f.shape, rank, n) for f in fulls]
-    all_gather_into([s.detach() for s in shards], specs, [f.data for f in fulls], process_group)
+    all_gather_into([s.detach() for s in shards], specs, [f.data for f in fulls], group)
 
 
 def reshard_(fulls: Sequence[torch.Tensor]) -> None:
@@ -43,7 +43,7 @@ def reshard_(fulls: Sequence[torch.Tensor]) -> None:
 
 def install_unit_hooks(
     units: Sequence[nn.Module], fulls: Sequence[Sequence[torch.Tensor]],
-    shards: Sequence[Sequence[torch.Tensor]], process_group: dist.ProcessGroup | None = None, *,
+    shards: Sequence[Sequence[torch.Tensor]], group: dist.ProcessGroup | None = None, *,
     prefetch: bool = False,
 ) -> list:
     """ZeRO-3's schedule around units that run one after the other: the lesson behind
@@ -67,7 +67,7 @@ def install_unit_hooks(
 
     def gather(u: int) -> None:
         if 0 <= u < len(units) and not gathered[u]:
-            unshard_(fulls[u], shards[u], process_group)
+            unshard_(fulls[u], shards[u], group)
             gathered[u] = True
 
     def free(u: int) -> None:

@@ -83,15 +83,15 @@ def all_gather_into(
 
 
 def allreduce_gradients(
-    params: Iterable[torch.Tensor], process_group: dist.ProcessGroup | None = None
+    params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None
 ) -> None:
     """Stage 0, plain data parallelism: average every ``.grad`` over the ranks with one flat all-reduce."""
     grads = [p.grad for p in params if p.grad is not None]
-    _, n = _world(process_group)
+    _, n = _world(group)
     if not grads or n == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])  # [Psi]
-    ops.all_reduce(flat, group=process_group)
+    ops.all_reduce(flat, group=group)
     flat.div_(n)
     offset = 0
     for g in grads:
