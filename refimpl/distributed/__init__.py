@@ -4,6 +4,8 @@
   teardown (chapter 00).
 - :mod:`refimpl.distributed.mesh`: :class:`ParallelDims`, the ``pp x dp x cp x tp`` layout of the ranks and
   one process group per axis (chapter 10, used from chapter 06 on).
+- :mod:`refimpl.distributed.placement`: :class:`Box` and :class:`LocalShard`, the one shard descriptor (an
+  N-D box of a global tensor) that ZeRO, tensor parallelism and the checkpoint share; :func:`chunk_range`.
 
 ``from refimpl.distributed import init_distributed`` keeps working: env's public names are re-exported here.
 """
@@ -18,12 +20,16 @@ from refimpl.distributed.env import (
     teardown,
 )
 from refimpl.distributed.mesh import ParallelDims
+from refimpl.distributed.placement import Box, LocalShard, chunk_range
 
 __all__ = [
+    "Box",
     "DistributedContext",
+    "LocalShard",
     "ParallelDims",
     "all_reduce_mean",
     "choose_device",
+    "chunk_range",
     "init_distributed",
     "log0",
     "seed_everything",
