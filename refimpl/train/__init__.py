@@ -38,8 +38,10 @@ ranks than the data can feed, a checkpoint folder of another run) stops with one
 status 2, before any process starts.
 
 The package, one concept a file, imports one way: ``args`` (flags, :class:`RunOptions`) -> ``preflight``
-(refusals before any process starts) -> ``setup`` (model, wrapper, optimizer, precision) -> ``step`` (one
-optimizer step) -> ``loop`` (:func:`train`) -> ``cli`` (:func:`main`, the self-launch, the failure report).
+(refusals before any process starts) -> ``setup`` (the model through
+:func:`refimpl.parallel.parallelize.parallelize` on the layout's groups, then the optimizer) -> ``step``
+(one optimizer step) -> ``loop`` (:func:`train`: builds the groups once) -> ``cli`` (:func:`main`, the
+self-launch, the failure report).
 """
 
 from refimpl.train.args import RunOptions, build_parser, config_from_args, options_from_args

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from refimpl import elastic
 from refimpl.checkpoint import (
     Checkpointer,
@@ -66,7 +68,10 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
 
-    setup = build_setup(config, ctx, options)
+    # the process groups of the layout, built once here (collective) and passed down: no global
+    groups = (dims.build(rank=ctx.rank, world_size=ctx.world_size) if torch.distributed.is_initialized()
+              else None)
+    setup = build_setup(config, ctx, options, groups)
     attempt = elastic.restart_count()  # for the report only: the resume decision reads the disk
     job = elastic.run_id()
     start, info, checkpointer, schedule = 0, None, None, None
@@ -100,7 +105,9 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
 
     accumulation = config.data.accumulation_steps(dims.dp)  # per data-parallel rank (TP ranks share a batch)
     micro = config.data.per_rank_batch(dims.dp) // accumulation
-    tokens_per_step = config.data.global_batch_size * config.data.seq_len
+    # dp ranks x accumulation x micro sequences of seq_len tokens (under cp each of the cp ranks holds
+    # seq_len / cp of them): the global batch x seq_len; the tp (and pp) ranks of a replica share them
+    tokens_per_step = dims.dp * accumulation * micro * config.data.seq_len
     # MFU divides by every device of the run (all of them compute), not by the data-parallel ranks
     meter = Throughput(tokens_per_step=tokens_per_step, num_devices=dims.world_size, device=ctx.device,
                        flops_per_token=flops_per_token(config.model, config.data.seq_len),
@@ -141,10 +148,10 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
                                   after_first_forward=after_first_forward,
                                   before_optimizer_step=before_optimizer_step)
 
-            if ctx.world_size > 1:
-                # The mean over the dp x cp ranks (equal token counts). While tp = pp = 1 (the only layouts
-                # options allow) WORLD is the dp x cp group; a TP/PP trainer reduces over that group.
-                ops.all_reduce(loss_sum)
+            if setup.group is not None and dims.dp * dims.cp > 1:
+                # The mean over the dp x cp ranks (equal token counts), the group the gradients were
+                # averaged over; the ranks of one tp group hold the same loss already.
+                ops.all_reduce(loss_sum, group=setup.group)
                 loss_sum /= dims.dp * dims.cp
             loss_value = loss_sum.item()
             if not math.isfinite(loss_value):

@@ -1,4 +1,5 @@
-"""A run's pieces: the model, its data-parallel or ZeRO wrapper (chapters 03-04), the optimizer and the
+"""A run's pieces, built through :func:`refimpl.parallel.parallelize.parallelize` (chapter 10): the model,
+its data-parallel or ZeRO wrapper on the ``dp x cp`` group (chapters 03-04), the optimizer and the
 mixed-precision policy (chapter 05), as :func:`build_setup` puts them together."""
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ import torch
 
 from refimpl.config import TrainConfig
 from refimpl.distributed import DistributedContext
+from refimpl.distributed.mesh import ParallelGroups
 from refimpl.model import GPT
-from refimpl.optim import build_optimizer, param_groups
 from refimpl.parallel.data_parallel import DataParallelBucket
-from refimpl.precision import MixedPrecision, MixedPrecisionPolicy
+from refimpl.parallel.parallelize import ParallelizeOptions, parallelize
+from refimpl.precision import MixedPrecision
 from refimpl.train.args import RunOptions
 
 
@@ -26,40 +28,25 @@ class _Setup:
     dp: DataParallelBucket | None = None
     grad_params: list = field(default_factory=list)
     clip_fn: object = None
+    group: torch.distributed.ProcessGroup | None = None  # dp x cp: gradients and the loss are averaged here
 
 
-def build_setup(config: TrainConfig, ctx: DistributedContext, options: RunOptions) -> _Setup:
-    """Model, data-parallel or ZeRO wrapper, optimizer and mixed-precision policy of a run."""
+def build_setup(config: TrainConfig, ctx: DistributedContext, options: RunOptions,
+                groups: ParallelGroups | None = None) -> _Setup:
+    """Model, data-parallel or ZeRO wrapper, optimizer and mixed-precision policy of a run, over the groups
+    of ``options``' layout (``groups``: from ``dims.build``, built once by the trainer; None: built here, a
+    collective, when a process group exists, else a one-process run)."""
+    dims = options.parallel_dims(ctx.world_size)
+    if groups is None and torch.distributed.is_initialized():
+        groups = dims.build(rank=ctx.rank, world_size=ctx.world_size)
     model = GPT(config.model, seed=config.data.seed).to(ctx.device)
-    if options.activation_checkpointing is not None:
-        from refimpl.activations import apply_activation_checkpointing, parse_block_selection
-
-        apply_activation_checkpointing(model, parse_block_selection(options.activation_checkpointing))
-    # ZeRO-3 in 16 bits as FSDP2: 16-bit gathered weights, fp32 master shards, gradients reduced in fp32
-    fsdp_mp = options.zero_stage == 3 and options.precision != "fp32"
-    mp = MixedPrecision(MixedPrecisionPolicy.from_name(options.precision, master_weights=fsdp_mp), model,
-                        device=ctx.device, wrapper_keeps_master=fsdp_mp)
-    clip = config.optim.grad_clip
-    stage = options.zero_stage
-    if stage == 0:
-        dp = DataParallelBucket(model) if ctx.world_size > 1 else None  # broadcasts rank 0's weights
-        return _Setup(model=model, forward=dp or model, state_module=model, mp=mp, dp=dp,
-                      optimizer=build_optimizer(model, config.optim), grad_params=list(model.parameters()))
-    from refimpl.parallel.zero import FullyShardedDataParallel, ShardedOptimizer
-
-    if stage in (1, 2):  # every rank built the same weights from the seed: no broadcast needed
-        o = config.optim
-        optimizer = ShardedOptimizer(param_groups(model, o.weight_decay), torch.optim.AdamW, zero_stage=stage,
-                                     lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
-        # stage 1 checks the full local gradients (reduced in step), stage 2 the shards it kept
-        grads = optimizer.params if stage == 1 else [optimizer.shard(p) for p in optimizer.params]
-        return _Setup(model=model, forward=model, state_module=model, mp=mp, optimizer=optimizer,
-                      grad_params=list(grads),
-                      clip_fn=None if clip is None else (lambda _: optimizer.clip_grad_norm_(clip)))
-    fsdp = FullyShardedDataParallel(model, mp_policy=mp.policy if fsdp_mp else None)
-    return _Setup(model=model, forward=fsdp, state_module=fsdp, mp=mp,
-                  optimizer=build_optimizer(fsdp, config.optim), grad_params=fsdp.sharded_parameters(),
-                  clip_fn=None if clip is None else (lambda _: fsdp.clip_grad_norm_(clip)))
+    par = parallelize(model, groups if groups is not None else dims,
+                      ParallelizeOptions(zero_stage=options.zero_stage, precision=options.precision,
+                                         activation_checkpointing=options.activation_checkpointing))
+    opt = par.build_optimizer(config.optim)
+    return _Setup(model=par.model, forward=par.forward, state_module=par.state_module, mp=par.mp,
+                  optimizer=opt.optimizer, dp=par.sync, grad_params=opt.grad_params, clip_fn=opt.clip_fn,
+                  group=par.group)
 
 
 def _sampling_model(setup: _Setup, config: TrainConfig, options: RunOptions,
