@@ -4,7 +4,7 @@ On 4 ranks (``dp = 4``, the groups built once by ``ParallelDims.build``) every Z
 wrapper, the group that wrapper reduces over (the very ``groups.group("dp", "cp")`` object, whose ranks are
 ``groups.ranks("dp", "cp")``) and the precision policy it was handed; activation checkpointing is applied to
 the blocks inside the wrapper. Layouts with ``tp``, ``cp`` or ``pp`` above 1 are refused, naming the chapter,
-before the model is touched.
+before the model is touched. The trainer's ``build_setup`` wraps on the groups it is handed.
 
 The gradients after a ZeRO-0 backward are the same bits on every rank of the group and the mean of the
 ranks' own gradients within ``FACTOR x`` the spread of that mean over every order of summation (measured in
@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from refimpl.config import ModelConfig, OptimConfig
+from refimpl.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 from refimpl.distributed import ParallelDims
 from refimpl.launch import run_ranks
 from refimpl.model import GPT, lm_loss
@@ -131,6 +131,15 @@ def _worker(ctx) -> dict:
         result["dims_only"] = None
     except ValueError as exc:
         result["dims_only"] = str(exc)
+    # the trainer's setup goes through parallelize on the groups it is given
+    from refimpl.train import RunOptions, build_setup
+
+    config = TrainConfig(model=CONFIG, data=DataConfig(seq_len=16, global_batch_size=4))
+    result["setup"] = {}
+    for stage in (0, 1, 3):
+        setup = build_setup(config, ctx, RunOptions(zero_stage=stage), groups)
+        holder = setup.dp if stage == 0 else setup.optimizer if stage == 1 else setup.state_module
+        result["setup"][stage] = (type(holder).__name__, holder.group is dp_cp and setup.group is dp_cp)
     return result
 
 
@@ -156,6 +165,13 @@ def test_each_zero_stage_wraps_the_model_on_the_dp_cp_group(ranks):
             case = c[name]
             assert (case["forward"], case["state_module"], case["sync"], case["optimizer"]) == (
                 "FullyShardedDataParallel", "FullyShardedDataParallel", None, "AdamW"), case
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_the_trainer_setup_wraps_on_the_groups_it_is_given(ranks):
+    for r in ranks:
+        assert r["setup"] == {0: ("DataParallelBucket", True), 1: ("ShardedOptimizer", True),
+                              3: ("FullyShardedDataParallel", True)}, r["setup"]
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
