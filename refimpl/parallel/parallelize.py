@@ -18,7 +18,8 @@ is built tensor- and pipeline-parallel first, then wrapped in its ``DistributedD
    and the data-parallel wrapper apply to each stage's own blocks and parameters.
 4. **activation checkpointing** (chapter 05; Chen et al. 2016): wraps the (now parallel) blocks so that
    backward recomputes them, including their collectives. Before 6, because the data-parallel/ZeRO wrapper
-   must hook the parameters of the final, wrapped blocks (torchtitan: "AC wrapping before FSDP").
+   must hook the parameters of the final, wrapped blocks (torchtitan's comment: compile "after AC wrapping
+   and before FSDP").
 5. **mixed precision** (chapter 05; Micikevicius et al. 2018): the policy (compute, parameter and reduce
    dtypes, the fp16 loss scaler) is chosen on the finished model, and handed to 6: under ZeRO-3 the wrapper
    itself casts its fp32 shards to ``param_dtype`` before the all-gather (FSDP2's ``mp_policy``), so the
