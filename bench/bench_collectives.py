@@ -13,7 +13,7 @@ and naive / torch, and the bytes the busiest rank sends in the ring and rank 0 i
 **measured** by a :class:`~refimpl.comm.tracer.CommTracer` (the tensors handed to ``isend``/``send`` in one
 extra traced call) and checked against the formulas (2(n-1)/n S when n divides the length, (n-1) S).
 What ``dist.all_reduce`` sends is not measured (the tracer could only book the ring model). Then, per
-world size, the alpha-beta model (``refimpl.comm.cost_model``) fitted to a ping-pong between ranks 0 and
+world size, the alpha-beta model (``refimpl.planner.time_model``) fitted to a ping-pong between ranks 0 and
 1, with its R² (how much of the measured times the fit explains; a low R² means the fitted alpha and beta
 describe nothing). On CPU, compare ratios only; absolute times depend on the machine and its load.
 """
@@ -39,9 +39,9 @@ def _human(nbytes: float) -> str:
 def _worker(ctx, sizes: list[int], repeats: int, warmup: int) -> tuple[list[dict], object]:
     import torch.distributed as dist
 
-    from refimpl.comm.cost_model import measure_p2p
     from refimpl.comm.ring import naive_all_reduce, ring_all_reduce
     from refimpl.comm.tracer import CommTracer
+    from refimpl.measure import measure_p2p
 
     impls = {"ring": ring_all_reduce, "torch": lambda t: dist.all_reduce(t), "naive": naive_all_reduce}
     rows = []
@@ -73,15 +73,15 @@ def _worker(ctx, sizes: list[int], repeats: int, warmup: int) -> tuple[list[dict
 
 
 def run(ranks: list[int], sizes: list[int], repeats: int, warmup: int) -> str:
-    from refimpl.comm.ring import ring_bytes_sent
     from refimpl.launch import run_ranks
+    from refimpl.planner import ring_bytes_sent
 
     lines = [
         "| ranks | message | dist.all_reduce | ring (ours) | naive via rank 0 | ring / torch | "
         "naive / torch | ring: bytes sent by the busiest rank (measured) | naive: by rank 0 (measured) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    from refimpl.comm.cost_model import fit_alpha_beta
+    from refimpl.planner import fit_alpha_beta
 
     fits = []
     for world in ranks:

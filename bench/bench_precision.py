@@ -5,9 +5,9 @@
 One process, the course's default GPT (4 layers, hidden 128), on the GPU when there is one, else the CPU.
 
 1. **Activation checkpointing.** The same model trained with no block, every other block and every block
-   checkpointed (``refimpl.activations.apply_activation_checkpointing``), fp32. Per variant: the median
+   checkpointed (``refimpl.parallel.activation_checkpoint``), fp32. Per variant: the median
    time of a training step (forward, backward, AdamW), the bytes saved for backward per block measured
-   with ``SavedTensorMeter`` next to ``refimpl.activation_planner``'s formula, and the whole model's
+   with ``SavedTensorMeter`` next to ``refimpl.planner.activation_bytes``, and the whole model's
    saved bytes.
 2. **fp16 steps.** A step under fp16 autocast with our ``MixedPrecision`` (``DynamicLossScaler``: scale,
    unscale, overflow check, clip, step, update) against the same step with ``torch.amp.GradScaler``; fp32
@@ -31,11 +31,12 @@ from collections.abc import Callable
 
 import torch
 
-from refimpl.activation_planner import activation_bytes
-from refimpl.activations import apply_activation_checkpointing, measure_saved_activations
 from refimpl.config import ModelConfig, OptimConfig
+from refimpl.measure import measure_saved_activations
 from refimpl.model import GPT, lm_loss
 from refimpl.optim import build_optimizer
+from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing
+from refimpl.planner import activation_bytes
 from refimpl.precision import MixedPrecision
 
 KiB = 1024

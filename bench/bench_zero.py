@@ -9,7 +9,7 @@ same shards of the same batches.
 
 1. **Peak bytes per rank** of parameters + gradients + optimizer state, over one whole training step
    (forward, backward, optimizer), sampled after every tensor operation by
-   :class:`refimpl.parallel.memory.PeakStateBytes`. Counted from the tensors, each storage once:
+   :class:`refimpl.measure.PeakStateBytes`. Counted from the tensors, each storage once:
    parameters = shards + gathered full parameters + all-gather outputs in flight (a prefetch), gradients
    = shards + full gradients not yet reduced, and the optimizer state. Reduce-scatter buffers and
    activations are left out on both sides. For FSDP2 the tensors are read from its ``FSDPParam`` objects
@@ -37,7 +37,7 @@ def fsdp2_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
     """What FSDP2 holds now in parameters, gradients and optimizer state (see the module docstring)."""
     from torch.distributed.fsdp import FSDPModule
 
-    from refimpl.parallel.memory import state_bytes
+    from refimpl.measure import state_bytes
 
     params, grads = [], []
     for module in model.modules():
@@ -63,9 +63,9 @@ def _worker(ctx, steps: int, warmup: int, micro_batch: int, seq_len: int) -> dic
     from torch.distributed.fsdp import fully_shard
 
     from refimpl.config import ModelConfig
+    from refimpl.measure import PeakStateBytes
     from refimpl.model import GPT, lm_loss
     from refimpl.optim import param_groups
-    from refimpl.parallel.memory import PeakStateBytes
     from refimpl.parallel.zero import FullyShardedDataParallel
 
     cfg = ModelConfig(max_seq_len=seq_len)

@@ -42,7 +42,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from refimpl.config import ModelConfig, OptimConfig
 from refimpl.data import ShardedBatches, decode, encode, prepare_corpus
-from refimpl.metrics import device_peak_flops, format_bytes, format_mfu, peak_dtype
+from refimpl.measure import device_peak_flops, format_bytes, format_mfu, peak_dtype
 from refimpl.model import GPT, generate, lm_loss
 from refimpl.optim import build_optimizer, lr_at, set_lr
 from refimpl.planner import flops_per_token, num_param_tensors, param_count, state_memory

@@ -35,15 +35,16 @@
 # bandwidth on this machine, fits the **alpha-beta** cost model that later chapters use to reason about
 # time, and reports with $R^2$ how much of the measured times the model explains.
 #
-# Everything here lives in `refimpl.comm`: `ops` (the traced calls), `tracer`, `ring`, `cost_model`,
-# `pictures`.
+# Everything here lives in `refimpl.comm`: `ops` (the traced calls), `tracer`, `ring`, `pictures`; the timing
+# in `refimpl.measure.collective_timing`, the alpha-beta model in `refimpl.planner.time_model`.
 
 # %%
 import torch
 
-from refimpl.comm.cost_model import fit_alpha_beta, plot_alpha_beta
 from refimpl.comm.pictures import plot_timeline, plot_who_holds_what
 from refimpl.launch import start_ranks
+from refimpl.planner import fit_alpha_beta
+from refimpl.viz import plot_alpha_beta
 
 WORLD_SIZE = 4
 ranks = start_ranks(WORLD_SIZE, timeout_s=60)
@@ -60,7 +61,7 @@ ranks
 
 # %%
 # %%px
-from refimpl.comm import CommTracer, cost_model, ops
+from refimpl.comm import CommTracer, ops
 from refimpl.comm.ring import (
     chunk_sizes,
     naive_all_reduce,
@@ -413,11 +414,13 @@ fig = plot_timeline(events, ops=["isend", "irecv"], title="ring all-reduce of 16
 
 # %%
 # %%px
-p2p = cost_model.measure_p2p(repeats=9, warmup=2, device=device)
-torch_ar = cost_model.measure_collective(ops.all_reduce, name="dist.all_reduce", repeats=5, warmup=2,
-                                         device=device)
-ring_ar = cost_model.measure_collective(ring_all_reduce, name="ring_all_reduce", repeats=5, warmup=2,
-                                        device=device)
+from refimpl.measure import collective_timing
+
+p2p = collective_timing.measure_p2p(repeats=9, warmup=2, device=device)
+torch_ar = collective_timing.measure_collective(ops.all_reduce, name="dist.all_reduce", repeats=5, warmup=2,
+                                                device=device)
+ring_ar = collective_timing.measure_collective(ring_all_reduce, name="ring_all_reduce", repeats=5, warmup=2,
+                                               device=device)
 
 # %%
 p2p, torch_ar, ring_ar = ranks.run(lambda: (p2p, torch_ar, ring_ar))[0]

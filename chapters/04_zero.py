@@ -54,13 +54,13 @@ from IPython.display import display
 from refimpl.config import ModelConfig
 from refimpl.launch import start_ranks
 from refimpl.model import GPT
-from refimpl.parallel.zero_planner import shard_rows, sharded_numel, zero_memory_paper
+from refimpl.planner import shard_rows, sharded_numel, zero_memory_paper
 from refimpl.viz import plot_bars
 
 # %% [markdown]
 # ## 1. The formulas, and a planner to play with
 #
-# `refimpl.parallel.zero_planner.zero_memory_paper` is the table above. First, the paper's own example
+# `refimpl.planner.zero_memory_paper` is the table above. First, the paper's own example
 # (its figure 1): $\Psi = 7.5$B, $N = 64$, $K = 12$.
 
 # %%
@@ -134,7 +134,7 @@ assert [shard_rows(9, r, 4) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 9
 # reduce-scatter is an $[N, S]$ matrix whose row $r$ holds chunk $r$ of every gradient (that row is what
 # rank $r$ receives, summed). The padding lives only in these transient buffers; what a rank *keeps* is
 # its exact shard, so the formula's $\Psi/N$ becomes, exactly, the rank's shard size
-# (`zero_planner.sharded_numel`). For the model of this chapter every first dimension divides by 2 and
+# (`refimpl.planner.sharded_numel`). For the model of this chapter every first dimension divides by 2 and
 # by 4, and the two agree to the element:
 
 # %%
@@ -180,11 +180,11 @@ import math
 
 from refimpl.comm.tracer import CommTracer, wire_bytes
 from refimpl.config import ModelConfig
+from refimpl.measure import state_bytes
 from refimpl.model import GPT, lm_loss
 from refimpl.optim import param_groups
-from refimpl.parallel.memory import state_bytes
 from refimpl.parallel.zero import FullyShardedDataParallel, ShardedOptimizer, allreduce_gradients
-from refimpl.parallel.zero_planner import zero_collectives, zero_memory
+from refimpl.planner import zero_collectives, zero_memory
 
 cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, max_seq_len=32)
 STEPS, LR, GLOBAL_BATCH, SEQ = 5, 1e-3, 8, 32
@@ -323,7 +323,7 @@ if rank == 0:
 # %% [markdown]
 # ## 4. Bytes per rank: measured against the formula
 #
-# `refimpl.parallel.memory.state_bytes` adds up the storages behind the parameters, their gradients and
+# `refimpl.measure.state_bytes` adds up the storages behind the parameters, their gradients and
 # the optimizer's state, each storage once (the shards of stages 1-2 are views of the parameters; the
 # tied embedding is one tensor), measured after the last step while gradients and state are all present.
 # The formula with this notebook's dtypes, `zero_memory`, is the paper's table with weights 4, gradients
@@ -368,7 +368,7 @@ plt.close(fig)  # shown once
 #
 # The tracer recorded every collective of the last step, with the bytes of the tensor handed to it
 # (`CommEvent.nbytes`: the input of an all-reduce or a reduce-scatter, the output of an all-gather). That
-# is measured, and it must be what the stage is meant to run (`zero_planner.zero_collectives`, from the
+# is measured, and it must be what the stage is meant to run (`refimpl.planner.zero_collectives`, from the
 # parameter shapes): stage 0 one all-reduce of the gradients; stages 1 and 2 one reduce-scatter of the
 # gradients and one all-gather of the stepped parameters (one bucket each, here); stage 3 one all-gather
 # per unit for forward, another per block for backward, and one reduce-scatter per unit. The root unit (the

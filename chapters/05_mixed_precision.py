@@ -46,14 +46,14 @@ import time
 import matplotlib.pyplot as plt
 import torch
 
-from refimpl.activation_planner import activation_bytes_per_layer, korthikanti_bytes_per_layer
-from refimpl.activations import apply_activation_checkpointing, measure_saved_activations
 from refimpl.config import ModelConfig, OptimConfig
 from refimpl.data import ShardedBatches, prepare_corpus
 from refimpl.loss_scaler import DynamicLossScaler
-from refimpl.metrics import format_bytes
+from refimpl.measure import format_bytes, measure_saved_activations
 from refimpl.model import GPT, lm_loss
 from refimpl.optim import build_optimizer, lr_at, set_lr
+from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing
+from refimpl.planner import activation_bytes_per_layer, korthikanti_bytes_per_layer
 from refimpl.precision import MixedPrecision
 
 torch.set_num_threads(1)  # small matrices: one thread is as fast, and leaves the second core to the ranks
@@ -545,7 +545,7 @@ ranks.stop()
 # ## 6. Activation checkpointing
 #
 # Chapter 01 measured the bytes autograd keeps for backward. Here we count them **per block and per
-# dtype** (`refimpl.activations.SavedTensorMeter`, a `saved_tensors_hooks` pair plus forward hooks on the
+# dtype** (`refimpl.measure.SavedTensorMeter`, a `saved_tensors_hooks` pair plus forward hooks on the
 # blocks that say whose forward is running; views of one storage count once; weights, and autocast's
 # 16-bit copies of them, count apart because they do not grow with the batch) and compare them with a
 # formula.
@@ -553,7 +553,7 @@ ranks.stop()
 # **The formula.** Korthikanti et al. 2022 give, for one Megatron GPT layer in 16 bits,
 # $sbh\,(34 + 5as/h)$ bytes: 34 $sbh$ for the inputs of the matmuls, LayerNorms, GELU and dropout masks,
 # and $5as^2b$ for the attention scores, their softmax and dropout. Our block differs, and
-# `refimpl.activation_planner.activation_bytes_per_layer` counts each term:
+# `refimpl.planner.activation_bytes_per_layer` counts each term:
 #
 # | term | Korthikanti (16-bit) | ours, autocast (compute $p$ = 2 B, residual $r$ = 4 B) |
 # |---|---|---|

@@ -17,7 +17,7 @@ Rules (the grader checks them with a tracer, which measures every byte you hand 
   signatures as ``torch.distributed``'s);
 * one ``isend`` per step and no other communication, each step sending one chunk: per phase a rank
   sends every chunk but one, ``(n - 1)/n S`` elements when ``n`` divides ``S``, and exactly the bytes of
-  ``refimpl.comm.ring.ring_bytes_sent`` otherwise;
+  ``refimpl.planner.ring_bytes_sent`` otherwise;
 * every length must work, including ``S`` not divisible by ``n`` and ``S < n``, for float and integer
   dtypes; with ``n == 1`` there is nothing to send (and there may be no process group at all).
 

@@ -9,7 +9,8 @@ sees an inf or a NaN: every rank must say so), and runs a small GPT whose block 
 gradients bit for bit, fewer saved bytes, the block's forward run again during backward.
 
 You may use anything from ``torch``, ``math`` and ``struct``; do not call ``refimpl.precision.update_scale``
-``refimpl.loss_scaler.overflow_on_any_rank`` or ``refimpl.activations`` (that is the answer).
+``refimpl.loss_scaler.overflow_on_any_rank`` or
+``refimpl.parallel.activation_checkpoint`` (that is the answer).
 """
 
 from __future__ import annotations

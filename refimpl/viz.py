@@ -9,10 +9,25 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
+import numpy as np
+
+if TYPE_CHECKING:
+    from refimpl.measure.collective_timing import Timings
+    from refimpl.planner.time_model import AlphaBeta
+
+
+def save_figure(fig, path: str | os.PathLike | None):
+    """Lay ``fig`` out tightly and, given ``path``, write it as a PNG (its folder made); returns ``fig``."""
+    fig.tight_layout()
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+    return fig
 
 
 def plot_loss(
@@ -34,11 +49,7 @@ def plot_loss(
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    if path is not None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-    return fig
+    return save_figure(fig, path)
 
 
 def plot_bars(
@@ -62,7 +73,40 @@ def plot_bars(
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=110)
-    return fig
+    return save_figure(fig, path)
+
+
+def plot_alpha_beta(
+    timings: Sequence[Timings],
+    *,
+    fits: Sequence[AlphaBeta | None] | None = None,
+    models: Mapping[str, Callable[[np.ndarray], np.ndarray]] | None = None,
+    title: str = "time per message: measured (points) and alpha-beta model (lines)",
+    path: str | os.PathLike | None = None,
+):
+    """Log-log plot of each :class:`~refimpl.measure.collective_timing.Timings` (points) and its alpha-beta
+    fit (solid line; :func:`refimpl.planner.fit_alpha_beta` here when ``fits`` is None), plus any
+    ``models[label](sizes) -> seconds`` as dashed lines (e.g. a prediction from the p2p fit), chapter 02.
+    Returns the figure; writes a PNG too when ``path`` is given."""
+    from refimpl.planner.time_model import fit_alpha_beta
+
+    fits = list(fits) if fits is not None else [fit_alpha_beta(t.sizes_bytes, t.seconds) for t in timings]
+    lo = min(min(t.sizes_bytes) for t in timings)
+    hi = max(max(t.sizes_bytes) for t in timings)
+    grid = np.geomspace(max(1, lo), hi, 100)
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    for i, (tm, fit) in enumerate(zip(timings, fits, strict=True)):
+        color = f"C{i}"
+        label = f"{tm.op} ({tm.world_size} ranks)"
+        ax.loglog(tm.sizes_bytes, tm.seconds, "o", color=color, label=label)
+        if fit is not None:
+            label = f"  fit: alpha={fit.alpha_s * 1e6:.0f} us, beta={fit.beta_bytes_per_s / 1e9:.2f} GB/s"
+            ax.loglog(grid, fit.predict(grid), "-", color=color, alpha=0.7, label=label)
+    for j, (label, model) in enumerate((models or {}).items()):
+        ax.loglog(grid, model(grid), "--", color=f"C{len(timings) + j}", label=label)
+    ax.set_xlabel("message size S (bytes)")
+    ax.set_ylabel("time (s)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return save_figure(fig, path)

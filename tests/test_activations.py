@@ -11,21 +11,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
-from refimpl.activation_planner import (
-    activation_bytes,
-    activation_bytes_per_layer,
-    korthikanti_bytes_per_layer,
-)
-from refimpl.activations import (
-    OUTSIDE,
+from refimpl.config import ModelConfig
+from refimpl.measure import OUTSIDE, measure_saved_activations
+from refimpl.model import GPT, lm_loss
+from refimpl.parallel.activation_checkpoint import (
     apply_activation_checkpointing,
     checkpointed_blocks,
     is_checkpointed,
-    measure_saved_activations,
     parse_block_selection,
 )
-from refimpl.config import ModelConfig
-from refimpl.model import GPT, lm_loss
+from refimpl.planner import activation_bytes, activation_bytes_per_layer, korthikanti_bytes_per_layer
 
 CONFIG = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, max_seq_len=24, ffn_hidden_size=48)
 B, S = 3, 20  # odd sizes on purpose

@@ -20,18 +20,18 @@ import torch
 import torch.distributed as dist
 
 from refimpl.comm import ops
-from refimpl.comm.cost_model import AlphaBeta, Timings, fit_alpha_beta, measure_collective, measure_p2p
 from refimpl.comm.ring import (
     _ring_reduce_scatter_,
     chunk_sizes,
     naive_all_reduce,
     ring_all_gather,
     ring_all_reduce,
-    ring_bytes_sent,
     ring_reduce_scatter,
 )
 from refimpl.comm.tracer import CommTracer, wire_bytes
 from refimpl.launch import run_ranks
+from refimpl.measure import Timings, measure_collective, measure_p2p
+from refimpl.planner import AlphaBeta, fit_alpha_beta, ring_bytes_sent
 
 LENGTHS = (1, 5, 64, 1001)
 
@@ -89,9 +89,9 @@ def test_fit_recovers_a_known_alpha_beta_exactly():
 
 
 def test_plots_render(tmp_path):
-    from refimpl.comm.cost_model import plot_alpha_beta
     from refimpl.comm.pictures import plot_timeline, plot_who_holds_what
     from refimpl.comm.tracer import CommEvent
+    from refimpl.viz import plot_alpha_beta
 
     a, b = torch.tensor([10.0, 11.0]), torch.tensor([20.0, 21.0])
     fig = plot_who_holds_what({"all-reduce": ([a, b], [a + b, a + b]), "send": ([a, None], [a, a])},

@@ -53,7 +53,7 @@ def _ranks(group) -> tuple[int, ...]:
 
 def _describe(par, groups) -> dict:
     """What the wrapper, the optimizer and the policy are, and on which group (picklable)."""
-    from refimpl.activations import checkpointed_blocks
+    from refimpl.parallel.activation_checkpoint import checkpointed_blocks
 
     opt = par.build_optimizer(OptimConfig())
     optimizer = opt.optimizer
@@ -123,7 +123,7 @@ def _worker(ctx) -> dict:
             message = None
         except ValueError as exc:
             message = str(exc)
-        from refimpl.activations import checkpointed_blocks
+        from refimpl.parallel.activation_checkpoint import checkpointed_blocks
 
         result["refused"][name] = (message, checkpointed_blocks(model))
     try:  # several ranks need their groups, not only the degrees

@@ -1,4 +1,5 @@
-"""The analytic model checked against measurements: FLOPs (FlopCounterMode), state bytes (AdamW), MFU."""
+"""The planner checked against measurements: FLOPs (FlopCounterMode), state bytes (AdamW), MFU from counted
+FLOPs, and a run's memory per rank (SavedTensorMeter, the ZeRO formulas)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,22 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from refimpl.config import ModelConfig
+from refimpl.distributed import ParallelDims
+from refimpl.measure import measure_saved_activations
 from refimpl.model import GPT, lm_loss
+from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing
 from refimpl.planner import (
     flops_per_token,
     model_flops_utilization,
     num_param_tensors,
     param_count,
-    peak_flops,
+    param_shapes,
+    run_memory_per_rank,
     state_memory,
+    zero_memory,
 )
+
+ONE = ParallelDims(dp=1)  # one rank: the layout of a single-device run
 
 CONFIGS = {
     "default": ModelConfig(),
@@ -100,12 +108,6 @@ def test_state_memory_other_precisions_and_optimizers():
         state_memory(cfg, optimizer="lion")
 
 
-def test_model_flops_utilization_arithmetic():
-    assert model_flops_utilization(1000.0, 1e9, 4, 1e12) == pytest.approx(0.25)
-    assert model_flops_utilization(2000.0, 1e9, 4, 1e12) == pytest.approx(0.5)  # linear in tokens/s
-    assert model_flops_utilization(1000.0, 1e9, 8, 1e12) == pytest.approx(0.125)  # 1 / devices
-
-
 def test_mfu_equals_counted_flops_over_peak():
     # MFU from the formula side (tokens/s x flops_per_token) must equal the FLOP/s a FlopCounterMode
     # counts over a real training step, divided by the peak: the two sides come from different sources.
@@ -118,66 +120,11 @@ def test_mfu_equals_counted_flops_over_peak():
     assert model_flops_utilization(b * s / elapsed, flops_per_token(cfg, s), 1, peak) > mfu * 1.01
 
 
-def test_peak_flops():
-    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
-    assert peak_flops("NVIDIA H200", "bf16") == 989e12
-    assert peak_flops("NVIDIA A100-SXM4-80GB", "bf16") == 312e12
-    assert peak_flops("cpu", "fp32") is None
-    with pytest.raises(ValueError, match="unknown compute dtype"):
-        peak_flops("NVIDIA H100 80GB HBM3", "int3")
-    with pytest.raises(TypeError):
-        peak_flops("NVIDIA H100 80GB HBM3")  # no silent bf16 default
-
-
-@pytest.mark.parametrize(("name", "bf16", "tf32", "fp32"), [
-    ("NVIDIA H100 80GB HBM3", 989e12, 494.7e12, 67e12),
-    ("NVIDIA H200", 989e12, 494.7e12, 67e12),
-    ("NVIDIA A100-SXM4-80GB", 312e12, 156e12, 19.5e12),
-    ("NVIDIA H100 PCIe", 756e12, 378e12, 51e12),  # matched before the SXM entry
-])
-def test_peak_table_has_every_compute_dtype(name, bf16, tf32, fp32):
-    assert peak_flops(name, "bf16") == peak_flops(name, "fp16") == bf16
-    assert (peak_flops(name, "tf32"), peak_flops(name, "fp32")) == (tf32, fp32)
-    assert fp32 < tf32 < bf16  # CUDA-core fp32 < tensor-core tf32 < tensor-core 16-bit
-
-
-def test_peak_dtype_follows_the_compute_dtype_and_matmul_precision():
-    from refimpl.metrics import peak_dtype
-
-    assert peak_dtype(torch.bfloat16) == "bf16"
-    assert peak_dtype(torch.float16) == "fp16"
-    before = torch.get_float32_matmul_precision()
-    try:
-        torch.set_float32_matmul_precision("highest")  # PyTorch's default: true fp32, no TF32
-        assert peak_dtype(torch.float32) == "fp32"
-        torch.set_float32_matmul_precision("high")  # TF32 tensor cores allowed
-        assert peak_dtype(torch.float32) == "tf32"
-    finally:
-        torch.set_float32_matmul_precision(before)
-    with pytest.raises(ValueError, match="no peak"):
-        peak_dtype(torch.float64)
-
-
-def test_throughput_requires_the_compute_dtype():
-    from refimpl.metrics import Throughput
-
-    kwargs = dict(tokens_per_step=128, flops_per_token=1e6, num_devices=1, device=torch.device("cpu"))
-    with pytest.raises(TypeError):
-        Throughput(**kwargs)  # no default dtype
-    with pytest.raises(TypeError):
-        Throughput(128, 1e6, 1, torch.device("cpu"), "fp32")  # keyword-only
-    with pytest.raises(ValueError, match="expected one of"):
-        Throughput(**kwargs, dtype="float32")
-    tokens_per_s, mfu = Throughput(**kwargs, dtype="fp32").step()
-    assert tokens_per_s > 0 and mfu is None  # a CPU has no peak in the table: MFU is n/a, not made up
-
-
 # -- the run's memory per rank (the trainer's preflight) -------------------------------------------------
+
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_param_shapes_are_the_models(tied):
-    from refimpl.planner import param_shapes
-
     config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, max_seq_len=16,
                          tie_word_embeddings=tied)
     assert param_shapes(config) == [tuple(p.shape) for p in GPT(config, seed=0).parameters()]
@@ -189,9 +136,6 @@ def test_run_memory_activations_equal_the_measured_saved_bytes(precision, checkp
     """The planner's saved-activation terms equal, to the byte, what SavedTensorMeter measures in one
     forward + loss of a small model: per block, and outside the blocks (final LayerNorm, output layer input,
     fp32 log-softmax, int64 ids). The transient logits term is not a saved tensor and is left out."""
-    from refimpl.activations import apply_activation_checkpointing, measure_saved_activations
-    from refimpl.planner import run_memory_per_rank
-
     config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, max_seq_len=16)
     b, s = 3, 16
     model = GPT(config, seed=0)
@@ -205,7 +149,7 @@ def test_run_memory_activations_equal_the_measured_saved_bytes(precision, checkp
         return lm_loss(logits, y)
 
     measured = measure_saved_activations(model, forward)
-    plan = run_memory_per_rank(config, micro_batch=b, seq_len=s, precision=precision,
+    plan = run_memory_per_rank(config, ONE, micro_batch=b, seq_len=s, precision=precision,
                                checkpointed_blocks=checkpointed)
     a = plan.activations
     assert a["block activations"] == sum(measured.per_block())
@@ -213,26 +157,23 @@ def test_run_memory_activations_equal_the_measured_saved_bytes(precision, checkp
              + a["token ids, labels, positions"])
     assert saved == measured.total
     # Negative control: another micro-batch is another figure (the comparison can fail).
-    other = run_memory_per_rank(config, micro_batch=b + 1, seq_len=s, precision=precision,
+    other = run_memory_per_rank(config, ONE, micro_batch=b + 1, seq_len=s, precision=precision,
                                 checkpointed_blocks=checkpointed)
     assert other.activations["block activations"] != sum(measured.per_block())
 
 
 def test_run_memory_state_follows_the_zero_stage():
-    from refimpl.parallel.zero_planner import zero_memory
-    from refimpl.planner import run_memory_per_rank, state_memory
-
     config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, max_seq_len=16)
     shapes = [tuple(p.shape) for p in GPT(config, seed=0).parameters()]
-    plain = run_memory_per_rank(config, micro_batch=1, seq_len=16)
+    plain = run_memory_per_rank(config, ONE, micro_batch=1, seq_len=16)
     assert sum(plain.state.values()) == state_memory(config).total  # stage 0, one rank: the full replica
     for stage in (1, 2, 3):
-        plan = run_memory_per_rank(config, micro_batch=1, seq_len=16, world_size=4, zero_stage=stage)
+        plan = run_memory_per_rank(config, ParallelDims(dp=4), micro_batch=1, seq_len=16, zero_stage=stage)
         z = zero_memory(shapes, 4, stage)
         assert (plan.state["weights"], plan.state["grads"], plan.state["AdamW state"]) == (
             z.weights, z.grads, z.optimizer)
     assert "ZeRO-3 gathered units" in plan.state
-    bf16 = run_memory_per_rank(config, micro_batch=1, seq_len=16, precision="bf16")
+    bf16 = run_memory_per_rank(config, ONE, micro_batch=1, seq_len=16, precision="bf16")
     assert bf16.state["autocast weight copies"] == 2 * param_count(config).matmul
     with pytest.raises(ValueError, match="unknown precision"):
-        run_memory_per_rank(config, micro_batch=1, seq_len=16, precision="fp8")
+        run_memory_per_rank(config, ONE, micro_batch=1, seq_len=16, precision="fp8")

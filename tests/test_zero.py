@@ -35,9 +35,9 @@ from torch import nn
 from refimpl.comm.tracer import CommTracer
 from refimpl.config import ModelConfig
 from refimpl.launch import run_ranks
+from refimpl.measure import PeakStateBytes, StateMemory, state_bytes
 from refimpl.model import GPT, lm_loss
 from refimpl.optim import param_groups
-from refimpl.parallel.memory import PeakStateBytes, StateMemory, state_bytes
 from refimpl.parallel.zero import (
     FullyShardedDataParallel,
     ShardedOptimizer,
@@ -49,17 +49,19 @@ from refimpl.parallel.zero import (
     shard_of,
     unpack_reduce_scatter,
 )
-from refimpl.parallel.zero_planner import (
+from refimpl.planner import (
+    num_param_tensors,
     padded_numel,
+    param_count,
     shard_rows,
     sharded_numel,
+    state_memory,
     zero3_peak_gathered_bytes,
     zero_collectives,
     zero_comm_bytes,
     zero_memory,
     zero_memory_paper,
 )
-from refimpl.planner import num_param_tensors, param_count, state_memory
 
 STEPS = 5
 LR = 1e-3

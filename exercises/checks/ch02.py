@@ -6,7 +6,7 @@ valued float32 and on int64, and is compared with ``torch.distributed`` (exact: 
 on the order of the additions) and, for the all-reduce, on random floats within the rounding bound
 ``gamma_(n-1) sum |x_i|``, ``gamma_k = k u / (1 - k u)``. A :class:`~refimpl.comm.tracer.CommTracer`
 checks the rules: only ``isend`` and ``irecv``, ``n - 1`` sends per phase, and exactly the ring's bytes
-(measured from the tensors handed to ``isend``, against :func:`refimpl.comm.ring.ring_bytes_sent`).
+(measured from the tensors handed to ``isend``, against :func:`refimpl.planner.ring_bytes_sent`).
 
 Starting ranks costs seconds, so one run per world size checks all three functions and the three tasks
 read its verdicts (cached per file content); a function that fails on 3 ranks is not run again on 2. A
@@ -41,7 +41,7 @@ def _ints(shape, seed: int, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 def _traffic(tracer, numel: int, element_size: int, n: int, rank: int, op: str, what: str) -> None:
-    from refimpl.comm.ring import ring_bytes_sent
+    from refimpl.planner import ring_bytes_sent
 
     used = set(tracer.summary())
     assert used <= {"isend", "irecv"}, (

@@ -22,9 +22,9 @@ import random
 import torch
 
 from exercises.grading import Task, load_module, probe_stub
-from refimpl.activations import SavedTensorMeter
 from refimpl.config import ModelConfig
 from refimpl.loss_scaler import LossScalerConfig, ScalerState
+from refimpl.measure import SavedTensorMeter
 from refimpl.model import GPT, lm_loss
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 import torch
 
@@ -66,7 +65,7 @@ def plot_who_holds_what(
 
     Returns the figure; writes a PNG too when ``path`` is given.
     """
-    from refimpl.viz import plt  # the backend choice lives in viz
+    from refimpl.viz import plt, save_figure  # the backend choice lives in viz
 
     names = list(pictures)
     n_ranks = max(len(b) for b, _ in pictures.values())
@@ -82,11 +81,7 @@ def plot_who_holds_what(
                 owner.setdefault(v, r)
         _draw_ranks(axes[i][0], before, owner, width, f"{name}: before")
         _draw_ranks(axes[i][1], after, owner, width, f"{name}: after")
-    fig.tight_layout()
-    if path is not None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-    return fig
+    return save_figure(fig, path)
 
 
 def plot_timeline(
@@ -101,7 +96,7 @@ def plot_timeline(
     ``events_per_rank[r]`` is rank ``r``'s ``tracer.events`` (ranks on one machine share the clock of
     ``time.perf_counter``). ``ops`` keeps only those ops. Events never waited (no end) are drawn as ticks.
     """
-    from refimpl.viz import plt
+    from refimpl.viz import plt, save_figure
 
     kept = [[e for e in evs if ops is None or e.op in ops] for evs in events_per_rank]
     starts = [e.start for evs in kept for e in evs]
@@ -125,8 +120,4 @@ def plot_timeline(
     ax.grid(axis="x", alpha=0.3)
     if names:
         ax.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    if path is not None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-    return fig
+    return save_figure(fig, path)

@@ -19,7 +19,7 @@ Cost. Each step a rank sends one chunk, so over a reduce-scatter it sends every 
 link carries the same load at the same time, which makes the ring bandwidth-optimal (Patarasuk & Yuan,
 "Bandwidth optimal all-reduce algorithms for clusters of workstations", JPDC 2009; brought to deep
 learning by Baidu's "ring-allreduce", Gibiansky 2017, then Horovod and NCCL). Under the alpha-beta model
-(:mod:`refimpl.comm.cost_model`) the time is ``2(n - 1) alpha + 2(n - 1)/n S / beta``: the latency term
+(:mod:`refimpl.planner.time_model`) the time is ``2(n - 1) alpha + 2(n - 1)/n S / beta``: the latency term
 grows with ``n``, which is why small messages prefer trees. :func:`naive_all_reduce` is the lesson's
 foil: everything through rank 0, which sends ``(n - 1) S`` bytes, growing with ``n``.
 
@@ -42,7 +42,6 @@ __all__ = [
     "naive_all_reduce",
     "ring_all_gather",
     "ring_all_reduce",
-    "ring_bytes_sent",
     "ring_reduce_scatter",
 ]
 
@@ -51,23 +50,6 @@ def chunk_sizes(numel: int, n: int) -> list[int]:
     """Sizes of the ``n`` chunks :func:`torch.tensor_split` cuts ``numel`` elements into (longer first)."""
     q, rem = divmod(numel, n)
     return [q + 1 if i < rem else q for i in range(n)]
-
-
-def ring_bytes_sent(numel: int, n: int, rank: int, element_size: int, *, op: str = "all_reduce") -> int:
-    """Exact bytes rank ``rank`` sends in a ring ``op`` on a tensor of ``numel`` elements, uneven chunks too.
-
-    Reduce-scatter sends every chunk but chunk ``rank``, all-gather every chunk but chunk ``rank + 1``;
-    all-reduce does both. Equals ``(n - 1)/n S`` (resp. ``2(n - 1)/n S``) bytes when ``n`` divides ``numel``.
-    """
-    if n == 1:
-        return 0
-    c = chunk_sizes(numel, n)
-    rs = numel - c[rank]
-    ag = numel - c[(rank + 1) % n]
-    per_op = {"reduce_scatter": rs, "all_gather": ag, "all_reduce": rs + ag}
-    if op not in per_op:
-        raise ValueError(f"op must be one of {sorted(per_op)}, got {op!r}")
-    return per_op[op] * element_size
 
 
 def _rank_and_size(group) -> tuple[int, int]:
@@ -148,7 +130,8 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """Sum ``tensor`` over the group in place, like ``dist.all_reduce(tensor)``; returns ``tensor``.
 
     Ring reduce-scatter then ring all-gather on the flattened tensor: ``2(n - 1)`` steps, and this rank
-    sends ``2(n - 1)/n S`` elements when ``n`` divides ``S`` (exactly :func:`ring_bytes_sent`). Equal to
+    sends ``2(n - 1)/n S`` elements when ``n`` divides ``S`` (exactly
+    :func:`refimpl.planner.ring_bytes_sent`). Equal to
     ``dist.all_reduce`` bit for bit on integer-valued data; on floats up to the order of the additions
     (each chunk is summed in ring order starting at a different rank). Chapter 02.
     """

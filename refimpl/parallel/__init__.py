@@ -2,8 +2,9 @@
 
 * :mod:`refimpl.parallel.data_parallel`: ``DataParallelNaive`` and ``DataParallelBucket`` (chapter 03);
 * :mod:`refimpl.parallel.zero`: ZeRO-1/2 ``ShardedOptimizer`` and ZeRO-3 ``FullyShardedDataParallel``, with
-  :mod:`~refimpl.parallel.zero_planner` (the memory formulas) and :mod:`~refimpl.parallel.memory` (bytes
-  counted from the tensors) (chapter 04).
+  its memory formulas in :mod:`refimpl.planner.zero_state` and its bytes, counted from the tensors, in
+  :mod:`refimpl.measure.state` (chapter 04);
+* :mod:`refimpl.parallel.activation_checkpoint`: activation checkpointing of transformer blocks (chapter 05).
 
 Import from the submodules, e.g. ``from refimpl.parallel.data_parallel import DataParallelBucket``.
 """

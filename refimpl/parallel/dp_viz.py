@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
 from refimpl.comm.tracer import CommEvent
 from refimpl.parallel.data_parallel import SyncTimeline
@@ -29,7 +28,7 @@ def plot_overlap(
     path: str | os.PathLike | None = None,
 ):
     """One pair of lanes per rank (see the module docstring); returns the figure, writes a PNG if ``path``."""
-    from refimpl.viz import plt  # the backend choice lives in viz
+    from refimpl.viz import plt, save_figure  # the backend choice lives in viz
 
     starts = [t.backward_start if t.backward_start is not None else min(x for x in t.launch if x is not None)
               for t in timelines]
@@ -72,8 +71,4 @@ def plot_overlap(
     ax.set_title(title, fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    if path is not None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-    return fig
+    return save_figure(fig, path)

@@ -191,7 +191,10 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
     applied: list[str] = []
     # 4. activation checkpointing, on the blocks the wrapper of step 6 will hook
     if options.activation_checkpointing not in (None, "none"):
-        from refimpl.activations import apply_activation_checkpointing, parse_block_selection
+        from refimpl.parallel.activation_checkpoint import (
+            apply_activation_checkpointing,
+            parse_block_selection,
+        )
 
         apply_activation_checkpointing(model, parse_block_selection(options.activation_checkpointing))
         applied.append("activation checkpointing")

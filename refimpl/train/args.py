@@ -184,7 +184,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if args.activation_checkpointing is not None:
-        from refimpl.activations import parse_block_selection
+        from refimpl.parallel.activation_checkpoint import parse_block_selection
 
         try:
             parse_block_selection(args.activation_checkpointing)

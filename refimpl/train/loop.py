@@ -27,7 +27,7 @@ from refimpl.comm import ops
 from refimpl.config import ConfigError, TrainConfig
 from refimpl.data import DataError, decode, encode
 from refimpl.distributed import DistributedContext, log0, seed_everything
-from refimpl.metrics import Throughput, format_bytes, format_mfu, peak_dtype, peak_memory_bytes, progress
+from refimpl.measure import Throughput, format_bytes, format_mfu, peak_dtype, peak_memory_bytes, progress
 from refimpl.model import generate
 from refimpl.optim import lr_at, set_lr
 from refimpl.planner import flops_per_token, param_count

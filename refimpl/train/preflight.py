@@ -14,7 +14,7 @@ import torch
 from refimpl.checkpoint import CheckpointError, list_checkpoints
 from refimpl.config import ConfigError, TrainConfig
 from refimpl.data import ShardedBatches, prepare_corpus
-from refimpl.metrics import format_bytes
+from refimpl.measure import format_bytes
 from refimpl.train.args import RunOptions
 
 
@@ -71,13 +71,13 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
     micro = config.data.per_rank_batch(world_size) // accumulation
     n, chosen = config.model.num_layers, []
     if options.activation_checkpointing is not None:
-        from refimpl.activations import parse_block_selection
+        from refimpl.parallel.activation_checkpoint import parse_block_selection
 
         sel = parse_block_selection(options.activation_checkpointing)
         chosen = (list(range(n)) if sel == "all" else [] if sel == "none" else
                   [i for i in range(n) if sel(i)] if callable(sel) else [i % n for i in sel if -n <= i < n])
-    need = run_memory_per_rank(config.model, micro_batch=micro, seq_len=config.data.seq_len,
-                               world_size=world_size, zero_stage=options.zero_stage,
+    need = run_memory_per_rank(config.model, options.parallel_dims(world_size), micro_batch=micro,
+                               seq_len=config.data.seq_len, zero_stage=options.zero_stage,
                                precision=options.precision, checkpointed_blocks=chosen)
     have, source = machine_memory_per_rank(ranks_per_node, local_rank=local_rank, launching=launching)
     if need.total > have:

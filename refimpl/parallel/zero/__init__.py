@@ -24,7 +24,7 @@ collective over several tensors packs them side by side: the input of a reduce-s
 matrix whose row ``r`` holds chunk ``r`` of every tensor, each padded to ``ceil(rows / N)`` rows, so one
 collective serves many tensors of uneven sizes (:func:`pack_for_reduce_scatter`,
 :func:`pack_for_all_gather`, :func:`copy_out_all_gather`). The padding lives only in these transient
-buffers: what a rank keeps is its exact shard, and :mod:`refimpl.parallel.zero_planner` predicts its bytes.
+buffers: what a rank keeps is its exact shard, and :mod:`refimpl.planner.zero_state` predicts its bytes.
 
 Gradients are averaged over the ranks (sum, then divide by N), as ``DistributedDataParallel`` does, so a
 loss that is the mean over the rank's tokens gives the mean over the global batch. Every communication

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from refimpl.comm import ops
-from refimpl.parallel.memory import StateMemory, state_bytes, storage_bytes
+from refimpl.measure.state import StateMemory, state_bytes, storage_bytes
 from refimpl.parallel.zero.clip_grad import clip_sharded_grad_norm_
 from refimpl.parallel.zero.fsdp_unit import FSDPUnit, _alloc, _free, _ShardedParam, _tensors
 from refimpl.parallel.zero.sharding import ShardSpec, copy_out_all_gather, pack_for_all_gather, shard_of
@@ -325,7 +325,7 @@ class FullyShardedDataParallel(nn.Module):
     def gathered_bytes(self) -> StateMemory:
         """Bytes of *full* tensors this rank holds now: gathered parameters and all-gathers in flight
         (weights) and full gradients not yet reduce-scattered (grads); the shards are not counted.
-        :func:`refimpl.parallel.zero_planner.zero3_peak_gathered_bytes` bounds its peak over a step."""
+        :func:`refimpl.planner.zero3_peak_gathered_bytes` bounds its peak over a step."""
         sps = [sp for u in self.units for sp in u.params]
         in_flight = [u.pending[1] for u in self.units if u.pending is not None]
         seen: set = set()

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from refimpl.parallel.memory import StateMemory, state_bytes
+from refimpl.measure.state import StateMemory, state_bytes
 from refimpl.parallel.zero.clip_grad import clip_sharded_grad_norm_
 from refimpl.parallel.zero.sharding import ShardSpec, shard_of
 from refimpl.parallel.zero.zero_communications import _world, all_gather_into, reduce_scatter_mean
@@ -256,5 +256,5 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict({"state": inner_state, "param_groups": [dict(g) for g in groups]})
 
     def state_bytes(self, module: nn.Module | None = None) -> StateMemory:
-        """Parameter, gradient and optimizer-state bytes this rank holds (:mod:`refimpl.parallel.memory`)."""
+        """Parameter, gradient and optimizer-state bytes this rank holds (:mod:`refimpl.measure.state`)."""
         return state_bytes(module if module is not None else self.params, self)

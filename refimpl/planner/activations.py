@@ -21,16 +21,22 @@ it exactly, term by term, for a compute dtype (``p`` bytes) and the residual str
 * the FFN width f is a config field (4h by default).
 
 So in 16-bit (p = 2, r = 4, f = 4h): ``s b h (36) + 16 s b + 4 a s b`` per layer; a checkpointed layer
-keeps only its input, ``r s b h``. :class:`refimpl.activations.SavedTensorMeter` measures the same numbers.
+keeps only its input, ``r s b h``. :class:`refimpl.measure.activations.SavedTensorMeter` measures the
+same numbers; :func:`refimpl.planner.memory.run_memory_per_rank` adds what the model saves outside the
+blocks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from refimpl.config import ModelConfig
+
+__all__ = ["ActivationBreakdown", "activation_bytes", "activation_bytes_per_layer",
+           "korthikanti_bytes_per_layer"]
 
 
 def korthikanti_bytes_per_layer(*, seq_len: int, micro_batch: int, hidden_size: int, num_heads: int) -> int:
@@ -90,19 +96,15 @@ def activation_bytes_per_layer(
 
 
 def activation_bytes(
-    config: ModelConfig,
-    *,
-    micro_batch: int,
-    seq_len: int,
-    compute_dtype: torch.dtype = torch.float32,
-    residual_dtype: torch.dtype = torch.float32,
-    checkpointed_blocks: set[int] | list[int] | tuple[int, ...] = (),
+    config: ModelConfig, *, checkpointed_blocks: set[int] | list[int] | tuple[int, ...] = (), **per_layer: Any
 ) -> list[int]:
-    """Saved bytes of every block of the model, in order (checkpointed ones keep only their input)."""
+    """Saved bytes of every block of the model, in order (checkpointed ones keep only their input).
+
+    ``per_layer``: the keyword arguments of :func:`activation_bytes_per_layer` (``micro_batch``,
+    ``seq_len``, ``compute_dtype``, ``residual_dtype``), the same for every block.
+    """
+    if "checkpointed" in per_layer:
+        raise TypeError("activation_bytes takes checkpointed_blocks (block indices), not checkpointed")
     chosen = set(checkpointed_blocks)
-    return [
-        activation_bytes_per_layer(config, micro_batch=micro_batch, seq_len=seq_len,
-                                   compute_dtype=compute_dtype, residual_dtype=residual_dtype,
-                                   checkpointed=i in chosen).total
-        for i in range(config.num_layers)
-    ]
+    return [activation_bytes_per_layer(config, checkpointed=i in chosen, **per_layer).total
+            for i in range(config.num_layers)]

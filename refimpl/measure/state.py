@@ -1,27 +1,38 @@
-"""Bytes of model state a rank holds, counted from the tensors themselves (chapter 04).
+"""Bytes of model state a rank holds, counted from the tensors themselves (chapters 01 and 04).
 
 Process memory (RSS) mixes the interpreter, libraries, activations and allocator slack; a ZeRO claim is
 about three things only: **parameters, gradients and optimizer state**. :func:`state_bytes` adds up the
 storages behind them, each storage once (tied weights, views of one flat buffer and optimizer shards that
 alias the parameters are not counted twice), and unwraps DTensors (FSDP2) to the local shard.
 
-:class:`PeakStateBytes` follows the same count through a whole step: a ``TorchDispatchMode`` that samples
-a caller-supplied count after every tensor operation (forward, backward, collectives, optimizer) and keeps
-the largest, so a briefly gathered unit is seen.
+:class:`StateMemory` is the one record of such bytes in refimpl: what is measured here and what the
+planner predicts (:func:`refimpl.planner.state_memory`, :func:`refimpl.planner.zero_memory`; Rajbhandari
+et al. 2020, "ZeRO", section 5) are the same class, so a chapter compares them with ``==``.
+:class:`refimpl.measure.peak.PeakStateBytes` follows the same count through a whole step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from refimpl.planner import StateMemory
+__all__ = ["StateMemory", "local_tensor", "state_bytes", "storage_bytes", "tensors_in"]
 
-__all__ = ["PeakStateBytes", "StateMemory", "local_tensor", "state_bytes", "storage_bytes", "tensors_in"]
+
+@dataclass(frozen=True, kw_only=True)
+class StateMemory:
+    """Bytes of model state held by one device: ``weights``, ``grads`` and ``optimizer`` state."""
+
+    weights: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -96,64 +107,3 @@ def state_bytes(
     grads = storage_bytes([t.grad for t in tensors] + list(extra_grads), exclude=seen)
     opt = storage_bytes(tensors_in(dict(optimizer.state)) if optimizer is not None else [], exclude=seen)
     return StateMemory(weights=weights, grads=grads, optimizer=opt)
-
-
-@dataclass
-class _Peak:
-    total: int = 0
-    at: StateMemory | None = None
-    samples: int = 0
-
-
-class PeakStateBytes(TorchDispatchMode):
-    """Peak of ``count()`` (a :class:`StateMemory`) sampled after every tensor operation while active.
-
-        with PeakStateBytes(lambda: model.state_bytes(optimizer)) as peak:
-            train_step()
-        peak.peak          # StateMemory at the largest total seen
-
-    Sampling costs a walk over the state per op: use it for a measured step, not for timing.
-    """
-
-    def __init__(self, count: Callable[[], StateMemory]) -> None:
-        super().__init__()
-        self.count = count
-        self._peak = _Peak()
-        self._busy = False
-
-    def sample(self) -> None:
-        if self._busy:
-            return
-        self._busy = True
-        try:
-            m = self.count()
-        finally:
-            self._busy = False
-        self._peak.samples += 1
-        if m.total > self._peak.total:
-            self._peak.total, self._peak.at = m.total, m
-
-    def __enter__(self) -> PeakStateBytes:
-        out = super().__enter__()
-        self.sample()
-        return out
-
-    def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)
-        self.sample()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        with torch.utils._python_dispatch._disable_current_modes():
-            self.sample()
-        return out
-
-    @property
-    def peak(self) -> StateMemory:
-        if self._peak.at is None:
-            raise RuntimeError("nothing sampled yet")
-        return self._peak.at
-
-    @property
-    def samples(self) -> int:
-        return self._peak.samples

@@ -1,124 +1,38 @@
-"""Activation checkpointing of transformer blocks, and a meter of the bytes saved for backward (chapter 05).
+"""Activations measured: the bytes autograd saves for backward, per transformer block and dtype (chapter 05).
 
 Backward needs tensors from the forward pass: a linear layer keeps its input, GELU its input, LayerNorm
 its input and statistics, attention Q, K, V and its output. Those *saved tensors* are the activation
-memory. Checkpointing a block (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost") keeps
-only the block's input and runs the block's forward again during backward to rebuild the rest: memory
-for compute. We use ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``; the non-reentrant
-version stops recomputing as soon as the last tensor backward needs is rebuilt ("early stop"), so the
-block's last matrix multiply is not run again.
-
-:func:`apply_activation_checkpointing` turns it on per block without changing the module tree (parameter
-names, ``state_dict`` and optimizer groups stay the same). :class:`SavedTensorMeter` counts what autograd
-keeps, per block and per dtype, through ``torch.autograd.graph.saved_tensors_hooks``: every saved tensor
-is attributed to the block whose forward saved it, tensors sharing storage are counted once (Q, K and V
-are views of one QKV output), and parameters, as well as autocast's low-precision copies of them, are
-counted apart: they do not grow with the batch. :mod:`refimpl.activation_planner` predicts the same bytes.
+memory (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", which
+:func:`refimpl.planner.activation_bytes_per_layer` counts for our block). :class:`SavedTensorMeter` counts
+what autograd keeps through ``torch.autograd.graph.saved_tensors_hooks``: every saved tensor is attributed
+to the block whose forward saved it, tensors sharing storage are counted once (Q, K and V are views of one
+QKV output), and parameters, as well as autocast's low-precision copies of them, are counted apart: they
+do not grow with the batch. A block checkpointed by
+:func:`refimpl.parallel.activation_checkpoint.apply_activation_checkpointing` saves only its input.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+
+__all__ = ["OUTSIDE", "SavedTensorMeter", "SavedTensorReport", "measure_saved_activations",
+           "transformer_blocks"]
 
 OUTSIDE = "outside blocks"  # embedding, final LayerNorm, output layer, loss
 
 
-class CheckpointedForward:
-    """Replaces ``block.forward``: the block's own forward under non-reentrant checkpointing.
-
-    An object rather than a closure so that ``copy.deepcopy`` of the model checkpoints the copy's blocks.
-    """
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(type(self.module).forward, self.module, *args, use_reentrant=False, **kwargs)
-
-
-def checkpoint_block(block: nn.Module) -> nn.Module:
-    """Checkpoint ``block`` in place: only its inputs are saved, the rest is recomputed in backward."""
-    if not is_checkpointed(block):
-        block.forward = CheckpointedForward(block)  # an instance attribute shadows the class's forward
-    return block
-
-
-def uncheckpoint_block(block: nn.Module) -> nn.Module:
-    if is_checkpointed(block):
-        del block.forward
-    return block
-
-
-def is_checkpointed(block: nn.Module) -> bool:
-    return isinstance(block.__dict__.get("forward"), CheckpointedForward)
-
-
-def _blocks(model: nn.Module) -> nn.ModuleList:
+def transformer_blocks(model: nn.Module) -> nn.ModuleList:
+    """``model.layers``, the transformer blocks of :class:`refimpl.model.GPT` (TypeError if there is none)."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise TypeError(f"{type(model).__name__} has no ModuleList `layers` of transformer blocks")
     return layers
-
-
-def apply_activation_checkpointing(
-    model: nn.Module, blocks: str | Iterable[int] | Callable[[int], bool] = "all"
-) -> list[int]:
-    """Checkpoint the transformer blocks ``model.layers[i]`` selected by ``blocks``; return their indices.
-
-    ``blocks``: ``"all"``, ``"none"``, indices (negative ones count from the end), or ``fn(i) -> bool``
-    (e.g. ``lambda i: i % 2 == 0`` for every other block). Blocks not selected are left plain (an earlier
-    call's checkpointing of them is undone), so the call states the whole selection.
-    """
-    layers = _blocks(model)
-    n = len(layers)
-    if blocks == "all":
-        chosen = set(range(n))
-    elif blocks == "none":
-        chosen = set()
-    elif callable(blocks):
-        chosen = {i for i in range(n) if blocks(i)}
-    else:
-        chosen = set()
-        for i in blocks:
-            if not -n <= i < n:
-                raise IndexError(f"block {i} out of range for a model with {n} blocks")
-            chosen.add(i % n)
-    for i, block in enumerate(layers):
-        (checkpoint_block if i in chosen else uncheckpoint_block)(block)
-    return sorted(chosen)
-
-
-def parse_block_selection(spec: str) -> str | list[int] | Callable[[int], bool]:
-    """A command-line selection of blocks: ``all``, ``none``, ``every-N`` (blocks 0, N, 2N, ...) or
-    comma-separated indices such as ``0,2,-1``; the result goes to :func:`apply_activation_checkpointing`."""
-    spec = spec.strip().lower()
-    if spec in ("all", "none"):
-        return spec
-    if spec.startswith("every-"):
-        step = spec.removeprefix("every-")
-        if not step.isdigit() or int(step) < 1:
-            raise ValueError(f"bad block selection {spec!r}: every-N needs a positive N, e.g. every-2")
-        return lambda i: i % int(step) == 0
-    try:
-        return [int(part) for part in spec.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(
-            f"bad block selection {spec!r}: use all, none, every-N, or indices like 0,2,-1") from None
-
-
-def checkpointed_blocks(model: nn.Module) -> list[int]:
-    return [i for i, b in enumerate(_blocks(model)) if is_checkpointed(b)]
-
-
-# --------------------------------------------------------------------------------------------------------
-# Measuring saved tensors
 
 
 def _bytes_by_dtype() -> dict[str, int]:
@@ -207,7 +121,7 @@ class SavedTensorMeter:
 
     def __enter__(self) -> SavedTensorMeter:
         self._param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        for i, block in enumerate(_blocks(self.model)):
+        for i, block in enumerate(transformer_blocks(self.model)):
             self._handles.append(block.register_forward_pre_hook(self._enter_block(i)))
             self._handles.append(block.register_forward_hook(self._leave_block))
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)

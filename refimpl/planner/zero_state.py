@@ -1,4 +1,4 @@
-"""Memory and traffic of ZeRO stages 0-3, as formulas a chapter checks against measurement (chapter 04).
+"""Model state of ZeRO stages 0-3 per rank, as formulas a chapter checks against measurement (chapter 04).
 
 Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", section
 5 and figure 1. With Psi parameters, N data-parallel ranks and mixed-precision Adam (fp16 weights and
@@ -13,20 +13,17 @@ model state held by one device is
 :func:`zero_memory_paper` is that table. The course trains in fp32 on a CPU with ``torch.optim.AdamW`` and no
 master copy, so the same table with the dtypes actually used is ``weights 4, gradients 4, K = 8`` (two fp32
 moments) plus PyTorch's ``step`` counter, one fp32 scalar tensor per parameter tensor (as
-:func:`refimpl.planner.state_memory` counts it). :func:`zero_memory` is that table made *exact*: a parameter
-is split along dim 0 into chunks of ``ceil(rows / N)`` rows (torch.chunk and FSDP2's rule), so the last
-ranks may hold fewer rows (or none); ``Psi / N`` becomes the rank's true shard size :func:`sharded_numel`.
-For shapes whose first dim divides by N the two agree to the byte.
+:func:`refimpl.planner.memory.state_memory` counts it). :func:`zero_memory` is that table made *exact*: a
+parameter is split along dim 0 into chunks of ``ceil(rows / N)`` rows (torch.chunk and FSDP2's rule, the
+runtime's own :func:`refimpl.distributed.placement.chunk_range`), so the last ranks may hold fewer rows (or
+none); ``Psi / N`` becomes the rank's true shard size :func:`sharded_numel`. For shapes whose first dim
+divides by N the two agree to the byte.
 
-Which collectives a step issues, how many and with which payload (the bytes of the tensors handed to
-each op, what :class:`refimpl.comm.tracer.CommTracer` records as ``CommEvent.nbytes``) is
-:func:`zero_collectives`: that is what a chapter checks against the tracer. Traffic on the wire is a
-*model* applied to those payloads (the bandwidth-optimal ring, as :func:`refimpl.comm.tracer.wire_bytes`
-books it), :func:`zero_comm_bytes`, per step and rank, in elements: data parallelism all-reduces the
-gradients, 2 (N-1)/N Psi; stages 1 and 2 reduce-scatter the
-gradients and all-gather the updated parameters, (N-1)/N Psi each, the same 2 (N-1)/N Psi; stage 3 also
-all-gathers every unit for its forward and again for its backward, 3 (N-1)/N Psi, 1.5x data parallelism
-(the root unit, needed again at once by the backward, is not freed after forward, as in FSDP2).
+Which collectives a step issues and the bytes they move are in :mod:`refimpl.planner.communication`.
+The :class:`~refimpl.measure.state.StateMemory` returned is the class :func:`refimpl.measure.state_bytes`
+measures, so a chapter compares formula and measurement with ``==``. ``world_size`` is the number ``N`` of
+ranks the state is sharded over: the data-parallel degree of the layout
+(:func:`refimpl.planner.memory.state_memory_per_rank` takes the layout).
 """
 
 from __future__ import annotations
@@ -35,7 +32,10 @@ import math
 from collections.abc import Sequence
 
 from refimpl.distributed.placement import chunk_range
-from refimpl.planner import StateMemory
+from refimpl.measure.state import StateMemory
+
+__all__ = ["ADAM_MIXED_PRECISION_K", "STAGES", "check_zero_stage", "padded_numel", "shard_rows",
+           "sharded_numel", "zero3_peak_gathered_bytes", "zero_memory", "zero_memory_paper"]
 
 ADAM_MIXED_PRECISION_K = 12  # fp32 master weights + momentum + variance, bytes per parameter (the paper's K)
 STAGES = (0, 1, 2, 3)
@@ -43,23 +43,24 @@ STAGES = (0, 1, 2, 3)
 Shape = Sequence[int]
 
 
-def _check(stage: int, world_size: int) -> None:
-    if stage not in STAGES:
-        raise ValueError(f"ZeRO stage must be one of {STAGES}, got {stage!r}")
+def check_zero_stage(zero_stage: int, world_size: int) -> None:
+    """A ValueError unless ``zero_stage`` is 0-3 and ``world_size`` >= 1."""
+    if zero_stage not in STAGES:
+        raise ValueError(f"ZeRO stage must be one of {STAGES}, got {zero_stage!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
 
 
 def zero_memory_paper(
-    psi: float, world_size: int, stage: int, *, k: float = ADAM_MIXED_PRECISION_K,
+    psi: float, world_size: int, zero_stage: int, *, k: float = ADAM_MIXED_PRECISION_K,
     weight_bytes: float = 2, grad_bytes: float = 2,
 ) -> StateMemory:
     """The paper's per-device model-state bytes (fractional: ``Psi / N`` is not rounded)."""
-    _check(stage, world_size)
+    check_zero_stage(zero_stage, world_size)
     n = world_size
-    weights = weight_bytes * psi / (n if stage >= 3 else 1)
-    grads = grad_bytes * psi / (n if stage >= 2 else 1)
-    optimizer = k * psi / (n if stage >= 1 else 1)
+    weights = weight_bytes * psi / (n if zero_stage >= 3 else 1)
+    grads = grad_bytes * psi / (n if zero_stage >= 2 else 1)
+    optimizer = k * psi / (n if zero_stage >= 1 else 1)
     return StateMemory(weights=weights, grads=grads, optimizer=optimizer)  # type: ignore[arg-type]
 
 
@@ -100,18 +101,18 @@ def padded_numel(shapes: Sequence[Shape], world_size: int) -> int:
 
 
 def zero_memory(
-    shapes: Sequence[Shape], world_size: int, stage: int, *, rank: int = 0,
+    shapes: Sequence[Shape], world_size: int, zero_stage: int, *, rank: int = 0,
     trainable: Sequence[bool] | None = None, param_bytes: int = 4, grad_bytes: int = 4,
     moment_bytes: int = 8, step_bytes: int = 4,
 ) -> StateMemory:
-    """Exact bytes of model state on ``rank`` at ZeRO ``stage`` for parameters of ``shapes``.
+    """Exact bytes of model state on ``rank`` at ZeRO ``zero_stage`` for parameters of ``shapes``.
 
     Counted at rest (after backward or after the optimizer step, when no unit is gathered): weights,
     gradients of the ``trainable`` parameters (default: all), and AdamW's state: ``moment_bytes`` per
     element (exp_avg + exp_avg_sq) plus one ``step`` scalar of ``step_bytes`` per trainable tensor (the
     sharded optimizers keep a, possibly empty, shard of every tensor on every rank).
     """
-    _check(stage, world_size)
+    check_zero_stage(zero_stage, world_size)
     trainable = [True] * len(shapes) if trainable is None else list(trainable)
     if len(trainable) != len(shapes):
         raise ValueError(f"{len(trainable)} trainable flags for {len(shapes)} shapes")
@@ -120,42 +121,10 @@ def zero_memory(
     full_trained = sum(math.prod(s) for s in trained)
     shard_all = sharded_numel(shapes, rank, world_size)
     shard_trained = sharded_numel(trained, rank, world_size)
-    weights = param_bytes * (shard_all if stage >= 3 else full_all)
-    grads = grad_bytes * (shard_trained if stage >= 2 else full_trained)
-    moments = moment_bytes * (shard_trained if stage >= 1 else full_trained)
+    weights = param_bytes * (shard_all if zero_stage >= 3 else full_all)
+    grads = grad_bytes * (shard_trained if zero_stage >= 2 else full_trained)
+    moments = moment_bytes * (shard_trained if zero_stage >= 1 else full_trained)
     return StateMemory(weights=weights, grads=grads, optimizer=moments + step_bytes * len(trained))
-
-
-def zero_collectives(
-    unit_shapes: Sequence[Sequence[Shape]], world_size: int, stage: int, *,
-    trainable: Sequence[Sequence[bool]] | None = None, bytes_per_element: int = 4, root_unit: int | None = 0,
-) -> dict[str, tuple[int, int]]:
-    """The collectives one rank issues in one optimizer step at ZeRO ``stage``: ``{op: (count, payload)}``.
-
-    The payload is the bytes of the tensor handed to the op (the input of an all-reduce and of a
-    reduce-scatter, the output of an all-gather: the full, padded tensor). One micro-batch per step, every
-    stage-1/2 bucket large enough for all the gradients (one reduce-scatter, one all-gather), stage 3 with
-    one all-gather per unit for forward, one more for backward except ``root_unit`` (kept after forward),
-    and one reduce-scatter per unit that has a trainable parameter. ``{}`` on one rank (no collective).
-    """
-    _check(stage, world_size)
-    n, b = world_size, bytes_per_element
-    if trainable is None:
-        trainable = [[True] * len(shapes) for shapes in unit_shapes]
-    trained = [[s for s, t in zip(shapes, flags, strict=True) if t]
-               for shapes, flags in zip(unit_shapes, trainable, strict=True)]
-    if n == 1:
-        return {}
-    if stage == 0:
-        return {"all_reduce": (1, b * sum(math.prod(s) for shapes in trained for s in shapes))}
-    grads = b * sum(padded_numel(shapes, n) for shapes in trained)
-    if stage in (1, 2):
-        return {"reduce_scatter": (1, grads), "all_gather": (1, grads)}
-    units = [u for u, shapes in enumerate(unit_shapes) if shapes]
-    again = [u for u in units if u != root_unit]
-    gathered = b * sum((1 if u == root_unit else 2) * padded_numel(unit_shapes[u], n) for u in units)
-    return {"all_gather": (len(units) + len(again), gathered),
-            "reduce_scatter": (sum(1 for t in trained if t), grads)}
 
 
 def zero3_peak_gathered_bytes(
@@ -185,23 +154,3 @@ def zero3_peak_gathered_bytes(
     weights = full(root_unit, False) + max((full(u, False) for u in others), default=0) + ahead
     grads = full(root_unit, True) + max((full(u, True) for u in others), default=0)
     return StateMemory(weights=b * weights, grads=b * grads, optimizer=0)
-
-
-def zero_comm_bytes(
-    unit_shapes: Sequence[Sequence[Shape]], world_size: int, stage: int, *,
-    trainable: Sequence[Sequence[bool]] | None = None, bytes_per_element: int = 4, root_unit: int | None = 0,
-) -> float:
-    """Wire bytes one rank sends in one optimizer step at ZeRO ``stage``: the ring *model* applied to the
-    payloads of :func:`zero_collectives` (all-reduce ``2 (N-1)/N``, the others ``(N-1)/N`` of the payload).
-
-    ``unit_shapes[u]`` lists the parameter shapes of unit ``u`` and ``trainable[u]`` which of them get a
-    gradient (default: all); stages 0-2 only use the trainable total. Stage 0 all-reduces the unpadded
-    gradients; stages 1-3 move padded tensors (:func:`padded_numel`): stages 1-2 reduce-scatter the
-    gradients and all-gather the stepped parameters; stage 3 all-gathers every unit (all its parameters,
-    frozen ones too) for forward, again for backward except ``root_unit`` (kept after forward, as FSDP2
-    does; None: re-gather every unit), and reduce-scatters the trainable ones.
-    """
-    ops = zero_collectives(unit_shapes, world_size, stage, trainable=trainable,
-                           bytes_per_element=bytes_per_element, root_unit=root_unit)
-    ring = (world_size - 1) / world_size
-    return sum((2 if op == "all_reduce" else 1) * ring * payload for op, (_, payload) in ops.items())

@@ -1,16 +1,16 @@
-"""What a training step costs and delivers: tokens/s, MFU, memory, and a progress bar (chapters 00-01).
+"""What a training step delivers: tokens/s and MFU, and a progress bar (chapters 00, 01 and 10).
 
-MFU (model FLOPs utilisation, PaLM appendix B) = tokens/s x FLOPs per token / (devices x dense peak),
-where the peak is that of the dtype the run's matrix multiplies compute in (:func:`peak_dtype`: an fp32
-run is measured against the fp32 peak, a bf16 run against the bf16 peak; docs/ARCHITECTURE.md,
-"Performance"). It is reported only where a peak is known (a GPU of :data:`refimpl.planner.PEAK_FLOPS`);
-on a CPU it is "n/a", never a made-up number. Memory is the allocator's peak on a GPU and the process's
-peak resident set on a CPU (which also counts the Python interpreter and libraries).
+MFU (model FLOPs utilisation, Chowdhery et al. 2022, PaLM appendix B) = tokens/s x FLOPs per token /
+(devices x dense peak), where the peak is that of the dtype the run's matrix multiplies compute in
+(:func:`peak_dtype`: an fp32 run is measured against the fp32 peak, a bf16 run against the bf16 peak;
+docs/ARCHITECTURE.md, "Performance"). It is reported only where a peak is known (a GPU of
+:data:`refimpl.measure.peaks.PEAK_FLOPS`); on a CPU it is "n/a", never a made-up number. The FLOPs per
+token come from the planner (:func:`refimpl.planner.flops_per_token`); the peak bytes of a step are in
+:mod:`refimpl.measure.peak`.
 """
 
 from __future__ import annotations
 
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -18,13 +18,23 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from refimpl.planner import PEAK_DTYPES, model_flops_utilization, peak_flops
+from refimpl.measure.peaks import PEAK_DTYPES, peak_flops
+
+__all__ = ["Throughput", "device_peak_flops", "format_mfu", "model_flops_utilization", "peak_dtype",
+           "progress"]
 
 _PEAK_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
+def model_flops_utilization(
+    tokens_per_s: float, flops_per_tok: float, num_devices: int, peak_flops_per_device: float
+) -> float:
+    """MFU = tokens/s x FLOPs per token / (devices x peak) (PaLM appendix B)."""
+    return tokens_per_s * flops_per_tok / (num_devices * peak_flops_per_device)
+
+
 def peak_dtype(compute_dtype: torch.dtype) -> str:
-    """The :data:`refimpl.planner.PEAK_FLOPS` key of a run whose matmuls compute in ``compute_dtype``.
+    """The :data:`~refimpl.measure.peaks.PEAK_FLOPS` key of a run whose matmuls compute in ``compute_dtype``.
 
     bfloat16 -> ``"bf16"``, float16 -> ``"fp16"``. float32 -> ``"fp32"`` (the CUDA-core peak) under
     PyTorch's default ``torch.get_float32_matmul_precision() == "highest"``, and ``"tf32"`` (the
@@ -39,29 +49,14 @@ def peak_dtype(compute_dtype: torch.dtype) -> str:
 
 
 def device_peak_flops(device: torch.device, *, dtype: str) -> float | None:
-    """Dense peak FLOP/s of ``device`` for the compute ``dtype`` (a :data:`refimpl.planner.PEAK_DTYPES`
-    key, see :func:`peak_dtype`), or None on a CPU or an unknown GPU."""
+    """Dense peak FLOP/s of ``device`` for the compute ``dtype`` (a
+    :data:`~refimpl.measure.peaks.PEAK_DTYPES` key, see :func:`peak_dtype`), or None on a CPU or an unknown
+    GPU."""
     if dtype not in PEAK_DTYPES:
         raise ValueError(f"unknown compute dtype {dtype!r} for a peak; expected one of {PEAK_DTYPES}")
     if device.type != "cuda":
         return None
     return peak_flops(torch.cuda.get_device_name(device), dtype)
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak allocated bytes on a GPU; peak resident set size of this process on a CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def format_mfu(mfu: float | None) -> str:
@@ -73,9 +68,9 @@ class Throughput:
     """Tokens per second over the steps since the last :meth:`step`, and MFU where a peak is known.
 
     ``tokens_per_step`` counts the global batch (all ranks); MFU divides by ``num_devices``. ``dtype`` is
-    required (keyword-only, like every field): the :data:`refimpl.planner.PEAK_DTYPES` key of the dtype the
-    run computes in, usually ``peak_dtype(policy.compute_dtype)``; there is no default, because a bf16 peak
-    silently applied to an fp32 run under-reports its MFU 14.8 times on an H100.
+    required (keyword-only, like every field): the :data:`~refimpl.measure.peaks.PEAK_DTYPES` key of the
+    dtype the run computes in, usually ``peak_dtype(policy.compute_dtype)``; there is no default, because a
+    bf16 peak silently applied to an fp32 run under-reports its MFU 14.8 times on an H100.
     """
 
     tokens_per_step: int

@@ -1,0 +1,65 @@
+"""What is measured, never predicted: state bytes, peak bytes, saved activations, throughput and MFU, the
+device peaks, and the times of messages (chapters 01, 02, 04, 05 and 10).
+
+* :mod:`refimpl.measure.state`: :class:`StateMemory` (the one record of model-state bytes, which the
+  planner returns too) and :func:`state_bytes`, counted from the tensors (chapter 04);
+* :mod:`refimpl.measure.peak`: :class:`PeakStateBytes` through a step, the device's or process's peak
+  memory, :func:`format_bytes`;
+* :mod:`refimpl.measure.activations`: :class:`SavedTensorMeter`, the bytes autograd saves for backward, per
+  block and dtype (chapter 05);
+* :mod:`refimpl.measure.throughput`: tokens/s and MFU (PaLM appendix B), :func:`peak_dtype`, the progress
+  bar; :mod:`refimpl.measure.peaks`: the table of dense device peaks, the one place it lives;
+* :mod:`refimpl.measure.collective_timing`: collectives and ping-pongs timed per message size (chapter 02).
+
+The formulas these measurements are checked against are in :mod:`refimpl.planner`. Imports run
+config/comm/distributed -> measure -> precision/parallel -> planner: nothing here imports the planner.
+"""
+
+from refimpl.measure.activations import (
+    OUTSIDE,
+    SavedTensorMeter,
+    SavedTensorReport,
+    measure_saved_activations,
+    transformer_blocks,
+)
+from refimpl.measure.collective_timing import DEFAULT_SIZES, Timings, measure_collective, measure_p2p
+from refimpl.measure.peak import PeakStateBytes, format_bytes, peak_memory_bytes
+from refimpl.measure.peaks import PEAK_DTYPES, PEAK_FLOPS, peak_flops
+from refimpl.measure.state import StateMemory, local_tensor, state_bytes, storage_bytes, tensors_in
+from refimpl.measure.throughput import (
+    Throughput,
+    device_peak_flops,
+    format_mfu,
+    model_flops_utilization,
+    peak_dtype,
+    progress,
+)
+
+__all__ = [
+    "DEFAULT_SIZES",
+    "OUTSIDE",
+    "PEAK_DTYPES",
+    "PEAK_FLOPS",
+    "PeakStateBytes",
+    "SavedTensorMeter",
+    "SavedTensorReport",
+    "StateMemory",
+    "Throughput",
+    "Timings",
+    "device_peak_flops",
+    "format_bytes",
+    "format_mfu",
+    "local_tensor",
+    "measure_collective",
+    "measure_p2p",
+    "measure_saved_activations",
+    "model_flops_utilization",
+    "peak_dtype",
+    "peak_flops",
+    "peak_memory_bytes",
+    "progress",
+    "state_bytes",
+    "storage_bytes",
+    "tensors_in",
+    "transformer_blocks",
+]

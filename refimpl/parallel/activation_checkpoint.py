@@ -1,0 +1,108 @@
+"""Activation checkpointing of transformer blocks (chapter 05).
+
+Backward needs tensors from the forward pass: a linear layer keeps its input, GELU its input, LayerNorm
+its input and statistics, attention Q, K, V and its output. Those *saved tensors* are the activation
+memory. Checkpointing a block (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost") keeps
+only the block's input and runs the block's forward again during backward to rebuild the rest: memory
+for compute. We use ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``; the non-reentrant
+version stops recomputing as soon as the last tensor backward needs is rebuilt ("early stop"), so the
+block's last matrix multiply is not run again.
+
+:func:`apply_activation_checkpointing` turns it on per block without changing the module tree (parameter
+names, ``state_dict`` and optimizer groups stay the same). What a block then saves is measured by
+:class:`refimpl.measure.activations.SavedTensorMeter` and predicted by
+:func:`refimpl.planner.activation_bytes_per_layer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from refimpl.measure.activations import transformer_blocks
+
+__all__ = ["CheckpointedForward", "apply_activation_checkpointing", "checkpoint_block", "checkpointed_blocks",
+           "is_checkpointed", "parse_block_selection", "uncheckpoint_block"]
+
+
+class CheckpointedForward:
+    """Replaces ``block.forward``: the block's own forward under non-reentrant checkpointing.
+
+    An object rather than a closure so that ``copy.deepcopy`` of the model checkpoints the copy's blocks.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(type(self.module).forward, self.module, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_block(block: nn.Module) -> nn.Module:
+    """Checkpoint ``block`` in place: only its inputs are saved, the rest is recomputed in backward."""
+    if not is_checkpointed(block):
+        block.forward = CheckpointedForward(block)  # an instance attribute shadows the class's forward
+    return block
+
+
+def uncheckpoint_block(block: nn.Module) -> nn.Module:
+    if is_checkpointed(block):
+        del block.forward
+    return block
+
+
+def is_checkpointed(block: nn.Module) -> bool:
+    return isinstance(block.__dict__.get("forward"), CheckpointedForward)
+
+
+def apply_activation_checkpointing(
+    model: nn.Module, blocks: str | Iterable[int] | Callable[[int], bool] = "all"
+) -> list[int]:
+    """Checkpoint the transformer blocks ``model.layers[i]`` selected by ``blocks``; return their indices.
+
+    ``blocks``: ``"all"``, ``"none"``, indices (negative ones count from the end), or ``fn(i) -> bool``
+    (e.g. ``lambda i: i % 2 == 0`` for every other block). Blocks not selected are left plain (an earlier
+    call's checkpointing of them is undone), so the call states the whole selection.
+    """
+    layers = transformer_blocks(model)
+    n = len(layers)
+    if blocks == "all":
+        chosen = set(range(n))
+    elif blocks == "none":
+        chosen = set()
+    elif callable(blocks):
+        chosen = {i for i in range(n) if blocks(i)}
+    else:
+        chosen = set()
+        for i in blocks:
+            if not -n <= i < n:
+                raise IndexError(f"block {i} out of range for a model with {n} blocks")
+            chosen.add(i % n)
+    for i, block in enumerate(layers):
+        (checkpoint_block if i in chosen else uncheckpoint_block)(block)
+    return sorted(chosen)
+
+
+def parse_block_selection(spec: str) -> str | list[int] | Callable[[int], bool]:
+    """A command-line selection of blocks: ``all``, ``none``, ``every-N`` (blocks 0, N, 2N, ...) or
+    comma-separated indices such as ``0,2,-1``; the result goes to :func:`apply_activation_checkpointing`."""
+    spec = spec.strip().lower()
+    if spec in ("all", "none"):
+        return spec
+    if spec.startswith("every-"):
+        step = spec.removeprefix("every-")
+        if not step.isdigit() or int(step) < 1:
+            raise ValueError(f"bad block selection {spec!r}: every-N needs a positive N, e.g. every-2")
+        return lambda i: i % int(step) == 0
+    try:
+        return [int(part) for part in spec.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(
+            f"bad block selection {spec!r}: use all, none, every-N, or indices like 0,2,-1") from None
+
+
+def checkpointed_blocks(model: nn.Module) -> list[int]:
+    return [i for i, b in enumerate(transformer_blocks(model)) if is_checkpointed(b)]

@@ -1,0 +1,85 @@
+"""Formulas only: what a training run needs and moves, before anything runs (chapters 00-05, 10).
+
+* :mod:`~refimpl.planner.params_flops`: parameters, their shapes, FLOPs per token (PaLM appendix B);
+* :mod:`~refimpl.planner.memory`: model state of a replica and per rank, a run's memory per rank (the
+  trainer's preflight); :mod:`~refimpl.planner.zero_state`: ZeRO stages 0-3 (Rajbhandari et al. 2020);
+* :mod:`~refimpl.planner.activations`: bytes saved for backward (Korthikanti et al. 2022);
+* :mod:`~refimpl.planner.communication`: bytes of the ring collectives and of ZeRO's collectives;
+* :mod:`~refimpl.planner.time_model`: the alpha-beta cost model fitted to measured times;
+* :mod:`~refimpl.planner.layout`: the layout (``ParallelDims``-like degrees) that per-rank functions take.
+
+Each figure is checked in a chapter against a measurement from :mod:`refimpl.measure`, a different source.
+Re-exported here, not repeated: :class:`~refimpl.measure.state.StateMemory` (the one class formulas and
+measurements both return), the device peak table and MFU (:mod:`refimpl.measure.peaks`,
+:mod:`refimpl.measure.throughput`), the ring model of one op (:func:`refimpl.comm.tracer.wire_bytes`,
+which the tracer books at run time). The runtime's sharding rule is reused:
+:func:`refimpl.distributed.placement.chunk_range`.
+"""
+
+from refimpl.measure.peaks import PEAK_DTYPES, PEAK_FLOPS, peak_flops
+from refimpl.measure.state import StateMemory
+from refimpl.measure.throughput import model_flops_utilization
+from refimpl.planner.activations import (
+    ActivationBreakdown,
+    activation_bytes,
+    activation_bytes_per_layer,
+    korthikanti_bytes_per_layer,
+)
+from refimpl.planner.communication import ring_bytes_sent, wire_bytes, zero_collectives, zero_comm_bytes
+from refimpl.planner.layout import Layout, data_parallel_degree
+from refimpl.planner.memory import RunMemory, run_memory_per_rank, state_memory, state_memory_per_rank
+from refimpl.planner.params_flops import (
+    ParamCount,
+    flops_per_token,
+    num_param_tensors,
+    param_count,
+    param_shapes,
+)
+from refimpl.planner.time_model import AlphaBeta, fit_alpha_beta
+from refimpl.planner.zero_state import (
+    ADAM_MIXED_PRECISION_K,
+    STAGES,
+    padded_numel,
+    shard_rows,
+    sharded_numel,
+    zero3_peak_gathered_bytes,
+    zero_memory,
+    zero_memory_paper,
+)
+
+__all__ = [
+    "ADAM_MIXED_PRECISION_K",
+    "PEAK_DTYPES",
+    "PEAK_FLOPS",
+    "STAGES",
+    "ActivationBreakdown",
+    "AlphaBeta",
+    "Layout",
+    "ParamCount",
+    "RunMemory",
+    "StateMemory",
+    "activation_bytes",
+    "activation_bytes_per_layer",
+    "data_parallel_degree",
+    "fit_alpha_beta",
+    "flops_per_token",
+    "korthikanti_bytes_per_layer",
+    "model_flops_utilization",
+    "num_param_tensors",
+    "padded_numel",
+    "param_count",
+    "param_shapes",
+    "peak_flops",
+    "ring_bytes_sent",
+    "run_memory_per_rank",
+    "shard_rows",
+    "sharded_numel",
+    "state_memory",
+    "state_memory_per_rank",
+    "wire_bytes",
+    "zero3_peak_gathered_bytes",
+    "zero_collectives",
+    "zero_comm_bytes",
+    "zero_memory",
+    "zero_memory_paper",
+]

@@ -1,0 +1,101 @@
+"""Bytes the collectives of a training step move, as formulas a chapter checks against the tracer
+(chapters 02 and 04).
+
+* The bandwidth-optimal ring (Patarasuk & Yuan, JPDC 2009; Thakur, Rabenseifner & Gropp, IJHPCA 2005): a
+  rank of ``n`` sends ``(n - 1)/n S`` in a reduce-scatter or an all-gather of ``S`` bytes and twice that
+  in an all-reduce. :func:`ring_bytes_sent` is that count made exact for uneven chunks (what
+  :mod:`refimpl.comm.ring` sends, measured byte by byte by :class:`refimpl.comm.CommTracer`);
+  :func:`wire_bytes` is the same model for one op on a payload. The tracer books it for every
+  ``torch.distributed`` collective, so its home is the runtime (:mod:`refimpl.comm.tracer`, below the
+  planner in the import direction) and the planner re-exports it rather than repeat it.
+* ZeRO (Rajbhandari et al. 2020): which collectives a step issues, how many and with which payload (the
+  bytes of the tensors handed to each op, what :class:`refimpl.comm.tracer.CommTracer` records as
+  ``CommEvent.nbytes``) is :func:`zero_collectives`: that is what a chapter checks against the tracer.
+  Traffic on the wire is the ring *model* applied to those payloads (:func:`wire_bytes`),
+  :func:`zero_comm_bytes`, per step and rank, in elements: data parallelism all-reduces the gradients,
+  2 (N-1)/N Psi; stages 1 and 2 reduce-scatter the gradients and all-gather the updated parameters,
+  (N-1)/N Psi each, the same 2 (N-1)/N Psi; stage 3 also all-gathers every unit for its forward and again
+  for its backward, 3 (N-1)/N Psi, 1.5x data parallelism (the root unit, needed again at once by the
+  backward, is not freed after forward, as in FSDP2). Padding and the shard rule are
+  :mod:`refimpl.planner.zero_state`'s (:func:`~refimpl.planner.zero_state.padded_numel`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from refimpl.comm.ring import chunk_sizes
+from refimpl.comm.tracer import wire_bytes
+from refimpl.planner.zero_state import Shape, check_zero_stage, padded_numel
+
+__all__ = ["ring_bytes_sent", "wire_bytes", "zero_collectives", "zero_comm_bytes"]
+
+
+def ring_bytes_sent(numel: int, n: int, rank: int, element_size: int, *, op: str = "all_reduce") -> int:
+    """Exact bytes rank ``rank`` sends in a ring ``op`` on a tensor of ``numel`` elements, uneven chunks too.
+
+    Reduce-scatter sends every chunk but chunk ``rank``, all-gather every chunk but chunk ``rank + 1``;
+    all-reduce does both. Equals ``(n - 1)/n S`` (resp. ``2(n - 1)/n S``) bytes when ``n`` divides ``numel``.
+    """
+    if n == 1:
+        return 0
+    c = chunk_sizes(numel, n)
+    rs = numel - c[rank]
+    ag = numel - c[(rank + 1) % n]
+    per_op = {"reduce_scatter": rs, "all_gather": ag, "all_reduce": rs + ag}
+    if op not in per_op:
+        raise ValueError(f"op must be one of {sorted(per_op)}, got {op!r}")
+    return per_op[op] * element_size
+
+
+def zero_collectives(
+    unit_shapes: Sequence[Sequence[Shape]], world_size: int, zero_stage: int, *,
+    trainable: Sequence[Sequence[bool]] | None = None, bytes_per_element: int = 4, root_unit: int | None = 0,
+) -> dict[str, tuple[int, int]]:
+    """The collectives one rank issues in one optimizer step at ZeRO ``zero_stage``: ``{op: (count,
+    payload)}``.
+
+    The payload is the bytes of the tensor handed to the op (the input of an all-reduce and of a
+    reduce-scatter, the output of an all-gather: the full, padded tensor). One micro-batch per step, every
+    stage-1/2 bucket large enough for all the gradients (one reduce-scatter, one all-gather), stage 3 with
+    one all-gather per unit for forward, one more for backward except ``root_unit`` (kept after forward),
+    and one reduce-scatter per unit that has a trainable parameter. ``{}`` on one rank (no collective).
+    """
+    check_zero_stage(zero_stage, world_size)
+    n, b = world_size, bytes_per_element
+    if trainable is None:
+        trainable = [[True] * len(shapes) for shapes in unit_shapes]
+    trained = [[s for s, t in zip(shapes, flags, strict=True) if t]
+               for shapes, flags in zip(unit_shapes, trainable, strict=True)]
+    if n == 1:
+        return {}
+    if zero_stage == 0:
+        return {"all_reduce": (1, b * sum(math.prod(s) for shapes in trained for s in shapes))}
+    grads = b * sum(padded_numel(shapes, n) for shapes in trained)
+    if zero_stage in (1, 2):
+        return {"reduce_scatter": (1, grads), "all_gather": (1, grads)}
+    units = [u for u, shapes in enumerate(unit_shapes) if shapes]
+    again = [u for u in units if u != root_unit]
+    gathered = b * sum((1 if u == root_unit else 2) * padded_numel(unit_shapes[u], n) for u in units)
+    return {"all_gather": (len(units) + len(again), gathered),
+            "reduce_scatter": (sum(1 for t in trained if t), grads)}
+
+
+def zero_comm_bytes(
+    unit_shapes: Sequence[Sequence[Shape]], world_size: int, zero_stage: int, *,
+    trainable: Sequence[Sequence[bool]] | None = None, bytes_per_element: int = 4, root_unit: int | None = 0,
+) -> float:
+    """Wire bytes one rank sends in one optimizer step at ZeRO ``zero_stage``: the ring *model* applied to the
+    payloads of :func:`zero_collectives` (all-reduce ``2 (N-1)/N``, the others ``(N-1)/N`` of the payload).
+
+    ``unit_shapes[u]`` lists the parameter shapes of unit ``u`` and ``trainable[u]`` which of them get a
+    gradient (default: all); stages 0-2 only use the trainable total. Stage 0 all-reduces the unpadded
+    gradients; stages 1-3 move padded tensors (:func:`padded_numel`): stages 1-2 reduce-scatter the
+    gradients and all-gather the stepped parameters; stage 3 all-gathers every unit (all its parameters,
+    frozen ones too) for forward, again for backward except ``root_unit`` (kept after forward, as FSDP2
+    does; None: re-gather every unit), and reduce-scatters the trainable ones.
+    """
+    ops = zero_collectives(unit_shapes, world_size, zero_stage, trainable=trainable,
+                           bytes_per_element=bytes_per_element, root_unit=root_unit)
+    return sum(wire_bytes(op, payload, world_size) for op, (_, payload) in ops.items())

@@ -1,0 +1,83 @@
+"""Parameters and FLOPs of the course's GPT, counted from its configuration (chapters 00-01).
+
+Every figure here is a formula that a chapter checks against a measurement:
+
+* parameters: counted from the architecture, equal to ``sum(p.numel())`` of :class:`refimpl.model.GPT`
+  (:func:`param_count`), and their shapes in ``named_parameters()`` order (:func:`param_shapes`, what the
+  ZeRO formulas of :mod:`refimpl.planner.zero_state` shard);
+* FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B): ``6 N + 12 L H Q T`` with N parameters,
+  L layers, H heads, Q head dim, T sequence length. The ``6 N`` counts forward (2N) and backward (4N)
+  matrix multiplies; ``12 L H Q T`` the attention scores and the weighted sum. Only weights that sit in a
+  matrix multiply cost FLOPs, so :func:`flops_per_token` can count exactly those (``matmul_only=True``)
+  and then equals what ``torch.utils.flop_counter.FlopCounterMode`` measures.
+
+MFU divides these FLOPs by the device peaks of :mod:`refimpl.measure.peaks`
+(:func:`refimpl.measure.throughput.model_flops_utilization`, re-exported by :mod:`refimpl.planner`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from refimpl.config import ModelConfig
+
+__all__ = ["ParamCount", "flops_per_token", "num_param_tensors", "param_count", "param_shapes"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamCount:
+    """Parameters of a GPT by role; ``total`` counts a tied embedding once."""
+
+    embedding: int  # word + position embeddings
+    layers: int  # all transformer blocks
+    final_layernorm: int
+    output_layer: int  # 0 when tied to the word embedding
+    matmul: int  # weights that enter a matrix multiply (what costs FLOPs)
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.layers + self.final_layernorm + self.output_layer
+
+
+def param_count(config: ModelConfig) -> ParamCount:
+    """Count the parameters of :class:`refimpl.model.GPT` for ``config`` without building it."""
+    h, f, v, n = config.hidden_size, config.ffn_hidden_size, config.vocab_size, config.num_layers
+    attention = (h * 3 * h + 3 * h) + (h * h + h)  # query_key_value and dense, with biases
+    mlp = (h * f + f) + (f * h + h)  # dense_h_to_4h and dense_4h_to_h
+    layernorms = 2 * 2 * h  # two LayerNorms of weight + bias
+    per_layer = attention + mlp + layernorms
+    return ParamCount(
+        embedding=v * h + config.max_seq_len * h,
+        layers=n * per_layer,
+        final_layernorm=2 * h,
+        output_layer=0 if config.tie_word_embeddings else h * v,
+        matmul=n * (4 * h * h + 2 * h * f) + h * v,  # the output layer multiplies, tied or not
+    )
+
+
+def num_param_tensors(config: ModelConfig) -> int:
+    """How many parameter tensors the model has (Adam keeps one ``step`` scalar per tensor)."""
+    per_layer = 2 + 2 + 2 + 2 + 2 + 2  # 2 LayerNorms, qkv, dense, two MLP linears; weight + bias each
+    return 2 + config.num_layers * per_layer + 2 + (0 if config.tie_word_embeddings else 1)
+
+
+def flops_per_token(config: ModelConfig, seq_len: int, *, matmul_only: bool = False) -> float:
+    """Training FLOPs per token, forward + backward: ``6 N + 12 L H Q T`` (PaLM appendix B).
+
+    With ``matmul_only`` N counts only weights inside matrix multiplies (no position embedding,
+    LayerNorm or bias); that is the number a FLOP counter measures. The attention term counts the full
+    T x T score matrix, as PaLM and ``FlopCounterMode`` do, although a causal mask could skip half.
+    """
+    counts = param_count(config)
+    n = counts.matmul if matmul_only else counts.total
+    attention = 12 * config.num_layers * config.num_attention_heads * config.head_dim * seq_len
+    return 6.0 * n + attention
+
+
+def param_shapes(config: ModelConfig) -> list[tuple[int, ...]]:
+    """The shapes of :class:`refimpl.model.GPT`'s parameters in ``named_parameters()`` order (no model
+    built)."""
+    h, f, v = config.hidden_size, config.ffn_hidden_size, config.vocab_size
+    block = [(h,), (h,), (3 * h, h), (3 * h,), (h, h), (h,), (h,), (h,), (f, h), (f,), (h, f), (h,)]
+    shapes = [(v, h), (config.max_seq_len, h)] + block * config.num_layers + [(h,), (h,)]
+    return shapes + ([] if config.tie_word_embeddings else [(v, h)])

@@ -1,0 +1,85 @@
+"""Planner functions take a layout (refimpl.planner.layout): ParallelDims(dp=4) gives the figures the planner
+gave for world_size=4 before it took a layout, any object with dp/cp/tp/pp works, and tensor, context and
+pipeline degrees above 1 are refused with the chapter that brings them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from refimpl.config import ModelConfig
+from refimpl.distributed import ParallelDims
+from refimpl.planner import data_parallel_degree, run_memory_per_rank, state_memory, state_memory_per_rank
+
+CONFIG = ModelConfig()  # the default model: 4 layers, hidden 128, tied embeddings
+
+# Recorded at commit 1a4db69 (before the planner took a layout) from the code, not from the formula:
+#   run_memory_per_rank(ModelConfig(), micro_batch=2, seq_len=128, world_size=4, zero_stage=z,
+#                       precision=p, checkpointed_blocks=(1,))
+RECORDED_TOTAL = {
+    (0, "fp32"): 23088340, (0, "bf16"): 20860116,
+    (1, "fp32"): 18033364, (1, "bf16"): 15805140,
+    (2, "fp32"): 15505876, (2, "bf16"): 13277652,
+    (3, "fp32"): 13969108, (3, "bf16"): 11740884,
+}
+RECORDED_STATE = {  # (weights, grads, AdamW state) of the same calls; zero_memory(param_shapes, 4, z) alike
+    0: (3369984, 3369984, 6740176),
+    1: (3369984, 3369984, 1685200),
+    2: (3369984, 842496, 1685200),
+    3: (842496, 842496, 1685200),
+}
+RECORDED_ZERO3_GATHERED = 990720
+RECORDED_ACTIVATIONS_FP32 = {
+    "block activations": 6447104, "recomputed block (backward)": 2105344,
+    "final layernorm + output layer inputs": 264192, "log-softmax (fp32)": 262144,
+    "token ids, labels, positions": 5124, "logits + their gradient (transient)": 524288,
+}
+
+
+def _run(dims, zero_stage: int, precision: str):
+    return run_memory_per_rank(CONFIG, dims, micro_batch=2, seq_len=128, zero_stage=zero_stage,
+                               precision=precision, checkpointed_blocks=(1,))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_dp4_layout_gives_the_recorded_world_size_4_figures(zero_stage, precision):
+    plan = _run(ParallelDims(dp=4), zero_stage, precision)
+    assert plan.total == RECORDED_TOTAL[zero_stage, precision]
+    held = (plan.state["weights"], plan.state["grads"], plan.state["AdamW state"])
+    assert held == RECORDED_STATE[zero_stage]
+    if zero_stage == 3:
+        assert plan.state["ZeRO-3 gathered units"] == RECORDED_ZERO3_GATHERED
+    if precision == "fp32":
+        assert plan.activations == RECORDED_ACTIVATIONS_FP32
+    state = state_memory_per_rank(CONFIG, ParallelDims(dp=4), zero_stage=zero_stage)
+    assert (state.weights, state.grads, state.optimizer) == RECORDED_STATE[zero_stage]
+    # Negative control: another data-parallel degree is another figure once anything is sharded.
+    if zero_stage > 0:
+        assert _run(ParallelDims(dp=2), zero_stage, precision).total != plan.total
+
+
+def test_stage_0_per_rank_is_the_replica_and_any_degree_object_is_a_layout():
+    assert state_memory_per_rank(CONFIG, ParallelDims(dp=4)) == state_memory(CONFIG)
+    duck = SimpleNamespace(dp=4, cp=1, tp=1, pp=1)  # not a ParallelDims: only the degrees matter
+    assert _run(duck, 2, "bf16") == _run(ParallelDims(dp=4), 2, "bf16")
+    assert data_parallel_degree(duck) == 4
+
+
+@pytest.mark.parametrize(("axis", "name", "chapter"), [("tp", "tensor", "06"), ("cp", "context", "07"),
+                                                        ("pp", "pipeline", "08")])
+def test_tensor_context_pipeline_degrees_are_refused_with_their_chapter(axis, name, chapter):
+    dims = ParallelDims(dp=2, **{axis: 2})
+    want = rf"{name} parallelism \({axis}=2\) comes with chapter {chapter}"
+    with pytest.raises(ValueError, match=want):
+        _run(dims, 0, "fp32")
+    with pytest.raises(ValueError, match=want):
+        state_memory_per_rank(CONFIG, dims, zero_stage=1)
+
+
+@pytest.mark.parametrize("dims", [SimpleNamespace(dp=4, tp=1, pp=1), SimpleNamespace(dp=0, cp=1, tp=1, pp=1),
+                                  SimpleNamespace(dp=True, cp=1, tp=1, pp=1), 4])
+def test_a_layout_without_positive_integer_degrees_is_refused(dims):
+    with pytest.raises(ValueError, match="positive integer degrees"):
+        _run(dims, 0, "fp32")
