@@ -83,3 +83,23 @@ def test_tensor_context_pipeline_degrees_are_refused_with_their_chapter(axis, na
 def test_a_layout_without_positive_integer_degrees_is_refused(dims):
     with pytest.raises(ValueError, match="positive integer degrees"):
         _run(dims, 0, "fp32")
+
+
+def test_imports_run_one_way_measure_below_parallel_below_planner():
+    """config/comm/distributed -> measure -> parallel -> planner: measuring never loads the planner or a
+    technique, and the planner loads no trainer or checkpoint (checked in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    def loaded(module: str) -> set[str]:
+        code = f"import sys, {module}; print(' '.join(m for m in sys.modules if m.startswith('refimpl.')))"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        return set(out.split())
+
+    below_measure = loaded("refimpl.measure")
+    assert "refimpl.measure.state" in below_measure  # the probe sees what it loads
+    assert not {m for m in below_measure if m.startswith(("refimpl.planner", "refimpl.parallel",
+                                                              "refimpl.precision", "refimpl.train"))}
+    below_planner = loaded("refimpl.planner")
+    assert not {m for m in below_planner if m.startswith(("refimpl.train", "refimpl.checkpoint",
+                                                              "refimpl.elastic", "refimpl.launch"))}
