@@ -10,12 +10,14 @@ Replace each ``raise NotImplementedError`` with your implementation, then run ``
 * damages copies of a real checkpoint (a flipped bit late in a file larger than 1 MiB, a truncated file,
   a deleted file, an edited manifest) and expects your ``verify_checkpoint`` to reject each one with a
   :class:`CheckpointError`, and to accept the intact one;
-* saves tensors at 4 ranks with uneven flat ranges, reads them back at 3 ranks through your ``plan_read``
-  and compares with the saved values element for element.
+* saves tensors at 4 ranks as boxes (uneven blocks of rows, blocks of columns, a 2 x 2 grid of blocks, a
+  1-D tensor with an empty shard, a replicated matrix written in slabs, a 0-d tensor), reads them back at
+  3 ranks as rows and as columns, and whole, through your ``plan_read``, and compares with the saved values
+  element for element.
 
 You may use ``os``, ``shutil``, ``hashlib``, ``json``, ``pathlib`` and the helpers imported below; do not
 call ``refimpl.checkpoint.commit``, ``refimpl.checkpoint.verify_checkpoint`` /
-``sha256_file`` / ``plan_read`` or ``CheckpointReader`` (that is the answer).
+``sha256_file`` / ``plan_read``, ``Box.intersection`` or ``CheckpointReader`` (that is the answer).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from refimpl.checkpoint import (  # noqa: F401 - for your commit and your answer
     step_dir_name,
     write_manifest,
 )
+from refimpl.distributed.placement import Box
 
 
 def commit(tmp: Path, manifest: dict, *, keep_last: int) -> Path:
@@ -75,17 +78,23 @@ def verify_checkpoint(folder: str | Path) -> dict:
     raise NotImplementedError("verify_checkpoint: every file's size and sha256 against the manifest")
 
 
-def plan_read(pieces: Sequence[Mapping[str, Any]], start: int, numel: int) -> list[tuple[int, int, int, int]]:
-    """Which bytes of which saved pieces a reader of the flat range ``[start, start + numel)`` copies.
+def plan_read(pieces: Sequence[Mapping[str, Any]], want: Box) -> list[tuple[int, Box]]:
+    """Which elements of which saved pieces a reader of the box ``want`` copies: resharding as box
+    intersection.
 
-    ``pieces`` are one tensor's pieces from the manifest, sorted by ``start`` and tiling the flattened tensor:
-    piece ``i`` holds elements ``[pieces[i]["start"], pieces[i]["start"] + pieces[i]["numel"])`` (and names
-    its ``"file"``). Return one tuple ``(i, offset in piece i, offset in the range, length)`` per piece that
-    shares at least one element with the range, in piece order; copying
-    ``piece_i[offset_in_piece : offset_in_piece + length]`` into ``range[offset_in_range : ... + length]``
-    for every tuple fills the range exactly once.
+    ``want`` is a :class:`~refimpl.distributed.placement.Box` of a global tensor (``want.global_shape``):
+    the elements ``[want.offsets[d], want.offsets[d] + want.shape[d])`` in every dimension ``d``. ``pieces``
+    are that tensor's pieces from the manifest: piece ``i`` is the box with ``pieces[i]["offsets"]`` and
+    ``pieces[i]["shape"]`` (and names its ``"file"``); together they tile the tensor, each element in
+    exactly one piece. Return, in piece order, one ``(i, common)`` per piece that shares at least one
+    element with ``want``, ``common`` the :class:`Box` of the elements they share. The reader then copies
+    ``out[common.slices(want)] = piece_i[common.slices(box_i)]`` for every tuple, which must fill ``out``
+    (the tensor holding ``want``) exactly once, whatever the layout that saved and the one that reads:
+    rows into columns, blocks into rows, a 1-D range (the 1-D box) into another.
 
-    Traps: offsets are local (a piece's element 0 is global element ``pieces[i]["start"]``); a piece that
-    ends where the range starts shares no element; ``numel`` may be 0.
+    Traps: two boxes share elements only if their ranges overlap in *every* dimension; a piece that only
+    touches ``want`` at a face shares nothing; ``want`` may be empty (a dimension of size 0); a 0-d tensor
+    is the box with no dimensions (one element). You may build boxes (``Box(global_shape, offsets,
+    shape)``) and use ``.slices``; do not call ``Box.intersection``.
     """
-    raise NotImplementedError("plan_read: intersect the range with every overlapping piece")
+    raise NotImplementedError("plan_read: intersect the box with every piece, dimension by dimension")

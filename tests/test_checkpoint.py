@@ -3,16 +3,20 @@
 Everything is compared bit for bit (``torch.equal``, ``==`` on losses): saving and loading copy bytes, and
 a resumed run replays exactly the arithmetic of the uninterrupted one.
 
-The multi-rank runs are batched into three spawns: 4 ranks save (flat shards with uneven ranges, a ZeRO-1
+The multi-rank runs are batched into a few spawns: 4 ranks save (row boxes with uneven sizes, a ZeRO-1
 training state, a save that crashes before its commit), then 2 and 3 ranks load them (into ZeRO-2 and
 FSDP); the 2-rank spawn also loads a plain checkpoint written by this process and runs the round trip,
-the asynchronous save (training goes on meanwhile) and the bitwise resume. Damaged checkpoints are copies of
-the 4-rank folder checked in this process.
+the asynchronous save (training goes on meanwhile) and the bitwise resume. Column blocks (strided boxes, as
+row-parallel tensor parallelism holds them) are saved by 2 ranks and read back at 1 rank whole and at 3
+ranks as row and as column blocks. Damaged checkpoints are copies of the 4-rank folder checked in this
+process.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import math
 import os
 import random
@@ -31,7 +35,6 @@ from refimpl.checkpoint import (
     CheckpointConfig,
     Checkpointer,
     CheckpointError,
-    FlatShard,
     SaveSchedule,
     ShardMeta,
     capture_rng_state,
@@ -40,6 +43,7 @@ from refimpl.checkpoint import (
     list_checkpoints,
     load_training_state,
     optimizer_shards,
+    parameter_shards,
     plan_pieces,
     read_manifest,
     restore_rng_state,
@@ -48,17 +52,18 @@ from refimpl.checkpoint import (
 )
 from refimpl.config import ConfigError, ModelConfig, OptimConfig
 from refimpl.distributed import seed_everything
+from refimpl.distributed.placement import Box, LocalShard
 from refimpl.launch import run_ranks
 from refimpl.model import GPT, lm_loss
 from refimpl.optim import build_optimizer, lr_at, param_groups, set_lr
 
 SPAWN_TIMEOUT = 240
 OPTIM = OptimConfig(lr=1e-2, warmup_steps=2)
-# Global tensors saved as flat shards at 4 ranks: numel 10, 21 and 40 are not multiples of 4 (nor 10, 40
-# of 3). [start, end) of the flattened tensor per rank; "a" leaves rank 2 empty, "c" is replicated.
+# Global tensors saved as boxes of rows at 4 ranks: 10, 7 and 40 rows are not multiples of 4 (nor 10, 7,
+# 40 of 3). [start, end) of dim 0 per rank; "a" leaves rank 2 empty, "c" is replicated.
 SHAPES = {"a": (10,), "b": (7, 3), "c": (40,)}
-SAVE_SPANS = {"a": [(0, 1), (1, 5), (5, 5), (5, 10)], "b": [(0, 6), (6, 12), (12, 18), (18, 21)],
-              "c": [(0, 40)] * 4}
+SAVE_ROWS = {"a": [(0, 1), (1, 5), (5, 5), (5, 10)], "b": [(0, 2), (2, 4), (4, 6), (6, 7)],
+             "c": [(0, 40)] * 4}
 
 
 def _tiny_gpt(seed: int = 0) -> GPT:
@@ -72,11 +77,12 @@ def _reference(name: str, step: int) -> torch.Tensor:
     return torch.randn(math.prod(shape), generator=g, dtype=torch.float64).reshape(shape)
 
 
-def _flat_shards(rank: int, step: int) -> dict[str, FlatShard]:
+def _row_shards(rank: int, step: int) -> dict[str, LocalShard]:
     out = {}
-    for name, spans in SAVE_SPANS.items():
+    for name, spans in SAVE_ROWS.items():
         start, end = spans[rank]
-        out[name] = FlatShard(_reference(name, step).reshape(-1)[start:end].clone(), SHAPES[name], start)
+        box = Box.full(SHAPES[name]).narrow(0, start, end - start)
+        out[name] = LocalShard(_reference(name, step)[box.slices()].clone(), box)
     return out
 
 
@@ -103,10 +109,10 @@ def _names_of(model: torch.nn.Module, params: list) -> list[str]:
     return [by_id[id(p)] for p in params]
 
 
-def _zero_optimizer(model: torch.nn.Module, stage: int):
+def _zero_optimizer(model: torch.nn.Module, zero_stage: int):
     from refimpl.parallel.zero import ShardedOptimizer
 
-    return ShardedOptimizer(param_groups(model, OPTIM.weight_decay), torch.optim.AdamW, zero_stage=stage,
+    return ShardedOptimizer(param_groups(model, OPTIM.weight_decay), torch.optim.AdamW, zero_stage=zero_stage,
                             lr=OPTIM.lr, betas=(OPTIM.beta1, OPTIM.beta2), eps=OPTIM.eps, foreach=False)
 
 
@@ -151,10 +157,10 @@ def _save_at_4(ctx, folder: str) -> dict:
     flat = os.path.join(folder, "flat")
     ck = Checkpointer(CheckpointConfig(folder=flat, keep_last=3, split_min_numel=2))
     for step in (1, 2):
-        ck.save(step, _flat_shards(ctx.rank, step), state={"step": step}, rank_state={"rank": ctx.rank})
+        ck.save(step, _row_shards(ctx.rank, step), state={"step": step}, rank_state={"rank": ctx.rank})
     crash = _CrashingCheckpointer(CheckpointConfig(folder=flat))
     with pytest.raises(RuntimeError, match="simulated crash"):
-        crash.save(3, _flat_shards(ctx.rank, 3))
+        crash.save(3, _row_shards(ctx.rank, 3))
     dist.barrier()
     out: dict = {}
     if ctx.rank == 0:
@@ -175,7 +181,7 @@ def _save_at_4(ctx, folder: str) -> dict:
     _train(model, optimizer, ctx, 0, 2)
     zero_ck = Checkpointer(CheckpointConfig(folder=os.path.join(folder, "zero1")))
     save_training_state(zero_ck, 2, model=model, optimizer=optimizer)
-    out["zero_moments_saved_here"] = sum(s.numel for n, s in optimizer_shards(model, optimizer).items()
+    out["zero_moments_saved_here"] = sum(s.box.numel for n, s in optimizer_shards(model, optimizer).items()
                                          if n.endswith("exp_avg"))
     consolidated = optimizer.state_dict()  # collective
     out["model"] = _portable(model.state_dict())
@@ -191,13 +197,11 @@ def _load(ctx, folder: str, zero_ref: dict, plain_ref: dict | None) -> dict:
     ck = Checkpointer(CheckpointConfig(folder=os.path.join(folder, "flat")))
     info = ck.find_latest_valid(expected=SHAPES)
     assert info.step == 2
-    for name, shape in SHAPES.items():  # uneven ranges at the new world size: ceil chunks, last short
-        total = math.prod(shape)
-        chunk = -(-total // w)
-        start, end = min(r * chunk, total), min((r + 1) * chunk, total)
-        target = torch.full((end - start,), float("nan"), dtype=torch.float64)
-        rank_state = ck.load(info, {name: FlatShard(target, shape, start)})
-        assert torch.equal(target, _reference(name, 2).reshape(-1)[start:end]), name
+    for name, shape in SHAPES.items():  # uneven rows at the new world size: ceil chunks, last short
+        box = Box.chunk(shape, 0, r, w)
+        target = torch.full(box.shape, float("nan"), dtype=torch.float64)
+        rank_state = ck.load(info, {name: LocalShard(target, box)})
+        assert torch.equal(target, _reference(name, 2)[box.slices()]), name
         full = torch.empty(shape, dtype=torch.float64)
         ck.load(info, {name: full})
         assert torch.equal(full, _reference(name, 2)), name
@@ -221,9 +225,8 @@ def _load(ctx, folder: str, zero_ref: dict, plain_ref: dict | None) -> dict:
         if ref.dim() == 0:
             assert torch.equal(shard.tensor, ref), entry
         else:
-            flat = ref.reshape(-1)[shard.offset : shard.offset + shard.numel]
-            assert torch.equal(shard.tensor.reshape(-1), flat), entry
-            checked += shard.numel if key == "exp_avg" else 0
+            assert torch.equal(shard.tensor, ref[shard.box.slices()]), entry
+            checked += shard.box.numel if key == "exp_avg" else 0
     model = _tiny_gpt(seed=8)
     zero2 = _zero_optimizer(model, zero_stage=2)
     load_training_state(zero_ck, zinfo, model=model, optimizer=zero2)
@@ -290,6 +293,86 @@ def _roundtrip_and_resume(ctx, folder: str) -> list[list[float]]:
     return [uninterrupted, resumed]
 
 
+# ------------------------------------------------------------ column blocks (strided boxes): 2 -> 1 and 3
+COLUMN_SHAPES = {"w": (6, 10), "odd": (7, 9)}  # 7 x 9: 5 + 4 columns at 2 ranks, 3 + 3 + 1 rows at 3
+
+
+def _column_reference(name: str) -> torch.Tensor:
+    """Distinct values, so that an element read from the wrong place cannot compare equal."""
+    shape = COLUMN_SHAPES[name]
+    return (torch.arange(math.prod(shape), dtype=torch.float32) + 1000 * len(name)).reshape(shape)
+
+
+def _save_column_blocks(ctx, folder: str) -> None:
+    """Each of 2 ranks holds a column block of every tensor (``Box.chunk(shape, 1, r, 2)``, as row-parallel
+    tensor parallelism holds ``[out, in]`` weights), a strided view of a full tensor; saved as it is, and
+    (negative control) with the two ranks' boxes of ``w`` swapped."""
+    for kind in ("columns", "swapped"):
+        shards = {}
+        for name, shape in COLUMN_SHAPES.items():
+            box = Box.chunk(shape, 1, ctx.rank, 2)
+            local = _column_reference(name).clone()[box.slices()]
+            assert not local.is_contiguous()  # the full tensor's row stride
+            if kind == "swapped" and name == "w":  # 5 + 5 columns: the other rank's box has the same shape
+                box = Box.chunk(shape, 1, 1 - ctx.rank, 2)
+            shards[name] = LocalShard(local, box)
+        Checkpointer(CheckpointConfig(folder=os.path.join(folder, kind))).save(1, shards)
+
+
+def _read_blocks_at_3(ctx, folder: str) -> dict[str, bool]:
+    """Every rank of 3 reads its row block and its column block of each tensor, into strided targets."""
+    from refimpl.parallel.data_parallel import DataParallelBucket, DataParallelNaive
+
+    ck = Checkpointer(CheckpointConfig(folder=os.path.join(folder, "columns")))
+    info = ck.find_latest_valid(expected=COLUMN_SHAPES)
+    out = {}
+    for name, shape in COLUMN_SHAPES.items():
+        ref = _column_reference(name)
+        for dim in (0, 1):
+            box = Box.chunk(shape, dim, ctx.rank, 3)
+            big = torch.full((shape[0] + 2, shape[1] + 3), float("nan"))  # the target: a view inside it
+            target = big[1 : 1 + box.shape[0], 2 : 2 + box.shape[1]]
+            ck.load(info, {name: LocalShard(target, box)})
+            untouched = int(big.isnan().sum()) == big.numel() - box.numel
+            same = torch.equal(target, ref[box.slices()])
+            out[f"{name} dim {dim} {box.offsets} {box.shape}"] = same and untouched
+    # refimpl's data-parallel wrappers declare their replicas under the wrapped model's names
+    plain = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    names = set(parameter_shards(plain))
+    for wrapper in (DataParallelNaive(plain), DataParallelBucket(plain)):
+        shards = parameter_shards(wrapper)
+        out[type(wrapper).__name__] = set(shards) == names and all(s.box.is_full for s in shards.values())
+    return out
+
+
+@pytest.fixture(scope="module")
+def column_blocks(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("columns")
+    run_ranks(_save_column_blocks, 2, str(folder), timeout_s=SPAWN_TIMEOUT)
+    return folder
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+def test_column_blocks_saved_by_2_ranks_read_bitwise_at_1_rank_and_a_swapped_box_fails(column_blocks):
+    for kind in ("columns", "swapped"):
+        info = find_latest_valid(column_blocks / kind, expected=COLUMN_SHAPES)
+        pieces = [(p["file"], p["offsets"], p["shape"]) for p in info.manifest["entries"]["odd"]["pieces"]]
+        assert pieces == [("rank_00000.pt", [0, 0], [7, 5]), ("rank_00001.pt", [0, 5], [7, 4])]
+        for name, shape in COLUMN_SHAPES.items():
+            whole = torch.full(shape, float("nan"))
+            Checkpointer(CheckpointConfig(folder=column_blocks / kind)).load(info, {name: whole})
+            # negative control: rank 0's columns saved as rank 1's box (and back) give another tensor
+            expected = kind == "columns" or name != "w"
+            assert torch.equal(whole, _column_reference(name)) == expected, (kind, name)
+
+
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT + 30)
+def test_column_blocks_read_bitwise_at_3_ranks_as_rows_and_as_columns(column_blocks):
+    results = run_ranks(_read_blocks_at_3, 3, str(column_blocks), timeout_s=SPAWN_TIMEOUT)
+    for rank, checks in enumerate(results):
+        assert len(checks) == 2 * len(COLUMN_SHAPES) + 2 and all(checks.values()), (rank, checks)
+
+
 # ------------------------------------------------------------------------------------------------ spawns
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict:
@@ -336,12 +419,12 @@ def _check_moments(results: list[dict]) -> None:
 
 
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT + 60)
-def test_reshard_4_to_2_ranks_flat_shards_zero_stages_and_1_to_2(at_2_ranks):
+def test_reshard_4_to_2_ranks_row_boxes_zero_stages_and_1_to_2(at_2_ranks):
     _check_moments([r["load"] for r in at_2_ranks])
 
 
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT + 60)
-def test_reshard_4_to_3_ranks_flat_shards_and_zero_stages(saved):
+def test_reshard_4_to_3_ranks_row_boxes_and_zero_stages(saved):
     _check_moments(run_ranks(_load, 3, str(saved["folder"]), saved["rank0"], None, timeout_s=SPAWN_TIMEOUT))
 
 
@@ -398,7 +481,7 @@ def _truncate(path):
 
 
 def _set_version(step_dir):
-    text = (step_dir / MANIFEST).read_text().replace('"format_version": 1', '"format_version": 99')
+    text = (step_dir / MANIFEST).read_text().replace('"format_version": 2', '"format_version": 99')
     (step_dir / MANIFEST).write_text(text)
 
 
@@ -443,7 +526,7 @@ def test_flipped_bit_in_tensor_data_loads_silently_without_the_checksum(saved, t
     """Negative control: torch.load does not notice a flipped bit in tensor bytes; our sha256 does."""
     folder, newest = _damaged_copy(saved, tmp_path, lambda d: None)
     path = newest / "rank_00001.pt"
-    piece = torch.load(path, weights_only=True)["pieces"]["a@1"]  # rank 1 holds [1, 5) of "a"
+    piece = torch.load(path, weights_only=True)["pieces"]["a@1"]  # rank 1 holds the box [1, 5) of "a"
     position = path.read_bytes().find(piece.numpy().tobytes())
     assert position > 0
     _flip_bit(path, position + 3)
@@ -451,6 +534,94 @@ def test_flipped_bit_in_tensor_data_loads_silently_without_the_checksum(saved, t
     assert not torch.equal(damaged, piece)  # ...but different numbers
     with pytest.raises(CheckpointError, match="sha256 mismatch"):
         verify_checkpoint(newest)
+
+
+def _rewrite_manifest(step_dir, **fields) -> None:
+    """Set ``fields`` in a manifest and recompute its own checksum (sha256 of its canonical JSON)."""
+    manifest = json.loads((step_dir / MANIFEST).read_text())
+    manifest.update(fields)
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    manifest["manifest_sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"))
+                                                 .encode()).hexdigest()
+    (step_dir / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_of_format_version_1_is_refused_in_one_line(saved, tmp_path):
+    folder, newest = _damaged_copy(saved, tmp_path, lambda d: None)
+    _rewrite_manifest(newest, format_version=2)  # control: the rewrite itself keeps it valid
+    assert verify_checkpoint(newest)["format_version"] == 2
+    for step_dir in list_checkpoints(folder):
+        _rewrite_manifest(step_dir, format_version=1)  # checksum valid: only the version is wrong
+    with pytest.raises(CheckpointError) as err:
+        verify_checkpoint(newest)
+    message = str(err.value)
+    assert "\n" not in message and "format version 1 is not supported" in message, message
+    assert "this refimpl reads version 2 only" in message, message
+    with pytest.raises(CheckpointError, match="no valid checkpoint") as err:
+        find_latest_valid(folder)
+    assert str(err.value).count("format version 1 is not supported") == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_manifest_whose_boxes_overlap_or_leave_a_hole_is_refused(saved, tmp_path):
+    folder, newest = _damaged_copy(saved, tmp_path, lambda d: None)
+    entries = json.loads((newest / MANIFEST).read_text())["entries"]
+    pieces = entries["b"]["pieces"]  # rows 0-1, 2-3, 4-5, 6 of a [7, 3] tensor
+    assert [p["offsets"] for p in pieces] == [[0, 0], [2, 0], [4, 0], [6, 0]]
+    overlapping = [*pieces[:1], {**pieces[1], "offsets": [1, 0]}, *pieces[2:]]
+    for damaged, message in ((overlapping, "two pieces of 'b' overlap"), (pieces[:-1], "cover 18 of 21")):
+        _rewrite_manifest(newest, entries={**entries, "b": {**entries["b"], "pieces": damaged}})
+        with pytest.raises(CheckpointError, match=message):
+            verify_checkpoint(newest)
+    assert find_latest_valid(folder).step == 1  # the previous checkpoint is used
+
+
+class _RowParallelBlock(torch.nn.Module):
+    """Holds columns [3, 6) of a global [4, 6] weight and says so, as a row-parallel layer will (ch. 06)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 3))
+        self.register_buffer("scale", torch.ones(3))
+        self.inner = torch.nn.Linear(2, 2)  # claimed with the rest of the subtree: not listed on its own
+
+    def local_shards(self) -> dict[str, LocalShard]:
+        return {"weight": LocalShard(self.weight, Box.full((4, 6)).narrow(1, 3, 3)),
+                "scale": LocalShard.full(self.scale)}
+
+
+class _ZeroRowsOf:
+    """An optimizer that, like ZeRO-1 at rank 1 of 2, steps rows [2, 4) of each parameter's local tensor."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.views = [p.detach()[2:4] for p in params]
+        self.inner_optimizer = torch.optim.AdamW(self.views, lr=1e-2)
+
+    def local_state_shards(self):
+        return [(p, v, Box.full(p.shape).narrow(0, 2, 2))
+                for p, v in zip(self.params, self.views, strict=True)]
+
+
+def test_modules_declare_their_boxes_at_any_depth_and_optimizers_compose_them():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Sequential(_RowParallelBlock()))
+    model[0].register_buffer("scratch", torch.zeros(2), persistent=False)
+    shards = parameter_shards(model)
+    assert sorted(shards) == ["model/0.bias", "model/0.weight", "model/1.0.scale", "model/1.0.weight"]
+    assert shards["model/1.0.weight"].box == Box((4, 6), (0, 3), (4, 3))
+    assert all(shards[n].box.is_full for n in ("model/0.bias", "model/0.weight", "model/1.0.scale"))
+    # ZeRO-1 over a tensor-parallel shard: rows [2, 4) of the local columns [3, 6) = global [2, 4) x [3, 6)
+    block = model[1][0]
+    optimizer = _ZeroRowsOf([block.weight])
+    optimizer.views[0].grad = torch.ones(2, 3)
+    optimizer.inner_optimizer.step()
+    state = optimizer_shards(model, optimizer)
+    assert state["optimizer/1.0.weight/exp_avg"].box == Box((4, 6), (2, 3), (2, 3))
+    assert state["optimizer/1.0.weight/step"].box.is_full
+    block.local_shards = lambda: {"weight": block.weight}  # negative control: not a LocalShard
+    with pytest.raises(TypeError, match=r"local_shards\(\)\['weight'\] is a Parameter, not a LocalShard"):
+        parameter_shards(model)
 
 
 # ------------------------------------------------------------------------------- protocol, one process
@@ -537,7 +708,7 @@ def test_resume_never_refuses_a_folder_with_checkpoints(tmp_path):
 @pytest.mark.timeout(60)
 def test_a_small_view_is_saved_without_its_whole_storage(tmp_path):
     big = torch.zeros(1_000_000)
-    Checkpointer(CheckpointConfig(folder=tmp_path)).save(1, {"x": FlatShard(big[:10], (10,), 0)})
+    Checkpointer(CheckpointConfig(folder=tmp_path)).save(1, {"x": LocalShard(big[:10], Box.full((10,)))})
     assert (tmp_path / "step_00000001" / "rank_00000.pt").stat().st_size < 10_000
 
 
@@ -561,17 +732,52 @@ def test_rng_capture_restore_gives_the_same_numbers():
     assert first[:3] == again[:3] and torch.equal(first[3], again[3])
 
 
+def _meta(name: str, shape: tuple[int, ...], *cut: tuple[int, int, int]) -> ShardMeta:
+    """The box of ``shape`` narrowed by ``(dim, start, length)`` for each cut."""
+    box = Box.full(shape)
+    for dim, start, length in cut:
+        box = box.narrow(dim, start, length)
+    return ShardMeta(name, "float32", box)
+
+
+def _pieces(plan: dict, name: str) -> list[tuple[int, tuple, tuple]]:
+    return [(p["rank"], tuple(p["offsets"]), tuple(p["shape"])) for p in plan[name]["pieces"]]
+
+
 def test_plan_splits_replicas_evenly_and_refuses_bad_layouts():
-    meta = [[ShardMeta("r", (100,), "float32", 0, 100)] for _ in range(4)]
-    pieces = plan_pieces(meta, split_min_numel=10)["r"]["pieces"]
-    assert [(p["rank"], p["start"], p["numel"]) for p in pieces] == [(0, 0, 25), (1, 25, 25), (2, 50, 25),
-                                                                     (3, 75, 25)]
+    meta = [[_meta("r", (100,))] for _ in range(4)]
+    assert _pieces(plan_pieces(meta, split_min_numel=10), "r") == [(0, (0,), (25,)), (1, (25,), (25,)),
+                                                                   (2, (50,), (25,)), (3, (75,), (25,))]
     small = plan_pieces(meta, split_min_numel=1000)["r"]["pieces"]
     assert len(small) == 1  # too small to be worth splitting: one writer
-    with pytest.raises(CheckpointError, match=r"elements \[4, 6\) of 10 are held by no rank"):
-        plan_pieces([[ShardMeta("g", (10,), "float32", 0, 4)], [ShardMeta("g", (10,), "float32", 6, 4)]])
+    with pytest.raises(CheckpointError, match=r"elements \[4, 6\) of a tensor of shape \(10,\) are held"):
+        plan_pieces([[_meta("g", (10,), (0, 0, 4))], [_meta("g", (10,), (0, 6, 4))]])
     with pytest.raises(CheckpointError, match="shape"):
-        plan_pieces([[ShardMeta("s", (10,), "float32", 0, 10)], [ShardMeta("s", (11,), "float32", 0, 11)]])
+        plan_pieces([[_meta("s", (10,))], [_meta("s", (11,))]])
+
+
+def test_plan_on_boxes_covers_every_element_once_and_finds_2d_holes():
+    # a replicated [6, 10] matrix: split along its longest dim (10 columns) among the 2 holders
+    replicated = [[_meta("m", (6, 10))] for _ in range(2)]
+    assert _pieces(plan_pieces(replicated, split_min_numel=1), "m") == [(0, (0, 0), (6, 5)),
+                                                                        (1, (0, 5), (6, 5))]
+    # rank 0 holds the top-left block, rank 1 the bottom rows, rank 2 the right columns (overlapping
+    # rank 1's): every cell written once; rank 1's two cells of the bottom rows are merged into one piece
+    layout = [[_meta("m", (6, 10), (0, 0, 3), (1, 0, 5))], [_meta("m", (6, 10), (0, 3, 3))],
+              [_meta("m", (6, 10), (1, 5, 5))]]
+    plan = plan_pieces(layout, split_min_numel=100)
+    pieces = _pieces(plan, "m")
+    count = torch.zeros(6, 10, dtype=torch.int64)
+    for _, offsets, shape in pieces:
+        count[Box((6, 10), offsets, shape).slices()] += 1
+    assert torch.equal(count, torch.ones_like(count)), count
+    # the shared cell [3, 6) x [5, 10) goes to the holder with fewer bytes so far (a tie: the lower rank)
+    assert pieces == [(0, (0, 0), (3, 5)), (2, (0, 5), (3, 5)), (1, (3, 0), (3, 10))]
+    # negative control: without rank 2 the top-right block [0, 3) x [5, 10) has no holder
+    with pytest.raises(CheckpointError, match=r"elements \[0, 3\) x \[5, 10\) of a tensor of shape \(6, 10"):
+        plan_pieces(layout[:2])
+    # the plan is a pure function of the metadata: every rank computes the same one
+    assert plan_pieces(layout, split_min_numel=100) == plan
 
 
 def test_save_schedule_every_n_steps_without_process_group():

@@ -8,9 +8,10 @@
 * ``verify_checkpoint`` gets an intact checkpoint (a rank file of about 1.6 MB) and copies of it with a
   flipped bit near the end of a file (past the first MiB), a truncated file, a deleted file and an edited
   manifest.
-* ``plan_read`` reads, at 3 ranks (ceil-sized flat ranges, and ranges that end on a piece boundary or are
-  empty), tensors that 4 ranks saved with uneven ranges (refimpl's ``plan_pieces``); the copies it plans
-  must reproduce every element.
+* ``plan_read`` reads, at 3 ranks as blocks of rows and as blocks of columns (ceil-sized chunks), whole,
+  empty, one piece exactly and an inner block, tensors that 4 ranks saved as boxes (rows, columns, a 2 x 2
+  grid, a 1-D tensor with an empty shard, a replica written in slabs, a 0-d tensor; refimpl's
+  ``plan_pieces``); the copies it plans must reproduce every element exactly once.
 
 ``MUTANTS`` holds one plausible wrong implementation per task (tests/test_exercises.py grades them).
 """
@@ -36,11 +37,14 @@ from refimpl.checkpoint import (
     build_manifest,
     find_latest_valid,
     list_checkpoints,
+    piece_box,
+    piece_key,
     plan_pieces,
     rank_file_name,
     verify_checkpoint,
     write_rank_file,
 )
+from refimpl.distributed.placement import Box
 
 
 class _Crash(OSError):
@@ -57,9 +61,9 @@ def _prepared(folder: Path, step: int) -> tuple[Path, dict]:
     """A written but uncommitted save of ``step``: its temp folder and its manifest."""
     tmp = folder / f"step_{step:08d}.tmp-check{step}"
     tmp.mkdir()
-    plan = plan_pieces([[ShardMeta("w", (64,), "float32", 0, 64)]])
+    plan = plan_pieces([[ShardMeta("w", "float32", Box.full((64,)))]])
     files = {rank_file_name(0): write_rank_file(tmp / rank_file_name(0),
-                                                {"w@0": torch.full((64,), float(step))}, None)}
+                                                {piece_key("w", (0,)): torch.full((64,), float(step))}, None)}
     manifest = build_manifest(step=step, world_size=1, plan=plan, files=files, state={"step": step},
                               config=None, versions={})
     return tmp, manifest
@@ -225,57 +229,78 @@ def check_verify(path: str) -> None:
             raise AssertionError(f"{what} was not detected: verify_checkpoint returned the manifest")
 
 
-def _ranges(total: int, world: int) -> list[tuple[int, int]]:
-    chunk = -(-total // world)
-    return [(min(r * chunk, total), min((r + 1) * chunk, total)) for r in range(world)]
+def _grid(shape: tuple[int, ...], r: int) -> Box:
+    """Rank r's block of a 2 x 2 grid of blocks (ceil-sized in both dims)."""
+    return Box.chunk(shape, 0, r // 2, 2).within(Box.chunk(Box.chunk(shape, 0, r // 2, 2).shape, 1, r % 2, 2))
 
 
-SAVED_AT_4 = {  # flat [start, end) that each of 4 ranks held when saving (uneven, one empty, one replicated)
-    "qkv": [(0, 252), (252, 504), (504, 756), (756, 972)],  # 54 x 18 rows cut 14/14/14/12
-    "norm": [(0, 5), (5, 10), (10, 15), (15, 18)],
-    "gappy": [(0, 1), (1, 1), (1, 30), (30, 31)],
-    "replica": [(0, 40)] * 4,
+SAVED_AT_4 = {  # global shape and the box each of 4 ranks held when saving
+    "qkv": ((54, 18), lambda r: Box.chunk((54, 18), 0, r, 4)),  # ZeRO rows, cut 14/14/14/12
+    "dense": ((6, 10), lambda r: Box.chunk((6, 10), 1, r, 4)),  # row-parallel columns, 3/3/3/1
+    "blocks": ((7, 9), lambda r: _grid((7, 9), r)),  # 4 x 5, 4 x 4, 3 x 5, 3 x 4
+    "gappy": ((31,), lambda r: Box((31,), ((0, 1, 1, 30)[r],), ((1, 0, 29, 1)[r],))),  # rank 1 empty
+    "replica": ((8, 5), lambda r: Box.full((8, 5))),  # written in 4 slabs
+    "scalar": ((), lambda r: Box.full(())),
 }
+
+
+def _inside(outer: Box, inner: Box) -> bool:
+    return all(o <= i and i + s <= o + t for o, t, i, s in
+               zip(outer.offsets, outer.shape, inner.offsets, inner.shape, strict=True))
+
+
+def _requests(shape: tuple[int, ...], pieces: list[Box]) -> list[tuple[str, Box]]:
+    out = [("whole", Box.full(shape))]
+    for dim in range(len(shape)):
+        out += [(f"rank {r} of 3 along dim {dim}", Box.chunk(shape, dim, r, 3)) for r in range(3)]
+    if shape:
+        out.append(("an empty box", Box.full(shape).narrow(0, 0, 0)))
+        out.append(("an inner block", Box(shape, (1,) * len(shape), tuple(n - 2 for n in shape))))
+    out += [(f"exactly piece {i}", box) for i, box in enumerate(pieces)]
+    return out
 
 
 def check_plan_read(path: str) -> None:
     plan_read = load_module(path).plan_read
-    metas = [[ShardMeta(name, (spans[-1][1],), "float32", spans[r][0], spans[r][1] - spans[r][0])
-              for name, spans in SAVED_AT_4.items()] for r in range(4)]
-    plan = plan_pieces(metas, split_min_numel=4)  # the replica is written in 4 slices
+    metas = [[ShardMeta(name, "float32", box_of(r)) for name, (_, box_of) in SAVED_AT_4.items()]
+             for r in range(4)]
+    plan = plan_pieces(metas, split_min_numel=4)  # the replica is written in 4 slabs
     for name, entry in plan.items():
-        total = entry["shape"][0]
-        value = torch.arange(total, dtype=torch.float32) + 1000 * len(name)
-        saved = [value[p["start"] : p["start"] + p["numel"]] for p in entry["pieces"]]
-        requests = [*_ranges(total, 3), (0, 0), (total, total), (0, total)]
-        requests += [(p["start"], p["start"] + p["numel"]) for p in entry["pieces"]]  # one piece exactly
-        for start, end in requests:
-            got = plan_read(entry["pieces"], start, end - start)
-            layout = [(p["start"], p["numel"]) for p in entry["pieces"]]
-            where = f"{name!r} (pieces (start, numel) {layout}), range [{start}, {end})"
-            ops = [tuple(int(v) for v in op) for op in got]
-            for i, src, dst, n in ops:
+        shape = tuple(entry["shape"])
+        value = (torch.arange(max(1, torch.Size(shape).numel()), dtype=torch.float32) + 1000 * len(name))
+        value = value.reshape(shape)
+        boxes = [piece_box(shape, p) for p in entry["pieces"]]
+        saved = [value[b.slices()] for b in boxes]
+        layout = [(b.offsets, b.shape) for b in boxes]
+        for what, want in _requests(shape, boxes):
+            where = (f"{name!r} of shape {shape} (pieces (offsets, shape) {layout}), {what} {want.offsets} "
+                     f"{want.shape}")
+            got = [(int(i), common) for i, common in plan_read(entry["pieces"], want)]
+            for i, common in got:
                 assert 0 <= i < len(saved), f"{where}: piece index {i} does not exist"
-                assert n > 0, f"{where}: ({i}, {src}, {dst}, {n}) copies nothing; leave such pieces out"
-                assert 0 <= src and src + n <= len(saved[i]), (
-                    f"{where}: ({i}, {src}, {dst}, {n}) reads outside piece {i} (it has {len(saved[i])} "
-                    "elements; offsets are local to the piece)")
-                assert 0 <= dst and dst + n <= end - start, f"{where}: ({i}, {src}, {dst}, {n}) overflows"
-            order = [op[0] for op in ops]
-            assert order == sorted(set(order)), f"{where}: not in piece order {ops}"
-            out = torch.full((end - start,), float("nan"))
-            count = torch.zeros(end - start, dtype=torch.int64)
-            for i, src, dst, n in ops:
-                out[dst : dst + n] = saved[i][src : src + n]
-                count[dst : dst + n] += 1
-            assert torch.equal(count, torch.ones_like(count)), f"{where}: copied {count.tolist()} times"
-            assert torch.equal(out, value[start:end]), f"{where}: the copies {ops} give other values"
+                assert isinstance(common, Box), f"{where}: ({i}, {common!r}) is not (index, Box)"
+                assert common.global_shape == shape, f"{where}: piece {i}: a box of another tensor shape"
+                assert common.numel > 0, f"{where}: piece {i}: {common} copies nothing; leave such pieces out"
+                assert _inside(boxes[i], common), (
+                    f"{where}: piece {i}: {common.offsets} {common.shape} lies outside the piece")
+                assert _inside(want, common), (
+                    f"{where}: piece {i}: {common.offsets} {common.shape} lies outside the box read")
+            order = [i for i, _ in got]
+            assert order == sorted(set(order)), f"{where}: not in piece order {order}"
+            out = torch.full(want.shape, float("nan"))
+            count = torch.zeros(want.shape, dtype=torch.int64)
+            for i, common in got:
+                out[common.slices(want)] = saved[i][common.slices(boxes[i])]
+                count[common.slices(want)] += 1
+            assert torch.equal(count, torch.ones_like(count)), (
+                f"{where}: elements copied {count.tolist()} times")
+            assert torch.equal(out, value[want.slices()]), f"{where}: the copies {got} give other values"
 
 
 TASKS = [
     Task(name="commit: atomic, crash-safe", points=4, check=check_commit),
     Task(name="verify_checkpoint: sha256", points=2, check=check_verify),
-    Task(name="plan_read: reshard 4 -> 3", points=3, check=check_plan_read),
+    Task(name="plan_read: reshard boxes 4 -> 3", points=3, check=check_plan_read),
 ]
 
 _HEADER = "from exercises.reference.ch09 import *  # noqa: F403\n"
@@ -310,13 +335,19 @@ MUTANTS = {
         "            raise CheckpointError(f'{path} is missing or has another size')\n"
         "    return manifest\n"
     ),
-    "plan_read: reshard 4 -> 3": _HEADER + (
-        "def plan_read(pieces, start, numel):\n"
-        "    out, end = [], start + numel\n"
+    "plan_read: reshard boxes 4 -> 3": _HEADER + (
+        "from refimpl.distributed.placement import Box\n"
+        "def plan_read(pieces, want):\n"
+        "    out = []\n"
         "    for i, p in enumerate(pieces):\n"
-        "        lo, hi = max(p['start'], start), min(p['start'] + p['numel'], end)\n"
-        "        if lo < hi:  # global offset into the piece instead of a local one\n"
-        "            out.append((i, lo, lo - start, hi - lo))\n"
+        "        if not want.ndim:\n"
+        "            out.append((i, want))\n"
+        "            continue\n"
+        "        lo = max(p['offsets'][0], want.offsets[0])  # dim 0 only: every piece taken as whole rows\n"
+        "        hi = min(p['offsets'][0] + p['shape'][0], want.offsets[0] + want.shape[0])\n"
+        "        if lo < hi:\n"
+        "            box = Box(want.global_shape, (lo, *want.offsets[1:]), (hi - lo, *want.shape[1:]))\n"
+        "            out.append((i, box))\n"
         "    return out\n"
     ),
 }

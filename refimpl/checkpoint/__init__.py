@@ -6,9 +6,12 @@ What a checkpoint holds (:func:`save_training_state`): the model's parameters an
 the optimizer state *as each rank holds them* (full tensors, ZeRO-1/2 optimizer shards, FSDP parameter
 shards), the optimizer's hyperparameters, the loss scaler, the step (from which the learning-rate
 schedule and the data position follow: both are pure functions of the step in refimpl), the run's config,
-library versions, and each rank's RNG states. The format is in :mod:`refimpl.checkpoint.format`: tensors
-are described by global name, shape and flat ranges, so a checkpoint written at one data-parallel size or
-ZeRO stage loads at another.
+library versions, and each rank's RNG states. The format (version 2) is in
+:mod:`refimpl.checkpoint.format`: tensors are described by global name and shape, and every piece is a box
+of its tensor (:class:`refimpl.distributed.placement.Box`: offsets and shape), so a checkpoint written at
+one data-parallel size, ZeRO stage or layout loads at another, by box intersection. The wrappers say
+themselves which boxes they hold (``local_shards()`` on a module, ``local_state_shards()`` on an
+optimizer); the checkpoint reads only that.
 
 **The commit protocol** (:meth:`Checkpointer.save`, collective)::
 
@@ -40,9 +43,9 @@ exactly those the uninterrupted run had.
 
 The package, one concept per file, imports running down the list::
 
-    format.py          the on-disk format: FlatShard, ShardMeta, names, what a rank may store
-    plan.py            who writes which range (plan_pieces), who reads which (plan_read: resharding)
-    files.py           fsync, sha256, a rank's file written; CheckpointReader reads ranges back
+    format.py          the on-disk format (version 2): ShardMeta (a rank's box), piece keys, what is stored
+    plan.py            who writes which box (plan_pieces), who reads which (plan_read: box intersection)
+    files.py           fsync, sha256, a rank's file written; CheckpointReader reads boxes back
     manifest.py        the manifest built, written, read, its checksum; verify_checkpoint
     folder.py          the folder protocol: commit, latest, list, clean, find_latest_valid
     checkpointer.py    Checkpointer: the collective save (sync or async), find, resume_point, load
@@ -69,11 +72,12 @@ from refimpl.checkpoint.format import (
     MANIFEST,
     SPLIT_MIN_NUMEL,
     CheckpointError,
-    FlatShard,
     ShardMeta,
-    as_flat_shard,
+    as_local_shard,
     check_plain,
+    describe_box,
     dtype_of,
+    piece_box,
     piece_key,
     rank_file_name,
     shard_metadata,
@@ -100,11 +104,12 @@ from refimpl.checkpoint.training_state import (
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "LATEST", "MANIFEST", "SPLIT_MIN_NUMEL", "STEP_DIR", "TMP_MARK",
-    "CheckpointConfig", "CheckpointError", "CheckpointInfo", "CheckpointReader", "Checkpointer", "FlatShard",
-    "SaveSchedule", "ShardMeta", "as_flat_shard", "build_manifest", "capture_rng_state", "check_expected",
-    "check_plain", "clean_leftovers", "commit", "dtype_of", "expected_shapes", "find_latest_valid",
-    "fsync_dir", "library_versions", "list_checkpoints", "load_training_state", "optimizer_shards",
-    "parameter_shards", "piece_key", "plan_pieces", "plan_read", "rank_file_name", "read_manifest",
-    "restore_rng_state", "save_training_state", "sha256_file", "shard_metadata", "snapshot_pieces",
+    "CheckpointConfig", "CheckpointError", "CheckpointInfo", "CheckpointReader", "Checkpointer",
+    "SaveSchedule", "ShardMeta", "as_local_shard", "build_manifest", "capture_rng_state", "check_expected",
+    "check_plain", "clean_leftovers", "commit", "describe_box", "dtype_of", "expected_shapes",
+    "find_latest_valid", "fsync_dir", "library_versions", "list_checkpoints", "load_training_state",
+    "optimizer_shards", "parameter_shards", "piece_box", "piece_key", "plan_pieces", "plan_read",
+    "rank_file_name", "read_manifest", "restore_rng_state", "save_training_state", "sha256_file",
+    "shard_metadata", "snapshot_pieces",
     "step_dir_name", "verify_checkpoint", "write_manifest", "write_rank_file",
 ]

@@ -35,8 +35,7 @@ from refimpl.checkpoint.folder import (
 from refimpl.checkpoint.format import (
     SPLIT_MIN_NUMEL,
     CheckpointError,
-    FlatShard,
-    as_flat_shard,
+    as_local_shard,
     check_plain,
     rank_file_name,
     shard_metadata,
@@ -44,6 +43,7 @@ from refimpl.checkpoint.format import (
 from refimpl.checkpoint.manifest import build_manifest, library_versions
 from refimpl.checkpoint.plan import plan_pieces, snapshot_pieces
 from refimpl.config import ConfigError
+from refimpl.distributed.placement import LocalShard
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,15 +123,15 @@ class Checkpointer:
 
     # -- save ------------------------------------------------------------------------------------------
 
-    def save(self, step: int, tensors: Mapping[str, FlatShard | torch.Tensor], *,
+    def save(self, step: int, tensors: Mapping[str, LocalShard | torch.Tensor], *,
              state: Mapping[str, Any] | None = None, rank_state: Any = None, config: Any = None) -> None:
-        """Save ``tensors`` (global name -> this rank's :class:`FlatShard`, or a full tensor) at ``step``.
+        """Save ``tensors`` (global name -> this rank's :class:`LocalShard`, or a full tensor) at ``step``.
 
         ``state`` (JSON, rank 0's copy is kept) goes into the manifest; ``rank_state`` (tensors, numbers,
         strings, containers) into this rank's file. With ``async_save`` it returns after the snapshot.
         """
         self.wait()
-        shards = {name: as_flat_shard(v) for name, v in tensors.items()}
+        shards = {name: as_local_shard(v) for name, v in tensors.items()}
         check_plain(rank_state, "rank_state")
         state_json, config_json = _to_json(dict(state or {}), "state"), _to_json(config, "config")
         gathered = self._gather((shard_metadata(shards), uuid.uuid4().hex[:8]))
@@ -223,9 +223,9 @@ class Checkpointer:
                                   "choose another folder")
         return None
 
-    def load(self, info: CheckpointInfo, tensors: Mapping[str, FlatShard | torch.Tensor]) -> Any:
-        """Copy each requested range into its tensor; return this rank's ``rank_state`` (None if the
-        checkpoint was written by fewer ranks)."""
+    def load(self, info: CheckpointInfo, tensors: Mapping[str, LocalShard | torch.Tensor]) -> Any:
+        """Copy each requested box into its tensor (in place, any strides); return this rank's
+        ``rank_state`` (None if the checkpoint was written by fewer ranks)."""
         reader = CheckpointReader(info.path, info.manifest)
         try:
             reader.load_into(tensors)

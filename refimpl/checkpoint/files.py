@@ -1,15 +1,16 @@
 """The bytes on disk: fsync, sha256, a rank's file written and read back (chapter 09).
 
-A rank file is ``torch.save({"format_version", "pieces": {"<name>@<start>": flat tensor}, "objects"})``,
-fsynced before its sha256 and size are reported (:func:`write_rank_file`). :class:`CheckpointReader`
-opens the files of a verified checkpoint (mmap, ``weights_only=True``: no code runs on load) and copies
-ranges of global tensors out of them, following :func:`~refimpl.checkpoint.plan.plan_read`.
+A rank file is ``torch.save({"format_version", "pieces": {"<name>@<offsets>": tensor of the piece's box},
+"objects"})``, fsynced before its sha256 and size are reported (:func:`write_rank_file`).
+:class:`CheckpointReader` opens the files of a verified checkpoint (mmap, ``weights_only=True``: no code
+runs on load) and copies boxes of global tensors out of them by box intersection
+(:func:`~refimpl.checkpoint.plan.plan_read`), into any tensor that holds the box, strided ones included (a
+column block is a view with a row stride: the copy goes through ``tensor[slices]``, never ``.view(-1)``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -20,13 +21,15 @@ import torch
 from refimpl.checkpoint.format import (
     FORMAT_VERSION,
     CheckpointError,
-    FlatShard,
-    as_flat_shard,
+    as_local_shard,
+    describe_box,
     dtype_of,
+    piece_box,
     piece_key,
     rank_file_name,
 )
 from refimpl.checkpoint.plan import plan_read
+from refimpl.distributed.placement import Box, LocalShard
 
 
 def fsync_dir(path: Path) -> None:
@@ -82,33 +85,36 @@ class CheckpointReader:
                                   f"{tuple(shape)} was asked for")
         return entry
 
-    def read(self, name: str, start: int = 0, numel: int | None = None) -> torch.Tensor:
-        """Elements ``[start, start + numel)`` of the flattened global tensor ``name`` (1-D, saved dtype)."""
+    def read(self, name: str, box: Box | None = None) -> torch.Tensor:
+        """The box ``box`` (None: the whole tensor) of the global tensor ``name``, in the saved dtype."""
         entry = self.entry(name)
-        total = math.prod(entry["shape"])
-        numel = total - start if numel is None else numel
-        if not 0 <= start <= start + numel <= total:
-            raise CheckpointError(f"range [{start}, {start + numel}) outside {name!r} ({total} elements)")
-        out = torch.empty(numel, dtype=dtype_of(entry["dtype"]))
-        filled = 0
-        for index, src_at, dst_at, n in plan_read(entry["pieces"], start, numel):
-            p = entry["pieces"][index]
-            src = self._file(p["file"])["pieces"][piece_key(name, p["start"])]
-            out[dst_at : dst_at + n].copy_(src[src_at : src_at + n])
-            filled += n
-        if filled != numel:
-            raise CheckpointError(f"{name!r}: only {filled} of {numel} requested elements found")
+        box = Box.full(entry["shape"]) if box is None else box
+        out = torch.empty(box.shape, dtype=dtype_of(entry["dtype"]))
+        self._copy_into(name, entry, box, out)
         return out
 
-    def load_into(self, shards: Mapping[str, FlatShard | torch.Tensor]) -> None:
-        """Copy each shard's range into its tensor, in place (the tensors must be contiguous)."""
+    def _copy_into(self, name: str, entry: Mapping[str, Any], box: Box, target: torch.Tensor) -> None:
+        """``target`` (holding ``box``) gets ``piece[I.slices(P)]`` at ``I.slices(box)`` for each piece."""
+        shape = tuple(entry["shape"])
+        if box.global_shape != shape:
+            raise CheckpointError(f"{self.folder}: {name!r} has shape {shape}, a box of a "
+                                  f"{box.global_shape} tensor was asked for")
+        filled = 0
+        for index, common in plan_read(entry["pieces"], box):
+            p = entry["pieces"][index]
+            src = self._file(p["file"])["pieces"][piece_key(name, p["offsets"])]
+            target[common.slices(box)].copy_(src[common.slices(piece_box(shape, p))])
+            filled += common.numel
+        if filled != box.numel:
+            raise CheckpointError(f"{name!r}: only {filled} of the {box.numel} elements of "
+                                  f"{describe_box(box)} found")
+
+    def load_into(self, shards: Mapping[str, LocalShard | torch.Tensor]) -> None:
+        """Copy each shard's box into its tensor, in place (any strides: a column block is fine)."""
         with torch.no_grad():
             for name, value in shards.items():
-                shard = as_flat_shard(value)
-                self.entry(name, shard.global_shape)
-                if not shard.tensor.is_contiguous():
-                    raise CheckpointError(f"{name!r}: loading in place needs a contiguous tensor")
-                shard.tensor.view(-1).copy_(self.read(name, shard.offset, shard.numel))
+                shard = as_local_shard(value)
+                self._copy_into(name, self.entry(name, shard.global_shape), shard.box, shard.tensor)
 
     def rank_objects(self, rank: int) -> Any:
         """The per-rank objects rank ``rank`` saved, or None when the checkpoint had fewer ranks."""

@@ -5,26 +5,30 @@ A checkpoint is a folder ``step_00000042/``::
     step_00000042/
       manifest.json      format version, step, world size, config, library versions, global state,
                          the sha256 and size of every file, and where every tensor's bytes lie
-      rank_00000.pt      torch.save({"pieces": {"<name>@<start>": flat tensor}, "objects": per-rank state})
+      rank_00000.pt      torch.save({"pieces": {"<name>@<offsets>": the piece's box}, "objects": ...})
       rank_00001.pt      ...
 
-**Tensors are described globally.** Every tensor has a global name (``model/blocks.0.mlp.fc.weight``),
-a global shape and a dtype. A rank that holds part of it passes a :class:`FlatShard`: its local values
-are the range ``[offset, offset + numel)`` of the *flattened* global tensor (a ZeRO/FSDP row shard of
-rows ``[a, b)`` is the flat range ``[a * row_numel, b * row_numel)``; a replicated tensor is offset 0,
-numel = all). When several ranks hold the same elements (data-parallel replicas), :func:`plan_pieces`
-splits the overlap so each element is written exactly once and the bytes to write are balanced over the
-ranks: a replicated tensor of ``n`` elements is written as ``W`` slices of ``n / W`` in parallel.
+**Tensors are described globally, pieces as boxes.** Every tensor has a global name
+(``model/blocks.0.mlp.fc.weight``), a global shape and a dtype. A rank that holds part of it passes a
+:class:`~refimpl.distributed.placement.LocalShard`: its local tensor holds the *box* ``global[o_0 : o_0 + s_0,
+..., o_{n-1} : o_{n-1} + s_{n-1}]`` (a :class:`~refimpl.distributed.placement.Box`, the one shard descriptor
+of refimpl; a plain tensor is the full box). A ZeRO/FSDP row shard is a box of rows; a row-parallel
+tensor-parallel shard a box of *columns* (strided in memory, still one box); a 1-D range ``[a, b)`` is the
+1-D box. When several ranks hold the same elements (data-parallel replicas), :func:`plan_pieces` cuts every
+dimension at every box boundary and gives each cell of that grid to one holder, splitting large replicated
+cells among their holders so each element is written exactly once and the bytes to write are balanced:
+a replicated tensor of ``n`` elements is written as ``W`` slabs of about ``n / W`` in parallel.
 
-**Resharding is range arithmetic.** The manifest lists, for each tensor, its *pieces*: ``(file, start,
-numel)``, sorted and covering ``[0, numel)`` exactly once. A rank that now needs the range ``[o, o + n)``
-(at any world size, for any sharding) copies the intersection ``[max(o, s), min(o + n, s + m))`` of every
-piece ``[s, s + m)`` that overlaps it (:func:`plan_read`). Nothing in the format depends on the world size
-that wrote it.
+**Resharding is box intersection.** The manifest lists, for each tensor, its *pieces*: ``(file, offsets,
+shape)``, disjoint boxes covering the tensor exactly once. A rank that now needs box ``R`` (at any world
+size, for any sharding: rows, columns, a block) copies ``I = P ∩ R`` out of every piece ``P`` that meets it,
+``out[I - R.offsets] = piece[I - P.offsets]`` (:func:`~refimpl.checkpoint.plan.plan_read`). Nothing in the
+format depends on the world size or the layout that wrote it.
 
 **Trust.** The manifest records each file's sha256 and size and carries its own checksum (the sha256 of
 its canonical JSON without that field). :func:`verify_checkpoint` rejects a missing manifest, a wrong
-format version, a missing, truncated or altered file, and tensors whose shape differs from the expected,
+format version (a checkpoint of format version 1, flat ranges, is refused with one line naming both
+versions), a missing, truncated or altered file, and tensors whose shape differs from the expected,
 each with a message that names the file or tensor. Rank files are read with ``weights_only=True`` (no
 arbitrary code runs when a checkpoint is loaded), so per-rank objects are restricted to tensors, numbers,
 strings and containers of them.
@@ -36,17 +40,18 @@ course's format is small enough to read in one sitting and verifies every byte.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from refimpl.distributed.placement import Box, LocalShard
+
 FORMAT_NAME = "refimpl-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: flat ranges of the flattened tensor; 2: N-D boxes (offsets + shape)
 MANIFEST = "manifest.json"
-SPLIT_MIN_NUMEL = 1 << 16  # a replicated range shorter than (holders x this) is written by one rank
+SPLIT_MIN_NUMEL = 1 << 16  # a replicated cell smaller than (holders x this) is written by one rank
 
 
 class CheckpointError(Exception):
@@ -57,49 +62,43 @@ class CheckpointError(Exception):
     """
 
 
-@dataclass(frozen=True, eq=False)
-class FlatShard:
-    """``tensor`` holds elements ``[offset, offset + tensor.numel())`` of the flattened global tensor."""
-
-    tensor: torch.Tensor
-    global_shape: tuple[int, ...]
-    offset: int = 0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "global_shape", tuple(int(d) for d in self.global_shape))
-        total = math.prod(self.global_shape)
-        if self.numel and not 0 <= self.offset <= self.offset + self.numel <= total:
-            raise CheckpointError(f"shard [{self.offset}, {self.offset + self.numel}) lies outside a global "
-                                  f"tensor of shape {self.global_shape} ({total} elements)")
-
-    @property
-    def numel(self) -> int:
-        return self.tensor.numel()
-
-    @classmethod
-    def full(cls, tensor: torch.Tensor) -> FlatShard:
-        """A tensor held whole (replicated on every rank that passes it)."""
-        return cls(tensor, tuple(tensor.shape), 0)
-
-
-def as_flat_shard(value: FlatShard | torch.Tensor) -> FlatShard:
-    return value if isinstance(value, FlatShard) else FlatShard.full(value)
+def as_local_shard(value: LocalShard | torch.Tensor) -> LocalShard:
+    """A :class:`LocalShard` as given, or a plain tensor held whole."""
+    if isinstance(value, LocalShard):
+        return value
+    if isinstance(value, torch.Tensor):
+        return LocalShard.full(value)
+    raise CheckpointError(f"a checkpoint saves tensors or LocalShards, not a {type(value).__name__}")
 
 
 @dataclass(frozen=True)
 class ShardMeta:
-    """What one rank holds of one tensor: exchanged between ranks before a save."""
+    """What one rank holds of one tensor (its box of the global tensor): exchanged before a save."""
 
     name: str
-    shape: tuple[int, ...]
     dtype: str
-    offset: int
-    numel: int
+    box: Box
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The global shape."""
+        return self.box.global_shape
 
 
-def shard_metadata(shards: Mapping[str, FlatShard]) -> list[ShardMeta]:
-    return [ShardMeta(name, s.global_shape, str(s.tensor.dtype).removeprefix("torch."), s.offset, s.numel)
+def shard_metadata(shards: Mapping[str, LocalShard]) -> list[ShardMeta]:
+    return [ShardMeta(name, str(s.tensor.dtype).removeprefix("torch."), s.box)
             for name, s in sorted(shards.items())]
+
+
+def piece_box(global_shape: Sequence[int], piece: Mapping[str, Any]) -> Box:
+    """The box of a manifest or plan piece (``{"offsets", "shape", ...}``)."""
+    return Box(tuple(global_shape), tuple(piece["offsets"]), tuple(piece["shape"]))
+
+
+def describe_box(box: Box) -> str:
+    """``[0, 6) x [5, 10)``: the elements of a box, one half-open range per dimension."""
+    ranges = [f"[{o}, {o + s})" for o, s in zip(box.offsets, box.shape, strict=True)]
+    return " x ".join(ranges) or "the single element"
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -113,8 +112,9 @@ def rank_file_name(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 
 
-def piece_key(name: str, start: int) -> str:
-    return f"{name}@{start}"
+def piece_key(name: str, offsets: Sequence[int]) -> str:
+    """A piece's key in its rank file: the tensor's name and the box's offsets, ``"w@0,5"``."""
+    return f"{name}@{','.join(str(int(o)) for o in offsets)}"
 
 
 _PLAIN = (type(None), bool, int, float, str, torch.Tensor)

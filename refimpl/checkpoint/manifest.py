@@ -1,10 +1,11 @@
 """The manifest: what a checkpoint holds, and the checks that make it trusted (chapter 09).
 
 ``manifest.json`` records the format version, step, world size, config, library versions, the global
-state, every file's sha256 and size, and where every tensor's pieces lie; it carries its own checksum
-(the sha256 of its canonical JSON without that field). :func:`verify_checkpoint` rejects a missing
-manifest, a wrong format version, a missing, truncated or altered file, and unexpected shapes, each with
-a message that names the file or tensor.
+state, every file's sha256 and size, and where every tensor's pieces lie (per piece its file and its box:
+offsets and shape); it carries its own checksum (the sha256 of its canonical JSON without that field).
+:func:`verify_checkpoint` rejects a missing manifest, a wrong format version (one line naming the
+checkpoint's version and the one this reader reads), pieces that do not tile their tensor, a missing,
+truncated or altered file, and unexpected shapes, each with a message that names the file or tensor.
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ import numpy as np
 import torch
 
 from refimpl.checkpoint.files import sha256_file
-from refimpl.checkpoint.format import FORMAT_NAME, FORMAT_VERSION, MANIFEST, CheckpointError, rank_file_name
+from refimpl.checkpoint.format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST,
+    CheckpointError,
+    piece_box,
+    rank_file_name,
+)
 
 
 def _canonical(manifest: Mapping[str, Any]) -> bytes:
@@ -35,7 +43,7 @@ def build_manifest(*, step: int, world_size: int, plan: Mapping[str, dict], file
                    ) -> dict:
     entries = {
         name: {"shape": e["shape"], "dtype": e["dtype"],
-               "pieces": [{"file": rank_file_name(p["rank"]), "start": p["start"], "numel": p["numel"]}
+               "pieces": [{"file": rank_file_name(p["rank"]), "offsets": p["offsets"], "shape": p["shape"]}
                           for p in e["pieces"]]}
         for name, e in plan.items()
     }
@@ -69,23 +77,33 @@ def read_manifest(folder: Path) -> dict:
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format version {version!r} is not supported (this refimpl reads "
-                              f"version {FORMAT_VERSION})")
+                              f"version {FORMAT_VERSION} only; version 1 stored flat ranges, 2 stores boxes)")
     if manifest.get("manifest_sha256") != hashlib.sha256(_canonical(manifest)).hexdigest():
         raise CheckpointError(f"{path}: its checksum does not match its content (the manifest was altered)")
     return manifest
 
 
 def _check_entries(manifest: Mapping[str, Any], where: Path) -> None:
+    """Every tensor's pieces are boxes of it in known files, pairwise disjoint, covering every element."""
     files = manifest["files"]
     for name, e in manifest["entries"].items():
-        pos = 0
+        boxes = []
         for p in e["pieces"]:
-            if p["file"] not in files or p["start"] != pos or p["numel"] <= 0:
+            try:
+                box = piece_box(e["shape"], p)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise CheckpointError(f"{where}: a piece of {name!r} is not a box of it ({exc}; bad "
+                                      "manifest)") from None
+            if p.get("file") not in files or box.numel == 0:
                 raise CheckpointError(f"{where}: the pieces of {name!r} do not tile it (bad manifest)")
-            pos += p["numel"]
-        if pos != math.prod(e["shape"]):
-            raise CheckpointError(f"{where}: the pieces of {name!r} cover {pos} of {math.prod(e['shape'])} "
-                                  "elements (bad manifest)")
+            if any(other.intersection(box) is not None for other in boxes):
+                raise CheckpointError(f"{where}: two pieces of {name!r} overlap at {box.offsets} (bad "
+                                      "manifest)")
+            boxes.append(box)
+        covered, total = sum(b.numel for b in boxes), math.prod(e["shape"])
+        if covered != total:
+            raise CheckpointError(f"{where}: the pieces of {name!r} cover {covered} of {total} elements "
+                                  "(bad manifest)")
 
 
 def check_expected(manifest: Mapping[str, Any], expected: Mapping[str, Sequence[int]], where: Path) -> None:

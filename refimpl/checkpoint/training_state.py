@@ -3,8 +3,19 @@
 What a checkpoint holds: the model's parameters and persistent buffers and the optimizer state *as each
 rank holds them* (full tensors, ZeRO-1/2 optimizer shards, FSDP parameter shards), the optimizer's
 hyperparameters, the loss scaler, the step (the learning-rate schedule and the data position are pure
-functions of it in refimpl), and each rank's RNG states. Tensors are named globally with flat ranges, so
-a checkpoint written at one data-parallel size or ZeRO stage loads at another.
+functions of it in refimpl), and each rank's RNG states. Tensors are named globally and every shard is a
+box of its global tensor, so a checkpoint written at one data-parallel size, ZeRO stage or layout loads at
+another.
+
+**Who holds what is said by the wrappers, never guessed here.** A module (at any depth) with
+``local_shards() -> dict[str, LocalShard]`` claims its subtree (ZeRO-3's row shards, a data-parallel
+wrapper's replicas, later tensor-parallel column or row blocks); the rest of the model is held whole
+(:func:`refimpl.distributed.placement.module_shards`). torch's own ``DistributedDataParallel`` is unwrapped
+(its ``.module``). An optimizer that steps something other than the model's local tensors (ZeRO-1/2) has
+``local_state_shards()``: ``(parameter, the tensor its inner optimizer steps, that tensor's box inside the
+parameter's local tensor)`` triples, and ``inner_optimizer``, the optimizer that holds the state; the
+checkpoint composes the two boxes (``parameter_box.within(inner_box)``), so ZeRO-1 over a tensor-parallel
+shard is one more box, not one more branch.
 """
 
 from __future__ import annotations
@@ -21,7 +32,8 @@ from torch import nn
 from refimpl.checkpoint.checkpointer import Checkpointer
 from refimpl.checkpoint.files import CheckpointReader
 from refimpl.checkpoint.folder import CheckpointInfo
-from refimpl.checkpoint.format import CheckpointError, FlatShard
+from refimpl.checkpoint.format import CheckpointError
+from refimpl.distributed.placement import Box, LocalShard, module_shards
 
 log = logging.getLogger(__name__)
 
@@ -50,43 +62,16 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
             torch.cuda.set_rng_state(s, device)
 
 
-def _zero():
-    from refimpl.parallel import zero
+def parameter_shards(model: nn.Module) -> dict[str, LocalShard]:
+    """``{"model/<name>": LocalShard}`` of every parameter and persistent buffer, as this rank holds it.
 
-    return zero
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module under DDP / refimpl's data-parallel wrappers (their names must not leak into the file)."""
-    while isinstance(model, nn.parallel.DistributedDataParallel) or (
-            type(model).__module__ == "refimpl.parallel.data_parallel" and hasattr(model, "module")):
-        model = model.module
-    return model
-
-
-def parameter_shards(model: nn.Module) -> dict[str, FlatShard]:
-    """``{"model/<name>": FlatShard}`` of every parameter and persistent buffer, as this rank holds it.
-
-    A plain (or data-parallel) model holds full tensors; a :class:`FullyShardedDataParallel` holds rows
-    ``[start, end)`` of each parameter, the flat range ``[start * row_numel, end * row_numel)``.
+    What the modules declare (:func:`~refimpl.distributed.placement.module_shards`): a plain or data-
+    parallel model holds full tensors, a :class:`~refimpl.parallel.zero.FullyShardedDataParallel` the row
+    box ``[start, end) x ...`` of each parameter.
     """
-    model = _unwrap(model)
-    out: dict[str, FlatShard] = {}
-    if isinstance(model, _zero().FullyShardedDataParallel):
-        module = model.module
-        order = {(id(m), attr): f"{prefix}.{attr}" if prefix else attr
-                 for prefix, m in module.named_modules() for attr in m._parameters}
-        index = {key: i for i, key in enumerate(order)}
-        for unit in model.units:
-            for sp in unit.params:
-                name = order[min(((id(m), a) for m, a in sp.registrations), key=index.__getitem__)]
-                out[name] = FlatShard(sp.sharded, tuple(sp.spec.shape), sp.spec.start * sp.spec.row_numel)
-    else:
-        module = model
-        out = {name: FlatShard.full(p) for name, p in model.named_parameters()}
-    persistent = set(module.state_dict(keep_vars=True))
-    out |= {name: FlatShard.full(b) for name, b in module.named_buffers() if name in persistent}
-    return {f"model/{name}": shard for name, shard in sorted(out.items())}
+    if isinstance(model, nn.parallel.DistributedDataParallel):  # torch's wrapper: its module's names
+        model = model.module
+    return {f"model/{name}": shard for name, shard in sorted(module_shards(model).items())}
 
 
 def expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -95,44 +80,45 @@ def expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 def _optimizer_slots(model: nn.Module, optimizer: torch.optim.Optimizer,
-                     ) -> tuple[torch.optim.Optimizer, list[tuple[torch.Tensor, str, FlatShard]]]:
-    """The optimizer that holds the state, and for each tensor it steps (in its order): name and placement."""
-    by_id = {id(s.tensor): (name.removeprefix("model/"), s) for name, s in parameter_shards(model).items()}
-    inner, where = optimizer, {}
-    if isinstance(optimizer, _zero().ShardedOptimizer):  # state keyed by views of this rank's rows
-        inner = optimizer.optimizer
-        for p in optimizer.params:
-            name, full = by_id[id(p)]
-            view = optimizer.shard(p)
-            if view.numel() and view.untyped_storage().data_ptr() != p.untyped_storage().data_ptr():
-                raise CheckpointError(f"the optimizer shard of {name!r} is not a view of the parameter")
-            offset = view.storage_offset() - p.storage_offset()
-            where[id(view)] = (name, FlatShard(view, full.global_shape, offset))
-    else:
-        where = by_id
+                     ) -> tuple[torch.optim.Optimizer, list[tuple[torch.Tensor, str, Box]]]:
+    """The optimizer that holds the state, and for each tensor it steps (in its order): the parameter's
+    name and the box of the global parameter that tensor holds."""
+    by_id = {id(s.tensor): (name.removeprefix("model/"), s.box)
+             for name, s in parameter_shards(model).items()}
+    declare = getattr(optimizer, "local_state_shards", None)
+    inner, where = optimizer, by_id
+    if callable(declare):  # e.g. ZeRO-1/2: the inner optimizer steps a box of each parameter's local tensor
+        inner, where = optimizer.inner_optimizer, {}
+        for param, stepped, box in declare():
+            if id(param) not in by_id:
+                raise CheckpointError("the optimizer holds a parameter that is not a parameter of the model")
+            name, param_box = by_id[id(param)]
+            where[id(stepped)] = (name, param_box.within(box))
     slots = []
     for group in inner.param_groups:
         for t in group["params"]:
             if id(t) not in where:
                 raise CheckpointError("the optimizer steps a tensor that is not a parameter of the model")
-            name, placement = where[id(t)]
-            slots.append((t, name, placement))
+            name, box = where[id(t)]
+            if tuple(t.shape) != box.shape:
+                raise CheckpointError(f"the optimizer steps a {tuple(t.shape)} tensor for {name!r}, whose "
+                                      f"declared box has shape {box.shape}")
+            slots.append((t, name, box))
     return inner, slots
 
 
-def optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, FlatShard]:
-    """``{"optimizer/<param>/<key>": FlatShard}``: per-element state (moments) placed like its parameter's
-    shard, other tensors (the step count) whole."""
+def optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, LocalShard]:
+    """``{"optimizer/<param>/<key>": LocalShard}``: per-element state (moments) in the box of the tensor
+    it belongs to, other tensors (the step count) whole."""
     inner, slots = _optimizer_slots(model, optimizer)
     out = {}
-    for t, name, placement in slots:
+    for t, name, box in slots:
         for key, value in inner.state.get(t, {}).items():
             if not isinstance(value, torch.Tensor):
                 raise CheckpointError(f"optimizer state {name}/{key} is a {type(value).__name__}, "
                                       "not a tensor")
-            per_element = value.shape == t.shape
-            out[f"optimizer/{name}/{key}"] = (FlatShard(value, placement.global_shape, placement.offset)
-                                              if per_element else FlatShard.full(value))
+            per_element = value.dim() > 0 and value.shape == t.shape
+            out[f"optimizer/{name}/{key}"] = LocalShard(value, box) if per_element else LocalShard.full(value)
     return out
 
 
@@ -171,14 +157,12 @@ def _load_optimizer(reader: CheckpointReader, model: nn.Module, optimizer: torch
             name, key = entry.removeprefix("optimizer/").rsplit("/", 1)
             keys_of.setdefault(name, []).append(key)
     state: dict[int, dict] = {}
-    for index, (t, name, placement) in enumerate(slots):
+    for index, (_, name, box) in enumerate(slots):
         for key in keys_of.get(name, []):
             entry = f"optimizer/{name}/{key}"
             shape = tuple(reader.entry(entry)["shape"])
-            if shape == placement.global_shape and shape:  # per element: this rank's range
-                value = reader.read(entry, placement.offset, t.numel()).view(t.shape)
-            else:
-                value = reader.read(entry).view(shape)
+            # per element (a moment): this rank's box of it; else (the step count) the whole tensor
+            value = reader.read(entry, box) if shape == box.global_shape and shape else reader.read(entry)
             state.setdefault(index, {})[key] = value
     # Cast as Optimizer.load_state_dict would (moments to the parameter's device and dtype, the step count
     # stays a CPU float unless capturable/fused), but fill the state in place: a ZeRO optimizer shares

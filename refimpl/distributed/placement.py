@@ -18,6 +18,9 @@ counts bytes with it, so the two cannot disagree.
 
 Resharding is box intersection (chapter 09): a reader that needs box ``R`` copies ``P ∩ R`` out of every
 saved piece ``P`` that meets it, ``out[(P ∩ R) - R.offsets] = piece[(P ∩ R) - P.offsets]``.
+
+Who holds what is said by the wrappers themselves: a module with ``local_shards()`` declares its boxes, the
+rest of a model is held whole (:func:`module_shards`, what the checkpoint saves).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 
 def chunk_range(size: int, index: int, chunks: int) -> tuple[int, int]:
@@ -160,3 +164,53 @@ class LocalShard:
     @property
     def global_shape(self) -> tuple[int, ...]:
         return self.box.global_shape
+
+
+def module_shards(module: nn.Module) -> dict[str, LocalShard]:
+    """What a rank holds of ``module``'s parameters and persistent buffers, by their names in the module.
+
+    The rule the checkpoint reads (chapter 09): a module, at any depth, that has a method
+    ``local_shards() -> dict[str, LocalShard]`` claims its whole subtree and says itself which boxes it holds
+    (names relative to that module, as the plain wrapped model names them: ZeRO-3 its row shards, a data-
+    parallel wrapper its replicas); every tensor of the rest is held whole (:meth:`LocalShard.full`). A
+    tensor registered twice (tied weights) is listed once, under its first name (``named_parameters``).
+    """
+    declare = getattr(module, "local_shards", None)
+    if callable(declare):
+        return _declared(module, declare)
+    out: dict[str, LocalShard] = {}
+    seen_modules: set[int] = set()
+    seen: set[int] = set()
+
+    def walk(m: nn.Module, prefix: str) -> None:
+        if id(m) in seen_modules:
+            return
+        seen_modules.add(id(m))
+        declare = getattr(m, "local_shards", None)
+        if callable(declare):
+            for name, shard in _declared(m, declare).items():
+                out.setdefault(prefix + name, shard)
+            seen.update(id(t) for t in (*m.parameters(), *m.buffers()))
+            seen_modules.update(id(sub) for sub in m.modules())
+            return
+        own = [*m._parameters.items(),
+               *((n, b) for n, b in m._buffers.items() if n not in m._non_persistent_buffers_set)]
+        for name, t in own:
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                out[prefix + name] = LocalShard.full(t)
+        for name, child in m._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}{name}.")
+
+    walk(module, "")
+    return out
+
+
+def _declared(module: nn.Module, declare) -> dict[str, LocalShard]:
+    shards = dict(declare())
+    for name, shard in shards.items():
+        if not isinstance(shard, LocalShard):
+            raise TypeError(f"{type(module).__name__}.local_shards()[{name!r}] is a {type(shard).__name__}, "
+                            "not a LocalShard")
+    return shards

@@ -68,9 +68,3 @@ __all__ = [
     "sync_bucket",
     "sync_gradients_naive",
 ]
-
-# The wrappers keep the module name they had as one file: the checkpoint recognises them by
-# ``type(model).__module__ == "refimpl.parallel.data_parallel"`` (refimpl.checkpoint's ``_unwrap``).
-for _wrapper in (DataParallelNaive, DataParallelBucket):
-    _wrapper.__module__ = __name__
-del _wrapper

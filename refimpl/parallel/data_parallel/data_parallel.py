@@ -21,6 +21,7 @@ from torch import nn
 
 from refimpl.comm import ops
 from refimpl.comm.tracer import now
+from refimpl.distributed.placement import LocalShard, module_shards
 from refimpl.parallel.data_parallel.bucket import _Bucket, build_buckets
 from refimpl.parallel.data_parallel.data_parallel_communications import (
     CommHook,
@@ -143,6 +144,11 @@ class DataParallelBucket(nn.Module):
     def bucket_param_names(self) -> list[list[str]]:
         """The (qualified) names of the parameters each bucket holds a part of, in launch order."""
         return [[self._names[i] for i in b.params] for b in self._buckets]
+
+    def local_shards(self) -> dict[str, LocalShard]:
+        """What this rank holds (the checkpoint reads it, chapter 09): the wrapped module's tensors, every
+        one whole (a replica), by their names in the wrapped module: the wrapper adds no name."""
+        return module_shards(self.module)
 
     # ------------------------------------------------------------------------------------ training API
     @contextlib.contextmanager

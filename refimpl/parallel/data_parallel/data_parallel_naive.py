@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from refimpl.comm import ops
+from refimpl.distributed.placement import LocalShard, module_shards
 from refimpl.parallel.data_parallel.data_parallel_communications import _group_size, broadcast_module
 
 __all__ = ["DataParallelNaive", "sync_gradients_naive"]
@@ -57,6 +58,11 @@ class DataParallelNaive(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    def local_shards(self) -> dict[str, LocalShard]:
+        """What this rank holds (the checkpoint reads it, chapter 09): the wrapped module's tensors, every
+        one whole (a replica), by their names in the wrapped module: the wrapper adds no name."""
+        return module_shards(self.module)
 
     def finish_gradient_synchronization(self) -> None:
         """After ``loss.backward()``: each gradient becomes the rank mean (:func:`sync_gradients_naive`)."""

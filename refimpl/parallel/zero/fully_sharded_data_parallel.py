@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from refimpl.comm import ops
+from refimpl.distributed.placement import LocalShard
 from refimpl.measure.state import StateMemory, state_bytes, storage_bytes
 from refimpl.parallel.zero.clip_grad import clip_sharded_grad_norm_
 from refimpl.parallel.zero.fsdp_unit import FSDPUnit, _alloc, _free, _ShardedParam, _tensors
@@ -301,6 +302,21 @@ class FullyShardedDataParallel(nn.Module):
 
     def sharded_parameters(self) -> list[nn.Parameter]:
         return [sp.sharded for u in self.units for sp in u.params]
+
+    def local_shards(self) -> dict[str, LocalShard]:
+        """What this rank holds, by name in the wrapped module (the checkpoint reads it, chapter 09): each
+        parameter's rows (:attr:`ShardSpec.box`, under its first name when tied) and every persistent
+        buffer whole."""
+        names = {(id(m), attr): f"{prefix}.{attr}" if prefix else attr
+                 for prefix, m in self.module.named_modules() for attr in m._parameters}
+        index = {key: i for i, key in enumerate(names)}
+        out = {}
+        for unit in self.units:
+            for sp in unit.params:
+                name = names[min(((id(m), a) for m, a in sp.registrations), key=index.__getitem__)]
+                out[name] = LocalShard(sp.sharded, sp.spec.box)
+        persistent = set(self.module.state_dict(keep_vars=True))
+        return out | {n: LocalShard.full(b) for n, b in self.module.named_buffers() if n in persistent}
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (from the shards, one all-reduce); return the norm before."""

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from refimpl.distributed.placement import Box
 from refimpl.measure.state import StateMemory, state_bytes
 from refimpl.parallel.zero.clip_grad import clip_sharded_grad_norm_
 from refimpl.parallel.zero.sharding import ShardSpec, shard_of
@@ -128,6 +129,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def shard(self, param: torch.Tensor) -> torch.Tensor:
         """This rank's rows of ``param`` (the tensor the inner optimizer steps)."""
         return self._shards[param]
+
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer, built over this rank's shards: it holds the (sharded) state."""
+        return self.optimizer
+
+    def local_state_shards(self) -> list[tuple[torch.Tensor, torch.Tensor, Box]]:
+        """Per parameter: ``(param, the tensor the inner optimizer steps, its Box inside param)``, the
+        rows :class:`ShardSpec` gives this rank (the checkpoint composes it with param's own box)."""
+        return [(p, self._shards[p], self._specs[p].box) for p in self.params]
 
     # -- gradients -------------------------------------------------------------------------------------
 
