@@ -373,6 +373,62 @@ def test_column_blocks_read_bitwise_at_3_ranks_as_rows_and_as_columns(column_blo
         assert len(checks) == 2 * len(COLUMN_SHAPES) + 2 and all(checks.values()), (rank, checks)
 
 
+class _ColumnBlockLayer(torch.nn.Module):
+    """A row-parallel layer's weight at tensor-parallel rank ``tp`` of 2: columns ``Box.chunk((6, 10), 1,
+    tp, 2)`` of the global ``w``, declared by ``local_shards`` as tensor parallelism will (chapter 06)."""
+
+    def __init__(self, tp: int) -> None:
+        super().__init__()
+        self.box = Box.chunk(COLUMN_SHAPES["w"], 1, tp, 2)
+        self.weight = torch.nn.Parameter(_column_reference("w")[self.box.slices()].clone())
+
+    def local_shards(self) -> dict[str, LocalShard]:
+        return {"weight": LocalShard(self.weight, self.box)}
+
+
+def _zero1_over_column_blocks(ctx, folder: str) -> dict:
+    """tp 2 x dp 2, tp innermost: ZeRO-1 (the real ShardedOptimizer) over each dp pair shards the rows of
+    the rank's column block; one AdamW step, then the training state is saved as the ranks hold it."""
+    from refimpl.parallel.zero import ShardedOptimizer
+
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates both, in one order
+    tp, dp = ctx.rank % 2, ctx.rank // 2
+    model = _ColumnBlockLayer(tp)
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, dp_groups[tp], zero_stage=1, lr=1e-2,
+                                 foreach=False)
+    model.weight.grad = torch.sin(_column_reference("w"))[model.box.slices()].contiguous()  # one per tp pair
+    optimizer.step()
+    save_training_state(Checkpointer(CheckpointConfig(folder=folder)), 1, model=model, optimizer=optimizer)
+    (_, stepped, _), = optimizer.local_state_shards()
+    return {"tp": tp, "dp": dp, "weight": _portable(model.weight),
+            "exp_avg": _portable(optimizer.inner_optimizer.state[stepped]["exp_avg"])}
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+def test_zero1_over_column_blocks_saves_composed_boxes_read_back_whole(tmp_path):
+    """ZeRO-1's row shard of a tensor-parallel column block is the box ``tp_box.within(zero_box)``: 4
+    ranks save it, one process reads the whole moment and weight and finds every rank's values in place."""
+    results = run_ranks(_zero1_over_column_blocks, 4, str(tmp_path), timeout_s=SPAWN_TIMEOUT)
+    info = find_latest_valid(tmp_path)
+    shape = COLUMN_SHAPES["w"]
+    expected_boxes = {}
+    weight, exp_avg = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+    for rank, r in enumerate(results):
+        columns = Box.chunk(shape, 1, r["tp"], 2)
+        box = columns.within(Box.chunk(columns.shape, 0, r["dp"], 2))  # rows [0, 3) or [3, 6) of the block
+        expected_boxes[rank] = (list(box.offsets), list(box.shape))
+        weight[columns.slices()] = _portable(r["weight"])  # both dp ranks hold the whole block
+        exp_avg[box.slices()] = _portable(r["exp_avg"])  # each holds its rows
+    saved = {int(p["file"][5:10]): (p["offsets"], p["shape"])
+             for p in info.manifest["entries"]["optimizer/weight/exp_avg"]["pieces"]}
+    assert saved == expected_boxes, saved
+    assert not exp_avg.isnan().any() and not torch.equal(weight, _column_reference("w"))  # it stepped
+    whole = {"model/weight": torch.empty(shape), "optimizer/weight/exp_avg": torch.empty(shape)}
+    Checkpointer(CheckpointConfig(folder=tmp_path)).load(info, whole)
+    assert torch.equal(whole["model/weight"], weight)
+    assert torch.equal(whole["optimizer/weight/exp_avg"], exp_avg)
+
+
 # ------------------------------------------------------------------------------------------------ spawns
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict:
