@@ -48,13 +48,13 @@ import torch
 
 from refimpl.config import ModelConfig, OptimConfig
 from refimpl.data import ShardedBatches, prepare_corpus
-from refimpl.loss_scaler import DynamicLossScaler
 from refimpl.measure import format_bytes, measure_saved_activations
 from refimpl.model import GPT, lm_loss
 from refimpl.optim import build_optimizer, lr_at, set_lr
 from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing
 from refimpl.planner import activation_bytes_per_layer, korthikanti_bytes_per_layer
 from refimpl.precision import MixedPrecision
+from refimpl.precision.loss_scaler import DynamicLossScaler
 
 torch.set_num_threads(1)  # small matrices: one thread is as fast, and leaves the second core to the ranks
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu on purpose: no GPU here
@@ -440,7 +440,8 @@ ranks
 # (the engines are separate processes: they import for themselves)
 from refimpl.config import ModelConfig  # noqa: F811
 from refimpl.model import GPT, lm_loss  # noqa: F811
-from refimpl.precision import MixedPrecision, MixedPrecisionPolicy, reduce_gradients_  # noqa: F811
+from refimpl.parallel.data_parallel import reduce_gradients_
+from refimpl.precision import MixedPrecision, MixedPrecisionPolicy  # noqa: F811
 
 
 def train_with_a_nan(agree, steps=4, nan_step=2):
@@ -511,7 +512,7 @@ assert u0[-1]["scale"] != u1[-1]["scale"], "... and the ranks' loss scales part 
 # %%
 # %%px
 from refimpl.comm import CommTracer, ops
-from refimpl.precision import low_precision_all_reduce_
+from refimpl.parallel.data_parallel import low_precision_all_reduce_
 
 g = (torch.randn(10_000, generator=torch.Generator().manual_seed(rank)) * 1e-3).to(device)
 with CommTracer() as fp32_trace:

@@ -9,7 +9,7 @@ sees an inf or a NaN: every rank must say so), and runs a small GPT whose block 
 gradients bit for bit, fewer saved bytes, the block's forward run again during backward.
 
 You may use anything from ``torch``, ``math`` and ``struct``; do not call ``refimpl.precision.update_scale``
-``refimpl.loss_scaler.overflow_on_any_rank`` or
+``refimpl.precision.loss_scaler.overflow_on_any_rank`` or
 ``refimpl.parallel.activation_checkpoint`` (that is the answer).
 """
 
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from refimpl.loss_scaler import LossScalerConfig, ScalerState
+from refimpl.precision.loss_scaler import LossScalerConfig, ScalerState
 
 
 def update_scale(state: ScalerState, found_inf: bool, config: LossScalerConfig) -> ScalerState:

@@ -31,9 +31,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import random
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
@@ -202,7 +204,7 @@ class NoDivision(DataParallelBucket):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.world_size = 1  # _launch divides by this: the gradients reach the optimizer W times too large
+        self.average_gradients = False  # summed, not averaged: the step sees W times the gradient
 
 
 class SkipSync(DataParallelBucket):
@@ -482,6 +484,22 @@ def test_assign_buckets_cuts_the_reversed_flat_buffer_exactly():
             assert members == list(dict.fromkeys(flat[b * cap : (b + 1) * cap]))
     with pytest.raises(ValueError):
         assign_buckets([3], 0)
+
+
+def test_whole_tensor_buckets_are_ddps_rule():
+    """ZeRO's buckets (whole tensors) = torch DDP's own assignment routine fed the backward order."""
+    assert assign_buckets([3, 5, 2], 4, whole_tensors=True) == [[2, 1], [0]]
+    rng = random.Random(0)
+    for _ in range(300):
+        numels = [rng.choice([0, 1, 2, 3, 5, 8, 13]) for _ in range(rng.randint(1, 9))]
+        cap = rng.randint(1, 20)
+        backward_order = list(reversed(range(len(numels))))  # DDP walks tensors as given; these label them
+        tensors = [torch.zeros(numels[i]) for i in backward_order]
+        ddp, _ = dist._compute_bucket_assignment_by_size(tensors, [4 * cap], [False] * len(numels),
+                                                          backward_order)
+        assert assign_buckets(numels, cap, whole_tensors=True) == ddp, (numels, cap)
+    # negative control: the exact cut (tensors split) is not DDP's rule
+    assert assign_buckets([3, 5, 2], 4) != [[2, 1], [0]]
 
 
 # ---------------------------------------------------------------------------------------- two ranks

@@ -277,8 +277,9 @@ def _two_rank_worker(ctx) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from refimpl import precision
     from refimpl.comm import CommTracer, ops
-    from refimpl.precision import (
+    from refimpl.parallel.data_parallel import (
         ddp_comm_hook,
         fp32_accumulating_comm_hook,
         low_precision_all_reduce_,
@@ -287,6 +288,10 @@ def _two_rank_worker(ctx) -> dict:
 
     out: dict = {}
     rank = ctx.rank
+    # 0. the names that moved to data parallelism's comm module are still served by refimpl.precision
+    out["old path serves the same objects"] = all(
+        getattr(precision, f.__name__) is f
+        for f in (low_precision_all_reduce_, reduce_gradients_, ddp_comm_hook, fp32_accumulating_comm_hook))
     # 1. A gradient that overflows on rank 1 only. Agreed: both skip. Not agreed: only rank 1 does.
     for agree in (True, False):
         scaler = DynamicLossScaler(init_scale=2.0**8, agree_across_ranks=agree)
@@ -298,13 +303,13 @@ def _two_rank_worker(ctx) -> dict:
         scaler.update()
         out[f"scale agree={agree}"] = scaler.get_scale()
 
-    # 2. low_precision_all_reduce_: round(sum_r round(x_r)) / n, in fp32, rounded once; half the bytes
+    # 2. low_precision_all_reduce_: round(sum_r round(x_r / n)), the sum in fp32, rounded once; half the bytes
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(1001, generator=g) * 1e-3 for _ in range(ctx.world_size)]
     mine = xs[rank].clone()
     with CommTracer() as tracer:
         low_precision_all_reduce_(mine, comm_dtype=torch.bfloat16)
-    expected = (torch.stack([x.bfloat16().float() for x in xs]).sum(0) / ctx.world_size).bfloat16().float()
+    expected = torch.stack([(x / ctx.world_size).bfloat16().float() for x in xs]).sum(0).bfloat16().float()
     out["lp exact"] = torch.equal(mine, expected)
     # two bf16 roundings (u = 2^-8), of the inputs and of the mean: |error| <= 2u(1 + u) mean_r |x_r|
     bound = 2**-7 * (1 + 2**-7) * torch.stack(xs).abs().mean(0)
@@ -378,6 +383,7 @@ def test_two_ranks_agree_on_overflow_and_reduce_in_low_precision():
     assert (r0["found_inf agree=False"], r1["found_inf agree=False"]) == (False, True)
     assert r0["scale agree=False"] != r1["scale agree=False"]
 
+    assert r0["old path serves the same objects"] and r1["old path serves the same objects"]
     assert r0["lp exact"] and r1["lp exact"]
     assert r0["lp error within two roundings"] and r1["lp error within two roundings"]
     # measured payloads (the tensors handed to the ops): 1001 elements padded to 2 chunks of 501

@@ -23,9 +23,9 @@ import torch
 
 from exercises.grading import Task, load_module, probe_stub
 from refimpl.config import ModelConfig
-from refimpl.loss_scaler import LossScalerConfig, ScalerState
 from refimpl.measure import SavedTensorMeter
 from refimpl.model import GPT, lm_loss
+from refimpl.precision.loss_scaler import LossScalerConfig, ScalerState
 
 
 def _flags(seed: int, steps: int = 80) -> list[bool]:
@@ -219,7 +219,7 @@ TASKS = [
 _HEADER = "from exercises.reference.ch05 import *  # noqa: F403\nimport torch\n"
 MUTANTS = {
     "update_scale: GradScaler's rule": _HEADER + (
-        "from refimpl.loss_scaler import ScalerState\n"
+        "from refimpl.precision.loss_scaler import ScalerState\n"
         "def update_scale(state, found_inf, config):\n"
         "    if found_inf:  # products kept in float64: GradScaler's scale is float32\n"
         "        h = state.hysteresis_tracker - 1\n"
@@ -233,7 +233,7 @@ MUTANTS = {
         "    return ScalerState(state.scale, g, state.hysteresis_tracker)\n"
     ),
     "update_scale: hysteresis, min scale": _HEADER + (
-        "from refimpl.loss_scaler import ScalerState, update_scale as _right\n"
+        "from refimpl.precision.loss_scaler import ScalerState, update_scale as _right\n"
         "def update_scale(state, found_inf, config):\n"
         "    new = _right(state, found_inf, config)\n"
         "    if not found_inf:  # refills the hysteresis on every finite step\n"

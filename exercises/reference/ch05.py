@@ -5,7 +5,7 @@ The grader's self-test grades this module and expects full marks (tests/test_exe
 
 from __future__ import annotations
 
-from refimpl.loss_scaler import overflow_on_any_rank, update_scale
 from refimpl.parallel.activation_checkpoint import checkpoint_block
+from refimpl.precision.loss_scaler import overflow_on_any_rank, update_scale
 
 __all__ = ["checkpoint_block", "overflow_on_any_rank", "update_scale"]

@@ -37,8 +37,9 @@ sees the traffic, and every synchronised backward leaves a :class:`SyncTimeline`
 
 The files, one concept each: :mod:`.data_parallel_naive` (the naive wrapper and its sync),
 :mod:`.data_parallel` (the bucketed wrapper: hooks, overlap, ``no_sync``), :mod:`.bucket` (the cut into
-buckets), :mod:`.data_parallel_communications` (equal start, ``sync_bucket``, the async reduction and the
-communication hooks, fp16/bf16 included), :mod:`.timeline` (:class:`SyncTimeline`).
+buckets), :mod:`.data_parallel_communications` (equal start, the one average ``all_reduce_mean_`` and
+``sync_bucket``, the async reduction and the communication hooks: fp16/bf16 on the wire, and 16 bits on the
+wire summed in fp32 as chapter 05 does), :mod:`.timeline` (:class:`SyncTimeline`).
 """
 
 from refimpl.parallel.data_parallel.bucket import assign_buckets, num_buckets
@@ -46,9 +47,15 @@ from refimpl.parallel.data_parallel.data_parallel import DataParallelBucket
 from refimpl.parallel.data_parallel.data_parallel_communications import (
     CommHook,
     PendingReduce,
+    all_reduce_mean_,
     allreduce_hook,
     broadcast_module,
+    ddp_comm_hook,
+    fp32_accumulating_comm_hook,
+    low_precision_all_reduce_,
     low_precision_hook,
+    reduce_gradients_,
+    start_low_precision_all_reduce_,
     sync_bucket,
 )
 from refimpl.parallel.data_parallel.data_parallel_naive import DataParallelNaive, sync_gradients_naive
@@ -60,11 +67,17 @@ __all__ = [
     "DataParallelNaive",
     "PendingReduce",
     "SyncTimeline",
+    "all_reduce_mean_",
     "allreduce_hook",
     "assign_buckets",
     "broadcast_module",
+    "ddp_comm_hook",
+    "fp32_accumulating_comm_hook",
+    "low_precision_all_reduce_",
     "low_precision_hook",
     "num_buckets",
+    "reduce_gradients_",
+    "start_low_precision_all_reduce_",
     "sync_bucket",
     "sync_gradients_naive",
 ]

@@ -27,6 +27,7 @@ from refimpl.parallel.data_parallel.data_parallel_communications import (
     CommHook,
     _check_same_parameters,
     _group_size,
+    all_reduce_mean_,
     allreduce_hook,
     broadcast_module,
 )
@@ -280,15 +281,12 @@ class DataParallelBucket(nn.Module):
             if grad is None:
                 dst.zero_()
                 continue
-            src = grad.view(-1)[piece.param_offset : piece.param_offset + piece.length]
-            if self.average_gradients:
-                torch.div(src, self.world_size, out=dst)
-            else:
-                dst.copy_(src)
+            dst.copy_(grad.view(-1)[piece.param_offset : piece.param_offset + piece.length])
         timeline = self.timeline
         assert timeline is not None
         timeline.launch[b] = now()
-        bucket.pending = self.comm_hook(bucket.buffer, self.group)
+        bucket.pending = all_reduce_mean_(bucket.buffer, self.group, average=self.average_gradients,
+                                          comm_hook=self.comm_hook)
         self._next = b + 1
         with contextlib.suppress(AttributeError, RuntimeError):  # a Work without a future: no stamp
 

@@ -13,9 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from refimpl.comm import ops
 from refimpl.distributed.placement import LocalShard, module_shards
-from refimpl.parallel.data_parallel.data_parallel_communications import _group_size, broadcast_module
+from refimpl.parallel.data_parallel.data_parallel_communications import (
+    _group_size,
+    all_reduce_mean_,
+    broadcast_module,
+)
 
 __all__ = ["DataParallelNaive", "sync_gradients_naive"]
 
@@ -27,15 +30,12 @@ def sync_gradients_naive(module: nn.Module, group: Any = None, *, average: bool 
     A parameter without a gradient contributes zeros (and gets one): every rank must issue the same
     collectives in the same order, whatever its own backward used.
     """
-    world = _group_size(group)
     for p in module.parameters():
         if not p.requires_grad:
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        if average:
-            p.grad.div_(world)
-        ops.all_reduce(p.grad, group=group)
+        all_reduce_mean_(p.grad, group, average=average).wait()  # p.grad <- sum_r p.grad_r / W
 
 
 class DataParallelNaive(nn.Module):

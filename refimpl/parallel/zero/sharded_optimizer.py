@@ -22,25 +22,17 @@ from torch import nn
 
 from refimpl.distributed.placement import Box
 from refimpl.measure.state import StateMemory, state_bytes
+from refimpl.parallel.data_parallel.bucket import assign_buckets
 from refimpl.parallel.zero.clip_grad import clip_sharded_grad_norm_
 from refimpl.parallel.zero.sharding import ShardSpec, shard_of
 from refimpl.parallel.zero.zero_communications import _world, all_gather_into, reduce_scatter_mean
 
 
 def _buckets(items: Sequence, sizes: Sequence[int], limit: int) -> list[list]:
-    """Consecutive items in buckets of about ``limit`` elements (one oversized item is a bucket alone)."""
-    out: list[list] = []
-    current: list = []
-    filled = 0
-    for item, size in zip(items, sizes, strict=True):
-        if current and filled + size > limit:
-            out.append(current)
-            current, filled = [], 0
-        current.append(item)
-        filled += size
-    if current:
-        out.append(current)
-    return out
+    """``items`` in buckets of about ``limit`` elements: refimpl's one bucketing rule, DDP's (reverse order,
+    a bucket closed once it holds ``limit``; whole tensors, since a packed shard is not split), from
+    :func:`refimpl.parallel.data_parallel.bucket.assign_buckets`."""
+    return [[items[i] for i in bucket] for bucket in assign_buckets(sizes, limit, whole_tensors=True)]
 
 
 def _is_sharded_state(value: object, shard: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from refimpl.comm import ops
+from refimpl.parallel.data_parallel.data_parallel_communications import sync_bucket
 from refimpl.parallel.zero.sharding import (
     ShardSpec,
     copy_out_all_gather,
@@ -85,15 +86,13 @@ def all_gather_into(
 def allreduce_gradients(
     params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None
 ) -> None:
-    """Stage 0, plain data parallelism: average every ``.grad`` over the ranks with one flat all-reduce."""
+    """Stage 0, plain data parallelism: average every ``.grad`` over the ranks with one flat all-reduce.
+
+    Chapter 03's :func:`~refimpl.parallel.data_parallel.sync_bucket` over all gradients: divided by N
+    before the sum, as DDP does (stages 1-3 divide after the reduce-scatter, as FSDP2; for N a power of two
+    both orders give the same bits, since dividing by 2^k is exact).
+    """
     grads = [p.grad for p in params if p.grad is not None]
     _, n = _world(group)
-    if not grads or n == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])  # [Psi]
-    ops.all_reduce(flat, group=group)
-    flat.div_(n)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    if grads and n > 1:
+        sync_bucket(grads, group)  # [Psi] flat

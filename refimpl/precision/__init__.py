@@ -1,0 +1,64 @@
+"""Mixed precision from scratch: the policy, fp32 master weights, a dynamic loss scaler (chapter 05).
+
+One concept per file:
+
+* :mod:`.policy`: :class:`MixedPrecisionPolicy` (``param_dtype``, ``compute_dtype``, ``reduce_dtype``, the
+  three dtypes of FSDP2's policy), the ``--precision`` names and :func:`dtype_from_name`;
+* :mod:`.master_weights`: :class:`MasterWeights`, the fp32 copy a 16-bit model steps through
+  (Micikevicius et al. 2018, "Mixed Precision Training", section 3.1);
+* :mod:`.loss_scaler`: :class:`DynamicLossScaler`, decision for decision ``torch.amp.GradScaler`` plus
+  Megatron-LM's hysteresis and minimum scale (section 3.2), the overflow flag agreed across ranks;
+* :mod:`.mixed_precision`: :class:`MixedPrecision`, what the trainer calls (autocast, scaled backward, the
+  checked step).
+
+Gradients in 16 bits on the wire are data parallelism's business: the reduction and its hooks
+(:func:`reduce_gradients_`, :func:`low_precision_all_reduce_`, :func:`fp32_accumulating_comm_hook`,
+:func:`ddp_comm_hook`) live in :mod:`refimpl.parallel.data_parallel.data_parallel_communications`, beside
+chapter 03's hooks. They stay importable from here, loaded on first use: ``parallel`` imports
+``precision`` (ZeRO-3's ``mp_policy``), so ``precision`` does not import ``parallel`` when it loads.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from refimpl.precision.loss_scaler import (
+    DynamicLossScaler,
+    LossScaleError,
+    LossScalerConfig,
+    ScalerState,
+    overflow_on_any_rank,
+    update_scale,
+)
+from refimpl.precision.master_weights import MasterWeights
+from refimpl.precision.mixed_precision import MixedPrecision
+from refimpl.precision.policy import DTYPES, PRECISIONS, MixedPrecisionPolicy, dtype_from_name
+
+_DATA_PARALLEL_COMMUNICATIONS = "refimpl.parallel.data_parallel.data_parallel_communications"
+_MOVED = ("ddp_comm_hook", "fp32_accumulating_comm_hook", "low_precision_all_reduce_", "reduce_gradients_",
+          "start_low_precision_all_reduce_")
+
+
+def __getattr__(name: str) -> Any:
+    """The gradient-reduction names that moved to data parallelism, served from their new home."""
+    if name in _MOVED:
+        return getattr(importlib.import_module(_DATA_PARALLEL_COMMUNICATIONS), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "DTYPES",
+    "PRECISIONS",
+    "DynamicLossScaler",
+    "LossScaleError",
+    "LossScalerConfig",
+    "MasterWeights",
+    "MixedPrecision",
+    "MixedPrecisionPolicy",
+    "ScalerState",
+    "dtype_from_name",
+    "overflow_on_any_rank",
+    "update_scale",
+    *_MOVED,
+]
