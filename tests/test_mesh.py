@@ -62,7 +62,7 @@ def _measure_groups(ctx, layouts: dict[str, dict]) -> dict:
     out = {}
     for name, degrees in layouts.items():
         dims = ParallelDims(**degrees)
-        groups = dims.build(rank=ctx.rank, world_size=ctx.world_size)
+        groups = dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
         measured = {}
         for axes in ALL_AXES:
             t = torch.tensor([float(ctx.rank)], dtype=torch.float64)
@@ -135,3 +135,35 @@ def test_keyword_only_and_frozen():
     dims = ParallelDims(dp=2)
     with pytest.raises(AttributeError):
         dims.dp = 4  # type: ignore[misc]
+
+
+GROUP_TIMEOUT_S = 3.0
+
+
+def _stall_on_the_dp_group(ctx, timeout_s: float) -> float | None:
+    """Rank 1 never joins an all-reduce on the dp group; rank 0 returns how long it waited for it."""
+    import time
+
+    groups = ParallelDims(dp=2).build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=timeout_s)
+    group = groups.group("dp")
+    if ctx.rank == 1:
+        time.sleep(GROUP_TIMEOUT_S + 8)
+        return None
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=group)
+    except RuntimeError:
+        return time.monotonic() - t0
+    return float("inf")  # the collective completed: impossible without rank 1
+
+
+@pytest.mark.timeout(120)
+def test_a_built_group_times_out_within_the_given_timeout():
+    """A hung rank must fail the others within the run's collective timeout on the layout's groups too
+    (torch gives a ``new_group`` without a timeout 30 minutes, not the default group's). The default
+    group's timeout here is 50 s, so only the layout group's own 3 s can end the wait this early; without
+    ``timeout_s`` in ``build`` the wait outlasts rank 1 and tests/test_elastic.py's hung rank fails."""
+    waited = run_ranks(_stall_on_the_dp_group, 2, GROUP_TIMEOUT_S, timeout_s=60,
+                       collective_timeout_s=50)[0]
+    assert waited is not None and GROUP_TIMEOUT_S - 0.5 <= waited <= GROUP_TIMEOUT_S + 5, waited
+

@@ -97,7 +97,8 @@ def _gather(t: torch.Tensor, group) -> list[torch.Tensor]:
 
 def _worker(ctx) -> dict:
     dims = ParallelDims(dp=WORLD)
-    groups = dims.build(rank=ctx.rank, world_size=ctx.world_size)  # once, passed to every call
+    # once, passed to every call
+    groups = dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
     result: dict = {"cases": {}}
     for name, options in CASES.items():
         result["cases"][name] = _describe(parallelize(GPT(CONFIG, seed=0), groups, options), groups)
@@ -116,7 +117,8 @@ def _worker(ctx) -> dict:
     # refusals: a layout with tp/cp/pp > 1, before the model is touched (no block checkpointed)
     result["refused"] = {}
     for name, (degrees, _) in REFUSED.items():
-        layout_groups = ParallelDims(**degrees).build(rank=ctx.rank, world_size=ctx.world_size)
+        layout_groups = ParallelDims(**degrees).build(rank=ctx.rank, world_size=ctx.world_size,
+                                                      timeout_s=ctx.timeout_s)
         model = GPT(CONFIG, seed=0)
         try:
             parallelize(model, layout_groups, ParallelizeOptions(activation_checkpointing="all"))

@@ -23,13 +23,16 @@ import torch.distributed as dist
 
 @dataclass(frozen=True, kw_only=True)
 class DistributedContext:
-    """Who this process is: rank, world size, local rank, device and backend."""
+    """Who this process is: rank, world size, local rank, device, backend, and the collective timeout its
+    process groups were created with (every group made later must get it too: torch gives a ``new_group``
+    without one its 30-minute default, not the default group's)."""
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
     backend: str
+    timeout_s: float = 300.0
 
     @property
     def is_main(self) -> bool:
@@ -75,7 +78,8 @@ def init_distributed(*, timeout_s: float = 300.0, backend: str | None = None) ->
             device_id=device if device.type == "cuda" else None,
         )
     return DistributedContext(
-        rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend
+        rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend,
+        timeout_s=timeout_s,
     )
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -123,9 +124,14 @@ class ParallelDims:
             groups.append(tuple(sorted(members)))
         return groups
 
-    def build(self, *, rank: int, world_size: int, backend: str | None = None) -> ParallelGroups:
+    def build(self, *, rank: int, world_size: int, timeout_s: float,
+              backend: str | None = None) -> ParallelGroups:
         """Create the groups of every axis and of ``dp x cp`` (collective: every rank calls it, after
-        ``init_process_group``) and keep this rank's. ``backend`` defaults to the default group's."""
+        ``init_process_group``) and keep this rank's. ``backend`` defaults to the default group's.
+
+        ``timeout_s`` bounds every collective on these groups (pass ``ctx.timeout_s``): without it torch
+        gives a new group its 30-minute default, and a hung rank would stall the others for 30 minutes
+        instead of failing them within the run's timeout (``tests/test_elastic.py``'s hung rank)."""
         self.check(world_size)
         if not dist.is_initialized():
             raise RuntimeError("ParallelDims.build needs an initialised default process group "
@@ -133,11 +139,12 @@ class ParallelDims:
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise RuntimeError(f"rank {rank} of {world_size} given, but the default group says rank "
                                f"{dist.get_rank()} of {dist.get_world_size()}")
+        timeout = timedelta(seconds=timeout_s)
         groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
         members: dict[tuple[str, ...], tuple[int, ...]] = {}
         for axes in [(a,) for a in AXES] + [LOSS_AXES]:
             for ranks in self.groups_of(*axes):  # all of them, on every rank, in the same order
-                group = dist.new_group(list(ranks), backend=backend)
+                group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
                 if rank in ranks:
                     groups[axes], members[axes] = group, ranks
         return ParallelGroups(dims=self, rank=rank, coords=self.coordinates(rank), groups=groups,

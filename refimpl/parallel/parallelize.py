@@ -173,7 +173,7 @@ def _layout(groups_or_dims: ParallelGroups | ParallelDims) -> tuple[ParallelDims
                              f"yet: chapter {chapter} builds it")
     if groups is None and dims.world_size > 1:
         raise ValueError(f"the layout {dims.describe()} spans {dims.world_size} ranks: pass its process "
-                         "groups (dims.build(rank=..., world_size=...))")
+                         "groups (dims.build(rank=..., world_size=..., timeout_s=...))")
     return dims, groups
 
 

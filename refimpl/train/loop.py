@@ -69,8 +69,8 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
         out.mkdir(parents=True, exist_ok=True)
 
     # the process groups of the layout, built once here (collective) and passed down: no global
-    groups = (dims.build(rank=ctx.rank, world_size=ctx.world_size) if torch.distributed.is_initialized()
-              else None)
+    groups = (dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
+              if torch.distributed.is_initialized() else None)
     setup = build_setup(config, ctx, options, groups)
     attempt = elastic.restart_count()  # for the report only: the resume decision reads the disk
     job = elastic.run_id()

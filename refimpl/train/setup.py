@@ -38,7 +38,7 @@ def build_setup(config: TrainConfig, ctx: DistributedContext, options: RunOption
     collective, when a process group exists, else a one-process run)."""
     dims = options.parallel_dims(ctx.world_size)
     if groups is None and torch.distributed.is_initialized():
-        groups = dims.build(rank=ctx.rank, world_size=ctx.world_size)
+        groups = dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
     model = GPT(config.model, seed=config.data.seed).to(ctx.device)
     par = parallelize(model, groups if groups is not None else dims,
                       ParallelizeOptions(zero_stage=options.zero_stage, precision=options.precision,
