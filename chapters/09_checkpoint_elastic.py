@@ -27,7 +27,7 @@
 # * a **launcher** that restarts the ranks when one dies (`torchrun --max-restarts`), and a trainer that
 #   decides *from the disk* where to continue.
 #
-# `refimpl/checkpoint/` holds the checkpoints (one file per concept), `refimpl/elastic.py`
+# `refimpl/checkpoint/` holds the checkpoints (one file per concept), `refimpl/elastic/`
 # the restart side, and `refimpl/train/` uses both (`--checkpoint-every`, `--checkpoint-minutes`,
 # `--resume`, `--async-checkpoint`, and fault injection: `--fail-at-step`, `--hang-at-step`,
 # `--preempt-at-step`). This chapter proves, with assertions:

@@ -189,13 +189,17 @@ class FullyShardedDataParallel(nn.Module):
     def _make_pre_forward(self, unit: FSDPUnit):
         def hook(module: nn.Module, args: tuple) -> None:
             self._forward_order.append(unit)
-            self.unshard(unit)
-            self._use(unit, "unsharded")
-            if self.prefetch:
-                following = self._neighbour(unit, +1)
-                if following is not None:
-                    self._start_gather(following)
+            self._unshard_for_forward(unit)
         return hook
+
+    def _unshard_for_forward(self, unit: FSDPUnit) -> None:
+        """Gather ``unit``, point its modules at the full tensors, start gathering the next unit."""
+        self.unshard(unit)
+        self._use(unit, "unsharded")
+        if self.prefetch:
+            following = self._neighbour(unit, +1)
+            if following is not None:
+                self._start_gather(following)
 
     def _make_post_forward(self, unit: FSDPUnit):
         def hook(module: nn.Module, args: tuple, output: object) -> object:
@@ -281,12 +285,7 @@ class FullyShardedDataParallel(nn.Module):
             self._last_order = self._forward_order
         self._forward_order = []
         root = self._root
-        self.unshard(root)
-        self._use(root, "unsharded")
-        if self.prefetch:
-            following = self._neighbour(root, +1)
-            if following is not None:
-                self._start_gather(following)
+        self._unshard_for_forward(root)
         try:
             output = self.module(*args, **kwargs)
         finally:
