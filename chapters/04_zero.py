@@ -64,7 +64,7 @@ from refimpl.viz import plot_bars
 # (its figure 1): $\Psi = 7.5$B, $N = 64$, $K = 12$.
 
 # %%
-paper = [zero_memory_paper(7.5e9, 64, stage).total / 1e9 for stage in range(4)]
+paper = [zero_memory_paper(7.5e9, 64, zero_stage).total / 1e9 for zero_stage in range(4)]
 print("7.5B parameters on 64 devices, GB per device by stage:", [f"{g:.1f}" for g in paper])
 assert [round(g, 1) for g in paper] == [120.0, 31.4, 16.6, 1.9]  # the paper's figure 1
 
@@ -199,18 +199,18 @@ def batch(step, r=0, n=1):
     return rows[:, :-1], rows[:, 1:]
 
 
-def train(stage, n=1, group=None, *, micro=1, sync=True, grads_of=None):
-    """STEPS AdamW steps at ZeRO `stage` on `n` ranks; returns full parameters, bytes held, collectives.
+def train(zero_stage, n=1, group=None, *, micro=1, sync=True, grads_of=None):
+    """STEPS AdamW steps at ZeRO `zero_stage` on `n` ranks; returns full parameters, bytes held, collectives.
 
     micro > 1 (one device): the global batch in `micro` micro-batches, gradients accumulated.
     sync=False (stage 0): never average the gradients, the negative control.
     grads_of=(name, index): also return that element's gradient at every step (one device).
     """
     model = GPT(cfg, seed=0).to(device)
-    if stage == 3:
+    if zero_stage == 3:
         model = FullyShardedDataParallel(model, group=group)
-    if stage in (1, 2):
-        opt = ShardedOptimizer(param_groups(model, 0.1), torch.optim.AdamW, group, zero_stage=stage, **ADAMW)
+    if zero_stage in (1, 2):
+        opt = ShardedOptimizer(param_groups(model, 0.1), torch.optim.AdamW, group, zero_stage=zero_stage, **ADAMW)
     else:
         opt = torch.optim.AdamW(param_groups(model, 0.1), **ADAMW)
     seen = []
@@ -220,14 +220,14 @@ def train(stage, n=1, group=None, *, micro=1, sync=True, grads_of=None):
             for m in range(micro):
                 x, y = batch(step, rank, n) if n > 1 else batch(step, m, micro)
                 (lm_loss(model(x), y) / micro).backward()
-            if stage == 0 and n > 1 and sync:
+            if zero_stage == 0 and n > 1 and sync:
                 allreduce_gradients(model.parameters(), group)
             if grads_of is not None:
                 seen.append(dict(model.named_parameters())[grads_of[0]].grad[grads_of[1]].item())
             opt.step()
             tracer.step()
-    held = model.state_bytes(opt) if stage == 3 else state_bytes(model, opt)  # grads and state still there
-    params = model.full_state_dict() if stage == 3 else {k: v.detach().clone() for k, v in model.named_parameters()}
+    held = model.state_bytes(opt) if zero_stage == 3 else state_bytes(model, opt)  # grads and state still there
+    params = model.full_state_dict() if zero_stage == 3 else {k: v.detach().clone() for k, v in model.named_parameters()}
     ops = {op: (t.count, t.nbytes) for op, t in tracer.summary(step=STEPS - 1).items()}  # last step
     return (params, held, ops) if grads_of is None else seen
 
@@ -300,16 +300,16 @@ if rank == 0:
 results = {}
 for n, group in groups.items():  # every run first: a failing check below leaves nothing half-computed
     if rank < n:  # ranks 2 and 3 sit out the 2-rank runs
-        for stage in range(4):
-            results[n, stage] = train(stage, n, group)
+        for zero_stage in range(4):
+            results[n, zero_stage] = train(zero_stage, n, group)
 no_sync = train(0, 4, sync=False)[0]  # negative control: 4 ranks that never average their gradients
 assert max_diff(no_sync, single) > 100 * TOL, (max_diff(no_sync, single), TOL)
-for (n, stage), (params, _, _) in results.items():
+for (n, zero_stage), (params, _, _) in results.items():
     dp = results[n, 0][0]
-    assert max_diff(params, single) < TOL, (n, stage, max_diff(params, single), TOL)
-    assert max_diff(params, dp) < TOL, (n, stage, max_diff(params, dp), TOL)
+    assert max_diff(params, single) < TOL, (n, zero_stage, max_diff(params, single), TOL)
+    assert max_diff(params, dp) < TOL, (n, zero_stage, max_diff(params, dp), TOL)
     if n == 2:
-        assert all(torch.equal(params[k], dp[k]) for k in dp), f"stage {stage} is not bit-identical to DP"
+        assert all(torch.equal(params[k], dp[k]) for k in dp), f"stage {zero_stage} is not bit-identical to DP"
 if rank == 0:
     for n in groups:
         dp = results[n, 0][0]
@@ -335,11 +335,11 @@ if rank == 0:
 # %%px
 shapes = [tuple(p.shape) for p in GPT(cfg).parameters()]
 held_vs_formula = {}
-for (n, stage), (_, held, _) in results.items():
-    formula = zero_memory(shapes, n, stage, rank=rank)
-    assert held == formula, f"N={n} stage {stage}: measured {held} != formula {formula}"
-    held_vs_formula[n, stage] = (held, formula)
-    if stage > 0:  # the negative control: the unsharded optimizer of stage 0 fails this check
+for (n, zero_stage), (_, held, _) in results.items():
+    formula = zero_memory(shapes, n, zero_stage, rank=rank)
+    assert held == formula, f"N={n} stage {zero_stage}: measured {held} != formula {formula}"
+    held_vs_formula[n, zero_stage] = (held, formula)
+    if zero_stage > 0:  # the negative control: the unsharded optimizer of stage 0 fails this check
         assert held.optimizer == zero_memory(shapes, n, 1, rank=rank).optimizer
 if rank < 2:  # stage 0's plain AdamW, checked the same way, must fail
     assert results[2, 0][1].optimizer != zero_memory(shapes, 2, 1, rank=rank).optimizer
@@ -351,9 +351,9 @@ def fetch_bytes():
 
 per_rank = ranks.run(fetch_bytes)
 bars, rows = {}, []
-for (n, stage), (held, formula) in sorted(per_rank[0].items(), key=lambda kv: (kv[0][0], kv[0][1])):
-    bars[f"N={n}\nstage {stage}"] = {"measured": held.total / 2**20, "formula": formula.total / 2**20}
-    rows.append(f"N={n} stage {stage}: weights {held.weights:>9,d}  grads {held.grads:>9,d}  "
+for (n, zero_stage), (held, formula) in sorted(per_rank[0].items(), key=lambda kv: (kv[0][0], kv[0][1])):
+    bars[f"N={n}\nstage {zero_stage}"] = {"measured": held.total / 2**20, "formula": formula.total / 2**20}
+    rows.append(f"N={n} stage {zero_stage}: weights {held.weights:>9,d}  grads {held.grads:>9,d}  "
                 f"optimizer {held.optimizer:>9,d}  total {held.total:>10,d} B = formula {formula.total:>10,d} B")
 print("\n".join(rows))
 fig = plot_bars(bars, ylabel="MiB per rank (rank 0)", title="model state per rank: measured vs formula")
@@ -387,10 +387,10 @@ plt.close(fig)  # shown once
 units = [[tuple(p.shape) for name, p in GPT(cfg).named_parameters() if not name.startswith("layers.")]]
 units += [[tuple(p.shape) for p in block.parameters()] for block in GPT(cfg).layers]
 ring_model = {}
-for (n, stage), (_, _, ops) in results.items():
-    want = zero_collectives(units, n, stage)  # {op: (calls, payload bytes)}
-    assert ops == want, f"N={n} stage {stage}: the tracer saw {ops}, the stage must run {want}"
-    ring_model[n, stage] = sum(wire_bytes(op, payload, n) for op, (_, payload) in ops.items())
+for (n, zero_stage), (_, _, ops) in results.items():
+    want = zero_collectives(units, n, zero_stage)  # {op: (calls, payload bytes)}
+    assert ops == want, f"N={n} stage {zero_stage}: the tracer saw {ops}, the stage must run {want}"
+    ring_model[n, zero_stage] = sum(wire_bytes(op, payload, n) for op, (_, payload) in ops.items())
 if rank == 0:
     for n in groups:
         print(f"N = {n}:", "; ".join(f"stage {s}: " + ", ".join(f"{c} {op} {b:,d} B" for op, (c, b)

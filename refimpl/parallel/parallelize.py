@@ -135,11 +135,11 @@ class Parallelized:
     def build_optimizer(self, config: OptimConfig) -> OptimizerSetup:
         """AdamW over this rank's parameters: plain for ZeRO-0 and ZeRO-3 (whose parameters are already
         shards), a :class:`~refimpl.parallel.zero.ShardedOptimizer` over ``group`` for ZeRO-1/2."""
-        stage, clip = self.options.zero_stage, config.grad_clip
-        if stage == 0:
+        zero_stage, clip = self.options.zero_stage, config.grad_clip
+        if zero_stage == 0:
             return OptimizerSetup(optimizer=build_optimizer(self.model, config),
                                   grad_params=list(self.model.parameters()))
-        if stage == 3:
+        if zero_stage == 3:
             fsdp = self.state_module
             return OptimizerSetup(optimizer=build_optimizer(fsdp, config),
                                   grad_params=fsdp.sharded_parameters(),
@@ -147,12 +147,12 @@ class Parallelized:
         from refimpl.parallel.zero import ShardedOptimizer
 
         optimizer = ShardedOptimizer(param_groups(self.model, config.weight_decay), torch.optim.AdamW,
-                                     self.group, zero_stage=stage,
+                                     self.group, zero_stage=zero_stage,
                                      bucket_numel=self.options.zero_bucket_numel, lr=config.lr,
                                      betas=(config.beta1, config.beta2), eps=config.eps,
                                      foreach=False)
         # stage 1 checks the full local gradients (reduced in step), stage 2 the shards it kept
-        grads = optimizer.params if stage == 1 else [optimizer.shard(p) for p in optimizer.params]
+        grads = optimizer.params if zero_stage == 1 else [optimizer.shard(p) for p in optimizer.params]
         return OptimizerSetup(optimizer=optimizer, grad_params=list(grads),
                               clip_fn=None if clip is None else (lambda _: optimizer.clip_grad_norm_(clip)))
 
