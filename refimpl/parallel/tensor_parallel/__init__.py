@@ -1,0 +1,33 @@
+"""Tensor and sequence parallelism, Megatron-style, from scratch (chapter 06).
+
+Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
+Parallelism"; Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+(sequence parallelism). One concept per file:
+
+* :mod:`~refimpl.parallel.tensor_parallel.tp_communications`: the conjugate autograd collectives (``f``,
+  ``g``, scatter / gather along the last dim, and along the sequence for sequence parallelism);
+"""
+
+from __future__ import annotations
+
+from refimpl.parallel.tensor_parallel.tp_communications import (
+    SEQUENCE_DIM,
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
+
+__all__ = [
+    "SEQUENCE_DIM",
+    "copy_to_tensor_parallel_region",
+    "gather_from_sequence_parallel_region",
+    "gather_from_tensor_parallel_region",
+    "reduce_from_tensor_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "scatter_to_tensor_parallel_region",
+]
