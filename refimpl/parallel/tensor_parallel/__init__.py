@@ -6,10 +6,17 @@ Parallelism"; Korthikanti et al. 2022, "Reducing Activation Recomputation in Lar
 
 * :mod:`~refimpl.parallel.tensor_parallel.tp_communications`: the conjugate autograd collectives (``f``,
   ``g``, scatter / gather along the last dim, and along the sequence for sequence parallelism);
+* :mod:`~refimpl.parallel.tensor_parallel.layers`: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`
+  (each with ``from_linear`` and ``local_shards``) and :func:`allreduce_sequence_parallel_grads`.
 """
 
 from __future__ import annotations
 
+from refimpl.parallel.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    allreduce_sequence_parallel_grads,
+)
 from refimpl.parallel.tensor_parallel.tp_communications import (
     SEQUENCE_DIM,
     copy_to_tensor_parallel_region,
@@ -23,6 +30,9 @@ from refimpl.parallel.tensor_parallel.tp_communications import (
 
 __all__ = [
     "SEQUENCE_DIM",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "allreduce_sequence_parallel_grads",
     "copy_to_tensor_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_parallel_region",

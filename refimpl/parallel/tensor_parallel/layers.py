@@ -1,0 +1,207 @@
+"""Megatron's two parallel linears: :class:`ColumnParallelLinear` and :class:`RowParallelLinear` (chapter 06).
+
+Shoeybi et al. 2019, "Megatron-LM" (section 3): a linear ``Y = X A^T + b`` with ``A`` of shape
+``[out, in]`` is split across the ``t`` ranks of a tensor-parallel group in one of two ways.
+
+* **Column parallel** (split the output features): rank ``r`` holds rows ``A_r = A[r*out/t:(r+1)*out/t]``
+  and ``b_r``, and computes ``Y_r = X A_r^T + b_r``, its block of the output features. The input must be
+  whole on every rank: ``f`` (:func:`copy_to_tensor_parallel_region`, all-reduce in backward) in front, or
+  under sequence parallelism (Korthikanti et al. 2022) an all-gather of the sequence (dim 1) in front and a
+  reduce-scatter in backward. ``gather_output=True`` all-gathers ``Y`` along the last dim.
+* **Row parallel** (split the input features): rank ``r`` holds columns ``A[:, r*in/t:(r+1)*in/t]`` and
+  computes the partial sum ``X_r A_r^T``; ``g`` (:func:`reduce_from_tensor_parallel_region`, all-reduce)
+  sums them, or under sequence parallelism a reduce-scatter along the sequence (dim 1). The bias is whole
+  on every rank and added once, after the reduction. ``input_is_parallel=False`` first keeps this rank's
+  chunk of the last dim of a whole input.
+
+A column layer followed by a row layer (the MLP ``Y = GeLU(X A^T) B^T``) needs one all-reduce forward (the
+row layer's ``g``) and one backward (the column layer's ``f``); with sequence parallelism an all-gather and
+a reduce-scatter each way instead, the same bytes.
+
+Under sequence parallelism the row layer's bias sees only this rank's ``s/t`` tokens, so its gradient is a
+partial sum: the bias carries ``sequence_parallel = True`` (Megatron's attribute) and
+:func:`allreduce_sequence_parallel_grads` sums such gradients over the group (one all-reduce each), as
+layer norms under sequence parallelism need.
+
+Rank ``r`` holds the ``r``-th contiguous block in ``.weight`` / ``.bias`` (equal blocks: a size that does not
+divide by ``t`` is a ``ValueError``); :meth:`from_linear` shards a full ``nn.Linear`` that way, and
+``local_shards()`` declares the boxes for the checkpoint (:mod:`refimpl.distributed.placement`), under the
+names a plain ``nn.Linear`` has, so a checkpoint saved at one TP size loads at another or into a dense layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from refimpl.comm import ops
+from refimpl.distributed.placement import Box, LocalShard
+from refimpl.parallel.tensor_parallel.tp_communications import (
+    Group,
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    group_rank,
+    group_size,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
+
+
+def _divide(size: int, t: int, what: str, layer: str) -> int:
+    if size % t:
+        raise ValueError(f"{layer}: {what} {size} does not divide by the tensor-parallel size {t}")
+    return size // t
+
+
+def _init_uniform_(t: torch.Tensor, fan_in: int) -> None:
+    """``nn.Linear``'s default init, ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``, with the *full* fan-in."""
+    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    nn.init.uniform_(t, -bound, bound)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y_r = X A_r^T + b_r``: this rank's block ``r`` of the ``out_features`` (Megatron-LM).
+
+    ``weight``: ``[out_features / t, in_features]``, ``bias``: ``[out_features / t]``. Input
+    ``[..., in_features]`` whole (or ``[batch, seq / t, in_features]`` under ``sequence_parallel``);
+    output ``[..., out_features / t]`` (``[..., out_features]`` with ``gather_output``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, tp_group: Group, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if gather_output and sequence_parallel:
+            raise ValueError("ColumnParallelLinear: gather_output and sequence_parallel exclude each other")
+        self.tp_group = tp_group
+        self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
+        self.in_features, self.out_features = in_features, out_features
+        self.out_per_rank = _divide(out_features, self.tp_size, "out_features", type(self).__name__)
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, **kw))
+        self.bias = nn.Parameter(torch.empty(self.out_per_rank, **kw)) if bias else None
+        with torch.no_grad():
+            _init_uniform_(self.weight, in_features)
+            if self.bias is not None:
+                _init_uniform_(self.bias, in_features)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, tp_group: Group, **kw) -> ColumnParallelLinear:
+        """This rank's block of rows of ``linear.weight`` (and of ``linear.bias``), copied."""
+        layer = cls(linear.in_features, linear.out_features, tp_group=tp_group, bias=linear.bias is not None,
+                    device=linear.weight.device, dtype=linear.weight.dtype, **kw)
+        with torch.no_grad():
+            for name, shard in layer.local_shards().items():
+                shard.tensor.copy_(getattr(linear, name)[shard.box.slices()])
+        return layer
+
+    def local_shards(self) -> dict[str, LocalShard]:
+        """Rows ``[r*out/t, (r+1)*out/t)`` of the ``[out, in]`` weight and of the ``[out]`` bias."""
+        out = {"weight": LocalShard(self.weight, Box.chunk((self.out_features, self.in_features), 0,
+                                                           self.tp_rank, self.tp_size))}
+        if self.bias is not None:
+            box = Box.chunk((self.out_features,), 0, self.tp_rank, self.tp_size)
+            out["bias"] = LocalShard(self.bias, box)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp_group)  # [b, s/t, in] -> [b, s, in]
+        else:
+            x = copy_to_tensor_parallel_region(x, self.tp_group)        # f: all-reduce in backward
+        y = F.linear(x, self.weight, self.bias)                         # [..., out/t]
+        if self.gather_output:
+            y = gather_from_tensor_parallel_region(y, self.tp_group)    # [..., out]
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"({self.out_per_rank} on rank {self.tp_rank} of {self.tp_size}), "
+                f"bias={self.bias is not None}, "
+                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = sum_r X_r A_r^T + b``: this rank holds block ``r`` of the ``in_features`` (Megatron-LM).
+
+    ``weight``: ``[out_features, in_features / t]``, ``bias``: ``[out_features]`` whole. Input
+    ``[..., in_features / t]`` (``input_is_parallel``) or ``[..., in_features]``; output
+    ``[..., out_features]`` whole, or ``[batch, seq / t, out_features]`` under ``sequence_parallel``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, tp_group: Group, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
+        self.tp_group = tp_group
+        self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
+        self.in_features, self.out_features = in_features, out_features
+        self.in_per_rank = _divide(in_features, self.tp_size, "in_features", type(self).__name__)
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, **kw))
+        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
+        with torch.no_grad():
+            _init_uniform_(self.weight, in_features)
+            if self.bias is not None:
+                _init_uniform_(self.bias, in_features)
+        if self.bias is not None and sequence_parallel:
+            self.bias.sequence_parallel = True  # its gradient covers s/t tokens: see allreduce_sequence_...
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, tp_group: Group, **kw) -> RowParallelLinear:
+        """This rank's block of columns of ``linear.weight`` and the whole ``linear.bias``, copied."""
+        layer = cls(linear.in_features, linear.out_features, tp_group=tp_group, bias=linear.bias is not None,
+                    device=linear.weight.device, dtype=linear.weight.dtype, **kw)
+        with torch.no_grad():
+            for name, shard in layer.local_shards().items():
+                shard.tensor.copy_(getattr(linear, name)[shard.box.slices()])
+        return layer
+
+    def local_shards(self) -> dict[str, LocalShard]:
+        """Columns ``[r*in/t, (r+1)*in/t)`` of the ``[out, in]`` weight; the bias whole."""
+        out = {"weight": LocalShard(self.weight, Box.chunk((self.out_features, self.in_features), 1,
+                                                           self.tp_rank, self.tp_size))}
+        if self.bias is not None:
+            out["bias"] = LocalShard.full(self.bias)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel_region(x, self.tp_group)         # [..., in] -> [..., in/t]
+        y = F.linear(x, self.weight)                                        # [..., out], a partial sum
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)  # [b, s, out] -> [b, s/t, out]
+        else:
+            y = reduce_from_tensor_parallel_region(y, self.tp_group)        # g: all-reduce
+        return y if self.bias is None else y + self.bias                    # once, after the reduction
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} ({self.in_per_rank} on rank {self.tp_rank} of "
+                f"{self.tp_size}), out_features={self.out_features}, bias={self.bias is not None}, "
+                f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}")
+
+
+def allreduce_sequence_parallel_grads(module: nn.Module, group: Group) -> int:
+    """Sum over ``group`` the gradients of ``module``'s parameters marked ``sequence_parallel`` (replicated
+    parameters applied to ``s/t`` tokens per rank under sequence parallelism, Korthikanti et al. 2022):
+    one all-reduce each, after backward. Returns how many were reduced."""
+    if group_size(group) == 1:
+        return 0
+    n = 0
+    for p in module.parameters():
+        if getattr(p, "sequence_parallel", False) and p.grad is not None:
+            ops.all_reduce(p.grad, group=group)
+            n += 1
+    return n
+
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "allreduce_sequence_parallel_grads"]
