@@ -1,0 +1,297 @@
+"""The vocabulary-parallel embedding, tied head and cross entropy (chapter 06), at tp 2 and 4.
+
+Checked against one device (weights sharded from it) and against PyTorch's ``loss_parallel`` on DTensor
+logits sharded on the class dim. The loss's arithmetic differs from ``F.cross_entropy`` (the sum-exp is
+summed per shard, then across ranks), so its tolerance is ``FACTOR`` x the spread measured in the same run:
+the largest difference of ``F.cross_entropy`` in float32 from the same computation in float64. The lookup
+is exact (one non-zero term per token) and is compared bitwise. Negative controls: the loss with any one of
+its three all-reduces dropped, and the tied head without ``f`` (copy-to-region), fail the same checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from refimpl.comm import CommTracer, ops
+from refimpl.distributed.placement import Box
+from refimpl.launch import run_ranks
+from refimpl.measure import SavedTensorMeter
+from refimpl.parallel.tensor_parallel import vocab_parallel
+from refimpl.parallel.tensor_parallel.vocab_parallel import (
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+
+FACTOR = 4.0  # stated: our error from float64 may be this many times F.cross_entropy's own float32 error
+TIMEOUT = 120
+LEAD = (3, 7)  # odd leading dims
+IGNORE = -100
+
+
+def _logits_and_target(vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same logits [3, 7, V], targets [3, 7] (four ignored) and per-token weights on every rank."""
+    g = torch.Generator().manual_seed(1234)
+    logits = 3 * torch.randn(*LEAD, vocab, generator=g)
+    target = torch.randint(0, vocab, LEAD, generator=g)
+    target.view(-1)[[0, 5, 11, 20]] = IGNORE
+    weight = torch.rand(LEAD, generator=g) + 0.5
+    return logits.to(device), target.to(device), weight.to(device)
+
+
+def _reference(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor):
+    """``F.cross_entropy`` on the full logits: per-token loss and the gradient of ``sum(w * loss)``."""
+    z = logits.clone().requires_grad_()
+    loss = F.cross_entropy(z.flatten(0, -2), target.flatten(), reduction="none",
+                           ignore_index=IGNORE).view(target.shape)
+    (loss * weight).sum().backward()
+    return loss.detach(), z.grad
+
+
+def _ours(shard: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, **kw):
+    z = shard.clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(z, target, tp_group=None, ignore_index=IGNORE, **kw)
+    (loss * weight).sum().backward()
+    return loss.detach(), z.grad
+
+
+def _loss_parallel(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, t: int):
+    """PyTorch's own: DTensor logits [N, V] sharded on the class dim, under ``loss_parallel``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    mesh = init_device_mesh(logits.device.type, (t,))
+    dz = distribute_tensor(logits.flatten(0, -2), mesh, [Shard(1)]).requires_grad_()
+    with loss_parallel():
+        loss = F.cross_entropy(dz, target.flatten(), reduction="none", ignore_index=IGNORE)
+        (loss.full_tensor() * weight.flatten()).sum().backward()
+    return loss.full_tensor().view(target.shape).detach(), dz.grad.to_local().view(*target.shape, -1)
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+def _loss_rank(ctx, vocab: int, drop: int | None) -> dict:
+    """Our loss on my shard against float32 / float64 F.cross_entropy and DTensor's loss_parallel;
+    ``drop``: the index of the forward all-reduce skipped (negative control), None for the real one."""
+    torch.set_num_threads(1)
+    t, r = dist.get_world_size(), dist.get_rank()
+    logits, target, weight = _logits_and_target(vocab, ctx.device)
+    cols = slice(r * vocab // t, (r + 1) * vocab // t)
+    ref32, gref32 = _reference(logits, target, weight)
+    ref64, gref64 = _reference(logits.double(), target, weight.double())
+    out = {"spread_loss": _err(ref32, ref64), "spread_grad": _err(gref32[..., cols], gref64[..., cols])}
+    real_all_reduce, calls = ops.all_reduce, []
+    if drop is not None:
+        def all_reduce(tensor, *args, **kw):
+            calls.append(tensor.shape)
+            return None if len(calls) - 1 == drop else real_all_reduce(tensor, *args, **kw)
+        ops.all_reduce = all_reduce
+    try:
+        with CommTracer() as tracer:
+            loss, grad = _ours(logits[..., cols], target, weight)
+    finally:
+        ops.all_reduce = real_all_reduce
+    out["err_loss"], out["err_grad"] = _err(loss, ref64), _err(grad, gref64[..., cols])
+    if drop is not None:
+        return out
+    ignored = target == IGNORE
+    out["ignored_zero"] = bool((loss[ignored] == 0).all() and (grad[ignored] == 0).all())
+    out["comm"] = {k: (v.count, v.nbytes) for k, v in tracer.summary().items()}
+    tp_loss, tp_grad = _loss_parallel(logits, target, weight, t)
+    out["err_torch_loss"], out["err_torch_grad"] = _err(tp_loss, ref64), _err(tp_grad, gref64[..., cols])
+    out["ours_vs_torch_loss"] = _err(loss, tp_loss)
+    # peak bytes: what autograd keeps for backward (refimpl.measure) and the largest tensor any op makes,
+    # in the loss's forward and backward alone
+    holder = nn.Module()
+    holder.layers = nn.ModuleList()
+    losses = {
+        "ours": (logits[..., cols], lambda z: vocab_parallel_cross_entropy(z, target, tp_group=None)),
+        "full": (logits, lambda z: F.cross_entropy(z.flatten(0, -2), target.flatten(), reduction="none")),
+    }
+    for name, (z, loss_fn) in losses.items():
+        z = z.clone().requires_grad_()
+        with SavedTensorMeter(holder) as meter, _LargestOutput() as largest:
+            loss = loss_fn(z)
+        with _LargestOutput() as largest_backward:
+            loss.sum().backward()
+        out[f"saved_float32_{name}"] = sum(d.get("float32", 0) for d in meter.report.activations.values())
+        out[f"largest_{name}"] = max(largest.numel, largest_backward.numel)
+    return out
+
+
+class _LargestOutput(torch.utils._python_dispatch.TorchDispatchMode):
+    """The largest tensor (elements) any aten op returns while active."""
+
+    numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for x in result if isinstance(result, (tuple, list)) else (result,):
+            if isinstance(x, torch.Tensor):
+                self.numel = max(self.numel, x.numel())
+        return result
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(TIMEOUT + 30)
+@pytest.mark.parametrize("t", [2, 4])
+def test_vocab_parallel_cross_entropy_equals_f_cross_entropy_and_loss_parallel(t):
+    vocab = 24  # 12 or 6 columns per rank
+    n = LEAD[0] * LEAD[1]
+    for r, out in enumerate(run_ranks(_loss_rank, t, vocab, None, timeout_s=TIMEOUT)):
+        assert out["spread_loss"] > 0 and out["spread_grad"] > 0, out  # the rule is not vacuous
+        for who in ("err", "err_torch"):
+            assert out[f"{who}_loss"] <= FACTOR * out["spread_loss"], (r, who, out)
+            assert out[f"{who}_grad"] <= FACTOR * out["spread_grad"], (r, who, out)
+        assert out["ours_vs_torch_loss"] <= 2 * FACTOR * out["spread_loss"], (r, out)
+        assert out["ignored_zero"], r
+        # forward: MAX of the max, SUM of the target logit, SUM of the sum-exp, each [3, 7] float32
+        assert out["comm"] == {"all_reduce": (3, 3 * n * 4)}, (r, out["comm"])
+        # no rank holds [..., V]: the softmax shard [..., V/t] is what backward keeps and the largest tensor
+        assert out["saved_float32_ours"] == n * vocab // t * 4, out
+        assert out["saved_float32_full"] >= n * vocab * 4, out  # log_softmax [..., V] (+ nll's total weight)
+        assert out["largest_ours"] == n * vocab // t and out["largest_full"] == n * vocab, out
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(3 * TIMEOUT + 30)
+def test_dropping_any_of_the_three_all_reduces_fails():
+    for drop in range(3):  # 0: the max, 1: the target logit, 2: the sum-exp
+        outs = run_ranks(_loss_rank, 2, 24, drop, timeout_s=TIMEOUT)
+        assert any(o["err_loss"] > FACTOR * o["spread_loss"] for o in outs), (drop, outs)
+
+
+def _embedding_rank(ctx, vocab: int, dim: int) -> dict:
+    """Sharded from one nn.Embedding: lookup and weight gradient bitwise, padding never read, traffic."""
+    torch.set_num_threads(1)
+    t, r = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    full = nn.Embedding(vocab, dim).to(ctx.device)
+    tokens = torch.randint(0, vocab, (3, 5), device=ctx.device)
+    grad_out = torch.randn(3, 5, dim, device=ctx.device)
+    emb = VocabParallelEmbedding.from_embedding(full, tp_group=None, pad_vocab=True)
+    with torch.no_grad():
+        emb.weight[emb.num_real_rows:] = float("nan")  # padding: must never be read
+    with CommTracer() as tracer:
+        y = emb(tokens)
+        tracer.step()
+        (y * grad_out).sum().backward()
+    (full(tokens) * grad_out).sum().backward()
+    real, rows = emb.num_real_rows, slice(emb.vocab_start_index, emb.vocab_end_index)
+    box = emb.local_shards()["weight"].box
+    return {
+        "out": torch.equal(y, full(tokens).detach()),
+        "grad": torch.equal(emb.weight.grad[:real], full.weight.grad[rows]),
+        "pad_grad_zero": bool((emb.weight.grad[real:] == 0).all()),
+        "box": box == Box.chunk((vocab, dim), 0, r, t),
+        "comm": [{k: (v.count, v.nbytes) for k, v in s.items()} for s in (tracer.summary(step=0),
+                                                                           tracer.summary(step=1))],
+    }
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+@pytest.mark.parametrize(("t", "vocab"), [(2, 12), (2, 11), (4, 12), (4, 10)])
+def test_vocab_parallel_embedding_equals_nn_embedding_bitwise(t, vocab):
+    dim = 6
+    for r, out in enumerate(run_ranks(_embedding_rank, t, vocab, dim, timeout_s=TIMEOUT)):
+        assert out["out"] and out["grad"] and out["pad_grad_zero"] and out["box"], (r, out)
+        assert out["comm"] == [{"all_reduce": (1, 3 * 5 * dim * 4)}, {}], (r, out["comm"])
+
+
+def test_group_of_one_is_plain_embedding_and_cross_entropy_and_odd_vocab_is_refused():
+    torch.manual_seed(0)
+    full = nn.Embedding(11, 4)
+    emb = VocabParallelEmbedding.from_embedding(full, tp_group=None)
+    tokens = torch.randint(0, 11, (2, 3))
+    with CommTracer() as tracer:
+        assert torch.equal(emb(tokens), full(tokens))
+        logits, target, _ = _logits_and_target(11, torch.device("cpu"))
+        loss = vocab_parallel_cross_entropy(logits, target, tp_group=None, ignore_index=IGNORE)
+    assert tracer.events == []
+    assert loss.shape == LEAD and bool((loss[target == IGNORE] == 0).all())
+    assert emb.local_shards()["weight"].box.is_full
+    with pytest.raises(ValueError, match="does not match logits"):
+        vocab_parallel_cross_entropy(logits, target[0], tp_group=None)
+
+
+def _refused_rank(ctx) -> str:
+    try:
+        VocabParallelEmbedding(11, 4, tp_group=None)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_a_vocabulary_that_does_not_divide_is_refused_without_pad_vocab():
+    msgs = run_ranks(_refused_rank, 2, timeout_s=TIMEOUT)
+    assert all("11 does not divide by the tensor-parallel size 2" in m and "\n" not in m for m in msgs), msgs
+
+
+def _tied_rank(ctx, vocab: int, dim: int, with_f: bool) -> dict:
+    """A tied model, one device vs vocab-parallel: embed, a fixed tanh layer, logits = h @ E^T, the loss."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    full = nn.Embedding(vocab, dim)
+    mix = torch.randn(dim, dim) / dim**0.5
+    tokens, target = torch.randint(0, vocab, (3, 5)), torch.randint(0, vocab, (3, 5))
+    target[0, 1] = IGNORE
+
+    def one_device(dtype):
+        w = full.weight.detach().to(dtype).requires_grad_()
+        logits = torch.tanh(F.embedding(tokens, w) @ mix.to(dtype)) @ w.T
+        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum", ignore_index=IGNORE)
+        loss.backward()
+        return w.grad
+
+    g32, g64 = one_device(torch.float32), one_device(torch.float64)
+    emb = VocabParallelEmbedding.from_embedding(full, tp_group=None, pad_vocab=True)
+    if not with_f:  # negative control: the head without f, so dh is not summed over the ranks
+        vocab_parallel.copy_to_tensor_parallel_region = lambda x, group: x
+    logits = emb.lm_logits(torch.tanh(emb(tokens) @ mix))
+    loss = vocab_parallel_cross_entropy(logits, target, tp_group=None, ignore_index=IGNORE, vocab_size=vocab)
+    loss.sum().backward()
+    rows = slice(emb.vocab_start_index, emb.vocab_end_index)
+    real = emb.num_real_rows
+    return {"spread": _err(g32[rows], g64[rows]), "err": _err(emb.weight.grad[:real], g64[rows]),
+            "pad_zero": bool((emb.weight.grad[real:] == 0).all())}
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * TIMEOUT + 30)
+@pytest.mark.parametrize(("t", "vocab"), [(2, 11), (4, 10)])
+def test_tied_embedding_and_head_accumulate_into_one_shard(t, vocab):
+    for r, out in enumerate(run_ranks(_tied_rank, t, vocab, 8, True, timeout_s=TIMEOUT)):
+        assert out["spread"] > 0 and out["err"] <= FACTOR * out["spread"], (r, out)
+        assert out["pad_zero"], (r, out)
+    broken = run_ranks(_tied_rank, t, vocab, 8, False, timeout_s=TIMEOUT)
+    assert any(o["err"] > FACTOR * o["spread"] for o in broken), broken
+
+
+def _save_rank(ctx, folder: str) -> None:
+    from refimpl.checkpoint import CheckpointConfig, Checkpointer, save_training_state
+
+    torch.manual_seed(0)
+    emb = VocabParallelEmbedding.from_embedding(nn.Embedding(11, 5), tp_group=None, pad_vocab=True)
+    save_training_state(Checkpointer(CheckpointConfig(folder=folder)), 1, model=emb)
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_saved_at_tp2_padded_loads_bitwise_into_a_plain_embedding(tmp_path):
+    from refimpl.checkpoint import CheckpointConfig, Checkpointer, load_training_state
+
+    run_ranks(_save_rank, 2, str(tmp_path), timeout_s=TIMEOUT)
+    torch.manual_seed(0)
+    reference = nn.Embedding(11, 5)
+    plain = nn.Embedding(11, 5)
+    with torch.no_grad():
+        plain.weight.fill_(float("nan"))
+    ck = Checkpointer(CheckpointConfig(folder=str(tmp_path)))
+    load_training_state(ck, ck.find_latest_valid(), model=plain, restore_rng=False)
+    assert torch.equal(plain.weight, reference.weight)
