@@ -64,6 +64,17 @@ def _init_uniform_(t: torch.Tensor, fan_in: int) -> None:
     nn.init.uniform_(t, -bound, bound)
 
 
+
+def _sharded_from(cls: type, linear: nn.Linear, *, tp_group: Group, **kw) -> nn.Module:
+    """A ``cls`` layer of ``linear``'s sizes whose tensors are copied from the boxes it declares."""
+    layer = cls(linear.in_features, linear.out_features, tp_group=tp_group, bias=linear.bias is not None,
+                device=linear.weight.device, dtype=linear.weight.dtype, **kw)
+    with torch.no_grad():
+        for name, shard in layer.local_shards().items():
+            shard.tensor.copy_(getattr(linear, name)[shard.box.slices()])
+    return layer
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y_r = X A_r^T + b_r``: this rank's block ``r`` of the ``out_features`` (Megatron-LM).
 
@@ -94,12 +105,7 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, tp_group: Group, **kw) -> ColumnParallelLinear:
         """This rank's block of rows of ``linear.weight`` (and of ``linear.bias``), copied."""
-        layer = cls(linear.in_features, linear.out_features, tp_group=tp_group, bias=linear.bias is not None,
-                    device=linear.weight.device, dtype=linear.weight.dtype, **kw)
-        with torch.no_grad():
-            for name, shard in layer.local_shards().items():
-                shard.tensor.copy_(getattr(linear, name)[shard.box.slices()])
-        return layer
+        return _sharded_from(cls, linear, tp_group=tp_group, **kw)
 
     def local_shards(self) -> dict[str, LocalShard]:
         """Rows ``[r*out/t, (r+1)*out/t)`` of the ``[out, in]`` weight and of the ``[out]`` bias."""
@@ -159,12 +165,7 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, tp_group: Group, **kw) -> RowParallelLinear:
         """This rank's block of columns of ``linear.weight`` and the whole ``linear.bias``, copied."""
-        layer = cls(linear.in_features, linear.out_features, tp_group=tp_group, bias=linear.bias is not None,
-                    device=linear.weight.device, dtype=linear.weight.dtype, **kw)
-        with torch.no_grad():
-            for name, shard in layer.local_shards().items():
-                shard.tensor.copy_(getattr(linear, name)[shard.box.slices()])
-        return layer
+        return _sharded_from(cls, linear, tp_group=tp_group, **kw)
 
     def local_shards(self) -> dict[str, LocalShard]:
         """Columns ``[r*in/t, (r+1)*in/t)`` of the ``[out, in]`` weight; the bias whole."""
