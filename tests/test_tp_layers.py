@@ -32,10 +32,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import refimpl.parallel.tensor_parallel.layers as layers
 from refimpl.checkpoint import CheckpointConfig, Checkpointer, find_latest_valid
-from refimpl.comm import CommTracer, ops
+from refimpl.comm import CommTracer
 from refimpl.distributed.placement import Box, module_shards
 from refimpl.launch import run_ranks
 from refimpl.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from tests.test_tp_communications import _AllReducingCopy  # the negative control: f that all-reduces forward
 
 SPAWN_TIMEOUT = 180
 B, S, H, FF = 2, 4, 8, 16  # S and FF divide by 2 and 4
@@ -132,23 +133,6 @@ def _dtensor(sp: bool, mesh) -> _MLP:
     plan = ({"fc1": ColwiseParallel(input_layouts=Shard(1)), "fc2": RowwiseParallel(output_layouts=Shard(1))}
             if sp else {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     return parallelize_module(_MLP(*_dense()), mesh, plan)
-
-
-class _AllReducingCopy(torch.autograd.Function):
-    """Negative control: an ``f`` that all-reduces in forward as well as in backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        out = x.clone()
-        ops.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, dy):
-        dx = dy.clone()
-        ops.all_reduce(dx, group=ctx.group)
-        return dx, None
 
 
 def _error(fn) -> str:
