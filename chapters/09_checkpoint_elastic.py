@@ -364,7 +364,8 @@ if rank == 0:  # the reference: one device, four summation orders, from the same
     probe = GPT(cfg, seed=2).to(device)  # the gradient of the loaded model's QKV bias, by part
     load_training_state(ckpt, info, model=probe, restore_rng=False)
     lm_loss(probe(batch(3, 0, 1)[0]), batch(3, 0, 1)[1]).backward()
-    bias_grad = probe.layers[0].self_attention.query_key_value.bias.grad.view(3, -1).abs().amax(dim=1).tolist()
+    bias_grad = probe.layers[0].self_attention.query_key_value.bias.grad  # [a * 3 * d]: (q, k, v) per head
+    bias_grad = bias_grad.view(cfg.num_attention_heads, 3, -1).abs().amax(dim=(0, 2)).tolist()
 
 # %%
 pulled = ranks.run(lambda: (next_at_4, next_at_2, held, total, info.manifest, on_cpu(weights_at_4),
@@ -400,7 +401,8 @@ print(f"weights: 4 vs 2 ranks {weight_diff:.2e} in {where}; one-device spread {w
       f"-> tolerance {weight_tolerance:.2e}")
 print(f"AdamW first moments held by rank 0 of 2: {held:,} of {total:,}")
 qkv = "layers.0.self_attention.query_key_value.bias"
-by_part = (weights_at_4[qkv] - weights_at_2[qkv]).abs().view(3, -1).amax(dim=1)  # rows: query, key, value
+heads = 2  # the model of this section (cfg on the ranks)
+by_part = (weights_at_4[qkv] - weights_at_2[qkv]).abs().view(heads, 3, -1).amax(dim=(0, 2))  # q, k, v
 print("largest difference in", qkv, "by part (query, key, value):", [f"{v:.1e}" for v in by_part.tolist()])
 print("largest |gradient| of that bias by part (query, key, value):", [f"{v:.1e}" for v in bias_grad],
       f"AdamW's eps: {eps:.0e}")

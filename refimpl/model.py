@@ -21,7 +21,12 @@ from refimpl.config import ModelConfig
 
 
 class CausalSelfAttention(nn.Module):
-    """softmax(Q K^T / sqrt(d) + causal mask) V over ``num_attention_heads`` heads, then a projection."""
+    """softmax(Q K^T / sqrt(d) + causal mask) V over ``num_attention_heads`` heads, then a projection.
+
+    ``query_key_value`` is one fused ``[3h, h]`` linear in Megatron-LM's layout: output row ``3d*i + j*d + c``
+    is component ``c`` of q (j = 0), k (1) or v (2) of head ``i``. Tensor parallelism (chapter 06) keeps the
+    forward as it is with ``num_heads = a/t`` and a column-parallel ``query_key_value``.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -31,12 +36,14 @@ class CausalSelfAttention(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        qkv = self.query_key_value(x)  # [b, s, 3h]
-        qkv = qkv.view(b, s, 3, self.num_heads, self.head_dim)  # [b, s, 3, a, d]
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x [b, a, s, d]
+        qkv = self.query_key_value(x)  # [b, s, 3h] (under tensor parallelism [b, s, 3h/t]: a/t heads)
+        b, s = qkv.shape[:2]
+        # Megatron-LM's per-head layout: the 3h outputs are a heads of (q, k, v) x d, so a contiguous block
+        # of rows of the weight holds whole heads and splits across tensor-parallel ranks (chapter 06)
+        qkv = qkv.view(b, s, self.num_heads, 3, self.head_dim)  # [b, s, a, 3, d]
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # 3 x [b, a, s, d]
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, a, s, d]
-        y = y.transpose(1, 2).reshape(b, s, h)  # [b, s, a*d] = [b, s, h]
+        y = y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)  # [b, s, a*d] = [b, s, h]
         return self.dense(y)
 
 

@@ -41,7 +41,6 @@ CASES = {  # name -> options
     "zero3-bf16": ParallelizeOptions(zero_stage=3, precision="bf16"),
 }
 REFUSED = {  # layout at world size 4 -> the chapter the error must name
-    "dp2-tp2": (dict(dp=2, tp=2), "chapter 06"),
     "dp2-cp2": (dict(dp=2, cp=2), "chapter 07"),
     "dp2-pp2": (dict(dp=2, pp=2), "chapter 08"),
 }
@@ -235,8 +234,12 @@ def test_one_process_layout_needs_no_group():
     assert type(par.build_optimizer(OptimConfig()).optimizer).__name__ == "AdamW"
     with pytest.raises(ValueError, match="pass its process groups"):
         parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=2), ParallelizeOptions())
-    with pytest.raises(ValueError, match="chapter 06"):  # the unbuilt axis is named before the groups
-        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, tp=2), ParallelizeOptions())
+    with pytest.raises(ValueError, match="chapter 07"):  # the unbuilt axis is named before the groups
+        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, cp=2), ParallelizeOptions())
+    with pytest.raises(ValueError, match="needs tp > 1"):
+        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1), ParallelizeOptions(sequence_parallel=True))
+    with pytest.raises(ValueError, match="zero_stage 3"):
+        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, tp=2), ParallelizeOptions(zero_stage=3))
 
 
 @pytest.mark.parametrize("bad, match", [

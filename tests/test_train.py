@@ -330,7 +330,9 @@ def test_dp4_gives_the_losses_recorded_before_parallel_dims(files, tmp_path):
 
 
 LAYOUT_REFUSALS = {  # name -> (flags, what the one error line must say)
-    "tp2": (["--tp", "2"], "chapter 06"),
+    "tp2-zero3": (["--tp", "2", "--zero-stage", "3"], "chapter 10"),
+    "tp4-heads": (["--tp", "4"], "attention heads 2 does not divide by 4"),
+    "sp-without-tp": (["--sequence-parallel"], "needs --tp > 1"),
     "pp2": (["--pp", "2"], "chapter 08"),
     "cp2": (["--cp", "2"], "chapter 07"),
     "dp-not-world": (["--dp", "3"], "does not match the world size 4"),

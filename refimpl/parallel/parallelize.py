@@ -32,9 +32,16 @@ is built tensor- and pipeline-parallel first, then wrapped in its ``DistributedD
    :meth:`Parallelized.build_optimizer` makes it); ZeRO-3
    :class:`~refimpl.parallel.zero.FullyShardedDataParallel`.
 
-Steps 1-3 are not built yet: with ``tp = cp = pp = 1`` they are skipped, with a degree above 1 a
+Steps 2-3 are not built yet: with ``cp = pp = 1`` they are skipped, with a degree above 1 a
 ``ValueError`` names the chapter that builds them (the trainer's command line refuses such a layout earlier,
-with exit status 2).
+with exit status 2). Step 1 with ``tp > 1`` composes with ZeRO 0-2 over ``dp``; ZeRO-3 would shard the
+tensor-parallel shards again over ``dp`` (FSDP2's 2-D layout), which chapter 10 builds: refused until then.
+
+Under tensor parallelism the model returns the logits shard ``[b, s, V/t]``: :meth:`Parallelized.loss`
+takes the vocab-parallel loss on it, the gradient norm counts every element once
+(:mod:`refimpl.parallel.tensor_parallel.grad_norm`) and, under sequence parallelism,
+:attr:`OptimizerSetup.finish_gradients` sums the gradients of the replicated parameters that saw ``s/t``
+tokens over the ``tp`` group, after the data-parallel reduction and before clipping.
 """
 
 from __future__ import annotations
@@ -46,8 +53,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from refimpl.comm import ops
 from refimpl.config import OptimConfig
 from refimpl.distributed.mesh import LOSS_AXES, ParallelDims, ParallelGroups
+from refimpl.model import lm_loss
 from refimpl.optim import build_optimizer, param_groups
 from refimpl.parallel.data_parallel import DataParallelBucket
 from refimpl.precision import PRECISIONS, MixedPrecision, MixedPrecisionPolicy
@@ -56,8 +65,7 @@ __all__ = ["ORDER", "OptimizerSetup", "ParallelizeOptions", "Parallelized", "par
 
 ORDER = ("tensor parallel", "context parallel", "pipeline split", "activation checkpointing",
          "mixed precision", "data parallel")  # the steps of :func:`parallelize`, in the order applied
-_UNBUILT = (("tp", "tensor parallel", "06 tensor and sequence parallelism"),
-            ("cp", "context parallel", "07 context parallelism"),
+_UNBUILT = (("cp", "context parallel", "07 context parallelism"),
             ("pp", "pipeline split", "08 pipeline parallelism"))
 
 
@@ -67,6 +75,8 @@ class ParallelizeOptions:
 
     ``zero_stage`` 0 (data parallel), 1 (sharded optimizer state), 2 (and gradients), 3 (and parameters);
     ``precision`` ``fp32``/``bf16``/``fp16`` (:meth:`refimpl.precision.MixedPrecisionPolicy.from_name`);
+    ``sequence_parallel`` splits the activations between the tensor-parallel regions along the sequence
+    (needs ``tp > 1``);
     ``activation_checkpointing`` a block selection (``all``, ``every-N``, ``0,2,-1``; None: off);
     ``bucket_cap_mb`` the gradient buckets of ZeRO-0 (DDP's 25 MB); ``zero_bucket_numel`` the elements per
     reduce-scatter bucket of ZeRO-2; ``prefetch`` and ``reshard_after_forward`` the all-gather schedule of
@@ -75,6 +85,7 @@ class ParallelizeOptions:
 
     zero_stage: int = 0
     precision: str = "fp32"
+    sequence_parallel: bool = False
     activation_checkpointing: str | None = None
     bucket_cap_mb: float = 25.0
     zero_bucket_numel: int = 2**20
@@ -110,6 +121,7 @@ class OptimizerSetup:
     optimizer: torch.optim.Optimizer
     grad_params: list[torch.Tensor]
     clip_fn: Callable[[list[torch.Tensor]], object] | None = None
+    finish_gradients: Callable[[], None] | None = None  # after the dp reduction (sequence parallelism)
 
 
 @dataclass(kw_only=True)
@@ -120,7 +132,8 @@ class Parallelized:
     through, ``state_module`` what a checkpoint saves (the ZeRO-3 wrapper), ``sync`` the wrapper whose
     ``no_sync()``/``finish_gradient_synchronization()`` the step calls (ZeRO-0 with several ranks, else
     None), ``group`` the ``dp x cp`` group gradients are averaged over (None: one process), ``applied``
-    the steps of :data:`ORDER` that did something, in order.
+    the steps of :data:`ORDER` that did something, in order, ``tp_group`` the tensor-parallel group (None:
+    no tensor parallelism).
     """
 
     model: nn.Module
@@ -131,11 +144,23 @@ class Parallelized:
     sync: DataParallelBucket | None = None
     group: dist.ProcessGroup | None = None
     applied: list[str] = field(default_factory=list)
+    tp_group: dist.ProcessGroup | None = None
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean next-token loss of this rank's tokens: :func:`refimpl.model.lm_loss`, or under tensor
+        parallelism the vocab-parallel loss on the logits shard (equal on the ranks of a TP group)."""
+        if self.tp_group is None:
+            return lm_loss(logits, labels)
+        from refimpl.parallel.tensor_parallel import tp_lm_loss
+
+        return tp_lm_loss(logits, labels, tp_group=self.tp_group, vocab_size=self.model.config.vocab_size)
 
     def build_optimizer(self, config: OptimConfig) -> OptimizerSetup:
         """AdamW over this rank's parameters: plain for ZeRO-0 and ZeRO-3 (whose parameters are already
         shards), a :class:`~refimpl.parallel.zero.ShardedOptimizer` over ``group`` for ZeRO-1/2."""
         zero_stage, clip = self.options.zero_stage, config.grad_clip
+        if self.tp_group is not None:
+            return self._tensor_parallel_optimizer(config)
         if zero_stage == 0:
             return OptimizerSetup(optimizer=build_optimizer(self.model, config),
                                   grad_params=list(self.model.parameters()))
@@ -156,10 +181,65 @@ class Parallelized:
         return OptimizerSetup(optimizer=optimizer, grad_params=list(grads),
                               clip_fn=None if clip is None else (lambda _: optimizer.clip_grad_norm_(clip)))
 
+    def _tensor_parallel_optimizer(self, config: OptimConfig) -> OptimizerSetup:
+        """ZeRO-0/1/2 over the TP shards: the norm counts each element of the model once, and the
+        sequence-parallel gradients are summed over ``tp`` (both need the ``tp`` group)."""
+        from refimpl.parallel.tensor_parallel import (
+            allreduce_sequence_parallel_grads,
+            clip_grad_norm_tensor_parallel_,
+            tensor_parallel_sharded,
+        )
 
-def _layout(groups_or_dims: ParallelGroups | ParallelDims) -> tuple[ParallelDims, ParallelGroups | None]:
-    """The layout and its groups; refuses steps 1-3 (naming their chapter) and a multi-rank layout given
-    without its groups, before anything is touched (every rank alike)."""
+        model, tp, zero_stage = self.model, self.tp_group, self.options.zero_stage
+        sharded = tensor_parallel_sharded(model)
+        device = next(iter(model.parameters())).device
+        if zero_stage == 0:
+            optimizer = build_optimizer(model, config)
+            params = list(model.parameters())
+
+            def grads() -> list[tuple[torch.Tensor, torch.Tensor]]:  # (parameter, its gradient)
+                return [(p, p.grad) for p in params if p.grad is not None]
+
+            dp_group = None
+            finish = lambda: allreduce_sequence_parallel_grads(model, tp)  # noqa: E731
+            grad_params = params
+        else:
+            from refimpl.parallel.zero import ShardedOptimizer
+
+            optimizer = ShardedOptimizer(param_groups(model, config.weight_decay), torch.optim.AdamW,
+                                         self.group, zero_stage=zero_stage,
+                                         bucket_numel=self.options.zero_bucket_numel, lr=config.lr,
+                                         betas=(config.beta1, config.beta2), eps=config.eps, foreach=False)
+
+            def grads() -> list[tuple[torch.Tensor, torch.Tensor]]:
+                optimizer.reduce_gradients()  # ZeRO-1: into the shards (ZeRO-2: done in backward)
+                return [(p, optimizer.shard(p).grad) for p in optimizer.params
+                        if optimizer.shard(p).grad is not None]
+
+            def finish() -> None:  # the shards of a replicated parameter are the same rows on every TP rank
+                for p, g in grads():
+                    if getattr(p, "sequence_parallel", False):
+                        ops.all_reduce(g, group=tp)
+
+            dp_group = self.group
+            grad_params = (optimizer.params if zero_stage == 1
+                           else [optimizer.shard(p) for p in optimizer.params])
+
+        def clip_fn(_: object) -> torch.Tensor:
+            pairs = grads()
+            flags = [id(p) in sharded for p, _ in pairs]
+            return clip_grad_norm_tensor_parallel_([g for _, g in pairs], flags, config.grad_clip,
+                                                   tp_group=tp, dp_group=dp_group, device=device)
+
+        return OptimizerSetup(optimizer=optimizer, grad_params=list(grad_params),
+                              clip_fn=None if config.grad_clip is None else clip_fn,
+                              finish_gradients=finish if self.options.sequence_parallel else None)
+
+
+def _layout(groups_or_dims: ParallelGroups | ParallelDims,
+            options: ParallelizeOptions) -> tuple[ParallelDims, ParallelGroups | None]:
+    """The layout and its groups; refuses unbuilt steps (naming their chapter), options the layout cannot
+    take and a multi-rank layout given without its groups, before anything is touched (every rank alike)."""
     if isinstance(groups_or_dims, ParallelGroups):
         dims, groups = groups_or_dims.dims, groups_or_dims
     elif isinstance(groups_or_dims, ParallelDims):
@@ -171,6 +251,12 @@ def _layout(groups_or_dims: ParallelGroups | ParallelDims) -> tuple[ParallelDims
         if getattr(dims, axis) > 1:
             raise ValueError(f"{step} ({axis} = {getattr(dims, axis)} in {dims.describe()}) is not built "
                              f"yet: chapter {chapter} builds it")
+    if options.sequence_parallel and dims.tp == 1:
+        raise ValueError("sequence parallelism splits the activations over the tensor-parallel ranks: it "
+                         f"needs tp > 1 (the layout is {dims.describe()})")
+    if dims.tp > 1 and options.zero_stage == 3:
+        raise ValueError("tensor parallelism with zero_stage 3 (2-D sharding) is not built yet (chapter "
+                         "10): use zero_stage 0, 1 or 2 with tp > 1")
     if groups is None and dims.world_size > 1:
         raise ValueError(f"the layout {dims.describe()} spans {dims.world_size} ranks: pass its process "
                          "groups (dims.build(rank=..., world_size=..., timeout_s=...))")
@@ -187,8 +273,16 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
     seed); it is changed in place (checkpointed blocks, ZeRO-3's shards). Collective under several ranks.
     """
     options = options or ParallelizeOptions()
-    dims, groups = _layout(groups_or_dims)  # steps 1-3 (tp, cp, pp): refused while unbuilt
+    dims, groups = _layout(groups_or_dims, options)  # steps 2-3 (cp, pp): refused while unbuilt
     applied: list[str] = []
+    tp_group = None
+    # 1. tensor / sequence parallel over tp: replaces the linears and the embedding by their shards
+    if dims.tp > 1:
+        from refimpl.parallel.tensor_parallel import apply_tensor_parallel
+
+        tp_group = groups.group("tp")
+        apply_tensor_parallel(model, tp_group=tp_group, sequence_parallel=options.sequence_parallel)
+        applied.append("tensor parallel")
     # 4. activation checkpointing, on the blocks the wrapper of step 6 will hook
     if options.activation_checkpointing not in (None, "none"):
         from refimpl.parallel.activation_checkpoint import (
@@ -210,7 +304,7 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
     group = None if groups is None else groups.group(*LOSS_AXES)
     replicas = dims.dp * dims.cp
     done = Parallelized(model=model, forward=model, state_module=model, mp=mp, options=options, group=group,
-                        applied=applied)
+                        applied=applied, tp_group=tp_group)
     if options.zero_stage == 0:
         if replicas > 1:  # broadcasts the first rank's weights over the group
             done.sync = DataParallelBucket(model, options.bucket_cap_mb, group)

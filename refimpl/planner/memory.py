@@ -95,6 +95,7 @@ def run_memory_per_rank(
     zero_stage: int = 0,
     precision: str = "fp32",
     checkpointed_blocks: set[int] | list[int] | tuple[int, ...] = (),
+    sequence_parallel: bool = False,
 ) -> RunMemory:
     """The peak bytes one rank of a training run laid out as ``dims`` needs, before anything runs (chapters
     01, 04 and 05; the trainer's preflight).

@@ -71,7 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--dp", type=int, default=None,
                      help="data-parallel degree (default: world size / (tp x pp x cp)); dp x cp x tp x pp "
                      "must be the world size")
-    par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (chapter 06; not built yet)")
+    par.add_argument("--tp", type=int, default=1,
+                     help="tensor-parallel degree (chapter 06): heads, MLP and vocabulary split over tp "
+                     "ranks that see the same batch; must divide --num-heads, 4 x --hidden-size and 256")
+    par.add_argument("--sequence-parallel", action="store_true",
+                     help="with --tp > 1: split the activations outside the tensor-parallel regions along "
+                     "the sequence (Korthikanti et al. 2022); --seq-len must divide by --tp")
     par.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (chapter 08; not built yet)")
     par.add_argument("--cp", type=int, default=1, help="context-parallel degree (chapter 07; not built yet)")
     ck = p.add_argument_group("checkpoints")
@@ -148,15 +153,21 @@ class RunOptions:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         ParallelDims(dp=1 if self.dp is None else self.dp, cp=self.cp, tp=self.tp, pp=self.pp)  # degrees >= 1
-        for flag, degree, chapter in (("--tp", self.tp, "06 tensor parallelism"),
-                                      ("--pp", self.pp, "08 pipeline parallelism"),
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("--sequence-parallel splits activations over the tensor-parallel ranks: it "
+                              "needs --tp > 1")
+        if self.tp > 1 and self.zero_stage == 3:
+            raise ConfigError(f"--tp {self.tp} with --zero-stage 3 (2-D sharding) is not built yet (chapter "
+                              "10); use --zero-stage 0, 1 or 2")
+        for flag, degree, chapter in (("--pp", self.pp, "08 pipeline parallelism"),
                                       ("--cp", self.cp, "07 context parallelism")):
             if degree > 1:
                 raise ConfigError(f"{flag} {degree}: not built yet (chapter {chapter} builds it); "
-                                  "today the trainer runs --dp only")
+                                  "today the trainer runs --dp and --tp")
         if self.sigterm_grace_s is not None and not self.sigterm_grace_s >= 0:
             raise ConfigError(f"--sigterm-grace must be >= 0 seconds, got {self.sigterm_grace_s}")
         if self.zero_stage not in (0, 1, 2, 3):
@@ -204,4 +215,5 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
                       activation_checkpointing=args.activation_checkpointing, checkpoint=checkpoint,
                       faults=faults, sigterm_grace_s=args.sigterm_grace,
                       sleep_in_step_s=args.test_sleep_in_step,
-                      dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp)
+                      dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp,
+                      sequence_parallel=args.sequence_parallel)

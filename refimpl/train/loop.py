@@ -32,7 +32,7 @@ from refimpl.model import generate
 from refimpl.optim import lr_at, set_lr
 from refimpl.planner import flops_per_token, param_count
 from refimpl.train.args import RunOptions
-from refimpl.train.preflight import check_fits, check_same_run
+from refimpl.train.preflight import check_fits, check_same_run, check_tensor_parallel
 from refimpl.train.setup import _sampling_model, build_setup
 from refimpl.train.step import train_step
 
@@ -62,6 +62,7 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
     options = options or RunOptions()
     dims = options.parallel_dims(ctx.world_size)  # pp x dp x cp x tp, tp innermost (refimpl.distributed.mesh)
     coords = dims.coordinates(ctx.rank)
+    check_tensor_parallel(config, dims.tp, sequence_parallel=options.sequence_parallel)
     batches = check_fits(config, dims.dp)  # the global batch is split over the data-parallel axis
     seed_everything(config.data.seed, rank=ctx.rank)
     out = Path(config.out)

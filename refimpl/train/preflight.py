@@ -26,6 +26,23 @@ def check_fits(config: TrainConfig, world_size: int) -> ShardedBatches:
                           global_batch_size=config.data.global_batch_size, seed=config.data.seed)
 
 
+def check_tensor_parallel(config: TrainConfig, tp: int, *, sequence_parallel: bool = False) -> None:
+    """Refuse a ``--tp`` that does not divide the heads, the MLP width or the vocabulary, or under
+    ``--sequence-parallel`` the sequence (chapter 06)."""
+    if tp == 1:
+        return
+    if sequence_parallel and config.data.seq_len % tp:
+        raise ConfigError(f"--sequence-parallel splits the sequence over the {tp} tensor-parallel ranks: "
+                          f"--seq-len {config.data.seq_len} does not divide by {tp}")
+    m = config.model
+    for flag, what, size in (("--num-heads", "attention heads", m.num_attention_heads),
+                             ("--hidden-size", "MLP width (4 x --hidden-size)", m.ffn_hidden_size),
+                             ("the vocabulary", "vocabulary (256 bytes)", m.vocab_size)):
+        if size % tp:
+            raise ConfigError(f"--tp {tp}: the {what} {size} does not divide by {tp} (each tensor-parallel "
+                              f"rank holds 1/{tp} of it); change {flag} or --tp")
+
+
 MEMORY_ENV = "REFIMPL_MEMORY_BYTES"  # tests: this node's memory in bytes, instead of the measured figure
 
 
@@ -67,8 +84,10 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
     activations) against :func:`machine_memory_per_rank`. ``force``: warn and go on. Returns the estimate."""
     from refimpl.planner import run_memory_per_rank
 
-    accumulation = config.data.accumulation_steps(world_size)  # a bad split is refused here too
-    micro = config.data.per_rank_batch(world_size) // accumulation
+    dims = options.parallel_dims(world_size)
+    check_tensor_parallel(config, dims.tp, sequence_parallel=options.sequence_parallel)
+    accumulation = config.data.accumulation_steps(dims.dp)  # a bad split is refused here too
+    micro = config.data.per_rank_batch(dims.dp) // accumulation
     n, chosen = config.model.num_layers, []
     if options.activation_checkpointing is not None:
         from refimpl.parallel.activation_checkpoint import parse_block_selection
@@ -76,9 +95,9 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
         sel = parse_block_selection(options.activation_checkpointing)
         chosen = (list(range(n)) if sel == "all" else [] if sel == "none" else
                   [i for i in range(n) if sel(i)] if callable(sel) else [i % n for i in sel if -n <= i < n])
-    need = run_memory_per_rank(config.model, options.parallel_dims(world_size), micro_batch=micro,
-                               seq_len=config.data.seq_len, zero_stage=options.zero_stage,
-                               precision=options.precision, checkpointed_blocks=chosen)
+    need = run_memory_per_rank(config.model, dims, micro_batch=micro, seq_len=config.data.seq_len,
+                               zero_stage=options.zero_stage, precision=options.precision,
+                               checkpointed_blocks=chosen, sequence_parallel=options.sequence_parallel)
     have, source = machine_memory_per_rank(ranks_per_node, local_rank=local_rank, launching=launching)
     if need.total > have:
         what = (f"the run needs about {format_bytes(need.total)} per rank (planner: {need.describe()}; "

@@ -4,6 +4,7 @@ mixed-precision policy (chapter 05), as :func:`build_setup` puts them together."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -11,7 +12,7 @@ import torch
 from refimpl.config import TrainConfig
 from refimpl.distributed import DistributedContext
 from refimpl.distributed.mesh import ParallelGroups
-from refimpl.model import GPT
+from refimpl.model import GPT, lm_loss
 from refimpl.parallel.data_parallel import DataParallelBucket
 from refimpl.parallel.parallelize import ParallelizeOptions, parallelize
 from refimpl.precision import MixedPrecision
@@ -29,6 +30,9 @@ class _Setup:
     grad_params: list = field(default_factory=list)
     clip_fn: object = None
     group: torch.distributed.ProcessGroup | None = None  # dp x cp: gradients and the loss are averaged here
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss  # (logits, labels) -> mean loss
+    finish_gradients: Callable[[], None] | None = None  # after the dp reduction (sequence parallelism)
+    tp_group: torch.distributed.ProcessGroup | None = None
 
 
 def build_setup(config: TrainConfig, ctx: DistributedContext, options: RunOptions,
@@ -42,16 +46,28 @@ def build_setup(config: TrainConfig, ctx: DistributedContext, options: RunOption
     model = GPT(config.model, seed=config.data.seed).to(ctx.device)
     par = parallelize(model, groups if groups is not None else dims,
                       ParallelizeOptions(zero_stage=options.zero_stage, precision=options.precision,
-                                         activation_checkpointing=options.activation_checkpointing))
+                                         activation_checkpointing=options.activation_checkpointing,
+                                         sequence_parallel=options.sequence_parallel))
     opt = par.build_optimizer(config.optim)
     return _Setup(model=par.model, forward=par.forward, state_module=par.state_module, mp=par.mp,
                   optimizer=opt.optimizer, dp=par.sync, grad_params=opt.grad_params, clip_fn=opt.clip_fn,
-                  group=par.group)
+                  group=par.group, loss=par.loss, finish_gradients=opt.finish_gradients,
+                  tp_group=par.tp_group)
 
 
 def _sampling_model(setup: _Setup, config: TrainConfig, options: RunOptions,
                     ctx: DistributedContext) -> torch.nn.Module | None:
-    """A full model to sample from on rank 0 (ZeRO-3 gathers it: collective); None on other ranks."""
+    """A full model to sample from on rank 0 (ZeRO-3 and tensor parallelism gather it: collective); None on
+    other ranks."""
+    if setup.tp_group is not None:
+        from refimpl.parallel.tensor_parallel import full_state_dict
+
+        full = full_state_dict(setup.model, setup.tp_group)
+        if not ctx.is_main:
+            return None
+        model = GPT(config.model, seed=config.data.seed).to(ctx.device)
+        model.load_state_dict(full, strict=False)  # a tied output weight is the embedding's
+        return model
     if options.zero_stage != 3:
         return setup.model if ctx.is_main else None
     full = setup.state_module.full_state_dict()

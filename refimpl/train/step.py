@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import torch
 
-from refimpl.model import lm_loss
 from refimpl.train.setup import _Setup
 
 
@@ -42,11 +41,13 @@ def train_step(setup: _Setup, inputs: torch.Tensor, labels: torch.Tensor, *, acc
                 after_first_forward()
             # The per-rank mean over the rank's micro-batch, / accumulation; the gradients are then
             # averaged over equal-sized ranks, which gives the mean over the global batch.
-            loss = lm_loss(logits, y) / accumulation
+            loss = setup.loss(logits, y) / accumulation  # under TP: the vocab-parallel loss
             mp.backward(loss)
         loss_sum += loss.detach()
     if dp is not None:
         dp.finish_gradient_synchronization()  # wait for the buckets before clipping and stepping
+    if setup.finish_gradients is not None:
+        setup.finish_gradients()  # sequence parallelism: sum the s/t-token gradients over the tp group
     if before_optimizer_step is not None:
         before_optimizer_step()
     mp.step(setup.optimizer, grad_clip=grad_clip, params=setup.grad_params, clip_fn=setup.clip_fn)

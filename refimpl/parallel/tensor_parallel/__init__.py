@@ -11,12 +11,18 @@ Parallelism"; Korthikanti et al. 2022, "Reducing Activation Recomputation in Lar
 * :mod:`~refimpl.parallel.tensor_parallel.vocab_parallel`: :class:`VocabParallelEmbedding` (with its tied
   head ``lm_logits``) and :func:`vocab_parallel_cross_entropy`, which never builds the full logits.
 
-Still to come for chapter 06 (issue 12): attention with the heads split, the parallel MLP,
-``apply_tensor_parallel`` for refimpl's GPT, the trainer's ``--tp``, the chapter, exercises and benchmark.
+* :mod:`~refimpl.parallel.tensor_parallel.transformer`: :func:`apply_tensor_parallel` turns refimpl's GPT
+  into its TP form (heads split, parallel MLP, vocabulary split, sequence parallelism), :func:`tp_lm_loss`,
+  :func:`full_state_dict`;
+* :mod:`~refimpl.parallel.tensor_parallel.grad_norm`: the gradient norm that counts each element once.
 """
 
 from __future__ import annotations
 
+from refimpl.parallel.tensor_parallel.grad_norm import (
+    clip_grad_norm_tensor_parallel_,
+    tensor_parallel_sharded,
+)
 from refimpl.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -32,6 +38,14 @@ from refimpl.parallel.tensor_parallel.tp_communications import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
+from refimpl.parallel.tensor_parallel.transformer import (
+    TiedVocabParallelHead,
+    VocabParallelGPTEmbedding,
+    apply_tensor_parallel,
+    full_state_dict,
+    is_tensor_parallel,
+    tp_lm_loss,
+)
 from refimpl.parallel.tensor_parallel.vocab_parallel import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
@@ -41,14 +55,22 @@ __all__ = [
     "SEQUENCE_DIM",
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "TiedVocabParallelHead",
     "VocabParallelEmbedding",
+    "VocabParallelGPTEmbedding",
     "allreduce_sequence_parallel_grads",
+    "apply_tensor_parallel",
+    "clip_grad_norm_tensor_parallel_",
     "copy_to_tensor_parallel_region",
+    "full_state_dict",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_parallel_region",
+    "is_tensor_parallel",
     "reduce_from_tensor_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_parallel_region",
+    "tensor_parallel_sharded",
+    "tp_lm_loss",
     "vocab_parallel_cross_entropy",
 ]
