@@ -127,6 +127,8 @@ class VocabParallelEmbedding(nn.Module):
     def local_shards(self) -> dict[str, LocalShard]:
         """My real rows as a box of the ``[V, h]`` table (padding is not part of it)."""
         box = Box.chunk((self.num_embeddings, self.embedding_dim), 0, self.tp_rank, self.tp_size)
+        if self.num_real_rows == self.num_embeddings_per_partition:  # no padding: the Parameter itself
+            return {"weight": LocalShard(self.weight, box)}  # (the optimizer's state is found by it)
         return {"weight": LocalShard(self.weight.detach()[: self.num_real_rows], box)}
 
     def extra_repr(self) -> str:

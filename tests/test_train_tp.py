@@ -1,0 +1,154 @@
+"""The trainer with ``--tp`` (chapter 06): it trains the same model as one device, composes with ``--dp``,
+ZeRO-1/2, ``--sequence-parallel`` and ``--precision``, and its checkpoints resume at another TP size.
+
+One spawn of 4 ranks runs each layout through :func:`refimpl.train.train`; the one-device references run in
+this process. Tolerance (the numerics rule): the layouts sum the same numbers in other orders, so their
+losses are compared within ``FACTOR x spread``, ``spread`` the largest difference between two one-device
+runs of the same arithmetic in two summation orders (the whole batch at once vs one sequence per
+micro-batch), measured here, per precision. Checkpoints: a tp 2 x dp 2 run's checkpoint loads into the plain
+GPT (tp 1) and into a tp 4 model bitwise, and the tp 4 run resumed from it continues the tp 2 losses.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from refimpl.checkpoint import CheckpointConfig, Checkpointer, load_training_state
+from refimpl.data import make_corpus_file
+from refimpl.distributed import DistributedContext
+from refimpl.launch import run_ranks
+from refimpl.model import GPT
+from refimpl.parallel.tensor_parallel import apply_tensor_parallel, full_state_dict
+from refimpl.train import build_parser, config_from_args, options_from_args, train
+
+SPAWN_TIMEOUT_S = 420
+FACTOR = 4.0
+STEPS = 4
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
+        "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
+        "--checkpoint-every", "0"]
+# name -> (flags at world size 4, the one-device precision it is compared with)
+LAYOUTS = {
+    "tp2-dp2-zero1": (["--tp", "2", "--zero-stage", "1", "--steps", str(STEPS + 2), "--checkpoint-every",
+                       str(STEPS)], "fp32"),  # saves at STEPS: resumed at tp 4 below
+    "tp2-dp2-zero0-sp-accum": (["--tp", "2", "--sequence-parallel", "--micro-batch-size", "1"], "fp32"),
+    "tp4-sp": (["--tp", "4", "--sequence-parallel"], "fp32"),
+    "tp2-dp2-zero2-sp-bf16": (["--tp", "2", "--zero-stage", "2", "--sequence-parallel",
+                               "--precision", "bf16"], "bf16"),
+}
+
+
+def _args(files: dict, out: Path, *extra: str):
+    return build_parser().parse_args([*TINY, "--steps", str(STEPS), "--data", str(files["corpus"]),
+                                      "--cache-dir", str(files["cache"]), "--out", str(out), *extra])
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("train_tp")
+    return {"root": root, "corpus": make_corpus_file(root / "corpus.txt", num_bytes=20_000),
+            "cache": root / "cache"}
+
+
+def _load(folder: Path, model: torch.nn.Module) -> None:
+    checkpointer = Checkpointer(CheckpointConfig(folder=str(folder)))
+    load_training_state(checkpointer, checkpointer.find_latest_valid(), model=model, restore_rng=False)
+
+
+def _worker(ctx, files: dict) -> dict:
+    root = Path(files["root"])
+    out = {}
+    for name, (flags, _) in LAYOUTS.items():
+        args = _args(files, root / name, *flags, "--checkpoint-dir", str(root / name / "ckpt"))
+        out[name] = [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args))]
+    if ctx.rank == 0:  # the tp 2 x dp 2 checkpoint of step STEPS alone
+        shutil.copytree(root / "tp2-dp2-zero1" / "ckpt", root / "tp2-checkpoint")
+        shutil.rmtree(root / "tp2-checkpoint" / f"step_{STEPS + 2:08d}")
+        shutil.copytree(root / "tp2-checkpoint", root / "resumed-checkpoints")  # the resumed run saves here
+    dist.barrier()
+    # that checkpoint loaded into a tp 4 model and gathered ...
+    config = config_from_args(_args(files, root / "unused"))
+    model = apply_tensor_parallel(GPT(config.model, seed=5), tp_group=dist.group.WORLD)
+    _load(root / "tp2-checkpoint", model)
+    out["tp4 load"] = {k: v.clone() for k, v in full_state_dict(model, dist.group.WORLD).items()}
+    # ... and the run resumed from it at tp 4 for 2 more steps
+    args = _args(files, root / "resumed", *LAYOUTS["tp2-dp2-zero1"][0], "--tp", "4",
+                 "--checkpoint-dir", str(root / "resumed-checkpoints"))
+    out["resumed at tp4"] = [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args))]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(files) -> dict:
+    return run_ranks(_worker, 4, files, timeout_s=SPAWN_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def one_device(files, tmp_path_factory) -> dict:
+    """One-device runs in this process: per precision the plain run and one in another summation order."""
+    state = random.getstate(), np.random.get_state(), torch.random.get_rng_state(), torch.get_num_threads()
+    torch.set_num_threads(1)
+    ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    root = tmp_path_factory.mktemp("one_device")
+    try:
+        out = {}
+        for precision in ("fp32", "bf16"):
+            for order, extra in (("batch", []), ("micro", ["--micro-batch-size", "1"])):
+                args = _args(files, root / f"{precision}-{order}", "--precision", precision,
+                             "--steps", str(STEPS + 2), *extra)
+                out[precision, order] = [r["loss"] for r in train(config_from_args(args), ctx,
+                                                                  options_from_args(args))]
+        plain = GPT(config_from_args(_args(files, root / "x")).model, seed=7)
+        _load(Path(files["root"]) / "tp2-checkpoint", plain)
+        out["tp1 load"] = {k: v.clone() for k, v in plain.state_dict().items()}
+        return out
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.random.set_rng_state(state[2])
+        torch.set_num_threads(state[3])
+
+
+def _tolerance(one_device: dict, precision: str) -> float:
+    a, b = np.array(one_device[precision, "batch"]), np.array(one_device[precision, "micro"])
+    spread = float(np.abs(a - b).max())
+    assert spread > 0, "both summation orders give the same bits: no yardstick"
+    return FACTOR * spread
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_tensor_parallel_layouts_train_like_one_device(runs, one_device, name):
+    precision = LAYOUTS[name][1]
+    want = np.array(one_device[precision, "batch"][:len(runs[0][name])])
+    tol = _tolerance(one_device, precision)
+    for rank, out in enumerate(runs):
+        got = np.array(out[name])
+        assert len(got) == len(want)
+        diff = float(np.abs(got - want).max())
+        assert diff <= tol, f"{name} rank {rank}: losses {got} vs one device {want}: {diff:.2e} > {tol:.2e}"
+    # negative control: the one-device losses move by far more than the tolerance from step to step
+    assert float(np.abs(np.diff(want)).min()) > tol
+
+
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+def test_a_tp2_checkpoint_loads_bitwise_at_tp1_and_tp4_and_resumes_at_tp4(runs, one_device):
+    tp1, tp4 = one_device["tp1 load"], runs[0]["tp4 load"]
+    assert sorted(tp4) == sorted(k for k in tp1 if k != "output_layer.weight")  # tied: saved once
+    for k, v in tp4.items():
+        assert torch.equal(v, tp1[k]), k
+    fresh = GPT(config_from_args(build_parser().parse_args(TINY)).model, seed=0).state_dict()
+    assert not all(torch.equal(v, fresh[k]) for k, v in tp4.items())  # it did load trained weights
+    resumed, tp2 = runs[0]["resumed at tp4"], runs[0]["tp2-dp2-zero1"]
+    assert len(resumed) == 2  # a fresh --out: the two steps after the resume
+    tol = _tolerance(one_device, "fp32")
+    assert float(np.abs(np.array(resumed) - np.array(tp2[STEPS:])).max()) <= tol
+    assert float(np.abs(np.array(resumed) - np.array(one_device["fp32", "batch"][STEPS:])).max()) <= tol
