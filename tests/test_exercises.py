@@ -4,8 +4,10 @@ For every chapter with checks (``exercises/checks/chNN.py``):
 
 * refimpl's answers (``exercises/reference/chNN.py``) score full marks;
 * the untouched stubs (``exercises/NN_*.py``) score zero on every task, as "not implemented yet";
-* each plausible wrong answer in the checks' ``MUTANTS`` fails its own task and only that one, so no
-  check passes everything (negative controls);
+* each plausible wrong answer in the checks' ``MUTANTS`` (one source per task, or a list of them) fails
+  its own task and only that one, so no check passes everything (negative controls);
+* each independent right answer in the checks' optional ``CORRECT`` passes (the mutants are wrong only
+  where they differ from it);
 
 and ``python -m exercises.grade`` behaves as a command: exit 1 below full marks, 0 with ``--reference``,
 one clear line for a chapter that has no exercise.
@@ -42,8 +44,27 @@ def _mutant_params() -> list:
             continue
         if not mutants:  # every grader needs a negative control: a test that cannot fail is a defect
             params.append(pytest.param(chapter, None, "declares no MUTANTS", id=f"ch{chapter}-no-mutants"))
-        for task, source in sorted(mutants.items()):
-            params.append(pytest.param(chapter, task, source, id=f"ch{chapter}-{task}"))
+        for task, sources in sorted(mutants.items()):
+            if isinstance(sources, str):
+                params.append(pytest.param(chapter, task, sources, id=f"ch{chapter}-{task}"))
+                continue
+            for k, source in enumerate(sources):  # several wrong answers to one task
+                params.append(pytest.param(chapter, task, source, id=f"ch{chapter}-{task}-{k}"))
+    return params
+
+
+def _correct_params() -> list:
+    """A chapter's optional ``CORRECT``: task -> an independent right answer (not refimpl's), which the
+    chapter's mutants are written against; it must pass its task, so the mutants differ from a right answer
+    only where they are wrong."""
+    params = []
+    for chapter in CHAPTERS:
+        try:
+            correct = getattr(importlib.import_module(f"exercises.checks.ch{chapter}"), "CORRECT", {})
+        except Exception:  # noqa: BLE001 - reported by _mutant_params' import-error case
+            continue
+        params += [pytest.param(chapter, task, source, id=f"ch{chapter}-{task}")
+                   for task, source in sorted(correct.items())]
     return params
 
 
@@ -82,6 +103,16 @@ def test_wrong_answer_fails_its_task_only(chapter: str, task: str | None, source
     assert "\n" not in wrong.message and "Traceback" not in wrong.message, wrong.message
     others = [r for r in report.results if r.name != task and r.earned != r.points]
     assert not others, f"a wrong {task!r} alone must not fail other tasks:\n{_summary(report)}"
+
+
+@pytest.mark.parametrize("chapter, task, source", _correct_params())
+def test_independent_answer_passes_its_task(chapter: str, task: str, source: str, tmp_path: Path):
+    slug = re.sub(r"[^A-Za-z0-9_]+", "_", task)
+    path = tmp_path / f"correct_ch{chapter}_{slug}.py"
+    path.write_text(source)
+    report = grade(chapter, path, verbose=False)
+    assert task in {r.name for r in report.results}, f"CORRECT names {task!r}, not a task of {chapter}"
+    assert report.passed, f"an independent right answer to {task!r} loses points:\n{_summary(report)}"
 
 
 def test_hint_for_a_common_mistake(tmp_path: Path):
