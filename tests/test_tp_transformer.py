@@ -12,6 +12,8 @@ parallelism, tied and untied output layer:
 * negative controls: the fused qkv weight split by plain rows in nanoGPT's ``[3, a, d]`` layout (the trap:
   rank 0 gets all of q and half of k) and sequence parallelism without summing the layer norms' gradients
   both fail the same check;
+* the gradient norm (:func:`clip_grad_norm_tensor_parallel_`) equals ``clip_grad_norm_``'s on one device;
+  negative control: counting the replicated gradients on every rank;
 * :func:`full_state_dict` gives back the one-device weights bitwise; heads or widths that do not divide are
   one-line errors; an odd vocabulary is padded by the stated rule (tied) and equals one device too.
 """
@@ -33,7 +35,9 @@ from refimpl.model import GPT, lm_loss
 from refimpl.parallel.tensor_parallel import (
     allreduce_sequence_parallel_grads,
     apply_tensor_parallel,
+    clip_grad_norm_tensor_parallel_,
     full_state_dict,
+    tensor_parallel_sharded,
     tp_lm_loss,
 )
 
@@ -101,9 +105,18 @@ def _run(cfg: ModelConfig, group, *, sp: bool, rank: int, t: int, variant: str =
     if sp and variant != "no sp grad sum":
         allreduce_sequence_parallel_grads(model, group)
     ops_of = [[(e.op, e.nbytes) for e in tracer.select(step=s)] for s in range(2)]
+    sharded = tensor_parallel_sharded(model)
+    params = [p for p in model.parameters() if p.grad is not None]
+    flags = [id(p) in sharded for p in params]
+    cpu = torch.device("cpu")
+    norm = clip_grad_norm_tensor_parallel_([p.grad.clone() for p in params], flags, float("inf"),
+                                           tp_group=group, device=cpu).item()
+    overcounted = clip_grad_norm_tensor_parallel_([p.grad.clone() for p in params], [True] * len(params),
+                                                  float("inf"), tp_group=group, device=cpu).item()
     full = full_state_dict(model, group)
     weights_equal = all(torch.equal(full[k], v) for k, v in dense.state_dict().items() if k in full)
     return {"loss": loss.item(), "grads": _grads(model), "ops": ops_of, "weights_equal": weights_equal,
+            "norm": norm, "overcounted norm": overcounted,
             "names": sorted(full) == sorted(n for n in dense.state_dict() if n != "output_layer.weight"
                                             or not cfg.tie_word_embeddings)}
 
@@ -130,9 +143,11 @@ def _worker(ctx) -> dict:
             g64 = {n: p.grad for n, p in r64.named_parameters()}
             ref = {n: g32[n][b].to(torch.float64).numpy() for n, b in boxes.items()}
             spread = {n: float((g32[n][b].double() - g64[n][b]).abs().max()) for n, b in boxes.items()}
+            norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), float("inf")).item() for m in (r32, r64)]
             key = f"tied={tied} vocab={vocab}"
             out["cases"][key] = {"ref": ref, "spread": spread, "loss32": loss32,
-                                 "loss_spread": abs(loss32 - loss64), "runs": {}}
+                                 "loss_spread": abs(loss32 - loss64), "norm": norms[0],
+                                 "norm_spread": abs(norms[0] - norms[1]), "runs": {}}
             for sp in (False, True):
                 variants = ["ok", "nanogpt rows"] + (["no sp grad sum"] if sp else [])
                 for variant in variants if vocab == 256 and tied else ["ok"]:
@@ -179,6 +194,20 @@ def test_whole_gpt_equals_one_device_within_the_measured_spread(results):
                     assert run["weights_equal"] and run["names"], f"{key} {name}: full_state_dict differs"
                 else:  # the negative controls fail the same check
                     assert worst > 1.0, f"tp={t} {key} {name} passed: the check cannot see that mistake"
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+def test_the_gradient_norm_counts_every_element_once(results):
+    t, per_rank = results
+    for out in per_rank:
+        for key, case in out["cases"].items():
+            tol = FACTOR * max(case["norm_spread"], float(np.spacing(np.float32(case["norm"]))))
+            for name, run in case["runs"].items():
+                if name.endswith("ok"):
+                    assert abs(run["norm"] - case["norm"]) <= tol, (t, key, name, run["norm"], case["norm"])
+                    # negative control: the replicated gradients counted on every rank
+                    assert run["overcounted norm"] - case["norm"] > 100 * tol, (t, key, name)
 
 
 @pytest.mark.timeout(SPAWN_TIMEOUT + 30)
