@@ -1,6 +1,7 @@
 """Planner functions take a layout (refimpl.planner.layout): ParallelDims(dp=4) gives the figures the planner
-gave for world_size=4 before it took a layout, any object with dp/cp/tp/pp works, and tensor, context and
-pipeline degrees above 1 are refused with the chapter that brings them."""
+gave for world_size=4 before it took a layout, any object with dp/cp/tp/pp works, a tensor-parallel degree
+is planned (chapter 06; measured against the TP model in tests/test_planner_tp.py), and context and pipeline
+degrees above 1 are refused with the chapter that brings them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import pytest
 
 from refimpl.config import ModelConfig
 from refimpl.distributed import ParallelDims
-from refimpl.planner import data_parallel_degree, run_memory_per_rank, state_memory, state_memory_per_rank
+from refimpl.planner import (
+    data_parallel_degree,
+    run_memory_per_rank,
+    state_memory,
+    state_memory_per_rank,
+    tensor_parallel_degree,
+)
 
 CONFIG = ModelConfig()  # the default model: 4 layers, hidden 128, tied embeddings
 
@@ -67,15 +74,33 @@ def test_stage_0_per_rank_is_the_replica_and_any_degree_object_is_a_layout():
     assert data_parallel_degree(duck) == 4
 
 
-@pytest.mark.parametrize(("axis", "name", "chapter"), [("tp", "tensor", "06"), ("cp", "context", "07"),
-                                                        ("pp", "pipeline", "08")])
-def test_tensor_context_pipeline_degrees_are_refused_with_their_chapter(axis, name, chapter):
+@pytest.mark.parametrize(("axis", "name", "chapter"), [("cp", "context", "07"), ("pp", "pipeline", "08")])
+def test_context_and_pipeline_degrees_are_refused_with_their_chapter(axis, name, chapter):
     dims = ParallelDims(dp=2, **{axis: 2})
     want = rf"{name} parallelism \({axis}=2\) comes with chapter {chapter}"
     with pytest.raises(ValueError, match=want):
         _run(dims, 0, "fp32")
     with pytest.raises(ValueError, match=want):
         state_memory_per_rank(CONFIG, dims, zero_stage=1)
+    with pytest.raises(ValueError, match=want):
+        tensor_parallel_degree(dims)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+def test_a_tensor_parallel_degree_is_planned_not_refused(zero_stage):
+    """dp 2 x tp 2 plans the rank's shards: less state and fewer activation bytes than dp 2 alone, and
+    ZeRO over dp of those shards (the figures themselves are measured in tests/test_planner_tp.py)."""
+    dims = ParallelDims(dp=2, tp=2)
+    assert (data_parallel_degree(dims), tensor_parallel_degree(dims)) == (2, 2)
+    tp_plan, dp_plan = _run(dims, zero_stage, "fp32"), _run(ParallelDims(dp=2), zero_stage, "fp32")
+    assert all(tp_plan.state[k] < dp_plan.state[k] for k in ("weights", "grads", "AdamW state"))
+    assert tp_plan.activations["block activations"] < dp_plan.activations["block activations"]
+    sp_plan = run_memory_per_rank(CONFIG, dims, micro_batch=2, seq_len=128, zero_stage=zero_stage,
+                                  checkpointed_blocks=(1,), sequence_parallel=True)
+    assert sp_plan.activations["block activations"] < tp_plan.activations["block activations"]
+    assert sp_plan.state == tp_plan.state
+    with pytest.raises(ValueError, match="ZeRO-3 over the tensor-parallel shards"):
+        _run(dims, 3, "fp32")
 
 
 @pytest.mark.parametrize("dims", [SimpleNamespace(dp=4, tp=1, pp=1), SimpleNamespace(dp=0, cp=1, tp=1, pp=1),

@@ -1,9 +1,10 @@
-"""Formulas only: what a training run needs and moves, before anything runs (chapters 00-05, 10).
+"""Formulas only: what a training run needs and moves, before anything runs (chapters 00-06, 10).
 
 * :mod:`~refimpl.planner.params_flops`: parameters, their shapes, FLOPs per token (PaLM appendix B);
 * :mod:`~refimpl.planner.memory`: model state of a replica and per rank, a run's memory per rank (the
   trainer's preflight); :mod:`~refimpl.planner.zero_state`: ZeRO stages 0-3 (Rajbhandari et al. 2020);
-* :mod:`~refimpl.planner.activations`: bytes saved for backward (Korthikanti et al. 2022);
+* :mod:`~refimpl.planner.activations`: bytes saved for backward, per rank under tensor and sequence
+  parallelism (Korthikanti et al. 2022; chapters 05-06);
 * :mod:`~refimpl.planner.communication`: bytes of the ring collectives and of ZeRO's collectives;
 * :mod:`~refimpl.planner.time_model`: the alpha-beta cost model fitted to measured times;
 * :mod:`~refimpl.planner.layout`: the layout (``ParallelDims``-like degrees) that per-rank functions take.
@@ -24,13 +25,15 @@ from refimpl.planner.activations import (
     activation_bytes,
     activation_bytes_per_layer,
     korthikanti_bytes_per_layer,
+    outside_block_bytes,
 )
 from refimpl.planner.communication import ring_bytes_sent, wire_bytes, zero_collectives, zero_comm_bytes
-from refimpl.planner.layout import Layout, data_parallel_degree
+from refimpl.planner.layout import Layout, data_parallel_degree, tensor_parallel_degree
 from refimpl.planner.memory import RunMemory, run_memory_per_rank, state_memory, state_memory_per_rank
 from refimpl.planner.params_flops import (
     ParamCount,
     flops_per_token,
+    matmul_weights_per_rank,
     num_param_tensors,
     param_count,
     param_shapes,
@@ -64,8 +67,10 @@ __all__ = [
     "fit_alpha_beta",
     "flops_per_token",
     "korthikanti_bytes_per_layer",
+    "matmul_weights_per_rank",
     "model_flops_utilization",
     "num_param_tensors",
+    "outside_block_bytes",
     "padded_numel",
     "param_count",
     "param_shapes",
@@ -76,6 +81,7 @@ __all__ = [
     "sharded_numel",
     "state_memory",
     "state_memory_per_rank",
+    "tensor_parallel_degree",
     "wire_bytes",
     "zero3_peak_gathered_bytes",
     "zero_collectives",

@@ -1,16 +1,18 @@
 """The memory of a training run per rank, before anything runs: model state and activations (chapters 01,
-04, 05 and 10).
+04, 05, 06 and 10).
 
 * :func:`state_memory`: weights, gradients and optimizer state of one unsharded replica (chapter 01;
   Kingma & Ba 2015 for Adam's two moments);
-* :func:`state_memory_per_rank`: the same per rank of a layout, sharded by ZeRO stage over the
-  data-parallel ranks (Rajbhandari et al. 2020, :mod:`refimpl.planner.zero_state`; chapter 04);
+* :func:`state_memory_per_rank`: the same per rank of a layout: the tensor-parallel shards of the rank
+  (Shoeybi et al. 2019, chapter 06; :func:`~refimpl.planner.params_flops.param_shapes` with ``tp``), then
+  sharded by ZeRO stage over the data-parallel ranks (Rajbhandari et al. 2020,
+  :mod:`refimpl.planner.zero_state`; chapter 04);
 * :func:`run_memory_per_rank`: state plus one micro-batch's activations (Korthikanti et al. 2022,
   :mod:`refimpl.planner.activations`; chapter 05), term by term: what the trainer's preflight compares
   with the machine's memory before any process starts.
 
 Every function that answers per rank takes the layout ``dims`` (:mod:`refimpl.planner.layout`), so the
-terms of tensor, context and pipeline parallelism join here with chapters 06-08. The
+terms of context and pipeline parallelism join here with chapters 07-08 (tensor parallelism has). The
 :class:`~refimpl.measure.state.StateMemory` returned is the one :func:`refimpl.measure.state_bytes`
 measures.
 """
@@ -23,9 +25,9 @@ import torch
 
 from refimpl.config import ModelConfig
 from refimpl.measure.state import StateMemory
-from refimpl.planner.activations import activation_bytes
-from refimpl.planner.layout import Layout, data_parallel_degree
-from refimpl.planner.params_flops import num_param_tensors, param_count, param_shapes
+from refimpl.planner.activations import activation_bytes, outside_block_bytes
+from refimpl.planner.layout import Layout, data_parallel_degree, tensor_parallel_degree
+from refimpl.planner.params_flops import matmul_weights_per_rank, num_param_tensors, param_count, param_shapes
 from refimpl.planner.zero_state import zero3_peak_gathered_bytes, zero_memory
 
 __all__ = ["RunMemory", "run_memory_per_rank", "state_memory", "state_memory_per_rank"]
@@ -60,13 +62,20 @@ def state_memory_per_rank(config: ModelConfig, dims: Layout, *, zero_stage: int 
                           dp_rank: int = 0) -> StateMemory:
     """Weights, gradients and AdamW state held at rest by data-parallel rank ``dp_rank`` of layout ``dims``.
 
-    fp32 weights and gradients, two fp32 moments and a ``step`` scalar per tensor, sharded over the
-    ``dims.dp`` ranks by ZeRO ``zero_stage`` with the runtime's shard rule
-    (:func:`~refimpl.planner.zero_state.zero_memory` on :func:`~refimpl.planner.params_flops.param_shapes`).
-    Stage 0 is :func:`state_memory`, the full replica. Tensor, context and pipeline degrees above 1 are
-    refused with the chapter that brings them (:func:`~refimpl.planner.layout.data_parallel_degree`).
+    fp32 weights and gradients, two fp32 moments and a ``step`` scalar per tensor of the rank's parameters:
+    under tensor parallelism (``dims.tp = t > 1``, chapter 06) the sharded tensors' ``1/t`` blocks and the
+    replicated ones whole (:func:`~refimpl.planner.params_flops.param_shapes` with ``tp``), then sharded
+    over the ``dims.dp`` ranks by ZeRO ``zero_stage`` with the runtime's shard rule, dim 0 of each local
+    tensor (:func:`~refimpl.planner.zero_state.zero_memory`). Stage 0 at ``tp = 1`` is :func:`state_memory`,
+    the full replica. ZeRO-3 over tensor-parallel shards (2-D sharding, chapter 10) is refused, as
+    :func:`refimpl.parallel.parallelize` refuses it; context and pipeline degrees above 1 too, with the
+    chapter that brings them (:func:`~refimpl.planner.layout.data_parallel_degree`).
     """
-    return zero_memory(param_shapes(config), data_parallel_degree(dims), zero_stage, rank=dp_rank)
+    dp, tp = data_parallel_degree(dims), tensor_parallel_degree(dims)
+    if tp > 1 and zero_stage == 3:
+        raise ValueError("the planner models ZeRO 0-2 under tensor parallelism: ZeRO-3 over the "
+                         f"tensor-parallel shards (tp={tp}, 2-D sharding) comes with chapter 10")
+    return zero_memory(param_shapes(config, tp=tp), dp, zero_stage, rank=dp_rank)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,30 +110,30 @@ def run_memory_per_rank(
     01, 04 and 05; the trainer's preflight).
 
     ``dims``: the layout (:class:`refimpl.distributed.ParallelDims` or any object with ``dp, cp, tp, pp``);
-    data parallelism only today, tensor/context/pipeline degrees above 1 are refused
+    data and tensor parallelism, context/pipeline degrees above 1 are refused
     (:func:`~refimpl.planner.layout.data_parallel_degree`). Model state (:func:`state_memory_per_rank`,
-    Rajbhandari et al. 2020): fp32 weights, fp32 gradients and AdamW's two fp32 moments, each full or
-    sharded over the ``dims.dp`` data-parallel ranks by ZeRO ``zero_stage``; ZeRO-3 adds the gathered root
-    unit and the largest block (its forward/backward peak,
+    Rajbhandari et al. 2020): fp32 weights, fp32 gradients and AdamW's two fp32 moments of the rank's
+    tensor-parallel shards, each full or sharded over the ``dims.dp`` data-parallel ranks by ZeRO
+    ``zero_stage``; ZeRO-3 adds the gathered root unit and the largest block (its forward/backward peak,
     :func:`~refimpl.planner.zero_state.zero3_peak_gathered_bytes`). ``precision`` bf16/fp16 computes under
-    autocast over fp32 weights and so adds autocast's cached 16-bit copies of the matmul weights.
+    autocast over fp32 weights and so adds autocast's cached 16-bit copies of the rank's matmul weights.
 
-    Activations of one micro-batch ``b`` of ``s`` tokens (Korthikanti et al. 2022, as
-    :func:`refimpl.planner.activations.activation_bytes` counts our block exactly): the saved tensors of every
-    block (a checkpointed block keeps only its input and recomputes the largest block's tensors in backward),
-    plus what the model saves outside the blocks: the final LayerNorm's input ``r s b h`` and statistics
-    ``2 r s b``, the output layer's input ``p s b h``, the float32 log-softmax ``4 s b V`` of the loss, the
-    int64 token ids, labels and positions, and the loss scalar (what
-    :class:`refimpl.measure.activations.SavedTensorMeter` measures, to the byte). The logits and their
-    float32 gradient, ``(p + 4) s b V``, are transient buffers on top (not saved tensors: an estimate of
-    the loss's peak, not a measured figure).
+    Activations of one micro-batch ``b`` of ``s`` tokens on one rank (Korthikanti et al. 2022, as
+    :func:`refimpl.planner.activations.activation_bytes` counts our block exactly, with ``dims.tp`` and
+    ``sequence_parallel``): the saved tensors of every block (a checkpointed block keeps only its input and
+    recomputes the largest block's tensors in backward), plus what the model saves outside the blocks
+    (:func:`~refimpl.planner.activations.outside_block_bytes`: final LayerNorm, head input, the log-softmax
+    or, tensor-parallel, the vocab-parallel loss's softmax shard, ids and masks). All of that is what
+    :class:`refimpl.measure.activations.SavedTensorMeter` measures, to the byte. The logits and their
+    float32 gradient, ``(p + 4) s b V_t`` (``V_t = ceil(V/t)``), are transient buffers on top (not saved
+    tensors: an estimate of the loss's peak, not a measured figure).
     """
     if precision not in _DTYPE_BYTES:
         raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(_DTYPE_BYTES)}")
-    world_size = data_parallel_degree(dims)
+    world_size, tp = data_parallel_degree(dims), tensor_parallel_degree(dims)
     p = _DTYPE_BYTES[precision]
     compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    s, b, h, v = seq_len, micro_batch, config.hidden_size, config.vocab_size
+    s, b, v = seq_len, micro_batch, config.vocab_size
     shapes = param_shapes(config)
     zero = state_memory_per_rank(config, dims, zero_stage=zero_stage)
     state = {"weights": zero.weights, "grads": zero.grads, "AdamW state": zero.optimizer}
@@ -134,17 +143,16 @@ def run_memory_per_rank(
         root = shapes[:2] + shapes[2 + config.num_layers * per_block:]
         state["ZeRO-3 gathered units"] = zero3_peak_gathered_bytes([root, *blocks], world_size).weights
     if p != 4:
-        state["autocast weight copies"] = p * param_count(config).matmul
+        state["autocast weight copies"] = p * matmul_weights_per_rank(config, tp=tp)
     chosen = set(checkpointed_blocks)
-    saved = activation_bytes(config, micro_batch=b, seq_len=s, compute_dtype=compute,
-                             checkpointed_blocks=chosen)
-    full = activation_bytes(config, micro_batch=b, seq_len=s, compute_dtype=compute)
+    kw = {"micro_batch": b, "seq_len": s, "compute_dtype": compute, "tp": tp,
+          "sequence_parallel": sequence_parallel}
+    saved = activation_bytes(config, checkpointed_blocks=chosen, **kw)
+    full = activation_bytes(config, **kw)
     activations = {
         "block activations": sum(saved),
         "recomputed block (backward)": max(full) if chosen and full else 0,
-        "final layernorm + output layer inputs": 4 * s * b * h + 2 * 4 * s * b + p * s * b * h,
-        "log-softmax (fp32)": 4 * s * b * v,
-        "token ids, labels, positions": 8 * (2 * s * b + s) + 4,
-        "logits + their gradient (transient)": (p + 4) * s * b * v,
+        **outside_block_bytes(config, **kw),
+        "logits + their gradient (transient)": (p + 4) * s * b * -(-v // tp),
     }
     return RunMemory(state=state, activations=activations)

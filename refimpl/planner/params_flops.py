@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from refimpl.config import ModelConfig
 
-__all__ = ["ParamCount", "flops_per_token", "num_param_tensors", "param_count", "param_shapes"]
+__all__ = ["ParamCount", "flops_per_token", "matmul_weights_per_rank", "num_param_tensors", "param_count",
+           "param_shapes"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,10 +75,40 @@ def flops_per_token(config: ModelConfig, seq_len: int, *, matmul_only: bool = Fa
     return 6.0 * n + attention
 
 
-def param_shapes(config: ModelConfig) -> list[tuple[int, ...]]:
+def param_shapes(config: ModelConfig, *, tp: int = 1) -> list[tuple[int, ...]]:
     """The shapes of :class:`refimpl.model.GPT`'s parameters in ``named_parameters()`` order (no model
-    built)."""
-    h, f, v = config.hidden_size, config.ffn_hidden_size, config.vocab_size
-    block = [(h,), (h,), (3 * h, h), (3 * h,), (h, h), (h,), (h,), (h,), (f, h), (f,), (h, f), (h,)]
-    shapes = [(v, h), (config.max_seq_len, h)] + block * config.num_layers + [(h,), (h,)]
-    return shapes + ([] if config.tie_word_embeddings else [(v, h)])
+    built); with ``tp > 1`` those one rank holds after
+    :func:`refimpl.parallel.tensor_parallel.apply_tensor_parallel` (Shoeybi et al. 2019; chapter 06).
+
+    Sharded by ``t`` (the modules' ``local_shards`` boxes, :func:`~refimpl.parallel.tensor_parallel.
+    grad_norm.tensor_parallel_sharded`): ``query_key_value`` and ``dense_h_to_4h`` by rows (weight and
+    bias, column-parallel), ``dense`` and ``dense_4h_to_h`` weights by columns (row-parallel; their biases
+    whole), the word embedding by rows, ``ceil(V/t)`` per rank (the Parameter includes the padding rows of
+    the vocab-parallel padding rule), an untied output layer by rows. Whole on every rank: the LayerNorms,
+    the position embedding and the row-parallel biases.
+    """
+    h, f, v, t = config.hidden_size, config.ffn_hidden_size, config.vocab_size, tp
+    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+        raise ValueError(f"tp must be a positive integer, got {t!r}")
+    for what, size in (("num_attention_heads", config.num_attention_heads), ("ffn_hidden_size", f)):
+        if size % t:
+            raise ValueError(f"tensor parallelism: {what}={size} does not divide by tp={t}")
+    vt = -(-v // t)  # rows of the (padded) vocabulary per rank
+    block = [(h,), (h,), (3 * h // t, h), (3 * h // t,), (h, h // t), (h,),  # LN, qkv (column), dense (row)
+             (h,), (h,), (f // t, h), (f // t,), (h, f // t), (h,)]  # LN, h_to_4h (column), 4h_to_h (row)
+    shapes = [(vt, h), (config.max_seq_len, h)] + block * config.num_layers + [(h,), (h,)]
+    if not config.tie_word_embeddings and v % t:
+        raise ValueError(f"tensor parallelism: an untied output layer needs vocab_size={v} to divide by "
+                         f"tp={t}")
+    return shapes + ([] if config.tie_word_embeddings else [(v // t, h)])
+
+
+def matmul_weights_per_rank(config: ModelConfig, *, tp: int = 1) -> int:
+    """Elements of the weights one rank multiplies (what autocast casts): the blocks' four linears and
+    the output layer (the tied embedding shard, padding rows included). ``tp = 1``: ``ParamCount.matmul``."""
+    shapes = param_shapes(config, tp=tp)
+    per_block = [2, 4, 8, 10]  # query_key_value, dense, dense_h_to_4h, dense_4h_to_h weights in a block
+    blocks = sum(shapes[2 + i * 12 + j][0] * shapes[2 + i * 12 + j][1]
+                 for i in range(config.num_layers) for j in per_block)
+    head = shapes[0] if config.tie_word_embeddings else shapes[-1]
+    return blocks + head[0] * head[1]
