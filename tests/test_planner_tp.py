@@ -11,6 +11,8 @@ rank of :func:`refimpl.parallel.tensor_parallel.apply_tensor_parallel`'s GPT:
   gradients and AdamW state, equals :func:`~refimpl.planner.state_memory_per_rank` at tp 2 and 4 and at
   dp 2 x tp 2 under ZeRO 0, 1 and 2 (the TP shards, then ZeRO over dp), counted by
   :func:`refimpl.measure.state_bytes`;
+* the collectives of one forward + backward, counted and sized by :class:`refimpl.comm.CommTracer`, equal
+  :func:`~refimpl.planner.tensor_parallel_collectives`;
 * negative controls: the formula without sequence parallelism does not match an SP run (nor the SP one a
   plain TP run), the one-device figure does not match a TP rank, and Megatron's SP saving (the column
   layers' inputs kept as ``s/t`` shards) is not our block's.
@@ -22,13 +24,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from refimpl.comm import CommTracer
 from refimpl.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 from refimpl.distributed import ParallelDims
 from refimpl.launch import run_ranks
 from refimpl.measure import OUTSIDE, measure_saved_activations, state_bytes
 from refimpl.model import GPT
 from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing
-from refimpl.parallel.tensor_parallel import apply_tensor_parallel, tp_lm_loss
+from refimpl.parallel.tensor_parallel import (
+    allreduce_sequence_parallel_grads,
+    apply_tensor_parallel,
+    tp_lm_loss,
+)
 from refimpl.planner import (
     activation_bytes,
     activation_bytes_per_layer,
@@ -37,6 +44,8 @@ from refimpl.planner import (
     param_shapes,
     run_memory_per_rank,
     state_memory_per_rank,
+    tensor_parallel_collectives,
+    wire_bytes,
 )
 
 TIMEOUT_S = 240
@@ -66,6 +75,17 @@ def _measure_activations(group, *, sp: bool, dtype: torch.dtype | None, checkpoi
 
     report = measure_saved_activations(model, forward)
     return {"per_block": report.per_block(), "outside": _dtype_bytes(report, OUTSIDE)}
+
+
+def _trace_collectives(group, *, sp: bool) -> dict[str, tuple[int, int]]:
+    """One forward + backward (+ the SP gradient sums) of the float32 TP GPT under a CommTracer."""
+    model = apply_tensor_parallel(GPT(CFG, seed=1), tp_group=group, sequence_parallel=sp, pad_vocab=True)
+    x = torch.randint(0, CFG.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+    with CommTracer() as tracer:
+        tp_lm_loss(model(x), x, tp_group=group, vocab_size=CFG.vocab_size).backward()
+        if sp:
+            allreduce_sequence_parallel_grads(model, group)
+    return {op: (total.count, total.nbytes) for op, total in tracer.summary().items()}
 
 
 def _state_after_a_step(ctx, dims: ParallelDims, zero_stage: int) -> tuple[int, int, int]:
@@ -98,6 +118,7 @@ def _worker(ctx) -> dict:
             for ckpt in ([], CHECKPOINTED):
                 out["activations"][sp, name, tuple(ckpt)] = _measure_activations(
                     dist.group.WORLD, sp=sp, dtype=dtype, checkpointed=ckpt)
+    out["collectives"] = {sp: _trace_collectives(dist.group.WORLD, sp=sp) for sp in (False, True)}
     out["state"][1, t, 0] = _state_after_a_step(ctx, ParallelDims(dp=1, tp=t), 0)
     if t == 4:
         for zero_stage in (0, 1, 2):
@@ -142,6 +163,24 @@ def test_activation_bytes_per_rank_equal_the_measured_ones(ranks):
                     assert got["per_block"][0] != megatron, where
             if sp:
                 assert outside != other_outside, where  # the final LayerNorm sees s/t tokens
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S + 60)
+def test_collectives_per_micro_batch_equal_the_traced_ones(ranks):
+    t, results = ranks
+    x = B * S * CFG.hidden_size
+    kw = {"num_layers": CFG.num_layers, "hidden_size": CFG.hidden_size, "micro_batch": B, "seq_len": S,
+          "tp": t}
+    for rank, r in enumerate(results):
+        for sp, got in r["collectives"].items():
+            assert got == tensor_parallel_collectives(sequence_parallel=sp, **kw), (t, rank, sp, got)
+            assert got != tensor_parallel_collectives(sequence_parallel=not sp, **kw)  # negative control
+        # on the wire (ring model) the blocks cost the same with SP (an all-gather + a reduce-scatter per
+        # all-reduce); SP adds the embedding's backward all-gather of b s h and the s/t-token gradient sums
+        wire = {sp: sum(wire_bytes(op, nbytes, t) for op, (_, nbytes) in got.items())
+                for sp, got in r["collectives"].items()}
+        sp_grads = (6 * CFG.num_layers + 2) * CFG.hidden_size
+        assert wire[True] - wire[False] == pytest.approx((t - 1) / t * 4 * (x + 2 * sp_grads), rel=1e-12)
 
 
 def _state(config: ModelConfig, dims: ParallelDims, zero_stage: int, dp_rank: int) -> tuple[int, int, int]:

@@ -5,7 +5,8 @@
   trainer's preflight); :mod:`~refimpl.planner.zero_state`: ZeRO stages 0-3 (Rajbhandari et al. 2020);
 * :mod:`~refimpl.planner.activations`: bytes saved for backward, per rank under tensor and sequence
   parallelism (Korthikanti et al. 2022; chapters 05-06);
-* :mod:`~refimpl.planner.communication`: bytes of the ring collectives and of ZeRO's collectives;
+* :mod:`~refimpl.planner.communication`: bytes of the ring collectives, of ZeRO's and of tensor
+  parallelism's collectives;
 * :mod:`~refimpl.planner.time_model`: the alpha-beta cost model fitted to measured times;
 * :mod:`~refimpl.planner.layout`: the layout (``ParallelDims``-like degrees) that per-rank functions take.
 
@@ -27,7 +28,13 @@ from refimpl.planner.activations import (
     korthikanti_bytes_per_layer,
     outside_block_bytes,
 )
-from refimpl.planner.communication import ring_bytes_sent, wire_bytes, zero_collectives, zero_comm_bytes
+from refimpl.planner.communication import (
+    ring_bytes_sent,
+    tensor_parallel_collectives,
+    wire_bytes,
+    zero_collectives,
+    zero_comm_bytes,
+)
 from refimpl.planner.layout import Layout, data_parallel_degree, tensor_parallel_degree
 from refimpl.planner.memory import RunMemory, run_memory_per_rank, state_memory, state_memory_per_rank
 from refimpl.planner.params_flops import (
@@ -81,6 +88,7 @@ __all__ = [
     "sharded_numel",
     "state_memory",
     "state_memory_per_rank",
+    "tensor_parallel_collectives",
     "tensor_parallel_degree",
     "wire_bytes",
     "zero3_peak_gathered_bytes",

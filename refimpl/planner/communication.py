@@ -1,5 +1,5 @@
 """Bytes the collectives of a training step move, as formulas a chapter checks against the tracer
-(chapters 02 and 04).
+(chapters 02, 04 and 06).
 
 * The bandwidth-optimal ring (Patarasuk & Yuan, JPDC 2009; Thakur, Rabenseifner & Gropp, IJHPCA 2005): a
   rank of ``n`` sends ``(n - 1)/n S`` in a reduce-scatter or an all-gather of ``S`` bytes and twice that
@@ -18,6 +18,11 @@
   for its backward, 3 (N-1)/N Psi, 1.5x data parallelism (the root unit, needed again at once by the
   backward, is not freed after forward, as in FSDP2). Padding and the shard rule are
   :mod:`refimpl.planner.zero_state`'s (:func:`~refimpl.planner.zero_state.padded_numel`).
+* Tensor parallelism (Shoeybi et al. 2019; sequence parallelism, Korthikanti et al. 2022; chapter 06):
+  :func:`tensor_parallel_collectives`, the collectives of one forward and backward of our TP GPT. Per
+  block two all-reduces of ``b s h`` forward (after each row layer, ``g``) and two backward (before each
+  column layer, ``f``), each ``2 (t-1)/t b s h`` elements on the wire; with SP each becomes an all-gather
+  and a reduce-scatter of the same full tensor, ``(t-1)/t b s h`` each: the same bytes.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from refimpl.comm.ring import chunk_sizes
 from refimpl.comm.tracer import wire_bytes
 from refimpl.planner.zero_state import Shape, check_zero_stage, padded_numel
 
-__all__ = ["ring_bytes_sent", "wire_bytes", "zero_collectives", "zero_comm_bytes"]
+__all__ = ["ring_bytes_sent", "tensor_parallel_collectives", "wire_bytes", "zero_collectives",
+           "zero_comm_bytes"]
 
 
 def ring_bytes_sent(numel: int, n: int, rank: int, element_size: int, *, op: str = "all_reduce") -> int:
@@ -99,3 +105,32 @@ def zero_comm_bytes(
     ops = zero_collectives(unit_shapes, world_size, zero_stage, trainable=trainable,
                            bytes_per_element=bytes_per_element, root_unit=root_unit)
     return sum(wire_bytes(op, payload, world_size) for op, (_, payload) in ops.items())
+
+
+def tensor_parallel_collectives(*, num_layers: int, hidden_size: int, micro_batch: int, seq_len: int, tp: int,
+                                sequence_parallel: bool = False, bytes_per_element: int = 4
+                                ) -> dict[str, tuple[int, int]]:
+    """The collectives one rank of :func:`refimpl.parallel.tensor_parallel.apply_tensor_parallel`'s GPT
+    issues in one forward + backward of a micro-batch ``[b, s]``, float32: ``{op: (count, payload)}``.
+
+    Without SP (``L`` blocks, ``x = b s h`` elements): all-reduces of ``x`` forward: the vocab-parallel
+    embedding's sum and each block's two row layers (``g``); backward: each block's two column layers and
+    the head (``f``): ``4 L + 2`` of ``x``; plus the vocab-parallel loss's three all-reduces of ``b s``
+    (max, target logit, sum of exponentials), forward. With SP: the embedding's all-reduce and the loss's
+    three stay; each block's ``f``/``g`` pair becomes an all-gather (column input, forward; its backward a
+    reduce-scatter) and a reduce-scatter (row output, forward; its backward an all-gather), the head's input
+    is all-gathered (backward: reduce-scatter), the embedding's scatter has an all-gather backward; after
+    backward one all-reduce of ``h`` per replicated parameter that saw ``s/t`` tokens (each block's two
+    LayerNorms' weight and bias and two row biases, the final LayerNorm). The payload is the full tensor
+    (the tracer's ``nbytes``); :func:`wire_bytes` gives the ring model's bytes sent. ``{}`` at ``tp = 1``.
+    """
+    if tp == 1:
+        return {}
+    L, e = num_layers, bytes_per_element  # noqa: N806 (the paper's L)
+    x, loss = micro_batch * seq_len * hidden_size, 3 * micro_batch * seq_len
+    if not sequence_parallel:
+        return {"all_reduce": (4 * L + 2 + 3, e * ((4 * L + 2) * x + loss))}
+    grads = (6 * L + 2) * hidden_size  # the s/t-token parameters, summed after backward
+    return {"all_reduce": (1 + 3 + 6 * L + 2, e * (x + loss + grads)),
+            "all_gather": (4 * L + 2, e * (4 * L + 2) * x),
+            "reduce_scatter": (4 * L + 1, e * (4 * L + 1) * x)}
