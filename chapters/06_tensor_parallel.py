@@ -611,9 +611,9 @@ for t, res in ranks.run(lambda: vocab_results)[0].items():
 # pairs is whole on every rank: the layer norms' inputs and the inputs of the column layers. Sequence
 # parallelism splits the layer norms along the sequence. We measure the bytes each block saves for
 # backward (`SavedTensorMeter`, as in chapter 05) on one device and per rank at $t = 2, 4$, with and
-# without SP, in float32 ($e$ = 4 bytes, FFN width $f = 4h$). The one-device block must save what the
-# planner counts (`refimpl.planner.activation_bytes_per_layer`, chapter 05's terms); per rank, the same
-# terms with each split tensor divided by $t$:
+# without SP, in float32 ($e$ = 4 bytes, FFN width $f = 4h$), and compare them with the planner
+# (`refimpl.planner.activation_bytes_per_layer(..., tp=t, sequence_parallel=sp)`), which counts chapter
+# 05's terms with each split tensor divided by $t$:
 #
 # | term (chapter 05) | one device | tensor parallel | + sequence parallel |
 # |---|---|---|---|
@@ -623,24 +623,20 @@ for t, res in ranks.run(lambda: vocab_results)[0].items():
 # | GeLU input and output | $2e\,sbf$ | $/t$ | $/t$ |
 #
 # On a CPU, whose fused attention kernel saves exactly its output and log-sum-exp, the measurement must
-# equal this count byte for byte (GPU attention kernels add a few small tensors).
+# equal the planner byte for byte (GPU attention kernels add a few small tensors). Korthikanti et al.'s
+# formulas, for their 16-bit Megatron layer, are drawn beside them.
 
 # %%
 # %%px
-from refimpl.planner import activation_bytes_per_layer
+from refimpl.planner import activation_bytes_per_layer, korthikanti_bytes_per_layer
 
 act_cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, max_seq_len=64)
 AB, AS = 2, 64
 xa = torch.randint(0, 256, (AB, AS), generator=torch.Generator().manual_seed(6)).to(device)
-
-
-activation = {}
 one = GPT(act_cfg).to(device)
 with SavedTensorMeter(one) as meter:
     lm_loss(one(xa), xa)
-activation[(1, False)] = meter.report.per_block()[0]
-planner_one = activation_bytes_per_layer(act_cfg, micro_batch=AB, seq_len=AS).total
-assert activation[(1, False)] == planner_one, "one device: measured == planner, byte for byte"
+activation = {(1, False): meter.report.per_block()[0]}
 for t, group in tp_groups.items():
     for sp in (False, True):
         model = apply_tensor_parallel(GPT(act_cfg).to(device), tp_group=group, sequence_parallel=sp)
@@ -649,60 +645,52 @@ for t, group in tp_groups.items():
         blocks = meter.report.per_block()
         assert blocks[0] == blocks[1], "every block saves the same"
         activation[(t, sp)] = blocks[0]
-
-
-def our_count(t, sp):
-    """The table above: bytes one block saves per rank (float32)."""
-    s, b, h, a, f, e = AS, AB, act_cfg.hidden_size, act_cfg.num_attention_heads, act_cfg.ffn_hidden_size, 4
-    norms = 1 / t if sp else 1  # sequence parallelism splits the layer norms along the sequence
-    split = (4 * s * b * h + a * s * b + 2 * s * b * f) / t  # inside the column -> row pairs
-    return round(e * ((2 * s * b * h + 4 * s * b) * norms + 2 * s * b * h + split))
-
-
+planner = {(t, sp): activation_bytes_per_layer(act_cfg, micro_batch=AB, seq_len=AS, tp=t,
+                                               sequence_parallel=sp).total for t, sp in activation}
+korthikanti = {(t, sp): korthikanti_bytes_per_layer(seq_len=AS, micro_batch=AB, hidden_size=64, num_heads=4,
+                                                    tp=t, sequence_parallel=sp) for t, sp in activation}
 for t in tp_groups:
     assert activation[(t, False)] < activation[(1, False)] and activation[(t, True)] < activation[(t, False)]
 if device.type == "cpu":
-    assert all(nbytes == our_count(t, sp) for (t, sp), nbytes in activation.items()), activation
+    assert activation == planner, (activation, planner)  # measured == planner, byte for byte
 
 # %%
-activation = ranks.run(lambda: activation)[0]
-s_, b_, h_, a_ = 64, 2, 64, 4
-for (t, sp), nbytes in activation.items():
-    print(f"tp={t} sp={sp!s:5s}: {nbytes:>9,d} B per block per rank = {nbytes / (s_ * b_ * h_):6.2f} sbh "
-          f"({nbytes / activation[(1, False)]:.0%} of one device)")
-korthikanti = {(t, sp): ((34 / t if sp else 10 + 24 / t) + 5 * a_ * s_ / (h_ * t)) / (34 + 5 * a_ * s_ / h_)
-               for (t, sp) in activation}
+activation, planner, korthikanti = ranks.run(lambda: (activation, planner, korthikanti))[0]
+sbh = 64 * 2 * 64
+for key, nbytes in activation.items():
+    t, sp = key
+    print(f"tp={t} sp={sp!s:5s}: measured {nbytes:>9,d} B per block per rank = {nbytes / sbh:6.2f} sbh "
+          f"({nbytes / activation[(1, False)]:4.0%} of one device) | planner {planner[key]:>9,d} B | "
+          f"Korthikanti (16-bit) {korthikanti[key]:>9,d} B ({korthikanti[key] / korthikanti[(1, False)]:4.0%})")
 
-fig, ax = plt.subplots(figsize=(7.5, 3.4))
-ts = [1, 2, 4]
-for sp, marker in ((False, "o"), (True, "s")):
-    pts = [t for t in ts if (t, sp) in activation]
-    ax.plot(pts, [activation[(t, sp)] / 1024 for t in pts], marker=marker,
-            label=f"measured, {'with' if sp else 'without'} SP")
-    ax.plot(pts, [korthikanti[(t, sp)] * activation[(1, False)] / 1024 for t in pts], marker=marker, ls=":",
-            color="grey", label=f"Korthikanti's ratio x our one-device bytes, {'SP' if sp else 'no SP'}")
-ax.set_xticks(ts)
-ax.set_xlabel("tensor-parallel size t")
+fig, ax = plt.subplots(figsize=(7.5, 3.6))
+keys = list(activation)
+xs = range(len(keys))
+ax.bar([x - 0.2 for x in xs], [activation[k] / 1024 for k in keys], width=0.4, label="measured (SavedTensorMeter)")
+ax.bar([x + 0.2 for x in xs], [planner[k] / 1024 for k in keys], width=0.4, label="planner", alpha=0.7)
+ax.plot(xs, [korthikanti[k] / 1024 for k in keys], "k_", markersize=25, mew=2,
+        label="Korthikanti et al. (16-bit Megatron layer)")
+ax.set_xticks(xs, [f"t={t}" + (", SP" if sp else "") for t, sp in keys])
 ax.set_ylabel("KiB saved per block per rank")
-ax.set_title(f"activation bytes per rank, float32, b={b_}, s={s_}, h={h_}")
+ax.set_title("activation bytes per rank, float32, b=2, s=64, h=64, a=4")
 ax.legend(fontsize=7)
 fig.tight_layout()
 
 # %% [markdown]
-# **Reading the numbers against Korthikanti et al.** Their layer (16-bit, with dropout, unfused
-# attention) keeps $sbh(10 + 24/t + 5as/(ht))$ bytes per rank under tensor parallelism and
-# $sbh(34/t + 5as/(ht))$ with sequence parallelism. The $10\,sbh$ that tensor parallelism cannot split
-# are the two layer norms' inputs, the two column layers' inputs and the dropout masks; sequence
-# parallelism splits all of them. Ours differ in two places, visible in the measurement:
+# The measurement equals the planner at every size. **Against Korthikanti et al.** Their layer keeps
+# $sbh(10 + 24/t + 5as/(ht))$ bytes per rank under tensor parallelism and $sbh(34/t + 5as/(ht))$ with
+# sequence parallelism. The $10\,sbh$ that tensor parallelism cannot split are the two layer norms'
+# inputs, the two column layers' inputs and the dropout masks; sequence parallelism splits all of them.
+# Ours differ in two places, visible in the figure:
 #
-# * float32, no dropout and fused attention (no $5as^2b$ term: chapter 05), so the one-device block keeps
-#   other bytes than theirs (the planner's count and the table above, byte for byte);
+# * float32, no dropout and fused attention (no $5as^2b$ term: chapter 05), so our block keeps other
+#   bytes than theirs; their 16-bit count is a different model, shown for its trend;
 # * our `ColumnParallelLinear` under SP all-gathers its input and lets `F.linear` save the **gathered**
 #   $[b, s, h]$ input, so the two column inputs stay whole on every rank and SP saves only the layer
 #   norms' part. Megatron-LM saves the $s/t$ shard instead and all-gathers it again in backward (one more
 #   all-gather per column layer, overlapped with the weight-gradient matmul): that is where its full
-#   $34/t$ comes from. The grey lines scale Korthikanti's ratios to our one-device bytes: our measured
-#   lines sit above them, the SP one most, by the column inputs we keep whole.
+#   $34/t$ comes from. Compare the printed fractions: with SP ours falls less, relative to one device,
+#   than theirs.
 
 # %% [markdown]
 # ## 8. Training at tp = 2
@@ -834,13 +822,13 @@ ranks.stop()
 #
 # ## Questions
 #
-# 1. Why must the MLP's first linear be column parallel and the second row parallel, and not the other
-#    way round? What would the other order cost in communication?
-# 2. $f$ is the identity forward and an all-reduce backward; $g$ the reverse. Why does the gradient of
-#    the block's input need a sum over the ranks, when every rank received the same input?
-# 3. Under sequence parallelism the layer norms' gradients are summed over the tensor-parallel group, but
-#    a column layer's bias gradient is not. Why?
-# 4. With nanoGPT's `[3, a, d]` layout, how would you split the fused qkv weight correctly without
-#    changing the forward pass? What goes wrong when $a$ does not divide by $t$?
-# 5. Our sequence-parallel column layer saves its gathered input; Megatron-LM saves the shard and
-#    gathers again in backward. What does each choice cost, in bytes and in communication?
+# 1. Why does a column-parallel layer followed by a row-parallel layer need only one all-reduce each way
+#    (and what would splitting the first layer by its input features cost)?
+# 2. What goes wrong if `f` all-reduces in forward? And if `g` is used where `f` belongs?
+# 3. Why must a fused qkv weight be split per head, and why does nothing crash when it is not?
+# 4. Why is the row-parallel bias added once, after the reduction, while a column-parallel bias is added
+#    before any communication? What changes under sequence parallelism?
+# 5. What does sequence parallelism save, and what does it cost in bytes? Why does our measured saving
+#    fall short of Korthikanti's $34/t$?
+# 6. Why does the vocab-parallel loss need three all-reduces of `[b, s]` numbers forward, and none in
+#    backward?
