@@ -40,6 +40,7 @@ from refimpl.parallel.tensor_parallel import (
     tensor_parallel_sharded,
     tp_lm_loss,
 )
+from tests.test_tp_layers import _error  # ValueError's message, "" when none is raised
 
 SPAWN_TIMEOUT = 240
 B, S = 2, 8
@@ -119,14 +120,6 @@ def _run(cfg: ModelConfig, group, *, sp: bool, rank: int, t: int, variant: str =
             "norm": norm, "overcounted norm": overcounted,
             "names": sorted(full) == sorted(n for n in dense.state_dict() if n != "output_layer.weight"
                                             or not cfg.tie_word_embeddings)}
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return ""
 
 
 def _worker(ctx) -> dict:

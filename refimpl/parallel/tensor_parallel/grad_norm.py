@@ -22,6 +22,7 @@ from refimpl.comm import ops
 from refimpl.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from refimpl.parallel.tensor_parallel.tp_communications import Group, group_rank, group_size
 from refimpl.parallel.tensor_parallel.vocab_parallel import VocabParallelEmbedding
+from refimpl.parallel.zero.clip_grad import scale_to_max_norm_, sum_of_squares
 
 __all__ = ["clip_grad_norm_tensor_parallel_", "tensor_parallel_sharded"]
 
@@ -51,16 +52,10 @@ def clip_grad_norm_tensor_parallel_(grads: Sequence[torch.Tensor], sharded: Sequ
     if len(grads) != len(sharded):
         raise ValueError(f"{len(grads)} gradients but {len(sharded)} sharded flags")
     first = group_rank(tp_group) == 0
-    sq = torch.zeros((), dtype=torch.float32, device=device)
-    for g, is_sharded in zip(grads, sharded, strict=True):
-        if is_sharded or first:
-            sq += g.float().pow(2).sum()
+    counted = [g for g, is_sharded in zip(grads, sharded, strict=True) if is_sharded or first]
+    sq = sum_of_squares(counted, device=device)
     if group_size(tp_group) > 1:
         ops.all_reduce(sq, group=tp_group)
     if dp_group is not None and group_size(dp_group) > 1:
         ops.all_reduce(sq, group=dp_group)
-    norm = sq.sqrt()
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
-    return norm
+    return scale_to_max_norm_(list(grads), sq.sqrt(), max_norm)
