@@ -36,7 +36,8 @@
 # 3. the whole GPT equals one device, loss and every gradient, and so does PyTorch's own tensor
 #    parallelism (`parallelize_module`, `loss_parallel`) on the same weights;
 # 4. the vocabulary-parallel loss equals `F.cross_entropy` without any rank holding the full logits;
-# 5. the activation bytes per rank fall with $t$ and with sequence parallelism, measured;
+# 5. the activation bytes per rank fall with $t$ and with sequence parallelism, measured equal to the
+#    planner's count byte for byte;
 # 6. a training run at tp = 2 has the one-device losses.
 
 # %%
@@ -494,8 +495,12 @@ for (tied, t, name), (where, ratio) in ranks.run(lambda: gpt_results)[0].items()
 
 # %% [markdown]
 # Our tensor-parallel GPT and PyTorch's both equal one device within the measured tolerance, at both
-# sizes, and so does sequence parallelism. The negative control misses by far: the layer norms' weights
-# would be stepped with the gradient of $s/t$ of the tokens, a different value on every rank.
+# sizes, and so does sequence parallelism. The largest ratios (printed) sit mostly in the layer norms'
+# gradients: each is a sum over every token of the incoming gradient times the normalised input, and
+# that incoming gradient is itself a sum of $t$ ranks' partial gradients (the backward all-reduce of
+# $f$), added in another order than one device's single matmul; a long sum of terms of both signs
+# loses the most digits. The negative control misses by far: the layer norms' weights would be stepped
+# with the gradient of $s/t$ of the tokens, a different value on every rank.
 #
 # `full_state_dict` assembles the plain model's weights from the boxes (one all-reduce per sharded
 # tensor), so a tensor-parallel run's weights are the one-device model's, bit for bit:
