@@ -35,7 +35,11 @@ from refimpl.checkpoint import CheckpointConfig, Checkpointer, find_latest_valid
 from refimpl.comm import CommTracer
 from refimpl.distributed.placement import Box, module_shards
 from refimpl.launch import run_ranks
-from refimpl.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from refimpl.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    gather_from_sequence_parallel_region,
+)
 from tests.test_tp_communications import _AllReducingCopy  # the negative control: f that all-reduces forward
 
 SPAWN_TIMEOUT = 180
@@ -214,7 +218,8 @@ def test_one_all_reduce_each_way_without_sp_and_all_gather_plus_reduce_scatter_w
         assert cases["ours sp=False"]["ops"] == [[("all_reduce", act)], [("all_reduce", act)], []], (t, rank)
         fwd, bwd, after = cases["ours sp=True"]["ops"]
         assert fwd == [("all_gather", act), ("reduce_scatter", act)], (t, rank, fwd)
-        assert bwd == [("all_gather", act), ("reduce_scatter", act)], (t, rank, bwd)
+        # backward: the row layer's all-gather, then the column layer gathers its saved s/t input again
+        assert bwd == [("all_gather", act), ("all_gather", act), ("reduce_scatter", act)], (t, rank, bwd)
         assert after == [("all_reduce", H * 4)], (t, rank, after)  # the row bias's partial gradient
 
 
@@ -271,3 +276,36 @@ def test_from_linear_without_a_process_group_is_the_dense_layer_bitwise():
     assert all(s.box.is_full for s in module_shards(tp).values())
     with pytest.raises(ValueError, match="exclude each other"):
         ColumnParallelLinear(H, FF, tp_group=None, gather_output=True, sequence_parallel=True)
+
+
+def _saved_shapes(fn, x: torch.Tensor) -> list[tuple[int, ...]]:
+    """Shapes of the activations autograd saves during ``fn(x)`` (parameters left out)."""
+    shapes: list[tuple[int, ...]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, nn.Parameter):
+            shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x)
+    return shapes
+
+
+def _saved_worker(ctx) -> dict:
+    t, world = ctx.world_size, dist.group.WORLD
+    l1, _ = _dense()
+    layer = ColumnParallelLinear.from_linear(l1, tp_group=world, sequence_parallel=True)
+    x = torch.randn(B, S // t, H, requires_grad=True)
+    naive = lambda v: F.linear(gather_from_sequence_parallel_region(v, world), layer.weight,  # noqa: E731
+                               layer.bias)
+    return {"ours": _saved_shapes(layer, x), "gather then linear": _saved_shapes(naive, x)}
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.parametrize("t", [2, 4])
+def test_the_sequence_parallel_column_layer_saves_only_its_sequence_chunk(t):
+    for out in run_ranks(_saved_worker, t, timeout_s=SPAWN_TIMEOUT):
+        assert out["ours"] == [(B, S // t, H)], out  # backward gathers it again (sequence_parallel_linear)
+        # negative control: autograd's own gather + linear saves the whole gathered sequence ([b*s, h])
+        assert B * S * H in [int(np.prod(shape)) for shape in out["gather then linear"]], out

@@ -7,7 +7,9 @@ Shoeybi et al. 2019, "Megatron-LM" (section 3): a linear ``Y = X A^T + b`` with 
   and ``b_r``, and computes ``Y_r = X A_r^T + b_r``, its block of the output features. The input must be
   whole on every rank: ``f`` (:func:`copy_to_tensor_parallel_region`, all-reduce in backward) in front, or
   under sequence parallelism (Korthikanti et al. 2022) an all-gather of the sequence (dim 1) in front and a
-  reduce-scatter in backward. ``gather_output=True`` all-gathers ``Y`` along the last dim.
+  reduce-scatter in backward; then only the ``s/t`` input chunk is saved and backward all-gathers it again
+  (:mod:`.sequence_parallel_linear`, Megatron's way). ``gather_output=True`` all-gathers ``Y`` along the
+  last dim.
 * **Row parallel** (split the input features): rank ``r`` holds columns ``A[:, r*in/t:(r+1)*in/t]`` and
   computes the partial sum ``X_r A_r^T``; ``g`` (:func:`reduce_from_tensor_parallel_region`, all-reduce)
   sums them, or under sequence parallelism a reduce-scatter along the sequence (dim 1). The bias is whole
@@ -16,7 +18,7 @@ Shoeybi et al. 2019, "Megatron-LM" (section 3): a linear ``Y = X A^T + b`` with 
 
 A column layer followed by a row layer (the MLP ``Y = GeLU(X A^T) B^T``) needs one all-reduce forward (the
 row layer's ``g``) and one backward (the column layer's ``f``); with sequence parallelism an all-gather and
-a reduce-scatter each way instead, the same bytes.
+a reduce-scatter each way instead, the same bytes, plus the column layer's second all-gather in backward.
 
 Under sequence parallelism the row layer's bias sees only this rank's ``s/t`` tokens, so its gradient is a
 partial sum: the bias carries ``sequence_parallel = True`` (Megatron's attribute) and
@@ -39,10 +41,10 @@ from torch import nn
 
 from refimpl.comm import ops
 from refimpl.distributed.placement import Box, LocalShard
+from refimpl.parallel.tensor_parallel.sequence_parallel_linear import linear_with_sequence_parallel_gather
 from refimpl.parallel.tensor_parallel.tp_communications import (
     Group,
     copy_to_tensor_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     group_rank,
     group_size,
@@ -117,10 +119,9 @@ class ColumnParallelLinear(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp_group)  # [b, s/t, in] -> [b, s, in]
-        else:
-            x = copy_to_tensor_parallel_region(x, self.tp_group)        # f: all-reduce in backward
+        if self.sequence_parallel:  # [b, s/t, in] all-gathered to [b, s, in]; only [b, s/t, in] is saved
+            return linear_with_sequence_parallel_gather(x, self.weight, self.bias, self.tp_group)
+        x = copy_to_tensor_parallel_region(x, self.tp_group)            # f: all-reduce in backward
         y = F.linear(x, self.weight, self.bias)                         # [..., out/t]
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)    # [..., out]

@@ -34,16 +34,15 @@ checkpoint loads at any TP size or into the plain GPT; :func:`full_state_dict` a
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from refimpl.comm import ops
 from refimpl.distributed.placement import module_shards
 from refimpl.model import GPT, lm_loss
 from refimpl.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from refimpl.parallel.tensor_parallel.sequence_parallel_linear import linear_with_sequence_parallel_gather
 from refimpl.parallel.tensor_parallel.tp_communications import (
     Group,
-    gather_from_sequence_parallel_region,
     group_size,
     scatter_to_sequence_parallel_region,
 )
@@ -77,7 +76,8 @@ class VocabParallelGPTEmbedding(nn.Module):
 class TiedVocabParallelHead(nn.Module):
     """The output layer tied to the vocab-parallel embedding: ``[b, s, h] -> [b, s, V/t]`` on the same
     shard. Without SP the input goes through ``f`` (:meth:`VocabParallelEmbedding.lm_logits`); with SP it is
-    all-gathered along the sequence instead (its backward, a reduce-scatter, already sums the ranks)."""
+    all-gathered along the sequence instead (its backward, a reduce-scatter, already sums the ranks), saving
+    only this rank's ``s/t`` tokens (:func:`linear_with_sequence_parallel_gather`)."""
 
     def __init__(self, embedding: VocabParallelEmbedding, *, sequence_parallel: bool) -> None:
         super().__init__()
@@ -90,8 +90,9 @@ class TiedVocabParallelHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
             return self.embedding.lm_logits(hidden)
-        hidden = gather_from_sequence_parallel_region(hidden, self.embedding.tp_group)  # [b, s, h]
-        return F.linear(hidden, self.embedding.weight)  # [b, s, V/t]
+        # [b, s/t, h] gathered to [b, s, h] (saving only [b, s/t, h]) -> [b, s, V/t]
+        emb = self.embedding
+        return linear_with_sequence_parallel_gather(hidden, emb.weight, None, emb.tp_group)
 
 
 def _check_divides(model: GPT, t: int, pad_vocab: bool) -> None:
