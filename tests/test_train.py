@@ -13,6 +13,7 @@ scale-invariant and hides a gradient twice too large, a gradient comparison does
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -329,6 +330,20 @@ def test_dp4_gives_the_losses_recorded_before_parallel_dims(files, tmp_path):
     assert losses == HEAD_WORLD4_LOSSES[cap]  # bitwise: the same arithmetic as before
     # Negative control: the other capability's record differs, so this comparison can fail.
     assert HEAD_WORLD4_LOSSES["avx2"] != HEAD_WORLD4_LOSSES["default"]
+
+
+@pytest.mark.timeout(CLI_TIMEOUT_S + 60)
+def test_tp2_with_sequence_parallelism_runs_from_the_command_line(files, tmp_path):
+    out = tmp_path / "tp2"
+    args = [*RUN_FLAGS, "--data", str(files["corpus"]), "--cache-dir", str(files["root"] / "cache"),
+            "--out", str(out), "--nproc-per-node", "2", "--tp", "2", "--sequence-parallel", "--timeout", "60"]
+    proc = subprocess.run([sys.executable, "-m", "refimpl.train", *args], cwd=tmp_path,
+                          env=_env(tmp_path / "c"), capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert "dp 1 x cp 1 x tp 2 x pp 1 with sequence parallelism" in proc.stdout, proc.stdout
+    losses = [line["loss"] for line in _read_metrics(out)]
+    assert len(losses) == len(set(losses)) > 1 and all(math.isfinite(v) for v in losses)
+    assert (out / "sample.txt").read_text().startswith("def ")  # sampled from the gathered shards
 
 
 LAYOUT_REFUSALS = {  # name -> (flags, what the one error line must say)

@@ -117,7 +117,7 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
               f"{ctx.device.type} ({ctx.backend}) | ZeRO stage {options.zero_stage} | {options.precision} | "
               f"global batch {config.data.global_batch_size} x {config.data.seq_len} tokens = {micro} per "
               f"micro-batch x {accumulation} accumulation x {dims.dp} data-parallel ranks | layout "
-              f"{dims.describe()}")
+              f"{dims.describe()}{' with sequence parallelism' if options.sequence_parallel else ''}")
 
     heartbeat = elastic.Heartbeat(ctx.rank, ctx.world_size)
     faults, mp = options.faults, setup.mp
