@@ -29,8 +29,8 @@
 #
 # 1. a column-parallel layer followed by a row-parallel one (the MLP; attention with its heads split) gives
 #    the one-device output and gradients at tp = 2 and 4, with and without sequence parallelism, with
-#    exactly one all-reduce forward and one backward (with SP an all-gather and a reduce-scatter), each
-#    moving $2\frac{t-1}{t}bsh$ elements per rank;
+#    exactly one all-reduce forward and one backward (with SP an all-gather and a reduce-scatter each way,
+#    and one more all-gather backward), each all-reduce moving $2\frac{t-1}{t}bsh$ elements per rank;
 # 2. the fused query/key/value weight must be split per head: split by plain rows in nanoGPT's layout,
 #    the output is wrong;
 # 3. the whole GPT equals one device, loss and every gradient, and so does PyTorch's own tensor
@@ -107,7 +107,10 @@ for t in (2, 4):
 # keeps the sum for $s/t$ positions) and $f$ an **all-gather** of the sequence (and their backwards the
 # mirror ones). A reduce-scatter plus an all-gather move what one all-reduce moves, so the traffic is the
 # same. The layer norms' weights then see only $s/t$ tokens per rank: their gradients are summed over the
-# group after backward (`allreduce_sequence_parallel_grads`).
+# group after backward (`allreduce_sequence_parallel_grads`). One more detail, Megatron-LM's: the column
+# layer needs the gathered input $[b, s, h]$ again in backward (for its weight gradient). Saving it would
+# keep $t$ times what the rank holds, so it saves only its $s/t$ shard and all-gathers it once more in
+# backward (`sequence_parallel_linear`): one more all-gather per column layer, for activation memory.
 #
 # ## 2. Four ranks, two layouts
 #
@@ -224,8 +227,10 @@ for kind in ("mlp", "self_attention"):
 act = B * S * H * x_in.element_size()  # bytes of one whole [b, s, h] activation
 for (kind, t, sp), res in layer_results.items():
     fwd, bwd = res["passes"]
-    if sp:  # the all-gather in front of the column layer, the reduce-scatter after the row layer
-        assert fwd == bwd == [("all_gather", act), ("reduce_scatter", act)], (kind, t, fwd, bwd)
+    if sp:  # the all-gather in front of the column layer, the reduce-scatter after the row layer; backward:
+        # the row layer's all-gather, the column layer's input gathered again, its reduce-scatter
+        assert fwd == [("all_gather", act), ("reduce_scatter", act)], (kind, t, fwd)
+        assert bwd == [("all_gather", act), ("all_gather", act), ("reduce_scatter", act)], (kind, t, bwd)
     else:   # g forward, f backward
         assert fwd == bwd == [("all_reduce", act)], (kind, t, fwd, bwd)
 
@@ -237,7 +242,9 @@ for (kind, t, sp), res in ranks.run(lambda: layer_results)[0].items():
 
 # %% [markdown]
 # Each layer matches one device within its tolerance, at both sizes, with and without sequence
-# parallelism, and the tracer sees one collective of the whole activation each way (two with SP), no more.
+# parallelism, and the tracer sees one collective of the whole activation each way, no more; with SP an
+# all-gather and a reduce-scatter forward, and backward those two plus the column layer's second
+# all-gather of its input.
 #
 # **Bytes on the wire.** The tracer measured the payload of each collective: one $[b, s, h]$ float32
 # tensor. What a rank *sends* for it depends on the algorithm. For the ring (chapter 02), which NCCL uses
@@ -256,20 +263,25 @@ for t, group in tp_groups.items():
         ring_trace.step()
         shard = ring_reduce_scatter(payload.clone(), group=group)
         ring_all_gather(shard, payload.numel(), group=group)
+        ring_trace.step()
+        ring_all_gather(shard, payload.numel(), group=group)  # SP's second all-gather in backward
     formula = 2 * (t - 1) / t * B * S * H * x_in.element_size()  # 2(t-1)/t b s h elements, in bytes
-    wire[t] = (ring_trace.measured_bytes_sent(step=0), ring_trace.measured_bytes_sent(step=1), formula)
+    wire[t] = [ring_trace.measured_bytes_sent(step=k) for k in range(3)] + [formula]
     assert wire[t][0] == formula, (t, wire[t])  # measured from isend, against the formula
     assert wire[t][1] == wire[t][0], "reduce-scatter + all-gather = one all-reduce, byte for byte"
+    assert 2 * wire[t][2] == formula, "an all-gather alone: (t-1)/t b s h"
 
 # %%
 wire, act = ranks.run(lambda: (wire, act))[0]
-for t, (allreduce_bytes, sp_bytes, formula) in wire.items():
+for t, (allreduce_bytes, sp_bytes, gather_bytes, formula) in wire.items():
     print(f"tp={t}: payload {act:,d} B | our ring all-reduce sent {allreduce_bytes:,d} B per rank, "
-          f"reduce-scatter + all-gather {sp_bytes:,d} B | 2(t-1)/t x b s h x 4 B = {formula:,.0f} B")
+          f"reduce-scatter + all-gather {sp_bytes:,d} B, one all-gather {gather_bytes:,d} B | "
+          f"2(t-1)/t x b s h x 4 B = {formula:,.0f} B")
 
 # %% [markdown]
 # So per block and per pass, tensor parallelism sends $2 \times 2\frac{t-1}{t}bsh$ elements per rank
-# (attention and MLP), with or without sequence parallelism. At $t = 4$ that is 1.5 $bsh$ elements per
+# (attention and MLP), and sequence parallelism the same, plus $2 \times \frac{t-1}{t}bsh$ in backward for
+# the two column layers' second all-gather. At $t = 4$ that is 1.5 $bsh$ elements per
 # collective, *every layer, every micro-batch*, on the critical path: nothing else can run while the
 # next layer waits for its input. That is why tensor parallelism stays inside a node (NVLink), and data
 # parallelism goes across nodes.
@@ -405,18 +417,23 @@ fig.tight_layout(rect=(0, 0.05, 1, 0.92))
 # output layer column-parallel with its logits left sharded (`Shard(-1)`) for `loss_parallel`. Its
 # layers turn their outputs back into plain local tensors (`use_local_output=True`, the default): on a CPU
 # `scaled_dot_product_attention` does not accept DTensors, and attention only needs its local heads
-# anyway; as with ours, each attention module is told it now has $a/t$ heads. (Untied only: a DTensor
-# weight cannot also be the plain embedding's.)
+# anyway; as with ours, each attention module is told it now has $a/t$ heads. With sequence parallelism
+# the residual stream between the pairs is sharded along the sequence (`Shard(1)`): the column layers take
+# it as their input layout (and all-gather it), the row layers reduce-scatter into it, the layer norms
+# are `SequenceParallel` and the embedding's output is redistributed to it (`PrepareModuleOutput`).
+# (Untied only: a DTensor weight cannot also be the plain embedding's.)
 #
 # Negative control: sequence parallelism *without* summing the layer norms' gradients over the group.
 
 # %%
 # %%px
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    PrepareModuleOutput,
     RowwiseParallel,
+    SequenceParallel,
     loss_parallel,
     parallelize_module,
 )
@@ -432,16 +449,24 @@ def gpt_reference(config, dtype):
     return loss, {n: p.grad for n, p in model.named_parameters()}
 
 
-def pytorch_tp(config, t):
-    """The one-device GPT under torch.distributed.tensor.parallel on a mesh of t ranks."""
+def pytorch_tp(config, t, sp):
+    """The one-device GPT under torch.distributed.tensor.parallel on a mesh of t ranks (sp: the sequence,
+    dim 1, sharded between the pairs: the embedding's output redistributed, the layer norms SequenceParallel)."""
     mesh = init_device_mesh(device.type, (world_size // t, t), mesh_dim_names=("replica", "tp"))["tp"]
     model = GPT(config, seed=1).to(device)
-    plan = {"output_layer": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    between = Shard(1) if sp else Replicate()  # the layout of the residual stream between the pairs
+    plan = {"output_layer": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)}
+    if sp:
+        plan |= {"embedding": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+                 "final_layernorm": SequenceParallel()}
     for i in range(config.num_layers):
-        plan |= {f"layers.{i}.self_attention.query_key_value": ColwiseParallel(),
-                 f"layers.{i}.self_attention.dense": RowwiseParallel(),
-                 f"layers.{i}.mlp.dense_h_to_4h": ColwiseParallel(),
-                 f"layers.{i}.mlp.dense_4h_to_h": RowwiseParallel()}
+        plan |= {f"layers.{i}.self_attention.query_key_value": ColwiseParallel(input_layouts=between),
+                 f"layers.{i}.self_attention.dense": RowwiseParallel(output_layouts=between),
+                 f"layers.{i}.mlp.dense_h_to_4h": ColwiseParallel(input_layouts=between),
+                 f"layers.{i}.mlp.dense_4h_to_h": RowwiseParallel(output_layouts=between)}
+        if sp:
+            plan |= {f"layers.{i}.input_layernorm": SequenceParallel(),
+                     f"layers.{i}.post_attention_layernorm": SequenceParallel()}
     parallelize_module(model, mesh, plan)
     for block in model.layers:
         block.self_attention.num_heads = config.num_attention_heads // t
@@ -476,12 +501,12 @@ for tied in (True, False):
             params = dict(model.named_parameters())
             got = {"loss": loss.detach(), **{n: params[n].grad for n in boxes}}
             gpt_results[(tied, t, name)] = worst(got, ref, spread)
-        if not tied:
-            loss, grads = pytorch_tp(config, t)
+        for sp in (False, True) if not tied else ():
+            loss, grads = pytorch_tp(config, t, sp)
             got = {"loss": loss.detach()}
             for n, b in boxes.items():  # DTensor keeps the embedding whole: compare our box of it
                 got[n] = grads[n][b] if grads[n].shape == g32[n].shape else grads[n]
-            gpt_results[(tied, t, "PyTorch parallelize_module")] = worst(got, ref, spread)
+            gpt_results[(tied, t, "PyTorch parallelize_module" + (", SP" if sp else ""))] = worst(got, ref, spread)
 
 for (tied, t, name), (where, ratio) in gpt_results.items():
     if name.startswith("SP, norms'"):
@@ -623,7 +648,7 @@ for t, res in ranks.run(lambda: vocab_results)[0].items():
 # | term (chapter 05) | one device | tensor parallel | + sequence parallel |
 # |---|---|---|---|
 # | 2 layer-norm inputs, their mean and rstd | $e(2sbh + 4sb)$ | whole | $/t$ |
-# | the 2 column layers' inputs (qkv, MLP) | $2e\,sbh$ | whole | whole (see below) |
+# | the 2 column layers' inputs (qkv, MLP) | $2e\,sbh$ | whole | $/t$ (the shard, gathered again) |
 # | q, k, v, attention output, log-sum-exp | $e(4sbh + asb)$ | $/t$ | $/t$ |
 # | GeLU input and output | $2e\,sbf$ | $/t$ | $/t$ |
 #
@@ -658,6 +683,7 @@ for t in tp_groups:
     assert activation[(t, False)] < activation[(1, False)] and activation[(t, True)] < activation[(t, False)]
 if device.type == "cpu":
     assert activation == planner, (activation, planner)  # measured == planner, byte for byte
+    assert all(activation[(t, True)] * t == activation[(1, False)] for t in tp_groups), "SP: all of it / t"
 
 # %%
 activation, planner, korthikanti = ranks.run(lambda: (activation, planner, korthikanti))[0]
@@ -685,17 +711,12 @@ fig.tight_layout()
 # The measurement equals the planner at every size. **Against Korthikanti et al.** Their layer keeps
 # $sbh(10 + 24/t + 5as/(ht))$ bytes per rank under tensor parallelism and $sbh(34/t + 5as/(ht))$ with
 # sequence parallelism. The $10\,sbh$ that tensor parallelism cannot split are the two layer norms'
-# inputs, the two column layers' inputs and the dropout masks; sequence parallelism splits all of them.
-# Ours differ in two places, visible in the figure:
-#
-# * float32, no dropout and fused attention (no $5as^2b$ term: chapter 05), so our block keeps other
-#   bytes than theirs; their 16-bit count is a different model, shown for its trend;
-# * our `ColumnParallelLinear` under SP all-gathers its input and lets `F.linear` save the **gathered**
-#   $[b, s, h]$ input, so the two column inputs stay whole on every rank and SP saves only the layer
-#   norms' part. Megatron-LM saves the $s/t$ shard instead and all-gathers it again in backward (one more
-#   all-gather per column layer, overlapped with the weight-gradient matmul): that is where its full
-#   $34/t$ comes from. Compare the printed fractions: with SP ours falls less, relative to one device,
-#   than theirs.
+# inputs, the two column layers' inputs and the dropout masks; sequence parallelism splits all of them,
+# the column inputs because they are saved as shards and gathered again in backward. Our block keeps
+# other bytes than theirs (float32, no dropout, and fused attention, so no $5as^2b$ term: chapter 05),
+# so their 16-bit count is another model, drawn for its trend; the fractions of one device printed
+# above compare like with like. With sequence parallelism every saved tensor of our block is split, and
+# its bytes per rank are one device's divided by $t$.
 
 # %% [markdown]
 # ## 8. Training at tp = 2
@@ -804,8 +825,9 @@ ranks.stop()
 # * A column-parallel layer followed by a row-parallel one needs one all-reduce forward ($g$) and one
 #   backward ($f$): per block two each way, of $2\frac{t-1}{t}bsh$ elements per rank, on the critical
 #   path. Keep $t$ within a node.
-# * Sequence parallelism turns each all-reduce into a reduce-scatter and an all-gather: the same bytes,
-#   fewer activation bytes, and replicated parameters (layer norms) whose gradients must be summed.
+# * Sequence parallelism turns each all-reduce into a reduce-scatter and an all-gather: the same bytes
+#   (plus one all-gather per column layer in backward, to save only the input's shard), activation bytes
+#   divided by $t$, and replicated parameters (layer norms) whose gradients must be summed.
 # * A fused weight is split by what its rows *mean*: q, k and v of whole heads, not a plain row block.
 # * The loss never needs the full logits: three all-reduces of one number per token.
 #
@@ -833,7 +855,6 @@ ranks.stop()
 # 3. Why must a fused qkv weight be split per head, and why does nothing crash when it is not?
 # 4. Why is the row-parallel bias added once, after the reduction, while a column-parallel bias is added
 #    before any communication? What changes under sequence parallelism?
-# 5. What does sequence parallelism save, and what does it cost in bytes? Why does our measured saving
-#    fall short of Korthikanti's $34/t$?
+# 5. What does sequence parallelism save, and what does it cost in bytes?
 # 6. Why does the vocab-parallel loss need three all-reduces of `[b, s]` numbers forward, and none in
 #    backward?
