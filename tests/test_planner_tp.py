@@ -14,8 +14,8 @@ rank of :func:`refimpl.parallel.tensor_parallel.apply_tensor_parallel`'s GPT:
 * the collectives of one forward + backward, counted and sized by :class:`refimpl.comm.CommTracer`, equal
   :func:`~refimpl.planner.tensor_parallel_collectives`;
 * negative controls: the formula without sequence parallelism does not match an SP run (nor the SP one a
-  plain TP run), the one-device figure does not match a TP rank, and Megatron's SP saving (the column
-  layers' inputs kept as ``s/t`` shards) is not our block's.
+  plain TP run), the one-device figure does not match a TP rank, and column layers that kept the
+  all-gathered ``[b, s, h]`` input (autograd's default, not Megatron's ``s/t`` shard) are not our block.
 """
 
 from __future__ import annotations
@@ -157,10 +157,10 @@ def test_activation_bytes_per_rank_equal_the_measured_ones(ranks):
             assert got["per_block"] != other, where
             if not ckpt:
                 assert got["per_block"] != _planned(sp, name, ckpt, 1)[0], where
-                if sp:  # Megatron's column layers would save their s/t input shard: not what ours do
+                if sp:  # column layers that kept autograd's gathered [b, s, h] input: not what ours do
                     p = 2 if name == "bf16" else 4
-                    megatron = blocks[0] - 2 * p * S * B * CFG.hidden_size * (t - 1) // t
-                    assert got["per_block"][0] != megatron, where
+                    gathered = blocks[0] + 2 * p * S * B * CFG.hidden_size * (t - 1) // t
+                    assert got["per_block"][0] != gathered, where
             if sp:
                 assert outside != other_outside, where  # the final LayerNorm sees s/t tokens
 
@@ -176,11 +176,13 @@ def test_collectives_per_micro_batch_equal_the_traced_ones(ranks):
             assert got == tensor_parallel_collectives(sequence_parallel=sp, **kw), (t, rank, sp, got)
             assert got != tensor_parallel_collectives(sequence_parallel=not sp, **kw)  # negative control
         # on the wire (ring model) the blocks cost the same with SP (an all-gather + a reduce-scatter per
-        # all-reduce); SP adds the embedding's backward all-gather of b s h and the s/t-token gradient sums
+        # all-reduce); SP adds the embedding's backward all-gather of b s h, the column layers' (2 L + 1,
+        # the head too) second all-gather of their saved input in backward, and the s/t-token gradient sums
         wire = {sp: sum(wire_bytes(op, nbytes, t) for op, (_, nbytes) in got.items())
                 for sp, got in r["collectives"].items()}
         sp_grads = (6 * CFG.num_layers + 2) * CFG.hidden_size
-        assert wire[True] - wire[False] == pytest.approx((t - 1) / t * 4 * (x + 2 * sp_grads), rel=1e-12)
+        extra = x + (2 * CFG.num_layers + 1) * x + 2 * sp_grads
+        assert wire[True] - wire[False] == pytest.approx((t - 1) / t * 4 * extra, rel=1e-12)
 
 
 def _state(config: ModelConfig, dims: ParallelDims, zero_stage: int, dp_rank: int) -> tuple[int, int, int]:
@@ -231,7 +233,7 @@ def test_formula_terms_with_tp_and_sp():
         plain = activation_bytes_per_layer(cfg, **kw).total
         sp = activation_bytes_per_layer(cfg, sequence_parallel=True, **kw).total
         assert plain == s * b * h * (12 * t + 24) // t + 16 * s * b + 4 * a * s * b // t
-        assert sp == (s * b * h * (4 * t + 32) + 16 * s * b + 4 * a * s * b) // t
+        assert sp == (36 * s * b * h + 16 * s * b + 4 * a * s * b) // t
         assert (plain == sp) == (t == 1)
         paper = korthikanti_bytes_per_layer(seq_len=s, micro_batch=b, hidden_size=h, num_heads=a, tp=t)
         paper_sp = korthikanti_bytes_per_layer(seq_len=s, micro_batch=b, hidden_size=h, num_heads=a, tp=t,

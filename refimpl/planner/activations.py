@@ -28,18 +28,21 @@ sequence parallelism (else ``u = 1``):
 * under autocast the residual stream and the LayerNorms stay in float32 (r = 4): the two LayerNorm
   inputs cost ``2 r s b h / u``, plus each LayerNorm's mean and reciprocal std ``2 x 2 r s b / u``;
 * the FFN width f is a config field (4h by default);
-* sequence parallelism in our :class:`~refimpl.parallel.tensor_parallel.ColumnParallelLinear` all-gathers
-  the sequence and the linear saves the *gathered* ``[b, s, h]`` input: the QKV and MLP inputs stay
-  ``2 p s b h`` at every ``t`` (Megatron saves ``2 p s b h / t`` and gathers again in backward).
+* sequence parallelism as Megatron's: a column layer's input arrives as ``[b, s/t, h]``, is all-gathered for
+  the matmul, and only the ``s/t`` shard is saved (gathered again in backward,
+  :mod:`refimpl.parallel.tensor_parallel.sequence_parallel_linear`): the QKV and MLP inputs cost
+  ``2 p s b h / u`` (autograd's default would keep the gathered ``[b, s, h]``, ``2 p s b h`` at every ``t``).
 
 Per layer and rank::
 
     2 r sbh/u + 4 r sb/u                     LayerNorm inputs, mean + rstd (replicated; SP: s/t tokens)
-    + 2 p sbh                                QKV and MLP inputs (whole, also under SP)
+    + 2 p sbh/u                              QKV and MLP inputs (SP: the s/t shard)
     + (4 p + 2 p f/h) sbh/t + 4 a sb/t       Q, K, V, attention output; GELU input and output; lse
 
 So in 16-bit (p = 2, r = 4, f = 4h): ``sbh (12 + 24/t) + 16 sb + 4 a sb/t`` without and
-``sbh (4 + 32/t) + 16 sb/t + 4 a sb/t`` with sequence parallelism (``t = 1``: ``36 sbh + 16 sb + 4 a sb``);
+``36 sbh/t + 16 sb/t + 4 a sb/t`` with sequence parallelism (``t = 1``: ``36 sbh + 16 sb + 4 a sb``), where
+Korthikanti et al. have ``10 + 24/t`` and ``34/t``: fp32 LayerNorm inputs (+4), no dropout masks (-2),
+flash attention (no ``5 a s/h`` term);
 a checkpointed layer keeps only its input, ``r s b h / u``. :func:`outside_block_bytes` counts what the
 model saves outside the blocks. :class:`refimpl.measure.activations.SavedTensorMeter` measures the same
 numbers (tests/test_activations.py, tests/test_planner_tp.py at tp 2 and 4);
@@ -129,11 +132,11 @@ def activation_bytes_per_layer(
     terms = {
         "layernorm inputs (2)": 2 * r * s * b * h // u,
         "layernorm mean + rstd (2 x 2)": 2 * 2 * r * s * b // u,
-        "QKV input": p * s * b * h,
+        "QKV input": p * s * b * h // u,
         "Q, K, V": 3 * p * s * b * h // t,
         "attention log-sum-exp (fp32)": 4 * (a // t) * s * b,
         "attention output = projection input": p * s * b * h // t,
-        "MLP input": p * s * b * h,
+        "MLP input": p * s * b * h // u,
         "GELU input": p * s * b * (f // t),
         "GELU output = second linear input": p * s * b * (f // t),
     }
@@ -168,7 +171,8 @@ def outside_block_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int,
     int64 token ids, labels and positions ``8 (2 s b + s)`` and ``cross_entropy``'s float32 total weight.
 
     Tensor parallel (``t > 1``, :func:`refimpl.parallel.tensor_parallel.tp_lm_loss`): the final LayerNorm
-    sees ``s/u`` tokens; the head's input stays ``p s b h`` (under SP the gathered sequence); the
+    sees ``s/u`` tokens and the head saves its ``p s b h / u`` input (under SP the shard, gathered again in
+    backward, as the blocks' column layers); the
     vocab-parallel loss saves its float32 softmax shard ``4 s b V_t`` (``V_t = ceil(V/t)`` columns, the
     padding rule of :mod:`refimpl.parallel.tensor_parallel.vocab_parallel`), its int64 target index and two
     bool masks (owned, valid); the vocab-parallel embedding its int64 local ids and bool mask; int64
@@ -181,7 +185,7 @@ def outside_block_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int,
         return {"final layernorm + output layer inputs": 4 * s * b * h + 2 * 4 * s * b + p * s * b * h,
                 "log-softmax (fp32)": 4 * s * b * v,
                 "token ids, labels, positions": 8 * (2 * s * b + s) + 4}
-    return {"final layernorm + output layer inputs": (4 * s * b * h + 2 * 4 * s * b) // u + p * s * b * h,
+    return {"final layernorm + output layer inputs": (4 * s * b * h + 2 * 4 * s * b + p * s * b * h) // u,
             "vocab-parallel softmax shard (fp32)": 4 * s * b * -(-v // t),
             "token ids, labels, positions": 8 * (2 * s * b + s),
             "embedding + loss masks (bool)": 3 * s * b}

@@ -22,7 +22,8 @@
   :func:`tensor_parallel_collectives`, the collectives of one forward and backward of our TP GPT. Per
   block two all-reduces of ``b s h`` forward (after each row layer, ``g``) and two backward (before each
   column layer, ``f``), each ``2 (t-1)/t b s h`` elements on the wire; with SP each becomes an all-gather
-  and a reduce-scatter of the same full tensor, ``(t-1)/t b s h`` each: the same bytes.
+  and a reduce-scatter of the same full tensor, ``(t-1)/t b s h`` each: the same bytes, plus one more
+  all-gather per column layer in backward (its input, saved as the ``s/t`` shard, gathered again).
 """
 
 from __future__ import annotations
@@ -119,7 +120,9 @@ def tensor_parallel_collectives(*, num_layers: int, hidden_size: int, micro_batc
     (max, target logit, sum of exponentials), forward. With SP: the embedding's all-reduce and the loss's
     three stay; each block's ``f``/``g`` pair becomes an all-gather (column input, forward; its backward a
     reduce-scatter) and a reduce-scatter (row output, forward; its backward an all-gather), the head's input
-    is all-gathered (backward: reduce-scatter), the embedding's scatter has an all-gather backward; after
+    is all-gathered (backward: reduce-scatter), the embedding's scatter has an all-gather backward, and
+    each of the ``2 L + 1`` column layers (the head too) all-gathers its saved ``s/t`` input again in
+    backward (:mod:`refimpl.parallel.tensor_parallel.sequence_parallel_linear`); after
     backward one all-reduce of ``h`` per replicated parameter that saw ``s/t`` tokens (each block's two
     LayerNorms' weight and bias and two row biases, the final LayerNorm). The payload is the full tensor
     (the tracer's ``nbytes``); :func:`wire_bytes` gives the ring model's bytes sent. ``{}`` at ``tp = 1``.
@@ -132,5 +135,5 @@ def tensor_parallel_collectives(*, num_layers: int, hidden_size: int, micro_batc
         return {"all_reduce": (4 * L + 2 + 3, e * ((4 * L + 2) * x + loss))}
     grads = (6 * L + 2) * hidden_size  # the s/t-token parameters, summed after backward
     return {"all_reduce": (1 + 3 + 6 * L + 2, e * (x + loss + grads)),
-            "all_gather": (4 * L + 2, e * (4 * L + 2) * x),
+            "all_gather": (6 * L + 3, e * (6 * L + 3) * x),
             "reduce_scatter": (4 * L + 1, e * (4 * L + 1) * x)}
