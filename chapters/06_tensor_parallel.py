@@ -849,12 +849,11 @@ ranks.stop()
 #
 # ## Questions
 #
-# 1. Why does a column-parallel layer followed by a row-parallel layer need only one all-reduce each way
-#    (and what would splitting the first layer by its input features cost)?
-# 2. What goes wrong if `f` all-reduces in forward? And if `g` is used where `f` belongs?
+# 1. Why does a column-parallel layer followed by a row-parallel layer need only one all-reduce each way?
+#    And why is the row-parallel bias added once, after the reduction, while a column-parallel bias is
+#    added before any communication (what changes under sequence parallelism)?
+# 2. What goes wrong if `f` all-reduces in forward?
 # 3. Why must a fused qkv weight be split per head, and why does nothing crash when it is not?
-# 4. Why is the row-parallel bias added once, after the reduction, while a column-parallel bias is added
-#    before any communication? What changes under sequence parallelism?
-# 5. What does sequence parallelism save, and what does it cost in bytes?
-# 6. Why does the vocab-parallel loss need three all-reduces of `[b, s]` numbers forward, and none in
+# 4. What does sequence parallelism save, and what does it cost in bytes?
+# 5. Why does the vocab-parallel loss need three all-reduces of `[b, s]` numbers forward, and none in
 #    backward?
