@@ -34,6 +34,7 @@ from refimpl.parallel.activation_checkpoint import apply_activation_checkpointin
 from refimpl.parallel.tensor_parallel import (
     allreduce_sequence_parallel_grads,
     apply_tensor_parallel,
+    tensor_parallel_sharded,
     tp_lm_loss,
 )
 from refimpl.planner import (
@@ -119,6 +120,9 @@ def _worker(ctx) -> dict:
                 out["activations"][sp, name, tuple(ckpt)] = _measure_activations(
                     dist.group.WORLD, sp=sp, dtype=dtype, checkpointed=ckpt)
     out["collectives"] = {sp: _trace_collectives(dist.group.WORLD, sp=sp) for sp in (False, True)}
+    model = apply_tensor_parallel(GPT(CFG, seed=1), tp_group=dist.group.WORLD, pad_vocab=True)
+    sharded = tensor_parallel_sharded(model)
+    out["shapes"] = [(tuple(p.shape), id(p) in sharded) for p in model.parameters()]
     out["state"][1, t, 0] = _state_after_a_step(ctx, ParallelDims(dp=1, tp=t), 0)
     if t == 4:
         for zero_stage in (0, 1, 2):
@@ -202,9 +206,22 @@ def test_state_bytes_per_rank_equal_what_the_tp_model_holds(ranks):
             assert got != _state(CFG_DIVIDES, ParallelDims(dp=dp), zero_stage, dp_rank), (rank, dims)
 
 
-def test_param_shapes_per_rank_are_the_tp_models_parameters():
-    """Shapes only (one process, a group of one has no shards): the formula's sharded dims are the tp
-    model's local ones, checked against :func:`param_shapes` at tp 1 scaled by the modules' split dims."""
+@pytest.mark.timeout(2 * TIMEOUT_S + 60)
+def test_param_shapes_per_rank_are_the_tp_models_parameters(ranks):
+    """``param_shapes(config, tp=t)`` is the TP model's ``parameters()`` on every rank, in order (the
+    padded vocabulary shard too), and the tensors whose shape it splits are exactly those
+    :func:`tensor_parallel_sharded` names (the rest are replicated, whole)."""
+    t, results = ranks
+    full = param_shapes(CFG)
+    for rank, r in enumerate(results):
+        shapes = [shape for shape, _ in r["shapes"]]
+        assert shapes == param_shapes(CFG, tp=t), rank
+        assert [is_sharded for _, is_sharded in r["shapes"]] == [a != b for a, b in zip(full, shapes,
+                                                                                           strict=True)]
+
+
+def test_param_shapes_split_only_by_t():
+    """Shapes only, one process: every split tensor holds 1/t of the full one."""
     full = param_shapes(CFG_DIVIDES)
     assert full == [tuple(p.shape) for p in GPT(CFG_DIVIDES).parameters()]
     for t in (2, 4):
