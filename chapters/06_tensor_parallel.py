@@ -20,7 +20,8 @@
 # Shoeybi et al. 2019 ("Megatron-LM") showed that a transformer block needs only two collectives forward
 # and two backward for that, if each weight is split the right way; Korthikanti et al. 2022 ("Reducing
 # Activation Recomputation in Large Transformer Models") added **sequence parallelism**, which splits what
-# is left (layer norms, the residual stream) along the sequence, at no extra traffic.
+# is left (layer norms, the residual stream) along the sequence, for the same bytes per all-reduce pair plus
+# one all-gather per column layer in backward (so that it keeps only its share of the input).
 #
 # Everything here lives in `refimpl.parallel.tensor_parallel`: the conjugate collectives `f` and `g`
 # (`tp_communications`), `ColumnParallelLinear` and `RowParallelLinear` (`layers`), the vocabulary-parallel
