@@ -32,7 +32,7 @@ from refimpl.launch import RankFailed, run_ranks
 from refimpl.parallel.context_parallel import ring_attention as ra
 
 SPAWN_TIMEOUT = 120
-FACTOR = 4.0  # the ring's error vs float64 is one float32 computation's, in another order: x2 margin on x2
+FACTOR = 4.0  # float32 attention in another order errs up to ~2.5x SDPA's own spread (measured): x1.6 margin
 B, A, D, DV, CHUNK = 2, 2, 8, 6, 3  # batch, heads, head dims of q/k and v, tokens per zigzag chunk
 CASES = [(causal, layout) for causal in (False, True) for layout in ra.LAYOUTS]
 
