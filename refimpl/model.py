@@ -35,6 +35,12 @@ class CausalSelfAttention(nn.Module):
         self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size)
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
+    @staticmethod
+    def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal softmax attention of ``[b, a, s, d]`` blocks. Context parallelism (chapter 07) replaces it
+        on the instance by attention across the ranks that hold the other parts of the sequence."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.query_key_value(x)  # [b, s, 3h] (under tensor parallelism [b, s, 3h/t]: a/t heads)
         b, s = qkv.shape[:2]
@@ -42,7 +48,7 @@ class CausalSelfAttention(nn.Module):
         # of rows of the weight holds whole heads and splits across tensor-parallel ranks (chapter 06)
         qkv = qkv.view(b, s, self.num_heads, 3, self.head_dim)  # [b, s, a, 3, d]
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # 3 x [b, a, s, d]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, a, s, d]
+        y = self.core_attention(q, k, v)  # [b, a, s, d]
         y = y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)  # [b, s, a*d] = [b, s, h]
         return self.dense(y)
 
@@ -82,9 +88,14 @@ class Embedding(nn.Module):
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.position_embeddings = nn.Embedding(config.max_seq_len, config.hidden_size)
 
+    @staticmethod
+    def position_ids(seq_len: int, device: torch.device) -> torch.Tensor:
+        """The positions of ``seq_len`` tokens, ``[0, seq_len)``; context parallelism (chapter 07) replaces
+        it on the instance by the global positions of this rank's part of the sequence."""
+        return torch.arange(seq_len, device=device)  # [s]
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> [b, s, h]
-        s = input_ids.shape[1]
-        positions = torch.arange(s, device=input_ids.device)  # [s]
+        positions = self.position_ids(input_ids.shape[1], input_ids.device)  # [s]
         return self.word_embeddings(input_ids) + self.position_embeddings(positions)  # [b, s, h]
 
 

@@ -9,8 +9,51 @@ parallelism). One concept per file:
 * :mod:`~refimpl.parallel.context_parallel.ring_attention`: ring attention as an autograd Function, partial
   outputs merged by their log-sum-exp, backward a ring too; the zig-zag split for causal balance;
 * :mod:`~refimpl.parallel.context_parallel.ulysses`: the all-to-all that turns sequence shards into head
-  shards and back.
+  shards and back;
+* :mod:`~refimpl.parallel.context_parallel.context_parallel`: :func:`apply_context_parallel` for refimpl's
+  GPT (attention across the ranks, positions and tokens following the split).
 
-Still to come for chapter 07 (issue 13): ``apply_context_parallel`` for refimpl's GPT, the trainer's
-``--cp``, the chapter, exercises and benchmark.
+Still to come for chapter 07 (issue 13): context parallelism in ``parallelize`` and the trainer's ``--cp``
+(with the planner's cp terms), the chapter, exercises and benchmark.
 """
+
+from __future__ import annotations
+
+from refimpl.parallel.context_parallel.context_parallel import (
+    METHODS,
+    apply_context_parallel,
+    split_for_context_parallel,
+)
+from refimpl.parallel.context_parallel.context_parallel_communications import RingTransfer, ring_exchange
+from refimpl.parallel.context_parallel.ring_attention import (
+    LAYOUTS,
+    causal_work,
+    gather_sequence,
+    merge_partial_attention,
+    ring_attention,
+    sequence_positions,
+    split_sequence,
+    zigzag_gather,
+    zigzag_split,
+)
+from refimpl.parallel.context_parallel.ulysses import heads_to_sequence, sequence_to_heads, ulysses_attention
+
+__all__ = [
+    "LAYOUTS",
+    "METHODS",
+    "RingTransfer",
+    "apply_context_parallel",
+    "causal_work",
+    "gather_sequence",
+    "heads_to_sequence",
+    "merge_partial_attention",
+    "ring_attention",
+    "ring_exchange",
+    "sequence_positions",
+    "sequence_to_heads",
+    "split_for_context_parallel",
+    "split_sequence",
+    "ulysses_attention",
+    "zigzag_gather",
+    "zigzag_split",
+]

@@ -38,7 +38,7 @@ from torch import nn
 
 from refimpl.comm import ops
 from refimpl.distributed.placement import module_shards
-from refimpl.model import GPT, lm_loss
+from refimpl.model import GPT, Embedding, lm_loss
 from refimpl.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from refimpl.parallel.tensor_parallel.sequence_parallel_linear import linear_with_sequence_parallel_gather
 from refimpl.parallel.tensor_parallel.tp_communications import (
@@ -65,8 +65,10 @@ class VocabParallelGPTEmbedding(nn.Module):
         self.word_embeddings, self.position_embeddings = word_embeddings, position_embeddings
         self.sequence_parallel = sequence_parallel
 
+    position_ids = staticmethod(Embedding.position_ids)  # context parallelism replaces it (chapter 07)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> [b, s, h] (SP: [b, s/t, h])
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)  # [s]
+        positions = self.position_ids(input_ids.shape[1], input_ids.device)  # [s]
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)  # [b, s, h]
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.word_embeddings.tp_group)  # [b, s/t, h]
@@ -142,6 +144,8 @@ def apply_tensor_parallel(model: GPT, *, tp_group: Group, sequence_parallel: boo
     emb = model.embedding
     word = VocabParallelEmbedding.from_embedding(emb.word_embeddings, tp_group=tp_group, pad_vocab=pad_vocab)
     model.embedding = VocabParallelGPTEmbedding(word, emb.position_embeddings, sequence_parallel=sp)
+    if "position_ids" in vars(emb):  # positions already set on the instance (context parallelism) carry over
+        model.embedding.position_ids = emb.position_ids
     if model.config.tie_word_embeddings:
         model.output_layer = TiedVocabParallelHead(word, sequence_parallel=sp)
     else:

@@ -1,0 +1,93 @@
+"""refimpl's GPT with its sequence split across the ``cp`` ranks: :func:`apply_context_parallel` (chapter 07).
+
+Everything in the model but attention acts on each token alone, so under context parallelism each rank
+runs the whole model on its part of the sequence, ``[b, s/cp]`` tokens, and only attention looks across the
+ranks: :func:`~refimpl.parallel.context_parallel.ring_attention.ring_attention` (Liu et al. 2023; K/V blocks
+round a ring) or :func:`~refimpl.parallel.context_parallel.ulysses.ulysses_attention` (Jacobs et al. 2023;
+all-to-alls from sequence shards to head shards and back). Two things must follow the split:
+
+* the **tokens**: :func:`split_for_context_parallel` gives each rank its part of the inputs and the labels
+  (``layout`` ``"zigzag"``, rank ``i`` holding chunks ``i`` and ``2cp-1-i`` of ``2cp`` for causal balance,
+  or ``"contiguous"``; Ulysses needs contiguous, its all-to-all concatenates the ranks' parts in order);
+* the **positions**: the embedding's ``position_ids`` returns the global positions of the rank's tokens
+  (:func:`~refimpl.parallel.context_parallel.ring_attention.sequence_positions`), not ``[0, s/cp)``.
+
+The loss of a rank is the mean over its ``b s/cp`` tokens; every rank holds as many, so the mean of those
+means over the ``dp x cp`` group, the group the data-parallel wrapper averages gradients over
+(:data:`refimpl.distributed.mesh.LOSS_AXES`), is the mean over the global batch (chapter 03's rule).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import torch
+
+from refimpl.model import GPT
+from refimpl.parallel.context_parallel.context_parallel_communications import Group, cp_rank, cp_size
+from refimpl.parallel.context_parallel.ring_attention import (
+    ring_attention,
+    sequence_positions,
+    split_sequence,
+)
+from refimpl.parallel.context_parallel.ulysses import ulysses_attention
+
+__all__ = ["METHODS", "apply_context_parallel", "split_for_context_parallel"]
+
+Method = Literal["ring", "ulysses"]
+METHODS = ("ring", "ulysses")
+
+
+def _layout_of(method: Method, layout: str | None) -> str:
+    if method not in METHODS:
+        raise ValueError(f"context-parallel method must be one of {METHODS}, got {method!r}")
+    if method == "ulysses":
+        if layout not in (None, "contiguous"):
+            raise ValueError("Ulysses gathers the ranks' parts in order: it needs layout='contiguous'")
+        return "contiguous"
+    return layout or "zigzag"
+
+
+def _positions(seq_len: int, device: torch.device, *, rank: int, size: int, layout: str) -> torch.Tensor:
+    """The global positions of this rank's ``seq_len`` tokens (``seq_len = s/cp``)."""
+    return sequence_positions(seq_len=seq_len * size, cp_rank=rank, cp_size=size, layout=layout).to(device)
+
+
+def apply_context_parallel(model: GPT, *, cp_group: Group, method: Method = "ring",
+                           layout: str | None = None) -> GPT:
+    """Make ``model`` run on this rank's part of the sequence over ``cp_group``, in place; returns it.
+
+    Each block's ``core_attention`` becomes ring attention (``layout`` ``"zigzag"`` by default, or
+    ``"contiguous"``) or Ulysses (contiguous; the heads, after tensor parallelism the local ones, must divide
+    by cp); the embedding's ``position_ids`` the global positions. Feed it the tokens of
+    :func:`split_for_context_parallel`. Composes with :func:`~refimpl.parallel.tensor_parallel.
+    apply_tensor_parallel` (applied before it: attention then runs on the ``a/t`` local heads).
+    """
+    layout = _layout_of(method, layout)
+    n, r = cp_size(cp_group), cp_rank(cp_group)
+    if n == 1:
+        return model
+    for block in model.layers:
+        heads = block.self_attention.num_heads
+        if method == "ulysses" and heads % n:
+            raise ValueError(f"Ulysses gives each of the cp = {n} ranks whole heads: {heads} attention heads "
+                             f"(per tensor-parallel rank) do not divide by {n}")
+        attention = (functools.partial(ring_attention, cp_group=cp_group, causal=True, layout=layout)
+                     if method == "ring" else functools.partial(ulysses_attention, cp_group=cp_group,
+                                                                causal=True))
+        block.self_attention.core_attention = attention
+    model.embedding.position_ids = functools.partial(_positions, rank=r, size=n, layout=layout)
+    model.cp_group, model.cp_layout = cp_group, layout
+    return model
+
+
+def split_for_context_parallel(tokens: torch.Tensor, *, cp_group: Group, method: Method = "ring",
+                               layout: str | None = None) -> torch.Tensor:
+    """This rank's part of ``tokens`` ``[b, s]`` (inputs or labels): ``[b, s/cp]`` by the layout of
+    :func:`apply_context_parallel` with the same ``method`` and ``layout``."""
+    layout = _layout_of(method, layout)
+    n = cp_size(cp_group)
+    if n == 1:
+        return tokens
+    return split_sequence(tokens, dim=1, cp_rank=cp_rank(cp_group), cp_size=n, layout=layout)  # [b, s/cp]
