@@ -158,10 +158,10 @@ def test_negative_controls_an_averaging_merge_and_a_missing_causal_mask_fail_the
 
 @pytest.mark.numerics
 @pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.parametrize("results", [4], indirect=True, ids=["cp4"])  # groups {0, 2}, {1, 3} need 4 ranks
 def test_a_ring_on_non_adjacent_ranks_sends_to_global_ranks_and_is_exact(results):
     cp, per_rank = results
-    if cp != 4:
-        pytest.skip("groups {0, 2} and {1, 3} need 4 ranks")
+    assert cp == 4
     for members in ([0, 2], [1, 3]):
         parts = [per_rank[g]["pair"] for g in members]
         assert max(_errors(parts, True, "zigzag", 2).values()) <= 1.0, members

@@ -30,13 +30,16 @@ from refimpl.parallel.context_parallel.ring_attention import (
     causal_work,
     gather_sequence,
     merge_partial_attention,
-    ring_attention,
     sequence_positions,
     split_sequence,
     zigzag_gather,
     zigzag_split,
 )
 from refimpl.parallel.context_parallel.ulysses import heads_to_sequence, sequence_to_heads, ulysses_attention
+
+# The function ring_attention is not re-exported here: the name is its module's, and
+# ``import refimpl.parallel.context_parallel.ring_attention as ra`` must keep giving the module. Use
+# ``from refimpl.parallel.context_parallel.ring_attention import ring_attention``.
 
 __all__ = [
     "LAYOUTS",
@@ -47,7 +50,6 @@ __all__ = [
     "gather_sequence",
     "heads_to_sequence",
     "merge_partial_attention",
-    "ring_attention",
     "ring_exchange",
     "sequence_positions",
     "sequence_to_heads",
