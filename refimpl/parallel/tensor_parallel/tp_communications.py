@@ -28,7 +28,9 @@ sequence. Our activations are ``[batch, seq, hidden]``, so the **sequence is dim
   row-parallel partial sums, each rank receiving its chunk of the sum), backward all-gathers dim 1.
 
 An all-gather and a reduce-scatter together move what one all-reduce moves, ``2(t-1)/t`` of the tensor per
-rank: sequence parallelism saves activation memory at no extra traffic.
+rank: sequence parallelism replaces each all-reduce by such a pair at the same bytes; what it adds is one
+all-gather per column layer in backward, which re-gathers the ``s/t`` input chunk it saved instead of the
+whole sequence (:mod:`.sequence_parallel_linear`).
 
 Each wrapper is ``fn(x, group)``; ``group`` is the tensor-parallel process group (``None`` means the default
 group, or no-op when no process group is initialised). A group of size 1 is the identity, forward and
