@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from refimpl.comm import CommTracer
 from refimpl.launch import RankFailed, run_ranks
+from refimpl.parallel.context_parallel import RingTimeline
 from refimpl.parallel.context_parallel import ring_attention as ra
 
 SPAWN_TIMEOUT = 120
@@ -54,9 +55,10 @@ def _run(group, cp: int, causal: bool, layout: str) -> dict:
     calls = []
     block = ra.block_attention
     ra.block_attention = lambda *a, **kw: calls.append(1) or block(*a, **kw)  # count what forward computes
+    timeline = RingTimeline()
     try:
         with CommTracer() as tracer:
-            out = ra.ring_attention(q, k, v, cp_group=group, causal=causal, layout=layout)
+            out = ra.ring_attention(q, k, v, cp_group=group, causal=causal, layout=layout, timeline=timeline)
             tracer.step()
             out.backward(part["do"])
     finally:
@@ -65,7 +67,8 @@ def _run(group, cp: int, causal: bool, layout: str) -> dict:
     return {"out": out.detach().numpy(), "dq": q.grad.numpy(), "dk": k.grad.numpy(), "dv": v.grad.numpy(),
             "work": len(calls), "sent": [tracer.measured_bytes_sent(step=s) for s in (0, 1)],
             "isends": [len(s) for s in steps], "peers": sorted({e.peer for s in steps for e in s}),
-            "ops": sorted({e.op for e in tracer.events})}
+            "ops": sorted({e.op for e in tracer.events}),
+            "spans": [(sp.kind, sp.step, sp.start, sp.end) for sp in timeline.spans]}
 
 
 def _averaging_merge(out, lse, block_out, block_lse):
@@ -181,6 +184,19 @@ def test_bytes_each_rank_sends_cp_minus_one_kv_blocks_forward_and_as_much_again_
             assert run["isends"] == [2 * (cp - 1), 4 * (cp - 1)], (rank, causal, layout, run["isends"])
             assert run["sent"] == [(cp - 1) * kv // cp, 2 * (cp - 1) * kv // cp], (rank, causal, layout)
             assert run["peers"] == [(rank + 1) % cp], (rank, run["peers"])
+
+
+def test_the_timeline_has_one_compute_span_per_step_and_each_transfer_posted_before_and_waited_after_it(
+        results):
+    cp, per_rank = results
+    for rank in per_rank:
+        spans = rank["True/zigzag"]["spans"]
+        compute = {st: (a, b) for kind, st, a, b in spans if kind == "compute"}
+        transfer = {st: (a, b) for kind, st, a, b in spans if kind == "transfer"}
+        assert sorted(compute) == list(range(cp)) and sorted(transfer) == list(range(cp - 1))
+        for st, (a, b) in transfer.items():  # the overlap: posted before the block's compute, waited after
+            assert a <= compute[st][0] <= compute[st][1] <= b
+            assert b <= compute[st + 1][0]  # the next step computes with the block that arrived
 
 
 def _mask_pairs(cp: int, layout: str) -> list[int]:

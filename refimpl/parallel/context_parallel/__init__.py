@@ -8,6 +8,8 @@ parallelism). One concept per file:
   plain ``isend`` / ``irecv`` (through :mod:`refimpl.comm.ops`, so the tracer sees them);
 * :mod:`~refimpl.parallel.context_parallel.ring_attention`: ring attention as an autograd Function, partial
   outputs merged by their log-sum-exp, backward a ring too; the zig-zag split for causal balance;
+* :mod:`~refimpl.parallel.context_parallel.ring_timeline`: the compute and transfer spans of each ring step
+  (the overlap, drawn in the chapter);
 * :mod:`~refimpl.parallel.context_parallel.ulysses`: the all-to-all that turns sequence shards into head
   shards and back;
 * :mod:`~refimpl.parallel.context_parallel.context_parallel`: :func:`apply_context_parallel` for refimpl's
@@ -35,6 +37,7 @@ from refimpl.parallel.context_parallel.ring_attention import (
     zigzag_gather,
     zigzag_split,
 )
+from refimpl.parallel.context_parallel.ring_timeline import RingSpan, RingTimeline
 from refimpl.parallel.context_parallel.ulysses import heads_to_sequence, sequence_to_heads, ulysses_attention
 
 # The function ring_attention is not re-exported here: the name is its module's, and
@@ -44,6 +47,8 @@ from refimpl.parallel.context_parallel.ulysses import heads_to_sequence, sequenc
 __all__ = [
     "LAYOUTS",
     "METHODS",
+    "RingSpan",
+    "RingTimeline",
     "RingTransfer",
     "apply_context_parallel",
     "causal_work",

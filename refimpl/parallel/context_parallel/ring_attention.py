@@ -38,12 +38,14 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from refimpl.comm.tracer import now
 from refimpl.parallel.context_parallel.context_parallel_communications import (
     Group,
     cp_rank,
     cp_size,
     ring_exchange,
 )
+from refimpl.parallel.context_parallel.ring_timeline import RingTimeline
 
 Layout = Literal["zigzag", "contiguous"]
 LAYOUTS = ("zigzag", "contiguous")
@@ -182,7 +184,8 @@ class _RingAttention(torch.autograd.Function):
     """Forward and backward rings of :func:`ring_attention` (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group: Group, causal: bool, layout: Layout, scale: float):
+    def forward(ctx, q, k, v, group: Group, causal: bool, layout: Layout, scale: float,
+                timeline: RingTimeline | None):
         n, r = cp_size(group), cp_rank(group)
         owned = [chunk_ids(cp_rank=i, cp_size=n, layout=layout) for i in range(n)]
         m, cdt = len(owned[r]), torch.promote_types(q.dtype, torch.float32)
@@ -191,13 +194,20 @@ class _RingAttention(torch.autograd.Function):
         lses: list = [None] * m
         kv = (k, v)
         for step in range(n):
+            posted = now()
             transfer = ring_exchange(kv, group=group, step=step) if step < n - 1 else None
+            begin = now()
             ks, vs = (t.to(cdt).chunk(m, dim=SEQ_DIM) for t in kv)
             for i, j, diagonal in block_pairs(owned[r], owned[(r - step) % n], causal=causal):
                 o, lse = block_attention(qs[i], ks[j], vs[j], scale=scale, diagonal=diagonal)
                 outs[i], lses[i] = merge_partial_attention(outs[i], lses[i], o, lse)
+            computed = now()
             if transfer is not None:
                 kv = transfer.wait()
+            if timeline is not None:  # chapter 07's figure: what the transfer of this step overlapped
+                timeline.add("compute", step, begin, computed)
+                if transfer is not None:
+                    timeline.add("transfer", step, posted, now())
         out, lse = torch.cat(outs, dim=SEQ_DIM), torch.cat(lses, dim=SEQ_DIM)  # [b, a, s/n, d], [b, a, s/n]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (group, causal, layout, scale)
@@ -241,17 +251,19 @@ class _RingAttention(torch.autograd.Function):
         if behind is not None:                                 # n - 1 hops: my block's dK/dV is back
             pk, pv = behind.wait()
             dk, dv = dk + pk, dv + pv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group: Group, causal: bool,
-                   layout: Layout = "zigzag", scale: float | None = None) -> torch.Tensor:
+                   layout: Layout = "zigzag", scale: float | None = None,
+                   timeline: RingTimeline | None = None) -> torch.Tensor:
     """Exact attention of the local queries over the whole sequence split across ``cp_group``.
 
     ``q, k, v``: this rank's ``[b, a, s/n, d]`` blocks (``v`` may have another head dim), the sequence split
     by ``layout`` (:func:`split_sequence`); returns this rank's ``[b, a, s/n, d_v]`` of
     ``scaled_dot_product_attention(Q, K, V, is_causal=causal, scale=scale)`` on the whole sequence. A group
-    of one is plain SDPA. Liu et al. 2023; chapter 07.
+    of one is plain SDPA. ``timeline``: records the forward's compute and transfer spans per ring step
+    (:class:`~refimpl.parallel.context_parallel.ring_timeline.RingTimeline`). Liu et al. 2023; chapter 07.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -263,7 +275,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_grou
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     _check_length(n * q.shape[SEQ_DIM], n, layout)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, cp_group, causal, layout, scale)
+    return _RingAttention.apply(q, k, v, cp_group, causal, layout, scale, timeline)
 
 
 __all__ = [
