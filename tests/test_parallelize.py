@@ -3,8 +3,10 @@
 On 4 ranks (``dp = 4``, the groups built once by ``ParallelDims.build``) every ZeRO stage is checked for its
 wrapper, the group that wrapper reduces over (the very ``groups.group("dp", "cp")`` object, whose ranks are
 ``groups.ranks("dp", "cp")``) and the precision policy it was handed; activation checkpointing is applied to
-the blocks inside the wrapper. Layouts with ``tp``, ``cp`` or ``pp`` above 1 are refused, naming the chapter,
-before the model is touched. The trainer's ``build_setup`` wraps on the groups it is handed.
+the blocks inside the wrapper. Under ``dp 2 x cp 2`` context parallelism comes before the wrapper, which
+reduces over all four ranks, and each rank gets its part of the sequence. A layout with ``pp`` above 1 is
+refused, naming the chapter, before the model is touched. The trainer's ``build_setup`` wraps on the
+groups it is handed.
 
 The gradients after a ZeRO-0 backward are the same bits on every rank of the group and the mean of the
 ranks' own gradients within ``FACTOR x`` the spread of that mean over every order of summation (measured in
@@ -41,7 +43,6 @@ CASES = {  # name -> options
     "zero3-bf16": ParallelizeOptions(zero_stage=3, precision="bf16"),
 }
 REFUSED = {  # layout at world size 4 -> the chapter the error must name
-    "dp2-cp2": (dict(dp=2, cp=2), "chapter 07"),
     "dp2-pp2": (dict(dp=2, pp=2), "chapter 08"),
 }
 
@@ -113,7 +114,16 @@ def _worker(ctx) -> dict:
 
     other = DataParallelBucket(GPT(CONFIG, seed=0), group=pairs[ctx.rank // 2])
     result["other_group_ranks"] = _ranks(other.group)
-    # refusals: a layout with tp/cp/pp > 1, before the model is touched (no block checkpointed)
+    # dp 2 x cp 2: attention across the cp pair, the wrapper over all four ranks, the sequence split
+    cp_groups = ParallelDims(dp=2, cp=2).build(rank=ctx.rank, world_size=ctx.world_size,
+                                               timeout_s=ctx.timeout_s)
+    par = parallelize(GPT(CONFIG, seed=0), cp_groups, ParallelizeOptions(cp_method="ring"))
+    tokens = torch.arange(2 * 16).reshape(2, 16)  # [b, s]
+    result["cp"] = {"applied": par.applied, "group_ranks": _ranks(par.group),
+                    "cp_ranks": _ranks(par.cp_group),
+                    "forward": type(par.forward).__name__, "part": par.split_batch(tokens)[0].tolist(),
+                    "attention": type(par.model.layers[0].self_attention.core_attention).__name__}
+    # refusals: a layout with pp > 1, before the model is touched (no block checkpointed)
     result["refused"] = {}
     for name, (degrees, _) in REFUSED.items():
         layout_groups = ParallelDims(**degrees).build(rank=ctx.rank, world_size=ctx.world_size,
@@ -211,6 +221,19 @@ def test_zero0_gradients_are_the_mean_over_the_dp_cp_group(ranks):
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
+def test_context_parallel_comes_before_the_wrapper_which_reduces_over_dp_x_cp(ranks):
+    for rank, r in enumerate(ranks):
+        cp = r["cp"]
+        assert cp["applied"] == ["context parallel", "data parallel"], cp
+        assert cp["group_ranks"] == (0, 1, 2, 3) and cp["forward"] == "DataParallelBucket", cp
+        assert cp["cp_ranks"] == ((0, 1) if rank < 2 else (2, 3)), cp  # cp inside dp (tp innermost)
+        assert cp["attention"] == "partial", cp  # the blocks' core_attention is ring attention now
+        # zig-zag: cp rank i holds chunks i and 3 - i of 4 (of 4 tokens each)
+        i = rank % 2
+        assert cp["part"] == list(range(4 * i, 4 * i + 4)) + list(range(4 * (3 - i), 4 * (4 - i))), cp
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
 def test_a_wrapper_on_another_group_fails_the_group_check(ranks):
     for rank, r in enumerate(ranks):
         assert r["other_group_ranks"] == ((0, 1) if rank < 2 else (2, 3))
@@ -234,7 +257,9 @@ def test_one_process_layout_needs_no_group():
     assert type(par.build_optimizer(OptimConfig()).optimizer).__name__ == "AdamW"
     with pytest.raises(ValueError, match="pass its process groups"):
         parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=2), ParallelizeOptions())
-    with pytest.raises(ValueError, match="chapter 07"):  # the unbuilt axis is named before the groups
+    with pytest.raises(ValueError, match="chapter 08"):  # the unbuilt axis is named before the groups
+        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, pp=2), ParallelizeOptions())
+    with pytest.raises(ValueError, match="pass its process groups"):
         parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, cp=2), ParallelizeOptions())
     with pytest.raises(ValueError, match="needs tp > 1"):
         parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1), ParallelizeOptions(sequence_parallel=True))
@@ -246,6 +271,9 @@ def test_one_process_layout_needs_no_group():
     (dict(zero_stage=4), "zero_stage must be"),
     (dict(precision="fp8"), "precision must be"),
     (dict(bucket_cap_mb=0), "bucket sizes must be positive"),
+    (dict(cp_method="striped"), "cp_method must be one of"),
+    (dict(cp_method="ulysses", cp_layout="zigzag"), "cp_layout must be"),
+    (dict(cp_layout="diagonal"), "cp_layout must be"),
     (dict(zero_stage=3, activation_checkpointing="all"), "does not work with zero_stage 3"),
 ])
 def test_bad_options_are_refused(bad, match):

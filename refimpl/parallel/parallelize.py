@@ -32,10 +32,16 @@ is built tensor- and pipeline-parallel first, then wrapped in its ``DistributedD
    :meth:`Parallelized.build_optimizer` makes it); ZeRO-3
    :class:`~refimpl.parallel.zero.FullyShardedDataParallel`.
 
-Steps 2-3 are not built yet: with ``cp = pp = 1`` they are skipped, with a degree above 1 a
-``ValueError`` names the chapter that builds them (the trainer's command line refuses such a layout earlier,
-with exit status 2). Step 1 with ``tp > 1`` composes with ZeRO 0-2 over ``dp``; ZeRO-3 would shard the
-tensor-parallel shards again over ``dp`` (FSDP2's 2-D layout), which chapter 10 builds: refused until then.
+Step 3 is not built yet: with ``pp = 1`` it is skipped, with a degree above 1 a ``ValueError`` names the
+chapter that builds it (the trainer's command line refuses such a layout earlier, with exit status 2).
+Step 1 with ``tp > 1`` composes with ZeRO 0-2 over ``dp``; ZeRO-3 would shard the tensor-parallel shards
+again over ``dp`` (FSDP2's 2-D layout), which chapter 10 builds: refused until then.
+
+Under context parallelism (step 2, ``cp > 1``) each rank runs the model on its part of the sequence:
+:meth:`Parallelized.split_batch` cuts the tokens (inputs and labels alike) by the layout the attention was
+built for, and the embedding gives those tokens their global positions. The parameters are replicated over
+``cp`` like over ``dp``, so step 6 treats the ``dp x cp`` ranks as one data-parallel group: each rank's loss
+is the mean over its ``b s/cp`` tokens, and the mean of those over the group is the global batch's mean.
 
 Under tensor parallelism the model returns the logits shard ``[b, s, V/t]``: :meth:`Parallelized.loss`
 takes the vocab-parallel loss on it, the gradient norm counts every element once
@@ -65,8 +71,7 @@ __all__ = ["ORDER", "OptimizerSetup", "ParallelizeOptions", "Parallelized", "par
 
 ORDER = ("tensor parallel", "context parallel", "pipeline split", "activation checkpointing",
          "mixed precision", "data parallel")  # the steps of :func:`parallelize`, in the order applied
-_UNBUILT = (("cp", "context parallel", "07 context parallelism"),
-            ("pp", "pipeline split", "08 pipeline parallelism"))
+_UNBUILT = (("pp", "pipeline split", "08 pipeline parallelism"),)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +82,9 @@ class ParallelizeOptions:
     ``precision`` ``fp32``/``bf16``/``fp16`` (:meth:`refimpl.precision.MixedPrecisionPolicy.from_name`);
     ``sequence_parallel`` splits the activations between the tensor-parallel regions along the sequence
     (needs ``tp > 1``);
+    ``cp_method`` the attention across the context-parallel ranks, ``ring`` or ``ulysses``, and
+    ``cp_layout`` how the sequence is split for it (ring: ``zigzag``, the default, or ``contiguous``;
+    Ulysses: contiguous) (chapter 07);
     ``activation_checkpointing`` a block selection (``all``, ``every-N``, ``0,2,-1``; None: off);
     ``bucket_cap_mb`` the gradient buckets of ZeRO-0 (DDP's 25 MB); ``zero_bucket_numel`` the elements per
     reduce-scatter bucket of ZeRO-2; ``prefetch`` and ``reshard_after_forward`` the all-gather schedule of
@@ -86,6 +94,8 @@ class ParallelizeOptions:
     zero_stage: int = 0
     precision: str = "fp32"
     sequence_parallel: bool = False
+    cp_method: str = "ring"
+    cp_layout: str | None = None
     activation_checkpointing: str | None = None
     bucket_cap_mb: float = 25.0
     zero_bucket_numel: int = 2**20
@@ -97,6 +107,14 @@ class ParallelizeOptions:
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        from refimpl.parallel.context_parallel import LAYOUTS, METHODS
+
+        if self.cp_method not in METHODS:
+            raise ValueError(f"cp_method must be one of {METHODS}, got {self.cp_method!r}")
+        if self.cp_layout not in (None, *LAYOUTS) or (self.cp_method == "ulysses"
+                                                      and self.cp_layout not in (None, "contiguous")):
+            raise ValueError(f"cp_layout must be None or one of {LAYOUTS} (Ulysses: contiguous), got "
+                             f"{self.cp_layout!r} with cp_method {self.cp_method!r}")
         if not self.bucket_cap_mb > 0 or self.zero_bucket_numel < 1:
             raise ValueError(f"bucket sizes must be positive, got bucket_cap_mb={self.bucket_cap_mb}, "
                              f"zero_bucket_numel={self.zero_bucket_numel}")
@@ -133,7 +151,7 @@ class Parallelized:
     ``no_sync()``/``finish_gradient_synchronization()`` the step calls (ZeRO-0 with several ranks, else
     None), ``group`` the ``dp x cp`` group gradients are averaged over (None: one process), ``applied``
     the steps of :data:`ORDER` that did something, in order, ``tp_group`` the tensor-parallel group (None:
-    no tensor parallelism).
+    no tensor parallelism), ``cp_group`` the context-parallel group (None: no context parallelism).
     """
 
     model: nn.Module
@@ -145,6 +163,17 @@ class Parallelized:
     group: dist.ProcessGroup | None = None
     applied: list[str] = field(default_factory=list)
     tp_group: dist.ProcessGroup | None = None
+    cp_group: dist.ProcessGroup | None = None
+
+    def split_batch(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``tokens`` ``[b, s]`` (inputs or labels) along the sequence, ``[b, s/cp]``,
+        by the layout its attention was built for; ``tokens`` itself without context parallelism."""
+        if self.cp_group is None:
+            return tokens
+        from refimpl.parallel.context_parallel import split_for_context_parallel
+
+        return split_for_context_parallel(tokens, cp_group=self.cp_group, method=self.options.cp_method,
+                                          layout=self.options.cp_layout)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean next-token loss of this rank's tokens: :func:`refimpl.model.lm_loss`, or under tensor
@@ -273,9 +302,9 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
     seed); it is changed in place (checkpointed blocks, ZeRO-3's shards). Collective under several ranks.
     """
     options = options or ParallelizeOptions()
-    dims, groups = _layout(groups_or_dims, options)  # steps 2-3 (cp, pp): refused while unbuilt
+    dims, groups = _layout(groups_or_dims, options)  # step 3 (pp): refused while unbuilt
     applied: list[str] = []
-    tp_group = None
+    tp_group = cp_group = None
     # 1. tensor / sequence parallel over tp: replaces the linears and the embedding by their shards
     if dims.tp > 1:
         from refimpl.parallel.tensor_parallel import apply_tensor_parallel
@@ -283,6 +312,13 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
         tp_group = groups.group("tp")
         apply_tensor_parallel(model, tp_group=tp_group, sequence_parallel=options.sequence_parallel)
         applied.append("tensor parallel")
+    # 2. context parallel over cp: attention across the ranks' parts of the sequence, global positions
+    if dims.cp > 1:
+        from refimpl.parallel.context_parallel import apply_context_parallel
+
+        cp_group = groups.group("cp")
+        apply_context_parallel(model, cp_group=cp_group, method=options.cp_method, layout=options.cp_layout)
+        applied.append("context parallel")
     # 4. activation checkpointing, on the blocks the wrapper of step 6 will hook
     if options.activation_checkpointing not in (None, "none"):
         from refimpl.parallel.activation_checkpoint import (
@@ -304,7 +340,7 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
     group = None if groups is None else groups.group(*LOSS_AXES)
     replicas = dims.dp * dims.cp
     done = Parallelized(model=model, forward=model, state_module=model, mp=mp, options=options, group=group,
-                        applied=applied, tp_group=tp_group)
+                        applied=applied, tp_group=tp_group, cp_group=cp_group)
     if options.zero_stage == 0:
         if replicas > 1:  # broadcasts the first rank's weights over the group
             done.sync = DataParallelBucket(model, options.bucket_cap_mb, group)
