@@ -346,12 +346,43 @@ def test_tp2_with_sequence_parallelism_runs_from_the_command_line(files, tmp_pat
     assert (out / "sample.txt").read_text().startswith("def ")  # sampled from the gathered shards
 
 
+@pytest.mark.timeout(CLI_TIMEOUT_S + 60)
+def test_cp2_ring_attention_runs_from_the_command_line(files, tmp_path):
+    out = tmp_path / "cp2"
+    args = [*RUN_FLAGS, "--data", str(files["corpus"]), "--cache-dir", str(files["root"] / "cache"),
+            "--out", str(out), "--nproc-per-node", "2", "--cp", "2", "--timeout", "60"]
+    proc = subprocess.run([sys.executable, "-m", "refimpl.train", *args], cwd=tmp_path,
+                          env=_env(tmp_path / "c"), capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert "dp 1 x cp 2 x tp 1 x pp 1 | context parallel: ring attention" in proc.stdout, proc.stdout
+    losses = [line["loss"] for line in _read_metrics(out)]
+    assert len(losses) == len(set(losses)) > 1 and all(math.isfinite(v) for v in losses)
+    assert (out / "sample.txt").read_text().startswith("def ")  # sampled from a plain copy on rank 0
+
+
+def test_context_parallel_sizes_are_checked_before_anything_starts():
+    from refimpl.config import ConfigError
+    from refimpl.train import check_context_parallel
+
+    config = config_from_args(build_parser().parse_args([*TINY, "--seq-len", "18", "--num-heads", "4"]))
+    check_context_parallel(config, 1, method="ring")  # cp 1: nothing to check
+    check_context_parallel(config, 2, method="ulysses")  # 18 = 2 x 9 tokens, 2 heads per rank
+    with pytest.raises(ConfigError, match="--seq-len 18 does not divide by 4"):
+        check_context_parallel(config, 2, method="ring")  # zig-zag: 2 cp chunks
+    check_context_parallel(config, 2, method="ulysses", tp=2)  # 2 heads per tp rank: 1 per cp rank
+    with pytest.raises(ConfigError, match=r"\(4 / --tp 4 = 1\) do not divide by 2"):
+        check_context_parallel(config, 2, method="ulysses", tp=4)
+    with pytest.raises(ConfigError, match="each rank's 9 tokens"):  # 9 tokens do not split over tp 2
+        check_context_parallel(config, 2, method="ulysses", tp=2, sequence_parallel=True)
+
+
 LAYOUT_REFUSALS = {  # name -> (flags, what the one error line must say)
     "tp2-zero3": (["--tp", "2", "--zero-stage", "3"], "chapter 10"),
     "tp4-heads": (["--tp", "4"], "attention heads 2 does not divide by 4"),
     "sp-without-tp": (["--sequence-parallel"], "needs --tp > 1"),
     "pp2": (["--pp", "2"], "chapter 08"),
-    "cp2": (["--cp", "2"], "chapter 07"),
+    "cp4-ulysses-heads": (["--cp", "4", "--cp-method", "ulysses"], "(2 / --tp 1 = 2) do not divide by 4"),
+    "cp4-ring-seq": (["--cp", "4", "--seq-len", "20"], "--seq-len 20 does not divide by 8"),
     "dp-not-world": (["--dp", "3"], "does not match the world size 4"),
     "dp-zero": (["--dp", "0"], "positive integer"),
 }

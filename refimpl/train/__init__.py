@@ -49,6 +49,7 @@ from refimpl.train.cli import demo_fault_flags, failure_report, main
 from refimpl.train.loop import SIGTERM_EXIT, Preempted, train
 from refimpl.train.preflight import (
     MEMORY_ENV,
+    check_context_parallel,
     check_fits,
     check_same_run,
     machine_memory_per_rank,
@@ -65,6 +66,7 @@ __all__ = [
     "RunOptions",
     "build_parser",
     "build_setup",
+    "check_context_parallel",
     "check_fits",
     "check_same_run",
     "config_from_args",

@@ -78,7 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --tp > 1: split the activations outside the tensor-parallel regions along "
                      "the sequence (Korthikanti et al. 2022); --seq-len must divide by --tp")
     par.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (chapter 08; not built yet)")
-    par.add_argument("--cp", type=int, default=1, help="context-parallel degree (chapter 07; not built yet)")
+    par.add_argument("--cp", type=int, default=1,
+                     help="context-parallel degree (chapter 07): each sequence split over cp ranks, "
+                     "attention across them; --seq-len must divide by 2 x cp (ring) or cp (ulysses)")
+    par.add_argument("--cp-method", choices=("ring", "ulysses"), default="ring",
+                     help="with --cp > 1: ring attention (K/V blocks round a ring, zig-zag split for "
+                     "causal balance) or Ulysses (all-to-alls to head shards; the heads per tp rank must "
+                     "divide by cp)")
     ck = p.add_argument_group("checkpoints")
     ck.add_argument("--checkpoint-dir", default=None, help="default: <out>/checkpoints")
     ck.add_argument("--checkpoint-every", type=int, default=50, help="save every N steps (0: only at the "
@@ -154,6 +160,7 @@ class RunOptions:
     tp: int = 1
     pp: int = 1
     sequence_parallel: bool = False
+    cp_method: str = "ring"
 
     def __post_init__(self) -> None:
         ParallelDims(dp=1 if self.dp is None else self.dp, cp=self.cp, tp=self.tp, pp=self.pp)  # degrees >= 1
@@ -163,11 +170,11 @@ class RunOptions:
         if self.tp > 1 and self.zero_stage == 3:
             raise ConfigError(f"--tp {self.tp} with --zero-stage 3 (2-D sharding) is not built yet (chapter "
                               "10); use --zero-stage 0, 1 or 2")
-        for flag, degree, chapter in (("--pp", self.pp, "08 pipeline parallelism"),
-                                      ("--cp", self.cp, "07 context parallelism")):
-            if degree > 1:
-                raise ConfigError(f"{flag} {degree}: not built yet (chapter {chapter} builds it); "
-                                  "today the trainer runs --dp and --tp")
+        if self.pp > 1:
+            raise ConfigError(f"--pp {self.pp}: not built yet (chapter 08 pipeline parallelism builds it); "
+                              "today the trainer runs --dp, --cp and --tp")
+        if self.cp_method not in ("ring", "ulysses"):
+            raise ConfigError(f"--cp-method must be ring or ulysses, got {self.cp_method!r}")
         if self.sigterm_grace_s is not None and not self.sigterm_grace_s >= 0:
             raise ConfigError(f"--sigterm-grace must be >= 0 seconds, got {self.sigterm_grace_s}")
         if self.zero_stage not in (0, 1, 2, 3):
@@ -186,7 +193,8 @@ class RunOptions:
 
     def to_dict(self) -> dict:
         return {"zero_stage": self.zero_stage, "precision": self.precision,
-                "activation_checkpointing": self.activation_checkpointing}
+                "activation_checkpointing": self.activation_checkpointing, "dp": self.dp, "cp": self.cp,
+                "cp_method": self.cp_method, "tp": self.tp, "sequence_parallel": self.sequence_parallel}
 
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:
@@ -216,4 +224,4 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
                       faults=faults, sigterm_grace_s=args.sigterm_grace,
                       sleep_in_step_s=args.test_sleep_in_step,
                       dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp,
-                      sequence_parallel=args.sequence_parallel)
+                      sequence_parallel=args.sequence_parallel, cp_method=args.cp_method)

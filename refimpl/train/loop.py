@@ -32,7 +32,12 @@ from refimpl.model import generate
 from refimpl.optim import lr_at, set_lr
 from refimpl.planner import flops_per_token, param_count
 from refimpl.train.args import RunOptions
-from refimpl.train.preflight import check_fits, check_same_run, check_tensor_parallel
+from refimpl.train.preflight import (
+    check_context_parallel,
+    check_fits,
+    check_same_run,
+    check_tensor_parallel,
+)
 from refimpl.train.setup import _sampling_model, build_setup
 from refimpl.train.step import train_step
 
@@ -63,6 +68,8 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
     dims = options.parallel_dims(ctx.world_size)  # pp x dp x cp x tp, tp innermost (refimpl.distributed.mesh)
     coords = dims.coordinates(ctx.rank)
     check_tensor_parallel(config, dims.tp, sequence_parallel=options.sequence_parallel)
+    check_context_parallel(config, dims.cp, method=options.cp_method, tp=dims.tp,
+                           sequence_parallel=options.sequence_parallel)
     batches = check_fits(config, dims.dp)  # the global batch is split over the data-parallel axis
     seed_everything(config.data.seed, rank=ctx.rank)
     out = Path(config.out)
@@ -117,7 +124,8 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
               f"{ctx.device.type} ({ctx.backend}) | ZeRO stage {options.zero_stage} | {options.precision} | "
               f"global batch {config.data.global_batch_size} x {config.data.seq_len} tokens = {micro} per "
               f"micro-batch x {accumulation} accumulation x {dims.dp} data-parallel ranks | layout "
-              f"{dims.describe()}{' with sequence parallelism' if options.sequence_parallel else ''}")
+              f"{dims.describe()}{' with sequence parallelism' if options.sequence_parallel else ''}"
+              + (f" | context parallel: {options.cp_method} attention" if dims.cp > 1 else ""))
 
     heartbeat = elastic.Heartbeat(ctx.rank, ctx.world_size)
     faults, mp = options.faults, setup.mp
@@ -144,6 +152,9 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
             lr = lr_at(step, config.optim, config.steps)
             set_lr(setup.optimizer, lr)
             inputs, labels = batches.batch(step, coords.dp, dims.dp)  # [B/dp, s] each: this dp rank's shard
+            # context parallelism: this cp rank's part of each sequence, [B/dp, s/cp] (the layout of its
+            # attention); the tp ranks of a replica take the same part
+            inputs, labels = setup.split_batch(inputs), setup.split_batch(labels)
             loss_sum = train_step(setup, inputs, labels, accumulation=accumulation, micro=micro,
                                   device=ctx.device, grad_clip=config.optim.grad_clip,
                                   after_first_forward=after_first_forward,

@@ -43,6 +43,27 @@ def check_tensor_parallel(config: TrainConfig, tp: int, *, sequence_parallel: bo
                               f"rank holds 1/{tp} of it); change {flag} or --tp")
 
 
+def check_context_parallel(config: TrainConfig, cp: int, *, method: str = "ring", tp: int = 1,
+                           sequence_parallel: bool = False) -> None:
+    """Refuse a ``--cp`` the sequence or the heads cannot take (chapter 07): ring attention's zig-zag split
+    cuts ``--seq-len`` into ``2 cp`` chunks, Ulysses into ``cp`` parts and gives each rank ``1/cp`` of the
+    heads of its tensor-parallel rank; sequence parallelism splits each rank's ``s/cp`` tokens over tp."""
+    if cp == 1:
+        return
+    s, heads = config.data.seq_len, config.model.num_attention_heads
+    parts = 2 * cp if method == "ring" else cp
+    if s % parts:
+        raise ConfigError(f"--cp {cp} --cp-method {method} cuts each sequence into {parts} equal parts: "
+                          f"--seq-len {s} does not divide by {parts}")
+    if method == "ulysses" and (heads // tp) % cp:
+        raise ConfigError(f"--cp-method ulysses gives each of the {cp} context-parallel ranks whole heads: "
+                          f"the heads per tensor-parallel rank ({heads} / --tp {tp} = {heads // tp}) do not "
+                          f"divide by {cp}; use --cp-method ring or change --num-heads")
+    if sequence_parallel and (s // cp) % tp:
+        raise ConfigError(f"--sequence-parallel splits each rank's {s // cp} tokens (--seq-len {s} / --cp "
+                          f"{cp}) over the {tp} tensor-parallel ranks: they do not divide by {tp}")
+
+
 MEMORY_ENV = "REFIMPL_MEMORY_BYTES"  # tests: this node's memory in bytes, instead of the measured figure
 
 
@@ -86,6 +107,8 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
 
     dims = options.parallel_dims(world_size)
     check_tensor_parallel(config, dims.tp, sequence_parallel=options.sequence_parallel)
+    check_context_parallel(config, dims.cp, method=options.cp_method, tp=dims.tp,
+                           sequence_parallel=options.sequence_parallel)
     accumulation = config.data.accumulation_steps(dims.dp)  # a bad split is refused here too
     micro = config.data.per_rank_batch(dims.dp) // accumulation
     n, chosen = config.model.num_layers, []
@@ -97,15 +120,19 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
                   [i for i in range(n) if sel(i)] if callable(sel) else [i % n for i in sel if -n <= i < n])
     need = run_memory_per_rank(config.model, dims, micro_batch=micro, seq_len=config.data.seq_len,
                                zero_stage=options.zero_stage, precision=options.precision,
-                               checkpointed_blocks=chosen, sequence_parallel=options.sequence_parallel)
+                               checkpointed_blocks=chosen, sequence_parallel=options.sequence_parallel,
+                               cp_method=options.cp_method)
     have, source = machine_memory_per_rank(ranks_per_node, local_rank=local_rank, launching=launching)
     if need.total > have:
+        tokens = (f"{config.data.seq_len} tokens" if dims.cp == 1
+                  else f"{config.data.seq_len // dims.cp} tokens of {config.data.seq_len} (cp {dims.cp})")
         what = (f"the run needs about {format_bytes(need.total)} per rank (planner: {need.describe()}; "
-                f"micro-batch {micro} x {config.data.seq_len} tokens) but this machine has "
+                f"micro-batch {micro} x {tokens}) but this machine has "
                 f"{format_bytes(have)} per rank ({source})")
         if not force:
             raise ConfigError(f"{what}; use a shorter --seq-len, a smaller --micro-batch-size, "
-                              "--activation-checkpointing, a higher --zero-stage or more ranks, or --force")
+                              "--activation-checkpointing, a higher --zero-stage, a higher --cp or more "
+                              "ranks, or --force")
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"warning: {what}; starting anyway (--force)", file=sys.stderr, flush=True)
     return need

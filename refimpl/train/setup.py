@@ -33,6 +33,8 @@ class _Setup:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss  # (logits, labels) -> mean loss
     finish_gradients: Callable[[], None] | None = None  # after the dp reduction (sequence parallelism)
     tp_group: torch.distributed.ProcessGroup | None = None
+    split_batch: Callable[[torch.Tensor], torch.Tensor] = lambda tokens: tokens  # [b, s] -> [b, s/cp]
+    cp_group: torch.distributed.ProcessGroup | None = None
 
 
 def build_setup(config: TrainConfig, ctx: DistributedContext, options: RunOptions,
@@ -47,18 +49,20 @@ def build_setup(config: TrainConfig, ctx: DistributedContext, options: RunOption
     par = parallelize(model, groups if groups is not None else dims,
                       ParallelizeOptions(zero_stage=options.zero_stage, precision=options.precision,
                                          activation_checkpointing=options.activation_checkpointing,
-                                         sequence_parallel=options.sequence_parallel))
+                                         sequence_parallel=options.sequence_parallel,
+                                         cp_method=options.cp_method))
     opt = par.build_optimizer(config.optim)
     return _Setup(model=par.model, forward=par.forward, state_module=par.state_module, mp=par.mp,
                   optimizer=opt.optimizer, dp=par.sync, grad_params=opt.grad_params, clip_fn=opt.clip_fn,
                   group=par.group, loss=par.loss, finish_gradients=opt.finish_gradients,
-                  tp_group=par.tp_group)
+                  tp_group=par.tp_group, split_batch=par.split_batch, cp_group=par.cp_group)
 
 
 def _sampling_model(setup: _Setup, config: TrainConfig, options: RunOptions,
                     ctx: DistributedContext) -> torch.nn.Module | None:
     """A full model to sample from on rank 0 (ZeRO-3 and tensor parallelism gather it: collective); None on
-    other ranks."""
+    other ranks. Under context parallelism the trained model's attention is collective, so rank 0 samples
+    from a plain GPT holding the same weights."""
     if setup.tp_group is not None:
         from refimpl.parallel.tensor_parallel import full_state_dict
 
@@ -69,7 +73,11 @@ def _sampling_model(setup: _Setup, config: TrainConfig, options: RunOptions,
         model.load_state_dict(full, strict=False)  # a tied output weight is the embedding's
         return model
     if options.zero_stage != 3:
-        return setup.model if ctx.is_main else None
+        if not ctx.is_main or setup.cp_group is None:
+            return setup.model if ctx.is_main else None
+        model = GPT(config.model, seed=config.data.seed).to(ctx.device)
+        model.load_state_dict(setup.model.state_dict())
+        return model
     full = setup.state_module.full_state_dict()
     if not ctx.is_main:
         return None
