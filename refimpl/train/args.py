@@ -25,9 +25,9 @@ def _steps(text: str) -> tuple[int, ...]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m refimpl.train",
-        description="Train the course's byte-level GPT with data parallelism or ZeRO (run under torchrun, "
-        "or pass --nproc-per-node to launch it). Writes metrics.jsonl, loss.png, config.json and "
-        "checkpoints into --out, and resumes from them.",
+        description="Train the course's byte-level GPT with data parallelism or ZeRO, tensor and context "
+        "parallelism (run under torchrun, or pass --nproc-per-node to launch it). Writes metrics.jsonl, "
+        "loss.png, config.json and checkpoints into --out, and resumes from them.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     run = p.add_argument_group("run")

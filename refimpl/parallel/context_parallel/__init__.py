@@ -15,8 +15,8 @@ parallelism). One concept per file:
 * :mod:`~refimpl.parallel.context_parallel.context_parallel`: :func:`apply_context_parallel` for refimpl's
   GPT (attention across the ranks, positions and tokens following the split).
 
-Still to come for chapter 07 (issue 13): context parallelism in ``parallelize`` and the trainer's ``--cp``
-(with the planner's cp terms), the chapter, exercises and benchmark.
+:func:`refimpl.parallel.parallelize.parallelize` applies it as its step 2 (after tensor parallelism, before
+the ``dp x cp`` data-parallel wrapper); the trainer's ``--cp N --cp-method {ring,ulysses}`` runs it.
 """
 
 from __future__ import annotations
