@@ -1,0 +1,171 @@
+"""A pipeline schedule checked and timed without processes (chapter 08).
+
+:func:`validate` checks a schedule (:func:`~refimpl.parallel.pipeline_parallel.schedules.build_schedule`
+or anyone's lists): every ``(kind, stage, microbatch)`` exactly once, on the rank that holds the stage, each
+micro-batch forwarded on a stage before it is backwarded there (and ``B`` before ``W``). :func:`simulate`
+then runs the lists as the ranks would: each rank takes its actions in order, an action starts when its rank
+is free and what it needs is done (``F`` of stage ``s`` needs ``F`` of ``s - 1``; ``B`` of ``s`` needs
+``F`` of ``s`` and ``B`` of ``s + 1``; ``W`` needs ``B`` of the same stage), plus ``p2p`` seconds for a
+dependency on another rank. If no rank can go on before all are done the schedule deadlocks, and
+:class:`ScheduleError` names the action each rank waits at.
+
+Bubble: the idle share of the ranks' time, ``1 - sum(busy) / (p x makespan)``. With equal stages and
+``p2p = 0`` it is ``(p-1)/(m+p-1)`` for GPipe and 1F1B (Huang et al. 2019; Narayanan et al. 2021),
+``(p-1)/(v m + p - 1)`` for interleaved 1F1B with stages ``v`` times smaller, and for ZB-H1 (Qi et al. 2023)
+``(p-1)(t_F + t_B - t_W) / (m (t_F + t_B + t_W) + (p-1)(t_F + t_B - t_W))``: :func:`bubble_formula`.
+In flight: a micro-batch is in flight on a rank from the start of its forward to the end of its backward
+(of its ``W`` when split); :attr:`Simulation.peak_in_flight` is the most at once per rank, the micro-batches
+whose activations the rank holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from refimpl.parallel.pipeline_parallel.schedules import Action, stage_rank
+
+__all__ = ["Costs", "ScheduleError", "Simulation", "bubble_formula", "simulate", "validate"]
+
+
+class ScheduleError(ValueError):
+    """A schedule that is not valid or deadlocks; the message names the first problem."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Costs:
+    """Seconds (or any unit) of one action on one stage: forward, input-gradient and weight-gradient
+    backward; a ``B`` of a schedule without ``W`` s is the whole backward, ``backward + weight``."""
+
+    forward: float = 1.0
+    backward: float = 1.0
+    weight: float = 1.0
+
+    def of(self, action: Action, *, split: bool) -> float:
+        if action.kind == "F":
+            return self.forward
+        if action.kind == "W":
+            return self.weight
+        return self.backward if split else self.backward + self.weight
+
+
+@dataclass
+class Simulation:
+    """What :func:`simulate` found: per rank the ``(action, start, end)`` it ran, the makespan, the busy
+    time per rank and the peak number of micro-batches in flight per rank."""
+
+    timeline: list[list[tuple[Action, float, float]]]
+    makespan: float
+    busy: list[float]
+    peak_in_flight: list[int] = field(default_factory=list)
+
+    @property
+    def bubble(self) -> float:
+        """Idle share of all ranks' time: ``1 - sum(busy) / (p x makespan)``."""
+        return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan)
+
+
+def validate(schedule: list[list[Action]], *, num_microbatches: int, virtual_stages: int = 1) -> bool:
+    """Raise :class:`ScheduleError` unless every action is on its stage's rank, present once, and in an order
+    its rank can run (F before B before W of the same stage and micro-batch); returns whether ``B`` is
+    split (the schedule has ``W`` s)."""
+    p = len(schedule)
+    stages, m = p * virtual_stages, num_microbatches
+    split = any(a.kind == "W" for ops in schedule for a in ops)
+    kinds = ("F", "B", "W") if split else ("F", "B")
+    want = {(k, s, i) for k in kinds for s in range(stages) for i in range(m)}
+    seen: set[tuple[str, int, int]] = set()
+    for rank, ops in enumerate(schedule):
+        for a in ops:
+            key = (a.kind, a.stage, a.microbatch)
+            if key not in want:
+                raise ScheduleError(f"rank {rank}: {a!r} is not an action of {stages} stages x {m} "
+                                    f"micro-batches{' with split backward' if split else ''}")
+            if stage_rank(a.stage, pp_size=p) != rank:
+                raise ScheduleError(f"rank {rank}: {a!r} is on stage {a.stage}, which rank "
+                                    f"{stage_rank(a.stage, pp_size=p)} holds")
+            if key in seen:
+                raise ScheduleError(f"rank {rank}: {a!r} appears twice")
+            before = {"B": "F", "W": "B"}.get(a.kind)
+            if before is not None and (before, a.stage, a.microbatch) not in seen:
+                raise ScheduleError(f"rank {rank}: {a!r} comes before {before}{a.stage}.{a.microbatch} on "
+                                    "its stage (a backward needs its forward's activations)")
+            seen.add(key)
+    missing = sorted(want - seen)
+    if missing:
+        k, s, i = missing[0]
+        raise ScheduleError(f"{len(missing)} actions are missing, e.g. {k}{s}.{i} (rank "
+                            f"{stage_rank(s, pp_size=p)})")
+    return split
+
+
+def _needs(a: Action, *, stages: int) -> list[tuple[str, int, int]]:
+    s, i = a.stage, a.microbatch
+    if a.kind == "F":
+        return [("F", s - 1, i)] if s > 0 else []
+    if a.kind == "B":
+        return [("F", s, i)] + ([("B", s + 1, i)] if s < stages - 1 else [])
+    return [("B", s, i)]
+
+
+def simulate(schedule: list[list[Action]], *, num_microbatches: int, virtual_stages: int = 1,
+             costs: Costs | None = None, p2p: float = 0.0) -> Simulation:
+    """Run ``schedule`` in simulated time (see the module docstring); raises :class:`ScheduleError` if it is
+    not valid or deadlocks."""
+    split = validate(schedule, num_microbatches=num_microbatches, virtual_stages=virtual_stages)
+    costs = costs or Costs()
+    p, stages = len(schedule), len(schedule) * virtual_stages
+    done: dict[tuple[str, int, int], float] = {}
+    position, free = [0] * p, [0.0] * p
+    timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
+    while any(position[r] < len(schedule[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            while position[r] < len(schedule[r]):
+                a = schedule[r][position[r]]
+                needs = _needs(a, stages=stages)
+                if any(n not in done for n in needs):
+                    break  # this rank waits; another rank must move first
+                ready = max([free[r]] + [done[n] + (p2p if stage_rank(n[1], pp_size=p) != r else 0.0)
+                                         for n in needs])
+                end = ready + costs.of(a, split=split)
+                timeline[r].append((a, ready, end))
+                done[(a.kind, a.stage, a.microbatch)] = end
+                free[r], position[r], progressed = end, position[r] + 1, True
+        if not progressed:
+            waits = ", ".join(f"rank {r} at {schedule[r][position[r]]!r}" for r in range(p)
+                              if position[r] < len(schedule[r]))
+            raise ScheduleError(f"the schedule deadlocks: {waits} (each waits for an action that waits too)")
+    makespan = max(free)
+    busy = [sum(e - s for _, s, e in ops) for ops in timeline]
+    return Simulation(timeline=timeline, makespan=makespan, busy=busy,
+                      peak_in_flight=[_peak_in_flight(ops, split=split) for ops in timeline])
+
+
+def _peak_in_flight(ops: list[tuple[Action, float, float]], *, split: bool) -> int:
+    """Most micro-batches (per stage) between the start of their forward and the end of their last backward
+    action on this rank, counted at the action boundaries."""
+    last = "W" if split else "B"
+    starts = [(s, 1) for a, s, _ in ops if a.kind == "F"]
+    ends = [(e, -1) for a, _, e in ops if a.kind == last]
+    events = sorted(starts + ends)  # at one instant the release (-1) sorts before the acquire
+    held = peak = 0
+    for _, delta in events:
+        held += delta
+        peak = max(peak, held)
+    return peak
+
+
+def bubble_formula(name: str, *, pp_size: int, num_microbatches: int, virtual_stages: int = 1,
+                   costs: Costs | None = None) -> float:
+    """The textbook bubble of ``name`` for equal stages (module docstring); ``costs`` of one stage of a
+    non-interleaved split (interleaved stages cost ``1/v`` of it: ``v`` chunks per rank)."""
+    p, m, v = pp_size, num_microbatches, virtual_stages
+    c = costs or Costs()
+    if name in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if name == "interleaved":
+        return (p - 1) / (v * m + p - 1)
+    if name == "zb1p":
+        idle = (p - 1) * (c.forward + c.backward - c.weight)
+        return idle / (m * (c.forward + c.backward + c.weight) + idle)
+    raise ValueError(f"no bubble formula for schedule {name!r}")

@@ -1,0 +1,140 @@
+"""Pipeline schedules as data (chapter 08): every schedule on a grid of ``p``, ``m``, ``v`` is valid, runs
+without deadlock in the simulator, and its simulated bubble is the textbook formula; 1F1B holds at most
+``p - r`` micro-batches on rank ``r`` where GPipe holds ``m``; our interleaved lists are torch's
+``ScheduleInterleaved1F1B.pipeline_order``, action for action. Negative controls: a backward before its
+forward, a missing or misplaced action, and an order that deadlocks are each refused with one clear line.
+
+The bubble formulas are a separate computation from the simulator (closed forms vs an event-driven run of
+the lists), so their agreement to 1e-12 is a check, not a restatement.
+"""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from refimpl.parallel.pipeline_parallel import (
+    Action,
+    Costs,
+    ScheduleError,
+    bubble_formula,
+    build_schedule,
+    p2p_actions,
+    simulate,
+    validate,
+)
+
+GRID = [(name, p, m, 1) for name in ("gpipe", "1f1b", "zb1p") for p in (1, 2, 3, 4) for m in (1, 2, 3, 5, 8)]
+GRID += [("interleaved", p, m, v) for p in (1, 2, 4) for v in (1, 2, 3) for m in (p, 2 * p, 4 * p)]
+
+
+@pytest.mark.parametrize("name, p, m, v", GRID, ids=[f"{n}-p{p}-m{m}-v{v}" for n, p, m, v in GRID])
+def test_every_schedule_is_valid_and_its_simulated_bubble_is_the_formula(name, p, m, v):
+    schedule = build_schedule(name, pp_size=p, num_microbatches=m, virtual_stages=v)
+    assert len(schedule) == p
+    costs = Costs(forward=1.0, backward=1.3, weight=0.7)  # unequal F, B, W: the formulas must still hold
+    if name == "interleaved":  # v chunks per rank, each 1/v of the layers
+        costs = Costs(forward=1.0 / v, backward=1.3 / v, weight=0.7 / v)
+    sim = simulate(schedule, num_microbatches=m, virtual_stages=v, costs=costs)
+    formula = bubble_formula(name, pp_size=p, num_microbatches=m, virtual_stages=v,
+                             costs=Costs(forward=1.0, backward=1.3, weight=0.7))
+    if name in ("gpipe", "1f1b", "interleaved") or (name == "zb1p" and m >= p):
+        assert sim.bubble == pytest.approx(formula, abs=1e-12), (sim.bubble, formula)
+    else:  # ZB-H1 with fewer micro-batches than stages: no steady state, the W s cannot fill the drain
+        assert sim.bubble >= formula - 1e-12
+    if name == "1f1b":
+        assert sim.peak_in_flight == [min(p - r, m) for r in range(p)]
+    if name == "gpipe":
+        assert sim.peak_in_flight == [m] * p
+    if name == "zb1p":
+        assert max(sim.peak_in_flight) <= p  # 1F1B's memory bound (the deferred W s ride within it)
+
+
+def test_the_bubble_shrinks_as_the_papers_say():
+    p, m = 4, 8
+    one = simulate(build_schedule("1f1b", pp_size=p, num_microbatches=m), num_microbatches=m).bubble
+    gpipe = simulate(build_schedule("gpipe", pp_size=p, num_microbatches=m), num_microbatches=m).bubble
+    v = 2
+    inter = simulate(build_schedule("interleaved", pp_size=p, num_microbatches=m, virtual_stages=v),
+                     num_microbatches=m, virtual_stages=v,
+                     costs=Costs(forward=0.5, backward=0.5, weight=0.5)).bubble
+    zb = simulate(build_schedule("zb1p", pp_size=p, num_microbatches=m), num_microbatches=m).bubble
+    assert gpipe == one == pytest.approx(3 / 11)
+    assert inter == pytest.approx(3 / 19) and zb == pytest.approx(3 * 1 / (8 * 3 + 3 * 1))
+    assert zb < inter < one
+
+
+def _fake_stage(rank: int, p: int, v: int, index: int) -> SimpleNamespace:
+    return SimpleNamespace(group_size=p, group_rank=rank, num_stages=p * v, stage_index=index,
+                           is_first=index == 0, is_last=index == p * v - 1, stage_index_to_group_rank=None,
+                           submod=torch.nn.Linear(1, 1))
+
+
+@pytest.mark.parametrize("p, v, m", [(2, 2, 4), (2, 3, 4), (4, 2, 4), (4, 2, 8), (4, 3, 8)])
+def test_interleaved_is_torch_schedule_interleaved_1f1b_action_for_action(p, v, m):
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    stages = [_fake_stage(0, p, v, chunk * p) for chunk in range(v)]  # the table is built for every rank
+    table = ScheduleInterleaved1F1B(stages, m).pipeline_order
+    kinds = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B"}
+    ours = build_schedule("interleaved", pp_size=p, num_microbatches=m, virtual_stages=v)
+    for rank in range(p):
+        theirs = [Action(kinds[a.computation_type], a.stage_index, a.microbatch_index)
+                  for a in table[rank] if a is not None]
+        assert ours[rank] == theirs, rank
+
+
+def test_p2p_actions_are_derived_from_the_stage_graph():
+    before, after = p2p_actions(Action("F", 2, 5), num_stages=4, pp_size=2)
+    assert [(t.kind, t.stage, t.peer) for t in before] == [("recv_activation", 1, 1)]
+    assert [(t.kind, t.stage, t.peer) for t in after] == [("send_activation", 2, 1)]
+    before, after = p2p_actions(Action("B", 0, 1), num_stages=4, pp_size=2)
+    assert [(t.kind, t.stage, t.peer) for t in before] == [("recv_grad", 1, 1)] and after == []
+    assert p2p_actions(Action("W", 1, 0), num_stages=4, pp_size=2) == ([], [])
+    assert p2p_actions(Action("F", 3, 0), num_stages=4, pp_size=2)[1] == []  # the last stage sends nothing
+
+
+def test_negative_controls_invalid_and_deadlocking_schedules_are_refused_in_one_line():
+    good = build_schedule("1f1b", pp_size=2, num_microbatches=2)
+    bad = [[Action("B", 0, 0), Action("F", 0, 0), Action("F", 0, 1), Action("B", 0, 1)], good[1]]
+    cases = {
+        "comes before F0.0": bad,
+        "appears twice": [good[0] + [Action("F", 0, 0)], good[1]],
+        "which rank 1 holds": [good[0] + [Action("F", 1, 0)], good[1][1:]],
+        "actions are missing": [good[0][:-1], good[1]],
+        # rank 1 forwards micro-batch 1 first; rank 0 sends it only after a backward that needs rank 1
+        "deadlocks": [[Action("F", 0, 0), Action("B", 0, 0), Action("F", 0, 1), Action("B", 0, 1)],
+                      [Action("F", 1, 1), Action("F", 1, 0), Action("B", 1, 0), Action("B", 1, 1)]],
+    }
+    for message, schedule in cases.items():
+        with pytest.raises(ScheduleError, match=message) as info:
+            simulate(schedule, num_microbatches=2)
+        assert "\n" not in str(info.value)
+    assert validate(good, num_microbatches=2) is False  # the unsplit backward
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(name="interleaved", pp_size=4, num_microbatches=6, virtual_stages=2), "does not divide by 4"),
+    (dict(name="1f1b", pp_size=2, num_microbatches=4, virtual_stages=2), "virtual_stages must be 1"),
+    (dict(name="pipedream", pp_size=2, num_microbatches=4), "unknown pipeline schedule"),
+    (dict(name="gpipe", pp_size=0, num_microbatches=4), "pp_size must be a positive integer"),
+])
+def test_sizes_that_do_not_fit_are_one_line_errors(kwargs, match):
+    name = kwargs.pop("name")
+    with pytest.raises(ValueError, match=match):
+        build_schedule(name, **kwargs)
+
+
+def test_p2p_latency_adds_to_cross_rank_dependencies_only():
+    p, m = 2, 4
+    schedule = build_schedule("1f1b", pp_size=p, num_microbatches=m)
+    base = simulate(schedule, num_microbatches=m)
+    slow = simulate(schedule, num_microbatches=m, p2p=0.25)
+    assert slow.makespan > base.makespan and slow.busy == base.busy
+    one = simulate(build_schedule("1f1b", pp_size=1, num_microbatches=m), num_microbatches=m, p2p=10.0)
+    assert one.bubble == 0.0  # one rank: no cross-rank dependency to wait for
+    assert list(itertools.chain(*[[a for a, _, _ in ops] for ops in base.timeline])) == [
+        a for ops in schedule for a in ops]  # the simulator ran each rank's list in its order
