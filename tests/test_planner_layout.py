@@ -1,7 +1,8 @@
 """Planner functions take a layout (refimpl.planner.layout): ParallelDims(dp=4) gives the figures the planner
-gave for world_size=4 before it took a layout, any object with dp/cp/tp/pp works, a tensor-parallel degree
-is planned (chapter 06; measured against the TP model in tests/test_planner_tp.py), and context and pipeline
-degrees above 1 are refused with the chapter that brings them."""
+gave for world_size=4 before it took a layout, any object with dp/cp/tp/pp works, tensor- and
+context-parallel degrees are planned (chapters 06 and 07; measured against the TP and CP models in
+tests/test_planner_tp.py and tests/test_planner_cp.py), and a pipeline degree above 1 is refused with the
+chapter that brings it."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import pytest
 from refimpl.config import ModelConfig
 from refimpl.distributed import ParallelDims
 from refimpl.planner import (
+    context_parallel_degree,
     data_parallel_degree,
     run_memory_per_rank,
     state_memory,
     state_memory_per_rank,
     tensor_parallel_degree,
+    zero_shard_degree,
 )
 
 CONFIG = ModelConfig()  # the default model: 4 layers, hidden 128, tied embeddings
@@ -74,16 +77,32 @@ def test_stage_0_per_rank_is_the_replica_and_any_degree_object_is_a_layout():
     assert data_parallel_degree(duck) == 4
 
 
-@pytest.mark.parametrize(("axis", "name", "chapter"), [("cp", "context", "07"), ("pp", "pipeline", "08")])
-def test_context_and_pipeline_degrees_are_refused_with_their_chapter(axis, name, chapter):
-    dims = ParallelDims(dp=2, **{axis: 2})
-    want = rf"{name} parallelism \({axis}=2\) comes with chapter {chapter}"
+@pytest.mark.parametrize("cp", [1, 2])
+def test_a_pipeline_degree_is_refused_with_its_chapter(cp):
+    dims = ParallelDims(dp=2, cp=cp, pp=2)
+    want = r"pipeline parallelism \(pp=2\) comes with chapter 08"
     with pytest.raises(ValueError, match=want):
         _run(dims, 0, "fp32")
     with pytest.raises(ValueError, match=want):
         state_memory_per_rank(CONFIG, dims, zero_stage=1)
-    with pytest.raises(ValueError, match=want):
-        tensor_parallel_degree(dims)
+    for degree in (data_parallel_degree, tensor_parallel_degree, context_parallel_degree, zero_shard_degree):
+        with pytest.raises(ValueError, match=want):
+            degree(dims)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_a_context_parallel_degree_is_planned_not_refused(zero_stage):
+    """dp 2 x cp 2 shards the state over the 4 ranks of dp x cp (as dp 4 does: the parameters are
+    replicated over cp), and each rank's activations are those of s/cp tokens (fewer than dp 4's); the
+    figures themselves are measured in tests/test_planner_cp.py."""
+    dims = ParallelDims(dp=2, cp=2)
+    assert (data_parallel_degree(dims), context_parallel_degree(dims), zero_shard_degree(dims)) == (2, 2, 4)
+    cp_plan, dp_plan = _run(dims, zero_stage, "fp32"), _run(ParallelDims(dp=4), zero_stage, "fp32")
+    assert cp_plan.state == dp_plan.state
+    assert cp_plan.activations["block activations"] < dp_plan.activations["block activations"]
+    for index in range(4):
+        assert state_memory_per_rank(CONFIG, dims, zero_stage=zero_stage, dp_rank=index) == \
+            state_memory_per_rank(CONFIG, ParallelDims(dp=4), zero_stage=zero_stage, dp_rank=index)
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2])

@@ -1,12 +1,12 @@
-"""Formulas only: what a training run needs and moves, before anything runs (chapters 00-06, 10).
+"""Formulas only: what a training run needs and moves, before anything runs (chapters 00-07, 10).
 
 * :mod:`~refimpl.planner.params_flops`: parameters, their shapes, FLOPs per token (PaLM appendix B);
 * :mod:`~refimpl.planner.memory`: model state of a replica and per rank, a run's memory per rank (the
   trainer's preflight); :mod:`~refimpl.planner.zero_state`: ZeRO stages 0-3 (Rajbhandari et al. 2020);
-* :mod:`~refimpl.planner.activations`: bytes saved for backward, per rank under tensor and sequence
-  parallelism (Korthikanti et al. 2022; chapters 05-06);
+* :mod:`~refimpl.planner.activations`: bytes saved for backward, per rank under tensor, sequence and
+  context parallelism (Korthikanti et al. 2022; chapters 05-07);
 * :mod:`~refimpl.planner.communication`: bytes of the ring collectives, of ZeRO's and of tensor
-  parallelism's collectives;
+  parallelism's collectives, and of context parallelism's ring and all-to-alls;
 * :mod:`~refimpl.planner.time_model`: the alpha-beta cost model fitted to measured times;
 * :mod:`~refimpl.planner.layout`: the layout (``ParallelDims``-like degrees) that per-rank functions take.
 
@@ -29,13 +29,20 @@ from refimpl.planner.activations import (
     outside_block_bytes,
 )
 from refimpl.planner.communication import (
+    context_parallel_bytes,
     ring_bytes_sent,
     tensor_parallel_collectives,
     wire_bytes,
     zero_collectives,
     zero_comm_bytes,
 )
-from refimpl.planner.layout import Layout, data_parallel_degree, tensor_parallel_degree
+from refimpl.planner.layout import (
+    Layout,
+    context_parallel_degree,
+    data_parallel_degree,
+    tensor_parallel_degree,
+    zero_shard_degree,
+)
 from refimpl.planner.memory import RunMemory, run_memory_per_rank, state_memory, state_memory_per_rank
 from refimpl.planner.params_flops import (
     ParamCount,
@@ -70,6 +77,8 @@ __all__ = [
     "StateMemory",
     "activation_bytes",
     "activation_bytes_per_layer",
+    "context_parallel_bytes",
+    "context_parallel_degree",
     "data_parallel_degree",
     "fit_alpha_beta",
     "flops_per_token",
@@ -96,4 +105,5 @@ __all__ = [
     "zero_comm_bytes",
     "zero_memory",
     "zero_memory_paper",
+    "zero_shard_degree",
 ]

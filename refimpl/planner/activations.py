@@ -1,5 +1,5 @@
 """Activation memory before anything runs: Korthikanti et al.'s formula, and the same count for our model,
-per rank under tensor and sequence parallelism (chapters 05 and 06).
+per rank under tensor, sequence and context parallelism (chapters 05, 06 and 07).
 
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", sections 4.1-4.2)
 count the bytes one Megatron GPT layer keeps for backward in 16-bit training, per rank of ``t``
@@ -44,9 +44,35 @@ So in 16-bit (p = 2, r = 4, f = 4h): ``sbh (12 + 24/t) + 16 sb + 4 a sb/t`` with
 Korthikanti et al. have ``10 + 24/t`` and ``34/t``: fp32 LayerNorm inputs (+4), no dropout masks (-2),
 flash attention (no ``5 a s/h`` term);
 a checkpointed layer keeps only its input, ``r s b h / u``. :func:`outside_block_bytes` counts what the
-model saves outside the blocks. :class:`refimpl.measure.activations.SavedTensorMeter` measures the same
-numbers (tests/test_activations.py, tests/test_planner_tp.py at tp 2 and 4);
-:func:`refimpl.planner.memory.run_memory_per_rank` adds them up per rank.
+model saves outside the blocks.
+
+Context parallelism (``cp`` ranks, chapter 07): ``seq_len`` stays the whole sequence, each rank holds
+``s_c = s/cp`` of its tokens, and everything but attention acts on each token alone, so every term above
+holds ``s_c`` tokens (SP then splits ``s_c`` over ``t``). Attention saves other tensors than SDPA's
+(measured with :class:`~refimpl.measure.activations.SavedTensorMeter` on a rank of
+:func:`refimpl.parallel.context_parallel.apply_context_parallel`'s GPT, tests/test_planner_cp.py):
+
+* ring attention (Liu et al. 2023; zig-zag or contiguous, Brandon et al. 2023: the same bytes): its autograd
+  function saves q, k, v (views of the QKV output, ``3 p s_c bh/t``), and its merged output and
+  log-sum-exp in its block dtype (``q`` bytes): ``q s_c bh/t + q a s_c b/t``; the projection's input is a
+  separate copy, ``p s_c bh/t`` (the ring's ``[b, a, s_c, d]`` output is transposed to ``[b, s_c, h]``;
+  SDPA's output, laid out ``[b, s, a, d]``, is not copied). ``q = 4`` (float32) when the weights are in
+  the compute dtype, ``q = p`` under autocast: the block matmuls run under the caller's autocast;
+* DeepSpeed-Ulysses (Jacobs et al. 2023): SDPA on the all-to-all outputs ``[b, a/(t cp), s, d]``: three
+  copies q, k, v ``3 p s_c bh/t`` (the QKV output itself is not kept), SDPA's output ``p s_c bh/t`` and
+  float32 lse ``4 a s_c b/t``; the projection's input is the second all-to-all's output, ``p s_c bh/t``.
+
+Per layer and rank, attention's ``(4 p) sbh/t + 4 a sb/t`` becomes at ``s_c`` tokens::
+
+    (4 p + q) s_c bh/t + q a s_c b/t         ring
+    5 p s_c bh/t + 4 a s_c b/t               Ulysses
+
+so in 16-bit under autocast (p = q = 2, r = 4, f = 4h): ring ``s_c bh (12 + 26/t) + 16 s_c b + 2 a s_c b/t``,
+Ulysses ``s_c bh (12 + 26/t) + 16 s_c b + 4 a s_c b/t``, against SDPA's ``12 + 24/t`` at ``s_c`` tokens:
+both pay ``2/t`` for the projection's copy. :class:`refimpl.measure.activations.SavedTensorMeter` measures
+the same numbers (tests/test_activations.py, tests/test_planner_tp.py at tp 2 and 4,
+tests/test_planner_cp.py at cp 2 and 4 and tp 2 x cp 2); :func:`refimpl.planner.memory.run_memory_per_rank`
+adds them up per rank.
 """
 
 from __future__ import annotations
@@ -58,12 +84,15 @@ import torch
 
 from refimpl.config import ModelConfig
 
-__all__ = ["ActivationBreakdown", "activation_bytes", "activation_bytes_per_layer",
-           "korthikanti_bytes_per_layer", "outside_block_bytes"]
+__all__ = ["METHODS", "ActivationBreakdown", "activation_bytes", "activation_bytes_per_layer",
+           "korthikanti_bytes_per_layer", "local_tokens", "outside_block_bytes"]
+
+METHODS = ("ring", "ulysses")  # refimpl.parallel.context_parallel.METHODS (the planner imports no technique)
 
 
-def _check_tp(config: ModelConfig, *, tp: int, sequence_parallel: bool, seq_len: int) -> int:
-    """``u``, the split of the sequence-parallel regions (``tp`` under SP, else 1), after the sizes check."""
+def _check_tp(config: ModelConfig, *, tp: int, sequence_parallel: bool, seq_len: int, cp: int = 1) -> int:
+    """``u``, the split of the sequence-parallel regions (``tp`` under SP, else 1), after the sizes check
+    (``seq_len``: the tokens the rank's tensor-parallel group holds, ``s/cp`` of ``cp`` ranks)."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be a positive integer, got {tp!r}")
     for what, size in (("num_attention_heads", config.num_attention_heads),
@@ -71,8 +100,35 @@ def _check_tp(config: ModelConfig, *, tp: int, sequence_parallel: bool, seq_len:
         if size % tp:
             raise ValueError(f"tensor parallelism: {what}={size} does not divide by tp={tp}")
     if sequence_parallel and seq_len % tp:
-        raise ValueError(f"sequence parallelism: seq_len={seq_len} does not divide by tp={tp}")
+        tokens = f"seq_len={seq_len}" if cp == 1 else f"the {seq_len} tokens of each rank (seq_len / cp={cp})"
+        raise ValueError(f"sequence parallelism: {tokens} does not divide by tp={tp}")
     return tp if sequence_parallel else 1
+
+
+def local_tokens(config: ModelConfig, *, seq_len: int, cp: int, cp_method: str, cp_layout: str | None,
+                  tp: int) -> int:
+    """``s/cp``, the tokens of each sequence one rank holds, after the checks of the method: the ring's
+    zig-zag layout cuts ``s`` into ``2 cp`` chunks (contiguous: ``cp``), Ulysses into ``cp`` parts and gives
+    each rank ``(a/t)/cp`` heads (:mod:`refimpl.parallel.context_parallel`)."""
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp must be a positive integer, got {cp!r}")
+    if cp_method not in METHODS:
+        raise ValueError(f"cp_method must be one of {METHODS}, got {cp_method!r}")
+    layout = cp_layout or ("zigzag" if cp_method == "ring" else "contiguous")
+    if layout not in ("zigzag", "contiguous") or (cp_method == "ulysses" and layout != "contiguous"):
+        raise ValueError(f"cp_layout {cp_layout!r} is not a layout of {cp_method} (ring: zigzag or "
+                         "contiguous; Ulysses: contiguous)")
+    if cp == 1:
+        return seq_len
+    parts = 2 * cp if layout == "zigzag" else cp
+    if seq_len % parts:
+        raise ValueError(f"context parallelism ({cp_method}, {layout}) cuts the sequence into {parts} equal "
+                         f"parts: seq_len={seq_len} does not divide by {parts}")
+    heads = config.num_attention_heads // tp
+    if cp_method == "ulysses" and heads % cp:
+        raise ValueError(f"Ulysses gives each of the cp={cp} ranks whole heads: {heads} heads per "
+                         f"tensor-parallel rank do not divide by {cp}")
+    return seq_len // cp
 
 
 def korthikanti_bytes_per_layer(*, seq_len: int, micro_batch: int, hidden_size: int, num_heads: int,
@@ -112,20 +168,27 @@ def activation_bytes_per_layer(
     checkpointed: bool = False,
     tp: int = 1,
     sequence_parallel: bool = False,
+    cp: int = 1,
+    cp_method: str = "ring",
+    cp_layout: str | None = None,
 ) -> ActivationBreakdown:
     """Saved-for-backward bytes of one :class:`refimpl.model.TransformerBlock` on one rank of ``tp``
-    tensor-parallel ranks (with ``sequence_parallel``: Korthikanti et al.'s sequence parallelism); see the
-    module docstring for the terms.
+    tensor-parallel ranks (with ``sequence_parallel``: Korthikanti et al.'s sequence parallelism) and ``cp``
+    context-parallel ranks (``cp_method`` ``"ring"`` or ``"ulysses"``, ``cp_layout`` the ring's
+    ``"zigzag"``, its default, or ``"contiguous"``); see the module docstring for the terms.
 
-    ``compute_dtype``: what the matmuls run in (autocast's dtype, or the weights' dtype);
-    ``residual_dtype``: the dtype of the residual stream and the LayerNorm inputs (float32 under autocast;
-    the weights' dtype when the model itself is 16-bit). LayerNorm keeps its mean and reciprocal std in
-    the residual dtype (measured on the CPU); the attention log-sum-exp is float32 in every case.
-    ``sequence_parallel`` at ``tp = 1`` is the plain block (as :func:`apply_tensor_parallel` does).
+    ``seq_len`` is the whole sequence; a rank holds ``s/cp`` of its tokens (a ValueError when the layout
+    cannot cut it so, or when Ulysses' heads do not divide). ``compute_dtype``: what the matmuls run in
+    (autocast's dtype, or the weights' dtype); ``residual_dtype``: the dtype of the residual stream and the
+    LayerNorm inputs (float32 under autocast; the weights' dtype when the model itself is 16-bit). LayerNorm
+    keeps its mean and reciprocal std in the residual dtype (measured on the CPU); SDPA's log-sum-exp is
+    float32 in every case, the ring's is in its block dtype. ``sequence_parallel`` at ``tp = 1`` is the
+    plain block (as :func:`apply_tensor_parallel` does).
     """
-    s, b, h, a = seq_len, micro_batch, config.hidden_size, config.num_attention_heads
+    b, h, a = micro_batch, config.hidden_size, config.num_attention_heads
     f, t = config.ffn_hidden_size, tp
-    u = _check_tp(config, tp=tp, sequence_parallel=sequence_parallel, seq_len=s)
+    s = local_tokens(config, seq_len=seq_len, cp=cp, cp_method=cp_method, cp_layout=cp_layout, tp=tp)
+    u = _check_tp(config, tp=tp, sequence_parallel=sequence_parallel, seq_len=s, cp=cp)
     p, r = _nbytes(compute_dtype), _nbytes(residual_dtype)
     if checkpointed:
         return ActivationBreakdown(terms={"block input (checkpoint)": r * s * b * h // u})
@@ -133,9 +196,23 @@ def activation_bytes_per_layer(
         "layernorm inputs (2)": 2 * r * s * b * h // u,
         "layernorm mean + rstd (2 x 2)": 2 * 2 * r * s * b // u,
         "QKV input": p * s * b * h // u,
-        "Q, K, V": 3 * p * s * b * h // t,
-        "attention log-sum-exp (fp32)": 4 * (a // t) * s * b,
-        "attention output = projection input": p * s * b * h // t,
+    }
+    if cp == 1:
+        terms |= {"Q, K, V": 3 * p * s * b * h // t,
+                  "attention log-sum-exp (fp32)": 4 * (a // t) * s * b,
+                  "attention output = projection input": p * s * b * h // t}
+    elif cp_method == "ring":
+        q = 4 if p == r else p  # the ring's block dtype: float32, but autocast's p for its matmuls
+        terms |= {"Q, K, V (the QKV output, ring inputs)": 3 * p * s * b * h // t,
+                  "ring output (block dtype)": q * s * b * h // t,
+                  "ring log-sum-exp (block dtype)": q * (a // t) * s * b,
+                  "projection input (a copy of the output)": p * s * b * h // t}
+    else:
+        terms |= {"Q, K, V (head shards, 3 all-to-all outputs)": 3 * p * s * b * h // t,
+                  "attention log-sum-exp (fp32)": 4 * (a // t) * s * b,
+                  "attention output (head shard)": p * s * b * h // t,
+                  "projection input (all-to-all output, a copy)": p * s * b * h // t}
+    terms |= {
         "MLP input": p * s * b * h // u,
         "GELU input": p * s * b * (f // t),
         "GELU output = second linear input": p * s * b * (f // t),
@@ -150,8 +227,8 @@ def activation_bytes(
     input).
 
     ``per_layer``: the keyword arguments of :func:`activation_bytes_per_layer` (``micro_batch``,
-    ``seq_len``, ``compute_dtype``, ``residual_dtype``, ``tp``, ``sequence_parallel``), the same for every
-    block.
+    ``seq_len``, ``compute_dtype``, ``residual_dtype``, ``tp``, ``sequence_parallel``, ``cp``,
+    ``cp_method``, ``cp_layout``), the same for every block.
     """
     if "checkpointed" in per_layer:
         raise TypeError("activation_bytes takes checkpointed_blocks (block indices), not checkpointed")
@@ -162,9 +239,12 @@ def activation_bytes(
 
 def outside_block_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int,
                         compute_dtype: torch.dtype = torch.float32, tp: int = 1,
-                        sequence_parallel: bool = False) -> dict[str, int]:
+                        sequence_parallel: bool = False, cp: int = 1, cp_method: str = "ring",
+                        cp_layout: str | None = None) -> dict[str, int]:
     """What one rank saves for backward outside the blocks (embedding, final LayerNorm, output layer,
-    loss), with the residual stream in float32, term by term.
+    loss), with the residual stream in float32, term by term, for the rank's ``s = seq_len / cp`` tokens
+    (everything outside attention acts on each token alone; the embedding saves the int64 global positions
+    of those tokens; the same checks as :func:`activation_bytes_per_layer`).
 
     One device (``tp = 1``, :func:`refimpl.model.lm_loss`): the final LayerNorm's input ``4 s b h`` and
     statistics ``2 x 4 s b``, the output layer's input ``p s b h``, the float32 log-softmax ``4 s b V``, the
@@ -178,8 +258,9 @@ def outside_block_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int,
     bool masks (owned, valid); the vocab-parallel embedding its int64 local ids and bool mask; int64
     positions. The full ``[b, s, V]`` logits are never built.
     """
-    s, b, h, v, t = seq_len, micro_batch, config.hidden_size, config.vocab_size, tp
-    u = _check_tp(config, tp=tp, sequence_parallel=sequence_parallel, seq_len=s)
+    b, h, v, t = micro_batch, config.hidden_size, config.vocab_size, tp
+    s = local_tokens(config, seq_len=seq_len, cp=cp, cp_method=cp_method, cp_layout=cp_layout, tp=tp)
+    u = _check_tp(config, tp=tp, sequence_parallel=sequence_parallel, seq_len=s, cp=cp)
     p = _nbytes(compute_dtype)
     if t == 1:
         return {"final layernorm + output layer inputs": 4 * s * b * h + 2 * 4 * s * b + p * s * b * h,

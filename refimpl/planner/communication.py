@@ -1,5 +1,5 @@
 """Bytes the collectives of a training step move, as formulas a chapter checks against the tracer
-(chapters 02, 04 and 06).
+(chapters 02, 04, 06 and 07).
 
 * The bandwidth-optimal ring (Patarasuk & Yuan, JPDC 2009; Thakur, Rabenseifner & Gropp, IJHPCA 2005): a
   rank of ``n`` sends ``(n - 1)/n S`` in a reduce-scatter or an all-gather of ``S`` bytes and twice that
@@ -24,6 +24,17 @@
   column layer, ``f``), each ``2 (t-1)/t b s h`` elements on the wire; with SP each becomes an all-gather
   and a reduce-scatter of the same full tensor, ``(t-1)/t b s h`` each: the same bytes, plus one more
   all-gather per column layer in backward (its input, saved as the ``s/t`` shard, gathered again).
+* Context parallelism (chapter 07): :func:`context_parallel_bytes`, what one rank sends for one layer's
+  attention. Ring attention (Liu et al. 2023) posts ``cp - 1`` exchanges of its K/V block forward, with
+  ``x = b (a/t) (s/cp) d`` elements per tensor: ``2 (cp-1) p x`` bytes, ``(cp-1)/cp`` of the whole
+  sequence's K and V, whatever ``cp``; backward sends the K/V blocks round again and the partial dK/dV
+  behind them (float32, the ring's block dtype; ``p`` under autocast, whose matmuls set the block dtype):
+  ``2 (cp-1) (p + q) x``. Point-to-point bytes are exact (the tracer measures each ``isend``). DeepSpeed-
+  Ulysses (Jacobs et al. 2023) makes four all-to-alls of the local ``[b, a/t, s/cp, d]`` tensor forward (q,
+  k, v to head shards, the output back) and four backward (dO in; dQ, dK, dV back), each sending
+  ``(cp-1)/cp`` of it, ``4 (cp-1)/cp p x`` per direction: for a fixed sequence it falls as ``1/cp``, the
+  ring's stays. The all-to-all figure is the ring model's (:func:`wire_bytes`), exact for an equal split:
+  a rank keeps the one of its ``cp`` equal blocks addressed to itself and sends each other rank one.
 """
 
 from __future__ import annotations
@@ -31,12 +42,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import torch
+
 from refimpl.comm.ring import chunk_sizes
 from refimpl.comm.tracer import wire_bytes
+from refimpl.config import ModelConfig
+from refimpl.planner.activations import METHODS, local_tokens
 from refimpl.planner.zero_state import Shape, check_zero_stage, padded_numel
 
-__all__ = ["ring_bytes_sent", "tensor_parallel_collectives", "wire_bytes", "zero_collectives",
-           "zero_comm_bytes"]
+__all__ = ["context_parallel_bytes", "ring_bytes_sent", "tensor_parallel_collectives", "wire_bytes",
+           "zero_collectives", "zero_comm_bytes"]
 
 
 def ring_bytes_sent(numel: int, n: int, rank: int, element_size: int, *, op: str = "all_reduce") -> int:
@@ -137,3 +152,33 @@ def tensor_parallel_collectives(*, num_layers: int, hidden_size: int, micro_batc
     return {"all_reduce": (1 + 3 + 6 * L + 2, e * (x + loss + grads)),
             "all_gather": (6 * L + 3, e * (6 * L + 3) * x),
             "reduce_scatter": (4 * L + 1, e * (4 * L + 1) * x)}
+
+
+def context_parallel_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int, cp: int, method: str,
+                           tp: int = 1, compute_dtype: torch.dtype = torch.float32,
+                           autocast: bool = False) -> dict[str, int]:
+    """Bytes ONE rank sends for ONE layer's attention under context parallelism, ``{"forward": ...,
+    "backward": ...}`` (chapter 07; see the module docstring).
+
+    ``seq_len`` is the whole sequence (each rank holds ``s/cp`` tokens), ``tp`` the tensor-parallel degree
+    (attention runs on ``a/t`` heads), ``compute_dtype`` the dtype of q, k, v (``p`` bytes). ``method``
+    ``"ring"``: forward ``2 (cp-1) p x``, backward ``2 (cp-1) (p + q) x`` with ``x = b (a/t) (s/cp) d``
+    and ``q`` the dK/dV dtype, float32 (4), or ``p`` when the ring runs under ``autocast`` (measured: the
+    autocast matmuls set the ring's block dtype). ``"ulysses"``: ``4 (cp-1)/cp p x`` each way. Zero when
+    ``cp = 1``. The sizes must split: the ring's ``2 cp`` zig-zag chunks, Ulysses' ``cp`` parts and heads.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or config.num_attention_heads % tp:
+        raise ValueError(f"tp={tp!r} must be a positive integer dividing num_attention_heads="
+                         f"{config.num_attention_heads}")
+    s = local_tokens(config, seq_len=seq_len, cp=cp, cp_method=method, cp_layout=None, tp=tp)
+    if cp == 1:
+        return {"forward": 0, "backward": 0}
+    p = torch.empty((), dtype=compute_dtype).element_size()
+    x = micro_batch * (config.num_attention_heads // tp) * s * config.head_dim  # one rank's q, k or v
+    if method == "ring":
+        grad = p if autocast else 4
+        return {"forward": 2 * (cp - 1) * p * x, "backward": 2 * (cp - 1) * (p + grad) * x}
+    per_direction = 4 * (cp - 1) * p * x // cp  # exact: x holds cp equal blocks (a/t divides by cp)
+    return {"forward": per_direction, "backward": per_direction}

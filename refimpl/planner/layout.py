@@ -1,27 +1,31 @@
-"""The layout a planner function is given: the degrees of the four parallel axes (chapters 06 and 10).
+"""The layout a planner function is given: the degrees of the four parallel axes (chapters 06, 07 and 10).
 
 A planner function that answers "per rank" takes the layout of the ranks, a
 :class:`refimpl.distributed.ParallelDims` or any object with positive integer ``dp``, ``cp``, ``tp`` and
 ``pp`` (Megatron's names: data, context, tensor and pipeline parallelism; Narayanan et al. 2021,
-"Efficient Large-Scale Language Model Training on GPU Clusters", section 3), so that the terms of tensor,
-context and pipeline parallelism join the same functions as the chapters that build them land.
+"Efficient Large-Scale Language Model Training on GPU Clusters", section 3), so that the terms of each
+technique join the same functions as the chapters that build them land.
 
-Today the planner models data parallelism (and ZeRO over the data-parallel ranks, chapter 04) and tensor
-parallelism with or without sequence parallelism (chapter 06: each rank holds ``1/tp`` of the sharded
-tensors, :func:`refimpl.planner.params_flops.param_shapes`, and the activations of
-:mod:`refimpl.planner.activations`). :func:`data_parallel_degree` refuses a layout with ``cp`` or ``pp``
-above 1 with a ValueError that names the chapter that brings it, rather than returning a figure that leaves
-those terms out.
+Today the planner models data parallelism (chapter 04: ZeRO), tensor parallelism with or without sequence
+parallelism (chapter 06: each rank holds ``1/tp`` of the sharded tensors,
+:func:`refimpl.planner.params_flops.param_shapes`, and the activations of
+:mod:`refimpl.planner.activations`) and context parallelism (chapter 07: each rank holds ``s/cp`` tokens of
+every sequence; ring attention, Liu et al. 2023, or Ulysses, Jacobs et al. 2023). The parameters are
+replicated over ``cp`` as over ``dp``, so the loss, the gradients and ZeRO's shards span the ``dp x cp``
+ranks (:data:`refimpl.distributed.mesh.LOSS_AXES`): :func:`zero_shard_degree` is ``dp * cp``.
+:func:`data_parallel_degree` refuses a layout with ``pp`` above 1 with a ValueError that names chapter 08,
+rather than returning a figure that leaves its terms out.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-__all__ = ["Layout", "data_parallel_degree", "tensor_parallel_degree"]
+__all__ = ["Layout", "context_parallel_degree", "data_parallel_degree", "tensor_parallel_degree",
+           "zero_shard_degree"]
 
 AXES = ("dp", "cp", "tp", "pp")
-_NOT_YET = {"cp": ("context", "07"), "pp": ("pipeline", "08")}
+_NOT_YET = {"pp": ("pipeline", "08")}
 
 
 class Layout(Protocol):
@@ -42,13 +46,13 @@ def _check(dims: Layout) -> None:
     for axis, (name, chapter) in _NOT_YET.items():
         degree = getattr(dims, axis)
         if degree > 1:
-            raise ValueError(f"the planner models data and tensor parallelism only: {name} parallelism "
-                             f"({axis}={degree}) comes with chapter {chapter}")
+            raise ValueError(f"the planner models data, tensor and context parallelism only: {name} "
+                             f"parallelism ({axis}={degree}) comes with chapter {chapter}")
 
 
 def data_parallel_degree(dims: Layout) -> int:
-    """``dims.dp``, the number of ranks the model state is replicated (or ZeRO-sharded) over, after checking
-    that ``dims`` is a layout the planner models: positive integer degrees, ``cp = pp = 1``."""
+    """``dims.dp``, the number of ranks that read different batches, after checking that ``dims`` is a
+    layout the planner models: positive integer degrees, ``pp = 1``."""
     _check(dims)
     return dims.dp
 
@@ -58,3 +62,18 @@ def tensor_parallel_degree(dims: Layout) -> int:
     06), after the same check as :func:`data_parallel_degree`."""
     _check(dims)
     return dims.tp
+
+
+def context_parallel_degree(dims: Layout) -> int:
+    """``dims.cp``, the number of ranks each sequence is split over (``s/cp`` tokens each, chapter 07),
+    after the same check as :func:`data_parallel_degree`."""
+    _check(dims)
+    return dims.cp
+
+
+def zero_shard_degree(dims: Layout) -> int:
+    """``dims.dp * dims.cp``: the ranks that hold the same model shard and see other tokens, the group the
+    gradients are averaged and ZeRO shards the state over (:func:`refimpl.parallel.parallelize` uses
+    :data:`refimpl.distributed.mesh.LOSS_AXES`); the same check as :func:`data_parallel_degree`."""
+    _check(dims)
+    return dims.dp * dims.cp

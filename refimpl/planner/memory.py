@@ -1,18 +1,19 @@
 """The memory of a training run per rank, before anything runs: model state and activations (chapters 01,
-04, 05, 06 and 10).
+04, 05, 06, 07 and 10).
 
 * :func:`state_memory`: weights, gradients and optimizer state of one unsharded replica (chapter 01;
   Kingma & Ba 2015 for Adam's two moments);
 * :func:`state_memory_per_rank`: the same per rank of a layout: the tensor-parallel shards of the rank
   (Shoeybi et al. 2019, chapter 06; :func:`~refimpl.planner.params_flops.param_shapes` with ``tp``), then
-  sharded by ZeRO stage over the data-parallel ranks (Rajbhandari et al. 2020,
-  :mod:`refimpl.planner.zero_state`; chapter 04);
+  sharded by ZeRO stage over the ``dp x cp`` ranks that replicate them (Rajbhandari et al. 2020,
+  :mod:`refimpl.planner.zero_state`; chapter 04; context parallelism replicates the parameters as data
+  parallelism does, chapter 07);
 * :func:`run_memory_per_rank`: state plus one micro-batch's activations (Korthikanti et al. 2022,
   :mod:`refimpl.planner.activations`; chapter 05), term by term: what the trainer's preflight compares
   with the machine's memory before any process starts.
 
 Every function that answers per rank takes the layout ``dims`` (:mod:`refimpl.planner.layout`), so the
-terms of context and pipeline parallelism join here with chapters 07-08 (tensor parallelism has). The
+terms of pipeline parallelism join here with chapter 08 (tensor and context parallelism have). The
 :class:`~refimpl.measure.state.StateMemory` returned is the one :func:`refimpl.measure.state_bytes`
 measures.
 """
@@ -26,7 +27,7 @@ import torch
 from refimpl.config import ModelConfig
 from refimpl.measure.state import StateMemory
 from refimpl.planner.activations import activation_bytes, outside_block_bytes
-from refimpl.planner.layout import Layout, data_parallel_degree, tensor_parallel_degree
+from refimpl.planner.layout import Layout, context_parallel_degree, tensor_parallel_degree, zero_shard_degree
 from refimpl.planner.params_flops import matmul_weights_per_rank, num_param_tensors, param_count, param_shapes
 from refimpl.planner.zero_state import zero3_peak_gathered_bytes, zero_memory
 
@@ -60,22 +61,26 @@ def state_memory(
 
 def state_memory_per_rank(config: ModelConfig, dims: Layout, *, zero_stage: int = 0,
                           dp_rank: int = 0) -> StateMemory:
-    """Weights, gradients and AdamW state held at rest by data-parallel rank ``dp_rank`` of layout ``dims``.
+    """Weights, gradients and AdamW state held at rest by rank ``dp_rank`` of the ``dp x cp`` group of
+    layout ``dims``.
 
     fp32 weights and gradients, two fp32 moments and a ``step`` scalar per tensor of the rank's parameters:
     under tensor parallelism (``dims.tp = t > 1``, chapter 06) the sharded tensors' ``1/t`` blocks and the
     replicated ones whole (:func:`~refimpl.planner.params_flops.param_shapes` with ``tp``), then sharded
-    over the ``dims.dp`` ranks by ZeRO ``zero_stage`` with the runtime's shard rule, dim 0 of each local
-    tensor (:func:`~refimpl.planner.zero_state.zero_memory`). Stage 0 at ``tp = 1`` is :func:`state_memory`,
-    the full replica. ZeRO-3 over tensor-parallel shards (2-D sharding, chapter 10) is refused, as
-    :func:`refimpl.parallel.parallelize` refuses it; context and pipeline degrees above 1 too, with the
-    chapter that brings them (:func:`~refimpl.planner.layout.data_parallel_degree`).
+    over the ``N = dp * cp`` ranks that replicate them (context parallelism replicates the parameters as
+    data parallelism does; :func:`refimpl.parallel.parallelize` shards over the ``dp x cp`` group) by ZeRO
+    ``zero_stage`` with the runtime's shard rule, dim 0 of each local tensor
+    (:func:`~refimpl.planner.zero_state.zero_memory`). ``dp_rank``: the rank's index in that group,
+    ``dp_i * cp + cp_i`` (the group's ranks ascending; ``dp_i`` when ``cp = 1``). Stage 0 at ``tp = 1`` is
+    :func:`state_memory`, the full replica. ZeRO-3 over tensor-parallel shards (2-D sharding, chapter 10)
+    is refused, as :func:`refimpl.parallel.parallelize` refuses it; a pipeline degree above 1 too, with its
+    chapter (:func:`~refimpl.planner.layout.data_parallel_degree`).
     """
-    dp, tp = data_parallel_degree(dims), tensor_parallel_degree(dims)
+    shards, tp = zero_shard_degree(dims), tensor_parallel_degree(dims)
     if tp > 1 and zero_stage == 3:
         raise ValueError("the planner models ZeRO 0-2 under tensor parallelism: ZeRO-3 over the "
                          f"tensor-parallel shards (tp={tp}, 2-D sharding) comes with chapter 10")
-    return zero_memory(param_shapes(config, tp=tp), dp, zero_stage, rank=dp_rank)
+    return zero_memory(param_shapes(config, tp=tp), shards, zero_stage, rank=dp_rank)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,35 +110,39 @@ def run_memory_per_rank(
     precision: str = "fp32",
     checkpointed_blocks: set[int] | list[int] | tuple[int, ...] = (),
     sequence_parallel: bool = False,
+    cp_method: str = "ring",
+    cp_layout: str | None = None,
 ) -> RunMemory:
     """The peak bytes one rank of a training run laid out as ``dims`` needs, before anything runs (chapters
     01, 04 and 05; the trainer's preflight).
 
     ``dims``: the layout (:class:`refimpl.distributed.ParallelDims` or any object with ``dp, cp, tp, pp``);
-    data and tensor parallelism, context/pipeline degrees above 1 are refused
+    data, tensor and context parallelism, a pipeline degree above 1 is refused
     (:func:`~refimpl.planner.layout.data_parallel_degree`). Model state (:func:`state_memory_per_rank`,
     Rajbhandari et al. 2020): fp32 weights, fp32 gradients and AdamW's two fp32 moments of the rank's
-    tensor-parallel shards, each full or sharded over the ``dims.dp`` data-parallel ranks by ZeRO
+    tensor-parallel shards, each full or sharded over the ``dims.dp x dims.cp`` ranks by ZeRO
     ``zero_stage``; ZeRO-3 adds the gathered root unit and the largest block (its forward/backward peak,
     :func:`~refimpl.planner.zero_state.zero3_peak_gathered_bytes`). ``precision`` bf16/fp16 computes under
     autocast over fp32 weights and so adds autocast's cached 16-bit copies of the rank's matmul weights.
 
-    Activations of one micro-batch ``b`` of ``s`` tokens on one rank (Korthikanti et al. 2022, as
-    :func:`refimpl.planner.activations.activation_bytes` counts our block exactly, with ``dims.tp`` and
-    ``sequence_parallel``): the saved tensors of every block (a checkpointed block keeps only its input and
+    Activations of one micro-batch ``b`` of sequences of ``s`` tokens on one rank (Korthikanti et al. 2022,
+    as :func:`refimpl.planner.activations.activation_bytes` counts our block exactly, with ``dims.tp`` and
+    ``sequence_parallel``, and with ``dims.cp``: the rank's ``s/cp`` tokens by the terms of ``cp_method``,
+    ring attention or Ulysses, ``cp_layout`` the ring's zigzag or contiguous split): the saved tensors of
+    every block (a checkpointed block keeps only its input and
     recomputes the largest block's tensors in backward), plus what the model saves outside the blocks
     (:func:`~refimpl.planner.activations.outside_block_bytes`: final LayerNorm, head input, the log-softmax
     or, tensor-parallel, the vocab-parallel loss's softmax shard, ids and masks). All of that is what
     :class:`refimpl.measure.activations.SavedTensorMeter` measures, to the byte. The logits and their
-    float32 gradient, ``(p + 4) s b V_t`` (``V_t = ceil(V/t)``), are transient buffers on top (not saved
-    tensors: an estimate of the loss's peak, not a measured figure).
+    float32 gradient, ``(p + 4) (s/cp) b V_t`` (``V_t = ceil(V/t)``), are transient buffers on top (not
+    saved tensors: an estimate of the loss's peak, not a measured figure).
     """
     if precision not in _DTYPE_BYTES:
         raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(_DTYPE_BYTES)}")
-    world_size, tp = data_parallel_degree(dims), tensor_parallel_degree(dims)
+    shards, tp, cp = zero_shard_degree(dims), tensor_parallel_degree(dims), context_parallel_degree(dims)
     p = _DTYPE_BYTES[precision]
     compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    s, b, v = seq_len, micro_batch, config.vocab_size
+    b, v = micro_batch, config.vocab_size
     shapes = param_shapes(config)
     zero = state_memory_per_rank(config, dims, zero_stage=zero_stage)
     state = {"weights": zero.weights, "grads": zero.grads, "AdamW state": zero.optimizer}
@@ -141,18 +150,18 @@ def run_memory_per_rank(
         per_block = 12
         blocks = [shapes[2 + i * per_block: 2 + (i + 1) * per_block] for i in range(config.num_layers)]
         root = shapes[:2] + shapes[2 + config.num_layers * per_block:]
-        state["ZeRO-3 gathered units"] = zero3_peak_gathered_bytes([root, *blocks], world_size).weights
+        state["ZeRO-3 gathered units"] = zero3_peak_gathered_bytes([root, *blocks], shards).weights
     if p != 4:
         state["autocast weight copies"] = p * matmul_weights_per_rank(config, tp=tp)
     chosen = set(checkpointed_blocks)
-    kw = {"micro_batch": b, "seq_len": s, "compute_dtype": compute, "tp": tp,
-          "sequence_parallel": sequence_parallel}
+    kw = {"micro_batch": b, "seq_len": seq_len, "compute_dtype": compute, "tp": tp,
+          "sequence_parallel": sequence_parallel, "cp": cp, "cp_method": cp_method, "cp_layout": cp_layout}
     saved = activation_bytes(config, checkpointed_blocks=chosen, **kw)
     full = activation_bytes(config, **kw)
     activations = {
         "block activations": sum(saved),
         "recomputed block (backward)": max(full) if chosen and full else 0,
         **outside_block_bytes(config, **kw),
-        "logits + their gradient (transient)": (p + 4) * s * b * -(-v // tp),
+        "logits + their gradient (transient)": (p + 4) * (seq_len // cp) * b * -(-v // tp),
     }
     return RunMemory(state=state, activations=activations)

@@ -22,8 +22,9 @@ divides by N the two agree to the byte.
 Which collectives a step issues and the bytes they move are in :mod:`refimpl.planner.communication`.
 The :class:`~refimpl.measure.state.StateMemory` returned is the class :func:`refimpl.measure.state_bytes`
 measures, so a chapter compares formula and measurement with ``==``. ``world_size`` is the number ``N`` of
-ranks the state is sharded over: the data-parallel degree of the layout
-(:func:`refimpl.planner.memory.state_memory_per_rank` takes the layout).
+ranks the state is sharded over: the ``dp x cp`` ranks of the layout, which hold the same parameters and
+see other tokens (context parallelism replicates the parameters as data parallelism does, chapter 07;
+:func:`refimpl.planner.memory.state_memory_per_rank` takes the layout).
 """
 
 from __future__ import annotations
