@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from refimpl.comm import CommTracer
-from refimpl.config import ModelConfig, OptimConfig
+from refimpl.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 from refimpl.distributed import ParallelDims
 from refimpl.launch import run_ranks
 from refimpl.measure import OUTSIDE, measure_saved_activations, state_bytes
@@ -46,6 +46,9 @@ from refimpl.planner import (
     run_memory_per_rank,
     state_memory_per_rank,
 )
+from refimpl.train import RunOptions, build_setup
+from refimpl.train.preflight import preflight_memory
+from refimpl.train.step import train_step
 
 TIMEOUT_S = 240
 B, S = 3, 16  # S cuts into 2 cp = 8 zig-zag chunks at cp 4; s/cp = 8 divides by tp 2 (SP)
@@ -134,6 +137,53 @@ def _state_after_a_step(ctx, dims: ParallelDims, zero_stage: int) -> tuple[int, 
     return held.weights, held.grads, held.optimizer
 
 
+TRAINER_RUNS = {  # world size: the trainer's options whose preflight plan the rank's measurements must equal
+    2: [{"cp": 2, "cp_method": "ring", "precision": "bf16", "zero_stage": 2, "activation_checkpointing": "1"},
+        {"cp": 2, "cp_method": "ulysses", "zero_stage": 3}],
+    4: [{"dp": 2, "cp": 2, "cp_method": "ring", "precision": "bf16", "zero_stage": 1},
+        {"tp": 2, "cp": 2, "cp_method": "ulysses", "precision": "bf16", "sequence_parallel": True}],
+}
+
+
+def _train_config(dims: ParallelDims) -> TrainConfig:
+    return TrainConfig(model=CFG_DIVIDES, data=DataConfig(seq_len=S, global_batch_size=B * dims.dp),
+                       optim=OptimConfig(grad_clip=1.0))
+
+
+def _trainer_run(ctx, options: dict) -> dict:
+    """The trainer's own setup (:func:`refimpl.train.build_setup`) on ``options``: the activations one
+    forward of the rank's part of a batch saves, and the state held before the second step's update.
+
+    The activations of a ZeRO-3 run are measured on its ZeRO-2 twin (the same saved tensors; ZeRO-3 frees
+    each gathered weight with ``untyped_storage().resize_(0)``, and an activation allocated at the freed
+    address then looks like a storage the meter has seen, which :class:`SavedTensorMeter`, de-duplicating by
+    address, would not count)."""
+    run = RunOptions(**options)
+    dims = run.parallel_dims(ctx.world_size)
+    groups = dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
+    config = _train_config(dims)
+    g = torch.Generator().manual_seed(dims.coordinates(ctx.rank).dp)
+    ids = torch.randint(0, 256, (B, S + 1), generator=g)
+    twin = RunOptions(**{**options, "zero_stage": min(run.zero_stage, 2)})
+    setup = build_setup(config, ctx, twin, groups)
+    x, y = setup.split_batch(ids[:, :-1]), setup.split_batch(ids[:, 1:])
+
+    def forward() -> torch.Tensor:
+        with setup.mp.autocast():
+            logits = setup.forward(x)
+        return setup.loss(logits, y)
+
+    report = measure_saved_activations(setup.model, forward)
+    setup = build_setup(config, ctx, run, groups)  # a fresh one for the steps
+    held = []
+    for _ in range(2):
+        train_step(setup, x, y, accumulation=1, micro=B, device=ctx.device, grad_clip=1.0,  # as the loop
+                   before_optimizer_step=lambda: held.append(state_bytes(setup.state_module,
+                                                                         setup.optimizer)))
+    return {"blocks": sum(report.per_block()), "outside": sum(report.activations.get(OUTSIDE, {}).values()),
+            "state": (held[-1].weights, held[-1].grads, held[-1].optimizer)}
+
+
 def _worker(ctx) -> dict:
     world = dist.group.WORLD
     out: dict = {"activations": {}, "traffic": {}, "state": {}}
@@ -144,8 +194,9 @@ def _worker(ctx) -> dict:
     for cp, tp, cp_group, tp_group in layouts:
         for method, layout in METHODS:
             for precision in PRECISIONS:
-                if tp > 1 and (layout == "contiguous" or precision == "bf16 weights"):
-                    continue
+                contiguous = layout == "contiguous" and (precision != "fp32" or tp > 1)
+                if contiguous or (tp > 1 and precision == "bf16 weights"):
+                    continue  # the contiguous split saves and sends what the zig-zag does: fp32 shows it
                 for sp in (False, True) if tp > 1 else (False,):
                     case = {"method": method, "layout": layout, "sp": sp, "precision": precision}
                     key = (cp, tp, method, layout, sp, precision)
@@ -156,6 +207,7 @@ def _worker(ctx) -> dict:
     for dims in [ParallelDims(dp=1, cp=2)] if ctx.world_size == 2 else [ParallelDims(dp=2, cp=2)]:
         for zero_stage in (0, 1, 2, 3):
             out["state"][dims, zero_stage] = _state_after_a_step(ctx, dims, zero_stage)
+    out["trainer"] = [_trainer_run(ctx, options) for options in TRAINER_RUNS[ctx.world_size]]
     return out
 
 
@@ -251,6 +303,30 @@ def test_state_bytes_per_rank_are_sharded_over_dp_times_cp(ranks):
                 alone = state_memory_per_rank(CFG_DIVIDES, ParallelDims(dp=dims.dp), zero_stage=zero_stage,
                                               dp_rank=c.dp)
                 assert got != (alone.weights, alone.grads, alone.optimizer), (rank, dims, zero_stage)
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_the_trainers_preflight_plans_what_its_cp_ranks_hold(ranks):
+    """The trainer's memory preflight (:func:`refimpl.train.preflight.preflight_memory`) on a ``--cp`` run
+    gives, per rank, what the trainer's own setup saves and holds: block activations and what is saved
+    outside the blocks (one forward of the rank's ``s/cp`` tokens, measured), and weights, gradients and
+    AdamW state after a step (ZeRO over dp x cp, measured)."""
+    world = len(ranks)
+    for i, options in enumerate(TRAINER_RUNS[world]):
+        run = RunOptions(**options)
+        dims = run.parallel_dims(world)
+        plan = preflight_memory(_train_config(dims), run, world_size=world, ranks_per_node=world)
+        a = plan.activations
+        outside = sum(v for k, v in a.items() if k not in ("block activations", "recomputed block (backward)",
+                                                           "logits + their gradient (transient)"))
+        for rank, r in enumerate(ranks):
+            got = r["trainer"][i]
+            assert (got["blocks"], got["outside"]) == (a["block activations"], outside), (rank, options)
+            index = dims.coordinates(rank).dp * dims.cp + dims.coordinates(rank).cp
+            state = state_memory_per_rank(CFG_DIVIDES, dims, zero_stage=run.zero_stage, dp_rank=index)
+            assert got["state"] == (state.weights, state.grads, state.optimizer), (rank, options)
+            if index == 0:  # the preflight plans the first rank of the group (the largest ZeRO shard)
+                assert got["state"] == (plan.state["weights"], plan.state["grads"], plan.state["AdamW state"])
 
 
 def test_sizes_the_split_cannot_take_are_refused():
