@@ -154,10 +154,12 @@ def _trainer_run(ctx, options: dict) -> dict:
     """The trainer's own setup (:func:`refimpl.train.build_setup`) on ``options``: the activations one
     forward of the rank's part of a batch saves, and the state held before the second step's update.
 
-    The activations of a ZeRO-3 run are measured on its ZeRO-2 twin (the same saved tensors; ZeRO-3 frees
-    each gathered weight with ``untyped_storage().resize_(0)``, and an activation allocated at the freed
-    address then looks like a storage the meter has seen, which :class:`SavedTensorMeter`, de-duplicating by
-    address, would not count)."""
+    The activations of a ZeRO-3 run are measured on its ZeRO-2 twin (the same saved tensors): on ZeRO-3
+    itself :class:`SavedTensorMeter` miscounts both ways. It de-duplicates by address, and ZeRO-3 frees each
+    gathered weight with ``untyped_storage().resize_(0)``, so activations allocated at a freed address are
+    skipped; and the gathered LayerNorm weights are not the module's parameters (those are the shards), so
+    they count as activations (found: keyed by storage instead of address, the meter reads 4 x 128 bytes
+    more per block, the two LayerNorms' weights and biases, and 256 outside, the final one's)."""
     run = RunOptions(**options)
     dims = run.parallel_dims(ctx.world_size)
     groups = dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
