@@ -6,14 +6,23 @@ Huang et al. 2019 (GPipe); Narayanan et al. 2021 (1F1B and interleaved 1F1B, Meg
 * :mod:`~refimpl.parallel.pipeline_parallel.schedules`: schedules as data, one ordered action list per
   rank (``F``, ``B``, ``W`` of a stage and a micro-batch); the sends and receives derived from them;
 * :mod:`~refimpl.parallel.pipeline_parallel.simulator`: a schedule checked (every action once, forward
-  before backward, no deadlock) and timed without processes: bubble, in-flight micro-batches.
+  before backward, no deadlock) and timed without processes: bubble, in-flight micro-batches;
+* :mod:`~refimpl.parallel.pipeline_parallel.stage`: the GPT cut into stages (by layers or parameters),
+  a tied embedding's copy on the last stage;
+* :mod:`~refimpl.parallel.pipeline_parallel.pipeline_communications`: activations and gradients between
+  stages over ``isend`` / ``irecv``, shapes agreed up front; the tied-embedding gradient exchange;
+* :mod:`~refimpl.parallel.pipeline_parallel.weight_grad`: the weight gradient split off the backward
+  (zero-bubble's ``W``);
+* :mod:`~refimpl.parallel.pipeline_parallel.executor`: one rank's action list run, each action timed.
 
-Still to come for chapter 08 (issue 14): the GPT split into stages, the point-to-point executor, the
-trainer's ``--pp``, the chapter, exercises and benchmark.
+Still to come for chapter 08 (issue 14): ``parallelize`` and the trainer's ``--pp``, the chapter, exercises
+and benchmark.
 """
 
 from __future__ import annotations
 
+from refimpl.parallel.pipeline_parallel.executor import PipelineEvent, run_schedule
+from refimpl.parallel.pipeline_parallel.pipeline_communications import sync_tied_embeddings
 from refimpl.parallel.pipeline_parallel.schedules import (
     KINDS,
     SCHEDULES,
@@ -31,19 +40,29 @@ from refimpl.parallel.pipeline_parallel.simulator import (
     simulate,
     validate,
 )
+from refimpl.parallel.pipeline_parallel.stage import GPTStage, build_stages, split_layers
+from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, defer_weight_gradients
 
 __all__ = [
     "KINDS",
     "SCHEDULES",
     "Action",
     "Costs",
+    "GPTStage",
     "P2PAction",
+    "PipelineEvent",
     "ScheduleError",
     "Simulation",
+    "WeightGradStore",
     "bubble_formula",
     "build_schedule",
+    "build_stages",
+    "defer_weight_gradients",
     "p2p_actions",
+    "run_schedule",
     "simulate",
+    "split_layers",
     "stage_rank",
+    "sync_tied_embeddings",
     "validate",
 ]
