@@ -161,13 +161,30 @@ for causal in (False, True):
 # its output and gradients with its part of one-device SDPA's.
 #
 # PyTorch has its own ring attention, `torch.distributed.tensor.experimental.context_parallel`, but it
-# does not run on a CPU: it dispatches to the CUDA flash and memory-efficient attention kernels only. So
-# here the reference is full-sequence SDPA on one device (which is also what that implementation is
-# tested against).
+# does not run on a CPU: it knows sharding rules for the CUDA flash and memory-efficient attention
+# kernels only, not for the CPU one. The first cell on the ranks tries it; on a CPU it raises. So here the
+# reference is full-sequence SDPA on one device.
 
 # %%
 ranks = start_ranks(4, timeout_s=120)
 ranks
+
+# %%
+# %%px
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.experimental import context_parallel
+
+buffers = [torch.randn(1, 4, 16, 8, generator=torch.Generator().manual_seed(9)).to(device) for _ in range(3)]
+try:
+    with context_parallel(init_device_mesh(device.type, (world_size,)), buffers=buffers,
+                          buffer_seq_dims=[2, 2, 2]):
+        torch.nn.functional.scaled_dot_product_attention(*buffers, is_causal=True)
+    pytorch_cp = "ran"
+except NotImplementedError as e:
+    pytorch_cp = f"NotImplementedError: {str(e).splitlines()[0]}"
+assert device.type != "cpu" or pytorch_cp.startswith("NotImplementedError"), pytorch_cp
+if rank == 0:
+    print(f"PyTorch's context_parallel on {device.type}: {pytorch_cp}")
 
 # %%
 # %%px
