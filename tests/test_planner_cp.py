@@ -14,8 +14,9 @@ sequence parallelism), in float32, under bfloat16 autocast and with bfloat16 wei
   :class:`refimpl.comm.CommTracer`; Ulysses' all-to-alls by the tracer's ring model ``(n-1)/n`` of each
   measured payload, exact for an equal-split all-to-all (a rank keeps the one of its ``n`` equal blocks
   addressed to itself and sends the others), the payloads and the count (4 per layer each way) measured;
-* the model state :func:`refimpl.parallel.parallelize` holds after a step under ZeRO 0-3 over ``dp x cp``
-  equals :func:`~refimpl.planner.state_memory_per_rank` (sharded over ``dp * cp``, not ``dp``);
+* the trainer's preflight (:func:`refimpl.train.preflight.preflight_memory`) on ``--cp`` runs equals what
+  its own setup saves, and the model state it holds after a step under ZeRO 0-3 over ``dp x cp`` equals
+  :func:`~refimpl.planner.state_memory_per_rank` (sharded over ``dp * cp``, not ``dp``);
 * negative controls: SDPA's terms at ``s/cp`` tokens are not the ring's (nor Ulysses') measured bytes,
   the ring's ``cp`` blocks instead of ``cp - 1`` and a backward without dK/dV are not its traffic, ZeRO
   over ``dp`` alone is not the state held; and the refusals (sizes the split cannot take).
@@ -31,11 +32,10 @@ from refimpl.comm import CommTracer
 from refimpl.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 from refimpl.distributed import ParallelDims
 from refimpl.launch import run_ranks
-from refimpl.measure import OUTSIDE, measure_saved_activations, state_bytes
+from refimpl.measure import OUTSIDE, SavedTensorMeter, measure_saved_activations, state_bytes
 from refimpl.model import GPT, lm_loss
 from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing
 from refimpl.parallel.context_parallel import apply_context_parallel, split_for_context_parallel
-from refimpl.parallel.parallelize import ParallelizeOptions, parallelize
 from refimpl.parallel.tensor_parallel import apply_tensor_parallel, tp_lm_loss
 from refimpl.planner import (
     activation_bytes,
@@ -93,21 +93,18 @@ def _model(cp_group, tp_group, *, method: str, layout: str | None, sp: bool, pre
     return model, forward
 
 
-def _measure(cp_group, tp_group, **case) -> dict:
-    model, forward = _model(cp_group, tp_group, **case)
-    report = measure_saved_activations(model, forward)
-    return {"per_block": report.per_block(), "outside": sum(report.activations.get(OUTSIDE, {}).values())}
-
-
-def _trace(cp_group, tp_group, **case) -> dict:
-    """One forward (tracer step 0) and backward (step 1): the ring's isends, Ulysses' all-to-alls."""
+def _run(cp_group, tp_group, **case) -> dict:
+    """One forward, measured (saved tensors), then backward: the ring's isends and Ulysses' all-to-alls of
+    each (tracer steps 0 and 1; not with a checkpointed block, whose backward runs its forward again)."""
     model, forward = _model(cp_group, tp_group, **case)
     with CommTracer() as tracer:
-        loss = forward()
+        with SavedTensorMeter(model) as meter:
+            loss = forward()
         tracer.step()
         loss.backward()
-    out = {}
-    for step, name in ((0, "forward"), (1, "backward")):
+    report = meter.report
+    out = {"per_block": report.per_block(), "outside": sum(report.activations.get(OUTSIDE, {}).values())}
+    for step, name in () if case["checkpointed"] else ((0, "forward"), (1, "backward")):
         sends, a2a = tracer.select(op="isend", step=step), tracer.select(op="all_to_all", step=step)
         out[name] = {"isend": tracer.measured_bytes_sent(step=step, op="isend"),
                      "isend payloads": sorted({e.nbytes for e in sends}),
@@ -117,30 +114,11 @@ def _trace(cp_group, tp_group, **case) -> dict:
     return out
 
 
-def _state_after_a_step(ctx, dims: ParallelDims, zero_stage: int) -> tuple[int, int, int]:
-    """:func:`parallelize` on ``dims`` (ring attention over cp), two steps of a train step's sequence; the
-    state held before the second step's update (every gradient reduced, the AdamW state of the first)."""
-    groups = dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
-    par = parallelize(GPT(CFG_DIVIDES, seed=1), groups, ParallelizeOptions(zero_stage=zero_stage))
-    setup = par.build_optimizer(OptimConfig())
-    coords = dims.coordinates(ctx.rank)
-    ids = torch.randint(0, 256, (2, S + 1), generator=torch.Generator().manual_seed(coords.dp))
-    x, y = par.split_batch(ids[:, :-1]), par.split_batch(ids[:, 1:])
-    held = None
-    for _ in range(2):
-        par.loss(par.forward(x), y).backward()
-        if par.sync is not None:
-            par.sync.finish_gradient_synchronization()
-        held = state_bytes(par.state_module, setup.optimizer)
-        setup.optimizer.step()
-        setup.optimizer.zero_grad(set_to_none=True)
-    return held.weights, held.grads, held.optimizer
-
-
 TRAINER_RUNS = {  # world size: the trainer's options whose preflight plan the rank's measurements must equal
     2: [{"cp": 2, "cp_method": "ring", "precision": "bf16", "zero_stage": 2, "activation_checkpointing": "1"},
         {"cp": 2, "cp_method": "ulysses", "zero_stage": 3}],
     4: [{"dp": 2, "cp": 2, "cp_method": "ring", "precision": "bf16", "zero_stage": 1},
+        {"dp": 2, "cp": 2, "cp_method": "ring", "zero_stage": 3},
         {"tp": 2, "cp": 2, "cp_method": "ulysses", "precision": "bf16", "sequence_parallel": True}],
 }
 
@@ -188,7 +166,7 @@ def _trainer_run(ctx, options: dict) -> dict:
 
 def _worker(ctx) -> dict:
     world = dist.group.WORLD
-    out: dict = {"activations": {}, "traffic": {}, "state": {}}
+    out: dict = {"runs": {}}
     layouts = [(ctx.world_size, 1, world, None)]  # (cp, tp, cp group, tp group)
     if ctx.world_size == 4:
         groups = ParallelDims(dp=1, cp=2, tp=2).build(rank=ctx.rank, world_size=4, timeout_s=ctx.timeout_s)
@@ -201,14 +179,9 @@ def _worker(ctx) -> dict:
                     continue  # the contiguous split saves and sends what the zig-zag does: fp32 shows it
                 for sp in (False, True) if tp > 1 else (False,):
                     case = {"method": method, "layout": layout, "sp": sp, "precision": precision}
-                    key = (cp, tp, method, layout, sp, precision)
                     for ckpt in ((), CHECKPOINTED):
-                        out["activations"][(*key, ckpt)] = _measure(cp_group, tp_group, checkpointed=ckpt,
-                                                                    **case)
-                    out["traffic"][key] = _trace(cp_group, tp_group, **case)
-    for dims in [ParallelDims(dp=1, cp=2)] if ctx.world_size == 2 else [ParallelDims(dp=2, cp=2)]:
-        for zero_stage in (0, 1, 2, 3):
-            out["state"][dims, zero_stage] = _state_after_a_step(ctx, dims, zero_stage)
+                        out["runs"][cp, tp, method, layout, sp, precision, ckpt] = _run(
+                            cp_group, tp_group, checkpointed=ckpt, **case)
     out["trainer"] = [_trainer_run(ctx, options) for options in TRAINER_RUNS[ctx.world_size]]
     return out
 
@@ -230,7 +203,7 @@ def _planned(cp: int, tp: int, method: str, layout: str | None, sp: bool, precis
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_activation_bytes_per_rank_equal_the_measured_ones(ranks):
     for rank, r in enumerate(ranks):
-        for (cp, tp, method, layout, sp, precision, ckpt), got in r["activations"].items():
+        for (cp, tp, method, layout, sp, precision, ckpt), got in r["runs"].items():
             where = (rank, cp, tp, method, layout, sp, precision, ckpt)
             blocks, outside = _planned(cp, tp, method, layout, sp, precision, ckpt)
             assert got["per_block"] == blocks, where
@@ -262,7 +235,9 @@ def test_activation_bytes_per_rank_equal_the_measured_ones(ranks):
 def test_bytes_sent_per_layer_equal_the_traced_ones(ranks):
     L = CFG.num_layers  # noqa: N806
     for rank, r in enumerate(ranks):
-        for (cp, tp, method, layout, sp, precision), got in r["traffic"].items():
+        for (cp, tp, method, layout, sp, precision, ckpt), got in r["runs"].items():
+            if ckpt:
+                continue
             where = (rank, cp, tp, method, layout, sp, precision)
             compute, _, autocast = PRECISIONS[precision]
             plan = context_parallel_bytes(CFG, micro_batch=B, seq_len=S, cp=cp, method=method, tp=tp,
@@ -294,20 +269,6 @@ def test_bytes_sent_per_layer_equal_the_traced_ones(ranks):
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
-def test_state_bytes_per_rank_are_sharded_over_dp_times_cp(ranks):
-    for rank, r in enumerate(ranks):
-        for (dims, zero_stage), got in r["state"].items():
-            c = dims.coordinates(rank)
-            index = c.dp * dims.cp + c.cp  # the rank's place in the dp x cp group
-            s = state_memory_per_rank(CFG_DIVIDES, dims, zero_stage=zero_stage, dp_rank=index)
-            assert got == (s.weights, s.grads, s.optimizer), (rank, dims, zero_stage)
-            if zero_stage:  # negative control: ZeRO over dp alone holds more
-                alone = state_memory_per_rank(CFG_DIVIDES, ParallelDims(dp=dims.dp), zero_stage=zero_stage,
-                                              dp_rank=c.dp)
-                assert got != (alone.weights, alone.grads, alone.optimizer), (rank, dims, zero_stage)
-
-
-@pytest.mark.timeout(TIMEOUT_S + 60)
 def test_the_trainers_preflight_plans_what_its_cp_ranks_hold(ranks):
     """The trainer's memory preflight (:func:`refimpl.train.preflight.preflight_memory`) on a ``--cp`` run
     gives, per rank, what the trainer's own setup saves and holds: block activations and what is saved
@@ -327,6 +288,10 @@ def test_the_trainers_preflight_plans_what_its_cp_ranks_hold(ranks):
             index = dims.coordinates(rank).dp * dims.cp + dims.coordinates(rank).cp
             state = state_memory_per_rank(CFG_DIVIDES, dims, zero_stage=run.zero_stage, dp_rank=index)
             assert got["state"] == (state.weights, state.grads, state.optimizer), (rank, options)
+            if run.zero_stage:  # negative control: ZeRO over dp alone holds more
+                alone = state_memory_per_rank(CFG_DIVIDES, ParallelDims(dp=dims.dp, tp=dims.tp),
+                                              zero_stage=run.zero_stage, dp_rank=dims.coordinates(rank).dp)
+                assert got["state"] != (alone.weights, alone.grads, alone.optimizer), (rank, options)
             if index == 0:  # the preflight plans the first rank of the group (the largest ZeRO shard)
                 assert got["state"] == (plan.state["weights"], plan.state["grads"], plan.state["AdamW state"])
 
@@ -357,19 +322,6 @@ def test_sizes_the_split_cannot_take_are_refused():
     assert context_parallel_degree(ParallelDims(dp=2, cp=4)) == 4
     with pytest.raises(ValueError, match=r"pipeline parallelism \(pp=2\) comes with chapter 08"):
         run_memory_per_rank(CFG, ParallelDims(dp=1, cp=2, pp=2), micro_batch=1, seq_len=16)
-
-
-def test_the_split_sequence_shrinks_each_ranks_activations():
-    """The point of the technique, from the planner: the rank's saved bytes fall with cp (every term holds
-    s/cp tokens), by exactly cp at fp32 for the ring; the model state does not (replicated over cp)."""
-    kw = {"micro_batch": 2, "seq_len": 64}
-    one = run_memory_per_rank(CFG_DIVIDES, ParallelDims(dp=1), **kw)
-    for cp in (2, 4):
-        for method in ("ring", "ulysses"):
-            plan = run_memory_per_rank(CFG_DIVIDES, ParallelDims(dp=1, cp=cp), cp_method=method, **kw)
-            assert plan.state == one.state
-            assert plan.activations["block activations"] < one.activations["block activations"]
-            assert plan.activations["log-softmax (fp32)"] * cp == one.activations["log-softmax (fp32)"]
 
 
 def test_formula_terms_under_cp():
