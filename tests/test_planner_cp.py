@@ -200,6 +200,12 @@ def _planned(cp: int, tp: int, method: str, layout: str | None, sp: bool, precis
     return blocks, sum(outside_block_bytes(CFG, **kw).values())
 
 
+def _outside(plan) -> int:
+    """A plan's saved bytes outside the blocks: its activation terms but the blocks' and the transient."""
+    inside = ("block activations", "recomputed block (backward)", "logits + their gradient (transient)")
+    return sum(v for k, v in plan.activations.items() if k not in inside)
+
+
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_activation_bytes_per_rank_equal_the_measured_ones(ranks):
     for rank, r in enumerate(ranks):
@@ -213,12 +219,8 @@ def test_activation_bytes_per_rank_equal_the_measured_ones(ranks):
                                            precision="fp32" if precision == "fp32" else "bf16",
                                            checkpointed_blocks=ckpt, sequence_parallel=sp, cp_method=method,
                                            cp_layout=layout)
-                a = plan.activations
-                assert a["block activations"] == sum(got["per_block"]), where
-                saved = sum(v for k, v in a.items() if k not in ("block activations", "recomputed block "
-                                                                 "(backward)", "logits + their gradient "
-                                                                 "(transient)"))
-                assert saved == got["outside"], where
+                assert plan.activations["block activations"] == sum(got["per_block"]), where
+                assert _outside(plan) == got["outside"], where
             if ckpt:
                 continue
             # negative control: SDPA's terms at the rank's s/cp tokens are not what the rank saves (the ring
@@ -279,12 +281,10 @@ def test_the_trainers_preflight_plans_what_its_cp_ranks_hold(ranks):
         run = RunOptions(**options)
         dims = run.parallel_dims(world)
         plan = preflight_memory(_train_config(dims), run, world_size=world, ranks_per_node=world)
-        a = plan.activations
-        outside = sum(v for k, v in a.items() if k not in ("block activations", "recomputed block (backward)",
-                                                           "logits + their gradient (transient)"))
+        planned = (plan.activations["block activations"], _outside(plan))
         for rank, r in enumerate(ranks):
             got = r["trainer"][i]
-            assert (got["blocks"], got["outside"]) == (a["block activations"], outside), (rank, options)
+            assert (got["blocks"], got["outside"]) == planned, (rank, options)
             index = dims.coordinates(rank).dp * dims.cp + dims.coordinates(rank).cp
             state = state_memory_per_rank(CFG_DIVIDES, dims, zero_stage=run.zero_stage, dp_rank=index)
             assert got["state"] == (state.weights, state.grads, state.optimizer), (rank, options)
