@@ -24,25 +24,26 @@
 # * **ring attention** (Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite
 #   Context"): the K/V blocks travel round a ring of the `cp` ranks, each rank attends its queries to the
 #   block it holds while the next one is on the wire, and the partial results are merged exactly with
-#   their log-sum-exp. Under a causal mask a plain split gives the last rank all the work; the zig-zag
-#   split (Brandon et al. 2023, "Striped Attention", and Megatron-LM's load balancing) evens it out;
+#   their log-sum-exp. Under a causal mask a plain split gives the last rank the most work; the zig-zag
+#   split (the load balance of Brandon et al. 2023, "Striped Attention", in the form Megatron-LM's
+#   context parallelism uses) evens it out;
 # * **all-to-all sequence parallelism** (Jacobs et al. 2023, "DeepSpeed Ulysses"): one all-to-all turns
 #   sequence shards into head shards, each rank runs ordinary attention on $a/\mathrm{cp}$ heads of the
 #   whole sequence, and a second all-to-all turns the output back.
 #
 # Everything here lives in `refimpl.parallel.context_parallel`. This chapter proves, with assertions:
 #
-# 1. the log-sum-exp merge of blocks is exactly attention, on one device first;
+# 1. the log-sum-exp merge of blocks is attention (to rounding), on one device first;
 # 2. ring attention (causal and not, zig-zag and contiguous) and Ulysses give the output and dQ, dK, dV
 #    of full-sequence `scaled_dot_product_attention` on one device, at cp = 2 and 4; a merge that averages
 #    the blocks fails the same check. PyTorch's own `context_parallel`
-#    (`torch.distributed.tensor.experimental`) does **not** run on a CPU (its dispatcher knows only the CUDA
-#    attention kernels), so one-device full-sequence attention is the reference;
+#    (`torch.distributed.tensor.experimental`) does **not** run on a CPU (it has sharding rules for the
+#    CUDA attention kernels only; shown below), so one-device full-sequence attention is the reference;
 # 3. the zig-zag split gives every rank the same causal work (counted), the plain split does not;
 # 4. the bytes each rank sends per layer, measured by the tracer, equal the planner's formula: the ring
 #    sends $\frac{cp-1}{cp}$ of the whole sequence's K and V forward (and their gradients back), Ulysses
 #    four all-to-alls each way of $\frac{cp-1}{cp}$ of the local tensor;
-# 5. the activation bytes per rank fall as $1/\mathrm{cp}$ (measured);
+# 5. the activation bytes per rank fall as $1/\mathrm{cp}$ (measured, and equal to the planner's count);
 # 6. the ring overlaps each K/V transfer with the attention of the block already there (a timeline);
 # 7. the whole GPT trained at cp = 2 has the one-device losses.
 
@@ -511,8 +512,8 @@ if device.type == "cpu":  # CPU attention kernels: the planner counts them byte 
 for method in ("ring", "ulysses"):
     block = {cp: saved[(method, cp)][0] for cp in (1, 2, 4)}
     assert block[4] < block[2] < block[1]
-    assert 2 * block[2] == 4 * block[4], "cp x bytes per rank is the same at cp 2 and 4: exactly 1/cp"
-    if device.type == "cpu":  # the CPU flash kernel's output layout: see below
+    if device.type == "cpu":  # the CPU attention kernels (GPU ones save a few fixed-size tensors more)
+        assert 2 * block[2] == 4 * block[4], "cp x bytes per rank is the same at cp 2 and 4: exactly 1/cp"
         assert 2 * block[2] - block[1] == AB * AS * acfg.hidden_size * 4, "one device keeps one s b h less"
 
 # %%
@@ -638,7 +639,7 @@ def trainer_losses(ctx, folder, name, *extra):
     return [r["loss"] for r in records]
 
 
-here_device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the notebook's own device
+here_device = torch.device(ranks.run(lambda: str(device))[0])  # rank 0's: the ranks' kernels
 here = DistributedContext(rank=0, world_size=1, local_rank=0, device=here_device, backend="gloo")
 runs = {"one device": trainer_losses(here, work, "one-device"),
         "one device, 1 sequence per micro-batch": trainer_losses(here, work, "one-device-micro",
