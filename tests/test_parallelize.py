@@ -43,7 +43,8 @@ CASES = {  # name -> options
     "zero3-bf16": ParallelizeOptions(zero_stage=3, precision="bf16"),
 }
 REFUSED = {  # layout at world size 4 -> the chapter the error must name
-    "dp2-pp2": (dict(dp=2, pp=2), "chapter 08"),
+    "tp2-pp2": (dict(dp=1, tp=2, pp=2), "chapter 10"),
+    "cp2-pp2": (dict(dp=1, cp=2, pp=2), "chapter 10"),
 }
 
 
@@ -123,7 +124,16 @@ def _worker(ctx) -> dict:
                     "cp_ranks": _ranks(par.cp_group),
                     "forward": type(par.forward).__name__, "part": par.split_batch(tokens)[0].tolist(),
                     "attention": type(par.model.layers[0].self_attention.core_attention).__name__}
-    # refusals: a layout with pp > 1, before the model is touched (no block checkpointed)
+    # dp 2 x pp 2: this rank's stages, the replicas averaged once per step (no per-backward hooks)
+    pp_groups = ParallelDims(dp=2, pp=2).build(rank=ctx.rank, world_size=ctx.world_size,
+                                               timeout_s=ctx.timeout_s)
+    par = parallelize(GPT(CONFIG, seed=0), pp_groups, ParallelizeOptions(activation_checkpointing="all"))
+    opt = par.build_optimizer(OptimConfig())
+    result["pp"] = {"applied": par.applied, "group_ranks": _ranks(par.group),
+                    "model": type(par.model).__name__, "stages": par.pipeline.stage_ids,
+                    "sync": par.sync, "finish": opt.finish_gradients is not None,
+                    "params": sorted(par.pipeline.local_shards())}
+    # refusals: pp with tp or cp, before the model is touched (no block checkpointed)
     result["refused"] = {}
     for name, (degrees, _) in REFUSED.items():
         layout_groups = ParallelDims(**degrees).build(rank=ctx.rank, world_size=ctx.world_size,
@@ -234,6 +244,21 @@ def test_context_parallel_comes_before_the_wrapper_which_reduces_over_dp_x_cp(ra
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
+def test_pipeline_split_keeps_this_ranks_stages_and_averages_over_dp_once_per_step(ranks):
+    for rank, r in enumerate(ranks):
+        pp = r["pp"]
+        assert pp["applied"] == ["pipeline split", "activation checkpointing", "data parallel"], pp
+        assert pp["model"] == "PipelineModule" and pp["sync"] is None and pp["finish"], pp
+        dp_ranks = (0, 1) if rank < 2 else (2, 3)  # pp outermost: pp rank = global rank // 2
+        assert pp["group_ranks"] == dp_ranks, pp
+        assert pp["stages"] == [rank // 2], pp
+        # the stage's parameters under the plain GPT's names: embedding with stage 0, head with stage 1
+        assert ("embedding.word_embeddings.weight" in pp["params"]) and any(
+            n.startswith(f"layers.{rank // 2}.") for n in pp["params"]), pp["params"]
+        assert ("final_layernorm.weight" in pp["params"]) == (rank // 2 == 1)
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
 def test_a_wrapper_on_another_group_fails_the_group_check(ranks):
     for rank, r in enumerate(ranks):
         assert r["other_group_ranks"] == ((0, 1) if rank < 2 else (2, 3))
@@ -257,8 +282,8 @@ def test_one_process_layout_needs_no_group():
     assert type(par.build_optimizer(OptimConfig()).optimizer).__name__ == "AdamW"
     with pytest.raises(ValueError, match="pass its process groups"):
         parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=2), ParallelizeOptions())
-    with pytest.raises(ValueError, match="chapter 08"):  # the unbuilt axis is named before the groups
-        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, pp=2), ParallelizeOptions())
+    with pytest.raises(ValueError, match="chapter 10"):  # what is not built is named before the groups
+        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, tp=2, pp=2), ParallelizeOptions())
     with pytest.raises(ValueError, match="pass its process groups"):
         parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, cp=2), ParallelizeOptions())
     with pytest.raises(ValueError, match="needs tp > 1"):

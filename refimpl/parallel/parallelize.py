@@ -32,10 +32,17 @@ is built tensor- and pipeline-parallel first, then wrapped in its ``DistributedD
    :meth:`Parallelized.build_optimizer` makes it); ZeRO-3
    :class:`~refimpl.parallel.zero.FullyShardedDataParallel`.
 
-Step 3 is not built yet: with ``pp = 1`` it is skipped, with a degree above 1 a ``ValueError`` names the
-chapter that builds it (the trainer's command line refuses such a layout earlier, with exit status 2).
 Step 1 with ``tp > 1`` composes with ZeRO 0-2 over ``dp``; ZeRO-3 would shard the tensor-parallel shards
 again over ``dp`` (FSDP2's 2-D layout), which chapter 10 builds: refused until then.
+
+Under pipeline parallelism (step 3, ``pp > 1``) the model becomes this rank's stages, a
+:class:`~refimpl.parallel.pipeline_parallel.PipelineModule` (:attr:`Parallelized.pipeline`): a step is one
+:meth:`~refimpl.parallel.pipeline_parallel.PipelineModule.step` over the micro-batches, not a forward per
+micro-batch; the gradients are averaged over ``dp x cp`` once, after the step's last backward
+(:attr:`OptimizerSetup.finish_gradients`; a rank that skipped it would drift from its replicas: picotron's
+DP x PP bug), and the gradient norm sums over the ``pp`` ranks (a tied embedding counted once). Today it
+composes with data parallelism (ZeRO-0), precision and activation checkpointing; with tensor or context
+parallelism and ZeRO 1-3 it is refused, naming chapter 10, which builds those layouts.
 
 Under context parallelism (step 2, ``cp > 1``) each rank runs the model on its part of the sequence:
 :meth:`Parallelized.split_batch` cuts the tokens (inputs and labels alike) by the layout the attention was
@@ -65,13 +72,13 @@ from refimpl.distributed.mesh import LOSS_AXES, ParallelDims, ParallelGroups
 from refimpl.model import lm_loss
 from refimpl.optim import build_optimizer, param_groups
 from refimpl.parallel.data_parallel import DataParallelBucket
+from refimpl.parallel.data_parallel.data_parallel_communications import broadcast_module
 from refimpl.precision import PRECISIONS, MixedPrecision, MixedPrecisionPolicy
 
 __all__ = ["ORDER", "OptimizerSetup", "ParallelizeOptions", "Parallelized", "parallelize"]
 
 ORDER = ("tensor parallel", "context parallel", "pipeline split", "activation checkpointing",
          "mixed precision", "data parallel")  # the steps of :func:`parallelize`, in the order applied
-_UNBUILT = (("pp", "pipeline split", "08 pipeline parallelism"),)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +92,8 @@ class ParallelizeOptions:
     ``cp_method`` the attention across the context-parallel ranks, ``ring`` or ``ulysses``, and
     ``cp_layout`` how the sequence is split for it (ring: ``zigzag``, the default, or ``contiguous``;
     Ulysses: contiguous) (chapter 07);
+    ``pp_schedule`` (``gpipe``, ``1f1b``, ``interleaved``, ``zb1p``), ``virtual_stages`` (model chunks per
+    rank, interleaved only) and ``pp_balance`` (``layers`` or ``parameters``) the pipeline (chapter 08);
     ``activation_checkpointing`` a block selection (``all``, ``every-N``, ``0,2,-1``; None: off);
     ``bucket_cap_mb`` the gradient buckets of ZeRO-0 (DDP's 25 MB); ``zero_bucket_numel`` the elements per
     reduce-scatter bucket of ZeRO-2; ``prefetch`` and ``reshard_after_forward`` the all-gather schedule of
@@ -96,6 +105,9 @@ class ParallelizeOptions:
     sequence_parallel: bool = False
     cp_method: str = "ring"
     cp_layout: str | None = None
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    pp_balance: str = "layers"
     activation_checkpointing: str | None = None
     bucket_cap_mb: float = 25.0
     zero_bucket_numel: int = 2**20
@@ -115,6 +127,16 @@ class ParallelizeOptions:
                                                       and self.cp_layout not in (None, "contiguous")):
             raise ValueError(f"cp_layout must be None or one of {LAYOUTS} (Ulysses: contiguous), got "
                              f"{self.cp_layout!r} with cp_method {self.cp_method!r}")
+        from refimpl.parallel.pipeline_parallel import SCHEDULES
+
+        if self.pp_schedule not in SCHEDULES:
+            raise ValueError(f"pp_schedule must be one of {SCHEDULES}, got {self.pp_schedule!r}")
+        if self.pp_balance not in ("layers", "parameters"):
+            raise ValueError(f"pp_balance must be 'layers' or 'parameters', got {self.pp_balance!r}")
+        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1 or (
+                self.virtual_stages > 1 and self.pp_schedule != "interleaved"):
+            raise ValueError(f"virtual_stages must be a positive integer, above 1 only with the interleaved "
+                             f"schedule; got {self.virtual_stages!r} with {self.pp_schedule!r}")
         if not self.bucket_cap_mb > 0 or self.zero_bucket_numel < 1:
             raise ValueError(f"bucket sizes must be positive, got bucket_cap_mb={self.bucket_cap_mb}, "
                              f"zero_bucket_numel={self.zero_bucket_numel}")
@@ -151,7 +173,9 @@ class Parallelized:
     ``no_sync()``/``finish_gradient_synchronization()`` the step calls (ZeRO-0 with several ranks, else
     None), ``group`` the ``dp x cp`` group gradients are averaged over (None: one process), ``applied``
     the steps of :data:`ORDER` that did something, in order, ``tp_group`` the tensor-parallel group (None:
-    no tensor parallelism), ``cp_group`` the context-parallel group (None: no context parallelism).
+    no tensor parallelism), ``cp_group`` the context-parallel group (None: no context parallelism),
+    ``pipeline`` this rank's stages (None: no pipeline parallelism; then ``model`` and ``state_module`` are
+    it too).
     """
 
     model: nn.Module
@@ -164,6 +188,7 @@ class Parallelized:
     applied: list[str] = field(default_factory=list)
     tp_group: dist.ProcessGroup | None = None
     cp_group: dist.ProcessGroup | None = None
+    pipeline: nn.Module | None = None
 
     def split_batch(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's part of ``tokens`` ``[b, s]`` (inputs or labels) along the sequence, ``[b, s/cp]``,
@@ -190,6 +215,8 @@ class Parallelized:
         zero_stage, clip = self.options.zero_stage, config.grad_clip
         if self.tp_group is not None:
             return self._tensor_parallel_optimizer(config)
+        if self.pipeline is not None:
+            return self._pipeline_optimizer(config)
         if zero_stage == 0:
             return OptimizerSetup(optimizer=build_optimizer(self.model, config),
                                   grad_params=list(self.model.parameters()))
@@ -209,6 +236,30 @@ class Parallelized:
         grads = optimizer.params if zero_stage == 1 else [optimizer.shard(p) for p in optimizer.params]
         return OptimizerSetup(optimizer=optimizer, grad_params=list(grads),
                               clip_fn=None if clip is None else (lambda _: optimizer.clip_grad_norm_(clip)))
+
+    def _pipeline_optimizer(self, config: OptimConfig) -> OptimizerSetup:
+        """AdamW over this rank's stages; the dp x cp average after the step's last backward; the norm
+        summed over the pp ranks, the last stage's copy of a tied embedding left out (counted once)."""
+        from refimpl.parallel.data_parallel.data_parallel_communications import reduce_gradients_
+        from refimpl.parallel.zero.clip_grad import scale_to_max_norm_, sum_of_squares
+
+        pipe, group, policy = self.pipeline, self.group, self.mp.policy
+        params = list(pipe.parameters())
+        device = params[0].device
+
+        def finish() -> None:  # every stage's gradients, once per step, over the data-parallel replicas
+            reduce_gradients_(params, policy, group=group)
+
+        def clip_fn(_: object) -> torch.Tensor:
+            grads = [p.grad for p in params if p.grad is not None]
+            counted = [p.grad for p in params if p.grad is not None and not pipe.is_tied_copy(p)]
+            sq = sum_of_squares(counted, device=device)
+            ops.all_reduce(sq, group=pipe.pp_group)
+            return scale_to_max_norm_(grads, sq.sqrt(), config.grad_clip)
+
+        return OptimizerSetup(optimizer=build_optimizer(pipe, config), grad_params=params,
+                              clip_fn=None if config.grad_clip is None else clip_fn,
+                              finish_gradients=finish if group is not None else None)
 
     def _tensor_parallel_optimizer(self, config: OptimConfig) -> OptimizerSetup:
         """ZeRO-0/1/2 over the TP shards: the norm counts each element of the model once, and the
@@ -267,8 +318,9 @@ class Parallelized:
 
 def _layout(groups_or_dims: ParallelGroups | ParallelDims,
             options: ParallelizeOptions) -> tuple[ParallelDims, ParallelGroups | None]:
-    """The layout and its groups; refuses unbuilt steps (naming their chapter), options the layout cannot
-    take and a multi-rank layout given without its groups, before anything is touched (every rank alike)."""
+    """The layout and its groups; refuses combinations not built yet (naming the chapter that builds them),
+    options the layout cannot take and a multi-rank layout given without its groups, before anything is
+    touched (every rank alike)."""
     if isinstance(groups_or_dims, ParallelGroups):
         dims, groups = groups_or_dims.dims, groups_or_dims
     elif isinstance(groups_or_dims, ParallelDims):
@@ -276,13 +328,13 @@ def _layout(groups_or_dims: ParallelGroups | ParallelDims,
     else:
         raise TypeError("parallelize takes ParallelGroups or ParallelDims, got "
                         f"{type(groups_or_dims).__name__}")
-    for axis, step, chapter in _UNBUILT:
-        if getattr(dims, axis) > 1:
-            raise ValueError(f"{step} ({axis} = {getattr(dims, axis)} in {dims.describe()}) is not built "
-                             f"yet: chapter {chapter} builds it")
     if options.sequence_parallel and dims.tp == 1:
         raise ValueError("sequence parallelism splits the activations over the tensor-parallel ranks: it "
                          f"needs tp > 1 (the layout is {dims.describe()})")
+    if dims.pp > 1 and (dims.tp > 1 or dims.cp > 1 or options.zero_stage != 0):
+        raise ValueError(f"pipeline parallelism with tensor or context parallelism or ZeRO 1-3 (the layout "
+                         f"{dims.describe()}, zero_stage {options.zero_stage}) is not built yet (chapter "
+                         "10): use pp with dp and zero_stage 0")
     if dims.tp > 1 and options.zero_stage == 3:
         raise ValueError("tensor parallelism with zero_stage 3 (2-D sharding) is not built yet (chapter "
                          "10): use zero_stage 0, 1 or 2 with tp > 1")
@@ -302,9 +354,9 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
     seed); it is changed in place (checkpointed blocks, ZeRO-3's shards). Collective under several ranks.
     """
     options = options or ParallelizeOptions()
-    dims, groups = _layout(groups_or_dims, options)  # step 3 (pp): refused while unbuilt
+    dims, groups = _layout(groups_or_dims, options)
     applied: list[str] = []
-    tp_group = cp_group = None
+    tp_group = cp_group = pipeline = None
     # 1. tensor / sequence parallel over tp: replaces the linears and the embedding by their shards
     if dims.tp > 1:
         from refimpl.parallel.tensor_parallel import apply_tensor_parallel
@@ -319,6 +371,15 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
         cp_group = groups.group("cp")
         apply_context_parallel(model, cp_group=cp_group, method=options.cp_method, layout=options.cp_layout)
         applied.append("context parallel")
+    # 3. pipeline split over pp: this rank keeps its stages (and runs them by the schedule)
+    if dims.pp > 1:
+        from refimpl.parallel.pipeline_parallel import PipelineModule
+
+        pp_group = groups.group("pp")
+        pipeline = PipelineModule(model, pp_group=pp_group, pp_rank=dist.get_rank(pp_group), pp_size=dims.pp,
+                                  schedule=options.pp_schedule, virtual_stages=options.virtual_stages,
+                                  balance=options.pp_balance)
+        applied.append("pipeline split")
     # 4. activation checkpointing, on the blocks the wrapper of step 6 will hook
     if options.activation_checkpointing not in (None, "none"):
         from refimpl.parallel.activation_checkpoint import (
@@ -332,8 +393,8 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
     # The fp16 scaler agrees on overflow over WORLD (group None): every rank skips the step together.
     fsdp_mp = options.fsdp_mixed_precision
     device = next(iter(model.parameters())).device
-    mp = MixedPrecision(MixedPrecisionPolicy.from_name(options.precision, master_weights=fsdp_mp), model,
-                        device=device, wrapper_keeps_master=fsdp_mp)
+    mp = MixedPrecision(MixedPrecisionPolicy.from_name(options.precision, master_weights=fsdp_mp),
+                        model if pipeline is None else pipeline, device=device, wrapper_keeps_master=fsdp_mp)
     if options.precision != "fp32":
         applied.append("mixed precision")
     # 6. data parallel / ZeRO over dp x cp, outermost
@@ -341,6 +402,14 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
     replicas = dims.dp * dims.cp
     done = Parallelized(model=model, forward=model, state_module=model, mp=mp, options=options, group=group,
                         applied=applied, tp_group=tp_group, cp_group=cp_group)
+    if pipeline is not None:  # the dp x cp average comes once per step (OptimizerSetup.finish_gradients)
+        done.model = done.forward = done.state_module = done.pipeline = pipeline
+        if replicas > 1:
+            broadcast_module(pipeline, group)  # the replicas start equal, as DataParallelBucket makes them
+            applied.append("data parallel")
+        else:
+            done.group = None
+        return done
     if options.zero_stage == 0:
         if replicas > 1:  # broadcasts the first rank's weights over the group
             done.sync = DataParallelBucket(model, options.bucket_cap_mb, group)

@@ -13,16 +13,19 @@ Huang et al. 2019 (GPipe); Narayanan et al. 2021 (1F1B and interleaved 1F1B, Meg
   stages over ``isend`` / ``irecv``, shapes agreed up front; the tied-embedding gradient exchange;
 * :mod:`~refimpl.parallel.pipeline_parallel.weight_grad`: the weight gradient split off the backward
   (zero-bubble's ``W``);
-* :mod:`~refimpl.parallel.pipeline_parallel.executor`: one rank's action list run, each action timed.
+* :mod:`~refimpl.parallel.pipeline_parallel.executor`: one rank's action list run, each action timed;
+* :mod:`~refimpl.parallel.pipeline_parallel.pipeline_parallel`: :class:`PipelineModule`, a rank's stages
+  as one module (``parallelize``'s step 3): a whole step per call, checkpoints under the GPT's names.
 
-Still to come for chapter 08 (issue 14): ``parallelize`` and the trainer's ``--pp``, the chapter, exercises
-and benchmark.
+Still to come for chapter 08 (issue 14): the trainer's ``--pp``, pipeline with tensor/context parallelism
+and ZeRO 1-3 (chapter 10), the chapter, exercises and benchmark.
 """
 
 from __future__ import annotations
 
 from refimpl.parallel.pipeline_parallel.executor import PipelineEvent, run_schedule
 from refimpl.parallel.pipeline_parallel.pipeline_communications import sync_tied_embeddings
+from refimpl.parallel.pipeline_parallel.pipeline_parallel import PipelineModule
 from refimpl.parallel.pipeline_parallel.schedules import (
     KINDS,
     SCHEDULES,
@@ -51,6 +54,7 @@ __all__ = [
     "GPTStage",
     "P2PAction",
     "PipelineEvent",
+    "PipelineModule",
     "ScheduleError",
     "Simulation",
     "WeightGradStore",

@@ -54,6 +54,7 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, GPTStage],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  activation_shape: tuple[int, ...], activation_dtype: torch.dtype,
                  store: WeightGradStore | None = None,
+                 scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  events: list[PipelineEvent] | None = None) -> torch.Tensor:
     """Run ``actions`` (this rank's list) over ``stages`` (this rank's, by index); returns the sum of the
     micro-batch losses this rank computed (the last stage's rank; zero elsewhere), detached.
@@ -61,7 +62,9 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, GPTStage],
     ``inputs`` / ``labels``: the ``m`` micro-batches' token ids and labels (needed on the ranks of the first
     and the last stage); ``loss_fn(logits, labels)`` the micro-batch's share of the step loss;
     ``activation_shape``/``dtype`` what crosses a stage boundary (``[b, s, h]``); ``store``: the queue of
-    deferred weight gradients when ``actions`` has ``W`` s; ``events``: appended one per action.
+    deferred weight gradients when ``actions`` has ``W`` s; ``scale_loss``: applied to a micro-batch's loss
+    before its backward (the fp16 loss scaler; the returned sum is unscaled); ``events``: appended one per
+    action.
     """
     num_stages = next(iter(stages.values())).num_stages
     device = next(next(iter(stages.values())).parameters()).device
@@ -85,6 +88,7 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, GPTStage],
             if stage.is_last:
                 y = loss_fn(y, labels[a.microbatch].to(device))
                 total += y.detach()
+                y = y if scale_loss is None else scale_loss(y)
             saved[key] = (x, y)
             for s in after:
                 send_tensor(y, peer=s.peer, group=pp_group, pending=sends, what=f"{s.kind} of {a!r}")

@@ -1,0 +1,111 @@
+"""A rank's part of a pipeline-parallel GPT, as one module: :class:`PipelineModule` (chapter 08).
+
+:func:`refimpl.parallel.parallelize.parallelize` cuts the model (its step 3) into ``pp x v`` stages and
+keeps this rank's (:func:`~refimpl.parallel.pipeline_parallel.stage.build_stages`) in a
+:class:`PipelineModule`. One call of :meth:`PipelineModule.step` is a whole step's forward and backward:
+the rank's action list of the schedule (:func:`~refimpl.parallel.pipeline_parallel.schedules.
+build_schedule`) over ``m`` micro-batches (:func:`~refimpl.parallel.pipeline_parallel.executor.
+run_schedule`), then the tied-embedding gradient exchange, then the step loss sent from the last stage to
+every rank of the pipeline. What the data-parallel ranks do next (the gradient average over ``dp``, after
+the last backward of the step) is the caller's: chapter 10's rule that every technique reduces over its own
+group.
+
+Checkpoints see the plain GPT's names: :meth:`PipelineModule.local_shards` declares each stage parameter
+under its name in the GPT (``layers.5.mlp...``), so a checkpoint written at ``pp = 2`` loads at ``pp = 1``
+or ``4`` (chapter 09's boxes; a tied embedding's two copies are two replicas of one tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from refimpl.comm import ops
+from refimpl.distributed.placement import LocalShard
+from refimpl.model import GPT
+from refimpl.parallel.pipeline_parallel.executor import PipelineEvent, run_schedule
+from refimpl.parallel.pipeline_parallel.pipeline_communications import sync_tied_embeddings
+from refimpl.parallel.pipeline_parallel.schedules import build_schedule, stage_rank
+from refimpl.parallel.pipeline_parallel.stage import build_stages
+from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, defer_weight_gradients
+
+__all__ = ["PipelineModule"]
+
+
+class PipelineModule(nn.Module):
+    """The stages pipeline rank ``pp_rank`` of ``pp_size`` holds of ``model``, run by ``schedule``."""
+
+    def __init__(self, model: GPT, *, pp_group: dist.ProcessGroup | None, pp_rank: int, pp_size: int,
+                 schedule: str = "1f1b", virtual_stages: int = 1, balance: str = "layers") -> None:
+        super().__init__()
+        self.config, self.schedule, self.virtual_stages = model.config, schedule, virtual_stages
+        self.pp_group, self.pp_rank, self.pp_size = pp_group, pp_rank, pp_size
+        build_schedule(schedule, pp_size=pp_size, num_microbatches=pp_size, virtual_stages=virtual_stages)
+        found = build_stages(model, pp_rank=pp_rank, pp_size=pp_size, virtual_stages=virtual_stages,
+                             balance=balance)
+        self.stage_ids = sorted(found)
+        self.stages = nn.ModuleDict({str(s): found[s] for s in self.stage_ids})
+        self.store = WeightGradStore() if schedule == "zb1p" else None
+        if self.store is not None:
+            for stage in found.values():
+                defer_weight_gradients(stage, self.store)
+        self.num_stages = pp_size * virtual_stages
+        first, last = stage_rank(0, pp_size=pp_size), stage_rank(self.num_stages - 1, pp_size=pp_size)
+        self.tied_peer = None  # the rank at the other end of a tied embedding
+        if model.config.tie_word_embeddings and first != last and pp_rank in (first, last):
+            self.tied_peer = last if pp_rank == first else first
+        self.last_events: list[PipelineEvent] = []
+
+    def tied_weight(self) -> torch.Tensor | None:
+        """This rank's end of a tied embedding that another rank also holds (None otherwise)."""
+        if self.tied_peer is None:
+            return None
+        if 0 in self.stage_ids:
+            return self.stages["0"].embedding.word_embeddings.weight
+        return self.stages[str(self.num_stages - 1)].output_layer.weight
+
+    def is_tied_copy(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is the last stage's copy of the tied embedding (the first stage counts it)."""
+        last = self.stages[str(self.num_stages - 1)] if str(self.num_stages - 1) in self.stages else None
+        return last is not None and last.tied_copy and param is last.output_layer.weight
+
+    def local_shards(self) -> dict[str, LocalShard]:
+        """Every parameter of this rank's stages, whole, under its name in the plain GPT."""
+        out: dict[str, LocalShard] = {}
+        for stage in self.stages.values():
+            params = dict(stage.named_parameters())
+            for local, full in stage.full_names().items():
+                out.setdefault(full, LocalShard.full(params[local]))
+        return out
+
+    def forward(self, *args: object) -> None:
+        raise RuntimeError("a pipeline stage is not called on a batch: use PipelineModule.step(inputs, "
+                           "labels, ...), which runs the schedule's forwards and backwards")
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, *, num_microbatches: int,
+             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+             scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Forward and backward of ``inputs``/``labels`` (``[B, s]``, this data-parallel rank's batch) in
+        ``num_microbatches`` micro-batches; returns the step's loss (the sum of the micro-batch losses) on
+        every pipeline rank. Gradients accumulate in the stages' parameters (the tied copies summed)."""
+        m = num_microbatches
+        actions = build_schedule(self.schedule, pp_size=self.pp_size, num_microbatches=m,
+                                 virtual_stages=self.virtual_stages)[self.pp_rank]
+        if inputs.shape[0] % m:
+            raise ValueError(f"{inputs.shape[0]} sequences do not split into {m} micro-batches")
+        micro = inputs.shape[0] // m
+        shape = (micro, inputs.shape[1], self.config.hidden_size)  # [b, s, h]: every stage boundary
+        self.last_events = []
+        loss = run_schedule(actions, stages={s: self.stages[str(s)] for s in self.stage_ids},
+                            pp_group=self.pp_group, pp_size=self.pp_size, inputs=inputs.chunk(m),
+                            labels=labels.chunk(m), loss_fn=loss_fn, activation_shape=shape,
+                            activation_dtype=torch.float32, store=self.store, scale_loss=scale_loss,
+                            events=self.last_events)
+        weight = self.tied_weight()
+        if weight is not None:
+            sync_tied_embeddings(weight, peer=self.tied_peer, group=self.pp_group)
+        ops.all_reduce(loss, group=self.pp_group)  # only the last stage's rank holds it: a sum with zeros
+        return loss
