@@ -57,7 +57,7 @@ from refimpl.launch import start_ranks
 from refimpl.measure import format_bytes
 from refimpl.parallel.context_parallel import causal_work, merge_partial_attention
 from refimpl.parallel.context_parallel.ring_attention import block_attention
-from refimpl.planner import activation_bytes, state_memory
+from refimpl.planner import activation_bytes, param_count, state_memory
 
 torch.set_num_threads(1)  # small tensors: one thread is as fast, and leaves the other core to the ranks
 print("torch", torch.__version__)
@@ -65,15 +65,17 @@ print("torch", torch.__version__)
 # %% [markdown]
 # ## 1. Why: activations grow with the sequence
 #
-# The planner counts what one block of our GPT keeps for backward (chapter 05). Take a 1.3B-parameter
-# configuration in bf16 and let the sequence grow: the model states (weights, gradients, AdamW moments,
-# 16 bytes per parameter unsharded) stay the same, the activations of **one** sequence grow with $s$.
+# The planner counts what one block of our GPT keeps for backward (chapter 05). Take a configuration of
+# 24 layers of width 2048 (its parameter count printed) in bf16 and let the sequence grow: the model
+# states (weights, gradients, AdamW moments, 16 bytes per parameter unsharded) stay the same, the
+# activations of **one** sequence grow with $s$.
 
 # %%
 big = ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, max_seq_len=131072)
 states = state_memory(big).total
-print(f"{big.num_layers} layers, h = {big.hidden_size}: model states {format_bytes(states)} for any "
-      "sequence length")
+n_params = param_count(big).total
+print(f"{big.num_layers} layers, h = {big.hidden_size}: {n_params / 1e9:.2f}B parameters, model states "
+      f"{format_bytes(states)} ({states / n_params:.0f} bytes per parameter) for any sequence length")
 for s in (4096, 16384, 65536, 131072):
     acts = sum(activation_bytes(big, micro_batch=1, seq_len=s, compute_dtype=torch.bfloat16))
     print(f"s = {s:>6d}: activations of one sequence {acts / 2**30:7.1f} GiB = {acts / states:5.1f} x "
@@ -128,7 +130,6 @@ def averaging_merge(out, lse, block_out, block_lse):
     return (block_out, block_lse) if out is None else ((out + block_out) / 2, torch.logaddexp(lse, block_lse))
 
 
-one_device_merge = {}
 for causal in (False, True):
     ref64 = F.scaled_dot_product_attention(qf.double(), kf.double(), vf.double(), is_causal=causal)
     tol = FACTOR * (F.scaled_dot_product_attention(qf, kf, vf, is_causal=causal).double() - ref64).abs().max()
@@ -139,7 +140,6 @@ for causal in (False, True):
                - ref64).abs().max()
         assert good <= tol, (causal, n, good, tol)
         assert bad > tol, "the averaging merge must fail the same check"
-        one_device_merge[(causal, n)] = (good.item(), bad.item(), tol.item())
         print(f"causal={causal!s:5s} {n} blocks: lse merge off by {good:.1e}, averaging merge off by "
               f"{bad:.1e} (tolerance {tol:.1e})")
 
@@ -361,7 +361,6 @@ for cp, group in cp_groups.items():
     for causal in (False, True):
         run = run_parallel(functools.partial(ulysses_attention, cp_group=group, causal=causal), group,
                            "contiguous")
-        ring_runs[(cp, causal, "ulysses")] = run
         ulysses_results[(cp, causal)] = r = ratios(run, causal, "contiguous")
         assert max(r.values()) <= 1, (cp, causal, r)
 try:
@@ -398,8 +397,8 @@ print("6 heads at cp = 4:", heads_error)
 #   **whole** sequence's K and V, whatever $n$;
 # * ring, backward: the K/V blocks again plus as much in dK/dV (our ring sends those in float32);
 # * Ulysses: four all-to-alls each way (q, k, v in and the output back; dO in and dQ, dK, dV back), each
-#   sending all but the block addressed to itself, $\frac{n-1}{n}$ of the local tensor: it **falls** as
-#   $1/n$.
+#   sending all but the block addressed to itself, $\frac{n-1}{n}$ of the local tensor: it **falls**,
+#   roughly as $1/n$.
 #
 # The planner has this as `refimpl.planner.communication.context_parallel_bytes` (per rank, per layer);
 # the measured side comes from the tracer.
@@ -541,8 +540,9 @@ fig.tight_layout()
 # %% [markdown]
 # From cp = 2 to cp = 4 the bytes per rank halve exactly (asserted: cp x bytes is the same). Against one
 # device they are a little above $1/\mathrm{cp}$, by one $s\,b\,h$ float32 tensor per block (asserted on
-# CPU): on one device the CPU flash kernel returns its output laid out as `[b, s, a, d]`, so the output
-# projection's input `[b, s, h]` is a view of the tensor attention already saved; ring attention and
+# CPU): on one device the CPU flash kernel lays its output out in memory like its queries, which in our
+# model are a view of the `[b, s, a, 3, d]` projection, so the output is `[b, s, a, d]` in memory and the
+# output projection's input `[b, s, h]` is a view of the tensor attention already saved; ring attention and
 # Ulysses return a `[b, a, s/cp, d]` tensor, and the reshape to `[b, s/cp, h]` makes a copy, which the
 # projection saves too (the planner counts it). Everything else a block keeps is per token and is split
 # by `cp`.
@@ -592,8 +592,9 @@ print("transfer time not hidden behind the same step's compute, per rank (ms):",
 # %% [markdown]
 # Each grey bar starts before the green bar of its step and ends after it: the block of the next step was
 # on the wire while this one was being computed. Only the part of a grey bar after its green bar is
-# exposed (printed); on GPUs with NVLink or InfiniBand the K/V block of $c\,d$ elements costs far less time
-# than its $O(c^2 d)$ attention, which is why the ring scales.
+# exposed (printed). A step moves a K/V block of $O(c\,d)$ elements and computes $O(c^2 d)$ FLOPs of
+# attention on the block it holds ($c$ tokens a chunk), so the longer the chunks, the more of the transfer
+# the compute hides; here, with 4 ranks sharing a CPU and tiny chunks, some of it stays exposed.
 
 # %% [markdown]
 # ## 9. Training at cp = 2
@@ -657,7 +658,7 @@ from refimpl.distributed.env import DistributedContext as RankContext
 from refimpl.train import build_parser, config_from_args, options_from_args, train
 
 ctx = RankContext(rank=rank, world_size=world_size, local_rank=rank, device=device,
-                         backend=dist.get_backend(), timeout_s=120)
+                  backend=dist.get_backend(), timeout_s=120)
 
 
 def positions_from_zero(seq_len, device, *, rank, size, layout):
