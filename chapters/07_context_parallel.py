@@ -740,7 +740,7 @@ ranks.stop()
 #   and the activations per rank fall as $1/\mathrm{cp}$.
 # * Ring attention is exact: blocks merged by their log-sum-exp. It sends $\frac{cp-1}{cp}$ of the whole
 #   sequence's K and V per layer forward (and that plus the gradients backward), to neighbours only,
-#   hidden behind the block attention of each step.
+#   overlapped with the block attention of each step.
 # * Under a causal mask, split the sequence zig-zag (chunks $i$ and $2\,\mathrm{cp}-1-i$): equal work.
 # * Ulysses trades the ring for two all-to-alls each way in and out of attention: fewer bytes per rank as
 #   `cp` grows, whole heads per rank, so `cp` divides the number of heads.
