@@ -56,8 +56,8 @@ holds ``s_c`` tokens (SP then splits ``s_c`` over ``t``). Attention saves other 
   function saves q, k, v (views of the QKV output, ``3 p s_c bh/t``), and its merged output and
   log-sum-exp in its block dtype (``q`` bytes): ``q s_c bh/t + q a s_c b/t``; the projection's input is a
   separate copy, ``p s_c bh/t`` (the ring's ``[b, a, s_c, d]`` output is transposed to ``[b, s_c, h]``;
-  SDPA's output, laid out ``[b, s, a, d]``, is not copied). ``q = 4`` (float32) when the weights are in
-  the compute dtype, ``q = p`` under autocast: the block matmuls run under the caller's autocast;
+  SDPA's output, laid out ``[b, s, a, d]``, is not copied). ``q = 4``: the ring computes its blocks in
+  float32, with autocast off inside;
 * DeepSpeed-Ulysses (Jacobs et al. 2023): SDPA on the all-to-all outputs ``[b, a/(t cp), s, d]``: three
   copies q, k, v ``3 p s_c bh/t`` (the QKV output itself is not kept), SDPA's output ``p s_c bh/t`` and
   float32 lse ``4 a s_c b/t``; the projection's input is the second all-to-all's output, ``p s_c bh/t``.
@@ -67,12 +67,12 @@ Per layer and rank, attention's ``(4 p) sbh/t + 4 a sb/t`` becomes at ``s_c`` to
     (4 p + q) s_c bh/t + q a s_c b/t         ring
     5 p s_c bh/t + 4 a s_c b/t               Ulysses
 
-so in 16-bit under autocast (p = q = 2, r = 4, f = 4h): ring ``s_c bh (12 + 26/t) + 16 s_c b + 2 a s_c b/t``,
+so in 16-bit under autocast (p = 2, q = r = 4, f = 4h): ring ``s_c bh (12 + 28/t) + 16 s_c b + 4 a s_c b/t``,
 Ulysses ``s_c bh (12 + 26/t) + 16 s_c b + 4 a s_c b/t``, against SDPA's ``12 + 24/t`` at ``s_c`` tokens:
-both pay ``2/t`` for the projection's copy. :class:`refimpl.measure.activations.SavedTensorMeter` measures
-the same numbers (tests/test_activations.py, tests/test_planner_tp.py at tp 2 and 4,
-tests/test_planner_cp.py at cp 2 and 4 and tp 2 x cp 2); :func:`refimpl.planner.memory.run_memory_per_rank`
-adds them up per rank.
+both pay ``2/t`` for the projection's copy, the ring ``2/t`` more for its float32 output.
+:class:`refimpl.measure.activations.SavedTensorMeter` measures the same numbers (tests/test_activations.py,
+tests/test_planner_tp.py at tp 2 and 4, tests/test_planner_cp.py at cp 2 and 4 and tp 2 x cp 2);
+:func:`refimpl.planner.memory.run_memory_per_rank` adds them up per rank.
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def activation_bytes_per_layer(
                   "attention log-sum-exp (fp32)": 4 * (a // t) * s * b,
                   "attention output = projection input": p * s * b * h // t}
     elif cp_method == "ring":
-        q = 4 if p == r else p  # the ring's block dtype: float32, but autocast's p for its matmuls
+        q = 4  # the ring's block dtype: float32 (autocast off inside)
         terms |= {"Q, K, V (the QKV output, ring inputs)": 3 * p * s * b * h // t,
                   "ring output (block dtype)": q * s * b * h // t,
                   "ring log-sum-exp (block dtype)": q * (a // t) * s * b,

@@ -28,13 +28,13 @@
   attention. Ring attention (Liu et al. 2023) posts ``cp - 1`` exchanges of its K/V block forward, with
   ``x = b (a/t) (s/cp) d`` elements per tensor: ``2 (cp-1) p x`` bytes, ``(cp-1)/cp`` of the whole
   sequence's K and V, whatever ``cp``; backward sends the K/V blocks round again and the partial dK/dV
-  behind them (float32, the ring's block dtype; ``p`` under autocast, whose matmuls set the block dtype):
-  ``2 (cp-1) (p + q) x``. Point-to-point bytes are exact (the tracer measures each ``isend``). DeepSpeed-
-  Ulysses (Jacobs et al. 2023) makes four all-to-alls of the local ``[b, a/t, s/cp, d]`` tensor forward (q,
-  k, v to head shards, the output back) and four backward (dO in; dQ, dK, dV back), each sending
-  ``(cp-1)/cp`` of it, ``4 (cp-1)/cp p x`` per direction: for a fixed sequence it falls as ``1/cp``, the
-  ring's stays. The all-to-all figure is the ring model's (:func:`wire_bytes`), exact for an equal split:
-  a rank keeps the one of its ``cp`` equal blocks addressed to itself and sends each other rank one.
+  behind them (float32, the ring's block dtype, also under autocast): ``2 (cp-1) (p + 4) x``.
+  Point-to-point bytes are exact (the tracer measures each ``isend``). DeepSpeed-Ulysses (Jacobs et al.
+  2023) makes four all-to-alls of the local ``[b, a/t, s/cp, d]`` tensor forward (q, k, v to head shards,
+  the output back) and four backward (dO in; dQ, dK, dV back), each sending ``(cp-1)/cp`` of it, ``4
+  (cp-1)/cp p x`` per direction: for a fixed sequence it falls as ``1/cp``, the ring's stays. The all-to-all
+  figure is the ring model's (:func:`wire_bytes`), exact for an equal split: a rank keeps the one of its
+  ``cp`` equal blocks addressed to itself and sends each other rank one.
 """
 
 from __future__ import annotations
@@ -155,16 +155,14 @@ def tensor_parallel_collectives(*, num_layers: int, hidden_size: int, micro_batc
 
 
 def context_parallel_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int, cp: int, method: str,
-                           tp: int = 1, compute_dtype: torch.dtype = torch.float32,
-                           autocast: bool = False) -> dict[str, int]:
+                           tp: int = 1, compute_dtype: torch.dtype = torch.float32) -> dict[str, int]:
     """Bytes ONE rank sends for ONE layer's attention under context parallelism, ``{"forward": ...,
     "backward": ...}`` (chapter 07; see the module docstring).
 
     ``seq_len`` is the whole sequence (each rank holds ``s/cp`` tokens), ``tp`` the tensor-parallel degree
     (attention runs on ``a/t`` heads), ``compute_dtype`` the dtype of q, k, v (``p`` bytes). ``method``
-    ``"ring"``: forward ``2 (cp-1) p x``, backward ``2 (cp-1) (p + q) x`` with ``x = b (a/t) (s/cp) d``
-    and ``q`` the dK/dV dtype, float32 (4), or ``p`` when the ring runs under ``autocast`` (measured: the
-    autocast matmuls set the ring's block dtype). ``"ulysses"``: ``4 (cp-1)/cp p x`` each way. Zero when
+    ``"ring"``: forward ``2 (cp-1) p x``, backward ``2 (cp-1) (p + 4) x`` with ``x = b (a/t) (s/cp) d``
+    (dK/dV travel in float32, the ring's block dtype). ``"ulysses"``: ``4 (cp-1)/cp p x`` each way. Zero when
     ``cp = 1``. The sizes must split: the ring's ``2 cp`` zig-zag chunks, Ulysses' ``cp`` parts and heads.
     """
     if method not in METHODS:
@@ -178,7 +176,6 @@ def context_parallel_bytes(config: ModelConfig, *, micro_batch: int, seq_len: in
     p = torch.empty((), dtype=compute_dtype).element_size()
     x = micro_batch * (config.num_attention_heads // tp) * s * config.head_dim  # one rank's q, k or v
     if method == "ring":
-        grad = p if autocast else 4
-        return {"forward": 2 * (cp - 1) * p * x, "backward": 2 * (cp - 1) * (p + grad) * x}
+        return {"forward": 2 * (cp - 1) * p * x, "backward": 2 * (cp - 1) * (p + 4) * x}
     per_direction = 4 * (cp - 1) * p * x // cp  # exact: x holds cp equal blocks (a/t divides by cp)
     return {"forward": per_direction, "backward": per_direction}

@@ -11,7 +11,9 @@ and two partial results merge as
     lse = logaddexp(lse_1, lse_2),    o = e^(lse_1 - lse) o_1 + e^(lse_2 - lse) o_2,
 
 which is associative, so the order the blocks arrive in does not matter (:func:`merge_partial_attention`).
-Blocks are computed in float32 (or the inputs' wider dtype), scores explicitly: on CPU the sizes are tiny.
+Blocks are computed in float32 (or the inputs' wider dtype), scores explicitly, with autocast off inside
+(under the caller's bf16/fp16 autocast too): on CPU the sizes are tiny. The output returns in the inputs'
+dtype; the saved output and log-sum-exp and the travelling dK/dV are float32.
 
 Backward is a ring too (Brandon et al. 2023 "Striped Attention"; picotron's ring backward): with the
 saved row ``lse`` and ``D = rowsum(dO * O)`` each block's ``P = exp(S - lse)`` is rebuilt, and
@@ -186,6 +188,13 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group: Group, causal: bool, layout: Layout, scale: float,
                 timeline: RingTimeline | None):
+        # the blocks in float32 under the caller's autocast too (its matmuls would round them to 16 bits)
+        with torch.autocast(q.device.type, enabled=False):
+            return _RingAttention._forward(ctx, q, k, v, group, causal, layout, scale, timeline)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, group: Group, causal: bool, layout: Layout, scale: float,
+                 timeline: RingTimeline | None):
         n, r = cp_size(group), cp_rank(group)
         owned = [chunk_ids(cp_rank=i, cp_size=n, layout=layout) for i in range(n)]
         m, cdt = len(owned[r]), torch.promote_types(q.dtype, torch.float32)
@@ -215,6 +224,11 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        with torch.autocast(dout.device.type, enabled=False):
+            return _RingAttention._backward(ctx, dout)
+
+    @staticmethod
+    def _backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         group, causal, layout, scale = ctx.args
         n, r = cp_size(group), cp_rank(group)
