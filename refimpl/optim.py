@@ -9,6 +9,7 @@ a resumed run needs only the step to continue the schedule exactly (chapter 01, 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -16,10 +17,13 @@ from torch import nn
 from refimpl.config import OptimConfig
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: 2-D weights outside the embedding decay, everything else does not."""
+def param_groups(model: nn.Module, weight_decay: float,
+                 named: Iterable[tuple[str, nn.Parameter]] | None = None) -> list[dict]:
+    """Two groups: 2-D weights outside the embedding decay, everything else does not. ``named``: the
+    ``(name, parameter)`` pairs to sort, when the model's own names are not the plain GPT's (a pipeline
+    stage's copy of a tied embedding is named ``output_layer.weight`` but is the embedding)."""
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for name, p in (model.named_parameters() if named is None else named):
         if not p.requires_grad:
             continue
         (decay if p.ndim >= 2 and "embedding" not in name else no_decay).append(p)
@@ -29,9 +33,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, config: OptimConfig,
+                    named: Iterable[tuple[str, nn.Parameter]] | None = None) -> torch.optim.AdamW:
     return torch.optim.AdamW(
-        param_groups(model, config.weight_decay),
+        param_groups(model, config.weight_decay, named),
         lr=config.lr,
         betas=(config.beta1, config.beta2),
         eps=config.eps,

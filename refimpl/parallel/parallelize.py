@@ -257,7 +257,8 @@ class Parallelized:
             ops.all_reduce(sq, group=pipe.pp_group)
             return scale_to_max_norm_(grads, sq.sqrt(), config.grad_clip)
 
-        return OptimizerSetup(optimizer=build_optimizer(pipe, config), grad_params=params,
+        optimizer = build_optimizer(pipe, config, named=pipe.named_parameters_full())  # decay by GPT names
+        return OptimizerSetup(optimizer=optimizer, grad_params=params,
                               clip_fn=None if config.grad_clip is None else clip_fn,
                               finish_gradients=finish if group is not None else None)
 

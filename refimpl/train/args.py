@@ -25,9 +25,9 @@ def _steps(text: str) -> tuple[int, ...]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m refimpl.train",
-        description="Train the course's byte-level GPT with data parallelism or ZeRO, tensor and context "
-        "parallelism (run under torchrun, or pass --nproc-per-node to launch it). Writes metrics.jsonl, "
-        "loss.png, config.json and checkpoints into --out, and resumes from them.",
+        description="Train the course's byte-level GPT with data parallelism or ZeRO, tensor, context and "
+        "pipeline parallelism (run under torchrun, or pass --nproc-per-node to launch it). Writes "
+        "metrics.jsonl, loss.png, config.json and checkpoints into --out, and resumes from them.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     run = p.add_argument_group("run")
@@ -77,7 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--sequence-parallel", action="store_true",
                      help="with --tp > 1: split the activations outside the tensor-parallel regions along "
                      "the sequence (Korthikanti et al. 2022); --seq-len must divide by --tp")
-    par.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (chapter 08; not built yet)")
+    par.add_argument("--pp", type=int, default=1,
+                     help="pipeline-parallel degree (chapter 08): the blocks cut into pp stages, the batch "
+                     "run through them in micro-batches; composes with --dp and --zero-stage 0 today")
+    par.add_argument("--microbatches", type=int, default=None, metavar="M",
+                     help="with --pp > 1: pipeline micro-batches per step and data-parallel rank (default: "
+                     "per-rank batch / --micro-batch-size, else pp)")
+    par.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved", "zb1p"), default="1f1b",
+                     help="with --pp > 1: the pipeline schedule (zb1p: zero-bubble ZB-H1)")
+    par.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                     help="with --pp-schedule interleaved: model chunks per pipeline rank")
+    par.add_argument("--pp-balance", choices=("layers", "parameters"), default="layers",
+                     help="with --pp > 1: cut the blocks into equal counts or equal parameters per stage")
     par.add_argument("--cp", type=int, default=1,
                      help="context-parallel degree (chapter 07): each sequence split over cp ranks, "
                      "attention across them; --seq-len must divide by 2 x cp (ring) or cp (ulysses)")
@@ -161,6 +172,10 @@ class RunOptions:
     pp: int = 1
     sequence_parallel: bool = False
     cp_method: str = "ring"
+    microbatches: int | None = None  # pipeline micro-batches per step and dp rank (None: see --microbatches)
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    pp_balance: str = "layers"
 
     def __post_init__(self) -> None:
         ParallelDims(dp=1 if self.dp is None else self.dp, cp=self.cp, tp=self.tp, pp=self.pp)  # degrees >= 1
@@ -170,9 +185,16 @@ class RunOptions:
         if self.tp > 1 and self.zero_stage == 3:
             raise ConfigError(f"--tp {self.tp} with --zero-stage 3 (2-D sharding) is not built yet (chapter "
                               "10); use --zero-stage 0, 1 or 2")
-        if self.pp > 1:
-            raise ConfigError(f"--pp {self.pp}: not built yet (chapter 08 pipeline parallelism builds it); "
-                              "today the trainer runs --dp, --cp and --tp")
+        if self.pp > 1 and (self.tp > 1 or self.cp > 1 or self.zero_stage != 0):
+            raise ConfigError(f"--pp {self.pp} with --tp, --cp or --zero-stage 1-3 is not built yet (chapter "
+                              "10 composes them); today --pp runs with --dp and --zero-stage 0")
+        if self.pp == 1 and (self.microbatches is not None or self.virtual_stages != 1):
+            raise ConfigError("--microbatches and --virtual-stages set the pipeline: they need --pp > 1")
+        if self.virtual_stages < 1 or (self.virtual_stages > 1 and self.pp_schedule != "interleaved"):
+            raise ConfigError(f"--virtual-stages {self.virtual_stages}: a positive number, above 1 only with "
+                              "--pp-schedule interleaved")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise ConfigError(f"--microbatches must be >= 1, got {self.microbatches}")
         if self.cp_method not in ("ring", "ulysses"):
             raise ConfigError(f"--cp-method must be ring or ulysses, got {self.cp_method!r}")
         if self.sigterm_grace_s is not None and not self.sigterm_grace_s >= 0:
@@ -194,7 +216,9 @@ class RunOptions:
     def to_dict(self) -> dict:
         return {"zero_stage": self.zero_stage, "precision": self.precision,
                 "activation_checkpointing": self.activation_checkpointing, "dp": self.dp, "cp": self.cp,
-                "cp_method": self.cp_method, "tp": self.tp, "sequence_parallel": self.sequence_parallel}
+                "cp_method": self.cp_method, "tp": self.tp, "sequence_parallel": self.sequence_parallel,
+                "pp": self.pp, "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
+                "microbatches": self.microbatches}
 
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:
@@ -224,4 +248,6 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
                       faults=faults, sigterm_grace_s=args.sigterm_grace,
                       sleep_in_step_s=args.test_sleep_in_step,
                       dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp,
-                      sequence_parallel=args.sequence_parallel, cp_method=args.cp_method)
+                      sequence_parallel=args.sequence_parallel, cp_method=args.cp_method,
+                      microbatches=args.microbatches, pp_schedule=args.pp_schedule,
+                      virtual_stages=args.virtual_stages, pp_balance=args.pp_balance)

@@ -37,6 +37,7 @@ from refimpl.train.preflight import (
     check_fits,
     check_same_run,
     check_tensor_parallel,
+    pipeline_microbatches,
 )
 from refimpl.train.setup import _sampling_model, build_setup
 from refimpl.train.step import train_step
@@ -111,7 +112,9 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
     else:
         earlier = []
 
-    accumulation = config.data.accumulation_steps(dims.dp)  # per data-parallel rank (TP ranks share a batch)
+    # per data-parallel rank (TP ranks share a batch); under pipeline parallelism the pipeline's micro-batches
+    accumulation = (config.data.accumulation_steps(dims.dp) if dims.pp == 1
+                    else pipeline_microbatches(config, options, dims.dp))
     micro = config.data.per_rank_batch(dims.dp) // accumulation
     # dp ranks x accumulation x micro sequences of seq_len tokens (under cp each of the cp ranks holds
     # seq_len / cp of them): the global batch x seq_len; the tp (and pp) ranks of a replica share them
@@ -125,7 +128,10 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
               f"global batch {config.data.global_batch_size} x {config.data.seq_len} tokens = {micro} per "
               f"micro-batch x {accumulation} accumulation x {dims.dp} data-parallel ranks | layout "
               f"{dims.describe()}{' with sequence parallelism' if options.sequence_parallel else ''}"
-              + (f" | context parallel: {options.cp_method} attention" if dims.cp > 1 else ""))
+              + (f" | context parallel: {options.cp_method} attention" if dims.cp > 1 else "")
+              + (f" | pipeline: {options.pp_schedule}, {accumulation} micro-batches"
+                 + (f", {options.virtual_stages} stages per rank" if options.virtual_stages > 1 else "")
+                 if dims.pp > 1 else ""))
 
     heartbeat = elastic.Heartbeat(ctx.rank, ctx.world_size)
     faults, mp = options.faults, setup.mp

@@ -64,6 +64,36 @@ def check_context_parallel(config: TrainConfig, cp: int, *, method: str = "ring"
                           f"{cp}) over the {tp} tensor-parallel ranks: they do not divide by {tp}")
 
 
+def pipeline_microbatches(config: TrainConfig, options: RunOptions, dp: int) -> int:
+    """The pipeline micro-batches per step and data-parallel rank (chapter 08): ``--microbatches``, else
+    the per-rank batch over ``--micro-batch-size``, else ``pp``; refused (one line) when the per-rank batch
+    does not split into them, they disagree with ``--micro-batch-size``, the interleaved schedule cannot
+    take them or the blocks do not fill the stages."""
+    per_rank = config.data.per_rank_batch(dp)
+    if options.microbatches is not None:
+        m = options.microbatches
+        micro = config.data.micro_batch_size
+        if micro is not None and micro * m != per_rank:
+            raise ConfigError(f"--microbatches {m} x --micro-batch-size {micro} is not the per-rank batch "
+                              f"{per_rank} (= --batch-size / dp {dp}); give one of the two")
+    elif config.data.micro_batch_size is not None:
+        m = config.data.accumulation_steps(dp)
+    else:
+        m = options.pp
+    if per_rank % m:
+        raise ConfigError(f"the per-rank batch {per_rank} (= --batch-size / dp {dp}) does not split into {m} "
+                          "pipeline micro-batches; set --microbatches to a divisor of it")
+    stages = options.pp * options.virtual_stages
+    if config.model.num_layers < stages:
+        raise ConfigError(f"--num-layers {config.model.num_layers} cannot fill {stages} pipeline stages "
+                          f"(--pp {options.pp} x --virtual-stages {options.virtual_stages}): each needs a "
+                          "block")
+    if options.pp_schedule == "interleaved" and m % options.pp:
+        raise ConfigError(f"--pp-schedule interleaved sends micro-batches in rounds of --pp {options.pp}: "
+                          f"{m} micro-batches do not divide by {options.pp}")
+    return m
+
+
 MEMORY_ENV = "REFIMPL_MEMORY_BYTES"  # tests: this node's memory in bytes, instead of the measured figure
 
 
@@ -109,7 +139,8 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
     check_tensor_parallel(config, dims.tp, sequence_parallel=options.sequence_parallel)
     check_context_parallel(config, dims.cp, method=options.cp_method, tp=dims.tp,
                            sequence_parallel=options.sequence_parallel)
-    accumulation = config.data.accumulation_steps(dims.dp)  # a bad split is refused here too
+    accumulation = (config.data.accumulation_steps(dims.dp) if dims.pp == 1  # a bad split: refused here
+                    else pipeline_microbatches(config, options, dims.dp))
     micro = config.data.per_rank_batch(dims.dp) // accumulation
     n, chosen = config.model.num_layers, []
     if options.activation_checkpointing is not None:
@@ -121,7 +152,10 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
     need = run_memory_per_rank(config.model, dims, micro_batch=micro, seq_len=config.data.seq_len,
                                zero_stage=options.zero_stage, precision=options.precision,
                                checkpointed_blocks=chosen, sequence_parallel=options.sequence_parallel,
-                               cp_method=options.cp_method)
+                               cp_method=options.cp_method,
+                               **({} if dims.pp == 1 else
+                                  {"pp_schedule": options.pp_schedule, "num_microbatches": accumulation,
+                                   "virtual_stages": options.virtual_stages}))
     have, source = machine_memory_per_rank(ranks_per_node, local_rank=local_rank, launching=launching)
     if need.total > have:
         tokens = (f"{config.data.seq_len} tokens" if dims.cp == 1

@@ -35,6 +35,7 @@ class _Setup:
     tp_group: torch.distributed.ProcessGroup | None = None
     split_batch: Callable[[torch.Tensor], torch.Tensor] = lambda tokens: tokens  # [b, s] -> [b, s/cp]
     cp_group: torch.distributed.ProcessGroup | None = None
+    pipeline: torch.nn.Module | None = None  # this rank's pipeline stages (PipelineModule): a step per call
 
 
 def build_setup(config: TrainConfig, ctx: DistributedContext, options: RunOptions,
@@ -50,12 +51,15 @@ def build_setup(config: TrainConfig, ctx: DistributedContext, options: RunOption
                       ParallelizeOptions(zero_stage=options.zero_stage, precision=options.precision,
                                          activation_checkpointing=options.activation_checkpointing,
                                          sequence_parallel=options.sequence_parallel,
-                                         cp_method=options.cp_method))
+                                         cp_method=options.cp_method, pp_schedule=options.pp_schedule,
+                                         virtual_stages=options.virtual_stages,
+                                         pp_balance=options.pp_balance))
     opt = par.build_optimizer(config.optim)
     return _Setup(model=par.model, forward=par.forward, state_module=par.state_module, mp=par.mp,
                   optimizer=opt.optimizer, dp=par.sync, grad_params=opt.grad_params, clip_fn=opt.clip_fn,
                   group=par.group, loss=par.loss, finish_gradients=opt.finish_gradients,
-                  tp_group=par.tp_group, split_batch=par.split_batch, cp_group=par.cp_group)
+                  tp_group=par.tp_group, split_batch=par.split_batch, cp_group=par.cp_group,
+                  pipeline=par.pipeline)
 
 
 def _sampling_model(setup: _Setup, config: TrainConfig, options: RunOptions,
@@ -63,6 +67,20 @@ def _sampling_model(setup: _Setup, config: TrainConfig, options: RunOptions,
     """A full model to sample from on rank 0 (ZeRO-3 and tensor parallelism gather it: collective); None on
     other ranks. Under context parallelism the trained model's attention is collective, so rank 0 samples
     from a plain GPT holding the same weights."""
+    if setup.pipeline is not None:  # each pipeline rank holds its stages: gather them on rank 0
+        import torch.distributed as dist
+
+        pipe = setup.pipeline
+        mine = {name: shard.tensor.detach().cpu() for name, shard in pipe.local_shards().items()}
+        parts = [None] * pipe.pp_size if dist.get_rank(pipe.pp_group) == 0 else None
+        dst = dist.get_global_rank(pipe.pp_group, 0)
+        dist.gather_object(mine, parts, dst=dst, group=pipe.pp_group)
+        if not ctx.is_main:
+            return None
+        model = GPT(config.model, seed=config.data.seed).to(ctx.device)
+        full = {name: t for part in parts for name, t in part.items()}
+        model.load_state_dict(full, strict=False)  # a tied output weight is the embedding's
+        return model
     if setup.tp_group is not None:
         from refimpl.parallel.tensor_parallel import full_state_dict
 

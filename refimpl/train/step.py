@@ -5,6 +5,8 @@ mixed-precision driver (chapter 05: unscale, skip on inf/NaN under fp16, clip, A
 
 With ``A`` micro-batches of ``b`` sequences each loss is the micro-batch mean divided by ``A``; summed over
 the micro-batches and averaged over equal-sized data-parallel ranks it is the mean over the global batch.
+Under pipeline parallelism (chapter 08) the ``A`` micro-batches are the pipeline's: one call of the stages'
+``step`` runs the schedule's forwards and backwards, and the data-parallel average follows once.
 """
 
 from __future__ import annotations
@@ -27,7 +29,17 @@ def train_step(setup: _Setup, inputs: torch.Tensor, labels: torch.Tensor, *, acc
     trainer's fault injection and heartbeat); ``before_optimizer_step`` once the gradients are reduced."""
     mp, dp = setup.mp, setup.dp
     loss_sum = torch.zeros((), device=device)
-    for i in range(accumulation):
+    if setup.pipeline is not None:  # chapter 08: the schedule runs every micro-batch's forward and backward
+        def share(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return setup.loss(logits, y) / accumulation
+
+        with mp.autocast():
+            loss_sum = setup.pipeline.step(inputs.to(device), labels.to(device),
+                                           num_microbatches=accumulation, loss_fn=share,
+                                           scale_loss=None if mp.scaler is None else mp.scaler.scale)
+        if after_first_forward is not None:
+            after_first_forward()  # the step's forwards and backwards are done; the reduction is not
+    for i in range(0 if setup.pipeline is not None else accumulation):
         x = inputs[i * micro : (i + 1) * micro].to(device)
         y = labels[i * micro : (i + 1) * micro].to(device)
         last = i == accumulation - 1

@@ -72,6 +72,14 @@ class PipelineModule(nn.Module):
         last = self.stages[str(self.num_stages - 1)] if str(self.num_stages - 1) in self.stages else None
         return last is not None and last.tied_copy and param is last.output_layer.weight
 
+    def named_parameters_full(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their names in the plain GPT (the tied copy as the embedding)."""
+        out = []
+        for stage in self.stages.values():
+            params = dict(stage.named_parameters())
+            out += [(full, params[local]) for local, full in stage.full_names().items()]
+        return out
+
     def local_shards(self) -> dict[str, LocalShard]:
         """Every parameter of this rank's stages, whole, under its name in the plain GPT."""
         out: dict[str, LocalShard] = {}

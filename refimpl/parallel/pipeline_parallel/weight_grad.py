@@ -56,7 +56,7 @@ class WeightGradStore:
 
 @torch.no_grad()
 def _accumulate(weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
-    grad = dy.t().mm(x)  # dW = dY^T X: [out, tokens] @ [tokens, in] -> [out, in]
+    grad = dy.t().mm(x).to(weight.dtype)  # dW = dY^T X: [out, tokens] @ [tokens, in] -> [out, in]
     if weight.grad is None:
         weight.grad = grad
     else:
@@ -64,18 +64,24 @@ def _accumulate(weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None
 
 
 class _LinearDeferredWeight(torch.autograd.Function):
+    """``F.linear`` whose backward returns dX and db and queues dW. Under autocast the matmul runs in the
+    autocast dtype (``compute``); the gradients are computed in it and cast back to each input's dtype, as
+    autograd does through autocast's casts."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, store):
+        y = F.linear(x, weight, bias)  # autocast (if on) picks the dtype
         ctx.save_for_backward(x, weight)
-        ctx.store, ctx.has_bias = store, bias is not None
-        return F.linear(x, weight, bias)
+        ctx.store, ctx.bias_dtype, ctx.compute = store, None if bias is None else bias.dtype, y.dtype
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        dx = dy @ weight                                       # [..., out] @ [out, in] -> [..., in]
-        db = dy.flatten(0, -2).sum(0) if ctx.has_bias else None  # [out]
-        dy2, x2 = dy.flatten(0, -2), x.detach().flatten(0, -2)  # [tokens, out], [tokens, in]
+        dy = dy.to(ctx.compute)
+        dx = (dy @ weight.to(ctx.compute)).to(x.dtype)          # [..., out] @ [out, in] -> [..., in]
+        db = None if ctx.bias_dtype is None else dy.flatten(0, -2).sum(0).to(ctx.bias_dtype)  # [out]
+        dy2, x2 = dy.flatten(0, -2), x.detach().to(ctx.compute).flatten(0, -2)  # [tokens, out], [tokens, in]
         ctx.store.push(lambda: _accumulate(weight, dy2, x2))
         return dx, None, db, None
 

@@ -1,0 +1,173 @@
+"""The trainer with ``--pp`` (chapter 08): every schedule trains the same model as one device, composes
+with ``--dp``, ``--precision`` (fp16 with its loss scaler) and activation checkpointing, and a ``pp 2 x dp
+2`` checkpoint (written under the plain GPT's names) resumes at ``dp 4``.
+
+One spawn of 4 ranks runs each layout through :func:`refimpl.train.train`; the one-device references run in
+this process. Tolerance (the numerics rule, as tests/test_train_tp.py): ``FACTOR x spread``, ``spread`` the
+largest difference between two one-device runs in two summation orders (the whole batch at once vs one
+sequence per micro-batch), in 16 bits at least ``|16-bit - fp32|`` on one device. picotron's DP x PP bug (a
+rank that never averages its gradients over dp) gets its own check: after a step the dp replicas of each
+stage hold the same bits, and without the average (the negative control) they do not.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from refimpl.data import make_corpus_file
+from refimpl.distributed import DistributedContext
+from refimpl.launch import run_ranks
+from refimpl.train import build_parser, build_setup, config_from_args, options_from_args, train
+from refimpl.train.step import train_step
+
+SPAWN_TIMEOUT_S = 420
+FACTOR = 4.0
+STEPS = 4
+TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
+        "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
+        "--checkpoint-every", "0"]
+# name -> (flags at world size 4, the one-device precision it is compared with)
+LAYOUTS = {
+    "pp2-dp2-1f1b": (["--pp", "2", "--microbatches", "2", "--steps", str(STEPS + 2),
+                      "--checkpoint-every", str(STEPS)], "fp32"),  # saves at STEPS: resumed at dp 4
+    "pp4-gpipe": (["--pp", "4", "--pp-schedule", "gpipe", "--microbatches", "4"], "fp32"),
+    "pp2-dp2-interleaved": (["--pp", "2", "--pp-schedule", "interleaved", "--virtual-stages", "2",
+                             "--microbatches", "2", "--pp-balance", "parameters"], "fp32"),
+    "pp4-zb1p-bf16": (["--pp", "4", "--pp-schedule", "zb1p", "--microbatches", "4", "--precision", "bf16"],
+                      "bf16"),
+    "pp2-dp2-fp16-actckpt": (["--pp", "2", "--microbatches", "2", "--precision", "fp16",
+                              "--activation-checkpointing"], "fp16"),
+}
+
+
+def _args(files: dict, out: Path, *extra: str):
+    return build_parser().parse_args([*TINY, "--steps", str(STEPS), "--data", str(files["corpus"]),
+                                      "--cache-dir", str(files["cache"]), "--out", str(out), *extra])
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("train_pp")
+    return {"root": root, "corpus": make_corpus_file(root / "corpus.txt", num_bytes=20_000),
+            "cache": root / "cache"}
+
+
+def _replicas_agree(ctx, files: dict, *, average: bool) -> bool:
+    """One pp 2 x dp 2 step; whether the dp replicas of this rank's stages hold the same bits after it."""
+    args = _args(files, Path(files["root"]) / "sync", "--pp", "2", "--microbatches", "2")
+    config, options = config_from_args(args), options_from_args(args)
+    dims = options.parallel_dims(ctx.world_size)
+    groups = dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
+    setup = build_setup(config, ctx, options, groups)
+    if not average:
+        setup.finish_gradients = None  # the bug: this rank never averages over dp
+    g = torch.Generator().manual_seed(1 + dims.coordinates(ctx.rank).dp)  # each dp rank its own batch
+    tokens = torch.randint(0, 256, (2, 17), generator=g)
+    train_step(setup, tokens[:, :-1], tokens[:, 1:], accumulation=2, micro=1, device=ctx.device,
+               grad_clip=config.optim.grad_clip)
+    flat = torch.cat([p.detach().flatten() for p in setup.pipeline.parameters()])
+    other = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(other, flat, group=groups.group("dp"))
+    return torch.equal(*other)
+
+
+def _worker(ctx, files: dict) -> dict:
+    root = Path(files["root"])
+    out = {}
+    for name, (flags, _) in LAYOUTS.items():
+        args = _args(files, root / name, *flags, "--checkpoint-dir", str(root / name / "ckpt"))
+        out[name] = [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args))]
+    if ctx.rank == 0:  # the pp 2 x dp 2 checkpoint of step STEPS alone, resumed at dp 4 below
+        shutil.copytree(root / "pp2-dp2-1f1b" / "ckpt", root / "resumed-checkpoints")
+        shutil.rmtree(root / "resumed-checkpoints" / f"step_{STEPS + 2:08d}")
+    dist.barrier()
+    args = _args(files, root / "resumed", "--steps", str(STEPS + 2), "--checkpoint-every", str(STEPS),
+                 "--checkpoint-dir", str(root / "resumed-checkpoints"))
+    out["resumed at dp4"] = [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args))]
+    out["sample"] = (root / "pp4-gpipe" / "sample.txt").read_text() if ctx.rank == 0 else None
+    out["replicas agree"] = _replicas_agree(ctx, files, average=True)
+    out["replicas agree without the average"] = _replicas_agree(ctx, files, average=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(files) -> list[dict]:
+    return run_ranks(_worker, 4, files, timeout_s=SPAWN_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def one_device(files, tmp_path_factory) -> dict:
+    """One-device runs in this process: per precision the plain run and one in another summation order."""
+    state = random.getstate(), np.random.get_state(), torch.random.get_rng_state(), torch.get_num_threads()
+    torch.set_num_threads(1)
+    ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    root = tmp_path_factory.mktemp("one_device")
+    try:
+        out = {}
+        for precision in ("fp32", "bf16", "fp16"):
+            for order, extra in (("batch", []), ("micro", ["--micro-batch-size", "1"])):
+                args = _args(files, root / f"{precision}-{order}", "--precision", precision,
+                             "--steps", str(STEPS + 2), *extra)
+                out[precision, order] = [r["loss"] for r in train(config_from_args(args), ctx,
+                                                                  options_from_args(args))]
+        return out
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.random.set_rng_state(state[2])
+        torch.set_num_threads(state[3])
+
+
+def _tolerance(one_device: dict, precision: str) -> float:
+    a, b = np.array(one_device[precision, "batch"]), np.array(one_device[precision, "micro"])
+    spread = float(np.abs(a - b).max())
+    assert spread > 0, "both summation orders give the same bits: no yardstick"
+    if precision != "fp32":
+        spread = max(spread, float(np.abs(a - np.array(one_device["fp32", "batch"])).max()))
+    return FACTOR * spread
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_pipeline_layouts_train_like_one_device(runs, one_device, name):
+    precision = LAYOUTS[name][1]
+    want = np.array(one_device[precision, "batch"][:len(runs[0][name])])
+    tol = _tolerance(one_device, precision)
+    for rank, out in enumerate(runs):
+        got = np.array(out[name])
+        assert len(got) == len(want)
+        diff = float(np.abs(got - want).max())
+        assert diff <= tol, f"{name} rank {rank}: losses {got} vs one device {want}: {diff:.2e} > {tol:.2e}"
+    # negative control: the one-device losses move by far more than the tolerance from step to step
+    assert float(np.abs(np.diff(want)).min()) > tol
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+def test_a_pp2_checkpoint_resumes_at_dp4_and_continues_the_losses(runs, one_device):
+    resumed, pp2 = runs[0]["resumed at dp4"], runs[0]["pp2-dp2-1f1b"]
+    assert len(resumed) == 2  # a fresh --out: the two steps after the resume
+    tol = _tolerance(one_device, "fp32")
+    assert float(np.abs(np.array(resumed) - np.array(pp2[STEPS:])).max()) <= tol
+    assert float(np.abs(np.array(resumed) - np.array(one_device["fp32", "batch"][STEPS:])).max()) <= tol
+
+
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+def test_dp_replicas_of_a_stage_stay_equal_and_the_skipped_average_is_caught(runs):
+    for rank, out in enumerate(runs):
+        assert out["replicas agree"], rank
+        assert not out["replicas agree without the average"], rank  # picotron's DP x PP bug, caught
+
+
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+def test_rank_zero_samples_from_the_gathered_stages(runs):
+    sample = runs[0]["sample"]
+    assert sample.startswith("def ") and len(sample) > len("def ")
