@@ -742,8 +742,9 @@ ranks.stop()
 #   sequence's K and V per layer forward (and that plus the gradients backward), to neighbours only,
 #   overlapped with the block attention of each step.
 # * Under a causal mask, split the sequence zig-zag (chunks $i$ and $2\,\mathrm{cp}-1-i$): equal work.
-# * Ulysses trades the ring for two all-to-alls each way in and out of attention: fewer bytes per rank as
-#   `cp` grows, whole heads per rank, so `cp` divides the number of heads.
+# * Ulysses trades the ring for all-to-alls in and out of attention (four each way: q, k, v in and the
+#   output back): fewer bytes per rank as `cp` grows, whole heads per rank, so `cp` divides the number of
+#   heads.
 #
 # ## Exercise
 #
