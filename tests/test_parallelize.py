@@ -43,7 +43,6 @@ CASES = {  # name -> options
     "zero3-bf16": ParallelizeOptions(zero_stage=3, precision="bf16"),
 }
 REFUSED = {  # layout at world size 4 -> the chapter the error must name
-    "tp2-pp2": (dict(dp=1, tp=2, pp=2), "chapter 10"),
     "cp2-pp2": (dict(dp=1, cp=2, pp=2), "chapter 10"),
 }
 
@@ -283,7 +282,7 @@ def test_one_process_layout_needs_no_group():
     with pytest.raises(ValueError, match="pass its process groups"):
         parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=2), ParallelizeOptions())
     with pytest.raises(ValueError, match="chapter 10"):  # what is not built is named before the groups
-        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, tp=2, pp=2), ParallelizeOptions())
+        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, cp=2, pp=2), ParallelizeOptions())
     with pytest.raises(ValueError, match="pass its process groups"):
         parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, cp=2), ParallelizeOptions())
     with pytest.raises(ValueError, match="needs tp > 1"):

@@ -1,6 +1,7 @@
 """The trainer with ``--pp`` (chapter 08): every schedule trains the same model as one device, composes
-with ``--dp``, ``--precision`` (fp16 with its loss scaler) and activation checkpointing, and a ``pp 2 x dp
-2`` checkpoint (written under the plain GPT's names) resumes at ``dp 4``.
+with ``--dp``, ``--tp`` (with sequence parallelism), ``--precision`` (fp16 with its loss scaler) and
+activation checkpointing, and a ``pp 2 x dp 2`` checkpoint (written under the plain GPT's names) resumes at
+``dp 4``.
 
 One spawn of 4 ranks runs each layout through :func:`refimpl.train.train`; the one-device references run in
 this process. Tolerance (the numerics rule, as tests/test_train_tp.py): ``FACTOR x spread``, ``spread`` the
@@ -44,6 +45,11 @@ LAYOUTS = {
                       "bf16"),
     "pp2-dp2-fp16-actckpt": (["--pp", "2", "--microbatches", "2", "--precision", "fp16",
                               "--activation-checkpointing"], "fp16"),
+    # tensor parallelism inside the stages: the tied embedding's copy is a vocab-parallel shard
+    "pp2-tp2-sp": (["--pp", "2", "--tp", "2", "--sequence-parallel", "--microbatches", "2"], "fp32"),
+    "pp2-tp2-interleaved-bf16": (["--pp", "2", "--tp", "2", "--pp-schedule", "interleaved",
+                                  "--virtual-stages", "2", "--microbatches", "4", "--precision", "bf16"],
+                                 "bf16"),
 }
 
 

@@ -41,8 +41,9 @@ Under pipeline parallelism (step 3, ``pp > 1``) the model becomes this rank's st
 micro-batch; the gradients are averaged over ``dp x cp`` once, after the step's last backward
 (:attr:`OptimizerSetup.finish_gradients`; a rank that skipped it would drift from its replicas: picotron's
 DP x PP bug), and the gradient norm sums over the ``pp`` ranks (a tied embedding counted once). Today it
-composes with data parallelism (ZeRO-0), precision and activation checkpointing; with tensor or context
-parallelism and ZeRO 1-3 it is refused, naming chapter 10, which builds those layouts.
+composes with data parallelism (ZeRO-0), tensor and sequence parallelism (step 1 comes first: the stages
+hold the tensor-parallel modules), precision and activation checkpointing; with context parallelism and
+ZeRO 1-3 it is refused, naming chapter 10, which builds those layouts.
 
 Under context parallelism (step 2, ``cp > 1``) each rank runs the model on its part of the sequence:
 :meth:`Parallelized.split_batch` cuts the tokens (inputs and labels alike) by the layout the attention was
@@ -213,10 +214,10 @@ class Parallelized:
         """AdamW over this rank's parameters: plain for ZeRO-0 and ZeRO-3 (whose parameters are already
         shards), a :class:`~refimpl.parallel.zero.ShardedOptimizer` over ``group`` for ZeRO-1/2."""
         zero_stage, clip = self.options.zero_stage, config.grad_clip
-        if self.tp_group is not None:
-            return self._tensor_parallel_optimizer(config)
         if self.pipeline is not None:
             return self._pipeline_optimizer(config)
+        if self.tp_group is not None:
+            return self._tensor_parallel_optimizer(config)
         if zero_stage == 0:
             return OptimizerSetup(optimizer=build_optimizer(self.model, config),
                                   grad_params=list(self.model.parameters()))
@@ -238,29 +239,46 @@ class Parallelized:
                               clip_fn=None if clip is None else (lambda _: optimizer.clip_grad_norm_(clip)))
 
     def _pipeline_optimizer(self, config: OptimConfig) -> OptimizerSetup:
-        """AdamW over this rank's stages; the dp x cp average after the step's last backward; the norm
-        summed over the pp ranks, the last stage's copy of a tied embedding left out (counted once)."""
+        """AdamW over this rank's stages; the dp x cp average after the step's last backward (then, under
+        sequence parallelism, the ``s/t``-token gradients summed over tp); the norm summed over the pp
+        (and tp) ranks, each element once: the last stage's copy of a tied embedding left out, a
+        tensor-parallel replica counted on tp rank 0 (:mod:`refimpl.parallel.tensor_parallel.grad_norm`)."""
         from refimpl.parallel.data_parallel.data_parallel_communications import reduce_gradients_
         from refimpl.parallel.zero.clip_grad import scale_to_max_norm_, sum_of_squares
 
-        pipe, group, policy = self.pipeline, self.group, self.mp.policy
+        pipe, group, policy, tp = self.pipeline, self.group, self.mp.policy, self.tp_group
         params = list(pipe.parameters())
         device = params[0].device
+        sharded: set[int] = set()
+        if tp is not None:
+            from refimpl.parallel.tensor_parallel import tensor_parallel_sharded
+
+            sharded = tensor_parallel_sharded(pipe)
+        first_tp = tp is None or dist.get_rank(tp) == 0
 
         def finish() -> None:  # every stage's gradients, once per step, over the data-parallel replicas
-            reduce_gradients_(params, policy, group=group)
+            if group is not None:
+                reduce_gradients_(params, policy, group=group)
+            if tp is not None and self.options.sequence_parallel:
+                from refimpl.parallel.tensor_parallel import allreduce_sequence_parallel_grads
+
+                allreduce_sequence_parallel_grads(pipe, tp)
 
         def clip_fn(_: object) -> torch.Tensor:
             grads = [p.grad for p in params if p.grad is not None]
-            counted = [p.grad for p in params if p.grad is not None and not pipe.is_tied_copy(p)]
+            counted = [p.grad for p in params if p.grad is not None and not pipe.is_tied_copy(p)
+                       and (id(p) in sharded or first_tp)]
             sq = sum_of_squares(counted, device=device)
-            ops.all_reduce(sq, group=pipe.pp_group)
+            for g in (pipe.pp_group, tp):
+                if g is not None:
+                    ops.all_reduce(sq, group=g)
             return scale_to_max_norm_(grads, sq.sqrt(), config.grad_clip)
 
         optimizer = build_optimizer(pipe, config, named=pipe.named_parameters_full())  # decay by GPT names
+        needs_finish = group is not None or (tp is not None and self.options.sequence_parallel)
         return OptimizerSetup(optimizer=optimizer, grad_params=params,
                               clip_fn=None if config.grad_clip is None else clip_fn,
-                              finish_gradients=finish if group is not None else None)
+                              finish_gradients=finish if needs_finish else None)
 
     def _tensor_parallel_optimizer(self, config: OptimConfig) -> OptimizerSetup:
         """ZeRO-0/1/2 over the TP shards: the norm counts each element of the model once, and the
@@ -332,10 +350,13 @@ def _layout(groups_or_dims: ParallelGroups | ParallelDims,
     if options.sequence_parallel and dims.tp == 1:
         raise ValueError("sequence parallelism splits the activations over the tensor-parallel ranks: it "
                          f"needs tp > 1 (the layout is {dims.describe()})")
-    if dims.pp > 1 and (dims.tp > 1 or dims.cp > 1 or options.zero_stage != 0):
-        raise ValueError(f"pipeline parallelism with tensor or context parallelism or ZeRO 1-3 (the layout "
+    if dims.pp > 1 and (dims.cp > 1 or options.zero_stage != 0):
+        raise ValueError(f"pipeline parallelism with context parallelism or ZeRO 1-3 (the layout "
                          f"{dims.describe()}, zero_stage {options.zero_stage}) is not built yet (chapter "
-                         "10): use pp with dp and zero_stage 0")
+                         "10): use pp with dp, tp and zero_stage 0")
+    if dims.pp > 1 and dims.tp > 1 and options.pp_schedule == "zb1p":
+        raise ValueError("the zb1p schedule splits the weight gradient off nn.Linear layers; the tensor-"
+                         "parallel layers do not split it yet (chapter 10): use another schedule with tp > 1")
     if dims.tp > 1 and options.zero_stage == 3:
         raise ValueError("tensor parallelism with zero_stage 3 (2-D sharding) is not built yet (chapter "
                          "10): use zero_stage 0, 1 or 2 with tp > 1")
@@ -379,7 +400,8 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
         pp_group = groups.group("pp")
         pipeline = PipelineModule(model, pp_group=pp_group, pp_rank=dist.get_rank(pp_group), pp_size=dims.pp,
                                   schedule=options.pp_schedule, virtual_stages=options.virtual_stages,
-                                  balance=options.pp_balance)
+                                  balance=options.pp_balance,
+                                  sequence_split=dims.tp if options.sequence_parallel else 1)
         applied.append("pipeline split")
     # 4. activation checkpointing, on the blocks the wrapper of step 6 will hook
     if options.activation_checkpointing not in (None, "none"):

@@ -67,18 +67,20 @@ def _sampling_model(setup: _Setup, config: TrainConfig, options: RunOptions,
     """A full model to sample from on rank 0 (ZeRO-3 and tensor parallelism gather it: collective); None on
     other ranks. Under context parallelism the trained model's attention is collective, so rank 0 samples
     from a plain GPT holding the same weights."""
-    if setup.pipeline is not None:  # each pipeline rank holds its stages: gather them on rank 0
+    if setup.pipeline is not None:  # each rank holds its stages (tp: boxes of them): assembled on rank 0
         import torch.distributed as dist
 
-        pipe = setup.pipeline
-        mine = {name: shard.tensor.detach().cpu() for name, shard in pipe.local_shards().items()}
-        parts = [None] * pipe.pp_size if dist.get_rank(pipe.pp_group) == 0 else None
-        dst = dist.get_global_rank(pipe.pp_group, 0)
-        dist.gather_object(mine, parts, dst=dst, group=pipe.pp_group)
+        mine = [(name, shard.box, shard.tensor.detach().cpu())
+                for name, shard in setup.pipeline.local_shards().items()]
+        parts = [None] * ctx.world_size if ctx.is_main else None
+        dist.gather_object(mine, parts, dst=0)
         if not ctx.is_main:
             return None
+        full: dict[str, torch.Tensor] = {}
+        for name, box, tensor in (item for part in parts for item in part):  # dp replicas write alike
+            whole = full.setdefault(name, torch.empty(box.global_shape, dtype=tensor.dtype))
+            whole[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.shape, strict=True))] = tensor
         model = GPT(config.model, seed=config.data.seed).to(ctx.device)
-        full = {name: t for part in parts for name, t in part.items()}
         model.load_state_dict(full, strict=False)  # a tied output weight is the embedding's
         return model
     if setup.tp_group is not None:

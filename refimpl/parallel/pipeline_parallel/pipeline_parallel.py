@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from refimpl.comm import ops
-from refimpl.distributed.placement import LocalShard
+from refimpl.distributed.placement import LocalShard, module_shards
 from refimpl.model import GPT
 from refimpl.parallel.pipeline_parallel.executor import PipelineEvent, run_schedule
 from refimpl.parallel.pipeline_parallel.pipeline_communications import sync_tied_embeddings
@@ -39,8 +39,10 @@ class PipelineModule(nn.Module):
     """The stages pipeline rank ``pp_rank`` of ``pp_size`` holds of ``model``, run by ``schedule``."""
 
     def __init__(self, model: GPT, *, pp_group: dist.ProcessGroup | None, pp_rank: int, pp_size: int,
-                 schedule: str = "1f1b", virtual_stages: int = 1, balance: str = "layers") -> None:
+                 schedule: str = "1f1b", virtual_stages: int = 1, balance: str = "layers",
+                 sequence_split: int = 1) -> None:
         super().__init__()
+        self.sequence_split = sequence_split  # tensor-parallel ranks the boundary activations' s splits over
         self.config, self.schedule, self.virtual_stages = model.config, schedule, virtual_stages
         self.pp_group, self.pp_rank, self.pp_size = pp_group, pp_rank, pp_size
         build_schedule(schedule, pp_size=pp_size, num_microbatches=pp_size, virtual_stages=virtual_stages)
@@ -81,12 +83,12 @@ class PipelineModule(nn.Module):
         return out
 
     def local_shards(self) -> dict[str, LocalShard]:
-        """Every parameter of this rank's stages, whole, under its name in the plain GPT."""
+        """What this rank holds of each tensor of its stages (whole, or the box a tensor-parallel layer
+        declares), under its name in the plain GPT."""
         out: dict[str, LocalShard] = {}
         for stage in self.stages.values():
-            params = dict(stage.named_parameters())
-            for local, full in stage.full_names().items():
-                out.setdefault(full, LocalShard.full(params[local]))
+            for name, shard in module_shards(stage).items():
+                out.setdefault(stage.full_name(name), shard)
         return out
 
     def forward(self, *args: object) -> None:
@@ -105,7 +107,8 @@ class PipelineModule(nn.Module):
         if inputs.shape[0] % m:
             raise ValueError(f"{inputs.shape[0]} sequences do not split into {m} micro-batches")
         micro = inputs.shape[0] // m
-        shape = (micro, inputs.shape[1], self.config.hidden_size)  # [b, s, h]: every stage boundary
+        # [b, s, h] at every stage boundary ([b, s/t, h] under sequence parallelism)
+        shape = (micro, inputs.shape[1] // self.sequence_split, self.config.hidden_size)
         self.last_events = []
         loss = run_schedule(actions, stages={s: self.stages[str(s)] for s in self.stage_ids},
                             pp_group=self.pp_group, pp_size=self.pp_size, inputs=inputs.chunk(m),

@@ -15,6 +15,7 @@ the copies take the same optimizer step and stay equal (Megatron's embedding gro
 
 from __future__ import annotations
 
+import copy
 from typing import Literal
 
 import torch
@@ -91,11 +92,7 @@ class GPTStage(nn.Module):
         if self.is_last:
             self.output_layer = model.output_layer
             if model.config.tie_word_embeddings and copy_tied:
-                weight = model.output_layer.weight
-                self.output_layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
-                                              device=weight.device, dtype=weight.dtype)
-                with torch.no_grad():
-                    self.output_layer.weight.copy_(weight)
+                self.output_layer = _with_own_parameters(model.output_layer)
                 self.tied_copy = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,19 +104,35 @@ class GPTStage(nn.Module):
             x = self.output_layer(self.final_layernorm(x))  # [b, s, v]
         return x
 
+    def full_name(self, name: str) -> str:
+        """A tensor's name in this stage -> in the plain GPT (``layers.0`` of stage 2 is ``layers.k``; the
+        last stage's copy of a tied embedding, ``output_layer.weight`` or under tensor parallelism
+        ``output_layer.embedding.weight``, is ``embedding.word_embeddings.weight``)."""
+        if name.startswith("layers."):
+            i, rest = name.split(".", 2)[1:]
+            return f"layers.{self.block_ids[int(i)]}.{rest}"
+        if self.tied_copy and name in ("output_layer.weight", "output_layer.embedding.weight"):
+            return "embedding.word_embeddings.weight"  # the tied weight's one name in the GPT
+        return name
+
     def full_names(self) -> dict[str, str]:
-        """This stage's parameter names -> the plain GPT's (``layers.0`` of stage 2 is ``layers.k``)."""
-        out = {}
-        for name, _ in self.named_parameters():
-            if name.startswith("layers."):
-                i, rest = name.split(".", 2)[1:]
-                name_full = f"layers.{self.block_ids[int(i)]}.{rest}"
-            elif self.tied_copy and name == "output_layer.weight":
-                name_full = "embedding.word_embeddings.weight"  # the tied weight's one name in the GPT
-            else:
-                name_full = name
-            out[name] = name_full
-        return out
+        """This stage's parameter names -> the plain GPT's (:meth:`full_name`)."""
+        return {name: self.full_name(name) for name, _ in self.named_parameters()}
+
+
+def _with_own_parameters(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` (and of its submodules) holding clones of its parameters: the last
+    stage's own copy of a tied output layer (``nn.Linear``, or under tensor parallelism the tied
+    vocab-parallel head and its embedding shard), equal to the original at the start."""
+    new = copy.copy(module)
+    new._parameters = {n: None if p is None else nn.Parameter(p.detach().clone(), p.requires_grad)
+                       for n, p in module._parameters.items()}
+    for n, p in module._parameters.items():  # markers such as tensor parallelism's flags travel along
+        if p is not None:
+            new._parameters[n].__dict__.update(p.__dict__)
+    new._buffers = dict(module._buffers)
+    new._modules = {n: None if m is None else _with_own_parameters(m) for n, m in module._modules.items()}
+    return new
 
 
 def build_stages(model: GPT, *, pp_rank: int, pp_size: int, virtual_stages: int = 1,
