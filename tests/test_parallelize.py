@@ -42,8 +42,9 @@ CASES = {  # name -> options
     "zero3": ParallelizeOptions(zero_stage=3),
     "zero3-bf16": ParallelizeOptions(zero_stage=3, precision="bf16"),
 }
-REFUSED = {  # layout at world size 4 -> the chapter the error must name
-    "cp2-pp2": (dict(dp=1, cp=2, pp=2), "chapter 10"),
+REFUSED = {  # layout at world size 4 and options -> the chapter the error must name
+    "dp2-pp2-zero1": (dict(dp=2, pp=2), dict(zero_stage=1), "chapter 10"),
+    "tp2-pp2-zb1p": (dict(dp=1, tp=2, pp=2), dict(pp_schedule="zb1p"), "chapter 10"),
 }
 
 
@@ -134,12 +135,12 @@ def _worker(ctx) -> dict:
                     "params": sorted(par.pipeline.local_shards())}
     # refusals: pp with tp or cp, before the model is touched (no block checkpointed)
     result["refused"] = {}
-    for name, (degrees, _) in REFUSED.items():
+    for name, (degrees, options, _) in REFUSED.items():
         layout_groups = ParallelDims(**degrees).build(rank=ctx.rank, world_size=ctx.world_size,
                                                       timeout_s=ctx.timeout_s)
         model = GPT(CONFIG, seed=0)
         try:
-            parallelize(model, layout_groups, ParallelizeOptions(activation_checkpointing="all"))
+            parallelize(model, layout_groups, ParallelizeOptions(activation_checkpointing="all", **options))
             message = None
         except ValueError as exc:
             message = str(exc)
@@ -269,7 +270,7 @@ def test_a_wrapper_on_another_group_fails_the_group_check(ranks):
 def test_unbuilt_axes_are_refused_naming_the_chapter(ranks, name):
     for r in ranks:
         message, checkpointed = r["refused"][name]
-        assert message is not None and REFUSED[name][1] in message and "not built yet" in message, message
+        assert message is not None and REFUSED[name][2] in message and "not built yet" in message, message
         assert checkpointed == [], "the model was changed before the refusal"
         assert "pass its process groups" in r["dims_only"]
 
@@ -282,7 +283,7 @@ def test_one_process_layout_needs_no_group():
     with pytest.raises(ValueError, match="pass its process groups"):
         parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=2), ParallelizeOptions())
     with pytest.raises(ValueError, match="chapter 10"):  # what is not built is named before the groups
-        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, cp=2, pp=2), ParallelizeOptions())
+        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, pp=2), ParallelizeOptions(zero_stage=1))
     with pytest.raises(ValueError, match="pass its process groups"):
         parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, cp=2), ParallelizeOptions())
     with pytest.raises(ValueError, match="needs tp > 1"):

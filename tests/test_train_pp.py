@@ -1,5 +1,5 @@
 """The trainer with ``--pp`` (chapter 08): every schedule trains the same model as one device, composes
-with ``--dp``, ``--tp`` (with sequence parallelism), ``--precision`` (fp16 with its loss scaler) and
+with ``--dp``, ``--tp`` (with sequence parallelism), ``--cp``, ``--precision`` (fp16 with its loss scaler) and
 activation checkpointing, and a ``pp 2 x dp 2`` checkpoint (written under the plain GPT's names) resumes at
 ``dp 4``.
 
@@ -50,6 +50,8 @@ LAYOUTS = {
     "pp2-tp2-interleaved-bf16": (["--pp", "2", "--tp", "2", "--pp-schedule", "interleaved",
                                   "--virtual-stages", "2", "--microbatches", "4", "--precision", "bf16"],
                                  "bf16"),
+    # context parallelism inside the stages: the boundaries carry each rank's s/cp tokens
+    "pp2-cp2-ring": (["--pp", "2", "--cp", "2", "--microbatches", "2"], "fp32"),
 }
 
 

@@ -41,9 +41,10 @@ Under pipeline parallelism (step 3, ``pp > 1``) the model becomes this rank's st
 micro-batch; the gradients are averaged over ``dp x cp`` once, after the step's last backward
 (:attr:`OptimizerSetup.finish_gradients`; a rank that skipped it would drift from its replicas: picotron's
 DP x PP bug), and the gradient norm sums over the ``pp`` ranks (a tied embedding counted once). Today it
-composes with data parallelism (ZeRO-0), tensor and sequence parallelism (step 1 comes first: the stages
-hold the tensor-parallel modules), precision and activation checkpointing; with context parallelism and
-ZeRO 1-3 it is refused, naming chapter 10, which builds those layouts.
+composes with data parallelism (ZeRO-0), tensor and sequence parallelism and context parallelism (steps 1-2
+come first: the stages hold the tensor- and context-parallel blocks, and the stage boundaries carry each
+rank's part of the sequence), precision and activation checkpointing; with ZeRO 1-3 it is refused, naming
+chapter 10, which builds those layouts.
 
 Under context parallelism (step 2, ``cp > 1``) each rank runs the model on its part of the sequence:
 :meth:`Parallelized.split_batch` cuts the tokens (inputs and labels alike) by the layout the attention was
@@ -350,13 +351,13 @@ def _layout(groups_or_dims: ParallelGroups | ParallelDims,
     if options.sequence_parallel and dims.tp == 1:
         raise ValueError("sequence parallelism splits the activations over the tensor-parallel ranks: it "
                          f"needs tp > 1 (the layout is {dims.describe()})")
-    if dims.pp > 1 and (dims.cp > 1 or options.zero_stage != 0):
-        raise ValueError(f"pipeline parallelism with context parallelism or ZeRO 1-3 (the layout "
-                         f"{dims.describe()}, zero_stage {options.zero_stage}) is not built yet (chapter "
-                         "10): use pp with dp, tp and zero_stage 0")
+    if dims.pp > 1 and options.zero_stage != 0:
+        raise ValueError(f"pipeline parallelism with ZeRO 1-3 (the layout {dims.describe()}, zero_stage "
+                         f"{options.zero_stage}) is not built yet (chapter 10): use zero_stage 0 with pp")
     if dims.pp > 1 and dims.tp > 1 and options.pp_schedule == "zb1p":
         raise ValueError("the zb1p schedule splits the weight gradient off nn.Linear layers; the tensor-"
-                         "parallel layers do not split it yet (chapter 10): use another schedule with tp > 1")
+                         "parallel layers do not split it: not built yet (chapter 10); use another schedule "
+                         "with tp > 1")
     if dims.tp > 1 and options.zero_stage == 3:
         raise ValueError("tensor parallelism with zero_stage 3 (2-D sharding) is not built yet (chapter "
                          "10): use zero_stage 0, 1 or 2 with tp > 1")
