@@ -317,7 +317,7 @@ def test_sizes_the_split_cannot_take_are_refused():
     assert context_parallel_bytes(CFG, micro_batch=1, seq_len=16, cp=1, method="ring") == {
         "forward": 0, "backward": 0}
     assert context_parallel_degree(ParallelDims(dp=2, cp=4)) == 4
-    with pytest.raises(ValueError, match=r"pipeline parallelism \(pp=2\) comes with chapter 08"):
+    with pytest.raises(ValueError, match=r"pp=2 with tp=1, cp=2 comes with chapter 10"):
         run_memory_per_rank(CFG, ParallelDims(dp=1, cp=2, pp=2), micro_batch=1, seq_len=16)
 
 

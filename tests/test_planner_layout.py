@@ -1,8 +1,9 @@
 """Planner functions take a layout (refimpl.planner.layout): ParallelDims(dp=4) gives the figures the planner
 gave for world_size=4 before it took a layout, any object with dp/cp/tp/pp works, tensor- and
 context-parallel degrees are planned (chapters 06 and 07; measured against the TP and CP models in
-tests/test_planner_tp.py and tests/test_planner_cp.py), and a pipeline degree above 1 is refused with the
-chapter that brings it."""
+tests/test_planner_tp.py and tests/test_planner_cp.py), a pipeline degree is planned with data parallelism
+(chapter 08; measured in tests/test_planner_pp.py) and refused with tensor or context parallelism and with
+ZeRO 1-3, naming chapter 10 that brings them."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from refimpl.distributed import ParallelDims
 from refimpl.planner import (
     context_parallel_degree,
     data_parallel_degree,
+    pipeline_parallel_degree,
     run_memory_per_rank,
     state_memory,
     state_memory_per_rank,
@@ -77,15 +79,33 @@ def test_stage_0_per_rank_is_the_replica_and_any_degree_object_is_a_layout():
     assert data_parallel_degree(duck) == 4
 
 
-@pytest.mark.parametrize("cp", [1, 2])
-def test_a_pipeline_degree_is_refused_with_its_chapter(cp):
-    dims = ParallelDims(dp=2, cp=cp, pp=2)
-    want = r"pipeline parallelism \(pp=2\) comes with chapter 08"
+def test_a_pipeline_degree_is_planned_with_data_parallelism():
+    """dp 2 x pp 2: each rank holds its stages' state (less than the replica) and the figures are the worst
+    pipeline rank's; ZeRO 1-3 with pp is refused naming chapter 10 (the figures are measured in
+    tests/test_planner_pp.py)."""
+    dims = ParallelDims(dp=2, pp=2)
+    assert (data_parallel_degree(dims), pipeline_parallel_degree(dims), zero_shard_degree(dims)) == (2, 2, 2)
+    plan = _run(dims, 0, "fp32")
+    assert plan.rank in (0, 1) and plan.describe().startswith(f"pipeline rank {plan.rank}: ")
+    states = [state_memory_per_rank(CONFIG, dims, pp_rank=r) for r in (0, 1)]
+    assert all(st.total < state_memory(CONFIG).total for st in states)
+    assert (plan.state["weights"], plan.state["grads"], plan.state["AdamW state"]) in [
+        (st.weights, st.grads, st.optimizer) for st in states]
+    for zero_stage in (1, 2, 3):
+        with pytest.raises(ValueError, match=f"ZeRO {zero_stage} with pp=2 comes with chapter 10"):
+            _run(dims, zero_stage, "fp32")
+
+
+@pytest.mark.parametrize(("cp", "tp"), [(2, 1), (1, 2)])
+def test_a_pipeline_degree_with_context_or_tensor_parallelism_is_refused_naming_chapter_10(cp, tp):
+    dims = ParallelDims(dp=1, cp=cp, tp=tp, pp=2)
+    want = rf"pp=2 with tp={tp}, cp={cp} comes with chapter 10"
     with pytest.raises(ValueError, match=want):
         _run(dims, 0, "fp32")
     with pytest.raises(ValueError, match=want):
-        state_memory_per_rank(CONFIG, dims, zero_stage=1)
-    for degree in (data_parallel_degree, tensor_parallel_degree, context_parallel_degree, zero_shard_degree):
+        state_memory_per_rank(CONFIG, dims)
+    for degree in (data_parallel_degree, tensor_parallel_degree, context_parallel_degree, zero_shard_degree,
+                   pipeline_parallel_degree):
         with pytest.raises(ValueError, match=want):
             degree(dims)
 

@@ -1,4 +1,4 @@
-"""Formulas only: what a training run needs and moves, before anything runs (chapters 00-07, 10).
+"""Formulas only: what a training run needs and moves, before anything runs (chapters 00-08, 10).
 
 * :mod:`~refimpl.planner.params_flops`: parameters, their shapes, FLOPs per token (PaLM appendix B);
 * :mod:`~refimpl.planner.memory`: model state of a replica and per rank, a run's memory per rank (the
@@ -8,6 +8,8 @@
 * :mod:`~refimpl.planner.communication`: bytes of the ring collectives, of ZeRO's and of tensor
   parallelism's collectives, and of context parallelism's ring and all-to-alls;
 * :mod:`~refimpl.planner.time_model`: the alpha-beta cost model fitted to measured times;
+* :mod:`~refimpl.planner.pipeline`: per pipeline rank, its stages' parameters and the activations it holds
+  at its peak under a schedule (chapter 08);
 * :mod:`~refimpl.planner.layout`: the layout (``ParallelDims``-like degrees) that per-rank functions take.
 
 Each figure is checked in a chapter against a measurement from :mod:`refimpl.measure`, a different source.
@@ -40,6 +42,7 @@ from refimpl.planner.layout import (
     Layout,
     context_parallel_degree,
     data_parallel_degree,
+    pipeline_parallel_degree,
     tensor_parallel_degree,
     zero_shard_degree,
 )
@@ -51,6 +54,13 @@ from refimpl.planner.params_flops import (
     num_param_tensors,
     param_count,
     param_shapes,
+)
+from refimpl.planner.pipeline import (
+    PipelineRankMemory,
+    pipeline_memory_per_rank,
+    pipeline_state_memory,
+    stage_deferred_bytes,
+    stage_saved_bytes,
 )
 from refimpl.planner.time_model import AlphaBeta, fit_alpha_beta
 from refimpl.planner.zero_state import (
@@ -73,6 +83,7 @@ __all__ = [
     "AlphaBeta",
     "Layout",
     "ParamCount",
+    "PipelineRankMemory",
     "RunMemory",
     "StateMemory",
     "activation_bytes",
@@ -91,10 +102,15 @@ __all__ = [
     "param_count",
     "param_shapes",
     "peak_flops",
+    "pipeline_memory_per_rank",
+    "pipeline_parallel_degree",
+    "pipeline_state_memory",
     "ring_bytes_sent",
     "run_memory_per_rank",
     "shard_rows",
     "sharded_numel",
+    "stage_deferred_bytes",
+    "stage_saved_bytes",
     "state_memory",
     "state_memory_per_rank",
     "tensor_parallel_collectives",

@@ -13,19 +13,20 @@ parallelism (chapter 06: each rank holds ``1/tp`` of the sharded tensors,
 every sequence; ring attention, Liu et al. 2023, or Ulysses, Jacobs et al. 2023). The parameters are
 replicated over ``cp`` as over ``dp``, so the loss, the gradients and ZeRO's shards span the ``dp x cp``
 ranks (:data:`refimpl.distributed.mesh.LOSS_AXES`): :func:`zero_shard_degree` is ``dp * cp``.
-:func:`data_parallel_degree` refuses a layout with ``pp`` above 1 with a ValueError that names chapter 08,
-rather than returning a figure that leaves its terms out.
+Pipeline parallelism (chapter 08: each pipeline rank holds its stages, :mod:`refimpl.planner.pipeline`)
+with data parallelism: a layout with ``pp`` above 1 and ``tp`` or ``cp`` above 1 is refused with a
+ValueError that names chapter 10, as :func:`refimpl.parallel.parallelize` refuses it, rather than returning
+a figure that leaves terms out.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-__all__ = ["Layout", "context_parallel_degree", "data_parallel_degree", "tensor_parallel_degree",
-           "zero_shard_degree"]
+__all__ = ["Layout", "context_parallel_degree", "data_parallel_degree", "pipeline_parallel_degree",
+           "tensor_parallel_degree", "zero_shard_degree"]
 
 AXES = ("dp", "cp", "tp", "pp")
-_NOT_YET = {"pp": ("pipeline", "08")}
 
 
 class Layout(Protocol):
@@ -43,16 +44,14 @@ def _check(dims: Layout) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"a planner layout needs positive integer degrees {', '.join(AXES)} (e.g. "
                              f"refimpl.distributed.ParallelDims); got {axis}={value!r} in {dims!r}")
-    for axis, (name, chapter) in _NOT_YET.items():
-        degree = getattr(dims, axis)
-        if degree > 1:
-            raise ValueError(f"the planner models data, tensor and context parallelism only: {name} "
-                             f"parallelism ({axis}={degree}) comes with chapter {chapter}")
+    if dims.pp > 1 and (dims.tp > 1 or dims.cp > 1):
+        raise ValueError(f"the planner models pipeline parallelism with data parallelism only: pp={dims.pp} "
+                         f"with tp={dims.tp}, cp={dims.cp} comes with chapter 10 (as parallelize refuses it)")
 
 
 def data_parallel_degree(dims: Layout) -> int:
     """``dims.dp``, the number of ranks that read different batches, after checking that ``dims`` is a
-    layout the planner models: positive integer degrees, ``pp = 1``."""
+    layout the planner models: positive integer degrees, ``pp = 1`` or ``tp = cp = 1``."""
     _check(dims)
     return dims.dp
 
@@ -77,3 +76,10 @@ def zero_shard_degree(dims: Layout) -> int:
     :data:`refimpl.distributed.mesh.LOSS_AXES`); the same check as :func:`data_parallel_degree`."""
     _check(dims)
     return dims.dp * dims.cp
+
+
+def pipeline_parallel_degree(dims: Layout) -> int:
+    """``dims.pp``, the number of pipeline ranks the stages are spread over (chapter 08), after the same
+    check as :func:`data_parallel_degree`."""
+    _check(dims)
+    return dims.pp

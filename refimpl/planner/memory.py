@@ -12,23 +12,29 @@
   :mod:`refimpl.planner.activations`; chapter 05), term by term: what the trainer's preflight compares
   with the machine's memory before any process starts.
 
-Every function that answers per rank takes the layout ``dims`` (:mod:`refimpl.planner.layout`), so the
-terms of pipeline parallelism join here with chapter 08 (tensor and context parallelism have). The
+Every function that answers per rank takes the layout ``dims`` (:mod:`refimpl.planner.layout`): tensor,
+context and pipeline parallelism (chapter 08, :mod:`refimpl.planner.pipeline`) join here. The
 :class:`~refimpl.measure.state.StateMemory` returned is the one :func:`refimpl.measure.state_bytes`
 measures.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from refimpl.config import ModelConfig
 from refimpl.measure.state import StateMemory
 from refimpl.planner.activations import activation_bytes, outside_block_bytes
-from refimpl.planner.layout import Layout, context_parallel_degree, tensor_parallel_degree, zero_shard_degree
+from refimpl.planner.layout import (
+    Layout,
+    context_parallel_degree,
+    pipeline_parallel_degree,
+    tensor_parallel_degree,
+    zero_shard_degree,
+)
 from refimpl.planner.params_flops import matmul_weights_per_rank, num_param_tensors, param_count, param_shapes
+from refimpl.planner.pipeline import pipeline_memory_per_rank, pipeline_state_memory
+from refimpl.planner.run_memory import RunMemory
 from refimpl.planner.zero_state import zero3_peak_gathered_bytes, zero_memory
 
 __all__ = ["RunMemory", "run_memory_per_rank", "state_memory", "state_memory_per_rank"]
@@ -59,8 +65,9 @@ def state_memory(
     return StateMemory(weights=param_bytes * n, grads=grad_bytes * n, optimizer=opt)
 
 
-def state_memory_per_rank(config: ModelConfig, dims: Layout, *, zero_stage: int = 0,
-                          dp_rank: int = 0) -> StateMemory:
+def state_memory_per_rank(config: ModelConfig, dims: Layout, *, zero_stage: int = 0, dp_rank: int = 0,
+                          pp_rank: int = 0, virtual_stages: int = 1,
+                          pp_balance: str = "layers") -> StateMemory:
     """Weights, gradients and AdamW state held at rest by rank ``dp_rank`` of the ``dp x cp`` group of
     layout ``dims``.
 
@@ -73,31 +80,21 @@ def state_memory_per_rank(config: ModelConfig, dims: Layout, *, zero_stage: int 
     (:func:`~refimpl.planner.zero_state.zero_memory`). ``dp_rank``: the rank's index in that group,
     ``dp_i * cp + cp_i`` (the group's ranks ascending; ``dp_i`` when ``cp = 1``). Stage 0 at ``tp = 1`` is
     :func:`state_memory`, the full replica. ZeRO-3 over tensor-parallel shards (2-D sharding, chapter 10)
-    is refused, as :func:`refimpl.parallel.parallelize` refuses it; a pipeline degree above 1 too, with its
-    chapter (:func:`~refimpl.planner.layout.data_parallel_degree`).
+    is refused, as :func:`refimpl.parallel.parallelize` refuses it. Pipeline parallelism (``dims.pp > 1``,
+    chapter 08, ZeRO 0 only): the parameters of pipeline rank ``pp_rank``'s stages (``virtual_stages`` per
+    rank, split by ``pp_balance``; :func:`~refimpl.planner.pipeline.stage_param_shapes`), whole.
     """
-    shards, tp = zero_shard_degree(dims), tensor_parallel_degree(dims)
+    shards, tp, pp = zero_shard_degree(dims), tensor_parallel_degree(dims), pipeline_parallel_degree(dims)
+    if pp > 1:
+        if zero_stage != 0:
+            raise ValueError(f"the planner models pipeline parallelism with zero_stage 0: ZeRO {zero_stage} "
+                             f"with pp={pp} comes with chapter 10 (as parallelize refuses it)")
+        return pipeline_state_memory(config, pp=pp, pp_rank=pp_rank, virtual_stages=virtual_stages,
+                                     balance=pp_balance)
     if tp > 1 and zero_stage == 3:
         raise ValueError("the planner models ZeRO 0-2 under tensor parallelism: ZeRO-3 over the "
                          f"tensor-parallel shards (tp={tp}, 2-D sharding) comes with chapter 10")
     return zero_memory(param_shapes(config, tp=tp), shards, zero_stage, rank=dp_rank)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunMemory:
-    """A run's bytes per rank, term by term: ``state`` (model state) and ``activations`` (one micro-batch)."""
-
-    state: dict[str, int]
-    activations: dict[str, int]
-
-    @property
-    def total(self) -> int:
-        return sum(self.state.values()) + sum(self.activations.values())
-
-    def describe(self) -> str:
-        """One line: the total and every non-zero term, in MiB."""
-        terms = [f"{k} {v / 2**20:,.1f}" for k, v in {**self.state, **self.activations}.items() if v]
-        return f"{self.total / 2**20:,.1f} MiB = " + " + ".join(terms)
 
 
 def run_memory_per_rank(
@@ -112,13 +109,23 @@ def run_memory_per_rank(
     sequence_parallel: bool = False,
     cp_method: str = "ring",
     cp_layout: str | None = None,
+    pp_schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    num_microbatches: int | None = None,
+    pp_balance: str = "layers",
 ) -> RunMemory:
     """The peak bytes one rank of a training run laid out as ``dims`` needs, before anything runs (chapters
     01, 04 and 05; the trainer's preflight).
 
-    ``dims``: the layout (:class:`refimpl.distributed.ParallelDims` or any object with ``dp, cp, tp, pp``);
-    data, tensor and context parallelism, a pipeline degree above 1 is refused
-    (:func:`~refimpl.planner.layout.data_parallel_degree`). Model state (:func:`state_memory_per_rank`,
+    ``dims``: the layout (:class:`refimpl.distributed.ParallelDims` or any object with ``dp, cp, tp, pp``).
+    Pipeline parallelism (``dims.pp = p > 1``, chapter 08; with ``dp`` only and ZeRO 0, as
+    :func:`refimpl.parallel.parallelize` builds it, else a ValueError naming chapter 10): the WORST pipeline
+    rank's figures (:func:`~refimpl.planner.pipeline.pipeline_memory_per_rank`: its stages' state, the
+    activations of the micro-batches it holds at its peak under ``pp_schedule`` with ``virtual_stages``
+    chunks per rank, ``num_microbatches`` per step, default ``p``; ``pp_balance`` the stage split);
+    ``micro_batch`` is then the pipeline micro-batch; :meth:`RunMemory.describe` names the rank.
+
+    Otherwise: model state (:func:`state_memory_per_rank`,
     Rajbhandari et al. 2020): fp32 weights, fp32 gradients and AdamW's two fp32 moments of the rank's
     tensor-parallel shards, each full or sharded over the ``dims.dp x dims.cp`` ranks by ZeRO
     ``zero_stage``; ZeRO-3 adds the gathered root unit and the largest block (its forward/backward peak,
@@ -139,6 +146,16 @@ def run_memory_per_rank(
     """
     if precision not in _DTYPE_BYTES:
         raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(_DTYPE_BYTES)}")
+    pp = pipeline_parallel_degree(dims)
+    if pp > 1:
+        if zero_stage != 0:
+            raise ValueError(f"the planner models pipeline parallelism with zero_stage 0: ZeRO {zero_stage} "
+                             f"with pp={pp} comes with chapter 10 (as parallelize refuses it)")
+        ranks = pipeline_memory_per_rank(config, pp=pp, num_microbatches=num_microbatches or pp,
+                                         schedule=pp_schedule, virtual_stages=virtual_stages,
+                                         micro_batch=micro_batch, seq_len=seq_len, precision=precision,
+                                         checkpointed_blocks=checkpointed_blocks, balance=pp_balance)
+        return max((r.memory for r in ranks), key=lambda mem: mem.total)
     shards, tp, cp = zero_shard_degree(dims), tensor_parallel_degree(dims), context_parallel_degree(dims)
     p = _DTYPE_BYTES[precision]
     compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]

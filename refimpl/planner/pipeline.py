@@ -1,0 +1,281 @@
+"""Pipeline parallelism in the planner: the parameters and the activation memory of each pipeline rank
+(chapter 08; Huang et al. 2019, GPipe; Narayanan et al. 2021, 1F1B and interleaved 1F1B; Qi et al. 2023,
+zero bubble).
+
+The model is cut into ``S = p v`` stages as the runtime cuts it
+(:func:`refimpl.parallel.pipeline_parallel.split_layers`, on the shapes of
+:func:`~refimpl.planner.params_flops.param_shapes`, no model built); stage ``s`` lives on rank ``s mod p``.
+A rank holds the parameters of its stages: the embedding on the first, the final LayerNorm and the output
+layer on the last, a tied embedding's copy there too (its own tensor, another rank holds the original).
+
+One micro-batch of ``b`` sequences of ``s`` tokens saves ``A(s)`` bytes for backward in stage ``s``: the
+blocks' terms of :func:`~refimpl.planner.activations.activation_bytes_per_layer` for its blocks (a
+checkpointed block keeps its input), on the first stage the int64 positions ``8 s``, on the last the
+final LayerNorm, the output layer's input, the float32 log-softmax ``4 s b V`` and the loss's 4-byte total
+weight (:func:`~refimpl.planner.activations.outside_block_bytes` split by stage). The token ids and the
+labels are views of the step's batch: ``8 m b s`` each, once, on the first and the last stage.
+
+The runtime (:func:`refimpl.parallel.pipeline_parallel.run_schedule`) also keeps what it sends until the
+step ends (its sends are waited for then): every forward's ``[b, s, h]`` float32 output, ``O = 4 s b h``
+(stage ``s < S - 1``), and every backward's input gradient, ``G = 4 s b h`` (stage ``s > 0``). Walking the
+rank's action list (:func:`~refimpl.parallel.pipeline_parallel.build_schedule`) in order::
+
+    F(s, i): + A(s) + O(s)        B(s, i): - A(s) + G(s) (+ D(s))        W(s, i): - D(s)
+
+the rank's bytes after each action; the peak is the largest. With one stage per rank that is ``k A`` plus
+the sends so far, ``k`` the micro-batches in flight (:attr:`refimpl.parallel.pipeline_parallel.Simulation.
+peak_in_flight`): GPipe ``m``, 1F1B ``min(p - r, m)`` on rank ``r``; interleaved adds its chunks' ``A``
+separately, each chunk its own size. ZB-H1 (``zb1p``): between its ``B`` and its ``W`` a micro-batch
+holds ``D(s)``, the linear layers' inputs and output gradients that ``W`` multiplies
+(:func:`stage_deferred_bytes`), not ``A(s)``; it is in flight until its ``W`` (the simulator's rule).
+Transient on top (not held between actions): the last stage's logits and their gradient,
+``(p + 4) s b V`` (an estimate of the loss's peak, as in :mod:`refimpl.planner.memory`), the received
+output gradient of a backward ``4 s b h`` (stage ``s < S - 1``), and the largest checkpointed block's
+recomputation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from refimpl.config import ModelConfig
+from refimpl.measure.state import StateMemory
+from refimpl.parallel.pipeline_parallel import SCHEDULES, build_schedule, simulate, split_layers, stage_rank
+from refimpl.planner.activations import activation_bytes_per_layer
+from refimpl.planner.params_flops import param_shapes
+from refimpl.planner.run_memory import RunMemory
+from refimpl.planner.zero_state import zero_memory
+
+__all__ = ["PER_STEP", "PipelineRankMemory", "pipeline_memory_per_rank", "pipeline_state_memory",
+           "stage_deferred_bytes", "stage_layers", "stage_param_shapes", "stage_saved_bytes"]
+
+_COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_PER_BLOCK = 12  # parameter tensors of a block (param_shapes)
+_MATMUL = (2, 4, 8, 10)  # a block's query_key_value, dense, dense_h_to_4h, dense_4h_to_h weights
+PER_STEP = ("token ids (the step's batch, int64)", "labels (the step's batch, int64)")
+
+
+class _Sized:
+    """A module stand-in for :func:`split_layers`: ``parameters()`` yields shapes (``torch.Size.numel``)."""
+
+    def __init__(self, shapes: list[tuple[int, ...]]) -> None:
+        self.shapes = [torch.Size(s) for s in shapes]
+        self.weight = self.shapes[0] if self.shapes else None
+
+    def parameters(self) -> list[torch.Size]:
+        return self.shapes
+
+
+class _Shapes:
+    """What :func:`split_layers` reads of a GPT, from the configuration's parameter shapes."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        h, v, n = config.hidden_size, config.vocab_size, config.num_layers
+        shapes = param_shapes(config)
+        self.embedding = _Sized(shapes[:2])
+        self.layers = [_Sized(shapes[2 + i * _PER_BLOCK: 2 + (i + 1) * _PER_BLOCK]) for i in range(n)]
+        self.final_layernorm = _Sized(shapes[2 + n * _PER_BLOCK: 4 + n * _PER_BLOCK])
+        self.output_layer = _Sized([(v, h)])  # tied or not, the last stage multiplies by a [V, h] weight
+
+
+def stage_layers(config: ModelConfig, *, num_stages: int, balance: str = "layers") -> list[range]:
+    """The blocks of each stage, by the runtime's rule (:func:`split_layers`, ``balance`` ``"layers"`` or
+    ``"parameters"``)."""
+    return split_layers(_Shapes(config), num_stages, balance=balance)  # type: ignore[arg-type]
+
+
+def stage_param_shapes(config: ModelConfig, *, stage: int, num_stages: int,
+                       blocks: range) -> list[tuple[int, ...]]:
+    """The parameter shapes stage ``stage`` of ``num_stages`` holds (with ``blocks``): its blocks', the
+    embedding's on the first, the final LayerNorm's and the output layer's on the last (a tied embedding:
+    the last stage's own copy when ``num_stages > 1``)."""
+    shapes, n = param_shapes(config), config.num_layers
+    out = list(shapes[:2]) if stage == 0 else []
+    for i in blocks:
+        out += shapes[2 + i * _PER_BLOCK: 2 + (i + 1) * _PER_BLOCK]
+    if stage == num_stages - 1:
+        out += shapes[2 + n * _PER_BLOCK: 4 + n * _PER_BLOCK]
+        if not config.tie_word_embeddings or num_stages > 1:
+            out.append((config.vocab_size, config.hidden_size))
+    return out
+
+
+def stage_saved_bytes(config: ModelConfig, *, stage: int, num_stages: int, blocks: range, micro_batch: int,
+                      seq_len: int, num_microbatches: int = 1, compute_dtype: torch.dtype = torch.float32,
+                      checkpointed_blocks: set[int] | list[int] | tuple[int, ...] = (),
+                      deferred_weights: bool = False) -> dict[str, int]:
+    """What one micro-batch saves for backward in stage ``stage`` (module docstring), term by term, plus
+    the :data:`PER_STEP` terms (the batch's token ids on the first stage, labels on the last: ``8 m b s``
+    each, held once per step). ``deferred_weights`` (zb1p's linear layers,
+    :func:`~refimpl.parallel.pipeline_parallel.defer_weight_gradients`): under autocast they keep the
+    float32 LayerNorm outputs they are given (QKV and MLP inputs, the output layer's), ``4 s b h`` each
+    instead of autocast's ``p s b h`` copy (measured)."""
+    b, s, h, v = micro_batch, seq_len, config.hidden_size, config.vocab_size
+    p, chosen = torch.empty((), dtype=compute_dtype).element_size(), set(checkpointed_blocks)
+    residual = torch.float32  # the residual stream: float32 weights, autocast for 16 bits
+    kw = {"micro_batch": b, "seq_len": s, "compute_dtype": compute_dtype, "residual_dtype": residual}
+    terms = {"block activations": sum(activation_bytes_per_layer(config, checkpointed=i in chosen, **kw).total
+                                      for i in blocks)}
+    if deferred_weights and p != 4:
+        plain = [i for i in blocks if i not in chosen]
+        widened = (2 * len(plain) + (stage == num_stages - 1)) * (4 - p) * s * b * h
+        terms["float32 LayerNorm outputs the deferred linears keep"] = widened
+    if stage == 0:
+        terms[PER_STEP[0]] = 8 * num_microbatches * b * s
+        terms["positions (int64)"] = 8 * s
+    if stage == num_stages - 1:
+        terms |= {"final layernorm + output layer inputs": 4 * s * b * h + 2 * 4 * s * b + p * s * b * h,
+                  "log-softmax (fp32)": 4 * s * b * v,
+                  PER_STEP[1]: 8 * num_microbatches * b * s,
+                  "loss total weight": 4}
+    return terms
+
+
+def _rank_shapes(config: ModelConfig, *, pp: int, rank: int, ranges: list[range]) -> list[tuple[int, ...]]:
+    return [x for st in range(len(ranges)) if stage_rank(st, pp_size=pp) == rank
+            for x in stage_param_shapes(config, stage=st, num_stages=len(ranges), blocks=ranges[st])]
+
+
+def pipeline_state_memory(config: ModelConfig, *, pp: int, pp_rank: int, virtual_stages: int = 1,
+                          balance: str = "layers") -> StateMemory:
+    """fp32 weights, gradients and AdamW state (two moments, a ``step`` per tensor) of the parameters of
+    pipeline rank ``pp_rank``'s stages (:func:`stage_param_shapes`), each whole."""
+    ranges = stage_layers(config, num_stages=pp * virtual_stages, balance=balance)
+    return zero_memory(_rank_shapes(config, pp=pp, rank=pp_rank, ranges=ranges), 1, 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineRankMemory:
+    """One pipeline rank: its ``stages`` and their ``blocks``; ``params`` (elements) and ``param_shapes``;
+    ``saved`` (per stage, one micro-batch's bytes, :func:`stage_saved_bytes`); ``in_flight``: the
+    micro-batches held at the peak, ``peak_in_flight`` the simulator's most at once; ``peak_terms``: the
+    held bytes at the peak by term; ``transient``: on top, within one action; ``memory``: the rank's
+    :class:`~refimpl.planner.memory.RunMemory` (fp32 weights, gradients, AdamW state of its parameters,
+    autocast's 16-bit copies of its matmul weights; the activations at the peak and the transients)."""
+
+    rank: int
+    stages: tuple[int, ...]
+    blocks: tuple[range, ...]
+    param_shapes: list[tuple[int, ...]]
+    saved: dict[int, dict[str, int]]
+    in_flight: int
+    peak_in_flight: int
+    peak_terms: dict[str, int]
+    transient: dict[str, int] = field(default_factory=dict)
+    memory: RunMemory
+
+    @property
+    def params(self) -> int:
+        return sum(math.prod(s) for s in self.param_shapes)
+
+    @property
+    def peak_held(self) -> int:
+        """Bytes held at the peak between actions (saved activations and kept sends)."""
+        return sum(self.peak_terms.values())
+
+
+def _walk(actions, *, saved: dict[int, dict[str, int]], deferred: dict[int, int] | None, num_stages: int,
+          outputs: int) -> tuple[dict[str, int], int]:
+    """The held bytes by term after each action of one rank; returns those at the peak and the
+    micro-batches in flight then (forwarded, not yet backwarded; with ``deferred``, the bytes a ``B``
+    leaves to its ``W`` per stage: not yet ``W``-ed)."""
+    per_mb = {st: sum(v for k, v in t.items() if k not in PER_STEP) for st, t in saved.items()}
+    per_step = {st: {k: v for k, v in t.items() if k in PER_STEP} for st, t in saved.items()}
+    forwarded = {st: 0 for st in saved}  # F done, B not yet
+    waiting = {st: 0 for st in saved}  # B done, W not yet (zb1p)
+    sent_out = sent_grad = 0
+    best: tuple[int, dict[str, int], int] = (-1, {}, 0)
+    for a in actions:
+        if a.kind == "F":
+            forwarded[a.stage] += 1
+            sent_out += outputs if a.stage < num_stages - 1 else 0
+        elif a.kind == "B":
+            forwarded[a.stage] -= 1
+            waiting[a.stage] += 1 if deferred is not None else 0
+            sent_grad += outputs if a.stage > 0 else 0
+        else:
+            waiting[a.stage] -= 1
+        held = sum(per_mb[st] * k for st, k in forwarded.items())
+        terms = {"activations of the micro-batches in flight": held}
+        if deferred is not None:
+            held = sum(deferred[st] * k for st, k in waiting.items())
+            terms["weight-gradient inputs awaiting their W"] = held
+        for st, k in forwarded.items():
+            for name, nbytes in per_step[st].items():
+                terms[name] = nbytes if k else 0
+        terms |= {"stage outputs sent (kept to the step's end)": sent_out,
+                  "input gradients sent (kept to the step's end)": sent_grad}
+        if sum(terms.values()) > best[0]:
+            best = (sum(terms.values()), terms, sum(forwarded.values()) + sum(waiting.values()))
+    return best[1], best[2]
+
+
+def stage_deferred_bytes(config: ModelConfig, *, stage: int, num_stages: int, blocks: range, micro_batch: int,
+                         seq_len: int, compute_dtype: torch.dtype = torch.float32) -> int:
+    """What a ``B`` of ZB-H1 leaves for its ``W`` in stage ``stage``
+    (:func:`~refimpl.parallel.pipeline_parallel.defer_weight_gradients`): every linear layer's input ``X``
+    and output gradient ``dY`` for ``dW = dY^T X``, in the compute dtype (``p`` bytes, measured: also the
+    inputs that come from a float32 LayerNorm under autocast): per block ``p s b (8 h + 2 f)`` (QKV ``h``
+    in, ``3 h`` out; the projection ``h``, ``h``; the MLP ``h``, ``f`` and ``f``, ``h``), on the last stage
+    the output layer's ``p s b (h + V)``."""
+    p, h, f, v = compute_dtype.itemsize, config.hidden_size, config.ffn_hidden_size, config.vocab_size
+    per_token = len(blocks) * (8 * h + 2 * f) + (h + v if stage == num_stages - 1 else 0)
+    return p * seq_len * micro_batch * per_token
+
+
+def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: int, schedule: str = "1f1b",
+                             virtual_stages: int = 1, micro_batch: int, seq_len: int, precision: str = "fp32",
+                             checkpointed_blocks: set[int] | list[int] | tuple[int, ...] = (),
+                             balance: str = "layers") -> list[PipelineRankMemory]:
+    """Every pipeline rank of ``pp`` ranks running ``schedule`` over ``num_microbatches`` micro-batches of
+    ``micro_batch`` sequences of ``seq_len`` tokens (module docstring), in rank order. ``precision``
+    ``fp32`` or ``bf16``/``fp16`` under autocast; ``checkpointed_blocks``: global block indices."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {SCHEDULES}")
+    if precision not in _COMPUTE:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(_COMPUTE)}")
+    m, v, compute = num_microbatches, virtual_stages, _COMPUTE[precision]
+    table = build_schedule(schedule, pp_size=pp, num_microbatches=m, virtual_stages=v)
+    sim = simulate(table, num_microbatches=m, virtual_stages=v)  # refuses an invalid or deadlocking table
+    num_stages, split = pp * v, schedule == "zb1p"
+    ranges = stage_layers(config, num_stages=num_stages, balance=balance)
+    b, s, h, p = micro_batch, seq_len, config.hidden_size, compute.itemsize
+    out = []
+    for r in range(pp):
+        mine = [st for st in range(num_stages) if stage_rank(st, pp_size=pp) == r]
+        shapes = _rank_shapes(config, pp=pp, rank=r, ranges=ranges)
+        saved = {st: stage_saved_bytes(config, stage=st, num_stages=num_stages, blocks=ranges[st],
+                                       micro_batch=b, seq_len=s, num_microbatches=m, compute_dtype=compute,
+                                       checkpointed_blocks=checkpointed_blocks, deferred_weights=split)
+                 for st in mine}
+        deferred = None if not split else {
+            st: stage_deferred_bytes(config, stage=st, num_stages=num_stages, blocks=ranges[st],
+                                     micro_batch=b, seq_len=s, compute_dtype=compute) for st in mine}
+        terms, flying = _walk(table[r], saved=saved, deferred=deferred, num_stages=num_stages,
+                              outputs=4 * s * b * h)
+        transient = {}
+        if any(st < num_stages - 1 for st in mine):  # received for a backward, alive until the next action
+            transient["output gradient received for a backward (transient)"] = 4 * s * b * h
+        if num_stages - 1 in mine:
+            transient["logits + their gradient (transient)"] = (p + 4) * s * b * config.vocab_size
+        chosen = [i for st in mine for i in ranges[st] if i in set(checkpointed_blocks)]
+        if chosen:
+            full = activation_bytes_per_layer(config, micro_batch=b, seq_len=s, compute_dtype=compute)
+            transient["recomputed block (backward, transient)"] = full.total
+        zero = zero_memory(shapes, 1, 0)
+        state = {"weights": zero.weights, "grads": zero.grads, "AdamW state": zero.optimizer}
+        if p != 4:
+            matmul = [x for st in mine for i in ranges[st] for j in _MATMUL
+                      for x in [param_shapes(config)[2 + i * _PER_BLOCK + j]]]
+            matmul += [(config.vocab_size, h)] if num_stages - 1 in mine else []
+            state["autocast weight copies"] = p * sum(math.prod(x) for x in matmul)
+        out.append(PipelineRankMemory(rank=r, stages=tuple(mine), blocks=tuple(ranges[st] for st in mine),
+                                      param_shapes=shapes, saved=saved, in_flight=flying,
+                                      peak_in_flight=sim.peak_in_flight[r], peak_terms=terms,
+                                      transient=transient,
+                                      memory=RunMemory(state=state, activations={**terms, **transient},
+                                                       rank=r)))
+    return out

@@ -1,0 +1,307 @@
+"""The planner's pipeline terms (chapter 08, :mod:`refimpl.planner.pipeline`) against what the runtime holds.
+
+* Parameters per pipeline rank: the shapes of :func:`build_stages`' stages on every rank (pp 2 and 4,
+  interleaved chunks, split by layers and by parameters, tied and untied embeddings: the last stage's copy of
+  a tied embedding counts there); the model state after an AdamW step, counted from the tensors
+  (:func:`refimpl.measure.state_bytes`), equals :func:`pipeline_state_memory` to the byte.
+* One micro-batch's saved bytes per stage: :class:`SavedTensorMeter` on the stage's forward (and the loss on
+  the last stage) equals :func:`stage_saved_bytes` to the byte, in float32, under bfloat16 autocast and
+  with a checkpointed block.
+* The peak of a real step: :class:`PipelineModule.step` at pp 2 over m = 4 micro-batches (gpipe, 1f1b,
+  interleaved v = 2) with the bytes alive counted as they come and go (saved tensors through
+  ``saved_tensors_hooks``, released when autograd frees them; the tensors handed to ``isend``, released
+  when the runtime drops them): the highest count equals the planner's held bytes at its peak, per rank.
+  Negative controls: GPipe's planned peak is not what 1F1B holds (nor the reverse), and the plan without
+  the sends the runtime keeps to the step's end is not what either holds.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+
+import refimpl.comm.ops as comm_ops
+import refimpl.parallel.pipeline_parallel.executor as executor
+from refimpl.config import ModelConfig
+from refimpl.distributed import ParallelDims
+from refimpl.launch import run_ranks
+from refimpl.measure import SavedTensorMeter, state_bytes
+from refimpl.model import GPT, lm_loss
+from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing
+from refimpl.parallel.pipeline_parallel import PipelineModule, build_schedule, build_stages
+from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, defer_weight_gradients
+from refimpl.planner import run_memory_per_rank, state_memory_per_rank
+from refimpl.planner.pipeline import (
+    PER_STEP,
+    pipeline_memory_per_rank,
+    pipeline_state_memory,
+    stage_deferred_bytes,
+    stage_layers,
+    stage_saved_bytes,
+)
+
+SPAWN_TIMEOUT_S = 120
+M, B, S = 4, 2, 8  # micro-batches, sequences per micro-batch, tokens
+LIVE = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1p", 1)]
+
+
+def _config(*, layers: int = 8, tied: bool = True) -> ModelConfig:
+    return ModelConfig(num_layers=layers, hidden_size=16, num_attention_heads=2, max_seq_len=S,
+                       tie_word_embeddings=tied, ffn_hidden_size=48)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("balance", ["layers", "parameters"])
+@pytest.mark.parametrize(("pp", "v"), [(2, 1), (4, 1), (2, 2), (2, 3)])
+def test_stage_parameters_and_state_per_rank_equal_the_built_stages(pp, v, balance, tied):
+    config = _config(layers=7, tied=tied)  # 7 blocks: uneven stages
+    model = GPT(config, seed=0)
+    for rank in range(pp):
+        stages = build_stages(model, pp_rank=rank, pp_size=pp, virtual_stages=v, balance=balance)
+        params = [q for st in sorted(stages) for q in stages[st].parameters()]
+        plan = pipeline_memory_per_rank(config, pp=pp, num_microbatches=2 * pp, virtual_stages=v,
+                                        schedule="interleaved" if v > 1 else "1f1b", micro_batch=1,
+                                        seq_len=S, balance=balance)[rank]
+        assert plan.stages == tuple(sorted(stages))
+        assert plan.blocks == tuple(stages[st].block_ids for st in sorted(stages))
+        assert sorted(plan.param_shapes) == sorted(tuple(q.shape) for q in params), (rank, pp, v)
+        for q in params:
+            q.grad = torch.ones_like(q)
+        optimizer = torch.optim.AdamW(params, lr=1e-3)
+        optimizer.step()
+        state = state_bytes(params, optimizer)
+        assert state == pipeline_state_memory(config, pp=pp, pp_rank=rank, virtual_stages=v, balance=balance)
+        assert state == state_memory_per_rank(config, ParallelDims(dp=1, pp=pp), pp_rank=rank,
+                                              virtual_stages=v, pp_balance=balance)
+        planned = plan.memory.state
+        assert (planned["weights"], planned["grads"], planned["AdamW state"]) == (
+            state.weights, state.grads, state.optimizer)
+        ranges = stage_layers(config, num_stages=pp * v, balance=balance)
+        assert [ranges[st] for st in sorted(stages)] == [stages[st].block_ids for st in sorted(stages)]
+
+
+def _closure_tensors(fn, skip: set[int]) -> dict[int, int]:
+    """The storages (not parameters) a queued weight gradient keeps, by address: their bytes."""
+    cells = [c.cell_contents for c in fn.__closure__ or ()]
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in cells
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in skip}
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["whole-backward", "zb1p-deferred-W"])
+@pytest.mark.parametrize(("precision", "checkpointed"), [("fp32", ()), ("bf16", ()), ("fp32", (1, 4))],
+                         ids=["fp32", "bf16-autocast", "fp32-checkpointed"])
+def test_one_microbatch_saves_what_the_planner_counts_per_stage(precision, checkpointed, deferred):
+    """Forward: the saved bytes; with zb1p's deferred weight gradients also what the backward leaves for
+    W (the tensors its queued closures hold), against :func:`stage_deferred_bytes`."""
+    config, pp = _config(tied=False), 4
+    model = GPT(config, seed=0)
+    if checkpointed:
+        apply_activation_checkpointing(model, list(checkpointed))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (B, S), generator=g)
+    labels = torch.randint(0, 256, (B, S), generator=g)
+    for rank in range(pp):
+        (st, stage), = build_stages(model, pp_rank=rank, pp_size=pp).items()
+        store = WeightGradStore()
+        if deferred:
+            defer_weight_gradients(stage, store)
+        x = ids if st == 0 else torch.randn(B, S, config.hidden_size, generator=g).requires_grad_()
+        with SavedTensorMeter(stage) as meter, torch.autocast("cpu", dtype=torch.bfloat16,
+                                                              enabled=dtype != torch.float32):
+            y = stage(x)
+            if st == pp - 1:
+                y = lm_loss(y, labels)
+        plan = stage_saved_bytes(config, stage=st, num_stages=pp, blocks=stage.block_ids, micro_batch=B,
+                                 seq_len=S, compute_dtype=dtype, checkpointed_blocks=checkpointed,
+                                 deferred_weights=deferred)
+        got = meter.report
+        assert got.total == sum(plan.values()), (rank, precision, dict(got.activations), plan)
+        plain = [i for i in stage.block_ids if i not in checkpointed]
+        widened = 2 * len(plain) * 2 * B * S * config.hidden_size if deferred and precision == "bf16" else 0
+        assert sum(got.per_block()) == plan["block activations"] + widened, (rank, precision)
+        if deferred:
+            with store.capture("mb"):
+                torch.autograd.backward(y, None if st == pp - 1 else torch.ones_like(y))
+            skip = {q.untyped_storage().data_ptr() for q in stage.parameters()}
+            kept: dict[int, int] = {}
+            for fn in store._pending["mb"]:
+                kept |= _closure_tensors(fn, skip)
+            want = stage_deferred_bytes(config, stage=st, num_stages=pp, blocks=stage.block_ids,
+                                        micro_batch=B, seq_len=S, compute_dtype=dtype)
+            assert sum(kept.values()) == want, (rank, precision)
+            assert store.flush("mb") == 4 * len(stage.block_ids) + (st == pp - 1)  # every linear's dW
+
+
+class _Held:
+    """What a saved tensor is packed into: dropped when autograd frees the saved tensor."""
+
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class _LiveBytes:
+    """Bytes of the storages alive now among those registered (each storage once), and the most so far."""
+
+    def __init__(self, params) -> None:
+        self.skip = {q.untyped_storage().data_ptr() for q in params}
+        self.refs: dict[int, int] = {}
+        self.size: dict[int, int] = {}
+        self.now = self.peak = self.between = 0  # between: the most at an action's start, ready or end
+
+    def sample(self) -> None:
+        self.between = max(self.between, self.now)
+
+    def hold(self, obj: object, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr == 0 or ptr in self.skip:
+            return
+        if not self.refs.get(ptr):
+            self.size[ptr] = storage.nbytes()
+            self.now += storage.nbytes()
+            self.peak = max(self.peak, self.now)
+        self.refs[ptr] = self.refs.get(ptr, 0) + 1
+        weakref.finalize(obj, self.release, ptr)
+
+    def release(self, ptr: int) -> None:
+        self.refs[ptr] -= 1
+        if not self.refs[ptr]:
+            self.now -= self.size.pop(ptr)
+
+
+def _live_worker(ctx) -> dict:
+    out = {}
+    config = _config(layers=4, tied=False)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 256, (M * B, S + 1), generator=g)
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # the step's batch
+    for name, v in LIVE:
+        model = GPT(config, seed=0)
+        pipe = PipelineModule(model, pp_group=None, pp_rank=ctx.rank, pp_size=ctx.world_size, schedule=name,
+                              virtual_stages=v)
+        live = _LiveBytes(pipe.parameters())
+
+        def pack(t: torch.Tensor, live=live) -> object:
+            held = _Held(t)
+            live.hold(held, t)
+            return held
+
+        isend = comm_ops.isend
+
+        def counted_isend(t: torch.Tensor, *args, live=live, isend=isend, **kwargs):
+            live.hold(t, t)  # released when the runtime drops the tensor it sent
+            return isend(t, *args, **kwargs)
+
+        comm_ops.isend = counted_isend
+        clock = executor.now
+
+        def sampled_now(live=live, clock=clock) -> float:
+            live.sample()  # the executor reads the clock at each action's start, ready and end
+            return clock()
+
+        executor.now = sampled_now
+        if pipe.store is not None:  # zb1p: what each queued weight gradient keeps until its W
+            push = pipe.store.push
+
+            def counted_push(fn, live=live, push=push) -> None:
+                for t in (c.cell_contents for c in fn.__closure__ or ()):
+                    if isinstance(t, torch.Tensor):
+                        live.hold(fn, t)
+                push(fn)
+
+            pipe.store.push = counted_push
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.t):
+                pipe.step(inputs, labels, num_microbatches=M,
+                          loss_fn=lambda logits, y: lm_loss(logits, y, num_tokens=M * B * S))
+        finally:
+            comm_ops.isend, executor.now = isend, clock
+        out[name] = {"peak": live.between, "within": live.peak, "after": live.now}
+    return out
+
+
+@pytest.fixture(scope="module")
+def live():
+    return run_ranks(_live_worker, 2, timeout_s=SPAWN_TIMEOUT_S)
+
+
+def _until_w(plan, config: ModelConfig) -> int:
+    """The wrong zb1p plan: a micro-batch keeps all of its saved bytes until its W."""
+    from refimpl.planner import pipeline as planner_pipeline
+
+    table = build_schedule("zb1p", pp_size=2, num_microbatches=M)[plan.rank]
+    whole = {st: sum(v for k, v in t.items() if k not in PER_STEP) for st, t in plan.saved.items()}
+    terms, _ = planner_pipeline._walk(table, saved=plan.saved, deferred=whole, num_stages=2,
+                                      outputs=4 * S * B * config.hidden_size)
+    return sum(terms.values())
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+def test_the_peak_of_a_real_step_equals_the_plan_per_rank(live):
+    config = _config(layers=4, tied=False)
+    plans = {name: pipeline_memory_per_rank(config, pp=2, num_microbatches=M, schedule=name, virtual_stages=v,
+                                            micro_batch=B, seq_len=S) for name, v in LIVE}
+    for name, _ in LIVE:
+        for rank, got in enumerate(live):
+            plan = plans[name][rank]
+            assert got[name]["after"] == 0, (name, rank)  # everything counted was released by the end
+            assert got[name]["peak"] == plan.peak_held, (name, rank, got[name], plan.peak_terms)
+            # within an action only the planned transients come on top; ZB-H1's first deferred linear keeps
+            # the received output gradient while the micro-batch's activations are still alive
+            assert 0 <= got[name]["within"] - got[name]["peak"] <= sum(plan.transient.values()), (name, rank)
+    received = "output gradient received for a backward (transient)"
+    assert live[0]["zb1p"]["within"] - live[0]["zb1p"]["peak"] == plans["zb1p"][0].transient[received]
+    checked = 0
+    for rank, got in enumerate(live):
+        assert plans["gpipe"][rank].in_flight == M and plans["1f1b"][rank].in_flight == min(2 - rank, M)
+        assert plans["1f1b"][rank].in_flight == plans["1f1b"][rank].peak_in_flight
+        # negative controls: the other schedule's plan, and the plan without the kept sends
+        assert got["1f1b"]["peak"] != plans["gpipe"][rank].peak_held, rank
+        assert got["gpipe"]["peak"] != plans["1f1b"][rank].peak_held, rank
+        for name, _ in LIVE:
+            terms = plans[name][rank].peak_terms
+            unsent = sum(v for k, v in terms.items() if "sent" not in k)
+            if unsent < plans[name][rank].peak_held:
+                assert got[name]["peak"] != unsent, (name, rank)
+                checked += 1
+    assert checked >= len(LIVE) + 1  # every schedule's first rank sends before its peak, some last ranks too
+    # zb1p's W-held bytes matter: counting its micro-batches' whole activations until W is not what it holds
+    zb = plans["zb1p"]
+    # rank 0 peaks before its first W
+    assert any(live[r]["zb1p"]["peak"] != _until_w(zb[r], config) for r in range(2))
+
+
+def test_run_memory_is_the_worst_rank_and_names_it():
+    config = _config(layers=4, tied=True)
+    dims = ParallelDims(dp=2, pp=2)
+    kw = {"micro_batch": B, "seq_len": S, "num_microbatches": M}
+    for name, v in LIVE + [("zb1p", 1)]:
+        ranks = pipeline_memory_per_rank(config, pp=2, schedule=name, virtual_stages=v, **{
+            "micro_batch": B, "seq_len": S, "num_microbatches": M, "precision": "bf16"})
+        worst = max(ranks, key=lambda r: r.memory.total)
+        got = run_memory_per_rank(config, dims, precision="bf16", pp_schedule=name, virtual_stages=v, **kw)
+        assert got == worst.memory and got.rank == worst.rank
+        assert got.describe().startswith(f"pipeline rank {worst.rank}: ")
+        assert got.state["autocast weight copies"] > 0
+    assert run_memory_per_rank(config, dims, micro_batch=B, seq_len=S) == run_memory_per_rank(
+        config, dims, micro_batch=B, seq_len=S, num_microbatches=2)  # m defaults to pp
+    assert PER_STEP[0] in pipeline_memory_per_rank(config, pp=2, num_microbatches=M, micro_batch=B,
+                                                   seq_len=S)[0].peak_terms
+
+
+@pytest.mark.parametrize("dims", [ParallelDims(dp=1, tp=2, pp=2), ParallelDims(dp=1, cp=2, pp=2)],
+                         ids=["tp", "cp"])
+def test_pipeline_with_tensor_or_context_parallel_or_zero_is_refused_naming_chapter_10(dims):
+    config = _config(layers=4)
+    with pytest.raises(ValueError, match="comes with chapter 10"):
+        run_memory_per_rank(config, dims, micro_batch=1, seq_len=S)
+    for stage in (1, 2, 3):
+        with pytest.raises(ValueError, match=f"ZeRO {stage} with pp=2 comes with chapter 10"):
+            run_memory_per_rank(config, ParallelDims(dp=2, pp=2), micro_batch=1, seq_len=S, zero_stage=stage)
+        with pytest.raises(ValueError, match="comes with chapter 10"):
+            state_memory_per_rank(config, ParallelDims(dp=2, pp=2), zero_stage=stage)
