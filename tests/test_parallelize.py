@@ -43,7 +43,7 @@ CASES = {  # name -> options
     "zero3-bf16": ParallelizeOptions(zero_stage=3, precision="bf16"),
 }
 REFUSED = {  # layout at world size 4 and options -> the chapter the error must name
-    "dp2-pp2-zero1": (dict(dp=2, pp=2), dict(zero_stage=1), "chapter 10"),
+    "dp2-pp2-zero2": (dict(dp=2, pp=2), dict(zero_stage=2), "chapter 10"),
     "tp2-pp2-zb1p": (dict(dp=1, tp=2, pp=2), dict(pp_schedule="zb1p"), "chapter 10"),
 }
 
@@ -283,7 +283,7 @@ def test_one_process_layout_needs_no_group():
     with pytest.raises(ValueError, match="pass its process groups"):
         parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=2), ParallelizeOptions())
     with pytest.raises(ValueError, match="chapter 10"):  # what is not built is named before the groups
-        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, pp=2), ParallelizeOptions(zero_stage=1))
+        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, pp=2), ParallelizeOptions(zero_stage=2))
     with pytest.raises(ValueError, match="pass its process groups"):
         parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, cp=2), ParallelizeOptions())
     with pytest.raises(ValueError, match="needs tp > 1"):

@@ -1,7 +1,7 @@
 """The trainer with ``--pp`` (chapter 08): every schedule trains the same model as one device, composes
-with ``--dp``, ``--tp`` (with sequence parallelism), ``--cp``, ``--precision`` (fp16 with its loss scaler) and
-activation checkpointing, and a ``pp 2 x dp 2`` checkpoint (written under the plain GPT's names) resumes at
-``dp 4``.
+with ``--dp`` (ZeRO-0 and ZeRO-1), ``--tp`` (with sequence parallelism), ``--cp``, ``--precision`` (fp16 with
+its loss scaler) and activation checkpointing, and a ``pp 2 x dp 2`` ZeRO-1 checkpoint (written under the
+plain GPT's names) resumes at ``dp 4`` with ZeRO-0.
 
 One spawn of 4 ranks runs each layout through :func:`refimpl.train.train`; the one-device references run in
 this process. Tolerance (the numerics rule, as tests/test_train_tp.py): ``FACTOR x spread``, ``spread`` the
@@ -36,8 +36,8 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-heads", "4", "--seq-l
         "--checkpoint-every", "0"]
 # name -> (flags at world size 4, the one-device precision it is compared with)
 LAYOUTS = {
-    "pp2-dp2-1f1b": (["--pp", "2", "--microbatches", "2", "--steps", str(STEPS + 2),
-                      "--checkpoint-every", str(STEPS)], "fp32"),  # saves at STEPS: resumed at dp 4
+    "pp2-dp2-1f1b-zero1": (["--pp", "2", "--microbatches", "2", "--zero-stage", "1", "--steps",
+                            str(STEPS + 2), "--checkpoint-every", str(STEPS)], "fp32"),  # resumed at dp 4
     "pp4-gpipe": (["--pp", "4", "--pp-schedule", "gpipe", "--microbatches", "4"], "fp32"),
     "pp2-dp2-interleaved": (["--pp", "2", "--pp-schedule", "interleaved", "--virtual-stages", "2",
                              "--microbatches", "2", "--pp-balance", "parameters"], "fp32"),
@@ -93,7 +93,7 @@ def _worker(ctx, files: dict) -> dict:
         args = _args(files, root / name, *flags, "--checkpoint-dir", str(root / name / "ckpt"))
         out[name] = [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args))]
     if ctx.rank == 0:  # the pp 2 x dp 2 checkpoint of step STEPS alone, resumed at dp 4 below
-        shutil.copytree(root / "pp2-dp2-1f1b" / "ckpt", root / "resumed-checkpoints")
+        shutil.copytree(root / "pp2-dp2-1f1b-zero1" / "ckpt", root / "resumed-checkpoints")
         shutil.rmtree(root / "resumed-checkpoints" / f"step_{STEPS + 2:08d}")
     dist.barrier()
     args = _args(files, root / "resumed", "--steps", str(STEPS + 2), "--checkpoint-every", str(STEPS),
@@ -161,7 +161,7 @@ def test_pipeline_layouts_train_like_one_device(runs, one_device, name):
 @pytest.mark.numerics
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
 def test_a_pp2_checkpoint_resumes_at_dp4_and_continues_the_losses(runs, one_device):
-    resumed, pp2 = runs[0]["resumed at dp4"], runs[0]["pp2-dp2-1f1b"]
+    resumed, pp2 = runs[0]["resumed at dp4"], runs[0]["pp2-dp2-1f1b-zero1"]
     assert len(resumed) == 2  # a fresh --out: the two steps after the resume
     tol = _tolerance(one_device, "fp32")
     assert float(np.abs(np.array(resumed) - np.array(pp2[STEPS:])).max()) <= tol

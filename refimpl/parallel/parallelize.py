@@ -39,11 +39,11 @@ Under pipeline parallelism (step 3, ``pp > 1``) the model becomes this rank's st
 :class:`~refimpl.parallel.pipeline_parallel.PipelineModule` (:attr:`Parallelized.pipeline`): a step is one
 :meth:`~refimpl.parallel.pipeline_parallel.PipelineModule.step` over the micro-batches, not a forward per
 micro-batch; the gradients are averaged over ``dp x cp`` once, after the step's last backward
-(:attr:`OptimizerSetup.finish_gradients`; a rank that skipped it would drift from its replicas: picotron's
-DP x PP bug), and the gradient norm sums over the ``pp`` ranks (a tied embedding counted once). Today it
-composes with data parallelism (ZeRO-0), tensor and sequence parallelism and context parallelism (steps 1-2
+(:attr:`OptimizerSetup.finish_gradients`; a rank that skipped it would drift from its replicas: picotron's DP
+x PP bug), and the gradient norm sums over the ``pp`` ranks (a tied embedding counted once). Today it composes
+with data parallelism (ZeRO-0 and ZeRO-1), tensor and sequence parallelism and context parallelism (steps 1-2
 come first: the stages hold the tensor- and context-parallel blocks, and the stage boundaries carry each
-rank's part of the sequence), precision and activation checkpointing; with ZeRO 1-3 it is refused, naming
+rank's part of the sequence), precision and activation checkpointing; with ZeRO-2/3 it is refused, naming
 chapter 10, which builds those layouts.
 
 Under context parallelism (step 2, ``cp > 1``) each rank runs the model on its part of the sequence:
@@ -240,9 +240,10 @@ class Parallelized:
                               clip_fn=None if clip is None else (lambda _: optimizer.clip_grad_norm_(clip)))
 
     def _pipeline_optimizer(self, config: OptimConfig) -> OptimizerSetup:
-        """AdamW over this rank's stages; the dp x cp average after the step's last backward (then, under
-        sequence parallelism, the ``s/t``-token gradients summed over tp); the norm summed over the pp
-        (and tp) ranks, each element once: the last stage's copy of a tied embedding left out, a
+        """AdamW over this rank's stages (ZeRO-1: a :class:`~refimpl.parallel.zero.ShardedOptimizer` over
+        dp x cp); the dp x cp average after the step's last backward (ZeRO-1: into the shards), then under
+        sequence parallelism the ``s/t``-token gradients summed over tp; the norm summed over the pp, tp and
+        (ZeRO-1) dp ranks, each element once: the last stage's copy of a tied embedding left out, a
         tensor-parallel replica counted on tp rank 0 (:mod:`refimpl.parallel.tensor_parallel.grad_norm`)."""
         from refimpl.parallel.data_parallel.data_parallel_communications import reduce_gradients_
         from refimpl.parallel.zero.clip_grad import scale_to_max_norm_, sum_of_squares
@@ -256,28 +257,44 @@ class Parallelized:
 
             sharded = tensor_parallel_sharded(pipe)
         first_tp = tp is None or dist.get_rank(tp) == 0
+        named = pipe.named_parameters_full()  # weight decay by the GPT's names (a tied copy is the embedding)
+        zero1 = self.options.zero_stage == 1 and group is not None
+        if zero1:
+            from refimpl.parallel.zero import ShardedOptimizer
+
+            optimizer = ShardedOptimizer(param_groups(pipe, config.weight_decay, named), torch.optim.AdamW,
+                                         group, zero_stage=1, bucket_numel=self.options.zero_bucket_numel,
+                                         lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
+                                         foreach=False)
+        else:
+            optimizer = build_optimizer(pipe, config, named=named)
+
+        def pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:  # (parameter, the gradient this rank holds)
+            if zero1:
+                optimizer.reduce_gradients()  # once per step: into the shards
+                return [(p, optimizer.shard(p).grad) for p in optimizer.params
+                        if optimizer.shard(p).grad is not None]
+            return [(p, p.grad) for p in params if p.grad is not None]
 
         def finish() -> None:  # every stage's gradients, once per step, over the data-parallel replicas
-            if group is not None:
+            if not zero1 and group is not None:
                 reduce_gradients_(params, policy, group=group)
             if tp is not None and self.options.sequence_parallel:
-                from refimpl.parallel.tensor_parallel import allreduce_sequence_parallel_grads
-
-                allreduce_sequence_parallel_grads(pipe, tp)
+                for p, g in pairs():  # a replicated parameter's shard: the same rows on every tp rank
+                    if getattr(p, "sequence_parallel", False):
+                        ops.all_reduce(g, group=tp)
 
         def clip_fn(_: object) -> torch.Tensor:
-            grads = [p.grad for p in params if p.grad is not None]
-            counted = [p.grad for p in params if p.grad is not None and not pipe.is_tied_copy(p)
-                       and (id(p) in sharded or first_tp)]
+            held = pairs()
+            counted = [g for p, g in held if not pipe.is_tied_copy(p) and (id(p) in sharded or first_tp)]
             sq = sum_of_squares(counted, device=device)
-            for g in (pipe.pp_group, tp):
+            for g in (pipe.pp_group, tp, group if zero1 else None):
                 if g is not None:
                     ops.all_reduce(sq, group=g)
-            return scale_to_max_norm_(grads, sq.sqrt(), config.grad_clip)
+            return scale_to_max_norm_([g for _, g in held], sq.sqrt(), config.grad_clip)
 
-        optimizer = build_optimizer(pipe, config, named=pipe.named_parameters_full())  # decay by GPT names
         needs_finish = group is not None or (tp is not None and self.options.sequence_parallel)
-        return OptimizerSetup(optimizer=optimizer, grad_params=params,
+        return OptimizerSetup(optimizer=optimizer, grad_params=list(optimizer.params) if zero1 else params,
                               clip_fn=None if config.grad_clip is None else clip_fn,
                               finish_gradients=finish if needs_finish else None)
 
@@ -351,9 +368,10 @@ def _layout(groups_or_dims: ParallelGroups | ParallelDims,
     if options.sequence_parallel and dims.tp == 1:
         raise ValueError("sequence parallelism splits the activations over the tensor-parallel ranks: it "
                          f"needs tp > 1 (the layout is {dims.describe()})")
-    if dims.pp > 1 and options.zero_stage != 0:
-        raise ValueError(f"pipeline parallelism with ZeRO 1-3 (the layout {dims.describe()}, zero_stage "
-                         f"{options.zero_stage}) is not built yet (chapter 10): use zero_stage 0 with pp")
+    if dims.pp > 1 and options.zero_stage > 1:
+        raise ValueError(f"pipeline parallelism with ZeRO-{options.zero_stage} (the layout "
+                         f"{dims.describe()}) is not built yet (chapter 10): its gradient shards would be "
+                         "cut in every micro-batch's backward; use zero_stage 0 or 1 with pp")
     if dims.pp > 1 and dims.tp > 1 and options.pp_schedule == "zb1p":
         raise ValueError("the zb1p schedule splits the weight gradient off nn.Linear layers; the tensor-"
                          "parallel layers do not split it: not built yet (chapter 10); use another schedule "

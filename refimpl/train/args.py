@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "the sequence (Korthikanti et al. 2022); --seq-len must divide by --tp")
     par.add_argument("--pp", type=int, default=1,
                      help="pipeline-parallel degree (chapter 08): the blocks cut into pp stages, the batch "
-                     "run through them in micro-batches; composes with --dp, --tp, --cp and --zero-stage 0")
+                     "run through them in micro-batches; composes with --dp, --tp, --cp and --zero-stage 0/1")
     par.add_argument("--microbatches", type=int, default=None, metavar="M",
                      help="with --pp > 1: pipeline micro-batches per step and data-parallel rank (default: "
                      "per-rank batch / --micro-batch-size, else pp)")
@@ -185,9 +185,10 @@ class RunOptions:
         if self.tp > 1 and self.zero_stage == 3:
             raise ConfigError(f"--tp {self.tp} with --zero-stage 3 (2-D sharding) is not built yet (chapter "
                               "10); use --zero-stage 0, 1 or 2")
-        if self.pp > 1 and self.zero_stage != 0:
+        if self.pp > 1 and self.zero_stage > 1:
             raise ConfigError(f"--pp {self.pp} with --zero-stage {self.zero_stage} is not built yet (chapter "
-                              "10 composes them); today --pp runs with --dp, --tp, --cp and --zero-stage 0")
+                              "10 composes them); today --pp runs with --dp, --tp, --cp and --zero-stage "
+                              "0 or 1")
         if self.pp > 1 and self.tp > 1 and self.pp_schedule == "zb1p":
             raise ConfigError("--pp-schedule zb1p splits the weight gradient off plain linear layers; with "
                               "--tp the tensor-parallel layers do not split it yet (chapter 10): use another "
