@@ -1,18 +1,23 @@
 """The planner's pipeline terms (chapter 08, :mod:`refimpl.planner.pipeline`) against what the runtime holds.
 
-* Parameters per pipeline rank: the shapes of :func:`build_stages`' stages on every rank (pp 2 and 4,
-  interleaved chunks, split by layers and by parameters, tied and untied embeddings: the last stage's copy of
-  a tied embedding counts there); the model state after an AdamW step, counted from the tensors
-  (:func:`refimpl.measure.state_bytes`), equals :func:`pipeline_state_memory` to the byte.
+* Parameters per pipeline rank: the shapes of :func:`build_stages`' stages on every rank (pp 4; pp 2 with 3
+  chunks per rank; 7 blocks, so uneven stages; split by layers and by parameters, tied and untied
+  embeddings: the last stage's copy of a tied embedding counts there); the model state after an AdamW
+  step, counted from the tensors (:func:`refimpl.measure.state_bytes`), equals
+  :func:`pipeline_state_memory` to the byte.
 * One micro-batch's saved bytes per stage: :class:`SavedTensorMeter` on the stage's forward (and the loss on
   the last stage) equals :func:`stage_saved_bytes` to the byte, in float32, under bfloat16 autocast and
-  with a checkpointed block.
-* The peak of a real step: :class:`PipelineModule.step` at pp 2 over m = 4 micro-batches (gpipe, 1f1b,
-  interleaved v = 2) with the bytes alive counted as they come and go (saved tensors through
-  ``saved_tensors_hooks``, released when autograd frees them; the tensors handed to ``isend``, released
-  when the runtime drops them): the highest count equals the planner's held bytes at its peak, per rank.
-  Negative controls: GPipe's planned peak is not what 1F1B holds (nor the reverse), and the plan without
-  the sends the runtime keeps to the step's end is not what either holds.
+  with checkpointed blocks; with zb1p's deferred weight gradients, the tensors the queued ``dW`` closures
+  keep after the backward equal :func:`stage_deferred_bytes`.
+* The peak of a real step: :class:`PipelineModule.step` at pp 2 and 4 over m = 4 micro-batches (gpipe,
+  1f1b, interleaved v = 2, zb1p) with the bytes alive counted as they come and go (saved tensors through
+  ``saved_tensors_hooks``, released when autograd frees them; the tensors handed to ``isend`` and those a
+  queued ``dW`` keeps, released when the runtime drops them): the highest count between actions (read when
+  the executor reads its clock) equals the planner's held bytes at its peak, per rank, and within actions
+  only the planner's transients come on top.
+  Negative controls: GPipe's planned peak is not what 1F1B holds where 1F1B holds fewer than m (nor the
+  reverse), the plan without the sends the runtime keeps to the step's end is not what is held, nor is
+  zb1p's plan with every micro-batch keeping all its activations until its W.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ def _config(*, layers: int = 8, tied: bool = True) -> ModelConfig:
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("balance", ["layers", "parameters"])
-@pytest.mark.parametrize(("pp", "v"), [(2, 1), (4, 1), (2, 2), (2, 3)])
+@pytest.mark.parametrize(("pp", "v"), [(4, 1), (2, 3)])
 def test_stage_parameters_and_state_per_rank_equal_the_built_stages(pp, v, balance, tied):
     config = _config(layers=7, tied=tied)  # 7 blocks: uneven stages
     model = GPT(config, seed=0)
@@ -176,7 +181,7 @@ class _LiveBytes:
 
 def _live_worker(ctx) -> dict:
     out = {}
-    config = _config(layers=4, tied=False)
+    config = _config(layers=2 * ctx.world_size, tied=False)  # interleaved v = 2: a block per stage
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (M * B, S + 1), generator=g)
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # the step's batch
@@ -225,27 +230,28 @@ def _live_worker(ctx) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def live():
-    return run_ranks(_live_worker, 2, timeout_s=SPAWN_TIMEOUT_S)
+@pytest.fixture(scope="module", params=[2, 4], ids=["pp2", "pp4"])
+def live(request):
+    return request.param, run_ranks(_live_worker, request.param, timeout_s=SPAWN_TIMEOUT_S)
 
 
-def _until_w(plan, config: ModelConfig) -> int:
+def _until_w(plan, config: ModelConfig, pp: int) -> int:
     """The wrong zb1p plan: a micro-batch keeps all of its saved bytes until its W."""
     from refimpl.planner import pipeline as planner_pipeline
 
-    table = build_schedule("zb1p", pp_size=2, num_microbatches=M)[plan.rank]
+    table = build_schedule("zb1p", pp_size=pp, num_microbatches=M)[plan.rank]
     whole = {st: sum(v for k, v in t.items() if k not in PER_STEP) for st, t in plan.saved.items()}
-    terms, _ = planner_pipeline._walk(table, saved=plan.saved, deferred=whole, num_stages=2,
+    terms, _ = planner_pipeline._walk(table, saved=plan.saved, deferred=whole, num_stages=pp,
                                       outputs=4 * S * B * config.hidden_size)
     return sum(terms.values())
 
 
 @pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_the_peak_of_a_real_step_equals_the_plan_per_rank(live):
-    config = _config(layers=4, tied=False)
-    plans = {name: pipeline_memory_per_rank(config, pp=2, num_microbatches=M, schedule=name, virtual_stages=v,
-                                            micro_batch=B, seq_len=S) for name, v in LIVE}
+    pp, live = live
+    config = _config(layers=2 * pp, tied=False)
+    plans = {name: pipeline_memory_per_rank(config, pp=pp, num_microbatches=M, schedule=name,
+                                            virtual_stages=v, micro_batch=B, seq_len=S) for name, v in LIVE}
     for name, _ in LIVE:
         for rank, got in enumerate(live):
             plan = plans[name][rank]
@@ -256,24 +262,27 @@ def test_the_peak_of_a_real_step_equals_the_plan_per_rank(live):
             assert 0 <= got[name]["within"] - got[name]["peak"] <= sum(plan.transient.values()), (name, rank)
     received = "output gradient received for a backward (transient)"
     assert live[0]["zb1p"]["within"] - live[0]["zb1p"]["peak"] == plans["zb1p"][0].transient[received]
-    checked = 0
+    checked = fewer = 0
     for rank, got in enumerate(live):
-        assert plans["gpipe"][rank].in_flight == M and plans["1f1b"][rank].in_flight == min(2 - rank, M)
+        assert plans["gpipe"][rank].in_flight == M and plans["1f1b"][rank].in_flight == min(pp - rank, M)
         assert plans["1f1b"][rank].in_flight == plans["1f1b"][rank].peak_in_flight
-        # negative controls: the other schedule's plan, and the plan without the kept sends
-        assert got["1f1b"]["peak"] != plans["gpipe"][rank].peak_held, rank
-        assert got["gpipe"]["peak"] != plans["1f1b"][rank].peak_held, rank
+        # negative controls: the other schedule's plan where 1F1B holds fewer than m, and the plan without
+        # the kept sends
+        if plans["1f1b"][rank].in_flight < M:
+            assert got["1f1b"]["peak"] != plans["gpipe"][rank].peak_held, rank
+            assert got["gpipe"]["peak"] != plans["1f1b"][rank].peak_held, rank
+            fewer += 1
         for name, _ in LIVE:
             terms = plans[name][rank].peak_terms
             unsent = sum(v for k, v in terms.items() if "sent" not in k)
             if unsent < plans[name][rank].peak_held:
                 assert got[name]["peak"] != unsent, (name, rank)
                 checked += 1
-    assert checked >= len(LIVE) + 1  # every schedule's first rank sends before its peak, some last ranks too
+    assert checked >= len(LIVE) + 1 and fewer >= 1  # every schedule's first rank sends before its peak
     # zb1p's W-held bytes matter: counting its micro-batches' whole activations until W is not what it holds
     zb = plans["zb1p"]
     # rank 0 peaks before its first W
-    assert any(live[r]["zb1p"]["peak"] != _until_w(zb[r], config) for r in range(2))
+    assert any(live[r]["zb1p"]["peak"] != _until_w(zb[r], config, pp) for r in range(pp))
 
 
 def test_run_memory_is_the_worst_rank_and_names_it():
