@@ -360,6 +360,49 @@ def test_cp2_ring_attention_runs_from_the_command_line(files, tmp_path):
     assert (out / "sample.txt").read_text().startswith("def ")  # sampled from a plain copy on rank 0
 
 
+@pytest.mark.timeout(CLI_TIMEOUT_S + 60)
+def test_pp2_one_f_one_b_runs_from_the_command_line(files, tmp_path):
+    out = tmp_path / "pp2"
+    args = [*RUN_FLAGS, "--num-layers", "2", "--data", str(files["corpus"]), "--cache-dir",
+            str(files["root"] / "cache"), "--out", str(out), "--nproc-per-node", "2", "--pp", "2",
+            "--microbatches", "4", "--timeout", "60"]
+    proc = subprocess.run([sys.executable, "-m", "refimpl.train", *args], cwd=tmp_path,
+                          env=_env(tmp_path / "c"), capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert "dp 1 x cp 1 x tp 1 x pp 2 | pipeline: 1f1b, 4 micro-batches" in proc.stdout, proc.stdout
+    losses = [line["loss"] for line in _read_metrics(out)]
+    assert len(losses) == len(set(losses)) > 1 and all(math.isfinite(v) for v in losses)
+    assert (out / "sample.txt").read_text().startswith("def ")  # sampled from the gathered stages
+
+
+def test_pipeline_micro_batches_are_checked_before_anything_starts():
+    from refimpl.config import ConfigError
+    from refimpl.train import RunOptions
+    from refimpl.train.preflight import pipeline_microbatches
+
+    config = config_from_args(build_parser().parse_args([*TINY, "--num-layers", "4", "--batch-size", "8"]))
+    assert pipeline_microbatches(config, RunOptions(pp=2), 2) == 2  # the default: pp micro-batches
+    assert pipeline_microbatches(config, RunOptions(pp=2, microbatches=4), 2) == 4
+    with_micro = config_from_args(build_parser().parse_args([*TINY, "--num-layers", "4", "--batch-size", "8",
+                                                             "--micro-batch-size", "1"]))
+    assert pipeline_microbatches(with_micro, RunOptions(pp=2), 2) == 4  # per-rank batch / micro-batch
+    for options, dp, match in ((RunOptions(pp=2, microbatches=3), 2, "does not split into 3"),
+                               (RunOptions(pp=2, microbatches=2), 2, None),
+                               (RunOptions(pp=8), 1, "cannot fill 8 pipeline stages")):
+        if match is None:
+            with pytest.raises(ConfigError, match="is not the per-rank batch"):
+                pipeline_microbatches(with_micro, options, dp)  # 2 x 1 != 4: the two flags disagree
+        else:
+            with pytest.raises(ConfigError, match=match):
+                pipeline_microbatches(config, options, dp)
+    for bad, match in ((dict(pp=2, zero_stage=2), "chapter 10"),
+                       (dict(pp=2, tp=2, pp_schedule="zb1p"), "zb1p"),
+                       (dict(microbatches=2), "need --pp > 1"),
+                       (dict(pp=2, virtual_stages=2), "only with --pp-schedule interleaved")):
+        with pytest.raises(ConfigError, match=match):
+            RunOptions(**bad)
+
+
 def test_context_parallel_sizes_are_checked_before_anything_starts():
     from refimpl.config import ConfigError
     from refimpl.train import check_context_parallel
@@ -380,9 +423,11 @@ LAYOUT_REFUSALS = {  # name -> (flags, what the one error line must say)
     "tp2-zero3": (["--tp", "2", "--zero-stage", "3"], "chapter 10"),
     "tp4-heads": (["--tp", "4"], "attention heads 2 does not divide by 4"),
     "sp-without-tp": (["--sequence-parallel"], "needs --tp > 1"),
-    "pp2": (["--pp", "2"], "chapter 08"),
     "cp4-ulysses-heads": (["--cp", "4", "--cp-method", "ulysses"], "(2 / --tp 1 = 2) do not divide by 4"),
     "cp4-ring-seq": (["--cp", "4", "--seq-len", "20"], "--seq-len 20 does not divide by 8"),
+    "pp4-layers": (["--pp", "4"], "--num-layers 1 cannot fill 4 pipeline stages"),
+    "pp2-interleaved-m": (["--pp", "2", "--num-layers", "4", "--pp-schedule", "interleaved",
+                           "--virtual-stages", "2", "--microbatches", "1"], "1 micro-batches do not divide"),
     "dp-not-world": (["--dp", "3"], "does not match the world size 4"),
     "dp-zero": (["--dp", "0"], "positive integer"),
 }

@@ -38,13 +38,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from refimpl.config import ModelConfig
 from refimpl.measure.state import StateMemory
 from refimpl.parallel.pipeline_parallel import SCHEDULES, build_schedule, simulate, split_layers, stage_rank
-from refimpl.planner.activations import activation_bytes_per_layer
+from refimpl.planner.activations import activation_bytes_per_layer, local_tokens, outside_block_bytes
 from refimpl.planner.params_flops import param_shapes
 from refimpl.planner.run_memory import RunMemory
 from refimpl.planner.zero_state import zero_memory
@@ -72,79 +73,110 @@ class _Sized:
 class _Shapes:
     """What :func:`split_layers` reads of a GPT, from the configuration's parameter shapes."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        h, v, n = config.hidden_size, config.vocab_size, config.num_layers
-        shapes = param_shapes(config)
+    def __init__(self, config: ModelConfig, *, tp: int = 1) -> None:
+        n = config.num_layers
+        shapes = param_shapes(config, tp=tp)
         self.embedding = _Sized(shapes[:2])
         self.layers = [_Sized(shapes[2 + i * _PER_BLOCK: 2 + (i + 1) * _PER_BLOCK]) for i in range(n)]
         self.final_layernorm = _Sized(shapes[2 + n * _PER_BLOCK: 4 + n * _PER_BLOCK])
-        self.output_layer = _Sized([(v, h)])  # tied or not, the last stage multiplies by a [V, h] weight
+        self.output_layer = _Sized([_head(config, tp=tp)])  # tied or not, the last stage multiplies by it
 
 
-def stage_layers(config: ModelConfig, *, num_stages: int, balance: str = "layers") -> list[range]:
+def _head(config: ModelConfig, *, tp: int) -> tuple[int, int]:
+    """The output layer's weight on one tp rank: ``[V, h]``; under tp a tied copy is the vocab-parallel
+    embedding shard, ``ceil(V/t)`` rows (padding included), an untied head ``V/t`` rows."""
+    v, h = config.vocab_size, config.hidden_size
+    return (-(-v // tp) if config.tie_word_embeddings else v // tp, h)
+
+
+def stage_layers(config: ModelConfig, *, num_stages: int, balance: str = "layers",
+                 tp: int = 1) -> list[range]:
     """The blocks of each stage, by the runtime's rule (:func:`split_layers`, ``balance`` ``"layers"`` or
-    ``"parameters"``)."""
-    return split_layers(_Shapes(config), num_stages, balance=balance)  # type: ignore[arg-type]
+    ``"parameters"``, on the tensor-parallel shards' sizes)."""
+    return split_layers(_Shapes(config, tp=tp), num_stages, balance=balance)  # type: ignore[arg-type]
 
 
-def stage_param_shapes(config: ModelConfig, *, stage: int, num_stages: int,
-                       blocks: range) -> list[tuple[int, ...]]:
-    """The parameter shapes stage ``stage`` of ``num_stages`` holds (with ``blocks``): its blocks', the
+def stage_param_shapes(config: ModelConfig, *, stage: int, num_stages: int, blocks: range,
+                       tp: int = 1) -> list[tuple[int, ...]]:
+    """The parameter shapes stage ``stage`` of ``num_stages`` holds (with ``blocks``) on one of ``tp``
+    tensor-parallel ranks (:func:`~refimpl.planner.params_flops.param_shapes`): its blocks', the
     embedding's on the first, the final LayerNorm's and the output layer's on the last (a tied embedding:
-    the last stage's own copy when ``num_stages > 1``)."""
-    shapes, n = param_shapes(config), config.num_layers
+    the last stage's own copy when ``num_stages > 1``, a vocab-parallel shard under tp)."""
+    shapes, n = param_shapes(config, tp=tp), config.num_layers
     out = list(shapes[:2]) if stage == 0 else []
     for i in blocks:
         out += shapes[2 + i * _PER_BLOCK: 2 + (i + 1) * _PER_BLOCK]
     if stage == num_stages - 1:
         out += shapes[2 + n * _PER_BLOCK: 4 + n * _PER_BLOCK]
         if not config.tie_word_embeddings or num_stages > 1:
-            out.append((config.vocab_size, config.hidden_size))
+            out.append(_head(config, tp=tp))
     return out
 
 
 def stage_saved_bytes(config: ModelConfig, *, stage: int, num_stages: int, blocks: range, micro_batch: int,
                       seq_len: int, num_microbatches: int = 1, compute_dtype: torch.dtype = torch.float32,
                       checkpointed_blocks: set[int] | list[int] | tuple[int, ...] = (),
-                      deferred_weights: bool = False) -> dict[str, int]:
+                      deferred_weights: bool = False, **split: Any) -> dict[str, int]:
     """What one micro-batch saves for backward in stage ``stage`` (module docstring), term by term, plus
     the :data:`PER_STEP` terms (the batch's token ids on the first stage, labels on the last: ``8 m b s``
     each, held once per step). ``deferred_weights`` (zb1p's linear layers,
     :func:`~refimpl.parallel.pipeline_parallel.defer_weight_gradients`): under autocast they keep the
     float32 LayerNorm outputs they are given (QKV and MLP inputs, the output layer's), ``4 s b h`` each
-    instead of autocast's ``p s b h`` copy (measured)."""
-    b, s, h, v = micro_batch, seq_len, config.hidden_size, config.vocab_size
+    instead of autocast's ``p s b h`` copy (measured). ``split``: ``tp``, ``sequence_parallel``, ``cp``,
+    ``cp_method``, ``cp_layout`` of :func:`~refimpl.planner.activations.activation_bytes_per_layer`: the
+    blocks' terms at the rank's ``s_c = s/cp`` tokens, and under tp the first and the last stage's shares
+    of :func:`~refimpl.planner.activations.outside_block_bytes` (the vocab-parallel embedding's int64
+    local ids and bool mask, the loss's softmax shard, target index and two masks: per micro-batch, no
+    view of the step's batch)."""
+    b, v, tp = micro_batch, config.vocab_size, split.get("tp", 1)
     p, chosen = torch.empty((), dtype=compute_dtype).element_size(), set(checkpointed_blocks)
-    residual = torch.float32  # the residual stream: float32 weights, autocast for 16 bits
-    kw = {"micro_batch": b, "seq_len": s, "compute_dtype": compute_dtype, "residual_dtype": residual}
+    kw = {"micro_batch": b, "seq_len": seq_len, "compute_dtype": compute_dtype, **split}
     terms = {"block activations": sum(activation_bytes_per_layer(config, checkpointed=i in chosen, **kw).total
                                       for i in blocks)}
+    s = local_tokens(config, seq_len=seq_len, cp=split.get("cp", 1), cp_method=split.get("cp_method", "ring"),
+                     cp_layout=split.get("cp_layout"), tp=tp)
     if deferred_weights and p != 4:
         plain = [i for i in blocks if i not in chosen]
-        widened = (2 * len(plain) + (stage == num_stages - 1)) * (4 - p) * s * b * h
+        widened = (2 * len(plain) + (stage == num_stages - 1)) * (4 - p) * s * b * config.hidden_size
         terms["float32 LayerNorm outputs the deferred linears keep"] = widened
+    outside = outside_block_bytes(config, **kw)
     if stage == 0:
-        terms[PER_STEP[0]] = 8 * num_microbatches * b * s
+        if tp == 1:
+            terms[PER_STEP[0]] = 8 * num_microbatches * b * s
+        else:
+            terms["vocab-parallel embedding local ids (int64) + mask (bool)"] = 8 * s * b + s * b
         terms["positions (int64)"] = 8 * s
     if stage == num_stages - 1:
-        terms |= {"final layernorm + output layer inputs": 4 * s * b * h + 2 * 4 * s * b + p * s * b * h,
-                  "log-softmax (fp32)": 4 * s * b * v,
-                  PER_STEP[1]: 8 * num_microbatches * b * s,
-                  "loss total weight": 4}
+        final = "final layernorm + output layer inputs"
+        if tp == 1:
+            terms |= {final: outside[final], "log-softmax (fp32)": 4 * s * b * v,
+                      PER_STEP[1]: 8 * num_microbatches * b * s, "loss total weight": 4}
+        else:
+            terms |= {final: outside[final], "vocab-parallel softmax shard (fp32)": 4 * s * b * -(-v // tp),
+                      "vocab-parallel loss target index (int64) + masks (bool)": 8 * s * b + 2 * s * b}
     return terms
 
 
-def _rank_shapes(config: ModelConfig, *, pp: int, rank: int, ranges: list[range]) -> list[tuple[int, ...]]:
+def _rank_shapes(config: ModelConfig, *, pp: int, rank: int, ranges: list[range],
+                 tp: int = 1) -> list[tuple[int, ...]]:
     return [x for st in range(len(ranges)) if stage_rank(st, pp_size=pp) == rank
-            for x in stage_param_shapes(config, stage=st, num_stages=len(ranges), blocks=ranges[st])]
+            for x in stage_param_shapes(config, stage=st, num_stages=len(ranges), blocks=ranges[st], tp=tp)]
 
 
 def pipeline_state_memory(config: ModelConfig, *, pp: int, pp_rank: int, virtual_stages: int = 1,
-                          balance: str = "layers") -> StateMemory:
+                          balance: str = "layers", tp: int = 1, zero_stage: int = 0, zero_shards: int = 1,
+                          dp_rank: int = 0) -> StateMemory:
     """fp32 weights, gradients and AdamW state (two moments, a ``step`` per tensor) of the parameters of
-    pipeline rank ``pp_rank``'s stages (:func:`stage_param_shapes`), each whole."""
-    ranges = stage_layers(config, num_stages=pp * virtual_stages, balance=balance)
-    return zero_memory(_rank_shapes(config, pp=pp, rank=pp_rank, ranges=ranges), 1, 0)
+    pipeline rank ``pp_rank``'s stages (:func:`stage_param_shapes`, the tensor-parallel shards of ``tp``
+    ranks), whole, or with ``zero_stage`` 1 (Rajbhandari et al. 2020; the runtime's ShardedOptimizer over
+    the stages) the AdamW state sharded over the ``zero_shards`` (``dp x cp``) ranks, dim 0 of each tensor,
+    as held by the group's rank ``dp_rank`` (:func:`~refimpl.planner.zero_state.zero_memory`)."""
+    if zero_stage not in (0, 1):
+        raise ValueError(f"the planner models pipeline parallelism with zero_stage 0 or 1: ZeRO {zero_stage} "
+                         f"with pp={pp} comes with chapter 10 (as parallelize refuses it)")
+    ranges = stage_layers(config, num_stages=pp * virtual_stages, balance=balance, tp=tp)
+    shapes = _rank_shapes(config, pp=pp, rank=pp_rank, ranges=ranges, tp=tp)
+    return zero_memory(shapes, zero_shards, zero_stage, rank=dp_rank)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,6 +227,7 @@ def _walk(actions, *, saved: dict[int, dict[str, int]], deferred: dict[int, int]
         elif a.kind == "B":
             forwarded[a.stage] -= 1
             waiting[a.stage] += 1 if deferred is not None else 0
+            sent_out -= outputs if a.stage < num_stages - 1 else 0  # released at its backward
             sent_grad += outputs if a.stage > 0 else 0
         else:
             waiting[a.stage] -= 1
@@ -206,7 +239,7 @@ def _walk(actions, *, saved: dict[int, dict[str, int]], deferred: dict[int, int]
         for st, k in forwarded.items():
             for name, nbytes in per_step[st].items():
                 terms[name] = nbytes if k else 0
-        terms |= {"stage outputs sent (kept to the step's end)": sent_out,
+        terms |= {"stage outputs sent (kept until their backward)": sent_out,
                   "input gradients sent (kept to the step's end)": sent_grad}
         if sum(terms.values()) > best[0]:
             best = (sum(terms.values()), terms, sum(forwarded.values()) + sum(waiting.values()))
@@ -229,48 +262,65 @@ def stage_deferred_bytes(config: ModelConfig, *, stage: int, num_stages: int, bl
 def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: int, schedule: str = "1f1b",
                              virtual_stages: int = 1, micro_batch: int, seq_len: int, precision: str = "fp32",
                              checkpointed_blocks: set[int] | list[int] | tuple[int, ...] = (),
-                             balance: str = "layers") -> list[PipelineRankMemory]:
+                             balance: str = "layers", tp: int = 1, sequence_parallel: bool = False,
+                             cp: int = 1, cp_method: str = "ring", cp_layout: str | None = None,
+                             zero_stage: int = 0, zero_shards: int = 1,
+                             dp_rank: int = 0) -> list[PipelineRankMemory]:
     """Every pipeline rank of ``pp`` ranks running ``schedule`` over ``num_microbatches`` micro-batches of
     ``micro_batch`` sequences of ``seq_len`` tokens (module docstring), in rank order. ``precision``
-    ``fp32`` or ``bf16``/``fp16`` under autocast; ``checkpointed_blocks``: global block indices."""
+    ``fp32`` or ``bf16``/``fp16`` under autocast; ``checkpointed_blocks``: global block indices.
+    Inside the stages (chapter 10's composition, as :func:`refimpl.parallel.parallelize` builds it): ``tp``
+    tensor-parallel ranks (``sequence_parallel``: the boundaries carry ``[b, s_c/t, h]``), ``cp``
+    context-parallel ranks (``cp_method``, ``cp_layout``; ``s_c = s/cp`` tokens), ZeRO ``zero_stage`` 0 or
+    1 over ``zero_shards`` ranks (:func:`pipeline_state_memory`, group rank ``dp_rank``)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {SCHEDULES}")
     if precision not in _COMPUTE:
         raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(_COMPUTE)}")
+    if schedule == "zb1p" and tp > 1:
+        raise ValueError("zb1p splits the weight gradient off nn.Linear layers, the tensor-parallel layers "
+                         f"do not split it: zb1p with tp={tp} comes with chapter 10 (parallelize refuses it)")
     m, v, compute = num_microbatches, virtual_stages, _COMPUTE[precision]
     table = build_schedule(schedule, pp_size=pp, num_microbatches=m, virtual_stages=v)
     sim = simulate(table, num_microbatches=m, virtual_stages=v)  # refuses an invalid or deadlocking table
     num_stages, split = pp * v, schedule == "zb1p"
-    ranges = stage_layers(config, num_stages=num_stages, balance=balance)
-    b, s, h, p = micro_batch, seq_len, config.hidden_size, compute.itemsize
+    ranges = stage_layers(config, num_stages=num_stages, balance=balance, tp=tp)
+    sp = {"tp": tp, "sequence_parallel": sequence_parallel, "cp": cp, "cp_method": cp_method,
+          "cp_layout": cp_layout}
+    b, h, p = micro_batch, config.hidden_size, compute.itemsize
+    s = local_tokens(config, seq_len=seq_len, cp=cp, cp_method=cp_method, cp_layout=cp_layout, tp=tp)
+    boundary = 4 * (s // (tp if sequence_parallel else 1)) * b * h  # float32 [b, s_c/u, h]
     out = []
     for r in range(pp):
         mine = [st for st in range(num_stages) if stage_rank(st, pp_size=pp) == r]
-        shapes = _rank_shapes(config, pp=pp, rank=r, ranges=ranges)
+        shapes = _rank_shapes(config, pp=pp, rank=r, ranges=ranges, tp=tp)
         saved = {st: stage_saved_bytes(config, stage=st, num_stages=num_stages, blocks=ranges[st],
-                                       micro_batch=b, seq_len=s, num_microbatches=m, compute_dtype=compute,
-                                       checkpointed_blocks=checkpointed_blocks, deferred_weights=split)
+                                       micro_batch=b, seq_len=seq_len, num_microbatches=m,
+                                       compute_dtype=compute, checkpointed_blocks=checkpointed_blocks,
+                                       deferred_weights=split, **sp)
                  for st in mine}
         deferred = None if not split else {
             st: stage_deferred_bytes(config, stage=st, num_stages=num_stages, blocks=ranges[st],
                                      micro_batch=b, seq_len=s, compute_dtype=compute) for st in mine}
         terms, flying = _walk(table[r], saved=saved, deferred=deferred, num_stages=num_stages,
-                              outputs=4 * s * b * h)
+                              outputs=boundary)
         transient = {}
         if any(st < num_stages - 1 for st in mine):  # received for a backward, alive until the next action
-            transient["output gradient received for a backward (transient)"] = 4 * s * b * h
+            transient["output gradient received for a backward (transient)"] = boundary
         if num_stages - 1 in mine:
-            transient["logits + their gradient (transient)"] = (p + 4) * s * b * config.vocab_size
+            transient["logits + their gradient (transient)"] = (p + 4) * s * b * -(-config.vocab_size // tp)
         chosen = [i for st in mine for i in ranges[st] if i in set(checkpointed_blocks)]
         if chosen:
-            full = activation_bytes_per_layer(config, micro_batch=b, seq_len=s, compute_dtype=compute)
+            full = activation_bytes_per_layer(config, micro_batch=b, seq_len=seq_len, compute_dtype=compute,
+                                              **sp)
             transient["recomputed block (backward, transient)"] = full.total
-        zero = zero_memory(shapes, 1, 0)
+        zero = pipeline_state_memory(config, pp=pp, pp_rank=r, virtual_stages=v, balance=balance, tp=tp,
+                                     zero_stage=zero_stage, zero_shards=zero_shards, dp_rank=dp_rank)
         state = {"weights": zero.weights, "grads": zero.grads, "AdamW state": zero.optimizer}
         if p != 4:
             matmul = [x for st in mine for i in ranges[st] for j in _MATMUL
-                      for x in [param_shapes(config)[2 + i * _PER_BLOCK + j]]]
-            matmul += [(config.vocab_size, h)] if num_stages - 1 in mine else []
+                      for x in [param_shapes(config, tp=tp)[2 + i * _PER_BLOCK + j]]]
+            matmul += [_head(config, tp=tp)] if num_stages - 1 in mine else []
             state["autocast weight copies"] = p * sum(math.prod(x) for x in matmul)
         out.append(PipelineRankMemory(rank=r, stages=tuple(mine), blocks=tuple(ranges[st] for st in mine),
                                       param_shapes=shapes, saved=saved, in_flight=flying,

@@ -91,9 +91,12 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, GPTStage],
                 y = y if scale_loss is None else scale_loss(y)
             saved[key] = (x, y)
             for s in after:
-                send_tensor(y, peer=s.peer, group=pp_group, pending=sends, what=f"{s.kind} of {a!r}")
+                send_tensor(y, peer=s.peer, group=pp_group, pending=sends, what=f"{s.kind} of {a!r}",
+                            key=key)
         elif a.kind == "B":
             x, y = saved.pop(key)
+            if not stage.is_last:  # its gradient came back: stage s + 1 received the output long ago
+                sends.release(key)
             with store.capture(key) if store is not None else contextlib.nullcontext():
                 torch.autograd.backward(y, None if stage.is_last else received)
             for s in after:
