@@ -91,7 +91,9 @@ def _worker(ctx, files: dict) -> dict:
     out = {}
     for name, (flags, _) in LAYOUTS.items():
         args = _args(files, root / name, *flags, "--checkpoint-dir", str(root / name / "ckpt"))
-        out[name] = [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args))]
+        records = train(config_from_args(args), ctx, options_from_args(args))
+        out[name] = [r["loss"] for r in records]
+        out[name, "records"] = [{k: r[k] for k in ("bytes_sent", "pipeline_idle")} for r in records]
     if ctx.rank == 0:  # the pp 2 x dp 2 checkpoint of step STEPS alone, resumed at dp 4 below
         shutil.copytree(root / "pp2-dp2-1f1b-zero1" / "ckpt", root / "resumed-checkpoints")
         shutil.rmtree(root / "resumed-checkpoints" / f"step_{STEPS + 2:08d}")
@@ -166,6 +168,22 @@ def test_a_pp2_checkpoint_resumes_at_dp4_and_continues_the_losses(runs, one_devi
     tol = _tolerance(one_device, "fp32")
     assert float(np.abs(np.array(resumed) - np.array(pp2[STEPS:])).max()) <= tol
     assert float(np.abs(np.array(resumed) - np.array(one_device["fp32", "batch"][STEPS:])).max()) <= tol
+
+
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+def test_metrics_record_the_pipeline_bytes_and_the_measured_idle_share(runs):
+    """pp 4 x GPipe, 4 micro-batches of one 16-token sequence, width 32, float32: a boundary tensor is 2,048
+    bytes. Per step an interior rank sends 4 activations and 4 gradients, the first rank 4 activations and
+    the last 4 gradients, those two also the tied embedding's gradient (256 x 32 x 4 bytes) to each other;
+    every rank books the ring model's bytes of two one-scalar all-reduces over pp (the loss, the norm)."""
+    from refimpl.planner import wire_bytes
+
+    boundary, tied, scalars = 16 * 32 * 4, 256 * 32 * 4, 2 * wire_bytes("all_reduce", 4, 4)
+    want = [4 * boundary + tied, 8 * boundary, 8 * boundary, 4 * boundary + tied]
+    for rank, out in enumerate(runs):
+        steps = out["pp4-gpipe", "records"]
+        assert all(s["bytes_sent"]["pp"] == want[rank] + scalars for s in steps), (rank, steps[0])
+        assert all(0 <= s["pipeline_idle"] < 1 for s in steps), steps  # measured: timing, no value asserted
 
 
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)

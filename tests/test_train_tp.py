@@ -70,7 +70,9 @@ def _worker(ctx, files: dict) -> dict:
     out = {}
     for name, (flags, _) in LAYOUTS.items():
         args = _args(files, root / name, *flags, "--checkpoint-dir", str(root / name / "ckpt"))
-        out[name] = [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args))]
+        records = train(config_from_args(args), ctx, options_from_args(args))
+        out[name] = [r["loss"] for r in records]
+        out[name, "bytes"] = [r["bytes_sent"] for r in records]
     if ctx.rank == 0:  # the tp 2 x dp 2 checkpoint of step STEPS alone
         shutil.copytree(root / "tp2-dp2-zero1" / "ckpt", root / "tp2-checkpoint")
         shutil.rmtree(root / "tp2-checkpoint" / f"step_{STEPS + 2:08d}")
@@ -147,6 +149,28 @@ def test_tensor_parallel_layouts_train_like_one_device(runs, one_device, name):
         assert diff <= tol, f"{name} rank {rank}: losses {got} vs one device {want}: {diff:.2e} > {tol:.2e}"
     # negative control: the one-device losses move by far more than the tolerance from step to step
     assert float(np.abs(np.diff(want)).min()) > tol
+
+
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+def test_metrics_record_the_tp_bytes_of_the_formula_each_step(runs):
+    """metrics.jsonl's per-step bytes on the tp group equal the planner's count of the TP collectives of
+    one micro-batch (tp 4, SP, one micro-batch per step) plus the gradient norm's one-scalar all-reduce;
+    the tracer books collectives by the ring model, the formula counts the calls and payloads."""
+    from refimpl.planner import tensor_parallel_collectives, wire_bytes
+
+    model = config_from_args(build_parser().parse_args(TINY)).model
+    calls = tensor_parallel_collectives(num_layers=model.num_layers, hidden_size=model.hidden_size,
+                                        micro_batch=4, seq_len=16, tp=4, sequence_parallel=True)
+    norm = wire_bytes("all_reduce", 4, 4)  # the gradient norm's float32 scalar over tp
+    want = sum(wire_bytes(op, payload, 4) for op, (_, payload) in calls.items()) + norm
+    for rank, out in enumerate(runs):
+        steps = out["tp4-sp", "bytes"]
+        assert len(steps) == STEPS and all(s["tp"] == want for s in steps), (rank, steps[0], want)
+        assert "dp x cp" not in steps[0]  # one replica: no loss or gradient average
+    # negative control: without sequence parallelism the same model sends other bytes
+    plain = tensor_parallel_collectives(num_layers=model.num_layers, hidden_size=model.hidden_size,
+                                        micro_batch=4, seq_len=16, tp=4)
+    assert sum(wire_bytes(op, p, 4) for op, (_, p) in plain.items()) + norm != want
 
 
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)

@@ -60,7 +60,8 @@ def _call(op: str, payload: int, group, peer, async_op: bool, fn):
     start = now()
     events = [
         CommEvent(op=op, nbytes=payload, wire_bytes=sent, group_size=n, peer=peer, start=start, end=None,
-                  step=t.current_step, async_op=async_op, measured=measured)
+                  step=t.current_step, async_op=async_op, measured=measured,
+                  group_id=None if group is None else id(group))
         for t in tracers
     ]
     result = fn()

@@ -61,6 +61,7 @@ class CommEvent:
     step: int
     async_op: bool
     measured: bool = True
+    group_id: int | None = None  # id() of the process group the call was made on (None: the default group)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +132,14 @@ class CommTracer:
             t = out.get(e.op, OpTotal(count=0, nbytes=0, wire_bytes=0.0, measured=e.measured))
             out[e.op] = OpTotal(count=t.count + 1, nbytes=t.nbytes + e.nbytes,
                                 wire_bytes=t.wire_bytes + e.wire_bytes, measured=t.measured and e.measured)
+        return out
+
+    def bytes_sent_by_group(self, *, step: int | None = None) -> dict[int | None, float]:
+        """Wire bytes this rank sent per process group (by ``id``; None: the default group), as
+        :meth:`bytes_sent` books them: measured for point-to-point calls, the ring model for collectives."""
+        out: dict[int | None, float] = {}
+        for e in self.select(step=step):
+            out[e.group_id] = out.get(e.group_id, 0.0) + e.wire_bytes
         return out
 
     def bytes_sent(self, *, step: int | None = None, op: str | None = None) -> float:

@@ -1,6 +1,7 @@
 """The training loop, :func:`train`: resume from the newest valid checkpoint (chapter 09), run the steps
-(:func:`refimpl.train.step.train_step`), append a record per step to ``metrics.jsonl``, save on the
-schedule and on SIGTERM (then raise :class:`Preempted`), and report at the end (``loss.png``,
+(:func:`refimpl.train.step.train_step`), append a record per step to ``metrics.jsonl`` (loss, throughput,
+memory, the bytes this rank sent per process group, and under pipeline parallelism the measured idle share),
+save on the schedule and on SIGTERM (then raise :class:`Preempted`), and report at the end (``loss.png``,
 ``summary.json``, a text sample).
 """
 
@@ -23,7 +24,7 @@ from refimpl.checkpoint import (
     load_training_state,
     save_training_state,
 )
-from refimpl.comm import ops
+from refimpl.comm import CommTracer, ops
 from refimpl.config import ConfigError, TrainConfig
 from refimpl.data import DataError, decode, encode
 from refimpl.distributed import DistributedContext, log0, seed_everything
@@ -59,6 +60,18 @@ def _read_records(path: Path, before: int) -> list[dict]:
         return []
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r for r in records if r["step"] < before]
+
+
+def _pipeline_idle(setup) -> float:
+    """The idle share of the pipeline ranks in the last step, measured from the executor's events (per
+    rank ``1 - sum(action time after its input arrived) / (last end - first start)``, averaged over the pp
+    group: the bubble and the waits for transfers, chapter 08)."""
+    events = setup.pipeline.last_events
+    span = max(e.end for e in events) - min(e.start for e in events)
+    busy = sum(e.end - e.ready for e in events)
+    idle = torch.tensor(1.0 - busy / span if span > 0 else 0.0)
+    torch.distributed.all_reduce(idle, group=setup.pipeline.pp_group)  # not traced: bookkeeping
+    return idle.item() / setup.pipeline.pp_size
 
 
 def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | None = None) -> list[dict]:
@@ -151,8 +164,12 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
     begin = time.perf_counter()
     bar = progress(config.steps, enabled=ctx.is_main, initial=start)
     step = start
+    tracer = CommTracer().__enter__()  # the bytes each step sends, per axis (metrics.jsonl); left in finally
+    axis_of = {None: "world"} | ({id(g): " x ".join(axes) for axes, g in groups.groups.items()}
+                                 if groups is not None else {})
     try:
         for step in range(start, config.steps):
+            tracer.events.clear()  # this step's calls only (a checkpoint's land here too, then are cleared)
             heartbeat.beat(step, 0, "forward")
             faults.before_step(step, **fault_args)
             lr = lr_at(step, config.optim, config.steps)
@@ -171,6 +188,8 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
                 # averaged over; the ranks of one tp group hold the same loss already.
                 ops.all_reduce(loss_sum, group=setup.group)
                 loss_sum /= dims.dp * dims.cp
+            sent = {axis_of.get(g, "other"): b for g, b in tracer.bytes_sent_by_group().items()}
+            bubble = _pipeline_idle(setup) if setup.pipeline is not None else None
             loss_value = loss_sum.item()
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"loss became {loss_value} at step {step}; try a lower --lr")
@@ -179,6 +198,9 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
                       "mfu": mfu, "peak_memory_bytes": peak_memory_bytes(ctx.device),
                       "elapsed_s": time.perf_counter() - begin, "attempt": attempt,
                       "world_size": ctx.world_size}
+            record["bytes_sent"] = sent  # this rank, per process group (ring model for collectives)
+            if bubble is not None:
+                record["pipeline_idle"] = bubble  # measured: the idle share of the pp ranks in this step
             if mp.scaler is not None:
                 record["loss_scale"] = mp.scale
             records.append(record)
@@ -215,6 +237,7 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
                                    message=f"{type(exc).__name__} ({report.splitlines()[-1].strip()})")
         raise
     finally:
+        tracer.__exit__(None, None, None)
         if schedule is not None:
             schedule.close()
     bar.close()
