@@ -19,6 +19,13 @@
   reverse), the plan without the sends the runtime keeps (outputs until their backward, input gradients to
   the step's end) is not what is held, nor is zb1p's plan with every micro-batch keeping all its
   activations until its W.
+* Inside the other axes (world 4, :func:`parallelize`'s own pipeline, 1F1B, m = 4, a tied embedding):
+  pp 2 x tp 2 with and without sequence parallelism, pp 2 x cp 2 ring and Ulysses: each rank's held bytes
+  between actions == the plan of its pipeline rank, and the stages' state after AdamW == the plan's (the
+  tensor-parallel shards, the tied copy a vocab-parallel shard). Negative controls: the plan without tp,
+  with the SP boundaries unsplit, with SDPA's terms at s/cp tokens. The trainer's preflight on --pp 2 --dp
+  2 --zero-stage 1 == what its setup holds (AdamW state sharded over dp; ZeRO-0's state is not).
+* Refused, naming chapter 10, as parallelize refuses them: pp with ZeRO-2/3, zb1p with tp.
 """
 
 from __future__ import annotations
@@ -180,6 +187,45 @@ class _LiveBytes:
             self.now -= self.size.pop(ptr)
 
 
+def _counted_step(pipe, inputs, labels, loss_fn) -> dict:
+    """One :meth:`PipelineModule.step` with the bytes alive counted (saved tensors, sent tensors, queued
+    weight gradients): the most between actions, the most within, and what is left after."""
+    live = _LiveBytes(pipe.parameters())
+
+    def pack(t: torch.Tensor) -> object:
+        held = _Held(t)
+        live.hold(held, t)
+        return held
+
+    isend, clock = comm_ops.isend, executor.now
+
+    def counted_isend(t: torch.Tensor, *args, **kwargs):
+        live.hold(t, t)  # released when the runtime drops the tensor it sent
+        return isend(t, *args, **kwargs)
+
+    def sampled_now() -> float:
+        live.sample()  # the executor reads the clock at each action's start, ready and end
+        return clock()
+
+    comm_ops.isend, executor.now = counted_isend, sampled_now
+    if pipe.store is not None:  # zb1p: what each queued weight gradient keeps until its W
+        push = pipe.store.push
+
+        def counted_push(fn) -> None:
+            for t in (c.cell_contents for c in fn.__closure__ or ()):
+                if isinstance(t, torch.Tensor):
+                    live.hold(fn, t)
+            push(fn)
+
+        pipe.store.push = counted_push
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.t):
+            pipe.step(inputs, labels, num_microbatches=M, loss_fn=loss_fn)
+    finally:
+        comm_ops.isend, executor.now = isend, clock
+    return {"peak": live.between, "within": live.peak, "after": live.now}
+
+
 def _live_worker(ctx) -> dict:
     out = {}
     config = _config(layers=2 * ctx.world_size, tied=False)  # interleaved v = 2: a block per stage
@@ -187,47 +233,10 @@ def _live_worker(ctx) -> dict:
     tokens = torch.randint(0, 256, (M * B, S + 1), generator=g)
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # the step's batch
     for name, v in LIVE:
-        model = GPT(config, seed=0)
-        pipe = PipelineModule(model, pp_group=None, pp_rank=ctx.rank, pp_size=ctx.world_size, schedule=name,
-                              virtual_stages=v)
-        live = _LiveBytes(pipe.parameters())
-
-        def pack(t: torch.Tensor, live=live) -> object:
-            held = _Held(t)
-            live.hold(held, t)
-            return held
-
-        isend = comm_ops.isend
-
-        def counted_isend(t: torch.Tensor, *args, live=live, isend=isend, **kwargs):
-            live.hold(t, t)  # released when the runtime drops the tensor it sent
-            return isend(t, *args, **kwargs)
-
-        comm_ops.isend = counted_isend
-        clock = executor.now
-
-        def sampled_now(live=live, clock=clock) -> float:
-            live.sample()  # the executor reads the clock at each action's start, ready and end
-            return clock()
-
-        executor.now = sampled_now
-        if pipe.store is not None:  # zb1p: what each queued weight gradient keeps until its W
-            push = pipe.store.push
-
-            def counted_push(fn, live=live, push=push) -> None:
-                for t in (c.cell_contents for c in fn.__closure__ or ()):
-                    if isinstance(t, torch.Tensor):
-                        live.hold(fn, t)
-                push(fn)
-
-            pipe.store.push = counted_push
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.t):
-                pipe.step(inputs, labels, num_microbatches=M,
-                          loss_fn=lambda logits, y: lm_loss(logits, y, num_tokens=M * B * S))
-        finally:
-            comm_ops.isend, executor.now = isend, clock
-        out[name] = {"peak": live.between, "within": live.peak, "after": live.now}
+        pipe = PipelineModule(GPT(config, seed=0), pp_group=None, pp_rank=ctx.rank, pp_size=ctx.world_size,
+                              schedule=name, virtual_stages=v)
+        out[name] = _counted_step(pipe, inputs, labels,
+                                  lambda logits, y: lm_loss(logits, y, num_tokens=M * B * S))
     return out
 
 
@@ -307,14 +316,145 @@ def test_run_memory_is_the_worst_rank_and_names_it():
                                                    seq_len=S)[0].peak_terms
 
 
-@pytest.mark.parametrize("dims", [ParallelDims(dp=1, tp=2, pp=2), ParallelDims(dp=1, cp=2, pp=2)],
-                         ids=["tp", "cp"])
-def test_pipeline_with_tensor_or_context_parallel_or_zero_is_refused_naming_chapter_10(dims):
+COMPOSED = {  # pp 2 inside the other axes, as parallelize builds it (world 4): layout, options
+    "pp2-tp2": (dict(tp=2), dict()),
+    "pp2-tp2-sp": (dict(tp=2), dict(sequence_parallel=True)),
+    "pp2-cp2-ring": (dict(cp=2), dict(cp_method="ring")),
+    "pp2-cp2-ulysses": (dict(cp=2), dict(cp_method="ulysses")),
+}
+VOCAB = 256  # parallelize asks tp to divide V (no padding): the tied copy is a V/t-row shard
+
+
+def _composed_config() -> ModelConfig:
+    return ModelConfig(num_layers=4, hidden_size=16, num_attention_heads=2, max_seq_len=S, vocab_size=VOCAB,
+                       tie_word_embeddings=True, ffn_hidden_size=48)
+
+
+def _composed_worker(ctx) -> dict:
+    """Per layout: the held bytes of one real step of parallelize's pipeline, and its stages' state after an
+    AdamW step; then the trainer's own pp 2 x dp 2 ZeRO-1 setup's state before its second update."""
+    from refimpl.config import DataConfig, OptimConfig, TrainConfig
+    from refimpl.parallel.parallelize import ParallelizeOptions, parallelize
+    from refimpl.train import RunOptions, build_setup
+    from refimpl.train.step import train_step
+
+    out: dict = {}
+    config = _composed_config()
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (M * B, S + 1), generator=g)
+    for key, (axes, options) in COMPOSED.items():
+        dims = ParallelDims(dp=1, pp=2, **axes)
+        groups = dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
+        par = parallelize(GPT(config, seed=0), groups, ParallelizeOptions(**options))
+        x, y = par.split_batch(tokens[:, :-1].contiguous()), par.split_batch(tokens[:, 1:].contiguous())
+        got = _counted_step(par.pipeline, x, y, lambda logits, labels, par=par: par.loss(logits, labels) / M)
+        params = list(par.pipeline.parameters())
+        optimizer = torch.optim.AdamW(params, lr=1e-3)
+        optimizer.step()
+        st = state_bytes(params, optimizer)
+        out[key] = {**got, "pp_rank": dims.coordinates(ctx.rank).pp,
+                    "state": (st.weights, st.grads, st.optimizer)}
+    run = RunOptions(dp=2, pp=2, zero_stage=1, microbatches=2)
+    dims = run.parallel_dims(ctx.world_size)
+    train = TrainConfig(model=config, data=DataConfig(seq_len=S, global_batch_size=2 * B * dims.dp),
+                        optim=OptimConfig(grad_clip=1.0))
+    setup = build_setup(train, ctx, run, dims.build(rank=ctx.rank, world_size=ctx.world_size,
+                                                    timeout_s=ctx.timeout_s))
+    held = []
+    ids = torch.randint(0, VOCAB, (2 * B, S + 1), generator=torch.Generator().manual_seed(ctx.rank))
+    for _ in range(2):  # AdamW's state exists from the first update on: the second step's is held
+        train_step(setup, ids[:, :-1], ids[:, 1:], accumulation=2, micro=B, device=ctx.device, grad_clip=1.0,
+                   before_optimizer_step=lambda: held.append(state_bytes(setup.state_module,
+                                                                         setup.optimizer)))
+    out["zero1"] = {"pp_rank": dims.coordinates(ctx.rank).pp, "dp_rank": dims.coordinates(ctx.rank).dp,
+                    "state": (held[-1].weights, held[-1].grads, held[-1].optimizer)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def composed():
+    return run_ranks(_composed_worker, 4, timeout_s=SPAWN_TIMEOUT_S)
+
+
+def _composed_plan(key: str, **change) -> list:
+    axes, options = COMPOSED[key]
+    kw = {"pp": 2, "num_microbatches": M, "micro_batch": B, "seq_len": S, **axes, **options, **change}
+    return pipeline_memory_per_rank(_composed_config(), **kw)
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+def test_pipeline_inside_tensor_and_context_parallelism_holds_the_plan(composed):
+    """pp 2 x tp 2 (SP off and on) and pp 2 x cp 2 (ring, Ulysses), 1F1B over m = 4: each rank's held
+    bytes between actions == the plan of its pipeline rank, and its stages' state after AdamW == the plan's
+    state. Negative controls, one per new term: the plan without tp (the shards, the vocab-parallel terms),
+    with the SP boundaries unsplit, with SDPA's terms at the rank's s/cp tokens instead of the ring's or
+    Ulysses'."""
+    config = _composed_config()
+    for key in COMPOSED:
+        plans = _composed_plan(key)
+        for rank, r in enumerate(composed):
+            got, plan = r[key], plans[r[key]["pp_rank"]]
+            where = (key, rank)
+            assert got["after"] == 0, where
+            assert got["peak"] == plan.peak_held, (where, got, plan.peak_terms)
+            assert 0 <= got["within"] - got["peak"] <= sum(plan.transient.values()), where
+            state = plan.memory.state
+            assert got["state"] == (state["weights"], state["grads"], state["AdamW state"]), where
+            if "tp" in COMPOSED[key][0]:
+                whole = _composed_plan(key, tp=1, sequence_parallel=False)[got["pp_rank"]]
+                assert got["peak"] != whole.peak_held and got["state"][0] != whole.memory.state["weights"]
+            if COMPOSED[key][1].get("sequence_parallel") and plan.stages[0] == 0:  # rank 0 sends outputs
+                unsplit = planner_walk(plan, outputs=4 * S * B * config.hidden_size)
+                assert got["peak"] != unsplit, where
+            if "cp" in COMPOSED[key][0]:
+                sdpa = _composed_plan(key, cp=1, seq_len=S // 2)[got["pp_rank"]]
+                assert got["peak"] != sdpa.peak_held, where
+
+
+def planner_walk(plan, *, outputs: int) -> int:
+    """A rank's held peak under 1F1B with another boundary size (the SP negative control)."""
+    from refimpl.planner import pipeline as planner_pipeline
+
+    table = build_schedule("1f1b", pp_size=2, num_microbatches=M)[plan.rank]
+    terms, _ = planner_pipeline._walk(table, saved=plan.saved, deferred=None, num_stages=2, outputs=outputs)
+    return sum(terms.values())
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
+def test_the_preflight_of_pp2_dp2_zero1_is_what_its_setup_holds(composed):
+    """The trainer's preflight on --pp 2 --dp 2 --zero-stage 1: the worst pipeline rank's weights, gradients
+    and AdamW state (sharded over dp) == what that rank's setup holds before its second update (dp rank 0
+    holds the larger shard); every rank == state_memory_per_rank. Negative control: ZeRO-0's state."""
+    from refimpl.config import DataConfig, OptimConfig, TrainConfig
+    from refimpl.train import RunOptions
+    from refimpl.train.preflight import preflight_memory
+
+    config, run = _composed_config(), RunOptions(dp=2, pp=2, zero_stage=1, microbatches=2)
+    train = TrainConfig(model=config, data=DataConfig(seq_len=S, global_batch_size=4 * B),
+                        optim=OptimConfig(grad_clip=1.0))
+    plan = preflight_memory(train, run, world_size=4, ranks_per_node=4)
+    assert plan is not None and plan.rank in (0, 1)
+    dims, worst = run.parallel_dims(4), 0
+    for rank, r in enumerate(composed):
+        got = r["zero1"]
+        state = state_memory_per_rank(config, dims, zero_stage=1, dp_rank=got["dp_rank"],
+                                      pp_rank=got["pp_rank"])
+        assert got["state"] == (state.weights, state.grads, state.optimizer), rank
+        whole = state_memory_per_rank(config, dims, pp_rank=got["pp_rank"])
+        assert got["state"] != (whole.weights, whole.grads, whole.optimizer), rank
+        if got["pp_rank"] == plan.rank and got["dp_rank"] == 0:
+            assert got["state"] == (plan.state["weights"], plan.state["grads"], plan.state["AdamW state"])
+            worst += 1
+    assert worst == 1
+
+
+def test_pipeline_with_zero_2_3_or_zb1p_with_tp_is_refused_naming_chapter_10():
     config = _config(layers=4)
-    with pytest.raises(ValueError, match="comes with chapter 10"):
-        run_memory_per_rank(config, dims, micro_batch=1, seq_len=S)
-    for stage in (1, 2, 3):
+    for stage in (2, 3):
         with pytest.raises(ValueError, match=f"ZeRO {stage} with pp=2 comes with chapter 10"):
             run_memory_per_rank(config, ParallelDims(dp=2, pp=2), micro_batch=1, seq_len=S, zero_stage=stage)
         with pytest.raises(ValueError, match="comes with chapter 10"):
             state_memory_per_rank(config, ParallelDims(dp=2, pp=2), zero_stage=stage)
+    with pytest.raises(ValueError, match="zb1p with tp=2 comes with chapter 10"):
+        run_memory_per_rank(config, ParallelDims(dp=1, tp=2, pp=2), micro_batch=1, seq_len=S,
+                            pp_schedule="zb1p")

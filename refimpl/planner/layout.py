@@ -14,9 +14,8 @@ every sequence; ring attention, Liu et al. 2023, or Ulysses, Jacobs et al. 2023)
 replicated over ``cp`` as over ``dp``, so the loss, the gradients and ZeRO's shards span the ``dp x cp``
 ranks (:data:`refimpl.distributed.mesh.LOSS_AXES`): :func:`zero_shard_degree` is ``dp * cp``.
 Pipeline parallelism (chapter 08: each pipeline rank holds its stages, :mod:`refimpl.planner.pipeline`)
-with data parallelism: a layout with ``pp`` above 1 and ``tp`` or ``cp`` above 1 is refused with a
-ValueError that names chapter 10, as :func:`refimpl.parallel.parallelize` refuses it, rather than returning
-a figure that leaves terms out.
+composes with all three (chapter 10): the stages hold the tensor-parallel shards and the context-parallel
+attention, as :func:`refimpl.parallel.parallelize` builds them.
 """
 
 from __future__ import annotations
@@ -44,14 +43,11 @@ def _check(dims: Layout) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"a planner layout needs positive integer degrees {', '.join(AXES)} (e.g. "
                              f"refimpl.distributed.ParallelDims); got {axis}={value!r} in {dims!r}")
-    if dims.pp > 1 and (dims.tp > 1 or dims.cp > 1):
-        raise ValueError(f"the planner models pipeline parallelism with data parallelism only: pp={dims.pp} "
-                         f"with tp={dims.tp}, cp={dims.cp} comes with chapter 10 (as parallelize refuses it)")
 
 
 def data_parallel_degree(dims: Layout) -> int:
     """``dims.dp``, the number of ranks that read different batches, after checking that ``dims`` is a
-    layout the planner models: positive integer degrees, ``pp = 1`` or ``tp = cp = 1``."""
+    layout: positive integer degrees."""
     _check(dims)
     return dims.dp
 

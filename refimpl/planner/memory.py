@@ -86,11 +86,9 @@ def state_memory_per_rank(config: ModelConfig, dims: Layout, *, zero_stage: int 
     """
     shards, tp, pp = zero_shard_degree(dims), tensor_parallel_degree(dims), pipeline_parallel_degree(dims)
     if pp > 1:
-        if zero_stage != 0:
-            raise ValueError(f"the planner models pipeline parallelism with zero_stage 0: ZeRO {zero_stage} "
-                             f"with pp={pp} comes with chapter 10 (as parallelize refuses it)")
         return pipeline_state_memory(config, pp=pp, pp_rank=pp_rank, virtual_stages=virtual_stages,
-                                     balance=pp_balance)
+                                     balance=pp_balance, tp=tp, zero_stage=zero_stage, zero_shards=shards,
+                                     dp_rank=dp_rank)
     if tp > 1 and zero_stage == 3:
         raise ValueError("the planner models ZeRO 0-2 under tensor parallelism: ZeRO-3 over the "
                          f"tensor-parallel shards (tp={tp}, 2-D sharding) comes with chapter 10")
@@ -118,11 +116,13 @@ def run_memory_per_rank(
     01, 04 and 05; the trainer's preflight).
 
     ``dims``: the layout (:class:`refimpl.distributed.ParallelDims` or any object with ``dp, cp, tp, pp``).
-    Pipeline parallelism (``dims.pp = p > 1``, chapter 08; with ``dp`` only and ZeRO 0, as
-    :func:`refimpl.parallel.parallelize` builds it, else a ValueError naming chapter 10): the WORST pipeline
-    rank's figures (:func:`~refimpl.planner.pipeline.pipeline_memory_per_rank`: its stages' state, the
-    activations of the micro-batches it holds at its peak under ``pp_schedule`` with ``virtual_stages``
-    chunks per rank, ``num_microbatches`` per step, default ``p``; ``pp_balance`` the stage split);
+    Pipeline parallelism (``dims.pp = p > 1``, chapter 08; with ``tp`` (and ``sequence_parallel``), ``cp``
+    (``cp_method``, ``cp_layout``) inside the stages and ZeRO 0 or 1 over ``dp x cp``, as
+    :func:`refimpl.parallel.parallelize` builds it; ZeRO 2/3 and zb1p with tp refused naming chapter 10,
+    as parallelize refuses them): the WORST pipeline rank's figures
+    (:func:`~refimpl.planner.pipeline.pipeline_memory_per_rank`: its stages' state, the activations of
+    the micro-batches it holds at its peak under ``pp_schedule`` with ``virtual_stages`` chunks per rank,
+    ``num_microbatches`` per step, default ``p``; ``pp_balance`` the stage split);
     ``micro_batch`` is then the pipeline micro-batch; :meth:`RunMemory.describe` names the rank.
 
     Otherwise: model state (:func:`state_memory_per_rank`,
@@ -146,17 +146,16 @@ def run_memory_per_rank(
     """
     if precision not in _DTYPE_BYTES:
         raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(_DTYPE_BYTES)}")
+    shards, tp, cp = zero_shard_degree(dims), tensor_parallel_degree(dims), context_parallel_degree(dims)
     pp = pipeline_parallel_degree(dims)
     if pp > 1:
-        if zero_stage != 0:
-            raise ValueError(f"the planner models pipeline parallelism with zero_stage 0: ZeRO {zero_stage} "
-                             f"with pp={pp} comes with chapter 10 (as parallelize refuses it)")
         ranks = pipeline_memory_per_rank(config, pp=pp, num_microbatches=num_microbatches or pp,
                                          schedule=pp_schedule, virtual_stages=virtual_stages,
                                          micro_batch=micro_batch, seq_len=seq_len, precision=precision,
-                                         checkpointed_blocks=checkpointed_blocks, balance=pp_balance)
+                                         checkpointed_blocks=checkpointed_blocks, balance=pp_balance, tp=tp,
+                                         sequence_parallel=sequence_parallel, cp=cp, cp_method=cp_method,
+                                         cp_layout=cp_layout, zero_stage=zero_stage, zero_shards=shards)
         return max((r.memory for r in ranks), key=lambda mem: mem.total)
-    shards, tp, cp = zero_shard_degree(dims), tensor_parallel_degree(dims), context_parallel_degree(dims)
     p = _DTYPE_BYTES[precision]
     compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     b, v = micro_batch, config.vocab_size

@@ -15,12 +15,13 @@ final LayerNorm, the output layer's input, the float32 log-softmax ``4 s b V`` a
 weight (:func:`~refimpl.planner.activations.outside_block_bytes` split by stage). The token ids and the
 labels are views of the step's batch: ``8 m b s`` each, once, on the first and the last stage.
 
-The runtime (:func:`refimpl.parallel.pipeline_parallel.run_schedule`) also keeps what it sends until the
-step ends (its sends are waited for then): every forward's ``[b, s, h]`` float32 output, ``O = 4 s b h``
-(stage ``s < S - 1``), and every backward's input gradient, ``G = 4 s b h`` (stage ``s > 0``). Walking the
-rank's action list (:func:`~refimpl.parallel.pipeline_parallel.build_schedule`) in order::
+The runtime (:func:`refimpl.parallel.pipeline_parallel.run_schedule`) also keeps what it sends: every
+forward's ``[b, s, h]`` float32 output, ``O = 4 s b h`` (stage ``s < S - 1``), until that micro-batch's
+backward (its gradient has come back), and every backward's input gradient, ``G = 4 s b h`` (stage
+``s > 0``), until the step ends. Walking the rank's action list
+(:func:`~refimpl.parallel.pipeline_parallel.build_schedule`) in order::
 
-    F(s, i): + A(s) + O(s)        B(s, i): - A(s) + G(s) (+ D(s))        W(s, i): - D(s)
+    F(s, i): + A(s) + O(s)        B(s, i): - A(s) - O(s) + G(s) (+ D(s))        W(s, i): - D(s)
 
 the rank's bytes after each action; the peak is the largest. With one stage per rank that is ``k A`` plus
 the sends so far, ``k`` the micro-batches in flight (:attr:`refimpl.parallel.pipeline_parallel.Simulation.
@@ -32,6 +33,16 @@ Transient on top (not held between actions): the last stage's logits and their g
 ``(p + 4) s b V`` (an estimate of the loss's peak, as in :mod:`refimpl.planner.memory`), the received
 output gradient of a backward ``4 s b h`` (stage ``s < S - 1``), and the largest checkpointed block's
 recomputation.
+
+Inside the other axes (chapter 10, as :func:`refimpl.parallel.parallelize` builds it: tensor and context
+parallelism first, then the split): the stages hold the tensor-parallel shards of ``t`` ranks (the tied
+copy a vocab-parallel shard, ``ceil(V/t)`` rows), and every term above is the rank's: the blocks' and the
+embedding's and loss's at ``s_c = s/cp`` tokens by ``cp_method`` (:mod:`refimpl.planner.activations`;
+under tp the vocab-parallel embedding's local ids and mask, the loss's softmax shard ``4 s_c b V/t``,
+target index and masks, per micro-batch), the boundaries ``O = G = 4 (s_c/u) b h`` (``u = t`` under
+sequence parallelism, else 1), the logits ``(p + 4) s_c b ceil(V/t)``. ZeRO-1 (a ShardedOptimizer over
+the stages) shards the AdamW state over the ``dp x cp`` ranks (:func:`pipeline_state_memory`); ZeRO-2/3
+and zb1p with tp are refused naming chapter 10, as parallelize refuses them.
 """
 
 from __future__ import annotations
