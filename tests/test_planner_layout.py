@@ -1,9 +1,9 @@
 """Planner functions take a layout (refimpl.planner.layout): ParallelDims(dp=4) gives the figures the planner
 gave for world_size=4 before it took a layout, any object with dp/cp/tp/pp works, tensor- and
 context-parallel degrees are planned (chapters 06 and 07; measured against the TP and CP models in
-tests/test_planner_tp.py and tests/test_planner_cp.py), a pipeline degree is planned with data parallelism
-(chapter 08; measured in tests/test_planner_pp.py) and refused with tensor or context parallelism and with
-ZeRO 1-3, naming chapter 10 that brings them."""
+tests/test_planner_tp.py and tests/test_planner_cp.py), a pipeline degree is planned with data, tensor and
+context parallelism and ZeRO-1 (chapters 08 and 10; measured in tests/test_planner_pp.py) and refused with
+ZeRO 2-3, naming chapter 10 that brings them."""
 
 from __future__ import annotations
 
@@ -81,8 +81,8 @@ def test_stage_0_per_rank_is_the_replica_and_any_degree_object_is_a_layout():
 
 def test_a_pipeline_degree_is_planned_with_data_parallelism():
     """dp 2 x pp 2: each rank holds its stages' state (less than the replica) and the figures are the worst
-    pipeline rank's; ZeRO 1-3 with pp is refused naming chapter 10 (the figures are measured in
-    tests/test_planner_pp.py)."""
+    pipeline rank's; ZeRO-1 shards the optimizer state over dp (less than ZeRO-0), ZeRO 2-3 with pp is
+    refused naming chapter 10 (the figures are measured in tests/test_planner_pp.py)."""
     dims = ParallelDims(dp=2, pp=2)
     assert (data_parallel_degree(dims), pipeline_parallel_degree(dims), zero_shard_degree(dims)) == (2, 2, 2)
     plan = _run(dims, 0, "fp32")
@@ -91,23 +91,22 @@ def test_a_pipeline_degree_is_planned_with_data_parallelism():
     assert all(st.total < state_memory(CONFIG).total for st in states)
     assert (plan.state["weights"], plan.state["grads"], plan.state["AdamW state"]) in [
         (st.weights, st.grads, st.optimizer) for st in states]
-    for zero_stage in (1, 2, 3):
+    zero1 = [state_memory_per_rank(CONFIG, dims, zero_stage=1, pp_rank=r) for r in (0, 1)]
+    assert all(z.optimizer < st.optimizer and z.weights == st.weights
+               for z, st in zip(zero1, states, strict=True))
+    for zero_stage in (2, 3):
         with pytest.raises(ValueError, match=f"ZeRO {zero_stage} with pp=2 comes with chapter 10"):
             _run(dims, zero_stage, "fp32")
 
 
 @pytest.mark.parametrize(("cp", "tp"), [(2, 1), (1, 2)])
-def test_a_pipeline_degree_with_context_or_tensor_parallelism_is_refused_naming_chapter_10(cp, tp):
+def test_a_pipeline_degree_with_context_or_tensor_parallelism_is_planned(cp, tp):
+    """pp 2 inside cp 2 or tp 2: every degree is read as given, and each rank plans less than pp 2 alone
+    (its s/cp tokens, its 1/tp shards; measured in tests/test_planner_pp.py)."""
     dims = ParallelDims(dp=1, cp=cp, tp=tp, pp=2)
-    want = rf"pp=2 with tp={tp}, cp={cp} comes with chapter 10"
-    with pytest.raises(ValueError, match=want):
-        _run(dims, 0, "fp32")
-    with pytest.raises(ValueError, match=want):
-        state_memory_per_rank(CONFIG, dims)
-    for degree in (data_parallel_degree, tensor_parallel_degree, context_parallel_degree, zero_shard_degree,
-                   pipeline_parallel_degree):
-        with pytest.raises(ValueError, match=want):
-            degree(dims)
+    assert (tensor_parallel_degree(dims), context_parallel_degree(dims), pipeline_parallel_degree(dims),
+            zero_shard_degree(dims), data_parallel_degree(dims)) == (tp, cp, 2, cp, 1)
+    assert _run(dims, 0, "fp32").total < _run(ParallelDims(dp=1, pp=2), 0, "fp32").total
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])

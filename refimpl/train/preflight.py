@@ -132,9 +132,7 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
                      force: bool = False, local_rank: int = 0, launching: bool = False):
     """Refuse, before any process starts, a run whose planned bytes per rank exceed the machine's:
     :func:`refimpl.planner.run_memory_per_rank` (model state by ZeRO stage and precision + one micro-batch's
-    activations) against :func:`machine_memory_per_rank`. ``force``: warn and go on. Returns the estimate
-    (None, after a one-line warning, for a layout the planner does not model yet: pipeline parallelism with
-    tensor or context parallelism or ZeRO-1)."""
+    activations) against :func:`machine_memory_per_rank`. ``force``: warn and go on. Returns the estimate."""
     from refimpl.planner import run_memory_per_rank
 
     dims = options.parallel_dims(world_size)
@@ -151,21 +149,14 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
         sel = parse_block_selection(options.activation_checkpointing)
         chosen = (list(range(n)) if sel == "all" else [] if sel == "none" else
                   [i for i in range(n) if sel(i)] if callable(sel) else [i % n for i in sel if -n <= i < n])
-    try:
-        need = run_memory_per_rank(config.model, dims, micro_batch=micro, seq_len=config.data.seq_len,
-                                   zero_stage=options.zero_stage, precision=options.precision,
-                                   checkpointed_blocks=chosen, sequence_parallel=options.sequence_parallel,
-                                   cp_method=options.cp_method,
-                                   **({} if dims.pp == 1 else
-                                      {"pp_schedule": options.pp_schedule, "num_microbatches": accumulation,
-                                       "virtual_stages": options.virtual_stages,
-                                       "pp_balance": options.pp_balance}))
-    except ValueError as exc:  # a layout the runtime builds but the planner does not model yet
-        if "comes with chapter 10" not in str(exc):
-            raise
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"warning: no memory preflight for {dims.describe()}: {exc}", file=sys.stderr, flush=True)
-        return None
+    need = run_memory_per_rank(config.model, dims, micro_batch=micro, seq_len=config.data.seq_len,
+                               zero_stage=options.zero_stage, precision=options.precision,
+                               checkpointed_blocks=chosen, sequence_parallel=options.sequence_parallel,
+                               cp_method=options.cp_method,
+                               **({} if dims.pp == 1 else
+                                  {"pp_schedule": options.pp_schedule, "num_microbatches": accumulation,
+                                   "virtual_stages": options.virtual_stages,
+                                   "pp_balance": options.pp_balance}))
     have, source = machine_memory_per_rank(ranks_per_node, local_rank=local_rank, launching=launching)
     if need.total > have:
         tokens = (f"{config.data.seq_len} tokens" if dims.cp == 1
