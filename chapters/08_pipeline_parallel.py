@@ -233,6 +233,7 @@ import time
 from refimpl.config import ModelConfig
 from refimpl.model import GPT, lm_loss
 from refimpl.parallel.pipeline_parallel import (
+    Action,
     WeightGradStore,
     build_schedule,
     build_stages,
@@ -528,16 +529,21 @@ for what, sim in (("PyTorch interleaved zero bubble, v = 2", torch_zb2), ("our Z
 # `sleep` (hooks on the stage; see `kernel_time` below). Sleeping ranks leave the CPU to the others.
 # What remains of the real world: the transfers, and the scheduling delays of a loaded machine, which only
 # add idle time; each configuration is run twice (the two pairs at p = 2, two runs at p = 4) and the
-# less disturbed run counts.
+# less disturbed run counts. The negative control is a valid schedule that is not a pipeline: each
+# micro-batch's forward and backward through both stages before the next one starts; its measured bubble
+# must miss $\frac{p-1}{m+p-1}$.
 
 # %%
 # %%px
-U = 0.05  # seconds per forward of a whole stage
+U = 0.08  # seconds per forward of a whole stage
 
 
-def sleep_until(t):
-    if (left := t - time.perf_counter()) > 0:
+def sleep_until(t, *, spin_s=0.002):
+    """Sleep, then spin the last `spin_s` (a woken process may start late; a spinning one ends on time)."""
+    if (left := t - time.perf_counter() - spin_s) > 0:
         time.sleep(left)
+    while time.perf_counter() < t:
+        pass
 
 
 class Mark(torch.autograd.Function):
@@ -577,8 +583,9 @@ def kernel_time(stage, *, forward_s, backward_s):
     stage.layers[0].register_forward_pre_hook(first_block_input)
 
 
-def timed_run(name, v, group, m, u=U):
-    """One step of `name` with every stage's work made to last u per forward; this rank's events."""
+def timed_run(name, v, group, m, u=U, actions=None):
+    """One step of `name` (or of this rank's `actions`) with every stage's work made to last u per
+    forward; this rank's events."""
     pp, me = dist.get_world_size(group), dist.get_rank(group)
     stages = build_stages(GPT(config(False), seed=0).to(device), pp_rank=me, pp_size=pp, virtual_stages=v)
     store = WeightGradStore() if name == "zb1p" else None
@@ -600,21 +607,30 @@ def timed_run(name, v, group, m, u=U):
     x, y = batch(m)
     events = []
     dist.barrier(group)
-    run_schedule(build_schedule(name, pp_size=pp, num_microbatches=m, virtual_stages=v)[me], stages=stages,
-                 pp_group=group, pp_size=pp, inputs=x.chunk(m), labels=y.chunk(m),
+    actions = actions or build_schedule(name, pp_size=pp, num_microbatches=m, virtual_stages=v)[me]
+    run_schedule(actions, stages=stages, pp_group=group, pp_size=pp, inputs=x.chunk(m), labels=y.chunk(m),
                  loss_fn=lambda logits, labels: lm_loss(logits, labels, num_tokens=m * B * S),
                  activation_shape=(B, S, H), activation_dtype=torch.float32, store=store, events=events)
     return [(e.kind, e.stage, e.microbatch, e.start, e.ready, e.end) for e in events]
 
 
 SWEEP = {2: {"gpipe": (2, 4, 6), "1f1b": (2, 4, 6), "interleaved": (4,), "zb1p": (4,)},
-         4: {"gpipe": (4, 8), "1f1b": (4, 8), "interleaved": (8,), "zb1p": (8,)}}
+         4: {"gpipe": (4, 8), "1f1b": (4, 8), "interleaved": (4,), "zb1p": (4,)}}
 timed_run("1f1b", 1, dist.group.WORLD, 4, u=0.001)  # warm-up: first calls allocate and compile nothing later
 timed = {}
 for pp, group in pp_groups.items():
     for name, v in CASES:
         for m in SWEEP[pp][name]:
             timed[(pp, name, m)] = [timed_run(name, v, group, m) for _ in range(1 if pp == 2 else 2)]
+
+
+def one_at_a_time(pp, m):
+    """Wrong on purpose (the negative control): every micro-batch's forward and backward before the next."""
+    return [[a for i in range(m) for a in (Action("F", r, i), Action("B", r, i))] for r in range(pp)]
+
+
+me2 = dist.get_rank(pp_groups[2])
+control = timed_run("1f1b", 1, pp_groups[2], 4, actions=one_at_a_time(2, 4)[me2])
 
 # %%
 per_rank = ranks.run(lambda: timed)
@@ -643,7 +659,15 @@ for (pp, name, m), b in measured.items():
           f"{100 * (b - f):+.1f} points")
     if name in ("gpipe", "1f1b"):
         assert abs(b - f) <= MARGIN, (pp, name, m, b, f)
-for pp, m in ((2, 4), (4, 8)):
+# the negative control: a valid schedule that runs one micro-batch at a time must fail the same check
+controls = ranks.run(lambda: control)
+naive = min(measured_bubble(controls[g])[0] for g in (slice(0, 2), slice(2, 4)))
+naive_sim = simulate([[a for i in range(4) for a in (Action("F", r, i), Action("B", r, i))] for r in range(2)],
+                     num_microbatches=4).bubble
+print(f"p = 2, m = 4, one micro-batch at a time (negative control): measured {naive:.3f}, simulated "
+      f"{naive_sim:.3f}, against (p-1)/(m+p-1) = {bubble_formula('1f1b', pp_size=2, num_microbatches=4):.3f}")
+assert naive - bubble_formula("1f1b", pp_size=2, num_microbatches=4) > MARGIN, "the control passed the check"
+for pp, m in ((2, 4), (4, 4)):
     assert measured[(pp, "zb1p", m)] < measured[(pp, "interleaved", m)] < measured[(pp, "1f1b", m)], (pp, m)
     ratio = (bubble_formula("interleaved", pp_size=pp, num_microbatches=m, virtual_stages=2)
              / bubble_formula("1f1b", pp_size=pp, num_microbatches=m))
@@ -829,16 +853,16 @@ print(f"interleaved, v = 2, p = 2, m = 2: simulated bubble {inter:.1%}")
 #
 # ## 7. A real run, per rank, and a schedule to play with
 #
-# The events of section 4's runs at p = 4, m = 8 (the less disturbed of the two runs), drawn as a Gantt
+# The events of section 4's runs at p = 4, m = 4 (the less disturbed of the two runs), drawn as a Gantt
 # chart: forward, backward (input gradient under ZB-H1), weight gradient, and the grey idle time.
 
 # %%
 fig, axes = plt.subplots(3, 1, figsize=(10, 6), sharex=True)
 for ax, name in zip(axes, ("1f1b", "interleaved", "zb1p"), strict=True):
-    bubble, makespan, events = min(runs[(4, name, 8)], key=lambda run: run[0])
+    bubble, makespan, events = min(runs[(4, name, 4)], key=lambda run: run[0])
     rows = [[(k, s, mb, ready, end) for k, s, mb, _, ready, end in ev] for ev in events]  # busy: ready..end
     draw_timeline(ax, rows, unit=1e-3, label_stage=name == "interleaved",
-                  title=f"{name}, p = 4, m = 8, real run: measured bubble {bubble:.3f}, step {makespan:.2f} s")
+                  title=f"{name}, p = 4, m = 4, real run: measured bubble {bubble:.3f}, step {makespan:.2f} s")
 axes[-1].set_xlabel("ms (blue F, orange B, green W, grey idle (waiting for a transfer); stage work = sleeps)")
 fig.tight_layout()
 
