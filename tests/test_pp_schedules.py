@@ -105,9 +105,14 @@ def test_negative_controls_invalid_and_deadlocking_schedules_are_refused_in_one_
         "appears twice": [good[0] + [Action("F", 0, 0)], good[1]],
         "which rank 1 holds": [good[0] + [Action("F", 1, 0)], good[1][1:]],
         "actions are missing": [good[0][:-1], good[1]],
-        # rank 1 forwards micro-batch 1 first; rank 0 sends it only after a backward that needs rank 1
+        # rank 1 forwards micro-batch 1 first: it would receive micro-batch 0's activation as 1's
+        "in another order than they are sent": [
+            [Action("F", 0, 0), Action("F", 0, 1), Action("B", 0, 0), Action("B", 0, 1)],
+            [Action("F", 1, 1), Action("F", 1, 0), Action("B", 1, 0), Action("B", 1, 1)]],
+        # rank 1 backwards micro-batch 1 first: the message order is fine, but rank 0 forwards micro-batch 1
+        # only after a backward that waits for rank 1, which waits for that forward
         "deadlocks": [[Action("F", 0, 0), Action("B", 0, 0), Action("F", 0, 1), Action("B", 0, 1)],
-                      [Action("F", 1, 1), Action("F", 1, 0), Action("B", 1, 0), Action("B", 1, 1)]],
+                      [Action("F", 1, 0), Action("F", 1, 1), Action("B", 1, 0), Action("B", 1, 1)]],
     }
     for message, schedule in cases.items():
         with pytest.raises(ScheduleError, match=message) as info:

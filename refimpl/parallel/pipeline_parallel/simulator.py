@@ -1,12 +1,13 @@
 """A pipeline schedule checked and timed without processes (chapter 08).
 
-:func:`validate` checks a schedule (:func:`~refimpl.parallel.pipeline_parallel.schedules.build_schedule`
-or anyone's lists): every ``(kind, stage, microbatch)`` exactly once, on the rank that holds the stage, each
-micro-batch forwarded on a stage before it is backwarded there (and ``B`` before ``W``). :func:`simulate`
-then runs the lists as the ranks would: each rank takes its actions in order, an action starts when its rank
-is free and what it needs is done (``F`` of stage ``s`` needs ``F`` of ``s - 1``; ``B`` of ``s`` needs
-``F`` of ``s`` and ``B`` of ``s + 1``; ``W`` needs ``B`` of the same stage), plus ``p2p`` seconds for a
-dependency on another rank. If no rank can go on before all are done the schedule deadlocks, and
+:func:`validate` checks a schedule (:func:`~refimpl.parallel.pipeline_parallel.schedules.build_schedule` or
+anyone's lists): every ``(kind, stage, microbatch)`` exactly once, on the rank that holds the stage, each
+micro-batch forwarded on a stage before it is backwarded there (and ``B`` before ``W``), and between any two
+ranks the messages awaited in the order they are sent (sends match receives, first in, first out).
+:func:`simulate` then runs the lists as the ranks would: each rank takes its actions in order, an action
+starts when its rank is free and what it needs is done (``F`` of stage ``s`` needs ``F`` of ``s - 1``; ``B``
+of ``s`` needs ``F`` of ``s`` and ``B`` of ``s + 1``; ``W`` needs ``B`` of the same stage), plus ``p2p``
+seconds for a dependency on another rank. If no rank can go on before all are done the schedule deadlocks, and
 :class:`ScheduleError` names the action each rank waits at.
 
 Bubble: the idle share of the ranks' time, ``1 - sum(busy) / (p x makespan)``. With equal stages and
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from refimpl.parallel.pipeline_parallel.schedules import Action, stage_rank
+from refimpl.parallel.pipeline_parallel.schedules import Action, p2p_actions, stage_rank
 
 __all__ = ["Costs", "ScheduleError", "Simulation", "bubble_formula", "simulate", "validate"]
 
@@ -95,7 +96,31 @@ def validate(schedule: list[list[Action]], *, num_microbatches: int, virtual_sta
         k, s, i = missing[0]
         raise ScheduleError(f"{len(missing)} actions are missing, e.g. {k}{s}.{i} (rank "
                             f"{stage_rank(s, pp_size=p)})")
+    _check_message_order(schedule, num_stages=stages)
     return split
+
+
+def _check_message_order(schedule: list[list[Action]], *, num_stages: int) -> None:
+    """Sends match receives: between two ranks, messages arrive in the order they were sent (gloo and NCCL
+    match them first in, first out), so the receiver's list must wait for them in the sender's order."""
+    p = len(schedule)
+    sent: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    awaited: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    for rank, ops in enumerate(schedule):
+        for a in ops:
+            before, after = p2p_actions(a, num_stages=num_stages, pp_size=p)
+            for r in before:  # what this message carries: (activation|grad, producing stage, micro-batch)
+                awaited.setdefault((r.peer, rank), []).append((r.kind.split("_")[1], r.stage, r.microbatch))
+            for t in after:
+                sent.setdefault((rank, t.peer), []).append((t.kind.split("_")[1], t.stage, t.microbatch))
+    for pair in sorted(set(sent) | set(awaited)):
+        out, into = sent.get(pair, []), awaited.get(pair, [])
+        if out != into:
+            k = next((i for i, (x, y) in enumerate(zip(out, into, strict=False)) if x != y),
+                     min(len(out), len(into)))  # the first message that differs
+            raise ScheduleError(f"rank {pair[1]} waits for its messages from rank {pair[0]} in another order "
+                                f"than they are sent (message {k}: sent {out[k:k + 1]}, awaited "
+                                f"{into[k:k + 1]}): the pair would receive the wrong tensor")
 
 
 def _needs(a: Action, *, stages: int) -> list[tuple[str, int, int]]:
