@@ -182,23 +182,29 @@ fig.tight_layout()
 # flight until its `W`, so the later ranks hold more than under 1F1B, but no rank more than 1F1B's peak,
 # $p$.
 #
-# The simulator is also a checker. Two broken lists, the negative controls: rank 0 runs a backward
-# before its forward; rank 1 forwards micro-batch 1 first, but rank 0 sends it only after a backward that
-# needs rank 1 (each waits for the other).
+# The simulator is also a checker. Three broken lists, the negative controls: rank 0 runs a backward
+# before its forward; rank 1 forwards micro-batch 1 first, so it would take micro-batch 0's activation,
+# which arrives first, for micro-batch 1's (messages between two ranks arrive in the order they were sent);
+# rank 0 forwards micro-batch 1 only after a backward that needs rank 1, while rank 1 forwards both
+# micro-batches before its first backward (each waits for the other).
 
 # %%
 good = build_schedule("1f1b", pp_size=2, num_microbatches=2)
 backward_first = [[Action("B", 0, 0), Action("F", 0, 0), Action("F", 0, 1), Action("B", 0, 1)], good[1]]
+wrong_order = [[Action("F", 0, 0), Action("F", 0, 1), Action("B", 0, 0), Action("B", 0, 1)],
+               [Action("F", 1, 1), Action("F", 1, 0), Action("B", 1, 0), Action("B", 1, 1)]]
 deadlock = [[Action("F", 0, 0), Action("B", 0, 0), Action("F", 0, 1), Action("B", 0, 1)],
-            [Action("F", 1, 1), Action("F", 1, 0), Action("B", 1, 0), Action("B", 1, 1)]]
+            [Action("F", 1, 0), Action("F", 1, 1), Action("B", 1, 0), Action("B", 1, 1)]]
 refused = {}
-for what, schedule in (("backward first", backward_first), ("deadlock", deadlock)):
+for what, schedule in (("backward first", backward_first), ("wrong order", wrong_order),
+                       ("deadlock", deadlock)):
     try:
         simulate(schedule, num_microbatches=2)
     except ScheduleError as e:
         refused[what] = str(e)
     print(f"{what:15s}: {refused.get(what, 'ACCEPTED')}")
 assert "comes before F0.0" in refused["backward first"] and "deadlocks" in refused["deadlock"]
+assert "in another order than they are sent" in refused["wrong order"]
 assert simulate(good, num_microbatches=2).makespan > 0  # the good list runs
 
 # %% [markdown]
