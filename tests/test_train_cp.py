@@ -13,19 +13,17 @@ computes its blocks in float32, one device's attention in the 16-bit dtype.
 
 from __future__ import annotations
 
-import random
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import torch.distributed as dist
 
 from refimpl.data import make_corpus_file
-from refimpl.distributed import DistributedContext
 from refimpl.launch import run_ranks
 from refimpl.train import build_parser, config_from_args, options_from_args, train
+from tests.one_device import assert_trains_like_one_device, one_device_losses, tolerance
 
 SPAWN_TIMEOUT_S = 420
 FACTOR = 4.0
@@ -81,49 +79,21 @@ def runs(files) -> list[dict]:
 @pytest.fixture(scope="module")
 def one_device(files, tmp_path_factory) -> dict:
     """One-device runs in this process: per precision the plain run and one in another summation order."""
-    state = random.getstate(), np.random.get_state(), torch.random.get_rng_state(), torch.get_num_threads()
-    torch.set_num_threads(1)
-    ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     root = tmp_path_factory.mktemp("one_device")
-    try:
-        out = {}
-        for precision in ("fp32", "bf16", "fp16"):
-            for order, extra in (("batch", []), ("micro", ["--micro-batch-size", "1"])):
-                args = _args(files, root / f"{precision}-{order}", "--precision", precision,
-                             "--steps", str(STEPS + 2), *extra)
-                out[precision, order] = [r["loss"] for r in train(config_from_args(args), ctx,
-                                                                  options_from_args(args))]
-        return out
-    finally:
-        random.setstate(state[0])
-        np.random.set_state(state[1])
-        torch.random.set_rng_state(state[2])
-        torch.set_num_threads(state[3])
+    out = one_device_losses(lambda run, *flags: _args(files, run, *flags), root, steps=STEPS + 2)
+    return out
 
 
 def _tolerance(one_device: dict, precision: str) -> float:
-    a, b = np.array(one_device[precision, "batch"]), np.array(one_device[precision, "micro"])
-    spread = float(np.abs(a - b).max())
-    assert spread > 0, "both summation orders give the same bits: no yardstick"
-    if precision != "fp32":
-        spread = max(spread, float(np.abs(a - np.array(one_device["fp32", "batch"])).max()))
-    return FACTOR * spread
+    return tolerance(one_device, precision, factor=FACTOR)
 
 
 @pytest.mark.numerics
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_context_parallel_layouts_train_like_one_device(runs, one_device, name):
-    precision = LAYOUTS[name][1]
-    want = np.array(one_device[precision, "batch"][:len(runs[0][name])])
-    tol = _tolerance(one_device, precision)
-    for rank, out in enumerate(runs):
-        got = np.array(out[name])
-        assert len(got) == len(want)
-        diff = float(np.abs(got - want).max())
-        assert diff <= tol, f"{name} rank {rank}: losses {got} vs one device {want}: {diff:.2e} > {tol:.2e}"
-    # negative control: the one-device losses move by far more than the tolerance from step to step
-    assert float(np.abs(np.diff(want)).min()) > tol
+    assert_trains_like_one_device([out[name] for out in runs], one_device, LAYOUTS[name][1], factor=FACTOR,
+                                  name=name)
 
 
 @pytest.mark.numerics
