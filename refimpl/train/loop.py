@@ -247,12 +247,14 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
     sampler = _sampling_model(setup, config, options, ctx)
     all_records = earlier + records
     if ctx.is_main and all_records:
+        import matplotlib.pyplot as plt
+
         from refimpl.viz import plot_loss
 
         title = f"{out.name}: loss over {config.steps} steps"
         title += f" (resumed at step {start})" if start else ""
-        plot_loss({"train": ([r["step"] for r in all_records], [r["loss"] for r in all_records])},
-                  path=out / "loss.png", title=title)
+        plt.close(plot_loss({"train": ([r["step"] for r in all_records], [r["loss"] for r in all_records])},
+                            path=out / "loss.png", title=title))  # written to loss.png: not kept open
         sampler.eval()
         sample = decode(generate(sampler, encode("def ").to(ctx.device), max_new_tokens=120,
                                  seed=config.data.seed))
