@@ -395,7 +395,8 @@ def test_pipeline_micro_batches_are_checked_before_anything_starts():
         else:
             with pytest.raises(ConfigError, match=match):
                 pipeline_microbatches(config, options, dp)
-    for bad, match in ((dict(pp=2, zero_stage=2), "chapter 10"),
+    for bad, match in ((dict(pp=2, zero_stage=3), "use --zero-stage 0, 1 or 2 with --pp"),
+                       (dict(pp=2, zero_stage=2, pp_schedule="zb1p"), "use --zero-stage 1 with zb1p"),
                        (dict(pp=2, tp=2, pp_schedule="zb1p"), "zb1p"),
                        (dict(microbatches=2), "need --pp > 1"),
                        (dict(pp=2, virtual_stages=2), "only with --pp-schedule interleaved")):

@@ -240,11 +240,14 @@ class Parallelized:
                               clip_fn=None if clip is None else (lambda _: optimizer.clip_grad_norm_(clip)))
 
     def _pipeline_optimizer(self, config: OptimConfig) -> OptimizerSetup:
-        """AdamW over this rank's stages (ZeRO-1: a :class:`~refimpl.parallel.zero.ShardedOptimizer` over
-        dp x cp); the dp x cp average after the step's last backward (ZeRO-1: into the shards), then under
-        sequence parallelism the ``s/t``-token gradients summed over tp; the norm summed over the pp, tp and
-        (ZeRO-1) dp ranks, each element once: the last stage's copy of a tied embedding left out, a
-        tensor-parallel replica counted on tp rank 0 (:mod:`refimpl.parallel.tensor_parallel.grad_norm`)."""
+        """AdamW over this rank's stages(ZeRO-1/2: a :class:`~refimpl.parallel.zero.ShardedOptimizer` over dp
+        x cp); the dp x cp average after the step's last backward (ZeRO-1: into the shards; ZeRO-2: its hooks
+        reduce-scatter every micro-batch's gradients inside that backward and free them, so a rank holds one
+        shard of the gradients for ``m`` times the reduce-scatter traffic; the reason DeepSpeed refuses ZeRO-2
+        with a pipeline), then under sequence parallelism the ``s/t``-token gradients summed over tp; the norm
+        summed over the pp, tp and (ZeRO-1/2) dp ranks, each element once: the last stage's copy of a tied
+        embedding left out, a tensor-parallel replica counted on tp rank 0
+        (:mod:`refimpl.parallel.tensor_parallel.grad_norm`)."""
         from refimpl.parallel.data_parallel.data_parallel_communications import reduce_gradients_
         from refimpl.parallel.zero.clip_grad import scale_to_max_norm_, sum_of_squares
 
@@ -258,26 +261,31 @@ class Parallelized:
             sharded = tensor_parallel_sharded(pipe)
         first_tp = tp is None or dist.get_rank(tp) == 0
         named = pipe.named_parameters_full()  # weight decay by the GPT's names (a tied copy is the embedding)
-        zero1 = self.options.zero_stage == 1 and group is not None
-        if zero1:
+        zero = self.options.zero_stage if group is not None else 0
+        if zero:
             from refimpl.parallel.zero import ShardedOptimizer
 
             optimizer = ShardedOptimizer(param_groups(pipe, config.weight_decay, named), torch.optim.AdamW,
-                                         group, zero_stage=1, bucket_numel=self.options.zero_bucket_numel,
+                                         group, zero_stage=zero, bucket_numel=self.options.zero_bucket_numel,
                                          lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
                                          foreach=False)
+            # stage 1 checks the full gradients (reduced at the step), stage 2 the shards it kept
+            grad_params = [p if zero == 1 else optimizer.shard(p) for p in optimizer.params]
+            if zero == 2:  # its hooks keep only the shard of each gradient: the tied sum is of shards
+                pipe.gradient_holder = optimizer.shard
         else:
             optimizer = build_optimizer(pipe, config, named=named)
+            grad_params = params
 
         def pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:  # (parameter, the gradient this rank holds)
-            if zero1:
-                optimizer.reduce_gradients()  # once per step: into the shards
+            if zero:
+                optimizer.reduce_gradients()  # ZeRO-1: once per step into the shards (ZeRO-2: in backward)
                 return [(p, optimizer.shard(p).grad) for p in optimizer.params
                         if optimizer.shard(p).grad is not None]
             return [(p, p.grad) for p in params if p.grad is not None]
 
         def finish() -> None:  # every stage's gradients, once per step, over the data-parallel replicas
-            if not zero1 and group is not None:
+            if not zero and group is not None:
                 reduce_gradients_(params, policy, group=group)
             if tp is not None and self.options.sequence_parallel:
                 for p, g in pairs():  # a replicated parameter's shard: the same rows on every tp rank
@@ -288,13 +296,13 @@ class Parallelized:
             held = pairs()
             counted = [g for p, g in held if not pipe.is_tied_copy(p) and (id(p) in sharded or first_tp)]
             sq = sum_of_squares(counted, device=device)
-            for g in (pipe.pp_group, tp, group if zero1 else None):
+            for g in (pipe.pp_group, tp, group if zero else None):
                 if g is not None:
                     ops.all_reduce(sq, group=g)
             return scale_to_max_norm_([g for _, g in held], sq.sqrt(), config.grad_clip)
 
         needs_finish = group is not None or (tp is not None and self.options.sequence_parallel)
-        return OptimizerSetup(optimizer=optimizer, grad_params=list(optimizer.params) if zero1 else params,
+        return OptimizerSetup(optimizer=optimizer, grad_params=grad_params,
                               clip_fn=None if config.grad_clip is None else clip_fn,
                               finish_gradients=finish if needs_finish else None)
 
@@ -368,10 +376,14 @@ def _layout(groups_or_dims: ParallelGroups | ParallelDims,
     if options.sequence_parallel and dims.tp == 1:
         raise ValueError("sequence parallelism splits the activations over the tensor-parallel ranks: it "
                          f"needs tp > 1 (the layout is {dims.describe()})")
-    if dims.pp > 1 and options.zero_stage > 1:
-        raise ValueError(f"pipeline parallelism with ZeRO-{options.zero_stage} (the layout "
-                         f"{dims.describe()}) is not built yet (chapter 10): its gradient shards would be "
-                         "cut in every micro-batch's backward; use zero_stage 0 or 1 with pp")
+    if dims.pp > 1 and options.zero_stage == 3:
+        raise ValueError(f"pipeline parallelism with ZeRO-3 (the layout {dims.describe()}) is not built: "
+                         "every micro-batch's forward and backward would all-gather the stage's weights "
+                         "again (m times a step's weights per step); use zero_stage 0, 1 or 2 with pp")
+    if dims.pp > 1 and options.zero_stage == 2 and options.pp_schedule == "zb1p":
+        raise ValueError("ZeRO-2 reduce-scatters each gradient when backward has accumulated it; the zb1p "
+                         "schedule computes the weight gradients outside backward (its W actions): use "
+                         "zero_stage 1 with zb1p, or another schedule")
     if dims.pp > 1 and dims.tp > 1 and options.pp_schedule == "zb1p":
         raise ValueError("the zb1p schedule splits the weight gradient off nn.Linear layers; the tensor-"
                          "parallel layers do not split it: not built yet (chapter 10); use another schedule "

@@ -41,8 +41,9 @@ embedding's and loss's at ``s_c = s/cp`` tokens by ``cp_method`` (:mod:`refimpl.
 under tp the vocab-parallel embedding's local ids and mask, the loss's softmax shard ``4 s_c b V/t``,
 target index and masks, per micro-batch), the boundaries ``O = G = 4 (s_c/u) b h`` (``u = t`` under
 sequence parallelism, else 1), the logits ``(p + 4) s_c b ceil(V/t)``. ZeRO-1 (a ShardedOptimizer over
-the stages) shards the AdamW state over the ``dp x cp`` ranks (:func:`pipeline_state_memory`); ZeRO-2/3
-and zb1p with tp are refused naming chapter 10, as parallelize refuses them.
+the stages) shards the AdamW state over the ``dp x cp`` ranks (:func:`pipeline_state_memory`), ZeRO-2 the
+gradients too (its hooks keep a shard of each micro-batch's gradients); ZeRO-3 is refused, as parallelize
+refuses it.
 """
 
 from __future__ import annotations
@@ -177,14 +178,15 @@ def _rank_shapes(config: ModelConfig, *, pp: int, rank: int, ranges: list[range]
 def pipeline_state_memory(config: ModelConfig, *, pp: int, pp_rank: int, virtual_stages: int = 1,
                           balance: str = "layers", tp: int = 1, zero_stage: int = 0, zero_shards: int = 1,
                           dp_rank: int = 0) -> StateMemory:
-    """fp32 weights, gradients and AdamW state (two moments, a ``step`` per tensor) of the parameters of
+    """fp32 weights, gradients and AdamW state(two moments, a ``step`` per tensor) of the parameters of
     pipeline rank ``pp_rank``'s stages (:func:`stage_param_shapes`, the tensor-parallel shards of ``tp``
-    ranks), whole, or with ``zero_stage`` 1 (Rajbhandari et al. 2020; the runtime's ShardedOptimizer over
-    the stages) the AdamW state sharded over the ``zero_shards`` (``dp x cp``) ranks, dim 0 of each tensor,
-    as held by the group's rank ``dp_rank`` (:func:`~refimpl.planner.zero_state.zero_memory`)."""
-    if zero_stage not in (0, 1):
-        raise ValueError(f"the planner models pipeline parallelism with zero_stage 0 or 1: ZeRO {zero_stage} "
-                         f"with pp={pp} comes with chapter 10 (as parallelize refuses it)")
+    ranks), whole, or with ``zero_stage`` 1 (Rajbhandari et al. 2020; the runtime's ShardedOptimizer over the
+    stages; 2: the gradients too) the AdamW state sharded over the ``zero_shards`` (``dp x cp``) ranks, dim 0
+    of each tensor, as held by the group's rank ``dp_rank``
+    (:func:`~refimpl.planner.zero_state.zero_memory`)."""
+    if zero_stage not in (0, 1, 2):
+        raise ValueError(f"the planner models pipeline parallelism with zero_stage 0, 1 or 2: ZeRO "
+                         f"{zero_stage} with pp={pp} is refused by parallelize")
     ranges = stage_layers(config, num_stages=pp * virtual_stages, balance=balance, tp=tp)
     shapes = _rank_shapes(config, pp=pp, rank=pp_rank, ranges=ranges, tp=tp)
     return zero_memory(shapes, zero_shards, zero_stage, rank=dp_rank)
@@ -282,8 +284,8 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
     ``fp32`` or ``bf16``/``fp16`` under autocast; ``checkpointed_blocks``: global block indices.
     Inside the stages (chapter 10's composition, as :func:`refimpl.parallel.parallelize` builds it): ``tp``
     tensor-parallel ranks (``sequence_parallel``: the boundaries carry ``[b, s_c/t, h]``), ``cp``
-    context-parallel ranks (``cp_method``, ``cp_layout``; ``s_c = s/cp`` tokens), ZeRO ``zero_stage`` 0 or
-    1 over ``zero_shards`` ranks (:func:`pipeline_state_memory`, group rank ``dp_rank``)."""
+    context-parallel ranks (``cp_method``, ``cp_layout``; ``s_c = s/cp`` tokens), ZeRO ``zero_stage`` 0, 1
+    or 2 over ``zero_shards`` ranks (:func:`pipeline_state_memory`, group rank ``dp_rank``)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {SCHEDULES}")
     if precision not in _COMPUTE:

@@ -185,10 +185,12 @@ class RunOptions:
         if self.tp > 1 and self.zero_stage == 3:
             raise ConfigError(f"--tp {self.tp} with --zero-stage 3 (2-D sharding) is not built yet (chapter "
                               "10); use --zero-stage 0, 1 or 2")
-        if self.pp > 1 and self.zero_stage > 1:
-            raise ConfigError(f"--pp {self.pp} with --zero-stage {self.zero_stage} is not built yet (chapter "
-                              "10 composes them); today --pp runs with --dp, --tp, --cp and --zero-stage "
-                              "0 or 1")
+        if self.pp > 1 and self.zero_stage == 3:
+            raise ConfigError(f"--pp {self.pp} with --zero-stage 3 is not built: each micro-batch would "
+                              "all-gather its stage's weights again; use --zero-stage 0, 1 or 2 with --pp")
+        if self.pp > 1 and self.zero_stage == 2 and self.pp_schedule == "zb1p":
+            raise ConfigError("--zero-stage 2 cuts each gradient into shards inside backward; --pp-schedule "
+                              "zb1p computes the weight gradients outside it: use --zero-stage 1 with zb1p")
         if self.pp > 1 and self.tp > 1 and self.pp_schedule == "zb1p":
             raise ConfigError("--pp-schedule zb1p splits the weight gradient off plain linear layers; with "
                               "--tp the tensor-parallel layers do not split it yet (chapter 10): use another "

@@ -60,6 +60,9 @@ class PipelineModule(nn.Module):
         if model.config.tie_word_embeddings and first != last and pp_rank in (first, last):
             self.tied_peer = last if pp_rank == first else first
         self.last_events: list[PipelineEvent] = []
+        # where a parameter's gradient lives after backward: itself, or under ZeRO-2 (whose hooks cut each
+        # gradient into its dp shard inside backward) the optimizer's shard (parallelize sets it)
+        self.gradient_holder: Callable[[nn.Parameter], torch.Tensor] = lambda param: param
 
     def tied_weight(self) -> torch.Tensor | None:
         """This rank's end of a tied embedding that another rank also holds (None otherwise)."""
@@ -117,6 +120,7 @@ class PipelineModule(nn.Module):
                             events=self.last_events)
         weight = self.tied_weight()
         if weight is not None:
-            sync_tied_embeddings(weight, peer=self.tied_peer, group=self.pp_group)
+            # the two ends hold the same rows of their gradients (whole, or the same ZeRO-2 shard)
+            sync_tied_embeddings(self.gradient_holder(weight), peer=self.tied_peer, group=self.pp_group)
         ops.all_reduce(loss, group=self.pp_group)  # only the last stage's rank holds it: a sum with zeros
         return loss
