@@ -10,6 +10,8 @@
 * :mod:`~refimpl.planner.time_model`: the alpha-beta cost model fitted to measured times;
 * :mod:`~refimpl.planner.pipeline`: per pipeline rank, its stages' parameters and the activations it holds
   at its peak under a schedule (chapter 08);
+* :mod:`~refimpl.planner.run_prediction`: one trainer run at a layout, per rank: state, held
+  activations, bytes per process group per step, the bubble (chapter 10);
 * :mod:`~refimpl.planner.layout`: the layout (``ParallelDims``-like degrees) that per-rank functions take.
 
 Each figure is checked in a chapter against a measurement from :mod:`refimpl.measure`, a different source.
@@ -62,6 +64,7 @@ from refimpl.planner.pipeline import (
     stage_deferred_bytes,
     stage_saved_bytes,
 )
+from refimpl.planner.run_prediction import RankPrediction, RunPrediction, predict_run
 from refimpl.planner.time_model import AlphaBeta, fit_alpha_beta
 from refimpl.planner.zero_state import (
     ADAM_MIXED_PRECISION_K,
@@ -84,7 +87,9 @@ __all__ = [
     "Layout",
     "ParamCount",
     "PipelineRankMemory",
+    "RankPrediction",
     "RunMemory",
+    "RunPrediction",
     "StateMemory",
     "activation_bytes",
     "activation_bytes_per_layer",
@@ -105,6 +110,7 @@ __all__ = [
     "pipeline_memory_per_rank",
     "pipeline_parallel_degree",
     "pipeline_state_memory",
+    "predict_run",
     "ring_bytes_sent",
     "run_memory_per_rank",
     "shard_rows",

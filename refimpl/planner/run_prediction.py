@@ -1,0 +1,224 @@
+"""One trainer run at a layout, predicted per rank before it runs: :func:`predict_run` (chapter 10).
+
+The composition of the planner's terms for ``python -m refimpl.train --dp D --tp T --pp P --cp C ...``
+(the mesh ``pp x dp x cp x tp``, :mod:`refimpl.distributed.mesh`; Narayanan et al. 2021, "Efficient
+large-scale language model training on GPU clusters using Megatron-LM", section 3), per rank:
+
+* **state** (:class:`~refimpl.measure.state.StateMemory`): fp32 weights, gradients and AdamW state of the
+  rank's tensor-parallel shards of its pipeline stages, the AdamW state sharded over the ``dp x cp`` ranks
+  by ZeRO-1 (Rajbhandari et al. 2020): :func:`~refimpl.planner.memory.state_memory_per_rank`,
+  :func:`~refimpl.planner.pipeline.pipeline_state_memory`;
+* **activations**: the bytes saved for backward that the rank holds at its peak: one micro-batch's
+  (:func:`~refimpl.planner.memory.run_memory_per_rank`'s saved terms, Korthikanti et al. 2022; a backward
+  frees them before the next forward) or, under pipeline parallelism, the schedule's held bytes
+  (:attr:`~refimpl.planner.pipeline.PipelineRankMemory.peak_held`: the micro-batches in flight and the
+  sends kept). Where the trainer saves the token ids and labels themselves (no tp, no cp), they are
+  views of the step's batch window ``[B/dp, s+1]`` (``refimpl.data``'s ``batch``): its whole int64
+  storage, ``8 (B/dp) (s+1)``, is held once, not the ids' and labels' ``8 b s`` each;
+* **bytes sent per step** by process group, under the keys of the trainer's ``metrics.jsonl``
+  (``refimpl.train.loop``: ``"tp"``, ``"cp"``, ``"pp"``, ``"dp x cp"``; the ring model for collectives,
+  :func:`~refimpl.comm.tracer.wire_bytes`, the tensors' bytes for point-to-point sends). Read from the
+  trainer's code, per step with ``A`` micro-batches of ``b`` sequences, ``s_c = s/cp`` tokens each:
+
+  - ``tp``: every micro-batch's tensor-parallel collectives of the rank's blocks, on the first stage the
+    vocab-parallel embedding's, on the last the head's and the vocab-parallel loss's three ``b s_c``
+    all-reduces (:func:`~refimpl.planner.communication.tensor_parallel_collectives`, split by stage);
+    under sequence parallelism once per step the ``s/t``-token gradients' all-reduce; the gradient norm's
+    float32 scalar (clipping on);
+  - ``cp``: every micro-batch's attention traffic of the rank's blocks
+    (:func:`~refimpl.planner.communication.context_parallel_bytes`);
+  - ``pp``: per micro-batch each stage's ``[b, s_c/u, h]`` float32 output (not the last stage) and input
+    gradient (not the first), ``u = t`` under sequence parallelism; the tied embedding's gradient between
+    the first and the last rank (``sync_tied_embeddings``, both ways); the step loss's and the norm's
+    float32 scalars (``PipelineModule.step``'s all-reduce, the pipeline clip);
+  - ``dp x cp``: the gradients of the rank's parameters once per step, all-reduced (ZeRO-0: the bucketed
+    ``DataParallelBucket``, or ``reduce_gradients_`` after the pipeline's last backward) or reduce-scattered
+    and the updated parameters all-gathered (ZeRO-1, padded shards:
+    :func:`~refimpl.planner.communication.zero_collectives`); the loss average's scalar; under ZeRO-1 the
+    norm's scalar (the shards are disjoint over the group);
+
+* **bubble**: the schedule's textbook idle share
+  (:func:`~refimpl.parallel.pipeline_parallel.simulator.bubble_formula`), None without pipeline parallelism.
+
+Modelled: fp32 or bf16 (autocast), ZeRO 0 or 1, 1F1B-family schedules; tensor-parallel traffic in fp32
+only (under autocast the activations it moves are 16-bit), no activation checkpointing (its recomputed
+forward repeats the collectives), no sequence parallelism with ZeRO-1 (its shard all-reduce): refused.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from refimpl.comm.tracer import wire_bytes
+from refimpl.config import ModelConfig
+from refimpl.distributed.mesh import Coordinates, ParallelDims
+from refimpl.measure.state import StateMemory
+from refimpl.parallel.pipeline_parallel import stage_rank
+from refimpl.parallel.pipeline_parallel.simulator import bubble_formula
+from refimpl.planner.activations import local_tokens
+from refimpl.planner.communication import context_parallel_bytes, zero_collectives
+from refimpl.planner.memory import run_memory_per_rank, state_memory_per_rank
+from refimpl.planner.params_flops import param_shapes
+from refimpl.planner.pipeline import (
+    _COMPUTE,
+    PER_STEP,
+    pipeline_memory_per_rank,
+    pipeline_state_memory,
+    stage_layers,
+    stage_param_shapes,
+)
+
+__all__ = ["RankPrediction", "RunPrediction", "predict_run"]
+
+_SCALAR = 4  # a float32 scalar: the loss, the gradient norm's sum of squares
+WINDOW = "the step's token window [B/dp, s+1] (int64; ids and labels are views of it)"
+_TRANSIENT = ("logits + their gradient (transient)", "recomputed block (backward)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankPrediction:
+    """One rank: its ``coords`` in the mesh, ``state`` at rest with gradients, the ``activations`` it holds
+    at its peak (bytes, by term) and ``bytes_sent`` per step by ``metrics.jsonl`` group key."""
+
+    rank: int
+    coords: Coordinates
+    state: StateMemory
+    activations: dict[str, int]
+    bytes_sent: dict[str, float]
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(self.activations.values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPrediction:
+    """Every rank of the run (rank order), the micro-batches per step and data-parallel rank, their size,
+    and the schedule's ``bubble`` (None without pipeline parallelism)."""
+
+    dims: ParallelDims
+    microbatches: int
+    micro_batch: int
+    bubble: float | None
+    ranks: list[RankPrediction] = field(default_factory=list)
+
+
+def _add(out: dict[str, float], key: str, op: str, payload: float, n: int) -> None:
+    if n > 1 and payload:
+        out[key] = out.get(key, 0.0) + wire_bytes(op, payload, n)
+
+
+def _tp_payloads(config: ModelConfig, *, layers: int, first: bool, last: bool, x: int, tokens: int,
+                 sequence_parallel: bool) -> dict[str, int]:
+    """One micro-batch's tensor-parallel payloads (float32 bytes) on a stage holding ``layers`` blocks
+    (first / last stage: the embedding / the head and loss), ``x = b s_c h``, ``tokens = b s_c``: the
+    stage's part of :func:`tensor_parallel_collectives` (the parts of all stages add up to it)."""
+    f, la = int(first), int(last)
+    if not sequence_parallel:  # f/g all-reduces: 4 per block, the embedding's sum, the head's f
+        return {"all_reduce": 4 * (4 * layers * x + f * x + la * (x + 3 * tokens))}
+    return {"all_reduce": 4 * (f * x + la * 3 * tokens),
+            "all_gather": 4 * (6 * layers + f + 2 * la) * x,
+            "reduce_scatter": 4 * (4 * layers + la) * x}
+
+
+def predict_run(config: ModelConfig, *, dims: ParallelDims, seq_len: int, global_batch: int,
+                micro_batch: int | None = None, microbatches: int | None = None, zero_stage: int = 0,
+                precision: str = "fp32", sequence_parallel: bool = False, cp_method: str = "ring",
+                cp_layout: str | None = None, pp_schedule: str = "1f1b", virtual_stages: int = 1,
+                pp_balance: str = "layers", grad_clip: float | None = 1.0) -> RunPrediction:
+    """Predict one optimizer step of the trainer at layout ``dims`` for every rank (module docstring).
+
+    ``global_batch`` sequences of ``seq_len`` tokens per step, split over ``dims.dp``; ``micro_batch``
+    (``--micro-batch-size``) and, under pipeline parallelism, ``microbatches`` (``--microbatches``, default
+    per-rank batch / ``micro_batch``, else ``pp``) as the trainer reads them; ``grad_clip`` None: no norm.
+    """
+    if zero_stage not in (0, 1):
+        raise ValueError(f"predict_run models ZeRO 0 and 1, got zero_stage={zero_stage}")
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"predict_run models fp32 and bf16, got {precision!r}")
+    if dims.tp > 1 and precision != "fp32":
+        raise ValueError("predict_run models the tensor-parallel traffic in fp32 only (under autocast the "
+                         "activations it moves are 16-bit)")
+    if sequence_parallel and (zero_stage or dims.tp == 1):
+        raise ValueError("predict_run models sequence parallelism with tp > 1 and ZeRO-0 only")
+    pp, tp, cp, dp, v = dims.pp, dims.tp, dims.cp, dims.dp, virtual_stages
+    per_rank = global_batch // dp
+    if pp > 1:
+        m = microbatches or (per_rank // micro_batch if micro_batch else pp)
+    else:
+        m = per_rank // (micro_batch or per_rank)
+    b, h, n = per_rank // m, config.hidden_size, dp * cp
+    s_c = local_tokens(config, seq_len=seq_len, cp=cp, cp_method=cp_method, cp_layout=cp_layout, tp=tp)
+    x, tokens = b * s_c * h, b * s_c
+    num_stages = pp * v
+    ranges = stage_layers(config, num_stages=num_stages, balance=pp_balance, tp=tp)
+    split = {"tp": tp, "sequence_parallel": sequence_parallel, "cp": cp, "cp_method": cp_method,
+             "cp_layout": cp_layout}
+    pipe = (pipeline_memory_per_rank(config, pp=pp, num_microbatches=m, schedule=pp_schedule,
+                                     virtual_stages=v, micro_batch=b, seq_len=seq_len, precision=precision,
+                                     balance=pp_balance, **split)
+            if pp > 1 else None)
+    flat = None if pp > 1 else run_memory_per_rank(config, dims, micro_batch=b, seq_len=seq_len,
+                                                   precision=precision, sequence_parallel=sequence_parallel,
+                                                   cp_method=cp_method, cp_layout=cp_layout)
+    cp_layer = context_parallel_bytes(config, micro_batch=b, seq_len=seq_len, cp=cp, method=cp_method, tp=tp,
+                                      compute_dtype=_COMPUTE[precision]) if cp > 1 else None
+    ranks = []
+    for rank in range(dims.world_size):
+        c = dims.coordinates(rank)
+        group_rank = c.dp * cp + c.cp  # the rank's index in its dp x cp group (ranks ascending)
+        stages = [st for st in range(num_stages) if stage_rank(st, pp_size=pp) == c.pp]
+        shapes = [q for st in stages for q in stage_param_shapes(config, stage=st, num_stages=num_stages,
+                                                                 blocks=ranges[st], tp=tp)]
+        if pp == 1:
+            shapes = param_shapes(config, tp=tp)
+        sent: dict[str, float] = {}
+        for st in stages:  # per micro-batch: tp collectives, cp attention, pipeline boundaries
+            first, last = st == 0, st == num_stages - 1
+            if tp > 1:
+                for op, payload in _tp_payloads(config, layers=len(ranges[st]), first=first, last=last, x=x,
+                                                tokens=tokens, sequence_parallel=sequence_parallel).items():
+                    _add(sent, "tp", op, m * payload, tp)
+            if cp_layer is not None:
+                per_layer = cp_layer["forward"] + cp_layer["backward"]
+                sent["cp"] = sent.get("cp", 0.0) + m * len(ranges[st]) * per_layer
+            if pp > 1:
+                boundary = 4 * b * (s_c // (tp if sequence_parallel else 1)) * h  # float32 [b, s_c/u, h]
+                sent["pp"] = sent.get("pp", 0.0) + m * boundary * ((not last) + (not first))
+        if sequence_parallel:  # once per step: the s/t-token parameters' gradients (LayerNorms, row biases)
+            replicated = sum(6 * len(ranges[st]) + 2 * (st == num_stages - 1) for st in stages)
+            _add(sent, "tp", "all_reduce", 4 * replicated * h, tp)
+        if pp > 1:
+            if config.tie_word_embeddings and c.pp in (stage_rank(0, pp_size=pp),
+                                                       stage_rank(num_stages - 1, pp_size=pp)):
+                sent["pp"] = sent.get("pp", 0.0) + 4 * math.prod(param_shapes(config, tp=tp)[0])
+            _add(sent, "pp", "all_reduce", _SCALAR, pp)  # the step loss, from the last stage
+        if grad_clip is not None:  # the norm's sum of squares over the groups its gradients are split over
+            _add(sent, "pp", "all_reduce", _SCALAR, pp)
+            _add(sent, "tp", "all_reduce", _SCALAR, tp)
+            if zero_stage == 1:
+                _add(sent, "dp x cp", "all_reduce", _SCALAR, n)
+        if zero_stage == 0:
+            _add(sent, "dp x cp", "all_reduce", 4 * sum(math.prod(q) for q in shapes), n)
+        else:
+            for op, (_, payload) in zero_collectives([shapes], n, 1).items():
+                _add(sent, "dp x cp", op, payload, n)
+        _add(sent, "dp x cp", "all_reduce", _SCALAR, n)  # the loss's mean over dp x cp
+        if pp > 1:
+            held = dict(pipe[c.pp].peak_terms)
+            if tp == 1 and cp == 1 and any([held.pop(k, 0) for k in PER_STEP]):
+                held[WINDOW] = 8 * per_rank * (seq_len + 1)  # ids on the first stage, labels on the last
+            state = pipeline_state_memory(config, pp=pp, pp_rank=c.pp, virtual_stages=v, balance=pp_balance,
+                                          tp=tp, zero_stage=zero_stage, zero_shards=n, dp_rank=group_rank)
+        else:
+            held = {k: val for k, val in flat.activations.items() if k not in _TRANSIENT}
+            if tp == 1 and cp == 1:  # the ids and labels of every micro-batch: views of the window
+                held["token ids, labels, positions"] -= 2 * 8 * tokens
+                held[WINDOW] = 8 * per_rank * (seq_len + 1)
+            state = state_memory_per_rank(config, dims, zero_stage=zero_stage, dp_rank=group_rank)
+        ranks.append(RankPrediction(rank=rank, coords=c, state=state, activations=held, bytes_sent=sent))
+    bubble = (bubble_formula(pp_schedule, pp_size=pp, num_microbatches=m, virtual_stages=v) if pp > 1
+              else None)
+    return RunPrediction(dims=dims, microbatches=m, micro_batch=b, bubble=bubble, ranks=ranks)
+
