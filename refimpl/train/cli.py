@@ -21,7 +21,7 @@ from refimpl.data import DataError
 from refimpl.distributed import init_distributed, teardown
 from refimpl.train.args import RunOptions, build_parser, config_from_args, options_from_args
 from refimpl.train.loop import SIGTERM_EXIT, Preempted, train
-from refimpl.train.preflight import check_fits, preflight_memory, preflight_resume
+from refimpl.train.preflight import check_fits, preflight_memory, preflight_resume, survivor_layout
 
 
 def _demo_fault_step(config: TrainConfig, options: RunOptions) -> int:
@@ -105,8 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.nproc_per_node is not None and not under_launcher:
             return _launch(args, argv)
         config, options = config_from_args(args), options_from_args(args)
-        options.parallel_dims(int(os.environ.get("WORLD_SIZE", "1")))  # refused before init_process_group
-        preflight_memory(config, options, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        # an elastic restart with fewer ranks keeps tp, pp and cp and shrinks dp (train() says so)
+        options, _ = survivor_layout(options, world, restart_count=elastic.restart_count())
+        options.parallel_dims(world)  # refused before init_process_group
+        preflight_memory(config, options, world_size=world,
                          ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), force=args.force,
                          local_rank=int(os.environ.get("LOCAL_RANK", "0")))
         ctx = init_distributed(timeout_s=config.timeout_s)

@@ -39,6 +39,7 @@ from refimpl.train.preflight import (
     check_same_run,
     check_tensor_parallel,
     pipeline_microbatches,
+    survivor_layout,
 )
 from refimpl.train.setup import _sampling_model, build_setup
 from refimpl.train.step import train_step
@@ -78,7 +79,10 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
     """Run the optimizer steps of ``config`` (resuming from ``options.checkpoint`` when it holds a valid
     checkpoint); return the per-step records (also in metrics.jsonl; on rank 0 they include the steps of
     earlier attempts). Raises :class:`Preempted` after the save that follows a SIGTERM."""
-    options = options or RunOptions()
+    options, shrunk = survivor_layout(options or RunOptions(), ctx.world_size,
+                                      restart_count=elastic.restart_count())
+    if shrunk:
+        log0(ctx, shrunk)
     dims = options.parallel_dims(ctx.world_size)  # pp x dp x cp x tp, tp innermost (refimpl.distributed.mesh)
     coords = dims.coordinates(ctx.rank)
     check_tensor_parallel(config, dims.tp, sequence_parallel=options.sequence_parallel)

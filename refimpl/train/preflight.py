@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -95,6 +96,33 @@ def pipeline_microbatches(config: TrainConfig, options: RunOptions, dp: int) -> 
 
 
 MEMORY_ENV = "REFIMPL_MEMORY_BYTES"  # tests: this node's memory in bytes, instead of the measured figure
+
+
+def survivor_layout(options: RunOptions, world_size: int, *,
+                    restart_count: int) -> tuple[RunOptions, str | None]:
+    """The layout of a run that an elastic agent restarted with another number of ranks (chapters 09-10).
+
+    A ``--dp`` given for the first attempt no longer multiplies out when a machine is lost (``torchrun
+    --nnodes=1:2``): the trainer keeps ``tp``, ``pp`` and ``cp`` (a model split that the survivors can still
+    hold the same way) and sets ``dp = world / (tp pp cp)``; the checkpoint reshards by its boxes and the
+    global batch stays (more accumulation per rank). Returns the options to run and the sentence that says
+    so (None when nothing changed). A first attempt is never changed: a layout that does not match the ranks
+    started is the user's mistake and :meth:`RunOptions.parallel_dims` refuses it."""
+    if options.dp is None or restart_count == 0:
+        return options, None
+    asked = options.parallel_dims(options.dp * options.tp * options.pp * options.cp)
+    if asked.world_size == world_size:
+        return options, None
+    others = options.tp * options.pp * options.cp
+    if world_size % others:
+        raise ConfigError(f"restart {restart_count}: {world_size} ranks survived; the layout "
+                          f"{asked.describe()} keeps tp x pp x cp = {others} ranks per model copy, which "
+                          f"{world_size} does not divide: no layout to resume at")
+    chosen = replace(options, dp=world_size // others)
+    now = chosen.parallel_dims(world_size).describe()
+    return chosen, (f"restart {restart_count}: the layout {asked.describe()} needs {asked.world_size} "
+                    f"ranks, {world_size} are here: resuming at {now} (tp, pp and cp kept, dp from the "
+                    "survivors)")
 
 
 def machine_memory_per_rank(ranks_per_node: int, *, local_rank: int = 0,
