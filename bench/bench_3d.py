@@ -1,0 +1,140 @@
+"""Benchmark of chapter 10: the 3D trainer's layouts at world size 8, and the planner against the runs.
+
+    python -m bench.bench_3d [--steps 6] [--warmup 2] [--quick]
+
+One set of 8 CPU ranks (gloo, one thread each, :func:`refimpl.launch.run_ranks`) trains the same GPT
+(:data:`MODEL`: 4 blocks, width 64, 4 heads, 64 tokens, global batch 16, AdamW, clipping at 1.0) through
+:func:`refimpl.train.train` at the ``dp x tp x pp`` layouts of :data:`LAYOUTS` (ZeRO-1 at one, bf16 at one,
+one with ``cp 2``), ``--steps`` steps each, no checkpoint. Per layout:
+
+1. **Step time**: per rank the median of the step durations after ``--warmup`` steps (from the records'
+   ``elapsed_s``), the slowest rank's; as a ratio to ``8x1x1`` measured in the same run. 8 ranks share the
+   machine's cores, so a CPU figure is a ratio, never an absolute time.
+2. **Planner vs measured**: :func:`refimpl.planner.predict_run` for every rank against ``metrics.jsonl``'s
+   ``bytes_sent`` per process group (the tracer: point-to-point sends measured, collectives by the ring
+   model), every step; the largest difference over ranks and steps per group (0: equal), and the bytes of
+   the rank that sends most. The schedule's bubble (:func:`bubble_formula`) against the measured
+   ``pipeline_idle`` (the idle share of the pp ranks from the executor's events, median of the timed
+   steps): timing on a shared CPU (transfer delays, 8 processes on the cores), so reported, not asserted.
+
+``--quick``: the tiny model of tests/test_planner_3d.py, 3 steps, 1 warm-up (a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+WORLD = 8
+MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-heads", "4", "--seq-len", "64",
+         "--batch-size", "16"]
+QUICK = ["--num-layers", "4", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
+         "--batch-size", "8"]
+LAYOUTS = {  # dp x tp x pp -> the trainer's flags at world size 8
+    "8x1x1": ["--dp", "8"],
+    "4x2x1": ["--tp", "2"],
+    "2x2x2 ZeRO-1": ["--tp", "2", "--pp", "2", "--zero-stage", "1", "--microbatches", "2"],
+    "1x4x2": ["--tp", "4", "--pp", "2", "--microbatches", "4"],
+    "2x1x4 bf16": ["--pp", "4", "--microbatches", "4", "--precision", "bf16"],
+    "1x2x4": ["--tp", "2", "--pp", "4", "--microbatches", "4"],
+    "2x1x2 cp 2": ["--cp", "2", "--pp", "2", "--microbatches", "2"],
+}
+
+
+def _run(ctx, name: str, model: list[str], steps: int, root: Path) -> dict:
+    """One layout's run on this rank: its records' elapsed seconds, bytes per group and idle share."""
+    from refimpl.train import build_parser, config_from_args, options_from_args, train
+
+    args = build_parser().parse_args([*model, *LAYOUTS[name], "--steps", str(steps), "--lr", "1e-3",
+                                      "--warmup-steps", "1", "--log-every", "1000", "--checkpoint-every",
+                                      "0", "--data", str(root / "corpus.txt"), "--cache-dir",
+                                      str(root / "cache"), "--out", str(root / name.replace(" ", "-"))])
+    options = dataclasses.replace(options_from_args(args), checkpoint=None)
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+        records = train(config_from_args(args), ctx, options)  # its progress bar, log lines and sample
+    return {"elapsed": [r["elapsed_s"] for r in records], "bytes": [r["bytes_sent"] for r in records],
+            "idle": [r.get("pipeline_idle") for r in records]}
+
+
+def _predict(model: list[str], name: str):
+    from refimpl.distributed import ParallelDims
+    from refimpl.planner import predict_run
+    from refimpl.train import build_parser, config_from_args, options_from_args
+
+    args = build_parser().parse_args([*model, *LAYOUTS[name]])
+    config, options = config_from_args(args), options_from_args(args)
+    d = options.parallel_dims(WORLD)
+    return predict_run(config.model, dims=ParallelDims(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp),
+                       seq_len=config.data.seq_len, global_batch=config.data.global_batch_size,
+                       micro_batch=config.data.micro_batch_size, microbatches=options.microbatches,
+                       zero_stage=options.zero_stage, precision=options.precision,
+                       sequence_parallel=options.sequence_parallel, cp_method=options.cp_method,
+                       pp_schedule=options.pp_schedule, grad_clip=config.optim.grad_clip)
+
+
+def _step_time(per_rank: list[dict], warmup: int) -> float:
+    """The slowest rank's median step duration after ``warmup`` steps."""
+    medians = []
+    for out in per_rank:
+        t = [0.0, *out["elapsed"]]
+        medians.append(statistics.median(b - a for a, b in zip(t[warmup:], t[warmup + 1:], strict=False)))
+    return max(medians)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps, 1 warm-up (smoke run)")
+    a = parser.parse_args(argv)
+    model, steps, warmup = (QUICK, 3, 1) if a.quick else (MODEL, a.steps, a.warmup)
+    from refimpl.data import make_corpus_file
+    from refimpl.launch import run_ranks
+
+    load0, start = os.getloadavg()[0], time.perf_counter()
+    with tempfile.TemporaryDirectory() as root:
+        make_corpus_file(Path(root) / "corpus.txt", num_bytes=50_000)
+        per_rank = run_ranks(_run_all, WORLD, model, steps, root, timeout_s=900)
+    elapsed, load1 = time.perf_counter() - start, os.getloadavg()[0]
+    print(f"# bench_3d: world {WORLD} on {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs, torch {torch.__version__}, Python {platform.python_version()}; "
+          f"{' '.join(model)}, {steps} steps ({warmup} warm-up); load average {load0:.1f} at the start, "
+          f"{load1:.1f} at the end; {elapsed:.0f} s")
+    base = _step_time([out["8x1x1"] for out in per_rank], warmup)
+    print("\n| layout (dp x tp x pp) | step time / 8x1x1 | group: planner - measured, largest over ranks and "
+          "steps | group: most bytes per step on a rank | bubble: formula | measured pipeline_idle, median "
+          "(min - max) |")
+    print("|---|---|---|---|---|---|")
+    for name in LAYOUTS:
+        runs = [out[name] for out in per_rank]
+        plan = _predict(model, name)
+        keys = sorted({k for r in plan.ranks for k in r.bytes_sent} | {k for out in runs for s in out["bytes"]
+                                                                        for k in s})
+        diff = {k: max(abs(r.bytes_sent.get(k, 0.0) - s.get(k, 0.0)) for r, out in zip(plan.ranks, runs,
+                                                                                       strict=True)
+                       for s in out["bytes"]) for k in keys}
+        most = {k: max(s.get(k, 0.0) for out in runs for s in out["bytes"]) for k in keys}
+        idle = [v for v in runs[0]["idle"][warmup:] if v is not None]
+        measured = (f"{statistics.median(idle):.1%} ({min(idle):.1%} - {max(idle):.1%})" if idle else "-")
+        bubble = "-" if plan.bubble is None else f"{plan.bubble:.1%}"
+        print(f"| {name} | {_step_time(runs, warmup) / base:.2f} | "
+              + ", ".join(f"{k}: {diff[k]:g}" for k in keys) + " | "
+              + ", ".join(f"{k}: {most[k] / 2**10:,.1f} KiB" for k in keys)
+              + f" | {bubble} | {measured} |")
+
+
+def _run_all(ctx, model: list[str], steps: int, root: str) -> dict:
+    return {name: _run(ctx, name, model, steps, Path(root)) for name in LAYOUTS}
+
+
+if __name__ == "__main__":
+    main()
