@@ -1,8 +1,9 @@
 """The planner's prediction of a 3D trainer run against the run itself (chapter 10, issue 15).
 
 ONE spawn of 8 ranks trains a tiny GPT (4 blocks, width 32, 4 heads, 16 tokens, global batch 8, 2 steps)
-through :func:`refimpl.train.train` at six ``dp x tp x pp`` layouts (ZeRO-1 at one, bf16 at one, gradient
-accumulation at one). Per rank, :func:`refimpl.planner.predict_run`'s figures equal, to the byte:
+through :func:`refimpl.train.train` at six ``dp x tp x pp`` layouts (ZeRO-1 at one, bf16 at one, sequence
+parallelism at two, one of them with gradient accumulation) and one with ``cp 2`` (ring attention). Per
+rank, :func:`refimpl.planner.predict_run`'s figures equal, to the byte:
 
 * the bytes sent per step and process group that ``metrics.jsonl`` records (the tracer: point-to-point
   sends measured, collectives by the ring model), every key, both steps;
@@ -14,7 +15,9 @@ accumulation at one). Per rank, :func:`refimpl.planner.predict_run`'s figures eq
 
 Negative controls: the plausible wrong predictions (the tied embedding's gradient exchange forgotten, the
 gradient norm's scalar forgotten, the gradients' group named ``dp`` instead of ``dp x cp``, ZeRO-1 taken as
-ZeRO-0 for the bytes and for the state, GPipe's held activations for 1F1B's) each fail the same check.
+ZeRO-0 for the bytes and for the state, GPipe's held activations for 1F1B's, sequence parallelism's
+gradient all-reduce counted per micro-batch instead of once per step, at micro-batch 1 the planner's SP
+terms without the embedding output that the rank's ``s/t`` view keeps) each fail the same check.
 The bubble (measured ``pipeline_idle`` against the schedule's formula) is timing on a loaded 2-core box:
 not checked here, only that it is a share; bench/bench_3d.py and chapter 10 compare it.
 Bytes and state bytes are exact (no rounding involved): no numerics marker.
@@ -40,11 +43,12 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-heads", "4", "--seq-l
         "--log-every", "100", "--checkpoint-every", "0"]
 LAYOUTS = {  # dp x tp x pp -> the trainer's flags at world size 8
     "8x1x1": ["--dp", "8"],
-    "4x2x1-accum": ["--tp", "2", "--micro-batch-size", "1"],
+    "4x2x1-sp-accum": ["--tp", "2", "--sequence-parallel", "--micro-batch-size", "1"],
     "2x2x2-zero1": ["--tp", "2", "--pp", "2", "--zero-stage", "1", "--microbatches", "2"],
     "1x4x2": ["--tp", "4", "--pp", "2", "--microbatches", "4"],
     "2x1x4-bf16": ["--pp", "4", "--microbatches", "4", "--precision", "bf16"],
-    "1x2x4": ["--tp", "2", "--pp", "4", "--microbatches", "4"],
+    "1x2x4-sp": ["--tp", "2", "--sequence-parallel", "--pp", "4", "--microbatches", "4"],
+    "2x1x2-cp2": ["--cp", "2", "--pp", "2", "--microbatches", "2"],  # dp 2 x cp 2 x pp 2, ring attention
 }
 
 
@@ -61,6 +65,7 @@ def predict(args, **change):
               global_batch=config.data.global_batch_size, micro_batch=config.data.micro_batch_size,
               microbatches=options.microbatches, zero_stage=options.zero_stage, precision=options.precision,
               sequence_parallel=options.sequence_parallel, pp_schedule=options.pp_schedule,
+              cp_method=options.cp_method,
               grad_clip=config.optim.grad_clip)
     return predict_run(config.model, **(kw | change))
 
@@ -76,8 +81,9 @@ def _worker(ctx, files: dict) -> dict:
     out = {}
     for name in LAYOUTS:
         args = _args(files, name)
+        options = dataclasses.replace(options_from_args(args), checkpoint=None)  # no save at the end
         with TrainerProbe(step=1) as probe:
-            records = train(config_from_args(args), ctx, options_from_args(args))
+            records = train(config_from_args(args), ctx, options)
         out[name] = {"bytes": [r["bytes_sent"] for r in records],
                      "idle": [r.get("pipeline_idle") for r in records],
                      "measured": dataclasses.asdict(probe.measured)}
@@ -120,7 +126,7 @@ def test_plausible_wrong_predictions_fail_the_same_checks(runs, files):
         return runs[rank][name]["bytes"][0]
 
     # the tied embedding's gradient exchange between the first and the last pipeline rank forgotten
-    name = "1x2x4"
+    name = "1x2x4-sp"
     plan = predict(_args(files, name))
     tied = 4 * 256 // 2 * 32  # the vocab-parallel embedding shard, float32
     for rank in (0, WORLD - 1):  # pp rank 0 and pp rank 3
@@ -139,6 +145,19 @@ def test_plausible_wrong_predictions_fail_the_same_checks(runs, files):
         assert zero0.ranks[rank].bytes_sent["dp x cp"] != recorded(name, rank)["dp x cp"], rank
         state = zero0.ranks[rank].state
         assert tuple(out[name]["measured"]["state"]) != (state.weights, state.grads, state.optimizer)
+    # sequence parallelism's s/t-token gradients summed once per step, not per micro-batch (2 here)
+    name = "4x2x1-sp-accum"
+    plan = predict(_args(files, name))
+    once = 4 * (6 * 4 + 2) * 32  # the blocks' LayerNorms and row biases, the final LayerNorm, float32
+    assert plan.ranks[0].bytes_sent == recorded(name, 0)
+    per_micro = {**plan.ranks[0].bytes_sent, "tp": plan.ranks[0].bytes_sent["tp"] + once}  # 2 (t-1)/t = 1
+    assert per_micro != recorded(name, 0)
+    # at b = 1 the rank's s/t embedding output is a view of the whole output: without that term
+    from refimpl.planner.run_prediction import SP_VIEW
+
+    held = plan.ranks[0].activations
+    assert held[SP_VIEW] > 0 and runs[0][name]["measured"]["activations"] == sum(held.values())
+    assert runs[0][name]["measured"]["activations"] != sum(held.values()) - held[SP_VIEW]
     # GPipe's held activations (all m micro-batches in flight) where 1F1B holds fewer (pp rank > 0)
     name = "2x1x4-bf16"
     gpipe = predict(_args(files, name), pp_schedule="gpipe")

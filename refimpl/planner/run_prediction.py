@@ -14,7 +14,10 @@ large-scale language model training on GPU clusters using Megatron-LM", section 
   (:attr:`~refimpl.planner.pipeline.PipelineRankMemory.peak_held`: the micro-batches in flight and the
   sends kept). Where the trainer saves the token ids and labels themselves (no tp, no cp), they are
   views of the step's batch window ``[B/dp, s+1]`` (``refimpl.data``'s ``batch``): its whole int64
-  storage, ``8 (B/dp) (s+1)``, is held once, not the ids' and labels' ``8 b s`` each;
+  storage, ``8 (B/dp) (s+1)``, is held once, not the ids' and labels' ``8 b s`` each. Under sequence
+  parallelism at ``b = 1`` the embedding output's split (``narrow(...).contiguous()``, a no-op on a
+  contiguous slice) is a view of the whole ``[1, s_c, h]`` output: ``4 (t-1)/t s_c h`` more bytes held
+  (modelled without pipeline parallelism; refused with it, where it is held per micro-batch in flight);
 * **bytes sent per step** by process group, under the keys of the trainer's ``metrics.jsonl``
   (``refimpl.train.loop``: ``"tp"``, ``"cp"``, ``"pp"``, ``"dp x cp"``; the ring model for collectives,
   :func:`~refimpl.comm.tracer.wire_bytes`, the tensors' bytes for point-to-point sends). Read from the
@@ -73,6 +76,7 @@ __all__ = ["RankPrediction", "RunPrediction", "predict_run"]
 
 _SCALAR = 4  # a float32 scalar: the loss, the gradient norm's sum of squares
 WINDOW = "the step's token window [B/dp, s+1] (int64; ids and labels are views of it)"
+SP_VIEW = "the embedding output's other s_c (t-1)/t tokens behind the first block's s/t view (b = 1)"
 _TRANSIENT = ("logits + their gradient (transient)", "recomputed block (backward)")
 
 
@@ -155,6 +159,10 @@ def predict_run(config: ModelConfig, *, dims: ParallelDims, seq_len: int, global
     ranges = stage_layers(config, num_stages=num_stages, balance=pp_balance, tp=tp)
     split = {"tp": tp, "sequence_parallel": sequence_parallel, "cp": cp, "cp_method": cp_method,
              "cp_layout": cp_layout}
+    if sequence_parallel and b == 1 and pp > 1:
+        raise ValueError("predict_run does not model sequence parallelism at micro-batch 1 under pipeline "
+                         "parallelism (the first block's s/t input is then a view of the embedding's whole "
+                         "output, held per micro-batch in flight): use micro-batches of 2 or more")
     pipe = (pipeline_memory_per_rank(config, pp=pp, num_microbatches=m, schedule=pp_schedule,
                                      virtual_stages=v, micro_batch=b, seq_len=seq_len, precision=precision,
                                      balance=pp_balance, **split)
@@ -216,6 +224,8 @@ def predict_run(config: ModelConfig, *, dims: ParallelDims, seq_len: int, global
             if tp == 1 and cp == 1:  # the ids and labels of every micro-batch: views of the window
                 held["token ids, labels, positions"] -= 2 * 8 * tokens
                 held[WINDOW] = 8 * per_rank * (seq_len + 1)
+            if sequence_parallel and b == 1:
+                held[SP_VIEW] = 4 * (s_c - s_c // tp) * h
             state = state_memory_per_rank(config, dims, zero_stage=zero_stage, dp_rank=group_rank)
         ranks.append(RankPrediction(rank=rank, coords=c, state=state, activations=held, bytes_sent=sent))
     bubble = (bubble_formula(pp_schedule, pp_size=pp, num_microbatches=m, virtual_stages=v) if pp > 1
