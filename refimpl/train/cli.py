@@ -106,10 +106,11 @@ def main(argv: list[str] | None = None) -> int:
             return _launch(args, argv)
         config, options = config_from_args(args), options_from_args(args)
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        # an elastic restart with fewer ranks keeps tp, pp and cp and shrinks dp (train() says so)
-        options, _ = survivor_layout(options, world, restart_count=elastic.restart_count())
-        options.parallel_dims(world)  # refused before init_process_group
-        preflight_memory(config, options, world_size=world,
+        # an elastic restart with fewer ranks keeps tp, pp and cp and shrinks dp (train() does it again
+        # and says so)
+        layout, _ = survivor_layout(options, world, restart_count=elastic.restart_count())
+        layout.parallel_dims(world)  # refused before init_process_group
+        preflight_memory(config, layout, world_size=world,
                          ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), force=args.force,
                          local_rank=int(os.environ.get("LOCAL_RANK", "0")))
         ctx = init_distributed(timeout_s=config.timeout_s)
