@@ -1,6 +1,6 @@
 """Benchmark of chapter 10: the 3D trainer's layouts at world size 8, and the planner against the runs.
 
-    python -m bench.bench_3d [--steps 6] [--warmup 2] [--quick]
+    python -m bench.bench_3d [--steps 6] [--warmup 2] [--repeats 3] [--quick]
 
 One set of 8 CPU ranks (gloo, one thread each, :func:`refimpl.launch.run_ranks`) trains the same GPT
 (:data:`MODEL`: 4 blocks, width 64, 4 heads, 64 tokens, global batch 16, AdamW, clipping at 1.0) through
@@ -9,7 +9,8 @@ one with ``cp 2``), ``--steps`` steps each, no checkpoint. Per layout:
 
 1. **Step time**: per rank the median of the step durations after ``--warmup`` steps (from the records'
    ``elapsed_s``), the slowest rank's; as a ratio to ``8x1x1`` measured in the same run. 8 ranks share the
-   machine's cores, so a CPU figure is a ratio, never an absolute time.
+   machine's cores, so a CPU figure is a ratio, never an absolute time. ``--repeats`` rounds of all the
+   layouts, one after the other: the ratio's median and its range over the rounds (a shared box's drift).
 2. **Planner vs measured**: :func:`refimpl.planner.predict_run` for every rank against ``metrics.jsonl``'s
    ``bytes_sent`` per process group (the tracer: point-to-point sends measured, collectives by the ring
    model), every step; the largest difference over ranks and steps per group (0: equal), and the bytes of
@@ -17,7 +18,7 @@ one with ``cp 2``), ``--steps`` steps each, no checkpoint. Per layout:
    ``pipeline_idle`` (the idle share of the pp ranks from the executor's events, median of the timed
    steps): timing on a shared CPU (transfer delays, 8 processes on the cores), so reported, not asserted.
 
-``--quick``: the tiny model of tests/test_planner_3d.py, 3 steps, 1 warm-up (a smoke run).
+``--quick``: the tiny model of tests/test_planner_3d.py, 3 steps, 1 warm-up, one round (a smoke run).
 """
 
 from __future__ import annotations
@@ -90,32 +91,44 @@ def _step_time(per_rank: list[dict], warmup: int) -> float:
     return max(medians)
 
 
+def _cpu() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next(x.split(":", 1)[1].strip() for x in lines if x.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps, 1 warm-up (smoke run)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of all layouts (the ratio's spread)")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps, 1 warm-up, 1 round")
     a = parser.parse_args(argv)
-    model, steps, warmup = (QUICK, 3, 1) if a.quick else (MODEL, a.steps, a.warmup)
+    model, steps, warmup, repeats = (QUICK, 3, 1, 1) if a.quick else (MODEL, a.steps, a.warmup, a.repeats)
     from refimpl.data import make_corpus_file
     from refimpl.launch import run_ranks
 
     load0, start = os.getloadavg()[0], time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
         make_corpus_file(Path(root) / "corpus.txt", num_bytes=50_000)
-        per_rank = run_ranks(_run_all, WORLD, model, steps, root, timeout_s=900)
+        per_rank = run_ranks(_run_all, WORLD, model, steps, root, repeats, timeout_s=900)
     elapsed, load1 = time.perf_counter() - start, os.getloadavg()[0]
-    print(f"# bench_3d: world {WORLD} on {platform.processor() or platform.machine()}, "
+    print(f"# bench_3d: world {WORLD} on {_cpu()}, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, Python {platform.python_version()}; "
-          f"{' '.join(model)}, {steps} steps ({warmup} warm-up); load average {load0:.1f} at the start, "
+          f"{' '.join(model)}, {steps} steps ({warmup} warm-up), {repeats} rounds; "
+          f"load average {load0:.1f} at the start, "
           f"{load1:.1f} at the end; {elapsed:.0f} s")
-    base = _step_time([out["8x1x1"] for out in per_rank], warmup)
-    print("\n| layout (dp x tp x pp) | step time / 8x1x1 | group: planner - measured, largest over ranks and "
-          "steps | group: most bytes per step on a rank | bubble: formula | measured pipeline_idle, median "
-          "(min - max) |")
+    base = [_step_time([out["8x1x1"][i] for out in per_rank], warmup) for i in range(repeats)]
+    print("\n| layout (dp x tp x pp) | step time / 8x1x1, median (min - max) of the rounds | group: planner "
+          "- measured, largest over ranks and steps | group: most bytes per step on a rank | bubble: formula "
+          "| measured pipeline_idle, median (min - max) |")
     print("|---|---|---|---|---|---|")
     for name in LAYOUTS:
-        runs = [out[name] for out in per_rank]
+        ratios = [_step_time([out[name][i] for out in per_rank], warmup) / base[i] for i in range(repeats)]
+        runs = [{k: [x for rnd in out[name] for x in (rnd[k] if k == "bytes" else rnd[k][warmup:])]
+                 for k in ("bytes", "idle")} for out in per_rank]  # every round; idle: the timed steps
         plan = _predict(model, name)
         keys = sorted({k for r in plan.ranks for k in r.bytes_sent} | {k for out in runs for s in out["bytes"]
                                                                         for k in s})
@@ -123,17 +136,19 @@ def main(argv: list[str] | None = None) -> None:
                                                                                        strict=True)
                        for s in out["bytes"]) for k in keys}
         most = {k: max(s.get(k, 0.0) for out in runs for s in out["bytes"]) for k in keys}
-        idle = [v for v in runs[0]["idle"][warmup:] if v is not None]
+        idle = [v for v in runs[0]["idle"] if v is not None]
         measured = (f"{statistics.median(idle):.1%} ({min(idle):.1%} - {max(idle):.1%})" if idle else "-")
         bubble = "-" if plan.bubble is None else f"{plan.bubble:.1%}"
-        print(f"| {name} | {_step_time(runs, warmup) / base:.2f} | "
+        print(f"| {name} | {statistics.median(ratios):.2f} ({min(ratios):.2f} - {max(ratios):.2f}) | "
               + ", ".join(f"{k}: {diff[k]:g}" for k in keys) + " | "
               + ", ".join(f"{k}: {most[k] / 2**10:,.1f} KiB" for k in keys)
               + f" | {bubble} | {measured} |")
 
 
-def _run_all(ctx, model: list[str], steps: int, root: str) -> dict:
-    return {name: _run(ctx, name, model, steps, Path(root)) for name in LAYOUTS}
+def _run_all(ctx, model: list[str], steps: int, root: str, repeats: int) -> dict:
+    """Every layout ``repeats`` times, the rounds one after the other (each round all layouts)."""
+    rounds = [{name: _run(ctx, name, model, steps, Path(root)) for name in LAYOUTS} for _ in range(repeats)]
+    return {name: [r[name] for r in rounds] for name in LAYOUTS}
 
 
 if __name__ == "__main__":
