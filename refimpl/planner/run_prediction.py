@@ -43,9 +43,12 @@ large-scale language model training on GPU clusters using Megatron-LM", section 
 * **bubble**: the schedule's textbook idle share
   (:func:`~refimpl.parallel.pipeline_parallel.simulator.bubble_formula`), None without pipeline parallelism.
 
-Modelled: fp32 or bf16 (autocast), ZeRO 0 or 1, 1F1B-family schedules; tensor-parallel traffic in fp32
-only (under autocast the activations it moves are 16-bit), no activation checkpointing (its recomputed
-forward repeats the collectives), no sequence parallelism with ZeRO-1 (its shard all-reduce): refused.
+Modelled: fp32 or bf16 (autocast), ZeRO 0 or 1; tensor-parallel traffic in fp32 only (under autocast the
+activations it moves are 16-bit); no sequence parallelism with ZeRO-1 (its shard all-reduce): refused.
+Not an argument, so not modelled: activation checkpointing (its recomputed forward repeats the
+collectives). Proven against the trainer (tests/test_planner_3d.py, to the byte) with 1F1B, ring
+attention, ZeRO 0/1, fp32/bf16, with and without sequence parallelism; the other schedules (``gpipe``,
+``interleaved``, ``zb1p``) and Ulysses go through the same terms but are not run there.
 """
 
 from __future__ import annotations
