@@ -135,9 +135,15 @@ def test_plausible_wrong_predictions_fail_the_same_checks(runs, files):
         assert {**sent, "pp": sent["pp"] - tied} != recorded(name, rank)
     # the gradient norm's scalar over pp forgotten (grad_clip None predicts no norm)
     assert predict(_args(files, name), grad_clip=None).ranks[2].bytes_sent != recorded(name, 2)
-    # the gradients' group named dp instead of dp x cp (the trainer averages over the dp x cp group)
+    # the gradients' group named dp instead of dp x cp (the trainer averages over the dp x cp group) ...
     sent = dict(predict(_args(files, "8x1x1")).ranks[0].bytes_sent)
     assert {"dp": sent.pop("dp x cp")} != recorded("8x1x1", 0)
+    # ... and, with cp 2, the gradients and the loss averaged over the dp ranks only (ring all-reduces over
+    # 2 ranks, 2 (2-1)/2, instead of 4, 2 (4-1)/4, of the same payloads)
+    name = "2x1x2-cp2"
+    sent = predict(_args(files, name)).ranks[0].bytes_sent
+    assert sent == recorded(name, 0)
+    assert {**sent, "dp x cp": sent["dp x cp"] * 1.0 / 1.5} != recorded(name, 0)
     # ZeRO-1 predicted as ZeRO-0: other bytes on dp x cp (unpadded all-reduce, no norm) and other state
     name = "2x2x2-zero1"
     zero0 = predict(_args(files, name), zero_stage=0)
