@@ -131,10 +131,10 @@ def draw_grid(ax, dims, groups, *, title, colour):
         x, y = c.dp * (dims.tp + 0.5) + c.tp, c.pp
         ax.add_patch(Rectangle((x, y), 0.9, 0.8, facecolor="0.92", edgecolor="0.6"))
         ax.text(x + 0.45, y + 0.4, f"{r}\npp{c.pp} dp{c.dp} tp{c.tp}", ha="center", va="center", fontsize=7)
-    for g in groups:  # a group: its members joined, box centre to box centre
+    for k, g in enumerate(groups):  # a group: its members joined (lines of one row drawn at two heights)
         cells = [dims.coordinates(r) for r in g]
         xs = [c.dp * (dims.tp + 0.5) + c.tp + 0.45 for c in cells]
-        ys = [c.pp + 0.62 for c in cells]
+        ys = [c.pp + 0.55 + 0.18 * (k % 2) for c in cells]
         ax.plot(xs, ys, "o-", color=colour, lw=3, ms=6, alpha=0.8)
     ax.set_xlim(-0.3, dims.dp * (dims.tp + 0.5))
     ax.set_ylim(dims.pp + 0.1, -0.3)
@@ -175,8 +175,9 @@ fig.tight_layout()
 
 # %%
 STEPS, FACTOR = 10, 4.0
-# cpu on purpose: the one-device reference runs in this kernel, on one thread, as a CPU rank does
-one_ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+# the one-device reference runs in this kernel, on the ranks' kind of device (on a CPU: one thread, as a rank)
+one_ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device(ranks.devices[0]),
+                             backend=ranks.backend)
 
 
 def quiet_train(out, *flags):
