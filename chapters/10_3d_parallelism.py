@@ -37,6 +37,7 @@
 import contextlib
 import dataclasses
 import io
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -662,6 +663,7 @@ _ = widgets.interact_manual(  # draws when its button is pressed: nothing runs h
 
 # %%
 ranks.stop()
+shutil.rmtree(WORK, ignore_errors=True)  # the runs' folders of this chapter
 
 # %% [markdown]
 # ## What to take away
