@@ -47,7 +47,8 @@ REFUSED = {  # layout at world size 4 and options -> what the error must say
                       "with ZeRO-3 (the layout dp 2 x cp 1 x tp 1 x pp 2) is not built"),
     "dp2-pp2-zero2-zb1p": (dict(dp=2, pp=2), dict(zero_stage=2, pp_schedule="zb1p"),
                            "use zero_stage 1 with zb1p"),
-    "tp2-pp2-zb1p": (dict(dp=1, tp=2, pp=2), dict(pp_schedule="zb1p"), "not built yet (chapter 10)"),
+    "tp2-pp2-zb1p": (dict(dp=1, tp=2, pp=2), dict(pp_schedule="zb1p"),
+                     "parallel layers do not split it: not built"),
 }
 
 

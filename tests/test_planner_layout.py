@@ -2,8 +2,8 @@
 gave for world_size=4 before it took a layout, any object with dp/cp/tp/pp works, tensor- and
 context-parallel degrees are planned (chapters 06 and 07; measured against the TP and CP models in
 tests/test_planner_tp.py and tests/test_planner_cp.py), a pipeline degree is planned with data, tensor and
-context parallelism and ZeRO-1 (chapters 08 and 10; measured in tests/test_planner_pp.py) and refused with
-ZeRO 2-3, naming chapter 10 that brings them."""
+context parallelism and ZeRO 0-2 (chapters 08 and 10; measured in tests/test_planner_pp.py) and refused with
+ZeRO-3."""
 
 from __future__ import annotations
 
@@ -81,8 +81,8 @@ def test_stage_0_per_rank_is_the_replica_and_any_degree_object_is_a_layout():
 
 def test_a_pipeline_degree_is_planned_with_data_parallelism():
     """dp 2 x pp 2: each rank holds its stages' state (less than the replica) and the figures are the worst
-    pipeline rank's; ZeRO-1 shards the optimizer state over dp (less than ZeRO-0), ZeRO 2-3 with pp is
-    refused naming chapter 10 (the figures are measured in tests/test_planner_pp.py)."""
+    pipeline rank's; ZeRO-1 shards the optimizer state over dp (less than ZeRO-0), ZeRO-2 the gradients too,
+    ZeRO-3 with pp is refused (the figures are measured in tests/test_planner_pp.py)."""
     dims = ParallelDims(dp=2, pp=2)
     assert (data_parallel_degree(dims), pipeline_parallel_degree(dims), zero_shard_degree(dims)) == (2, 2, 2)
     plan = _run(dims, 0, "fp32")
@@ -94,9 +94,11 @@ def test_a_pipeline_degree_is_planned_with_data_parallelism():
     zero1 = [state_memory_per_rank(CONFIG, dims, zero_stage=1, pp_rank=r) for r in (0, 1)]
     assert all(z.optimizer < st.optimizer and z.weights == st.weights
                for z, st in zip(zero1, states, strict=True))
-    for zero_stage in (2, 3):
-        with pytest.raises(ValueError, match=f"ZeRO {zero_stage} with pp=2 comes with chapter 10"):
-            _run(dims, zero_stage, "fp32")
+    zero2 = [state_memory_per_rank(CONFIG, dims, zero_stage=2, pp_rank=r) for r in (0, 1)]
+    assert all(z2.grads < z1.grads and z2.optimizer == z1.optimizer
+               for z2, z1 in zip(zero2, zero1, strict=True))
+    with pytest.raises(ValueError, match="ZeRO 3 with pp=2 is refused by parallelize"):
+        _run(dims, 3, "fp32")
 
 
 @pytest.mark.parametrize(("cp", "tp"), [(2, 1), (1, 2)])

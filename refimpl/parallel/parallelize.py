@@ -33,18 +33,18 @@ is built tensor- and pipeline-parallel first, then wrapped in its ``DistributedD
    :class:`~refimpl.parallel.zero.FullyShardedDataParallel`.
 
 Step 1 with ``tp > 1`` composes with ZeRO 0-2 over ``dp``; ZeRO-3 would shard the tensor-parallel shards
-again over ``dp`` (FSDP2's 2-D layout), which chapter 10 builds: refused until then.
+again over ``dp`` (FSDP2's 2-D layout): not built, refused.
 
 Under pipeline parallelism (step 3, ``pp > 1``) the model becomes this rank's stages, a
 :class:`~refimpl.parallel.pipeline_parallel.PipelineModule` (:attr:`Parallelized.pipeline`): a step is one
 :meth:`~refimpl.parallel.pipeline_parallel.PipelineModule.step` over the micro-batches, not a forward per
 micro-batch; the gradients are averaged over ``dp x cp`` once, after the step's last backward
 (:attr:`OptimizerSetup.finish_gradients`; a rank that skipped it would drift from its replicas: picotron's DP
-x PP bug), and the gradient norm sums over the ``pp`` ranks (a tied embedding counted once). Today it composes
-with data parallelism (ZeRO-0 and ZeRO-1), tensor and sequence parallelism and context parallelism (steps 1-2
-come first: the stages hold the tensor- and context-parallel blocks, and the stage boundaries carry each
-rank's part of the sequence), precision and activation checkpointing; with ZeRO-2/3 it is refused, naming
-chapter 10, which builds those layouts.
+x PP bug), and the gradient norm sums over the ``pp`` ranks (a tied embedding counted once). It composes with
+data parallelism (ZeRO 0-2; ZeRO-2 reduce-scatters every micro-batch's gradients), tensor and sequence
+parallelism and context parallelism (steps 1-2 come first: the stages hold the tensor- and context-parallel
+blocks, and the stage boundaries carry each rank's part of the sequence), precision and activation
+checkpointing; with ZeRO-3 it is refused (each micro-batch would gather its stage's weights again).
 
 Under context parallelism (step 2, ``cp > 1``) each rank runs the model on its part of the sequence:
 :meth:`Parallelized.split_batch` cuts the tokens (inputs and labels alike) by the layout the attention was
@@ -206,7 +206,7 @@ class Parallelized:
 
 def _layout(groups_or_dims: ParallelGroups | ParallelDims,
             options: ParallelizeOptions) -> tuple[ParallelDims, ParallelGroups | None]:
-    """The layout and its groups; refuses combinations not built yet (naming the chapter that builds them),
+    """The layout and its groups; refuses combinations that are not built (saying why),
     options the layout cannot take and a multi-rank layout given without its groups, before anything is
     touched (every rank alike)."""
     if isinstance(groups_or_dims, ParallelGroups):
@@ -229,11 +229,11 @@ def _layout(groups_or_dims: ParallelGroups | ParallelDims,
                          "zero_stage 1 with zb1p, or another schedule")
     if dims.pp > 1 and dims.tp > 1 and options.pp_schedule == "zb1p":
         raise ValueError("the zb1p schedule splits the weight gradient off nn.Linear layers; the tensor-"
-                         "parallel layers do not split it: not built yet (chapter 10); use another schedule "
+                         "parallel layers do not split it: not built; use another schedule "
                          "with tp > 1")
     if dims.tp > 1 and options.zero_stage == 3:
-        raise ValueError("tensor parallelism with zero_stage 3 (2-D sharding) is not built yet (chapter "
-                         "10): use zero_stage 0, 1 or 2 with tp > 1")
+        raise ValueError("tensor parallelism with zero_stage 3 (2-D sharding) is not built: use zero_stage "
+                         "0, 1 or 2 with tp > 1")
     if groups is None and dims.world_size > 1:
         raise ValueError(f"the layout {dims.describe()} spans {dims.world_size} ranks: pass its process "
                          "groups (dims.build(rank=..., world_size=..., timeout_s=...))")

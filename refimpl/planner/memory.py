@@ -79,9 +79,9 @@ def state_memory_per_rank(config: ModelConfig, dims: Layout, *, zero_stage: int 
     ``zero_stage`` with the runtime's shard rule, dim 0 of each local tensor
     (:func:`~refimpl.planner.zero_state.zero_memory`). ``dp_rank``: the rank's index in that group,
     ``dp_i * cp + cp_i`` (the group's ranks ascending; ``dp_i`` when ``cp = 1``). Stage 0 at ``tp = 1`` is
-    :func:`state_memory`, the full replica. ZeRO-3 over tensor-parallel shards (2-D sharding, chapter 10)
+    :func:`state_memory`, the full replica. ZeRO-3 over tensor-parallel shards (2-D sharding, not built)
     is refused, as :func:`refimpl.parallel.parallelize` refuses it. Pipeline parallelism (``dims.pp > 1``,
-    chapter 08, ZeRO 0 only): the parameters of pipeline rank ``pp_rank``'s stages (``virtual_stages`` per
+    chapter 08, ZeRO 0-2): the parameters of pipeline rank ``pp_rank``'s stages (``virtual_stages`` per
     rank, split by ``pp_balance``; :func:`~refimpl.planner.pipeline.stage_param_shapes`), whole.
     """
     shards, tp, pp = zero_shard_degree(dims), tensor_parallel_degree(dims), pipeline_parallel_degree(dims)
@@ -90,8 +90,8 @@ def state_memory_per_rank(config: ModelConfig, dims: Layout, *, zero_stage: int 
                                      balance=pp_balance, tp=tp, zero_stage=zero_stage, zero_shards=shards,
                                      dp_rank=dp_rank)
     if tp > 1 and zero_stage == 3:
-        raise ValueError("the planner models ZeRO 0-2 under tensor parallelism: ZeRO-3 over the "
-                         f"tensor-parallel shards (tp={tp}, 2-D sharding) comes with chapter 10")
+        raise ValueError("the planner models ZeRO 0-2 under tensor parallelism: ZeRO-3 over the tensor-"
+                         f"parallel shards (tp={tp}, 2-D sharding) is not built (parallelize refuses it)")
     return zero_memory(param_shapes(config, tp=tp), shards, zero_stage, rank=dp_rank)
 
 
@@ -118,7 +118,7 @@ def run_memory_per_rank(
     ``dims``: the layout (:class:`refimpl.distributed.ParallelDims` or any object with ``dp, cp, tp, pp``).
     Pipeline parallelism (``dims.pp = p > 1``, chapter 08; with ``tp`` (and ``sequence_parallel``), ``cp``
     (``cp_method``, ``cp_layout``) inside the stages and ZeRO 0 or 1 over ``dp x cp``, as
-    :func:`refimpl.parallel.parallelize` builds it; ZeRO 2/3 and zb1p with tp refused naming chapter 10,
+    :func:`refimpl.parallel.parallelize` builds it; ZeRO-3, and zb1p with tp, refused
     as parallelize refuses them): the WORST pipeline rank's figures
     (:func:`~refimpl.planner.pipeline.pipeline_memory_per_rank`: its stages' state, the activations of
     the micro-batches it holds at its peak under ``pp_schedule`` with ``virtual_stages`` chunks per rank,

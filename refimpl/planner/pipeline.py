@@ -292,7 +292,7 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
         raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(_COMPUTE)}")
     if schedule == "zb1p" and tp > 1:
         raise ValueError("zb1p splits the weight gradient off nn.Linear layers, the tensor-parallel layers "
-                         f"do not split it: zb1p with tp={tp} comes with chapter 10 (parallelize refuses it)")
+                         f"do not split it: zb1p with tp={tp} is not built (parallelize refuses it)")
     m, v, compute = num_microbatches, virtual_stages, _COMPUTE[precision]
     table = build_schedule(schedule, pp_size=pp, num_microbatches=m, virtual_stages=v)
     sim = simulate(table, num_microbatches=m, virtual_stages=v)  # refuses an invalid or deadlocking table

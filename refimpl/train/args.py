@@ -183,8 +183,8 @@ class RunOptions:
             raise ConfigError("--sequence-parallel splits activations over the tensor-parallel ranks: it "
                               "needs --tp > 1")
         if self.tp > 1 and self.zero_stage == 3:
-            raise ConfigError(f"--tp {self.tp} with --zero-stage 3 (2-D sharding) is not built yet (chapter "
-                              "10); use --zero-stage 0, 1 or 2")
+            raise ConfigError(f"--tp {self.tp} with --zero-stage 3 (2-D sharding) is not built; use "
+                              "--zero-stage 0, 1 or 2")
         if self.pp > 1 and self.zero_stage == 3:
             raise ConfigError(f"--pp {self.pp} with --zero-stage 3 is not built: each micro-batch would "
                               "all-gather its stage's weights again; use --zero-stage 0, 1 or 2 with --pp")
@@ -193,7 +193,7 @@ class RunOptions:
                               "zb1p computes the weight gradients outside it: use --zero-stage 1 with zb1p")
         if self.pp > 1 and self.tp > 1 and self.pp_schedule == "zb1p":
             raise ConfigError("--pp-schedule zb1p splits the weight gradient off plain linear layers; with "
-                              "--tp the tensor-parallel layers do not split it yet (chapter 10): use another "
+                              "--tp the tensor-parallel layers do not split it (not built): use another "
                               "--pp-schedule")
         if self.pp == 1 and (self.microbatches is not None or self.virtual_stages != 1):
             raise ConfigError("--microbatches and --virtual-stages set the pipeline: they need --pp > 1")
