@@ -52,6 +52,7 @@ from refimpl.config import ModelConfig
 from refimpl.data import make_corpus_file
 from refimpl.distributed import DistributedContext, ParallelDims
 from refimpl.launch import start_ranks
+from refimpl.measure import order_tolerance
 from refimpl.parallel.pipeline_parallel import bubble_formula
 from refimpl.plan import GPUS, model_for, plan_layouts
 from refimpl.planner import PEAK_FLOPS, flops_per_token, param_count, zero_memory_paper
@@ -167,8 +168,8 @@ fig.tight_layout()
 # (docs/ARCHITECTURE.md): the tolerance is `FACTOR = 4` times the spread between two one-device runs that
 # differ only in their order of summation (the whole batch at once, or one sequence per micro-batch),
 # measured here, per precision; in bf16 at least the one-device `|bf16 - fp32|` distance (a 16-bit parallel
-# run rounds partial sums that one device rounds once). The rule is the one of `tests/one_device.py`,
-# written out here because the notebook imports only `refimpl`.
+# run rounds partial sums that one device rounds once). The rule is `refimpl.measure.order_tolerance`, the
+# one the trainer's tests use.
 #
 # The negative control is a plausible bug (picotron's): every rank skips the gradient average over dp, so
 # the two replicas of each shard drift apart and each learns from its own half of the batch. It must fail
@@ -197,12 +198,7 @@ one = {(precision, order): [r["loss"] for r in quiet_train(WORK / f"one-{precisi
 
 def tolerance(precision):
     """FACTOR x the order spread of one device (16 bits: at least |16-bit - fp32|)."""
-    a, b = np.array(one[precision, "batch"]), np.array(one[precision, "micro"])
-    spread = float(np.abs(a - b).max())
-    assert spread > 0, "both summation orders give the same bits: no yardstick"
-    if precision != "fp32":
-        spread = max(spread, float(np.abs(a - np.array(one["fp32", "batch"])).max()))
-    return FACTOR * spread
+    return order_tolerance(one, precision, factor=FACTOR)
 
 
 for precision in ("fp32", "bf16"):

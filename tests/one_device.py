@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from refimpl.distributed import DistributedContext
+from refimpl.measure import order_tolerance
 from refimpl.train import config_from_args, options_from_args, train
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -47,13 +48,9 @@ def one_device_losses(args_for: Callable[..., object], root: Path, *, steps: int
 
 
 def tolerance(one_device: dict, precision: str, *, factor: float) -> float:
-    """``factor x`` the order spread of ``precision`` (16 bits: at least ``|16-bit - fp32|``)."""
-    a, b = np.array(one_device[precision, "batch"]), np.array(one_device[precision, "micro"])
-    spread = float(np.abs(a - b).max())
-    assert spread > 0, "both summation orders give the same bits: no yardstick"
-    if precision != "fp32":
-        spread = max(spread, float(np.abs(a - np.array(one_device["fp32", "batch"])).max()))
-    return factor * spread
+    """``factor x`` the order spread of ``precision`` (16 bits: at least ``|16-bit - fp32|``): the package's
+    :func:`refimpl.measure.order_tolerance`, which chapter 10 uses too."""
+    return order_tolerance(one_device, precision, factor=factor)
 
 
 def assert_trains_like_one_device(per_rank: list[list[float]], one_device: dict, precision: str, *,

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +70,45 @@ def _report(proc: subprocess.CompletedProcess) -> str:
 
 def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def two_agents_one_lost(data, tmp_path: Path, flags: Callable[..., list[str]], *, nproc_per_node: int,
+                        timeout_s: float) -> tuple[int, int, str]:
+    """Two torchrun agents of ``nproc_per_node`` ranks (``--nnodes=1:2``, a c10d rendezvous): A starts first
+    and hosts the store; B joins once A serves it, and its rank kills B (a lost machine) in step 3. Returns
+    both exit codes and both logs; no process outlives the call. ``flags(*extra)``: the trainer's flags."""
+    port, job = free_port(), uuid.uuid4().hex[:8]
+    env = _env(data["cache"])
+
+    def agent(name: str, *extra: str) -> subprocess.Popen:
+        # last_call_timeout: how long a rendezvous that has its minimum (1) waits for more agents
+        cmd = elastic.torchrun_command(flags("--timeout", "60", *extra), nproc_per_node=nproc_per_node,
+                                       max_restarts=1, nnodes="1:2", rdzv_endpoint=f"127.0.0.1:{port}",
+                                       rdzv_id=job, rdzv_conf="last_call_timeout=10")
+        log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed with the process below
+        return subprocess.Popen(["timeout", "-k", "10", str(int(timeout_s)), *cmd], cwd=data["root"], env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    a = agent("a")
+    b = None
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # B starts once A serves the store, so that A (the survivor) is the rendezvous host
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and a.poll() is None, (tmp_path / "a.log").read_text()
+                time.sleep(0.1)
+        b = agent("b", "--fail-at-step", "3", "--fail-node")
+        code_a = a.wait(timeout=timeout_s + 20)
+        code_b = b.wait(timeout=30)
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait(timeout=10)
+    return code_a, code_b, "\n".join(f"--- {n}\n{(tmp_path / f'{n}.log').read_text()}" for n in ("a", "b"))
 
 
 def _reference_worker(ctx, flags: dict[int, list[str]]) -> dict[int, list[float]]:
@@ -198,43 +238,14 @@ def test_two_agents_one_lost_the_survivor_resumes_at_world_size_1(data, referenc
     """``--nnodes=1:2``: agent A starts first and hosts the c10d rendezvous store; agent B joins, and its
     rank kills B (a lost machine) in step 3. A's rank fails in the collective, A restarts it, the
     rendezvous closes with A alone, and the survivor reshards the 2-rank checkpoint of step 2."""
-    out, port, job = tmp_path / "elastic", free_port(), uuid.uuid4().hex[:8]
-    env = _env(data["cache"])
-
-    def agent(name: str, *extra: str) -> subprocess.Popen:
-        # last_call_timeout: how long a rendezvous that has its minimum (1) waits for more agents
-        cmd = elastic.torchrun_command(_flags(data, out, "--timeout", "60", *extra), nproc_per_node=1,
-                                       max_restarts=1, nnodes="1:2", rdzv_endpoint=f"127.0.0.1:{port}",
-                                       rdzv_id=job, rdzv_conf="last_call_timeout=10")
-        log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed with the process below
-        return subprocess.Popen(["timeout", "-k", "10", str(RUN_TIMEOUT_S), *cmd], cwd=data["root"], env=env,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    a = agent("a")
-    b = None
-    try:
-        deadline = time.monotonic() + 60
-        while True:  # B starts once A serves the store, so that A (the survivor) is the rendezvous host
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and a.poll() is None, (tmp_path / "a.log").read_text()
-                time.sleep(0.1)
-        b = agent("b", "--fail-at-step", "3", "--fail-node")
-        code_a = a.wait(timeout=RUN_TIMEOUT_S + 20)
-        code_b = b.wait(timeout=30)
-    finally:
-        for p in (a, b):
-            if p is not None and p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait(timeout=10)
-    logs = "\n".join(f"--- {n}\n{(tmp_path / f'{n}.log').read_text()[-4000:]}" for n in ("a", "b"))
-    assert code_a == 0, logs
-    assert code_b != 0, logs  # its agent was killed
+    out = tmp_path / "elastic"
+    code_a, code_b, logs = two_agents_one_lost(data, tmp_path, lambda *extra: _flags(data, out, *extra),
+                                               nproc_per_node=1, timeout_s=RUN_TIMEOUT_S)
+    assert code_a == 0, logs[-8000:]
+    assert code_b != 0, logs[-8000:]  # its agent was killed
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["world_size"] == 1 and summary["checkpoint_world_size"] == 2, (summary, logs)
-    assert summary["restart_count"] == 1 and summary["resumed_from_step"] == 2, (summary, logs)
+    assert summary["world_size"] == 1 and summary["checkpoint_world_size"] == 2, (summary, logs[-8000:])
+    assert summary["restart_count"] == 1 and summary["resumed_from_step"] == 2, (summary, logs[-8000:])
     assert "resharded" in logs
     lines = _metrics(out)
     assert [r["step"] for r in lines] == list(range(6))

@@ -12,20 +12,15 @@ each command bounded by ``timeout -k`` and each test by a pytest timeout.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import time
-import uuid
 from pathlib import Path
 
 import pytest
 
 from refimpl import elastic
 from refimpl.data import make_corpus_file
-from refimpl.launch import free_port, run_ranks
-from tests.test_elastic import _env, _metrics, _report, _run
+from refimpl.launch import run_ranks
+from tests.test_elastic import _metrics, _report, _run, two_agents_one_lost
 
 RUN_TIMEOUT_S = 240  # one torchrun job: 2 attempts of up to 8 ranks, each a fresh interpreter importing torch
 STEPS = 4
@@ -91,47 +86,19 @@ def test_a_rank_killed_at_2x2x2_restarts_the_group_and_resumes_bitwise(data, ref
 def test_half_the_ranks_lost_the_survivors_keep_tp_and_pp_and_shrink_dp(data, references, tmp_path):
     """Two agents of 4 ranks; B's machine dies in step 3 (its rank kills its agent). A restarts its ranks,
     the rendezvous closes with A alone (4 ranks), and the trainer resumes at ``dp 1 x tp 2 x pp 2``."""
-    out, port, job = tmp_path / "elastic", free_port(), uuid.uuid4().hex[:8]
-    env = _env(data["cache"])
-
-    def agent(name: str, *extra: str) -> subprocess.Popen:
-        cmd = elastic.torchrun_command(_flags(data, out, "--dp", "2", "--timeout", "60", *extra),
-                                       nproc_per_node=4, max_restarts=1, nnodes="1:2",
-                                       rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=job,
-                                       rdzv_conf="last_call_timeout=10")
-        log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed with the process below
-        return subprocess.Popen(["timeout", "-k", "10", str(RUN_TIMEOUT_S), *cmd], cwd=data["root"], env=env,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    a = agent("a")
-    b = None
-    try:
-        deadline = time.monotonic() + 60
-        while True:  # B starts once A serves the store, so that A (the survivor) hosts the rendezvous
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and a.poll() is None, (tmp_path / "a.log").read_text()
-                time.sleep(0.1)
-        b = agent("b", "--fail-at-step", "3", "--fail-node")
-        code_a = a.wait(timeout=RUN_TIMEOUT_S + 20)
-        code_b = b.wait(timeout=30)
-    finally:
-        for p in (a, b):
-            if p is not None and p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait(timeout=10)
-    logs = "\n".join(f"--- {n}\n{(tmp_path / f'{n}.log').read_text()[-4000:]}" for n in ("a", "b"))
-    assert code_a == 0, logs
-    assert code_b != 0, logs  # its agent was killed
+    out = tmp_path / "elastic"
+    code_a, code_b, logs = two_agents_one_lost(data, tmp_path,
+                                               lambda *extra: _flags(data, out, "--dp", "2", *extra),
+                                               nproc_per_node=4, timeout_s=RUN_TIMEOUT_S)
+    assert code_a == 0, logs[-8000:]
+    assert code_b != 0, logs[-8000:]  # its agent was killed
     assert ("the layout dp 2 x cp 1 x tp 2 x pp 2 needs 8 ranks, 4 are here: resuming at dp 1 x cp 1 x "
             "tp 2 x pp 2") in logs
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["world_size"] == 4 and summary["checkpoint_world_size"] == 8, (summary, logs)
-    assert summary["restart_count"] == 1 and summary["resumed_from_step"] == 2, (summary, logs)
+    assert summary["world_size"] == 4 and summary["checkpoint_world_size"] == 8, (summary, logs[-8000:])
+    assert summary["restart_count"] == 1 and summary["resumed_from_step"] == 2, (summary, logs[-8000:])
     lines = _metrics(out)
-    assert [r["world_size"] for r in lines] == [8, 8, 4, 4], logs
+    assert [r["world_size"] for r in lines] == [8, 8, 4, 4], logs[-8000:]
     losses = [r["loss"] for r in lines]
     assert losses[:2] == references["eight"][:2]  # the 8-rank run, bitwise
     assert losses[2:] == references["four"]  # the 4-rank run resumed from the same checkpoint, bitwise

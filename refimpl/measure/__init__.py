@@ -9,7 +9,9 @@ device peaks, and the times of messages (chapters 01, 02, 04, 05 and 10).
   block and dtype (chapter 05);
 * :mod:`refimpl.measure.throughput`: tokens/s and MFU (PaLM appendix B), :func:`peak_dtype`, the progress
   bar; :mod:`refimpl.measure.peaks`: the table of dense device peaks, the one place it lives;
-* :mod:`refimpl.measure.collective_timing`: collectives and ping-pongs timed per message size (chapter 02).
+* :mod:`refimpl.measure.collective_timing`: collectives and ping-pongs timed per message size (chapter 02);
+* :mod:`refimpl.measure.order_spread`: :func:`order_tolerance`, the numerics rule's yardstick (the spread
+  of two one-device summation orders times a factor).
 
 The formulas these measurements are checked against are in :mod:`refimpl.planner`. Imports run
 config/comm/distributed -> measure -> precision/parallel -> planner: nothing here imports the planner.
@@ -23,6 +25,7 @@ from refimpl.measure.activations import (
     transformer_blocks,
 )
 from refimpl.measure.collective_timing import DEFAULT_SIZES, Timings, measure_collective, measure_p2p
+from refimpl.measure.order_spread import order_tolerance
 from refimpl.measure.peak import PeakStateBytes, format_bytes, peak_memory_bytes
 from refimpl.measure.peaks import PEAK_DTYPES, PEAK_FLOPS, peak_flops
 from refimpl.measure.state import StateMemory, local_tensor, state_bytes, storage_bytes, tensors_in
@@ -48,6 +51,7 @@ __all__ = [
     "Timings",
     "device_peak_flops",
     "format_bytes",
+    "order_tolerance",
     "format_mfu",
     "local_tensor",
     "measure_collective",
