@@ -583,7 +583,7 @@ print(f"  163 TFLOP/s per GPU = {163e12 / PEAK_FLOPS['A100']['bf16']:.0%} of the
 # weights and gradients, ZeRO-1 over dp; `refimpl.plan`), the bytes one GPU sends per step over all axes,
 # and the 1F1B bubble at your micro-batch count. Beside them, in black, this chapter's **measured** points
 # at 8 CPU ranks (section 3: the tiny model's state plus held activations and its bytes sent, on its
-# largest rank, and the idle share the executor measured): the same axes, a model $10^7$ times smaller, the same slopes.
+# largest rank, and the idle share the executor measured), on the same axes.
 
 # %%
 def explore(params_b=175.0, gpus=1024, tp=8, pp=8, microbatches=16, gpu="H100"):

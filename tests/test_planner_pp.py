@@ -30,8 +30,6 @@
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
 
@@ -41,6 +39,7 @@ from refimpl.config import ModelConfig
 from refimpl.distributed import ParallelDims
 from refimpl.launch import run_ranks
 from refimpl.measure import SavedTensorMeter, state_bytes
+from refimpl.measure.run_measurement import LiveTensorBytes
 from refimpl.model import GPT, lm_loss
 from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing
 from refimpl.parallel.pipeline_parallel import PipelineModule, build_schedule, build_stages
@@ -148,54 +147,11 @@ def test_one_microbatch_saves_what_the_planner_counts_per_stage(precision, check
             assert store.flush("mb") == 4 * len(stage.block_ids) + (st == pp - 1)  # every linear's dW
 
 
-class _Held:
-    """What a saved tensor is packed into: dropped when autograd frees the saved tensor."""
-
-    __slots__ = ("t", "__weakref__")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
-
-
-class _LiveBytes:
-    """Bytes of the storages alive now among those registered (each storage once), and the most so far."""
-
-    def __init__(self, params) -> None:
-        self.skip = {q.untyped_storage().data_ptr() for q in params}
-        self.refs: dict[int, int] = {}
-        self.size: dict[int, int] = {}
-        self.now = self.peak = self.between = 0  # between: the most at an action's start, ready or end
-
-    def sample(self) -> None:
-        self.between = max(self.between, self.now)
-
-    def hold(self, obj: object, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr == 0 or ptr in self.skip:
-            return
-        if not self.refs.get(ptr):
-            self.size[ptr] = storage.nbytes()
-            self.now += storage.nbytes()
-            self.peak = max(self.peak, self.now)
-        self.refs[ptr] = self.refs.get(ptr, 0) + 1
-        weakref.finalize(obj, self.release, ptr)
-
-    def release(self, ptr: int) -> None:
-        self.refs[ptr] -= 1
-        if not self.refs[ptr]:
-            self.now -= self.size.pop(ptr)
-
-
 def _counted_step(pipe, inputs, labels, loss_fn) -> dict:
     """One :meth:`PipelineModule.step` with the bytes alive counted (saved tensors, sent tensors, queued
     weight gradients): the most between actions, the most within, and what is left after."""
-    live = _LiveBytes(pipe.parameters())
-
-    def pack(t: torch.Tensor) -> object:
-        held = _Held(t)
-        live.hold(held, t)
-        return held
+    live = LiveTensorBytes(pipe.parameters(), skip_weight_copies=False)
+    pack = live.pack
 
     isend, clock = comm_ops.isend, executor.now
 

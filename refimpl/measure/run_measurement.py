@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["StepMeasurement", "TrainerProbe"]
+__all__ = ["LiveTensorBytes", "StepMeasurement", "TrainerProbe"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,34 +40,42 @@ class StepMeasurement:
 
 
 class _Held:
+    """What a saved tensor is packed into: dropped when autograd frees the saved tensor."""
+
     __slots__ = ("t", "__weakref__")
 
     def __init__(self, t: torch.Tensor) -> None:
         self.t = t
 
 
-class _LiveBytes:
-    """Bytes of the registered storages alive now (each once) and the most seen at a sample."""
+class LiveTensorBytes:
+    """Bytes of the tensors handed to :meth:`hold` that are alive now (each storage once, the parameters
+    left out and, with ``skip_weight_copies``, autocast's casts of them), the most at any time (``peak``)
+    and the most at a :meth:`sample` (``between``). :meth:`pack` is a ``saved_tensors_hooks`` pack hook
+    (unpack: ``lambda held: held.t``): a saved tensor counts until autograd frees it."""
 
-    def __init__(self, params) -> None:
+    def __init__(self, params, *, skip_weight_copies: bool = True) -> None:
         self.params = {q.untyped_storage().data_ptr() for q in params}
+        self.skip_weight_copies = skip_weight_copies
         self.refs: dict[int, int] = {}
         self.size: dict[int, int] = {}
-        self.now = self.peak = 0
+        self.now = self.peak = self.between = 0
 
     def sample(self) -> None:
-        self.peak = max(self.peak, self.now)
+        self.between = max(self.between, self.now)
 
     def hold(self, obj: object, t: torch.Tensor) -> None:
+        """Count ``t``'s storage until ``obj`` is garbage."""
         from refimpl.measure.activations import _is_weight
 
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr == 0 or _is_weight(t, self.params):
+        if ptr == 0 or ptr in self.params or (self.skip_weight_copies and _is_weight(t, self.params)):
             return
         if not self.refs.get(ptr):
             self.size[ptr] = storage.nbytes()
             self.now += storage.nbytes()
+            self.peak = max(self.peak, self.now)
         self.refs[ptr] = self.refs.get(ptr, 0) + 1
         weakref.finalize(obj, self.release, ptr)
 
@@ -75,6 +83,11 @@ class _LiveBytes:
         self.refs[ptr] -= 1
         if not self.refs[ptr]:
             self.now -= self.size.pop(ptr)
+
+    def pack(self, t: torch.Tensor) -> _Held:
+        held = _Held(t)
+        self.hold(held, t)
+        return held
 
 
 class TrainerProbe:
@@ -130,13 +143,13 @@ class TrainerProbe:
             finally:
                 setup.loss = loss_fn
         else:
-            live = _LiveBytes(params)
+            live = LiveTensorBytes(params)
             out = self._pipeline_step(live, setup, inputs, labels, kw)
-            seen["activations"] = live.peak
+            seen["activations"] = live.between
         self.measured = StepMeasurement(state=seen["state"], activations=seen["activations"])
         return out
 
-    def _pipeline_step(self, live: _LiveBytes, setup, inputs, labels, kw):
+    def _pipeline_step(self, live: LiveTensorBytes, setup, inputs, labels, kw):
         import refimpl.comm.ops as comm_ops
         import refimpl.parallel.pipeline_parallel.executor as executor
 
@@ -150,14 +163,9 @@ class TrainerProbe:
             live.sample()
             return clock()
 
-        def pack(t: torch.Tensor) -> object:
-            held = _Held(t)
-            live.hold(held, t)
-            return held
-
         comm_ops.isend, executor.now = counted_isend, sampled_now
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.t):
+            with torch.autograd.graph.saved_tensors_hooks(live.pack, lambda held: held.t):
                 return self._original(setup, inputs, labels, **kw)
         finally:
             comm_ops.isend, executor.now = isend, clock
