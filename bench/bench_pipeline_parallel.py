@@ -15,8 +15,8 @@ One set of CPU ranks per pipeline size ``p`` (gloo, world = p, one thread each) 
    orders (measured here); torch with ``scale_grads=True`` (gradients divided by ``m`` again) is the
    negative control and must fail. Then steps interleaved (ours, torch, ...) with a barrier before each;
    per rank the median, the slowest rank's; reported as ratios ours / torch (CPU: no absolute times).
-2. **The bubble**: every schedule (gpipe, 1f1b, interleaved ``v = 2``, zb1p) on a tiny GPT whose stage
-   work is a sleep (:class:`StageCost`: ``t_F`` forward, ``t_B`` backward, ``t_W`` queued as zb1p's ``W``
+2. **The bubble**: every schedule (gpipe, 1f1b, interleaved ``v = 2``, zbh1) on a tiny GPT whose stage
+   work is a sleep (:class:`StageCost`: ``t_F`` forward, ``t_B`` backward, ``t_W`` queued as zbh1's ``W``
    or slept inside ``B``; ``1/v`` of it per interleaved chunk). The sleep stands for a GPU kernel that does
    not use the CPU, so four ranks on two cores still overlap. From the :class:`PipelineEvent` s: busy =
    sum of ``end - ready`` (after the input arrived), makespan = last ``end`` - first ``start`` over the
@@ -48,9 +48,9 @@ from refimpl.parallel.pipeline_parallel.stage import build_stages
 from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, defer_weight_gradients
 
 FACTOR = 4.0  # stated, as in tests/test_pipeline_gpt.py: within 4 x the one-device order spread
-MARGIN = 0.03  # the chapter's margin for a measured bubble against its formula (issue 14)
+MARGIN = 0.03  # the chapter's margin for a measured bubble against its formula
 TIMED = {"1f1b": 1, "interleaved": 2}  # schedule -> virtual stages
-BUBBLE = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb1p": 1}
+BUBBLE = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zbh1": 1}
 B, S = 2, 64  # sequences per micro-batch, tokens per sequence (step-time model)
 
 
@@ -67,7 +67,7 @@ def _batch(m: int, b: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 class StageCost(torch.autograd.Function):
     """Identity whose forward sleeps ``cost.forward`` s and backward ``cost.backward`` s, plus the weight
-    gradient's ``cost.weight`` s queued in ``store`` (zb1p's ``W``) or slept at once (no store)."""
+    gradient's ``cost.weight`` s queued in ``store`` (zbh1's ``W``) or slept at once (no store)."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, cost: Costs, store: WeightGradStore | None) -> torch.Tensor:
@@ -170,7 +170,7 @@ def _timings(ctx, m: int, repeats: int, warmup: int) -> dict:
 
 def _costed_stages(ctx, name: str, v: int, cost_s: float) -> tuple[dict, WeightGradStore | None]:
     stages = build_stages(GPT(TINY, seed=0), pp_rank=ctx.rank, pp_size=ctx.world_size, virtual_stages=v)
-    store = WeightGradStore() if name == "zb1p" else None
+    store = WeightGradStore() if name == "zbh1" else None
     cost = Costs(forward=cost_s / v, backward=cost_s / v, weight=cost_s / v)
     for stage in stages.values():
         if store is not None:

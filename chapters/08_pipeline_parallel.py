@@ -109,7 +109,7 @@ P, M_SHOW, V_SHOW = 4, 8, 2
 one_f_one_b = build_schedule("1f1b", pp_size=P, num_microbatches=M_SHOW)
 for r in (0, P - 1):
     print(f"1f1b rank {r}:", " ".join(map(repr, one_f_one_b[r])))
-print("zb1p rank 1:", " ".join(map(repr, build_schedule("zb1p", pp_size=P, num_microbatches=M_SHOW)[1])))
+print("zbh1 rank 1:", " ".join(map(repr, build_schedule("zbh1", pp_size=P, num_microbatches=M_SHOW)[1])))
 
 # %% [markdown]
 # `simulate` runs the lists as the ranks would, with no process: an action starts when its rank is free and
@@ -253,7 +253,7 @@ pairs = [dist.new_group([0, 1], timeout=timeout), dist.new_group([2, 3], timeout
 pp_groups = {2: pairs[rank // 2], 4: dist.group.WORLD}
 FACTOR = 4.0
 M, B, S, H = 4, 2, 8, 16  # micro-batches, sequences per micro-batch, tokens, hidden size
-CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1p", 1)]
+CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1)]
 TIED = "embedding.word_embeddings.weight"
 
 
@@ -298,7 +298,7 @@ def finish(stages, loss, tied, group, num_stages, *, sync=True):
 def ours(name, v, tied, group, *, sync=True):
     pp, me = dist.get_world_size(group), dist.get_rank(group)
     stages = build_stages(GPT(config(tied), seed=0).to(device), pp_rank=me, pp_size=pp, virtual_stages=v)
-    store = WeightGradStore() if name == "zb1p" else None
+    store = WeightGradStore() if name == "zbh1" else None
     if store is not None:
         for stage in stages.values():
             defer_weight_gradients(stage, store)
@@ -384,7 +384,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
 
 TORCH = {"gpipe": (ScheduleGPipe, 1), "1f1b": (Schedule1F1B, 1), "interleaved": (ScheduleInterleaved1F1B, 2),
-         "zb1p": (ScheduleInterleavedZeroBubble, 1)}
+         "zbh1": (ScheduleInterleavedZeroBubble, 1)}
 torch_schedules = {}
 
 
@@ -393,7 +393,7 @@ def pytorch(name, group):
     pp, me = dist.get_world_size(group), dist.get_rank(group)
     stages = build_stages(GPT(config(False), seed=0).to(device), pp_rank=me, pp_size=pp, virtual_stages=v)
     wrapped = [PipelineStage(stages[s], s, pp * v, device, group=group) for s in sorted(stages)]
-    multi = name in ("interleaved", "zb1p")  # the schedules that take a list of stages
+    multi = name in ("interleaved", "zbh1")  # the schedules that take a list of stages
     schedule = cls(wrapped if multi else wrapped[0], M, loss_fn=loss_fn, scale_grads=False)
     x, y = batch(M)
     losses = []
@@ -467,7 +467,7 @@ for (pp, name), theirs in torch_tables.items():
             if a != b:
                 print(f"    rank {r} PyTorch: {' '.join(map(repr, a))}\n    rank {r} ours:    "
                       f"{' '.join(map(repr, b))}")
-assert all(verdicts[(pp, n)][0] for pp in (2, 4) for n in ("gpipe", "interleaved", "zb1p"))
+assert all(verdicts[(pp, n)][0] for pp in (2, 4) for n in ("gpipe", "interleaved", "zbh1"))
 assert all(not verdicts[(pp, "1f1b")][0] and "REFUSED" in verdicts[(pp, "1f1b")][1] for pp in (2, 4))
 
 # %% [markdown]
@@ -509,7 +509,7 @@ zb_v2 = [[Action(KIND[a.computation_type.value], a.stage_index, a.microbatch_ind
           if a is not None and a.computation_type.value in KIND] for r in range(4)]
 half = Costs(forward=0.5, backward=0.5, weight=0.5)
 torch_zb2 = simulate(zb_v2, num_microbatches=8, virtual_stages=2, costs=half)
-ours_zb = simulated("zb1p", p=4, m=8)
+ours_zb = simulated("zbh1", p=4, m=8)
 ours_inter = simulated("interleaved", p=4, m=8, v=2)
 for what, sim in (("PyTorch interleaved zero bubble, v = 2", torch_zb2), ("our ZB-H1", ours_zb),
                   ("our interleaved 1F1B, v = 2", ours_inter)):
@@ -594,7 +594,7 @@ def timed_run(name, v, group, m, u=U, actions=None):
     forward; this rank's events."""
     pp, me = dist.get_world_size(group), dist.get_rank(group)
     stages = build_stages(GPT(config(False), seed=0).to(device), pp_rank=me, pp_size=pp, virtual_stages=v)
-    store = WeightGradStore() if name == "zb1p" else None
+    store = WeightGradStore() if name == "zbh1" else None
     t = u / v  # a chunk of 1/v of the layers
     for stage in stages.values():
         if store is not None:
@@ -620,8 +620,8 @@ def timed_run(name, v, group, m, u=U, actions=None):
     return [(e.kind, e.stage, e.microbatch, e.start, e.ready, e.end) for e in events]
 
 
-SWEEP = {2: {"gpipe": (2, 4, 6), "1f1b": (2, 4, 6), "interleaved": (4,), "zb1p": (4,)},
-         4: {"gpipe": (4, 8), "1f1b": (4, 8), "interleaved": (4,), "zb1p": (4,)}}
+SWEEP = {2: {"gpipe": (2, 4, 6), "1f1b": (2, 4, 6), "interleaved": (4,), "zbh1": (4,)},
+         4: {"gpipe": (4, 8), "1f1b": (4, 8), "interleaved": (4,), "zbh1": (4,)}}
 timed_run("1f1b", 1, dist.group.WORLD, 4, u=0.001)  # warm-up: first calls allocate and compile nothing later
 timed = {}
 for pp, group in pp_groups.items():
@@ -674,10 +674,10 @@ print(f"p = 2, m = 4, one micro-batch at a time (negative control): measured {na
       f"{naive_sim:.3f}, against (p-1)/(m+p-1) = {bubble_formula('1f1b', pp_size=2, num_microbatches=4):.3f}")
 assert naive - bubble_formula("1f1b", pp_size=2, num_microbatches=4) > MARGIN, "the control passed the check"
 for pp, m in ((2, 4), (4, 4)):
-    assert measured[(pp, "zb1p", m)] < measured[(pp, "interleaved", m)] < measured[(pp, "1f1b", m)], (pp, m)
+    assert measured[(pp, "zbh1", m)] < measured[(pp, "interleaved", m)] < measured[(pp, "1f1b", m)], (pp, m)
     ratio = (bubble_formula("interleaved", pp_size=pp, num_microbatches=m, virtual_stages=2)
              / bubble_formula("1f1b", pp_size=pp, num_microbatches=m))
-    one, inter, zb = (measured[(pp, n, m)] for n in ("1f1b", "interleaved", "zb1p"))
+    one, inter, zb = (measured[(pp, n, m)] for n in ("1f1b", "interleaved", "zbh1"))
     print(f"p = {pp}, m = {m}: 1F1B {one:.3f} > interleaved {inter:.3f} > ZB-H1 {zb:.3f}; interleaved / 1F1B "
           f"measured {inter / one:.2f}, formula {ratio:.2f}")
 
@@ -688,10 +688,10 @@ for ax, pp in zip(axes, (2, 4), strict=True):
             label="(p-1)/(m+p-1): GPipe, 1F1B")
     ax.plot(ms, [bubble_formula("interleaved", pp_size=pp, num_microbatches=m, virtual_stages=2) for m in ms],
             "k--", label="(p-1)/(2m+p-1): interleaved, v = 2")
-    ax.plot(ms, [bubble_formula("zb1p", pp_size=pp, num_microbatches=m) for m in ms], "k:",
+    ax.plot(ms, [bubble_formula("zbh1", pp_size=pp, num_microbatches=m) for m in ms], "k:",
             label="ZB-H1 formula")
     for name, marker, colour in (("gpipe", "o", "tab:blue"), ("1f1b", "x", "tab:orange"),
-                                 ("interleaved", "s", "tab:purple"), ("zb1p", "^", "tab:green")):
+                                 ("interleaved", "s", "tab:purple"), ("zbh1", "^", "tab:green")):
         keys = [k for k in measured if k[0] == pp and k[1] == name]
         ax.plot([k[2] for k in keys], [measured[k] for k in keys], marker, color=colour, ls="none",
                 mfc="none" if name == "gpipe" else colour, label=f"{name} measured")
@@ -864,7 +864,7 @@ print(f"interleaved, v = 2, p = 2, m = 2: simulated bubble {inter:.1%}")
 
 # %%
 fig, axes = plt.subplots(3, 1, figsize=(10, 6), sharex=True)
-for ax, name in zip(axes, ("1f1b", "interleaved", "zb1p"), strict=True):
+for ax, name in zip(axes, ("1f1b", "interleaved", "zbh1"), strict=True):
     bubble, makespan, events = min(runs[(4, name, 4)], key=lambda run: run[0])
     rows = [[(k, s, mb, ready, end) for k, s, mb, _, ready, end in ev] for ev in events]  # busy: ready..end
     draw_timeline(ax, rows, unit=1e-3, label_stage=name == "interleaved",

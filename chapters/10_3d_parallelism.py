@@ -427,7 +427,7 @@ fig.tight_layout()
 #
 # Chapter 00 quoted the claim this course started from: *"We trained on 2048 H100 GPUs, 128 nodes of 16
 # GPUs each, with DP128 x TP8 x PP2 (data, tensor and pipeline parallel degrees), and sustained 3.2 PFLOP/s
-# at 82% GPU utilisation."* The same seed (issue 15) calls the model "trillion-parameter", the run 21 days
+# at 82% GPU utilisation."* The same claim calls the model "trillion-parameter", the run 21 days
 # long, and the interconnect "NVLink 300 GB/s, 5x PCIe". Chapter 00 checked the throughput; here the
 # planner checks the rest. The model: `refimpl.plan.model_for(1e12)`, a GPT of about $10^{12}$ parameters
 # with GPT-3's aspect ($h \approx 128 L$). The claim gives no sequence length or batch: we assume 2048

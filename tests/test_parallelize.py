@@ -45,9 +45,9 @@ CASES = {  # name -> options
 REFUSED = {  # layout at world size 4 and options -> what the error must say
     "dp2-pp2-zero3": (dict(dp=2, pp=2), dict(zero_stage=3, activation_checkpointing=None),
                       "with ZeRO-3 (the layout dp 2 x cp 1 x tp 1 x pp 2) is not built"),
-    "dp2-pp2-zero2-zb1p": (dict(dp=2, pp=2), dict(zero_stage=2, pp_schedule="zb1p"),
-                           "use zero_stage 1 with zb1p"),
-    "tp2-pp2-zb1p": (dict(dp=1, tp=2, pp=2), dict(pp_schedule="zb1p"),
+    "dp2-pp2-zero2-zbh1": (dict(dp=2, pp=2), dict(zero_stage=2, pp_schedule="zbh1"),
+                           "use zero_stage 1 with zbh1"),
+    "tp2-pp2-zbh1": (dict(dp=1, tp=2, pp=2), dict(pp_schedule="zbh1"),
                      "parallel layers do not split it: not built"),
 }
 

@@ -32,7 +32,7 @@ from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, defe
 SPAWN_TIMEOUT_S = 240
 FACTOR = 4.0
 M, B, S = 4, 2, 8  # micro-batches, sequences per micro-batch, tokens per sequence
-CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1p", 1)]
+CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1)]
 
 
 def _config(tied: bool) -> ModelConfig:
@@ -53,7 +53,7 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def _pipeline(pp: int, rank: int, name: str, v: int, tied: bool, *, sync_tied: bool = True) -> dict:
     model = GPT(_config(tied), seed=0)
     stages = build_stages(model, pp_rank=rank, pp_size=pp, virtual_stages=v)
-    store = WeightGradStore() if name == "zb1p" else None
+    store = WeightGradStore() if name == "zbh1" else None
     if store is not None:
         for stage in stages.values():
             defer_weight_gradients(stage, store)

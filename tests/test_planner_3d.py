@@ -1,4 +1,4 @@
-"""The planner's prediction of a 3D trainer run against the run itself (chapter 10, issue 15).
+"""The planner's prediction of a 3D trainer run against the run itself (chapter 10).
 
 ONE spawn of 8 ranks trains a tiny GPT (4 blocks, width 32, 4 heads, 16 tokens, global batch 8, 2 steps)
 through :func:`refimpl.train.train` at six ``dp x tp x pp`` layouts (ZeRO-1 at one, bf16 at one, sequence

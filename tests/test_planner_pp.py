@@ -7,17 +7,17 @@
   :func:`pipeline_state_memory` to the byte.
 * One micro-batch's saved bytes per stage: :class:`SavedTensorMeter` on the stage's forward (and the loss on
   the last stage) equals :func:`stage_saved_bytes` to the byte, in float32, under bfloat16 autocast and
-  with checkpointed blocks; with zb1p's deferred weight gradients, the tensors the queued ``dW`` closures
+  with checkpointed blocks; with zbh1's deferred weight gradients, the tensors the queued ``dW`` closures
   keep after the backward equal :func:`stage_deferred_bytes`.
 * The peak of a real step: :class:`PipelineModule.step` at pp 2 and 4 over m = 4 micro-batches (gpipe,
-  1f1b, interleaved v = 2, zb1p) with the bytes alive counted as they come and go (saved tensors through
+  1f1b, interleaved v = 2, zbh1) with the bytes alive counted as they come and go (saved tensors through
   ``saved_tensors_hooks``, released when autograd frees them; the tensors handed to ``isend`` and those a
   queued ``dW`` keeps, released when the runtime drops them): the highest count between actions (read when
   the executor reads its clock) equals the planner's held bytes at its peak, per rank, and within actions
   only the planner's transients come on top.
   Negative controls: GPipe's planned peak is not what 1F1B holds where 1F1B holds fewer than m (nor the
   reverse), the plan without the sends the runtime keeps (outputs until their backward, input gradients to
-  the step's end) is not what is held, nor is zb1p's plan with every micro-batch keeping all its
+  the step's end) is not what is held, nor is zbh1's plan with every micro-batch keeping all its
   activations until its W.
 * Inside the other axes (world 4, :func:`parallelize`'s own pipeline, 1F1B, m = 4, a tied embedding):
   pp 2 x tp 2 with and without sequence parallelism, pp 2 x cp 2 ring and Ulysses: each rank's held bytes
@@ -25,7 +25,7 @@
   tensor-parallel shards, the tied copy a vocab-parallel shard). Negative controls: the plan without tp,
   with the SP boundaries unsplit, with SDPA's terms at s/cp tokens. The trainer's preflight on --pp 2 --dp
   2 --zero-stage 1 == what its setup holds (AdamW state sharded over dp; ZeRO-0's state is not).
-* Refused as parallelize refuses them: pp with ZeRO-3, zb1p with tp.
+* Refused as parallelize refuses them: pp with ZeRO-3, zbh1 with tp.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from refimpl.planner.pipeline import (
 
 SPAWN_TIMEOUT_S = 120
 M, B, S = 4, 2, 8  # micro-batches, sequences per micro-batch, tokens
-LIVE = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1p", 1)]
+LIVE = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1)]
 
 
 def _config(*, layers: int = 8, tied: bool = True) -> ModelConfig:
@@ -101,11 +101,11 @@ def _closure_tensors(fn, skip: set[int]) -> dict[int, int]:
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in skip}
 
 
-@pytest.mark.parametrize("deferred", [False, True], ids=["whole-backward", "zb1p-deferred-W"])
+@pytest.mark.parametrize("deferred", [False, True], ids=["whole-backward", "zbh1-deferred-W"])
 @pytest.mark.parametrize(("precision", "checkpointed"), [("fp32", ()), ("bf16", ()), ("fp32", (1, 4))],
                          ids=["fp32", "bf16-autocast", "fp32-checkpointed"])
 def test_one_microbatch_saves_what_the_planner_counts_per_stage(precision, checkpointed, deferred):
-    """Forward: the saved bytes; with zb1p's deferred weight gradients also what the backward leaves for
+    """Forward: the saved bytes; with zbh1's deferred weight gradients also what the backward leaves for
     W (the tensors its queued closures hold), against :func:`stage_deferred_bytes`."""
     config, pp = _config(tied=False), 4
     model = GPT(config, seed=0)
@@ -164,7 +164,7 @@ def _counted_step(pipe, inputs, labels, loss_fn) -> dict:
         return clock()
 
     comm_ops.isend, executor.now = counted_isend, sampled_now
-    if pipe.store is not None:  # zb1p: what each queued weight gradient keeps until its W
+    if pipe.store is not None:  # zbh1: what each queued weight gradient keeps until its W
         push = pipe.store.push
 
         def counted_push(fn) -> None:
@@ -202,10 +202,10 @@ def live(request):
 
 
 def _until_w(plan, config: ModelConfig, pp: int) -> int:
-    """The wrong zb1p plan: a micro-batch keeps all of its saved bytes until its W."""
+    """The wrong zbh1 plan: a micro-batch keeps all of its saved bytes until its W."""
     from refimpl.planner import pipeline as planner_pipeline
 
-    table = build_schedule("zb1p", pp_size=pp, num_microbatches=M)[plan.rank]
+    table = build_schedule("zbh1", pp_size=pp, num_microbatches=M)[plan.rank]
     whole = {st: sum(v for k, v in t.items() if k not in PER_STEP) for st, t in plan.saved.items()}
     terms, _ = planner_pipeline._walk(table, saved=plan.saved, deferred=whole, num_stages=pp,
                                       outputs=4 * S * B * config.hidden_size)
@@ -229,8 +229,8 @@ def test_the_peak_of_a_real_step_equals_the_plan_per_rank(live):
     # ZB-H1's rank 0 receives its output gradient (the planned transient) only after the same B released
     # the micro-batch's sent output, which is larger: within its actions nothing comes on top of the peak
     received = "output gradient received for a backward (transient)"
-    assert plans["zb1p"][0].transient[received] > 0
-    assert live[0]["zb1p"]["within"] == live[0]["zb1p"]["peak"]
+    assert plans["zbh1"][0].transient[received] > 0
+    assert live[0]["zbh1"]["within"] == live[0]["zbh1"]["peak"]
     checked = fewer = 0
     for rank, got in enumerate(live):
         assert plans["gpipe"][rank].in_flight == M and plans["1f1b"][rank].in_flight == min(pp - rank, M)
@@ -248,17 +248,17 @@ def test_the_peak_of_a_real_step_equals_the_plan_per_rank(live):
                 assert got[name]["peak"] != unsent, (name, rank)
                 checked += 1
     assert checked >= len(LIVE) + 1 and fewer >= 1  # every schedule's first rank sends before its peak
-    # zb1p's W-held bytes matter: counting its micro-batches' whole activations until W is not what it holds
-    zb = plans["zb1p"]
+    # zbh1's W-held bytes matter: counting its micro-batches' whole activations until W is not what it holds
+    zb = plans["zbh1"]
     # rank 0 peaks before its first W
-    assert any(live[r]["zb1p"]["peak"] != _until_w(zb[r], config, pp) for r in range(pp))
+    assert any(live[r]["zbh1"]["peak"] != _until_w(zb[r], config, pp) for r in range(pp))
 
 
 def test_run_memory_is_the_worst_rank_and_names_it():
     config = _config(layers=4, tied=True)
     dims = ParallelDims(dp=2, pp=2)
     kw = {"micro_batch": B, "seq_len": S, "num_microbatches": M}
-    for name, v in LIVE + [("zb1p", 1)]:
+    for name, v in LIVE + [("zbh1", 1)]:
         ranks = pipeline_memory_per_rank(config, pp=2, schedule=name, virtual_stages=v, **{
             "micro_batch": B, "seq_len": S, "num_microbatches": M, "precision": "bf16"})
         worst = max(ranks, key=lambda r: r.memory.total)
@@ -404,7 +404,7 @@ def test_the_preflight_of_pp2_dp2_zero1_is_what_its_setup_holds(composed):
     assert worst == 1
 
 
-def test_pipeline_with_zero_3_or_zb1p_with_tp_is_refused():
+def test_pipeline_with_zero_3_or_zbh1_with_tp_is_refused():
     config = _config(layers=4)
     with pytest.raises(ValueError, match="ZeRO 3 with pp=2 is refused by parallelize"):
         run_memory_per_rank(config, ParallelDims(dp=2, pp=2), micro_batch=1, seq_len=S, zero_stage=3)
@@ -413,6 +413,6 @@ def test_pipeline_with_zero_3_or_zb1p_with_tp_is_refused():
     two = state_memory_per_rank(config, ParallelDims(dp=2, pp=2), zero_stage=2)  # ZeRO-2: grads sharded
     one = state_memory_per_rank(config, ParallelDims(dp=2, pp=2), zero_stage=1)
     assert two.grads < one.grads and two.weights == one.weights
-    with pytest.raises(ValueError, match="zb1p with tp=2 is not built"):
+    with pytest.raises(ValueError, match="zbh1 with tp=2 is not built"):
         run_memory_per_rank(config, ParallelDims(dp=1, tp=2, pp=2), micro_batch=1, seq_len=S,
-                            pp_schedule="zb1p")
+                            pp_schedule="zbh1")

@@ -27,7 +27,7 @@ from refimpl.parallel.pipeline_parallel import (
     validate,
 )
 
-GRID = [(name, p, m, 1) for name in ("gpipe", "1f1b", "zb1p") for p in (1, 2, 3, 4) for m in (1, 2, 3, 5, 8)]
+GRID = [(name, p, m, 1) for name in ("gpipe", "1f1b", "zbh1") for p in (1, 2, 3, 4) for m in (1, 2, 3, 5, 8)]
 GRID += [("interleaved", p, m, v) for p in (1, 2, 4) for v in (1, 2, 3) for m in (p, 2 * p, 4 * p)]
 
 
@@ -41,7 +41,7 @@ def test_every_schedule_is_valid_and_its_simulated_bubble_is_the_formula(name, p
     sim = simulate(schedule, num_microbatches=m, virtual_stages=v, costs=costs)
     formula = bubble_formula(name, pp_size=p, num_microbatches=m, virtual_stages=v,
                              costs=Costs(forward=1.0, backward=1.3, weight=0.7))
-    if name in ("gpipe", "1f1b", "interleaved") or (name == "zb1p" and m >= p):
+    if name in ("gpipe", "1f1b", "interleaved") or (name == "zbh1" and m >= p):
         assert sim.bubble == pytest.approx(formula, abs=1e-12), (sim.bubble, formula)
     else:  # ZB-H1 with fewer micro-batches than stages: no steady state, the W s cannot fill the drain
         assert sim.bubble >= formula - 1e-12
@@ -49,7 +49,7 @@ def test_every_schedule_is_valid_and_its_simulated_bubble_is_the_formula(name, p
         assert sim.peak_in_flight == [min(p - r, m) for r in range(p)]
     if name == "gpipe":
         assert sim.peak_in_flight == [m] * p
-    if name == "zb1p":
+    if name == "zbh1":
         assert max(sim.peak_in_flight) <= p  # 1F1B's memory bound (the deferred W s ride within it)
 
 
@@ -61,7 +61,7 @@ def test_the_bubble_shrinks_as_the_papers_say():
     inter = simulate(build_schedule("interleaved", pp_size=p, num_microbatches=m, virtual_stages=v),
                      num_microbatches=m, virtual_stages=v,
                      costs=Costs(forward=0.5, backward=0.5, weight=0.5)).bubble
-    zb = simulate(build_schedule("zb1p", pp_size=p, num_microbatches=m), num_microbatches=m).bubble
+    zb = simulate(build_schedule("zbh1", pp_size=p, num_microbatches=m), num_microbatches=m).bubble
     assert gpipe == one == pytest.approx(3 / 11)
     assert inter == pytest.approx(3 / 19) and zb == pytest.approx(3 * 1 / (8 * 3 + 3 * 1))
     assert zb < inter < one

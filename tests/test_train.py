@@ -396,8 +396,8 @@ def test_pipeline_micro_batches_are_checked_before_anything_starts():
             with pytest.raises(ConfigError, match=match):
                 pipeline_microbatches(config, options, dp)
     for bad, match in ((dict(pp=2, zero_stage=3), "use --zero-stage 0, 1 or 2 with --pp"),
-                       (dict(pp=2, zero_stage=2, pp_schedule="zb1p"), "use --zero-stage 1 with zb1p"),
-                       (dict(pp=2, tp=2, pp_schedule="zb1p"), "zb1p"),
+                       (dict(pp=2, zero_stage=2, pp_schedule="zbh1"), "use --zero-stage 1 with zbh1"),
+                       (dict(pp=2, tp=2, pp_schedule="zbh1"), "zbh1"),
                        (dict(microbatches=2), "need --pp > 1"),
                        (dict(pp=2, virtual_stages=2), "only with --pp-schedule interleaved")):
         with pytest.raises(ConfigError, match=match):
@@ -482,7 +482,7 @@ def test_layout_flags_default_dp_to_the_world_over_the_other_axes():
         options_from_args(args).parallel_dims(4)
 
 
-# ---------------------------------------------------------------- memory preflight and SIGTERM (issue 11)
+# ---------------------------------------------------------------- memory preflight and SIGTERM
 
 GIB = 2**30
 
@@ -521,7 +521,7 @@ def test_a_run_too_large_for_the_memory_is_refused_fast(launch, files, tmp_path)
 
 def test_the_default_config_is_not_refused_on_this_machine():
     """The defaults (one process, and `make train`'s two self-launched CPU ranks) fit this machine's real
-    memory; issue 11's run does not fit a 16 GiB node (the refusal above) but its estimate is the same."""
+    memory; the run refused above does not fit a 16 GiB node, but its estimate is the same."""
     from refimpl.train import machine_memory_per_rank, options_from_args, preflight_memory
 
     args = build_parser().parse_args([])

@@ -40,7 +40,7 @@ LAYOUTS = {
     "pp4-gpipe": (["--pp", "4", "--pp-schedule", "gpipe", "--microbatches", "4"], "fp32"),
     "pp2-dp2-interleaved": (["--pp", "2", "--pp-schedule", "interleaved", "--virtual-stages", "2",
                              "--microbatches", "2", "--pp-balance", "parameters"], "fp32"),
-    "pp4-zb1p-bf16": (["--pp", "4", "--pp-schedule", "zb1p", "--microbatches", "4", "--precision", "bf16"],
+    "pp4-zbh1-bf16": (["--pp", "4", "--pp-schedule", "zbh1", "--microbatches", "4", "--precision", "bf16"],
                       "bf16"),
     "pp2-dp2-fp16-actckpt": (["--pp", "2", "--microbatches", "2", "--precision", "fp16",
                               "--activation-checkpointing"], "fp16"),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (issue 15): the trainer on every visible GPU in bf16, a GPT-2-small-sized model
+# The one prepared GPU check: the trainer on every visible GPU in bf16, a GPT-2-small-sized model
 # (12 layers, width 768, 12 heads, 1024 tokens), data parallel; prints the median tokens/s and MFU of the
 # last steps from metrics.jsonl (MFU against the GPU's dense bf16 peak, refimpl.measure.peaks). Nothing in
 # the test suite depends on it; record what it prints in bench/RESULTS.md with the GPU and the date.

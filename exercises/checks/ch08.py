@@ -7,7 +7,7 @@ All in one process, without tensors (a schedule is data):
   ``B``), for 1F1B's memory bound (at most ``p - rank`` micro-batches in flight), for running without a
   deadlock together with the other ranks' lists (refimpl's :func:`simulate`), and then against refimpl's
   1F1B action for action.
-* ``stage_p2p``: over every action of gpipe, 1f1b, zb1p (p = 2, 3, 4) and interleaved (v = 2, 3), each
+* ``stage_p2p``: over every action of gpipe, 1f1b, zbh1 (p = 2, 3, 4) and interleaved (v = 2, 3), each
   send must meet exactly one receive of the same tensor on its peer (the pairing, from the answer alone),
   then every ``(before, after)`` must equal refimpl's :func:`p2p_actions`.
 * ``simulate_bubble``: two cases worked out by hand (GPipe at p = 2, m = 2, with and without a transfer
@@ -82,7 +82,7 @@ def check_one_f_one_b(path: str) -> None:
 
 
 def _grid() -> list[tuple[str, int, int, int]]:
-    cases = [(name, p, 2 * p, 1) for name in ("gpipe", "1f1b", "zb1p") for p in (2, 3, 4)]
+    cases = [(name, p, 2 * p, 1) for name in ("gpipe", "1f1b", "zbh1") for p in (2, 3, 4)]
     return cases + [("interleaved", p, 2 * p, v) for p in (2, 3, 4) for v in (2, 3)]
 
 
@@ -177,11 +177,11 @@ def check_simulator(path: str) -> None:
     for p2p, timeline, bubble in _by_hand():
         _compare(fn(schedule, costs={"F": 1.0, "B": 1.0}, p2p=p2p), timeline, bubble,
                  f"GPipe at pp=2, m=2, F = B = 1, p2p = {p2p}")
-    for name, p, m, v in [("gpipe", 3, 4, 1), ("1f1b", 4, 3, 1), ("1f1b", 2, 6, 1), ("zb1p", 3, 5, 1),
-                          ("zb1p", 4, 8, 1), ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2),
+    for name, p, m, v in [("gpipe", 3, 4, 1), ("1f1b", 4, 3, 1), ("1f1b", 2, 6, 1), ("zbh1", 3, 5, 1),
+                          ("zbh1", 4, 8, 1), ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2),
                           ("interleaved", 3, 6, 3)]:
         sched = build_schedule(name, pp_size=p, num_microbatches=m, virtual_stages=v)
-        split = name == "zb1p"
+        split = name == "zbh1"
         costs = {"F": 1.0, "B": 1.5, "W": 0.5} if split else {"F": 1.0, "B": 2.0}
         ref_costs = Costs(forward=1.0, backward=costs["B"], weight=costs.get("W", 0.0))
         for p2p in (0.0, 0.25):

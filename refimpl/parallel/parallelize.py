@@ -92,7 +92,7 @@ class ParallelizeOptions:
     ``cp_method`` the attention across the context-parallel ranks, ``ring`` or ``ulysses``, and
     ``cp_layout`` how the sequence is split for it (ring: ``zigzag``, the default, or ``contiguous``;
     Ulysses: contiguous) (chapter 07);
-    ``pp_schedule`` (``gpipe``, ``1f1b``, ``interleaved``, ``zb1p``), ``virtual_stages`` (model chunks per
+    ``pp_schedule`` (``gpipe``, ``1f1b``, ``interleaved``, ``zbh1``), ``virtual_stages`` (model chunks per
     rank, interleaved only) and ``pp_balance`` (``layers`` or ``parameters``) the pipeline (chapter 08);
     ``activation_checkpointing`` a block selection (``all``, ``every-N``, ``0,2,-1``; None: off);
     ``bucket_cap_mb`` the gradient buckets of ZeRO-0 (DDP's 25 MB); ``zero_bucket_numel`` the elements per
@@ -223,12 +223,12 @@ def _layout(groups_or_dims: ParallelGroups | ParallelDims,
         raise ValueError(f"pipeline parallelism with ZeRO-3 (the layout {dims.describe()}) is not built: "
                          "every micro-batch's forward and backward would all-gather the stage's weights "
                          "again (m times a step's weights per step); use zero_stage 0, 1 or 2 with pp")
-    if dims.pp > 1 and options.zero_stage == 2 and options.pp_schedule == "zb1p":
-        raise ValueError("ZeRO-2 reduce-scatters each gradient when backward has accumulated it; the zb1p "
+    if dims.pp > 1 and options.zero_stage == 2 and options.pp_schedule == "zbh1":
+        raise ValueError("ZeRO-2 reduce-scatters each gradient when backward has accumulated it; the zbh1 "
                          "schedule computes the weight gradients outside backward (its W actions): use "
-                         "zero_stage 1 with zb1p, or another schedule")
-    if dims.pp > 1 and dims.tp > 1 and options.pp_schedule == "zb1p":
-        raise ValueError("the zb1p schedule splits the weight gradient off nn.Linear layers; the tensor-"
+                         "zero_stage 1 with zbh1, or another schedule")
+    if dims.pp > 1 and dims.tp > 1 and options.pp_schedule == "zbh1":
+        raise ValueError("the zbh1 schedule splits the weight gradient off nn.Linear layers; the tensor-"
                          "parallel layers do not split it: not built; use another schedule "
                          "with tp > 1")
     if dims.tp > 1 and options.zero_stage == 3:

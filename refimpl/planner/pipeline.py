@@ -26,7 +26,7 @@ backward (its gradient has come back), and every backward's input gradient, ``G 
 the rank's bytes after each action; the peak is the largest. With one stage per rank that is ``k A`` plus
 the sends so far, ``k`` the micro-batches in flight (:attr:`refimpl.parallel.pipeline_parallel.Simulation.
 peak_in_flight`): GPipe ``m``, 1F1B ``min(p - r, m)`` on rank ``r``; interleaved adds its chunks' ``A``
-separately, each chunk its own size. ZB-H1 (``zb1p``): between its ``B`` and its ``W`` a micro-batch
+separately, each chunk its own size. ZB-H1 (``zbh1``): between its ``B`` and its ``W`` a micro-batch
 holds ``D(s)``, the linear layers' inputs and output gradients that ``W`` multiplies
 (:func:`stage_deferred_bytes`), not ``A(s)``; it is in flight until its ``W`` (the simulator's rule).
 Transient on top (not held between actions): the last stage's logits and their gradient,
@@ -131,7 +131,7 @@ def stage_saved_bytes(config: ModelConfig, *, stage: int, num_stages: int, block
                       deferred_weights: bool = False, **split: Any) -> dict[str, int]:
     """What one micro-batch saves for backward in stage ``stage`` (module docstring), term by term, plus
     the :data:`PER_STEP` terms (the batch's token ids on the first stage, labels on the last: ``8 m b s``
-    each, held once per step). ``deferred_weights`` (zb1p's linear layers,
+    each, held once per step). ``deferred_weights`` (zbh1's linear layers,
     :func:`~refimpl.parallel.pipeline_parallel.defer_weight_gradients`): under autocast they keep the
     float32 LayerNorm outputs they are given (QKV and MLP inputs, the output layer's), ``4 s b h`` each
     instead of autocast's ``p s b h`` copy (measured). ``split``: ``tp``, ``sequence_parallel``, ``cp``,
@@ -230,7 +230,7 @@ def _walk(actions, *, saved: dict[int, dict[str, int]], deferred: dict[int, int]
     per_mb = {st: sum(v for k, v in t.items() if k not in PER_STEP) for st, t in saved.items()}
     per_step = {st: {k: v for k, v in t.items() if k in PER_STEP} for st, t in saved.items()}
     forwarded = {st: 0 for st in saved}  # F done, B not yet
-    waiting = {st: 0 for st in saved}  # B done, W not yet (zb1p)
+    waiting = {st: 0 for st in saved}  # B done, W not yet (zbh1)
     sent_out = sent_grad = 0
     best: tuple[int, dict[str, int], int] = (-1, {}, 0)
     for a in actions:
@@ -290,13 +290,13 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
         raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {SCHEDULES}")
     if precision not in _COMPUTE:
         raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(_COMPUTE)}")
-    if schedule == "zb1p" and tp > 1:
-        raise ValueError("zb1p splits the weight gradient off nn.Linear layers, the tensor-parallel layers "
-                         f"do not split it: zb1p with tp={tp} is not built (parallelize refuses it)")
+    if schedule == "zbh1" and tp > 1:
+        raise ValueError("zbh1 splits the weight gradient off nn.Linear layers, the tensor-parallel layers "
+                         f"do not split it: zbh1 with tp={tp} is not built (parallelize refuses it)")
     m, v, compute = num_microbatches, virtual_stages, _COMPUTE[precision]
     table = build_schedule(schedule, pp_size=pp, num_microbatches=m, virtual_stages=v)
     sim = simulate(table, num_microbatches=m, virtual_stages=v)  # refuses an invalid or deadlocking table
-    num_stages, split = pp * v, schedule == "zb1p"
+    num_stages, split = pp * v, schedule == "zbh1"
     ranges = stage_layers(config, num_stages=num_stages, balance=balance, tp=tp)
     sp = {"tp": tp, "sequence_parallel": sequence_parallel, "cp": cp, "cp_method": cp_method,
           "cp_layout": cp_layout}

@@ -48,7 +48,7 @@ activations it moves are 16-bit); no sequence parallelism with ZeRO-1 (its shard
 Not an argument, so not modelled: activation checkpointing (its recomputed forward repeats the
 collectives). Proven against the trainer (tests/test_planner_3d.py, to the byte) with 1F1B, ring
 attention, ZeRO 0/1, fp32/bf16, with and without sequence parallelism; the other schedules (``gpipe``,
-``interleaved``, ``zb1p``) and Ulysses go through the same terms but are not run there.
+``interleaved``, ``zbh1``) and Ulysses go through the same terms but are not run there.
 """
 
 from __future__ import annotations

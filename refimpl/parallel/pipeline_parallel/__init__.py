@@ -17,8 +17,8 @@ Huang et al. 2019 (GPipe); Narayanan et al. 2021 (1F1B and interleaved 1F1B, Meg
 * :mod:`~refimpl.parallel.pipeline_parallel.pipeline_parallel`: :class:`PipelineModule`, a rank's stages
   as one module (``parallelize``'s step 3): a whole step per call, checkpoints under the GPT's names.
 
-Still to come for chapter 08 (issue 14): the trainer's ``--pp``, pipeline with tensor/context parallelism
-and ZeRO 1-3 (chapter 10), the chapter, exercises and benchmark.
+The trainer's ``--pp`` composes the pipeline with data, tensor and context parallelism and ZeRO 0-2
+(:mod:`refimpl.parallel.parallelize`, chapter 10).
 """
 
 from __future__ import annotations

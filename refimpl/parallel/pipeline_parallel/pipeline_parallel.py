@@ -50,7 +50,7 @@ class PipelineModule(nn.Module):
                              balance=balance)
         self.stage_ids = sorted(found)
         self.stages = nn.ModuleDict({str(s): found[s] for s in self.stage_ids})
-        self.store = WeightGradStore() if schedule == "zb1p" else None
+        self.store = WeightGradStore() if schedule == "zbh1" else None
         if self.store is not None:
             for stage in found.values():
                 defer_weight_gradients(stage, self.store)

@@ -6,8 +6,8 @@ A schedule says, per rank, in which order that rank runs its stages' work; :func
 as ``schedule[rank] = [Action, ...]`` with ``Action(kind, stage, microbatch)``:
 
 * ``"F"``: forward of ``microbatch`` through ``stage``;
-* ``"B"``: its backward (the whole backward, or under ``zb1p`` only the input gradient);
-* ``"W"``: the weight gradient of a ``B`` split in two (``zb1p`` only).
+* ``"B"``: its backward (the whole backward, or under ``zbh1`` only the input gradient);
+* ``"W"``: the weight gradient of a ``B`` split in two (``zbh1`` only).
 
 Schedules (``p`` ranks, ``m`` micro-batches; bubble = idle share of ``p x`` step time for equal stage costs
 ``t_F``, ``t_B``, ``t_W``):
@@ -20,7 +20,7 @@ Schedules (``p`` ranks, ``m`` micro-batches; bubble = idle share of ``p x`` step
 * ``interleaved`` (Narayanan et al. 2021, section 2.2; Megatron's interleaved 1F1B): ``v`` chunks per rank,
   micro-batches in rounds of ``p`` per chunk (``m`` must divide by ``p``), ``(v-1) p + 2 (p-1-r)`` warm-up
   forwards. Bubble ``(p-1)/(v m + p - 1)``: about ``1/v`` of 1F1B's for ``m >> p``, for ``v x`` the sends.
-* ``zb1p`` (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", ZB-H1): 1F1B with each backward split into
+* ``zbh1`` (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", ZB-H1): 1F1B with each backward split into
   ``B`` (input gradient, on the critical path to the previous stage) and ``W`` (weight gradient, needed by
   no one until the optimizer step); rank ``r`` runs each ``W`` ``r`` backwards late, so the ``W`` s fill
   the drain where rank ``r`` would wait ``r t_B``. Bubble ``(p-1)(t_F + t_B - t_W)`` per rank instead of
@@ -42,7 +42,7 @@ __all__ = ["KINDS", "SCHEDULES", "Action", "P2PAction", "build_schedule", "p2p_a
 
 Kind = Literal["F", "B", "W"]
 KINDS = ("F", "B", "W")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1")
 
 
 @dataclass(frozen=True, order=True)
@@ -137,7 +137,7 @@ def build_schedule(name: str, *, pp_size: int, num_microbatches: int,
                 for r in range(p)]
     if name == "1f1b":
         return [_one_f_one_b(r, p, m) for r in range(p)]
-    if name == "zb1p":
+    if name == "zbh1":
         return [_zero_bubble_h1(r, p, m) for r in range(p)]
     return [_interleaved(r, p, m, v) for r in range(p)]
 

@@ -190,7 +190,7 @@ def bubble_formula(name: str, *, pp_size: int, num_microbatches: int, virtual_st
         return (p - 1) / (m + p - 1)
     if name == "interleaved":
         return (p - 1) / (v * m + p - 1)
-    if name == "zb1p":
+    if name == "zbh1":
         idle = (p - 1) * (c.forward + c.backward - c.weight)
         return idle / (m * (c.forward + c.backward + c.weight) + idle)
     raise ValueError(f"no bubble formula for schedule {name!r}")
