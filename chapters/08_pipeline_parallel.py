@@ -372,11 +372,12 @@ for key in per_rank[0][0]:
 # ### PyTorch's pipelining on the same stages
 #
 # `torch.distributed.pipelining` has the same three classic schedules (`ScheduleGPipe`, `Schedule1F1B`,
-# `ScheduleInterleaved1F1B`) and a zero-bubble one (`ScheduleInterleavedZeroBubble`, the paper's ZB1P,
-# which at one stage per rank is ZB-H1). Each rank wraps the **same** `GPTStage` modules in
-# `PipelineStage`s (stage $s$ on rank $s \bmod p$, PyTorch's placement for looped schedules too) and
-# calls `schedule.step` with the same batch; `scale_grads=False` because our loss is already divided by
-# the step's tokens. The gradients must equal ours (and one device's) bit for bit.
+# `ScheduleInterleaved1F1B`) and a zero-bubble one, `ScheduleInterleavedZeroBubble`. Its docstring calls
+# it the paper's ZB1P, but at one stage per rank its table is ZB-H1's (compared below, action for action);
+# the paper's ZB-1p is a schedule searched for from measured stage times, not built here. Each rank wraps
+# the **same** `GPTStage` modules in `PipelineStage`s (stage $s$ on rank $s \bmod p$, PyTorch's placement
+# for looped schedules too) and calls `schedule.step` with the same batch; `scale_grads=False` because our
+# loss is already divided by the step's tokens. The gradients must equal ours (and one device's) bit for bit.
 
 # %%
 # %%px

@@ -3,6 +3,8 @@ without deadlock in the simulator, and its simulated bubble is the textbook form
 ``p - r`` micro-batches on rank ``r`` where GPipe holds ``m``; our interleaved lists are torch's
 ``ScheduleInterleaved1F1B.pipeline_order``, action for action. Negative controls: a backward before its
 forward, a missing or misplaced action, and an order that deadlocks are each refused with one clear line.
+The old name ``zb1p`` (the paper's ZB-1p is its searched schedule, not our handcrafted ZB-H1) is refused by
+``build_schedule`` and by the trainer's command line, with the right name.
 
 The bubble formulas are a separate computation from the simulator (closed forms vs an event-driven run of
 the lists), so their agreement to 1e-12 is a check, not a restatement.
@@ -11,6 +13,10 @@ the lists), so their agreement to 1e-12 is a check, not a restatement.
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -26,6 +32,9 @@ from refimpl.parallel.pipeline_parallel import (
     simulate,
     validate,
 )
+from refimpl.parallel.pipeline_parallel.schedules import ZB1P_HINT
+
+ROOT = Path(__file__).resolve().parents[1]
 
 GRID = [(name, p, m, 1) for name in ("gpipe", "1f1b", "zbh1") for p in (1, 2, 3, 4) for m in (1, 2, 3, 5, 8)]
 GRID += [("interleaved", p, m, v) for p in (1, 2, 4) for v in (1, 2, 3) for m in (p, 2 * p, 4 * p)]
@@ -143,3 +152,29 @@ def test_p2p_latency_adds_to_cross_rank_dependencies_only():
     assert one.bubble == 0.0  # one rank: no cross-rank dependency to wait for
     assert list(itertools.chain(*[[a for a, _, _ in ops] for ops in base.timeline])) == [
         a for ops in schedule for a in ops]  # the simulator ran each rank's list in its order
+
+
+def test_the_old_name_zb1p_is_refused_with_the_right_name():
+    with pytest.raises(ValueError) as info:
+        build_schedule("zb1p", pp_size=2, num_microbatches=4)
+    assert str(info.value) == ZB1P_HINT and "ZB-1p" in ZB1P_HINT and "use zbh1" in ZB1P_HINT
+    assert build_schedule("zbh1", pp_size=2, num_microbatches=4)  # the right name builds
+
+
+@pytest.mark.timeout(180)
+def test_the_trainer_refuses_zb1p_in_one_line_before_making_a_run_folder(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "refimpl.train", "--pp", "2", "--pp-schedule", "zb1p",
+                           "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=150)
+    report = f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert proc.returncode == 2, report
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, report
+    assert "ZB-1p" in errors[0] and "--pp-schedule zbh1" in errors[0], report
+    assert not out.exists(), "a refused run must not create its run folder"
+    ok = subprocess.run([sys.executable, "-m", "refimpl.train", "--pp-schedule", "zbh1", "--help"],
+                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    assert ok.returncode == 0, ok.stderr  # the control: the right name passes the same parser

@@ -26,11 +26,15 @@ Schedules (``p`` ranks, ``m`` micro-batches; bubble = idle share of ``p x`` step
   the drain where rank ``r`` would wait ``r t_B``. Bubble ``(p-1)(t_F + t_B - t_W)`` per rank instead of
   ``(p-1)(t_F + t_B + t_W)``, at 1F1B's memory (at most ``p`` micro-batches in flight).
 
-The orders match ``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``,
-``ScheduleInterleaved1F1B``'s ``pipeline_order``; ZB-H1 as its zero-bubble 1F1B with ``rank`` deferred
-weight steps). The sends and receives are not part of the data: :func:`p2p_actions` derives them from the
-compute actions (a forward of stage ``s < S-1`` sends its output to stage ``s+1``, a backward of stage
-``s > 0`` sends the input gradient to stage ``s-1``). :mod:`.simulator` checks and times a schedule.
+The orders match ``torch.distributed.pipelining``'s ``pipeline_order`` tables (``ScheduleGPipe``,
+``ScheduleInterleaved1F1B``; ``Schedule1F1B``'s but for its last rank's forwards, numbered one too high,
+chapter 08; ZB-H1 as ``ScheduleInterleavedZeroBubble``'s table at one stage per rank, whose docstring calls
+it ZB1P). The paper's ZB-1p is another schedule, searched for from measured ``t_F``, ``t_B``, ``t_W`` and a
+memory limit: not built here, and the name ``zb1p`` is refused.
+
+The sends and receives are not part of the data: :func:`p2p_actions` derives them from the compute actions
+(a forward of stage ``s < S-1`` sends its output to stage ``s+1``, a backward of stage ``s > 0`` sends the
+input gradient to stage ``s-1``). :mod:`.simulator` checks and times a schedule.
 """
 
 from __future__ import annotations
@@ -74,7 +78,13 @@ def stage_rank(stage: int, *, pp_size: int) -> int:
     return stage % pp_size
 
 
+ZB1P_HINT = ("zb1p is the paper's searched ZB-1p schedule, which is not built here; the handcrafted "
+             "zero-bubble schedule is ZB-H1: use zbh1")
+
+
 def _check(name: str, pp_size: int, num_microbatches: int, virtual_stages: int) -> None:
+    if name == "zb1p":  # the old name of zbh1
+        raise ValueError(ZB1P_HINT)
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; expected one of {SCHEDULES}")
     for what, value in (("pp_size", pp_size), ("num_microbatches", num_microbatches),
