@@ -180,12 +180,13 @@ def test_collectives_per_micro_batch_equal_the_traced_ones(ranks):
             assert got == tensor_parallel_collectives(sequence_parallel=sp, **kw), (t, rank, sp, got)
             assert got != tensor_parallel_collectives(sequence_parallel=not sp, **kw)  # negative control
         # on the wire (ring model) the blocks cost the same with SP (an all-gather + a reduce-scatter per
-        # all-reduce); SP adds the embedding's backward all-gather of b s h, the column layers' (2 L + 1,
-        # the head too) second all-gather of their saved input in backward, and the s/t-token gradient sums
+        # all-reduce), and so does the embedding (its all-reduce forward becomes a reduce-scatter, half of
+        # it, and an all-gather backward); SP adds the column layers' (2 L + 1, the head too) second
+        # all-gather of their saved input in backward, and the s/t-token gradient sums
         wire = {sp: sum(wire_bytes(op, nbytes, t) for op, (_, nbytes) in got.items())
                 for sp, got in r["collectives"].items()}
         sp_grads = (6 * CFG.num_layers + 2) * CFG.hidden_size
-        extra = x + (2 * CFG.num_layers + 1) * x + 2 * sp_grads
+        extra = (2 * CFG.num_layers + 1) * x + 2 * sp_grads
         assert wire[True] - wire[False] == pytest.approx((t - 1) / t * 4 * extra, rel=1e-12)
 
 

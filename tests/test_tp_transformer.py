@@ -8,7 +8,8 @@ parallelism, tied and untied output layer:
   (one device in float32 against float64, per tensor; for the loss at least 1 ulp, since the float32 loss
   often rounds to the float64 one exactly);
 * the tracer sees, per block, 2 all-reduces forward and 2 backward of ``b*s*h`` floats without SP, and 2
-  all-gathers + 2 reduce-scatters each way with SP;
+  all-gathers + 2 reduce-scatters each way with SP (the embedding: an all-reduce forward without SP, a
+  reduce-scatter forward and an all-gather backward with it);
 * negative controls: the fused qkv weight split by plain rows in nanoGPT's ``[3, a, d]`` layout (the trap:
   rank 0 gets all of q and half of k) and sequence parallelism without summing the layer norms' gradients
   both fail the same check;
@@ -218,11 +219,11 @@ def test_per_block_collectives_are_two_all_reduces_each_way_or_their_sp_pairs(re
         fwd, bwd = out["cases"]["tied=True vocab=256"]["runs"]["sp=True ok"]["ops"]
         ag = [op for op, _ in fwd if op == "all_gather"]
         rs = [op for op, _ in fwd if op == "reduce_scatter"]
-        assert len(ag) == 2 * n_layers + 1 and len(rs) == 2 * n_layers, fwd  # + the head's gather
-        # the only activation all-reduce left is the embedding's, before the scatter (Megatron's
-        # reduce_scatter_embeddings would make it a reduce-scatter)
-        assert [op for op, n in fwd if op == "all_reduce" and n == act] == ["all_reduce"], fwd
-        assert fwd[0] == ("all_reduce", act), fwd
+        assert len(ag) == 2 * n_layers + 1 and len(rs) == 2 * n_layers + 1, fwd  # + the head's gather
+        # no activation all-reduce is left: the embedding reduce-scatters into the sequence shard
+        # (Megatron-Core's reduce_scatter_embeddings), its backward is an all-gather
+        assert [op for op, n in fwd if op == "all_reduce" and n == act] == [], fwd
+        assert fwd[0] == ("reduce_scatter", act) and bwd[-1] == ("all_gather", act), (fwd, bwd)
 
 
 @pytest.mark.timeout(SPAWN_TIMEOUT + 30)

@@ -204,6 +204,56 @@ def test_vocab_parallel_embedding_equals_nn_embedding_bitwise(t, vocab):
         assert out["comm"] == [{"all_reduce": (1, 3 * 5 * dim * 4)}, {}], (r, out["comm"])
 
 
+def _reduce_scatter_rank(ctx, vocab: int, dim: int, batch: int, seq: int) -> dict:
+    """Sequence parallelism's embedding: my s/t positions of the lookup plus the positions, one
+    reduce-scatter forward and one all-gather backward; the token and position gradients bitwise."""
+    from refimpl.parallel.tensor_parallel import scatter_to_sequence_parallel_region
+
+    torch.set_num_threads(1)
+    t, r = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    full, pos = nn.Embedding(vocab, dim).to(ctx.device), nn.Embedding(seq, dim).to(ctx.device)
+    tokens = torch.randint(0, vocab, (batch, seq), device=ctx.device)
+    grad_out = torch.randn(batch, seq, dim, device=ctx.device)
+    mine = slice(r * seq // t, (r + 1) * seq // t)
+    positions = torch.arange(seq, device=ctx.device)
+    emb = VocabParallelEmbedding.from_embedding(full, tp_group=None, pad_vocab=True,
+                                                reduce_scatter_embeddings=True)
+    pos_ours = nn.Embedding.from_pretrained(pos.weight.detach().clone(), freeze=False)
+    with CommTracer() as tracer:
+        y = emb(tokens, pos_ours(positions))  # [b, s/t, h]
+        tracer.step()
+        (y * grad_out[:, mine]).sum().backward()
+    ref = full(tokens) + pos(positions)  # [b, s, h]
+    (ref * grad_out).sum().backward()
+    # what the all-reduce-then-scatter path held: at b = 1 the contiguous split is a view of the whole sum
+    old = VocabParallelEmbedding.from_embedding(full, tp_group=None, pad_vocab=True)
+    old_y = scatter_to_sequence_parallel_region(old(tokens, pos.weight.detach()), None)
+    real, rows = emb.num_real_rows, slice(emb.vocab_start_index, emb.vocab_end_index)
+    return {
+        "out": torch.equal(y, ref[:, mine].detach()),
+        "grad": torch.equal(emb.weight.grad[:real], full.weight.grad[rows]),
+        "position grad": torch.equal(pos_ours.weight.grad, pos.weight.grad),
+        "storage": (y.untyped_storage().nbytes(), old_y.untyped_storage().nbytes(), y.numel() * 4),
+        "comm": [{k: (v.count, v.nbytes) for k, v in s.items()} for s in (tracer.summary(step=0),
+                                                                           tracer.summary(step=1))],
+    }
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+@pytest.mark.parametrize(("t", "vocab", "batch"), [(2, 11, 1), (2, 12, 3), (4, 10, 1)])
+def test_reduce_scatter_embeddings_is_the_sequence_shard_of_the_lookup_bitwise(t, vocab, batch):
+    dim, seq = 6, 8
+    payload = batch * seq * dim * 4
+    for r, out in enumerate(run_ranks(_reduce_scatter_rank, t, vocab, dim, batch, seq, timeout_s=TIMEOUT)):
+        assert out["out"] and out["grad"] and out["position grad"], (r, out)
+        assert out["comm"] == [{"reduce_scatter": (1, payload)}, {"all_gather": (1, payload)}], (r, out)
+        ours, old, shard = out["storage"]
+        assert ours == shard, (r, out["storage"])  # the output is the shard itself
+        if batch == 1:  # negative control: the all-reduce path's split kept the whole [1, s, h] alive
+            assert old == t * shard, (r, out["storage"])
+
+
 def test_group_of_one_is_plain_embedding_and_cross_entropy_and_odd_vocab_is_refused():
     torch.manual_seed(0)
     full = nn.Embedding(11, 4)

@@ -52,7 +52,10 @@ holds ``s_c`` tokens (SP then splits ``s_c`` over ``t``). Attention saves other 
 (measured with :class:`~refimpl.measure.activations.SavedTensorMeter` on a rank of
 :func:`refimpl.parallel.context_parallel.apply_context_parallel`'s GPT, tests/test_planner_cp.py):
 
-* ring attention (Liu et al. 2023; zig-zag or contiguous, Brandon et al. 2023: the same bytes): its autograd
+* ring attention (Liu et al. 2023; the zig-zag layout, ``2 cp`` chunks with rank ``r`` holding chunks ``r``
+  and ``2 cp - 1 - r``, as Megatron-LM's context parallelism balances causal work, or contiguous: the same
+  bytes; zig-zag is not Brandon et al. 2023's Striped Attention, which deals the tokens out round-robin,
+  token ``i`` to rank ``i mod cp``): its autograd
   function saves q, k, v (views of the QKV output, ``3 p s_c bh/t``), and its merged output and
   log-sum-exp in its block dtype (``q`` bytes): ``q s_c bh/t + q a s_c b/t``; the projection's input is a
   separate copy, ``p s_c bh/t`` (the ring's ``[b, a, s_c, d]`` output is transposed to ``[b, s_c, h]``;

@@ -21,9 +21,15 @@
 * Tensor parallelism (Shoeybi et al. 2019; sequence parallelism, Korthikanti et al. 2022; chapter 06):
   :func:`tensor_parallel_collectives`, the collectives of one forward and backward of our TP GPT. Per
   block two all-reduces of ``b s h`` forward (after each row layer, ``g``) and two backward (before each
-  column layer, ``f``), each ``2 (t-1)/t b s h`` elements on the wire; with SP each becomes an all-gather
-  and a reduce-scatter of the same full tensor, ``(t-1)/t b s h`` each: the same bytes, plus one more
-  all-gather per column layer in backward (its input, saved as the ``s/t`` shard, gathered again).
+  column layer, ``f``), each ``2 (t-1)/t b s h`` elements on the wire in the ring model; with SP each
+  becomes an all-gather and a reduce-scatter of the same full tensor, ``(t-1)/t b s h`` each: the same
+  bytes, plus one more all-gather per column layer in backward (its input, saved as the ``s/t`` shard,
+  gathered again). The vocab-parallel embedding's all-reduce becomes a reduce-scatter into the sequence
+  shard (Megatron-Core's ``reduce_scatter_embeddings``): its forward traffic halves, ``(t-1)/t b s h``
+  instead of ``2 (t-1)/t b s h``, and its backward is the conjugate all-gather. The payloads (``nbytes``)
+  are what the layers hand to each call, exact; the bytes on the wire are the ring *model* of them: NCCL
+  picks ring, tree or, on NVSwitch boxes such as HGX H100, NVLS (in-switch reduction) by size and topology,
+  and those send other amounts.
 * Context parallelism (chapter 07): :func:`context_parallel_bytes`, what one rank sends for one layer's
   attention. Ring attention (Liu et al. 2023) posts ``cp - 1`` exchanges of its K/V block forward, with
   ``x = b (a/t) (s/cp) d`` elements per tensor: ``2 (cp-1) p x`` bytes, ``(cp-1)/cp`` of the whole
@@ -132,10 +138,11 @@ def tensor_parallel_collectives(*, num_layers: int, hidden_size: int, micro_batc
     Without SP (``L`` blocks, ``x = b s h`` elements): all-reduces of ``x`` forward: the vocab-parallel
     embedding's sum and each block's two row layers (``g``); backward: each block's two column layers and
     the head (``f``): ``4 L + 2`` of ``x``; plus the vocab-parallel loss's three all-reduces of ``b s``
-    (max, target logit, sum of exponentials), forward. With SP: the embedding's all-reduce and the loss's
-    three stay; each block's ``f``/``g`` pair becomes an all-gather (column input, forward; its backward a
-    reduce-scatter) and a reduce-scatter (row output, forward; its backward an all-gather), the head's input
-    is all-gathered (backward: reduce-scatter), the embedding's scatter has an all-gather backward, and
+    (max, target logit, sum of exponentials), forward. With SP: the loss's three all-reduces stay; the
+    embedding reduce-scatters its partial lookups into the sequence shard (``reduce_scatter_embeddings``;
+    backward: an all-gather); each block's ``f``/``g`` pair becomes an all-gather (column input, forward;
+    its backward a reduce-scatter) and a reduce-scatter (row output, forward; its backward an all-gather),
+    the head's input is all-gathered (backward: reduce-scatter), and
     each of the ``2 L + 1`` column layers (the head too) all-gathers its saved ``s/t`` input again in
     backward (:mod:`refimpl.parallel.tensor_parallel.sequence_parallel_linear`); after
     backward one all-reduce of ``h`` per replicated parameter that saw ``s/t`` tokens (each block's two
@@ -149,9 +156,9 @@ def tensor_parallel_collectives(*, num_layers: int, hidden_size: int, micro_batc
     if not sequence_parallel:
         return {"all_reduce": (4 * L + 2 + 3, e * ((4 * L + 2) * x + loss))}
     grads = (6 * L + 2) * hidden_size  # the s/t-token parameters, summed after backward
-    return {"all_reduce": (1 + 3 + 6 * L + 2, e * (x + loss + grads)),
+    return {"all_reduce": (3 + 6 * L + 2, e * (loss + grads)),
             "all_gather": (6 * L + 3, e * (6 * L + 3) * x),
-            "reduce_scatter": (4 * L + 1, e * (4 * L + 1) * x)}
+            "reduce_scatter": (4 * L + 2, e * (4 * L + 2) * x)}
 
 
 def context_parallel_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int, cp: int, method: str,

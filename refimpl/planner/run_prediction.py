@@ -15,16 +15,16 @@ large-scale language model training on GPU clusters using Megatron-LM", section 
   sends kept). Where the trainer saves the token ids and labels themselves (no tp, no cp), they are
   views of the step's batch window ``[B/dp, s+1]`` (``refimpl.data``'s ``batch``): its whole int64
   storage, ``8 (B/dp) (s+1)``, is held once, not the ids' and labels' ``8 b s`` each. Under sequence
-  parallelism at ``b = 1`` the embedding output's split (``narrow(...).contiguous()``, a no-op on a
-  contiguous slice) is a view of the whole ``[1, s_c, h]`` output: ``4 (t-1)/t s_c h`` more bytes held
-  (modelled without pipeline parallelism; refused with it, where it is held per micro-batch in flight);
+  parallelism the embedding's output is the reduce-scatter's ``[b, s_c/t, h]`` shard itself (no view of a
+  whole ``[b, s_c, h]``), so the planner's per-layer terms hold at every micro-batch size, ``b = 1`` too;
 * **bytes sent per step** by process group, under the keys of the trainer's ``metrics.jsonl``
   (``refimpl.train.loop``: ``"tp"``, ``"cp"``, ``"pp"``, ``"dp x cp"``; the ring model for collectives,
   :func:`~refimpl.comm.tracer.wire_bytes`, the tensors' bytes for point-to-point sends). Read from the
   trainer's code, per step with ``A`` micro-batches of ``b`` sequences, ``s_c = s/cp`` tokens each:
 
   - ``tp``: every micro-batch's tensor-parallel collectives of the rank's blocks, on the first stage the
-    vocab-parallel embedding's, on the last the head's and the vocab-parallel loss's three ``b s_c``
+    vocab-parallel embedding's (under sequence parallelism a reduce-scatter forward and an all-gather
+    backward instead of one all-reduce), on the last the head's and the vocab-parallel loss's three ``b s_c``
     all-reduces (:func:`~refimpl.planner.communication.tensor_parallel_collectives`, split by stage);
     under sequence parallelism once per step the ``s/t``-token gradients' all-reduce; the gradient norm's
     float32 scalar (clipping on);
@@ -79,7 +79,6 @@ __all__ = ["RankPrediction", "RunPrediction", "predict_run"]
 
 _SCALAR = 4  # a float32 scalar: the loss, the gradient norm's sum of squares
 WINDOW = "the step's token window [B/dp, s+1] (int64; ids and labels are views of it)"
-SP_VIEW = "the embedding output's other s_c (t-1)/t tokens behind the first block's s/t view (b = 1)"
 _TRANSIENT = ("logits + their gradient (transient)", "recomputed block (backward)")
 
 
@@ -124,9 +123,10 @@ def _tp_payloads(config: ModelConfig, *, layers: int, first: bool, last: bool, x
     f, la = int(first), int(last)
     if not sequence_parallel:  # f/g all-reduces: 4 per block, the embedding's sum, the head's f
         return {"all_reduce": 4 * (4 * layers * x + f * x + la * (x + 3 * tokens))}
-    return {"all_reduce": 4 * (f * x + la * 3 * tokens),
+    # SP: the embedding reduce-scatters into the sequence shard (backward: all-gather)
+    return {"all_reduce": 4 * la * 3 * tokens,
             "all_gather": 4 * (6 * layers + f + 2 * la) * x,
-            "reduce_scatter": 4 * (4 * layers + la) * x}
+            "reduce_scatter": 4 * (4 * layers + f + la) * x}
 
 
 def predict_run(config: ModelConfig, *, dims: ParallelDims, seq_len: int, global_batch: int,
@@ -162,10 +162,6 @@ def predict_run(config: ModelConfig, *, dims: ParallelDims, seq_len: int, global
     ranges = stage_layers(config, num_stages=num_stages, balance=pp_balance, tp=tp)
     split = {"tp": tp, "sequence_parallel": sequence_parallel, "cp": cp, "cp_method": cp_method,
              "cp_layout": cp_layout}
-    if sequence_parallel and b == 1 and pp > 1:
-        raise ValueError("predict_run does not model sequence parallelism at micro-batch 1 under pipeline "
-                         "parallelism (the first block's s/t input is then a view of the embedding's whole "
-                         "output, held per micro-batch in flight): use micro-batches of 2 or more")
     pipe = (pipeline_memory_per_rank(config, pp=pp, num_microbatches=m, schedule=pp_schedule,
                                      virtual_stages=v, micro_batch=b, seq_len=seq_len, precision=precision,
                                      balance=pp_balance, **split)
@@ -227,8 +223,6 @@ def predict_run(config: ModelConfig, *, dims: ParallelDims, seq_len: int, global
             if tp == 1 and cp == 1:  # the ids and labels of every micro-batch: views of the window
                 held["token ids, labels, positions"] -= 2 * 8 * tokens
                 held[WINDOW] = 8 * per_rank * (seq_len + 1)
-            if sequence_parallel and b == 1:
-                held[SP_VIEW] = 4 * (s_c - s_c // tp) * h
             state = state_memory_per_rank(config, dims, zero_stage=zero_stage, dp_rank=group_rank)
         ranks.append(RankPrediction(rank=rank, coords=c, state=state, activations=held, bytes_sent=sent))
     bubble = (bubble_formula(pp_schedule, pp_size=pp, num_microbatches=m, virtual_stages=v) if pp > 1

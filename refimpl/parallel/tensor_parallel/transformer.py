@@ -19,7 +19,9 @@ Recomputation in Large Transformer Models" (sequence parallelism, figure 5). On 
   ``[b, s, V/t]``, and :func:`tp_lm_loss` is the loss on it (:func:`vocab_parallel_cross_entropy`): the
   full ``[b, s, V]`` logits are never built. Position embeddings and layer norms are replicated.
 * **sequence parallelism** (``sequence_parallel=True``): between the blocks' parallel regions the
-  activations are split along the sequence (``[b, s/t, h]``): the embedding output is scattered, each
+  activations are split along the sequence (``[b, s/t, h]``): the vocab-parallel embedding reduce-scatters
+  its partial lookups into the sequence shard (Megatron-Core's ``reduce_scatter_embeddings``; backward an
+  all-gather) and adds the shard's position embeddings, each
   ``f`` / ``g`` pair becomes an all-gather (in front of the column layer) and a reduce-scatter (after the
   row layer), and the final hidden states are all-gathered before the head. Layer norms and row biases
   then see ``s/t`` tokens: their parameters carry ``sequence_parallel = True`` and
@@ -41,11 +43,7 @@ from refimpl.distributed.placement import module_shards
 from refimpl.model import GPT, Embedding, lm_loss
 from refimpl.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from refimpl.parallel.tensor_parallel.sequence_parallel_linear import linear_with_sequence_parallel_gather
-from refimpl.parallel.tensor_parallel.tp_communications import (
-    Group,
-    group_size,
-    scatter_to_sequence_parallel_region,
-)
+from refimpl.parallel.tensor_parallel.tp_communications import Group, group_size
 from refimpl.parallel.tensor_parallel.vocab_parallel import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
@@ -56,12 +54,17 @@ __all__ = ["TiedVocabParallelHead", "VocabParallelGPTEmbedding", "apply_tensor_p
 
 
 class VocabParallelGPTEmbedding(nn.Module):
-    """Token (vocab-parallel) plus position (replicated) embedding; under sequence parallelism the sum is
-    scattered along the sequence, ``[b, s, h] -> [b, s/t, h]`` (backward: an all-gather)."""
+    """Token (vocab-parallel) plus position (replicated) embedding, ``[b, s] -> [b, s, h]``; under sequence
+    parallelism the token lookups are reduce-scattered along the sequence and the shard's positions added,
+    ``[b, s] -> [b, s/t, h]`` (backward: one all-gather), as :class:`VocabParallelEmbedding` with
+    ``reduce_scatter_embeddings`` does: the output is the shard itself, no view of a whole ``[b, s, h]``."""
 
     def __init__(self, word_embeddings: VocabParallelEmbedding, position_embeddings: nn.Embedding, *,
                  sequence_parallel: bool) -> None:
         super().__init__()
+        if word_embeddings.reduce_scatter_embeddings != sequence_parallel:
+            raise ValueError("the word embeddings reduce-scatter exactly under sequence parallelism: build "
+                             "them with reduce_scatter_embeddings=sequence_parallel")
         self.word_embeddings, self.position_embeddings = word_embeddings, position_embeddings
         self.sequence_parallel = sequence_parallel
 
@@ -69,10 +72,7 @@ class VocabParallelGPTEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> [b, s, h] (SP: [b, s/t, h])
         positions = self.position_ids(input_ids.shape[1], input_ids.device)  # [s]
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)  # [b, s, h]
-        if self.sequence_parallel:
-            x = scatter_to_sequence_parallel_region(x, self.word_embeddings.tp_group)  # [b, s/t, h]
-        return x
+        return self.word_embeddings(input_ids, self.position_embeddings(positions))
 
 
 class TiedVocabParallelHead(nn.Module):
@@ -142,7 +142,8 @@ def apply_tensor_parallel(model: GPT, *, tp_group: Group, sequence_parallel: boo
     if sp:
         _mark_sequence_parallel(model.final_layernorm)
     emb = model.embedding
-    word = VocabParallelEmbedding.from_embedding(emb.word_embeddings, tp_group=tp_group, pad_vocab=pad_vocab)
+    word = VocabParallelEmbedding.from_embedding(emb.word_embeddings, tp_group=tp_group, pad_vocab=pad_vocab,
+                                                 reduce_scatter_embeddings=sp)
     model.embedding = VocabParallelGPTEmbedding(word, emb.position_embeddings, sequence_parallel=sp)
     if "position_ids" in vars(emb):  # positions already set on the instance (context parallelism) carry over
         model.embedding.position_ids = emb.position_ids

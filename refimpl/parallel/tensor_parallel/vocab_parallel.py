@@ -10,6 +10,15 @@ dimension"). With ``t`` ranks and a vocabulary of ``V`` rows, rank ``r`` holds t
   :func:`~refimpl.parallel.tensor_parallel.tp_communications.reduce_from_tensor_parallel_region` (one
   all-reduce of ``[..., h]`` forward, none backward). Exactly one term is non-zero, so the output equals
   the one-device lookup bitwise.
+  Under sequence parallelism (``reduce_scatter_embeddings=True``, Megatron-Core's name and switch) the
+  sum is **reduce-scattered** along the sequence instead: rank ``r`` receives only its ``s/t`` positions of
+  ``y``, ``[b, s/t, h]``, the shard the first block's sequence-parallel region needs, for half the
+  all-reduce's bytes (a ring sends ``(t-1)/t`` of ``[b, s, h]`` instead of ``2 (t-1)/t``); backward is the
+  conjugate all-gather of ``dy`` along the sequence. An optional replicated ``[s, h]`` term (the GPT's
+  learned position embeddings) is added to the shard, its gradient the gathered ``dy`` summed over the
+  batch (the same ``sum_to_size`` as one device's broadcast): Megatron-Core reduce-scatters only without
+  learned absolute positions (it all-reduces, adds them, then scatters); added after the collective, the
+  sum ``E[x] + P`` is the same element by element, bitwise.
 * :meth:`VocabParallelEmbedding.lm_logits`: the tied output layer, ``z_r = f(h) E_r^T`` of shape
   ``[..., V/t]`` on the **same** Parameter (``f`` = copy-to-region: identity forward, all-reduce of
   ``dh`` backward), so the embedding's and the head's gradients accumulate into one shard.
@@ -41,7 +50,10 @@ from torch import nn
 from refimpl.comm import ops
 from refimpl.distributed.placement import Box, LocalShard
 from refimpl.parallel.tensor_parallel.tp_communications import (
+    SEQUENCE_DIM,
     Group,
+    _all_gather,
+    _reduce_scatter,
     copy_to_tensor_parallel_region,
     group_rank,
     group_size,
@@ -64,13 +76,16 @@ class VocabParallelEmbedding(nn.Module):
 
     ``weight`` is ``[ceil(V/t), h]``: rows ``[vocab_start_index, vocab_start_index + ceil(V/t))`` of the
     (padded) table; the real ones end at ``vocab_end_index`` (``<= V``), the rest is padding (module
-    docstring). ``forward(x)`` is ``nn.Embedding``'s lookup, bitwise, after one all-reduce of ``[..., h]``.
+    docstring). ``forward(x)`` is ``nn.Embedding``'s lookup, bitwise, after one all-reduce of ``[..., h]``;
+    with ``reduce_scatter_embeddings`` (sequence parallelism) ``x`` is ``[b, s]`` and the output this rank's
+    ``[b, s/t, h]`` of the lookup, after one reduce-scatter along the sequence (dim 1).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: Group, pad_vocab: bool = False,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 reduce_scatter_embeddings: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.tp_group = tp_group
+        self.tp_group, self.reduce_scatter_embeddings = tp_group, reduce_scatter_embeddings
         self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.num_embeddings_per_partition = _partition(num_embeddings, self.tp_size, pad_vocab=pad_vocab)
@@ -94,28 +109,37 @@ class VocabParallelEmbedding(nn.Module):
             self.weight[self.num_real_rows:].zero_()
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, *, tp_group: Group,
-                       pad_vocab: bool = False) -> VocabParallelEmbedding:
+    def from_embedding(cls, embedding: nn.Embedding, *, tp_group: Group, pad_vocab: bool = False,
+                       reduce_scatter_embeddings: bool = False) -> VocabParallelEmbedding:
         """My row block of a full ``nn.Embedding`` (copied; padding rows zero)."""
         if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
             raise ValueError("from_embedding shards a plain nn.Embedding: padding_idx, max_norm and sparse "
                              "are not supported")
         w = embedding.weight
         out = cls(embedding.num_embeddings, embedding.embedding_dim, tp_group=tp_group, pad_vocab=pad_vocab,
-                  device=w.device, dtype=w.dtype)
+                  reduce_scatter_embeddings=reduce_scatter_embeddings, device=w.device, dtype=w.dtype)
         with torch.no_grad():
             out.weight.zero_()
             out.weight[: out.num_real_rows].copy_(w[out.vocab_start_index : out.vocab_end_index])
         return out
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        """``[...]`` token ids -> ``[..., h]``. Tokens outside ``[0, V)`` look up zeros on every rank."""
+    def forward(self, input: torch.Tensor, added: torch.Tensor | None = None) -> torch.Tensor:
+        """``[...]`` token ids -> ``[..., h]`` (``reduce_scatter_embeddings``: ``[b, s]`` -> ``[b, s/t, h]``,
+        my positions), plus ``added`` (``[s, h]``, replicated: the position embeddings) when given. Tokens
+        outside ``[0, V)`` look up zeros on every rank."""
         if self.tp_size == 1:
-            return F.embedding(input, self.weight)
+            out = F.embedding(input, self.weight)
+            return out if added is None else out + added
         outside = (input < self.vocab_start_index) | (input >= self.vocab_end_index)  # [...]
         local = (input - self.vocab_start_index).masked_fill(outside, 0)             # [...] my row index
         partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # [..., h]
-        return reduce_from_tensor_parallel_region(partial, self.tp_group)
+        if self.reduce_scatter_embeddings:
+            if input.dim() != 2:
+                raise ValueError(f"reduce_scatter_embeddings needs [batch, seq] token ids (the sequence is "
+                                 f"dim 1), got shape {tuple(input.shape)}")
+            return _ReduceScatterEmbeddings.apply(partial, added, self.tp_group)  # [b, s/t, h]
+        out = reduce_from_tensor_parallel_region(partial, self.tp_group)
+        return out if added is None else out + added
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied output layer on my shard: ``[..., h] -> [..., V/t]``, ``f(hidden) @ weight.T``.
@@ -134,6 +158,26 @@ class VocabParallelEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start_index}, "
                 f"{self.vocab_end_index}) of tp {self.tp_size}, {self.num_embeddings_per_partition} per rank")
+
+
+class _ReduceScatterEmbeddings(torch.autograd.Function):
+    """Forward: my ``s/t`` positions of ``sum_r partial_r`` (one reduce-scatter along the sequence) plus my
+    rows of the replicated ``added``; backward: the all-gather of ``dy`` along the sequence, the gradient of
+    every partial, and of ``added`` its sum over the batch."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, added: torch.Tensor | None, group: Group) -> torch.Tensor:
+        ctx.group, ctx.added_shape = group, None if added is None else added.shape
+        out = _reduce_scatter(partial, SEQUENCE_DIM, group)                   # [b, s/t, h]
+        if added is None:
+            return out
+        chunk = out.shape[SEQUENCE_DIM]
+        return out + added.narrow(0, group_rank(group) * chunk, chunk)         # + my [s/t, h] rows
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        d = _all_gather(dy, SEQUENCE_DIM, ctx.group)                           # [b, s, h]
+        return d, None if ctx.added_shape is None else d.sum_to_size(ctx.added_shape), None
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
