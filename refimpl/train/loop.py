@@ -12,6 +12,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,11 +29,13 @@ from refimpl.comm import CommTracer, ops
 from refimpl.config import ConfigError, TrainConfig
 from refimpl.data import DataError, decode, encode
 from refimpl.distributed import DistributedContext, log0, seed_everything
+from refimpl.distributed.placement import LocalShard
 from refimpl.measure import Throughput, format_bytes, format_mfu, peak_dtype, peak_memory_bytes, progress
 from refimpl.model import generate
 from refimpl.optim import lr_at, set_lr
 from refimpl.planner import flops_per_token, param_count
 from refimpl.train.args import RunOptions
+from refimpl.train.gradients import gradient_shards
 from refimpl.train.preflight import (
     check_context_parallel,
     check_fits,
@@ -75,10 +78,16 @@ def _pipeline_idle(setup) -> float:
     return idle.item() / setup.pipeline.pp_size
 
 
-def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | None = None) -> list[dict]:
+def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | None = None, *,
+          gradient_probe: Callable[[int, dict[str, LocalShard]], None] | None = None) -> list[dict]:
     """Run the optimizer steps of ``config`` (resuming from ``options.checkpoint`` when it holds a valid
     checkpoint); return the per-step records (also in metrics.jsonl; on rank 0 they include the steps of
-    earlier attempts). Raises :class:`Preempted` after the save that follows a SIGTERM."""
+    earlier attempts). Raises :class:`Preempted` after the save that follows a SIGTERM.
+
+    ``gradient_probe(step, shards)``, on every rank and step: the gradients the step hands to the
+    optimizer, reduced, before the loss scaler's check, clipping and AdamW, as boxes of the plain GPT's
+    tensors (:func:`refimpl.train.gradients.gradient_shards`; the equivalence tests compare them with one
+    device's). Read them there: the step changes them afterwards."""
     options, shrunk = survivor_layout(options or RunOptions(), ctx.world_size,
                                       restart_count=elastic.restart_count())
     if shrunk:
@@ -162,6 +171,8 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
         heartbeat.beat(step, 1, "backward and gradient reduction")
 
     def before_optimizer_step() -> None:  # the gradients of `step` are reduced
+        if gradient_probe is not None:
+            gradient_probe(step, gradient_shards(setup))
         heartbeat.beat(step, 2, "optimizer step")
 
     records: list[dict] = []
