@@ -1,4 +1,4 @@
-"""Exercises of chapter 08: pipeline parallelism, a schedule as data.
+"""Exercises of chapter 08: pipeline parallelism, a schedule as data, then run over real stages.
 
 Replace each ``raise NotImplementedError`` with your implementation, then run ``make grade CH=08`` (or
 ``python -m exercises.grade 08``) to see your score per task:
@@ -8,22 +8,33 @@ Replace each ``raise NotImplementedError`` with your implementation, then run ``
    send it makes after it, with the peer rank;
 3. ``simulate_bubble``: run the ranks' lists in simulated time (an action starts when its rank is free and
    what it needs is done) and return the timeline and the bubble, the idle share of the ranks' time
-   (Huang et al. 2019, GPipe; Qi et al. 2023 for the split backward).
+   (Huang et al. 2019, GPipe; Qi et al. 2023 for the split backward);
+4. ``run_pipeline_rank``: the executor: one rank runs its action list over its real ``GPTStage``,
+   exchanging activations and gradients with the other rank (graded on 2 processes against one device);
+5. ``linear_split_backward``: a linear layer whose backward is split as zero-bubble schedules need it, the
+   input gradient (``B``) at once and the weight gradient (``W``) deferred to later (Qi et al. 2023).
 
-Everything runs in one process, without tensors: a schedule is ``schedule[rank] = [Action, ...]`` with
+Tasks 1-3 run in one process, without tensors: a schedule is ``schedule[rank] = [Action, ...]`` with
 ``Action(kind, stage, microbatch)`` (``repr`` ``F2.3``): ``kind`` ``"F"`` (forward), ``"B"`` (backward;
 the input gradient only when the schedule also has ``"W"`` actions) or ``"W"`` (the weight gradient of a
 split backward). The model is cut into ``S = pp x v`` stages (``v`` model chunks per rank); stage ``s``
 lives on rank ``s % pp``. Dependencies: ``F`` of stage ``s`` needs ``F`` of ``s - 1`` (same micro-batch),
 ``B`` of ``s`` needs ``F`` of ``s`` and ``B`` of ``s + 1``, ``W`` needs ``B`` of its stage.
 
-You may use ``Action`` and ``P2PAction`` (the data types, below); do not import the rest of
+You may use ``Action`` and ``P2PAction`` (the data types), ``GPTStage`` (a stage of refimpl's GPT, built
+for you), ``WeightGradStore`` (the queue of deferred weight gradients), ``refimpl.model.lm_loss``,
+``refimpl.comm.ops`` and ``torch.distributed``; do not import the rest of
 ``refimpl.parallel.pipeline_parallel`` (that is the answer). Chapter 08 explains each piece.
 """
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+
 from refimpl.parallel.pipeline_parallel.schedules import Action, P2PAction
+from refimpl.parallel.pipeline_parallel.stage import GPTStage
+from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore
 
 # ---- 1: 1F1B, one rank's list ------------------------------------------------------------------------------
 
@@ -32,11 +43,12 @@ def one_f_one_b(*, rank: int, pp_size: int, num_microbatches: int) -> list[Actio
     """Rank ``rank``'s actions of a step of ``num_microbatches`` (``m``) micro-batches under 1F1B, one
     stage per rank (stage = ``rank``), in the order the rank runs them.
 
-    Warm-up: ``min(p - 1 - rank, m)`` forwards (the later the stage, the fewer); steady state: one forward,
-    then the backward of the oldest micro-batch still held; cool-down: the remaining backwards. Micro-batches
-    go in order ``0 .. m-1`` in both directions. Contract: each ``F`` and ``B`` of the rank's stage exactly
-    once, a micro-batch's ``F`` before its ``B``, at most ``p - rank`` micro-batches in flight (forwarded,
-    not yet backwarded) at any time, for ``m`` smaller than ``p`` too.
+    Contract: each ``F`` and ``B`` of the rank's stage exactly once, micro-batches in the order ``0 .. m-1``
+    in both directions, a micro-batch's ``F`` before its ``B``; at most ``p - rank`` micro-batches in
+    flight (forwarded, not yet backwarded) at any time, ``m`` smaller than ``p`` included. It is 1F1B's
+    order as the chapter draws it: the rank's first backward comes as early as the stages after it can
+    have returned that micro-batch's gradient, then forwards and backwards alternate until the forwards run
+    out, then the remaining backwards.
     """
     raise NotImplementedError("one_f_one_b: warm-up forwards, then one forward / one backward, then drain")
 
@@ -84,4 +96,67 @@ def simulate_bubble(schedule: list[list[Action]], *, costs: dict[str, float],
     raise NotImplementedError("simulate_bubble: start when the rank is free and its inputs are done")
 
 
-__all__ = ["Action", "P2PAction", "one_f_one_b", "simulate_bubble", "stage_p2p"]
+# ---- 4: the executor, one rank over its real stage ---------------------------------------------------------
+
+
+def run_pipeline_rank(actions: list[Action], *, stage: GPTStage, inputs: list[torch.Tensor],
+                      labels: list[torch.Tensor], num_tokens: int, activation_shape: tuple[int, ...],
+                      group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Run this rank's action list (``F`` and ``B`` of one stage per rank) over ``stage``; return the sum
+    of the micro-batch losses this rank computed, a detached scalar tensor (zero on every rank but the
+    last stage's).
+
+    ``stage.stage`` is this rank's index in ``group`` (``None``: the default group) and
+    ``stage.num_stages`` the number of ranks; the first stage takes token ids ``[b, s]``, every other stage
+    a float32 activation of ``activation_shape`` (``[b, s, h]``); the last returns logits ``[b, s, V]``.
+    ``inputs[i]``, ``labels[i]``: micro-batch ``i``'s token ids and labels, on the stage's device (given to
+    every rank). ``actions``: a valid list of any schedule without ``W`` (1F1B's, GPipe's, fewer
+    micro-batches than ranks included), as ``one_f_one_b`` returns it.
+
+    Contract, checked against one device running the same micro-batches through the whole model:
+
+    * afterwards every parameter of ``stage`` holds in ``.grad`` the gradient of the step's loss, summed
+      over the micro-batches, as one device's (within the spread that the order of summation makes);
+    * the step's loss is the mean over all its tokens: micro-batch ``i`` contributes the sum of its token
+      losses divided by ``num_tokens``, the tokens of the whole step (``lm_loss(logits, labels,
+      num_tokens=...)``), so that the ``m`` contributions add up to it;
+    * ranks exchange tensors point to point only (``torch.distributed`` or ``refimpl.comm.ops``), each of
+      ``activation_shape`` in float32. Messages between two ranks are matched in the order they are
+      posted, and a tensor handed to a non-blocking send must stay alive until that send completes;
+    * the call returns when this rank's work is done, no send left pending.
+
+    Trap: on GPUs (NCCL) a plain send may not return before its receiver posts the receive, so two ranks
+    that both send before they receive wait for each other (``torch.distributed.batch_isend_irecv``
+    posts a send and a receive together); the grader runs your code on CPU (gloo), where sends return.
+    """
+    raise NotImplementedError("run_pipeline_rank: walk the actions; what crosses a stage boundary, and when")
+
+
+# ---- 5: the backward split into B and W --------------------------------------------------------------------
+
+
+def linear_split_backward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          store: WeightGradStore) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (``y = x W^T + b``) whose backward is split in two, as zero-bubble
+    schedules run it: ``B``, the gradient the previous stage waits for, and ``W``, deferred.
+
+    ``x``: ``[..., in]`` with any number of leading dims; ``weight``: ``[out, in]``; ``bias``: ``[out]`` or
+    ``None``. Contract:
+
+    * forward: the value of ``F.linear(x, weight, bias)``, differentiable with respect to ``x`` and
+      ``bias``;
+    * backward (the ``B``): ``x`` and ``bias`` get their gradients at once, as autograd's full backward of
+      ``F.linear`` gives them; ``weight.grad`` is left untouched, and exactly one callable without
+      arguments is handed to ``store.push`` (which queues it under the key of the backward running, see
+      ``WeightGradStore.capture``);
+    * that callable (the ``W``, run by ``store.flush(key)``) adds this call's weight gradient to
+      ``weight.grad`` (creating it when it is ``None``). It may run any time later: after other
+      micro-batches have gone forward and backward through the same layer, and in another order than
+      theirs. Once every ``W`` of a step has run, ``weight.grad`` is the full backward's sum over the
+      micro-batches (within float32 rounding: the grader measures autograd's own distance to float64).
+    """
+    raise NotImplementedError("linear_split_backward: dX and db in backward, dW queued for later")
+
+
+__all__ = ["Action", "P2PAction", "linear_split_backward", "one_f_one_b", "run_pipeline_rank",
+           "simulate_bubble", "stage_p2p"]

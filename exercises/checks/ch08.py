@@ -1,6 +1,6 @@
 """Checks of chapter 08's exercises (``exercises/08_pipeline_parallel.py``); see exercises/grading.py.
 
-All in one process, without tensors (a schedule is data):
+Tasks 1-3 in one process, without tensors (a schedule is data):
 
 * ``one_f_one_b``: at p = 1..5 and m = 1..8 (m < p included), every rank's list is checked for what a
   schedule must be (refimpl's :func:`validate`: each ``F`` and ``B`` of the rank's stage once, ``F`` before
@@ -16,6 +16,9 @@ All in one process, without tensors (a schedule is data):
   exact in float64 whatever the order of the additions: times must be equal, the bubble within 1e-12 (one
   rounding of the final division). A deadlocking schedule must raise ``ValueError`` within 10 s.
 
+Tasks 4 and 5 (the executor on 2 ranks over real stages, the split backward) are checked in
+``ch08_stages``.
+
 ``MUTANTS`` (in ``ch08_mutants``) holds plausible wrong implementations, several per task
 (tests/test_exercises.py grades each and expects its task alone to fail).
 """
@@ -26,7 +29,8 @@ import copy
 import threading
 
 # several plausible wrong implementations per task, and an independent right one (not refimpl's)
-from exercises.checks.ch08_mutants import CORRECT, MUTANTS, ONE_F_ONE_B, P2P, SIM
+from exercises.checks.ch08_mutants import CORRECT, EXECUTOR, MUTANTS, ONE_F_ONE_B, P2P, SIM, SPLIT
+from exercises.checks.ch08_stages import check_executor, check_split_backward
 from exercises.grading import Task, load_module
 from refimpl.parallel.pipeline_parallel.schedules import Action, build_schedule, p2p_actions
 from refimpl.parallel.pipeline_parallel.simulator import Costs, ScheduleError, simulate, validate
@@ -210,6 +214,8 @@ TASKS = [
     Task(name=ONE_F_ONE_B, points=3, check=check_one_f_one_b),
     Task(name=P2P, points=3, check=check_p2p),
     Task(name=SIM, points=4, check=check_simulator),
+    Task(name=EXECUTOR, points=4, check=check_executor),
+    Task(name=SPLIT, points=3, check=check_split_backward),
 ]
 
 __all__ = ["CORRECT", "MUTANTS", "TASKS"]

@@ -5,8 +5,8 @@ only its task, must fail) and every ``CORRECT`` source (its task must pass). Eac
 that takes refimpl's answers (``exercises/reference/ch08.py``) for the other tasks and replaces one name.
 The right implementations are written here independently of refimpl (a learner's way: counters instead of
 index arithmetic, the peer as ``stage % pp_size`` inline, a dictionary of finished actions and the rank
-that ran each), and every mutant is that same code with one line changed (:func:`_mutate` insists that the
-line is there).
+that ran each, blocking receives with ``torch.distributed``, a closure per deferred weight gradient), and
+every mutant is that same code with a line or two changed (:func:`_mutate` insists that each is there).
 """
 
 from __future__ import annotations
@@ -82,6 +82,77 @@ def simulate_bubble(schedule, *, costs, p2p=0.0):
     busy = sum(e - s for ops in timeline for _, s, e in ops)
     return timeline, 1.0 - busy / (p * makespan)
 """
+_EXECUTOR = _HEADER + """
+import torch
+import torch.distributed as dist
+from refimpl.model import lm_loss
+
+
+def run_pipeline_rank(actions, *, stage, inputs, labels, num_tokens, activation_shape, group=None):
+    me, device = stage.stage, next(stage.parameters()).device
+    saved, pending = {}, []
+    total = torch.zeros((), device=device)
+    for a in actions:
+        i = a.microbatch
+        if a.kind == "F":
+            if stage.is_first:
+                x = inputs[i]
+            else:
+                x = torch.empty(activation_shape, device=device)
+                dist.recv(x, src=me - 1, group=group)
+                x.requires_grad_()
+            out = stage(x)
+            if stage.is_last:
+                out = lm_loss(out, labels[i], num_tokens=num_tokens)
+                total += out.detach()
+            else:
+                sent = out.detach().contiguous()
+                pending.append((dist.isend(sent, dst=me + 1, group=group), sent))
+            saved[i] = (x, out)
+        elif a.kind == "B":
+            x, out = saved.pop(i)
+            if stage.is_last:
+                torch.autograd.backward(out)
+            else:
+                grad = torch.empty(activation_shape, device=device)
+                dist.recv(grad, src=me + 1, group=group)
+                torch.autograd.backward(out, grad)
+            if not stage.is_first:
+                sent = x.grad.contiguous()
+                pending.append((dist.isend(sent, dst=me - 1, group=group), sent))
+    for work, _ in pending:
+        work.wait()
+    return total
+"""
+_SPLIT = _HEADER + """
+import torch
+import torch.nn.functional as F
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        ctx.save_for_backward(x, weight)
+        ctx.store, ctx.has_bias = store, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dy.matmul(weight)
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
+
+        def w(dy=dy, x=x):
+            g = dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+            weight.grad = g if weight.grad is None else weight.grad + g
+
+        ctx.store.push(w)
+        return dx, None, db, None
+
+
+def linear_split_backward(x, weight, bias, store):
+    return _Split.apply(x, weight, bias, store)
+"""
 
 
 def _mutate(source: str, old: str, new: str) -> str:
@@ -90,7 +161,8 @@ def _mutate(source: str, old: str, new: str) -> str:
 
 
 ONE_F_ONE_B, P2P, SIM = "1f1b: one rank's list", "stage_p2p: sends and receives", "simulate_bubble"
-CORRECT = {ONE_F_ONE_B: _1F1B, P2P: _P2P, SIM: _SIM}
+EXECUTOR, SPLIT = "run_pipeline_rank: the executor", "linear_split_backward: B and W"
+CORRECT = {ONE_F_ONE_B: _1F1B, P2P: _P2P, SIM: _SIM, EXECUTOR: _EXECUTOR, SPLIT: _SPLIT}
 MUTANTS = {
     ONE_F_ONE_B: [
         _mutate(_1F1B, 'out.append(Action("F", rank, f)); f += 1\n        out.append(Action("B", rank, b)); '
@@ -120,5 +192,18 @@ MUTANTS = {
                 "busy = sum(ops[-1][2] for ops in timeline)"),  # a rank's waits counted as busy
         _mutate(_SIM, "busy = sum(e - s for ops in timeline for _, s, e in ops)",
                 "busy = sum(e - s for _, s, e in timeline[0])"),  # only one rank's work
+    ],
+    EXECUTOR: [
+        _mutate(_EXECUTOR, "num_tokens=num_tokens)", "num_tokens=labels[i].numel())"),  # per micro-batch
+        _mutate(_EXECUTOR, "    for a in actions:", "    for a in actions[:-1]:"),  # drops the last backward
+        _mutate(_EXECUTOR, "                x.requires_grad_()\n", ""),  # the chain cut at the stage's input
+    ],
+    SPLIT: [
+        _mutate(_mutate(_SPLIT, "        ctx.save_for_backward(x, weight)\n",
+                        "        ctx.save_for_backward(x, weight)\n        weight.last_input = x\n"),
+                "def w(dy=dy, x=x):", "def w(dy=dy, x=weight.last_input):"),  # the latest forward's input
+        _mutate(_SPLIT, "        ctx.store.push(w)", "        w()"),  # dW computed in B: nothing deferred
+        _mutate(_SPLIT, "weight.grad = g if weight.grad is None else weight.grad + g",
+                "weight.grad = g"),  # each W overwrites the previous micro-batch's
     ],
 }

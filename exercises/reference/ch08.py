@@ -2,14 +2,23 @@
 
 1F1B's list is refimpl's :func:`build_schedule`'s, the transfers its :func:`p2p_actions`, the simulator its
 :func:`simulate` (the micro-batch and stage counts read off the schedule; ``costs`` per kind mapped onto
-:class:`Costs`, where a ``B`` without ``W`` s costs ``backward + weight``). The grader's self-test grades
+:class:`Costs`, where a ``B`` without ``W`` s costs ``backward + weight``), the executor its
+:func:`run_schedule` over the rank's one stage, the split linear :func:`linear_deferred_weight`, which
+:func:`defer_weight_gradients` puts into every ``nn.Linear`` of a stage. The grader's self-test grades
 this module and expects full marks (tests/test_exercises.py).
 """
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+
+from refimpl.model import lm_loss
+from refimpl.parallel.pipeline_parallel.executor import run_schedule
 from refimpl.parallel.pipeline_parallel.schedules import Action, P2PAction, build_schedule, p2p_actions
 from refimpl.parallel.pipeline_parallel.simulator import Costs, simulate
+from refimpl.parallel.pipeline_parallel.stage import GPTStage
+from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, linear_deferred_weight
 
 
 def one_f_one_b(*, rank: int, pp_size: int, num_microbatches: int) -> list[Action]:
@@ -36,4 +45,21 @@ def simulate_bubble(schedule: list[list[Action]], *, costs: dict[str, float],
     return sim.timeline, sim.bubble
 
 
-__all__ = ["Action", "P2PAction", "one_f_one_b", "simulate_bubble", "stage_p2p"]
+def run_pipeline_rank(actions: list[Action], *, stage: GPTStage, inputs: list[torch.Tensor],
+                      labels: list[torch.Tensor], num_tokens: int, activation_shape: tuple[int, ...],
+                      group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """refimpl's executor on this rank's one stage."""
+    return run_schedule(actions, stages={stage.stage: stage}, pp_group=group, pp_size=stage.num_stages,
+                        inputs=inputs, labels=labels,
+                        loss_fn=lambda logits, y: lm_loss(logits, y, num_tokens=num_tokens),
+                        activation_shape=activation_shape, activation_dtype=torch.float32)
+
+
+def linear_split_backward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          store: WeightGradStore) -> torch.Tensor:
+    """refimpl's linear with the deferred weight gradient."""
+    return linear_deferred_weight(x, weight, bias, store)
+
+
+__all__ = ["Action", "P2PAction", "linear_split_backward", "one_f_one_b", "run_pipeline_rank",
+           "simulate_bubble", "stage_p2p"]

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["WeightGradStore", "defer_weight_gradients"]
+__all__ = ["WeightGradStore", "defer_weight_gradients", "linear_deferred_weight"]
 
 
 class WeightGradStore:
@@ -86,12 +86,19 @@ class _LinearDeferredWeight(torch.autograd.Function):
         return dx, None, db, None
 
 
+def linear_deferred_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           store: WeightGradStore) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` whose backward gives ``dX = dY W`` and the bias gradient and queues
+    ``dW = dY^T X`` in ``store`` (under the key of the running :meth:`WeightGradStore.capture`)."""
+    return _LinearDeferredWeight.apply(x, weight, bias, store)
+
+
 def defer_weight_gradients(module: nn.Module, store: WeightGradStore) -> nn.Module:
     """Make every ``nn.Linear`` in ``module`` queue its weight gradient in ``store`` (in place)."""
     for linear in module.modules():
         if isinstance(linear, nn.Linear):
             def forward(x: torch.Tensor, _lin: nn.Linear = linear) -> torch.Tensor:
-                return _LinearDeferredWeight.apply(x, _lin.weight, _lin.bias, store)
+                return linear_deferred_weight(x, _lin.weight, _lin.bias, store)
 
             linear.forward = forward
     return module
