@@ -8,7 +8,10 @@ Replace each ``raise NotImplementedError`` with your implementation, then run ``
    pipeline outermost; chapter 10, section 1);
 2. ``state_bytes_per_gpu``: the bytes of weights, gradients and optimizer state one GPU holds for a model
    of ``N`` parameters laid out as ``dp x cp x tp x pp`` with ZeRO stage 0-3 and mixed-precision AdamW
-   (Rajbhandari et al. 2020; chapter 10, section 4).
+   (Rajbhandari et al. 2020; chapter 10, section 4);
+3. ``gradient_average_group`` and ``counted_in_grad_norm``: over which ranks a rank's gradients are
+   averaged, and which of the gradients a rank holds enter the global gradient norm once (Megatron-LM's
+   ``get_grad_norm_fp32``; chapters 06, 08 and 10).
 
 Everything is integer or float arithmetic in one process. You may use :class:`StateMemory` (the data
 type of the answer of task 2); do not import ``refimpl.distributed.mesh`` or ``refimpl.planner`` (that is the
@@ -61,4 +64,37 @@ def state_bytes_per_gpu(num_params: float, *, dp: int, cp: int, tp: int, pp: int
     raise NotImplementedError("state_bytes_per_gpu: 2 + 2 + 12 bytes per parameter of the GPU's share")
 
 
-__all__ = ["StateMemory", "axis_groups", "rank_coordinates", "state_bytes_per_gpu"]
+# ---- 3: gradients under a composed layout --------------------------------------------------------------
+
+
+def gradient_average_group(rank: int, *, dp: int, cp: int, tp: int, pp: int) -> tuple[int, ...]:
+    """The ranks (ascending, ``rank`` among them) whose gradients of ``rank``'s parameters are averaged
+    with ``rank``'s after backward, on the grid of task 1 with ZeRO 0-2 (no expert parallelism).
+
+    Contract: the averaging runs over exactly the ranks that hold a replica of the same parameter shards
+    and see different tokens; ranks that hold other shards or other layers are never in it. Graded against
+    the process group the trainer averages over.
+    """
+    raise NotImplementedError("gradient_average_group: which axes replicate the weights?")
+
+
+def counted_in_grad_norm(name: str, *, stage: int, pp: int, tp_rank: int, tp: int, tied: bool) -> bool:
+    """Whether this rank adds the squares of its gradient of parameter ``name`` to its partial sum of the
+    global gradient norm ``||g||^2`` (the partial sums are then all-reduced over the tp and pp groups; ZeRO
+    0, so the dp x cp replicas hold the same, already averaged, gradients and are not summed).
+
+    ``name`` is the parameter's name in the plain GPT (``refimpl.model.GPT.named_parameters()``, e.g.
+    ``"layers.3.mlp.dense_4h_to_h.bias"``), held by pipeline stage ``stage`` of ``pp`` on tensor-parallel
+    rank ``tp_rank`` of ``tp``, with Megatron's column-, row- and vocabulary-parallel layers (chapter 06).
+    ``tied``: the output layer reuses the word embedding; under ``pp > 1`` the last stage then holds a copy
+    of ``"embedding.word_embeddings.weight"`` (under that name) whose gradient is summed with the first
+    stage's.
+
+    Contract: every element of the model's gradient enters the norm exactly once over all ranks. Graded
+    by the norm refimpl's trainer computes from random gradients at a composed layout.
+    """
+    raise NotImplementedError("counted_in_grad_norm: which gradients does another rank also hold?")
+
+
+__all__ = ["StateMemory", "axis_groups", "counted_in_grad_norm", "gradient_average_group", "rank_coordinates",
+           "state_bytes_per_gpu"]

@@ -13,13 +13,26 @@ All in one process, integer and float arithmetic:
   then on a grid of layouts and stages against :func:`refimpl.planner.zero_memory_paper` of the GPU's
   share, relative error 1e-12; ``zero_stage = 4`` raises ``ValueError``.
 
-``MUTANTS``: plausible wrong implementations, one per task (tests/test_exercises.py grades each and expects
-its task alone to fail): tp taken as the outermost axis; ZeRO sharded over dp only (cp forgotten).
+* ``gradient_average_group`` / ``counted_in_grad_norm``: graded against refimpl's trainer code on 8 ranks
+  (:func:`refimpl.launch.run_ranks`, once per process): at dp 1 x cp 2 x tp 2 x pp 2 each rank runs
+  :func:`refimpl.parallel.parallelize.parallelize` and the trainer's optimizer setup
+  (:func:`refimpl.parallel.optimizer_setup.build_optimizer_setup`) on a tied and an untied GPT, reports the
+  ranks of the process group it averages gradients over, and fills every gradient it holds with random
+  values of a random norm; the global norm the trainer's clipping computes must equal the one the learner's
+  counting gives (relative 1e-5; one gradient counted twice or not at all moves it by about 1%). The average
+  group is also checked against :meth:`refimpl.distributed.ParallelDims.groups_of` over the grid of layouts.
+
+``MUTANTS``: plausible wrong implementations, one per task or a list (tests/test_exercises.py grades each and
+expects its task alone to fail): tp taken as the outermost axis; ZeRO sharded over dp only (cp forgotten);
+gradients averaged over dp only (cp forgotten), replicated parameters counted on every tp rank, the tied
+embedding's pipeline copy counted twice.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 
 from exercises.grading import Task, load_module
 from refimpl.distributed import ParallelDims
@@ -100,9 +113,91 @@ def check_state(path: str) -> None:
     assert _raises_value_error(fn, 1e9, dp=2, cp=1, tp=1, pp=1, zero_stage=4), "ZeRO-4 must raise ValueError"
 
 
+# ---- task 3: the gradients' average group and the norm's counting, against the trainer's code -------------
+
+RUN_LAYOUT = {"dp": 1, "cp": 2, "tp": 2, "pp": 2}
+
+
+def _gradients_on_rank(ctx, layout: dict) -> dict:
+    """This rank's average group and, per tie setting, its stage, its gradients' squared norms by name and
+    the global norm the trainer's clipping computes from them."""
+    import torch
+    import torch.distributed as dist
+
+    from refimpl.config import ModelConfig, OptimConfig
+    from refimpl.model import GPT
+    from refimpl.parallel.optimizer_setup import build_optimizer_setup
+    from refimpl.parallel.parallelize import ParallelizeOptions, parallelize
+
+    groups = ParallelDims(**layout).build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=60)
+    out: dict = {}
+    for tied in (True, False):
+        config = ModelConfig(vocab_size=64, num_layers=4, hidden_size=16, num_attention_heads=2,
+                             max_seq_len=8, tie_word_embeddings=tied)
+        par = parallelize(GPT(config), groups, ParallelizeOptions())
+        setup = build_optimizer_setup(par, OptimConfig(grad_clip=1e9))
+        out["group"] = tuple(dist.get_process_group_ranks(par.group))
+        gen = torch.Generator().manual_seed(1000 * ctx.rank + tied)
+        squares = {}
+        for name, p in par.pipeline.named_parameters_full():
+            g = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            norm2 = 1 + float(torch.rand((), generator=gen, dtype=torch.float64))  # in [1, 2): none alike
+            p.grad = (g * math.sqrt(norm2) / g.norm()).to(p.dtype)
+            squares[name] = float(p.grad.double().square().sum())
+        (stage,) = par.pipeline.stage_ids
+        out[tied] = {"stage": stage, "squares": squares, "norm": float(setup.clip_fn(None))}
+    return out
+
+
+@functools.cache
+def _trainer_gradients() -> tuple[dict, ...]:
+    """The 8 ranks' reports (one run per process: every graded module is compared with the same run)."""
+    from refimpl.launch import run_ranks
+
+    world = math.prod(RUN_LAYOUT.values())
+    return tuple(run_ranks(_gradients_on_rank, world, RUN_LAYOUT, timeout_s=120))
+
+
+def check_gradients(path: str) -> None:
+    module = load_module(path)
+    average, counted = module.gradient_average_group, module.counted_in_grad_norm
+    counted("final_layernorm.weight", stage=0, pp=1, tp_rank=0, tp=1, tied=False)  # a stub raises here
+    for layout in LAYOUTS:
+        ref = ParallelDims(**layout)
+        for rank in range(ref.world_size):
+            want = next(g for g in ref.groups_of("dp", "cp") if rank in g)
+            got = average(rank, **layout)
+            assert tuple(got) == want, (
+                f"{ref.describe()}, rank {rank}: gradients averaged over {tuple(got)}, the trainer's group "
+                f"is {want}")
+    reports = _trainer_gradients()
+    dims = ParallelDims(**RUN_LAYOUT)
+    for rank, report in enumerate(reports):
+        got = tuple(average(rank, **RUN_LAYOUT))
+        assert got == report["group"], (
+            f"at {dims.describe()}, rank {rank}: gradients averaged over {got}, the trainer's process group "
+            f"holds {report['group']}")
+    for tied in (True, False):
+        for c in range(RUN_LAYOUT["cp"]):  # the norm is all-reduced over tp and pp: one per cp coordinate
+            ranks = [r for r in range(dims.world_size) if dims.coordinates(r).cp == c]
+            total = 0.0
+            for rank in ranks:
+                report = reports[rank][tied]
+                for name, square in report["squares"].items():
+                    if counted(name, stage=report["stage"], pp=RUN_LAYOUT["pp"],
+                               tp_rank=dims.coordinates(rank).tp, tp=RUN_LAYOUT["tp"], tied=tied):
+                        total += square
+            yours, trainer = math.sqrt(total), reports[ranks[0]][tied]["norm"]
+            assert abs(yours - trainer) <= 1e-5 * trainer, (
+                f"at {dims.describe()} ({'tied' if tied else 'untied'} embeddings, random gradients on the "
+                f"ranks {ranks}): your counting gives ||g|| = {yours:.6f}, the trainer's clipping computes "
+                f"{trainer:.6f}: some gradient is counted on more than one rank, or on none")
+
+
 TASKS = [
     Task(name="rank_coordinates, axis_groups", points=3, check=check_grid),
     Task(name="state_bytes_per_gpu", points=2, check=check_state),
+    Task(name="gradient_average_group, counted_in_grad_norm", points=3, check=check_gradients),
 ]
 
 _HEADER = "from exercises.reference.ch10 import *  # noqa: F403\n"
@@ -126,4 +221,23 @@ MUTANTS = {
         "                       grads=2 * share / (dp if zero_stage >= 2 else 1),\n"
         "                       optimizer=12 * share / (dp if zero_stage >= 1 else 1))\n"
     ),
+    "gradient_average_group, counted_in_grad_norm": [
+        _HEADER + (
+            "from refimpl.distributed import ParallelDims\n"
+            "def gradient_average_group(rank, *, dp, cp, tp, pp):  # over dp only: cp forgotten\n"
+            "    dims = ParallelDims(dp=dp, cp=cp, tp=tp, pp=pp)\n"
+            "    return next(g for g in dims.groups_of('dp') if rank in g)\n"
+        ),
+        _HEADER + (
+            "from exercises.reference import ch10 as _ref\n"
+            "def counted_in_grad_norm(name, *, stage, pp, tp_rank, tp, tied):  # replicas counted tp times\n"
+            "    return _ref.counted_in_grad_norm(name, stage=stage, pp=pp, tp_rank=0, tp=tp, tied=tied)\n"
+        ),
+        _HEADER + (
+            "from exercises.reference import ch10 as _ref\n"
+            "def counted_in_grad_norm(name, *, stage, pp, tp_rank, tp, tied):  # the tied copy counted too\n"
+            "    return _ref.counted_in_grad_norm(name, stage=stage, pp=pp, tp_rank=tp_rank, tp=tp,\n"
+            "                                     tied=False)\n"
+        ),
+    ],
 }

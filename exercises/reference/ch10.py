@@ -2,13 +2,18 @@
 
 The grid is :class:`refimpl.distributed.ParallelDims` (``coordinates``, ``groups_of``), the state per GPU
 the planner's :func:`refimpl.planner.zero_memory_paper` applied to the GPU's ``N / (tp pp)`` parameters and
-the ``dp x cp`` ZeRO group. The grader's self-test grades this module and expects full marks
+the ``dp x cp`` ZeRO group; the gradient average over the ``dp x cp`` group
+(:data:`refimpl.distributed.mesh.LOSS_AXES`), the norm's counting by the rule of
+:mod:`refimpl.parallel.tensor_parallel.grad_norm` (a replicated parameter on tp rank 0, a sharded one on every
+rank) and :meth:`refimpl.parallel.pipeline_parallel.PipelineModule.is_tied_copy` (the last stage's copy of a
+tied embedding left out). The grader's self-test grades this module and expects full marks
 (tests/test_exercises.py).
 """
 
 from __future__ import annotations
 
 from refimpl.distributed import ParallelDims
+from refimpl.distributed.mesh import LOSS_AXES
 from refimpl.measure.state import StateMemory
 from refimpl.planner import zero_memory_paper
 
@@ -30,4 +35,26 @@ def state_bytes_per_gpu(num_params: float, *, dp: int, cp: int, tp: int, pp: int
     return zero_memory_paper(num_params / (tp * pp), dp * cp, zero_stage)
 
 
-__all__ = ["StateMemory", "axis_groups", "rank_coordinates", "state_bytes_per_gpu"]
+# the plain GPT's parameters that Megatron's layers split over tp (chapter 06): column-parallel weights and
+# biases, row-parallel weights, the vocabulary-parallel embedding and an untied column-parallel output layer
+_TP_SHARDED = ("self_attention.query_key_value.weight", "self_attention.query_key_value.bias",
+               "self_attention.dense.weight", "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias",
+               "mlp.dense_4h_to_h.weight", "embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def gradient_average_group(rank: int, *, dp: int, cp: int, tp: int, pp: int) -> tuple[int, ...]:
+    """The ``dp x cp`` group of ``rank`` (the trainer's ``Parallelized.group``)."""
+    dims = ParallelDims(dp=dp, cp=cp, tp=tp, pp=pp)
+    return next(g for g in dims.groups_of(*LOSS_AXES) if rank in g)
+
+
+def counted_in_grad_norm(name: str, *, stage: int, pp: int, tp_rank: int, tp: int, tied: bool) -> bool:
+    """A tp-sharded gradient on every tp rank, a replicated one on tp rank 0; the tied copy never."""
+    if tied and pp > 1 and stage == pp - 1 and name == "embedding.word_embeddings.weight":
+        return False
+    sharded = tp > 1 and name.endswith(_TP_SHARDED)
+    return sharded or tp_rank == 0
+
+
+__all__ = ["StateMemory", "axis_groups", "counted_in_grad_norm", "gradient_average_group", "rank_coordinates",
+           "state_bytes_per_gpu"]
