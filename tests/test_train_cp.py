@@ -23,7 +23,13 @@ import torch.distributed as dist
 from refimpl.data import make_corpus_file
 from refimpl.launch import run_ranks
 from refimpl.train import build_parser, config_from_args, options_from_args, train
-from tests.one_device import assert_trains_like_one_device, one_device_losses, tolerance
+from tests.one_device import (
+    assert_gradients_like_one_device,
+    assert_trains_like_one_device,
+    first_step_gradients,
+    one_device_losses,
+    tolerance,
+)
 
 SPAWN_TIMEOUT_S = 420
 FACTOR = 4.0
@@ -59,7 +65,10 @@ def _worker(ctx, files: dict) -> dict:
     out = {}
     for name, (flags, _) in LAYOUTS.items():
         args = _args(files, root / name, *flags, "--checkpoint-dir", str(root / name / "ckpt"))
-        out[name] = [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args))]
+        grads: dict = {}
+        out[name] = [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args),
+                                              gradient_probe=first_step_gradients(grads))]
+        out[name, "grads"] = grads
     if ctx.rank == 0:  # the cp 2 x dp 2 checkpoint of step STEPS alone, resumed at dp 4 below
         shutil.copytree(root / "cp2-dp2-zero1-ring" / "ckpt", root / "resumed-checkpoints")
         shutil.rmtree(root / "resumed-checkpoints" / f"step_{STEPS + 2:08d}")
@@ -94,6 +103,18 @@ def _tolerance(one_device: dict, precision: str) -> float:
 def test_context_parallel_layouts_train_like_one_device(runs, one_device, name):
     assert_trains_like_one_device([out[name] for out in runs], one_device, LAYOUTS[name][1], factor=FACTOR,
                                   name=name)
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_context_parallel_layouts_hand_the_optimizer_one_devices_gradients(runs, one_device, name):
+    """The first step's gradients before clipping and AdamW, every rank's boxes against one device's
+    (tests/one_device.py); negative control: the same gradients x 2 (a sum over two replicas, not the
+    mean) fail."""
+    worst = assert_gradients_like_one_device([out[name, "grads"] for out in runs], one_device,
+                                             LAYOUTS[name][1], factor=FACTOR, name=name, control=2.0)
+    print(f"{name}: worst gradient difference {worst:.3f} x its tolerance")
 
 
 @pytest.mark.numerics

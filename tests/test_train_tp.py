@@ -26,7 +26,13 @@ from refimpl.launch import run_ranks
 from refimpl.model import GPT
 from refimpl.parallel.tensor_parallel import apply_tensor_parallel, full_state_dict
 from refimpl.train import build_parser, config_from_args, options_from_args, train
-from tests.one_device import assert_trains_like_one_device, one_device_losses, tolerance
+from tests.one_device import (
+    assert_gradients_like_one_device,
+    assert_trains_like_one_device,
+    first_step_gradients,
+    one_device_losses,
+    tolerance,
+)
 
 SPAWN_TIMEOUT_S = 420
 FACTOR = 4.0
@@ -69,8 +75,11 @@ def _worker(ctx, files: dict) -> dict:
     out = {}
     for name, (flags, _) in LAYOUTS.items():
         args = _args(files, root / name, *flags, "--checkpoint-dir", str(root / name / "ckpt"))
-        records = train(config_from_args(args), ctx, options_from_args(args))
+        grads: dict = {}
+        records = train(config_from_args(args), ctx, options_from_args(args),
+                        gradient_probe=first_step_gradients(grads))
         out[name] = [r["loss"] for r in records]
+        out[name, "grads"] = grads
         out[name, "bytes"] = [r["bytes_sent"] for r in records]
     if ctx.rank == 0:  # the tp 2 x dp 2 checkpoint of step STEPS alone
         shutil.copytree(root / "tp2-dp2-zero1" / "ckpt", root / "tp2-checkpoint")
@@ -118,6 +127,18 @@ def _tolerance(one_device: dict, precision: str) -> float:
 def test_tensor_parallel_layouts_train_like_one_device(runs, one_device, name):
     assert_trains_like_one_device([out[name] for out in runs], one_device, LAYOUTS[name][1], factor=FACTOR,
                                   name=name)
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_tensor_parallel_layouts_hand_the_optimizer_one_devices_gradients(runs, one_device, name):
+    """The first step's gradients before clipping and AdamW, every rank's boxes against one device's
+    (tests/one_device.py); negative control: the same gradients x 2 (a sum over two replicas, not the
+    mean) fail."""
+    worst = assert_gradients_like_one_device([out[name, "grads"] for out in runs], one_device,
+                                             LAYOUTS[name][1], factor=FACTOR, name=name, control=2.0)
+    print(f"{name}: worst gradient difference {worst:.3f} x its tolerance")
 
 
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
