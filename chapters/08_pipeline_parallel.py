@@ -102,14 +102,18 @@ for p in (2, 4, 8):
 # `build_schedule(name, pp_size=p, num_microbatches=m, virtual_stages=v)` returns one ordered list of
 # actions per rank, `Action(kind, stage, microbatch)` printed as `F2.3` (forward of micro-batch 3 on
 # stage 2), `B`, `W`. Nothing else is data: the sends and receives follow from the stage graph
-# (`p2p_actions`). Rank 0 and the last rank of 1F1B at p = 4, m = 8:
+# (`p2p_actions`). Rank 0 and the last rank of GPipe at p = 4, m = 8, and rank 0 of interleaved 1F1B with
+# $v = 2$ chunks (stages 0 and 4). 1F1B's lists are drawn below but not printed: writing them is task 1 of
+# this chapter's exercise (`exercises/08_pipeline_parallel.py`, end of the chapter), as are the transfers
+# (task 2) and the simulator (task 3).
 
 # %%
 P, M_SHOW, V_SHOW = 4, 8, 2
-one_f_one_b = build_schedule("1f1b", pp_size=P, num_microbatches=M_SHOW)
+gpipe = build_schedule("gpipe", pp_size=P, num_microbatches=M_SHOW)
 for r in (0, P - 1):
-    print(f"1f1b rank {r}:", " ".join(map(repr, one_f_one_b[r])))
-print("zbh1 rank 1:", " ".join(map(repr, build_schedule("zbh1", pp_size=P, num_microbatches=M_SHOW)[1])))
+    print(f"gpipe rank {r}:", " ".join(map(repr, gpipe[r])))
+interleaved = build_schedule("interleaved", pp_size=P, num_microbatches=M_SHOW, virtual_stages=V_SHOW)
+print("interleaved rank 0:", " ".join(map(repr, interleaved[0])))
 
 # %% [markdown]
 # `simulate` runs the lists as the ranks would, with no process: an action starts when its rank is free and
@@ -214,7 +218,8 @@ assert simulate(good, num_microbatches=2).makespan > 0  # the good list runs
 # {0, 1} and {2, 3} are two pipelines running the same experiment side by side. Every rank builds the same
 # GPT (8 blocks, seeded), keeps its stages (`build_stages`: stage $s$ on rank $s \bmod p$, the embedding
 # with the first, the final LayerNorm and the head with the last), and runs its action list over the same
-# 4 micro-batches (`run_schedule`). Each micro-batch's loss is its token-loss sum divided by the tokens of
+# 4 micro-batches (`run_schedule`; an executor for one stage per rank is task 4 of the exercise, the
+# linear layer whose backward ZB-H1 splits task 5). Each micro-batch's loss is its token-loss sum divided by the tokens of
 # the whole step, so the micro-batch losses add up to the step's mean (chapter 03's rule).
 #
 # The reference is the same model on one device, the micro-batches accumulated in order, computed on every
@@ -515,6 +520,9 @@ ours_inter = simulated("interleaved", p=4, m=8, v=2)
 for what, sim in (("PyTorch interleaved zero bubble, v = 2", torch_zb2), ("our ZB-H1", ours_zb),
                   ("our interleaved 1F1B, v = 2", ours_inter)):
     print(f"{what:40s}: bubble {sim.bubble:.3f}, micro-batches in flight per rank {sim.peak_in_flight}")
+assert torch_zb2.bubble < min(ours_zb.bubble, ours_inter.bubble)
+whole = [k / 2 for k in torch_zb2.peak_in_flight]  # half-size stages counted as whole ones
+assert whole == ours_zb.peak_in_flight and all(whole[r] < ours_inter.peak_in_flight[r] / 2 for r in (0, 1))
 
 # %% [markdown]
 # PyTorch's two-chunk zero-bubble table has the smallest bubble of the three. Its "in flight" counts
@@ -923,14 +931,22 @@ ranks.stop()
 #
 # ## Exercise
 #
-# Open `exercises/08_pipeline_parallel.py`: write the 1F1B action list, a stage's send/receive step and the
-# bubble simulator. Grade your work with
+# Open `exercises/08_pipeline_parallel.py` and write, graded per task:
+#
+# 1. `one_f_one_b`: one rank's 1F1B action list (checked for validity, the $p - r$ memory bound and
+#    against section 2's lists, $m < p$ included);
+# 2. `stage_p2p`: the receive an action waits for and the send it makes (every send must meet its receive);
+# 3. `simulate_bubble`: section 2's simulator (a deadlock must be refused);
+# 4. `run_pipeline_rank`: the executor, one rank running its list over its real `GPTStage` and exchanging
+#    activations and gradients with the other rank: on 2 processes, every gradient must equal one device's
+#    (section 3's proof, for your code);
+# 5. `linear_split_backward`: ZB-H1's split backward for a linear layer: the input gradient in `B`, the
+#    weight gradient deferred to a `W` that runs later, after other micro-batches, and must still equal the
+#    full backward's.
 #
 # ```
 # make grade CH=08
 # ```
-#
-# (a schedule that backwards before it forwards must be refused).
 #
 # ## Questions
 #
