@@ -6,13 +6,34 @@ builds a :class:`DistributedContext`: NCCL and ``cuda:LOCAL_RANK`` when CUDA is 
 CPU with one thread per rank. A missing environment means a single process (world size 1), so the same
 script runs under ``python`` and under ``torchrun``. Every collective gets an explicit timeout so a rank
 that dies or stalls turns into an error instead of a hang.
+
+**A rank never outlives its launcher** (:func:`exit_with_parent`). A launcher that is SIGKILLed (a job
+timeout, ``kill -9``, an OOM kill) cannot stop its ranks, and a rank blocked in a receive would wait there
+until killed by hand. So a rank started by ``torchrun`` (``TORCHELASTIC_RUN_ID`` in the environment) asks,
+when :func:`init_distributed` sets it up, to die with its parent: on
+Linux the kernel sends it SIGKILL when the parent exits (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, through
+ctypes); elsewhere a daemon thread polls ``os.getppid()`` every half second and SIGKILLs the rank when it
+changes. Right after, the parent is compared with the one read before the request: a parent that died in
+between is not watched by the kernel any more, so the rank exits at once. What stays open is the time
+before :func:`init_distributed` runs (the interpreter's start and ``import torch``, a second or two): a
+launcher killed then leaves a rank whose parent is already the reaper; it fails at its first collective,
+within the timeout. Under ``PR_SET_PDEATHSIG`` "the parent" is the thread that forked the rank: torchrun
+forks from its main thread. The ranks of :func:`refimpl.launch.run_ranks` are not the caller's children
+(a fork server's, which outlives the caller as long as they live): they watch the caller by its pid
+(:func:`exit_with_process`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
+import select
+import signal
 import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -55,8 +76,116 @@ def choose_device(local_rank: int, local_world_size: int | None = None) -> tuple
     return torch.device("cpu"), "gloo"
 
 
-def init_distributed(*, timeout_s: float = 300.0, backend: str | None = None) -> DistributedContext:
-    """Initialise the default process group from the environment (or a world of one without it)."""
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>: the signal this process gets when its parent thread exits
+
+
+def set_parent_death_signal(sig: int = 9) -> bool:
+    """Linux: ``prctl(PR_SET_PDEATHSIG, sig)`` (default 9, SIGKILL) through ctypes; True if the kernel took
+    it, False elsewhere.
+
+    It survives ``execve`` (so a ``preexec_fn`` can give it to a child program), not ``fork``."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(int(sig)), ctypes.c_ulong(0),
+                          ctypes.c_ulong(0), ctypes.c_ulong(0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _kill_self() -> None:
+    """SIGKILL this process, as the kernel's death signal would (Windows has no SIGKILL: terminate)."""
+    os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
+
+
+def _poll_parent(parent: int, poll_s: float) -> None:
+    while os.getppid() == parent:
+        time.sleep(poll_s)
+    _kill_self()
+
+
+def exit_with_parent(parent_pid: int | None = None, *, use_prctl: bool = True, poll_s: float = 0.5) -> str:
+    """Make this process die when its parent does (module docstring); returns how: "prctl" or "poll".
+
+    ``parent_pid``: the parent expected (default: ``os.getppid()`` now). The race is closed by looking
+    again after the request: a parent other than the expected one means it is already gone (the rank was
+    handed to a reaper), and this process kills itself. ``use_prctl=False`` takes the fallback of systems
+    without ``prctl`` (a daemon thread polling ``os.getppid()`` every ``poll_s``), e.g. to test it."""
+    parent = os.getppid() if parent_pid is None else parent_pid
+    how = "prctl" if use_prctl and set_parent_death_signal() else "poll"
+    if how == "poll":
+        threading.Thread(target=_poll_parent, args=(parent, poll_s), name="exit-with-parent",
+                         daemon=True).start()
+    if os.getppid() != parent:  # the parent died before anything watched it
+        _kill_self()
+    return how
+
+
+def _poll_process(pid: int, poll_s: float) -> None:
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        except PermissionError:  # it exists, under another user
+            pass
+        time.sleep(poll_s)
+    _kill_self()
+
+
+def _wait_pidfd(fd: int) -> None:
+    select.select([fd], [], [])  # readable once the process has exited (a zombie counts)
+    _kill_self()
+
+
+def exit_with_process(pid: int, *, poll_s: float = 0.5) -> str:
+    """Make this process die when process ``pid`` (not its parent) exits; returns how: "pidfd" or "poll".
+
+    For a rank whose launcher is not its parent: :func:`refimpl.launch.run_ranks` forks ranks from a fork
+    server, which lives as long as any of them does (each holds its "alive" pipe), so the ranks watch the
+    caller itself. A daemon thread waits on a pidfd (Linux 5.3 and later: woken the moment ``pid`` exits);
+    elsewhere it polls ``os.kill(pid, 0)`` every ``poll_s`` (a dead ``pid`` that nobody reaped stays a
+    zombie, which that poll cannot tell from a live one). A ``pid`` already gone kills this process now."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        _kill_self()
+        raise  # not reached: SIGKILL ends the process first
+    except (AttributeError, OSError):  # no pidfd: not Linux, an old kernel, not permitted
+        fd = None
+    if fd is None:
+        thread = threading.Thread(target=_poll_process, args=(pid, poll_s), name="exit-with-process",
+                                  daemon=True)
+    else:
+        thread = threading.Thread(target=_wait_pidfd, args=(fd,), name="exit-with-process", daemon=True)
+    thread.start()
+    return "poll" if fd is None else "pidfd"
+
+
+def preexec_exit_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for ``subprocess``: the child program dies with this process (Linux; None elsewhere,
+    where a child program cannot be made to). Used by the trainer's self-launch for its torchrun."""
+    if not sys.platform.startswith("linux"):
+        return None
+    parent = os.getpid()  # read before the fork: the child compares its parent with it after the prctl
+
+    def preexec() -> None:
+        set_parent_death_signal()
+        if os.getppid() != parent:  # this process died between the fork and the prctl
+            os._exit(1)
+
+    return preexec
+
+
+def init_distributed(*, timeout_s: float = 300.0, backend: str | None = None,
+                     watch_parent: bool | None = None) -> DistributedContext:
+    """Initialise the default process group from the environment (or a world of one without it).
+
+    ``watch_parent``: die with the launcher (:func:`exit_with_parent`); default: when ``torchrun`` started
+    this process (``TORCHELASTIC_RUN_ID`` is set)."""
+    if watch_parent if watch_parent is not None else "TORCHELASTIC_RUN_ID" in os.environ:
+        exit_with_parent()  # first, before anything can block
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))

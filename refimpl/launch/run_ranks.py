@@ -5,7 +5,11 @@
 process group with an explicit timeout, calls ``fn(ctx, *args)`` and returns the results in rank order.
 It never hangs: the first rank that fails kills the others and is raised in the caller as
 :class:`RankFailed`, whose first line names the rank and the exception and whose traceback follows; a whole
-run longer than ``timeout_s`` is killed too.
+run longer than ``timeout_s`` is killed too. No rank outlives the caller, even one killed by SIGKILL (a
+test's timeout): each rank watches the caller's pid and kills itself when the caller exits
+(:func:`refimpl.distributed.env.exit_with_process`, a pidfd). Its parent, the fork server, is no help: it
+exits only when the caller and every rank have closed its "alive" pipe, so without the watch a rank blocked
+in a receive stays until its collective timeout, one in a loop for ever (``tests/test_rank_lifetime.py``).
 
 ``fn`` must be importable (defined at module level in an importable module): spawned processes cannot
 receive functions defined in a notebook; notebooks use :func:`refimpl.launch.start_ranks` instead.
@@ -92,6 +96,7 @@ def _context() -> mp.context.BaseContext:
 
 
 def _worker(
+    caller: int,
     fn: Callable[..., Any],
     args: tuple,
     rank: int,
@@ -102,6 +107,9 @@ def _worker(
     env: dict[str, str],
     results: Any,
 ) -> None:
+    from refimpl.distributed.env import exit_with_process
+
+    exit_with_process(caller)  # first: a caller already gone ends this rank now
     os.environ.clear()  # the caller's environment as it is now, not the fork server's from its start
     os.environ.update(env)
     os.environ.update(
@@ -115,7 +123,7 @@ def _worker(
     try:
         from refimpl.distributed import init_distributed, teardown
 
-        ctx = init_distributed(timeout_s=timeout_s, backend=backend)
+        ctx = init_distributed(timeout_s=timeout_s, backend=backend, watch_parent=False)
         value = fn(ctx, *args)
         results.put((rank, "ok", value))
         teardown()
@@ -145,9 +153,8 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, args, rank, world_size, port, collective_timeout_s or timeout_s / 2, backend,
-                  {**os.environ, **(env or {})},
-                  results),
+            args=(os.getpid(), fn, args, rank, world_size, port, collective_timeout_s or timeout_s / 2,
+                  backend, {**os.environ, **(env or {})}, results),
             daemon=True,
         )
         for rank in range(world_size)

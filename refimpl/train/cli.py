@@ -1,6 +1,11 @@
 """The command line: :func:`main` (``python -m refimpl.train``), the self-launch under torchrun with
 ``--nproc-per-node`` (:func:`_launch`, with the demonstration fault of the default run), and the report of a
 failed launch (:func:`failure_report`: the failures the ranks recorded, where a rerun resumes; chapter 09).
+
+No process of a run outlives the one that started it: each rank dies with its torchrun agent
+(``init_distributed`` under ``TORCHELASTIC_RUN_ID``: :func:`refimpl.distributed.env.exit_with_parent`), and
+the torchrun of the self-launch dies with the trainer that started it (``preexec_exit_with_parent``, Linux),
+so a self-launcher killed by a job's timeout takes torchrun and then the ranks with it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from refimpl.checkpoint import CheckpointError, find_latest_valid
 from refimpl.config import ConfigError, TrainConfig
 from refimpl.data import DataError
 from refimpl.distributed import init_distributed, teardown
+from refimpl.distributed.env import preexec_exit_with_parent
 from refimpl.train.args import RunOptions, build_parser, config_from_args, options_from_args
 from refimpl.train.loop import SIGTERM_EXIT, Preempted, train
 from refimpl.train.preflight import check_fits, preflight_memory, preflight_resume, survivor_layout
@@ -71,7 +77,7 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     cmd = elastic.torchrun_command(rest, nproc_per_node=int(n), max_restarts=args.max_restarts)
     print("launching:", " ".join(cmd[1:]), flush=True)
     started = time.time()
-    code = subprocess.call(cmd, env=elastic.elastic_env())
+    code = subprocess.call(cmd, env=elastic.elastic_env(), preexec_fn=preexec_exit_with_parent())
     if code != 0:
         print(failure_report(config, options, code, args.max_restarts, since=started), file=sys.stderr)
     return code
