@@ -19,8 +19,11 @@ the assumptions printed under the table:
   collective at the bandwidth of the link it crosses (NVLink inside a node, the network between nodes):
   TP's four all-reduces per layer and micro-batch (Shoeybi et al. 2019;
   :func:`~refimpl.planner.communication.tensor_parallel_collectives`), the dp gradient all-reduce (counted
-  whole: an upper bound, DDP overlaps part of it), the pipeline's sends and CP's ring
-  (:func:`~refimpl.planner.communication.context_parallel_bytes`), each at the ring model's bytes.
+  whole: an upper bound, DDP overlaps part of it), the pipeline's sends (:func:`boundary_bytes`: what
+  refimpl's pipeline sends, float32) and CP's ring
+  (:func:`~refimpl.planner.communication.context_parallel_bytes`). A collective's bytes are the ring
+  algorithm's, ``2 (n-1)/n`` of the payload for an all-reduce: a model, not what NCCL does on every box
+  (inside an HGX H100 node it picks NVLS, NVLink SHARP, or a tree as well as rings).
 
 This is an estimate for choosing a layout, not a measurement: its inputs (peak, MFU, link bandwidths from
 the data sheets) are the assumptions it prints.
@@ -44,7 +47,8 @@ from refimpl.planner import (
     wire_bytes,
 )
 
-__all__ = ["GPUS", "LayoutPlan", "main", "model_for", "plan_layouts"]
+__all__ = ["BOUNDARY_BYTES_PER_ELEMENT", "GPUS", "LayoutPlan", "boundary_bytes", "main", "model_for",
+           "plan_layouts"]
 
 # per GPU, from the data sheets: memory (bytes), NVLink bandwidth per direction and the network per GPU
 # per direction (bytes/s); dense bf16 peaks come from refimpl.measure.peaks
@@ -53,6 +57,22 @@ GPUS = {
     "H200": {"memory": 141e9, "nvlink": 450e9, "network": 50e9},
     "A100": {"memory": 80e9, "nvlink": 300e9, "network": 25e9},   # NVLink 3: 600 GB/s both ways; HDR 200 Gb/s
 }
+
+
+# what refimpl's pipeline sends at a stage boundary: the residual stream, float32 under autocast too (the
+# residual add of an fp32 input and a bf16 block output promotes to fp32; the receivers allocate float32:
+# refimpl.parallel.pipeline_parallel), measured per send in tests/test_boundary_bytes.py. Megatron-LM
+# sends its params dtype, bf16: half of this.
+BOUNDARY_BYTES_PER_ELEMENT = 4
+
+
+def boundary_bytes(*, micro_batch: int, seq_len: int, hidden_size: int, tp: int, cp: int,
+                   sequence_parallel: bool = True) -> float:
+    """Bytes of one stage-boundary tensor (an activation forward, or its gradient backward) one GPU sends:
+    ``[b, s/cp, h]`` float32, ``[b, s/(cp tp), h]`` under sequence parallelism (each tp rank sends its
+    sequence shard; Korthikanti et al. 2022)."""
+    tokens = seq_len / cp / (tp if sequence_parallel else 1)
+    return BOUNDARY_BYTES_PER_ELEMENT * micro_batch * tokens * hidden_size
 
 
 def model_for(params: float, *, vocab_size: int, seq_len: int) -> ModelConfig:
@@ -127,7 +147,7 @@ def plan_layouts(config: ModelConfig, *, gpus: int, gpu: str, gpus_per_node: int
                     34 * sc * b * h / tp + (0 if flash else 5 * (a / tp) * sc * s * b))
                 kept = (2 * sc * b * h / tp) * L / pp * min(pp, m) + per_layer if recompute else (
                     per_layer * L / pp * min(pp, m))
-                act_bytes = 2 * sc * b * h  # one bf16 [b, s/cp, h] tensor at a stage boundary
+                act_bytes = boundary_bytes(micro_batch=b, seq_len=s, hidden_size=h, tp=tp, cp=cp)
                 inside = tp * cp <= gpus_per_node
                 tp_bw = spec["nvlink"] if tp <= gpus_per_node else spec["network"]
                 collectives = tensor_parallel_collectives(num_layers=L // pp, hidden_size=h, micro_batch=b,
@@ -181,7 +201,8 @@ def _report(config: ModelConfig, plans: list[LayoutPlan], args: argparse.Namespa
                      + f" GB sent | {p.bubble:>6.1%} | {p.step_s:>7.2f} {mfu:>5.0%}")
     spec = GPUS[args.gpu]
     lines += ["", "assumptions: bf16 weights/gradients + fp32 master and Adam (16 B/parameter, the "
-              f"optimizer's 12 sharded over dp x cp: ZeRO-1); sequence parallelism; 1F1B; {args.mfu:.0%} of "
+              f"optimizer's 12 sharded over dp x cp: ZeRO-1); sequence parallelism; float32 stage boundaries "
+              "(what refimpl's pipeline sends); 1F1B; {args.mfu:.0%} of "
               f"the {PEAK_FLOPS[args.gpu]['bf16'] / 1e12:.0f} TFLOP/s bf16 peak; NVLink "
               f"{spec['nvlink'] / 1e9:.0f} GB/s and network {spec['network'] / 1e9:.0f} GB/s per GPU and "
               "direction (data sheets); communication not overlapped (an upper bound); "
