@@ -219,8 +219,8 @@ assert simulate(good, num_microbatches=2).makespan > 0  # the good list runs
 # GPT (8 blocks, seeded), keeps its stages (`build_stages`: stage $s$ on rank $s \bmod p$, the embedding
 # with the first, the final LayerNorm and the head with the last), and runs its action list over the same
 # 4 micro-batches (`run_schedule`; an executor for one stage per rank is task 4 of the exercise, the
-# linear layer whose backward ZB-H1 splits task 5). Each micro-batch's loss is its token-loss sum divided by the tokens of
-# the whole step, so the micro-batch losses add up to the step's mean (chapter 03's rule).
+# linear layer whose backward ZB-H1 splits task 5). Each micro-batch's loss is its token-loss sum divided
+# by the tokens of the whole step, so the micro-batch losses add up to the step's mean (chapter 03's rule).
 #
 # The reference is the same model on one device, the micro-batches accumulated in order, computed on every
 # rank (its own kernels). Each stage computes what one device computes, in the same order over the
