@@ -4,7 +4,8 @@ move between layouts.
 * **Equivalence.** One spawn of 8 ranks runs :func:`refimpl.train.train` in process at ``2 x 2 x 2``
   (fp32; ZeRO-1 + bf16; ZeRO-2 + sequence parallelism + the interleaved schedule) and at
   ``dp 2 x cp 2 x pp 2`` (ZeRO-2 + fp16 + activation checkpointing); each against one device in this
-  process within tests/one_device.py's rule (``FACTOR x`` the spread of two one-device summation orders).
+  process within tests/one_device.py's rule (``FACTOR x`` the spread of two one-device summation orders):
+  the losses, and the first step's gradients before the optimizer, every rank's boxes of them.
 * **Checkpoints across layouts** ("universal" checkpoints). The ``2 x 2 x 2`` ZeRO-1 bf16 checkpoint of
   step ``STEPS`` is loaded at ``2 x 2 x 2``, at ``dp 1 x tp 2 x pp 2`` (4 ranks), at ``tp 4`` and on one
   rank, and saved again there: every tensor of the weights and of the AdamW state, reassembled from the
@@ -37,7 +38,13 @@ from refimpl.data import make_corpus_file
 from refimpl.distributed import DistributedContext
 from refimpl.launch import run_ranks
 from refimpl.train import build_parser, build_setup, config_from_args, main, options_from_args, train
-from tests.one_device import assert_trains_like_one_device, one_device_losses, tolerance
+from tests.one_device import (
+    assert_gradients_like_one_device,
+    assert_trains_like_one_device,
+    first_step_gradients,
+    one_device_losses,
+    tolerance,
+)
 
 SPAWN_TIMEOUT_S = 420
 FACTOR = 4.0
@@ -118,7 +125,10 @@ def _worker8(ctx, files: dict) -> dict:
     out = {}
     for name, (flags, _) in LAYOUTS.items():
         args = _args(files, root / name, *flags, "--checkpoint-dir", str(root / name / "ckpt"))
-        out[name] = [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args))]
+        grads: dict = {}
+        out[name] = [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args),
+                                              gradient_probe=first_step_gradients(grads))]
+        out[name, "grads"] = grads
     if ctx.rank == 0:  # the SAVED run's checkpoint of step STEPS alone
         shutil.copytree(root / SAVED / "ckpt", root / "saved-checkpoint")
         shutil.rmtree(root / "saved-checkpoint" / f"step_{STEPS + 2:08d}")
@@ -169,6 +179,20 @@ def _read_all(folder: Path) -> dict[str, torch.Tensor]:
 def test_3d_layouts_at_8_ranks_train_like_one_device(runs, one_device, name):
     assert_trains_like_one_device([out[name] for out in runs["eight"]], one_device, LAYOUTS[name][1],
                                   factor=FACTOR, name=name)
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(3 * SPAWN_TIMEOUT_S)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_3d_layouts_hand_the_optimizer_one_devices_gradients(runs, one_device, name):
+    """The first step's gradients before clipping and AdamW, every rank's boxes (tp blocks, ZeRO-2 row
+    shards of them, the tied embedding on both pipeline ends) against one device's (tests/one_device.py);
+    negative control: the same gradients x m (a pipeline loss not divided by its m micro-batches) fail."""
+    flags, precision = LAYOUTS[name]
+    m = int(flags[flags.index("--microbatches") + 1])
+    worst = assert_gradients_like_one_device([out[name, "grads"] for out in runs["eight"]], one_device,
+                                             precision, factor=FACTOR, name=name, control=float(m))
+    print(f"{name}: worst gradient difference {worst:.3f} x its tolerance")
 
 
 @pytest.mark.timeout(3 * SPAWN_TIMEOUT_S)

@@ -23,9 +23,17 @@ import torch.distributed as dist
 
 from refimpl.data import make_corpus_file
 from refimpl.launch import run_ranks
+from refimpl.model import GPT
 from refimpl.train import build_parser, build_setup, config_from_args, options_from_args, train
+from refimpl.train.gradients import gradient_shards
 from refimpl.train.step import train_step
-from tests.one_device import assert_trains_like_one_device, one_device_losses, tolerance
+from tests.one_device import (
+    assert_gradients_like_one_device,
+    assert_trains_like_one_device,
+    first_step_gradients,
+    one_device_losses,
+    tolerance,
+)
 
 SPAWN_TIMEOUT_S = 420
 FACTOR = 4.0
@@ -51,7 +59,14 @@ LAYOUTS = {
                                  "bf16"),
     # context parallelism inside the stages: the boundaries carry each rank's s/cp tokens
     "pp2-cp2-ring": (["--pp", "2", "--cp", "2", "--microbatches", "2"], "fp32"),
+    # ZeRO-2: each micro-batch's gradients reduce-scattered and freed in backward, the tied embedding's
+    # exchange made of the two ends' shards
+    "pp2-dp2-zero2": (["--pp", "2", "--microbatches", "2", "--zero-stage", "2"], "fp32"),
 }
+# the layouts whose gradient norm is computed directly: ZeRO-1 (the norm summed over the dp shards), tensor
+# parallelism (a vocab-parallel tied embedding, replicas counted on tp rank 0)
+NORM_LAYOUTS = {"pp2-dp2-zero1": ["--pp", "2", "--microbatches", "2", "--zero-stage", "1"],
+                "pp2-tp2": ["--pp", "2", "--tp", "2", "--microbatches", "2"]}
 
 
 def _args(files: dict, out: Path, *extra: str):
@@ -85,13 +100,36 @@ def _replicas_agree(ctx, files: dict, *, average: bool) -> bool:
     return torch.equal(*other)
 
 
+def _gradient_norm(ctx, files: dict, flags: list[str]) -> tuple[float, dict]:
+    """One step's forwards and backwards at the layout ``flags`` as :func:`train_step` runs them, then the
+    norm the trainer clips by (its ``clip_fn``: summed over pp, tp and dp, the tied embedding once) and the
+    gradients it was computed from (:data:`tests.one_device.Pieces`)."""
+    args = _args(files, Path(files["root"]) / "norm", *flags)
+    config, options = config_from_args(args), options_from_args(args)
+    dims = options.parallel_dims(ctx.world_size)
+    setup = build_setup(config, ctx, options)
+    m = options.microbatches
+    g = torch.Generator().manual_seed(1 + dims.coordinates(ctx.rank).dp)  # each dp rank its own batch
+    tokens = torch.randint(0, 256, (2 * m, 17), generator=g)
+    setup.pipeline.step(tokens[:, :-1], tokens[:, 1:], num_microbatches=m,
+                        loss_fn=lambda logits, y: setup.loss(logits, y) / m)
+    if setup.finish_gradients is not None:
+        setup.finish_gradients()
+    grads: dict = {}
+    first_step_gradients(grads)(0, gradient_shards(setup))
+    return float(setup.clip_fn(setup.grad_params)), grads
+
+
 def _worker(ctx, files: dict) -> dict:
     root = Path(files["root"])
     out = {}
     for name, (flags, _) in LAYOUTS.items():
         args = _args(files, root / name, *flags, "--checkpoint-dir", str(root / name / "ckpt"))
-        records = train(config_from_args(args), ctx, options_from_args(args))
+        grads: dict = {}
+        records = train(config_from_args(args), ctx, options_from_args(args),
+                        gradient_probe=first_step_gradients(grads))
         out[name] = [r["loss"] for r in records]
+        out[name, "grads"] = grads
         out[name, "records"] = [{k: r[k] for k in ("bytes_sent", "pipeline_idle")} for r in records]
     if ctx.rank == 0:  # the pp 2 x dp 2 checkpoint of step STEPS alone, resumed at dp 4 below
         shutil.copytree(root / "pp2-dp2-1f1b-zero1" / "ckpt", root / "resumed-checkpoints")
@@ -103,6 +141,8 @@ def _worker(ctx, files: dict) -> dict:
     out["sample"] = (root / "pp4-gpipe" / "sample.txt").read_text() if ctx.rank == 0 else None
     out["replicas agree"] = _replicas_agree(ctx, files, average=True)
     out["replicas agree without the average"] = _replicas_agree(ctx, files, average=False)
+    for name, flags in NORM_LAYOUTS.items():
+        out[name, "norm"] = _gradient_norm(ctx, files, flags)
     return out
 
 
@@ -129,6 +169,58 @@ def _tolerance(one_device: dict, precision: str) -> float:
 def test_pipeline_layouts_train_like_one_device(runs, one_device, name):
     assert_trains_like_one_device([out[name] for out in runs], one_device, LAYOUTS[name][1], factor=FACTOR,
                                   name=name)
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_pipeline_layouts_hand_the_optimizer_one_devices_gradients(runs, one_device, name):
+    """The first step's gradients before clipping and AdamW, every rank's boxes against one device's
+    (tests/one_device.py); negative control: the same gradients x m, what a pipeline whose loss is not
+    divided by its m micro-batches computes, fail."""
+    flags, precision = LAYOUTS[name]
+    m = int(flags[flags.index("--microbatches") + 1])
+    worst = assert_gradients_like_one_device([out[name, "grads"] for out in runs], one_device, precision,
+                                             factor=FACTOR, name=name, control=float(m))
+    print(f"{name}: worst gradient difference {worst:.3f} x its tolerance")
+
+
+def _whole(per_rank: list[dict]) -> dict[str, torch.Tensor]:
+    """The plain GPT's gradients from the ranks' boxes (replicas write the same values)."""
+    out: dict[str, torch.Tensor] = {}
+    for pieces in per_rank:
+        for name, (offsets, shape, values) in pieces.items():
+            whole = out.setdefault(name, torch.zeros(shape))
+            whole[tuple(slice(o, o + n) for o, n in zip(offsets, values.shape, strict=True))] = (
+                torch.from_numpy(values))
+    return out
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+@pytest.mark.parametrize("name", list(NORM_LAYOUTS))
+def test_the_pipeline_gradient_norm_is_clip_grad_norm_of_the_same_gradients_on_one_device(runs, name):
+    """The norm the pipeline trainer clips by (summed over its stages, tp and dp ranks, the tied embedding
+    counted once) equals ``torch.nn.utils.clip_grad_norm_`` over the same gradients in a plain GPT (whose
+    tied embedding is one parameter). Tolerance: ``FACTOR x`` the spread of one device's norm over two
+    summation orders (the parameters forwards and backwards) and float64. Negative control: the tied copy
+    counted twice (the last stage's copy not left out) differs by more."""
+    norms = [out[name, "norm"][0] for out in runs]
+    assert len(set(norms)) == 1, norms  # every rank clips by the same norm
+    grads = _whole([out[name, "norm"][1] for out in runs])
+    model = GPT(config_from_args(build_parser().parse_args(TINY)).model, seed=0)
+    params = dict(model.named_parameters())
+    assert sorted(grads) == sorted(params)  # tied: one parameter, one gradient
+    for n, p in params.items():
+        p.grad = grads[n].clone()
+    forwards = float(torch.nn.utils.clip_grad_norm_(list(params.values()), float("inf")))
+    backwards = float(torch.nn.utils.clip_grad_norm_(list(params.values())[::-1], float("inf")))
+    exact = float(torch.cat([g.double().ravel() for g in grads.values()]).norm())
+    tol = FACTOR * max(abs(forwards - backwards), abs(forwards - exact))
+    assert tol > 0
+    assert abs(norms[0] - forwards) <= tol, (norms[0], forwards, tol)
+    twice = (norms[0] ** 2 + float(grads["embedding.word_embeddings.weight"].square().sum())) ** 0.5
+    assert abs(twice - forwards) > tol, (twice, forwards, tol)
 
 
 @pytest.mark.numerics
