@@ -11,13 +11,14 @@
   keep after the backward equal :func:`stage_deferred_bytes`.
 * The peak of a real step: :class:`PipelineModule.step` at pp 2 and 4 over m = 4 micro-batches (gpipe,
   1f1b, interleaved v = 2, zbh1) with the bytes alive counted as they come and go (saved tensors through
-  ``saved_tensors_hooks``, released when autograd frees them; the tensors handed to ``isend`` and those a
-  queued ``dW`` keeps, released when the runtime drops them): the highest count between actions (read when
+  ``saved_tensors_hooks``, released when autograd frees them; the tensors sent, plain or batched, seen by
+  the tracer's ``on_send`` and released when their storage is freed; those a queued ``dW`` keeps, released
+  when the runtime drops them): the highest count between actions (read when
   the executor reads its clock) equals the planner's held bytes at its peak, per rank, and within actions
   only the planner's transients come on top.
   Negative controls: GPipe's planned peak is not what 1F1B holds where 1F1B holds fewer than m (nor the
-  reverse), the plan without the sends the runtime keeps (outputs until their backward, input gradients to
-  the step's end) is not what is held, nor is zbh1's plan with every micro-batch keeping all its
+  reverse), the plan without the sends the runtime keeps (outputs until their backward, an input gradient
+  until the next action starts) is not what is held, nor is zbh1's plan with every micro-batch keeping all its
   activations until its W.
 * Inside the other axes (world 4, :func:`parallelize`'s own pipeline, 1F1B, m = 4, a tied embedding):
   pp 2 x tp 2 with and without sequence parallelism, pp 2 x cp 2 ring and Ulysses: each rank's held bytes
@@ -33,7 +34,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import refimpl.comm.ops as comm_ops
 import refimpl.parallel.pipeline_parallel.executor as executor
 from refimpl.config import ModelConfig
 from refimpl.distributed import ParallelDims
@@ -152,18 +152,13 @@ def _counted_step(pipe, inputs, labels, loss_fn) -> dict:
     weight gradients): the most between actions, the most within, and what is left after."""
     live = LiveTensorBytes(pipe.parameters(), skip_weight_copies=False)
     pack = live.pack
-
-    isend, clock = comm_ops.isend, executor.now
-
-    def counted_isend(t: torch.Tensor, *args, **kwargs):
-        live.hold(t, t)  # released when the runtime drops the tensor it sent
-        return isend(t, *args, **kwargs)
+    clock = executor.now
 
     def sampled_now() -> float:
         live.sample()  # the executor reads the clock at each action's start, ready and end
         return clock()
 
-    comm_ops.isend, executor.now = counted_isend, sampled_now
+    executor.now = sampled_now
     if pipe.store is not None:  # zbh1: what each queued weight gradient keeps until its W
         push = pipe.store.push
 
@@ -174,11 +169,11 @@ def _counted_step(pipe, inputs, labels, loss_fn) -> dict:
             push(fn)
 
         pipe.store.push = counted_push
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.t):
+    try:  # sent tensors count until their storage is freed (live.sends: the tracer's on_send)
+        with live.sends(), torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.t):
             pipe.step(inputs, labels, num_microbatches=M, loss_fn=loss_fn)
     finally:
-        comm_ops.isend, executor.now = isend, clock
+        executor.now = clock
     return {"peak": live.between, "within": live.peak, "after": live.now}
 
 
@@ -226,11 +221,12 @@ def test_the_peak_of_a_real_step_equals_the_plan_per_rank(live):
             # within an action only the planned transients come on top; ZB-H1's first deferred linear keeps
             # the received output gradient while the micro-batch's activations are still alive
             assert 0 <= got[name]["within"] - got[name]["peak"] <= sum(plan.transient.values()), (name, rank)
-    # ZB-H1's rank 0 receives its output gradient (the planned transient) only after the same B released
-    # the micro-batch's sent output, which is larger: within its actions nothing comes on top of the peak
+    # ZB-H1's rank 0: inside a B the micro-batch's output is still alive (autograd.backward(y, dy) needs it,
+    # its storage counts until freed) while the first deferred linear keeps the received output gradient
+    # (the planned transient): exactly that comes on top of the peak
     received = "output gradient received for a backward (transient)"
     assert plans["zbh1"][0].transient[received] > 0
-    assert live[0]["zbh1"]["within"] == live[0]["zbh1"]["peak"]
+    assert live[0]["zbh1"]["within"] - live[0]["zbh1"]["peak"] == plans["zbh1"][0].transient[received]
     checked = fewer = 0
     for rank, got in enumerate(live):
         assert plans["gpipe"][rank].in_flight == M and plans["1f1b"][rank].in_flight == min(pp - rank, M)

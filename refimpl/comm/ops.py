@@ -5,10 +5,32 @@ the library's calls (chapter 02). The payload of each call is measured from the 
 bytes a point-to-point call sends are measured too (the tensor itself), those of a collective are the ring
 model (:func:`refimpl.comm.tracer.wire_bytes`): the backend does not say what it sends. Without an
 active tracer each function is the plain ``torch.distributed`` call. An async call (``async_op=True``,
-``isend``, ``irecv``) returns a :class:`TracedWork` whose ``wait()`` stamps the end time of its event.
+``isend``, ``irecv``, :func:`batch_isend_irecv`) returns :class:`TracedWork` s whose ``wait()`` stamps the end
+time of their events.
+
+Point-to-point and NCCL (chapters 02, 07, 08). NCCL runs a pair's point-to-point calls in order on one
+stream, and an unbatched send or receive completes only once the peer has posted its match. A pair of ranks
+that both post ``irecv`` then ``isend`` to each other therefore hangs on GPUs: each receive waits for a send
+queued behind the peer's own receive (gloo, which runs each call on its own, never shows it). The rule: a
+paired exchange is posted as **one** :func:`batch_isend_irecv` of :class:`P2POp` s (NCCL fuses the group,
+its sends and receives progress together; Megatron-LM and picotron do the same), and sends whose receive
+the peer posts at another time go out in an order both ranks' programs agree on (the pipeline executor's
+rounds). On gloo (torch 2.13) ``batch_isend_irecv`` runs each op as its own async call, which is fine.
+
+**Strict point-to-point mode** (``REFIMPL_STRICT_P2P=1`` in the environment, read at every call, so it
+reaches forked ranks and torchrun's children; :func:`strict_p2p` says whether it is on): every plain
+``isend``/``irecv`` waits for its own completion before it returns, which is NCCL's unbatched behaviour
+made visible on gloo (a gloo send completes when the peer has posted the receive); a
+:func:`batch_isend_irecv` group is posted whole and then its handles are waited, before it returns, as
+NCCL runs the fused group before anything queued behind it. Code that finishes under strict mode on gloo
+does not deadlock on NCCL for that reason; code that only works because gloo lets calls overtake each
+other hangs (tests/test_p2p_strict.py, a negative control included). Strict mode adds no state: the
+environment is the switch.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -16,6 +38,8 @@ import torch.distributed as dist
 from refimpl.comm.tracer import P2P_OPS, CommEvent, active_tracers, now, wire_bytes
 
 ReduceOp = dist.ReduceOp
+P2POp = dist.P2POp  # P2POp(dist.isend | dist.irecv, tensor, peer (global rank), group), for batch_isend_irecv
+STRICT_P2P_ENV = "REFIMPL_STRICT_P2P"
 # torch 2.13 renamed the flat-tensor forms (the old names warn); older releases only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -47,10 +71,12 @@ class TracedWork:
         return self.work.get_future()
 
 
-def _call(op: str, payload: int, group, peer, async_op: bool, fn):
-    tracers = active_tracers()
-    if not tracers:
-        return fn()
+def strict_p2p() -> bool:
+    """Whether strict point-to-point mode is on (``REFIMPL_STRICT_P2P=1``; module docstring)."""
+    return os.environ.get(STRICT_P2P_ENV, "0") not in ("", "0")
+
+
+def _events(tracers, op: str, payload: int, group, peer, async_op: bool, *, batched: bool = False):
     n = dist.get_world_size(group)
     measured = op in P2P_OPS
     if measured:  # a send puts exactly its tensor on the wire, a receive sends nothing
@@ -58,12 +84,20 @@ def _call(op: str, payload: int, group, peer, async_op: bool, fn):
     else:         # the backend does not tell: book the ring model
         sent = wire_bytes(op, payload, n)
     start = now()
-    events = [
-        CommEvent(op=op, nbytes=payload, wire_bytes=sent, group_size=n, peer=peer, start=start, end=None,
-                  step=t.current_step, async_op=async_op, measured=measured,
-                  group_id=None if group is None else id(group))
-        for t in tracers
-    ]
+    return [CommEvent(op=op, nbytes=payload, wire_bytes=sent, group_size=n, peer=peer, start=start, end=None,
+                      step=t.current_step, async_op=async_op, measured=measured, batched=batched,
+                      group_id=None if group is None else id(group))
+            for t in tracers]
+
+
+def _call(op: str, payload: int, group, peer, async_op: bool, fn, *, sent: torch.Tensor | None = None):
+    tracers = active_tracers()
+    if not tracers:
+        return fn()
+    for t in tracers:
+        if sent is not None and t.on_send is not None:
+            t.on_send(sent)
+    events = _events(tracers, op, payload, group, peer, async_op)
     result = fn()
     if async_op:
         result = TracedWork(result, events) if result is not None else None
@@ -114,7 +148,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None, asy
 
 
 def send(tensor: torch.Tensor, dst: int, group=None) -> None:
-    _call("send", _nbytes(tensor), group, dst, False, lambda: dist.send(tensor, dst=dst, group=group))
+    _call("send", _nbytes(tensor), group, dst, False, lambda: dist.send(tensor, dst=dst, group=group),
+          sent=tensor)
 
 
 def recv(tensor: torch.Tensor, src: int, group=None) -> None:
@@ -122,12 +157,58 @@ def recv(tensor: torch.Tensor, src: int, group=None) -> None:
 
 
 def isend(tensor: torch.Tensor, dst: int, group=None):
-    """Non-blocking send. On gloo use plain isend/irecv, not batch_isend_irecv (it can hang on CPU)."""
-    return _call("isend", _nbytes(tensor), group, dst, True, lambda: dist.isend(tensor, dst=dst, group=group))
+    """Non-blocking send of ``tensor`` to global rank ``dst``. Unbatched: pair it with the peer's receive
+    by order (module docstring); under strict mode it returns only once the peer has received it."""
+    work = _call("isend", _nbytes(tensor), group, dst, True, lambda: dist.isend(tensor, dst=dst, group=group),
+                 sent=tensor)
+    return _strict_wait([work])[0]
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None):
-    return _call("irecv", _nbytes(tensor), group, src, True, lambda: dist.irecv(tensor, src=src, group=group))
+    """Non-blocking receive into ``tensor`` from global rank ``src``; under strict mode it returns only once
+    the tensor has arrived."""
+    work = _call("irecv", _nbytes(tensor), group, src, True, lambda: dist.irecv(tensor, src=src, group=group))
+    return _strict_wait([work])[0]
+
+
+def _strict_wait(works: list) -> list:
+    if strict_p2p():
+        for w in works:
+            if w is not None:
+                w.wait()
+    return works
+
+
+def batch_isend_irecv(p2p_ops: list[P2POp]) -> list[TracedWork | dist.Work]:
+    """Post ``p2p_ops`` (:class:`P2POp` s of ``dist.isend`` / ``dist.irecv``, one process group) as one
+    group, like ``dist.batch_isend_irecv``; returns its handles. The tracer books one ``isend`` / ``irecv``
+    event per op (``batched=True``): a send's ``wire_bytes`` its tensor's bytes, measured, a receive's 0.
+    On NCCL the group is one fused launch, so its sends and receives progress together: a paired exchange
+    posted this way cannot deadlock. Ops between one pair in one direction match in list order. Under
+    strict mode the group is posted whole, then its handles are waited before this returns."""
+    if not p2p_ops:
+        return []
+    tracers = active_tracers()
+    events: list[list[CommEvent]] = []
+    for p in p2p_ops:
+        op = "isend" if p.op is dist.isend else "irecv"
+        if op == "isend":
+            for t in tracers:
+                if t.on_send is not None:
+                    t.on_send(p.tensor)
+        group = None if p.group is dist.group.WORLD else p.group  # P2POp fills in the default group
+        events.append(_events(tracers, op, _nbytes(p.tensor), group, p.peer, True, batched=True)
+                      if tracers else [])
+    works = dist.batch_isend_irecv(p2p_ops)
+    if tracers:
+        for t, evs in zip(tracers, zip(*events, strict=True), strict=True):
+            for e in evs:
+                t.record(e)
+        if len(works) == len(p2p_ops):  # one handle per op (gloo)
+            works = [TracedWork(w, evs) for w, evs in zip(works, events, strict=True)]
+        else:                           # one coalesced handle for the group (NCCL)
+            works = [TracedWork(w, [e for evs in events for e in evs]) for w in works]
+    return _strict_wait(works)
 
 
 def barrier(group=None) -> None:

@@ -23,9 +23,13 @@ learning by Baidu's "ring-allreduce", Gibiansky 2017, then Horovod and NCCL). Un
 grows with ``n``, which is why small messages prefer trees. :func:`naive_all_reduce` is the lesson's
 foil: everything through rank 0, which sends ``(n - 1) S`` bytes, growing with ``n``.
 
-Only plain ``isend``/``irecv`` from :mod:`refimpl.comm.ops` are used, so a :class:`CommTracer` measures
-every byte these collectives send (the tensors handed to ``isend``; chapter 02 compares that measurement
-with the formulas above), and not ``batch_isend_irecv`` (it can hang on gloo, see docs/ARCHITECTURE.md).
+Each step's send to the right and receive from the left are posted as **one**
+:func:`refimpl.comm.ops.batch_isend_irecv` group: at ``n = 2`` the right and the left neighbour are the same
+rank, and an unbatched ``irecv`` then ``isend`` on both would hang on NCCL, which runs a pair's calls in
+order (each receive waits for a send queued behind the peer's own receive; strict mode,
+:mod:`refimpl.comm.ops`, shows it on gloo). A :class:`CommTracer` books each op of the group as an ``isend``
+/ ``irecv`` with its bytes measured from the tensors (chapter 02 compares that measurement with the formulas
+above).
 Only the sum is implemented; a mean is ``sum / n``. ``group`` is a process group (default: the world);
 peers are addressed by their *global* rank, as ``torch.distributed`` point-to-point calls require.
 """
@@ -67,16 +71,20 @@ def _global_rank(group, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
+def _exchange(send: torch.Tensor, recv: torch.Tensor, *, right: int, left: int, group) -> None:
+    """One ring step: ``send`` to ``right`` and ``recv`` from ``left`` as one group, waited."""
+    for w in ops.batch_isend_irecv([ops.P2POp(dist.isend, send, right, group),
+                                    ops.P2POp(dist.irecv, recv, left, group)]):
+        w.wait()
+
+
 def _ring_reduce_scatter_(chunks: list[torch.Tensor], rank: int, n: int, group) -> None:
     """In place on ``chunks`` (n contiguous views): afterwards ``chunks[rank]`` is the sum over the ring."""
     right, left = _global_rank(group, (rank + 1) % n), _global_rank(group, (rank - 1) % n)
     for s in range(n - 1):
         send_i, recv_i = (rank - s - 1) % n, (rank - s - 2) % n
         buf = torch.empty_like(chunks[recv_i])                    # (c_recv,)
-        recv = ops.irecv(buf, src=left, group=group)
-        send = ops.isend(chunks[send_i], dst=right, group=group)  # (c_send,) partial sum so far
-        recv.wait()
-        send.wait()
+        _exchange(chunks[send_i], buf, right=right, left=left, group=group)  # send: (c_send,) partial sum
         chunks[recv_i] += buf                                     # add our contribution, pass it on next step
 
 
@@ -85,10 +93,7 @@ def _ring_all_gather_(chunks: list[torch.Tensor], rank: int, n: int, group) -> N
     right, left = _global_rank(group, (rank + 1) % n), _global_rank(group, (rank - 1) % n)
     for s in range(n - 1):
         send_i, recv_i = (rank - s) % n, (rank - s - 1) % n
-        recv = ops.irecv(chunks[recv_i], src=left, group=group)  # straight into its place in the output
-        send = ops.isend(chunks[send_i], dst=right, group=group)
-        recv.wait()
-        send.wait()
+        _exchange(chunks[send_i], chunks[recv_i], right=right, left=left, group=group)  # recv: in place
 
 
 def ring_reduce_scatter(tensor: torch.Tensor, group=None) -> torch.Tensor:

@@ -27,6 +27,12 @@ Collectives built from point-to-point calls (:mod:`refimpl.comm.ring`) are there
 byte: :meth:`CommTracer.measured_bytes_sent` counts only them, :meth:`CommTracer.modelled_bytes_sent`
 only the collectives' model, :meth:`CommTracer.bytes_sent` both (docs/ARCHITECTURE.md, chapter 02).
 
+A point-to-point op posted in a ``batch_isend_irecv`` group is booked like a plain one (``isend`` or
+``irecv``, its bytes measured), with ``batched=True``. ``on_send``, when given, is called with every tensor
+this rank hands to a send (plain or batched) as it is posted: how a memory measurement counts what is
+kept alive for sending (:class:`refimpl.measure.run_measurement.LiveTensorBytes`) without patching the
+ops.
+
 Active tracers are kept on a process-wide stack, the one piece of process state in refimpl, like
 PyTorch's own profiler: autograd may run gradient hooks on another thread, where a context variable
 would not be seen. Tracing off costs one list check per call.
@@ -36,7 +42,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 _LOCK = threading.Lock()
 _ACTIVE: list[CommTracer] = []
@@ -62,6 +70,7 @@ class CommEvent:
     async_op: bool
     measured: bool = True
     group_id: int | None = None  # id() of the process group the call was made on (None: the default group)
+    batched: bool = False  # posted in a batch_isend_irecv group (one event per op of the group)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +111,7 @@ class CommTracer:
     events: list[CommEvent] = field(default_factory=list)
     current_step: int = 0
     origin: float = field(default_factory=time.perf_counter)
+    on_send: Callable[[Any], None] | None = None  # called with each tensor handed to a send (docstring)
 
     def __enter__(self) -> CommTracer:
         with _LOCK:

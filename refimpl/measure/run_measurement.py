@@ -12,9 +12,11 @@ trainer's own setup, batch and schedule):
   before the next micro-batch's forward);
 * **activations under pipeline parallelism**: the bytes saved for backward and kept for sends that are
   alive between the schedule's actions, at their most (each storage once, parameters and autocast's weight
-  copies left out; a saved tensor counts until autograd frees it, a sent one until the runtime drops it),
-  read whenever the executor reads its clock (an action's start, ready and end), as tests/test_planner_pp.py
-  counts them for chapter 08.
+  copies left out; a saved tensor counts until autograd frees it, a sent one until its storage is freed,
+  whoever kept it: the runtime's send, or the stage output the backward needs), read whenever the executor
+  reads its clock (an action's start, ready and end), as tests/test_planner_pp.py counts them for chapter
+  08. The sent tensors are seen through :class:`refimpl.comm.CommTracer`'s ``on_send`` (every send, plain
+  or in a ``batch_isend_irecv`` group), not by patching the ops.
 
 The probe wraps the trainer's ``train_step`` for the duration of a ``with`` block (one process, one run at a
 time: the trainer has no other hook for this) and restores it on exit.
@@ -26,6 +28,8 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+
+from refimpl.comm.tracer import CommTracer
 
 __all__ = ["LiveTensorBytes", "StepMeasurement", "TrainerProbe"]
 
@@ -83,6 +87,15 @@ class LiveTensorBytes:
         self.refs[ptr] -= 1
         if not self.refs[ptr]:
             self.now -= self.size.pop(ptr)
+
+    def hold_storage(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage until the storage itself is freed (whichever tensors keep it)."""
+        self.hold(t.untyped_storage(), t)
+
+    def sends(self) -> CommTracer:
+        """A tracer that counts every tensor this rank sends (:meth:`hold_storage`) while it is active:
+        ``with live.sends(): ...``."""
+        return CommTracer(on_send=self.hold_storage)
 
     def pack(self, t: torch.Tensor) -> _Held:
         held = _Held(t)
@@ -150,22 +163,17 @@ class TrainerProbe:
         return out
 
     def _pipeline_step(self, live: LiveTensorBytes, setup, inputs, labels, kw):
-        import refimpl.comm.ops as comm_ops
         import refimpl.parallel.pipeline_parallel.executor as executor
 
-        isend, clock = comm_ops.isend, executor.now
-
-        def counted_isend(t: torch.Tensor, *args, **kwargs):
-            live.hold(t, t)  # released when the runtime drops the tensor it sent
-            return isend(t, *args, **kwargs)
+        clock = executor.now
 
         def sampled_now() -> float:
             live.sample()
             return clock()
 
-        comm_ops.isend, executor.now = counted_isend, sampled_now
+        executor.now = sampled_now  # the executor's clock reads are the sampling points
         try:
-            with torch.autograd.graph.saved_tensors_hooks(live.pack, lambda held: held.t):
+            with live.sends(), torch.autograd.graph.saved_tensors_hooks(live.pack, lambda held: held.t):
                 return self._original(setup, inputs, labels, **kw)
         finally:
-            comm_ops.isend, executor.now = isend, clock
+            executor.now = clock

@@ -17,17 +17,19 @@ labels are views of the step's batch: ``8 m b s`` each, once, on the first and t
 
 The runtime (:func:`refimpl.parallel.pipeline_parallel.run_schedule`) also keeps what it sends: every
 forward's ``[b, s, h]`` float32 output, ``O = 4 s b h`` (stage ``s < S - 1``), until that micro-batch's
-backward (its gradient has come back), and every backward's input gradient, ``G = 4 s b h`` (stage
-``s > 0``), until the step ends. Walking the rank's action list
+backward (``autograd.backward`` needs it), and a backward's input gradient, ``G = 4 s b h`` (stage
+``s > 0``), until its send is waited, at the start of the rank's next action (each boundary's transfers
+go out as one group, waited before the next action computes). Walking the rank's action list
 (:func:`~refimpl.parallel.pipeline_parallel.build_schedule`) in order::
 
     F(s, i): + A(s) + O(s)        B(s, i): - A(s) - O(s) + G(s) (+ D(s))        W(s, i): - D(s)
 
-the rank's bytes after each action; the peak is the largest. With one stage per rank that is ``k A`` plus
-the sends so far, ``k`` the micro-batches in flight (:attr:`refimpl.parallel.pipeline_parallel.Simulation.
-peak_in_flight`): GPipe ``m``, 1F1B ``min(p - r, m)`` on rank ``r``; interleaved adds its chunks' ``A``
-separately, each chunk its own size. ZB-H1 (``zbh1``): between its ``B`` and its ``W`` a micro-batch
-holds ``D(s)``, the linear layers' inputs and output gradients that ``W`` multiplies
+(the ``G`` of a ``B`` gone again after the next action's start), the rank's bytes after each action;
+the peak is the largest. With one stage per rank that is ``k (A + O)`` plus at most one ``G``, ``k`` the
+micro-batches in flight (:attr:`refimpl.parallel.pipeline_parallel.Simulation.peak_in_flight`): GPipe
+``m``, 1F1B ``min(p - r, m)`` on rank ``r``, whatever ``m``; interleaved adds its chunks' ``A``
+separately, each chunk its own size. ZB-H1 (``zbh1``): between its ``B`` and its ``W`` a micro-batch holds
+``D(s)``, the linear layers' inputs and output gradients that ``W`` multiplies
 (:func:`stage_deferred_bytes`), not ``A(s)``; it is in flight until its ``W`` (the simulator's rule).
 Transient on top (not held between actions): the last stage's logits and their gradient,
 ``(p + 4) s b V`` (an estimate of the loss's peak, as in :mod:`refimpl.planner.memory`), the received
@@ -231,7 +233,7 @@ def _walk(actions, *, saved: dict[int, dict[str, int]], deferred: dict[int, int]
     per_step = {st: {k: v for k, v in t.items() if k in PER_STEP} for st, t in saved.items()}
     forwarded = {st: 0 for st in saved}  # F done, B not yet
     waiting = {st: 0 for st in saved}  # B done, W not yet (zbh1)
-    sent_out = sent_grad = 0
+    sent_out = 0
     best: tuple[int, dict[str, int], int] = (-1, {}, 0)
     for a in actions:
         if a.kind == "F":
@@ -241,9 +243,9 @@ def _walk(actions, *, saved: dict[int, dict[str, int]], deferred: dict[int, int]
             forwarded[a.stage] -= 1
             waiting[a.stage] += 1 if deferred is not None else 0
             sent_out -= outputs if a.stage < num_stages - 1 else 0  # released at its backward
-            sent_grad += outputs if a.stage > 0 else 0
         else:
             waiting[a.stage] -= 1
+        sent_grad = outputs if a.kind == "B" and a.stage > 0 else 0  # until the next action's start
         held = sum(per_mb[st] * k for st, k in forwarded.items())
         terms = {"activations of the micro-batches in flight": held}
         if deferred is not None:
@@ -253,7 +255,7 @@ def _walk(actions, *, saved: dict[int, dict[str, int]], deferred: dict[int, int]
             for name, nbytes in per_step[st].items():
                 terms[name] = nbytes if k else 0
         terms |= {"stage outputs sent (kept until their backward)": sent_out,
-                  "input gradients sent (kept to the step's end)": sent_grad}
+                  "input gradient sent (kept until the next action starts)": sent_grad}
         if sum(terms.values()) > best[0]:
             best = (sum(terms.values()), terms, sum(forwarded.values()) + sum(waiting.values()))
     return best[1], best[2]

@@ -10,11 +10,15 @@ transfer the paper relies on (a block's attention costs ``O(c^2 d)``, its transf
 
 Bytes. One exchange of tensors of ``B`` bytes in all makes this rank send exactly ``B`` bytes (and receive
 ``B``); ``n - 1`` exchanges of a K/V block of ``s/n`` tokens send ``(n - 1)/n`` of the whole sequence's K and
-V. Every transfer is a plain ``isend`` / ``irecv`` from :mod:`refimpl.comm.ops` (so a
-:class:`refimpl.comm.CommTracer` measures each byte; never ``batch_isend_irecv``, which can hang on gloo).
-Point-to-point calls address peers by their **global** rank: the group's ranks are mapped with
-:func:`torch.distributed.get_global_rank`. Every rank posts its transfers in the same order, so the
-``k``-th message one rank sends to its right is the ``k``-th its right neighbour receives from its left.
+V. One step's sends and receives are posted as **one** :func:`refimpl.comm.ops.batch_isend_irecv` group
+(the tracer still books, and measures, each ``isend`` / ``irecv`` of it): at ``cp = 2`` the right and the
+left neighbour are the same rank, and an unbatched ``irecv`` then ``isend`` on both ranks hangs on NCCL,
+which runs a pair's calls in order (each receive waits for a send queued behind the peer's own receive;
+Megatron-LM and picotron batch the ring's exchange for this reason). Point-to-point calls address peers by
+their **global** rank: the group's ranks are mapped with :func:`torch.distributed.get_global_rank`. Every
+rank posts its groups in the same order, so the ``k``-th message one rank sends to its right is the
+``k``-th its right neighbour receives from its left (two groups in flight, the backward's K/V and its
+dK/dV, are posted in the same order on every rank).
 
 A rank that never sends does not hang its neighbour: the wait fails after the process group's timeout, and
 :meth:`RingTransfer.wait` re-raises it as a one-line ``RuntimeError`` naming the peer and the step.
@@ -93,8 +97,8 @@ def ring_exchange(tensors: Sequence[torch.Tensor], *, group: Group, step: int = 
     right, left = ring_neighbours(group=group)
     outgoing = [t.contiguous() for t in tensors]
     received = tuple(torch.empty_like(t) for t in outgoing)
-    works = [ops.irecv(buf, src=left, group=group) for buf in received]   # receive first: never a deadlock
-    works += [ops.isend(t, dst=right, group=group) for t in outgoing]
+    works = ops.batch_isend_irecv([ops.P2POp(dist.irecv, buf, left, group) for buf in received]
+                                  + [ops.P2POp(dist.isend, t, right, group) for t in outgoing])  # one group
     return RingTransfer(received=received, sent=tuple(outgoing), works=works, src=left, dst=right, step=step)
 
 

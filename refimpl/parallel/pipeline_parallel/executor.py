@@ -12,6 +12,15 @@ The rank walks its list (:func:`~refimpl.parallel.pipeline_parallel.schedules.bu
   When the schedule has ``W`` actions the linear layers' weight gradients are queued instead
   (:mod:`.weight_grad`), and ``W`` computes them.
 
+Transfers (:mod:`.p2p_plan`, :mod:`.pipeline_communications`): at each boundary of the list (before the
+first action, after each) the rank posts one group, the sends of the action just done with the receives
+the plan puts there, and waits for it at the start of its next action (at the end of the step after the
+last). No schedule deadlocks on NCCL this way (the plan's rounds), and a sent tensor is released one action
+after its send, wherever its receiver is: an input gradient is held from the end of its ``B`` to the start
+of the next action; a stage output lives until its backward anyway (``autograd.backward`` needs it), so
+1F1B's rank ``r`` holds ``min(p - r, m)`` micro-batches' activations and outputs whatever ``m``
+(tests/test_pipeline_memory.py).
+
 Every action is timed (:class:`PipelineEvent`, ``time.perf_counter`` seconds, the clock of
 :class:`refimpl.comm.CommTracer`), including the wait for its input: the chapter's Gantt chart and the
 measured bubble come from these events.
@@ -27,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from refimpl.comm.tracer import now
-from refimpl.parallel.pipeline_parallel.pipeline_communications import PendingSends, recv_tensor, send_tensor
+from refimpl.parallel.pipeline_parallel.p2p_plan import p2p_plan
+from refimpl.parallel.pipeline_parallel.pipeline_communications import message, post_group
 from refimpl.parallel.pipeline_parallel.schedules import Action, p2p_actions
 from refimpl.parallel.pipeline_parallel.stage import GPTStage
 from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore
@@ -55,7 +65,8 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, GPTStage],
                  activation_shape: tuple[int, ...], activation_dtype: torch.dtype,
                  store: WeightGradStore | None = None,
                  scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 events: list[PipelineEvent] | None = None) -> torch.Tensor:
+                 events: list[PipelineEvent] | None = None,
+                 table: Sequence[Sequence[Action]] | None = None) -> torch.Tensor:
     """Run ``actions`` (this rank's list) over ``stages`` (this rank's, by index); returns the sum of the
     micro-batch losses this rank computed (the last stage's rank; zero elsewhere), detached.
 
@@ -64,22 +75,31 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, GPTStage],
     ``activation_shape``/``dtype`` what crosses a stage boundary (``[b, s, h]``); ``store``: the queue of
     deferred weight gradients when ``actions`` has ``W`` s; ``scale_loss``: applied to a micro-batch's loss
     before its backward (the fp16 loss scaler; the returned sum is unscaled); ``events``: appended one per
-    action.
+    action; ``table``: every rank's list, for the transfer plan (default: the named schedule whose list
+    ``actions`` is, else the plan from ``actions`` alone; :func:`~.p2p_plan.p2p_plan`).
     """
     num_stages = next(iter(stages.values())).num_stages
     device = next(next(iter(stages.values())).parameters()).device
     if any(a.kind == "W" for a in actions) and store is None:
         raise ValueError("a schedule with W actions needs the WeightGradStore its stages defer into")
     saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-    sends = PendingSends()
+    plan = p2p_plan(actions, num_stages=num_stages, pp_size=pp_size, table=table)
+    outbox: dict = {}  # what the action just done sends, by message
+
+    def post(b: int):
+        return post_group(plan[b], outgoing=outbox.pop, shape=activation_shape, dtype=activation_dtype,
+                          device=device, group=pp_group,
+                          what=f"transfers {plan[b]} after {actions[b - 1]!r}" if b else "first receives")
+
+    pending, inbox = post(0), {}
     total = torch.zeros((), device=device)
-    for a in actions:
+    for k, a in enumerate(actions):
         start = now()
+        if pending is not None:  # the last boundary's group: its sends released, its receives in
+            inbox |= pending.wait()
+            pending = None
         before, after = p2p_actions(a, num_stages=num_stages, pp_size=pp_size)
-        received = None
-        for r in before:  # at most one: the activation (F) or the output gradient (B)
-            received = recv_tensor(activation_shape, dtype=activation_dtype, device=device, peer=r.peer,
-                                   group=pp_group, what=f"{r.kind} for {a!r} from pipeline rank {r.peer}")
+        received = inbox.pop(message(before[0])) if before else None  # the activation (F) or output grad (B)
         ready = now()
         stage, key = stages[a.stage], (a.stage, a.microbatch)
         if a.kind == "F":
@@ -90,23 +110,23 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, GPTStage],
                 total += y.detach()
                 y = y if scale_loss is None else scale_loss(y)
             saved[key] = (x, y)
-            for s in after:
-                send_tensor(y, peer=s.peer, group=pp_group, pending=sends, what=f"{s.kind} of {a!r}",
-                            key=key)
+            for t in after:
+                outbox[message(t)] = y
         elif a.kind == "B":
             x, y = saved.pop(key)
-            if not stage.is_last:  # its gradient came back: stage s + 1 received the output long ago
-                sends.release(key)
             with store.capture(key) if store is not None else contextlib.nullcontext():
                 torch.autograd.backward(y, None if stage.is_last else received)
-            for s in after:
-                send_tensor(x.grad, peer=s.peer, group=pp_group, pending=sends, what=f"{s.kind} of {a!r}")
+            for t in after:
+                outbox[message(t)] = x.grad
         else:
             store.flush(key)
+        x = y = received = None  # drop this action's tensors: what stays alive is saved, sent or queued
+        pending = post(k + 1)
         if events is not None:
             events.append(PipelineEvent(kind=a.kind, stage=a.stage, microbatch=a.microbatch, start=start,
                                         ready=ready, end=now()))
-    sends.wait()
+    if pending is not None:
+        pending.wait()
     if saved:
         raise RuntimeError(f"the schedule left {len(saved)} forwards without their backward: "
                            f"{sorted(saved)[:4]}")
