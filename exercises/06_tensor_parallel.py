@@ -1,13 +1,19 @@
 """Exercises of chapter 06: tensor parallelism, Megatron-style (Shoeybi et al. 2019).
 
 Replace each ``raise NotImplementedError`` with your implementation, then run ``make grade CH=06`` (or
-``python -m exercises.grade 06``) to see your score per task. Every task is graded on 2 ranks (a
-tensor-parallel group of ``t = 2``), each rank loading this file again:
+``python -m exercises.grade 06``) to see your score per task. Every task is graded on a world of 4 ranks
+split into two tensor-parallel groups of ``t = 2`` (ranks {0, 1} and {2, 3}, each pair with its own
+data), each rank loading this file again: use the ``group`` you are handed, its rank and its size, never
+the world's.
 
 1. ``copy_to_tensor_parallel_region`` (Megatron's ``f``) and
 2. ``reduce_from_tensor_parallel_region`` (``g``), two autograd functions conjugate to each other;
 3. ``ColumnParallelLinear`` and 4. ``RowParallelLinear``, each built from a full ``nn.Linear``;
-5. ``vocab_parallel_cross_entropy``, the loss computed from vocabulary-sharded logits.
+5. ``vocab_parallel_cross_entropy``, the loss computed from vocabulary-sharded logits;
+6. ``scatter_to_sequence_parallel_region``, 7. ``gather_from_sequence_parallel_region`` and
+8. ``reduce_scatter_to_sequence_parallel_region``, sequence parallelism's conjugates (Korthikanti et al.
+   2022) along the sequence, dim 1 of ``[batch, seq, hidden]``;
+9. ``shard_fused_qkv``, this rank's shard of a fused query/key/value projection saved in nanoGPT's order.
 
 The grader compares outputs and gradients with the full, one-device layer or ``F.cross_entropy`` (bit for
 bit on integer-valued tensors where the arithmetic allows it, within a tolerance measured in the same run
@@ -28,7 +34,8 @@ from torch import nn
 from refimpl.comm import ops  # noqa: F401  (you will need it)
 
 Group = dist.ProcessGroup | None
-"""A tensor-parallel process group; ``None`` is the default group. Pass it to every collective."""
+"""A tensor-parallel process group; ``None`` is the default group. Pass it to every collective, and take
+the rank and the size from it (``dist.get_rank(group)``, ``dist.get_world_size(group)``)."""
 
 
 # ---- 1 and 2: the conjugate pair ---------------------------------------------------------------------------
@@ -156,3 +163,66 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     each target; ``ops.ReduceOp.MAX`` exists.
     """
     raise NotImplementedError("vocab_parallel_cross_entropy: max, target logit and sum-exp, across ranks")
+
+
+# ---- 6, 7 and 8: sequence parallelism's conjugates along the sequence (dim 1) ------------------------------
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sequence parallelism (Korthikanti et al. 2022): keep this rank's chunk of the sequence.
+
+    ``x`` ``[b, s, ...]`` is whole and the same on every rank of ``group`` (``t`` ranks, this one ``r``).
+    Contract: returns ``x[:, r*s/t : (r+1)*s/t]`` (values bit for bit) with no collective in forward; in
+    backward ``x.grad`` is ``[b, s, ...]``, the output gradients of the ``t`` ranks laid side by side along
+    dim 1 in rank order, made with exactly one all-gather (``ops.all_gather_into_tensor`` or
+    ``ops.all_gather``) of ``x``'s size. ``x`` is never modified. ``s`` that does not divide by ``t``:
+    ``ValueError``. On a group of one rank both directions are the identity.
+    """
+    raise NotImplementedError("scatter_to_sequence_parallel_region: my chunk of dim 1; backward?")
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sequence parallelism's ``g-bar`` (Korthikanti et al. 2022, figure 5): gather the sequence.
+
+    ``x`` ``[b, s/t, ...]`` is this rank's chunk of the sequence. Contract: returns ``[b, s, ...]``, the
+    chunks of the ``t`` ranks of ``group`` side by side along dim 1 in rank order (bit for bit), made with
+    exactly one all-gather of the output's size in forward; in backward ``x.grad`` is this rank's chunk
+    along dim 1 of ``sum_k dy_k``, the output gradients summed over the ranks (every rank's branch used
+    the whole sequence), made with exactly one ``ops.reduce_scatter_tensor`` of ``dy``'s size. ``x`` is
+    never modified. On a group of one rank both directions are the identity.
+    """
+    raise NotImplementedError("gather_from_sequence_parallel_region: all-gather dim 1; backward?")
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sequence parallelism's ``g`` (Korthikanti et al. 2022): sum the partial results, keep my chunk.
+
+    ``x`` ``[b, s, ...]`` is this rank's partial result (a row-parallel layer's). Contract: returns this
+    rank's chunk along dim 1 of ``sum_k x_k`` over the ranks of ``group``, ``[b, s/t, ...]`` (bit for bit
+    on integer-valued tensors), made with exactly one ``ops.reduce_scatter_tensor`` of ``x``'s size (not an
+    all-reduce: twice the bytes); in backward ``x.grad`` is ``[b, s, ...]``, the output gradients of the
+    ``t`` ranks side by side along dim 1 in rank order, made with exactly one all-gather of ``x``'s size.
+    ``x`` is never modified. ``s`` that does not divide by ``t``: ``ValueError``. On a group of one rank
+    both directions are the identity.
+    """
+    raise NotImplementedError("reduce_scatter_to_sequence_parallel_region: reduce-scatter dim 1; backward?")
+
+
+# ---- 9: the fused query/key/value weight -------------------------------------------------------------------
+
+
+def shard_fused_qkv(tensor: torch.Tensor, *, num_heads: int, group: Group) -> torch.Tensor:
+    """This rank's column-parallel shard of a fused query/key/value projection, from nanoGPT's row order.
+
+    ``tensor`` is the fused weight ``[3h, h]`` or bias ``[3h]`` (``h = a d``, ``a = num_heads``) with its rows
+    in nanoGPT's order ``[3, a, d]``: all heads' queries, then all keys, then all values (``q, k, v =
+    qkv.split(h, dim=-1)``). refimpl's attention (``refimpl.model.CausalSelfAttention``, chapter 06) reads
+    its fused rows in Megatron's per-head order ``[a', 3, d]``: head ``i``'s q, k and v rows one after the
+    other, for each of its ``a'`` heads.
+
+    Contract: returns a new tensor of ``3h/t`` rows (``[3h/t, h]`` or ``[3h/t]``) that, as the
+    ``query_key_value`` shard of refimpl's attention with ``a/t`` heads, makes this rank compute heads
+    ``[r a/t, (r+1) a/t)`` of the one-device model (rank ``r`` of the ``t`` ranks of ``group``); ``tensor``
+    is not modified; ``num_heads`` that does not divide by ``t``: ``ValueError``. No communication.
+    """
+    raise NotImplementedError("shard_fused_qkv: whole heads, in the order refimpl's attention reads them")

@@ -1,21 +1,24 @@
 """Checks of chapter 06's exercises (``exercises/06_tensor_parallel.py``); see exercises/grading.py.
 
-Every task runs on 2 ranks (:func:`refimpl.launch.run_ranks`; each rank loads the graded file by path) in a
-tensor-parallel group of ``t = 2`` handed over as an explicit group object, and a
-:class:`refimpl.comm.CommTracer` counts the collectives in forward and in backward separately.
+Every task runs on a world of 4 ranks as two tensor-parallel pairs with their own data
+(:mod:`exercises.checks.ch06_harness`; each rank loads the graded file by path), the pair handed over as
+an explicit group object, and a :class:`refimpl.comm.CommTracer` counts the collectives in forward and in
+backward separately.
 
 * ``f`` and ``g`` on integer-valued tensors that differ per rank: forward and backward bit for bit against
-  their definition (identity / sum over ranks), one all-reduce of the tensor's size in the right direction
-  and none in the other, the input never modified; then on a group of the rank alone (the identity both
-  ways: an implementation that ignores ``group`` and reduces over the world fails).
+  their definition (identity / sum over the pair), one all-reduce of the tensor's size in the right
+  direction and none in the other, the input never modified; then on a group of the rank alone (the
+  identity both ways: an implementation that ignores ``group`` and reduces over the world fails).
 * ``ColumnParallelLinear`` and ``RowParallelLinear`` built from an ``nn.Linear`` with integer-valued
   weights (so every sum is exact and the comparison is bitwise): the shard of each tensor, the output, the
   input and weight gradients against the full layer's, one all-reduce (backward for the column layer,
-  forward for the row layer), no bias, a size that does not divide (``ValueError``).
+  forward for the row layer), no bias, a size that does not divide (``ValueError``). Ranks 2 and 3 are
+  ranks 0 and 1 of their pair: a layer that takes the world's rank or size holds the wrong block.
 * ``vocab_parallel_cross_entropy`` against ``F.cross_entropy`` on the gathered logits, loss and gradient,
   within ``FACTOR`` x the spread measured in the same run (``F.cross_entropy`` in float32 against float64
   on the same inputs), on logits of ordinary size and of size +-200 (where ``exp`` overflows float32); the
   forward exchanges at most three float32 tensors of the target's size, the backward nothing.
+* sequence parallelism's three conjugates and the fused-qkv shard: :mod:`exercises.checks.ch06_sequence`.
 
 ``MUTANTS`` holds plausible wrong implementations, several for some tasks (tests/test_exercises.py grades
 each and expects exactly its task to fail).
@@ -26,36 +29,16 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from exercises.checks.ch06_harness import TIMEOUT_S, WORLD, T, groups, pair_seed
+from exercises.checks.ch06_harness import expect as _expect
+from exercises.checks.ch06_harness import ints as _ints
+from exercises.checks.ch06_sequence import check_gather, check_qkv, check_reduce_scatter, check_scatter
 from exercises.grading import Task, load_module, probe_stub
 
-WORLD = 2
-TIMEOUT_S = 90
 FACTOR = 4.0  # stated: the loss may be this many times further from float64 than F.cross_entropy in float32
-
-
-def _groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """(both ranks as a group object, a group of this rank alone); every rank creates every group."""
-    pair = dist.new_group(list(range(WORLD)))
-    alone = [dist.new_group([r]) for r in range(WORLD)]
-    return pair, alone[dist.get_rank()]
-
-
-def _ints(shape: tuple[int, ...], seed: int, device: torch.device, bound: int = 4) -> torch.Tensor:
-    """Integer-valued float32 in [-bound, bound]: sums of a few products are exact, so results are bitwise."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(-bound, bound + 1, shape, generator=g).float().to(device)
-
-
-def _expect(tracer, step: int, want: list[tuple[str, int]], where: str) -> None:
-    """The collectives of ``step`` (0: forward, 1: backward) are ``want``, as (op, payload bytes)."""
-    got = [(e.op, e.nbytes) for e in tracer.select(step=step)]
-    assert got or not want, (f"{where}: no collective seen; make it with refimpl.comm.ops (ops.all_reduce) "
-                             "so that the grader's tracer sees it")
-    assert got == want, f"{where}: saw {got} (op, bytes); want {want or 'no collective'}"
 
 
 # ---- tasks 1 and 2: f and g ------------------------------------------------------------------------------
@@ -66,14 +49,14 @@ def _conjugate_on_rank(ctx, path: str, which: str) -> None:
 
     torch.set_num_threads(1)
     fn = getattr(load_module(path), which)
-    pair, alone = _groups()
-    r, shape = ctx.rank, (3, 5)
-    xs = [_ints(shape, 1 + k, ctx.device) for k in range(WORLD)]   # each rank's input
-    dys = [_ints(shape, 10 + k, ctx.device) for k in range(WORLD)]  # each rank's output gradient
+    g = groups()
+    pair, alone, r, shape = g.pair, g.alone, g.rank, (3, 5)
+    xs = [_ints(shape, pair_seed(1 + k, g), ctx.device) for k in range(T)]   # each rank's input
+    dys = [_ints(shape, pair_seed(10 + k, g), ctx.device) for k in range(T)]  # each rank's output gradient
     is_f = which == "copy_to_tensor_parallel_region"
     name = "f" if is_f else "g"
     for group, where in ((pair, "on the group of 2 ranks"), (alone, "on a group of your rank alone")):
-        ranks = range(WORLD) if group is pair else [r]
+        ranks = range(T) if group is pair else [r]
         x = xs[r].clone().requires_grad_()
         with CommTracer() as tracer:
             y = fn(x, group)
@@ -121,15 +104,15 @@ def _run_conjugate(path: str, which: str) -> None:
 # ---- tasks 3 and 4: the parallel linears ------------------------------------------------------------------
 
 
-def _full(in_f: int, out_f: int, bias: bool, lead: tuple[int, ...], device: torch.device) -> dict:
+def _full(in_f: int, out_f: int, bias: bool, lead: tuple[int, ...], device: torch.device, seed: int) -> dict:
     """An integer-valued nn.Linear, its input and output gradient, and its exact output and gradients."""
     linear = nn.Linear(in_f, out_f, bias=bias, device=device)
     with torch.no_grad():
-        linear.weight.copy_(_ints((out_f, in_f), 20 + in_f, device))
+        linear.weight.copy_(_ints((out_f, in_f), seed + 20 + in_f, device))
         if bias:
-            linear.bias.copy_(_ints((out_f,), 30 + out_f, device))
-    x = _ints((*lead, in_f), 40, device).requires_grad_()
-    dy = _ints((*lead, out_f), 50, device)
+            linear.bias.copy_(_ints((out_f,), seed + 30 + out_f, device))
+    x = _ints((*lead, in_f), seed + 40, device).requires_grad_()
+    dy = _ints((*lead, out_f), seed + 50, device)
     ref = copy.deepcopy(linear)
     y = ref(x)
     (y * dy).sum().backward()
@@ -158,13 +141,13 @@ def _linear_on_rank(ctx, path: str, cls: str) -> None:
 
     torch.set_num_threads(1)
     make = getattr(load_module(path), cls)
-    pair, _ = _groups()
-    r, column = ctx.rank, cls == "ColumnParallelLinear"
+    g = groups()
+    pair, r, column = g.pair, g.rank, cls == "ColumnParallelLinear"
     split = ("a column-parallel layer splits the output features (rows of the [out, in] weight)" if column
              else "a row-parallel layer splits the input features (columns of the [out, in] weight)")
     for in_f, out_f, bias in ((6, 8, True), (8, 6, True), (4, 6, False)):
-        full = _full(in_f, out_f, bias, (3, 5), ctx.device)
-        n = (out_f if column else in_f) // WORLD
+        full = _full(in_f, out_f, bias, (3, 5), ctx.device, pair_seed(0, g))
+        n = (out_f if column else in_f) // T
         mine = slice(r * n, (r + 1) * n)
         w, b = full["linear"].weight.detach(), None if not bias else full["linear"].bias.detach()
         layer = make(copy.deepcopy(full["linear"]), group=pair)
@@ -183,8 +166,8 @@ def _linear_on_rank(ctx, path: str, cls: str) -> None:
             (y * dy).sum().backward()
         assert isinstance(y, torch.Tensor) and y.shape == want_y.shape, (
             f"{where}: output of shape {tuple(getattr(y, 'shape', ()))}, want {tuple(want_y.shape)}")
-        if not column and b is not None and torch.equal(y.detach(), want_y + (WORLD - 1) * b):
-            raise AssertionError(f"{where}: the output holds the bias {WORLD} times: each rank added it "
+        if not column and b is not None and torch.equal(y.detach(), want_y + (T - 1) * b):
+            raise AssertionError(f"{where}: the output holds the bias {T} times: each rank added it "
                                  "before the sum; add it once, after the reduction")
         assert torch.equal(y.detach(), want_y), (
             f"{where}: output differs from the full layer's (largest difference "
@@ -201,7 +184,7 @@ def _linear_on_rank(ctx, path: str, cls: str) -> None:
         assert torch.equal(layer.weight.grad, want_dw), f"{where}: the weight gradient is wrong"
         if b is not None:
             want_db = full["db"][mine] if column else full["db"]
-            assert layer.bias.grad is not None, f"{where}: the bias got no gradient on rank {r}"
+            assert layer.bias.grad is not None, f"{where}: the bias got no gradient on rank {r} of the pair"
             assert torch.equal(layer.bias.grad, want_db), f"{where}: the bias gradient is not the full's"
         one = [("all_reduce", (x if column else y).numel() * 4)]
         _expect(tracer, 0, [] if column else one, f"{where} forward")
@@ -238,9 +221,9 @@ def check_row(path: str) -> None:
 # ---- task 5: the vocabulary-parallel loss -----------------------------------------------------------------
 
 
-def _loss_cases(device: torch.device) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(what, full logits [..., V], target [...]): the same on every rank."""
-    g = torch.Generator().manual_seed(6)
+def _loss_cases(device: torch.device, seed: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(what, full logits [..., V], target [...]): the same on both ranks of a pair."""
+    g = torch.Generator().manual_seed(seed)
     ordinary = 3 * torch.randn(3, 5, 24, generator=g)
     target = torch.randint(0, 24, (3, 5), generator=g)
     large = torch.randn(6, 10, generator=g)
@@ -270,11 +253,11 @@ def _loss_on_rank(ctx, path: str) -> None:
 
     torch.set_num_threads(1)
     fn = load_module(path).vocab_parallel_cross_entropy
-    pair, _ = _groups()
-    r = ctx.rank
-    for what, logits, target in _loss_cases(ctx.device):
+    g = groups()
+    pair, r = g.pair, g.rank
+    for what, logits, target in _loss_cases(ctx.device, pair_seed(6, g)):
         vocab = logits.shape[-1]
-        mine = slice(r * vocab // WORLD, (r + 1) * vocab // WORLD)
+        mine = slice(r * vocab // T, (r + 1) * vocab // T)
         weight = torch.rand(target.shape, generator=torch.Generator().manual_seed(7)).to(ctx.device) + 0.5
         ref32, grad32 = _cross_entropy(logits, target, weight)
         ref64, grad64 = _cross_entropy(logits.double(), target, weight.double())
@@ -289,7 +272,7 @@ def _loss_on_rank(ctx, path: str) -> None:
             tracer.step()
             if isinstance(loss, torch.Tensor) and loss.requires_grad:
                 (loss * weight).sum().backward()
-        where = f"{what}, rank {r}"
+        where = f"{what}, rank {r} of the pair"
         assert isinstance(loss, torch.Tensor) and loss.shape == target.shape, (
             f"{where}: the loss has shape {tuple(getattr(loss, 'shape', ()))}, want the target's "
             f"{tuple(target.shape)} (one loss per token)")
@@ -333,6 +316,10 @@ TASKS = [
     Task(name="ColumnParallelLinear", points=3, check=check_column),
     Task(name="RowParallelLinear", points=3, check=check_row),
     Task(name="vocab_parallel_cross_entropy", points=4, check=check_loss),
+    Task(name="scatter_to_sequence_parallel_region", points=2, check=check_scatter),
+    Task(name="gather_from_sequence_parallel_region", points=2, check=check_gather),
+    Task(name="reduce_scatter_to_sequence_parallel_region", points=2, check=check_reduce_scatter),
+    Task(name="shard_fused_qkv", points=3, check=check_qkv),
 ]
 
 # one plausible wrong implementation or more per task, and an independent right one (not refimpl's)

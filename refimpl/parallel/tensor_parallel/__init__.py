@@ -13,7 +13,7 @@ Parallelism"; Korthikanti et al. 2022, "Reducing Activation Recomputation in Lar
 
 * :mod:`~refimpl.parallel.tensor_parallel.transformer`: :func:`apply_tensor_parallel` turns refimpl's GPT
   into its TP form (heads split, parallel MLP, vocabulary split, sequence parallelism), :func:`tp_lm_loss`,
-  :func:`full_state_dict`;
+  :func:`full_state_dict`, :func:`fused_qkv_per_head` (nanoGPT's fused qkv rows in the per-head order);
 * :mod:`~refimpl.parallel.tensor_parallel.grad_norm`: the gradient norm that counts each element once.
 """
 
@@ -43,6 +43,7 @@ from refimpl.parallel.tensor_parallel.transformer import (
     VocabParallelGPTEmbedding,
     apply_tensor_parallel,
     full_state_dict,
+    fused_qkv_per_head,
     is_tensor_parallel,
     tp_lm_loss,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "clip_grad_norm_tensor_parallel_",
     "copy_to_tensor_parallel_region",
     "full_state_dict",
+    "fused_qkv_per_head",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_parallel_region",
     "is_tensor_parallel",

@@ -50,7 +50,7 @@ from refimpl.parallel.tensor_parallel.vocab_parallel import (
 )
 
 __all__ = ["TiedVocabParallelHead", "VocabParallelGPTEmbedding", "apply_tensor_parallel", "full_state_dict",
-           "is_tensor_parallel", "tp_lm_loss"]
+           "fused_qkv_per_head", "is_tensor_parallel", "tp_lm_loss"]
 
 
 class VocabParallelGPTEmbedding(nn.Module):
@@ -95,6 +95,20 @@ class TiedVocabParallelHead(nn.Module):
         # [b, s/t, h] gathered to [b, s, h] (saving only [b, s/t, h]) -> [b, s, V/t]
         emb = self.embedding
         return linear_with_sequence_parallel_gather(hidden, emb.weight, None, emb.tp_group)
+
+
+def fused_qkv_per_head(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """The rows of a fused qkv weight ``[3h, h]`` or bias ``[3h]`` from nanoGPT's order ``[3, a, d]`` (all q,
+    all k, all v) to Megatron's per-head ``[a, 3, d]`` (:class:`refimpl.model.CausalSelfAttention`), a copy:
+    after it a contiguous row block of ``3h/t`` rows is q, k and v of ``a/t`` whole heads, the shard a
+    :class:`ColumnParallelLinear` takes (the fused-qkv trap of chapter 06)."""
+    three_h = tensor.shape[0]
+    if three_h % (3 * num_heads):
+        raise ValueError(f"a fused qkv of {three_h} rows is not 3 x {num_heads} heads x head_dim")
+    d = three_h // (3 * num_heads)
+    rest = tensor.shape[1:]
+    # [3h, ...] -> [3, a, d, ...] -> [a, 3, d, ...] -> [3h, ...]
+    return tensor.reshape(3, num_heads, d, *rest).transpose(0, 1).reshape(three_h, *rest).clone()
 
 
 def _check_divides(model: GPT, t: int, pad_vocab: bool) -> None:
