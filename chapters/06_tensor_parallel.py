@@ -31,7 +31,8 @@
 # 1. a column-parallel layer followed by a row-parallel one (the MLP; attention with its heads split) gives
 #    the one-device output and gradients at tp = 2 and 4, with and without sequence parallelism, with
 #    exactly one all-reduce forward and one backward (with SP an all-gather and a reduce-scatter each way,
-#    and one more all-gather backward), each all-reduce moving $2\frac{t-1}{t}bsh$ elements per rank;
+#    and one more all-gather backward); the whole GPT's calls, counted and sized from their tensors on every
+#    rank, equal the planner's count, and under SP the embedding reduce-scatters, half an all-reduce's bytes;
 # 2. the fused query/key/value weight must be split per head: split by plain rows in nanoGPT's layout,
 #    the output is wrong;
 # 3. the whole GPT equals one device, loss and every gradient, and so does PyTorch's own tensor
@@ -130,7 +131,6 @@ import datetime
 import numpy as np
 
 from refimpl.comm import CommTracer, ops
-from refimpl.comm.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from refimpl.config import ModelConfig
 from refimpl.distributed.placement import module_shards
 from refimpl.model import GPT, lm_loss
@@ -247,49 +247,74 @@ for (kind, t, sp), res in ranks.run(lambda: layer_results)[0].items():
 # all-gather and a reduce-scatter forward, and backward those two plus the column layer's second
 # all-gather of its input.
 #
-# **Bytes on the wire.** The tracer measured the payload of each collective: one $[b, s, h]$ float32
-# tensor. What a rank *sends* for it depends on the algorithm. For the ring (chapter 02), which NCCL uses
-# on large messages, an all-reduce sends $2\frac{t-1}{t}$ of the payload per rank, a reduce-scatter and an
-# all-gather $\frac{t-1}{t}$ each. We measure that too: our ring collectives (`refimpl.comm.ring`) are
-# built from `isend`/`irecv`, whose bytes the tracer counts from the tensors handed to them. Run them on a
-# payload of the size the layer's collective had, in each tensor-parallel group:
+# **What the whole GPT's calls move.** The tracer measured the payload of each layer's collective, from
+# the tensor handed to it (`nbytes`: the input of an all-reduce or a reduce-scatter, the output of an
+# all-gather). Now the whole tensor-parallel GPT (section 5 proves it equals one device): one forward and
+# backward at $t = 2$ and 4, with and without sequence parallelism, every call of every rank recorded, and
+# per op the count and the bytes compared with the planner's `tensor_parallel_collectives`, a formula
+# written from the layers' code (`refimpl.planner.communication`):
+#
+# * without SP, all-reduces of $bsh$: the vocabulary-parallel embedding's sum, two per block forward
+#   ($g$), two per block and the head's in backward ($f$); and the loss's three of $bs$ numbers;
+# * with SP, the embedding **reduce-scatters** its partial lookups straight into the rank's $s/t$
+#   positions (Megatron-Core's `reduce_scatter_embeddings`; backward: an all-gather of the gradient),
+#   each block's pairs become all-gathers and reduce-scatters, the column layers gather their input again
+#   in backward, and the layer norms' and row biases' gradients are summed after backward.
 
 # %%
 # %%px
-wire = {}
+from refimpl.planner import tensor_parallel_collectives, wire_bytes
+
+ids = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(2)).to(device)
+traffic = {}
 for t, group in tp_groups.items():
-    payload = torch.ones(act // x_in.element_size(), device=device)  # b*s*h elements, as the layer sent
-    with CommTracer() as ring_trace:
-        ring_all_reduce(payload.clone(), group=group)
-        ring_trace.step()
-        shard = ring_reduce_scatter(payload.clone(), group=group)
-        ring_all_gather(shard, payload.numel(), group=group)
-        ring_trace.step()
-        ring_all_gather(shard, payload.numel(), group=group)  # SP's second all-gather in backward
-    formula = 2 * (t - 1) / t * B * S * H * x_in.element_size()  # 2(t-1)/t b s h elements, in bytes
-    wire[t] = [ring_trace.measured_bytes_sent(step=k) for k in range(3)] + [formula]
-    assert wire[t][0] == formula, (t, wire[t])  # measured from isend, against the formula
-    assert wire[t][1] == wire[t][0], "reduce-scatter + all-gather = one all-reduce, byte for byte"
-    assert 2 * wire[t][2] == formula, "an all-gather alone: (t-1)/t b s h"
+    for sp in (False, True):
+        model = apply_tensor_parallel(copy.deepcopy(dense), tp_group=group, sequence_parallel=sp)
+        with CommTracer() as tracer:
+            tp_lm_loss(model(ids), ids, tp_group=group, vocab_size=cfg.vocab_size).backward()
+            if sp:
+                allreduce_sequence_parallel_grads(model, group)
+        measured = {op: (total.count, total.nbytes) for op, total in tracer.summary().items()}
+        kw = dict(num_layers=cfg.num_layers, hidden_size=H, micro_batch=B, seq_len=S, tp=t)
+        assert measured == tensor_parallel_collectives(sequence_parallel=sp, **kw), (t, sp, measured)
+        assert measured != tensor_parallel_collectives(sequence_parallel=not sp, **kw), "tells SP apart"
+        embedding = (tracer.events[0].op, tracer.events[0].nbytes)  # the first call of the forward
+        assert embedding == ("reduce_scatter" if sp else "all_reduce", act), embedding
+        traffic[(t, sp)] = {"measured": measured, "embedding": embedding,
+                            "ring model": {op: wire_bytes(op, n, t) for op, (_, n) in measured.items()}}
 
 # %%
-wire, act = ranks.run(lambda: (wire, act))[0]
-for t, (allreduce_bytes, sp_bytes, gather_bytes, formula) in wire.items():
-    print(f"tp={t}: payload {act:,d} B | our ring all-reduce sent {allreduce_bytes:,d} B per rank, "
-          f"reduce-scatter + all-gather {sp_bytes:,d} B, one all-gather {gather_bytes:,d} B | "
-          f"2(t-1)/t x b s h x 4 B = {formula:,.0f} B")
+traffic = ranks.run(lambda: traffic)  # every rank's own record
+assert all(r == traffic[0] for r in traffic), "every rank of a group hands the same payloads to its calls"
+for (t, sp), res in traffic[0].items():
+    calls = ", ".join(f"{op} {n} x = {b:,d} B (ring model sends {res['ring model'][op]:,.0f} B)"
+                      for op, (n, b) in res["measured"].items())
+    op, nbytes = res["embedding"]
+    print(f"tp={t} sp={sp!s:5s}: {calls}\n{'':17s}embedding forward: {op} of {nbytes:,d} B, ring model sends "
+          f"{wire_bytes(op, nbytes, t):,.0f} B per rank")
 
 # %% [markdown]
-# So per block and per pass, tensor parallelism sends $2 \times 2\frac{t-1}{t}bsh$ elements per rank
-# (attention and MLP), and sequence parallelism the same, plus $2 \times \frac{t-1}{t}bsh$ in backward for
-# the two column layers' second all-gather. At $t = 4$ that is 1.5 $bsh$ elements per
-# collective, *every layer, every micro-batch*, on the critical path: nothing else can run while the
-# next layer waits for its input. That is why tensor parallelism stays inside a node (NVLink), and data
-# parallelism goes across nodes.
+# Every rank's calls, counted and sized from the tensors, equal the planner's count, at both sizes, with and
+# without sequence parallelism.
 #
-# One warning about CPU numbers: gloo's reduce-scatter is itself built from an all-reduce, so what
-# gloo sends for sequence parallelism, and how long it takes on a CPU, say nothing about NCCL, whose
-# reduce-scatter and all-gather are the two halves of its ring all-reduce.
+# **Bytes on the wire are a model.** What a rank *sends* for a payload depends on the algorithm, and no
+# backend reports it. The "ring model" figures above are what the bandwidth-optimal ring of chapter 02
+# sends: $2\frac{t-1}{t}$ of the payload per rank for an all-reduce, $\frac{t-1}{t}$ for a reduce-scatter or
+# an all-gather (`refimpl.comm.tracer.wire_bytes`). Chapter 02 measured that on our own ring, built from
+# `isend`/`irecv`; the layers here call the backend's collectives, so for them it is a model, not a
+# measurement. NCCL itself picks, per call, a ring, a tree or, on NVSwitch machines such as an HGX H100,
+# NVLS (the switch does the reduction), and those send other amounts; gloo, on this CPU, has its own
+# algorithms (its reduce-scatter is built from an all-reduce), so neither its bytes nor its timings say
+# anything about NCCL.
+#
+# In the ring model, per block and per pass, tensor parallelism sends $2 \times 2\frac{t-1}{t}bsh$ elements
+# per rank (attention and MLP), and sequence parallelism the same, plus $2 \times \frac{t-1}{t}bsh$ in
+# backward for the two column layers' second all-gather. The embedding's forward *halves* under sequence
+# parallelism: a reduce-scatter of $bsh$, $\frac{t-1}{t}bsh$, where the all-reduce sent $2\frac{t-1}{t}bsh$
+# and the rank then kept only $1/t$ of the result. At $t = 4$ an all-reduce is 1.5 $bsh$ elements,
+# *every layer, every micro-batch*, on the critical path: nothing else can run while the next layer waits
+# for its input. That is why tensor parallelism stays inside a node (NVLink), and data parallelism goes
+# across nodes.
 
 # %% [markdown]
 # ## 4. The fused query/key/value trap
@@ -827,8 +852,10 @@ ranks.stop()
 #   backward ($f$): per block two each way, of $2\frac{t-1}{t}bsh$ elements per rank, on the critical
 #   path. Keep $t$ within a node.
 # * Sequence parallelism turns each all-reduce into a reduce-scatter and an all-gather: the same bytes
-#   (plus one all-gather per column layer in backward, to save only the input's shard), activation bytes
-#   divided by $t$, and replicated parameters (layer norms) whose gradients must be summed.
+#   (plus one all-gather per column layer in backward, to save only the input's shard; the embedding's
+#   forward, a reduce-scatter, halves), activation bytes divided by $t$, and replicated parameters (layer
+#   norms) whose gradients must be summed. Bytes on the wire are the ring model's: NCCL may run a tree or
+#   NVLS instead.
 # * A fused weight is split by what its rows *mean*: q, k and v of whole heads, not a plain row block.
 # * The loss never needs the full logits: three all-reduces of one number per token.
 #
@@ -839,14 +866,18 @@ ranks.stop()
 #
 # Open `exercises/06_tensor_parallel.py` and implement `f` (`copy_to_tensor_parallel_region`) and `g`
 # (`reduce_from_tensor_parallel_region`), `ColumnParallelLinear` and `RowParallelLinear` built from a full
-# `nn.Linear`, and `vocab_parallel_cross_entropy`. Grade your work with
+# `nn.Linear`, `vocab_parallel_cross_entropy`, sequence parallelism's three conjugates along the sequence
+# (`scatter_to_sequence_parallel_region`, `gather_from_sequence_parallel_region`,
+# `reduce_scatter_to_sequence_parallel_region`) and `shard_fused_qkv`, a rank's whole heads of a fused
+# qkv weight saved in nanoGPT's order. Grade your work with
 #
 # ```
 # make grade CH=06
 # ```
 #
-# which runs each piece on 2 ranks against the one-device layer or `F.cross_entropy` and counts your
-# collectives (an `f` that all-reduces in forward fails).
+# which runs each piece on a world of 4 ranks split into two tensor-parallel pairs with their own data,
+# against the one-device layer or `F.cross_entropy`, and counts your collectives (an `f` that all-reduces
+# in forward fails, and so does a layer that takes the world's rank instead of its group's).
 #
 # ## Questions
 #
