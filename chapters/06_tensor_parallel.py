@@ -280,7 +280,7 @@ for t, group in tp_groups.items():
         assert measured != tensor_parallel_collectives(sequence_parallel=not sp, **kw), "tells SP apart"
         embedding = (tracer.events[0].op, tracer.events[0].nbytes)  # the first call of the forward
         assert embedding == ("reduce_scatter" if sp else "all_reduce", act), embedding
-        traffic[(t, sp)] = {"measured": measured, "embedding": embedding,
+        traffic[(t, sp)] = {"measured": measured, "embedding": (*embedding, wire_bytes(*embedding, t)),
                             "ring model": {op: wire_bytes(op, n, t) for op, (_, n) in measured.items()}}
 
 # %%
@@ -289,9 +289,9 @@ assert all(r == traffic[0] for r in traffic), "every rank of a group hands the s
 for (t, sp), res in traffic[0].items():
     calls = ", ".join(f"{op} {n} x = {b:,d} B (ring model sends {res['ring model'][op]:,.0f} B)"
                       for op, (n, b) in res["measured"].items())
-    op, nbytes = res["embedding"]
-    print(f"tp={t} sp={sp!s:5s}: {calls}\n{'':17s}embedding forward: {op} of {nbytes:,d} B, ring model sends "
-          f"{wire_bytes(op, nbytes, t):,.0f} B per rank")
+    op, nbytes, ring = res["embedding"]
+    print(f"tp={t} sp={sp!s:5s}: {calls}\n{'':17s}embedding forward: {op} of {nbytes:,d} B, "
+          f"ring model sends {ring:,.0f} B per rank")
 
 # %% [markdown]
 # Every rank's calls, counted and sized from the tensors, equal the planner's count, at both sizes, with and
