@@ -143,8 +143,9 @@ def plan_layouts(config: ModelConfig, *, gpus: int, gpu: str, gpus_per_node: int
                 m = global_batch // (dp * b)
                 sc = s // cp  # tokens per GPU per sequence
                 state = 4 * n / (tp * pp) + 12 * n / (tp * pp * dp * cp)
-                per_layer = (2 * sc * b * h / tp + 34 * sc * b * h / tp) if recompute else (
-                    34 * sc * b * h / tp + (0 if flash else 5 * (a / tp) * sc * s * b))
+                # one layer's saved tensors (the s^2 scores too without flash attention); under recompute
+                # only each layer's input is kept, plus the one layer being recomputed
+                per_layer = 34 * sc * b * h / tp + (0 if flash else 5 * (a / tp) * sc * s * b)
                 kept = (2 * sc * b * h / tp) * L / pp * min(pp, m) + per_layer if recompute else (
                     per_layer * L / pp * min(pp, m))
                 act_bytes = boundary_bytes(micro_batch=b, seq_len=s, hidden_size=h, tp=tp, cp=cp)
