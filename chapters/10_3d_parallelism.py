@@ -37,6 +37,7 @@
 import contextlib
 import dataclasses
 import io
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -318,8 +319,8 @@ fig.tight_layout()
 #
 # The measured side comes from other sources: the bytes from the `CommTracer` the trainer keeps during
 # every step (`bytes_sent` per process group in each step's record, the dict rank 0 writes to
-# `metrics.jsonl`; here every rank's own records), the state from the live tensors just before the optimizer step, the activations from
-# `SavedTensorMeter` (or, under pipeline parallelism, the saved and sent tensors alive between the
+# `metrics.jsonl`, checked below against the file; here every rank's own records), the state from the live
+# tensors just before the optimizer step, the activations from `SavedTensorMeter` (or, under pipeline parallelism, the saved and sent tensors alive between the
 # schedule's actions), both through `refimpl.measure.run_measurement.TrainerProbe`, and the bubble from the
 # pipeline executor's timestamps (`pipeline_idle`). Six layouts of the 8 ranks, 2 steps each, in the same
 # processes as section 2: ZeRO-1 at 2 x 2 x 2, bf16 at 2 x 1 x 4.
@@ -354,6 +355,9 @@ for name, flags in LAYOUTS.items():
 from refimpl.planner import predict_run
 
 measured_runs = ranks.run(lambda: layout_runs)  # one dict per rank
+for name in LAYOUTS:  # rank 0's records are the lines of the metrics.jsonl file it wrote
+    lines = (WORK / name / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["bytes_sent"] for line in lines] == measured_runs[0][name]["bytes"], name
 
 
 def prediction(name, **change):
