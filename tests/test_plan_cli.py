@@ -45,6 +45,17 @@ def test_more_memory_saving_makes_more_layouts_fit():
     assert fits < fits_recomputed  # recomputation keeps every layout that fitted and admits more
 
 
+def test_recomputation_without_flash_attention_keeps_the_recomputed_layers_scores():
+    # the one layer being recomputed saves its s^2 attention scores unless flash attention drops them, so
+    # --recompute --no-flash holds more than --recompute, on every layout (equal before the scores counted)
+    config = model_for(70e9, vocab_size=32000, seq_len=4096)
+    kw = dict(gpus=64, gpu="H100", gpus_per_node=8, seq_len=4096, global_batch=256, recompute=True)
+    flash = {(p.dp, p.tp, p.pp, p.cp): p.activation_bytes for p in plan_layouts(config, **kw)}
+    scores = {(p.dp, p.tp, p.pp, p.cp): p.activation_bytes for p in plan_layouts(config, **kw, flash=False)}
+    assert flash.keys() == scores.keys()
+    assert all(scores[k] > flash[k] for k in flash)
+
+
 def test_a_model_that_fits_nowhere_exits_1_and_names_the_smallest_need(capsys):
     assert main(["--params", "1e12", "--gpus", "8", "--global-batch", "8"]) == 1
     out = capsys.readouterr().out
