@@ -23,8 +23,8 @@
 # trainer, `python -m refimpl.train --dp D --tp T --pp P`, and asks two questions of it:
 #
 # 1. does the composed trainer still train **the same model as one device**? (section 2: the 2 x 2 x 2
-#    layout on 8 CPU ranks, fp32 and ZeRO-1 + bf16, against one-device runs, with a broken layout that
-#    must fail the same check);
+#    layout on 8 CPU ranks, fp32 and ZeRO-1 + bf16, against one-device runs, with a broken run in each
+#    precision that must fail the same check);
 # 2. does the **planner**, the arithmetic that chooses a layout before anything runs, predict what a run
 #    does? (section 3: six layouts of 8 ranks, predicted bytes of state, activations and traffic per axis,
 #    and the bubble, against what the runs measure).
