@@ -3,13 +3,13 @@
 ``python -m refimpl.plan`` counts the pipeline's traffic with :func:`refimpl.plan.boundary_bytes`: a
 ``[b, s/(cp tp), h]`` tensor of :data:`refimpl.plan.BOUNDARY_BYTES_PER_ELEMENT` bytes per element. Here ONE
 spawn of 8 ranks trains a tiny untied GPT for one step through :func:`refimpl.train.train` at dp 1 x tp 4 x
-pp 2 with sequence parallelism in **bf16** (autocast, where a plan could believe the boundaries are
-bf16), and records every tensor the pipeline executor hands to ``send_tensor``: its dtype and bytes. Each
-must be the plan's boundary tensor, dtype and bytes, and the step's sends per rank the plan's ``sent["pp"]``
-for that layout (:func:`refimpl.plan.plan_layouts`); the trainer's own tracer (``bytes_sent["pp"]`` in its
-records) must agree with the recorded sends. Negative control: the plan's former term, a bf16 ``[b, s/cp,
-h]`` boundary (2 bytes per element, the sequence-parallel split forgotten), is not what is sent (at tp 2 the
-two errors cancel: hence tp 4).
+pp 2 with sequence parallelism in **bf16** (autocast, where a plan could believe the boundaries are bf16)
+and records every tensor the pipeline executor posts for sending (through ``post_group``), its dtype and
+bytes, and the dtype of every receive buffer. Each must be the plan's boundary tensor, dtype and bytes;
+the step's sends per rank the plan's ``sent["pp"]`` for that layout (:func:`refimpl.plan.plan_layouts`);
+and the trainer's own tracer (``bytes_sent["pp"]`` in its records) must agree with the recorded sends.
+Negative control: the plan's former term, a bf16 ``[b, s/cp, h]`` boundary (2 bytes per element, the
+sequence-parallel split forgotten), is not what is sent (at tp 2 the two errors cancel: hence tp 4).
 """
 
 from __future__ import annotations
@@ -37,21 +37,26 @@ def _record_boundaries(ctx, files: dict) -> dict:
     import refimpl.parallel.pipeline_parallel.executor as executor
 
     sent: list[tuple[str, int]] = []
-    original = executor.send_tensor
+    received: list[str] = []
+    original = executor.post_group
 
-    def recording(tensor, **kw):  # what the executor hands on, as it hands it on
-        sent.append((str(tensor.dtype), tensor.numel() * tensor.element_size()))
-        return original(tensor, **kw)
+    def recording(transfers, *, outgoing, dtype, **kw):  # what the executor hands on, as it hands it on
+        def handed_on(message):
+            tensor = outgoing(message)
+            sent.append((str(tensor.dtype), tensor.numel() * tensor.element_size()))
+            return tensor
+        received.extend(str(dtype) for t in transfers if t.kind.startswith("recv"))
+        return original(transfers, outgoing=handed_on, dtype=dtype, **kw)
 
     args = build_parser().parse_args([*FLAGS, "--data", files["corpus"], "--cache-dir", files["cache"],
                                       "--out", str(Path(files["root"]) / f"rank{ctx.rank}")])
     options = dataclasses.replace(options_from_args(args), checkpoint=None)
-    executor.send_tensor = recording
+    executor.post_group = recording
     try:
         records = train(config_from_args(args), ctx, options)
     finally:
-        executor.send_tensor = original
-    return {"sends": sent, "traced_pp": records[-1]["bytes_sent"].get("pp", 0)}
+        executor.post_group = original
+    return {"sends": sent, "receives": received, "traced_pp": records[-1]["bytes_sent"].get("pp", 0)}
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +90,7 @@ def test_every_boundary_send_is_the_plans_tensor(measured):
         for dtype, nbytes in got["sends"]:
             assert dtype == "torch.float32" and nbytes == one, (rank, dtype, nbytes, one)
             assert nbytes != former, (rank, nbytes)  # the negative control
+        assert got["receives"] == ["torch.float32"] * plan.microbatches, (rank, got["receives"])
 
 
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
