@@ -6,21 +6,30 @@ Replace each ``raise NotImplementedError`` with your implementation, then run ``
 1. ``merge_partial_attention``: two partial attentions of the same queries (over two sets of keys) into
    the attention over both, by their log-sum-exp (the online softmax; Liu et al. 2023, FlashAttention);
 2. ``zigzag_split``: this rank's part of a sequence cut into ``2 cp`` chunks, the causal load balance of
-   Brandon et al. 2023;
+   Megatron-LM's context parallelism and Llama 3 (the "zig-zag" or load-balanced ring; not Striped
+   Attention, which deals the tokens out round-robin);
 3. ``ring_attention_step``: what a rank of the ring does with one K/V block it holds: attend its queries
-   to it under the causal mask, and merge the result into what it has so far.
+   to it under the causal mask, and merge the result into what it has so far;
+4. ``ring_attention_forward``: the ring itself, on real ranks: the K/V blocks travel round the group,
+   every rank ends with its rows of attention over the whole sequence;
+5. ``ring_attention_backward``: the backward ring: this rank's dQ, dK, dV of that attention;
+6. ``sequence_to_heads`` and ``heads_to_sequence``: DeepSpeed-Ulysses' all-to-all (Jacobs et al. 2023),
+   sequence shards to head shards and back.
 
-Everything runs in one process: the grader simulates a ring of ``cp`` = 2 and 4 ranks by looping over the
-blocks each rank would receive, and compares the result with ``scaled_dot_product_attention`` on the
-whole sequence (in float64), within a stated factor of SDPA's own float32 error measured in the same run.
+Tasks 1-3 run in one process: the grader simulates a ring of ``cp`` = 2 and 4 ranks by looping over the
+blocks each rank would receive. Tasks 4-6 run on 3 ranks (``refimpl.launch.run_ranks``; each rank loads
+this file by path). Attention is compared with ``scaled_dot_product_attention`` on the whole sequence (in
+float64, its autograd for the gradients), within a stated factor of SDPA's own float32 error measured in
+the same run; the all-to-alls bit for bit.
 
 Notation: ``q, k, v`` are ``[b, a, c, d]`` (batch, heads, tokens of a chunk, head dim); the scores of a
 block are ``S = q k^T * scale`` (``[b, a, c_q, c_k]``); a partial attention over a set of keys is the pair
 ``(o, lse)`` with ``o = softmax(S) v`` (``[b, a, c, d]``) and ``lse = log sum_k exp(S_k)`` per query row
 (``[b, a, c]``). The empty partial (no keys yet) is ``o = 0``, ``lse = -inf``.
 
-You may use ``torch`` and ``torch.nn.functional``; do not import ``refimpl.parallel.context_parallel``
-(that is the answer). Chapter 07 explains each piece.
+You may use ``torch``, ``torch.nn.functional``, ``torch.distributed`` (for ranks and groups) and
+``refimpl.comm.ops`` (every transfer goes through it, so that the grader's tracer sees it); do not import
+``refimpl.parallel.context_parallel`` (that is the answer). Chapter 07 explains each piece.
 """
 
 from __future__ import annotations
@@ -89,3 +98,74 @@ def ring_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     and their ``logsumexp`` of the masked scores. ``q``, ``k`` and ``v`` are not modified.
     """
     raise NotImplementedError("ring_attention_step: the block's masked attention and lse, then merge them")
+
+
+# ---- 4: the ring, forward ----------------------------------------------------------------------------------
+
+
+def ring_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group,
+                           causal: bool) -> torch.Tensor:
+    """This rank's rows of attention over the whole sequence, the sequence split across ``group``.
+
+    ``group``: a ``torch.distributed`` process group of ``n`` ranks (the graded one need not be the world:
+    address peers by global rank). Rank ``r`` of the group holds the tokens ``[r c, (r + 1) c)`` of the
+    sequence: ``q, k, v`` are its ``[b, a, c, d]`` float32 blocks. Return ``[b, a, c, d]``: the rows of
+    ``scaled_dot_product_attention(Q, K, V, is_causal=causal)`` of the whole sequence that belong to this
+    rank's queries.
+
+    Contract: every rank sees every other rank's K and V only through a ring: the ranks send K/V blocks to
+    the next rank of the group (``r + 1`` mod ``n``) and receive from the previous one, with point-to-point
+    calls of ``refimpl.comm.ops``; the grader's tracer must see each rank hand exactly ``n - 1`` K blocks and
+    ``n - 1`` V blocks (of ``k``'s size) to ``isend``/``send``, to the next rank, and no collective. Right
+    for scores of any size; ``q, k, v`` are not modified.
+    """
+    raise NotImplementedError("ring_attention_forward: pass the K/V blocks round the ring")
+
+
+# ---- 5: the ring, backward ---------------------------------------------------------------------------------
+
+
+def ring_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            out: torch.Tensor, lse: torch.Tensor, *, group,
+                            causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of this rank's blocks under the attention of :func:`ring_attention_forward`.
+
+    ``q, k, v, group, causal``: as in :func:`ring_attention_forward`; ``out, lse``: this rank's forward
+    result and the ``logsumexp`` of its rows' (masked) scores ``q k^T / sqrt(d)`` (``[b, a, c, d]``,
+    ``[b, a, c]``), ``do``: the gradient of the loss with respect to ``out``.
+    Return ``(dq, dk, dv)``, each the shape of its block: the gradients of the whole sequence's SDPA (with
+    ``is_causal=causal``) with respect to this rank's rows of Q, K and V, given the whole ``dO``. The K
+    of rank ``j`` is used by the queries of every rank, so ``dk`` and ``dv`` sum every rank's share.
+
+    Contract: as in forward, every transfer is a point-to-point call of ``refimpl.comm.ops`` between ring
+    neighbours (no collective); nothing else is given (no whole-sequence tensors). The inputs are not
+    modified.
+    """
+    raise NotImplementedError("ring_attention_backward: dQ where it is, dK and dV home round the ring")
+
+
+# ---- 6: Ulysses' all-to-all --------------------------------------------------------------------------------
+
+
+def sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """``[b, a, c, d]`` (all heads of this rank's tokens) -> ``[b, a/n, n c, d]`` (its heads, every token).
+
+    The ``n`` ranks of ``group`` each hold ``c`` consecutive tokens (rank ``r`` the tokens ``[r c, (r+1) c)``)
+    of all ``a`` heads. Return, on rank ``r``, the heads ``[r a/n, (r + 1) a/n)`` of the whole sequence, its
+    tokens in sequence order: ``y[:, h, j c + t] = x_j[:, r a/n + h, t]`` (``x_j``: rank ``j``'s ``x``).
+    Contract: one ``all_to_all_single`` of ``refimpl.comm.ops`` with the whole of ``x``'s bytes as its
+    payload, no other transfer; bit for bit; ``a`` that does not divide by ``n``: ``ValueError``.
+    """
+    raise NotImplementedError("sequence_to_heads: one all-to-all, my heads of every rank's tokens")
+
+
+def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """The inverse of :func:`sequence_to_heads`: ``[b, a/n, s, d]`` -> ``[b, a, s/n, d]``.
+
+    Rank ``r`` holds heads ``[r a/n, (r + 1) a/n)`` of all ``s`` tokens; return all heads of its tokens
+    ``[r s/n, (r + 1) s/n)``: ``y[:, j a/n + h, t] = x_j[:, h, r s/n + t]``. Contract: one
+    ``all_to_all_single`` of ``refimpl.comm.ops`` with ``x``'s bytes as payload; bit for bit;
+    ``heads_to_sequence(sequence_to_heads(x, g), g)`` is ``x``; ``s`` that does not divide by ``n``:
+    ``ValueError``.
+    """
+    raise NotImplementedError("heads_to_sequence: the inverse all-to-all")
