@@ -25,8 +25,8 @@
 #   Context"): the K/V blocks travel round a ring of the `cp` ranks, each rank attends its queries to the
 #   block it holds while the next one is on the wire, and the partial results are merged exactly with
 #   their log-sum-exp. Under a causal mask a plain split gives the last rank the most work; the zig-zag
-#   split (the load balance of Brandon et al. 2023, "Striped Attention", in the form Megatron-LM's
-#   context parallelism uses) evens it out;
+#   split (the load-balanced ring of Megatron-LM's context parallelism and Llama 3; not Brandon et al.
+#   2023's Striped Attention, which deals the tokens out round-robin) evens it out;
 # * **all-to-all sequence parallelism** (Jacobs et al. 2023, "DeepSpeed Ulysses"): one all-to-all turns
 #   sequence shards into head shards, each rank runs ordinary attention on $a/\mathrm{cp}$ heads of the
 #   whole sequence, and a second all-to-all turns the output back.

@@ -1,8 +1,8 @@
 """Context parallelism: the sequence split across ranks, attention computed across them (chapter 07).
 
-Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context"; Brandon et al. 2023
-("striped attention", causal load balance); Jacobs et al. 2023, "DeepSpeed Ulysses" (all-to-all sequence
-parallelism). One concept per file:
+Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context"; the zig-zag
+(load-balanced) split of Megatron-LM's context parallelism and Llama 3 for the causal balance; Jacobs et al.
+2023, "DeepSpeed Ulysses" (all-to-all sequence parallelism). One concept per file:
 
 * :mod:`~refimpl.parallel.context_parallel.context_parallel_communications`: the ring's K/V exchange with
   plain ``isend`` / ``irecv`` (through :mod:`refimpl.comm.ops`, so the tracer sees them);

@@ -15,7 +15,7 @@ Blocks are computed in float32 (or the inputs' wider dtype), scores explicitly, 
 (under the caller's bf16/fp16 autocast too): on CPU the sizes are tiny. The output returns in the inputs'
 dtype; the saved output and log-sum-exp and the travelling dK/dV are float32.
 
-Backward is a ring too (Brandon et al. 2023 "Striped Attention"; picotron's ring backward): with the
+Backward is a ring too (as in ring-flash-attention and picotron's ring backward): with the
 saved row ``lse`` and ``D = rowsum(dO * O)`` each block's ``P = exp(S - lse)`` is rebuilt, and
 ``dV_j += P^T dO``, ``dS = P (dO V_j^T - D)``, ``dQ += dS K_j / sqrt(d)``, ``dK_j += dS^T Q / sqrt(d)``.
 dQ accumulates where it is; the K/V blocks travel the ring again, and the partial dK/dV of each block
