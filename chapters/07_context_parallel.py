@@ -751,14 +751,18 @@ ranks.stop()
 # Open `exercises/07_context_parallel.py` and implement `merge_partial_attention` (two partial attentions
 # into one, by their log-sum-exp), `zigzag_split` (this rank's chunks of $2\,\mathrm{cp}$) and
 # `ring_attention_step` (what a rank does with one K/V block: its attention under the causal mask, merged
-# into what it has so far). Grade your work with
+# into what it has so far), then the ring itself on real ranks: `ring_attention_forward` (the send/receive
+# loop), `ring_attention_backward` (dQ, dK, dV) and Ulysses' `sequence_to_heads` / `heads_to_sequence`.
+# Grade your work with
 #
 # ```
 # make grade CH=07
 # ```
 #
-# which simulates rings of 2 and 4 ranks in one process and compares the result with full-sequence
-# attention (a merge that averages the outputs fails).
+# which simulates rings of 2 and 4 ranks in one process for the first three, runs the last three on 4
+# ranks (a ring of 3 and a group of one), and compares with full-sequence attention and its autograd
+# (a merge that averages the outputs fails, and so does a step that does not take out each row's maximum
+# on scores of about $10^4$).
 #
 # ## Questions
 #
