@@ -510,7 +510,7 @@ def _tol(spread: float) -> float:
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT + 60)  # the first one sets up both fixtures, each up to SPAWN_TIMEOUT
 @pytest.mark.parametrize("world", [2, 4])
 def test_gradients_before_the_step_equal_one_device(two_ranks, four_ranks, world):
     r = {2: two_ranks, 4: four_ranks}[world]
