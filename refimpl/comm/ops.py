@@ -50,14 +50,19 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class TracedWork:
-    """A ``torch.distributed.Work`` whose ``wait()`` records when the op was seen complete."""
+    """A ``torch.distributed.Work`` whose ``wait()`` records when the op was seen complete. Waiting twice
+    returns at once the second time (a gloo send or receive waited twice would wait for another one)."""
 
     def __init__(self, work: dist.Work, events: list[CommEvent]) -> None:
         self.work = work
         self.events = events
+        self.done = False
 
     def wait(self, timeout=None) -> bool:
+        if self.done:
+            return True
         ok = self.work.wait() if timeout is None else self.work.wait(timeout)
+        self.done = True
         t = now()
         for e in self.events:
             if e.end is None:
@@ -172,10 +177,13 @@ def irecv(tensor: torch.Tensor, src: int, group=None):
 
 
 def _strict_wait(works: list) -> list:
-    if strict_p2p():
-        for w in works:
-            if w is not None:
-                w.wait()
+    """Under strict mode: wait for ``works`` now, and hand back handles whose ``wait()`` returns at once."""
+    if not strict_p2p():
+        return works
+    works = [w if w is None or isinstance(w, TracedWork) else TracedWork(w, []) for w in works]
+    for w in works:
+        if w is not None:
+            w.wait()
     return works
 
 

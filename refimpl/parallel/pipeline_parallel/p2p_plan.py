@@ -10,19 +10,19 @@ ranks' programs agree on. The executor posts one group at each *boundary* of its
 first action, between two actions, after the last) and waits for it before its next action computes.
 ``plan[b]`` is the group of boundary ``b``: the sends of action ``b - 1`` and the receives posted there.
 
-* **Rounds** (when the whole table is known, e.g. :func:`~.schedules.build_schedule`'s;
-  ``torch.distributed.pipelining``'s rule): the table is run in simulated time with every action lasting
-  one unit (:func:`~.simulator.simulate`), so each action ends at an integer round ``T``. A message is sent
-  in the round its producer ends, at the producer's boundary, and received **in the same round**, at the
-  boundary the receiver stands at then (after its actions that end by ``T``; the consumer starts at ``T``
-  or later). Every op of a round-``T`` group has its partner in a round-``T`` group, so by induction over
-  ``T`` every group is posted and completes: no deadlock, for any valid table.
-* **Local rule** (only this rank's list is known, e.g. a hand-made list): the sends of each action with
-  the receives of the next action (Megatron-LM's ``send_forward_recv_backward`` /
-  ``send_backward_recv_forward``). Deadlock-free for GPipe, 1F1B and ZB-H1 (checked by
-  :func:`strict_deadlock` in tests/test_p2p_strict.py), **not** for interleaved 1F1B: there a rank sends
-  a gradient in the same group as it receives an activation while its peer first needs to send it
-  something else, so the executor recognises the table of a named schedule and uses the rounds.
+* **Rounds** (when the whole table is known: passed in, or inferred for interleaved 1F1B by
+  :func:`find_table`; ``torch.distributed.pipelining``'s rule): the table is run in simulated time with
+  every action lasting one unit (:func:`~.simulator.simulate`), so each action ends at an integer round
+  ``T``. A message is sent in the round its producer ends, at the producer's boundary, and received **in
+  the same round**, at the boundary the receiver stands at then (after its actions that end by ``T``; the
+  consumer starts at ``T`` or later). Every op of a round-``T`` group has its partner in a round-``T``
+  group, so by induction over ``T`` every group is posted and completes: no deadlock, for any valid table.
+* **Local rule** (one stage per rank and no table: only this rank's list is known): the sends of each
+  action with the receives of the next action (Megatron-LM's ``send_forward_recv_backward`` /
+  ``send_backward_recv_forward``). Deadlock-free for GPipe, 1F1B, ZB-H1 and one-chunk interleaving
+  (checked by :func:`strict_deadlock` in tests/test_p2p_strict.py), **not** for interleaved 1F1B with
+  several chunks: there a rank sends a gradient in the same group as it receives an activation while its
+  peer first needs to send it something else, hence the rounds for multi-stage lists.
 
 Messages between two ranks in one direction are posted in the order they are sent and awaited in the
 order they are posted, as the simulator's validator requires of the table.
@@ -33,7 +33,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from refimpl.parallel.pipeline_parallel.schedules import (
-    SCHEDULES,
     Action,
     P2PAction,
     build_schedule,
@@ -47,23 +46,22 @@ Plan = list[list[P2PAction]]
 
 
 def find_table(actions: Sequence[Action], *, pp_size: int) -> list[list[Action]] | None:
-    """The table of the named schedule (:data:`~.schedules.SCHEDULES`) whose list for this rank is
-    ``actions``, or None (a list no schedule builds)."""
+    """The interleaved 1F1B table whose list for this rank is ``actions`` when the list holds several
+    stages (only interleaved 1F1B builds such lists, so every rank of the pipeline infers the same table),
+    else None. One-stage lists are not looked up: GPipe and 1F1B give rank 0 the same list at ``m = 2``
+    while rank 1's differ, so two ranks could infer two tables."""
     if not actions:
         return None
-    rank, stages = actions[0].stage % pp_size, {a.stage for a in actions}
-    v = len(stages)
+    rank, v = actions[0].stage % pp_size, len({a.stage for a in actions})
     forwards = sum(a.kind == "F" for a in actions)
-    if forwards % v:
+    if v == 1 or forwards % v:
         return None
-    for name in SCHEDULES:
-        try:
-            table = build_schedule(name, pp_size=pp_size, num_microbatches=forwards // v, virtual_stages=v)
-        except ValueError:
-            continue
-        if table[rank] == list(actions):
-            return table
-    return None
+    try:
+        table = build_schedule("interleaved", pp_size=pp_size, num_microbatches=forwards // v,
+                               virtual_stages=v)
+    except ValueError:
+        return None
+    return table if table[rank] == list(actions) else None
 
 
 def _receive(send: P2PAction, *, sender: int) -> P2PAction:
@@ -106,7 +104,8 @@ def p2p_plan(actions: Sequence[Action], *, num_stages: int, pp_size: int,
              table: Sequence[Sequence[Action]] | None = None) -> Plan:
     """The group this rank posts at each boundary of ``actions`` (module docstring): ``plan[b]``, ``b`` in
     ``0 .. len(actions)``, its sends (of action ``b - 1``) first. ``table``: every rank's list (default:
-    :func:`find_table`); with it the rounds, without it the local rule."""
+    :func:`find_table`); with it the rounds, without it the local rule. Every rank of a pipeline must
+    decide alike: pass the table to all of them or to none."""
     table = [list(t) for t in table] if table is not None else find_table(actions, pp_size=pp_size)
     if table is None:
         return _local_plan(actions, num_stages=num_stages, pp_size=pp_size)
