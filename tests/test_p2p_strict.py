@@ -129,18 +129,21 @@ def _pipeline(ctx) -> dict:
             loss = pipe.step(tokens[:, :-1], tokens[:, 1:], num_microbatches=M,
                              loss_fn=lambda logits, y: lm_loss(logits, y, num_tokens=M * B * S))
             out[name, strict] = (loss.item(), {n: q.grad.clone() for n, q in pipe.named_parameters_full()})
-    return out
+    # compared here: the results travel back as plain values (many tensors through the queue do not)
+    same = {}
+    for name, _ in CASES:
+        (loss, grads), (strict_loss, strict_grads) = out[name, False], out[name, True]
+        same[name] = (strict_loss == loss, sorted(grads) == sorted(strict_grads),
+                      all(torch.equal(g, grads[n]) for n, g in strict_grads.items()))
+    return same
 
 
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
 @pytest.mark.parametrize("pp", [2, 4])
 def test_a_tied_pipeline_runs_every_schedule_under_strict_mode(pp):
     for got in run_ranks(_pipeline, pp, timeout_s=SPAWN_TIMEOUT_S, collective_timeout_s=30):
-        for name, _ in CASES:
-            (loss, grads), (strict_loss, strict_grads) = got[name, False], got[name, True]
-            assert strict_loss == loss, name
-            assert grads.keys() == strict_grads.keys() and all(
-                torch.equal(grads[n], strict_grads[n]) for n in grads), name  # strict mode only waits
+        for name, _ in CASES:  # strict mode only waits: the same loss, the same gradients' bits
+            assert got[name] == (True, True, True), name
 
 
 def _old_ordering(ctx) -> dict:
