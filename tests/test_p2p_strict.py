@@ -224,7 +224,7 @@ def test_every_schedules_transfer_plan_completes_under_nccls_rule():
                         plans = [p2p_plan(t, num_stages=p * v, pp_size=p, table=given) for t in table]
                         assert strict_deadlock(plans) is None, (name, p, m, v, given is None)
                     local = strict_deadlock([_local_plan(t, num_stages=p * v, pp_size=p) for t in table])
-                    assert (local is None) == (v == 1), (name, p, m, v)
+                    assert local is None or v > 1, (name, p, m, v)  # several chunks: not always
                     checked += 1
     assert checked > 100
     # the local rule on interleaved 1F1B: rank 1 sends a gradient with the receive of an activation that
