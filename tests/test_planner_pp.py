@@ -147,7 +147,7 @@ def test_one_microbatch_saves_what_the_planner_counts_per_stage(precision, check
             assert store.flush("mb") == 4 * len(stage.block_ids) + (st == pp - 1)  # every linear's dW
 
 
-def _counted_step(pipe, inputs, labels, loss_fn) -> dict:
+def _counted_step(pipe, inputs, labels, loss_fn, *, num_microbatches: int = M) -> dict:
     """One :meth:`PipelineModule.step` with the bytes alive counted (saved tensors, sent tensors, queued
     weight gradients): the most between actions, the most within, and what is left after."""
     live = LiveTensorBytes(pipe.parameters(), skip_weight_copies=False)
@@ -171,7 +171,7 @@ def _counted_step(pipe, inputs, labels, loss_fn) -> dict:
         pipe.store.push = counted_push
     try:  # sent tensors count until their storage is freed (live.sends: the tracer's on_send)
         with live.sends(), torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.t):
-            pipe.step(inputs, labels, num_microbatches=M, loss_fn=loss_fn)
+            pipe.step(inputs, labels, num_microbatches=num_microbatches, loss_fn=loss_fn)
     finally:
         executor.now = clock
     return {"peak": live.between, "within": live.peak, "after": live.now}
@@ -189,6 +189,43 @@ def _live_worker(ctx) -> dict:
         out[name] = _counted_step(pipe, inputs, labels,
                                   lambda logits, y: lm_loss(logits, y, num_tokens=M * B * S))
     return out
+
+
+FLAT_M = (4, 8, 16)
+
+
+def _flat_worker(ctx) -> dict:
+    """The peak bytes alive between actions (saved, sent and received tensors) per schedule and m."""
+    config = _config(layers=2 * ctx.world_size, tied=True)
+    out = {}
+    for name in ("gpipe", "1f1b"):
+        for m in FLAT_M:
+            tokens = torch.randint(0, 256, (m * B, S + 1), generator=torch.Generator().manual_seed(1))
+            inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+            pipe = PipelineModule(GPT(config, seed=0), pp_group=None, pp_rank=ctx.rank,
+                                  pp_size=ctx.world_size, schedule=name)
+            out[(name, m)] = _counted_step(pipe, inputs, labels,
+                                           lambda logits, y, m=m: lm_loss(logits, y, num_tokens=m * B * S),
+                                           num_microbatches=m)["peak"]
+    return out
+
+
+def test_1f1b_holds_the_same_whatever_m_and_gpipe_grows():
+    """Chapter 08's claim, measured with the sent tensors counted: at pp 2 and m = 4, 8, 16 the 1F1B peak per
+    rank grows by no more than the step's own token ids (first stage) or labels (last stage), int64
+    ``[m b, s]``, which the embedding and the loss save as views of the whole batch, while GPipe's grows by at least one micro-batch's
+    activations per extra micro-batch (negative control: the same bound fails for GPipe)."""
+    peaks = run_ranks(_flat_worker, 2, timeout_s=SPAWN_TIMEOUT_S)
+    ids_growth = (FLAT_M[-1] - FLAT_M[0]) * B * S * 8  # one int64 [m b, s] tensor, from m = 4 to 16
+    for rank, got in enumerate(peaks):
+        one = [got[("1f1b", m)] for m in FLAT_M]
+        gp = [got[("gpipe", m)] for m in FLAT_M]
+        print(f"rank {rank}: 1f1b {one}, gpipe {gp} bytes at m = {FLAT_M}")
+        assert 0 <= one[-1] - one[0] <= ids_growth, (rank, one)
+        per_mb = (gp[1] - gp[0]) / (FLAT_M[1] - FLAT_M[0])
+        assert per_mb > 4 * ids_growth / (FLAT_M[-1] - FLAT_M[0]), (rank, gp)  # activations, not ids
+        assert gp[-1] - gp[0] > ids_growth, (rank, gp)  # the same bound fails for GPipe
+        assert gp[0] < gp[1] < gp[2], (rank, gp)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["pp2", "pp4"])
