@@ -825,6 +825,12 @@ fig.tight_layout()
 # the most per micro-batch (its logits, printed), while under 1F1B rank 0 holds the most micro-batches;
 # `split_layers(balance="parameters")` balances parameters, not activations.
 #
+# These are the saved activations. A rank also holds what it sends until the send completes: the executor
+# releases each sent tensor one action after posting it (a stage's output stays alive anyway, its backward
+# needs it), so the sends do not grow with $m$ either. `tests/test_planner_pp.py` counts saved and sent
+# tensors together and asserts it: at p = 2 and m = 4, 8, 16, 1F1B's peak per rank grows only by the step's
+# own token ids, GPipe's by a micro-batch's activations for every extra micro-batch.
+#
 # ## 6. The seed's claim: "the bubble reduced from 30% to 15% by tuning the micro-batch count"
 #
 # At p = 2, $\frac{p-1}{m+p-1} = \frac{1}{m+1}$. Solving for the two bubbles, $m = (p-1)\frac{1-b}{b}$,
