@@ -211,10 +211,11 @@ def _flat_worker(ctx) -> dict:
 
 
 def test_1f1b_holds_the_same_whatever_m_and_gpipe_grows():
-    """Chapter 08's claim, measured with the sent tensors counted: at pp 2 and m = 4, 8, 16 the 1F1B peak per
-    rank grows by no more than the step's own token ids (first stage) or labels (last stage), int64
-    ``[m b, s]``, which the embedding and the loss save as views of the whole batch, while GPipe's grows by at least one micro-batch's
-    activations per extra micro-batch (negative control: the same bound fails for GPipe)."""
+    """Chapter 08's claim, measured with the sent tensors counted: at pp 2 and m = 4, 8, 16 the 1F1B peak
+    per rank grows by no more than the step's own token ids (first stage) or labels (last stage), int64
+    ``[m b, s]``, which the embedding and the loss save as views of the whole batch, while GPipe's grows
+    by at least one micro-batch's activations per extra micro-batch (negative control: the same bound
+    fails for GPipe)."""
     peaks = run_ranks(_flat_worker, 2, timeout_s=SPAWN_TIMEOUT_S)
     ids_growth = (FLAT_M[-1] - FLAT_M[0]) * B * S * 8  # one int64 [m b, s] tensor, from m = 4 to 16
     for rank, got in enumerate(peaks):
