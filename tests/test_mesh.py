@@ -167,3 +167,31 @@ def test_a_built_group_times_out_within_the_given_timeout():
                        collective_timeout_s=50)[0]
     assert waited is not None and GROUP_TIMEOUT_S - 0.5 <= waited <= GROUP_TIMEOUT_S + 5, waited
 
+
+
+def _record_warm_up(ctx) -> tuple[list[tuple[int, ...]], dict]:
+    """The groups ``build`` runs a barrier on, in order (``dist.barrier`` wrapped on this rank only)."""
+    seen, barrier = [], dist.barrier
+
+    def recording(group=None, **kwargs):
+        seen.append(tuple(sorted(dist.get_process_group_ranks(group))))
+        return barrier(group=group, **kwargs)
+
+    dist.barrier = recording
+    try:
+        groups = ParallelDims(pp=2, dp=2).build(rank=ctx.rank, world_size=ctx.world_size,
+                                                timeout_s=ctx.timeout_s)
+    finally:
+        dist.barrier = barrier
+    return seen, {axes: groups.ranks(*axes) for axes in ALL_AXES}
+
+
+@pytest.mark.timeout(120)
+def test_build_runs_one_collective_on_each_group_before_any_send():
+    """NCCL's rule for ``batch_isend_irecv``: when it is a group's first call, every rank of the group must
+    take part. A pipeline's first exchange involves two ranks of the pp group only, so ``build`` runs one
+    barrier on each of this rank's groups, in the same order everywhere
+    (remove ``warm_up`` and this fails)."""
+    for rank, (seen, mine) in enumerate(run_ranks(_record_warm_up, 4, timeout_s=90)):
+        assert sorted(seen) == sorted(mine.values()), (rank, seen, mine)
+        assert seen == [mine[axes] for axes in sorted(mine)], (rank, seen)  # one order on every rank

@@ -147,6 +147,7 @@ class ParallelDims:
                 group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
                 if rank in ranks:
                     groups[axes], members[axes] = group, ranks
+        warm_up(groups)
         return ParallelGroups(dims=self, rank=rank, coords=self.coordinates(rank), groups=groups,
                               members=members)
 
@@ -155,6 +156,20 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device_type, self.shape, mesh_dim_names=AXES)
+
+
+def warm_up(groups: dict[tuple[str, ...], dist.ProcessGroup]) -> None:
+    """One barrier on each of this rank's groups, in the same order on every rank, before any send.
+
+    NCCL creates a group's communicator lazily, at the group's first call, and torch documents that when
+    ``batch_isend_irecv`` is that first call "all ranks of the group must participate", otherwise the
+    behaviour is undefined. A pipeline's or a ring's first batched exchange involves two ranks of the group
+    only, so every group gets a collective here, where all its ranks are present. The groups of one axis are
+    disjoint and every rank walks the axes in the same order, so the barriers cannot wait on each other in a
+    cycle. On gloo they cost a few milliseconds; the call is the same on both backends so that CPU runs it.
+    """
+    for axes in sorted(groups):
+        dist.barrier(group=groups[axes])
 
 
 @dataclass(frozen=True, kw_only=True)
