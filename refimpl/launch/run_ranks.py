@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -125,7 +126,10 @@ def _worker(
 
         ctx = init_distributed(timeout_s=timeout_s, backend=backend, watch_parent=False)
         value = fn(ctx, *args)
-        results.put((rank, "ok", value))
+        # Plain pickle copies tensor bytes into the message. The queue's own pickler would pass a tensor's
+        # storage as a shared-memory file descriptor, which the caller can only fetch while this process
+        # lives: a rank that exits first made the caller fail in unpickling (seen once in the suite).
+        results.put((rank, "ok", pickle.dumps(value)))
         teardown()
     except BaseException:  # noqa: BLE001 - report everything, including CheckpointException / SystemExit
         results.put((rank, "error", traceback.format_exc()))
@@ -197,7 +201,7 @@ def run_ranks(
                         errors.append((r, v))
                 rank, tb = _first_cause(errors)
                 raise RankFailed(rank, f"rank {rank}: {_exception_line(tb)}\n\n{tb}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5 if len(out) == world_size else 0.1)
