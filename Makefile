@@ -10,7 +10,7 @@ ARGS ?=
 # the normal (CUDA) build where there is one.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: help setup train test test-fast lab book grade lint bench clean
+.PHONY: help setup train test test-fast test-unit lab book grade lint bench clean
 
 help:
 	@echo "make train            train the default model (2 CPU ranks, or one rank per GPU)"
@@ -19,6 +19,7 @@ help:
 	@echo "make book [ONLY=00]   the executed course as static HTML in build/book/ (index.html: the course map)"
 	@echo "make grade CH=NN      grade your solution of exercises/NN_*.py"
 	@echo "make test-fast        the suite without the notebooks"
+	@echo "make test-unit        the tests that start no process (seconds: the edit loop)"
 	@echo "make lint             ruff check"
 	@echo "make bench            run every benchmark (tables to record in bench/RESULTS.md)"
 
@@ -43,6 +44,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q --ignore=tests/test_chapters.py $(ARGS)
+
+# tests/conftest.py gives the markers, per module
+test-unit: $(STAMP)
+	$(PY) -m pytest -q -m "not spawn and not subprocess and not chapter and not browser" $(ARGS)
 
 # At the repository root (refimpl/ and exercises/ one click away), the first chapter open. JupyterLab
 # refuses to run as root without --allow-root: in a container we are root.

@@ -1,0 +1,44 @@
+"""tests/conftest.py: the tiers' markers cover every module that starts a process, and the timeout scale."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SPAWN, SUBPROCESS, scaled_timeout, timeout_scale
+
+TESTS = Path(__file__).resolve().parent
+# what starts a process: the rank launcher, a child Python, torchrun, ipyparallel's engines
+STARTS = re.compile(r"run_ranks|subprocess|Popen|sys\.executable|torchrun|ipyparallel|start_ranks")
+
+
+def unmarked_starters(sources: dict[str, str]) -> list[str]:
+    """The modules whose source can start a process but which carry neither ``spawn`` nor ``subprocess``."""
+    return sorted(m for m, text in sources.items() if STARTS.search(text) and m not in SPAWN | SUBPROCESS)
+
+
+def test_every_module_that_starts_a_process_is_out_of_the_unit_tier():
+    sources = {p.stem: p.read_text() for p in TESTS.glob("test_*.py") if p.name != Path(__file__).name}
+    assert unmarked_starters(sources) == []
+    # negative control: a new module that calls run_ranks and is in no table is caught
+    assert unmarked_starters({"test_new": "from refimpl.launch import run_ranks"}) == ["test_new"]
+
+
+def test_timeout_scale(monkeypatch):
+    monkeypatch.delenv("REFIMPL_TEST_TIMEOUT_SCALE", raising=False)
+    assert timeout_scale() == 1
+    monkeypatch.setenv("REFIMPL_TEST_TIMEOUT_SCALE", "2.5")
+    assert timeout_scale() == 2.5
+    for bad in ("0", "-1", "fast", "nan"):
+        monkeypatch.setenv("REFIMPL_TEST_TIMEOUT_SCALE", bad)
+        with pytest.raises(pytest.UsageError, match="positive number"):
+            timeout_scale()
+
+
+def test_scaled_timeout_takes_the_tests_own_limit_else_the_default():
+    assert scaled_timeout(pytest.mark.timeout(120).mark, 300, 2) == 240
+    assert scaled_timeout(pytest.mark.timeout(timeout=10).mark, 300, 3) == 30
+    assert scaled_timeout(None, 300, 2) == 600
+    assert scaled_timeout(None, 0, 2) == 0  # no limit stays no limit
