@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from refimpl.config import ConfigError
 from refimpl.distributed import ParallelDims
-from refimpl.distributed.mesh import AXES, Coordinates
+from refimpl.distributed.group_info import group_rank_size
+from refimpl.distributed.mesh import AXES, LOSS_AXES, VIEWS, Coordinates, build_groups
 from refimpl.launch import run_ranks
 
 WORLD = 8
@@ -34,6 +35,90 @@ def _formula_groups(dims: ParallelDims, axes: tuple[str, ...]) -> set[tuple[int,
 
 
 ALL_AXES = [(a,) for a in AXES] + [("dp", "cp")]
+
+# Today's groups, printed by the hard-coded four-axis ParallelDims
+# (git show 5cc94a3:refimpl/distributed/mesh.py) before the axes became data, and written out literally:
+# the rework must reproduce them bitwise.
+TODAY = {  # layout -> {axes: groups_of(*axes)} and "coords": [(pp, dp, cp, tp) of rank 0..7]
+    "dp2-tp2-pp2": {
+        ("pp",): [(0, 4), (1, 5), (2, 6), (3, 7)],
+        ("dp",): [(0, 2), (1, 3), (4, 6), (5, 7)],
+        ("cp",): [(0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)],
+        ("tp",): [(0, 1), (2, 3), (4, 5), (6, 7)],
+        ("dp", "cp"): [(0, 2), (1, 3), (4, 6), (5, 7)],
+        "coords": [(0, 0, 0, 0), (0, 0, 0, 1), (0, 1, 0, 0), (0, 1, 0, 1),
+                   (1, 0, 0, 0), (1, 0, 0, 1), (1, 1, 0, 0), (1, 1, 0, 1)],
+    },
+    "dp8": {
+        ("pp",): [(0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)],
+        ("dp",): [(0, 1, 2, 3, 4, 5, 6, 7)],
+        ("cp",): [(0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)],
+        ("tp",): [(0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)],
+        ("dp", "cp"): [(0, 1, 2, 3, 4, 5, 6, 7)],
+        "coords": [(0, 0, 0, 0), (0, 1, 0, 0), (0, 2, 0, 0), (0, 3, 0, 0),
+                   (0, 4, 0, 0), (0, 5, 0, 0), (0, 6, 0, 0), (0, 7, 0, 0)],
+    },
+    "pp2-tp4": {
+        ("pp",): [(0, 4), (1, 5), (2, 6), (3, 7)],
+        ("dp",): [(0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)],
+        ("cp",): [(0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)],
+        ("tp",): [(0, 1, 2, 3), (4, 5, 6, 7)],
+        ("dp", "cp"): [(0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)],
+        "coords": [(0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2), (0, 0, 0, 3),
+                   (1, 0, 0, 0), (1, 0, 0, 1), (1, 0, 0, 2), (1, 0, 0, 3)],
+    },
+    "cp2-dp2-tp2": {
+        ("pp",): [(0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)],
+        ("dp",): [(0, 4), (1, 5), (2, 6), (3, 7)],
+        ("cp",): [(0, 2), (1, 3), (4, 6), (5, 7)],
+        ("tp",): [(0, 1), (2, 3), (4, 5), (6, 7)],
+        ("dp", "cp"): [(0, 2, 4, 6), (1, 3, 5, 7)],
+        "coords": [(0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 0, 1, 1),
+                   (0, 1, 0, 0), (0, 1, 0, 1), (0, 1, 1, 0), (0, 1, 1, 1)],
+    },
+    "tp2-pp4": {
+        ("pp",): [(0, 2, 4, 6), (1, 3, 5, 7)],
+        ("dp",): [(0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)],
+        ("cp",): [(0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)],
+        ("tp",): [(0, 1), (2, 3), (4, 5), (6, 7)],
+        ("dp", "cp"): [(0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)],
+        "coords": [(0, 0, 0, 0), (0, 0, 0, 1), (1, 0, 0, 0), (1, 0, 0, 1),
+                   (2, 0, 0, 0), (2, 0, 0, 1), (3, 0, 0, 0), (3, 0, 0, 1)],
+    },
+    "dp2-cp4": {
+        ("pp",): [(0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)],
+        ("dp",): [(0, 4), (1, 5), (2, 6), (3, 7)],
+        ("cp",): [(0, 1, 2, 3), (4, 5, 6, 7)],
+        ("tp",): [(0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)],
+        ("dp", "cp"): [(0, 1, 2, 3, 4, 5, 6, 7)],
+        "coords": [(0, 0, 0, 0), (0, 0, 1, 0), (0, 0, 2, 0), (0, 0, 3, 0),
+                   (0, 1, 0, 0), (0, 1, 1, 0), (0, 1, 2, 0), (0, 1, 3, 0)],
+    },
+}
+
+TODAY_DEGREES = {"dp2-tp2-pp2": dict(dp=2, tp=2, pp=2), "dp8": dict(dp=8), "pp2-tp4": dict(dp=1, pp=2, tp=4),
+                 "cp2-dp2-tp2": dict(dp=2, cp=2, tp=2), "tp2-pp4": dict(dp=1, tp=2, pp=4),
+                 "dp2-cp4": dict(dp=2, cp=4)}
+
+
+@pytest.mark.parametrize("name", list(TODAY))
+def test_groups_equal_todays_groups_written_out(name):
+    """Axes as data changed no rank's number and no group: every axis, the loss view and the coordinates
+    equal the table printed by the four-axis code, element by element and in the same order."""
+    dims = ParallelDims(**TODAY_DEGREES[name])
+    today = TODAY[name]
+    for axes in ALL_AXES:
+        assert dims.groups_of(*axes) == today[axes], (name, axes)
+    assert dims.groups_of(*dims.view("loss")) == today[("dp", "cp")]
+    assert dims.groups_of(*dims.view("batch")) == today[("dp",)]
+    assert [tuple(getattr(dims.coordinates(r), a) for a in AXES) for r in range(WORLD)] == today["coords"]
+    assert dims.axes == tuple((a, TODAY_DEGREES[name].get(a, 1)) for a in AXES)
+
+
+def test_views_are_data():
+    assert dict(VIEWS) == {"loss": LOSS_AXES, "batch": ("dp",)}
+    with pytest.raises(KeyError, match="no view"):
+        ParallelDims(dp=2).view("expert")
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -70,28 +155,44 @@ def _measure_groups(ctx, layouts: dict[str, dict]) -> dict:
             size = torch.ones(1, dtype=torch.float64)
             dist.all_reduce(size, group=groups.group(*axes))
             measured[axes] = (groups.ranks(*axes), t.item(), size.item(),
-                              tuple(dist.get_process_group_ranks(groups.group(*axes))))
+                              tuple(dist.get_process_group_ranks(groups.group(*axes))),
+                              group_rank_size(groups.group(*axes)))
+        assert groups.view("loss") is groups.group(*LOSS_AXES) and sorted(groups.groups) == sorted(ALL_AXES)
         mesh = dims.device_mesh("cpu")
         torch_groups = {a: tuple(sorted(dist.get_process_group_ranks(mesh.get_group(a)))) for a in AXES}
         out[name] = (groups.coords, measured, torch_groups, mesh.mesh_dim_names)
-    return out
+    hsdp = ParallelDims(dp=4, tp=2).refactor(("dp",), (("dp_replicate", 2), ("dp_shard", 2)))
+    built, members = build_groups(hsdp, [("dp_shard",), ("dp_replicate",)], rank=ctx.rank,
+                                  world_size=ctx.world_size, timeout_s=ctx.timeout_s)
+    sums = {}
+    for axes, group in built.items():
+        t = torch.tensor([float(ctx.rank)], dtype=torch.float64)
+        dist.all_reduce(t, group=group)
+        sums[axes] = (members[axes], t.item())
+    return out, sums
 
 
 @pytest.mark.timeout(240)
 def test_groups_measured_through_real_collectives_on_8_ranks():
     ranks = run_ranks(_measure_groups, WORLD, LAYOUTS, timeout_s=200)
+    hsdp = ParallelDims(dp=4, tp=2).refactor(("dp",), (("dp_replicate", 2), ("dp_shard", 2)))
+    for rank, (_, sums) in enumerate(ranks):  # the second factorization's groups, built on the same ranks
+        assert sorted(sums) == [("dp_replicate",), ("dp_shard",)]
+        for axes, (members, rank_sum) in sums.items():
+            assert members == hsdp.group_of(rank, *axes) and rank_sum == sum(members), (rank, axes)
     for name, degrees in LAYOUTS.items():
         dims = ParallelDims(**degrees)
-        for rank, result in enumerate(ranks):
+        for rank, (result, _) in enumerate(ranks):
             coords, measured, torch_groups, names = result[name]
             assert coords == dims.coordinates(rank)
             assert names == AXES
             for axes in ALL_AXES:
-                members, rank_sum, size, pg_ranks = measured[axes]
+                members, rank_sum, size, pg_ranks, rank_size = measured[axes]
                 (expected,) = [g for g in _formula_groups(dims, axes) if rank in g]
                 assert members == expected and tuple(sorted(pg_ranks)) == expected, (name, rank, axes)
                 # measured through the real group: the sum of the rank ids is the sum of its members
                 assert rank_sum == sum(expected) and size == len(expected), (name, rank, axes)
+                assert rank_size == (expected.index(rank), len(expected)), (name, rank, axes)
             for axis in AXES:  # torch's DeviceMesh of the same layout has the same groups
                 assert torch_groups[axis] == measured[(axis,)][0], (name, rank, axis)
 
@@ -101,6 +202,70 @@ def test_negative_control_another_order_would_be_caught():
     dims = ParallelDims(dp=2, tp=2, pp=2)
     assert (0, 1) not in dims.groups_of("dp") and (0, 1) in dims.groups_of("tp")
     assert set(dims.groups_of("tp")) != _formula_groups(ParallelDims(dp=2, tp=2, pp=2), ("dp",))
+
+
+def _split_dp_formula(dims: ParallelDims, shard: int, axis: str) -> list[tuple[int, ...]]:
+    """``dp = r * S + s`` (replicate outer, shard inner): rank = ((pp*DP + r*S + s) * CP + cp) * TP + tp;
+    the group of ``axis`` is the ranks agreeing on every other coordinate."""
+    groups: dict[tuple, list[int]] = {}
+    for p, r, s, c, t in itertools.product(range(dims.pp), range(dims.dp // shard), range(shard),
+                                           range(dims.cp), range(dims.tp)):
+        rank = ((p * dims.dp + r * shard + s) * dims.cp + c) * dims.tp + t
+        coords = dict(pp=p, dp_replicate=r, dp_shard=s, cp=c, tp=t)
+        groups.setdefault(tuple(v for k, v in coords.items() if k != axis), []).append(rank)
+    return sorted(tuple(g) for g in groups.values())
+
+
+SPLITS = [(dict(dp=8), 4), (dict(dp=8), 2), (dict(dp=4, tp=2), 2), (dict(dp=4, pp=2), 2),
+          (dict(dp=2, cp=2, tp=2), 1), (dict(dp=4, cp=2), 2)]
+
+
+@pytest.mark.parametrize("degrees, shard", SPLITS)
+def test_dp_split_into_replicate_x_shard_is_a_second_factorization_of_the_same_ranks(degrees, shard):
+    dims = ParallelDims(**degrees)
+    hsdp = dims.refactor(("dp",), (("dp_replicate", dims.dp // shard), ("dp_shard", shard)))
+    assert hsdp.names == ("pp", "dp_replicate", "dp_shard", "cp", "tp") and hsdp.world_size == WORLD
+    for axis in ("dp_replicate", "dp_shard"):
+        assert sorted(hsdp.groups_of(axis)) == _split_dp_formula(dims, shard, axis), axis
+    for axis in ("pp", "cp", "tp"):  # the untouched axes keep their groups, in order
+        assert hsdp.groups_of(axis) == dims.groups_of(axis)
+    assert sorted(hsdp.groups_of("dp_replicate", "dp_shard")) == sorted(dims.groups_of("dp"))
+    for rank in range(WORLD):  # every rank keeps its number: dp = r * S + s
+        c, h = dims.coordinates(rank), hsdp.coordinates(rank)
+        assert h["dp_replicate"] * shard + h["dp_shard"] == c.dp and hsdp.rank_of(h) == rank
+
+
+def test_expert_view_inside_dp_x_cp():
+    """``ep`` inside the loss view: ``dp * CP + cp = e * EP + ep``, so an ep group is the ranks with the same
+    (pp, efsdp, tp), consecutive blocks of ``EP`` loss-group positions."""
+    dims = ParallelDims(dp=2, cp=2, tp=2)
+    expert = dims.refactor(LOSS_AXES, (("efsdp", 2), ("ep", 2)))
+    assert expert.groups_of("ep") == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert expert.groups_of("efsdp") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    loss = dims.groups_of(*LOSS_AXES)
+    assert all(any(set(g) <= set(lg) for lg in loss) for g in expert.groups_of("ep"))
+    assert expert.groups_of("tp") == dims.groups_of("tp")
+    whole = ParallelDims(dp=4, cp=2).refactor(LOSS_AXES, (("efsdp", 1), ("ep", 8)))
+    assert whole.groups_of("ep") == [tuple(range(WORLD))]
+
+
+def test_negative_control_the_other_split_order_and_bad_factorizations():
+    """Shard outer, replicate inner would give other dp_shard groups (the formula test can fail); axes that
+    are not adjacent, or a product that differs, are refused."""
+    dims = ParallelDims(dp=4, tp=2)
+    swapped = dims.refactor(("dp",), (("dp_shard", 2), ("dp_replicate", 2)))
+    assert sorted(swapped.groups_of("dp_shard")) != _split_dp_formula(dims, 2, "dp_shard")
+    with pytest.raises(ValueError, match="not adjacent"):
+        ParallelDims(dp=2, tp=2, pp=2).refactor(("pp", "tp"), (("x", 4),))
+    with pytest.raises(ValueError, match="ranks per block"):
+        dims.refactor(("dp",), (("dp_replicate", 2), ("dp_shard", 3)))
+
+
+def test_group_rank_size_without_a_process_group():
+    assert not dist.is_initialized()
+    assert group_rank_size(None) == (0, 1)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        group_rank_size(object())  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("degrees, fragment", [

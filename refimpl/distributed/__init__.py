@@ -2,8 +2,11 @@
 
 - :mod:`refimpl.distributed.env`: the process group from the torchrun environment, the device, seeding,
   teardown (chapter 00).
+- :mod:`refimpl.distributed.grid`: :class:`RankGrid`, the rank grid as data (named axes, row-major), its
+  groups and a second factorization of the same ranks (``refactor``).
 - :mod:`refimpl.distributed.mesh`: :class:`ParallelDims`, the ``pp x dp x cp x tp`` layout of the ranks and
-  one process group per axis (chapter 10, used from chapter 06 on).
+  one process group per axis and per view (``loss`` = ``dp x cp``) (chapter 10, used from chapter 06 on).
+- :mod:`refimpl.distributed.group_info`: :func:`group_rank_size`, a rank's index in a group and its size.
 - :mod:`refimpl.distributed.placement`: :class:`Box` and :class:`LocalShard`, the one shard descriptor (an
   N-D box of a global tensor) that ZeRO, tensor parallelism and the checkpoint share; :func:`chunk_range`.
 
@@ -19,6 +22,8 @@ from refimpl.distributed.env import (
     seed_everything,
     teardown,
 )
+from refimpl.distributed.grid import RankGrid
+from refimpl.distributed.group_info import group_rank_size
 from refimpl.distributed.mesh import ParallelDims
 from refimpl.distributed.placement import Box, LocalShard, chunk_range
 
@@ -27,9 +32,11 @@ __all__ = [
     "DistributedContext",
     "LocalShard",
     "ParallelDims",
+    "RankGrid",
     "all_reduce_mean",
     "choose_device",
     "chunk_range",
+    "group_rank_size",
     "init_distributed",
     "log0",
     "seed_everything",

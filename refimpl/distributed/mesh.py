@@ -14,6 +14,13 @@ run over NVLink: ``tp`` is innermost. Context parallelism passes key/value block
 overlapped with backward): across nodes is fine. Pipeline parallelism sends one activation per micro-batch
 between neighbouring stages, the least traffic of all: ``pp`` is outermost, spanning nodes.
 
+The axes are data: :data:`AXES` names them outermost first, :attr:`ParallelDims.axes` pairs them with
+their degrees, and the arithmetic (coordinates, ``rank_of``, ``groups_of``) is
+:class:`refimpl.distributed.grid.RankGrid`'s, the same for any list of axes. A **view** is a named tuple of
+axes whose group is built too (:data:`VIEWS`): ``loss`` = ``dp x cp``, ``batch`` = ``dp``.
+:meth:`ParallelDims.refactor` gives a second factorization of the same ranks (``dp -> dp_replicate x
+dp_shard``, the expert view ``ep`` inside ``dp x cp``) whose groups :func:`build_groups` creates the same way.
+
 :class:`ParallelDims` holds the degrees only (pure arithmetic, no process group): its checks run before any
 process starts. :meth:`ParallelDims.build` creates the groups on an initialised default group and returns
 :class:`ParallelGroups`, built once per rank and passed explicitly (no global). The loss and the gradients of
@@ -24,16 +31,21 @@ compare with DTensor (``parallelize_module``, ``fully_shard``).
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from refimpl.config import ConfigError
+from refimpl.distributed.grid import RankGrid
 
 AXES = ("pp", "dp", "cp", "tp")  # outermost first: the row-major order of the rank grid
 LOSS_AXES = ("dp", "cp")  # the loss and data-parallel gradients are averaged over these
+BATCH_AXES = ("dp",)  # the ranks that read different sequences (cp splits one sequence, tp and pp share it)
+VIEWS: tuple[tuple[str, tuple[str, ...]], ...] = (("loss", LOSS_AXES), ("batch", BATCH_AXES))
+"""The derived views, ``(name, axes)``: :meth:`ParallelDims.build` creates a group for each besides the
+single axes (one already built, like ``batch``, is not built twice)."""
+DESCRIBE_ORDER = ("dp", "cp", "tp", "pp")  # how :meth:`ParallelDims.describe` lists the degrees
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,16 +89,25 @@ class ParallelDims:
         return dims
 
     @property
+    def axes(self) -> tuple[tuple[str, int], ...]:
+        """The grid as data: ``((name, degree), ...)`` in :data:`AXES` order, outermost first."""
+        return tuple((axis, getattr(self, axis)) for axis in AXES)
+
+    @property
+    def grid(self) -> RankGrid:
+        return RankGrid(axes=self.axes)
+
+    @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.cp * self.tp
+        return self.grid.world_size
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
         """The grid's shape in :data:`AXES` order ``(pp, dp, cp, tp)``."""
-        return (self.pp, self.dp, self.cp, self.tp)
+        return self.grid.shape  # type: ignore[return-value]
 
     def describe(self) -> str:
-        return f"dp {self.dp} x cp {self.cp} x tp {self.tp} x pp {self.pp}"
+        return " x ".join(f"{axis} {getattr(self, axis)}" for axis in DESCRIBE_ORDER)
 
     def check(self, world_size: int) -> None:
         """Refuse a layout whose product is not the world size."""
@@ -95,59 +116,43 @@ class ParallelDims:
                               f"world size {world_size}")
 
     def rank_of(self, coords: Coordinates) -> int:
-        for axis in AXES:
-            value, size = getattr(coords, axis), getattr(self, axis)
-            if not 0 <= value < size:
-                raise ValueError(f"coordinate {axis}={value} outside 0..{size - 1}")
-        return ((coords.pp * self.dp + coords.dp) * self.cp + coords.cp) * self.tp + coords.tp
+        return self.grid.rank_of(asdict(coords))
 
     def coordinates(self, rank: int) -> Coordinates:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside 0..{self.world_size - 1} of {self.describe()}")
-        rank, tp = divmod(rank, self.tp)
-        rank, cp = divmod(rank, self.cp)
-        pp, dp = divmod(rank, self.dp)
-        return Coordinates(pp=pp, dp=dp, cp=cp, tp=tp)
+        return Coordinates(**self.grid.coordinates(rank))
 
     def groups_of(self, *axes: str) -> list[tuple[int, ...]]:
         """Every group spanning ``axes`` (the other coordinates fixed), ranks ascending, in a fixed order:
         all ranks must create the groups in the same order (gloo's and NCCL's ``new_group`` rule)."""
-        unknown = [a for a in axes if a not in AXES]
-        if unknown or not axes or len(set(axes)) != len(axes):
-            raise ValueError(f"axes must be distinct names from {AXES}, got {axes}")
-        fixed = [a for a in AXES if a not in axes]
-        groups = []
-        for outer in itertools.product(*(range(getattr(self, a)) for a in fixed)):
-            base = dict(zip(fixed, outer, strict=True))
-            members = [self.rank_of(Coordinates(**base, **dict(zip(axes, inner, strict=True))))
-                       for inner in itertools.product(*(range(getattr(self, a)) for a in axes))]
-            groups.append(tuple(sorted(members)))
-        return groups
+        return self.grid.groups_of(*axes)
+
+    def view(self, name: str) -> tuple[str, ...]:
+        """The axes of the derived view ``name`` (:data:`VIEWS`: ``"loss"`` is ``("dp", "cp")``)."""
+        views = dict(VIEWS)
+        if name not in views:
+            raise KeyError(f"no view {name!r}; there are {sorted(views)}")
+        return views[name]
+
+    def refactor(self, old: tuple[str, ...], new: tuple[tuple[str, int], ...]) -> RankGrid:
+        """A second factorization of the same ranks (:meth:`RankGrid.refactor`), e.g. ``("dp",)`` ->
+        ``(("dp_replicate", R), ("dp_shard", S))``; every rank keeps its number and the other axes their
+        groups. Not used by the trainer yet (HSDP and the expert view will build their groups from it)."""
+        return self.grid.refactor(old, new)
 
     def build(self, *, rank: int, world_size: int, timeout_s: float,
               backend: str | None = None) -> ParallelGroups:
-        """Create the groups of every axis and of ``dp x cp`` (collective: every rank calls it, after
-        ``init_process_group``) and keep this rank's. ``backend`` defaults to the default group's.
+        """Create the groups of every axis and of every view (``dp x cp``) (collective: every rank calls it,
+        after ``init_process_group``) and keep this rank's. ``backend`` defaults to the default group's.
 
         ``timeout_s`` bounds every collective on these groups (pass ``ctx.timeout_s``): without it torch
         gives a new group its 30-minute default, and a hung rank would stall the others for 30 minutes
         instead of failing them within the run's timeout (``tests/test_elastic.py``'s hung rank)."""
         self.check(world_size)
-        if not dist.is_initialized():
-            raise RuntimeError("ParallelDims.build needs an initialised default process group "
-                               "(refimpl.distributed.init_distributed)")
-        if dist.get_world_size() != world_size or dist.get_rank() != rank:
-            raise RuntimeError(f"rank {rank} of {world_size} given, but the default group says rank "
-                               f"{dist.get_rank()} of {dist.get_world_size()}")
-        timeout = timedelta(seconds=timeout_s)
-        groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
-        members: dict[tuple[str, ...], tuple[int, ...]] = {}
-        for axes in [(a,) for a in AXES] + [LOSS_AXES]:
-            for ranks in self.groups_of(*axes):  # all of them, on every rank, in the same order
-                group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
-                if rank in ranks:
-                    groups[axes], members[axes] = group, ranks
-        warm_up(groups)
+        keys = [(a,) for a in AXES] + [axes for _, axes in VIEWS]
+        groups, members = build_groups(self.grid, keys, rank=rank, world_size=world_size,
+                                       timeout_s=timeout_s, backend=backend)
         return ParallelGroups(dims=self, rank=rank, coords=self.coordinates(rank), groups=groups,
                               members=members)
 
@@ -156,6 +161,32 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device_type, self.shape, mesh_dim_names=AXES)
+
+
+def build_groups(grid: RankGrid, keys: list[tuple[str, ...]], *, rank: int, world_size: int, timeout_s: float,
+                 backend: str | None = None) -> tuple[dict[tuple[str, ...], dist.ProcessGroup],
+                                                      dict[tuple[str, ...], tuple[int, ...]]]:
+    """Create every group of each axis tuple in ``keys`` (collective: all ranks, same order), keep this
+    rank's, and warm them up (:func:`warm_up`). A key is put in grid order; a repeated one is built once.
+    Returns ``(groups, members)`` keyed by the axis tuple."""
+    if not dist.is_initialized():
+        raise RuntimeError("ParallelDims.build needs an initialised default process group "
+                           "(refimpl.distributed.init_distributed)")
+    if dist.get_world_size() != world_size or dist.get_rank() != rank:
+        raise RuntimeError(f"rank {rank} of {world_size} given, but the default group says rank "
+                           f"{dist.get_rank()} of {dist.get_world_size()}")
+    if grid.world_size != world_size:
+        raise RuntimeError(f"the grid {grid.axes} has {grid.world_size} ranks, not {world_size}")
+    timeout = timedelta(seconds=timeout_s)
+    groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
+    members: dict[tuple[str, ...], tuple[int, ...]] = {}
+    for axes in dict.fromkeys(tuple(a for a in grid.names if a in key) for key in keys):
+        for ranks in grid.groups_of(*axes):  # all of them, on every rank, in the same order
+            group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
+            if rank in ranks:
+                groups[axes], members[axes] = group, ranks
+    warm_up(groups)
+    return groups, members
 
 
 def warm_up(groups: dict[tuple[str, ...], dist.ProcessGroup]) -> None:
@@ -174,7 +205,8 @@ def warm_up(groups: dict[tuple[str, ...], dist.ProcessGroup]) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelGroups:
-    """This rank's process groups, one per axis and one for ``dp x cp``, from :meth:`ParallelDims.build`."""
+    """This rank's process groups, one per axis and one per view (``dp x cp``), from
+    :meth:`ParallelDims.build`."""
 
     dims: ParallelDims
     rank: int
@@ -189,6 +221,10 @@ class ParallelGroups:
     def ranks(self, *axes: str) -> tuple[int, ...]:
         """The global ranks of this rank's group of ``axes``, ascending."""
         return self.members[self._key(axes)]
+
+    def view(self, name: str) -> dist.ProcessGroup:
+        """The group of the view ``name`` (:data:`VIEWS`): ``view("loss")`` is ``group("dp", "cp")``."""
+        return self.group(*self.dims.view(name))
 
     def _key(self, axes: tuple[str, ...]) -> tuple[str, ...]:
         key = tuple(a for a in AXES if a in axes)

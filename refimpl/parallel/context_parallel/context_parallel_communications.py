@@ -33,22 +33,19 @@ import torch
 import torch.distributed as dist
 
 from refimpl.comm import ops
+from refimpl.distributed.group_info import group_rank_size
 
 Group = dist.ProcessGroup | None
 
 
 def cp_size(group: Group) -> int:
     """Ranks in the context-parallel ``group`` (1 when ``group`` is None and no process group exists)."""
-    if group is None and not dist.is_initialized():
-        return 1
-    return dist.get_world_size(group)
+    return group_rank_size(group)[1]
 
 
 def cp_rank(group: Group) -> int:
     """This rank's index in ``group`` (0 when ``group`` is None and no process group exists)."""
-    if group is None and not dist.is_initialized():
-        return 0
-    return dist.get_rank(group)
+    return group_rank_size(group)[0]
 
 
 def _global(group: Group, group_rank: int) -> int:

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from refimpl.comm import ops
+from refimpl.distributed.group_info import group_rank_size
 
 SEQUENCE_DIM = 1
 """The sequence dim of our ``[batch, seq, hidden]`` activations, the dim sequence parallelism splits."""
@@ -55,16 +56,12 @@ Group = dist.ProcessGroup | None
 
 def group_size(group: Group) -> int:
     """Ranks in ``group`` (1 when ``group`` is None and no process group is initialised)."""
-    if group is None and not dist.is_initialized():
-        return 1
-    return dist.get_world_size(group)
+    return group_rank_size(group)[1]
 
 
 def group_rank(group: Group) -> int:
     """This rank's index in ``group`` (0 when ``group`` is None and no process group is initialised)."""
-    if group is None and not dist.is_initialized():
-        return 0
-    return dist.get_rank(group)
+    return group_rank_size(group)[0]
 
 
 def _check_divides(size: int, t: int, dim: int, what: str) -> int:

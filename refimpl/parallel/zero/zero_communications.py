@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from refimpl.comm import ops
+from refimpl.distributed.group_info import group_rank_size
 from refimpl.parallel.data_parallel.data_parallel_communications import sync_bucket
 from refimpl.parallel.zero.sharding import (
     ShardSpec,
@@ -28,11 +29,7 @@ from refimpl.parallel.zero.sharding import (
 
 def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """``(rank, world_size)`` in ``group``; ``(0, 1)`` when torch.distributed is not initialised."""
-    if not dist.is_available() or not dist.is_initialized():
-        if group is not None:
-            raise RuntimeError("a process group was given but torch.distributed is not initialised")
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    return group_rank_size(group)
 
 
 def fp16_divide_factors(world_size: int) -> tuple[int, int]:
