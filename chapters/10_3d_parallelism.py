@@ -344,9 +344,9 @@ layout_runs = {}
 for name, flags in LAYOUTS.items():
     args = build_parser().parse_args([*TINY, *flags, "--steps", "2", "--out", f"{WORK}/{name}"])
     options = dataclasses.replace(options_from_args(args), checkpoint=None)  # nothing saved at the end
-    with TrainerProbe(step=1) as probe, contextlib.redirect_stdout(io.StringIO()), \
-            contextlib.redirect_stderr(io.StringIO()):
-        records = train(config_from_args(args), ctx, options)
+    probe = TrainerProbe(step=1)  # the trainer's hooks: it measures step 1 from inside the run
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        records = train(config_from_args(args), ctx, options, hooks=probe)
     layout_runs[name] = {"bytes": [r["bytes_sent"] for r in records],
                          "idle": [r.get("pipeline_idle") for r in records],
                          "state": probe.measured.state, "activations": probe.measured.activations}

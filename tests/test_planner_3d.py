@@ -83,8 +83,8 @@ def _worker(ctx, files: dict) -> dict:
     for name in LAYOUTS:
         args = _args(files, name)
         options = dataclasses.replace(options_from_args(args), checkpoint=None)  # no save at the end
-        with TrainerProbe(step=1) as probe:
-            records = train(config_from_args(args), ctx, options)
+        probe = TrainerProbe(step=1)
+        records = train(config_from_args(args), ctx, options, hooks=probe)
         out[name] = {"bytes": [r["bytes_sent"] for r in records],
                      "idle": [r.get("pipeline_idle") for r in records],
                      "measured": dataclasses.asdict(probe.measured)}

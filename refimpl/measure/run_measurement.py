@@ -18,18 +18,20 @@ trainer's own setup, batch and schedule):
   08. The sent tensors are seen through :class:`refimpl.comm.CommTracer`'s ``on_send`` (every send, plain
   or in a ``batch_isend_irecv`` group), not by patching the ops.
 
-The probe wraps the trainer's ``train_step`` for the duration of a ``with`` block (one process, one run at a
-time: the trainer has no other hook for this) and restores it on exit.
+The probe is a set of the trainer's hooks (``train(..., hooks=probe)``): nothing of the trainer, the
+ops or the executor is replaced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from refimpl.comm.tracer import CommTracer
+from refimpl.comm.tracer import CommTracer, now
 
 __all__ = ["LiveTensorBytes", "StepMeasurement", "TrainerProbe"]
 
@@ -104,76 +106,60 @@ class LiveTensorBytes:
 
 
 class TrainerProbe:
-    """``with TrainerProbe(step=1) as probe: train(config, ctx, options)``; then ``probe.measured`` (a
-    :class:`StepMeasurement` of step ``step`` of the run, counted from the run's first step)."""
+    """``probe = TrainerProbe(step=1); train(config, ctx, options, hooks=probe)``; then
+    ``probe.measured`` (a :class:`StepMeasurement` of step ``step`` of the run, counted from the run's first
+    step). The probe is a set of the trainer's hooks (:class:`refimpl.train.hooks.Hooks`): the
+    step's meters entered around it (``around_step``), the first micro-batch's saved bytes read once its
+    loss is computed (``after_first_loss``), the state read before the optimizer step, and under pipeline
+    parallelism the executor's clock reads (``clock``) as the sampling points."""
 
     def __init__(self, *, step: int = 1) -> None:
         self.step = step
         self.measured: StepMeasurement | None = None
-        self._calls = 0
+        self._first: int | None = None  # the run's first step
+        self._params: list | None = None  # set while the measured step runs
+        self._seen: dict[str, object] = {}
+        self._meter = None  # the SavedTensorMeter of the measured step (no pipeline)
+        self._live: LiveTensorBytes | None = None  # the live bytes of the measured step (pipeline)
+        self.gradient_probe = None  # the trainer's hooks: around_step, after_first_loss,
+        # before_optimizer_step and clock below (refimpl.train.hooks.Hooks)
 
-    def __enter__(self) -> TrainerProbe:
-        import refimpl.train.loop as loop
+    @contextlib.contextmanager
+    def around_step(self, step: int, setup) -> Iterator[None]:
+        if self._first is None:
+            self._first = step
+        if step - self._first != self.step:
+            yield
+            return
+        from refimpl.measure.activations import SavedTensorMeter
 
-        self._loop, self._original = loop, loop.train_step
-        loop.train_step = self._probed
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._loop.train_step = self._original
-
-    def _probed(self, setup, inputs, labels, **kw):
-        self._calls += 1
-        if self._calls - 1 != self.step:
-            return self._original(setup, inputs, labels, **kw)
-        from refimpl.measure.state import state_bytes
-
-        params = list((setup.pipeline if setup.pipeline is not None else setup.model).parameters())
-        seen: dict[str, object] = {}
-        before = kw.get("before_optimizer_step")
-
-        def before_optimizer_step() -> None:
-            st = state_bytes(params, setup.optimizer)
-            seen["state"] = (st.weights, st.grads, st.optimizer)
-            if before is not None:
-                before()
-
-        kw |= {"before_optimizer_step": before_optimizer_step}
-        if setup.pipeline is None:  # every micro-batch's forward and loss saves alike: one's share
-            from refimpl.measure.activations import SavedTensorMeter
-
-            loss_fn = setup.loss
-
-            def first_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-                loss = loss_fn(logits, y)
-                seen.setdefault("activations", meter.report.total)  # the first micro-batch, forward done
-                return loss
-
-            setup.loss = first_loss
-            try:
-                with SavedTensorMeter(setup.model) as meter:
-                    out = self._original(setup, inputs, labels, **kw)
-            finally:
-                setup.loss = loss_fn
-        else:
-            live = LiveTensorBytes(params)
-            out = self._pipeline_step(live, setup, inputs, labels, kw)
-            seen["activations"] = live.between
-        self.measured = StepMeasurement(state=seen["state"], activations=seen["activations"])
-        return out
-
-    def _pipeline_step(self, live: LiveTensorBytes, setup, inputs, labels, kw):
-        import refimpl.parallel.pipeline_parallel.executor as executor
-
-        clock = executor.now
-
-        def sampled_now() -> float:
-            live.sample()
-            return clock()
-
-        executor.now = sampled_now  # the executor's clock reads are the sampling points
+        self._params = list((setup.pipeline if setup.pipeline is not None else setup.model).parameters())
+        self._seen = {}
         try:
-            with live.sends(), torch.autograd.graph.saved_tensors_hooks(live.pack, lambda held: held.t):
-                return self._original(setup, inputs, labels, **kw)
+            if setup.pipeline is None:  # every micro-batch's forward and loss saves alike: one's share
+                with SavedTensorMeter(setup.model) as self._meter:
+                    yield
+            else:
+                self._live = live = LiveTensorBytes(self._params)
+                with live.sends(), torch.autograd.graph.saved_tensors_hooks(live.pack, lambda held: held.t):
+                    yield
+                self._seen["activations"] = live.between
         finally:
-            executor.now = clock
+            self._params, self._meter, self._live = None, None, None
+        self.measured = StepMeasurement(state=self._seen["state"], activations=self._seen["activations"])
+
+    def after_first_loss(self, step: int, setup, loss: torch.Tensor) -> None:
+        if self._meter is not None:  # the first micro-batch, forward done
+            self._seen.setdefault("activations", self._meter.report.total)
+
+    def before_optimizer_step(self, step: int, setup) -> None:
+        if self._params is not None:
+            from refimpl.measure.state import state_bytes
+
+            st = state_bytes(self._params, setup.optimizer)
+            self._seen["state"] = (st.weights, st.grads, st.optimizer)
+
+    def clock(self) -> float:
+        if self._live is not None:  # the executor's clock reads are the sampling points
+            self._live.sample()
+        return now()

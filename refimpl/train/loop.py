@@ -7,22 +7,18 @@ save on the schedule and on SIGTERM (then raise :class:`Preempted`), and report 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from refimpl import elastic
 from refimpl.checkpoint import (
-    Checkpointer,
-    SaveSchedule,
-    expected_shapes,
-    load_training_state,
     save_training_state,
 )
 from refimpl.comm import CommTracer, ops
@@ -36,14 +32,15 @@ from refimpl.optim import lr_at, set_lr
 from refimpl.planner import flops_per_token, param_count
 from refimpl.train.args import RunOptions
 from refimpl.train.gradients import gradient_shards
+from refimpl.train.hooks import Hooks, TrainHooks
 from refimpl.train.preflight import (
     check_context_parallel,
     check_fits,
-    check_same_run,
     check_tensor_parallel,
     pipeline_microbatches,
     survivor_layout,
 )
+from refimpl.train.resume import Resumed, resume
 from refimpl.train.setup import _sampling_model, build_setup
 from refimpl.train.step import train_step
 
@@ -59,13 +56,6 @@ class Preempted(Exception):
         self.step, self.path = step, path
 
 
-def _read_records(path: Path, before: int) -> list[dict]:
-    if not path.is_file():
-        return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in records if r["step"] < before]
-
-
 def _pipeline_idle(setup) -> float:
     """The idle share of the pipeline ranks in the last step, measured from the executor's events (per
     rank ``1 - sum(action time after its input arrived) / (last end - first start)``, averaged over the pp
@@ -79,21 +69,26 @@ def _pipeline_idle(setup) -> float:
 
 
 def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | None = None, *,
+          hooks: Hooks | None = None,
           gradient_probe: Callable[[int, dict[str, LocalShard]], None] | None = None) -> list[dict]:
     """Run the optimizer steps of ``config`` (resuming from ``options.checkpoint`` when it holds a valid
     checkpoint); return the per-step records (also in metrics.jsonl; on rank 0 they include the steps of
     earlier attempts). Raises :class:`Preempted` after the save that follows a SIGTERM.
 
-    ``gradient_probe(step, shards)``, on every rank and step: the gradients the step hands to the
-    optimizer, reduced, before the loss scaler's check, clipping and AdamW, as boxes of the plain GPT's
-    tensors (:func:`refimpl.train.gradients.gradient_shards`; the equivalence tests compare them with one
-    device's). Read them there: the step changes them afterwards."""
+    ``hooks``: what the caller runs inside the loop, at the points :mod:`refimpl.train.hooks` documents (a
+    :class:`~refimpl.train.hooks.TrainHooks`, or a measurement such as
+    :class:`~refimpl.measure.run_measurement.TrainerProbe`). ``gradient_probe`` is short for
+    ``hooks=TrainHooks(gradient_probe=...)``: on every rank and step, the gradients the step hands to the
+    optimizer, reduced, as boxes of the plain GPT's tensors (the equivalence tests compare them with one
+    device's)."""
+    if gradient_probe is not None and hooks is not None:
+        raise TypeError("give gradient_probe in hooks (TrainHooks(gradient_probe=...)), or hooks=None")
+    hooks = hooks if hooks is not None else TrainHooks(gradient_probe=gradient_probe)
     options, shrunk = survivor_layout(options or RunOptions(), ctx.world_size,
                                       restart_count=elastic.restart_count())
     if shrunk:
         log0(ctx, shrunk)
     dims = options.parallel_dims(ctx.world_size)  # pp x dp x cp x tp, tp innermost (refimpl.distributed.mesh)
-    coords = dims.coordinates(ctx.rank)
     check_tensor_parallel(config, dims.tp, sequence_parallel=options.sequence_parallel)
     check_context_parallel(config, dims.cp, method=options.cp_method, tp=dims.tp,
                            sequence_parallel=options.sequence_parallel)
@@ -107,37 +102,23 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
     groups = (dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
               if torch.distributed.is_initialized() else None)
     setup = build_setup(config, ctx, options, groups)
-    attempt = elastic.restart_count()  # for the report only: the resume decision reads the disk
-    job = elastic.run_id()
-    start, info, checkpointer, schedule = 0, None, None, None
-    if options.checkpoint is not None:
-        folder = options.checkpoint.folder
-        mode = elastic.resume_mode(options.checkpoint.resume, folder, job)
-        checkpointer = Checkpointer(dataclasses.replace(options.checkpoint, resume=mode))
-        info = checkpointer.resume_point(expected=expected_shapes(setup.state_module))
-        if info is not None:
-            check_same_run(info.manifest.get("config"), config, info.path)
-            state = load_training_state(checkpointer, info, model=setup.state_module,
-                                        optimizer=setup.optimizer, scaler=setup.mp.scaler)
-            start = state["step"]
-        for reason in info.skipped if info is not None else ():
-            log0(ctx, f"checkpoint rejected: {reason}")
-        saved_world = info.manifest["world_size"] if info is not None else None
-        log0(ctx, f"attempt {attempt} (TORCHELASTIC_RESTART_COUNT of this agent) | "
-                  + (f"resuming from {info.path} (step {start}, saved at world size {saved_world}"
-                     + (", resharded)" if saved_world != ctx.world_size else ")")
-                     if info is not None else f"no checkpoint in {folder}: starting at step 0"))
-        if start >= config.steps:
-            log0(ctx, f"the run in {folder} is complete (step {start} of {config.steps}): nothing to train; "
-                      "use another --out (or --checkpoint-dir) to train again")
-        schedule = SaveSchedule(options.checkpoint, device=ctx.device, grace_s=options.sigterm_grace_s)
-    if ctx.is_main:
-        (out / "config.json").write_text(json.dumps(config.to_dict() | {"run": options.to_dict()}, indent=1))
-        earlier = _read_records(out / "metrics.jsonl", start) if start else []
-        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier))
-    else:
-        earlier = []
+    resumed = resume(config, ctx, options, setup, out)
+    begin = time.perf_counter()
+    records = _run_steps(config, ctx, options, setup, dims=dims, groups=groups, batches=batches,
+                         resumed=resumed, hooks=hooks, out=out, begin=begin)
+    all_records = resumed.earlier + records
+    _report(config, ctx, options, setup, resumed=resumed, all_records=all_records, out=out, begin=begin)
+    return all_records
 
+
+def _run_steps(config: TrainConfig, ctx: DistributedContext, options: RunOptions, setup, *, dims, groups,
+               batches, resumed: Resumed, hooks: Hooks, out: Path, begin: float) -> list[dict]:
+    """Steps ``resumed.start`` to ``config.steps - 1``: a record per step (metrics.jsonl on rank 0), the
+    saves on the schedule and on SIGTERM (then :class:`Preempted`); a failure is explained by the
+    heartbeat."""
+    coords = dims.coordinates(ctx.rank)
+    start, attempt = resumed.start, resumed.attempt
+    checkpointer, schedule = resumed.checkpointer, resumed.schedule
     # per data-parallel rank (TP ranks share a batch); under pipeline parallelism the pipeline's micro-batches
     accumulation = (config.data.accumulation_steps(dims.dp) if dims.pp == 1
                     else pipeline_microbatches(config, options, dims.dp))
@@ -170,13 +151,17 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
             time.sleep(options.sleep_in_step_s)
         heartbeat.beat(step, 1, "backward and gradient reduction")
 
+    def after_first_loss(loss: torch.Tensor) -> None:  # the first micro-batch's loss, before its backward
+        hooks.after_first_loss(step, setup, loss)
+
     def before_optimizer_step() -> None:  # the gradients of `step` are reduced
-        if gradient_probe is not None:
-            gradient_probe(step, gradient_shards(setup))
+        if hooks.before_optimizer_step is not None:
+            hooks.before_optimizer_step(step, setup)
+        if hooks.gradient_probe is not None:
+            hooks.gradient_probe(step, gradient_shards(setup))
         heartbeat.beat(step, 2, "optimizer step")
 
     records: list[dict] = []
-    begin = time.perf_counter()
     bar = progress(config.steps, enabled=ctx.is_main, initial=start)
     step = start
     tracer = CommTracer().__enter__()  # the bytes each step sends, per axis (metrics.jsonl); left in finally
@@ -193,10 +178,14 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
             # context parallelism: this cp rank's part of each sequence, [B/dp, s/cp] (the layout of its
             # attention); the tp ranks of a replica take the same part
             inputs, labels = setup.split_batch(inputs), setup.split_batch(labels)
-            loss_sum = train_step(setup, inputs, labels, accumulation=accumulation, micro=micro,
-                                  device=ctx.device, grad_clip=config.optim.grad_clip,
-                                  after_first_forward=after_first_forward,
-                                  before_optimizer_step=before_optimizer_step)
+            around = hooks.around_step(step, setup) if hooks.around_step is not None else nullcontext()
+            with around:
+                loss_sum = train_step(setup, inputs, labels, accumulation=accumulation, micro=micro,
+                                      device=ctx.device, grad_clip=config.optim.grad_clip,
+                                      after_first_forward=after_first_forward,
+                                      before_optimizer_step=before_optimizer_step,
+                                      after_first_loss=after_first_loss if hooks.after_first_loss else None,
+                                      clock=hooks.clock)
 
             if setup.group is not None and dims.dp * dims.cp > 1:
                 # The mean over the dp x cp ranks (equal token counts), the group the gradients were
@@ -235,7 +224,7 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
                     heartbeat.beat(step, 3, "checkpoint")
                     save_training_state(checkpointer, done, model=setup.state_module,
                                         optimizer=setup.optimizer, scaler=mp.scaler,
-                                        extra={"run_id": job, "attempt": attempt},
+                                        extra={"run_id": resumed.job, "attempt": attempt},
                                         config={"train": config.to_dict(), "run": options.to_dict()})
                     if schedule.stop_requested:
                         path = checkpointer.wait()
@@ -258,32 +247,37 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
     bar.close()
     if checkpointer is not None:
         checkpointer.close()  # an asynchronous save commits before the run ends
+    return records
 
-    sampler = _sampling_model(setup, config, options, ctx)
-    all_records = earlier + records
-    if ctx.is_main and all_records:
-        import matplotlib.pyplot as plt
 
-        from refimpl.viz import plot_loss
+def _report(config: TrainConfig, ctx: DistributedContext, options: RunOptions, setup, *, resumed: Resumed,
+            all_records: list[dict], out: Path, begin: float) -> None:
+    """Rank 0 writes loss.png, sample.txt (a text sample from the trained model) and summary.json."""
+    sampler = _sampling_model(setup, config, options, ctx)  # collective: every rank takes part
+    start, info, attempt = resumed.start, resumed.info, resumed.attempt
+    if not (ctx.is_main and all_records):
+        return
+    import matplotlib.pyplot as plt
 
-        title = f"{out.name}: loss over {config.steps} steps"
-        title += f" (resumed at step {start})" if start else ""
-        plt.close(plot_loss({"train": ([r["step"] for r in all_records], [r["loss"] for r in all_records])},
-                            path=out / "loss.png", title=title))  # written to loss.png: not kept open
-        sampler.eval()
-        sample = decode(generate(sampler, encode("def ").to(ctx.device), max_new_tokens=120,
-                                 seed=config.data.seed))
-        (out / "sample.txt").write_text(sample)
-        summary = {"restart_count": attempt, "resumed_from_step": start if info is not None else None,
-                   "resumed_from": str(info.path) if info is not None else None,
-                   "checkpoint_world_size": info.manifest["world_size"] if info is not None else None,
-                   "world_size": ctx.world_size, "steps": config.steps,
-                   "first_loss": all_records[0]["loss"], "final_loss": all_records[-1]["loss"]}
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
-        restarts = (f"restarts: {attempt} (this agent's TORCHELASTIC_RESTART_COUNT); "
-                    + (f"resumed from step {start} ({info.path}) at world size {ctx.world_size}"
-                       if info is not None else "started from step 0"))
-        log0(ctx, f"done: loss {all_records[0]['loss']:.3f} -> {all_records[-1]['loss']:.3f} in "
-                  f"{time.perf_counter() - begin:.1f} s; {restarts}; wrote {out}/metrics.jsonl, loss.png\n"
-                  f"sample:\n{sample}")
-    return all_records
+    from refimpl.viz import plot_loss
+
+    title = f"{out.name}: loss over {config.steps} steps"
+    title += f" (resumed at step {start})" if start else ""
+    plt.close(plot_loss({"train": ([r["step"] for r in all_records], [r["loss"] for r in all_records])},
+                        path=out / "loss.png", title=title))  # written to loss.png: not kept open
+    sampler.eval()
+    sample = decode(generate(sampler, encode("def ").to(ctx.device), max_new_tokens=120,
+                             seed=config.data.seed))
+    (out / "sample.txt").write_text(sample)
+    summary = {"restart_count": attempt, "resumed_from_step": start if info is not None else None,
+               "resumed_from": str(info.path) if info is not None else None,
+               "checkpoint_world_size": info.manifest["world_size"] if info is not None else None,
+               "world_size": ctx.world_size, "steps": config.steps,
+               "first_loss": all_records[0]["loss"], "final_loss": all_records[-1]["loss"]}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    restarts = (f"restarts: {attempt} (this agent's TORCHELASTIC_RESTART_COUNT); "
+                + (f"resumed from step {start} ({info.path}) at world size {ctx.world_size}"
+                   if info is not None else "started from step 0"))
+    log0(ctx, f"done: loss {all_records[0]['loss']:.3f} -> {all_records[-1]['loss']:.3f} in "
+              f"{time.perf_counter() - begin:.1f} s; {restarts}; wrote {out}/metrics.jsonl, loss.png\n"
+              f"sample:\n{sample}")

@@ -22,11 +22,15 @@ from refimpl.train.setup import _Setup
 def train_step(setup: _Setup, inputs: torch.Tensor, labels: torch.Tensor, *, accumulation: int, micro: int,
                device: torch.device, grad_clip: float | None,
                after_first_forward: Callable[[], None] | None = None,
-               before_optimizer_step: Callable[[], None] | None = None) -> torch.Tensor:
+               before_optimizer_step: Callable[[], None] | None = None,
+               after_first_loss: Callable[[torch.Tensor], None] | None = None,
+               clock: Callable[[], float] | None = None) -> torch.Tensor:
     """Forward, backward and step over ``inputs``/``labels`` (``[accumulation x micro, s]``: this rank's
     shard). Returns this rank's loss (the sum of the scaled micro-batch losses, detached, not reduced).
     ``after_first_forward`` runs inside the first micro-batch, between its forward and its backward (the
-    trainer's fault injection and heartbeat); ``before_optimizer_step`` once the gradients are reduced."""
+    trainer's fault injection and heartbeat); ``after_first_loss(loss)`` once the first micro-batch's loss is
+    computed (not under pipeline parallelism); ``before_optimizer_step`` once the gradients are reduced;
+    ``clock``: the pipeline executor's clock (:class:`refimpl.train.hooks.TrainHooks`)."""
     mp, dp = setup.mp, setup.dp
     loss_sum = torch.zeros((), device=device)
     if setup.pipeline is not None:  # chapter 08: the schedule runs every micro-batch's forward and backward
@@ -36,7 +40,8 @@ def train_step(setup: _Setup, inputs: torch.Tensor, labels: torch.Tensor, *, acc
         with mp.autocast():
             loss_sum = setup.pipeline.step(inputs.to(device), labels.to(device),
                                            num_microbatches=accumulation, loss_fn=share,
-                                           scale_loss=None if mp.scaler is None else mp.scaler.scale)
+                                           scale_loss=None if mp.scaler is None else mp.scaler.scale,
+                                           clock=clock)
         if after_first_forward is not None:
             after_first_forward()  # the step's forwards and backwards are done; the reduction is not
     for i in range(0 if setup.pipeline is not None else accumulation):
@@ -53,7 +58,10 @@ def train_step(setup: _Setup, inputs: torch.Tensor, labels: torch.Tensor, *, acc
                 after_first_forward()
             # The per-rank mean over the rank's micro-batch, / accumulation; the gradients are then
             # averaged over equal-sized ranks, which gives the mean over the global batch.
-            loss = setup.loss(logits, y) / accumulation  # under TP: the vocab-parallel loss
+            loss = setup.loss(logits, y)  # under TP: the vocab-parallel loss
+            if i == 0 and after_first_loss is not None:
+                after_first_loss(loss)
+            loss = loss / accumulation
             mp.backward(loss)
         loss_sum += loss.detach()
     if dp is not None:

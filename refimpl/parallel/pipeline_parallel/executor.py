@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from refimpl.comm.tracer import now
+from refimpl.comm.tracer import now as tracer_now
 from refimpl.parallel.pipeline_parallel.p2p_plan import p2p_plan
 from refimpl.parallel.pipeline_parallel.pipeline_communications import message, post_group
 from refimpl.parallel.pipeline_parallel.schedules import Action, p2p_actions
@@ -66,7 +66,8 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, GPTStage],
                  store: WeightGradStore | None = None,
                  scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  events: list[PipelineEvent] | None = None,
-                 table: Sequence[Sequence[Action]] | None = None) -> torch.Tensor:
+                 table: Sequence[Sequence[Action]] | None = None,
+                 clock: Callable[[], float] | None = None) -> torch.Tensor:
     """Run ``actions`` (this rank's list) over ``stages`` (this rank's, by index); returns the sum of the
     micro-batch losses this rank computed (the last stage's rank; zero elsewhere), detached.
 
@@ -76,8 +77,10 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, GPTStage],
     deferred weight gradients when ``actions`` has ``W`` s; ``scale_loss``: applied to a micro-batch's loss
     before its backward (the fp16 loss scaler; the returned sum is unscaled); ``events``: appended one per
     action; ``table``: every rank's list, for the transfer plan (default: the named schedule whose list
-    ``actions`` is, else the plan from ``actions`` alone; :func:`~.p2p_plan.p2p_plan`).
+    ``actions`` is, else the plan from ``actions`` alone; :func:`~.p2p_plan.p2p_plan`); ``clock``: the clock
+    the events read (default :func:`refimpl.comm.tracer.now`; a measurement samples at its reads).
     """
+    now = clock if clock is not None else tracer_now
     num_stages = next(iter(stages.values())).num_stages
     device = next(next(iter(stages.values())).parameters()).device
     if any(a.kind == "W" for a in actions) and store is None:

@@ -100,10 +100,12 @@ class PipelineModule(nn.Module):
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor, *, num_microbatches: int,
              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-             scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+             scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+             clock: Callable[[], float] | None = None) -> torch.Tensor:
         """Forward and backward of ``inputs``/``labels`` (``[B, s]``, this data-parallel rank's batch) in
         ``num_microbatches`` micro-batches; returns the step's loss (the sum of the micro-batch losses) on
-        every pipeline rank. Gradients accumulate in the stages' parameters (the tied copies summed)."""
+        every pipeline rank. Gradients accumulate in the stages' parameters (the tied copies summed).
+        ``clock``: the executor's clock (:func:`~.executor.run_schedule`)."""
         m = num_microbatches
         actions = build_schedule(self.schedule, pp_size=self.pp_size, num_microbatches=m,
                                  virtual_stages=self.virtual_stages)[self.pp_rank]
@@ -117,7 +119,7 @@ class PipelineModule(nn.Module):
                             pp_group=self.pp_group, pp_size=self.pp_size, inputs=inputs.chunk(m),
                             labels=labels.chunk(m), loss_fn=loss_fn, activation_shape=shape,
                             activation_dtype=torch.float32, store=self.store, scale_loss=scale_loss,
-                            events=self.last_events)
+                            events=self.last_events, clock=clock)
         weight = self.tied_weight()
         if weight is not None:
             # the two ends hold the same rows of their gradients (whole, or the same ZeRO-2 shard)
