@@ -152,3 +152,40 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """The layout and every technique option of a run, in one object (chapter 10 assembles them).
+
+    Degrees ``dp`` (None: the world size over ``cp x tp x pp``), ``cp``, ``tp``, ``pp``; ``zero_stage``
+    0-3; ``precision`` fp32/bf16/fp16; ``sequence_parallel``; ``cp_method`` ring/ulysses; the pipeline's
+    ``pp_schedule``, ``virtual_stages``, ``pp_balance`` and ``microbatches`` (None: the trainer's
+    default); ``activation_checkpointing`` a block selection or None. Which combinations are refused, and
+    why, is the support table's (:func:`refimpl.support.check_supported`), not this class's: it checks
+    only that each value is one it knows. The trainer's options give it (``RunOptions.parallel``).
+    """
+
+    dp: int | None = None
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+    precision: str = "fp32"
+    sequence_parallel: bool = False
+    cp_method: str = "ring"
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    pp_balance: str = "layers"
+    microbatches: int | None = None
+    activation_checkpointing: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("cp", "tp", "pp", "virtual_stages") + (("dp",) if self.dp is not None else ()):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise ConfigError(f"--microbatches must be >= 1, got {self.microbatches}")

@@ -44,11 +44,11 @@ CASES = {  # name -> options
 }
 REFUSED = {  # layout at world size 4 and options -> what the error must say
     "dp2-pp2-zero3": (dict(dp=2, pp=2), dict(zero_stage=3, activation_checkpointing=None),
-                      "with ZeRO-3 (the layout dp 2 x cp 1 x tp 1 x pp 2) is not built"),
+                      "ZeRO-3 with pp > 1 is not built"),
     "dp2-pp2-zero2-zbh1": (dict(dp=2, pp=2), dict(zero_stage=2, pp_schedule="zbh1"),
-                           "use zero_stage 1 with zbh1"),
+                           "use ZeRO-1 with zbh1"),
     "tp2-pp2-zbh1": (dict(dp=1, tp=2, pp=2), dict(pp_schedule="zbh1"),
-                     "parallel layers do not split it: not built"),
+                     "zbh1 schedule with tp > 1 is not built"),
 }
 
 
@@ -293,7 +293,7 @@ def test_one_process_layout_needs_no_group():
         parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, cp=2), ParallelizeOptions())
     with pytest.raises(ValueError, match="needs tp > 1"):
         parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1), ParallelizeOptions(sequence_parallel=True))
-    with pytest.raises(ValueError, match="zero_stage 3"):
+    with pytest.raises(ValueError, match="ZeRO-3 with tp > 1"):
         parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, tp=2), ParallelizeOptions(zero_stage=3))
 
 

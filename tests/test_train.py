@@ -404,11 +404,11 @@ def test_pipeline_micro_batches_are_checked_before_anything_starts():
         else:
             with pytest.raises(ConfigError, match=match):
                 pipeline_microbatches(config, options, dp)
-    for bad, match in ((dict(pp=2, zero_stage=3), "use --zero-stage 0, 1 or 2 with --pp"),
-                       (dict(pp=2, zero_stage=2, pp_schedule="zbh1"), "use --zero-stage 1 with zbh1"),
+    for bad, match in ((dict(pp=2, zero_stage=3), "use ZeRO 0, 1 or 2 with pp"),
+                       (dict(pp=2, zero_stage=2, pp_schedule="zbh1"), "use ZeRO-1 with zbh1"),
                        (dict(pp=2, tp=2, pp_schedule="zbh1"), "zbh1"),
-                       (dict(microbatches=2), "need --pp > 1"),
-                       (dict(pp=2, virtual_stages=2), "only with --pp-schedule interleaved")):
+                       (dict(microbatches=2), "need pp > 1"),
+                       (dict(pp=2, virtual_stages=2), "without the interleaved schedule")):
         with pytest.raises(ConfigError, match=match):
             RunOptions(**bad)
 
@@ -432,7 +432,7 @@ def test_context_parallel_sizes_are_checked_before_anything_starts():
 LAYOUT_REFUSALS = {  # name -> (flags, what the one error line must say)
     "tp2-zero3": (["--tp", "2", "--zero-stage", "3"], "(2-D sharding) is not built"),
     "tp4-heads": (["--tp", "4"], "attention heads 2 does not divide by 4"),
-    "sp-without-tp": (["--sequence-parallel"], "needs --tp > 1"),
+    "sp-without-tp": (["--sequence-parallel"], "needs tp > 1"),
     # the cp and pp sizes take the same path (preflight, exit 2 before launch); their other cases are
     # checked in process (test_context_parallel_sizes..., test_pipeline_micro_batches...)
     "cp4-ring-seq": (["--cp", "4", "--seq-len", "20"], "--seq-len 20 does not divide by 8"),

@@ -67,13 +67,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from refimpl.config import OptimConfig
+from refimpl.config import OptimConfig, ParallelConfig
 from refimpl.distributed.mesh import LOSS_AXES, ParallelDims, ParallelGroups
 from refimpl.model import lm_loss
 from refimpl.parallel.data_parallel import DataParallelBucket
 from refimpl.parallel.data_parallel.data_parallel_communications import broadcast_module
 from refimpl.parallel.optimizer_setup import OptimizerSetup, build_optimizer_setup
 from refimpl.precision import PRECISIONS, MixedPrecision, MixedPrecisionPolicy
+from refimpl.support import check_supported
 
 __all__ = ["ORDER", "OptimizerSetup", "ParallelizeOptions", "Parallelized", "parallelize"]
 
@@ -216,24 +217,11 @@ def _layout(groups_or_dims: ParallelGroups | ParallelDims,
     else:
         raise TypeError("parallelize takes ParallelGroups or ParallelDims, got "
                         f"{type(groups_or_dims).__name__}")
-    if options.sequence_parallel and dims.tp == 1:
-        raise ValueError("sequence parallelism splits the activations over the tensor-parallel ranks: it "
-                         f"needs tp > 1 (the layout is {dims.describe()})")
-    if dims.pp > 1 and options.zero_stage == 3:
-        raise ValueError(f"pipeline parallelism with ZeRO-3 (the layout {dims.describe()}) is not built: "
-                         "every micro-batch's forward and backward would all-gather the stage's weights "
-                         "again (m times a step's weights per step); use zero_stage 0, 1 or 2 with pp")
-    if dims.pp > 1 and options.zero_stage == 2 and options.pp_schedule == "zbh1":
-        raise ValueError("ZeRO-2 reduce-scatters each gradient when backward has accumulated it; the zbh1 "
-                         "schedule computes the weight gradients outside backward (its W actions): use "
-                         "zero_stage 1 with zbh1, or another schedule")
-    if dims.pp > 1 and dims.tp > 1 and options.pp_schedule == "zbh1":
-        raise ValueError("the zbh1 schedule splits the weight gradient off nn.Linear layers; the tensor-"
-                         "parallel layers do not split it: not built; use another schedule "
-                         "with tp > 1")
-    if dims.tp > 1 and options.zero_stage == 3:
-        raise ValueError("tensor parallelism with zero_stage 3 (2-D sharding) is not built: use zero_stage "
-                         "0, 1 or 2 with tp > 1")
+    check_supported(ParallelConfig(  # the combinations refused, with their reasons: refimpl/support.py
+        dp=dims.dp, cp=dims.cp, tp=dims.tp, pp=dims.pp, zero_stage=options.zero_stage,
+        precision=options.precision, sequence_parallel=options.sequence_parallel, cp_method=options.cp_method,
+        pp_schedule=options.pp_schedule, virtual_stages=options.virtual_stages, pp_balance=options.pp_balance,
+        activation_checkpointing=options.activation_checkpointing))
     if groups is None and dims.world_size > 1:
         raise ValueError(f"the layout {dims.describe()} spans {dims.world_size} ranks: pass its process "
                          "groups (dims.build(rank=..., world_size=..., timeout_s=...))")

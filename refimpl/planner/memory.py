@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from refimpl.config import ModelConfig
+from refimpl.config import ModelConfig, ParallelConfig
 from refimpl.measure.state import StateMemory
 from refimpl.planner.activations import activation_bytes, outside_block_bytes
 from refimpl.planner.layout import (
@@ -36,6 +36,7 @@ from refimpl.planner.params_flops import matmul_weights_per_rank, num_param_tens
 from refimpl.planner.pipeline import pipeline_memory_per_rank, pipeline_state_memory
 from refimpl.planner.run_memory import RunMemory
 from refimpl.planner.zero_state import zero3_peak_gathered_bytes, zero_memory
+from refimpl.support import check_supported
 
 __all__ = ["RunMemory", "run_memory_per_rank", "state_memory", "state_memory_per_rank"]
 
@@ -89,9 +90,7 @@ def state_memory_per_rank(config: ModelConfig, dims: Layout, *, zero_stage: int 
         return pipeline_state_memory(config, pp=pp, pp_rank=pp_rank, virtual_stages=virtual_stages,
                                      balance=pp_balance, tp=tp, zero_stage=zero_stage, zero_shards=shards,
                                      dp_rank=dp_rank)
-    if tp > 1 and zero_stage == 3:
-        raise ValueError("the planner models ZeRO 0-2 under tensor parallelism: ZeRO-3 over the tensor-"
-                         f"parallel shards (tp={tp}, 2-D sharding) is not built (parallelize refuses it)")
+    check_supported(ParallelConfig(tp=tp, zero_stage=zero_stage))  # ZeRO-3 with tp: refused
     return zero_memory(param_shapes(config, tp=tp), shards, zero_stage, rank=dp_rank)
 
 

@@ -56,13 +56,14 @@ from typing import Any
 
 import torch
 
-from refimpl.config import ModelConfig
+from refimpl.config import ModelConfig, ParallelConfig
 from refimpl.measure.state import StateMemory
 from refimpl.parallel.pipeline_parallel import SCHEDULES, build_schedule, simulate, split_layers, stage_rank
 from refimpl.planner.activations import activation_bytes_per_layer, local_tokens, outside_block_bytes
 from refimpl.planner.params_flops import param_shapes
 from refimpl.planner.run_memory import RunMemory
 from refimpl.planner.zero_state import zero_memory
+from refimpl.support import check_supported
 
 __all__ = ["PER_STEP", "PipelineRankMemory", "pipeline_memory_per_rank", "pipeline_state_memory",
            "stage_deferred_bytes", "stage_layers", "stage_param_shapes", "stage_saved_bytes"]
@@ -186,9 +187,7 @@ def pipeline_state_memory(config: ModelConfig, *, pp: int, pp_rank: int, virtual
     stages; 2: the gradients too) the AdamW state sharded over the ``zero_shards`` (``dp x cp``) ranks, dim 0
     of each tensor, as held by the group's rank ``dp_rank``
     (:func:`~refimpl.planner.zero_state.zero_memory`)."""
-    if zero_stage not in (0, 1, 2):
-        raise ValueError(f"the planner models pipeline parallelism with zero_stage 0, 1 or 2: ZeRO "
-                         f"{zero_stage} with pp={pp} is refused by parallelize")
+    check_supported(ParallelConfig(pp=pp, tp=tp, zero_stage=zero_stage))  # ZeRO-3 with pp: refused
     ranges = stage_layers(config, num_stages=pp * virtual_stages, balance=balance, tp=tp)
     shapes = _rank_shapes(config, pp=pp, rank=pp_rank, ranges=ranges, tp=tp)
     return zero_memory(shapes, zero_shards, zero_stage, rank=dp_rank)
@@ -292,9 +291,8 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
         raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {SCHEDULES}")
     if precision not in _COMPUTE:
         raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(_COMPUTE)}")
-    if schedule == "zbh1" and tp > 1:
-        raise ValueError("zbh1 splits the weight gradient off nn.Linear layers, the tensor-parallel layers "
-                         f"do not split it: zbh1 with tp={tp} is not built (parallelize refuses it)")
+    check_supported(ParallelConfig(pp=pp, tp=tp, zero_stage=zero_stage, pp_schedule=schedule,
+                                   sequence_parallel=sequence_parallel))  # zbh1 with tp: refused
     m, v, compute = num_microbatches, virtual_stages, _COMPUTE[precision]
     table = build_schedule(schedule, pp_size=pp, num_microbatches=m, virtual_stages=v)
     sim = simulate(table, num_microbatches=m, virtual_stages=v)  # refuses an invalid or deadlocking table

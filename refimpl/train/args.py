@@ -10,9 +10,10 @@ from pathlib import Path
 
 from refimpl import elastic
 from refimpl.checkpoint import CheckpointConfig
-from refimpl.config import ConfigError, DataConfig, ModelConfig, OptimConfig, TrainConfig
+from refimpl.config import ConfigError, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from refimpl.distributed import ParallelDims
 from refimpl.precision import PRECISIONS
+from refimpl.support import check_supported, describe_support_table
 
 
 def _schedule(text: str) -> str:
@@ -31,6 +32,17 @@ def _steps(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+class _ListLayouts(argparse.Action):
+    """``--list-layouts``: print the support table (refimpl/support.py) and exit 0, as ``--help`` does."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(describe_support_table())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m refimpl.train",
@@ -39,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
         "metrics.jsonl, loss.png, config.json and checkpoints into --out, and resumes from them.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    p.add_argument("--list-layouts", action=_ListLayouts,
+                   help="print the combinations of techniques that are refused, with the reasons, and exit")
     run = p.add_argument_group("run")
     run.add_argument("--steps", type=int, default=200, help="optimizer steps")
     run.add_argument("--batch-size", type=int, default=16, help="global batch in sequences (all ranks)")
@@ -189,25 +203,7 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         ParallelDims(dp=1 if self.dp is None else self.dp, cp=self.cp, tp=self.tp, pp=self.pp)  # degrees >= 1
-        if self.sequence_parallel and self.tp == 1:
-            raise ConfigError("--sequence-parallel splits activations over the tensor-parallel ranks: it "
-                              "needs --tp > 1")
-        if self.tp > 1 and self.zero_stage == 3:
-            raise ConfigError(f"--tp {self.tp} with --zero-stage 3 (2-D sharding) is not built; use "
-                              "--zero-stage 0, 1 or 2")
-        if self.pp > 1 and self.zero_stage == 3:
-            raise ConfigError(f"--pp {self.pp} with --zero-stage 3 is not built: each micro-batch would "
-                              "all-gather its stage's weights again; use --zero-stage 0, 1 or 2 with --pp")
-        if self.pp > 1 and self.zero_stage == 2 and self.pp_schedule == "zbh1":
-            raise ConfigError("--zero-stage 2 cuts each gradient into shards inside backward; --pp-schedule "
-                              "zbh1 computes the weight gradients outside it: use --zero-stage 1 with zbh1")
-        if self.pp > 1 and self.tp > 1 and self.pp_schedule == "zbh1":
-            raise ConfigError("--pp-schedule zbh1 splits the weight gradient off plain linear layers; with "
-                              "--tp the tensor-parallel layers do not split it (not built): use another "
-                              "--pp-schedule")
-        if self.pp == 1 and (self.microbatches is not None or self.virtual_stages != 1):
-            raise ConfigError("--microbatches and --virtual-stages set the pipeline: they need --pp > 1")
-        if self.virtual_stages < 1 or (self.virtual_stages > 1 and self.pp_schedule != "interleaved"):
+        if self.virtual_stages < 1:
             raise ConfigError(f"--virtual-stages {self.virtual_stages}: a positive number, above 1 only with "
                               "--pp-schedule interleaved")
         if self.microbatches is not None and self.microbatches < 1:
@@ -220,11 +216,17 @@ class RunOptions:
             raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if self.zero_stage == 3 and self.activation_checkpointing not in (None, "none"):
-            # FullyShardedDataParallel registers the gathered parameters in the modules only around the
-            # unit's forward; the recomputation in backward would run on the shards.
-            raise ConfigError("--activation-checkpointing does not work with --zero-stage 3 yet (the "
-                              "recomputed forward would see the parameter shards); use --zero-stage 1 or 2")
+        check_supported(self.parallel)  # the combinations refused: refimpl/support.py, written once
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        """The layout and the technique options as one :class:`~refimpl.config.ParallelConfig`."""
+        return ParallelConfig(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, zero_stage=self.zero_stage,
+                              precision=self.precision, sequence_parallel=self.sequence_parallel,
+                              cp_method=self.cp_method, pp_schedule=self.pp_schedule,
+                              virtual_stages=self.virtual_stages, pp_balance=self.pp_balance,
+                              microbatches=self.microbatches,
+                              activation_checkpointing=self.activation_checkpointing)
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
         """The layout of ``world_size`` ranks (checked: the degrees' product is the world size)."""

@@ -1,0 +1,76 @@
+"""refimpl/support.py: each refused combination, its reason, and the nearest configuration that passes.
+
+Every row of the support table is checked here by a configuration it refuses and a neighbour (one option
+changed back) that no row refuses, so a row that never fires, or that fires too widely, fails; the three
+places that ask the table (the trainer's options, parallelize, the planner) refuse with the row's words.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from refimpl.config import ConfigError, ModelConfig, ParallelConfig
+from refimpl.distributed import ParallelDims
+from refimpl.model import GPT
+from refimpl.parallel.parallelize import ParallelizeOptions, parallelize
+from refimpl.planner import run_memory_per_rank
+from refimpl.support import SUPPORT_TABLE, check_supported, describe_support_table, refusals
+from refimpl.train import RunOptions
+
+# row name -> (a configuration it refuses, the nearest one that passes)
+CASES = {
+    "sp-without-tp": (dict(sequence_parallel=True), dict(sequence_parallel=True, tp=2)),
+    "zero3-tp": (dict(tp=2, zero_stage=3), dict(tp=2, zero_stage=2)),
+    "zero3-pp": (dict(pp=2, zero_stage=3), dict(pp=2, zero_stage=1)),
+    "zero3-checkpointing": (dict(zero_stage=3, activation_checkpointing="all"),
+                            dict(zero_stage=3, activation_checkpointing=None)),
+    "zero2-zbh1": (dict(pp=2, zero_stage=2, pp_schedule="zbh1"),
+                   dict(pp=2, zero_stage=1, pp_schedule="zbh1")),
+    "zbh1-tp": (dict(pp=2, tp=2, pp_schedule="zbh1"), dict(pp=2, tp=2, pp_schedule="1f1b")),
+    "pipeline-options-without-pp": (dict(microbatches=4), dict(microbatches=4, pp=2)),
+    "virtual-stages-without-interleaving": (dict(pp=2, virtual_stages=2),
+                                            dict(pp=2, virtual_stages=2, pp_schedule="interleaved")),
+}
+
+
+def test_every_row_has_a_case_and_names_are_unique():
+    names = [row.name for row in SUPPORT_TABLE]
+    assert len(set(names)) == len(names) and set(names) == set(CASES)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_row_refuses_its_case_and_lets_the_neighbour_through(name):
+    refused, neighbour = (ParallelConfig(**kw) for kw in CASES[name])
+    assert [row.name for row in refusals(refused)] == [name]
+    (row,) = [r for r in SUPPORT_TABLE if r.name == name]
+    with pytest.raises(ConfigError) as info:
+        check_supported(refused)
+    assert str(info.value) == row.message()
+    assert refusals(neighbour) == [], [r.name for r in refusals(neighbour)]
+    check_supported(neighbour)
+
+
+def test_several_refusals_are_all_said():
+    config = ParallelConfig(tp=2, pp=2, zero_stage=3)
+    assert [r.name for r in refusals(config)] == ["zero3-tp", "zero3-pp"]
+    with pytest.raises(ConfigError, match="2-D sharding.*; and ZeRO-3 with pp > 1"):
+        check_supported(config)
+
+
+def test_the_trainer_parallelize_and_the_planner_refuse_in_the_rows_words():
+    message = next(r for r in SUPPORT_TABLE if r.name == "zero3-tp").message()
+    with pytest.raises(ConfigError) as trainer:
+        RunOptions(tp=2, zero_stage=3)
+    config = ModelConfig(vocab_size=64, max_seq_len=8, num_layers=2, hidden_size=16, num_attention_heads=2)
+    with pytest.raises(ConfigError) as parallel:
+        parallelize(GPT(config, seed=0), ParallelDims(dp=1, tp=2), ParallelizeOptions(zero_stage=3))
+    with pytest.raises(ConfigError) as planner:
+        run_memory_per_rank(config, ParallelDims(dp=2, tp=2), micro_batch=1, seq_len=8, zero_stage=3)
+    assert str(trainer.value) == str(parallel.value) == str(planner.value) == message
+
+
+def test_the_table_is_printed_row_by_row():
+    text = describe_support_table()
+    for row in SUPPORT_TABLE:
+        assert f"  {row.name}\n" in text + "\n"
+        assert " ".join(row.message().split()) in " ".join(text.split())
