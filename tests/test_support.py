@@ -74,3 +74,12 @@ def test_the_table_is_printed_row_by_row():
     for row in SUPPORT_TABLE:
         assert f"  {row.name}\n" in text + "\n"
         assert " ".join(row.message().split()) in " ".join(text.split())
+
+
+def test_list_layouts_prints_the_table_and_exits_0(capsys):
+    from refimpl.train import build_parser
+
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["--list-layouts"])
+    assert done.value.code in (0, None)
+    assert capsys.readouterr().out.strip() == describe_support_table()
