@@ -20,6 +20,22 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def micro_batches(*, per_rank_batch: int, micro_batch_size: int | None, pp: int = 1,
+                  microbatches: int | None = None) -> int:
+    """The forwards one data-parallel rank runs per optimizer step, the rule written once (chapters 03, 08).
+
+    Without a pipeline (``pp = 1``) gradient accumulation: the per-rank batch over ``micro_batch_size``
+    (None: one forward of the whole batch). With one, the pipeline's micro-batches: ``microbatches`` if
+    given, else the per-rank batch over ``micro_batch_size``, else ``pp`` (one per stage, the least that
+    fills the pipeline). The callers check that the batch splits (the trainer's preflight says how to fix
+    it); the planner (:func:`refimpl.planner.predict_run`) counts with the same rule."""
+    if pp > 1 and microbatches is not None:
+        return microbatches
+    if micro_batch_size is not None:
+        return per_rank_batch // micro_batch_size
+    return pp if pp > 1 else 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Shape of the small GPT that runs through the whole course (chapter 01).

@@ -125,3 +125,14 @@ def test_accumulation_steps_arithmetic(global_batch, dp, micro):
     assert data.per_rank_batch(dp) == effective_micro * accumulation
     if micro is None:
         assert accumulation == 1  # no micro batch size: no accumulation
+
+
+def test_micro_batches_is_one_rule_for_accumulation_and_the_pipeline():
+    from refimpl.config import micro_batches
+
+    assert micro_batches(per_rank_batch=8, micro_batch_size=None) == 1  # one forward of the whole batch
+    assert micro_batches(per_rank_batch=8, micro_batch_size=2) == 4  # gradient accumulation
+    assert micro_batches(per_rank_batch=8, micro_batch_size=None, pp=4) == 4  # one per stage
+    assert micro_batches(per_rank_batch=8, micro_batch_size=1, pp=4) == 8  # the micro-batch size decides
+    assert micro_batches(per_rank_batch=8, micro_batch_size=None, pp=4, microbatches=2) == 2
+    assert micro_batches(per_rank_batch=8, micro_batch_size=None, microbatches=2) == 1  # no pipeline: ignored

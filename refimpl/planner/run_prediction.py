@@ -57,7 +57,7 @@ import math
 from dataclasses import dataclass, field
 
 from refimpl.comm.tracer import wire_bytes
-from refimpl.config import ModelConfig
+from refimpl.config import ModelConfig, micro_batches
 from refimpl.distributed.mesh import Coordinates, ParallelDims
 from refimpl.measure.state import StateMemory
 from refimpl.parallel.pipeline_parallel import stage_rank
@@ -151,10 +151,8 @@ def predict_run(config: ModelConfig, *, dims: ParallelDims, seq_len: int, global
         raise ValueError("predict_run models sequence parallelism with tp > 1 and ZeRO-0 only")
     pp, tp, cp, dp, v = dims.pp, dims.tp, dims.cp, dims.dp, virtual_stages
     per_rank = global_batch // dp
-    if pp > 1:
-        m = microbatches or (per_rank // micro_batch if micro_batch else pp)
-    else:
-        m = per_rank // (micro_batch or per_rank)
+    m = micro_batches(per_rank_batch=per_rank, micro_batch_size=micro_batch, pp=pp,
+                      microbatches=microbatches)  # the trainer's rule (refimpl.config.micro_batches)
     b, h, n = per_rank // m, config.hidden_size, dp * cp
     s_c = local_tokens(config, seq_len=seq_len, cp=cp, cp_method=cp_method, cp_layout=cp_layout, tp=tp)
     x, tokens = b * s_c * h, b * s_c

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from refimpl.checkpoint import CheckpointError, list_checkpoints
-from refimpl.config import ConfigError, TrainConfig
+from refimpl.config import ConfigError, TrainConfig, micro_batches
 from refimpl.data import ShardedBatches, prepare_corpus
 from refimpl.measure import format_bytes
 from refimpl.train.args import RunOptions
@@ -70,17 +70,14 @@ def pipeline_microbatches(config: TrainConfig, options: RunOptions, dp: int) -> 
     the per-rank batch over ``--micro-batch-size``, else ``pp``; refused (one line) when the per-rank batch
     does not split into them, they disagree with ``--micro-batch-size``, the interleaved schedule cannot
     take them or the blocks do not fill the stages."""
-    per_rank = config.data.per_rank_batch(dp)
-    if options.microbatches is not None:
-        m = options.microbatches
-        micro = config.data.micro_batch_size
-        if micro is not None and micro * m != per_rank:
-            raise ConfigError(f"--microbatches {m} x --micro-batch-size {micro} is not the per-rank batch "
-                              f"{per_rank} (= --batch-size / dp {dp}); give one of the two")
-    elif config.data.micro_batch_size is not None:
-        m = config.data.accumulation_steps(dp)
-    else:
-        m = options.pp
+    per_rank, micro = config.data.per_rank_batch(dp), config.data.micro_batch_size
+    m = micro_batches(per_rank_batch=per_rank, micro_batch_size=micro, pp=options.pp,
+                      microbatches=options.microbatches)
+    if options.microbatches is not None and micro is not None and micro * m != per_rank:
+        raise ConfigError(f"--microbatches {m} x --micro-batch-size {micro} is not the per-rank batch "
+                          f"{per_rank} (= --batch-size / dp {dp}); give one of the two")
+    if options.microbatches is None and micro is not None:
+        config.data.accumulation_steps(dp)  # micro must divide the per-rank batch: refused in its words
     if per_rank % m:
         raise ConfigError(f"the per-rank batch {per_rank} (= --batch-size / dp {dp}) does not split into {m} "
                           "pipeline micro-batches; set --microbatches to a divisor of it")
