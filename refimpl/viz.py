@@ -11,14 +11,29 @@ import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import matplotlib.pyplot as plt
 import numpy as np
 
-if TYPE_CHECKING:
-    from refimpl.measure.collective_timing import Timings
-    from refimpl.planner.time_model import AlphaBeta
+
+class _Timings(Protocol):
+    """What :func:`plot_alpha_beta` reads of a measurement
+    (:class:`refimpl.measure.collective_timing.Timings`)."""
+
+    op: str
+    world_size: int
+    sizes_bytes: Sequence[int]
+    seconds: Sequence[float]
+
+
+class _Fit(Protocol):
+    """What :func:`plot_alpha_beta` reads of a fit (:class:`refimpl.planner.time_model.AlphaBeta`)."""
+
+    alpha_s: float
+    beta_bytes_per_s: float
+
+    def predict(self, sizes: np.ndarray) -> np.ndarray: ...
 
 
 def save_figure(fig, path: str | os.PathLike | None):
@@ -77,20 +92,18 @@ def plot_bars(
 
 
 def plot_alpha_beta(
-    timings: Sequence[Timings],
+    timings: Sequence[_Timings],
     *,
-    fits: Sequence[AlphaBeta | None] | None = None,
+    fits: Sequence[_Fit | None],
     models: Mapping[str, Callable[[np.ndarray], np.ndarray]] | None = None,
     title: str = "time per message: measured (points) and alpha-beta model (lines)",
     path: str | os.PathLike | None = None,
 ):
     """Log-log plot of each :class:`~refimpl.measure.collective_timing.Timings` (points) and its alpha-beta
-    fit (solid line; :func:`refimpl.planner.fit_alpha_beta` here when ``fits`` is None), plus any
-    ``models[label](sizes) -> seconds`` as dashed lines (e.g. a prediction from the p2p fit), chapter 02.
-    Returns the figure; writes a PNG too when ``path`` is given."""
-    from refimpl.planner.time_model import fit_alpha_beta
-
-    fits = list(fits) if fits is not None else [fit_alpha_beta(t.sizes_bytes, t.seconds) for t in timings]
+    fit in ``fits`` (solid line; the caller fits, e.g. :func:`refimpl.planner.fit_alpha_beta`; None: no
+    line), plus any ``models[label](sizes) -> seconds`` as dashed lines (e.g. a prediction from the p2p
+    fit), chapter 02. Returns the figure; writes a PNG too when ``path`` is given. Draws only: nothing here
+    measures or fits, and nothing of refimpl is imported (the package's modules import this one)."""
     lo = min(min(t.sizes_bytes) for t in timings)
     hi = max(max(t.sizes_bytes) for t in timings)
     grid = np.geomspace(max(1, lo), hi, 100)

@@ -101,8 +101,10 @@ def test_plots_render(tmp_path):
                    async_op=True)
     assert plot_timeline([[ev], []], path=tmp_path / "tl.png").axes
     t = Timings(op="p2p", world_size=2, sizes_bytes=(4, 4096), seconds=(1e-5, 2e-5), repeats=1)
-    fig = plot_alpha_beta([t], models={"model": lambda s: 1e-5 + s / 1e9}, path=tmp_path / "ab.png")
-    assert isinstance(fit_alpha_beta(t.sizes_bytes, t.seconds), AlphaBeta) and fig.axes
+    fit = fit_alpha_beta(t.sizes_bytes, t.seconds)
+    fig = plot_alpha_beta([t], fits=[fit], models={"model": lambda s: 1e-5 + s / 1e9},
+                          path=tmp_path / "ab.png")
+    assert isinstance(fit, AlphaBeta) and fig.axes
 
 
 # ------------------------------------------------------------------------------------------ on ranks

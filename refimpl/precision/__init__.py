@@ -14,14 +14,11 @@ One concept per file:
 Gradients in 16 bits on the wire are data parallelism's business: the reduction and its hooks
 (:func:`reduce_gradients_`, :func:`low_precision_all_reduce_`, :func:`fp32_accumulating_comm_hook`,
 :func:`ddp_comm_hook`) live in :mod:`refimpl.parallel.data_parallel.data_parallel_communications`, beside
-chapter 03's hooks. They stay importable from here, loaded on first use: ``parallel`` imports
-``precision`` (ZeRO-3's ``mp_policy``), so ``precision`` does not import ``parallel`` when it loads.
+chapter 03's hooks; import them from there (``parallel`` imports ``precision``, ZeRO-3's ``mp_policy``,
+never the other way).
 """
 
 from __future__ import annotations
-
-import importlib
-from typing import Any
 
 from refimpl.precision.loss_scaler import (
     DynamicLossScaler,
@@ -34,18 +31,6 @@ from refimpl.precision.loss_scaler import (
 from refimpl.precision.master_weights import MasterWeights
 from refimpl.precision.mixed_precision import MixedPrecision
 from refimpl.precision.policy import DTYPES, PRECISIONS, MixedPrecisionPolicy, dtype_from_name
-
-_DATA_PARALLEL_COMMUNICATIONS = "refimpl.parallel.data_parallel.data_parallel_communications"
-_MOVED = ("ddp_comm_hook", "fp32_accumulating_comm_hook", "low_precision_all_reduce_", "reduce_gradients_",
-          "start_low_precision_all_reduce_")
-
-
-def __getattr__(name: str) -> Any:
-    """The gradient-reduction names that moved to data parallelism, served from their new home."""
-    if name in _MOVED:
-        return getattr(importlib.import_module(_DATA_PARALLEL_COMMUNICATIONS), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 __all__ = [
     "DTYPES",
@@ -60,5 +45,4 @@ __all__ = [
     "dtype_from_name",
     "overflow_on_any_rank",
     "update_scale",
-    *_MOVED,
 ]
