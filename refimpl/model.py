@@ -4,7 +4,9 @@ Decoder-only, pre-LayerNorm blocks (GPT-2, Radford et al. 2019), causal self-att
 ``torch.nn.functional.scaled_dot_product_attention``, a GELU MLP, learned position embeddings and an
 optional tie between the input embedding and the output layer (Press & Wolf 2017). Module names follow
 Megatron-LM (``query_key_value``, ``dense``, ``dense_h_to_4h``, ``dense_4h_to_h``) so that the tensor
-parallel chapter can replace them one for one.
+parallel chapter can replace them one for one. Each is a :class:`refimpl.nn.Linear` (``nn.Linear`` through the
+one linear seam, :func:`refimpl.nn.linear.linear_with_grad`, so zero-bubble's deferred ``dW`` sets a store
+on it instead of patching it).
 
 Shapes: b = micro-batch, s = sequence length, h = hidden size, a = attention heads, d = h / a, v = vocab.
 """
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from refimpl.config import ModelConfig
+from refimpl.nn.linear import Linear
 
 
 class CausalSelfAttention(nn.Module):
@@ -32,8 +35,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
-        self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.query_key_value = Linear(config.hidden_size, 3 * config.hidden_size)
+        self.dense = Linear(config.hidden_size, config.hidden_size)
 
     @staticmethod
     def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -58,8 +61,8 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.ffn_hidden_size)
-        self.dense_4h_to_h = nn.Linear(config.ffn_hidden_size, config.hidden_size)
+        self.dense_h_to_4h = Linear(config.hidden_size, config.ffn_hidden_size)
+        self.dense_4h_to_h = Linear(config.ffn_hidden_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
@@ -116,7 +119,7 @@ class GPT(nn.Module):
             self.embedding = Embedding(config)
             self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
             self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
-            self.output_layer = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.output_layer = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.output_layer.weight = self.embedding.word_embeddings.weight
         self.reset_parameters(seed=seed)

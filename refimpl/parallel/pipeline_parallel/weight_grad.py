@@ -4,7 +4,7 @@ Parallelism").
 A linear layer ``Y = X W^T + b`` has two gradients: ``dX = dY W``, which the previous stage waits for, and
 ``dW = dY^T X``, which no one needs before the optimizer step. Zero-bubble schedules run them as two
 actions, ``B`` (input gradient) and ``W`` (weight gradient), and place the ``W`` s in the bubble.
-:func:`defer_weight_gradients` makes every ``nn.Linear`` of a stage compute ``dX`` (and the cheap bias
+:func:`defer_weight_gradients` makes every linear layer of a stage compute ``dX`` (and the cheap bias
 gradient) in backward and queue ``dW`` in a :class:`WeightGradStore` under the key the executor is running
 (``(stage, microbatch)``); :meth:`WeightGradStore.flush` of that key, the ``W`` action, adds them to the
 weights' ``.grad``. The LayerNorm and embedding gradients (``O(h)`` per token, no matmul) stay in ``B``.
@@ -16,8 +16,9 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from refimpl.nn.linear import linear_with_grad
 
 __all__ = ["WeightGradStore", "defer_weight_gradients", "linear_deferred_weight"]
 
@@ -54,49 +55,23 @@ class WeightGradStore:
         return sum(len(v) for v in self._pending.values())
 
 
-@torch.no_grad()
-def _accumulate(weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
-    grad = dy.t().mm(x).to(weight.dtype)  # dW = dY^T X: [out, tokens] @ [tokens, in] -> [out, in]
-    if weight.grad is None:
-        weight.grad = grad
-    else:
-        weight.grad += grad
-
-
-class _LinearDeferredWeight(torch.autograd.Function):
-    """``F.linear`` whose backward returns dX and db and queues dW. Under autocast the matmul runs in the
-    autocast dtype (``compute``); the gradients are computed in it and cast back to each input's dtype, as
-    autograd does through autocast's casts."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, store):
-        y = F.linear(x, weight, bias)  # autocast (if on) picks the dtype
-        ctx.save_for_backward(x, weight)
-        ctx.store, ctx.bias_dtype, ctx.compute = store, None if bias is None else bias.dtype, y.dtype
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dy = dy.to(ctx.compute)
-        dx = (dy @ weight.to(ctx.compute)).to(x.dtype)          # [..., out] @ [out, in] -> [..., in]
-        db = None if ctx.bias_dtype is None else dy.flatten(0, -2).sum(0).to(ctx.bias_dtype)  # [out]
-        dy2, x2 = dy.flatten(0, -2), x.detach().to(ctx.compute).flatten(0, -2)  # [tokens, out], [tokens, in]
-        ctx.store.push(lambda: _accumulate(weight, dy2, x2))
-        return dx, None, db, None
-
-
 def linear_deferred_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                            store: WeightGradStore) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose backward gives ``dX = dY W`` and the bias gradient and queues
-    ``dW = dY^T X`` in ``store`` (under the key of the running :meth:`WeightGradStore.capture`)."""
-    return _LinearDeferredWeight.apply(x, weight, bias, store)
+    ``dW = dY^T X`` in ``store`` (under the key of the running :meth:`WeightGradStore.capture`): the one
+    linear seam, :func:`refimpl.nn.linear.linear_with_grad`, with a store."""
+    return linear_with_grad(x, weight, bias, weight_grad_store=store)
 
 
 def defer_weight_gradients(module: nn.Module, store: WeightGradStore) -> nn.Module:
-    """Make every ``nn.Linear`` in ``module`` queue its weight gradient in ``store`` (in place)."""
+    """Make every linear layer in ``module`` queue its weight gradient in ``store`` (in place): the seam's
+    layers (:class:`refimpl.nn.Linear`, the tensor-parallel ``ColumnParallelLinear`` and
+    ``RowParallelLinear``: anything with a ``weight_grad_store`` attribute) are given the store, and a plain
+    ``nn.Linear`` has its forward replaced by :func:`linear_deferred_weight`."""
     for linear in module.modules():
-        if isinstance(linear, nn.Linear):
+        if hasattr(linear, "weight_grad_store"):
+            linear.weight_grad_store = store
+        elif isinstance(linear, nn.Linear):
             def forward(x: torch.Tensor, _lin: nn.Linear = linear) -> torch.Tensor:
                 return linear_deferred_weight(x, _lin.weight, _lin.bias, store)
 

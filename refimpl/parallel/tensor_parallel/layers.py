@@ -29,6 +29,12 @@ Rank ``r`` holds the ``r``-th contiguous block in ``.weight`` / ``.bias`` (equal
 divide by ``t`` is a ``ValueError``); :meth:`from_linear` shards a full ``nn.Linear`` that way, and
 ``local_shards()`` declares the boxes for the checkpoint (:mod:`refimpl.distributed.placement`), under the
 names a plain ``nn.Linear`` has, so a checkpoint saved at one TP size loads at another or into a dense layer.
+
+Both matmuls go through the one linear seam (:func:`refimpl.nn.linear.linear_with_grad`):
+``weight_grad_store`` (None by default; set by
+:func:`~refimpl.parallel.pipeline_parallel.defer_weight_gradients`) queues this rank's ``dW_r = dY_r^T X``
+(column) or ``dY^T X_r`` (row) for zero-bubble's ``W`` action, so zbh1 composes with tensor parallelism:
+each rank defers the gradient of the block it holds.
 """
 
 from __future__ import annotations
@@ -36,11 +42,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from refimpl.comm import ops
 from refimpl.distributed.placement import Box, LocalShard
+from refimpl.nn.linear import WeightGradQueue, linear_with_grad
 from refimpl.parallel.tensor_parallel.sequence_parallel_linear import linear_with_sequence_parallel_gather
 from refimpl.parallel.tensor_parallel.tp_communications import (
     Group,
@@ -96,6 +102,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.out_per_rank = _divide(out_features, self.tp_size, "out_features", type(self).__name__)
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.weight_grad_store: WeightGradQueue | None = None  # zero-bubble's deferred dW (module docstring)
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, **kw))
         self.bias = nn.Parameter(torch.empty(self.out_per_rank, **kw)) if bias else None
@@ -120,9 +127,11 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:  # [b, s/t, in] all-gathered to [b, s, in]; only [b, s/t, in] is saved
-            return linear_with_sequence_parallel_gather(x, self.weight, self.bias, self.tp_group)
+            return linear_with_sequence_parallel_gather(x, self.weight, self.bias, self.tp_group,
+                                                        weight_grad_store=self.weight_grad_store)
         x = copy_to_tensor_parallel_region(x, self.tp_group)            # f: all-reduce in backward
-        y = F.linear(x, self.weight, self.bias)                         # [..., out/t]
+        y = linear_with_grad(x, self.weight, self.bias,                 # [..., out/t]
+                             weight_grad_store=self.weight_grad_store)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)    # [..., out]
         return y
@@ -153,6 +162,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.in_per_rank = _divide(in_features, self.tp_size, "in_features", type(self).__name__)
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.weight_grad_store: WeightGradQueue | None = None  # zero-bubble's deferred dW (module docstring)
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, **kw))
         self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
@@ -179,7 +189,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)         # [..., in] -> [..., in/t]
-        y = F.linear(x, self.weight)                                        # [..., out], a partial sum
+        y = linear_with_grad(x, self.weight,                                # [..., out], a partial sum
+                             weight_grad_store=self.weight_grad_store)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)  # [b, s, out] -> [b, s/t, out]
         else:

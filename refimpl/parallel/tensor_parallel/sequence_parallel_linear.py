@@ -16,14 +16,17 @@ saves ``X_r`` only and all-gathers it again in backward:
 The extra all-gather moves ``(t-1)/t b s h`` elements per rank per backward: activation memory traded for
 communication (Megatron overlaps it with the ``dX`` matmul; gloo on CPU cannot show that). Under autocast
 the forward matmul runs in the autocast dtype; backward computes in the dtype of ``dY`` and returns the
-parameters' gradients in their own dtype, as autocast's own ``linear`` does.
+parameters' gradients in their own dtype, as autocast's own ``linear`` does. The autograd function is the
+one linear seam, :func:`refimpl.nn.linear.linear_with_grad`; this module names its group.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+import functools
 
+import torch
+
+from refimpl.nn.linear import SequenceGather, WeightGradQueue, linear_with_grad
 from refimpl.parallel.tensor_parallel.tp_communications import (
     SEQUENCE_DIM,
     Group,
@@ -32,41 +35,22 @@ from refimpl.parallel.tensor_parallel.tp_communications import (
     group_size,
 )
 
-__all__ = ["linear_with_sequence_parallel_gather"]
+__all__ = ["linear_with_sequence_parallel_gather", "sequence_gather"]
 
 
-class _LinearWithSequenceParallelGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                group: Group) -> torch.Tensor:
-        ctx.group, ctx.has_bias = group, bias is not None
-        ctx.save_for_backward(x_local, weight)                        # [b, s/t, in]: not the gathered X
-        x = _all_gather(x_local, SEQUENCE_DIM, group)                 # [b, s, in]
-        return F.linear(x, weight, bias)                              # [b, s, out/t]
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        x_local, weight = ctx.saved_tensors
-        x = _all_gather(x_local, SEQUENCE_DIM, ctx.group).to(dy.dtype)  # [b, s, in], gathered again
-        dx = dy.matmul(weight.to(dy.dtype))                           # [b, s, in], a partial sum over ranks
-        dx_local = _reduce_scatter(dx, SEQUENCE_DIM, ctx.group)       # [b, s/t, in]
-        dy2 = dy.reshape(-1, dy.shape[-1])                            # [b*s, out/t]
-        dw = dy2.t().matmul(x.reshape(-1, x.shape[-1])).to(weight.dtype)  # [out/t, in]
-        db = dy2.sum(0).to(weight.dtype) if ctx.has_bias else None   # [out/t]
-        return dx_local.to(x_local.dtype), dw, db, None
+def sequence_gather(group: Group) -> SequenceGather:
+    """The all-gather / reduce-scatter pair along the sequence (dim 1) over ``group``."""
+    return SequenceGather(all_gather=functools.partial(_all_gather, dim=SEQUENCE_DIM, group=group),
+                          reduce_scatter=functools.partial(_reduce_scatter, dim=SEQUENCE_DIM, group=group))
 
 
 def linear_with_sequence_parallel_gather(x_local: torch.Tensor, weight: torch.Tensor,
-                                         bias: torch.Tensor | None, group: Group) -> torch.Tensor:
+                                         bias: torch.Tensor | None, group: Group, *,
+                                         weight_grad_store: WeightGradQueue | None = None) -> torch.Tensor:
     """``all_gather_seq(x_local) @ weight.T + bias`` saving only ``x_local`` (module docstring);
-    ``[b, s/t, in] -> [b, s, out/t]``. A group of one is ``F.linear``."""
+    ``[b, s/t, in] -> [b, s, out/t]``. A group of one is the plain linear. ``weight_grad_store``: ``dW``
+    queued there (zero-bubble's ``W``), not returned."""
     if group_size(group) == 1:
-        return F.linear(x_local, weight, bias)
-    if x_local.dim() < 2:
-        raise ValueError("sequence-parallel linear: needs [batch, seq, ...] input, got shape "
-                         f"{tuple(x_local.shape)}")
-    if torch.is_autocast_enabled(x_local.device.type):  # the forward matmul in the autocast dtype
-        dtype = torch.get_autocast_dtype(x_local.device.type)
-        weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
-        x_local = x_local.to(dtype)
-    return _LinearWithSequenceParallelGather.apply(x_local, weight, bias, group)
+        return linear_with_grad(x_local, weight, bias, weight_grad_store=weight_grad_store)
+    return linear_with_grad(x_local, weight, bias, sequence_gather=sequence_gather(group),
+                            weight_grad_store=weight_grad_store)

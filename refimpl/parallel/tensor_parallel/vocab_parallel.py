@@ -49,6 +49,7 @@ from torch import nn
 
 from refimpl.comm import ops
 from refimpl.distributed.placement import Box, LocalShard
+from refimpl.nn.linear import linear_with_grad
 from refimpl.parallel.tensor_parallel.tp_communications import (
     SEQUENCE_DIM,
     Group,
@@ -146,7 +147,7 @@ class VocabParallelEmbedding(nn.Module):
 
         Padded rows give logits 0: pass ``vocab_size=num_embeddings`` to the loss to mask them.
         """
-        return F.linear(copy_to_tensor_parallel_region(hidden, self.tp_group), self.weight)
+        return linear_with_grad(copy_to_tensor_parallel_region(hidden, self.tp_group), self.weight)
 
     def local_shards(self) -> dict[str, LocalShard]:
         """My real rows as a box of the ``[V, h]`` table (padding is not part of it)."""

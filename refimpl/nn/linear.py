@@ -1,0 +1,135 @@
+"""The one linear seam: every linear layer of the course goes through :func:`linear_with_grad` (chapters
+06 and 08).
+
+``Y = gather(X) W^T + b`` with ``W: [out, in]``. Its backward has three products:
+
+* ``dX = dY W`` (reduce-scattered back along the sequence when the forward gathered it), which the layer
+  below waits for;
+* ``db = sum_tokens dY``;
+* ``dW = dY^T X`` (``X`` the gathered input), which no one needs before the optimizer step.
+
+This is Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication`` pattern: one autograd function
+that owns the linear's backward, so the three places that need to change it change it here:
+
+* **sequence parallelism** (Korthikanti et al. 2022, chapter 06): ``sequence_gather`` all-gathers the
+  ``[b, s/t, in]`` input along the sequence for the forward; only the local ``X_r`` is saved and backward
+  gathers it again (one more all-gather) and reduce-scatters ``dX``, so the activation saved is ``s/t`` of
+  the tokens, not ``s`` (:mod:`refimpl.parallel.tensor_parallel.sequence_parallel_linear`);
+* **a deferred weight gradient** (Qi et al. 2023, zero-bubble's ``W``, chapter 08): with
+  ``weight_grad_store`` the backward returns ``dX`` and ``db`` and queues ``dW`` in the store
+  (:class:`refimpl.parallel.pipeline_parallel.WeightGradStore`, anything with ``push(fn)``), whose ``W``
+  action adds it to ``weight.grad`` later;
+* **a pluggable matmul** (``matmul(x, weight, bias) -> y``, ``F.linear`` by default): where a low-precision
+  kernel (fp8) would go. With neither a gather nor a store it is called as it is and autograd (or the
+  kernel's own autograd) differentiates it; with either, it is the forward product of this function.
+
+With none of the three the seam is ``F.linear`` itself (autograd's own backward, bitwise the plain layer).
+Under autocast the forward matmul runs in the autocast dtype; backward computes in the dtype of the output
+and returns each gradient in its input's dtype, as autograd does through autocast's casts.
+
+This module imports nothing from refimpl: the gather is passed in (:class:`SequenceGather`), so the model
+(below the communication layer) can use the seam too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Linear", "SequenceGather", "linear_with_grad"]
+
+Matmul = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+class WeightGradQueue(Protocol):
+    """Where a deferred ``dW`` goes: ``push(fn)`` runs ``fn`` now or at the key's ``W``."""
+
+    def push(self, fn: Callable[[], None]) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SequenceGather:
+    """The sequence-parallel pair: ``all_gather`` ``[b, s/t, ...] -> [b, s, ...]`` and its adjoint
+    ``reduce_scatter`` ``[b, s, ...] -> [b, s/t, ...]`` (the sum over the group, my chunk)."""
+
+    all_gather: Callable[[torch.Tensor], torch.Tensor]
+    reduce_scatter: Callable[[torch.Tensor], torch.Tensor]
+
+
+@torch.no_grad()
+def _accumulate(weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
+    grad = dy.t().mm(x).to(weight.dtype)  # dW = dY^T X: [out, tokens] @ [tokens, in] -> [out, in]
+    if weight.grad is None:
+        weight.grad = grad
+    else:
+        weight.grad += grad
+
+
+class _LinearWithGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, gather, store, matmul):
+        ctx.save_for_backward(x, weight)                              # x: [..., in] (SP: [b, s/t, in])
+        full = x if gather is None else gather.all_gather(x)          # [..., in] (SP: [b, s, in])
+        y = matmul(full, weight, bias)                                # autocast (if on) picks the dtype
+        ctx.gather, ctx.store, ctx.compute = gather, store, y.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y                                                      # [..., out]
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy = dy.to(ctx.compute)
+        full = x.detach() if ctx.gather is None else ctx.gather.all_gather(x)  # gathered again (SP)
+        full = full.to(ctx.compute)
+        dx = dy.matmul(weight.to(ctx.compute))                        # [..., out] @ [out, in] -> [..., in]
+        if ctx.gather is not None:
+            dx = ctx.gather.reduce_scatter(dx)                        # a partial sum: my s/t of the sum
+        dy2 = dy.reshape(-1, dy.shape[-1])                            # [tokens, out]
+        x2 = full.reshape(-1, full.shape[-1])                         # [tokens, in]
+        db = None if ctx.bias_dtype is None else dy2.sum(0).to(ctx.bias_dtype)  # [out]
+        if ctx.store is not None:                                     # zero-bubble's W: dW later
+            ctx.store.push(lambda: _accumulate(weight, dy2, x2))
+            dw = None
+        else:
+            dw = dy2.t().matmul(x2).to(weight.dtype)                  # [out, in]
+        return dx.to(x.dtype), dw, db, None, None, None
+
+
+def linear_with_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     sequence_gather: SequenceGather | None = None,
+                     weight_grad_store: WeightGradQueue | None = None,
+                     matmul: Matmul | None = None) -> torch.Tensor:
+    """``gather(x) @ weight.T + bias`` with the backward of the module docstring: ``[..., in] -> [..., out]``
+    (with ``sequence_gather``: ``[b, s/t, in] -> [b, s, out]``, saving only the local ``x``; with
+    ``weight_grad_store``: ``dW`` queued there, not returned)."""
+    mm = F.linear if matmul is None else matmul
+    if sequence_gather is None and weight_grad_store is None:
+        return mm(x, weight, bias)  # autograd's own backward: the plain layer, bitwise
+    if sequence_gather is not None:
+        if x.dim() < 2:
+            raise ValueError("sequence-parallel linear: needs [batch, seq, ...] input, got shape "
+                             f"{tuple(x.shape)}")
+        if weight_grad_store is None and torch.is_autocast_enabled(x.device.type):
+            # the forward matmul in the autocast dtype, the gather too (the casts' own backward casts back)
+            dtype = torch.get_autocast_dtype(x.device.type)
+            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+            x = x.to(dtype)
+    # a deferred dW is added to the Parameter itself, so under autocast the casts happen inside (in mm)
+    return _LinearWithGrad.apply(x, weight, bias, sequence_gather, weight_grad_store, mm)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, init and state-dict names) whose forward is :func:`linear_with_grad`;
+    ``weight_grad_store`` (None: ``dW`` in backward) and ``matmul`` (None: ``F.linear``) may be set on it."""
+
+    weight_grad_store: WeightGradQueue | None = None
+    matmul: Matmul | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_with_grad(x, self.weight, self.bias, weight_grad_store=self.weight_grad_store,
+                                matmul=self.matmul)
