@@ -17,8 +17,9 @@ replacing the trainer's functions, the ops or the pipeline executor's clock. For
    (default :func:`refimpl.comm.tracer.now`); a hook that samples something at those points returns the
    same clock after sampling.
 
-The run's own probes (fault injection from ``options.faults``, the heartbeat, the per-step
-:class:`~refimpl.comm.CommTracer`) run at the same points, after the caller's hooks.
+The run's own probes stay the trainer's: fault injection (``options.faults``) and the heartbeat before the
+step and between the first forward and its loss, the heartbeat again after ``gradient_probe``, and the
+per-step :class:`~refimpl.comm.CommTracer` around the whole step (a hook's own tracer nests inside it).
 """
 
 from __future__ import annotations
