@@ -37,7 +37,7 @@ from refimpl.train.preflight import (
     check_context_parallel,
     check_fits,
     check_tensor_parallel,
-    pipeline_microbatches,
+    forwards_per_step,
     survivor_layout,
 )
 from refimpl.train.resume import Resumed, resume
@@ -120,8 +120,7 @@ def _run_steps(config: TrainConfig, ctx: DistributedContext, options: RunOptions
     start, attempt = resumed.start, resumed.attempt
     checkpointer, schedule = resumed.checkpointer, resumed.schedule
     # per data-parallel rank (TP ranks share a batch); under pipeline parallelism the pipeline's micro-batches
-    accumulation = (config.data.accumulation_steps(dims.dp) if dims.pp == 1
-                    else pipeline_microbatches(config, options, dims.dp))
+    accumulation = forwards_per_step(config, options, dims.dp)
     micro = config.data.per_rank_batch(dims.dp) // accumulation
     # dp ranks x accumulation x micro sequences of seq_len tokens (under cp each of the cp ranks holds
     # seq_len / cp of them): the global batch x seq_len; the tp (and pp) ranks of a replica share them

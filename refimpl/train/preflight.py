@@ -65,6 +65,15 @@ def check_context_parallel(config: TrainConfig, cp: int, *, method: str = "ring"
                           f"{cp}) over the {tp} tensor-parallel ranks: they do not divide by {tp}")
 
 
+def forwards_per_step(config: TrainConfig, options: RunOptions, dp: int) -> int:
+    """The forwards a data-parallel rank runs per optimizer step: gradient accumulation's micro-batches
+    without a pipeline, the pipeline's (:func:`pipeline_microbatches`) with one; refused (one line) when
+    the per-rank batch does not split (:func:`refimpl.config.micro_batches` is the rule)."""
+    if options.pp == 1:
+        return config.data.accumulation_steps(dp)
+    return pipeline_microbatches(config, options, dp)
+
+
 def pipeline_microbatches(config: TrainConfig, options: RunOptions, dp: int) -> int:
     """The pipeline micro-batches per step and data-parallel rank (chapter 08): ``--microbatches``, else
     the per-rank batch over ``--micro-batch-size``, else ``pp``; refused (one line) when the per-rank batch
@@ -164,8 +173,7 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
     check_tensor_parallel(config, dims.tp, sequence_parallel=options.sequence_parallel)
     check_context_parallel(config, dims.cp, method=options.cp_method, tp=dims.tp,
                            sequence_parallel=options.sequence_parallel)
-    accumulation = (config.data.accumulation_steps(dims.dp) if dims.pp == 1  # a bad split: refused here
-                    else pipeline_microbatches(config, options, dims.dp))
+    accumulation = forwards_per_step(config, options, dims.dp)  # a bad split: refused here
     micro = config.data.per_rank_batch(dims.dp) // accumulation
     n, chosen = config.model.num_layers, []
     if options.activation_checkpointing is not None:
