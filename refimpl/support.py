@@ -66,11 +66,6 @@ SUPPORT_TABLE: tuple[Unsupported, ...] = (
                "the weight gradients outside backward (its W actions); use ZeRO-1 with zbh1",
         applies=lambda c: c.zero_stage == 2 and c.pp > 1 and c.pp_schedule == "zbh1"),
     Unsupported(
-        name="zbh1-tp", when="the zbh1 schedule with tp > 1 is not built",
-        reason="zbh1 splits the weight gradient off plain linear layers, and the tensor-parallel layers do "
-               "not split it; use another schedule with tp > 1",
-        applies=lambda c: c.pp_schedule == "zbh1" and c.pp > 1 and c.tp > 1),
-    Unsupported(
         name="pipeline-options-without-pp", when="micro-batches or virtual stages with pp = 1",
         reason="they set the pipeline: they need pp > 1",
         applies=lambda c: c.pp == 1 and (c.microbatches is not None or c.virtual_stages != 1)),

@@ -47,8 +47,6 @@ REFUSED = {  # layout at world size 4 and options -> what the error must say
                       "ZeRO-3 with pp > 1 is not built"),
     "dp2-pp2-zero2-zbh1": (dict(dp=2, pp=2), dict(zero_stage=2, pp_schedule="zbh1"),
                            "use ZeRO-1 with zbh1"),
-    "tp2-pp2-zbh1": (dict(dp=1, tp=2, pp=2), dict(pp_schedule="zbh1"),
-                     "zbh1 schedule with tp > 1 is not built"),
 }
 
 

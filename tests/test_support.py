@@ -26,7 +26,6 @@ CASES = {
                             dict(zero_stage=3, activation_checkpointing=None)),
     "zero2-zbh1": (dict(pp=2, zero_stage=2, pp_schedule="zbh1"),
                    dict(pp=2, zero_stage=1, pp_schedule="zbh1")),
-    "zbh1-tp": (dict(pp=2, tp=2, pp_schedule="zbh1"), dict(pp=2, tp=2, pp_schedule="1f1b")),
     "pipeline-options-without-pp": (dict(microbatches=4), dict(microbatches=4, pp=2)),
     "virtual-stages-without-interleaving": (dict(pp=2, virtual_stages=2),
                                             dict(pp=2, virtual_stages=2, pp_schedule="interleaved")),

@@ -1,7 +1,7 @@
 """The trainer with ``--pp`` (chapter 08): every schedule trains the same model as one device, composes
-with ``--dp`` (ZeRO-0 and ZeRO-1), ``--tp`` (with sequence parallelism), ``--cp``, ``--precision`` (fp16 with
-its loss scaler) and activation checkpointing, and a ``pp 2 x dp 2`` ZeRO-1 checkpoint (written under the
-plain GPT's names) resumes at ``dp 4`` with ZeRO-0.
+with ``--dp`` (ZeRO-0 and ZeRO-1), ``--tp`` (with sequence parallelism; zbh1 with tp as 1f1b), ``--cp``,
+``--precision`` (fp16 with its loss scaler) and activation checkpointing, and a ``pp 2 x dp 2`` ZeRO-1
+checkpoint (written under the plain GPT's names) resumes at ``dp 4`` with ZeRO-0.
 
 One spawn of 4 ranks runs each layout through :func:`refimpl.train.train`; the one-device references run in
 this process. Tolerance (the numerics rule, as tests/test_train_tp.py): ``FACTOR x spread``, ``spread`` the
@@ -28,6 +28,7 @@ from refimpl.train import build_parser, build_setup, config_from_args, options_f
 from refimpl.train.gradients import gradient_shards
 from refimpl.train.step import train_step
 from tests.one_device import (
+    _gradient_tolerances,
     assert_gradients_like_one_device,
     assert_trains_like_one_device,
     first_step_gradients,
@@ -54,6 +55,9 @@ LAYOUTS = {
                               "--activation-checkpointing"], "fp16"),
     # tensor parallelism inside the stages: the tied embedding's copy is a vocab-parallel shard
     "pp2-tp2-sp": (["--pp", "2", "--tp", "2", "--sequence-parallel", "--microbatches", "2"], "fp32"),
+    # zbh1 with tp: the TP layers (and SP's gather-then-linear) defer their block's dW to the W actions
+    "pp2-tp2-sp-zbh1": (["--pp", "2", "--tp", "2", "--sequence-parallel", "--pp-schedule", "zbh1",
+                         "--microbatches", "2"], "fp32"),
     "pp2-tp2-interleaved-bf16": (["--pp", "2", "--tp", "2", "--pp-schedule", "interleaved",
                                   "--virtual-stages", "2", "--microbatches", "4", "--precision", "bf16"],
                                  "bf16"),
@@ -183,6 +187,28 @@ def test_pipeline_layouts_hand_the_optimizer_one_devices_gradients(runs, one_dev
     worst = assert_gradients_like_one_device([out[name, "grads"] for out in runs], one_device, precision,
                                              factor=FACTOR, name=name, control=float(m))
     print(f"{name}: worst gradient difference {worst:.3f} x its tolerance")
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+def test_zbh1_with_tp_trains_like_1f1b_at_the_same_layout(runs, one_device):
+    """pp 2 x tp 2 with sequence parallelism: zbh1 (each TP layer's dW deferred to its W action) against
+    1f1b (dW in backward), rank by rank: the losses within the one-device tolerance, and every box of the
+    first step's gradients within its parameter's one-device tolerance (tests/one_device.py)."""
+    zb, plain = "pp2-tp2-sp-zbh1", "pp2-tp2-sp"
+    tol = _tolerance(one_device, "fp32")
+    per_param = _gradient_tolerances(one_device, "fp32", factor=FACTOR)
+    bitwise = True
+    for rank, out in enumerate(runs):
+        assert float(np.abs(np.array(out[zb]) - np.array(out[plain])).max()) <= tol, (rank, out[zb])
+        assert sorted(out[zb, "grads"]) == sorted(out[plain, "grads"])
+        for name, (offsets, shape, values) in out[zb, "grads"].items():
+            other = out[plain, "grads"][name]
+            assert (offsets, shape) == other[:2], (rank, name)
+            assert float(np.abs(values - other[2]).max()) <= per_param[name], (rank, name)
+            bitwise = bitwise and np.array_equal(values, other[2])
+        bitwise = bitwise and out[zb] == out[plain]
+    print(f"zbh1 vs 1f1b at pp 2 x tp 2 (SP): {'bitwise equal' if bitwise else 'within tolerance'}")
 
 
 def _whole(per_rank: list[dict]) -> dict[str, torch.Tensor]:

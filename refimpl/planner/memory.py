@@ -117,7 +117,7 @@ def run_memory_per_rank(
     ``dims``: the layout (:class:`refimpl.distributed.ParallelDims` or any object with ``dp, cp, tp, pp``).
     Pipeline parallelism (``dims.pp = p > 1``, chapter 08; with ``tp`` (and ``sequence_parallel``), ``cp``
     (``cp_method``, ``cp_layout``) inside the stages and ZeRO 0 or 1 over ``dp x cp``, as
-    :func:`refimpl.parallel.parallelize` builds it; ZeRO-3, and zbh1 with tp, refused
+    :func:`refimpl.parallel.parallelize` builds it; ZeRO-3 refused
     as parallelize refuses them): the WORST pipeline rank's figures
     (:func:`~refimpl.planner.pipeline.pipeline_memory_per_rank`: its stages' state, the activations of
     the micro-batches it holds at its peak under ``pp_schedule`` with ``virtual_stages`` chunks per rank,
