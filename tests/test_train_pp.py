@@ -58,6 +58,8 @@ LAYOUTS = {
     # zbh1 with tp: the TP layers (and SP's gather-then-linear) defer their block's dW to the W actions
     "pp2-tp2-sp-zbh1": (["--pp", "2", "--tp", "2", "--sequence-parallel", "--pp-schedule", "zbh1",
                          "--microbatches", "2"], "fp32"),
+    "pp2-tp2-zbh1-bf16": (["--pp", "2", "--tp", "2", "--pp-schedule", "zbh1", "--microbatches", "2",
+                           "--precision", "bf16"], "bf16"),  # f in front, autocast inside the seam
     "pp2-tp2-interleaved-bf16": (["--pp", "2", "--tp", "2", "--pp-schedule", "interleaved",
                                   "--virtual-stages", "2", "--microbatches", "4", "--precision", "bf16"],
                                  "bf16"),
