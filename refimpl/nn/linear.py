@@ -18,7 +18,8 @@ that owns the linear's backward, so the three places that need to change it chan
 * **a deferred weight gradient** (Qi et al. 2023, zero-bubble's ``W``, chapter 08): with
   ``weight_grad_store`` the backward returns ``dX`` and ``db`` and queues ``dW`` in the store
   (:class:`refimpl.parallel.pipeline_parallel.WeightGradStore`, anything with ``push(fn)``), whose ``W``
-  action adds it to ``weight.grad`` later;
+  action adds it to ``weight.grad`` later (with a sequence gather too, the queued ``dW`` keeps the gathered
+  ``X`` until then: no collective runs in ``W``);
 * **a pluggable matmul** (``matmul(x, weight, bias) -> y``, ``F.linear`` by default): where a low-precision
   kernel (fp8) would go. With neither a gather nor a store it is called as it is and autograd (or the
   kernel's own autograd) differentiates it; with either, it is the forward product of this function.
