@@ -18,9 +18,7 @@ from pathlib import Path
 import torch
 
 from refimpl import elastic
-from refimpl.checkpoint import (
-    save_training_state,
-)
+from refimpl.checkpoint import save_training_state
 from refimpl.comm import CommTracer, ops
 from refimpl.config import ConfigError, TrainConfig
 from refimpl.data import DataError, decode, encode
