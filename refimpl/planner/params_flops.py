@@ -3,8 +3,9 @@
 Every figure here is a formula that a chapter checks against a measurement:
 
 * parameters: counted from the architecture, equal to ``sum(p.numel())`` of :class:`refimpl.model.GPT`
-  (:func:`param_count`), and their shapes in ``named_parameters()`` order (:func:`param_shapes`, what the
-  ZeRO formulas of :mod:`refimpl.planner.zero_state` shard);
+  (:func:`param_count`), and their shapes in ``named_parameters()`` order (:func:`param_shapes`, read from
+  a meta-device model and the tensor-parallel plan; what the ZeRO formulas of
+  :mod:`refimpl.planner.zero_state` shard);
 * FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B): ``6 N + 12 L H Q T`` with N parameters,
   L layers, H heads, Q head dim, T sequence length. The ``6 N`` counts forward (2N) and backward (4N)
   matrix multiplies; ``12 L H Q T`` the attention scores and the weighted sum. Only weights that sit in a
@@ -20,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from refimpl.config import ModelConfig
+from refimpl.planner.param_table import param_table
 
 __all__ = ["ParamCount", "flops_per_token", "matmul_weights_per_rank", "num_param_tensors", "param_count",
            "param_shapes"]
@@ -57,9 +59,9 @@ def param_count(config: ModelConfig) -> ParamCount:
 
 
 def num_param_tensors(config: ModelConfig) -> int:
-    """How many parameter tensors the model has (Adam keeps one ``step`` scalar per tensor)."""
-    per_layer = 2 + 2 + 2 + 2 + 2 + 2  # 2 LayerNorms, qkv, dense, two MLP linears; weight + bias each
-    return 2 + config.num_layers * per_layer + 2 + (0 if config.tie_word_embeddings else 1)
+    """How many parameter tensors the model has (Adam keeps one ``step`` scalar per tensor; a tied weight
+    is one tensor): those of its ``named_parameters()`` (:func:`~refimpl.planner.param_table.param_table`)."""
+    return len(param_table(config).params)
 
 
 def flops_per_token(config: ModelConfig, seq_len: int, *, matmul_only: bool = False) -> float:
@@ -76,39 +78,22 @@ def flops_per_token(config: ModelConfig, seq_len: int, *, matmul_only: bool = Fa
 
 
 def param_shapes(config: ModelConfig, *, tp: int = 1) -> list[tuple[int, ...]]:
-    """The shapes of :class:`refimpl.model.GPT`'s parameters in ``named_parameters()`` order (no model
-    built); with ``tp > 1`` those one rank holds after
-    :func:`refimpl.parallel.tensor_parallel.apply_tensor_parallel` (Shoeybi et al. 2019; chapter 06).
+    """The shapes of :class:`refimpl.model.GPT`'s parameters in ``named_parameters()`` order (read from a
+    meta-device model, :func:`~refimpl.planner.param_table.param_table`); with ``tp > 1`` those one rank
+    holds after :func:`refimpl.parallel.tensor_parallel.apply_tensor_parallel` (Shoeybi et al. 2019;
+    chapter 06), split as :mod:`refimpl.parallel.tensor_parallel.plan` declares.
 
-    Sharded by ``t`` (the modules' ``local_shards`` boxes, :func:`~refimpl.parallel.tensor_parallel.
-    grad_norm.tensor_parallel_sharded`): ``query_key_value`` and ``dense_h_to_4h`` by rows (weight and
-    bias, column-parallel), ``dense`` and ``dense_4h_to_h`` weights by columns (row-parallel; their biases
-    whole), the word embedding by rows, ``ceil(V/t)`` per rank (the Parameter includes the padding rows of
-    the vocab-parallel padding rule), an untied output layer by rows. Whole on every rank: the LayerNorms,
-    the position embedding and the row-parallel biases.
+    Sharded by ``t``: ``query_key_value`` and ``dense_h_to_4h`` by rows (weight and bias, column-parallel),
+    ``dense`` and ``dense_4h_to_h`` weights by columns (row-parallel; their biases whole), the word
+    embedding by rows, ``ceil(V/t)`` per rank (the Parameter includes the padding rows of the vocab-parallel
+    padding rule), an untied output layer by rows. Whole on every rank: the LayerNorms, the position
+    embedding and the row-parallel biases.
     """
-    h, f, v, t = config.hidden_size, config.ffn_hidden_size, config.vocab_size, tp
-    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-        raise ValueError(f"tp must be a positive integer, got {t!r}")
-    for what, size in (("num_attention_heads", config.num_attention_heads), ("ffn_hidden_size", f)):
-        if size % t:
-            raise ValueError(f"tensor parallelism: {what}={size} does not divide by tp={t}")
-    vt = -(-v // t)  # rows of the (padded) vocabulary per rank
-    block = [(h,), (h,), (3 * h // t, h), (3 * h // t,), (h, h // t), (h,),  # LN, qkv (column), dense (row)
-             (h,), (h,), (f // t, h), (f // t,), (h, f // t), (h,)]  # LN, h_to_4h (column), 4h_to_h (row)
-    shapes = [(vt, h), (config.max_seq_len, h)] + block * config.num_layers + [(h,), (h,)]
-    if not config.tie_word_embeddings and v % t:
-        raise ValueError(f"tensor parallelism: an untied output layer needs vocab_size={v} to divide by "
-                         f"tp={t}")
-    return shapes + ([] if config.tie_word_embeddings else [(v // t, h)])
+    return [p.shape for p in param_table(config, tp=tp).params]
 
 
 def matmul_weights_per_rank(config: ModelConfig, *, tp: int = 1) -> int:
-    """Elements of the weights one rank multiplies (what autocast casts): the blocks' four linears and
-    the output layer (the tied embedding shard, padding rows included). ``tp = 1``: ``ParamCount.matmul``."""
-    shapes = param_shapes(config, tp=tp)
-    per_block = [2, 4, 8, 10]  # query_key_value, dense, dense_h_to_4h, dense_4h_to_h weights in a block
-    blocks = sum(shapes[2 + i * 12 + j][0] * shapes[2 + i * 12 + j][1]
-                 for i in range(config.num_layers) for j in per_block)
-    head = shapes[0] if config.tie_word_embeddings else shapes[-1]
-    return blocks + head[0] * head[1]
+    """Elements of the weights one rank multiplies (what autocast casts): its linear layers' weights, the
+    output layer's included (tied: the embedding shard, padding rows included). ``tp = 1``:
+    ``ParamCount.matmul``."""
+    return sum(p.numel for p in param_table(config, tp=tp).params if p.matmul)
