@@ -1,6 +1,8 @@
 """Formulas only: what a training run needs and moves, before anything runs (chapters 00-08, 10).
 
 * :mod:`~refimpl.planner.params_flops`: parameters, their shapes, FLOPs per token (PaLM appendix B);
+  :mod:`~refimpl.planner.param_table`: a rank's parameters by name, read from a meta-device model and the
+  runtime's tensor-parallel plan (:mod:`refimpl.parallel.tensor_parallel.plan`);
 * :mod:`~refimpl.planner.memory`: model state of a replica and per rank, a run's memory per rank (the
   trainer's preflight); :mod:`~refimpl.planner.zero_state`: ZeRO stages 0-3 (Rajbhandari et al. 2020);
 * :mod:`~refimpl.planner.activations`: bytes saved for backward, per rank under tensor, sequence and
@@ -8,8 +10,9 @@
 * :mod:`~refimpl.planner.communication`: bytes of the ring collectives, of ZeRO's and of tensor
   parallelism's collectives, and of context parallelism's ring and all-to-alls;
 * :mod:`~refimpl.planner.time_model`: the alpha-beta cost model fitted to measured times;
-* :mod:`~refimpl.planner.pipeline`: per pipeline rank, its stages' parameters and the activations it holds
-  at its peak under a schedule (chapter 08);
+* :mod:`~refimpl.planner.pipeline_stages`: the pipeline's stages and the parameters each holds;
+  :mod:`~refimpl.planner.pipeline`: per pipeline rank, the activations it holds at its peak under a
+  schedule (chapter 08);
 * :mod:`~refimpl.planner.run_prediction`: one trainer run at a layout, per rank: state, held
   activations, bytes per process group per step, the bubble (chapter 10);
 * :mod:`~refimpl.planner.layout`: the layout (``ParallelDims``-like degrees) that per-rank functions take.

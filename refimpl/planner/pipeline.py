@@ -2,11 +2,9 @@
 (chapter 08; Huang et al. 2019, GPipe; Narayanan et al. 2021, 1F1B and interleaved 1F1B; Qi et al. 2023,
 zero bubble).
 
-The model is cut into ``S = p v`` stages as the runtime cuts it
-(:func:`refimpl.parallel.pipeline_parallel.split_layers`, on the shapes of
-:func:`~refimpl.planner.params_flops.param_shapes`, no model built); stage ``s`` lives on rank ``s mod p``.
-A rank holds the parameters of its stages: the embedding on the first, the final LayerNorm and the output
-layer on the last, a tied embedding's copy there too (its own tensor, another rank holds the original).
+The model is cut into ``S = p v`` stages as the runtime cuts it, and a rank holds the parameters of its
+stages (:mod:`refimpl.planner.pipeline_stages`: :func:`stage_layers`, :func:`stage_param_shapes`,
+:func:`pipeline_state_memory`, re-exported here); stage ``s`` lives on rank ``s mod p``.
 
 One micro-batch of ``b`` sequences of ``s`` tokens saves ``A(s)`` bytes for backward in stage ``s``: the
 blocks' terms of :func:`~refimpl.planner.activations.activation_bytes_per_layer` for its blocks (a
@@ -57,75 +55,23 @@ from typing import Any
 import torch
 
 from refimpl.config import ModelConfig, ParallelConfig
-from refimpl.measure.state import StateMemory
-from refimpl.parallel.pipeline_parallel import SCHEDULES, build_schedule, simulate, split_layers, stage_rank
+from refimpl.parallel.pipeline_parallel import SCHEDULES, build_schedule, simulate, stage_rank
 from refimpl.planner.activations import activation_bytes_per_layer, local_tokens, outside_block_bytes
-from refimpl.planner.params_flops import param_shapes
+from refimpl.planner.pipeline_stages import (
+    pipeline_state_memory,
+    rank_param_shapes,
+    stage_layers,
+    stage_matmul_weights,
+    stage_param_shapes,
+)
 from refimpl.planner.run_memory import RunMemory
-from refimpl.planner.zero_state import zero_memory
 from refimpl.support import check_supported
 
 __all__ = ["PER_STEP", "PipelineRankMemory", "pipeline_memory_per_rank", "pipeline_state_memory",
            "stage_deferred_bytes", "stage_layers", "stage_param_shapes", "stage_saved_bytes"]
 
 _COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_PER_BLOCK = 12  # parameter tensors of a block (param_shapes)
-_MATMUL = (2, 4, 8, 10)  # a block's query_key_value, dense, dense_h_to_4h, dense_4h_to_h weights
 PER_STEP = ("token ids (the step's batch, int64)", "labels (the step's batch, int64)")
-
-
-class _Sized:
-    """A module stand-in for :func:`split_layers`: ``parameters()`` yields shapes (``torch.Size.numel``)."""
-
-    def __init__(self, shapes: list[tuple[int, ...]]) -> None:
-        self.shapes = [torch.Size(s) for s in shapes]
-        self.weight = self.shapes[0] if self.shapes else None
-
-    def parameters(self) -> list[torch.Size]:
-        return self.shapes
-
-
-class _Shapes:
-    """What :func:`split_layers` reads of a GPT, from the configuration's parameter shapes."""
-
-    def __init__(self, config: ModelConfig, *, tp: int = 1) -> None:
-        n = config.num_layers
-        shapes = param_shapes(config, tp=tp)
-        self.embedding = _Sized(shapes[:2])
-        self.layers = [_Sized(shapes[2 + i * _PER_BLOCK: 2 + (i + 1) * _PER_BLOCK]) for i in range(n)]
-        self.final_layernorm = _Sized(shapes[2 + n * _PER_BLOCK: 4 + n * _PER_BLOCK])
-        self.output_layer = _Sized([_head(config, tp=tp)])  # tied or not, the last stage multiplies by it
-
-
-def _head(config: ModelConfig, *, tp: int) -> tuple[int, int]:
-    """The output layer's weight on one tp rank: ``[V, h]``; under tp a tied copy is the vocab-parallel
-    embedding shard, ``ceil(V/t)`` rows (padding included), an untied head ``V/t`` rows."""
-    v, h = config.vocab_size, config.hidden_size
-    return (-(-v // tp) if config.tie_word_embeddings else v // tp, h)
-
-
-def stage_layers(config: ModelConfig, *, num_stages: int, balance: str = "layers",
-                 tp: int = 1) -> list[range]:
-    """The blocks of each stage, by the runtime's rule (:func:`split_layers`, ``balance`` ``"layers"`` or
-    ``"parameters"``, on the tensor-parallel shards' sizes)."""
-    return split_layers(_Shapes(config, tp=tp), num_stages, balance=balance)  # type: ignore[arg-type]
-
-
-def stage_param_shapes(config: ModelConfig, *, stage: int, num_stages: int, blocks: range,
-                       tp: int = 1) -> list[tuple[int, ...]]:
-    """The parameter shapes stage ``stage`` of ``num_stages`` holds (with ``blocks``) on one of ``tp``
-    tensor-parallel ranks (:func:`~refimpl.planner.params_flops.param_shapes`): its blocks', the
-    embedding's on the first, the final LayerNorm's and the output layer's on the last (a tied embedding:
-    the last stage's own copy when ``num_stages > 1``, a vocab-parallel shard under tp)."""
-    shapes, n = param_shapes(config, tp=tp), config.num_layers
-    out = list(shapes[:2]) if stage == 0 else []
-    for i in blocks:
-        out += shapes[2 + i * _PER_BLOCK: 2 + (i + 1) * _PER_BLOCK]
-    if stage == num_stages - 1:
-        out += shapes[2 + n * _PER_BLOCK: 4 + n * _PER_BLOCK]
-        if not config.tie_word_embeddings or num_stages > 1:
-            out.append(_head(config, tp=tp))
-    return out
 
 
 def stage_saved_bytes(config: ModelConfig, *, stage: int, num_stages: int, blocks: range, micro_batch: int,
@@ -170,27 +116,6 @@ def stage_saved_bytes(config: ModelConfig, *, stage: int, num_stages: int, block
             terms |= {final: outside[final], "vocab-parallel softmax shard (fp32)": 4 * s * b * -(-v // tp),
                       "vocab-parallel loss target index (int64) + masks (bool)": 8 * s * b + 2 * s * b}
     return terms
-
-
-def _rank_shapes(config: ModelConfig, *, pp: int, rank: int, ranges: list[range],
-                 tp: int = 1) -> list[tuple[int, ...]]:
-    return [x for st in range(len(ranges)) if stage_rank(st, pp_size=pp) == rank
-            for x in stage_param_shapes(config, stage=st, num_stages=len(ranges), blocks=ranges[st], tp=tp)]
-
-
-def pipeline_state_memory(config: ModelConfig, *, pp: int, pp_rank: int, virtual_stages: int = 1,
-                          balance: str = "layers", tp: int = 1, zero_stage: int = 0, zero_shards: int = 1,
-                          dp_rank: int = 0) -> StateMemory:
-    """fp32 weights, gradients and AdamW state(two moments, a ``step`` per tensor) of the parameters of
-    pipeline rank ``pp_rank``'s stages (:func:`stage_param_shapes`, the tensor-parallel shards of ``tp``
-    ranks), whole, or with ``zero_stage`` 1 (Rajbhandari et al. 2020; the runtime's ShardedOptimizer over the
-    stages; 2: the gradients too) the AdamW state sharded over the ``zero_shards`` (``dp x cp``) ranks, dim 0
-    of each tensor, as held by the group's rank ``dp_rank``
-    (:func:`~refimpl.planner.zero_state.zero_memory`)."""
-    check_supported(ParallelConfig(pp=pp, tp=tp, zero_stage=zero_stage))  # ZeRO-3 with pp: refused
-    ranges = stage_layers(config, num_stages=pp * virtual_stages, balance=balance, tp=tp)
-    shapes = _rank_shapes(config, pp=pp, rank=pp_rank, ranges=ranges, tp=tp)
-    return zero_memory(shapes, zero_shards, zero_stage, rank=dp_rank)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -306,7 +231,7 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
     out = []
     for r in range(pp):
         mine = [st for st in range(num_stages) if stage_rank(st, pp_size=pp) == r]
-        shapes = _rank_shapes(config, pp=pp, rank=r, ranges=ranges, tp=tp)
+        shapes = rank_param_shapes(config, pp=pp, rank=r, ranges=ranges, tp=tp)
         saved = {st: stage_saved_bytes(config, stage=st, num_stages=num_stages, blocks=ranges[st],
                                        micro_batch=b, seq_len=seq_len, num_microbatches=m,
                                        compute_dtype=compute, checkpointed_blocks=checkpointed_blocks,
@@ -331,10 +256,9 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
                                      zero_stage=zero_stage, zero_shards=zero_shards, dp_rank=dp_rank)
         state = {"weights": zero.weights, "grads": zero.grads, "AdamW state": zero.optimizer}
         if p != 4:
-            matmul = [x for st in mine for i in ranges[st] for j in _MATMUL
-                      for x in [param_shapes(config, tp=tp)[2 + i * _PER_BLOCK + j]]]
-            matmul += [_head(config, tp=tp)] if num_stages - 1 in mine else []
-            state["autocast weight copies"] = p * sum(math.prod(x) for x in matmul)
+            state["autocast weight copies"] = p * sum(
+                stage_matmul_weights(config, stage=st, num_stages=num_stages, blocks=ranges[st], tp=tp)
+                for st in mine)
         out.append(PipelineRankMemory(rank=r, stages=tuple(mine), blocks=tuple(ranges[st] for st in mine),
                                       param_shapes=shapes, saved=saved, in_flight=flying,
                                       peak_in_flight=sim.peak_in_flight[r], peak_terms=terms,

@@ -65,15 +65,10 @@ from refimpl.parallel.pipeline_parallel.simulator import bubble_formula
 from refimpl.planner.activations import local_tokens
 from refimpl.planner.communication import context_parallel_bytes, zero_collectives
 from refimpl.planner.memory import run_memory_per_rank, state_memory_per_rank
+from refimpl.planner.param_table import param_table
 from refimpl.planner.params_flops import param_shapes
-from refimpl.planner.pipeline import (
-    _COMPUTE,
-    PER_STEP,
-    pipeline_memory_per_rank,
-    pipeline_state_memory,
-    stage_layers,
-    stage_param_shapes,
-)
+from refimpl.planner.pipeline import _COMPUTE, PER_STEP, pipeline_memory_per_rank
+from refimpl.planner.pipeline_stages import pipeline_state_memory, stage_layers, stage_params
 
 __all__ = ["RankPrediction", "RunPrediction", "predict_run"]
 
@@ -174,8 +169,9 @@ def predict_run(config: ModelConfig, *, dims: ParallelDims, seq_len: int, global
         c = dims.coordinates(rank)
         group_rank = c.dp * cp + c.cp  # the rank's index in its dp x cp group (ranks ascending)
         stages = [st for st in range(num_stages) if stage_rank(st, pp_size=pp) == c.pp]
-        shapes = [q for st in stages for q in stage_param_shapes(config, stage=st, num_stages=num_stages,
-                                                                 blocks=ranges[st], tp=tp)]
+        held_params = [q for st in stages for q in stage_params(config, stage=st, num_stages=num_stages,
+                                                                blocks=ranges[st], tp=tp)]
+        shapes = [q.shape for q in held_params]
         if pp == 1:
             shapes = param_shapes(config, tp=tp)
         sent: dict[str, float] = {}
@@ -192,12 +188,12 @@ def predict_run(config: ModelConfig, *, dims: ParallelDims, seq_len: int, global
                 boundary = 4 * b * (s_c // (tp if sequence_parallel else 1)) * h  # float32 [b, s_c/u, h]
                 sent["pp"] = sent.get("pp", 0.0) + m * boundary * ((not last) + (not first))
         if sequence_parallel:  # once per step: the s/t-token parameters' gradients (LayerNorms, row biases)
-            replicated = sum(6 * len(ranges[st]) + 2 * (st == num_stages - 1) for st in stages)
-            _add(sent, "tp", "all_reduce", 4 * replicated * h, tp)
+            replicated = sum(q.numel for q in held_params if q.sequence_parallel_gradient)
+            _add(sent, "tp", "all_reduce", 4 * replicated, tp)
         if pp > 1:
             if config.tie_word_embeddings and c.pp in (stage_rank(0, pp_size=pp),
                                                        stage_rank(num_stages - 1, pp_size=pp)):
-                sent["pp"] = sent.get("pp", 0.0) + 4 * math.prod(param_shapes(config, tp=tp)[0])
+                sent["pp"] = sent.get("pp", 0.0) + 4 * param_table(config, tp=tp).head.numel  # the embedding
             _add(sent, "pp", "all_reduce", _SCALAR, pp)  # the step loss, from the last stage
         if grad_clip is not None:  # the norm's sum of squares over the groups its gradients are split over
             _add(sent, "pp", "all_reduce", _SCALAR, pp)

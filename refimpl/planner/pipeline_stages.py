@@ -1,0 +1,107 @@
+"""Pipeline parallelism in the planner: the stages' cut and the parameters each stage holds (chapter 08).
+
+The model is cut into ``S = p v`` stages as the runtime cuts it
+(:func:`refimpl.parallel.pipeline_parallel.split_layers`, by blocks or by parameters), here on the
+parameters of :func:`~refimpl.planner.param_table.param_table` (a meta-device model read by name, the
+tensor-parallel shards of ``t`` ranks; no model built); stage ``s`` lives on rank ``s mod p``. A stage holds
+its blocks' parameters (``layers.{i}.*``), the first also the embedding's, the last the final LayerNorm's
+and the output layer's; a tied embedding's copy there too (its own tensor, another rank holds the
+original; under tp a vocab-parallel shard, ``ceil(V/t)`` rows). The weights a stage multiplies (autocast's
+16-bit copies) are its blocks' linear weights and, on the last stage, the output layer's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from refimpl.config import ModelConfig, ParallelConfig
+from refimpl.measure.state import StateMemory
+from refimpl.parallel.pipeline_parallel import split_layers, stage_rank
+from refimpl.planner.param_table import ParamSpec, param_table
+from refimpl.planner.zero_state import zero_memory
+from refimpl.support import check_supported
+
+__all__ = ["pipeline_state_memory", "rank_param_shapes", "stage_layers", "stage_matmul_weights",
+           "stage_param_shapes", "stage_params"]
+
+
+class _Sized:
+    """A module stand-in for :func:`split_layers`: ``parameters()`` yields shapes (``torch.Size.numel``)."""
+
+    def __init__(self, specs: tuple[ParamSpec, ...]) -> None:
+        self.shapes = [torch.Size(p.shape) for p in specs]
+        self.weight = self.shapes[0] if self.shapes else None
+
+    def parameters(self) -> list[torch.Size]:
+        return self.shapes
+
+
+class _Shapes:
+    """What :func:`split_layers` reads of a GPT, from the configuration's parameter table."""
+
+    def __init__(self, config: ModelConfig, *, tp: int = 1) -> None:
+        table = param_table(config, tp=tp)
+        self.embedding = _Sized(table.embedding)
+        self.layers = [_Sized(block) for block in table.blocks]
+        self.final_layernorm = _Sized(table.final_layernorm)
+        self.output_layer = _Sized((table.head,))  # tied or not, the last stage multiplies by it
+
+
+def stage_layers(config: ModelConfig, *, num_stages: int, balance: str = "layers",
+                 tp: int = 1) -> list[range]:
+    """The blocks of each stage, by the runtime's rule (:func:`split_layers`, ``balance`` ``"layers"`` or
+    ``"parameters"``, on the tensor-parallel shards' sizes)."""
+    return split_layers(_Shapes(config, tp=tp), num_stages, balance=balance)  # type: ignore[arg-type]
+
+
+def stage_params(config: ModelConfig, *, stage: int, num_stages: int, blocks: range,
+                 tp: int = 1) -> list[ParamSpec]:
+    """The parameters stage ``stage`` of ``num_stages`` holds (with ``blocks``) on one of ``tp``
+    tensor-parallel ranks: its blocks', the embedding's on the first, the final LayerNorm's and the output
+    layer's on the last (a tied embedding: the last stage's own copy when ``num_stages > 1``)."""
+    table = param_table(config, tp=tp)
+    out = list(table.embedding) if stage == 0 else []
+    for i in blocks:
+        out += table.blocks[i]
+    if stage == num_stages - 1:
+        out += table.final_layernorm
+        out += table.output_layer or ((table.head,) if num_stages > 1 else ())
+    return out
+
+
+def stage_param_shapes(config: ModelConfig, *, stage: int, num_stages: int, blocks: range,
+                       tp: int = 1) -> list[tuple[int, ...]]:
+    """The shapes of :func:`stage_params`, in the model's order
+    (:func:`~refimpl.planner.params_flops.param_shapes`)."""
+    return [p.shape for p in stage_params(config, stage=stage, num_stages=num_stages, blocks=blocks, tp=tp)]
+
+
+def stage_matmul_weights(config: ModelConfig, *, stage: int, num_stages: int, blocks: range,
+                         tp: int = 1) -> int:
+    """Elements of the weights stage ``stage`` multiplies: its blocks' linear layers' and, on the last
+    stage, the output layer's (tied: the embedding shard; the first stage only looks it up)."""
+    table = param_table(config, tp=tp)
+    head = table.head.numel if stage == num_stages - 1 else 0
+    return head + sum(p.numel for i in blocks for p in table.blocks[i] if p.matmul)
+
+
+def rank_param_shapes(config: ModelConfig, *, pp: int, rank: int, ranges: list[range],
+                      tp: int = 1) -> list[tuple[int, ...]]:
+    """The parameter shapes of pipeline rank ``rank``'s stages (``ranges``: every stage's blocks)."""
+    return [x for st in range(len(ranges)) if stage_rank(st, pp_size=pp) == rank
+            for x in stage_param_shapes(config, stage=st, num_stages=len(ranges), blocks=ranges[st], tp=tp)]
+
+
+def pipeline_state_memory(config: ModelConfig, *, pp: int, pp_rank: int, virtual_stages: int = 1,
+                          balance: str = "layers", tp: int = 1, zero_stage: int = 0, zero_shards: int = 1,
+                          dp_rank: int = 0) -> StateMemory:
+    """fp32 weights, gradients and AdamW state(two moments, a ``step`` per tensor) of the parameters of
+    pipeline rank ``pp_rank``'s stages (:func:`stage_param_shapes`, the tensor-parallel shards of ``tp``
+    ranks), whole, or with ``zero_stage`` 1 (Rajbhandari et al. 2020; the runtime's ShardedOptimizer over the
+    stages; 2: the gradients too) the AdamW state sharded over the ``zero_shards`` (``dp x cp``) ranks, dim 0
+    of each tensor, as held by the group's rank ``dp_rank``
+    (:func:`~refimpl.planner.zero_state.zero_memory`)."""
+    check_supported(ParallelConfig(pp=pp, tp=tp, zero_stage=zero_stage))  # ZeRO-3 with pp: refused
+    ranges = stage_layers(config, num_stages=pp * virtual_stages, balance=balance, tp=tp)
+    shapes = rank_param_shapes(config, pp=pp, rank=pp_rank, ranges=ranges, tp=tp)
+    return zero_memory(shapes, zero_shards, zero_stage, rank=dp_rank)
