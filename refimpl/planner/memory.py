@@ -32,6 +32,7 @@ from refimpl.planner.layout import (
     tensor_parallel_degree,
     zero_shard_degree,
 )
+from refimpl.planner.param_table import param_table
 from refimpl.planner.params_flops import matmul_weights_per_rank, num_param_tensors, param_count, param_shapes
 from refimpl.planner.pipeline import pipeline_memory_per_rank, pipeline_state_memory
 from refimpl.planner.run_memory import RunMemory
@@ -158,13 +159,12 @@ def run_memory_per_rank(
     p = _DTYPE_BYTES[precision]
     compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     b, v = micro_batch, config.vocab_size
-    shapes = param_shapes(config)
     zero = state_memory_per_rank(config, dims, zero_stage=zero_stage)
     state = {"weights": zero.weights, "grads": zero.grads, "AdamW state": zero.optimizer}
-    if zero_stage == 3:
-        per_block = 12
-        blocks = [shapes[2 + i * per_block: 2 + (i + 1) * per_block] for i in range(config.num_layers)]
-        root = shapes[:2] + shapes[2 + config.num_layers * per_block:]
+    if zero_stage == 3:  # FSDP's units: each block, and the root (embedding, final LayerNorm, output layer)
+        table = param_table(config)
+        blocks = [[q.shape for q in block] for block in table.blocks]
+        root = [q.shape for q in table.embedding + table.final_layernorm + table.output_layer]
         state["ZeRO-3 gathered units"] = zero3_peak_gathered_bytes([root, *blocks], shards).weights
     if p != 4:
         state["autocast weight copies"] = p * matmul_weights_per_rank(config, tp=tp)
