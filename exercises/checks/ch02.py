@@ -205,7 +205,8 @@ def _probe(fn: Callable, *args) -> bool:
 
 
 def _run(path: str, world: int, names: list[str]) -> dict[str, str | None]:
-    from refimpl.launch import RankFailed, run_ranks
+    from exercises.rank_batch import run_ranks
+    from refimpl.launch import RankFailed
 
     try:
         per_rank = run_ranks(_on_rank, world, path, names, timeout_s=TIMEOUT_S,

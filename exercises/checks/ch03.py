@@ -76,7 +76,7 @@ def _expected_buckets(numels: list[int], cap: int) -> list[list[int]]:
 
 
 def check_naive(path: str) -> None:
-    from refimpl.launch import run_ranks
+    from exercises.rank_batch import run_ranks
 
     probe_stub(load_module(path).sync_gradients_naive, nn.Linear(2, 2))
     run_ranks(_naive_on_rank, WORLD, path, timeout_s=TIMEOUT_S)
@@ -103,7 +103,7 @@ def check_assign_buckets(path: str) -> None:
 
 
 def check_sync_bucket(path: str) -> None:
-    from refimpl.launch import run_ranks
+    from exercises.rank_batch import run_ranks
 
     probe_stub(load_module(path).sync_bucket, [torch.zeros(2)])
     run_ranks(_bucket_on_rank, WORLD, path, timeout_s=TIMEOUT_S)
@@ -240,14 +240,14 @@ def _no_sync_on_rank(ctx, path: str) -> None:
 
 
 def check_buckets(path: str) -> None:
-    from refimpl.launch import run_ranks
+    from exercises.rank_batch import run_ranks
 
     probe_stub(load_module(path).DataParallelBucket, nn.Linear(2, 2))
     run_ranks(_buckets_on_rank, WORLD, path, timeout_s=TIMEOUT_S)
 
 
 def check_no_sync(path: str) -> None:
-    from refimpl.launch import run_ranks
+    from exercises.rank_batch import run_ranks
 
     probe_stub(lambda m: load_module(path).DataParallelBucket(m).no_sync(), nn.Linear(2, 2))
     run_ranks(_no_sync_on_rank, WORLD, path, timeout_s=TIMEOUT_S)

@@ -97,7 +97,7 @@ def _step_on_rank(ctx, path: str) -> None:
 
 
 def check_sharded_step(path: str) -> None:
-    from refimpl.launch import run_ranks
+    from exercises.rank_batch import run_ranks
 
     mod = load_module(path)
     params = _params(0)
@@ -146,7 +146,7 @@ def _unit_on_rank(ctx, path: str) -> None:
 
 
 def check_unshard(path: str) -> None:
-    from refimpl.launch import run_ranks
+    from exercises.rank_batch import run_ranks
 
     mod = load_module(path)
     full = nn.Parameter(torch.zeros(2, 3))
@@ -226,7 +226,7 @@ def _chain_on_rank(ctx, path: str, prefetch: bool) -> list:
 
 
 def _log_of(path: str, prefetch: bool) -> list:
-    from refimpl.launch import run_ranks
+    from exercises.rank_batch import run_ranks
 
     mod = load_module(path)
     probe_stub(mod.install_unit_hooks, [], [], [])

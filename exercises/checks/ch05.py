@@ -149,7 +149,7 @@ def _overflow_on_rank(ctx, path: str) -> list[tuple[str, bool, int, int]]:
 
 
 def check_overflow_agreement(path: str) -> None:
-    from refimpl.launch import run_ranks
+    from exercises.rank_batch import run_ranks
 
     fn = load_module(path).overflow_on_any_rank
     probe_stub(lambda: fn([torch.zeros(2)], device=torch.device("cpu")))  # cpu on purpose: no ranks yet

@@ -96,7 +96,7 @@ def check_g(path: str) -> None:
 
 
 def _run_conjugate(path: str, which: str) -> None:
-    from refimpl.launch import run_ranks
+    from exercises.rank_batch import run_ranks
 
     run_ranks(_conjugate_on_rank, WORLD, path, which, timeout_s=TIMEOUT_S)
 
@@ -203,7 +203,7 @@ def _linear_on_rank(ctx, path: str, cls: str) -> None:
 
 
 def _check_linear(path: str, cls: str) -> None:
-    from refimpl.launch import run_ranks
+    from exercises.rank_batch import run_ranks
 
     make = getattr(load_module(path), cls)
     probe_stub(lambda: make(nn.Linear(2, 2), group=None))
@@ -303,7 +303,7 @@ def _loss_on_rank(ctx, path: str) -> None:
 
 
 def check_loss(path: str) -> None:
-    from refimpl.launch import run_ranks
+    from exercises.rank_batch import run_ranks
 
     fn = load_module(path).vocab_parallel_cross_entropy
     probe_stub(lambda: fn(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), group=None))

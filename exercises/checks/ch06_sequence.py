@@ -102,7 +102,7 @@ def _sequence_on_rank(ctx, path: str, which: str) -> None:
 
 
 def _run_sequence(path: str, which: str) -> None:
-    from refimpl.launch import run_ranks
+    from exercises.rank_batch import run_ranks
 
     probe_stub(getattr(load_module(path), which), torch.zeros(B, S, H), None)
     run_ranks(_sequence_on_rank, WORLD, path, which, timeout_s=TIMEOUT_S)
@@ -176,7 +176,7 @@ def _qkv_on_rank(ctx, path: str) -> None:
 
 
 def check_qkv(path: str) -> None:
-    from refimpl.launch import run_ranks
+    from exercises.rank_batch import run_ranks
 
     probe_stub(lambda: load_module(path).shard_fused_qkv(torch.zeros(12, 4), num_heads=2, group=None))
     run_ranks(_qkv_on_rank, WORLD, path, timeout_s=TIMEOUT_S)

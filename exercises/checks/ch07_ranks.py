@@ -129,7 +129,7 @@ def _attention_on_rank(ctx, path: str, backward: bool) -> None:
 
 
 def check_ring(path: str) -> None:
-    from refimpl.launch import run_ranks
+    from exercises.rank_batch import run_ranks
 
     x = torch.zeros(1, 1, C, D)
     probe_stub(lambda: load_module(path).ring_attention_forward(x, x, x, group=None, causal=True))
@@ -137,7 +137,7 @@ def check_ring(path: str) -> None:
 
 
 def check_ring_backward(path: str) -> None:
-    from refimpl.launch import run_ranks
+    from exercises.rank_batch import run_ranks
 
     x = torch.zeros(1, 1, C, D)
     probe_stub(lambda: load_module(path).ring_attention_backward(x, x, x, x, x, x[..., 0], group=None,
@@ -194,7 +194,7 @@ def _ulysses_on_rank(ctx, path: str) -> None:
 
 
 def check_ulysses(path: str) -> None:
-    from refimpl.launch import run_ranks
+    from exercises.rank_batch import run_ranks
 
     probe_stub(load_module(path).sequence_to_heads, torch.zeros(1, 2, C, D), None)
     probe_stub(load_module(path).heads_to_sequence, torch.zeros(1, 2, C, D), None)

@@ -102,7 +102,7 @@ def _executor_on_rank(ctx, path: str) -> None:
 
 
 def check_executor(path: str) -> None:
-    from refimpl.launch import run_ranks
+    from exercises.rank_batch import run_ranks
 
     probe_stub(lambda: load_module(path).run_pipeline_rank([], stage=None, inputs=[], labels=[],
                                                            num_tokens=1, activation_shape=(1,)))
