@@ -18,18 +18,24 @@ from torch import nn
 
 from refimpl.comm import CommTracer, ops
 from refimpl.distributed.placement import Box
-from refimpl.launch import run_ranks
 from refimpl.measure import SavedTensorMeter
 from refimpl.parallel.tensor_parallel import vocab_parallel
 from refimpl.parallel.tensor_parallel.vocab_parallel import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from tests.folded import run_folded
 
 FACTOR = 4.0  # stated: our error from float64 may be this many times F.cross_entropy's own float32 error
-TIMEOUT = 120
+TIMEOUT = 120  # a rank function alone (the collectives: TIMEOUT / 2)
+SPAWN_TIMEOUT = 2 * TIMEOUT  # one spawn of a tp size's 7 or 11 rank functions (tests/folded.py)
+FOLD_TIMEOUT = 2 * SPAWN_TIMEOUT + 30  # a test: the module's two spawns run in the first test's setup
 LEAD = (3, 7)  # odd leading dims
 IGNORE = -100
+EMBEDDING_DIM, SEQ = 6, 8
+EMBEDDING = [(2, 12), (2, 11), (4, 12), (4, 10)]  # (t, vocab)
+REDUCE_SCATTER = [(2, 11, 1), (2, 12, 3), (4, 10, 1)]  # (t, vocab, batch)
+TIED = [(2, 11), (4, 10)]  # (t, vocab)
 
 
 def _logits_and_target(vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -139,12 +145,12 @@ class _LargestOutput(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(TIMEOUT + 30)
+@pytest.mark.timeout(FOLD_TIMEOUT)
 @pytest.mark.parametrize("t", [2, 4])
-def test_vocab_parallel_cross_entropy_equals_f_cross_entropy_and_loss_parallel(t):
+def test_vocab_parallel_cross_entropy_equals_f_cross_entropy_and_loss_parallel(t, folds):
     vocab = 24  # 12 or 6 columns per rank
     n = LEAD[0] * LEAD[1]
-    for r, out in enumerate(run_ranks(_loss_rank, t, vocab, None, timeout_s=TIMEOUT)):
+    for r, out in enumerate(folds[t]["loss", vocab, None]):
         assert out["spread_loss"] > 0 and out["spread_grad"] > 0, out  # the rule is not vacuous
         for who in ("err", "err_torch"):
             assert out[f"{who}_loss"] <= FACTOR * out["spread_loss"], (r, who, out)
@@ -160,10 +166,10 @@ def test_vocab_parallel_cross_entropy_equals_f_cross_entropy_and_loss_parallel(t
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(3 * TIMEOUT + 30)
-def test_dropping_any_of_the_three_all_reduces_fails():
+@pytest.mark.timeout(FOLD_TIMEOUT)
+def test_dropping_any_of_the_three_all_reduces_fails(folds):
     for drop in range(3):  # 0: the max, 1: the target logit, 2: the sum-exp
-        outs = run_ranks(_loss_rank, 2, 24, drop, timeout_s=TIMEOUT)
+        outs = folds[2]["loss", 24, drop]
         assert any(o["err_loss"] > FACTOR * o["spread_loss"] for o in outs), (drop, outs)
 
 
@@ -195,11 +201,11 @@ def _embedding_rank(ctx, vocab: int, dim: int) -> dict:
     }
 
 
-@pytest.mark.timeout(TIMEOUT + 30)
-@pytest.mark.parametrize(("t", "vocab"), [(2, 12), (2, 11), (4, 12), (4, 10)])
-def test_vocab_parallel_embedding_equals_nn_embedding_bitwise(t, vocab):
-    dim = 6
-    for r, out in enumerate(run_ranks(_embedding_rank, t, vocab, dim, timeout_s=TIMEOUT)):
+@pytest.mark.timeout(FOLD_TIMEOUT)
+@pytest.mark.parametrize(("t", "vocab"), EMBEDDING)
+def test_vocab_parallel_embedding_equals_nn_embedding_bitwise(t, vocab, folds):
+    dim = EMBEDDING_DIM
+    for r, out in enumerate(folds[t]["embedding", vocab]):
         assert out["out"] and out["grad"] and out["pad_grad_zero"] and out["box"], (r, out)
         assert out["comm"] == [{"all_reduce": (1, 3 * 5 * dim * 4)}, {}], (r, out["comm"])
 
@@ -240,12 +246,12 @@ def _reduce_scatter_rank(ctx, vocab: int, dim: int, batch: int, seq: int) -> dic
     }
 
 
-@pytest.mark.timeout(TIMEOUT + 30)
-@pytest.mark.parametrize(("t", "vocab", "batch"), [(2, 11, 1), (2, 12, 3), (4, 10, 1)])
-def test_reduce_scatter_embeddings_is_the_sequence_shard_of_the_lookup_bitwise(t, vocab, batch):
-    dim, seq = 6, 8
+@pytest.mark.timeout(FOLD_TIMEOUT)
+@pytest.mark.parametrize(("t", "vocab", "batch"), REDUCE_SCATTER)
+def test_reduce_scatter_embeddings_is_the_sequence_shard_of_the_lookup_bitwise(t, vocab, batch, folds):
+    dim, seq = EMBEDDING_DIM, SEQ
     payload = batch * seq * dim * 4
-    for r, out in enumerate(run_ranks(_reduce_scatter_rank, t, vocab, dim, batch, seq, timeout_s=TIMEOUT)):
+    for r, out in enumerate(folds[t]["reduce_scatter", vocab, batch]):
         assert out["out"] and out["grad"] and out["position grad"], (r, out)
         assert out["comm"] == [{"reduce_scatter": (1, payload)}, {"all_gather": (1, payload)}], (r, out)
         ours, old, shard = out["storage"]
@@ -278,9 +284,9 @@ def _refused_rank(ctx) -> str:
     return "accepted"
 
 
-@pytest.mark.timeout(TIMEOUT + 30)
-def test_a_vocabulary_that_does_not_divide_is_refused_without_pad_vocab():
-    msgs = run_ranks(_refused_rank, 2, timeout_s=TIMEOUT)
+@pytest.mark.timeout(FOLD_TIMEOUT)
+def test_a_vocabulary_that_does_not_divide_is_refused_without_pad_vocab(folds):
+    msgs = folds[2]["refused"]
     assert all("11 does not divide by the tensor-parallel size 2" in m and "\n" not in m for m in msgs), msgs
 
 
@@ -302,11 +308,16 @@ def _tied_rank(ctx, vocab: int, dim: int, with_f: bool) -> dict:
 
     g32, g64 = one_device(torch.float32), one_device(torch.float64)
     emb = VocabParallelEmbedding.from_embedding(full, tp_group=None, pad_vocab=True)
+    real_f = vocab_parallel.copy_to_tensor_parallel_region
     if not with_f:  # negative control: the head without f, so dh is not summed over the ranks
         vocab_parallel.copy_to_tensor_parallel_region = lambda x, group: x
-    logits = emb.lm_logits(torch.tanh(emb(tokens) @ mix))
-    loss = vocab_parallel_cross_entropy(logits, target, tp_group=None, ignore_index=IGNORE, vocab_size=vocab)
-    loss.sum().backward()
+    try:
+        logits = emb.lm_logits(torch.tanh(emb(tokens) @ mix))
+        loss = vocab_parallel_cross_entropy(logits, target, tp_group=None, ignore_index=IGNORE,
+                                            vocab_size=vocab)
+        loss.sum().backward()
+    finally:  # the fold's next call on this rank gets the real f
+        vocab_parallel.copy_to_tensor_parallel_region = real_f
     rows = slice(emb.vocab_start_index, emb.vocab_end_index)
     real = emb.num_real_rows
     return {"spread": _err(g32[rows], g64[rows]), "err": _err(emb.weight.grad[:real], g64[rows]),
@@ -314,13 +325,13 @@ def _tied_rank(ctx, vocab: int, dim: int, with_f: bool) -> dict:
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(2 * TIMEOUT + 30)
-@pytest.mark.parametrize(("t", "vocab"), [(2, 11), (4, 10)])
-def test_tied_embedding_and_head_accumulate_into_one_shard(t, vocab):
-    for r, out in enumerate(run_ranks(_tied_rank, t, vocab, 8, True, timeout_s=TIMEOUT)):
+@pytest.mark.timeout(FOLD_TIMEOUT)
+@pytest.mark.parametrize(("t", "vocab"), TIED)
+def test_tied_embedding_and_head_accumulate_into_one_shard(t, vocab, folds):
+    for r, out in enumerate(folds[t]["tied", vocab, True]):
         assert out["spread"] > 0 and out["err"] <= FACTOR * out["spread"], (r, out)
         assert out["pad_zero"], (r, out)
-    broken = run_ranks(_tied_rank, t, vocab, 8, False, timeout_s=TIMEOUT)
+    broken = folds[t]["tied", vocab, False]
     assert any(o["err"] > FACTOR * o["spread"] for o in broken), broken
 
 
@@ -332,11 +343,11 @@ def _save_rank(ctx, folder: str) -> None:
     save_training_state(Checkpointer(CheckpointConfig(folder=folder)), 1, model=emb)
 
 
-@pytest.mark.timeout(TIMEOUT + 30)
-def test_saved_at_tp2_padded_loads_bitwise_into_a_plain_embedding(tmp_path):
+@pytest.mark.timeout(FOLD_TIMEOUT)
+def test_saved_at_tp2_padded_loads_bitwise_into_a_plain_embedding(folds):
     from refimpl.checkpoint import CheckpointConfig, Checkpointer, load_training_state
 
-    run_ranks(_save_rank, 2, str(tmp_path), timeout_s=TIMEOUT)
+    tmp_path = folds["saved"]
     torch.manual_seed(0)
     reference = nn.Embedding(11, 5)
     plain = nn.Embedding(11, 5)
@@ -345,3 +356,25 @@ def test_saved_at_tp2_padded_loads_bitwise_into_a_plain_embedding(tmp_path):
     ck = Checkpointer(CheckpointConfig(folder=str(tmp_path)))
     load_training_state(ck, ck.find_latest_valid(), model=plain, restore_rng=False)
     assert torch.equal(plain.weight, reference.weight)
+
+
+def _calls(t: int, folder: str) -> dict:
+    """Every rank function of this module at tp ``t``, by key (tests/folded.py: one spawn per t)."""
+    calls: dict = {("loss", 24, None): (_loss_rank, (24, None))}
+    if t == 2:
+        calls |= {("loss", 24, drop): (_loss_rank, (24, drop)) for drop in range(3)}
+        calls |= {"refused": (_refused_rank, ()), "save": (_save_rank, (folder,))}
+    calls |= {("embedding", v): (_embedding_rank, (v, EMBEDDING_DIM)) for tt, v in EMBEDDING if tt == t}
+    calls |= {("reduce_scatter", v, b): (_reduce_scatter_rank, (v, EMBEDDING_DIM, b, SEQ))
+              for tt, v, b in REDUCE_SCATTER if tt == t}
+    calls |= {("tied", v, f): (_tied_rank, (v, 8, f)) for tt, v in TIED if tt == t for f in (True, False)}
+    return calls
+
+
+@pytest.fixture(scope="module")
+def folds(tmp_path_factory) -> dict:
+    """``{t: {key: per-rank results}}`` for t = 2 and 4, and ``"saved"``: the folder of the tp 2 save."""
+    folder = tmp_path_factory.mktemp("vocab_saved")
+    out: dict = {t: run_folded(t, _calls(t, str(folder)), timeout_s=SPAWN_TIMEOUT) for t in (2, 4)}
+    out["saved"] = folder
+    return out
