@@ -14,8 +14,9 @@ and 4, without and with sequence parallelism (input and output ``[batch, seq / t
 Tolerance (the numerics rule): the TP sums run in another order than one device's, so each quantity ``k`` is
 compared within ``FACTOR x spread_k``, ``spread_k`` measured in the same run: the larger of (one device in
 float32 vs float64) and (one device in float32, chunked into ``t`` column / row blocks and sequence chunks
-added in reverse order, vs unchunked). Also: a checkpoint saved at tp 2 loads bitwise into a plain
-``nn.Linear`` pair at one process; sizes that do not divide by ``t`` are one-line ``ValueError`` s.
+added in reverse order, vs unchunked). Also: a checkpoint saved at tp 2 and 4 loads bitwise into a plain
+``nn.Linear`` pair at one process; sizes that do not divide by ``t`` are one-line ``ValueError`` s. One
+spawn per tp size runs all of it (tests/folded.py).
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ import refimpl.parallel.tensor_parallel.layers as layers
 from refimpl.checkpoint import CheckpointConfig, Checkpointer, find_latest_valid
 from refimpl.comm import CommTracer
 from refimpl.distributed.placement import Box, module_shards
-from refimpl.launch import run_ranks
 from refimpl.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     gather_from_sequence_parallel_region,
 )
+from tests.folded import run_folded
 from tests.test_tp_communications import _AllReducingCopy  # the negative control: f that all-reduces forward
 
 SPAWN_TIMEOUT = 180
@@ -181,8 +182,19 @@ def _worker(ctx) -> dict:
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
-def results(request):
-    return request.param, run_ranks(_worker, request.param, timeout_s=SPAWN_TIMEOUT)
+def folds(request, tmp_path_factory):
+    """``(t, {key: per-rank results})``: this module's rank functions at tp ``t`` in one spawn
+    (tests/folded.py): the MLP cases (``"mlp"``), the saved activations (``"saved"``) and the
+    checkpoint save (``"save"``, its folder under ``"folder"``)."""
+    t, folder = request.param, tmp_path_factory.mktemp(f"tp_layers_{request.param}")
+    calls = {"mlp": (_worker, ()), "saved": (_saved_worker, ()), "save": (_save_at_tp, (str(folder),))}
+    return t, run_folded(t, calls, timeout_s=SPAWN_TIMEOUT) | {"folder": folder}
+
+
+@pytest.fixture
+def results(folds):
+    t, out = folds
+    return t, out["mlp"]
 
 
 def _diffs(a: dict, b: dict) -> dict[str, float]:
@@ -241,7 +253,7 @@ def test_sizes_that_do_not_divide_by_tp_are_one_line_value_errors(results):
             assert "does not divide by the tensor-parallel size" in message and "\n" not in message, message
 
 
-def _save_at_tp2(ctx, folder: str) -> None:
+def _save_at_tp(ctx, folder: str) -> None:
     l1, l2 = _dense()
     model = _MLP(ColumnParallelLinear.from_linear(l1, tp_group=dist.group.WORLD),
                  RowParallelLinear.from_linear(l2, tp_group=dist.group.WORLD))
@@ -249,15 +261,16 @@ def _save_at_tp2(ctx, folder: str) -> None:
 
 
 @pytest.mark.timeout(SPAWN_TIMEOUT + 30)
-def test_checkpoint_saved_at_tp2_loads_bitwise_into_plain_linears(tmp_path):
-    run_ranks(_save_at_tp2, 2, str(tmp_path), timeout_s=SPAWN_TIMEOUT)
+def test_checkpoint_saved_at_tp_loads_bitwise_into_plain_linears(folds):
+    t, out = folds
+    tmp_path = out["folder"]
     plain = _MLP(nn.Linear(H, FF), nn.Linear(FF, H))
     expected = {k: v.shape for k, v in plain.state_dict().items()}
     info = find_latest_valid(tmp_path, expected=expected)
     entries = info.manifest["entries"]
     pieces = {k: [(p["offsets"], p["shape"]) for p in e["pieces"]] for k, e in entries.items()}
-    assert pieces["fc1.weight"] == [([0, 0], [FF // 2, H]), ([FF // 2, 0], [FF // 2, H])]
-    assert pieces["fc2.weight"] == [([0, 0], [H, FF // 2]), ([0, FF // 2], [H, FF // 2])]
+    assert pieces["fc1.weight"] == [([k * FF // t, 0], [FF // t, H]) for k in range(t)]  # column: rows
+    assert pieces["fc2.weight"] == [([0, k * FF // t], [H, FF // t]) for k in range(t)]  # row: columns
     with torch.no_grad():
         for p in plain.parameters():
             p.fill_(float("nan"))
@@ -303,9 +316,9 @@ def _saved_worker(ctx) -> dict:
 
 
 @pytest.mark.timeout(SPAWN_TIMEOUT + 30)
-@pytest.mark.parametrize("t", [2, 4])
-def test_the_sequence_parallel_column_layer_saves_only_its_sequence_chunk(t):
-    for out in run_ranks(_saved_worker, t, timeout_s=SPAWN_TIMEOUT):
+def test_the_sequence_parallel_column_layer_saves_only_its_sequence_chunk(folds):
+    t, per_call = folds
+    for out in per_call["saved"]:
         assert out["ours"] == [(B, S // t, H)], out  # backward gathers it again (sequence_parallel_linear)
         # negative control: autograd's own gather + linear saves the whole gathered sequence ([b*s, h])
         assert B * S * H in [int(np.prod(shape)) for shape in out["gather then linear"]], out
