@@ -1,7 +1,7 @@
 """Chapter 02: the ring collectives against torch.distributed, the tracer's byte counts, the cost model.
 
-Multi-rank checks are batched: one :func:`refimpl.launch.run_ranks` per world size runs every check on
-the ranks, and a rank that fails raises with its traceback. Integer-valued data make every comparison
+Multi-rank checks are batched: one spawn per world size (2, 3, 4) runs every rank function of this module
+(tests/folded.py), and a rank that fails raises with its traceback. Integer-valued data make every comparison
 with ``torch.distributed`` exact (no ``numerics`` marker needed); the float case, marked ``numerics``, is
 bounded by the rounding error of a sum in any order, ``gamma_(n-1) sum |x_i|`` with
 ``gamma_k = k u / (1 - k u)``, scaled by the magnitudes measured in the same run.
@@ -29,11 +29,12 @@ from refimpl.comm.ring import (
     ring_reduce_scatter,
 )
 from refimpl.comm.tracer import CommTracer, wire_bytes
-from refimpl.launch import run_ranks
 from refimpl.measure import Timings, measure_collective, measure_p2p
 from refimpl.planner import AlphaBeta, fit_alpha_beta, ring_bytes_sent
+from tests.folded import run_folded
 
 LENGTHS = (1, 5, 64, 1001)
+FOLD_TIMEOUT = 360 + 30  # a test that starts a world's spawn: its functions' bounds added (4 ranks: 360 s)
 
 
 # ------------------------------------------------------------------------------------------ no ranks
@@ -227,11 +228,11 @@ def _ranks_worker(ctx) -> dict:
     return out
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(FOLD_TIMEOUT)
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_ring_on_ranks(world_size):
+def test_ring_on_ranks(world_size, on_ranks):
     """World sizes 2 and 4, plus sub-groups of 3 and 2 ranks in the 4-rank run (1 rank: no ranks needed)."""
-    results = run_ranks(_ranks_worker, world_size, timeout_s=200)
+    results = on_ranks(world_size)["ring"]
     if world_size == 4:
         membership = [(False, True), (True, False), (True, True), (True, False)]  # [1, 2, 3] and [0, 2]
         assert [r["subgroups"] for r in results] == membership
@@ -287,12 +288,12 @@ def _ring_formula_holds(sent: list[int], f: int, n: int, nbytes: int, element_si
     return sum(sent) == target and per_rank_ok
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(FOLD_TIMEOUT)
 @pytest.mark.parametrize("world_size", [3, 4])
-def test_tracer_measured_ring_bytes_equal_formula(world_size):
+def test_tracer_measured_ring_bytes_equal_formula(world_size, on_ranks):
     """Measured (the tensors our rings hand to isend) against the formula, for even and uneven lengths."""
     n = world_size
-    per_rank = run_ranks(_measure_ring_bytes, n, timeout_s=100)
+    per_rank = on_ranks(n)["bytes"]
     for key in per_rank[0]:
         op, numel, dtype = key
         if op == "naive":
@@ -323,10 +324,11 @@ def _trace_dist_collectives(ctx) -> dict:
             "total": tracer.bytes_sent(), "summary": tracer.summary()}
 
 
-def test_tracer_flags_collective_wire_bytes_as_a_model():
+@pytest.mark.timeout(FOLD_TIMEOUT)
+def test_tracer_flags_collective_wire_bytes_as_a_model(on_ranks):
     """dist.* collectives: payload measured, wire bytes the ring model and flagged so; p2p measured."""
     n = 3
-    results = run_ranks(_trace_dist_collectives, n, timeout_s=60)
+    results = on_ranks(n)["trace"]
     s = 12 * n * 4
     for rank, r in enumerate(results):
         collectives = r["events"][:4]
@@ -360,9 +362,34 @@ def _float_bound_worker(ctx) -> dict:
 
 
 @pytest.mark.numerics
+@pytest.mark.timeout(FOLD_TIMEOUT)
 @pytest.mark.parametrize("world_size", [3, 4])
-def test_ring_float_sum_within_rounding_bound(world_size):
+def test_ring_float_sum_within_rounding_bound(world_size, on_ranks):
     """On floats the ring and dist.all_reduce add in other orders; both stay within the rounding bound of a
     sum of n terms in any order, scaled by the magnitudes of this run's data."""
-    for r in run_ranks(_float_bound_worker, world_size, timeout_s=60):
+    for r in on_ranks(world_size)["float"]:
         assert r["ring"] <= 1.0 and r["dist"] <= 1.0, r
+
+
+# ------------------------------------------------------------------------------ one spawn per world size
+# name -> (rank function, the world sizes that run it, its bound in s as a spawn of its own)
+RANK_FUNCTIONS = {"ring": (_ranks_worker, (2, 4), 200), "bytes": (_measure_ring_bytes, (3, 4), 100),
+                  "trace": (_trace_dist_collectives, (3,), 60), "float": (_float_bound_worker, (3, 4), 60)}
+
+
+@pytest.fixture(scope="module")
+def on_ranks():
+    """``on_ranks(n)``: ``{name: per-rank results}`` of every rank function that runs on ``n`` ranks, from
+    one spawn (tests/folded.py) started the first time a test asks for ``n``, bounded by the functions'
+    bounds added; each collective within half the largest, as that function's own spawn had."""
+    done: dict[int, dict] = {}
+
+    def get(n: int) -> dict:
+        if n not in done:
+            mine = {name: (fn, bound) for name, (fn, worlds, bound) in RANK_FUNCTIONS.items() if n in worlds}
+            done[n] = run_folded(n, {name: (fn, ()) for name, (fn, _) in mine.items()},
+                                 timeout_s=sum(b for _, b in mine.values()),
+                                 collective_timeout_s=max(b for _, b in mine.values()) / 2)
+        return done[n]
+
+    return get
