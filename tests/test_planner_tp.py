@@ -122,7 +122,7 @@ def _worker(ctx) -> dict:
     out["collectives"] = {sp: _trace_collectives(dist.group.WORLD, sp=sp) for sp in (False, True)}
     model = apply_tensor_parallel(GPT(CFG, seed=1), tp_group=dist.group.WORLD, pad_vocab=True)
     sharded = tensor_parallel_sharded(model)
-    out["shapes"] = [(tuple(p.shape), id(p) in sharded) for p in model.parameters()]
+    out["shapes"] = [(tuple(p.shape), n in sharded) for n, p in model.named_parameters()]
     out["state"][1, t, 0] = _state_after_a_step(ctx, ParallelDims(dp=1, tp=t), 0)
     if t == 4:
         for zero_stage in (0, 1, 2):

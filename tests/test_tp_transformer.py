@@ -108,8 +108,9 @@ def _run(cfg: ModelConfig, group, *, sp: bool, rank: int, t: int, variant: str =
         allreduce_sequence_parallel_grads(model, group)
     ops_of = [[(e.op, e.nbytes) for e in tracer.select(step=s)] for s in range(2)]
     sharded = tensor_parallel_sharded(model)
-    params = [p for p in model.parameters() if p.grad is not None]
-    flags = [id(p) in sharded for p in params]
+    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    params = [p for _, p in named]
+    flags = [n in sharded for n, _ in named]
     cpu = torch.device("cpu")
     norm = clip_grad_norm_tensor_parallel_([p.grad.clone() for p in params], flags, float("inf"),
                                            tp_group=group, device=cpu).item()

@@ -16,7 +16,7 @@ All in one process, integer and float arithmetic:
 * ``gradient_average_group`` / ``counted_in_grad_norm``: graded against refimpl's trainer code on 8 ranks
   (:func:`refimpl.launch.run_ranks`, once per process): at dp 1 x cp 2 x tp 2 x pp 2 each rank runs
   :func:`refimpl.parallel.parallelize.parallelize` and the trainer's optimizer setup
-  (:func:`refimpl.parallel.optimizer_setup.build_optimizer_setup`) on a tied and an untied GPT, reports the
+  (:meth:`refimpl.parallel.parallelize.Parallelized.build_optimizer`) on a tied and an untied GPT, reports the
   ranks of the process group it averages gradients over, and fills every gradient it holds with random
   values of a random norm; the global norm the trainer's clipping computes must equal the one the learner's
   counting gives (relative 1e-5; one gradient counted twice or not at all moves it by about 1%). The average
@@ -126,7 +126,6 @@ def _gradients_on_rank(ctx, layout: dict) -> dict:
 
     from refimpl.config import ModelConfig, OptimConfig
     from refimpl.model import GPT
-    from refimpl.parallel.optimizer_setup import build_optimizer_setup
     from refimpl.parallel.parallelize import ParallelizeOptions, parallelize
 
     groups = ParallelDims(**layout).build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=60)
@@ -135,7 +134,7 @@ def _gradients_on_rank(ctx, layout: dict) -> dict:
         config = ModelConfig(vocab_size=64, num_layers=4, hidden_size=16, num_attention_heads=2,
                              max_seq_len=8, tie_word_embeddings=tied)
         par = parallelize(GPT(config), groups, ParallelizeOptions())
-        setup = build_optimizer_setup(par, OptimConfig(grad_clip=1e9))
+        setup = par.build_optimizer(OptimConfig(grad_clip=1e9))
         out["group"] = tuple(dist.get_process_group_ranks(par.group))
         gen = torch.Generator().manual_seed(1000 * ctx.rank + tied)
         squares = {}

@@ -1,191 +1,127 @@
 """The optimizer of a parallelized model (chapter 10): :func:`build_optimizer_setup`, which
 ``Parallelized.build_optimizer`` calls, gives AdamW over this rank's parameters and what the checked step
-needs for the layout, as an :class:`OptimizerSetup`.
+needs for the layout, as an :class:`OptimizerSetup`, all read from the parameters' placements
+(:mod:`refimpl.parallel.placements`):
 
-* one device, DP (ZeRO-0) and ZeRO-3: plain AdamW (ZeRO-3's parameters are already shards; its wrapper
-  clips over them);
-* ZeRO-1/2 (Rajbhandari et al. 2020, chapter 04): a :class:`~refimpl.parallel.zero.ShardedOptimizer` over
-  the ``dp x cp`` group;
-* tensor parallelism (chapter 06): the norm counts each element of the model once, the sequence-parallel
-  gradients are summed over ``tp``;
-* pipeline parallelism (chapter 08): AdamW (ZeRO-1/2) over this rank's stages, the ``dp x cp`` average once
-  per step, the norm over ``pp`` (and ``tp``, ``dp``) with a tied embedding counted once.
+* one device, DP (ZeRO-0), tensor, context and pipeline parallelism, ZeRO-3: AdamW over the tensors this
+  rank holds (ZeRO-3's are already shards);
+* ZeRO-1/2 (Rajbhandari et al. 2020, chapter 04): one :class:`~refimpl.parallel.zero.ShardedOptimizer` over
+  the ``dp x cp`` group; the gradients it steps are its row shards (placements narrowed over ``dp_cp``);
+* the gradient norm: one :func:`~refimpl.parallel.placements.clip_grad_norm_` over the held gradients,
+  each element of the model counted once (a tensor-parallel replica on tp rank 0, a tied embedding's
+  last-stage copy not at all, a ZeRO shard on its rank);
+* after the data-parallel reduction (:attr:`OptimizerSetup.finish_gradients`): under pipeline parallelism
+  at ZeRO-0 the ``dp x cp`` average once per step (chapter 08), then under sequence parallelism the sum
+  over ``tp`` of the gradients placed so (:func:`~refimpl.parallel.placements.reduce_gradients`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from refimpl.comm import ops
 from refimpl.config import OptimConfig
 from refimpl.optim import build_optimizer, param_groups
-
-if TYPE_CHECKING:
-    from refimpl.parallel.parallelize import Parallelized
+from refimpl.parallel.placements import HeldGradient, Placement, clip_grad_norm_, reduce_gradients
+from refimpl.precision import MixedPrecisionPolicy
 
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerSetup:
-    """The optimizer and what the checked step needs: the gradients this rank checks and clips
-    (``grad_params``, e.g. its ZeRO shards) and a clipping function over shards (None:
-    ``clip_grad_norm_``)."""
+    """The optimizer and what the checked step needs: the gradients this rank checks (``grad_params``,
+    e.g. its ZeRO shards), a clipping function over them (None: ``clip_grad_norm_``), what runs after the
+    data-parallel reduction (``finish_gradients``) and the held gradients with their placements
+    (``held_gradients()``, after the step's reductions)."""
 
     optimizer: torch.optim.Optimizer
     grad_params: list[torch.Tensor]
     clip_fn: Callable[[list[torch.Tensor]], object] | None = None
-    finish_gradients: Callable[[], None] | None = None  # after the dp reduction (sequence parallelism)
+    finish_gradients: Callable[[], None] | None = None
+    held_gradients: Callable[[], list[HeldGradient]] | None = None
 
 
-def build_optimizer_setup(par: Parallelized, config: OptimConfig) -> OptimizerSetup:
-    """AdamW over this rank's parameters: plain for ZeRO-0 and ZeRO-3 (whose parameters are already
-    shards), a :class:`~refimpl.parallel.zero.ShardedOptimizer` over ``group`` for ZeRO-1/2."""
-    zero_stage, clip = par.options.zero_stage, config.grad_clip
-    if par.pipeline is not None:
-        return _pipeline_optimizer(par, config)
-    if par.tp_group is not None:
-        return _tensor_parallel_optimizer(par, config)
-    if zero_stage == 0:
-        return OptimizerSetup(optimizer=build_optimizer(par.model, config),
-                              grad_params=list(par.model.parameters()))
-    if zero_stage == 3:
-        fsdp = par.state_module
-        return OptimizerSetup(optimizer=build_optimizer(fsdp, config),
-                              grad_params=fsdp.sharded_parameters(),
-                              clip_fn=None if clip is None else (lambda _: fsdp.clip_grad_norm_(clip)))
+@dataclass(frozen=True, kw_only=True)
+class OptimizerInputs:
+    """What :func:`build_optimizer_setup` reads of a parallelized model: the module whose parameters are
+    stepped, in the order of ``named`` (their weight decay by those names; None: the module's own), the
+    tensors this rank holds under the plain GPT's names (``held``, in the order the checkpoint lists them)
+    with their placements, the group of each axis, the ZeRO stage, the policy."""
+
+    module: nn.Module
+    named: list[tuple[str, nn.Parameter]] | None
+    held: list[tuple[str, nn.Parameter]]
+    placements: Mapping[str, Placement]
+    groups: Mapping[str, dist.ProcessGroup | None]
+    zero_stage: int
+    zero_bucket_numel: int
+    policy: MixedPrecisionPolicy
+    average_in_finish: bool = False  # pipeline at ZeRO-0: the dp x cp average comes once, after the step
+
+
+def _sharded_optimizer(inputs: OptimizerInputs, config: OptimConfig) -> torch.optim.Optimizer:
     from refimpl.parallel.zero import ShardedOptimizer
 
-    optimizer = ShardedOptimizer(param_groups(par.model, config.weight_decay), torch.optim.AdamW,
-                                 par.group, zero_stage=zero_stage,
-                                 bucket_numel=par.options.zero_bucket_numel, lr=config.lr,
-                                 betas=(config.beta1, config.beta2), eps=config.eps,
-                                 foreach=False)
-    # stage 1 checks the full local gradients (reduced in step), stage 2 the shards it kept
-    grads = optimizer.params if zero_stage == 1 else [optimizer.shard(p) for p in optimizer.params]
-    return OptimizerSetup(optimizer=optimizer, grad_params=list(grads),
-                          clip_fn=None if clip is None else (lambda _: optimizer.clip_grad_norm_(clip)))
+    return ShardedOptimizer(param_groups(inputs.module, config.weight_decay, inputs.named), torch.optim.AdamW,
+                            inputs.groups.get("dp_cp"), zero_stage=inputs.zero_stage,
+                            bucket_numel=inputs.zero_bucket_numel, lr=config.lr,
+                            betas=(config.beta1, config.beta2), eps=config.eps, foreach=False)
 
-def _pipeline_optimizer(par: Parallelized, config: OptimConfig) -> OptimizerSetup:
-    """AdamW over this rank's stages(ZeRO-1/2: a :class:`~refimpl.parallel.zero.ShardedOptimizer` over dp
-    x cp); the dp x cp average after the step's last backward (ZeRO-1: into the shards; ZeRO-2: its hooks
-    reduce-scatter every micro-batch's gradients inside that backward and free them, so a rank holds one
-    shard of the gradients for ``m`` times the reduce-scatter traffic; the reason DeepSpeed refuses ZeRO-2
-    with a pipeline), then under sequence parallelism the ``s/t``-token gradients summed over tp; the norm
-    summed over the pp, tp and (ZeRO-1/2) dp ranks, each element once: the last stage's copy of a tied
-    embedding left out, a tensor-parallel replica counted on tp rank 0
-    (:mod:`refimpl.parallel.tensor_parallel.grad_norm`)."""
-    from refimpl.parallel.data_parallel.data_parallel_communications import reduce_gradients_
-    from refimpl.parallel.zero.clip_grad import scale_to_max_norm_, sum_of_squares
 
-    pipe, group, policy, tp = par.pipeline, par.group, par.mp.policy, par.tp_group
-    params = list(pipe.parameters())
-    device = params[0].device
-    sharded: set[int] = set()
-    if tp is not None:
-        from refimpl.parallel.tensor_parallel import tensor_parallel_sharded
+def build_optimizer_setup(inputs: OptimizerInputs, config: OptimConfig) -> OptimizerSetup:
+    """AdamW over this rank's tensors, or at ZeRO-1/2 a ShardedOptimizer over ``dp x cp``; the norm and the
+    reductions from the placements (module docstring)."""
+    zero, placements, groups = inputs.zero_stage, inputs.placements, inputs.groups
+    held_params = [(n, p) for n, p in inputs.held if p.requires_grad]
+    device = held_params[0][1].device
+    if zero in (1, 2):
+        optimizer = _sharded_optimizer(inputs, config)
+        name_of = {p: n for n, p in reversed(inputs.held)}
+        specs = {p: box for p, _, box in optimizer.local_state_shards()}
 
-        sharded = tensor_parallel_sharded(pipe)
-    first_tp = tp is None or dist.get_rank(tp) == 0
-    named = pipe.named_parameters_full()  # weight decay by the GPT's names (a tied copy is the embedding)
-    zero = par.options.zero_stage if group is not None else 0
-    if zero:
-        from refimpl.parallel.zero import ShardedOptimizer
+        def held() -> list[HeldGradient]:  # the row shards, after ZeRO-1's once-per-step reduce-scatter
+            optimizer.reduce_gradients()
+            out = []
+            for p in optimizer.params:
+                g = optimizer.shard(p).grad
+                if g is not None:
+                    name = name_of[p]
+                    out.append(HeldGradient(name, g, placements[name].narrowed(specs[p], "dp_cp")))
+            return out
 
-        optimizer = ShardedOptimizer(param_groups(pipe, config.weight_decay, named), torch.optim.AdamW,
-                                     group, zero_stage=zero, bucket_numel=par.options.zero_bucket_numel,
-                                     lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
-                                     foreach=False)
-        # stage 1 checks the full gradients (reduced at the step), stage 2 the shards it kept
-        grad_params = [p if zero == 1 else optimizer.shard(p) for p in optimizer.params]
-        if zero == 2:  # its hooks keep only the shard of each gradient: the tied sum is of shards
-            pipe.gradient_holder = optimizer.shard
+        # stage 1 checks the full local gradients (reduced in step), stage 2 the shards it kept
+        grad_params = list(optimizer.params) if zero == 1 else [optimizer.shard(p) for p in optimizer.params]
     else:
-        optimizer = build_optimizer(pipe, config, named=named)
-        grad_params = params
+        optimizer = build_optimizer(inputs.module, config, named=inputs.named)
 
-    def pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:  # (parameter, the gradient this rank holds)
-        if zero:
-            optimizer.reduce_gradients()  # ZeRO-1: once per step into the shards (ZeRO-2: in backward)
-            return [(p, optimizer.shard(p).grad) for p in optimizer.params
-                    if optimizer.shard(p).grad is not None]
-        return [(p, p.grad) for p in params if p.grad is not None]
+        def held() -> list[HeldGradient]:
+            return [HeldGradient(n, p.grad, placements[n]) for n, p in held_params if p.grad is not None]
 
-    def finish() -> None:  # every stage's gradients, once per step, over the data-parallel replicas
-        if not zero and group is not None:
-            reduce_gradients_(params, policy, group=group)
-        if tp is not None and par.options.sequence_parallel:
-            for p, g in pairs():  # a replicated parameter's shard: the same rows on every tp rank
-                if getattr(p, "sequence_parallel", False):
-                    ops.all_reduce(g, group=tp)
+        grad_params = [p for _, p in held_params]
 
     def clip_fn(_: object) -> torch.Tensor:
-        held = pairs()
-        counted = [g for p, g in held if not pipe.is_tied_copy(p) and (id(p) in sharded or first_tp)]
-        sq = sum_of_squares(counted, device=device)
-        for g in (pipe.pp_group, tp, group if zero else None):
-            if g is not None:
-                ops.all_reduce(sq, group=g)
-        return scale_to_max_norm_([g for _, g in held], sq.sqrt(), config.grad_clip)
+        return clip_grad_norm_(held(), config.grad_clip, groups=groups, device=device)
 
-    needs_finish = group is not None or (tp is not None and par.options.sequence_parallel)
+    sp = any("tp" in p.reduce_over for p in placements.values())
+
+    def finish() -> None:
+        if inputs.average_in_finish:  # every stage's gradients, once per step, over the replicas
+            from refimpl.parallel.data_parallel.data_parallel_communications import reduce_gradients_
+
+            reduce_gradients_([p for _, p in held_params], inputs.policy, group=groups.get("dp_cp"))
+        if sp:  # the s/t-token gradients (whole, or the same rows of a ZeRO shard on every tp rank)
+            reduce_gradients(held(), "tp", groups.get("tp"))
+
+    needs_clip = config.grad_clip is not None and (zero != 0 or _sharded(placements))
     return OptimizerSetup(optimizer=optimizer, grad_params=grad_params,
-                          clip_fn=None if config.grad_clip is None else clip_fn,
-                          finish_gradients=finish if needs_finish else None)
+                          clip_fn=clip_fn if needs_clip else None,
+                          finish_gradients=finish if (inputs.average_in_finish or sp) else None,
+                          held_gradients=held)
 
-def _tensor_parallel_optimizer(par: Parallelized, config: OptimConfig) -> OptimizerSetup:
-    """ZeRO-0/1/2 over the TP shards: the norm counts each element of the model once, and the
-    sequence-parallel gradients are summed over ``tp`` (both need the ``tp`` group)."""
-    from refimpl.parallel.tensor_parallel import (
-        allreduce_sequence_parallel_grads,
-        clip_grad_norm_tensor_parallel_,
-        tensor_parallel_sharded,
-    )
 
-    model, tp, zero_stage = par.model, par.tp_group, par.options.zero_stage
-    sharded = tensor_parallel_sharded(model)
-    device = next(iter(model.parameters())).device
-    if zero_stage == 0:
-        optimizer = build_optimizer(model, config)
-        params = list(model.parameters())
-
-        def grads() -> list[tuple[torch.Tensor, torch.Tensor]]:  # (parameter, its gradient)
-            return [(p, p.grad) for p in params if p.grad is not None]
-
-        dp_group = None
-        finish = lambda: allreduce_sequence_parallel_grads(model, tp)  # noqa: E731
-        grad_params = params
-    else:
-        from refimpl.parallel.zero import ShardedOptimizer
-
-        optimizer = ShardedOptimizer(param_groups(model, config.weight_decay), torch.optim.AdamW,
-                                     par.group, zero_stage=zero_stage,
-                                     bucket_numel=par.options.zero_bucket_numel, lr=config.lr,
-                                     betas=(config.beta1, config.beta2), eps=config.eps, foreach=False)
-
-        def grads() -> list[tuple[torch.Tensor, torch.Tensor]]:
-            optimizer.reduce_gradients()  # ZeRO-1: into the shards (ZeRO-2: done in backward)
-            return [(p, optimizer.shard(p).grad) for p in optimizer.params
-                    if optimizer.shard(p).grad is not None]
-
-        def finish() -> None:  # the shards of a replicated parameter are the same rows on every TP rank
-            for p, g in grads():
-                if getattr(p, "sequence_parallel", False):
-                    ops.all_reduce(g, group=tp)
-
-        dp_group = par.group
-        grad_params = (optimizer.params if zero_stage == 1
-                       else [optimizer.shard(p) for p in optimizer.params])
-
-    def clip_fn(_: object) -> torch.Tensor:
-        pairs = grads()
-        flags = [id(p) in sharded for p, _ in pairs]
-        return clip_grad_norm_tensor_parallel_([g for _, g in pairs], flags, config.grad_clip,
-                                               tp_group=tp, dp_group=dp_group, device=device)
-
-    return OptimizerSetup(optimizer=optimizer, grad_params=list(grad_params),
-                          clip_fn=None if config.grad_clip is None else clip_fn,
-                          finish_gradients=finish if par.options.sequence_parallel else None)
+def _sharded(placements: Mapping[str, Placement]) -> bool:
+    """Whether any tensor is split over an axis (else the norm is ``clip_grad_norm_``'s on every rank)."""
+    return any(p.sharded_over for p in placements.values())

@@ -61,148 +61,22 @@ tokens over the ``tp`` group, after the data-parallel reduction and before clipp
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import torch
 import torch.distributed as dist
 from torch import nn
 
-from refimpl.config import OptimConfig, ParallelConfig
+from refimpl.config import ParallelConfig
 from refimpl.distributed.mesh import LOSS_AXES, ParallelDims, ParallelGroups
-from refimpl.model import lm_loss
 from refimpl.parallel.data_parallel import DataParallelBucket
 from refimpl.parallel.data_parallel.data_parallel_communications import broadcast_module
-from refimpl.parallel.optimizer_setup import OptimizerSetup, build_optimizer_setup
-from refimpl.precision import PRECISIONS, MixedPrecision, MixedPrecisionPolicy
+from refimpl.parallel.optimizer_setup import OptimizerSetup
+from refimpl.parallel.parallelized import Parallelized, ParallelizeOptions, record_parallel_placements
+from refimpl.precision import MixedPrecision, MixedPrecisionPolicy
 from refimpl.support import check_supported
 
 __all__ = ["ORDER", "OptimizerSetup", "ParallelizeOptions", "Parallelized", "parallelize"]
 
 ORDER = ("tensor parallel", "context parallel", "pipeline split", "activation checkpointing",
          "mixed precision", "data parallel")  # the steps of :func:`parallelize`, in the order applied
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParallelizeOptions:
-    """How :func:`parallelize` applies each technique (the layout itself comes with the groups).
-
-    ``zero_stage`` 0 (data parallel), 1 (sharded optimizer state), 2 (and gradients), 3 (and parameters);
-    ``precision`` ``fp32``/``bf16``/``fp16`` (:meth:`refimpl.precision.MixedPrecisionPolicy.from_name`);
-    ``sequence_parallel`` splits the activations between the tensor-parallel regions along the sequence
-    (needs ``tp > 1``);
-    ``cp_method`` the attention across the context-parallel ranks, ``ring`` or ``ulysses``, and
-    ``cp_layout`` how the sequence is split for it (ring: ``zigzag``, the default, or ``contiguous``;
-    Ulysses: contiguous) (chapter 07);
-    ``pp_schedule`` (``gpipe``, ``1f1b``, ``interleaved``, ``zbh1``), ``virtual_stages`` (model chunks per
-    rank, interleaved only) and ``pp_balance`` (``layers`` or ``parameters``) the pipeline (chapter 08);
-    ``activation_checkpointing`` a block selection (``all``, ``every-N``, ``0,2,-1``; None: off);
-    ``bucket_cap_mb`` the gradient buckets of ZeRO-0 (DDP's 25 MB); ``zero_bucket_numel`` the elements per
-    reduce-scatter bucket of ZeRO-2; ``prefetch`` and ``reshard_after_forward`` the all-gather schedule of
-    ZeRO-3.
-    """
-
-    zero_stage: int = 0
-    precision: str = "fp32"
-    sequence_parallel: bool = False
-    cp_method: str = "ring"
-    cp_layout: str | None = None
-    pp_schedule: str = "1f1b"
-    virtual_stages: int = 1
-    pp_balance: str = "layers"
-    activation_checkpointing: str | None = None
-    bucket_cap_mb: float = 25.0
-    zero_bucket_numel: int = 2**20
-    prefetch: bool = False
-    reshard_after_forward: bool = True
-
-    def __post_init__(self) -> None:
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        from refimpl.parallel.context_parallel import LAYOUTS, METHODS
-
-        if self.cp_method not in METHODS:
-            raise ValueError(f"cp_method must be one of {METHODS}, got {self.cp_method!r}")
-        if self.cp_layout not in (None, *LAYOUTS) or (self.cp_method == "ulysses"
-                                                      and self.cp_layout not in (None, "contiguous")):
-            raise ValueError(f"cp_layout must be None or one of {LAYOUTS} (Ulysses: contiguous), got "
-                             f"{self.cp_layout!r} with cp_method {self.cp_method!r}")
-        from refimpl.parallel.pipeline_parallel import SCHEDULES
-
-        if self.pp_schedule not in SCHEDULES:
-            raise ValueError(f"pp_schedule must be one of {SCHEDULES}, got {self.pp_schedule!r}")
-        if self.pp_balance not in ("layers", "parameters"):
-            raise ValueError(f"pp_balance must be 'layers' or 'parameters', got {self.pp_balance!r}")
-        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1 or (
-                self.virtual_stages > 1 and self.pp_schedule != "interleaved"):
-            raise ValueError(f"virtual_stages must be a positive integer, above 1 only with the interleaved "
-                             f"schedule; got {self.virtual_stages!r} with {self.pp_schedule!r}")
-        if not self.bucket_cap_mb > 0 or self.zero_bucket_numel < 1:
-            raise ValueError(f"bucket sizes must be positive, got bucket_cap_mb={self.bucket_cap_mb}, "
-                             f"zero_bucket_numel={self.zero_bucket_numel}")
-        if self.zero_stage == 3 and self.activation_checkpointing not in (None, "none"):
-            # ZeRO-3 registers the gathered parameters only around the unit's forward: the recomputation in
-            # backward would run on the shards.
-            raise ValueError("activation checkpointing does not work with zero_stage 3 yet (the recomputed "
-                             "forward would see the parameter shards); use zero_stage 1 or 2")
-
-    @property
-    def fsdp_mixed_precision(self) -> bool:
-        """ZeRO-3 in 16 bits as FSDP2: 16-bit gathered weights over fp32 master shards."""
-        return self.zero_stage == 3 and self.precision != "fp32"
-
-
-@dataclass(kw_only=True)
-class Parallelized:
-    """What :func:`parallelize` made of a model.
-
-    ``model`` is the plain model (under ZeRO-3 its parameters are shards), ``forward`` what a batch goes
-    through, ``state_module`` what a checkpoint saves (the ZeRO-3 wrapper), ``sync`` the wrapper whose
-    ``no_sync()``/``finish_gradient_synchronization()`` the step calls (ZeRO-0 with several ranks, else
-    None), ``group`` the ``dp x cp`` group gradients are averaged over (None: one process), ``applied``
-    the steps of :data:`ORDER` that did something, in order, ``tp_group`` the tensor-parallel group (None:
-    no tensor parallelism), ``cp_group`` the context-parallel group (None: no context parallelism),
-    ``pipeline`` this rank's stages (None: no pipeline parallelism; then ``model`` and ``state_module`` are
-    it too).
-    """
-
-    model: nn.Module
-    forward: nn.Module
-    state_module: nn.Module
-    mp: MixedPrecision
-    options: ParallelizeOptions
-    sync: DataParallelBucket | None = None
-    group: dist.ProcessGroup | None = None
-    applied: list[str] = field(default_factory=list)
-    tp_group: dist.ProcessGroup | None = None
-    cp_group: dist.ProcessGroup | None = None
-    pipeline: nn.Module | None = None
-
-    def split_batch(self, tokens: torch.Tensor) -> torch.Tensor:
-        """This rank's part of ``tokens`` ``[b, s]`` (inputs or labels) along the sequence, ``[b, s/cp]``,
-        by the layout its attention was built for; ``tokens`` itself without context parallelism."""
-        if self.cp_group is None:
-            return tokens
-        from refimpl.parallel.context_parallel import split_for_context_parallel
-
-        return split_for_context_parallel(tokens, cp_group=self.cp_group, method=self.options.cp_method,
-                                          layout=self.options.cp_layout)
-
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The mean next-token loss of this rank's tokens: :func:`refimpl.model.lm_loss`, or under tensor
-        parallelism the vocab-parallel loss on the logits shard (equal on the ranks of a TP group)."""
-        if self.tp_group is None:
-            return lm_loss(logits, labels)
-        from refimpl.parallel.tensor_parallel import tp_lm_loss
-
-        return tp_lm_loss(logits, labels, tp_group=self.tp_group, vocab_size=self.model.config.vocab_size)
-
-    def build_optimizer(self, config: OptimConfig) -> OptimizerSetup:
-        """AdamW over this rank's parameters, with what the checked step needs for this layout
-        (:func:`refimpl.parallel.optimizer_setup.build_optimizer_setup`)."""
-        return build_optimizer_setup(self, config)
-
 
 
 def _layout(groups_or_dims: ParallelGroups | ParallelDims,
@@ -294,6 +168,7 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
             applied.append("data parallel")
         else:
             done.group = None
+        done.placements = record_parallel_placements(done, replicas=replicas)
         return done
     if options.zero_stage == 0:
         if replicas > 1:  # broadcasts the first rank's weights over the group
@@ -310,4 +185,5 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
                                         mp_policy=mp.policy if fsdp_mp else None)
         done.forward = done.state_module = fsdp
         applied.append("data parallel")
+    done.placements = record_parallel_placements(done, replicas=replicas)
     return done

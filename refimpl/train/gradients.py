@@ -42,7 +42,7 @@ def gradient_shards(setup: _Setup) -> dict[str, LocalShard]:
     """``{plain GPT name: LocalShard(float32 gradient, its box in the global tensor)}`` of every parameter
     this rank holds a gradient of; a collective under ZeRO-1 (every rank of the group must call it)."""
     held = {name.removeprefix("model/"): s for name, s in parameter_shards(setup.state_module).items()}
-    where = {id(s.tensor): (name, s.box) for name, s in held.items()}
+    where = {s.tensor: (name, s.box) for name, s in held.items()}  # by tensor: its name and box
     scale = setup.mp.scale
     optimizer = setup.optimizer
     out: dict[str, LocalShard] = {}
@@ -53,7 +53,7 @@ def gradient_shards(setup: _Setup) -> dict[str, LocalShard]:
                 out[name] = LocalShard(s.tensor.grad.float() / scale, s.box)
         return out
     for param, stepped, box in declare():  # ZeRO-1/2: the optimizer steps a row box of each local tensor
-        name, param_box = where[id(param)]
+        name, param_box = where[param]
         if optimizer.zero_stage == 2:
             if stepped.grad is not None:
                 out[name] = LocalShard(stepped.grad.float() / scale, param_box.within(box))

@@ -127,9 +127,6 @@ def _with_own_parameters(module: nn.Module) -> nn.Module:
     new = copy.copy(module)
     new._parameters = {n: None if p is None else nn.Parameter(p.detach().clone(), p.requires_grad)
                        for n, p in module._parameters.items()}
-    for n, p in module._parameters.items():  # markers such as tensor parallelism's flags travel along
-        if p is not None:
-            new._parameters[n].__dict__.update(p.__dict__)
     new._buffers = dict(module._buffers)
     new._modules = {n: None if m is None else _with_own_parameters(m) for n, m in module._modules.items()}
     return new

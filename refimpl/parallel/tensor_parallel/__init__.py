@@ -26,7 +26,9 @@ from refimpl.parallel.tensor_parallel.grad_norm import (
 from refimpl.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    SequenceParallelLayerNorm,
     allreduce_sequence_parallel_grads,
+    sequence_parallel_names,
 )
 from refimpl.parallel.tensor_parallel.tp_communications import (
     SEQUENCE_DIM,
@@ -56,6 +58,7 @@ __all__ = [
     "SEQUENCE_DIM",
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "SequenceParallelLayerNorm",
     "TiedVocabParallelHead",
     "VocabParallelEmbedding",
     "VocabParallelGPTEmbedding",
@@ -72,6 +75,7 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_parallel_region",
+    "sequence_parallel_names",
     "tensor_parallel_sharded",
     "tp_lm_loss",
     "vocab_parallel_cross_entropy",

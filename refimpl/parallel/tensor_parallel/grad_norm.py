@@ -9,6 +9,9 @@ rank's own norm would scale the replicas differently, so they would drift apart.
 Under ZeRO-1/2 the rank's gradients are also row shards over the data-parallel group: one more all-reduce
 over that group (the shards are disjoint there too). Then every gradient is scaled by
 ``min(1, max_norm / (||g|| + 1e-6))``, ``torch.nn.utils.clip_grad_norm_``'s rule.
+
+Which parameters are sharded the modules say themselves: a box (``local_shards()``) that is not the whole
+tensor. The norm is refimpl's one norm over placements (:func:`refimpl.parallel.placements.clip_grad_norm_`).
 """
 
 from __future__ import annotations
@@ -18,25 +21,18 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from refimpl.comm import ops
-from refimpl.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from refimpl.parallel.tensor_parallel.tp_communications import Group, group_rank, group_size
-from refimpl.parallel.tensor_parallel.vocab_parallel import VocabParallelEmbedding
-from refimpl.parallel.zero.clip_grad import scale_to_max_norm_, sum_of_squares
+from refimpl.distributed.placement import Box, module_shards
+from refimpl.parallel.placements import HeldGradient, Placement, clip_grad_norm_
+from refimpl.parallel.tensor_parallel.tp_communications import Group, group_size
 
 __all__ = ["clip_grad_norm_tensor_parallel_", "tensor_parallel_sharded"]
 
 
-def tensor_parallel_sharded(model: nn.Module) -> set[int]:
-    """``id`` of every parameter that the TP ranks hold in disjoint blocks (the weights of column, row and
-    vocab-parallel layers and the column layers' biases); every other parameter is replicated."""
-    out: set[int] = set()
-    for m in model.modules():
-        if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)) and m.tp_size > 1:
-            out.update(id(p) for p in m.parameters(recurse=False))
-        elif isinstance(m, RowParallelLinear) and m.tp_size > 1:
-            out.add(id(m.weight))
-    return out
+def tensor_parallel_sharded(model: nn.Module) -> set[str]:
+    """The names of the parameters that the TP ranks hold in disjoint blocks (the weights of column, row
+    and vocab-parallel layers and the column layers' biases: their declared box is not the whole tensor);
+    every other parameter is replicated."""
+    return {name for name, s in module_shards(model).items() if not s.box.is_full}
 
 
 @torch.no_grad()
@@ -51,11 +47,11 @@ def clip_grad_norm_tensor_parallel_(grads: Sequence[torch.Tensor], sharded: Sequ
     """
     if len(grads) != len(sharded):
         raise ValueError(f"{len(grads)} gradients but {len(sharded)} sharded flags")
-    first = group_rank(tp_group) == 0
-    counted = [g for g, is_sharded in zip(grads, sharded, strict=True) if is_sharded or first]
-    sq = sum_of_squares(counted, device=device)
-    if group_size(tp_group) > 1:
-        ops.all_reduce(sq, group=tp_group)
-    if dp_group is not None and group_size(dp_group) > 1:
-        ops.all_reduce(sq, group=dp_group)
-    return scale_to_max_norm_(list(grads), sq.sqrt(), max_norm)
+    dp = () if dp_group is None or group_size(dp_group) == 1 else ("dp_cp",)
+    held = [HeldGradient(str(i), g, Placement(box=Box.full(g.shape), sharded_over=(("tp",) if s else ()) + dp,
+                                              replicated_over=() if s else ("tp",)))
+            for i, (g, s) in enumerate(zip(grads, sharded, strict=True))]
+    tp_axis = HeldGradient("", torch.zeros((), device=device),  # the sum goes over tp even if no shard here
+                           Placement(box=Box.full(()), sharded_over=("tp",)))
+    return clip_grad_norm_([*held, tp_axis], max_norm, groups={"tp": tp_group, "dp_cp": dp_group},
+                           device=device)

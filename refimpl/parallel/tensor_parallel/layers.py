@@ -21,9 +21,11 @@ row layer's ``g``) and one backward (the column layer's ``f``); with sequence pa
 a reduce-scatter each way instead, the same bytes, plus the column layer's second all-gather in backward.
 
 Under sequence parallelism the row layer's bias sees only this rank's ``s/t`` tokens, so its gradient is a
-partial sum: the bias carries ``sequence_parallel = True`` (Megatron's attribute) and
-:func:`allreduce_sequence_parallel_grads` sums such gradients over the group (one all-reduce each), as
-layer norms under sequence parallelism need.
+partial sum. Megatron marks such a parameter with a tensor attribute (``sequence_parallel = True``); a
+tensor attribute does not survive a wrapper that replaces parameters (ZeRO-3's shards), so here the
+*module* declares them: ``sequence_parallel_parameters()`` names the parameters whose gradients cover
+``s/t`` tokens (the row layer's bias; :class:`SequenceParallelLayerNorm`'s weight and bias), and
+:func:`allreduce_sequence_parallel_grads` sums those gradients over the group (one all-reduce each).
 
 Rank ``r`` holds the ``r``-th contiguous block in ``.weight`` / ``.bias`` (equal blocks: a size that does not
 divide by ``t`` is a ``ValueError``); :meth:`from_linear` shards a full ``nn.Linear`` that way, and
@@ -170,8 +172,6 @@ class RowParallelLinear(nn.Module):
             _init_uniform_(self.weight, in_features)
             if self.bias is not None:
                 _init_uniform_(self.bias, in_features)
-        if self.bias is not None and sequence_parallel:
-            self.bias.sequence_parallel = True  # its gradient covers s/t tokens: see allreduce_sequence_...
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, tp_group: Group, **kw) -> RowParallelLinear:
@@ -185,6 +185,11 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             out["bias"] = LocalShard.full(self.bias)
         return out
+
+    def sequence_parallel_parameters(self) -> tuple[str, ...]:
+        """The bias under sequence parallelism: added to this rank's ``s/t`` tokens, its gradient is a
+        partial sum over the group (module docstring)."""
+        return ("bias",) if self.sequence_parallel and self.bias is not None else ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -203,18 +208,49 @@ class RowParallelLinear(nn.Module):
                 f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}")
 
 
+class SequenceParallelLayerNorm(nn.LayerNorm):
+    """A LayerNorm between the tensor-parallel regions under sequence parallelism: it normalizes this
+    rank's ``s/t`` tokens, so the gradients of its (replicated) weight and bias are partial sums over the
+    group. The same parameters as the ``nn.LayerNorm`` it replaces (:meth:`from_layernorm` shares them)."""
+
+    @classmethod
+    def from_layernorm(cls, norm: nn.LayerNorm) -> SequenceParallelLayerNorm:
+        new = cls(norm.normalized_shape, eps=norm.eps, elementwise_affine=False, bias=False)
+        new.elementwise_affine = norm.elementwise_affine
+        new.weight, new.bias = norm.weight, norm.bias  # the same Parameter objects: nothing copied
+        return new
+
+    def sequence_parallel_parameters(self) -> tuple[str, ...]:
+        return tuple(n for n in ("weight", "bias") if getattr(self, n) is not None)
+
+
+def sequence_parallel_names(module: nn.Module) -> list[str]:
+    """The names (in ``module``) of the parameters its submodules declare as sequence-parallel
+    (``sequence_parallel_parameters()``): replicated parameters applied to ``s/t`` tokens per rank
+    (Korthikanti et al. 2022), whose gradients must be summed over the tensor-parallel group."""
+    out = []
+    for prefix, m in module.named_modules():
+        declare = getattr(m, "sequence_parallel_parameters", None)
+        if callable(declare):
+            out += [f"{prefix}.{n}" if prefix else n for n in declare()]
+    return out
+
+
 def allreduce_sequence_parallel_grads(module: nn.Module, group: Group) -> int:
-    """Sum over ``group`` the gradients of ``module``'s parameters marked ``sequence_parallel`` (replicated
-    parameters applied to ``s/t`` tokens per rank under sequence parallelism, Korthikanti et al. 2022):
-    one all-reduce each, after backward. Returns how many were reduced."""
+    """Sum over ``group`` the gradients of ``module``'s sequence-parallel parameters
+    (:func:`sequence_parallel_names`): one all-reduce each, after backward. Returns how many were
+    reduced."""
     if group_size(group) == 1:
         return 0
+    params = dict(module.named_parameters(remove_duplicate=False))
     n = 0
-    for p in module.parameters():
-        if getattr(p, "sequence_parallel", False) and p.grad is not None:
-            ops.all_reduce(p.grad, group=group)
+    for name in sequence_parallel_names(module):
+        grad = params[name].grad
+        if grad is not None:
+            ops.all_reduce(grad, group=group)
             n += 1
     return n
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "allreduce_sequence_parallel_grads"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "SequenceParallelLayerNorm",
+           "allreduce_sequence_parallel_grads", "sequence_parallel_names"]

@@ -24,8 +24,10 @@ Recomputation in Large Transformer Models" (sequence parallelism, figure 5). On 
   all-gather) and adds the shard's position embeddings, each
   ``f`` / ``g`` pair becomes an all-gather (in front of the column layer) and a reduce-scatter (after the
   row layer), and the final hidden states are all-gathered before the head. Layer norms and row biases
-  then see ``s/t`` tokens: their parameters carry ``sequence_parallel = True`` and
-  :func:`allreduce_sequence_parallel_grads` sums their gradients over the group after backward.
+  then see ``s/t`` tokens: the layer norms become :class:`SequenceParallelLayerNorm` (same parameters),
+  which with the row layers declare those parameters (``sequence_parallel_parameters()``, by name, so the
+  declaration survives ZeRO-3's replaced parameters), and :func:`allreduce_sequence_parallel_grads` sums
+  their gradients over the group after backward.
 
 Sizes that do not divide by ``t`` (heads, ``ffn_hidden_size``) are a one-line ``ValueError``; a vocabulary
 that does not divide is one too unless ``pad_vocab=True`` (tied embeddings: :mod:`.vocab_parallel`'s rule).
@@ -41,7 +43,11 @@ from torch import nn
 from refimpl.comm import ops
 from refimpl.distributed.placement import module_shards
 from refimpl.model import GPT, Embedding, lm_loss
-from refimpl.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from refimpl.parallel.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SequenceParallelLayerNorm,
+)
 from refimpl.parallel.tensor_parallel.sequence_parallel_linear import linear_with_sequence_parallel_gather
 from refimpl.parallel.tensor_parallel.tp_communications import Group, group_size
 from refimpl.parallel.tensor_parallel.vocab_parallel import (
@@ -125,11 +131,6 @@ def _check_divides(model: GPT, t: int, pad_vocab: bool) -> None:
                          f"parallel size {t}; {fix}, or pick another size")
 
 
-def _mark_sequence_parallel(module: nn.Module) -> None:
-    for p in module.parameters():
-        p.sequence_parallel = True  # replicated, applied to s/t tokens: summed after backward
-
-
 @torch.no_grad()
 def apply_tensor_parallel(model: GPT, *, tp_group: Group, sequence_parallel: bool = False,
                           pad_vocab: bool = False) -> GPT:
@@ -150,11 +151,12 @@ def apply_tensor_parallel(model: GPT, *, tp_group: Group, sequence_parallel: boo
         attn.num_heads = model.config.num_attention_heads // t  # a/t heads, each with its own q, k, v
         mlp.dense_h_to_4h = ColumnParallelLinear.from_linear(mlp.dense_h_to_4h, **kw)
         mlp.dense_4h_to_h = RowParallelLinear.from_linear(mlp.dense_4h_to_h, **kw)
-        if sp:
-            _mark_sequence_parallel(block.input_layernorm)
-            _mark_sequence_parallel(block.post_attention_layernorm)
+        if sp:  # replicated, applied to s/t tokens: their gradients are summed over tp after backward
+            block.input_layernorm = SequenceParallelLayerNorm.from_layernorm(block.input_layernorm)
+            block.post_attention_layernorm = SequenceParallelLayerNorm.from_layernorm(
+                block.post_attention_layernorm)
     if sp:
-        _mark_sequence_parallel(model.final_layernorm)
+        model.final_layernorm = SequenceParallelLayerNorm.from_layernorm(model.final_layernorm)
     emb = model.embedding
     word = VocabParallelEmbedding.from_embedding(emb.word_embeddings, tp_group=tp_group, pad_vocab=pad_vocab,
                                                  reduce_scatter_embeddings=sp)
