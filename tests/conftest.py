@@ -15,11 +15,16 @@ unit tier is what surely starts nothing.
 ``@pytest.mark.timeout`` and the default in pyproject.toml) on a machine slower than the 2-core one the
 limits were measured on. Limits inside a test (a rank's collective timeout, ``run_ranks``' own bound) are
 the test's measured design and stay as written.
+
+**Session fixtures** for work several modules repeat: ``corpus`` (the trainer tests' 20 kB pseudo-text and
+its token cache) and ``one_device_references`` (tests/one_device.py's one-device runs, computed once per set
+of trainer flags and step count: test_train_tp and test_train_cp compare their layouts with the same runs).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -74,3 +79,35 @@ def scaled_timeout(mark: pytest.Mark | None, default: float, scale: float) -> fl
     else:
         limit = float(mark.args[0] if mark.args else mark.kwargs.get("timeout", default))
     return limit * scale
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """``{"corpus": the 20 kB pseudo-text (refimpl.data.make_corpus_file's default seed), "cache": its token
+    cache directory}``, shared by the trainer tests' modules (the file is never written after this)."""
+    from refimpl.data import make_corpus_file
+
+    root = tmp_path_factory.mktemp("corpus")
+    return {"corpus": make_corpus_file(root / "corpus.txt", num_bytes=20_000), "cache": root / "cache"}
+
+
+@pytest.fixture(scope="session")
+def one_device_references(tmp_path_factory: pytest.TempPathFactory, corpus: dict) -> Callable[..., dict]:
+    """``get(flags, steps=n)``: :func:`tests.one_device.one_device_losses` for the trainer's ``flags`` on
+    :func:`corpus`, computed the first time a module asks for those flags and steps and handed to the next
+    (a read-only dict: a module that adds entries copies it first)."""
+    from refimpl.train import build_parser
+    from tests.one_device import one_device_losses
+
+    cache: dict[tuple, dict] = {}
+
+    def get(flags: Sequence[str], *, steps: int) -> dict:
+        key = (tuple(flags), steps)
+        if key not in cache:
+            def args_for(out, *extra: str):
+                return build_parser().parse_args([*flags, "--data", str(corpus["corpus"]), "--cache-dir",
+                                                  str(corpus["cache"]), "--out", str(out), *extra])
+            cache[key] = one_device_losses(args_for, tmp_path_factory.mktemp("one_device"), steps=steps)
+        return cache[key]
+
+    return get

@@ -20,14 +20,12 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from refimpl.data import make_corpus_file
 from refimpl.launch import run_ranks
 from refimpl.train import build_parser, config_from_args, options_from_args, train
 from tests.one_device import (
     assert_gradients_like_one_device,
     assert_trains_like_one_device,
     first_step_gradients,
-    one_device_losses,
     tolerance,
 )
 
@@ -54,10 +52,8 @@ def _args(files: dict, out: Path, *extra: str):
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("train_cp")
-    return {"root": root, "corpus": make_corpus_file(root / "corpus.txt", num_bytes=20_000),
-            "cache": root / "cache"}
+def files(tmp_path_factory, corpus) -> dict:
+    return {"root": tmp_path_factory.mktemp("train_cp"), **corpus}  # tests/conftest.py's corpus
 
 
 def _worker(ctx, files: dict) -> dict:
@@ -86,11 +82,10 @@ def runs(files) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def one_device(files, tmp_path_factory) -> dict:
-    """One-device runs in this process: per precision the plain run and one in another summation order."""
-    root = tmp_path_factory.mktemp("one_device")
-    out = one_device_losses(lambda run, *flags: _args(files, run, *flags), root, steps=STEPS + 2)
-    return out
+def one_device(one_device_references) -> dict:
+    """One-device runs in this process: per precision the plain run and one in another summation order
+    (tests/conftest.py's, shared with test_train_tp: the same flags)."""
+    return one_device_references([*TINY, "--steps", str(STEPS)], steps=STEPS + 2)
 
 
 def _tolerance(one_device: dict, precision: str) -> float:

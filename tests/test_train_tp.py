@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from refimpl.checkpoint import CheckpointConfig, Checkpointer, load_training_state
-from refimpl.data import make_corpus_file
 from refimpl.launch import run_ranks
 from refimpl.model import GPT
 from refimpl.parallel.tensor_parallel import apply_tensor_parallel, full_state_dict
@@ -30,7 +29,6 @@ from tests.one_device import (
     assert_gradients_like_one_device,
     assert_trains_like_one_device,
     first_step_gradients,
-    one_device_losses,
     tolerance,
 )
 
@@ -59,10 +57,8 @@ def _args(files: dict, out: Path, *extra: str):
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("train_tp")
-    return {"root": root, "corpus": make_corpus_file(root / "corpus.txt", num_bytes=20_000),
-            "cache": root / "cache"}
+def files(tmp_path_factory, corpus) -> dict:
+    return {"root": tmp_path_factory.mktemp("train_tp"), **corpus}  # tests/conftest.py's corpus
 
 
 def _load(folder: Path, model: torch.nn.Module) -> None:
@@ -104,11 +100,11 @@ def runs(files) -> dict:
 
 
 @pytest.fixture(scope="module")
-def one_device(files, tmp_path_factory) -> dict:
-    """One-device runs in this process: per precision the plain run and one in another summation order."""
-    root = tmp_path_factory.mktemp("one_device")
-    out = one_device_losses(lambda run, *flags: _args(files, run, *flags), root, steps=STEPS + 2)
-    plain = GPT(config_from_args(_args(files, root / "x")).model, seed=7)
+def one_device(files, one_device_references) -> dict:
+    """One-device runs in this process: per precision the plain run and one in another summation order
+    (tests/conftest.py's, shared with test_train_cp: the same flags), and the tp 2 checkpoint at tp 1."""
+    out = dict(one_device_references([*TINY, "--steps", str(STEPS)], steps=STEPS + 2))
+    plain = GPT(config_from_args(_args(files, Path(files["root"]) / "x")).model, seed=7)
     _load(Path(files["root"]) / "tp2-checkpoint", plain)
     out["tp1 load"] = {k: v.clone() for k, v in plain.state_dict().items()}
     return out
