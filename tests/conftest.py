@@ -31,9 +31,10 @@ import pytest
 SPAWN = {
     "test_boundary_bytes", "test_checkpoint", "test_comm", "test_context_parallel_gpt", "test_data_parallel",
     "test_elastic", "test_elastic_3d", "test_launch", "test_mesh", "test_notebook", "test_notebook_lifetime",
-    "test_p2p_strict", "test_parallelize", "test_pipeline_gpt", "test_planner_3d", "test_planner_cp",
-    "test_planner_pp", "test_planner_tp", "test_precision", "test_rank_lifetime", "test_ring_attention",
-    "test_tp_communications", "test_tp_layers", "test_tp_transformer", "test_train", "test_train_3d",
+    "test_p2p_strict", "test_param_placements", "test_parallelize", "test_pipeline_gpt", "test_planner_3d",
+    "test_planner_cp", "test_planner_pp", "test_planner_tp", "test_precision", "test_rank_lifetime",
+    "test_ring_attention", "test_tp_communications", "test_tp_layers", "test_tp_plan", "test_tp_transformer",
+    "test_train", "test_train_3d",
     "test_train_checkpoint", "test_train_cp", "test_train_pp", "test_train_tp", "test_ulysses",
     "test_vocab_parallel", "test_zero", "test_chapters",
 }
