@@ -67,19 +67,14 @@ def _run(ctx, name: str, model: list[str], steps: int, root: Path) -> dict:
 
 
 def _predict(model: list[str], name: str):
-    from refimpl.distributed import ParallelDims
     from refimpl.planner import predict_run
     from refimpl.train import build_parser, config_from_args, options_from_args
 
     args = build_parser().parse_args([*model, *LAYOUTS[name]])
     config, options = config_from_args(args), options_from_args(args)
-    d = options.parallel_dims(WORLD)
-    return predict_run(config.model, dims=ParallelDims(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp),
-                       seq_len=config.data.seq_len, global_batch=config.data.global_batch_size,
-                       micro_batch=config.data.micro_batch_size, microbatches=options.microbatches,
-                       zero_stage=options.zero_stage, precision=options.precision,
-                       sequence_parallel=options.sequence_parallel, cp_method=options.cp_method,
-                       pp_schedule=options.pp_schedule, grad_clip=config.optim.grad_clip)
+    return predict_run(config.model, options.parallel, world_size=WORLD, seq_len=config.data.seq_len,
+                       global_batch=config.data.global_batch_size, micro_batch=config.data.micro_batch_size,
+                       grad_clip=config.optim.grad_clip)
 
 
 def _step_time(per_rank: list[dict], warmup: int) -> float:

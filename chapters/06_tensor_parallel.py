@@ -766,7 +766,7 @@ from refimpl.config import OptimConfig
 from refimpl.data import ShardedBatches, prepare_corpus
 from refimpl.distributed.mesh import ParallelDims
 from refimpl.optim import lr_at, set_lr
-from refimpl.parallel.parallelize import ParallelizeOptions, parallelize
+from refimpl.parallel.parallelize import parallelize
 
 train_cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, max_seq_len=32)
 optim_cfg = OptimConfig(lr=1e-2, warmup_steps=2)
@@ -777,7 +777,8 @@ layout = ParallelDims(dp=2, tp=2).build(rank=rank, world_size=world_size, timeou
 
 def train(dims_or_groups, *, sp=False, micro=1, sum_sp_grads=True):
     """STEPS AdamW steps; the loss of the whole global batch at each step (averaged over dp)."""
-    par = parallelize(GPT(train_cfg).to(device), dims_or_groups, ParallelizeOptions(sequence_parallel=sp))
+    dims = getattr(dims_or_groups, "dims", dims_or_groups)  # the groups carry their layout
+    par = parallelize(GPT(train_cfg).to(device), dims_or_groups, dims.config(sequence_parallel=sp))
     opt = par.build_optimizer(optim_cfg)
     dp_size, dp_rank = (layout.dims.dp, layout.coords.dp) if par.tp_group is not None else (1, 0)
     losses = []

@@ -308,7 +308,7 @@ fig.tight_layout()
 # ## 3. The planner against the runs it predicts
 #
 # Before a run starts, the planner tells what each rank will hold and send.
-# `refimpl.planner.predict_run(config, dims=..., ...)` composes the terms the earlier chapters proved one
+# `refimpl.planner.predict_run(config, parallel, ...)` composes the terms the earlier chapters proved one
 # by one, per rank: the **model state** (fp32 weights, gradients and AdamW moments of the rank's
 # tensor-parallel shards of its pipeline stages, the moments sharded over dp x cp under ZeRO-1;
 # chapters 04, 06, 08), the **activations** it holds at its peak (one micro-batch's saved tensors, or the
@@ -364,13 +364,10 @@ def prediction(name, **change):
     """predict_run on the trainer's own parsed flags for layout `name` (`change`: a wrong variant)."""
     args = build_parser().parse_args([*TINY, *LAYOUTS[name], "--steps", "2"])
     config, options = config_from_args(args), options_from_args(args)
-    d = options.parallel_dims(8)
-    kw = dict(dims=ParallelDims(dp=d.dp, cp=d.cp, tp=d.tp, pp=d.pp), seq_len=config.data.seq_len,
-              global_batch=config.data.global_batch_size, micro_batch=config.data.micro_batch_size,
-              microbatches=options.microbatches, zero_stage=options.zero_stage, precision=options.precision,
-              sequence_parallel=options.sequence_parallel, pp_schedule=options.pp_schedule,
-              grad_clip=config.optim.grad_clip)
-    return predict_run(config.model, **(kw | change))
+    parallel = dataclasses.replace(options.parallel, **change)  # the run's ParallelConfig, or the variant's
+    return predict_run(config.model, parallel, world_size=8, seq_len=config.data.seq_len,
+                       global_batch=config.data.global_batch_size, micro_batch=config.data.micro_batch_size,
+                       grad_clip=config.optim.grad_clip)
 
 
 def agrees(plan, name):

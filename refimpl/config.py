@@ -9,6 +9,7 @@ change (chapter 01). Names follow Megatron-LM (``hidden_size``, ``num_attention_
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -16,8 +17,36 @@ class ConfigError(ValueError):
     """A configuration that cannot work; the message says which field and why."""
 
 
+# The names each technique option takes, written once here (config imports nothing of refimpl, so the
+# techniques, the planner and the trainer's flags all read them from here).
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")  # chapter 05
+CP_METHODS: tuple[str, ...] = ("ring", "ulysses")  # chapter 07: ring attention, DeepSpeed-Ulysses
+CP_LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")  # chapter 07: how the ring splits the sequence
+PP_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zbh1")  # chapter 08
+PP_BALANCES: tuple[str, ...] = ("layers", "parameters")  # chapter 08: how blocks are cut into stages
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def parse_block_selection(spec: str) -> str | list[int] | Callable[[int], bool]:
+    """A command-line selection of blocks for activation checkpointing (chapter 05): ``all``, ``none``,
+    ``every-N`` (blocks 0, N, 2N, ...) or comma-separated indices such as ``0,2,-1``; the result goes to
+    :func:`refimpl.parallel.activation_checkpoint.apply_activation_checkpointing`."""
+    spec = spec.strip().lower()
+    if spec in ("all", "none"):
+        return spec
+    if spec.startswith("every-"):
+        step = spec.removeprefix("every-")
+        if not step.isdigit() or int(step) < 1:
+            raise ConfigError(f"bad block selection {spec!r}: every-N needs a positive N, e.g. every-2")
+        return lambda i: i % int(step) == 0
+    try:
+        return [int(part) for part in spec.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(
+            f"bad block selection {spec!r}: use all, none, every-N, or indices like 0,2,-1") from None
 
 
 def micro_batches(*, per_rank_batch: int, micro_batch_size: int | None, pp: int = 1,
@@ -172,14 +201,25 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """The layout and every technique option of a run, in one object (chapter 10 assembles them).
+    """The layout and every technique option of a run, in one object (chapter 10 assembles them): what the
+    trainer's options give (``RunOptions.parallel``), :func:`refimpl.parallel.parallelize` applies,
+    :func:`refimpl.planner.predict_run` predicts and the trainer's memory preflight plans.
 
     Degrees ``dp`` (None: the world size over ``cp x tp x pp``), ``cp``, ``tp``, ``pp``; ``zero_stage``
-    0-3; ``precision`` fp32/bf16/fp16; ``sequence_parallel``; ``cp_method`` ring/ulysses; the pipeline's
-    ``pp_schedule``, ``virtual_stages``, ``pp_balance`` and ``microbatches`` (None: the trainer's
-    default); ``activation_checkpointing`` a block selection or None. Which combinations are refused, and
-    why, is the support table's (:func:`refimpl.support.check_supported`), not this class's: it checks
-    only that each value is one it knows. The trainer's options give it (``RunOptions.parallel``).
+    0 (data parallel), 1 (sharded optimizer state), 2 (and gradients), 3 (and parameters); ``precision``
+    fp32/bf16/fp16; ``sequence_parallel`` (the activations between the tensor-parallel regions split along
+    the sequence); ``cp_method`` ring/ulysses and ``cp_layout`` how the sequence is split for it (ring:
+    ``zigzag``, the default, or ``contiguous``; Ulysses: contiguous) (chapter 07); the pipeline's
+    ``pp_schedule``, ``virtual_stages`` (model chunks per rank), ``pp_balance`` (``layers`` or
+    ``parameters``) and ``microbatches`` (None: the trainer's default) (chapter 08);
+    ``activation_checkpointing`` a block selection (``all``, ``every-N``, ``0,2,-1``; None: off).
+    The wrappers' tuning: ``bucket_cap_mb`` ZeRO-0's gradient buckets (DDP's 25 MB), ``zero_bucket_numel``
+    the elements per reduce-scatter bucket of ZeRO-2, ``prefetch`` and ``reshard_after_forward`` ZeRO-3's
+    all-gather schedule.
+
+    Which combinations are refused, and why, is the support table's
+    (:func:`refimpl.support.check_supported`), not this class's: it checks only that each value is one it
+    knows.
     """
 
     dp: int | None = None
@@ -190,11 +230,16 @@ class ParallelConfig:
     precision: str = "fp32"
     sequence_parallel: bool = False
     cp_method: str = "ring"
+    cp_layout: str | None = None
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1
     pp_balance: str = "layers"
     microbatches: int | None = None
     activation_checkpointing: str | None = None
+    bucket_cap_mb: float = 25.0
+    zero_bucket_numel: int = 2**20
+    prefetch: bool = False
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         for name in ("cp", "tp", "pp", "virtual_stages") + (("dp",) if self.dp is not None else ()):
@@ -202,6 +247,41 @@ class ParallelConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
         if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+            raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        for name, known in (("precision", PRECISIONS), ("cp_method", CP_METHODS),
+                            ("pp_schedule", PP_SCHEDULES), ("pp_balance", PP_BALANCES)):
+            if getattr(self, name) not in known:
+                raise ConfigError(f"{name} must be one of {known}, got {getattr(self, name)!r}")
+        if self.cp_layout not in (None, *CP_LAYOUTS) or (self.cp_method == "ulysses"
+                                                         and self.cp_layout not in (None, "contiguous")):
+            raise ConfigError(f"cp_layout must be None or one of {CP_LAYOUTS} (Ulysses: contiguous), got "
+                              f"{self.cp_layout!r} with cp_method {self.cp_method!r}")
+        if not self.bucket_cap_mb > 0 or self.zero_bucket_numel < 1:
+            raise ConfigError(f"bucket sizes must be positive, got bucket_cap_mb={self.bucket_cap_mb}, "
+                              f"zero_bucket_numel={self.zero_bucket_numel}")
         if self.microbatches is not None and self.microbatches < 1:
             raise ConfigError(f"--microbatches must be >= 1, got {self.microbatches}")
+        if self.activation_checkpointing is not None:
+            parse_block_selection(self.activation_checkpointing)  # a bad selection fails here
+
+    def checkpointed_blocks(self, num_layers: int) -> list[int]:
+        """The indices of the blocks ``activation_checkpointing`` recomputes in a model of ``num_layers``
+        (negative indices count from the end; out of range: none), as the planner counts them."""
+        if self.activation_checkpointing is None:
+            return []
+        n, sel = num_layers, parse_block_selection(self.activation_checkpointing)
+        if sel in ("all", "none"):
+            return list(range(n)) if sel == "all" else []
+        if callable(sel):
+            return [i for i in range(n) if sel(i)]
+        return sorted({i % n for i in sel if -n <= i < n})
+
+    @property
+    def degrees(self) -> dict[str, int | None]:
+        """``{"dp": ..., "cp": ..., "tp": ..., "pp": ...}`` (dp None: derived from the world size)."""
+        return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "pp": self.pp}
+
+    @property
+    def fsdp_mixed_precision(self) -> bool:
+        """ZeRO-3 in 16 bits as FSDP2: 16-bit gathered weights over fp32 master shards."""
+        return self.zero_stage == 3 and self.precision != "fp32"

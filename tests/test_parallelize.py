@@ -24,23 +24,23 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from refimpl.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
+from refimpl.config import ConfigError, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from refimpl.distributed import ParallelDims
 from refimpl.launch import run_ranks
 from refimpl.model import GPT, lm_loss
-from refimpl.parallel.parallelize import ORDER, ParallelizeOptions, parallelize
+from refimpl.parallel.parallelize import ORDER, parallelize
 
 WORLD = 4
 TIMEOUT_S = 240
 FACTOR = 2  # x the largest spread of the mean over the 24 orders of summation of 4 ranks
 CONFIG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, max_seq_len=16)
-CASES = {  # name -> options
-    "zero0": ParallelizeOptions(zero_stage=0),
-    "zero0-ac-bf16": ParallelizeOptions(zero_stage=0, activation_checkpointing="all", precision="bf16"),
-    "zero1": ParallelizeOptions(zero_stage=1),
-    "zero2-ac": ParallelizeOptions(zero_stage=2, activation_checkpointing="0"),
-    "zero3": ParallelizeOptions(zero_stage=3),
-    "zero3-bf16": ParallelizeOptions(zero_stage=3, precision="bf16"),
+CASES = {  # name -> the technique options at dp 4
+    "zero0": dict(zero_stage=0),
+    "zero0-ac-bf16": dict(zero_stage=0, activation_checkpointing="all", precision="bf16"),
+    "zero1": dict(zero_stage=1),
+    "zero2-ac": dict(zero_stage=2, activation_checkpointing="0"),
+    "zero3": dict(zero_stage=3),
+    "zero3-bf16": dict(zero_stage=3, precision="bf16"),
 }
 REFUSED = {  # layout at world size 4 and options -> what the error must say
     "dp2-pp2-zero3": (dict(dp=2, pp=2), dict(zero_stage=3, activation_checkpointing=None),
@@ -80,7 +80,7 @@ def _flat_grads(model) -> torch.Tensor:
 
 def _zero0_gradients(ctx, groups, *, sync: bool) -> torch.Tensor:
     """Flattened gradients after one backward of this rank's own batch through ZeRO-0."""
-    par = parallelize(GPT(CONFIG, seed=0), groups, ParallelizeOptions(zero_stage=0))
+    par = parallelize(GPT(CONFIG, seed=0), groups, groups.dims.config(zero_stage=0))
     g = torch.Generator().manual_seed(100 + ctx.rank)  # every rank its own tokens
     x = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=g)
     y = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=g)
@@ -104,7 +104,8 @@ def _worker(ctx) -> dict:
     groups = dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
     result: dict = {"cases": {}}
     for name, options in CASES.items():
-        result["cases"][name] = _describe(parallelize(GPT(CONFIG, seed=0), groups, options), groups)
+        result["cases"][name] = _describe(parallelize(GPT(CONFIG, seed=0), groups, dims.config(**options)),
+                                           groups)
     # gradients: the same bits on every rank and the mean of the ranks' own gradients
     dp_cp = groups.group("dp", "cp")
     own = _zero0_gradients(ctx, groups, sync=False)  # under no_sync: this rank's own gradient
@@ -120,7 +121,7 @@ def _worker(ctx) -> dict:
     # dp 2 x cp 2: attention across the cp pair, the wrapper over all four ranks, the sequence split
     cp_groups = ParallelDims(dp=2, cp=2).build(rank=ctx.rank, world_size=ctx.world_size,
                                                timeout_s=ctx.timeout_s)
-    par = parallelize(GPT(CONFIG, seed=0), cp_groups, ParallelizeOptions(cp_method="ring"))
+    par = parallelize(GPT(CONFIG, seed=0), cp_groups, cp_groups.dims.config(cp_method="ring"))
     tokens = torch.arange(2 * 16).reshape(2, 16)  # [b, s]
     result["cp"] = {"applied": par.applied, "group_ranks": _ranks(par.group),
                     "cp_ranks": _ranks(par.cp_group),
@@ -129,7 +130,8 @@ def _worker(ctx) -> dict:
     # dp 2 x pp 2: this rank's stages, the replicas averaged once per step (no per-backward hooks)
     pp_groups = ParallelDims(dp=2, pp=2).build(rank=ctx.rank, world_size=ctx.world_size,
                                                timeout_s=ctx.timeout_s)
-    par = parallelize(GPT(CONFIG, seed=0), pp_groups, ParallelizeOptions(activation_checkpointing="all"))
+    par = parallelize(GPT(CONFIG, seed=0), pp_groups,
+                      pp_groups.dims.config(activation_checkpointing="all"))
     opt = par.build_optimizer(OptimConfig())
     result["pp"] = {"applied": par.applied, "group_ranks": _ranks(par.group),
                     "model": type(par.model).__name__, "stages": par.pipeline.stage_ids,
@@ -143,7 +145,7 @@ def _worker(ctx) -> dict:
         model = GPT(CONFIG, seed=0)
         try:
             parallelize(model, layout_groups,
-                        ParallelizeOptions(**{"activation_checkpointing": "all"} | options))
+                        layout_groups.dims.config(**{"activation_checkpointing": "all"} | options))
             message = None
         except ValueError as exc:
             message = str(exc)
@@ -151,7 +153,7 @@ def _worker(ctx) -> dict:
 
         result["refused"][name] = (message, checkpointed_blocks(model))
     try:  # several ranks need their groups, not only the degrees
-        parallelize(GPT(CONFIG, seed=0), dims, ParallelizeOptions())
+        parallelize(GPT(CONFIG, seed=0), dims, dims.config())
         result["dims_only"] = None
     except ValueError as exc:
         result["dims_only"] = str(exc)
@@ -279,20 +281,20 @@ def test_unbuilt_combinations_are_refused_before_the_model_is_touched(ranks, nam
 
 
 def test_one_process_layout_needs_no_group():
-    par = parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1), ParallelizeOptions(precision="bf16"))
+    par = parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1), ParallelConfig(dp=1, precision="bf16"))
     assert par.forward is par.model and par.sync is None and par.group is None
     assert par.applied == ["mixed precision"]
     assert type(par.build_optimizer(OptimConfig()).optimizer).__name__ == "AdamW"
     with pytest.raises(ValueError, match="pass its process groups"):
-        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=2), ParallelizeOptions())
+        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=2))
     with pytest.raises(ValueError, match="ZeRO-3"):  # what is not built is named before the groups
-        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, pp=2), ParallelizeOptions(zero_stage=3))
+        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, pp=2), ParallelConfig(pp=2, zero_stage=3))
     with pytest.raises(ValueError, match="pass its process groups"):
-        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, cp=2), ParallelizeOptions())
+        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, cp=2))
     with pytest.raises(ValueError, match="needs tp > 1"):
-        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1), ParallelizeOptions(sequence_parallel=True))
+        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1), ParallelConfig(sequence_parallel=True))
     with pytest.raises(ValueError, match="ZeRO-3 with tp > 1"):
-        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, tp=2), ParallelizeOptions(zero_stage=3))
+        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, tp=2), ParallelConfig(tp=2, zero_stage=3))
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -302,15 +304,28 @@ def test_one_process_layout_needs_no_group():
     (dict(cp_method="striped"), "cp_method must be one of"),
     (dict(cp_method="ulysses", cp_layout="zigzag"), "cp_layout must be"),
     (dict(cp_layout="diagonal"), "cp_layout must be"),
-    (dict(zero_stage=3, activation_checkpointing="all"), "does not work with zero_stage 3"),
+    (dict(pp_schedule="zb1p"), "pp_schedule must be one of"),
 ])
 def test_bad_options_are_refused(bad, match):
-    with pytest.raises(ValueError, match=match):
-        ParallelizeOptions(**bad)
+    with pytest.raises(ConfigError, match=match):
+        ParallelConfig(**bad)
+
+
+def test_a_config_whose_degrees_are_not_the_layouts_is_refused():
+    """parallelize takes one ParallelConfig: its degrees must be the groups' (dp None: any), so a config
+    written for one layout cannot silently run on another; ZeRO-3 with checkpointing is the support
+    table's refusal."""
+    with pytest.raises(ValueError, match=r"degrees \{'tp': 2\} are not the layout's"):
+        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1), ParallelConfig(tp=2))
+    with pytest.raises(ConfigError, match="ZeRO-3 with activation checkpointing is not built"):
+        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1),
+                    ParallelConfig(zero_stage=3, activation_checkpointing="all"))
+    par = parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1), ParallelConfig(dp=None, zero_stage=1))
+    assert par.config.zero_stage == 1
 
 
 def test_options_are_keyword_only_and_frozen():
     with pytest.raises(TypeError):
-        ParallelizeOptions(1)  # noqa: F841 (positional)
+        ParallelConfig(1)  # noqa: F841 (positional)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        ParallelizeOptions().zero_stage = 2
+        ParallelConfig().zero_stage = 2

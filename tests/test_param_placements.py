@@ -30,7 +30,7 @@ from refimpl.launch import run_ranks
 from refimpl.parallel.placements import HeldGradient, Placement, clip_grad_norm_, record_placements
 
 SPAWN_TIMEOUT = 180
-LAYOUTS = {  # name: (ParallelDims keywords, ParallelizeOptions keywords)
+LAYOUTS = {  # name: (ParallelDims keywords, ParallelConfig technique keywords)
     "tp2-dp2-sp": ({"dp": 2, "tp": 2}, {"sequence_parallel": True}),
     "tp2-dp2-zero1": ({"dp": 2, "tp": 2}, {"zero_stage": 1}),
     "pp2-dp2-tied": ({"pp": 2, "dp": 2}, {}),
@@ -96,7 +96,7 @@ def _norms_on_rank(ctx) -> dict:
     from refimpl.config import ModelConfig, OptimConfig
     from refimpl.distributed.mesh import ParallelDims
     from refimpl.model import GPT
-    from refimpl.parallel.parallelize import ParallelizeOptions, parallelize
+    from refimpl.parallel.parallelize import parallelize
 
     config = ModelConfig(vocab_size=50, num_layers=2, hidden_size=16, num_attention_heads=2, max_seq_len=8,
                          tie_word_embeddings=True)
@@ -105,7 +105,7 @@ def _norms_on_rank(ctx) -> dict:
     out = {"global": math.sqrt(sum(float(g.double().square().sum()) for g in full.values()))}
     for name, (dims, options) in LAYOUTS.items():
         groups = ParallelDims(**dims).build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=60)
-        par = parallelize(GPT(config, seed=1), groups, ParallelizeOptions(**options))
+        par = parallelize(GPT(config, seed=1), groups, groups.dims.config(**options))
         setup = par.build_optimizer(OptimConfig(grad_clip=1e9))
         held = dict(_held(par))
         for n, p in held.items():

@@ -32,7 +32,6 @@ from pathlib import Path
 import pytest
 
 from refimpl.data import make_corpus_file
-from refimpl.distributed import ParallelDims
 from refimpl.launch import run_ranks
 from refimpl.measure.run_measurement import TrainerProbe
 from refimpl.planner import predict_run
@@ -61,14 +60,10 @@ def _args(files: dict, name: str):
 def predict(args, **change):
     """predict_run on the trainer's own parsed flags (``change``: a wrong variant's arguments)."""
     config, options = config_from_args(args), options_from_args(args)
-    dims = options.parallel_dims(WORLD)
-    kw = dict(dims=ParallelDims(dp=dims.dp, cp=dims.cp, tp=dims.tp, pp=dims.pp), seq_len=config.data.seq_len,
-              global_batch=config.data.global_batch_size, micro_batch=config.data.micro_batch_size,
-              microbatches=options.microbatches, zero_stage=options.zero_stage, precision=options.precision,
-              sequence_parallel=options.sequence_parallel, pp_schedule=options.pp_schedule,
-              cp_method=options.cp_method,
-              grad_clip=config.optim.grad_clip)
-    return predict_run(config.model, **(kw | change))
+    grad_clip = change.pop("grad_clip", config.optim.grad_clip)
+    return predict_run(config.model, dataclasses.replace(options.parallel, **change), world_size=WORLD,
+                       seq_len=config.data.seq_len, global_batch=config.data.global_batch_size,
+                       micro_batch=config.data.micro_batch_size, grad_clip=grad_clip)
 
 
 @pytest.fixture(scope="module")

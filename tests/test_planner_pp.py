@@ -320,7 +320,7 @@ def _composed_worker(ctx) -> dict:
     """Per layout: the held bytes of one real step of parallelize's pipeline, and its stages' state after an
     AdamW step; then the trainer's own pp 2 x dp 2 ZeRO-1 setup's state before its second update."""
     from refimpl.config import DataConfig, OptimConfig, TrainConfig
-    from refimpl.parallel.parallelize import ParallelizeOptions, parallelize
+    from refimpl.parallel.parallelize import parallelize
     from refimpl.train import RunOptions, build_setup
     from refimpl.train.step import train_step
 
@@ -331,7 +331,7 @@ def _composed_worker(ctx) -> dict:
     for key, (axes, options) in COMPOSED.items():
         dims = ParallelDims(dp=1, pp=2, **axes)
         groups = dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
-        par = parallelize(GPT(config, seed=0), groups, ParallelizeOptions(**options))
+        par = parallelize(GPT(config, seed=0), groups, dims.config(**options))
         x, y = par.split_batch(tokens[:, :-1].contiguous()), par.split_batch(tokens[:, 1:].contiguous())
         got = _counted_step(par.pipeline, x, y, lambda logits, labels, par=par: par.loss(logits, labels) / M)
         params = list(par.pipeline.parameters())

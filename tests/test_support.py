@@ -12,7 +12,7 @@ import pytest
 from refimpl.config import ConfigError, ModelConfig, ParallelConfig
 from refimpl.distributed import ParallelDims
 from refimpl.model import GPT
-from refimpl.parallel.parallelize import ParallelizeOptions, parallelize
+from refimpl.parallel.parallelize import parallelize
 from refimpl.planner import run_memory_per_rank
 from refimpl.support import SUPPORT_TABLE, check_supported, describe_support_table, refusals
 from refimpl.train import RunOptions
@@ -62,7 +62,7 @@ def test_the_trainer_parallelize_and_the_planner_refuse_in_the_rows_words():
         RunOptions(tp=2, zero_stage=3)
     config = ModelConfig(vocab_size=64, max_seq_len=8, num_layers=2, hidden_size=16, num_attention_heads=2)
     with pytest.raises(ConfigError) as parallel:
-        parallelize(GPT(config, seed=0), ParallelDims(dp=1, tp=2), ParallelizeOptions(zero_stage=3))
+        parallelize(GPT(config, seed=0), ParallelDims(dp=1, tp=2), ParallelConfig(dp=1, tp=2, zero_stage=3))
     with pytest.raises(ConfigError) as planner:
         run_memory_per_rank(config, ParallelDims(dp=2, tp=2), micro_batch=1, seq_len=8, zero_stage=3)
     assert str(trainer.value) == str(parallel.value) == str(planner.value) == message

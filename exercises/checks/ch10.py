@@ -126,14 +126,14 @@ def _gradients_on_rank(ctx, layout: dict) -> dict:
 
     from refimpl.config import ModelConfig, OptimConfig
     from refimpl.model import GPT
-    from refimpl.parallel.parallelize import ParallelizeOptions, parallelize
+    from refimpl.parallel.parallelize import parallelize
 
     groups = ParallelDims(**layout).build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=60)
     out: dict = {}
     for tied in (True, False):
         config = ModelConfig(vocab_size=64, num_layers=4, hidden_size=16, num_attention_heads=2,
                              max_seq_len=8, tie_word_embeddings=tied)
-        par = parallelize(GPT(config), groups, ParallelizeOptions())
+        par = parallelize(GPT(config), groups)
         setup = par.build_optimizer(OptimConfig(grad_clip=1e9))
         out["group"] = tuple(dist.get_process_group_ranks(par.group))
         gen = torch.Generator().manual_seed(1000 * ctx.rank + tied)

@@ -36,7 +36,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from refimpl.config import ConfigError
+from refimpl.config import ConfigError, ParallelConfig
 from refimpl.distributed.grid import RankGrid
 
 AXES = ("pp", "dp", "cp", "tp")  # outermost first: the row-major order of the rank grid
@@ -108,6 +108,11 @@ class ParallelDims:
 
     def describe(self) -> str:
         return " x ".join(f"{axis} {getattr(self, axis)}" for axis in DESCRIBE_ORDER)
+
+    def config(self, **options: object) -> ParallelConfig:
+        """The :class:`~refimpl.config.ParallelConfig` of this layout with the technique ``options``
+        (``dims.config(zero_stage=1)``): what :func:`refimpl.parallel.parallelize` takes."""
+        return ParallelConfig(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, **options)
 
     def check(self, world_size: int) -> None:
         """Refuse a layout whose product is not the world size."""

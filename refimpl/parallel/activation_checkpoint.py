@@ -22,6 +22,7 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from refimpl.config import parse_block_selection
 from refimpl.measure.activations import transformer_blocks
 
 __all__ = ["CheckpointedForward", "apply_activation_checkpointing", "checkpoint_block", "checkpointed_blocks",
@@ -84,24 +85,6 @@ def apply_activation_checkpointing(
     for i, block in enumerate(layers):
         (checkpoint_block if i in chosen else uncheckpoint_block)(block)
     return sorted(chosen)
-
-
-def parse_block_selection(spec: str) -> str | list[int] | Callable[[int], bool]:
-    """A command-line selection of blocks: ``all``, ``none``, ``every-N`` (blocks 0, N, 2N, ...) or
-    comma-separated indices such as ``0,2,-1``; the result goes to :func:`apply_activation_checkpointing`."""
-    spec = spec.strip().lower()
-    if spec in ("all", "none"):
-        return spec
-    if spec.startswith("every-"):
-        step = spec.removeprefix("every-")
-        if not step.isdigit() or int(step) < 1:
-            raise ValueError(f"bad block selection {spec!r}: every-N needs a positive N, e.g. every-2")
-        return lambda i: i % int(step) == 0
-    try:
-        return [int(part) for part in spec.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(
-            f"bad block selection {spec!r}: use all, none, every-N, or indices like 0,2,-1") from None
 
 
 def checkpointed_blocks(model: nn.Module) -> list[int]:

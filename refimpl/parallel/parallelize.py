@@ -61,6 +61,8 @@ tokens over the ``tp`` group, after the data-parallel reduction and before clipp
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.distributed as dist
 from torch import nn
 
@@ -69,21 +71,21 @@ from refimpl.distributed.mesh import LOSS_AXES, ParallelDims, ParallelGroups
 from refimpl.parallel.data_parallel import DataParallelBucket
 from refimpl.parallel.data_parallel.data_parallel_communications import broadcast_module
 from refimpl.parallel.optimizer_setup import OptimizerSetup
-from refimpl.parallel.parallelized import Parallelized, ParallelizeOptions, record_parallel_placements
+from refimpl.parallel.parallelized import Parallelized, record_parallel_placements
 from refimpl.precision import MixedPrecision, MixedPrecisionPolicy
 from refimpl.support import check_supported
 
-__all__ = ["ORDER", "OptimizerSetup", "ParallelizeOptions", "Parallelized", "parallelize"]
+__all__ = ["ORDER", "OptimizerSetup", "Parallelized", "parallelize"]
 
 ORDER = ("tensor parallel", "context parallel", "pipeline split", "activation checkpointing",
          "mixed precision", "data parallel")  # the steps of :func:`parallelize`, in the order applied
 
 
 def _layout(groups_or_dims: ParallelGroups | ParallelDims,
-            options: ParallelizeOptions) -> tuple[ParallelDims, ParallelGroups | None]:
-    """The layout and its groups; refuses combinations that are not built (saying why),
-    options the layout cannot take and a multi-rank layout given without its groups, before anything is
-    touched (every rank alike)."""
+            config: ParallelConfig) -> tuple[ParallelDims, ParallelGroups | None]:
+    """The layout and its groups; refuses a config whose degrees are not the layout's, combinations that
+    are not built (saying why, :func:`refimpl.support.check_supported`) and a multi-rank layout given
+    without its groups, before anything is touched (every rank alike)."""
     if isinstance(groups_or_dims, ParallelGroups):
         dims, groups = groups_or_dims.dims, groups_or_dims
     elif isinstance(groups_or_dims, ParallelDims):
@@ -91,11 +93,12 @@ def _layout(groups_or_dims: ParallelGroups | ParallelDims,
     else:
         raise TypeError("parallelize takes ParallelGroups or ParallelDims, got "
                         f"{type(groups_or_dims).__name__}")
-    check_supported(ParallelConfig(  # the combinations refused, with their reasons: refimpl/support.py
-        dp=dims.dp, cp=dims.cp, tp=dims.tp, pp=dims.pp, zero_stage=options.zero_stage,
-        precision=options.precision, sequence_parallel=options.sequence_parallel, cp_method=options.cp_method,
-        pp_schedule=options.pp_schedule, virtual_stages=options.virtual_stages, pp_balance=options.pp_balance,
-        activation_checkpointing=options.activation_checkpointing))
+    layout = {"dp": dims.dp, "cp": dims.cp, "tp": dims.tp, "pp": dims.pp}
+    differ = {k: v for k, v in config.degrees.items() if v is not None and v != layout[k]}
+    if differ:
+        raise ValueError(f"the config's degrees {differ} are not the layout's {dims.describe()}: give "
+                         "dims.config(...) (ParallelDims.config: the layout's degrees and your options)")
+    check_supported(dataclasses.replace(config, dp=dims.dp))  # refused combinations: refimpl/support.py
     if groups is None and dims.world_size > 1:
         raise ValueError(f"the layout {dims.describe()} spans {dims.world_size} ranks: pass its process "
                          "groups (dims.build(rank=..., world_size=..., timeout_s=...))")
@@ -103,16 +106,21 @@ def _layout(groups_or_dims: ParallelGroups | ParallelDims,
 
 
 def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
-                options: ParallelizeOptions | None = None) -> Parallelized:
-    """Apply the techniques of ``options`` to ``model`` over the groups of the layout, in the order of the
+                config: ParallelConfig | None = None) -> Parallelized:
+    """Apply the techniques of ``config`` to ``model`` over the groups of the layout, in the order of the
     module docstring (:data:`ORDER`); return the pieces a training step needs (:class:`Parallelized`).
+
+    ``config``: a :class:`~refimpl.config.ParallelConfig` whose degrees are the layout's (``dp`` may be
+    None; None: ``dims.config()``, the layout's degrees with every technique option at its default).
 
     ``groups_or_dims``: this rank's :class:`ParallelGroups` (``dims.build(...)``, built once per run), or a
     one-rank :class:`ParallelDims` (no process group). The model must be identical on every rank (same
     seed); it is changed in place (checkpointed blocks, ZeRO-3's shards). Collective under several ranks.
     """
-    options = options or ParallelizeOptions()
-    dims, groups = _layout(groups_or_dims, options)
+    if config is None:
+        dims = groups_or_dims.dims if isinstance(groups_or_dims, ParallelGroups) else groups_or_dims
+        config = dims.config()
+    dims, groups = _layout(groups_or_dims, config)
     applied: list[str] = []
     tp_group = cp_group = pipeline = None
     # 1. tensor / sequence parallel over tp: replaces the linears and the embedding by their shards
@@ -120,14 +128,14 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
         from refimpl.parallel.tensor_parallel import apply_tensor_parallel
 
         tp_group = groups.group("tp")
-        apply_tensor_parallel(model, tp_group=tp_group, sequence_parallel=options.sequence_parallel)
+        apply_tensor_parallel(model, tp_group=tp_group, sequence_parallel=config.sequence_parallel)
         applied.append("tensor parallel")
     # 2. context parallel over cp: attention across the ranks' parts of the sequence, global positions
     if dims.cp > 1:
         from refimpl.parallel.context_parallel import apply_context_parallel
 
         cp_group = groups.group("cp")
-        apply_context_parallel(model, cp_group=cp_group, method=options.cp_method, layout=options.cp_layout)
+        apply_context_parallel(model, cp_group=cp_group, method=config.cp_method, layout=config.cp_layout)
         applied.append("context parallel")
     # 3. pipeline split over pp: this rank keeps its stages (and runs them by the schedule)
     if dims.pp > 1:
@@ -135,31 +143,31 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
 
         pp_group = groups.group("pp")
         pipeline = PipelineModule(model, pp_group=pp_group, pp_rank=dist.get_rank(pp_group), pp_size=dims.pp,
-                                  schedule=options.pp_schedule, virtual_stages=options.virtual_stages,
-                                  balance=options.pp_balance,
-                                  sequence_split=dims.tp if options.sequence_parallel else 1)
+                                  schedule=config.pp_schedule, virtual_stages=config.virtual_stages,
+                                  balance=config.pp_balance,
+                                  sequence_split=dims.tp if config.sequence_parallel else 1)
         applied.append("pipeline split")
     # 4. activation checkpointing, on the blocks the wrapper of step 6 will hook
-    if options.activation_checkpointing not in (None, "none"):
+    if config.activation_checkpointing not in (None, "none"):
         from refimpl.parallel.activation_checkpoint import (
             apply_activation_checkpointing,
             parse_block_selection,
         )
 
-        apply_activation_checkpointing(model, parse_block_selection(options.activation_checkpointing))
+        apply_activation_checkpointing(model, parse_block_selection(config.activation_checkpointing))
         applied.append("activation checkpointing")
     # 5. mixed precision: the policy, handed to ZeRO-3 (it casts before the all-gather) or used as autocast.
     # The fp16 scaler agrees on overflow over WORLD (group None): every rank skips the step together.
-    fsdp_mp = options.fsdp_mixed_precision
+    fsdp_mp = config.fsdp_mixed_precision
     device = next(iter(model.parameters())).device
-    mp = MixedPrecision(MixedPrecisionPolicy.from_name(options.precision, master_weights=fsdp_mp),
+    mp = MixedPrecision(MixedPrecisionPolicy.from_name(config.precision, master_weights=fsdp_mp),
                         model if pipeline is None else pipeline, device=device, wrapper_keeps_master=fsdp_mp)
-    if options.precision != "fp32":
+    if config.precision != "fp32":
         applied.append("mixed precision")
     # 6. data parallel / ZeRO over dp x cp, outermost
     group = None if groups is None else groups.group(*LOSS_AXES)
     replicas = dims.dp * dims.cp
-    done = Parallelized(model=model, forward=model, state_module=model, mp=mp, options=options, group=group,
+    done = Parallelized(model=model, forward=model, state_module=model, mp=mp, config=config, group=group,
                         applied=applied, tp_group=tp_group, cp_group=cp_group)
     if pipeline is not None:  # the dp x cp average comes once per step (OptimizerSetup.finish_gradients)
         done.model = done.forward = done.state_module = done.pipeline = pipeline
@@ -170,18 +178,18 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
             done.group = None
         done.placements = record_parallel_placements(done, replicas=replicas)
         return done
-    if options.zero_stage == 0:
+    if config.zero_stage == 0:
         if replicas > 1:  # broadcasts the first rank's weights over the group
-            done.sync = DataParallelBucket(model, options.bucket_cap_mb, group)
+            done.sync = DataParallelBucket(model, config.bucket_cap_mb, group)
             done.forward = done.sync
             applied.append("data parallel")
-    elif options.zero_stage in (1, 2):  # every rank built the same weights: the optimizer shards them
+    elif config.zero_stage in (1, 2):  # every rank built the same weights: the optimizer shards them
         applied.append("data parallel")
     else:
         from refimpl.parallel.zero import FullyShardedDataParallel
 
-        fsdp = FullyShardedDataParallel(model, group=group, prefetch=options.prefetch,
-                                        reshard_after_forward=options.reshard_after_forward,
+        fsdp = FullyShardedDataParallel(model, group=group, prefetch=config.prefetch,
+                                        reshard_after_forward=config.reshard_after_forward,
                                         mp_policy=mp.policy if fsdp_mp else None)
         done.forward = done.state_module = fsdp
         applied.append("data parallel")

@@ -1,5 +1,5 @@
-"""What :func:`~refimpl.parallel.parallelize.parallelize` takes and gives (chapter 10): the techniques'
-options (:class:`ParallelizeOptions`) and the parallelized model (:class:`Parallelized`), which holds each
+"""What :func:`~refimpl.parallel.parallelize.parallelize` gives (chapter 10): the parallelized model
+(:class:`Parallelized`; what it takes is a :class:`~refimpl.config.ParallelConfig`), which holds each
 parameter's placement (:mod:`refimpl.parallel.placements`, recorded by :func:`record_parallel_placements`)
 and builds the optimizer from them (:func:`refimpl.parallel.optimizer_setup.build_optimizer_setup`).
 """
@@ -12,86 +12,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from refimpl.config import OptimConfig
+from refimpl.config import OptimConfig, ParallelConfig
 from refimpl.distributed.placement import module_shards
 from refimpl.model import lm_loss
 from refimpl.parallel.data_parallel import DataParallelBucket
 from refimpl.parallel.optimizer_setup import OptimizerInputs, OptimizerSetup, build_optimizer_setup
 from refimpl.parallel.placements import Placement, record_placements
-from refimpl.precision import PRECISIONS, MixedPrecision
+from refimpl.precision import MixedPrecision
 
-__all__ = ["ParallelizeOptions", "Parallelized", "held_parameters", "record_parallel_placements"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParallelizeOptions:
-    """How :func:`parallelize` applies each technique (the layout itself comes with the groups).
-
-    ``zero_stage`` 0 (data parallel), 1 (sharded optimizer state), 2 (and gradients), 3 (and parameters);
-    ``precision`` ``fp32``/``bf16``/``fp16`` (:meth:`refimpl.precision.MixedPrecisionPolicy.from_name`);
-    ``sequence_parallel`` splits the activations between the tensor-parallel regions along the sequence
-    (needs ``tp > 1``);
-    ``cp_method`` the attention across the context-parallel ranks, ``ring`` or ``ulysses``, and
-    ``cp_layout`` how the sequence is split for it (ring: ``zigzag``, the default, or ``contiguous``;
-    Ulysses: contiguous) (chapter 07);
-    ``pp_schedule`` (``gpipe``, ``1f1b``, ``interleaved``, ``zbh1``), ``virtual_stages`` (model chunks per
-    rank, interleaved only) and ``pp_balance`` (``layers`` or ``parameters``) the pipeline (chapter 08);
-    ``activation_checkpointing`` a block selection (``all``, ``every-N``, ``0,2,-1``; None: off);
-    ``bucket_cap_mb`` the gradient buckets of ZeRO-0 (DDP's 25 MB); ``zero_bucket_numel`` the elements per
-    reduce-scatter bucket of ZeRO-2; ``prefetch`` and ``reshard_after_forward`` the all-gather schedule of
-    ZeRO-3.
-    """
-
-    zero_stage: int = 0
-    precision: str = "fp32"
-    sequence_parallel: bool = False
-    cp_method: str = "ring"
-    cp_layout: str | None = None
-    pp_schedule: str = "1f1b"
-    virtual_stages: int = 1
-    pp_balance: str = "layers"
-    activation_checkpointing: str | None = None
-    bucket_cap_mb: float = 25.0
-    zero_bucket_numel: int = 2**20
-    prefetch: bool = False
-    reshard_after_forward: bool = True
-
-    def __post_init__(self) -> None:
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        from refimpl.parallel.context_parallel import LAYOUTS, METHODS
-
-        if self.cp_method not in METHODS:
-            raise ValueError(f"cp_method must be one of {METHODS}, got {self.cp_method!r}")
-        if self.cp_layout not in (None, *LAYOUTS) or (self.cp_method == "ulysses"
-                                                      and self.cp_layout not in (None, "contiguous")):
-            raise ValueError(f"cp_layout must be None or one of {LAYOUTS} (Ulysses: contiguous), got "
-                             f"{self.cp_layout!r} with cp_method {self.cp_method!r}")
-        from refimpl.parallel.pipeline_parallel import SCHEDULES
-
-        if self.pp_schedule not in SCHEDULES:
-            raise ValueError(f"pp_schedule must be one of {SCHEDULES}, got {self.pp_schedule!r}")
-        if self.pp_balance not in ("layers", "parameters"):
-            raise ValueError(f"pp_balance must be 'layers' or 'parameters', got {self.pp_balance!r}")
-        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1 or (
-                self.virtual_stages > 1 and self.pp_schedule != "interleaved"):
-            raise ValueError(f"virtual_stages must be a positive integer, above 1 only with the interleaved "
-                             f"schedule; got {self.virtual_stages!r} with {self.pp_schedule!r}")
-        if not self.bucket_cap_mb > 0 or self.zero_bucket_numel < 1:
-            raise ValueError(f"bucket sizes must be positive, got bucket_cap_mb={self.bucket_cap_mb}, "
-                             f"zero_bucket_numel={self.zero_bucket_numel}")
-        if self.zero_stage == 3 and self.activation_checkpointing not in (None, "none"):
-            # ZeRO-3 registers the gathered parameters only around the unit's forward: the recomputation in
-            # backward would run on the shards.
-            raise ValueError("activation checkpointing does not work with zero_stage 3 yet (the recomputed "
-                             "forward would see the parameter shards); use zero_stage 1 or 2")
-
-    @property
-    def fsdp_mixed_precision(self) -> bool:
-        """ZeRO-3 in 16 bits as FSDP2: 16-bit gathered weights over fp32 master shards."""
-        return self.zero_stage == 3 and self.precision != "fp32"
+__all__ = ["Parallelized", "held_parameters", "record_parallel_placements"]
 
 
 @dataclass(kw_only=True)
@@ -99,7 +28,8 @@ class Parallelized:
     """What :func:`parallelize` made of a model.
 
     ``model`` is the plain model (under ZeRO-3 its parameters are shards), ``forward`` what a batch goes
-    through, ``state_module`` what a checkpoint saves (the ZeRO-3 wrapper), ``sync`` the wrapper whose
+    through, ``config`` the :class:`~refimpl.config.ParallelConfig` it applied (its degrees those of the
+    layout), ``state_module`` what a checkpoint saves (the ZeRO-3 wrapper), ``sync`` the wrapper whose
     ``no_sync()``/``finish_gradient_synchronization()`` the step calls (ZeRO-0 with several ranks, else
     None), ``group`` the ``dp x cp`` group gradients are averaged over (None: one process), ``applied``
     the steps of :data:`ORDER` that did something, in order, ``tp_group`` the tensor-parallel group (None:
@@ -113,7 +43,7 @@ class Parallelized:
     forward: nn.Module
     state_module: nn.Module
     mp: MixedPrecision
-    options: ParallelizeOptions
+    config: ParallelConfig
     sync: DataParallelBucket | None = None
     group: dist.ProcessGroup | None = None
     applied: list[str] = field(default_factory=list)
@@ -129,8 +59,8 @@ class Parallelized:
             return tokens
         from refimpl.parallel.context_parallel import split_for_context_parallel
 
-        return split_for_context_parallel(tokens, cp_group=self.cp_group, method=self.options.cp_method,
-                                          layout=self.options.cp_layout)
+        return split_for_context_parallel(tokens, cp_group=self.cp_group, method=self.config.cp_method,
+                                          layout=self.config.cp_layout)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean next-token loss of this rank's tokens: :func:`refimpl.model.lm_loss`, or under tensor
@@ -144,7 +74,7 @@ class Parallelized:
     def build_optimizer(self, config: OptimConfig) -> OptimizerSetup:
         """AdamW over this rank's parameters, with what the checked step needs for this layout
         (:func:`refimpl.parallel.optimizer_setup.build_optimizer_setup`)."""
-        pipe, zero = self.pipeline, self.options.zero_stage
+        pipe, zero = self.pipeline, self.config.zero_stage
         if pipe is not None and self.group is None:
             zero = 0  # one data-parallel rank: nothing to shard the optimizer over
         if pipe is not None:
@@ -154,7 +84,7 @@ class Parallelized:
         setup = build_optimizer_setup(OptimizerInputs(
             module=self.state_module if zero == 3 else self.model, named=named,
             held=held_parameters(self), placements=self.placements, groups=self.groups(),
-            zero_stage=zero, zero_bucket_numel=self.options.zero_bucket_numel, policy=self.mp.policy,
+            zero_stage=zero, zero_bucket_numel=self.config.zero_bucket_numel, policy=self.mp.policy,
             average_in_finish=pipe is not None and zero == 0 and self.group is not None), config)
         if pipe is not None and zero == 2:  # ZeRO-2's hooks keep only each gradient's shard: the tied
             pipe.gradient_holder = setup.optimizer.shard  # embedding's two ends are summed as shards
@@ -172,7 +102,7 @@ def held_parameters(done: Parallelized) -> list[tuple[str, nn.Parameter]]:
     named_parameters_full`), ZeRO-3's row shards, or the model's own."""
     if done.pipeline is not None:
         return done.pipeline.named_parameters_full()
-    if done.options.zero_stage == 3:
+    if done.config.zero_stage == 3:
         return [(n, s.tensor) for n, s in module_shards(done.state_module).items()
                 if isinstance(s.tensor, nn.Parameter)]
     return list(done.model.named_parameters())
@@ -188,7 +118,7 @@ def record_parallel_placements(done: Parallelized, *, replicas: int) -> dict[str
 
     pipe, tp = done.pipeline, done.tp_group is not None
     declared = module_shards(done.model if pipe is None else pipe)  # the boxes the modules declare
-    if done.options.zero_stage == 3 and pipe is None:
+    if done.config.zero_stage == 3 and pipe is None:
         declared = module_shards(done.state_module)
     boxes = {n: declared[n].box for n, _ in held_parameters(done)}
     if pipe is None:
@@ -199,7 +129,7 @@ def record_parallel_placements(done: Parallelized, *, replicas: int) -> dict[str
         tied = "embedding.word_embeddings.weight" if pipe.tied_peer is not None and 0 not in pipe.stage_ids \
             else None
     placed = record_placements(boxes, tp=tp, sequence_parallel=sp, pp=pipe is not None, tied_copy=tied)
-    if done.options.zero_stage == 3 and pipe is None:  # the wrapper's row shards of the whole tensors
+    if done.config.zero_stage == 3 and pipe is None:  # the wrapper's row shards of the whole tensors
         return {n: p.along("dp_cp", sharded=True, reduced=True) for n, p in placed.items()}
     return {n: p.along("dp_cp", sharded=False, reduced=replicas > 1) for n, p in placed.items()}
 

@@ -51,7 +51,13 @@ from refimpl.planner.layout import (
     tensor_parallel_degree,
     zero_shard_degree,
 )
-from refimpl.planner.memory import RunMemory, run_memory_per_rank, state_memory, state_memory_per_rank
+from refimpl.planner.memory import (
+    RunMemory,
+    run_memory_of,
+    run_memory_per_rank,
+    state_memory,
+    state_memory_per_rank,
+)
 from refimpl.planner.params_flops import (
     ParamCount,
     flops_per_token,
@@ -115,6 +121,7 @@ __all__ = [
     "pipeline_state_memory",
     "predict_run",
     "ring_bytes_sent",
+    "run_memory_of",
     "run_memory_per_rank",
     "shard_rows",
     "sharded_numel",

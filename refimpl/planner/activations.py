@@ -85,12 +85,12 @@ from typing import Any
 
 import torch
 
-from refimpl.config import ModelConfig
+from refimpl.config import CP_METHODS, ModelConfig
 
 __all__ = ["METHODS", "ActivationBreakdown", "activation_bytes", "activation_bytes_per_layer",
            "korthikanti_bytes_per_layer", "local_tokens", "outside_block_bytes"]
 
-METHODS = ("ring", "ulysses")  # refimpl.parallel.context_parallel.METHODS (the planner imports no technique)
+METHODS = CP_METHODS  # the context-parallel methods, named in refimpl.config
 
 
 def _check_tp(config: ModelConfig, *, tp: int, sequence_parallel: bool, seq_len: int, cp: int = 1) -> int:

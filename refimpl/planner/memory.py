@@ -20,9 +20,12 @@ measures.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from refimpl.config import ModelConfig, ParallelConfig
+from refimpl.distributed.mesh import ParallelDims
 from refimpl.measure.state import StateMemory
 from refimpl.planner.activations import activation_bytes, outside_block_bytes
 from refimpl.planner.layout import (
@@ -39,7 +42,7 @@ from refimpl.planner.run_memory import RunMemory
 from refimpl.planner.zero_state import zero3_peak_gathered_bytes, zero_memory
 from refimpl.support import check_supported
 
-__all__ = ["RunMemory", "run_memory_per_rank", "state_memory", "state_memory_per_rank"]
+__all__ = ["RunMemory", "run_memory_of", "run_memory_per_rank", "state_memory", "state_memory_per_rank"]
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -180,3 +183,22 @@ def run_memory_per_rank(
         "logits + their gradient (transient)": (p + 4) * (seq_len // cp) * b * -(-v // tp),
     }
     return RunMemory(state=state, activations=activations)
+
+
+def run_memory_of(config: ModelConfig, parallel: ParallelConfig, *, world_size: int, micro_batch: int,
+                  seq_len: int, num_microbatches: int | None = None) -> RunMemory:
+    """:func:`run_memory_per_rank` at the layout and options of one :class:`~refimpl.config.ParallelConfig`
+    (what the trainer's memory preflight plans: ``RunOptions.parallel``): ``world_size`` gives ``dp`` when
+    ``parallel.dp`` is None; the checkpointed blocks are ``parallel.checkpointed_blocks``; under pipeline
+    parallelism ``num_microbatches`` (default ``parallel.microbatches``, else ``pp``) micro-batches of
+    ``micro_batch`` sequences per step."""
+    check_supported(dataclasses.replace(parallel, dp=None))  # what the trainer refuses is not planned
+    dims = ParallelDims.from_world(world_size, **parallel.degrees)
+    pipeline = {} if dims.pp == 1 else {
+        "pp_schedule": parallel.pp_schedule, "virtual_stages": parallel.virtual_stages,
+        "pp_balance": parallel.pp_balance, "num_microbatches": num_microbatches or parallel.microbatches}
+    return run_memory_per_rank(config, dims, micro_batch=micro_batch, seq_len=seq_len,
+                               zero_stage=parallel.zero_stage, precision=parallel.precision,
+                               checkpointed_blocks=parallel.checkpointed_blocks(config.num_layers),
+                               sequence_parallel=parallel.sequence_parallel, cp_method=parallel.cp_method,
+                               cp_layout=parallel.cp_layout, **pipeline)

@@ -57,7 +57,7 @@ import math
 from dataclasses import dataclass, field
 
 from refimpl.comm.tracer import wire_bytes
-from refimpl.config import ModelConfig, micro_batches
+from refimpl.config import ModelConfig, ParallelConfig, micro_batches
 from refimpl.distributed.mesh import Coordinates, ParallelDims
 from refimpl.measure.state import StateMemory
 from refimpl.parallel.pipeline_parallel import stage_rank
@@ -69,6 +69,7 @@ from refimpl.planner.param_table import param_table
 from refimpl.planner.params_flops import param_shapes
 from refimpl.planner.pipeline import _COMPUTE, PER_STEP, pipeline_memory_per_rank
 from refimpl.planner.pipeline_stages import pipeline_state_memory, stage_layers, stage_params
+from refimpl.support import check_supported
 
 __all__ = ["RankPrediction", "RunPrediction", "predict_run"]
 
@@ -124,17 +125,29 @@ def _tp_payloads(config: ModelConfig, *, layers: int, first: bool, last: bool, x
             "reduce_scatter": 4 * (4 * layers + f + la) * x}
 
 
-def predict_run(config: ModelConfig, *, dims: ParallelDims, seq_len: int, global_batch: int,
-                micro_batch: int | None = None, microbatches: int | None = None, zero_stage: int = 0,
-                precision: str = "fp32", sequence_parallel: bool = False, cp_method: str = "ring",
-                cp_layout: str | None = None, pp_schedule: str = "1f1b", virtual_stages: int = 1,
-                pp_balance: str = "layers", grad_clip: float | None = 1.0) -> RunPrediction:
-    """Predict one optimizer step of the trainer at layout ``dims`` for every rank (module docstring).
+def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, global_batch: int,
+                world_size: int | None = None, micro_batch: int | None = None,
+                grad_clip: float | None = 1.0) -> RunPrediction:
+    """Predict one optimizer step of the trainer at the layout and options of ``parallel`` for every rank
+    (module docstring): the same :class:`~refimpl.config.ParallelConfig` the trainer's options give
+    (``RunOptions.parallel``) and :func:`refimpl.parallel.parallelize` applies.
 
-    ``global_batch`` sequences of ``seq_len`` tokens per step, split over ``dims.dp``; ``micro_batch``
-    (``--micro-batch-size``) and, under pipeline parallelism, ``microbatches`` (``--microbatches``, default
-    per-rank batch / ``micro_batch``, else ``pp``) as the trainer reads them; ``grad_clip`` None: no norm.
+    ``world_size``: needed when ``parallel.dp`` is None (then ``dp = world_size / (cp tp pp)``, as the
+    trainer derives it). ``global_batch`` sequences of ``seq_len`` tokens per step, split over ``dp``;
+    ``micro_batch`` (``--micro-batch-size``) and, under pipeline parallelism, ``parallel.microbatches``
+    (``--microbatches``, default per-rank batch / ``micro_batch``, else ``pp``) as the trainer reads them;
+    ``grad_clip`` None: no norm.
     """
+    if parallel.dp is None and world_size is None:
+        raise ValueError("predict_run needs parallel.dp or the world_size to derive it from")
+    check_supported(parallel)  # what the trainer refuses is not predicted (refimpl/support.py)
+    dims = ParallelDims.from_world(world_size if world_size is not None else
+                                   parallel.dp * parallel.cp * parallel.tp * parallel.pp, **parallel.degrees)
+    zero_stage, precision, sequence_parallel = (parallel.zero_stage, parallel.precision,
+                                                parallel.sequence_parallel)
+    cp_method, cp_layout, pp_schedule = parallel.cp_method, parallel.cp_layout, parallel.pp_schedule
+    virtual_stages, pp_balance, microbatches = (parallel.virtual_stages, parallel.pp_balance,
+                                                parallel.microbatches)
     if zero_stage not in (0, 1):
         raise ValueError(f"predict_run models ZeRO 0 and 1, got zero_stage={zero_stage}")
     if precision not in ("fp32", "bf16"):
@@ -144,6 +157,9 @@ def predict_run(config: ModelConfig, *, dims: ParallelDims, seq_len: int, global
                          "activations it moves are 16-bit)")
     if sequence_parallel and (zero_stage or dims.tp == 1):
         raise ValueError("predict_run models sequence parallelism with tp > 1 and ZeRO-0 only")
+    if parallel.activation_checkpointing not in (None, "none"):
+        raise ValueError("predict_run does not model activation checkpointing (its recomputed forward "
+                         "repeats the collectives)")
     pp, tp, cp, dp, v = dims.pp, dims.tp, dims.cp, dims.dp, virtual_stages
     per_rank = global_batch // dp
     m = micro_batches(per_rank_batch=per_rank, micro_batch_size=micro_batch, pp=pp,

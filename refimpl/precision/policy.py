@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from refimpl.config import PRECISIONS
 from refimpl.precision.loss_scaler import DynamicLossScaler
 
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _NAMES = {v: k for k, v in DTYPES.items()}
 

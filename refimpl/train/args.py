@@ -10,9 +10,19 @@ from pathlib import Path
 
 from refimpl import elastic
 from refimpl.checkpoint import CheckpointConfig
-from refimpl.config import ConfigError, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from refimpl.config import (
+    CP_METHODS,
+    PP_BALANCES,
+    PP_SCHEDULES,
+    PRECISIONS,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from refimpl.distributed import ParallelDims
-from refimpl.precision import PRECISIONS
 from refimpl.support import check_supported, describe_support_table
 
 
@@ -106,17 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--microbatches", type=int, default=None, metavar="M",
                      help="with --pp > 1: pipeline micro-batches per step and data-parallel rank (default: "
                      "per-rank batch / --micro-batch-size, else pp)")
-    par.add_argument("--pp-schedule", type=_schedule, choices=("gpipe", "1f1b", "interleaved", "zbh1"),
+    par.add_argument("--pp-schedule", type=_schedule, choices=PP_SCHEDULES,
                      default="1f1b", help="with --pp > 1: the pipeline schedule (zbh1: the handcrafted "
                      "zero-bubble schedule ZB-H1 of Qi et al. 2023)")
     par.add_argument("--virtual-stages", type=int, default=1, metavar="V",
                      help="with --pp-schedule interleaved: model chunks per pipeline rank")
-    par.add_argument("--pp-balance", choices=("layers", "parameters"), default="layers",
+    par.add_argument("--pp-balance", choices=PP_BALANCES, default="layers",
                      help="with --pp > 1: cut the blocks into equal counts or equal parameters per stage")
     par.add_argument("--cp", type=int, default=1,
                      help="context-parallel degree (chapter 07): each sequence split over cp ranks, "
                      "attention across them; --seq-len must divide by 2 x cp (ring) or cp (ulysses)")
-    par.add_argument("--cp-method", choices=("ring", "ulysses"), default="ring",
+    par.add_argument("--cp-method", choices=CP_METHODS, default="ring",
                      help="with --cp > 1: ring attention (K/V blocks round a ring, zig-zag split for "
                      "causal balance) or Ulysses (all-to-alls to head shards; the heads per tp rank must "
                      "divide by cp)")

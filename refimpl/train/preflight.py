@@ -165,9 +165,10 @@ def machine_memory_per_rank(ranks_per_node: int, *, local_rank: int = 0,
 def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: int, ranks_per_node: int,
                      force: bool = False, local_rank: int = 0, launching: bool = False):
     """Refuse, before any process starts, a run whose planned bytes per rank exceed the machine's:
-    :func:`refimpl.planner.run_memory_per_rank` (model state by ZeRO stage and precision + one micro-batch's
-    activations) against :func:`machine_memory_per_rank`. ``force``: warn and go on. Returns the estimate."""
-    from refimpl.planner import run_memory_per_rank
+    :func:`refimpl.planner.run_memory_of` the run's ``options.parallel`` (model state by ZeRO stage and
+    precision + one micro-batch's activations) against :func:`machine_memory_per_rank`. ``force``: warn
+    and go on. Returns the estimate."""
+    from refimpl.planner import run_memory_of
 
     dims = options.parallel_dims(world_size)
     check_tensor_parallel(config, dims.tp, sequence_parallel=options.sequence_parallel)
@@ -175,21 +176,8 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
                            sequence_parallel=options.sequence_parallel)
     accumulation = forwards_per_step(config, options, dims.dp)  # a bad split: refused here
     micro = config.data.per_rank_batch(dims.dp) // accumulation
-    n, chosen = config.model.num_layers, []
-    if options.activation_checkpointing is not None:
-        from refimpl.parallel.activation_checkpoint import parse_block_selection
-
-        sel = parse_block_selection(options.activation_checkpointing)
-        chosen = (list(range(n)) if sel == "all" else [] if sel == "none" else
-                  [i for i in range(n) if sel(i)] if callable(sel) else [i % n for i in sel if -n <= i < n])
-    need = run_memory_per_rank(config.model, dims, micro_batch=micro, seq_len=config.data.seq_len,
-                               zero_stage=options.zero_stage, precision=options.precision,
-                               checkpointed_blocks=chosen, sequence_parallel=options.sequence_parallel,
-                               cp_method=options.cp_method,
-                               **({} if dims.pp == 1 else
-                                  {"pp_schedule": options.pp_schedule, "num_microbatches": accumulation,
-                                   "virtual_stages": options.virtual_stages,
-                                   "pp_balance": options.pp_balance}))
+    need = run_memory_of(config.model, options.parallel, world_size=world_size, micro_batch=micro,
+                         seq_len=config.data.seq_len, num_microbatches=accumulation)
     have, source = machine_memory_per_rank(ranks_per_node, local_rank=local_rank, launching=launching)
     if need.total > have:
         tokens = (f"{config.data.seq_len} tokens" if dims.cp == 1

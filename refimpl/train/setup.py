@@ -14,7 +14,7 @@ from refimpl.distributed import DistributedContext
 from refimpl.distributed.mesh import ParallelGroups
 from refimpl.model import GPT, lm_loss
 from refimpl.parallel.data_parallel import DataParallelBucket
-from refimpl.parallel.parallelize import ParallelizeOptions, parallelize
+from refimpl.parallel.parallelize import parallelize
 from refimpl.precision import MixedPrecision
 from refimpl.train.args import RunOptions
 
@@ -47,13 +47,7 @@ def build_setup(config: TrainConfig, ctx: DistributedContext, options: RunOption
     if groups is None and torch.distributed.is_initialized():
         groups = dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
     model = GPT(config.model, seed=config.data.seed).to(ctx.device)
-    par = parallelize(model, groups if groups is not None else dims,
-                      ParallelizeOptions(zero_stage=options.zero_stage, precision=options.precision,
-                                         activation_checkpointing=options.activation_checkpointing,
-                                         sequence_parallel=options.sequence_parallel,
-                                         cp_method=options.cp_method, pp_schedule=options.pp_schedule,
-                                         virtual_stages=options.virtual_stages,
-                                         pp_balance=options.pp_balance))
+    par = parallelize(model, groups if groups is not None else dims, options.parallel)
     opt = par.build_optimizer(config.optim)
     return _Setup(model=par.model, forward=par.forward, state_module=par.state_module, mp=par.mp,
                   optimizer=opt.optimizer, dp=par.sync, grad_params=opt.grad_params, clip_fn=opt.clip_fn,

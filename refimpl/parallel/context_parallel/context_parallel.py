@@ -24,6 +24,7 @@ from typing import Literal
 
 import torch
 
+from refimpl.config import CP_METHODS
 from refimpl.model import GPT
 from refimpl.parallel.context_parallel.context_parallel_communications import Group, cp_rank, cp_size
 from refimpl.parallel.context_parallel.ring_attention import (
@@ -36,7 +37,7 @@ from refimpl.parallel.context_parallel.ulysses import ulysses_attention
 __all__ = ["METHODS", "apply_context_parallel", "split_for_context_parallel"]
 
 Method = Literal["ring", "ulysses"]
-METHODS = ("ring", "ulysses")
+METHODS = CP_METHODS
 
 
 def _layout_of(method: Method, layout: str | None) -> str:

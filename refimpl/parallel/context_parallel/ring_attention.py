@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from refimpl.comm.tracer import now
+from refimpl.config import CP_LAYOUTS
 from refimpl.parallel.context_parallel.context_parallel_communications import (
     Group,
     cp_rank,
@@ -50,7 +51,7 @@ from refimpl.parallel.context_parallel.context_parallel_communications import (
 from refimpl.parallel.context_parallel.ring_timeline import RingTimeline
 
 Layout = Literal["zigzag", "contiguous"]
-LAYOUTS = ("zigzag", "contiguous")
+LAYOUTS = CP_LAYOUTS
 SEQ_DIM = 2
 """The sequence dim of the ``[batch, heads, seq, head_dim]`` blocks attention works on."""
 

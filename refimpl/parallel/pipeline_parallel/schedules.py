@@ -42,11 +42,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from refimpl.config import PP_SCHEDULES
+
 __all__ = ["KINDS", "SCHEDULES", "Action", "P2PAction", "build_schedule", "p2p_actions", "stage_rank"]
 
 Kind = Literal["F", "B", "W"]
 KINDS = ("F", "B", "W")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1")
+SCHEDULES = PP_SCHEDULES
 
 
 @dataclass(frozen=True, order=True)
