@@ -39,8 +39,9 @@ One concept per file, imports one way (sharding -> zero_communications, clip_gra
 * :mod:`~refimpl.parallel.zero.clip_grad`: :func:`clip_sharded_grad_norm_`, the global norm from shards;
 * :mod:`~refimpl.parallel.zero.sharded_step` (the lesson) beside
   :mod:`~refimpl.parallel.zero.sharded_optimizer` (stages 1 and 2);
-* :mod:`~refimpl.parallel.zero.unit_hooks` (the lesson) beside :mod:`~refimpl.parallel.zero.fsdp_unit` and
-  :mod:`~refimpl.parallel.zero.fully_sharded_data_parallel` (stage 3).
+* :mod:`~refimpl.parallel.zero.unit_hooks` (the lesson) beside :mod:`~refimpl.parallel.zero.fsdp_unit`,
+  :mod:`~refimpl.parallel.zero.fsdp_communications` (a unit's sharding, all-gather and reduce-scatter) and
+  :mod:`~refimpl.parallel.zero.fully_sharded_data_parallel` (stage 3: the schedule around them).
 
 Assumption, as for DDP without ``find_unused_parameters``: every rank uses the same parameters in a step
 (collectives are issued in the order gradients arrive, which must be the same everywhere).

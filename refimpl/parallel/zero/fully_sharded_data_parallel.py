@@ -1,12 +1,12 @@
 """ZeRO stage 3: the fully sharded module (Rajbhandari et al. 2020; FSDP, Zhao et al. 2023; chapter 04).
 
-Over 300 lines: one class whose hooks share the units' state; cutting it would scatter one schedule.
-
 Parameters are sharded too. The module is cut into *units* (a transformer block each, the rest in the root
 unit); a unit is all-gathered just before its forward, freed after it, all-gathered again before its
 backward, and its gradients reduce-scattered. One extra all-gather per unit: 1.5x the traffic of data
 parallelism. :func:`refimpl.parallel.zero.unit_hooks.install_unit_hooks` is the same schedule in its
-simplest form (synchronous, no reduction), the lesson and exercise 04.4-04.5.
+simplest form (synchronous, no reduction), the lesson and exercise 04.4-04.5. This file is the schedule
+(hooks, prefetch order, accounting); :mod:`refimpl.parallel.zero.fsdp_communications` shards the units
+and runs each unit's collectives.
 """
 
 from __future__ import annotations
@@ -15,13 +15,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from refimpl.comm import ops
 from refimpl.distributed.placement import LocalShard
 from refimpl.measure.state import StateMemory, state_bytes, storage_bytes
 from refimpl.parallel.zero.clip_grad import clip_sharded_grad_norm_
-from refimpl.parallel.zero.fsdp_unit import FSDPUnit, _alloc, _free, _ShardedParam, _tensors
-from refimpl.parallel.zero.sharding import ShardSpec, copy_out_all_gather, pack_for_all_gather, shard_of
-from refimpl.parallel.zero.zero_communications import _world, all_gather_into, reduce_scatter_mean
+from refimpl.parallel.zero.fsdp_communications import (
+    all_gather_full,
+    finish_all_gather,
+    free_full_params,
+    reduce_scatter_grads,
+    shard_into_units,
+    start_all_gather,
+)
+from refimpl.parallel.zero.fsdp_unit import FSDPUnit, _tensors
+from refimpl.parallel.zero.zero_communications import _world
 from refimpl.precision import MixedPrecisionPolicy
 
 
@@ -50,12 +56,10 @@ class FullyShardedDataParallel(nn.Module):
 
     **Mixed precision** (``mp_policy``, a :class:`refimpl.precision.MixedPrecisionPolicy`; chapter 05),
     as FSDP2's ``fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype))`` does it: the
-    shards stay fp32 (the master weights; the optimizer and its state see only them). Each shard is cast
-    to ``param_dtype`` *before* the all-gather (half the bytes in bf16/fp16) and the unit computes in
-    ``param_dtype``; its gradients ``g`` (in ``param_dtype``) are cast to ``reduce_dtype``, reduce-
-    scattered in it as ``sum_r g_r / N`` (fp16: ``sum_r (g_r / pre) / post`` with ``pre * post = N``,
-    :func:`fp16_divide_factors`), cast to fp32 and added to the shard's fp32 ``.grad``. Floating-point
-    buffers and inputs are left alone (the course's GPT takes token ids).
+    shards stay fp32 (the master weights; the optimizer and its state see only them), the all-gather and
+    the unit's compute run in ``param_dtype``, the reduce-scatter in ``reduce_dtype``
+    (:mod:`~refimpl.parallel.zero.fsdp_communications` has the casts). Floating-point buffers and inputs
+    are left alone (the course's GPT takes token ids).
     """
 
     def __init__(
@@ -81,7 +85,8 @@ class FullyShardedDataParallel(nn.Module):
         self.reduce_dtype = None if mp_policy is None else mp_policy.reduce_dtype
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
-        self.units = self._build_units(module, unit_types)
+        self.units = shard_into_units(module, unit_types, rank=self.rank, world_size=self.world_size,
+                                      param_dtype=self.param_dtype)  # [root, unit 1, ...]
         self._forward_order: list[FSDPUnit] = []  # units in the order this step's forward ran them
         self._last_order: list[FSDPUnit] = list(self.units[1:])  # ... and the previous step's
         self._callback_queued = False
@@ -94,88 +99,15 @@ class FullyShardedDataParallel(nn.Module):
                 sp.unsharded.register_post_accumulate_grad_hook(self._make_grad_ready(unit))
         self._root = root
 
-    # -- construction ----------------------------------------------------------------------------------
-
-    def _build_units(self, module: nn.Module, unit_types: tuple[type[nn.Module], ...]) -> list[FSDPUnit]:
-        unit_modules: dict[str, nn.Module] = {"": module}  # unit name -> its module ("" is the root)
-        owner: dict[int, str] = {}  # id(module) -> the unit it belongs to
-
-        def walk(m: nn.Module, prefix: str, unit: str) -> None:
-            if m is not module and unit == "" and isinstance(m, unit_types):  # outermost match only
-                unit = prefix
-                unit_modules[unit] = m
-            owner.setdefault(id(m), unit)
-            for name, child in m.named_children():
-                walk(child, f"{prefix}.{name}" if prefix else name, unit)
-
-        walk(module, "", "")
-        regs: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
-        units_of: dict[nn.Parameter, set[str]] = {}
-        for m in module.modules():
-            for name, p in m._parameters.items():
-                if p is None:
-                    continue
-                regs.setdefault(p, []).append((m, name))
-                units_of.setdefault(p, set()).add(owner[id(m)])
-        params_by_unit: dict[str, list[_ShardedParam]] = {name: [] for name in unit_modules}
-        for p, registrations in regs.items():
-            units = units_of[p]
-            unit = units.pop() if len(units) == 1 else ""  # shared by two units: the root holds it
-            spec = ShardSpec(p.shape, self.rank, self.world_size)
-            sharded = nn.Parameter(shard_of(p.detach(), spec).clone(), requires_grad=p.requires_grad)
-            dtype = self.param_dtype if self.param_dtype is not None and p.is_floating_point() else p.dtype
-            unsharded = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad)
-            _free(unsharded)
-            sp = _ShardedParam(registrations=registrations, spec=spec, sharded=sharded, unsharded=unsharded)
-            params_by_unit[unit].append(sp)
-            for m, name in registrations:
-                m._parameters[name] = sharded
-        return [FSDPUnit(name=name or "<root>", module=unit_modules[name], params=params_by_unit[name])
-                for name in unit_modules]
-
-    # -- gather and free -------------------------------------------------------------------------------
-
-    def _start_gather(self, unit: FSDPUnit) -> None:
-        if unit.gathered or unit.pending is not None or not unit.params:
-            return
-        specs = [sp.spec for sp in unit.params]
-        # Cast before the all-gather (FSDP2 does the same): a bf16/fp16 all-gather moves half the bytes.
-        shards = [sp.sharded.detach().to(sp.unsharded.dtype) for sp in unit.params]
-        packed = pack_for_all_gather(shards, specs)  # [S]
-        gathered = packed.new_empty(self.world_size * packed.numel())  # [N * S]
-        work = None
-        if self.world_size > 1:
-            work = ops.all_gather_into_tensor(gathered, packed, group=self.group, async_op=True)
-        else:
-            gathered.copy_(packed)
-        unit.pending = (work, gathered)
+    # -- gather and free (the collectives are fsdp_communications') ----------------------------------
 
     def unshard(self, unit: FSDPUnit) -> None:
         """Make the unit's full parameters available (wait for a prefetch, or all-gather now)."""
-        if unit.gathered:
-            return
-        self._start_gather(unit)
-        if unit.pending is None:  # a unit without parameters
-            unit.gathered = True
-            return
-        work, gathered = unit.pending
-        unit.pending = None
-        if work is not None:
-            work.wait()
-        for sp in unit.params:
-            _alloc(sp.unsharded)
-        # Write through .data: the same storage autograd saved, without bumping the version counter.
-        specs = [sp.spec for sp in unit.params]
-        copy_out_all_gather(gathered, specs, [sp.unsharded.data for sp in unit.params])
-        unit.gathered = True
+        finish_all_gather(unit, self.group)
 
     def reshard(self, unit: FSDPUnit) -> None:
         """Free the unit's full parameters (the shards stay)."""
-        if unit.pending is not None:  # a prefetch that was not used: finish it to keep ranks in step
-            self.unshard(unit)
-        for sp in unit.params:
-            _free(sp.unsharded)
-        unit.gathered = False
+        free_full_params(unit, self.group)
 
     @staticmethod
     def _use(unit: FSDPUnit, which: str) -> None:
@@ -199,7 +131,7 @@ class FullyShardedDataParallel(nn.Module):
         if self.prefetch:
             following = self._neighbour(unit, +1)
             if following is not None:
-                self._start_gather(following)
+                start_all_gather(following, self.group)
 
     def _make_post_forward(self, unit: FSDPUnit):
         def hook(module: nn.Module, args: tuple, output: object) -> object:
@@ -232,7 +164,7 @@ class FullyShardedDataParallel(nn.Module):
             if self.prefetch:
                 previous = self._neighbour(unit, -1)
                 if previous is not None:
-                    self._start_gather(previous)
+                    start_all_gather(previous, self.group)
 
         torch.autograd.graph.register_multi_grad_hook(tensors, pre_backward, mode="any")
 
@@ -251,17 +183,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _reduce(self, unit: FSDPUnit) -> None:
         """Reduce-scatter the unit's gradients into the shards' ``.grad``; free the full ones and the unit."""
-        with_grad = [sp for sp in unit.trainable if sp.unsharded.grad is not None]
-        if with_grad:
-            specs = [sp.spec for sp in with_grad]
-            grads = [sp.unsharded.grad for sp in with_grad]
-            if self.reduce_dtype is not None:
-                grads = [g.to(self.reduce_dtype) for g in grads]
-            local = reduce_scatter_mean(grads, specs, self.group)
-            for sp, g in zip(with_grad, local, strict=True):
-                g = g.to(sp.sharded.dtype)  # fp32 gradient shards for the fp32 master shards
-                sp.sharded.grad = g.clone() if sp.sharded.grad is None else sp.sharded.grad.add_(g)
-                sp.unsharded.grad = None
+        reduce_scatter_grads(unit, self.group, self.reduce_dtype)
         unit.reduced = True
         if len(unit.trainable) == len(unit.params):
             # Every operation that reads these parameters has run: it produced their gradients. A frozen
@@ -330,10 +252,7 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self.units:
             if not unit.params:
                 continue
-            specs = [sp.spec for sp in unit.params]
-            outs = [sp.sharded.new_empty(sp.spec.shape) for sp in unit.params]
-            all_gather_into([sp.sharded.detach() for sp in unit.params], specs, outs, self.group)
-            for sp, t in zip(unit.params, outs, strict=True):
+            for sp, t in zip(unit.params, all_gather_full(unit, self.group), strict=True):
                 full[id(sp.sharded)] = t
         return {name: full[id(p)] for name, p in self.module.named_parameters()}
 
