@@ -36,10 +36,6 @@ class Unsupported:
         return f"{self.when}: {self.reason}"
 
 
-def _checkpointing(c: ParallelConfig) -> bool:
-    return c.activation_checkpointing not in (None, "none")
-
-
 SUPPORT_TABLE: tuple[Unsupported, ...] = (
     Unsupported(
         name="sp-without-tp", when="sequence parallelism with tp = 1",
@@ -55,11 +51,6 @@ SUPPORT_TABLE: tuple[Unsupported, ...] = (
         reason="every micro-batch's forward and backward would all-gather the stage's weights again (m "
                "times a step's weights per step); use ZeRO 0, 1 or 2 with pp",
         applies=lambda c: c.zero_stage == 3 and c.pp > 1),
-    Unsupported(
-        name="zero3-checkpointing", when="ZeRO-3 with activation checkpointing is not built",
-        reason="the recomputed forward in backward would see the parameter shards, not the gathered "
-               "weights; use ZeRO 1 or 2 with activation checkpointing",
-        applies=lambda c: c.zero_stage == 3 and _checkpointing(c)),
     Unsupported(
         name="zero2-zbh1", when="ZeRO-2 with the zbh1 schedule",
         reason="ZeRO-2 reduce-scatters each gradient when backward has accumulated it, and zbh1 computes "

@@ -41,6 +41,7 @@ CASES = {  # name -> the technique options at dp 4
     "zero2-ac": dict(zero_stage=2, activation_checkpointing="0"),
     "zero3": dict(zero_stage=3),
     "zero3-bf16": dict(zero_stage=3, precision="bf16"),
+    "zero3-ac": dict(zero_stage=3, activation_checkpointing="all"),
 }
 REFUSED = {  # layout at world size 4 and options -> what the error must say
     "dp2-pp2-zero3": (dict(dp=2, pp=2), dict(zero_stage=3, activation_checkpointing=None),
@@ -187,7 +188,7 @@ def test_each_zero_stage_wraps_the_model_on_the_dp_cp_group(ranks):
             case = c["zero1"] if stage == 1 else c["zero2-ac"]
             assert (case["forward"], case["sync"], case["optimizer"], case["zero_stage"]) == (
                 "GPT", None, "ShardedOptimizer", stage), case
-        for name in ("zero3", "zero3-bf16"):
+        for name in ("zero3", "zero3-bf16", "zero3-ac"):
             case = c[name]
             assert (case["forward"], case["state_module"], case["sync"], case["optimizer"]) == (
                 "FullyShardedDataParallel", "FullyShardedDataParallel", None, "AdamW"), case
@@ -213,6 +214,9 @@ def test_precision_and_checkpointing_come_before_the_wrapper(ranks):
     assert case["checkpointed"] == [0, 1] and case["wrapped_is_model"], case
     assert case["applied"] == ["activation checkpointing", "mixed precision", "data parallel"]
     assert c["zero2-ac"]["checkpointed"] == [0] and c["zero0"]["checkpointed"] == []
+    # ZeRO-3 + AC: the blocks are checkpointed first, then each becomes a unit of the wrapper
+    assert c["zero3-ac"]["checkpointed"] == [0, 1] and c["zero3-ac"]["wrapped_is_model"]
+    assert c["zero3-ac"]["applied"] == ["activation checkpointing", "data parallel"]
     for names in (case["applied"], c["zero3-bf16"]["applied"]):
         assert [ORDER.index(n) for n in names] == sorted(ORDER.index(n) for n in names)  # ORDER's order
 
@@ -313,13 +317,12 @@ def test_bad_options_are_refused(bad, match):
 
 def test_a_config_whose_degrees_are_not_the_layouts_is_refused():
     """parallelize takes one ParallelConfig: its degrees must be the groups' (dp None: any), so a config
-    written for one layout cannot silently run on another; ZeRO-3 with checkpointing is the support
-    table's refusal."""
+    written for one layout cannot silently run on another; what is not built is the support table's
+    refusal."""
     with pytest.raises(ValueError, match=r"degrees \{'tp': 2\} are not the layout's"):
         parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1), ParallelConfig(tp=2))
-    with pytest.raises(ConfigError, match="ZeRO-3 with activation checkpointing is not built"):
-        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1),
-                    ParallelConfig(zero_stage=3, activation_checkpointing="all"))
+    with pytest.raises(ConfigError, match="ZeRO-3 with tp > 1"):
+        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, tp=2), ParallelConfig(tp=2, zero_stage=3))
     par = parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1), ParallelConfig(dp=None, zero_stage=1))
     assert par.config.zero_stage == 1
 

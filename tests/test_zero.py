@@ -38,6 +38,7 @@ from refimpl.launch import run_ranks
 from refimpl.measure import PeakStateBytes, StateMemory, state_bytes
 from refimpl.model import GPT, lm_loss
 from refimpl.optim import param_groups
+from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing
 from refimpl.parallel.zero import (
     FullyShardedDataParallel,
     ShardedOptimizer,
@@ -146,10 +147,15 @@ def _setup(kind: str, model: nn.Module, group=None, *, stage_bucket: int = 300):
         opt = ShardedOptimizer(param_groups(model, 0.1), torch.optim.AdamW, group, zero_stage=int(kind[-1]),
                                bucket_numel=stage_bucket, **kw)
         return model, opt
-    if kind in ("zero3", "zero3_prefetch"):
+    if "_ac" in kind:  # every block recomputed in backward (chapter 05), then the wrapper
+        apply_activation_checkpointing(model, "all")
+    if kind in ("zero3", "zero3_prefetch", "zero3_ac"):
         fsdp = FullyShardedDataParallel(model, group=group, prefetch=kind.endswith("prefetch"))
         return fsdp, torch.optim.AdamW(param_groups(fsdp, 0.1), **kw)
-    if kind == "fsdp2":
+    if kind == "zero3_ac_on_shards":  # negative control: the recomputation is not given the full weights
+        fsdp = _RecomputeOnShards(model, group=group)
+        return fsdp, torch.optim.AdamW(param_groups(fsdp, 0.1), **kw)
+    if kind in ("fsdp2", "fsdp2_ac"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -161,10 +167,18 @@ def _setup(kind: str, model: nn.Module, group=None, *, stage_bucket: int = 300):
     raise ValueError(kind)
 
 
+class _RecomputeOnShards(FullyShardedDataParallel):
+    """ZeRO-3 as it was before it composed with checkpointing: backward gathers a unit but leaves its
+    modules on the shards, so a checkpointed block's recomputed forward reads the shards."""
+
+    def _unshard_for_backward(self, unit) -> None:
+        self.unshard(unit)
+
+
 def _full_params(kind: str, model: nn.Module) -> dict[str, torch.Tensor]:
     if kind.startswith("zero3"):
         return model.full_state_dict()
-    if kind == "fsdp2":
+    if kind.startswith("fsdp2"):
         return {k: v.full_tensor().detach().clone() for k, v in model.named_parameters()}
     if kind == "ddp":
         model = model.module
@@ -240,7 +254,7 @@ def _cases(ctx, full: bool) -> dict:
     out["no_sync_vs_single"] = _max_diff(_full_params("dp", _train("dp", rank, world, sync=False)[0]), single)
     shapes = [tuple(p.shape) for p in UglyGPT().parameters()]
     units, unit_trained = _unit_shapes(UglyGPT())
-    kinds = ["dp", "zero1", "zero2", "zero3", "zero3_prefetch"] + (["ddp", "fsdp2"] if full else [])
+    kinds = ["dp", *ZERO] + (["ddp", "fsdp2", "fsdp2_ac"] if full else [])
     results = {}
     for kind in kinds:
         with CommTracer() as tracer:
@@ -248,7 +262,7 @@ def _cases(ctx, full: bool) -> dict:
         params = _full_params(kind, model)
         results[kind] = params
         r = {"vs_single": _max_diff(params, single)}
-        if kind not in ("ddp", "fsdp2"):
+        if kind not in ("ddp", "fsdp2", "fsdp2_ac"):
             stage = {"dp": 0, "zero1": 1, "zero2": 2}.get(kind, 3)
             measured = model.state_bytes(opt) if stage == 3 else state_bytes(model, opt)
             formula = zero_memory(shapes, world, stage, rank=rank, trainable=_trained_flags(UglyGPT()))
@@ -257,13 +271,16 @@ def _cases(ctx, full: bool) -> dict:
             r["state_is_sharded"] = _state_is_sharded(measured.optimizer, rank, world)
             r["ops"] = {op: (t.count, t.nbytes) for op, t in tracer.summary(step=STEPS - 1).items()}
             r["ops_formula"] = zero_collectives(units, world, stage, trainable=unit_trained)
-        if kind == "zero3":
+        if kind in ("zero3", "zero3_ac"):
             r["all_freed"] = all(_freed(model))
         out[kind] = r
     for kind in kinds:
         out[kind]["vs_dp"] = _max_diff(results[kind], results["dp"])
     if full:
         out["fsdp2"]["vs_zero3"] = _max_diff(results["fsdp2"], results["zero3"])
+        out["fsdp2_ac"]["vs_zero3_ac"] = _max_diff(results["fsdp2_ac"], results["zero3_ac"])
+        out["zero3_ac"]["vs_zero3"] = _max_diff(results["zero3_ac"], results["zero3"])
+        out["on_shards"] = _recompute_on_shards(rank, world, results["zero3_ac"])
         out.update(_clip_cases(rank, world, single))
         out["accumulation"] = _accumulation(rank, world)
         out["roundtrip"] = _roundtrip(rank, world, single_opt)
@@ -271,6 +288,16 @@ def _cases(ctx, full: bool) -> dict:
     else:
         out["reshard_to_2"] = _load_at_other_world_size(rank, world)
     return out
+
+
+def _recompute_on_shards(rank: int, world: int, want: dict) -> str:
+    """The negative control: what training with the recomputation on the shards gives (an error, or
+    parameters that are not ZeRO-3 + checkpointing's)."""
+    try:
+        model, _, _ = _train("zero3_ac_on_shards", rank, world)
+    except RuntimeError as exc:
+        return f"raised: {str(exc).splitlines()[0][:200]}"
+    return f"differs by {_max_diff(_full_params('zero3', model), want)}"
 
 
 def _clip_cases(rank: int, world: int, single: dict) -> dict:
@@ -364,8 +391,10 @@ def _peak(rank: int, world: int) -> dict:
     """Peak bytes of one stage-3 step: of all the state, and of the full (gathered) tensors alone."""
     out = {}
     units, trained = _unit_shapes(UglyGPT())
-    for prefetch in (False, True):
+    for prefetch, ac in ((False, False), (True, False), (False, True), (True, True)):
         base = UglyGPT()
+        if ac:
+            apply_activation_checkpointing(base, "all")
         fsdp = FullyShardedDataParallel(base, prefetch=prefetch)
         opt = torch.optim.AdamW(param_groups(fsdp, 0.1), **_adamw())
         _step("zero3", fsdp, opt, 0, rank, world)
@@ -375,7 +404,7 @@ def _peak(rank: int, world: int) -> dict:
             _step("zero3", fsdp, opt, STEPS - 1, rank, world)
         one = zero3_peak_gathered_bytes(units, world, trainable=trained)
         two = zero3_peak_gathered_bytes(units, world, trainable=trained, prefetch=True)
-        out[prefetch] = {
+        out[(prefetch, ac)] = {
             "total": peak.peak.total, "rest": fsdp.state_bytes(opt).total, "samples": peak.samples,
             "weights": weights.peak.weights, "grads": grads.peak.grads,
             "gathered_after": fsdp.gathered_bytes().total,
@@ -487,7 +516,7 @@ def test_sharded_optimizer_rejects_stage_3():
 
 
 # ---------------------------------------------------------------------------------------- two ranks
-ZERO = ["zero1", "zero2", "zero3", "zero3_prefetch"]
+ZERO = ["zero1", "zero2", "zero3", "zero3_prefetch", "zero3_ac"]
 
 
 def _tol(r: dict) -> float:
@@ -531,6 +560,21 @@ def test_two_ranks_equal_torch_ddp_and_fsdp2_bitwise(two_ranks):
     for r in two_ranks:
         assert r["ddp"]["vs_dp"] == 0.0, r["ddp"]
         assert r["fsdp2"]["vs_zero3"] == 0.0, f"our ZeRO-3 differs from fully_shard: {r['fsdp2']}"
+        assert r["fsdp2_ac"]["vs_zero3_ac"] == 0.0, f"ZeRO-3 + checkpointing differs: {r['fsdp2_ac']}"
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+def test_zero3_with_checkpointing_recomputes_on_the_gathered_weights(two_ranks):
+    """ZeRO-3 with every block checkpointed trains bit for bit like ZeRO-3 without (the recomputed forward
+    repeats the same products on the same gathered weights), hence like data parallelism and one device
+    (test_two_ranks_equal_data_parallelism_bitwise_and_one_device, kind zero3_ac). Negative control: the
+    recomputation left on the shards fails (a shape error) or lands elsewhere."""
+    for r in two_ranks:
+        assert r["zero3_ac"]["vs_zero3"] == 0.0, r["zero3_ac"]
+        assert r["zero3_ac"]["all_freed"]
+        assert r["on_shards"].startswith("raised") or float(r["on_shards"].split()[-1]) > _tol(r), \
+            r["on_shards"]
 
 
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)
@@ -580,7 +624,7 @@ def test_stage3_frees_units_and_peaks_at_one_or_two_gathered_units(two_ranks):
     the one-block figure and fails."""
     for rank, r in enumerate(two_ranks):
         assert r["zero3"]["all_freed"]
-        no_pf, pf = r["peak"][False], r["peak"][True]
+        no_pf, pf = r["peak"][(False, False)], r["peak"][(True, False)]
         assert no_pf["samples"] > 100 and no_pf["rest"] == pf["rest"] < no_pf["total"] <= pf["total"]
         assert no_pf["gathered_after"] == pf["gathered_after"] == 0, "full tensors left after the step"
         # the root and one block at a time: the bound is reached, and a unit freed late exceeds it
@@ -588,6 +632,11 @@ def test_stage3_frees_units_and_peaks_at_one_or_two_gathered_units(two_ranks):
         # prefetch: a second block in flight while one computes, never a third
         assert pf["one_weights"] < pf["weights"] <= pf["two_weights"], f"rank {rank}: prefetch: {pf}"
         assert 0 < no_pf["grads"] <= no_pf["bound_grads"] and 0 < pf["grads"] <= pf["bound_grads"], r["peak"]
+        # checkpointed blocks: the recomputed forward runs on the unit backward gathered, nothing more
+        ac, ac_pf = r["peak"][(False, True)], r["peak"][(True, True)]
+        assert ac["weights"] == ac["one_weights"] and ac_pf["one_weights"] < ac_pf["weights"] <= \
+            ac_pf["two_weights"], (ac, ac_pf)
+        assert ac["gathered_after"] == ac_pf["gathered_after"] == 0
 
 
 # ---------------------------------------------------------------------------------------- four ranks

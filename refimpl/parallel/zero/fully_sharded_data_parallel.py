@@ -106,7 +106,8 @@ class FullyShardedDataParallel(nn.Module):
         finish_all_gather(unit, self.group)
 
     def reshard(self, unit: FSDPUnit) -> None:
-        """Free the unit's full parameters (the shards stay)."""
+        """Free the unit's full parameters (the shards stay, and the modules point at them again)."""
+        self._use(unit, "sharded")
         free_full_params(unit, self.group)
 
     @staticmethod
@@ -160,13 +161,21 @@ class FullyShardedDataParallel(nn.Module):
 
         def pre_backward(_grads: object) -> None:
             self._queue_final_callback()
-            self.unshard(unit)
+            self._unshard_for_backward(unit)
             if self.prefetch:
                 previous = self._neighbour(unit, -1)
                 if previous is not None:
                     start_all_gather(previous, self.group)
 
         torch.autograd.graph.register_multi_grad_hook(tensors, pre_backward, mode="any")
+
+    def _unshard_for_backward(self, unit: FSDPUnit) -> None:
+        """Gather ``unit`` for its backward and point its modules at the full tensors: the saved tensors of
+        a plain block refer to them already, and a checkpointed block's recomputed forward (which runs in
+        backward, after this hook, without the module hooks) reads the weights from the modules. The
+        modules get the shards back when the unit is freed (FSDP2 re-gathers under ``checkpoint`` alike)."""
+        self.unshard(unit)
+        self._use(unit, "unsharded")
 
     def _queue_final_callback(self) -> None:
         if not self._callback_queued:
