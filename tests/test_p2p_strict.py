@@ -38,6 +38,7 @@ from refimpl.data import make_corpus_file
 from refimpl.launch import run_ranks
 from refimpl.model import GPT, lm_loss
 from refimpl.parallel.context_parallel import ring_attention as ra
+from refimpl.parallel.context_parallel import sequence_layout as sl
 from refimpl.parallel.pipeline_parallel import PipelineModule, build_schedule
 from refimpl.parallel.pipeline_parallel.p2p_plan import _local_plan, find_table, p2p_plan, strict_deadlock
 from refimpl.parallel.pipeline_parallel.schedules import Action, P2PAction
@@ -97,7 +98,7 @@ def _ring_attention(ctx) -> dict:
     out = {}
     for strict in (False, True):
         _strict(strict)
-        part = [ra.split_sequence(t, dim=2, cp_rank=ctx.rank, cp_size=ctx.world_size, layout="zigzag")
+        part = [sl.split_sequence(t, dim=2, cp_rank=ctx.rank, cp_size=ctx.world_size, layout="zigzag")
                 for t in (q, k, v, do)]
         ql, kl, vl = (t.clone().requires_grad_() for t in part[:3])
         y = ra.ring_attention(ql, kl, vl, cp_group=None, causal=True, layout="zigzag")

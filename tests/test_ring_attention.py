@@ -31,11 +31,12 @@ from refimpl.comm import CommTracer
 from refimpl.launch import RankFailed, run_ranks
 from refimpl.parallel.context_parallel import RingTimeline
 from refimpl.parallel.context_parallel import ring_attention as ra
+from refimpl.parallel.context_parallel import sequence_layout as sl
 
 SPAWN_TIMEOUT = 120
 FACTOR = 4.0  # float32 attention in another order errs up to ~2.5x SDPA's own spread (measured): x1.6 margin
 B, A, D, DV, CHUNK = 2, 2, 8, 6, 3  # batch, heads, head dims of q/k and v, tokens per zigzag chunk
-CASES = [(causal, layout) for causal in (False, True) for layout in ra.LAYOUTS]
+CASES = [(causal, layout) for causal in (False, True) for layout in sl.LAYOUTS]
 
 
 def _globals(cp: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -49,7 +50,7 @@ def _globals(cp: int, seed: int = 0) -> dict[str, torch.Tensor]:
 def _run(group, cp: int, causal: bool, layout: str) -> dict:
     """Ring attention forward (tracer step 0) and backward (step 1) on this rank's part of ``_globals``."""
     r = dist.get_rank(group)
-    part = {n: ra.split_sequence(t, dim=2, cp_rank=r, cp_size=cp, layout=layout)  # [B, A, s/cp, D|DV]
+    part = {n: sl.split_sequence(t, dim=2, cp_rank=r, cp_size=cp, layout=layout)  # [B, A, s/cp, D|DV]
             for n, t in _globals(cp).items()}
     q, k, v = (part[n].clone().requires_grad_() for n in "qkv")
     calls = []
@@ -109,7 +110,7 @@ def _worker(ctx) -> dict:
         out["pair"] = _run(pairs[ctx.rank % 2], 2, True, "zigzag")
     odd = torch.zeros(B, A, 2 * CHUNK + 1, D)  # 7 local tokens: 7 cp is not a multiple of 2 cp
     out["error/odd"] = _one_line_error(lambda: ra.ring_attention(odd, odd, odd, cp_group=world, causal=True))
-    out["error/split"] = _one_line_error(lambda: ra.zigzag_split(odd, dim=2, cp_rank=0, cp_size=cp))
+    out["error/split"] = _one_line_error(lambda: sl.zigzag_split(odd, dim=2, cp_rank=0, cp_size=cp))
     out["error/layout"] = _one_line_error(lambda: ra.ring_attention(odd, odd, odd, cp_group=world,
                                                                     causal=True, layout="striped"))
     return out
@@ -130,7 +131,7 @@ def _errors(per_rank: list[dict], causal: bool, layout: str, cp: int) -> dict[st
     r32, r64 = _reference(cp, causal, torch.float32), _reference(cp, causal, torch.float64)
     ratios = {}
     for n in r64:
-        got = ra.gather_sequence([torch.from_numpy(p[n]) for p in per_rank], dim=2, layout=layout).double()
+        got = sl.gather_sequence([torch.from_numpy(p[n]) for p in per_rank], dim=2, layout=layout).double()
         spread = float(np.abs(r32[n] - r64[n]).max())
         ratios[n] = float(np.abs(got.numpy() - r64[n]).max()) / (FACTOR * max(spread, 1e-12))
     return ratios
@@ -205,7 +206,7 @@ def _mask_pairs(cp: int, layout: str) -> list[int]:
     s = 2 * cp * CHUNK
     allowed = torch.ones(s, s, dtype=torch.bool).tril()  # [query, key]
     blocks = allowed.reshape(s // chunk, chunk, s // chunk, chunk).any(3).any(1)  # [q chunk, k chunk]
-    owner = [r for i in range(s // chunk) for r in range(cp) if i in ra.chunk_ids(cp_rank=r, cp_size=cp,
+    owner = [r for i in range(s // chunk) for r in range(cp) if i in sl.chunk_ids(cp_rank=r, cp_size=cp,
                                                                                  layout=layout)]
     return [int(blocks[[i for i, o in enumerate(owner) if o == r]].sum()) for r in range(cp)]
 
@@ -213,9 +214,9 @@ def _mask_pairs(cp: int, layout: str) -> list[int]:
 @pytest.mark.timeout(SPAWN_TIMEOUT + 30)
 def test_causal_work_contiguous_is_unbalanced_and_zigzag_is_equal(results):
     cp, per_rank = results
-    for layout in ra.LAYOUTS:
+    for layout in sl.LAYOUTS:
         measured = [out[f"True/{layout}"]["work"] for out in per_rank]
-        assert measured == ra.causal_work(cp_size=cp, layout=layout) == _mask_pairs(cp, layout), layout
+        assert measured == sl.causal_work(cp_size=cp, layout=layout) == _mask_pairs(cp, layout), layout
     contiguous = [out["True/contiguous"]["work"] for out in per_rank]
     zigzag = [out["True/zigzag"]["work"] for out in per_rank]
     assert contiguous[0] == 1 and contiguous[-1] == cp, contiguous
@@ -235,18 +236,18 @@ def test_lengths_that_do_not_divide_and_unknown_layouts_are_one_line_errors(resu
 def test_zigzag_split_gives_rank_i_chunks_i_and_2cp_minus_1_minus_i_and_gather_inverts_it():
     for cp in (1, 2, 3, 4):
         x = torch.arange(2 * cp * CHUNK).reshape(1, -1)
-        parts = [ra.zigzag_split(x, dim=1, cp_rank=r, cp_size=cp) for r in range(cp)]
+        parts = [sl.zigzag_split(x, dim=1, cp_rank=r, cp_size=cp) for r in range(cp)]
         for r, part in enumerate(parts):
             late = 2 * cp - 1 - r
             want = [*range(r * CHUNK, (r + 1) * CHUNK), *range(late * CHUNK, (late + 1) * CHUNK)]
             assert part.flatten().tolist() == want, (cp, r)
-            positions = ra.sequence_positions(seq_len=x.shape[1], cp_rank=r, cp_size=cp, layout="zigzag")
+            positions = sl.sequence_positions(seq_len=x.shape[1], cp_rank=r, cp_size=cp, layout="zigzag")
             assert torch.equal(positions, part.flatten())
-        assert torch.equal(ra.zigzag_gather(parts, dim=1), x)
-        contiguous = [ra.split_sequence(x, dim=1, cp_rank=r, cp_size=cp, layout="contiguous")
+        assert torch.equal(sl.zigzag_gather(parts, dim=1), x)
+        contiguous = [sl.split_sequence(x, dim=1, cp_rank=r, cp_size=cp, layout="contiguous")
                       for r in range(cp)]
         assert torch.equal(torch.cat(contiguous, 1), x)
-        assert torch.equal(ra.gather_sequence(contiguous, dim=1, layout="contiguous"), x)
+        assert torch.equal(sl.gather_sequence(contiguous, dim=1, layout="contiguous"), x)
 
 
 def test_without_a_process_group_ring_attention_is_plain_sdpa():

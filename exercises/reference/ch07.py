@@ -15,8 +15,8 @@ from refimpl.parallel.context_parallel.ring_attention import (
     block_attention,
     merge_partial_attention,
     ring_attention,
-    zigzag_split,
 )
+from refimpl.parallel.context_parallel.sequence_layout import zigzag_split
 from refimpl.parallel.context_parallel.ulysses import heads_to_sequence, sequence_to_heads
 
 POSITIONS = ("diagonal", "past", "future")

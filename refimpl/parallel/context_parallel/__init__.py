@@ -6,8 +6,10 @@ Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite C
 
 * :mod:`~refimpl.parallel.context_parallel.context_parallel_communications`: the ring's K/V exchange with
   plain ``isend`` / ``irecv`` (through :mod:`refimpl.comm.ops`, so the tracer sees them);
+* :mod:`~refimpl.parallel.context_parallel.sequence_layout`: which chunks of the sequence a rank holds, the
+  contiguous and the zig-zag (causal balance) layouts, and the causal work per rank;
 * :mod:`~refimpl.parallel.context_parallel.ring_attention`: ring attention as an autograd Function, partial
-  outputs merged by their log-sum-exp, backward a ring too; the zig-zag split for causal balance;
+  outputs merged by their log-sum-exp, backward a ring too;
 * :mod:`~refimpl.parallel.context_parallel.ring_timeline`: the compute and transfer spans of each ring step
   (the overlap, drawn in the chapter);
 * :mod:`~refimpl.parallel.context_parallel.ulysses`: the all-to-all that turns sequence shards into head
@@ -27,17 +29,17 @@ from refimpl.parallel.context_parallel.context_parallel import (
     split_for_context_parallel,
 )
 from refimpl.parallel.context_parallel.context_parallel_communications import RingTransfer, ring_exchange
-from refimpl.parallel.context_parallel.ring_attention import (
+from refimpl.parallel.context_parallel.ring_attention import merge_partial_attention
+from refimpl.parallel.context_parallel.ring_timeline import RingSpan, RingTimeline
+from refimpl.parallel.context_parallel.sequence_layout import (
     LAYOUTS,
     causal_work,
     gather_sequence,
-    merge_partial_attention,
     sequence_positions,
     split_sequence,
     zigzag_gather,
     zigzag_split,
 )
-from refimpl.parallel.context_parallel.ring_timeline import RingSpan, RingTimeline
 from refimpl.parallel.context_parallel.ulysses import heads_to_sequence, sequence_to_heads, ulysses_attention
 
 # The function ring_attention is not re-exported here: the name is its module's, and

@@ -10,7 +10,7 @@ all-to-alls from sequence shards to head shards and back). Two things must follo
   (``layout`` ``"zigzag"``, rank ``i`` holding chunks ``i`` and ``2cp-1-i`` of ``2cp`` for causal balance,
   or ``"contiguous"``; Ulysses needs contiguous, its all-to-all concatenates the ranks' parts in order);
 * the **positions**: the embedding's ``position_ids`` returns the global positions of the rank's tokens
-  (:func:`~refimpl.parallel.context_parallel.ring_attention.sequence_positions`), not ``[0, s/cp)``.
+  (:func:`~refimpl.parallel.context_parallel.sequence_layout.sequence_positions`), not ``[0, s/cp)``.
 
 The loss of a rank is the mean over its ``b s/cp`` tokens; every rank holds as many, so the mean of those
 means over the ``dp x cp`` group, the group the data-parallel wrapper averages gradients over
@@ -27,11 +27,8 @@ import torch
 from refimpl.config import CP_METHODS
 from refimpl.model import GPT
 from refimpl.parallel.context_parallel.context_parallel_communications import Group, cp_rank, cp_size
-from refimpl.parallel.context_parallel.ring_attention import (
-    ring_attention,
-    sequence_positions,
-    split_sequence,
-)
+from refimpl.parallel.context_parallel.ring_attention import ring_attention
+from refimpl.parallel.context_parallel.sequence_layout import sequence_positions, split_sequence
 from refimpl.parallel.context_parallel.ulysses import ulysses_attention
 
 __all__ = ["METHODS", "apply_context_parallel", "split_for_context_parallel"]
