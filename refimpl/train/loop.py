@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -20,8 +20,8 @@ import torch
 from refimpl import elastic
 from refimpl.checkpoint import save_training_state
 from refimpl.comm import CommTracer, ops
-from refimpl.config import ConfigError, TrainConfig
-from refimpl.data import DataError, decode, encode
+from refimpl.config import TrainConfig
+from refimpl.data import decode, encode
 from refimpl.distributed import DistributedContext, log0, seed_everything
 from refimpl.distributed.placement import LocalShard
 from refimpl.measure import Throughput, format_bytes, format_mfu, peak_dtype, peak_memory_bytes, progress
@@ -30,7 +30,7 @@ from refimpl.optim import lr_at, set_lr
 from refimpl.planner import flops_per_token, param_count
 from refimpl.train.args import RunOptions
 from refimpl.train.gradients import gradient_shards
-from refimpl.train.hooks import Hooks, TrainHooks
+from refimpl.train.hooks import Hooks, TrainHooks, compose
 from refimpl.train.preflight import (
     check_context_parallel,
     check_fits,
@@ -38,6 +38,7 @@ from refimpl.train.preflight import (
     forwards_per_step,
     survivor_layout,
 )
+from refimpl.train.probes import RunProbes
 from refimpl.train.resume import Resumed, resume
 from refimpl.train.setup import _sampling_model, build_setup
 from refimpl.train.step import train_step
@@ -52,6 +53,17 @@ class Preempted(Exception):
         super().__init__(f"stopped on SIGTERM after saving step {step} in {path}; run the same command "
                          "again to resume")
         self.step, self.path = step, path
+
+
+def _call(point: Callable[..., None] | None, *args) -> None:
+    """A hook point (:mod:`refimpl.train.hooks`) called with ``args``, when some hook has it."""
+    if point is not None:
+        point(*args)
+
+
+def _bound(point: Callable[..., None] | None, *args) -> Callable[..., None] | None:
+    """A hook point bound to ``args`` (``step, setup``), a callback of :func:`train_step`; or None."""
+    return None if point is None else partial(point, *args)
 
 
 def _pipeline_idle(setup) -> float:
@@ -112,8 +124,9 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
 def _run_steps(config: TrainConfig, ctx: DistributedContext, options: RunOptions, setup, *, dims, groups,
                batches, resumed: Resumed, hooks: Hooks, out: Path, begin: float) -> list[dict]:
     """Steps ``resumed.start`` to ``config.steps - 1``: a record per step (metrics.jsonl on rank 0), the
-    saves on the schedule and on SIGTERM (then :class:`Preempted`); a failure is explained by the
-    heartbeat."""
+    saves on the schedule and on SIGTERM (then :class:`Preempted`). The run's own probes
+    (:class:`~refimpl.train.probes.RunProbes`: faults, the heartbeat and its report of a failure) are hooks,
+    composed before the caller's ``hooks`` and called at the points :mod:`refimpl.train.hooks` lists."""
     coords = dims.coordinates(ctx.rank)
     start, attempt = resumed.start, resumed.attempt
     checkpointer, schedule = resumed.checkpointer, resumed.schedule
@@ -137,26 +150,14 @@ def _run_steps(config: TrainConfig, ctx: DistributedContext, options: RunOptions
                  + (f", {options.virtual_stages} stages per rank" if options.virtual_stages > 1 else "")
                  if dims.pp > 1 else ""))
 
-    heartbeat = elastic.Heartbeat(ctx.rank, ctx.world_size)
-    faults, mp = options.faults, setup.mp
-    fault_args = {"rank": ctx.rank, "world_size": ctx.world_size, "local_rank": ctx.local_rank, "out": out}
+    hooks = compose(RunProbes(options, ctx, out), hooks)  # the run's own probes first, at every point
+    mp = setup.mp
 
-    def after_first_forward() -> None:  # in the first micro-batch of `step`, between forward and backward
-        faults.mid_step(step, **fault_args)  # the others go on into the collectives
-        if options.sleep_in_step_s:  # tests: a step too long for a SIGTERM to wait for
-            print(f"[test] step {step} sleeps {options.sleep_in_step_s:g} s", file=sys.stderr, flush=True)
-            time.sleep(options.sleep_in_step_s)
-        heartbeat.beat(step, 1, "backward and gradient reduction")
-
-    def after_first_loss(loss: torch.Tensor) -> None:  # the first micro-batch's loss, before its backward
-        hooks.after_first_loss(step, setup, loss)
-
-    def before_optimizer_step() -> None:  # the gradients of `step` are reduced
-        if hooks.before_optimizer_step is not None:
-            hooks.before_optimizer_step(step, setup)
-        if hooks.gradient_probe is not None:
+    def gradients_ready() -> None:  # the gradients of `step` are reduced; the update follows
+        _call(hooks.before_optimizer_step, step, setup)
+        if hooks.gradient_probe is not None:  # gradient_shards is a collective under ZeRO-1: only if asked
             hooks.gradient_probe(step, gradient_shards(setup))
-        heartbeat.beat(step, 2, "optimizer step")
+        _call(hooks.after_gradient_probe, step, setup)
 
     records: list[dict] = []
     bar = progress(config.steps, enabled=ctx.is_main, initial=start)
@@ -167,22 +168,19 @@ def _run_steps(config: TrainConfig, ctx: DistributedContext, options: RunOptions
     try:
         for step in range(start, config.steps):
             tracer.events.clear()  # this step's calls only (a checkpoint's land here too, then are cleared)
-            heartbeat.beat(step, 0, "forward")
-            faults.before_step(step, **fault_args)
+            _call(hooks.before_step, step, setup)
             lr = lr_at(step, config.optim, config.steps)
             set_lr(setup.optimizer, lr)
             inputs, labels = batches.batch(step, coords.dp, dims.dp)  # [B/dp, s] each: this dp rank's shard
             # context parallelism: this cp rank's part of each sequence, [B/dp, s/cp] (the layout of its
             # attention); the tp ranks of a replica take the same part
             inputs, labels = setup.split_batch(inputs), setup.split_batch(labels)
-            around = hooks.around_step(step, setup) if hooks.around_step is not None else nullcontext()
-            with around:
+            with hooks.around_step(step, setup) if hooks.around_step is not None else nullcontext():
                 loss_sum = train_step(setup, inputs, labels, accumulation=accumulation, micro=micro,
                                       device=ctx.device, grad_clip=config.optim.grad_clip,
-                                      after_first_forward=after_first_forward,
-                                      before_optimizer_step=before_optimizer_step,
-                                      after_first_loss=after_first_loss if hooks.after_first_loss else None,
-                                      clock=hooks.clock)
+                                      after_first_forward=_bound(hooks.after_first_forward, step, setup),
+                                      after_first_loss=_bound(hooks.after_first_loss, step, setup),
+                                      before_optimizer_step=gradients_ready, clock=hooks.clock)
 
             if setup.group is not None and dims.dp * dims.cp > 1:
                 # The mean over the dp x cp ranks (equal token counts), the group the gradients were
@@ -218,7 +216,7 @@ def _run_steps(config: TrainConfig, ctx: DistributedContext, options: RunOptions
             if schedule is not None:
                 done = step + 1
                 if schedule.due(done) or done == config.steps:  # due() is collective: always call it
-                    heartbeat.beat(step, 3, "checkpoint")
+                    _call(hooks.before_checkpoint, step, setup)
                     save_training_state(checkpointer, done, model=setup.state_module,
                                         optimizer=setup.optimizer, scaler=mp.scaler,
                                         extra={"run_id": resumed.job, "attempt": attempt},
@@ -228,14 +226,10 @@ def _run_steps(config: TrainConfig, ctx: DistributedContext, options: RunOptions
                         bar.close()
                         log0(ctx, f"SIGTERM: saved step {done} in {path}; stopping")
                         raise Preempted(done, path)
+    except Preempted:
+        raise  # saved on SIGTERM: a stop, not a failure
     except Exception as exc:
-        if ctx.world_size > 1 and not isinstance(exc, (Preempted, ConfigError, DataError)):
-            report = heartbeat.explain()
-            first = (str(exc).splitlines() or [""])[0][:300]
-            print(f"[rank {ctx.rank}] step {step} failed: {type(exc).__name__}: {first}\n  {report}",
-                  file=sys.stderr, flush=True)
-            elastic.record_failure(out, rank=ctx.rank, step=step, kind="error",
-                                   message=f"{type(exc).__name__} ({report.splitlines()[-1].strip()})")
+        _call(hooks.on_failure, step, setup, exc)  # the run's: the heartbeat's report, failures.jsonl
         raise
     finally:
         tracer.__exit__(None, None, None)
