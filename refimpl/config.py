@@ -205,7 +205,9 @@ class ParallelConfig:
     trainer's options give (``RunOptions.parallel``), :func:`refimpl.parallel.parallelize` applies,
     :func:`refimpl.planner.predict_run` predicts and the trainer's memory preflight plans.
 
-    Degrees ``dp`` (None: the world size over ``cp x tp x pp``), ``cp``, ``tp``, ``pp``; ``zero_stage``
+    Degrees ``dp`` (None: the world size over ``cp x tp x pp``), ``cp``, ``tp``, ``pp``, and
+    ``dp_replicate`` (HSDP: the ``dp`` ranks as ``dp_replicate x dp_shard``, ZeRO-3 sharding over a shard
+    group and replicating across them; it must divide ``dp``); ``zero_stage``
     0 (data parallel), 1 (sharded optimizer state), 2 (and gradients), 3 (and parameters); ``precision``
     fp32/bf16/fp16; ``sequence_parallel`` (the activations between the tensor-parallel regions split along
     the sequence); ``cp_method`` ring/ulysses and ``cp_layout`` how the sequence is split for it (ring:
@@ -226,6 +228,7 @@ class ParallelConfig:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    dp_replicate: int = 1
     zero_stage: int = 0
     precision: str = "fp32"
     sequence_parallel: bool = False
@@ -242,7 +245,8 @@ class ParallelConfig:
     reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("cp", "tp", "pp", "virtual_stages") + (("dp",) if self.dp is not None else ()):
+        for name in ("cp", "tp", "pp", "dp_replicate", "virtual_stages") + (("dp",) if self.dp is not None
+                                                                            else ()):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
@@ -278,8 +282,9 @@ class ParallelConfig:
 
     @property
     def degrees(self) -> dict[str, int | None]:
-        """``{"dp": ..., "cp": ..., "tp": ..., "pp": ...}`` (dp None: derived from the world size)."""
-        return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "pp": self.pp}
+        """``{"dp": ..., "cp": ..., "tp": ..., "pp": ..., "dp_replicate": ...}`` (dp None: derived from the
+        world size)."""
+        return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "pp": self.pp, "dp_replicate": self.dp_replicate}
 
     @property
     def fsdp_mixed_precision(self) -> bool:

@@ -52,6 +52,11 @@ SUPPORT_TABLE: tuple[Unsupported, ...] = (
                "times a step's weights per step); use ZeRO 0, 1 or 2 with pp",
         applies=lambda c: c.zero_stage == 3 and c.pp > 1),
     Unsupported(
+        name="hsdp-without-zero3", when="HSDP (dp_replicate > 1) without ZeRO-3",
+        reason="hybrid sharding shards the parameters over a shard group and replicates them across the "
+               "groups: it is ZeRO-3's (FSDP2's HSDP); use --zero-stage 3",
+        applies=lambda c: c.dp_replicate > 1 and c.zero_stage != 3),
+    Unsupported(
         name="zero2-zbh1", when="ZeRO-2 with the zbh1 schedule",
         reason="ZeRO-2 reduce-scatters each gradient when backward has accumulated it, and zbh1 computes "
                "the weight gradients outside backward (its W actions); use ZeRO-1 with zbh1",

@@ -152,6 +152,23 @@ def _setup(kind: str, model: nn.Module, group=None, *, stage_bucket: int = 300):
     if kind in ("zero3", "zero3_prefetch", "zero3_ac"):
         fsdp = FullyShardedDataParallel(model, group=group, prefetch=kind.endswith("prefetch"))
         return fsdp, torch.optim.AdamW(param_groups(fsdp, 0.1), **kw)
+    if kind == "hsdp":  # 2 replicas of 2-rank shard groups: {0,1}, {2,3} shard, {0,2}, {1,3} replicate
+        shard, replicate = _hsdp_groups()
+        fsdp = FullyShardedDataParallel(model, group=shard, replicate_group=replicate)
+        return fsdp, torch.optim.AdamW(param_groups(fsdp, 0.1), **kw)
+    if kind == "hsdp_no_replicas":  # negative control: the shard groups never average with each other
+        shard, _ = _hsdp_groups()
+        fsdp = FullyShardedDataParallel(model, group=shard)
+        return fsdp, torch.optim.AdamW(param_groups(fsdp, 0.1), **kw)
+    if kind == "fsdp2_hsdp":  # FSDP2's HSDP: fully_shard on a 2-D mesh (replicate, shard), the same groups
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(param_groups(model, 0.1), **kw)
     if kind == "zero3_ac_on_shards":  # negative control: the recomputation is not given the full weights
         fsdp = _RecomputeOnShards(model, group=group)
         return fsdp, torch.optim.AdamW(param_groups(fsdp, 0.1), **kw)
@@ -167,6 +184,16 @@ def _setup(kind: str, model: nn.Module, group=None, *, stage_bucket: int = 300):
     raise ValueError(kind)
 
 
+def _hsdp_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's shard group (adjacent pairs) and replica group (the same position in the other pair),
+    from ParallelDims(dp=4, dp_replicate=2): the trainer's groups (collective, every rank alike)."""
+    from refimpl.distributed import ParallelDims
+
+    groups = ParallelDims(dp=dist.get_world_size(), dp_replicate=2).build(
+        rank=dist.get_rank(), world_size=dist.get_world_size(), timeout_s=SPAWN_TIMEOUT)
+    return groups.group("dp_shard", "cp"), groups.group("dp_replicate")
+
+
 class _RecomputeOnShards(FullyShardedDataParallel):
     """ZeRO-3 as it was before it composed with checkpointing: backward gathers a unit but leaves its
     modules on the shards, so a checkpointed block's recomputed forward reads the shards."""
@@ -176,7 +203,7 @@ class _RecomputeOnShards(FullyShardedDataParallel):
 
 
 def _full_params(kind: str, model: nn.Module) -> dict[str, torch.Tensor]:
-    if kind.startswith("zero3"):
+    if kind.startswith(("zero3", "hsdp")):
         return model.full_state_dict()
     if kind.startswith("fsdp2"):
         return {k: v.full_tensor().detach().clone() for k, v in model.named_parameters()}
@@ -254,7 +281,7 @@ def _cases(ctx, full: bool) -> dict:
     out["no_sync_vs_single"] = _max_diff(_full_params("dp", _train("dp", rank, world, sync=False)[0]), single)
     shapes = [tuple(p.shape) for p in UglyGPT().parameters()]
     units, unit_trained = _unit_shapes(UglyGPT())
-    kinds = ["dp", *ZERO] + (["ddp", "fsdp2", "fsdp2_ac"] if full else [])
+    kinds = ["dp", *ZERO] + (["ddp", "fsdp2", "fsdp2_ac"] if full else HSDP)
     results = {}
     for kind in kinds:
         with CommTracer() as tracer:
@@ -262,20 +289,26 @@ def _cases(ctx, full: bool) -> dict:
         params = _full_params(kind, model)
         results[kind] = params
         r = {"vs_single": _max_diff(params, single)}
-        if kind not in ("ddp", "fsdp2", "fsdp2_ac"):
+        if kind not in ("ddp", "fsdp2", "fsdp2_ac", "fsdp2_hsdp", "hsdp_no_replicas"):
             stage = {"dp": 0, "zero1": 1, "zero2": 2}.get(kind, 3)
             measured = model.state_bytes(opt) if stage == 3 else state_bytes(model, opt)
-            formula = zero_memory(shapes, world, stage, rank=rank, trainable=_trained_flags(UglyGPT()))
+            # HSDP: the state of ZeRO-3 over a shard group of world / 2 ranks, this rank's place in it
+            shards, replicas = (world // 2, 2) if kind == "hsdp" else (world, 1)
+            formula = zero_memory(shapes, shards, stage, rank=rank % shards,
+                                  trainable=_trained_flags(UglyGPT()))
             r["bytes"] = (measured.weights, measured.grads, measured.optimizer)
             r["formula"] = (formula.weights, formula.grads, formula.optimizer)
-            r["state_is_sharded"] = _state_is_sharded(measured.optimizer, rank, world)
+            r["state_is_sharded"] = _state_is_sharded(measured.optimizer, rank % shards, shards)
             r["ops"] = {op: (t.count, t.nbytes) for op, t in tracer.summary(step=STEPS - 1).items()}
-            r["ops_formula"] = zero_collectives(units, world, stage, trainable=unit_trained)
+            r["ops_formula"] = zero_collectives(units, shards, stage, trainable=unit_trained,
+                                                replicas=replicas)
         if kind in ("zero3", "zero3_ac"):
             r["all_freed"] = all(_freed(model))
         out[kind] = r
     for kind in kinds:
         out[kind]["vs_dp"] = _max_diff(results[kind], results["dp"])
+    if "hsdp" in kinds:
+        out["fsdp2_hsdp"]["vs_hsdp"] = _max_diff(results["fsdp2_hsdp"], results["hsdp"])
     if full:
         out["fsdp2"]["vs_zero3"] = _max_diff(results["fsdp2"], results["zero3"])
         out["fsdp2_ac"]["vs_zero3_ac"] = _max_diff(results["fsdp2_ac"], results["zero3_ac"])
@@ -517,6 +550,7 @@ def test_sharded_optimizer_rejects_stage_3():
 
 # ---------------------------------------------------------------------------------------- two ranks
 ZERO = ["zero1", "zero2", "zero3", "zero3_prefetch", "zero3_ac"]
+HSDP = ["hsdp", "fsdp2_hsdp", "hsdp_no_replicas"]  # at 4 ranks: 2 replicas of 2-rank shard groups
 
 
 def _tol(r: dict) -> float:
@@ -651,6 +685,26 @@ def test_four_ranks_uneven_shards(four_ranks, kind):
         assert r[kind]["state_is_sharded"] == (kind != "dp")
     shards = [four_ranks[r]["zero3"]["bytes"][0] for r in range(4)]
     assert len(set(shards)) > 1, "the shapes were meant to give ranks shards of different sizes"
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+def test_hsdp_equals_fsdp2_hsdp_bitwise_and_one_device(four_ranks):
+    """HSDP at 2 replicas x 2-rank shard groups (ParallelDims(dp=4, dp_replicate=2)'s groups): bit for bit
+    FSDP2's ``fully_shard`` on a (replicate, shard) mesh (both reduce-scatter the mean over the pair, then
+    all-reduce the mean over the replicas); one device within ``FACTOR x spread`` (another summation order
+    than dp 4); its state is ZeRO-3's over 2 ranks, and its collectives are ZeRO-3's over the shard group
+    plus one all-reduce of each unit's gradient shard over the replicas (the planner's
+    ``zero_collectives(replicas=2)``). Negative control: the replicas' all-reduce left out (each shard group
+    steps its own half of the batch) lands more than 100x the tolerance away from one device."""
+    for rank, r in enumerate(four_ranks):
+        hsdp = r["hsdp"]
+        assert r["fsdp2_hsdp"]["vs_hsdp"] == 0.0, f"rank {rank}: not FSDP2's HSDP: {r['fsdp2_hsdp']}"
+        assert hsdp["vs_single"] < _tol(r) and hsdp["vs_dp"] < _tol(r), (rank, hsdp, r["spread"])
+        assert r["hsdp_no_replicas"]["vs_single"] > 100 * _tol(r), r["hsdp_no_replicas"]
+        assert r["hsdp"]["bytes"] == r["hsdp"]["formula"], f"rank {rank} hsdp: measured != formula"
+        _check_collectives(rank, "hsdp", r)
+        assert "all_reduce" in r["hsdp"]["ops"]  # the replicas' reduction ran
 
 
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)

@@ -46,6 +46,9 @@ VIEWS: tuple[tuple[str, tuple[str, ...]], ...] = (("loss", LOSS_AXES), ("batch",
 """The derived views, ``(name, axes)``: :meth:`ParallelDims.build` creates a group for each besides the
 single axes (one already built, like ``batch``, is not built twice)."""
 DESCRIBE_ORDER = ("dp", "cp", "tp", "pp")  # how :meth:`ParallelDims.describe` lists the degrees
+HSDP_AXES = ("dp_replicate", "dp_shard")  # dp refactored for hybrid sharding: replicas outside shards
+SHARD_AXES = ("dp_shard", "cp")  # HSDP's shard group: ZeRO-3 shards over these, replicates over dp_replicate
+KEY_ORDER = ("pp", "dp", "dp_replicate", "dp_shard", "cp", "tp")  # every axis a group is keyed by, in order
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,22 +64,36 @@ class Coordinates:
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
     """The degrees of the four parallel axes: data (``dp``), context (``cp``), tensor (``tp``), pipeline
-    (``pp``). Their product is the world size; see the module docstring for the rank order and why."""
+    (``pp``). Their product is the world size; see the module docstring for the rank order and why.
+
+    ``dp_replicate`` (HSDP, hybrid sharding; chapter 04): the ``dp`` ranks as ``dp_replicate x dp_shard``,
+    replicas outermost (torchtitan's ``[pp, dp_replicate, dp_shard, cp, tp]``), so a shard group is
+    ``dp / dp_replicate`` adjacent ranks (inside a node) and a replica group spans the nodes. The rank
+    order is unchanged: the same ranks, a second factorization of ``dp`` (:meth:`refactor`)."""
 
     dp: int
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    dp_replicate: int = 1
 
     def __post_init__(self) -> None:
-        for axis in AXES:
+        for axis in (*AXES, "dp_replicate"):
             value = getattr(self, axis)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"the {axis} degree must be a positive integer, got {value!r}")
+        if self.dp % self.dp_replicate:
+            raise ConfigError(f"dp_replicate {self.dp_replicate} must divide dp {self.dp} (HSDP: dp = "
+                              "dp_replicate x dp_shard)")
+
+    @property
+    def dp_shard(self) -> int:
+        """The ranks of a shard group along dp: ``dp / dp_replicate``."""
+        return self.dp // self.dp_replicate
 
     @classmethod
     def from_world(cls, world_size: int, *, dp: int | None = None, cp: int = 1, tp: int = 1,
-                   pp: int = 1) -> ParallelDims:
+                   pp: int = 1, dp_replicate: int = 1) -> ParallelDims:
         """The layout of ``world_size`` ranks; ``dp`` defaults to ``world_size / (tp * pp * cp)``."""
         if dp is None:
             others = cls(dp=1, cp=cp, tp=tp, pp=pp).world_size  # checks the given degrees first
@@ -84,7 +101,7 @@ class ParallelDims:
                 raise ConfigError(f"world size {world_size} is not divisible by tp x pp x cp = {tp} x {pp} "
                                   f"x {cp} = {others}")
             dp = world_size // others
-        dims = cls(dp=dp, cp=cp, tp=tp, pp=pp)
+        dims = cls(dp=dp, cp=cp, tp=tp, pp=pp, dp_replicate=dp_replicate)
         dims.check(world_size)
         return dims
 
@@ -107,12 +124,15 @@ class ParallelDims:
         return self.grid.shape  # type: ignore[return-value]
 
     def describe(self) -> str:
-        return " x ".join(f"{axis} {getattr(self, axis)}" for axis in DESCRIBE_ORDER)
+        hsdp = (f" (dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard})" if self.dp_replicate > 1
+                else "")
+        return " x ".join(f"{axis} {getattr(self, axis)}" for axis in DESCRIBE_ORDER) + hsdp
 
     def config(self, **options: object) -> ParallelConfig:
         """The :class:`~refimpl.config.ParallelConfig` of this layout with the technique ``options``
         (``dims.config(zero_stage=1)``): what :func:`refimpl.parallel.parallelize` takes."""
-        return ParallelConfig(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, **options)
+        return ParallelConfig(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, dp_replicate=self.dp_replicate,
+                              **options)
 
     def check(self, world_size: int) -> None:
         """Refuse a layout whose product is not the world size."""
@@ -143,8 +163,13 @@ class ParallelDims:
     def refactor(self, old: tuple[str, ...], new: tuple[tuple[str, int], ...]) -> RankGrid:
         """A second factorization of the same ranks (:meth:`RankGrid.refactor`), e.g. ``("dp",)`` ->
         ``(("dp_replicate", R), ("dp_shard", S))``; every rank keeps its number and the other axes their
-        groups. Not used by the trainer yet (HSDP and the expert view will build their groups from it)."""
+        groups. HSDP builds its groups from it (:attr:`hsdp_grid`); the expert view will too."""
         return self.grid.refactor(old, new)
+
+    @property
+    def hsdp_grid(self) -> RankGrid:
+        """The grid with ``dp`` as ``dp_replicate x dp_shard`` (HSDP's groups; the same rank numbers)."""
+        return self.refactor(("dp",), (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)))
 
     def build(self, *, rank: int, world_size: int, timeout_s: float,
               backend: str | None = None) -> ParallelGroups:
@@ -158,6 +183,10 @@ class ParallelDims:
         keys = [(a,) for a in AXES] + [axes for _, axes in VIEWS]
         groups, members = build_groups(self.grid, keys, rank=rank, world_size=world_size,
                                        timeout_s=timeout_s, backend=backend)
+        if self.dp_replicate > 1:  # HSDP: the groups of the second factorization of dp
+            hsdp, hsdp_members = build_groups(self.hsdp_grid, [("dp_replicate",), SHARD_AXES], rank=rank,
+                                              world_size=world_size, timeout_s=timeout_s, backend=backend)
+            groups, members = groups | hsdp, members | hsdp_members
         return ParallelGroups(dims=self, rank=rank, coords=self.coordinates(rank), groups=groups,
                               members=members)
 
@@ -232,7 +261,7 @@ class ParallelGroups:
         return self.group(*self.dims.view(name))
 
     def _key(self, axes: tuple[str, ...]) -> tuple[str, ...]:
-        key = tuple(a for a in AXES if a in axes)
+        key = tuple(a for a in KEY_ORDER if a in axes)
         if key not in self.groups or len(key) != len(axes):
             raise KeyError(f"no group for axes {axes}; there are {sorted(self.groups)}")
         return key

@@ -67,7 +67,7 @@ import torch.distributed as dist
 from torch import nn
 
 from refimpl.config import ParallelConfig
-from refimpl.distributed.mesh import LOSS_AXES, ParallelDims, ParallelGroups
+from refimpl.distributed.mesh import LOSS_AXES, SHARD_AXES, ParallelDims, ParallelGroups
 from refimpl.parallel.data_parallel import DataParallelBucket
 from refimpl.parallel.data_parallel.data_parallel_communications import broadcast_module
 from refimpl.parallel.optimizer_setup import OptimizerSetup
@@ -93,7 +93,7 @@ def _layout(groups_or_dims: ParallelGroups | ParallelDims,
     else:
         raise TypeError("parallelize takes ParallelGroups or ParallelDims, got "
                         f"{type(groups_or_dims).__name__}")
-    layout = {"dp": dims.dp, "cp": dims.cp, "tp": dims.tp, "pp": dims.pp}
+    layout = {"dp": dims.dp, "cp": dims.cp, "tp": dims.tp, "pp": dims.pp, "dp_replicate": dims.dp_replicate}
     differ = {k: v for k, v in config.degrees.items() if v is not None and v != layout[k]}
     if differ:
         raise ValueError(f"the config's degrees {differ} are not the layout's {dims.describe()}: give "
@@ -188,7 +188,12 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
     else:
         from refimpl.parallel.zero import FullyShardedDataParallel
 
-        fsdp = FullyShardedDataParallel(model, group=group, prefetch=config.prefetch,
+        shard_group = group
+        if dims.dp_replicate > 1:  # HSDP: shard over a shard group, all-reduce the shards across them
+            shard_group = done.shard_group = groups.group(*SHARD_AXES)
+            done.replicate_group = groups.group("dp_replicate")
+        fsdp = FullyShardedDataParallel(model, group=shard_group, replicate_group=done.replicate_group,
+                                        prefetch=config.prefetch,
                                         reshard_after_forward=config.reshard_after_forward,
                                         mp_policy=mp.policy if fsdp_mp else None)
         done.forward = done.state_module = fsdp

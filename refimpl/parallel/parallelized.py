@@ -49,6 +49,8 @@ class Parallelized:
     applied: list[str] = field(default_factory=list)
     tp_group: dist.ProcessGroup | None = None
     cp_group: dist.ProcessGroup | None = None
+    shard_group: dist.ProcessGroup | None = None
+    replicate_group: dist.ProcessGroup | None = None
     pipeline: nn.Module | None = None
     placements: dict[str, Placement] = field(default_factory=dict)
 
@@ -93,7 +95,7 @@ class Parallelized:
     def groups(self) -> dict[str, dist.ProcessGroup | None]:
         """The process group of each axis a placement names (None: an axis of one rank)."""
         return {"pp": None if self.pipeline is None else self.pipeline.pp_group, "tp": self.tp_group,
-                "dp_cp": self.group}
+                "dp_cp": self.group, "dp_shard": self.shard_group, "dp_replicate": self.replicate_group}
 
 
 def held_parameters(done: Parallelized) -> list[tuple[str, nn.Parameter]]:
@@ -129,6 +131,10 @@ def record_parallel_placements(done: Parallelized, *, replicas: int) -> dict[str
         tied = "embedding.word_embeddings.weight" if pipe.tied_peer is not None and 0 not in pipe.stage_ids \
             else None
     placed = record_placements(boxes, tp=tp, sequence_parallel=sp, pp=pipe is not None, tied_copy=tied)
+    if done.config.zero_stage == 3 and pipe is None and done.replicate_group is not None:  # HSDP
+        return {n: p.along("dp_shard", sharded=True, reduced=True).along("dp_replicate", sharded=False,
+                                                                          reduced=True)
+                for n, p in placed.items()}
     if done.config.zero_stage == 3 and pipe is None:  # the wrapper's row shards of the whole tensors
         return {n: p.along("dp_cp", sharded=True, reduced=True) for n, p in placed.items()}
     return {n: p.along("dp_cp", sharded=False, reduced=replicas > 1) for n, p in placed.items()}

@@ -13,7 +13,8 @@ loses them. Here it is one record per parameter *name* (the plain GPT's), a :cla
 * ``sharded_over``: the axes whose ranks hold *disjoint* parts of it (``tp`` for a Megatron shard, ``dp_cp``
   for a ZeRO row shard, ``pp`` for a stage's tensor: the other pipeline ranks hold other tensors);
 * ``replicated_over``: the axes whose ranks hold the *same* elements (a LayerNorm over ``tp``, every ZeRO-0
-  parameter over ``dp_cp``; the last stage's copy of a tied embedding over ``pp``);
+  parameter over ``dp_cp``; the last stage's copy of a tied embedding over ``pp``; an HSDP shard over
+  ``dp_replicate``, the shard groups' counterparts);
 * ``reduce_over``: the axes its gradient is reduced over (``dp_cp``: averaged over the data-parallel
   replicas; ``tp``: summed, a sequence-parallel parameter that saw ``s/t`` tokens);
 * ``primary``: False for a copy another rank counts (the tied embedding's last-stage copy).
@@ -42,7 +43,9 @@ from refimpl.distributed.placement import Box
 __all__ = ["AXES", "NORM_AXES", "HeldGradient", "Placement", "clip_grad_norm_", "record_placements",
            "reduce_gradients", "scale_to_max_norm_", "sum_of_squares"]
 
-AXES = ("pp", "tp", "dp_cp")  # the axes a placement names; dp_cp is the data-parallel (dp x cp) group
+AXES = ("pp", "tp", "dp_cp", "dp_shard", "dp_replicate")
+"""The axes a placement names: ``dp_cp`` is the data-parallel (dp x cp) group; under HSDP ZeRO-3 shards over
+``dp_shard`` (the ``dp_shard x cp`` ranks of a shard group) and replicates over ``dp_replicate``."""
 NORM_AXES = AXES  # the order the norm's partial sums are all-reduced in
 
 

@@ -80,9 +80,12 @@ def ring_bytes_sent(numel: int, n: int, rank: int, element_size: int, *, op: str
 def zero_collectives(
     unit_shapes: Sequence[Sequence[Shape]], world_size: int, zero_stage: int, *,
     trainable: Sequence[Sequence[bool]] | None = None, bytes_per_element: int = 4, root_unit: int | None = 0,
+    replicas: int = 1,
 ) -> dict[str, tuple[int, int]]:
     """The collectives one rank issues in one optimizer step at ZeRO ``zero_stage``: ``{op: (count,
-    payload)}``.
+    payload)}``; under HSDP (``replicas`` R > 1, ZeRO-3 only) ``world_size`` is the shard group's S and each
+    unit's reduced gradient shard (``1/S`` of its padded gradients) is all-reduced over the R replicas once
+    more: ``"all_reduce": (trained units, grads / S)``.
 
     The payload is the bytes of the tensor handed to the op (the input of an all-reduce and of a
     reduce-scatter, the output of an all-gather: the full, padded tensor). One micro-batch per step, every
@@ -91,13 +94,16 @@ def zero_collectives(
     and one reduce-scatter per unit that has a trainable parameter. ``{}`` on one rank (no collective).
     """
     check_zero_stage(zero_stage, world_size)
+    if replicas > 1 and zero_stage != 3:
+        raise ValueError(f"HSDP (replicas {replicas}) is ZeRO-3's; got zero_stage {zero_stage}")
     n, b = world_size, bytes_per_element
     if trainable is None:
         trainable = [[True] * len(shapes) for shapes in unit_shapes]
     trained = [[s for s, t in zip(shapes, flags, strict=True) if t]
                for shapes, flags in zip(unit_shapes, trainable, strict=True)]
-    if n == 1:
-        return {}
+    if n == 1:  # no shard group: with replicas, plain data parallelism of each unit's gradients
+        grads = b * sum(math.prod(s) for shapes in trained for s in shapes)
+        return {"all_reduce": (sum(1 for t in trained if t), grads)} if replicas > 1 else {}
     if zero_stage == 0:
         return {"all_reduce": (1, b * sum(math.prod(s) for shapes in trained for s in shapes))}
     grads = b * sum(padded_numel(shapes, n) for shapes in trained)
@@ -106,8 +112,11 @@ def zero_collectives(
     units = [u for u, shapes in enumerate(unit_shapes) if shapes]
     again = [u for u in units if u != root_unit]
     gathered = b * sum((1 if u == root_unit else 2) * padded_numel(unit_shapes[u], n) for u in units)
-    return {"all_gather": (len(units) + len(again), gathered),
-            "reduce_scatter": (sum(1 for t in trained if t), grads)}
+    reduced = sum(1 for t in trained if t)
+    out = {"all_gather": (len(units) + len(again), gathered), "reduce_scatter": (reduced, grads)}
+    if replicas > 1:  # HSDP: the shards' mean over the replicas (FSDP2's all-reduce after the reduce-scatter)
+        out["all_reduce"] = (reduced, grads // n)
+    return out
 
 
 def zero_comm_bytes(

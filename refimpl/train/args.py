@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--dp", type=int, default=None,
                      help="data-parallel degree (default: world size / (tp x pp x cp)); dp x cp x tp x pp "
                      "must be the world size")
+    par.add_argument("--dp-replicate", type=int, default=1, metavar="R",
+                     help="with --zero-stage 3: hybrid sharding (HSDP), the dp ranks as R replicas of dp/R "
+                     "adjacent ranks that shard the model (inside a node); R must divide dp")
     par.add_argument("--tp", type=int, default=1,
                      help="tensor-parallel degree (chapter 06): heads, MLP and vocabulary split over tp "
                      "ranks that see the same batch; must divide --num-heads, 4 x --hidden-size and 256")
@@ -204,6 +207,7 @@ class RunOptions:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    dp_replicate: int = 1  # HSDP: the dp ranks as dp_replicate x dp_shard (ZeRO-3 within a shard group)
     sequence_parallel: bool = False
     cp_method: str = "ring"
     microbatches: int | None = None  # pipeline micro-batches per step and dp rank (None: see --microbatches)
@@ -212,7 +216,8 @@ class RunOptions:
     pp_balance: str = "layers"
 
     def __post_init__(self) -> None:
-        ParallelDims(dp=1 if self.dp is None else self.dp, cp=self.cp, tp=self.tp, pp=self.pp)  # degrees >= 1
+        ParallelDims(dp=self.dp_replicate if self.dp is None else self.dp, cp=self.cp, tp=self.tp, pp=self.pp,
+                     dp_replicate=self.dp_replicate)  # degrees >= 1, dp_replicate divides dp
         if self.virtual_stages < 1:
             raise ConfigError(f"--virtual-stages {self.virtual_stages}: a positive number, above 1 only with "
                               "--pp-schedule interleaved")
@@ -231,7 +236,8 @@ class RunOptions:
     @property
     def parallel(self) -> ParallelConfig:
         """The layout and the technique options as one :class:`~refimpl.config.ParallelConfig`."""
-        return ParallelConfig(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, zero_stage=self.zero_stage,
+        return ParallelConfig(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, dp_replicate=self.dp_replicate,
+                              zero_stage=self.zero_stage,
                               precision=self.precision, sequence_parallel=self.sequence_parallel,
                               cp_method=self.cp_method, pp_schedule=self.pp_schedule,
                               virtual_stages=self.virtual_stages, pp_balance=self.pp_balance,
@@ -240,14 +246,15 @@ class RunOptions:
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
         """The layout of ``world_size`` ranks (checked: the degrees' product is the world size)."""
-        return ParallelDims.from_world(world_size, dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp)
+        return ParallelDims.from_world(world_size, dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp,
+                                       dp_replicate=self.dp_replicate)
 
     def to_dict(self) -> dict:
         return {"zero_stage": self.zero_stage, "precision": self.precision,
                 "activation_checkpointing": self.activation_checkpointing, "dp": self.dp, "cp": self.cp,
                 "cp_method": self.cp_method, "tp": self.tp, "sequence_parallel": self.sequence_parallel,
                 "pp": self.pp, "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
-                "microbatches": self.microbatches}
+                "microbatches": self.microbatches, "dp_replicate": self.dp_replicate}
 
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:
@@ -276,7 +283,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
                       activation_checkpointing=args.activation_checkpointing, checkpoint=checkpoint,
                       faults=faults, sigterm_grace_s=args.sigterm_grace,
                       sleep_in_step_s=args.test_sleep_in_step,
-                      dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp,
+                      dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp, dp_replicate=args.dp_replicate,
                       sequence_parallel=args.sequence_parallel, cp_method=args.cp_method,
                       microbatches=args.microbatches, pp_schedule=args.pp_schedule,
                       virtual_stages=args.virtual_stages, pp_balance=args.pp_balance)

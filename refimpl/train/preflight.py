@@ -124,11 +124,14 @@ def survivor_layout(options: RunOptions, world_size: int, *,
         raise ConfigError(f"restart {restart_count}: {world_size} ranks survived; the layout "
                           f"{asked.describe()} keeps tp x pp x cp = {others} ranks per model copy, which "
                           f"{world_size} does not divide: no layout to resume at")
-    chosen = replace(options, dp=world_size // others)
+    dp = world_size // others
+    hsdp = ("" if dp % options.dp_replicate == 0 else
+            f"; dp_replicate {options.dp_replicate} does not divide dp {dp}: no hybrid sharding")
+    chosen = replace(options, dp=dp, dp_replicate=options.dp_replicate if not hsdp else 1)
     now = chosen.parallel_dims(world_size).describe()
     return chosen, (f"restart {restart_count}: the layout {asked.describe()} needs {asked.world_size} "
                     f"ranks, {world_size} are here: resuming at {now} (tp, pp and cp kept, dp from the "
-                    "survivors)")
+                    f"survivors{hsdp})")
 
 
 def machine_memory_per_rank(ranks_per_node: int, *, local_rank: int = 0,

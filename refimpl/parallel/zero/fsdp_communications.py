@@ -33,8 +33,18 @@ from torch import nn
 
 from refimpl.comm import ops
 from refimpl.parallel.zero.fsdp_unit import FSDPUnit, _alloc, _free, _ShardedParam
-from refimpl.parallel.zero.sharding import ShardSpec, copy_out_all_gather, pack_for_all_gather, shard_of
-from refimpl.parallel.zero.zero_communications import all_gather_into, reduce_scatter_mean
+from refimpl.parallel.zero.sharding import (
+    ShardSpec,
+    copy_out_all_gather,
+    pack_for_all_gather,
+    shard_of,
+    unpack_reduce_scatter,
+)
+from refimpl.parallel.zero.zero_communications import (
+    all_gather_into,
+    all_reduce_mean_,
+    reduce_scatter_mean_packed,
+)
 
 __all__ = [
     "all_gather_full",
@@ -144,10 +154,13 @@ def free_full_params(unit: FSDPUnit, group: dist.ProcessGroup | None) -> None:
 
 
 def reduce_scatter_grads(
-    unit: FSDPUnit, group: dist.ProcessGroup | None, reduce_dtype: torch.dtype | None
+    unit: FSDPUnit, group: dist.ProcessGroup | None, reduce_dtype: torch.dtype | None, *,
+    replicate_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Reduce-scatter the unit's full gradients (mean over ranks, in ``reduce_dtype`` when given) into its
-    shards' ``.grad`` (fp32, accumulated), and drop the full gradients. One collective for the unit."""
+    shards' ``.grad`` (fp32, accumulated), and drop the full gradients. One collective for the unit; under
+    HSDP (``replicate_group``) one more, the reduced shards all-reduced (mean) over the replicas before
+    they are added (FSDP2's order: reduce-scatter, then all-reduce)."""
     with_grad = [sp for sp in unit.trainable if sp.unsharded.grad is not None]
     if not with_grad:
         return
@@ -155,7 +168,10 @@ def reduce_scatter_grads(
     grads = [sp.unsharded.grad for sp in with_grad]
     if reduce_dtype is not None:
         grads = [g.to(reduce_dtype) for g in grads]
-    local = reduce_scatter_mean(grads, specs, group)
+    reduced = reduce_scatter_mean_packed(grads, specs, group)  # [S]: this rank's padded shard, the mean
+    if replicate_group is not None and dist.get_world_size(replicate_group) > 1:
+        all_reduce_mean_(reduced, replicate_group)  # HSDP: and the mean over the replicas
+    local = unpack_reduce_scatter(reduced, specs)
     for sp, g in zip(with_grad, local, strict=True):
         g = g.to(sp.sharded.dtype)  # fp32 gradient shards for the fp32 master shards
         sp.sharded.grad = g.clone() if sp.sharded.grad is None else sp.sharded.grad.add_(g)

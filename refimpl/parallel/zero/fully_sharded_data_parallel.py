@@ -54,6 +54,12 @@ class FullyShardedDataParallel(nn.Module):
     calling backward several times (each reduces its gradients). ``full_state_dict()`` gathers the full
     parameters (collective).
 
+    **Hybrid sharding** (HSDP, ``replicate_group``; FSDP2's ``fully_shard`` on a 2-D mesh): ``group`` is a
+    shard group of ``S`` ranks and ``replicate_group`` the ``R`` ranks holding the same shard in the other
+    shard groups. The gradients are reduce-scattered (mean) over the shard group, then the shards
+    all-reduced (mean) over the replicas: ``(1/R) sum_r (1/S) sum_s g_{r,s}``, the mean over the ``R S``
+    ranks; the all-gathers stay inside a shard group (a node), only the shards' all-reduce crosses.
+
     **Mixed precision** (``mp_policy``, a :class:`refimpl.precision.MixedPrecisionPolicy`; chapter 05),
     as FSDP2's ``fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype))`` does it: the
     shards stay fp32 (the master weights; the optimizer and its state see only them), the all-gather and
@@ -67,6 +73,7 @@ class FullyShardedDataParallel(nn.Module):
         module: nn.Module,
         *,
         group: dist.ProcessGroup | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
         unit_types: tuple[type[nn.Module], ...] | None = None,
         prefetch: bool = False,
         reshard_after_forward: bool = True,
@@ -79,6 +86,7 @@ class FullyShardedDataParallel(nn.Module):
             unit_types = (TransformerBlock,)
         self.module = module
         self.group = group
+        self.replicate_group = replicate_group  # HSDP: the shards' replicas, one per shard group
         self.rank, self.world_size = _world(group)
         # FSDP2's MixedPrecisionPolicy: gather and compute in param_dtype, reduce in reduce_dtype
         self.param_dtype = None if mp_policy is None else mp_policy.param_dtype
@@ -192,7 +200,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _reduce(self, unit: FSDPUnit) -> None:
         """Reduce-scatter the unit's gradients into the shards' ``.grad``; free the full ones and the unit."""
-        reduce_scatter_grads(unit, self.group, self.reduce_dtype)
+        reduce_scatter_grads(unit, self.group, self.reduce_dtype, replicate_group=self.replicate_group)
         unit.reduced = True
         if len(unit.trainable) == len(unit.params):
             # Every operation that reads these parameters has run: it produced their gradients. A frozen

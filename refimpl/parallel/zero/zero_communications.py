@@ -50,6 +50,14 @@ def reduce_scatter_mean(
     The collective runs in the gradients' dtype: sum, then divide by N (exact at N = 2, 4 in fp32 and
     bf16). In fp16 the division is split around the sum (:func:`fp16_divide_factors`), as FSDP2 does.
     """
+    return unpack_reduce_scatter(reduce_scatter_mean_packed(grads, specs, group), specs)
+
+
+def reduce_scatter_mean_packed(
+    grads: Sequence[torch.Tensor], specs: Sequence[ShardSpec], group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """:func:`reduce_scatter_mean` before unpacking: this rank's padded shard of all the gradients, flat
+    ``[S]`` (what HSDP all-reduces over the replicas, padding included, as FSDP2 does)."""
     n = specs[0].world_size
     packed = pack_for_reduce_scatter(grads, specs)  # [N, S]
     reduced = packed.new_empty(packed.shape[1])  # [S]
@@ -62,7 +70,22 @@ def reduce_scatter_mean(
             reduced.div_(post)
     else:
         reduced.copy_(packed[0])
-    return unpack_reduce_scatter(reduced, specs)
+    return reduced
+
+
+def all_reduce_mean_(flat: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Mean over the ranks of ``group``, in place, of a flat tensor (HSDP's second reduction: a padded
+    gradient shard over its replicas, after the reduce-scatter, FSDP2's order). Sum, then divide by R
+    (exact for R a power of two in fp32 and bf16); in fp16 the division is split around the sum as in
+    :func:`reduce_scatter_mean`."""
+    _, r = _world(group)
+    pre, post = fp16_divide_factors(r) if flat.dtype == torch.float16 else (1, r)
+    if pre != 1:
+        flat.div_(pre)
+    ops.all_reduce(flat, group=group)
+    if post != 1:
+        flat.div_(post)
+    return flat
 
 
 def all_gather_into(
