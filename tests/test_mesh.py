@@ -235,6 +235,18 @@ def test_dp_split_into_replicate_x_shard_is_a_second_factorization_of_the_same_r
         assert h["dp_replicate"] * shard + h["dp_shard"] == c.dp and hsdp.rank_of(h) == rank
 
 
+def test_the_hsdp_layout_is_its_refactored_grid():
+    """``ParallelDims(dp_replicate=R)`` (the trainer's ``--dp-replicate``) builds its groups from exactly
+    this second factorization; R must divide dp; the layout names it."""
+    dims = ParallelDims(dp=4, tp=2, dp_replicate=2)
+    assert dims.hsdp_grid == dims.refactor(("dp",), (("dp_replicate", 2), ("dp_shard", 2)))
+    assert dims.dp_shard == 2 and dims.grid == ParallelDims(dp=4, tp=2).grid  # the rank order is unchanged
+    assert "dp_replicate 2 x dp_shard 2" in dims.describe()
+    assert dims.config(zero_stage=3).dp_replicate == 2
+    with pytest.raises(ConfigError, match="dp_replicate 3 must divide dp 4"):
+        ParallelDims(dp=4, dp_replicate=3)
+
+
 def test_expert_view_inside_dp_x_cp():
     """``ep`` inside the loss view: ``dp * CP + cp = e * EP + ep``, so an ep group is the ranks with the same
     (pp, efsdp, tp), consecutive blocks of ``EP`` loss-group positions."""

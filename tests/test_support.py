@@ -22,6 +22,8 @@ CASES = {
     "sp-without-tp": (dict(sequence_parallel=True), dict(sequence_parallel=True, tp=2)),
     "zero3-tp": (dict(tp=2, zero_stage=3), dict(tp=2, zero_stage=2)),
     "zero3-pp": (dict(pp=2, zero_stage=3), dict(pp=2, zero_stage=1)),
+    "hsdp-without-zero3": (dict(dp=4, dp_replicate=2, zero_stage=1),
+                           dict(dp=4, dp_replicate=2, zero_stage=3)),
     "zero2-zbh1": (dict(pp=2, zero_stage=2, pp_schedule="zbh1"),
                    dict(pp=2, zero_stage=1, pp_schedule="zbh1")),
     "pipeline-options-without-pp": (dict(microbatches=4), dict(microbatches=4, pp=2)),
