@@ -2,28 +2,38 @@
 estimated step time, with memory and communication per GPU broken down (chapter 10).
 
     python -m refimpl.plan --params 70e9 --gpus 512 --gpu H100 --seq-len 4096 --global-batch 1024
+    python -m refimpl.plan --params 1e12 --gpus 2048 --seq-len 2048 --global-batch 2048 \
+        --layout dp=128,tp=8,pp=2
 
-Every figure is a formula of :mod:`refimpl.planner` (the chapters check them against measurement) fed with
+Every figure is a formula of :mod:`refimpl.planner` (the chapters check them against measurement), one
+layout at a time :func:`refimpl.planner.layout_plan.evaluate_layout` (its docstring has each term), fed with
 the assumptions printed under the table:
 
 * **shape**: from ``--params`` a GPT of ``L`` layers and width ``h`` with ``12 L h^2 ~ N`` and ``h = 128 L``
   (GPT-3's aspect), heads of 128 (or give ``--num-layers --hidden-size --num-heads``);
-* **memory per GPU** (Rajbhandari et al. 2020; Korthikanti et al. 2022): bf16 weights and gradients
-  ``(2 + 2) N / (tp pp)``, fp32 master weights and Adam moments ``12 N / (tp pp)`` sharded over the ``dp x
-  cp`` ranks by ZeRO-1; activations of one micro-batch of ``s/cp`` tokens per layer with sequence
-  parallelism, ``34 s b h / t`` plus ``5 a s^2 b / t`` (no flash attention assumed unless ``--flash``),
-  times ``L/pp`` layers, times the ``pp`` micro-batches the first stage of 1F1B holds; with ``--recompute``
-  only each layer's input is kept, ``2 s b h / t``, plus one layer recomputed;
-* **time per step**: the FLOPs ``(6 N + 12 L h s) x tokens`` at ``--mfu`` of the GPU's dense bf16 peak,
-  stretched by the 1F1B bubble ``(pp-1)/(m+pp-1)``; plus the communication none of it hides, each
-  collective at the bandwidth of the link it crosses (NVLink inside a node, the network between nodes):
-  TP's four all-reduces per layer and micro-batch (Shoeybi et al. 2019;
-  :func:`~refimpl.planner.communication.tensor_parallel_collectives`), the dp gradient all-reduce (counted
-  whole: an upper bound, DDP overlaps part of it), the pipeline's sends (:func:`boundary_bytes`: what
-  refimpl's pipeline sends, float32) and CP's ring
-  (:func:`~refimpl.planner.communication.context_parallel_bytes`). A collective's bytes are the ring
-  algorithm's, ``2 (n-1)/n`` of the payload for an all-reduce: a model, not what NCCL does on every box
-  (inside an HGX H100 node it picks NVLS, NVLink SHARP, or a tree as well as rings).
+* **memory per GPU** (Rajbhandari et al. 2020; Korthikanti et al. 2022): the ZeRO table
+  (:func:`~refimpl.planner.zero_state.zero_memory_paper`, bf16 weights and gradients, fp32 master weights
+  and Adam moments, ``K = 12``) over a rank's ``N / (tp pp)`` parameters, sharded over the ``dp x cp``
+  ranks (``dp/R x cp`` under HSDP of ``R`` replicas): stage 1 the optimizer, 2 the gradients too, 3 the
+  weights too, plus ZeRO-3's gathered blocks; activations of the ``pp`` micro-batches the first 1F1B stage
+  holds, with sequence parallelism (``34 s b h / t`` per layer, ``+ 5 a s^2 b / t`` with ``--no-flash``), or
+  with recomputation each layer's input, ``2 s b h / t``, plus one layer recomputed;
+* **time per step**: the FLOPs ``(6 N + 12 L h s) x tokens`` at ``--mfu`` of the dense bf16 peak (a third
+  more when recomputing: one more forward), stretched by the 1F1B bubble ``(pp-1)/(m+pp-1)``, plus the
+  bytes of TP's collectives, of dp's gradient all-reduce (1.5 times it at ZeRO-3: the weights all-gathered
+  for forward and for backward), of the pipeline's sends (:func:`boundary_bytes`, float32) and of CP's ring,
+  each at the link it crosses (NVLink inside a node, the network between), none overlapped (an upper
+  bound). Bytes are the ring algorithm's, ``2 (n-1)/n`` of an all-reduce's payload: a model, not what NCCL
+  does on every box (inside an HGX H100 node it picks NVLS, NVLink SHARP, or a tree as well as rings).
+
+**The search** tries every layout at ``--zero-stages`` (0-3), recomputation none and every block
+(``--recompute`` forces one) and, for stages 1-3, each HSDP degree dividing dp (``--no-hsdp``: none), with
+``--global-batch / (dp --micro-batch)`` micro-batches, and keeps per layout the combination that fits with
+the shortest step; ties (stages 0-2 move the same bytes here) go to the lowest stage, then to no
+recomputation, then to no replication. So a layout runs at the lowest ZeRO stage that fits it (ZeRO-3 sends
+1.5 times the bytes) and recomputes only when that is the cheaper way to fit (it costs a third more compute).
+``--layout dp=128,tp=8,pp=2[,cp=1][,zero=3][,mb=1][,hsdp=1]`` estimates one layout at each stage instead;
+exit status 0 when it fits at one (at ``zero=`` when given), 1 when not, 2 on bad input.
 
 This is an estimate for choosing a layout, not a measurement: its inputs (peak, MFU, link bandwidths from
 the data sheets) are the assumptions it prints.
@@ -33,46 +43,24 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
-
-import torch
 
 from refimpl.config import ConfigError, ModelConfig
-from refimpl.planner import (
-    PEAK_FLOPS,
-    context_parallel_bytes,
-    flops_per_token,
-    param_count,
-    tensor_parallel_collectives,
-    wire_bytes,
+from refimpl.planner import PEAK_FLOPS, STAGES, param_count
+from refimpl.planner.layout_plan import (
+    BOUNDARY_BYTES_PER_ELEMENT,
+    GPUS,
+    MEMORY_FRACTION,
+    LayoutPlan,
+    boundary_bytes,
+    choose,
+    evaluate_layout,
+    evaluate_stages,
 )
 
-__all__ = ["BOUNDARY_BYTES_PER_ELEMENT", "GPUS", "LayoutPlan", "boundary_bytes", "main", "model_for",
-           "plan_layouts"]
+__all__ = ["BOUNDARY_BYTES_PER_ELEMENT", "GPUS", "LayoutPlan", "boundary_bytes", "evaluate_layout",
+           "evaluate_stages", "main", "model_for", "plan_layouts"]
 
-# per GPU, from the data sheets: memory (bytes), NVLink bandwidth per direction and the network per GPU
-# per direction (bytes/s); dense bf16 peaks come from refimpl.measure.peaks
-GPUS = {
-    "H100": {"memory": 80e9, "nvlink": 450e9, "network": 50e9},   # NVLink 4: 900 GB/s both ways; NDR 400 Gb/s
-    "H200": {"memory": 141e9, "nvlink": 450e9, "network": 50e9},
-    "A100": {"memory": 80e9, "nvlink": 300e9, "network": 25e9},   # NVLink 3: 600 GB/s both ways; HDR 200 Gb/s
-}
-
-
-# what refimpl's pipeline sends at a stage boundary: the residual stream, float32 under autocast too (the
-# residual add of an fp32 input and a bf16 block output promotes to fp32; the receivers allocate float32:
-# refimpl.parallel.pipeline_parallel), measured per send in tests/test_boundary_bytes.py. Megatron-LM
-# sends its params dtype, bf16: half of this.
-BOUNDARY_BYTES_PER_ELEMENT = 4
-
-
-def boundary_bytes(*, micro_batch: int, seq_len: int, hidden_size: int, tp: int, cp: int,
-                   sequence_parallel: bool = True) -> float:
-    """Bytes of one stage-boundary tensor (an activation forward, or its gradient backward) one GPU sends:
-    ``[b, s/cp, h]`` float32, ``[b, s/(cp tp), h]`` under sequence parallelism (each tp rank sends its
-    sequence shard; Korthikanti et al. 2022)."""
-    tokens = seq_len / cp / (tp if sequence_parallel else 1)
-    return BOUNDARY_BYTES_PER_ELEMENT * micro_batch * tokens * hidden_size
+LAYOUT_KEYS = {"dp": None, "tp": None, "pp": None, "cp": 1, "zero": None, "mb": None, "hsdp": 1}
 
 
 def model_for(params: float, *, vocab_size: int, seq_len: int) -> ModelConfig:
@@ -90,86 +78,33 @@ def model_for(params: float, *, vocab_size: int, seq_len: int) -> ModelConfig:
                        num_attention_heads=hidden // 128, max_seq_len=seq_len, tie_word_embeddings=False)
 
 
-@dataclass(frozen=True, kw_only=True)
-class LayoutPlan:
-    """One layout's estimate: bytes per GPU, bytes each GPU sends per step per axis, seconds."""
-
-    dp: int
-    tp: int
-    pp: int
-    cp: int
-    microbatches: int
-    state_bytes: float
-    activation_bytes: float
-    sent: dict[str, float]
-    bubble: float
-    compute_s: float
-    comm_s: float
-    fits: bool
-
-    @property
-    def memory_bytes(self) -> float:
-        return self.state_bytes + self.activation_bytes
-
-    @property
-    def step_s(self) -> float:
-        return self.compute_s / (1 - self.bubble) + self.comm_s
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def plan_layouts(config: ModelConfig, *, gpus: int, gpu: str, gpus_per_node: int, seq_len: int,
-                 global_batch: int, micro_batch: int = 1, mfu: float = 0.5, recompute: bool = False,
-                 flash: bool = True) -> list[LayoutPlan]:
-    """Every layout of ``gpus`` the model's sizes allow, estimated (module docstring), fastest first among
-    those that fit, then the rest."""
-    spec, peak = GPUS[gpu], PEAK_FLOPS[gpu]["bf16"]
-    n = param_count(config).total
-    L, h, a, s, b = (config.num_layers, config.hidden_size, config.num_attention_heads,  # noqa: N806
-                     seq_len, micro_batch)
-    tokens = global_batch * s
-    flops = flops_per_token(config, s) * tokens
+                 global_batch: int, micro_batch: int = 1, mfu: float = 0.5, recompute: bool | None = False,
+                 flash: bool = True, zero_stages: tuple[int, ...] = (1,), hsdp: bool = False
+                 ) -> list[LayoutPlan]:
+    """Every layout of ``gpus`` the model's sizes allow, each at the combination :func:`choose` keeps of
+    ``zero_stages``, recomputation (``recompute``: False none, True every block, None both) and, with
+    ``hsdp``, every HSDP degree dividing dp; fastest first among those that fit, then the rest. The
+    defaults are the planner before its search: ZeRO-1, no recomputation, no HSDP."""
+    recomputes = (False, True) if recompute is None else (recompute,)
+    s, b = seq_len, micro_batch
     plans = []
-    for tp in _divisors(a):
-        for pp in _divisors(L):
+    for tp in _divisors(config.num_attention_heads):
+        for pp in _divisors(config.num_layers):
             for cp in (c for c in _divisors(gpus) if s % (2 * c) == 0 or c == 1):
-                if gpus % (tp * pp * cp):
+                if gpus % (tp * pp * cp) or global_batch % (gpus // (tp * pp * cp) * b):
                     continue
                 dp = gpus // (tp * pp * cp)
-                if global_batch % (dp * b):
-                    continue
-                m = global_batch // (dp * b)
-                sc = s // cp  # tokens per GPU per sequence
-                state = 4 * n / (tp * pp) + 12 * n / (tp * pp * dp * cp)
-                # one layer's saved tensors (the s^2 scores too without flash attention); under recompute
-                # only each layer's input is kept, plus the one layer being recomputed
-                per_layer = 34 * sc * b * h / tp + (0 if flash else 5 * (a / tp) * sc * s * b)
-                kept = (2 * sc * b * h / tp) * L / pp * min(pp, m) + per_layer if recompute else (
-                    per_layer * L / pp * min(pp, m))
-                act_bytes = boundary_bytes(micro_batch=b, seq_len=s, hidden_size=h, tp=tp, cp=cp)
-                inside = tp * cp <= gpus_per_node
-                tp_bw = spec["nvlink"] if tp <= gpus_per_node else spec["network"]
-                collectives = tensor_parallel_collectives(num_layers=L // pp, hidden_size=h, micro_batch=b,
-                                                          seq_len=sc, tp=tp, bytes_per_element=2)
-                ring = context_parallel_bytes(config, micro_batch=b, seq_len=s, cp=cp, method="ring", tp=tp,
-                                              compute_dtype=torch.bfloat16)
-                sent = {  # bytes one GPU sends per step, per axis
-                    "tp": sum(wire_bytes(op, payload, tp) for op, (_, payload) in collectives.items()) * m,
-                    "dp": wire_bytes("all_reduce", 2 * n / (tp * pp), dp * cp),  # bf16 gradients
-                    "pp": act_bytes * m * (0 if pp == 1 else 1 if pp == 2 else 2),  # an interior stage
-                    "cp": (ring["forward"] + ring["backward"]) * (L // pp) * m,
-                }
-                dp_bw = spec["nvlink"] if tp * cp * dp <= gpus_per_node else spec["network"]
-                pp_bw = spec["nvlink"] if tp * cp * dp * pp <= gpus_per_node else spec["network"]
-                cp_bw = spec["nvlink"] if inside else spec["network"]
-                comm = (sent["tp"] / tp_bw + sent["dp"] / dp_bw + sent["pp"] / pp_bw + sent["cp"] / cp_bw)
-                bubble = (pp - 1) / (m + pp - 1)
-                compute = flops / (gpus * peak * mfu)
-                plans.append(LayoutPlan(dp=dp, tp=tp, pp=pp, cp=cp, microbatches=m, state_bytes=state,
-                                        activation_bytes=kept, sent=sent, bubble=bubble, compute_s=compute,
-                                        comm_s=comm, fits=state + kept <= 0.9 * spec["memory"]))
+                plans.append(choose([
+                    evaluate_layout(config, dp=dp, tp=tp, pp=pp, cp=cp, gpu=gpu, gpus_per_node=gpus_per_node,
+                                    seq_len=s, global_batch=global_batch, micro_batch=b, mfu=mfu,
+                                    zero_stage=z, recompute=r, dp_replicate=rep, flash=flash)
+                    for z in zero_stages for r in recomputes
+                    for rep in (_divisors(dp) if hsdp and z else (1,))]))
     return sorted(plans, key=lambda p: (not p.fits, p.step_s))
 
 
@@ -177,38 +112,114 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.1f}"
 
 
+def _header(config: ModelConfig, args: argparse.Namespace) -> str:
+    return (f"model: {param_count(config).total / 1e9:.2f}B parameters ({config.num_layers} layers, width "
+            f"{config.hidden_size}, {config.num_attention_heads} heads, vocabulary {config.vocab_size}); "
+            f"{args.gpus} x {args.gpu} in nodes of {args.gpus_per_node}; global batch {args.global_batch} x "
+            f"{args.seq_len} tokens")
+
+
+def _assumptions(args: argparse.Namespace) -> str:
+    spec = GPUS[args.gpu]
+    return ("assumptions: bf16 weights/gradients + fp32 master and Adam (16 B/parameter) sharded by ZeRO "
+            f"stage {'/'.join(map(str, args.zero_stages))} over dp x cp (HSDP: over dp/hsdp x cp); ZeRO-3 "
+            "gathers each block once per forward and backward (not per micro-batch) and holds 2 blocks' "
+            "weights and 1 block's gradients full; sequence parallelism; float32 stage boundaries "
+            f"(what refimpl's pipeline sends); 1F1B; {args.mfu:.0%} of the "
+            f"{PEAK_FLOPS[args.gpu]['bf16'] / 1e12:.0f} TFLOP/s bf16 peak, one more forward when "
+            f"recomputing; NVLink {spec['nvlink'] / 1e9:.0f} GB/s and network {spec['network'] / 1e9:.0f} "
+            "GB/s per GPU and direction (data sheets); communication not overlapped (an upper bound); "
+            "recomputation: "
+            + {"search": "none or every block", "none": "none", "every": "every block"}[args.recompute]
+            + ("" if args.flash else "; no flash attention (the s^2 scores kept)"))
+
+
 def _report(config: ModelConfig, plans: list[LayoutPlan], args: argparse.Namespace) -> str:
-    n = param_count(config).total
     fit = [p for p in plans if p.fits]
-    lines = [f"model: {n / 1e9:.2f}B parameters ({config.num_layers} layers, width {config.hidden_size}, "
-             f"{config.num_attention_heads} heads, vocabulary {config.vocab_size}); {args.gpus} x {args.gpu} "
-             f"in nodes of {args.gpus_per_node}; global batch {args.global_batch} x {args.seq_len} tokens",
-             f"{len(plans)} layouts considered, {len(fit)} fit in {_gb(0.9 * GPUS[args.gpu]['memory'])} GB "
-             "per GPU (90% of its memory)"]
+    lines = [_header(config, args), f"{len(plans)} layouts considered, {len(fit)} fit in "
+             f"{_gb(MEMORY_FRACTION * GPUS[args.gpu]['memory'])} GB per GPU (90% of its memory)"]
     if not fit:
         best = min(plans, key=lambda p: p.memory_bytes)
         lines.append(f"none fits: the smallest needs {_gb(best.memory_bytes)} GB per GPU (dp {best.dp} x tp "
-                     f"{best.tp} x pp {best.pp} x cp {best.cp}); try --recompute, more GPUs or a shorter "
-                     "--seq-len")
+                     f"{best.tp} x pp {best.pp} x cp {best.cp}, ZeRO-{best.zero_stage}, recompute "
+                     f"{'every block' if best.recompute else 'none'}); try more GPUs, a shorter --seq-len"
+                     + ("" if args.zero_stages == STAGES and args.recompute == "search" else
+                        ", or more of --zero-stages and --recompute"))
         return "\n".join(lines)
-    head = (f"{'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'m':>5} | {'state':>6} {'activ':>6} GB | "
-            f"{'tp':>7} {'dp':>7} {'pp':>7} {'cp':>7} GB sent | {'bubble':>6} | {'step s':>7} {'MFU':>5}")
+    head = (f"{'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'m':>5} {'hsdp':>4} | {'ZeRO':>4} {'recompute':>9} | "
+            f"{'state':>6} {'gathr':>5} {'activ':>6} GB | {'tp':>7} {'dp':>7} {'pp':>7} {'cp':>7} GB sent | "
+            f"{'bubble':>6} | {'step s':>7} {'MFU':>5}")
     lines += ["", head, "-" * len(head)]
     for p in fit[: args.top]:
         mfu = args.mfu * p.compute_s / p.step_s
-        lines.append(f"{p.dp:>5} {p.tp:>3} {p.pp:>3} {p.cp:>3} {p.microbatches:>5} | {_gb(p.state_bytes):>6} "
-                     f"{_gb(p.activation_bytes):>6} GB | " + " ".join(f"{_gb(p.sent[k]):>7}" for k in
-                                                               ("tp", "dp", "pp", "cp"))
+        lines.append(f"{p.dp:>5} {p.tp:>3} {p.pp:>3} {p.cp:>3} {p.microbatches:>5} {p.dp_replicate:>4} | "
+                     f"{p.zero_stage:>4} {'every' if p.recompute else 'none':>9} | {_gb(p.state_bytes):>6} "
+                     f"{_gb(p.gathered_bytes):>5} {_gb(p.activation_bytes):>6} GB | "
+                     + " ".join(f"{_gb(p.sent[k]):>7}" for k in ("tp", "dp", "pp", "cp"))
                      + f" GB sent | {p.bubble:>6.1%} | {p.step_s:>7.2f} {mfu:>5.0%}")
-    spec = GPUS[args.gpu]
-    lines += ["", "assumptions: bf16 weights/gradients + fp32 master and Adam (16 B/parameter, the "
-              f"optimizer's 12 sharded over dp x cp: ZeRO-1); sequence parallelism; float32 stage boundaries "
-              "(what refimpl's pipeline sends); 1F1B; {args.mfu:.0%} of "
-              f"the {PEAK_FLOPS[args.gpu]['bf16'] / 1e12:.0f} TFLOP/s bf16 peak; NVLink "
-              f"{spec['nvlink'] / 1e9:.0f} GB/s and network {spec['network'] / 1e9:.0f} GB/s per GPU and "
-              "direction (data sheets); communication not overlapped (an upper bound); "
-              + ("activations recomputed per layer" if args.recompute else "no activation recomputation")
-              + ("" if args.flash else "; no flash attention (the s^2 scores kept)")]
+    return "\n".join([*lines, "", _assumptions(args)])
+
+
+def parse_layout(text: str, gpus: int) -> dict[str, int]:
+    """``dp=128,tp=8,pp=2[,cp=1][,zero=3][,mb=1][,hsdp=1]`` as a dict; a ConfigError on bad input."""
+    out: dict[str, int] = {}
+    for item in text.split(","):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or key not in LAYOUT_KEYS or key in out:
+            raise ConfigError(f"--layout: {'repeated' if key in out else 'unknown'} key {key!r} in {text!r} "
+                              f"(expected {','.join(k + '=' for k in LAYOUT_KEYS)}, integers)")
+        try:
+            out[key] = int(value)
+        except ValueError:
+            raise ConfigError(f"--layout: {key}={value!r} is not an integer") from None
+    if missing := [k for k in ("dp", "tp", "pp") if k not in out]:
+        raise ConfigError(f"--layout needs {', '.join(k + '=' for k in missing)} (got {text!r})")
+    layout = {k: out.get(k, default) for k, default in LAYOUT_KEYS.items()}
+    product = layout["dp"] * layout["tp"] * layout["pp"] * layout["cp"]
+    if product != gpus:
+        raise ConfigError(f"--layout dp x tp x pp x cp = {product}, not --gpus {gpus}")
+    return layout
+
+
+def _evaluate_given(config: ModelConfig, args: argparse.Namespace) -> tuple[dict, list[LayoutPlan]]:
+    """The --layout at each stage shown (:func:`evaluate_stages`); a ConfigError on bad input."""
+    layout = parse_layout(args.layout, args.gpus)
+    layout["mb"] = args.micro_batch if layout["mb"] is None else layout["mb"]
+    stages = tuple(sorted({*args.zero_stages, *(() if layout["zero"] is None else (layout["zero"],))}))
+    return layout, evaluate_stages(
+        config, stages=stages, recompute={"search": None, "none": False, "every": True}[args.recompute],
+        dp_replicate=layout["hsdp"], dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], cp=layout["cp"],
+        gpu=args.gpu, gpus_per_node=args.gpus_per_node, seq_len=args.seq_len, global_batch=args.global_batch,
+        micro_batch=layout["mb"], mfu=args.mfu, flash=args.flash)
+
+
+def _layout_report(config: ModelConfig, layout: dict, rows: list[LayoutPlan], args: argparse.Namespace
+                   ) -> str:
+    p, psi = rows[0], param_count(config).total / (layout["tp"] * layout["pp"])
+    limit, spec = p.limit_bytes, GPUS[args.gpu]
+    hsdp = f" / hsdp {layout['hsdp']} replicas" if layout["hsdp"] > 1 else ""
+    head = (f"{'ZeRO':>4} {'recompute':>9} | {'weights':>7} {'grads':>7} {'optim':>7} {'gathr':>5} "
+            f"{'activ':>6} {'total':>7} GB | {'dp sent':>7} GB | {'step s':>7} | fits")
+    lines = [_header(config, args),
+             f"layout dp {p.dp} x tp {p.tp} x pp {p.pp} x cp {p.cp}: {p.microbatches} micro-batches of "
+             f"{layout['mb']} sequence(s); {psi / 1e9:.2f}B parameters per GPU (N / (tp pp)), ZeRO "
+             f"shards over dp x cp = {p.dp * p.cp}{hsdp}",
+             f"memory per GPU against {_gb(limit)} GB (90% of the {args.gpu}'s "
+             f"{spec['memory'] / 1e9:.0f} GB):", "", head, "-" * len(head)]
+    for q in rows:
+        verdict = f"yes, {_gb(q.margin_bytes)} GB spare" if q.fits else f"no, {_gb(-q.margin_bytes)} GB over"
+        lines.append(f"{q.zero_stage:>4} {'every' if q.recompute else 'none':>9} | "
+                     + " ".join(f"{_gb(x):>7}" for x in (q.state.weights, q.state.grads, q.state.optimizer))
+                     + f" {_gb(q.gathered_bytes):>5} {_gb(q.activation_bytes):>6} {_gb(q.memory_bytes):>7} "
+                     f"GB | {_gb(q.sent['dp']):>7} GB | {q.step_s:>7.2f} | {verdict}")
+    fits, given = [str(q.zero_stage) for q in rows if q.fits], layout["zero"]
+    verdict = (f"ZeRO-{given} (given): {'fits' if str(given) in fits else 'does not fit'}"
+               if given is not None else f"ZeRO stages that fit: {', '.join(fits) or 'none'} (of "
+               f"{', '.join(str(q.zero_stage) for q in rows)})")
+    lines += ["", "bytes each GPU sends per step: " + ", ".join(f"{k} {_gb(p.sent[k])} GB" for k in
+                                                              ("tp", "pp", "cp")) + "; dp per stage above",
+              f"bubble {p.bubble:.1%} (1F1B, pp {p.pp}, {p.microbatches} micro-batches)", verdict, "",
+              _assumptions(args)]
     return "\n".join(lines)
 
 
@@ -227,45 +238,69 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--mfu", type=float, default=0.5, help="fraction of the bf16 peak the matmuls reach")
-    p.add_argument("--recompute", action="store_true", help="full activation recomputation")
+    p.add_argument("--zero-stages", default="0,1,2,3", help="ZeRO stages searched, comma-separated")
+    p.add_argument("--recompute", nargs="?", const="every", default="search",
+                   choices=("search", "none", "every"),
+                   help="activation recomputation: searched, never, or every block (--recompute alone)")
+    p.add_argument("--no-hsdp", dest="hsdp", action="store_false", help="search no HSDP degree (replicas)")
     p.add_argument("--no-flash", dest="flash", action="store_false", help="keep the s^2 attention scores")
+    p.add_argument("--layout", default=None, help="estimate one layout at each ZeRO stage instead: "
+                   "dp=128,tp=8,pp=2[,cp=1][,zero=3][,mb=1 (sequences per micro-batch)][,hsdp=1 (replicas)]")
     p.add_argument("--top", type=int, default=10, help="layouts shown")
     return p
 
 
+def _config(args: argparse.Namespace) -> ModelConfig:
+    for flag, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node),
+                        ("--seq-len", args.seq_len), ("--global-batch", args.global_batch),
+                        ("--micro-batch", args.micro_batch), ("--top", args.top)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if not 0 < args.mfu <= 1:
+        raise ConfigError(f"--mfu is a fraction of the peak in (0, 1], got {args.mfu}")
+    try:
+        args.zero_stages = tuple(sorted({int(z) for z in args.zero_stages.split(",")}))
+    except ValueError:
+        args.zero_stages = (-1,)
+    if not set(args.zero_stages) <= set(STAGES):
+        raise ConfigError(f"--zero-stages takes stages among {STAGES} (e.g. 1,3), got {args.zero_stages}")
+    shape = (args.num_layers, args.hidden_size, args.num_heads)
+    if args.params is not None and any(v is not None for v in shape):
+        raise ConfigError("give --params or the shape (--num-layers --hidden-size --num-heads), not both")
+    if args.params is not None:
+        return model_for(args.params, vocab_size=args.vocab_size, seq_len=args.seq_len)
+    if all(v is not None for v in shape):
+        return ModelConfig(vocab_size=args.vocab_size, num_layers=args.num_layers,
+                           hidden_size=args.hidden_size, num_attention_heads=args.num_heads,
+                           max_seq_len=args.seq_len, tie_word_embeddings=False)
+    raise ConfigError("give --params, or all of --num-layers --hidden-size --num-heads")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Print the ranked layouts; exit status 0, 1 when none fits, 2 for bad input (one line)."""
+    """Print the ranked layouts (or the one ``--layout``); exit status 0, 1 when none fits (the layout at no
+    stage shown, or the ``zero=`` given), 2 for bad input (one line)."""
     args = build_parser().parse_args(argv)
     try:
-        for flag, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node),
-                            ("--seq-len", args.seq_len), ("--global-batch", args.global_batch),
-                            ("--micro-batch", args.micro_batch), ("--top", args.top)):
-            if value < 1:
-                raise ConfigError(f"{flag} must be >= 1, got {value}")
-        if not 0 < args.mfu <= 1:
-            raise ConfigError(f"--mfu is a fraction of the peak in (0, 1], got {args.mfu}")
-        shape = (args.num_layers, args.hidden_size, args.num_heads)
-        if args.params is not None and any(v is not None for v in shape):
-            raise ConfigError("give --params or the shape (--num-layers --hidden-size --num-heads), not both")
-        if args.params is not None:
-            config = model_for(args.params, vocab_size=args.vocab_size, seq_len=args.seq_len)
-        elif all(v is not None for v in shape):
-            config = ModelConfig(vocab_size=args.vocab_size, num_layers=args.num_layers,
-                                 hidden_size=args.hidden_size, num_attention_heads=args.num_heads,
-                                 max_seq_len=args.seq_len, tie_word_embeddings=False)
+        config = _config(args)
+        if args.layout is not None:
+            layout, rows = _evaluate_given(config, args)
         else:
-            raise ConfigError("give --params, or all of --num-layers --hidden-size --num-heads")
-        plans = plan_layouts(config, gpus=args.gpus, gpu=args.gpu, gpus_per_node=args.gpus_per_node,
-                             seq_len=args.seq_len, global_batch=args.global_batch,
-                             micro_batch=args.micro_batch, mfu=args.mfu, recompute=args.recompute,
-                             flash=args.flash)
-        if not plans:
-            raise ConfigError(f"no layout of {args.gpus} GPUs divides the model "
-                              f"({config.num_attention_heads} heads, {config.num_layers} layers) and the "
-                              f"global batch {args.global_batch}")
+            plans = plan_layouts(config, gpus=args.gpus, gpu=args.gpu, gpus_per_node=args.gpus_per_node,
+                                 seq_len=args.seq_len, global_batch=args.global_batch,
+                                 micro_batch=args.micro_batch, mfu=args.mfu,
+                                 recompute={"search": None, "none": False, "every": True}[args.recompute],
+                                 flash=args.flash, zero_stages=args.zero_stages, hsdp=args.hsdp)
+            if not plans:
+                raise ConfigError(f"no layout of {args.gpus} GPUs divides the model "
+                                  f"({config.num_attention_heads} heads, {config.num_layers} layers) and the "
+                                  f"global batch {args.global_batch}")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.layout is not None:
+        print(_layout_report(config, layout, rows, args))
+        verdict = [q for q in rows if layout["zero"] in (None, q.zero_stage)]
+        return 0 if any(q.fits for q in verdict) else 1
     print(_report(config, plans, args))
     return 0 if any(p.fits for p in plans) else 1  # 1: nothing fits (the report says what the least needs)
 

@@ -1,6 +1,9 @@
 """``python -m refimpl.plan`` (chapter 10's planner for users): the layouts it prints multiply out to the
 GPUs, fit the memory it states and come fastest first; a model no layout fits exits 1 and says what the
-smallest layout needs; bad input is one line on stderr with exit status 2, before any estimate.
+smallest layout needs; bad input is one line on stderr with exit status 2, before any estimate. The search
+over ZeRO stages 0-3, recomputation and HSDP keeps, per layout, the lowest stage that fits; ``--layout``
+estimates one layout at every stage with the ZeRO paper's state figures (the seed: DP128 x TP8 x PP2 of a
+1T model on 2048 H100 fits at ZeRO-3 only, chapter 10).
 """
 
 from __future__ import annotations
@@ -11,10 +14,12 @@ import sys
 
 import pytest
 
-from refimpl.plan import GPUS, main, model_for, plan_layouts
+from refimpl.plan import GPUS, evaluate_layout, main, model_for, plan_layouts
+from refimpl.planner import STAGES, param_count, zero_memory_paper
 
-ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+) \|\s+([\d.]+)\s+([\d.]+) GB "
-                 r".*\|\s+([\d.]+)\s+\d+%$")  # dp tp pp cp m | state activations GB ... | step s MFU
+# dp tp pp cp m hsdp | ZeRO recompute | state gathered activations GB | ... | step s MFU
+ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+) \|\s+(\d)\s+(none|every) \|"
+                 r"\s+([\d.]+)\s+([\d.]+)\s+([\d.]+) GB .*\|\s+([\d.]+)\s+\d+%$")
 
 
 def test_the_printed_layouts_fit_multiply_out_and_come_fastest_first(capsys):
@@ -29,8 +34,8 @@ def test_the_printed_layouts_fit_multiply_out_and_come_fastest_first(capsys):
     for r in rows:
         dp, tp, pp, cp, m = (int(r.group(i)) for i in range(1, 6))
         assert dp * tp * pp * cp == 512 and m * dp == 1024, r.group(0)  # micro-batch 1
-        assert float(r.group(6)) + float(r.group(7)) <= limit + 0.1, r.group(0)
-        steps.append(float(r.group(8)))
+        assert sum(float(r.group(i)) for i in (9, 10, 11)) <= limit + 0.2, r.group(0)
+        steps.append(float(r.group(12)))
     assert steps == sorted(steps)
     assert "assumptions:" in out and "data sheets" in out
 
@@ -82,3 +87,139 @@ def test_it_runs_as_a_module():
                            "--global-batch", "64", "--top", "3"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "layouts considered" in proc.stdout
+
+
+# the seed's claim as chapter 10 puts it through the planner: a 1T model (model_for(1e12)) on 2048 H100 in
+# nodes of 8, 2048 tokens per sequence, 2048 sequences per step, one per micro-batch
+SEED = ["--params", "1e12", "--gpus", "2048", "--gpu", "H100", "--seq-len", "2048", "--global-batch", "2048"]
+SEED_KW = dict(gpu="H100", gpus_per_node=8, seq_len=2048, global_batch=2048)
+# ZeRO recompute | weights grads optimizer gathered activations total GB | dp sent GB | step s | fits
+STAGE_ROW = re.compile(r"^\s*(\d)\s+(none|every) \|" + r"\s+([\d.]+)" * 6 + r" GB \|\s+([\d.]+) GB \|"
+                       r"\s+([\d.]+) \| (yes|no), ([\d.]+) GB (spare|over)$")
+
+
+@pytest.fixture(scope="module")
+def big():
+    return model_for(1e12, vocab_size=32000, seq_len=2048)
+
+
+def _stage_rows(out: str) -> dict[int, re.Match]:
+    return {int(m.group(1)): m for m in map(STAGE_ROW.match, out.splitlines()) if m}
+
+
+def test_the_seed_lists_fitting_layouts_with_the_chosen_stage_and_recomputation(capsys):
+    assert main(SEED) == 0
+    out = capsys.readouterr().out
+    head = next(line for line in out.splitlines() if line.lstrip().startswith("dp"))
+    assert "ZeRO" in head and "recompute" in head and "hsdp" in head, head
+    rows = [r for r in map(ROW.match, out.splitlines()) if r]
+    assert len(rows) == 10, out
+    for r in rows:
+        dp, tp, pp, cp, m, hsdp, zero = (int(r.group(i)) for i in range(1, 8))
+        assert dp * tp * pp * cp == 2048 and m * dp == 2048 and dp % hsdp == 0, r.group(0)
+        assert zero in STAGES and (zero >= 1 or hsdp == 1), r.group(0)
+        assert sum(float(r.group(i)) for i in (9, 10, 11)) <= 72.0 + 0.2, r.group(0)
+    assert {int(r.group(7)) for r in rows} & {2, 3}, out  # a trillion parameters need ZeRO-2/3 somewhere
+
+
+def test_the_seed_layout_fits_at_zero_3_only_with_the_papers_state(capsys, big):
+    assert main([*SEED, "--layout", "dp=128,tp=8,pp=2"]) == 0
+    out = capsys.readouterr().out
+    rows = _stage_rows(out)
+    assert sorted(rows) == [0, 1, 2, 3], out
+    psi = param_count(big).total / (8 * 2)  # a rank's parameters, N / (tp pp)
+    for stage, r in rows.items():
+        want = zero_memory_paper(psi, 128, stage)  # sharded over dp x cp = 128
+        printed = [r.group(i) for i in (3, 4, 5)]
+        assert printed == [f"{x / 1e9:.1f}" for x in (want.weights, want.grads, want.optimizer)], r.group(0)
+        fits = r.group(11) == "yes"
+        assert fits == (float(r.group(8)) <= 72.0) and fits == (stage == 3), r.group(0)
+    assert "ZeRO stages that fit: 3 (of 0, 1, 2, 3)" in out
+    # chapter 10's figures: 261.6 GB of state under ZeRO-1, 8.0 GB under ZeRO-3
+    assert round(sum(float(rows[1].group(i)) for i in (3, 4, 5)), 1) == 261.6
+    assert round(sum(float(rows[3].group(i)) for i in (3, 4, 5)), 1) == 8.0
+
+
+def test_evaluate_layout_is_the_papers_table_sharded_over_the_zero_group(big):
+    psi = param_count(big).total / (8 * 2)
+    for stage in STAGES:
+        plan = evaluate_layout(big, dp=128, tp=8, pp=2, **SEED_KW, zero_stage=stage)
+        assert plan.state == zero_memory_paper(psi, 128, stage)
+        assert plan.fits == (stage == 3) and plan.limit_bytes == 0.9 * GPUS["H100"]["memory"]
+    # HSDP of 4 replicas: ZeRO shards over dp / 4 = 32 ranks; context parallelism shards over cp as dp does
+    assert evaluate_layout(big, dp=128, tp=8, pp=2, **SEED_KW, zero_stage=3, dp_replicate=4).state == (
+        zero_memory_paper(psi, 32, 3))
+    assert evaluate_layout(big, dp=64, tp=8, pp=2, cp=2, **SEED_KW, zero_stage=1).state == (
+        zero_memory_paper(psi, 128, 1))
+    # the paper's published example (Rajbhandari et al. 2020, figure 1): 7.5B parameters on 64 devices
+    assert [round(zero_memory_paper(7.5e9, 64, s).total / 1e9, 1) for s in STAGES] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_zero_3_sends_half_again_the_dp_bytes_and_recomputation_a_third_more_compute(big):
+    one = evaluate_layout(big, dp=128, tp=8, pp=2, **SEED_KW, zero_stage=1)
+    three = evaluate_layout(big, dp=128, tp=8, pp=2, **SEED_KW, zero_stage=3)
+    again = evaluate_layout(big, dp=128, tp=8, pp=2, **SEED_KW, zero_stage=3, recompute=True)
+    assert three.sent["dp"] == pytest.approx(1.5 * one.sent["dp"]) and three.comm_s > one.comm_s
+    assert [three.sent[k] for k in ("tp", "pp", "cp")] == [one.sent[k] for k in ("tp", "pp", "cp")]
+    assert again.recompute_s == pytest.approx(again.compute_s / 3) and again.step_s > three.step_s
+    assert again.activation_bytes < three.activation_bytes and three.gathered_bytes > 0 == one.gathered_bytes
+
+
+def test_the_search_keeps_the_lowest_stage_that_fits_and_recomputes_only_when_needed(big):
+    plain = plan_layouts(big, gpus=2048, **SEED_KW, zero_stages=STAGES)  # no recompute
+    for p in plain:
+        fitting = [s for s in STAGES if evaluate_layout(big, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, **SEED_KW,
+                                                        zero_stage=s).fits]
+        assert p.zero_stage == (min(fitting) if fitting else 3), (p.dp, p.tp, p.pp, p.cp, fitting)
+    searched = plan_layouts(big, gpus=2048, **SEED_KW, zero_stages=STAGES, recompute=None,
+                            hsdp=True)
+    without = {(p.dp, p.tp, p.pp, p.cp): p for p in plain}
+    assert sum(p.fits for p in searched) > sum(p.fits for p in plain)
+    for p in searched:  # a layout that fits without recomputation runs without it
+        assert not (p.recompute and without[(p.dp, p.tp, p.pp, p.cp)].fits), (p.dp, p.tp, p.pp, p.cp)
+
+
+def test_zero_1_alone_does_not_fit_the_seed_layout(capsys):
+    # the negative control: the search restricted to ZeRO-1 (the planner before) fails the same layout
+    assert main([*SEED, "--layout", "dp=128,tp=8,pp=2", "--zero-stages", "1"]) == 1
+    out = capsys.readouterr().out
+    assert sorted(_stage_rows(out)) == [1] and "ZeRO stages that fit: none (of 1)" in out
+    assert main([*SEED, "--layout", "dp=128,tp=8,pp=2,zero=1"]) == 1  # the given stage decides
+    assert "ZeRO-1 (given): does not fit" in capsys.readouterr().out
+    assert main([*SEED, "--layout", "dp=128,tp=8,pp=2,zero=3"]) == 0
+    assert "ZeRO-3 (given): fits" in capsys.readouterr().out
+    assert main([*SEED, "--zero-stages", "1", "--recompute", "none", "--no-hsdp"]) == 0
+    rows = [r for r in map(ROW.match, capsys.readouterr().out.splitlines()) if r]
+    assert rows and all(r.group(7) == "1" for r in rows)
+    assert all((int(r.group(1)), int(r.group(2)), int(r.group(3))) != (128, 8, 2) for r in rows)
+
+
+@pytest.mark.parametrize("layout, message", [
+    ("dp=128,tp=8,pp=1", "dp x tp x pp x cp = 1024, not --gpus 2048"),
+    ("dp=128,tp=8", "--layout needs pp="),
+    ("dp=128,tp=8,pp=2,ep=2", "unknown key 'ep'"),
+    ("dp=128,tp=8,pp=2,dp=128", "repeated key 'dp'"),
+    ("dp=128,tp=eight,pp=2", "tp='eight' is not an integer"),
+    ("dp=64,tp=16,pp=2", "tp 16 does not divide the 168 heads"),
+    ("dp=128,tp=8,pp=2,zero=4", "ZeRO stage must be one of"),
+    ("dp=128,tp=8,pp=2,hsdp=3", "hsdp 3 does not divide the 128 dp ranks"),
+])
+def test_a_bad_layout_is_one_line_and_exit_2(layout, message, capsys):
+    assert main([*SEED, "--layout", layout]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("error: ") and message in captured.err, captured.err
+    assert captured.err.count("\n") == 1, captured.err
+
+
+def test_bad_zero_stages_are_one_line_and_exit_2(capsys):
+    for stages in ("1,4", "one"):
+        assert main([*SEED, "--zero-stages", stages]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --zero-stages") and err.count("\n") == 1, err
+
+
+def test_the_layout_runs_as_a_module():
+    proc = subprocess.run([sys.executable, "-m", "refimpl.plan", *SEED, "--layout", "dp=128,tp=8,pp=2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "ZeRO stages that fit: 3" in proc.stdout

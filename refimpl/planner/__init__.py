@@ -51,6 +51,7 @@ from refimpl.planner.layout import (
     tensor_parallel_degree,
     zero_shard_degree,
 )
+from refimpl.planner.layout_plan import LayoutPlan, evaluate_layout, evaluate_stages
 from refimpl.planner.memory import (
     RunMemory,
     run_memory_of,
@@ -94,6 +95,7 @@ __all__ = [
     "ActivationBreakdown",
     "AlphaBeta",
     "Layout",
+    "LayoutPlan",
     "ParamCount",
     "PipelineRankMemory",
     "RankPrediction",
@@ -105,6 +107,8 @@ __all__ = [
     "context_parallel_bytes",
     "context_parallel_degree",
     "data_parallel_degree",
+    "evaluate_layout",
+    "evaluate_stages",
     "fit_alpha_beta",
     "flops_per_token",
     "korthikanti_bytes_per_layer",

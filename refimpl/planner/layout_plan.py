@@ -1,0 +1,204 @@
+"""One layout of a cluster estimated: memory per GPU, bytes per axis, bubble and step time (chapter 10).
+
+:func:`evaluate_layout` is what ``python -m refimpl.plan`` (:mod:`refimpl.plan`) computes for every layout
+and combination it searches, and what ``--layout`` prints; a chapter calls it directly. Its terms:
+
+* **model state** per GPU: :func:`~refimpl.planner.zero_state.zero_memory_paper` (Rajbhandari et al. 2020,
+  ``K = 12``: bf16 weights and gradients, fp32 master weights and Adam moments) over the ``N / (tp pp)``
+  parameters of a rank, sharded over the ``(dp / dp_replicate) x cp`` ranks of its ZeRO group: stage 1
+  shards the optimizer, stage 2 the gradients too, stage 3 the weights too. HSDP (``dp_replicate`` R > 1,
+  FSDP's hybrid sharding) shards within ``dp / R`` ranks and replicates the shards ``R`` times;
+* **gathered** (ZeRO-3 only): one block's bf16 weights being used, the next one's prefetched and the
+  block's full bf16 gradients before their reduce-scatter, ``3 x 2 x`` a block's parameters ``/ tp``
+  (:func:`~refimpl.planner.zero_state.zero3_peak_gathered_bytes` with prefetch, blocks as units);
+* **activations**: one micro-batch of ``s/cp`` tokens per layer with sequence parallelism, ``34 s b h / t``
+  plus ``5 a s^2 b / t`` without flash attention (Korthikanti et al. 2022), times ``L/pp`` layers, times the
+  ``min(pp, m)`` micro-batches the first 1F1B stage holds; with recomputation every block keeps only its
+  input, ``2 s b h / t``, plus one block recomputed;
+* **bytes each GPU sends per step**, per axis, by the ring model (:func:`refimpl.comm.tracer.wire_bytes`):
+  TP's collectives (:func:`~refimpl.planner.communication.tensor_parallel_collectives`), the pipeline's
+  boundary sends (:func:`boundary_bytes`), CP's ring
+  (:func:`~refimpl.planner.communication.context_parallel_bytes`) and dp: the bf16 gradient all-reduce
+  (stages 0-2: a reduce-scatter and an all-gather move the same bytes), 1.5 times that at ZeRO-3 (an
+  all-gather of the weights for forward and one for backward, a reduce-scatter of the gradients; each
+  block gathered once per pass of the step, not per micro-batch); under HSDP these run within the shard
+  group and the shards' all-reduce crosses the ``R`` replicas;
+* **time**: the model FLOPs ``(6 N + 12 L h s) x tokens`` at ``mfu`` of the bf16 peak, plus a third of it
+  (one more forward) under recomputation, stretched by the 1F1B bubble ``(pp-1)/(m+pp-1)``, plus every
+  axis' bytes at the link it crosses (NVLink inside a node, the network between), none overlapped.
+
+Ranks are laid out ``[pp, dp_replicate, dp_shard, cp, tp]``, tp innermost (:mod:`refimpl.distributed.mesh`).
+An estimate from data-sheet figures (:data:`GPUS`), not a measurement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from refimpl.comm.tracer import wire_bytes
+from refimpl.config import ConfigError, ModelConfig
+from refimpl.measure.peaks import PEAK_FLOPS
+from refimpl.measure.state import StateMemory
+from refimpl.planner.communication import context_parallel_bytes, tensor_parallel_collectives
+from refimpl.planner.params_flops import flops_per_token, param_count
+from refimpl.planner.zero_state import STAGES, zero_memory_paper
+
+__all__ = ["BOUNDARY_BYTES_PER_ELEMENT", "GPUS", "MEMORY_FRACTION", "LayoutPlan", "boundary_bytes",
+           "check_layout", "choose", "evaluate_layout", "evaluate_stages"]
+
+# per GPU, from the data sheets: memory (bytes), NVLink bandwidth per direction and the network per GPU
+# per direction (bytes/s); dense bf16 peaks come from refimpl.measure.peaks
+GPUS = {
+    "H100": {"memory": 80e9, "nvlink": 450e9, "network": 50e9},   # NVLink 4: 900 GB/s both ways; NDR 400 Gb/s
+    "H200": {"memory": 141e9, "nvlink": 450e9, "network": 50e9},
+    "A100": {"memory": 80e9, "nvlink": 300e9, "network": 25e9},   # NVLink 3: 600 GB/s both ways; HDR 200 Gb/s
+}
+MEMORY_FRACTION = 0.9  # of a GPU's memory a plan may use: the rest for the allocator, NCCL, the CUDA context
+
+# what refimpl's pipeline sends at a stage boundary: the residual stream, float32 under autocast too (the
+# residual add of an fp32 input and a bf16 block output promotes to fp32; the receivers allocate float32:
+# refimpl.parallel.pipeline_parallel), measured per send in tests/test_boundary_bytes.py. Megatron-LM
+# sends its params dtype, bf16: half of this.
+BOUNDARY_BYTES_PER_ELEMENT = 4
+
+
+def boundary_bytes(*, micro_batch: int, seq_len: int, hidden_size: int, tp: int, cp: int,
+                   sequence_parallel: bool = True) -> float:
+    """Bytes of one stage-boundary tensor (an activation forward, or its gradient backward) one GPU sends:
+    ``[b, s/cp, h]`` float32, ``[b, s/(cp tp), h]`` under sequence parallelism (each tp rank sends its
+    sequence shard; Korthikanti et al. 2022)."""
+    tokens = seq_len / cp / (tp if sequence_parallel else 1)
+    return BOUNDARY_BYTES_PER_ELEMENT * micro_batch * tokens * hidden_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutPlan:
+    """One layout at one ZeRO stage, recomputation and HSDP degree: bytes per GPU, bytes each GPU sends per
+    step per axis, seconds."""
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    microbatches: int
+    zero_stage: int
+    recompute: bool
+    dp_replicate: int
+    state: StateMemory  # zero_memory_paper's weights, gradients, optimizer (fractional bytes)
+    gathered_bytes: float  # ZeRO-3's working set of full blocks
+    activation_bytes: float
+    limit_bytes: float  # MEMORY_FRACTION of the GPU's memory
+    sent: dict[str, float]
+    bubble: float
+    compute_s: float  # the model FLOPs at the assumed MFU
+    recompute_s: float  # the forward recomputation adds
+    comm_s: float
+
+    @property
+    def state_bytes(self) -> float:
+        return self.state.total
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.state.total + self.gathered_bytes + self.activation_bytes
+
+    @property
+    def margin_bytes(self) -> float:
+        """Bytes left under the limit; negative: by how much it does not fit."""
+        return self.limit_bytes - self.memory_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.margin_bytes >= 0
+
+    @property
+    def step_s(self) -> float:
+        return (self.compute_s + self.recompute_s) / (1 - self.bubble) + self.comm_s
+
+
+def check_layout(config: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, seq_len: int, global_batch: int,
+                 micro_batch: int, zero_stage: int, dp_replicate: int) -> None:
+    """A ConfigError unless the degrees split the model, the sequence and the batch."""
+    for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("micro_batch", micro_batch),
+                    ("dp_replicate", dp_replicate)):
+        if v < 1:
+            raise ConfigError(f"{name} must be >= 1, got {v}")
+    if zero_stage not in STAGES:
+        raise ConfigError(f"ZeRO stage must be one of {STAGES}, got {zero_stage}")
+    for name, d, what, n in (("tp", tp, "heads", config.num_attention_heads),
+                             ("pp", pp, "layers", config.num_layers), ("hsdp", dp_replicate, "dp ranks", dp),
+                             ("dp x micro-batch", dp * micro_batch, "sequences per step", global_batch)):
+        if n % d:
+            raise ConfigError(f"{name} {d} does not divide the {n} {what}")
+    if cp > 1 and seq_len % (2 * cp):
+        raise ConfigError(f"cp {cp}: the ring's 2 cp chunks do not split {seq_len} tokens")
+    if dp_replicate > 1 and zero_stage == 0:
+        raise ConfigError("HSDP (dp_replicate > 1) replicates ZeRO shards: it needs a ZeRO stage >= 1")
+
+
+def evaluate_layout(config: ModelConfig, *, dp: int, tp: int, pp: int, cp: int = 1, gpu: str = "H100",
+                    gpus_per_node: int = 8, seq_len: int, global_batch: int, micro_batch: int = 1,
+                    mfu: float = 0.5, zero_stage: int = 1, recompute: bool = False, dp_replicate: int = 1,
+                    flash: bool = True) -> LayoutPlan:
+    """The estimate of one layout at one ZeRO stage, recomputation and HSDP degree (module docstring)."""
+    check_layout(config, dp=dp, tp=tp, pp=pp, cp=cp, seq_len=seq_len, global_batch=global_batch,
+                 micro_batch=micro_batch, zero_stage=zero_stage, dp_replicate=dp_replicate)
+    spec, peak = GPUS[gpu], PEAK_FLOPS[gpu]["bf16"]
+    count = param_count(config)
+    psi = count.total / (tp * pp)  # the parameters of a rank
+    L, h, a, s, b = (config.num_layers, config.hidden_size, config.num_attention_heads,  # noqa: N806
+                     seq_len, micro_batch)
+    m, sc = global_batch // (dp * b), s // cp  # micro-batches; tokens per GPU per sequence
+    shard, replicas = dp // dp_replicate * cp, dp_replicate  # the ZeRO group; its replicas (HSDP)
+    state = zero_memory_paper(psi, shard, zero_stage)
+    gathered = 3 * 2 * count.layers / L / tp if zero_stage == 3 else 0.0
+    per_layer = 34 * sc * b * h / tp + (0 if flash else 5 * (a / tp) * sc * s * b)
+    kept = ((2 * sc * b * h / tp) * L / pp * min(pp, m) + per_layer if recompute
+            else per_layer * L / pp * min(pp, m))
+    collectives = tensor_parallel_collectives(num_layers=L // pp, hidden_size=h, micro_batch=b, seq_len=sc,
+                                              tp=tp, bytes_per_element=2)
+    ring = context_parallel_bytes(config, micro_batch=b, seq_len=s, cp=cp, method="ring", tp=tp,
+                                  compute_dtype=torch.bfloat16)
+    grads = 2 * psi  # bf16
+    in_shard = wire_bytes("all_reduce", grads, shard) * (1.5 if zero_stage == 3 else 1)
+    across = wire_bytes("all_reduce", grads / shard, replicas)
+    sent = {  # bytes one GPU sends per step, per axis
+        "tp": sum(wire_bytes(op, payload, tp) for op, (_, payload) in collectives.items()) * m,
+        "dp": in_shard + across,
+        "pp": boundary_bytes(micro_batch=b, seq_len=s, hidden_size=h, tp=tp, cp=cp) * m * min(pp - 1, 2),
+        "cp": (ring["forward"] + ring["backward"]) * (L // pp) * m,
+    }
+
+    def bandwidth(span: int) -> float:  # a group spanning `span` consecutive ranks
+        return spec["nvlink"] if span <= gpus_per_node else spec["network"]
+
+    comm = (sent["tp"] / bandwidth(tp) + in_shard / bandwidth(tp * shard) + across / bandwidth(tp * cp * dp)
+            + sent["pp"] / bandwidth(tp * cp * dp * pp) + sent["cp"] / bandwidth(tp * cp))
+    compute = flops_per_token(config, s) * global_batch * s / (dp * tp * pp * cp * peak * mfu)
+    return LayoutPlan(dp=dp, tp=tp, pp=pp, cp=cp, microbatches=m, zero_stage=zero_stage, recompute=recompute,
+                      dp_replicate=dp_replicate, state=state, gathered_bytes=gathered, activation_bytes=kept,
+                      limit_bytes=MEMORY_FRACTION * spec["memory"], sent=sent, bubble=(pp - 1) / (m + pp - 1),
+                      compute_s=compute, recompute_s=compute / 3 if recompute else 0.0, comm_s=comm)
+
+
+def evaluate_stages(config: ModelConfig, *, stages: tuple[int, ...] = STAGES, recompute: bool | None = None,
+                    dp_replicate: int = 1, **layout) -> list[LayoutPlan]:
+    """:func:`evaluate_layout` at each ZeRO stage of ``stages`` (``layout``: its other arguments), without
+    recomputation when that fits, else with it (``recompute`` None; True or False: only that); HSDP's
+    ``dp_replicate`` applies to stages 1-3."""
+    tried = [[evaluate_layout(config, **layout, zero_stage=z, recompute=r,
+                              dp_replicate=dp_replicate if z else 1)
+              for r in ((False, True) if recompute is None else (recompute,))] for z in stages]
+    return [next((p for p in t if p.fits), t[-1]) for t in tried]
+
+
+def choose(candidates: list[LayoutPlan]) -> LayoutPlan:
+    """The planner's rule for one layout: among the combinations that fit, the shortest step, ties (stages
+    0-2 move the same bytes) to the lowest ZeRO stage, then no recomputation, then no replication; when none
+    fits, the one needing the least memory."""
+    fit = [p for p in candidates if p.fits]
+    if fit:
+        return min(fit, key=lambda p: (p.step_s, p.zero_stage, p.recompute, p.dp_replicate))
+    return min(candidates, key=lambda p: (p.memory_bytes, p.step_s))
