@@ -43,10 +43,6 @@ SUPPORT_TABLE: tuple[Unsupported, ...] = (
                "ranks: it needs tp > 1",
         applies=lambda c: c.sequence_parallel and c.tp == 1),
     Unsupported(
-        name="zero3-tp", when="ZeRO-3 with tp > 1 (2-D sharding) is not built",
-        reason="the tensor-parallel shards would be sharded again over dp; use ZeRO 0, 1 or 2 with tp",
-        applies=lambda c: c.zero_stage == 3 and c.tp > 1),
-    Unsupported(
         name="zero3-pp", when="ZeRO-3 with pp > 1 is not built",
         reason="every micro-batch's forward and backward would all-gather the stage's weights again (m "
                "times a step's weights per step); use ZeRO 0, 1 or 2 with pp",

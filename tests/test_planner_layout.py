@@ -139,8 +139,8 @@ def test_a_tensor_parallel_degree_is_planned_not_refused(zero_stage):
                                   checkpointed_blocks=(1,), sequence_parallel=True)
     assert sp_plan.activations["block activations"] < tp_plan.activations["block activations"]
     assert sp_plan.state == tp_plan.state
-    with pytest.raises(ValueError, match="ZeRO-3 with tp > 1"):
-        _run(dims, 3, "fp32")
+    two_d = _run(dims, 3, "fp32")  # ZeRO-3 of the tp blocks (2-D sharding): their weights sharded too
+    assert two_d.state["weights"] < _run(dims, 2, "fp32").state["weights"]
 
 
 @pytest.mark.parametrize("dims", [SimpleNamespace(dp=4, tp=1, pp=1), SimpleNamespace(dp=0, cp=1, tp=1, pp=1),

@@ -20,7 +20,6 @@ from refimpl.train import RunOptions
 # row name -> (a configuration it refuses, the nearest one that passes)
 CASES = {
     "sp-without-tp": (dict(sequence_parallel=True), dict(sequence_parallel=True, tp=2)),
-    "zero3-tp": (dict(tp=2, zero_stage=3), dict(tp=2, zero_stage=2)),
     "zero3-pp": (dict(pp=2, zero_stage=3), dict(pp=2, zero_stage=1)),
     "hsdp-without-zero3": (dict(dp=4, dp_replicate=2, zero_stage=1),
                            dict(dp=4, dp_replicate=2, zero_stage=3)),
@@ -50,21 +49,21 @@ def test_each_row_refuses_its_case_and_lets_the_neighbour_through(name):
 
 
 def test_several_refusals_are_all_said():
-    config = ParallelConfig(tp=2, pp=2, zero_stage=3)
-    assert [r.name for r in refusals(config)] == ["zero3-tp", "zero3-pp"]
-    with pytest.raises(ConfigError, match="2-D sharding.*; and ZeRO-3 with pp > 1"):
+    config = ParallelConfig(dp=2, pp=2, zero_stage=2, dp_replicate=2, pp_schedule="zbh1")
+    assert [r.name for r in refusals(config)] == ["hsdp-without-zero3", "zero2-zbh1"]
+    with pytest.raises(ConfigError, match="without ZeRO-3.*; and ZeRO-2 with the zbh1 schedule"):
         check_supported(config)
 
 
 def test_the_trainer_parallelize_and_the_planner_refuse_in_the_rows_words():
-    message = next(r for r in SUPPORT_TABLE if r.name == "zero3-tp").message()
+    message = next(r for r in SUPPORT_TABLE if r.name == "zero3-pp").message()
     with pytest.raises(ConfigError) as trainer:
-        RunOptions(tp=2, zero_stage=3)
+        RunOptions(pp=2, zero_stage=3)
     config = ModelConfig(vocab_size=64, max_seq_len=8, num_layers=2, hidden_size=16, num_attention_heads=2)
     with pytest.raises(ConfigError) as parallel:
-        parallelize(GPT(config, seed=0), ParallelDims(dp=1, tp=2), ParallelConfig(dp=1, tp=2, zero_stage=3))
+        parallelize(GPT(config, seed=0), ParallelDims(dp=1, pp=2), ParallelConfig(dp=1, pp=2, zero_stage=3))
     with pytest.raises(ConfigError) as planner:
-        run_memory_per_rank(config, ParallelDims(dp=2, tp=2), micro_batch=1, seq_len=8, zero_stage=3)
+        run_memory_per_rank(config, ParallelDims(dp=2, pp=2), micro_batch=1, seq_len=8, zero_stage=3)
     assert str(trainer.value) == str(parallel.value) == str(planner.value) == message
 
 

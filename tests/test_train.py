@@ -430,7 +430,7 @@ def test_context_parallel_sizes_are_checked_before_anything_starts():
 
 
 LAYOUT_REFUSALS = {  # name -> (flags, what the one error line must say)
-    "tp2-zero3": (["--tp", "2", "--zero-stage", "3"], "(2-D sharding) is not built"),
+    "pp2-zero3": (["--pp", "2", "--zero-stage", "3"], "ZeRO-3 with pp > 1 is not built"),
     "tp4-heads": (["--tp", "4"], "attention heads 2 does not divide by 4"),
     "sp-without-tp": (["--sequence-parallel"], "needs tp > 1"),
     # the cp and pp sizes take the same path (preflight, exit 2 before launch); their other cases are

@@ -41,6 +41,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-l
         "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
         "--checkpoint-every", "0"]  # test_train_tp's and test_train_cp's: one set of one-device references
 HSDP = "dp4-hsdp2-zero3"  # 2 replicas x 2-rank shard groups; its checkpoint moves across R
+TP2 = "tp2-dp2-zero3"  # 2-D sharding: ZeRO-3 rows of the tensor-parallel blocks
 # name -> (flags at world size 4, the one-device precision it is compared with)
 LAYOUTS = {
     "dp4-zero3": (["--zero-stage", "3"], "fp32"),
@@ -51,6 +52,10 @@ LAYOUTS = {
     HSDP: (["--zero-stage", "3", "--dp-replicate", "2", "--checkpoint-every", str(STEPS)], "fp32"),
     "dp4-hsdp2-zero3-bf16-actckpt": (["--zero-stage", "3", "--dp-replicate", "2", "--precision", "bf16",
                                       "--activation-checkpointing"], "bf16"),
+    TP2: (["--tp", "2", "--zero-stage", "3", "--checkpoint-every", str(STEPS)], "fp32"),
+    "tp2-dp2-zero3-sp-actckpt": (["--tp", "2", "--zero-stage", "3", "--sequence-parallel",
+                                  "--activation-checkpointing"], "fp32"),
+    "tp2-dp2-zero3-bf16": (["--tp", "2", "--zero-stage", "3", "--precision", "bf16"], "bf16"),
 }
 RESUMED_AT = {"R1 (plain ZeRO-3)": ["--zero-stage", "3"],  # HSDP's checkpoint of step STEPS resumed there
               "R4 (shard groups of one)": ["--zero-stage", "3", "--dp-replicate", "4"]}

@@ -6,7 +6,7 @@ and builds the optimizer from them (:func:`refimpl.parallel.optimizer_setup.buil
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -119,9 +119,10 @@ def record_parallel_placements(done: Parallelized, *, replicas: int) -> dict[str
     from refimpl.parallel.tensor_parallel import sequence_parallel_names
 
     pipe, tp = done.pipeline, done.tp_group is not None
-    declared = module_shards(done.model if pipe is None else pipe)  # the boxes the modules declare
-    if done.config.zero_stage == 3 and pipe is None:
+    if done.config.zero_stage == 3 and pipe is None:  # the wrapper's boxes (its modules hold row shards)
         declared = module_shards(done.state_module)
+    else:
+        declared = module_shards(done.model if pipe is None else pipe)  # the boxes the modules declare
     boxes = {n: declared[n].box for n, _ in held_parameters(done)}
     if pipe is None:
         sp = sequence_parallel_names(done.model)
@@ -131,6 +132,10 @@ def record_parallel_placements(done: Parallelized, *, replicas: int) -> dict[str
         tied = "embedding.word_embeddings.weight" if pipe.tied_peer is not None and 0 not in pipe.stage_ids \
             else None
     placed = record_placements(boxes, tp=tp, sequence_parallel=sp, pp=pipe is not None, tied_copy=tied)
+    if done.config.zero_stage == 3 and pipe is None and tp:  # 2-D: the TP roles from the blocks ZeRO-3
+        inner = done.state_module.inner_boxes  # sharded again (a row shard of a LayerNorm is no TP shard)
+        placed = {n: replace(p, box=boxes[n]) for n, p in
+                  record_placements({n: inner[n] for n in boxes}, tp=True, sequence_parallel=sp).items()}
     if done.config.zero_stage == 3 and pipe is None and done.replicate_group is not None:  # HSDP
         return {n: p.along("dp_shard", sharded=True, reduced=True).along("dp_replicate", sharded=False,
                                                                           reduced=True)

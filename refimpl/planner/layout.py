@@ -69,9 +69,10 @@ def context_parallel_degree(dims: Layout) -> int:
 def zero_shard_degree(dims: Layout) -> int:
     """``dims.dp * dims.cp``: the ranks that hold the same model shard and see other tokens, the group the
     gradients are averaged and ZeRO shards the state over (:func:`refimpl.parallel.parallelize` uses
-    :data:`refimpl.distributed.mesh.LOSS_AXES`); the same check as :func:`data_parallel_degree`."""
+    :data:`refimpl.distributed.mesh.LOSS_AXES`); the same check as :func:`data_parallel_degree`. Under HSDP
+    (``dims.dp_replicate`` R > 1) ZeRO-3 shards over a shard group only: ``dp / R * cp``."""
     _check(dims)
-    return dims.dp * dims.cp
+    return dims.dp // getattr(dims, "dp_replicate", 1) * dims.cp
 
 
 def pipeline_parallel_degree(dims: Layout) -> int:

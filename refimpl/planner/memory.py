@@ -84,8 +84,9 @@ def state_memory_per_rank(config: ModelConfig, dims: Layout, *, zero_stage: int 
     ``zero_stage`` with the runtime's shard rule, dim 0 of each local tensor
     (:func:`~refimpl.planner.zero_state.zero_memory`). ``dp_rank``: the rank's index in that group,
     ``dp_i * cp + cp_i`` (the group's ranks ascending; ``dp_i`` when ``cp = 1``). Stage 0 at ``tp = 1`` is
-    :func:`state_memory`, the full replica. ZeRO-3 over tensor-parallel shards (2-D sharding, not built)
-    is refused, as :func:`refimpl.parallel.parallelize` refuses it. Pipeline parallelism (``dims.pp > 1``,
+    :func:`state_memory`, the full replica. ZeRO-3 over tensor-parallel shards (2-D sharding) shards each
+    rank's blocks again, dim 0 of the local tensor, as the runtime does. Pipeline parallelism
+    (``dims.pp > 1``,
     chapter 08, ZeRO 0-2): the parameters of pipeline rank ``pp_rank``'s stages (``virtual_stages`` per
     rank, split by ``pp_balance``; :func:`~refimpl.planner.pipeline.stage_param_shapes`), whole.
     """
@@ -94,7 +95,6 @@ def state_memory_per_rank(config: ModelConfig, dims: Layout, *, zero_stage: int 
         return pipeline_state_memory(config, pp=pp, pp_rank=pp_rank, virtual_stages=virtual_stages,
                                      balance=pp_balance, tp=tp, zero_stage=zero_stage, zero_shards=shards,
                                      dp_rank=dp_rank)
-    check_supported(ParallelConfig(tp=tp, zero_stage=zero_stage))  # ZeRO-3 with tp: refused
     return zero_memory(param_shapes(config, tp=tp), shards, zero_stage, rank=dp_rank)
 
 
@@ -165,7 +165,7 @@ def run_memory_per_rank(
     zero = state_memory_per_rank(config, dims, zero_stage=zero_stage)
     state = {"weights": zero.weights, "grads": zero.grads, "AdamW state": zero.optimizer}
     if zero_stage == 3:  # FSDP's units: each block, and the root (embedding, final LayerNorm, output layer)
-        table = param_table(config)
+        table = param_table(config, tp=tp)  # under tp the rank's blocks of them, gathered over dp x cp
         blocks = [[q.shape for q in block] for block in table.blocks]
         root = [q.shape for q in table.embedding + table.final_layernorm + table.output_layer]
         state["ZeRO-3 gathered units"] = zero3_peak_gathered_bytes([root, *blocks], shards).weights

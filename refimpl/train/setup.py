@@ -61,11 +61,15 @@ def _sampling_model(setup: _Setup, config: TrainConfig, options: RunOptions,
     """A full model to sample from on rank 0 (ZeRO-3 and tensor parallelism gather it: collective); None on
     other ranks. Under context parallelism the trained model's attention is collective, so rank 0 samples
     from a plain GPT holding the same weights."""
-    if setup.pipeline is not None:  # each rank holds its stages (tp: boxes of them): assembled on rank 0
+    boxed = setup.pipeline if setup.pipeline is not None else (
+        setup.state_module if setup.tp_group is not None and options.zero_stage == 3 else None)
+    if boxed is not None:  # each rank holds boxes (its stages, tp blocks, ZeRO-3 rows of them): on rank 0
         import torch.distributed as dist
 
+        from refimpl.distributed.placement import module_shards
+
         mine = [(name, shard.box, shard.tensor.detach().cpu())
-                for name, shard in setup.pipeline.local_shards().items()]
+                for name, shard in module_shards(boxed).items()]
         parts = [None] * ctx.world_size if ctx.is_main else None
         dist.gather_object(mine, parts, dst=0)
         if not ctx.is_main:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from refimpl.distributed.placement import LocalShard
+from refimpl.distributed.placement import Box, LocalShard, module_shards
 from refimpl.measure.state import StateMemory, state_bytes, storage_bytes
 from refimpl.parallel.zero.clip_grad import clip_sharded_grad_norm_
 from refimpl.parallel.zero.fsdp_communications import (
@@ -93,6 +93,9 @@ class FullyShardedDataParallel(nn.Module):
         self.reduce_dtype = None if mp_policy is None else mp_policy.reduce_dtype
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
+        # where each parameter of the wrapped module lies before sharding (a tensor-parallel layer's block,
+        # else the whole tensor): the boxes the row shards are composed into (2-D sharding, local_shards)
+        self.inner_boxes: dict[str, Box] = {n: s.box for n, s in module_shards(module).items()}
         self.units = shard_into_units(module, unit_types, rank=self.rank, world_size=self.world_size,
                                       param_dtype=self.param_dtype)  # [root, unit 1, ...]
         self._forward_order: list[FSDPUnit] = []  # units in the order this step's forward ran them
@@ -244,7 +247,9 @@ class FullyShardedDataParallel(nn.Module):
     def local_shards(self) -> dict[str, LocalShard]:
         """What this rank holds, by name in the wrapped module (the checkpoint reads it, chapter 09): each
         parameter's rows (:attr:`ShardSpec.box`, under its first name when tied) and every persistent
-        buffer whole."""
+        buffer whole. A parameter that was itself a block of a larger tensor (a tensor-parallel shard,
+        :attr:`inner_boxes`) gets the rows inside that block: ``inner.within(rows)``, the 2-D box of FSDP2
+        over TP (torch's ``_StridedShard`` places the same elements for a DTensor)."""
         names = {(id(m), attr): f"{prefix}.{attr}" if prefix else attr
                  for prefix, m in self.module.named_modules() for attr in m._parameters}
         index = {key: i for i, key in enumerate(names)}
@@ -252,7 +257,9 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self.units:
             for sp in unit.params:
                 name = names[min(((id(m), a) for m, a in sp.registrations), key=index.__getitem__)]
-                out[name] = LocalShard(sp.sharded, sp.spec.box)
+                inner = self.inner_boxes.get(name)
+                box = sp.spec.box if inner is None else inner.within(sp.spec.box)
+                out[name] = LocalShard(sp.sharded, box)
         persistent = set(self.module.state_dict(keep_vars=True))
         return out | {n: LocalShard.full(b) for n, b in self.module.named_buffers() if n in persistent}
 
