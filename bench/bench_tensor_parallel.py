@@ -43,7 +43,8 @@ import torch
 KiB = 1024
 
 
-def _dtensor_gpt(cfg, mesh):
+def dtensor_gpt(cfg, mesh):
+    """The course GPT under PyTorch's DTensor TP over ``mesh`` (1-D): the plan of the module docstring."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -107,7 +108,7 @@ def _worker(ctx, steps: int, warmup: int, micro_batch: int, seq_len: int) -> dic
         return step
 
     def dtensor():
-        model = _dtensor_gpt(cfg, init_device_mesh("cpu", (t,)))
+        model = dtensor_gpt(cfg, init_device_mesh("cpu", (t,)))
         opt = torch.optim.AdamW(model.parameters(), **adamw)
 
         def step(batch) -> float:
