@@ -1,19 +1,24 @@
-"""The trainer with ``--zero-stage 3`` composed (chapter 04; issue "ZeRO-3 everywhere"): ZeRO-3 with
-activation checkpointing trains like one device, and like ZeRO-3 without checkpointing bit for bit.
+"""The trainer with ``--zero-stage 3`` composed (chapter 04; issue "ZeRO-3 everywhere"): with activation
+checkpointing, with hybrid sharding (``--dp-replicate``) and with tensor parallelism (2-D sharding).
 
 One spawn of 4 ranks runs each layout through :func:`refimpl.train.train`; the one-device references are
 tests/conftest.py's (the same flags as test_train_tp and test_train_cp: computed once per session).
 
 * **Like one device** (the numerics rule, tests/one_device.py): the losses, and the first step's gradients
-  before clipping and AdamW, every rank's row shards of them, within ``FACTOR x`` the spread of two
-  one-device summation orders; negative control: the same gradients x 4 (a sum over the replicas, not the
-  mean) fail.
+  before clipping and AdamW, every rank's boxes of them (row shards, 2-D boxes of the TP blocks), within
+  ``FACTOR x`` the spread of two one-device summation orders; negative control: the same gradients x 4 (a
+  sum over the replicas, not the mean) fail.
 * **Checkpointing changes nothing but memory**: the recomputed forward of a checkpointed block runs on the
   weights the unit's pre-backward gather brought back (refimpl/parallel/zero/fully_sharded_data_parallel.py),
   the same products in the same order, so ``--activation-checkpointing`` gives the same losses and the
   same gradients, bit for bit, as the same ZeRO-3 run without it (fp32 and bf16). The wrapper-level proofs
   (against FSDP2 + torch checkpoint bitwise, peak gathered bytes during the recomputation, the negative
   control that recomputes on the shards) are tests/test_zero.py's.
+* **HSDP** (2 replicas of 2-rank shard groups): its replica-group bytes per step equal the planner's
+  formula to the byte; its checkpoint resumes at R = 1 and R = 4, continuing the losses.
+* **2-D**: the tp 2 x dp 2 ZeRO-3 checkpoint (the dp rows inside each TP block) reassembles bit for bit
+  after being loaded and saved again at tp 4 ZeRO-1, dp 4 ZeRO-3, one rank and back at tp 2 x dp 2 ZeRO-3.
+  The comparison with PyTorch's ``fully_shard`` over DTensor TP is tests/test_fsdp_tp.py's.
 """
 
 from __future__ import annotations
@@ -23,10 +28,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 
+from refimpl.checkpoint import (
+    CheckpointConfig,
+    Checkpointer,
+    CheckpointReader,
+    load_training_state,
+    read_manifest,
+    save_training_state,
+)
+from refimpl.distributed import DistributedContext
 from refimpl.launch import run_ranks
-from refimpl.train import build_parser, config_from_args, options_from_args, train
+from refimpl.model import GPT
+from refimpl.train import build_parser, build_setup, config_from_args, options_from_args, train
 from tests.one_device import (
     assert_gradients_like_one_device,
     assert_trains_like_one_device,
@@ -57,6 +73,9 @@ LAYOUTS = {
                                   "--activation-checkpointing"], "fp32"),
     "tp2-dp2-zero3-bf16": (["--tp", "2", "--zero-stage", "3", "--precision", "bf16"], "bf16"),
 }
+# the tp 2 x dp 2 ZeRO-3 checkpoint of step STEPS, loaded and saved again at: name -> (world size, flags)
+MOVED_TO = {"tp4-zero1": (4, ["--tp", "4", "--zero-stage", "1"]), "dp4-zero3": (4, ["--zero-stage", "3"]),
+            "back at tp2-dp2-zero3": (4, ["--tp", "2", "--zero-stage", "3"]), "one rank": (1, [])}
 RESUMED_AT = {"R1 (plain ZeRO-3)": ["--zero-stage", "3"],  # HSDP's checkpoint of step STEPS resumed there
               "R4 (shard groups of one)": ["--zero-stage", "3", "--dp-replicate", "4"]}
 SAME_AS = {"dp4-zero3-actckpt": "dp4-zero3", "dp4-zero3-bf16-actckpt-every2": "dp4-zero3-bf16"}
@@ -92,12 +111,40 @@ def _worker(ctx, files: dict) -> dict:
                      str(folder))
         records = train(config_from_args(args), ctx, options_from_args(args))
         out["resumed", name] = [r["loss"] for r in records]
+    if ctx.rank == 0:  # TP2's checkpoint of step STEPS alone (the run also saved its last step)
+        step = f"step_{STEPS:08d}"
+        shutil.copytree(root / TP2 / "checkpoints" / step, root / "tp2-saved" / step)
+    dist.barrier()
+    _move(ctx, files, 4)
     return out
+
+
+def _move(ctx, files: dict, world: int) -> None:
+    """Load TP2's checkpoint of step STEPS at each MOVED_TO layout of ``world`` ranks and save it again."""
+    root = Path(files["root"])
+    source = Checkpointer(CheckpointConfig(folder=str(root / "tp2-saved")))
+    for name, (size, flags) in MOVED_TO.items():
+        if size != world:
+            continue
+        args = _args(files, root / "unused", *flags)
+        setup = build_setup(config_from_args(args), ctx, options_from_args(args))
+        load_training_state(source, source.find_latest_valid(), model=setup.state_module,
+                            optimizer=setup.optimizer, restore_rng=False)
+        with Checkpointer(CheckpointConfig(folder=str(root / f"moved {name}"))) as target:
+            save_training_state(target, STEPS, model=setup.state_module, optimizer=setup.optimizer)
 
 
 @pytest.fixture(scope="module")
 def runs(files) -> list[dict]:
-    return run_ranks(_worker, 4, files, timeout_s=SPAWN_TIMEOUT_S)
+    out = run_ranks(_worker, 4, files, timeout_s=SPAWN_TIMEOUT_S)
+    ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs
+    try:
+        _move(ctx, files, 1)
+    finally:
+        torch.set_num_threads(threads)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +217,32 @@ def test_hsdp_bytes_per_group_equal_the_formula(runs):
             assert step["dp_replicate"] == replicas, (rank, step, replicas)
             assert step["dp_shard x cp"] >= shard_group, (rank, step, shard_group)  # + the norm's scalar
             assert step["dp_shard x cp"] - shard_group < 64, (rank, step, shard_group)
+
+
+def _read_all(step: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint folder ``step``, whole (reassembled from the saved boxes)."""
+    manifest = read_manifest(step)
+    reader = CheckpointReader(step, manifest)
+    try:
+        return {name: reader.read(name) for name in manifest["entries"]}
+    finally:
+        reader.close()
+
+
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+@pytest.mark.parametrize("name", list(MOVED_TO))
+def test_the_2d_checkpoint_reassembles_bitwise_at_another_layout(runs, files, name):
+    """The tp 2 x dp 2 ZeRO-3 checkpoint declares 2-D boxes (the dp rows inside each TP block); loaded at
+    tp 4 ZeRO-1, at dp 4 ZeRO-3, at one rank and back at tp 2 x dp 2 ZeRO-3 and saved again, every tensor
+    (weights and AdamW state) reassembles to the same bits. Negative control: the untrained run's state
+    (step 0) differs."""
+    root = Path(files["root"])
+    original = _read_all(root / TP2 / "checkpoints" / f"step_{STEPS:08d}")
+    moved = _read_all(next((root / f"moved {name}").glob("step_*")))
+    assert moved.keys() == original.keys()
+    for key, tensor in original.items():
+        assert torch.equal(moved[key], tensor), (name, key)
+    untrained = GPT(config_from_args(_args(files, root / "x")).model).state_dict()
+    fresh = {f"model/{k}": v for k, v in untrained.items()}
+    compared = [k for k in fresh if k in original]
+    assert compared and any(not torch.equal(original[k], fresh[k]) for k in compared), sorted(original)[:4]
