@@ -34,7 +34,7 @@ SPAWN = {
     "test_p2p_strict", "test_param_placements", "test_parallelize", "test_pipeline_gpt", "test_planner_3d",
     "test_planner_cp", "test_planner_pp", "test_planner_tp", "test_precision", "test_rank_lifetime",
     "test_ring_attention", "test_tp_communications", "test_tp_layers", "test_tp_plan", "test_tp_transformer",
-    "test_train", "test_train_3d", "test_train_zero3", "test_fsdp_tp",
+    "test_train", "test_train_3d", "test_train_zero3", "test_fsdp_tp", "test_planner_zero3",
     "test_train_checkpoint", "test_train_cp", "test_train_pp", "test_train_tp", "test_ulysses",
     "test_vocab_parallel", "test_zero", "test_chapters",
 }

@@ -14,7 +14,8 @@
   :mod:`~refimpl.planner.pipeline`: per pipeline rank, the activations it holds at its peak under a
   schedule (chapter 08);
 * :mod:`~refimpl.planner.run_prediction`: one trainer run at a layout, per rank: state, held
-  activations, bytes per process group per step, the bubble (chapter 10);
+  activations, bytes per process group per step, the bubble (chapter 10); :mod:`~refimpl.planner.run_terms`:
+  its terms for ZeRO-2/3, HSDP, activation checkpointing and ZeRO-3's 16-bit weights;
 * :mod:`~refimpl.planner.layout`: the layout (``ParallelDims``-like degrees) that per-rank functions take.
 
 Each figure is checked in a chapter against a measurement from :mod:`refimpl.measure`, a different source.
@@ -75,6 +76,12 @@ from refimpl.planner.pipeline import (
     stage_saved_bytes,
 )
 from refimpl.planner.run_prediction import RankPrediction, RunPrediction, predict_run
+from refimpl.planner.run_terms import (
+    data_parallel_bytes,
+    recompute_tp_payloads,
+    shard_group_rank,
+    sixteen_bit_weight_activations,
+)
 from refimpl.planner.time_model import AlphaBeta, fit_alpha_beta
 from refimpl.planner.zero_state import (
     ADAM_MIXED_PRECISION_K,
@@ -106,6 +113,7 @@ __all__ = [
     "activation_bytes_per_layer",
     "context_parallel_bytes",
     "context_parallel_degree",
+    "data_parallel_bytes",
     "data_parallel_degree",
     "evaluate_layout",
     "evaluate_stages",
@@ -124,11 +132,14 @@ __all__ = [
     "pipeline_parallel_degree",
     "pipeline_state_memory",
     "predict_run",
+    "recompute_tp_payloads",
     "ring_bytes_sent",
     "run_memory_of",
     "run_memory_per_rank",
+    "shard_group_rank",
     "shard_rows",
     "sharded_numel",
+    "sixteen_bit_weight_activations",
     "stage_deferred_bytes",
     "stage_saved_bytes",
     "state_memory",

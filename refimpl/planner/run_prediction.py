@@ -4,56 +4,77 @@ The composition of the planner's terms for ``python -m refimpl.train --dp D --tp
 (the mesh ``pp x dp x cp x tp``, :mod:`refimpl.distributed.mesh`; Narayanan et al. 2021, "Efficient
 large-scale language model training on GPU clusters using Megatron-LM", section 3), per rank:
 
-* **state** (:class:`~refimpl.measure.state.StateMemory`): fp32 weights, gradients and AdamW state of the
-  rank's tensor-parallel shards of its pipeline stages, the AdamW state sharded over the ``dp x cp`` ranks
-  by ZeRO-1 (Rajbhandari et al. 2020): :func:`~refimpl.planner.memory.state_memory_per_rank`,
-  :func:`~refimpl.planner.pipeline.pipeline_state_memory`;
+* **state** (:class:`~refimpl.measure.state.StateMemory`), read where the trainer steps (the gradients
+  reduced): fp32 weights, gradients and AdamW state of the rank's tensor-parallel shards of its pipeline
+  stages, sharded by ZeRO stage (Rajbhandari et al. 2020; 1: the AdamW state, 2: and the gradients, 3: and
+  the weights) over the ``dp x cp`` ranks, under HSDP over the rank's shard group:
+  :func:`~refimpl.planner.memory.state_memory_per_rank`,
+  :func:`~refimpl.planner.pipeline.pipeline_state_memory`, the rank's index in the group
+  :func:`~refimpl.planner.run_terms.shard_group_rank`. ZeRO-1 under sequence parallelism also holds its
+  reduced gradient shards then (the tp sum of ``finish_gradients`` reads them before the step);
 * **activations**: the bytes saved for backward that the rank holds at its peak: one micro-batch's
   (:func:`~refimpl.planner.memory.run_memory_per_rank`'s saved terms, Korthikanti et al. 2022; a backward
-  frees them before the next forward) or, under pipeline parallelism, the schedule's held bytes
+  frees them before the next forward; a checkpointed block keeps its input only) or, under pipeline
+  parallelism, the schedule's held bytes
   (:attr:`~refimpl.planner.pipeline.PipelineRankMemory.peak_held`: the micro-batches in flight and the
   sends kept). Where the trainer saves the token ids and labels themselves (no tp, no cp), they are
   views of the step's batch window ``[B/dp, s+1]`` (``refimpl.data``'s ``batch``): its whole int64
-  storage, ``8 (B/dp) (s+1)``, is held once, not the ids' and labels' ``8 b s`` each. Under sequence
-  parallelism the embedding's output is the reduce-scatter's ``[b, s_c/t, h]`` shard itself (no view of a
-  whole ``[b, s_c, h]``), so the planner's per-layer terms hold at every micro-batch size, ``b = 1`` too;
+  storage, ``8 (B/dp) (s+1)``, is held once, not the ids' and labels' ``8 b s`` each; at ``b > 1`` the
+  labels' ``[b, s]`` view is strided, and ``lm_loss``'s ``labels.flatten()`` saves a copy, ``8 b s``.
+  Under sequence parallelism the embedding's output is the reduce-scatter's ``[b, s_c/t, h]`` shard
+  itself (no view of a whole ``[b, s_c, h]``), so the planner's per-layer terms hold at every micro-batch
+  size, ``b = 1`` too. ZeRO-3 saves the gathered weights, whose storage it frees after each unit's forward
+  (not held: measured, tests/test_planner_zero3.py); in bf16 it computes in 16-bit weights, a 16-bit
+  residual stream (:func:`~refimpl.planner.run_terms.sixteen_bit_weight_activations`);
 * **bytes sent per step** by process group, under the keys of the trainer's ``metrics.jsonl``
-  (``refimpl.train.loop``: ``"tp"``, ``"cp"``, ``"pp"``, ``"dp x cp"``; the ring model for collectives,
-  :func:`~refimpl.comm.tracer.wire_bytes`, the tensors' bytes for point-to-point sends). Read from the
-  trainer's code, per step with ``A`` micro-batches of ``b`` sequences, ``s_c = s/cp`` tokens each:
+  (``refimpl.train.loop``: ``"tp"``, ``"cp"``, ``"pp"``, ``"dp x cp"``, under HSDP also ``"dp_shard x
+  cp"`` and ``"dp_replicate"``; the ring model for collectives, :func:`~refimpl.comm.tracer.wire_bytes`,
+  the tensors' bytes for point-to-point sends). Read from the trainer's code, per step with ``A``
+  micro-batches of ``b`` sequences, ``s_c = s/cp`` tokens each:
 
   - ``tp``: every micro-batch's tensor-parallel collectives of the rank's blocks, on the first stage the
     vocab-parallel embedding's (under sequence parallelism a reduce-scatter forward and an all-gather
     backward instead of one all-reduce), on the last the head's and the vocab-parallel loss's three ``b s_c``
     all-reduces (:func:`~refimpl.planner.communication.tensor_parallel_collectives`, split by stage);
-    under sequence parallelism once per step the ``s/t``-token gradients' all-reduce; the gradient norm's
-    float32 scalar (clipping on);
+    per micro-batch and checkpointed block the collectives its recomputed forward repeats before
+    checkpoint's early stop (:func:`~refimpl.planner.run_terms.recompute_tp_payloads`); under sequence
+    parallelism once per step the ``s/t``-token gradients' all-reduce (under ZeRO the rank's row shards
+    of them); the gradient norm's float32 scalar (clipping on);
   - ``cp``: every micro-batch's attention traffic of the rank's blocks
-    (:func:`~refimpl.planner.communication.context_parallel_bytes`);
+    (:func:`~refimpl.planner.communication.context_parallel_bytes`), and a checkpointed block's forward
+    exchanges again in its recomputation;
   - ``pp``: per micro-batch each stage's ``[b, s_c/u, h]`` float32 output (not the last stage) and input
     gradient (not the first), ``u = t`` under sequence parallelism; the tied embedding's gradient between
-    the first and the last rank (``sync_tied_embeddings``, both ways); the step loss's and the norm's
-    float32 scalars (``PipelineModule.step``'s all-reduce, the pipeline clip);
-  - ``dp x cp``: the gradients of the rank's parameters once per step, all-reduced (ZeRO-0: the bucketed
-    ``DataParallelBucket``, or ``reduce_gradients_`` after the pipeline's last backward) or reduce-scattered
-    and the updated parameters all-gathered (ZeRO-1, padded shards:
-    :func:`~refimpl.planner.communication.zero_collectives`); the loss average's scalar; under ZeRO-1 the
-    norm's scalar (the shards are disjoint over the group);
+    the first and the last rank (``sync_tied_embeddings``, both ways; under ZeRO-2 the rank's shard of it,
+    ``gradient_holder``); the step loss's and the norm's float32 scalars (``PipelineModule.step``'s
+    all-reduce, the pipeline clip);
+  - ``dp x cp`` (under HSDP ``dp_shard x cp`` and ``dp_replicate``): data parallelism's gradients and
+    parameters (:func:`~refimpl.planner.run_terms.data_parallel_bytes`: ZeRO-0's all-reduce once per
+    step; ZeRO-1's reduce-scatter and all-gather of padded shards; ZeRO-2's reduce-scatter per micro-batch;
+    ZeRO-3's per micro-batch gathers of every unit, again before its backward but the root, and its
+    reduce-scatters, HSDP's all-reduce of each unit's shard over the replicas); the loss average's scalar
+    (over ``dp x cp`` under HSDP too); under ZeRO 1-3 the norm's scalar (the shards are disjoint over the
+    group; under HSDP over the shard group only, the replicas hold the same shard);
 
 * **bubble**: the schedule's textbook idle share
   (:func:`~refimpl.parallel.pipeline_parallel.simulator.bubble_formula`), None without pipeline parallelism.
 
-Modelled: fp32 or bf16 (autocast), ZeRO 0 or 1; tensor-parallel traffic in fp32 only (under autocast the
-activations it moves are 16-bit); no sequence parallelism with ZeRO-1 (its shard all-reduce): refused.
-Not an argument, so not modelled: activation checkpointing (its recomputed forward repeats the
-collectives). Proven against the trainer (tests/test_planner_3d.py, to the byte) with 1F1B, ring
-attention, ZeRO 0/1, fp32/bf16, with and without sequence parallelism; the other schedules (``gpipe``,
-``interleaved``, ``zbh1``) and Ulysses go through the same terms but are not run there.
+Modelled: fp32 or bf16 (autocast; ZeRO-3: FSDP2's mixed precision, bf16 gathers and compute, fp32
+reductions), ZeRO 0-3, HSDP, activation checkpointing (any block selection), tensor, sequence and
+context parallelism. Refused, each with its reason: fp16 (not run); tensor-parallel traffic in bf16
+(under autocast the activations it moves are 16-bit); ZeRO-3 with pp > 1 (a stage's gathers per step are
+not modelled); activation checkpointing with pp > 1 and sequence parallelism with ZeRO and pp > 1 (not
+measured); ZeRO-3 without ``reshard_after_forward`` (not the trainer's). Proven against the trainer, to
+the byte: tests/test_planner_3d.py (8 ranks: 1F1B, ring attention, ZeRO 0/1, fp32/bf16, with and without
+sequence parallelism) and tests/test_planner_zero3.py (4 ranks: ZeRO-2/3, 2-D ZeRO-3 with tp, HSDP with and
+without cp, checkpointing with tp, sequence parallelism and ring attention, bf16 ZeRO-3, ZeRO-2 under the
+pipeline, ZeRO-1 with sequence parallelism); the other schedules (``gpipe``, ``interleaved``, ``zbh1``) and
+Ulysses go through the same terms but are not run there.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from dataclasses import dataclass, field
 
 from refimpl.comm.tracer import wire_bytes
@@ -63,18 +84,29 @@ from refimpl.measure.state import StateMemory
 from refimpl.parallel.pipeline_parallel import stage_rank
 from refimpl.parallel.pipeline_parallel.simulator import bubble_formula
 from refimpl.planner.activations import local_tokens
-from refimpl.planner.communication import context_parallel_bytes, zero_collectives
+from refimpl.planner.communication import context_parallel_bytes
 from refimpl.planner.memory import run_memory_per_rank, state_memory_per_rank
 from refimpl.planner.param_table import param_table
 from refimpl.planner.params_flops import param_shapes
 from refimpl.planner.pipeline import _COMPUTE, PER_STEP, pipeline_memory_per_rank
 from refimpl.planner.pipeline_stages import pipeline_state_memory, stage_layers, stage_params
+from refimpl.planner.run_terms import (
+    DP_KEY,
+    SHARD_KEY,
+    data_parallel_bytes,
+    recompute_tp_payloads,
+    shard_group_rank,
+    sixteen_bit_weight_activations,
+    sp_gradient_payload,
+)
+from refimpl.planner.zero_state import sharded_numel
 from refimpl.support import check_supported
 
 __all__ = ["RankPrediction", "RunPrediction", "predict_run"]
 
 _SCALAR = 4  # a float32 scalar: the loss, the gradient norm's sum of squares
 WINDOW = "the step's token window [B/dp, s+1] (int64; ids and labels are views of it)"
+LABELS_COPY = "the labels flattened for the loss (int64; a copy: rows of the window are strided)"
 _TRANSIENT = ("logits + their gradient (transient)", "recomputed block (backward)")
 
 
@@ -137,6 +169,12 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     ``micro_batch`` (``--micro-batch-size``) and, under pipeline parallelism, ``parallel.microbatches``
     (``--microbatches``, default per-rank batch / ``micro_batch``, else ``pp``) as the trainer reads them;
     ``grad_clip`` None: no norm.
+
+    Every ZeRO stage (``parallel.zero_stage``), HSDP (``parallel.dp_replicate``), the blocks
+    ``parallel.activation_checkpointing`` selects, fp32 or bf16 are modelled; a combination the trainer
+    refuses (:func:`refimpl.support.check_supported`) or that is not modelled raises a ValueError naming
+    it: fp16; tp > 1 with bf16; ZeRO-3, or activation checkpointing, with pp > 1; sequence parallelism with
+    ZeRO 1-3 and pp > 1; ZeRO-3 with ``reshard_after_forward`` off.
     """
     if parallel.dp is None and world_size is None:
         raise ValueError("predict_run needs parallel.dp or the world_size to derive it from")
@@ -148,19 +186,26 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     cp_method, cp_layout, pp_schedule = parallel.cp_method, parallel.cp_layout, parallel.pp_schedule
     virtual_stages, pp_balance, microbatches = (parallel.virtual_stages, parallel.pp_balance,
                                                 parallel.microbatches)
-    if zero_stage not in (0, 1):
-        raise ValueError(f"predict_run models ZeRO 0 and 1, got zero_stage={zero_stage}")
+    checkpointed = parallel.checkpointed_blocks(config.num_layers)
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"predict_run models fp32 and bf16, got {precision!r}")
     if dims.tp > 1 and precision != "fp32":
         raise ValueError("predict_run models the tensor-parallel traffic in fp32 only (under autocast the "
                          "activations it moves are 16-bit)")
-    if sequence_parallel and (zero_stage or dims.tp == 1):
-        raise ValueError("predict_run models sequence parallelism with tp > 1 and ZeRO-0 only")
-    if parallel.activation_checkpointing not in (None, "none"):
-        raise ValueError("predict_run does not model activation checkpointing (its recomputed forward "
-                         "repeats the collectives)")
+    if sequence_parallel and (dims.tp == 1 or (zero_stage and dims.pp > 1)):
+        raise ValueError("predict_run models sequence parallelism with tp > 1, and with ZeRO 1-3 at pp = 1 "
+                         "only (under the pipeline the tp sum of the ZeRO shards' gradients is not measured)")
+    if dims.pp > 1 and zero_stage == 3:  # refused here even where the trainer builds it
+        raise ValueError("predict_run models ZeRO-3 with pp = 1 only (a pipeline stage's gathers and "
+                         "reductions per step are not modelled)")
+    if dims.pp > 1 and checkpointed:
+        raise ValueError("predict_run models activation checkpointing with pp = 1 only (a recomputed stage "
+                         "holds other bytes between the schedule's actions: not measured)")
+    if zero_stage == 3 and not parallel.reshard_after_forward:
+        raise ValueError("predict_run models ZeRO-3 with reshard_after_forward (the trainer's setting): "
+                         "without it no unit is gathered again for backward")
     pp, tp, cp, dp, v = dims.pp, dims.tp, dims.cp, dims.dp, virtual_stages
+    replicas, fsdp16 = dims.dp_replicate, parallel.fsdp_mixed_precision
     per_rank = global_batch // dp
     m = micro_batches(per_rank_batch=per_rank, micro_batch_size=micro_batch, pp=pp,
                       microbatches=microbatches)  # the trainer's rule (refimpl.config.micro_batches)
@@ -177,13 +222,18 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
             if pp > 1 else None)
     flat = None if pp > 1 else run_memory_per_rank(config, dims, micro_batch=b, seq_len=seq_len,
                                                    precision=precision, sequence_parallel=sequence_parallel,
-                                                   cp_method=cp_method, cp_layout=cp_layout)
+                                                   cp_method=cp_method, cp_layout=cp_layout,
+                                                   checkpointed_blocks=checkpointed)
+    table = param_table(config, tp=tp)
+    units = [[q.shape for q in table.embedding + table.final_layernorm + table.output_layer],
+             *[[q.shape for q in block] for block in table.blocks]]  # ZeRO-3's: the root, each block
+    shard_n = n // replicas  # the ranks ZeRO shards over: dp x cp, or HSDP's shard group
     cp_layer = context_parallel_bytes(config, micro_batch=b, seq_len=seq_len, cp=cp, method=cp_method, tp=tp,
                                       compute_dtype=_COMPUTE[precision]) if cp > 1 else None
     ranks = []
     for rank in range(dims.world_size):
         c = dims.coordinates(rank)
-        group_rank = c.dp * cp + c.cp  # the rank's index in its dp x cp group (ranks ascending)
+        group_rank = shard_group_rank(dims, rank)  # the rank's index in the group ZeRO shards over
         stages = [st for st in range(num_stages) if stage_rank(st, pp_size=pp) == c.pp]
         held_params = [q for st in stages for q in stage_params(config, stage=st, num_stages=num_stages,
                                                                 blocks=ranges[st], tp=tp)]
@@ -203,25 +253,34 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
             if pp > 1:
                 boundary = 4 * b * (s_c // (tp if sequence_parallel else 1)) * h  # float32 [b, s_c/u, h]
                 sent["pp"] = sent.get("pp", 0.0) + m * boundary * ((not last) + (not first))
+        if checkpointed:  # pp = 1: the recomputed forwards of the checkpointed blocks, in every backward
+            if tp > 1:
+                for op, payload in recompute_tp_payloads(checkpointed=len(checkpointed), x=x,
+                                                         sequence_parallel=sequence_parallel).items():
+                    _add(sent, "tp", op, m * payload, tp)
+            if cp_layer is not None:
+                sent["cp"] = sent.get("cp", 0.0) + m * len(checkpointed) * cp_layer["forward"]
         if sequence_parallel:  # once per step: the s/t-token parameters' gradients (LayerNorms, row biases)
-            replicated = sum(q.numel for q in held_params if q.sequence_parallel_gradient)
-            _add(sent, "tp", "all_reduce", 4 * replicated, tp)
+            replicated = [q.shape for q in held_params if q.sequence_parallel_gradient]
+            _add(sent, "tp", "all_reduce", sp_gradient_payload(replicated, zero_stage=zero_stage, n=shard_n,
+                                                               group_rank=group_rank), tp)
         if pp > 1:
             if config.tie_word_embeddings and c.pp in (stage_rank(0, pp_size=pp),
                                                        stage_rank(num_stages - 1, pp_size=pp)):
-                sent["pp"] = sent.get("pp", 0.0) + 4 * param_table(config, tp=tp).head.numel  # the embedding
+                tied = (sharded_numel([table.head.shape], group_rank, n) if zero_stage == 2 and n > 1
+                        else table.head.numel)  # ZeRO-2 keeps (and exchanges) only its gradient shard
+                sent["pp"] = sent.get("pp", 0.0) + 4 * tied  # the embedding's gradient, both ways
             _add(sent, "pp", "all_reduce", _SCALAR, pp)  # the step loss, from the last stage
         if grad_clip is not None:  # the norm's sum of squares over the groups its gradients are split over
             _add(sent, "pp", "all_reduce", _SCALAR, pp)
             _add(sent, "tp", "all_reduce", _SCALAR, tp)
-            if zero_stage == 1:
-                _add(sent, "dp x cp", "all_reduce", _SCALAR, n)
-        if zero_stage == 0:
-            _add(sent, "dp x cp", "all_reduce", 4 * sum(math.prod(q) for q in shapes), n)
-        else:
-            for op, (_, payload) in zero_collectives([shapes], n, 1).items():
-                _add(sent, "dp x cp", op, payload, n)
-        _add(sent, "dp x cp", "all_reduce", _SCALAR, n)  # the loss's mean over dp x cp
+            if zero_stage:  # the ZeRO shards: over dp x cp, under HSDP the shard group (dp_shard placements)
+                _add(sent, DP_KEY if replicas == 1 else SHARD_KEY, "all_reduce", _SCALAR, shard_n)
+        for key, sent_bytes in data_parallel_bytes(units if zero_stage == 3 else [shapes],
+                                                   zero_stage=zero_stage, dp_cp=n, replicas=replicas,
+                                                   microbatches=m, gather_bytes=2 if fsdp16 else 4).items():
+            sent[key] = sent.get(key, 0.0) + sent_bytes
+        _add(sent, DP_KEY, "all_reduce", _SCALAR, n)  # the loss's mean over dp x cp
         if pp > 1:
             held = dict(pipe[c.pp].peak_terms)
             if tp == 1 and cp == 1 and any([held.pop(k, 0) for k in PER_STEP]):
@@ -230,10 +289,20 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
                                           tp=tp, zero_stage=zero_stage, zero_shards=n, dp_rank=group_rank)
         else:
             held = {k: val for k, val in flat.activations.items() if k not in _TRANSIENT}
+            if fsdp16:  # ZeRO-3 in 16 bits computes in the gathered 16-bit weights: a 16-bit residual stream
+                held |= sixteen_bit_weight_activations(config, checkpointed_blocks=checkpointed,
+                                                       compute_dtype=_COMPUTE[precision], micro_batch=b,
+                                                       seq_len=seq_len, cp=cp, cp_method=cp_method,
+                                                       cp_layout=cp_layout)
             if tp == 1 and cp == 1:  # the ids and labels of every micro-batch: views of the window
                 held["token ids, labels, positions"] -= 2 * 8 * tokens
                 held[WINDOW] = 8 * per_rank * (seq_len + 1)
+                if b > 1:  # lm_loss's labels.flatten() copies the strided [b, s] view of the [b, s+1] rows
+                    held[LABELS_COPY] = 8 * tokens
             state = state_memory_per_rank(config, dims, zero_stage=zero_stage, dp_rank=group_rank)
+            if zero_stage == 1 and sequence_parallel:  # the shards' gradients, reduced before the step
+                shard_grads = 4 * sharded_numel(shapes, group_rank, n)
+                state = dataclasses.replace(state, grads=state.grads + shard_grads)
         ranks.append(RankPrediction(rank=rank, coords=c, state=state, activations=held, bytes_sent=sent))
     bubble = (bubble_formula(pp_schedule, pp_size=pp, num_microbatches=m, virtual_stages=v) if pp > 1
               else None)

@@ -1,0 +1,136 @@
+"""The terms :func:`~refimpl.planner.run_prediction.predict_run` adds for ZeRO-2/3, HSDP, activation
+checkpointing and ZeRO-3's 16-bit weights (chapters 04, 05 and 10), each read from the runtime's code and
+proven against the trainer to the byte in tests/test_planner_zero3.py.
+
+* :func:`data_parallel_bytes`: the bytes one rank sends per step for the gradients and parameters of data
+  parallelism, by ``metrics.jsonl`` group key. ZeRO-0: one all-reduce of the gradients over ``dp x cp``
+  per step (``DataParallelBucket`` under ``no_sync`` but the last micro-batch; ``reduce_gradients_`` after
+  the pipeline's last backward). ZeRO-1: one reduce-scatter of the padded gradients and one all-gather of
+  the stepped parameters (``ShardedOptimizer.step``). ZeRO-2: the reduce-scatter in every backward, so once
+  per micro-batch (``ShardedOptimizer._on_grad_ready``: the buckets of a backward cover all its gradients,
+  flushed at its end; bucket sizes move the same padded total), the all-gather once, after the step.
+  ZeRO-3 (``FullyShardedDataParallel``): per micro-batch, every unit (each block, the root) all-gathered
+  for forward and every unit but the root again before its backward (the root is kept from forward to the
+  end of backward; a checkpointed block's recomputation runs after its pre-backward gather and gathers
+  nothing), and one reduce-scatter per unit with trainable parameters
+  (:func:`~refimpl.planner.communication.zero_collectives`); the gathers in ``param_dtype`` (bf16 under
+  ZeRO-3's mixed precision: 2 bytes), the reductions in ``reduce_dtype`` (fp32). HSDP (``dp_replicate``
+  R > 1): the same over the shard group ``"dp_shard x cp"`` of ``dp/R cp`` ranks, and each unit's reduced
+  padded shard all-reduced over the R replicas (``"dp_replicate"``; ``fsdp_communications.
+  reduce_scatter_grads``).
+* :func:`recompute_tp_payloads`, the tensor-parallel collectives a checkpointed block's recomputed forward
+  repeats in backward: ``torch.utils.checkpoint``'s non-reentrant early stop ends the recomputation once
+  the block's last saved tensor (the second MLP linear's input) is rebuilt, so the attention's row layer
+  reduces again (``g``: one all-reduce of ``b s_c h``; under sequence parallelism the QKV and first MLP
+  column inputs' two all-gathers and the attention's reduce-scatter) and the MLP's row layer does not.
+  Context parallelism's attention runs again too: its forward exchanges, once per checkpointed block and
+  micro-batch (:func:`~refimpl.planner.communication.context_parallel_bytes`' ``"forward"``).
+* :func:`sixteen_bit_weight_activations`: ZeRO-3 in bf16 computes in the gathered 16-bit weights (FSDP2's
+  ``MixedPrecisionPolicy``, no autocast), so the residual stream, the LayerNorms' inputs and statistics
+  and a checkpointed block's input are 16-bit too (:func:`~refimpl.planner.activations.
+  activation_bytes_per_layer` with ``residual_dtype``), and outside the blocks the final LayerNorm's input
+  and statistics and the head's input; the loss's log-softmax stays float32 (``lm_loss`` casts the logits).
+* :func:`shard_group_rank`: a rank's index in the group ZeRO shards over (``dp x cp``, or HSDP's shard
+  group), the ``dp_rank`` of :func:`~refimpl.planner.memory.state_memory_per_rank`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from refimpl.comm.tracer import wire_bytes
+from refimpl.config import ModelConfig
+from refimpl.distributed.mesh import ParallelDims
+from refimpl.planner.activations import activation_bytes, local_tokens
+from refimpl.planner.communication import zero_collectives
+from refimpl.planner.zero_state import Shape, padded_numel, sharded_numel
+
+__all__ = ["DP_KEY", "REPLICA_KEY", "SHARD_KEY", "data_parallel_bytes", "recompute_tp_payloads",
+           "shard_group_rank", "sixteen_bit_weight_activations", "sp_gradient_payload"]
+
+DP_KEY, SHARD_KEY, REPLICA_KEY = "dp x cp", "dp_shard x cp", "dp_replicate"  # metrics.jsonl's group keys
+
+
+def _add(out: dict[str, float], key: str, op: str, payload: float, n: int) -> None:
+    if n > 1 and payload:
+        out[key] = out.get(key, 0.0) + wire_bytes(op, payload, n)
+
+
+def shard_group_rank(dims: ParallelDims, rank: int) -> int:
+    """``rank``'s index in the group ZeRO shards over, ranks ascending: ``dp_i cp + cp_i`` in ``dp x cp``;
+    under HSDP (``dims.dp_replicate`` > 1) ``dp_shard_i cp + cp_i`` in its shard group (the refactored
+    grid, :attr:`~refimpl.distributed.mesh.ParallelDims.hsdp_grid`)."""
+    c = dims.coordinates(rank)
+    if dims.dp_replicate == 1:
+        return c.dp * dims.cp + c.cp
+    return dims.hsdp_grid.coordinates(rank)["dp_shard"] * dims.cp + c.cp
+
+
+def data_parallel_bytes(unit_shapes: Sequence[Sequence[Shape]], *, zero_stage: int, dp_cp: int,
+                        replicas: int = 1, microbatches: int = 1, gather_bytes: int = 4) -> dict[str, float]:
+    """Wire bytes one rank sends per step for data parallelism's gradients and parameters (module
+    docstring), by group key; not the loss's or the norm's scalars. ``unit_shapes``: the rank's parameter
+    shapes (its tensor-parallel blocks; pp: its stages' tensors), cut into ZeRO-3's units, the root first
+    (stages 0-2 use only their union); ``dp_cp``: the ``dp x cp`` ranks; ``replicas``: HSDP's R (ZeRO-3);
+    ``microbatches``: backwards per step; ``gather_bytes``: ZeRO-3's ``param_dtype`` size."""
+    out: dict[str, float] = {}
+    shapes = [s for unit in unit_shapes for s in unit]
+    m, n = microbatches, dp_cp
+    if zero_stage == 0:
+        _add(out, DP_KEY, "all_reduce", 4 * sum(math.prod(s) for s in shapes), n)
+    elif zero_stage in (1, 2):
+        grads = 4 * padded_numel(shapes, n)
+        _add(out, DP_KEY, "reduce_scatter", (m if zero_stage == 2 else 1) * grads, n)
+        _add(out, DP_KEY, "all_gather", grads, n)
+    else:
+        shard = n // replicas
+        key = DP_KEY if replicas == 1 else SHARD_KEY
+        gathers = zero_collectives(unit_shapes, shard, 3, bytes_per_element=gather_bytes)
+        if "all_gather" in gathers:
+            _add(out, key, "all_gather", m * gathers["all_gather"][1], shard)
+        for op, (_, payload) in zero_collectives(unit_shapes, shard, 3, replicas=replicas).items():
+            if op == "reduce_scatter":
+                _add(out, key, op, m * payload, shard)
+            elif op == "all_reduce":  # HSDP: each unit's reduced shard over the replicas
+                _add(out, REPLICA_KEY, op, m * payload, replicas)
+    return out
+
+
+def sp_gradient_payload(shapes: Sequence[Shape], *, zero_stage: int, n: int, group_rank: int) -> int:
+    """Float32 bytes of the sequence-parallel gradients (``shapes``: the replicated parameters that saw
+    ``s/t`` tokens) a rank all-reduces over tp once per step, after the data-parallel reduction
+    (``OptimizerSetup.finish_gradients``): whole at ZeRO-0, else the rank's row shards of them (ZeRO-1/2:
+    the optimizer's shards' gradients; ZeRO-3: the wrapper's), :func:`sharded_numel` of ``n`` ranks."""
+    if zero_stage == 0:
+        return 4 * sum(math.prod(s) for s in shapes)
+    return 4 * sharded_numel(shapes, group_rank, n)
+
+
+def recompute_tp_payloads(*, checkpointed: int, x: int, sequence_parallel: bool) -> dict[str, int]:
+    """Float32 payloads (bytes) of the tensor-parallel collectives the recomputed forwards of
+    ``checkpointed`` blocks repeat in one micro-batch's backward, ``x = b s_c h`` (module docstring)."""
+    if not sequence_parallel:
+        return {"all_reduce": 4 * checkpointed * x}
+    return {"all_gather": 4 * 2 * checkpointed * x, "reduce_scatter": 4 * checkpointed * x}
+
+
+def sixteen_bit_weight_activations(config: ModelConfig, *, checkpointed_blocks: Sequence[int],
+                                   compute_dtype: torch.dtype, micro_batch: int, seq_len: int,
+                                   cp: int = 1, cp_method: str = "ring",
+                                   cp_layout: str | None = None) -> dict[str, int]:
+    """The activation terms that differ when the model computes in 16-bit weights (ZeRO-3's mixed
+    precision, ``tp = 1``): ``"block activations"`` with a 16-bit residual stream, and ``"final layernorm
+    + output layer inputs"`` (input and mean/rstd of the final LayerNorm and the head's input, all in
+    ``compute_dtype``), for the rank's ``s/cp`` tokens; the other outside terms are
+    :func:`~refimpl.planner.activations.outside_block_bytes`' (the float32 log-softmax, the ids)."""
+    kw = {"micro_batch": micro_batch, "seq_len": seq_len, "compute_dtype": compute_dtype,
+          "residual_dtype": compute_dtype, "cp": cp, "cp_method": cp_method, "cp_layout": cp_layout}
+    blocks = sum(activation_bytes(config, checkpointed_blocks=set(checkpointed_blocks), **kw))
+    p = torch.empty((), dtype=compute_dtype).element_size()
+    tokens = micro_batch * local_tokens(config, seq_len=seq_len, cp=cp, cp_method=cp_method,
+                                        cp_layout=cp_layout, tp=1)
+    return {"block activations": blocks,
+            "final layernorm + output layer inputs": 2 * p * tokens * config.hidden_size + 2 * p * tokens}
