@@ -217,7 +217,9 @@ class ParallelConfig:
     ``activation_checkpointing`` a block selection (``all``, ``every-N``, ``0,2,-1``; None: off).
     The wrappers' tuning: ``bucket_cap_mb`` ZeRO-0's gradient buckets (DDP's 25 MB), ``zero_bucket_numel``
     the elements per reduce-scatter bucket of ZeRO-2, ``prefetch`` and ``reshard_after_forward`` ZeRO-3's
-    all-gather schedule.
+    all-gather schedule; under pipeline parallelism ZeRO-3 gathers each stage once per step and reduces its
+    gradients once after the last backward (torchtitan's default), or with ``zero3_reshard_per_microbatch``
+    gathers and reduces per micro-batch (m times the collectives, the parameters never kept).
 
     Which combinations are refused, and why, is the support table's
     (:func:`refimpl.support.check_supported`), not this class's: it checks only that each value is one it
@@ -243,6 +245,7 @@ class ParallelConfig:
     zero_bucket_numel: int = 2**20
     prefetch: bool = False
     reshard_after_forward: bool = True
+    zero3_reshard_per_microbatch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("cp", "tp", "pp", "dp_replicate", "virtual_stages") + (("dp",) if self.dp is not None

@@ -43,10 +43,15 @@ SUPPORT_TABLE: tuple[Unsupported, ...] = (
                "ranks: it needs tp > 1",
         applies=lambda c: c.sequence_parallel and c.tp == 1),
     Unsupported(
-        name="zero3-pp", when="ZeRO-3 with pp > 1 is not built",
-        reason="every micro-batch's forward and backward would all-gather the stage's weights again (m "
-               "times a step's weights per step); use ZeRO 0, 1 or 2 with pp",
-        applies=lambda c: c.zero_stage == 3 and c.pp > 1),
+        name="zero3-zbh1", when="ZeRO-3 with the zbh1 schedule",
+        reason="zbh1 computes the weight gradients outside backward (its W actions), where ZeRO-3's "
+               "gradient hooks do not see them; use 1f1b, gpipe or interleaved with ZeRO-3",
+        applies=lambda c: c.zero_stage == 3 and c.pp > 1 and c.pp_schedule == "zbh1"),
+    Unsupported(
+        name="zero3-reshard-without-zero3-pp",
+        when="--zero3-reshard-per-microbatch without ZeRO-3 and pp > 1",
+        reason="it sets how ZeRO-3 gathers a pipeline stage's weights per micro-batch: it needs both",
+        applies=lambda c: c.zero3_reshard_per_microbatch and not (c.zero_stage == 3 and c.pp > 1)),
     Unsupported(
         name="hsdp-without-zero3", when="HSDP (dp_replicate > 1) without ZeRO-3",
         reason="hybrid sharding shards the parameters over a shard group and replicates them across the "

@@ -44,8 +44,8 @@ CASES = {  # name -> the technique options at dp 4
     "zero3-ac": dict(zero_stage=3, activation_checkpointing="all"),
 }
 REFUSED = {  # layout at world size 4 and options -> what the error must say
-    "dp2-pp2-zero3": (dict(dp=2, pp=2), dict(zero_stage=3, activation_checkpointing=None),
-                      "ZeRO-3 with pp > 1 is not built"),
+    "dp2-pp2-zero3-zbh1": (dict(dp=2, pp=2), dict(zero_stage=3, pp_schedule="zbh1"),
+                           "ZeRO-3 with the zbh1 schedule"),
     "dp2-pp2-zero2-zbh1": (dict(dp=2, pp=2), dict(zero_stage=2, pp_schedule="zbh1"),
                            "use ZeRO-1 with zbh1"),
 }
@@ -292,7 +292,8 @@ def test_one_process_layout_needs_no_group():
     with pytest.raises(ValueError, match="pass its process groups"):
         parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=2))
     with pytest.raises(ValueError, match="ZeRO-3"):  # what is not built is named before the groups
-        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, pp=2), ParallelConfig(pp=2, zero_stage=3))
+        parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, pp=2),
+                    ParallelConfig(pp=2, zero_stage=3, pp_schedule="zbh1"))
     with pytest.raises(ValueError, match="pass its process groups"):
         parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, cp=2))
     with pytest.raises(ValueError, match="needs tp > 1"):

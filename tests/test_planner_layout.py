@@ -82,7 +82,7 @@ def test_stage_0_per_rank_is_the_replica_and_any_degree_object_is_a_layout():
 def test_a_pipeline_degree_is_planned_with_data_parallelism():
     """dp 2 x pp 2: each rank holds its stages' state (less than the replica) and the figures are the worst
     pipeline rank's; ZeRO-1 shards the optimizer state over dp (less than ZeRO-0), ZeRO-2 the gradients too,
-    ZeRO-3 with pp is refused (the figures are measured in tests/test_planner_pp.py)."""
+    ZeRO-3 the weights too (the figures are measured in tests/test_planner_pp.py)."""
     dims = ParallelDims(dp=2, pp=2)
     assert (data_parallel_degree(dims), pipeline_parallel_degree(dims), zero_shard_degree(dims)) == (2, 2, 2)
     plan = _run(dims, 0, "fp32")
@@ -97,8 +97,9 @@ def test_a_pipeline_degree_is_planned_with_data_parallelism():
     zero2 = [state_memory_per_rank(CONFIG, dims, zero_stage=2, pp_rank=r) for r in (0, 1)]
     assert all(z2.grads < z1.grads and z2.optimizer == z1.optimizer
                for z2, z1 in zip(zero2, zero1, strict=True))
-    with pytest.raises(ValueError, match="ZeRO-3 with pp > 1 is not built"):
-        _run(dims, 3, "fp32")
+    zero3 = _run(dims, 3, "fp32")  # at rest the weights sharded too; the gathered stages on top
+    assert zero3.state["weights"] < _run(dims, 2, "fp32").state["weights"]
+    assert zero3.state["ZeRO-3 gathered stages and their full gradients (kept through the step)"] > 0
 
 
 @pytest.mark.parametrize(("cp", "tp"), [(2, 1), (1, 2)])

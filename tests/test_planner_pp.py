@@ -434,15 +434,20 @@ def test_the_preflight_of_pp2_dp2_zero1_is_what_its_setup_holds(composed):
     assert worst == 1
 
 
-def test_pipeline_with_zero_3_is_refused_and_zbh1_with_tp_is_planned():
+def test_pipeline_with_zero_3_is_planned_with_its_gathered_stages_and_zbh1_with_tp_too():
+    """ZeRO-3 under pp shards the stages' state at rest (less than ZeRO-2's weights) and holds, by
+    default, its stages gathered with their full gradients through the step, or one unit at a time with
+    --zero3-reshard-per-microbatch (tests/test_train_zero3.py runs both)."""
     config = _config(layers=4)
-    with pytest.raises(ValueError, match="ZeRO-3 with pp > 1 is not built"):
-        run_memory_per_rank(config, ParallelDims(dp=2, pp=2), micro_batch=1, seq_len=S, zero_stage=3)
-    with pytest.raises(ValueError, match="ZeRO-3 with pp > 1 is not built"):
-        state_memory_per_rank(config, ParallelDims(dp=2, pp=2), zero_stage=3)
+    kept, per_micro = (run_memory_per_rank(config, ParallelDims(dp=2, pp=2), micro_batch=1, seq_len=S,
+                                           zero_stage=3, zero3_reshard_per_microbatch=r)
+                       for r in (False, True))
+    assert kept.state["ZeRO-3 gathered stages and their full gradients (kept through the step)"] > \
+        per_micro.state["ZeRO-3 gathered units (per micro-batch)"] > 0
+    three = state_memory_per_rank(config, ParallelDims(dp=2, pp=2), zero_stage=3)
     two = state_memory_per_rank(config, ParallelDims(dp=2, pp=2), zero_stage=2)  # ZeRO-2: grads sharded
     one = state_memory_per_rank(config, ParallelDims(dp=2, pp=2), zero_stage=1)
-    assert two.grads < one.grads and two.weights == one.weights
+    assert two.grads < one.grads and two.weights == one.weights and three.weights < two.weights
     zbh1 = run_memory_per_rank(config, ParallelDims(dp=1, tp=2, pp=2), micro_batch=1, seq_len=S,
                                pp_schedule="zbh1")  # the TP layers defer their dW: no longer refused
     assert zbh1.activations and zbh1.total > 0

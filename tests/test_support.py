@@ -20,7 +20,10 @@ from refimpl.train import RunOptions
 # row name -> (a configuration it refuses, the nearest one that passes)
 CASES = {
     "sp-without-tp": (dict(sequence_parallel=True), dict(sequence_parallel=True, tp=2)),
-    "zero3-pp": (dict(pp=2, zero_stage=3), dict(pp=2, zero_stage=1)),
+    "zero3-zbh1": (dict(pp=2, zero_stage=3, pp_schedule="zbh1"),
+                   dict(pp=2, zero_stage=3, pp_schedule="1f1b")),
+    "zero3-reshard-without-zero3-pp": (dict(zero_stage=3, zero3_reshard_per_microbatch=True),
+                                       dict(pp=2, zero_stage=3, zero3_reshard_per_microbatch=True)),
     "hsdp-without-zero3": (dict(dp=4, dp_replicate=2, zero_stage=1),
                            dict(dp=4, dp_replicate=2, zero_stage=3)),
     "zero2-zbh1": (dict(pp=2, zero_stage=2, pp_schedule="zbh1"),
@@ -56,14 +59,16 @@ def test_several_refusals_are_all_said():
 
 
 def test_the_trainer_parallelize_and_the_planner_refuse_in_the_rows_words():
-    message = next(r for r in SUPPORT_TABLE if r.name == "zero3-pp").message()
+    message = next(r for r in SUPPORT_TABLE if r.name == "zero3-zbh1").message()
     with pytest.raises(ConfigError) as trainer:
-        RunOptions(pp=2, zero_stage=3)
+        RunOptions(pp=2, zero_stage=3, pp_schedule="zbh1")
     config = ModelConfig(vocab_size=64, max_seq_len=8, num_layers=2, hidden_size=16, num_attention_heads=2)
     with pytest.raises(ConfigError) as parallel:
-        parallelize(GPT(config, seed=0), ParallelDims(dp=1, pp=2), ParallelConfig(dp=1, pp=2, zero_stage=3))
+        parallelize(GPT(config, seed=0), ParallelDims(dp=1, pp=2),
+                    ParallelConfig(dp=1, pp=2, zero_stage=3, pp_schedule="zbh1"))
     with pytest.raises(ConfigError) as planner:
-        run_memory_per_rank(config, ParallelDims(dp=2, pp=2), micro_batch=1, seq_len=8, zero_stage=3)
+        run_memory_per_rank(config, ParallelDims(dp=2, pp=2), micro_batch=1, seq_len=8, zero_stage=3,
+                            pp_schedule="zbh1")
     assert str(trainer.value) == str(parallel.value) == str(planner.value) == message
 
 

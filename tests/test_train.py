@@ -404,7 +404,7 @@ def test_pipeline_micro_batches_are_checked_before_anything_starts():
         else:
             with pytest.raises(ConfigError, match=match):
                 pipeline_microbatches(config, options, dp)
-    for bad, match in ((dict(pp=2, zero_stage=3), "use ZeRO 0, 1 or 2 with pp"),
+    for bad, match in ((dict(pp=2, zero_stage=3, pp_schedule="zbh1"), "use 1f1b, gpipe or interleaved"),
                        (dict(pp=2, zero_stage=2, pp_schedule="zbh1"), "use ZeRO-1 with zbh1"),
                        (dict(microbatches=2), "need pp > 1"),
                        (dict(pp=2, virtual_stages=2), "without the interleaved schedule")):
@@ -430,7 +430,8 @@ def test_context_parallel_sizes_are_checked_before_anything_starts():
 
 
 LAYOUT_REFUSALS = {  # name -> (flags, what the one error line must say)
-    "pp2-zero3": (["--pp", "2", "--zero-stage", "3"], "ZeRO-3 with pp > 1 is not built"),
+    "pp2-zero3-zbh1": (["--pp", "2", "--zero-stage", "3", "--pp-schedule", "zbh1"],
+                       "ZeRO-3 with the zbh1 schedule"),
     "tp4-heads": (["--tp", "4"], "attention heads 2 does not divide by 4"),
     "sp-without-tp": (["--sequence-parallel"], "needs tp > 1"),
     # the cp and pp sizes take the same path (preflight, exit 2 before launch); their other cases are

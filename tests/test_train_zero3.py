@@ -72,6 +72,11 @@ LAYOUTS = {
     "tp2-dp2-zero3-sp-actckpt": (["--tp", "2", "--zero-stage", "3", "--sequence-parallel",
                                   "--activation-checkpointing"], "fp32"),
     "tp2-dp2-zero3-bf16": (["--tp", "2", "--zero-stage", "3", "--precision", "bf16"], "bf16"),
+    "pp2-dp2-zero3": (["--pp", "2", "--microbatches", "2", "--zero-stage", "3"], "fp32"),
+    "pp2-dp2-zero3-reshard": (["--pp", "2", "--microbatches", "2", "--zero-stage", "3",
+                               "--zero3-reshard-per-microbatch"], "fp32"),
+    "pp2-dp2-zero3-gpipe-actckpt": (["--pp", "2", "--microbatches", "2", "--zero-stage", "3", "--pp-schedule",
+                                     "gpipe", "--activation-checkpointing"], "fp32"),
 }
 # the tp 2 x dp 2 ZeRO-3 checkpoint of step STEPS, loaded and saved again at: name -> (world size, flags)
 MOVED_TO = {"tp4-zero1": (4, ["--tp", "4", "--zero-stage", "1"]), "dp4-zero3": (4, ["--zero-stage", "3"]),
@@ -246,3 +251,45 @@ def test_the_2d_checkpoint_reassembles_bitwise_at_another_layout(runs, files, na
     fresh = {f"model/{k}": v for k, v in untrained.items()}
     compared = [k for k in fresh if k in original]
     assert compared and any(not torch.equal(original[k], fresh[k]) for k in compared), sorted(original)[:4]
+
+
+def _stage_units(pp_rank: int) -> list[list[tuple[int, ...]]]:
+    """The parameter shapes of pipeline rank ``pp_rank``'s stage per ZeRO-3 unit: its root (embedding, or
+    final LayerNorm and head), then each block."""
+    from refimpl.parallel.pipeline_parallel.stage import build_stages
+
+    model = GPT(config_from_args(_args({"corpus": "x", "cache": "x"}, Path("x"))).model, seed=0)
+    (stage,) = build_stages(model, pp_rank=pp_rank, pp_size=2).values()
+    blocks = [[tuple(p.shape) for p in block.parameters()] for block in stage.layers]
+    block_ids = {id(p) for block in stage.layers for p in block.parameters()}
+    return [[tuple(p.shape) for p in stage.parameters() if id(p) not in block_ids], *blocks]
+
+
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+def test_zero3_under_pp_gathers_once_per_step_or_per_microbatch(runs):
+    """What each rank sent per step over "dp x cp" (metrics.jsonl), against the ZeRO-3 collectives of its
+    stage's units over the 2 dp ranks (:func:`refimpl.planner.zero_collectives`, the ring model): by default
+    every unit is all-gathered once and reduce-scattered once per step, kept through the m = 2
+    micro-batches; with ``--zero3-reshard-per-microbatch`` each micro-batch gathers (forward, and backward
+    but the root unit) and reduces: m times the collectives. The rest is the step's float32 scalars (the
+    loss and the norm: a few bytes)."""
+    from refimpl.comm.tracer import wire_bytes
+    from refimpl.planner import zero_collectives
+
+    m = 2
+    for rank, out in enumerate(runs):
+        ops = zero_collectives(_stage_units(rank // 2), 2, 3)  # pp outermost: pp rank = rank // 2
+        once = wire_bytes("all_gather", _unit_bytes(rank // 2), 2) + wire_bytes("reduce_scatter",
+                                                                                 ops["reduce_scatter"][1], 2)
+        per_micro = m * (wire_bytes("all_gather", ops["all_gather"][1], 2)
+                         + wire_bytes("reduce_scatter", ops["reduce_scatter"][1], 2))
+        for name, want in (("pp2-dp2-zero3", once), ("pp2-dp2-zero3-reshard", per_micro)):
+            for step in out[name, "bytes"]:
+                assert 0 <= step["dp x cp"] - want < 64, (rank, name, step["dp x cp"], want)
+
+
+def _unit_bytes(pp_rank: int) -> int:
+    """float32 bytes of every unit of the stage gathered once: its padded size over 2 ranks."""
+    from refimpl.planner import padded_numel
+
+    return 4 * sum(padded_numel(shapes, 2) for shapes in _stage_units(pp_rank))

@@ -174,6 +174,8 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
         if replicas > 1:
             broadcast_module(pipeline, group)  # the replicas start equal, as DataParallelBucket makes them
             applied.append("data parallel")
+            if config.zero_stage == 3:
+                _shard_stages(done, groups, dims)
         else:
             done.group = None
         done.placements = record_parallel_placements(done, replicas=replicas)
@@ -188,15 +190,45 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
     else:
         from refimpl.parallel.zero import FullyShardedDataParallel
 
-        shard_group = group
-        if dims.dp_replicate > 1:  # HSDP: shard over a shard group, all-reduce the shards across them
-            shard_group = done.shard_group = groups.group(*SHARD_AXES)
-            done.replicate_group = groups.group("dp_replicate")
-        fsdp = FullyShardedDataParallel(model, group=shard_group, replicate_group=done.replicate_group,
-                                        prefetch=config.prefetch,
+        fsdp = FullyShardedDataParallel(model, group=_zero3_groups(done, groups, dims),
+                                        replicate_group=done.replicate_group, prefetch=config.prefetch,
                                         reshard_after_forward=config.reshard_after_forward,
                                         mp_policy=mp.policy if fsdp_mp else None)
         done.forward = done.state_module = fsdp
         applied.append("data parallel")
     done.placements = record_parallel_placements(done, replicas=replicas)
     return done
+
+
+def _zero3_groups(done: Parallelized, groups: ParallelGroups, dims: ParallelDims) -> dist.ProcessGroup:
+    """The group ZeRO-3 shards over: ``dp x cp``, or under HSDP a shard group (``dp_shard x cp``), the
+    shards then all-reduced across the ``dp_replicate`` groups (both recorded on ``done``)."""
+    if dims.dp_replicate == 1:
+        return done.group
+    done.shard_group = groups.group(*SHARD_AXES)
+    done.replicate_group = groups.group("dp_replicate")
+    return done.shard_group
+
+
+def _shard_stages(done: Parallelized, groups: ParallelGroups, dims: ParallelDims) -> None:
+    """ZeRO-3 under pipeline parallelism: each of this rank's stages sharded in place over ``dp x cp``
+    (FSDP2's ``fully_shard`` per stage, as torchtitan applies it). By default a stage is gathered once per
+    step and kept through its micro-batches, its gradients accumulated whole and reduce-scattered once
+    after the schedule's last backward (:meth:`PipelineModule.after_backward`); with
+    ``zero3_reshard_per_microbatch`` every micro-batch gathers, frees and reduces (m times the
+    collectives, the stage's full weights and gradients never held across micro-batches)."""
+    from refimpl.parallel.zero import FullyShardedDataParallel
+
+    config, pipeline = done.config, done.pipeline
+    shard_group = _zero3_groups(done, groups, dims)
+    per_micro = config.zero3_reshard_per_microbatch
+    policy = done.mp.policy if config.fsdp_mixed_precision else None
+    replicate = done.replicate_group
+    done.fsdp_stages = [FullyShardedDataParallel(stage, group=shard_group, replicate_group=replicate,
+                                                 reshard_after_forward=per_micro, declare_on_module=True,
+                                                 mp_policy=policy)
+                        for stage in pipeline.stages.values()]
+    if not per_micro:
+        for fsdp in done.fsdp_stages:
+            fsdp.set_requires_gradient_sync(False)
+        pipeline.after_backward = lambda: [fsdp.finish_gradient_sync() for fsdp in done.fsdp_stages]

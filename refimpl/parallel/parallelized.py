@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from refimpl.config import OptimConfig, ParallelConfig
-from refimpl.distributed.placement import module_shards
+from refimpl.distributed.placement import Box, module_shards
 from refimpl.model import lm_loss
 from refimpl.parallel.data_parallel import DataParallelBucket
 from refimpl.parallel.optimizer_setup import OptimizerInputs, OptimizerSetup, build_optimizer_setup
@@ -52,6 +52,7 @@ class Parallelized:
     shard_group: dist.ProcessGroup | None = None
     replicate_group: dist.ProcessGroup | None = None
     pipeline: nn.Module | None = None
+    fsdp_stages: list[nn.Module] = field(default_factory=list)  # ZeRO-3 under pp: each stage's wrapper
     placements: dict[str, Placement] = field(default_factory=dict)
 
     def split_batch(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -110,19 +111,31 @@ def held_parameters(done: Parallelized) -> list[tuple[str, nn.Parameter]]:
     return list(done.model.named_parameters())
 
 
+def _zero3_inner_boxes(done: Parallelized) -> dict[str, Box] | None:
+    """Under ZeRO-3 the box each held tensor had before the wrapper sharded its rows (a tensor-parallel
+    block, else the whole tensor), by the plain GPT's name; None without ZeRO-3."""
+    if done.fsdp_stages:  # pipeline stages, each sharded in place
+        return {f.module.full_name(n): b for f in done.fsdp_stages for n, b in f.inner_boxes.items()}
+    if done.config.zero_stage == 3 and done.pipeline is None:
+        return done.state_module.inner_boxes
+    return None
+
+
 def record_parallel_placements(done: Parallelized, *, replicas: int) -> dict[str, Placement]:
     """Each held parameter's placement, from the modules' declarations, composed in :data:`ORDER`: tensor
     parallel (a shard's box is not the whole tensor; the sequence-parallel names are summed over tp),
     the pipeline split (a stage's tensors are its own; the last stage's copy of a tied embedding is not
     primary), then data parallelism over ``dp x cp`` (ZeRO-0-2: replicated, averaged over the ``replicas``
-    when there are several; ZeRO-3: the wrapper's row shards)."""
+    when there are several; ZeRO-3: the wrapper's row shards, their TP roles read from the blocks it
+    sharded, since a row shard of a LayerNorm is no TP shard; under HSDP sharded over ``dp_shard`` and
+    replicated over ``dp_replicate``)."""
     from refimpl.parallel.tensor_parallel import sequence_parallel_names
 
     pipe, tp = done.pipeline, done.tp_group is not None
     if done.config.zero_stage == 3 and pipe is None:  # the wrapper's boxes (its modules hold row shards)
         declared = module_shards(done.state_module)
-    else:
-        declared = module_shards(done.model if pipe is None else pipe)  # the boxes the modules declare
+    else:  # the boxes the modules declare (ZeRO-3's stages: the wrapper's, declared on each stage)
+        declared = module_shards(done.model if pipe is None else pipe)
     boxes = {n: declared[n].box for n, _ in held_parameters(done)}
     if pipe is None:
         sp = sequence_parallel_names(done.model)
@@ -131,18 +144,15 @@ def record_parallel_placements(done: Parallelized, *, replicas: int) -> dict[str
         sp = [stage.full_name(n) for stage in pipe.stages.values() for n in sequence_parallel_names(stage)]
         tied = "embedding.word_embeddings.weight" if pipe.tied_peer is not None and 0 not in pipe.stage_ids \
             else None
-    placed = record_placements(boxes, tp=tp, sequence_parallel=sp, pp=pipe is not None, tied_copy=tied)
-    if done.config.zero_stage == 3 and pipe is None and tp:  # 2-D: the TP roles from the blocks ZeRO-3
-        inner = done.state_module.inner_boxes  # sharded again (a row shard of a LayerNorm is no TP shard)
-        placed = {n: replace(p, box=boxes[n]) for n, p in
-                  record_placements({n: inner[n] for n in boxes}, tp=True, sequence_parallel=sp).items()}
-    if done.config.zero_stage == 3 and pipe is None and done.replicate_group is not None:  # HSDP
+    inner = _zero3_inner_boxes(done)
+    if inner is None:
+        placed = record_placements(boxes, tp=tp, sequence_parallel=sp, pp=pipe is not None, tied_copy=tied)
+        return {n: p.along("dp_cp", sharded=False, reduced=replicas > 1) for n, p in placed.items()}
+    before = record_placements({n: inner[n] for n in boxes}, tp=tp, sequence_parallel=sp, pp=pipe is not None,
+                               tied_copy=tied)
+    placed = {n: replace(p, box=boxes[n]) for n, p in before.items()}
+    if done.replicate_group is not None:  # HSDP
         return {n: p.along("dp_shard", sharded=True, reduced=True).along("dp_replicate", sharded=False,
                                                                           reduced=True)
                 for n, p in placed.items()}
-    if done.config.zero_stage == 3 and pipe is None:  # the wrapper's row shards of the whole tensors
-        return {n: p.along("dp_cp", sharded=True, reduced=True) for n, p in placed.items()}
-    return {n: p.along("dp_cp", sharded=False, reduced=replicas > 1) for n, p in placed.items()}
-
-
-
+    return {n: p.along("dp_cp", sharded=True, reduced=True) for n, p in placed.items()}

@@ -114,6 +114,7 @@ def run_memory_per_rank(
     virtual_stages: int = 1,
     num_microbatches: int | None = None,
     pp_balance: str = "layers",
+    zero3_reshard_per_microbatch: bool = False,
 ) -> RunMemory:
     """The peak bytes one rank of a training run laid out as ``dims`` needs, before anything runs (chapters
     01, 04 and 05; the trainer's preflight).
@@ -157,7 +158,8 @@ def run_memory_per_rank(
                                          micro_batch=micro_batch, seq_len=seq_len, precision=precision,
                                          checkpointed_blocks=checkpointed_blocks, balance=pp_balance, tp=tp,
                                          sequence_parallel=sequence_parallel, cp=cp, cp_method=cp_method,
-                                         cp_layout=cp_layout, zero_stage=zero_stage, zero_shards=shards)
+                                         cp_layout=cp_layout, zero_stage=zero_stage, zero_shards=shards,
+                                         zero3_reshard_per_microbatch=zero3_reshard_per_microbatch)
         return max((r.memory for r in ranks), key=lambda mem: mem.total)
     p = _DTYPE_BYTES[precision]
     compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
@@ -196,7 +198,8 @@ def run_memory_of(config: ModelConfig, parallel: ParallelConfig, *, world_size: 
     dims = ParallelDims.from_world(world_size, **parallel.degrees)
     pipeline = {} if dims.pp == 1 else {
         "pp_schedule": parallel.pp_schedule, "virtual_stages": parallel.virtual_stages,
-        "pp_balance": parallel.pp_balance, "num_microbatches": num_microbatches or parallel.microbatches}
+        "pp_balance": parallel.pp_balance, "num_microbatches": num_microbatches or parallel.microbatches,
+        "zero3_reshard_per_microbatch": parallel.zero3_reshard_per_microbatch}
     return run_memory_per_rank(config, dims, micro_batch=micro_batch, seq_len=seq_len,
                                zero_stage=parallel.zero_stage, precision=parallel.precision,
                                checkpointed_blocks=parallel.checkpointed_blocks(config.num_layers),

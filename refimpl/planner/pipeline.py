@@ -57,6 +57,7 @@ import torch
 from refimpl.config import ModelConfig, ParallelConfig
 from refimpl.parallel.pipeline_parallel import SCHEDULES, build_schedule, simulate, stage_rank
 from refimpl.planner.activations import activation_bytes_per_layer, local_tokens, outside_block_bytes
+from refimpl.planner.param_table import param_table
 from refimpl.planner.pipeline_stages import (
     pipeline_state_memory,
     rank_param_shapes,
@@ -65,6 +66,7 @@ from refimpl.planner.pipeline_stages import (
     stage_param_shapes,
 )
 from refimpl.planner.run_memory import RunMemory
+from refimpl.planner.zero_state import zero3_peak_gathered_bytes
 from refimpl.support import check_supported
 
 __all__ = ["PER_STEP", "PipelineRankMemory", "pipeline_memory_per_rank", "pipeline_state_memory",
@@ -198,20 +200,37 @@ def stage_deferred_bytes(config: ModelConfig, *, stage: int, num_stages: int, bl
     return p * seq_len * micro_batch * per_token
 
 
+def _zero3_gathered(config: ModelConfig, *, mine: list[int], ranges, shapes, tp: int, p: int, shards: int,
+                    per_microbatch: bool) -> dict[str, int]:
+    """ZeRO-3's full tensors a pipeline rank holds at its peak (see :func:`pipeline_memory_per_rank`)."""
+    numel = sum(math.prod(s) for s in shapes)
+    if not per_microbatch:  # the stages gathered once and kept, their gradients accumulated whole
+        return {"ZeRO-3 gathered stages and their full gradients (kept through the step)": 2 * p * numel}
+    table = param_table(config, tp=tp)
+    blocks = [[q.shape for q in table.blocks[i]] for st in mine for i in ranges[st]]
+    root_numel = numel - sum(math.prod(s) for unit in blocks for s in unit)  # embedding, head: the root unit
+    gathered = zero3_peak_gathered_bytes([[(root_numel,)], *blocks], shards, bytes_per_element=p)
+    return {"ZeRO-3 gathered units (per micro-batch)": gathered.weights}
+
+
 def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: int, schedule: str = "1f1b",
                              virtual_stages: int = 1, micro_batch: int, seq_len: int, precision: str = "fp32",
                              checkpointed_blocks: set[int] | list[int] | tuple[int, ...] = (),
                              balance: str = "layers", tp: int = 1, sequence_parallel: bool = False,
                              cp: int = 1, cp_method: str = "ring", cp_layout: str | None = None,
-                             zero_stage: int = 0, zero_shards: int = 1,
-                             dp_rank: int = 0) -> list[PipelineRankMemory]:
+                             zero_stage: int = 0, zero_shards: int = 1, dp_rank: int = 0,
+                             zero3_reshard_per_microbatch: bool = False) -> list[PipelineRankMemory]:
     """Every pipeline rank of ``pp`` ranks running ``schedule`` over ``num_microbatches`` micro-batches of
     ``micro_batch`` sequences of ``seq_len`` tokens (module docstring), in rank order. ``precision``
     ``fp32`` or ``bf16``/``fp16`` under autocast; ``checkpointed_blocks``: global block indices.
     Inside the stages (chapter 10's composition, as :func:`refimpl.parallel.parallelize` builds it): ``tp``
     tensor-parallel ranks (``sequence_parallel``: the boundaries carry ``[b, s_c/t, h]``), ``cp``
-    context-parallel ranks (``cp_method``, ``cp_layout``; ``s_c = s/cp`` tokens), ZeRO ``zero_stage`` 0, 1
-    or 2 over ``zero_shards`` ranks (:func:`pipeline_state_memory`, group rank ``dp_rank``)."""
+    context-parallel ranks (``cp_method``, ``cp_layout``; ``s_c = s/cp`` tokens), ZeRO ``zero_stage`` 0-3
+    over ``zero_shards`` ranks (:func:`pipeline_state_memory`, group rank ``dp_rank``). ZeRO-3 adds what the
+    runtime holds gathered during a step: by default the rank's whole stages, weights and full gradients
+    in the compute dtype, kept through the micro-batches (gathered once, reduced once); with
+    ``zero3_reshard_per_microbatch`` one unit at a time beside the stage's root unit
+    (:func:`~refimpl.planner.zero_state.zero3_peak_gathered_bytes`)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {SCHEDULES}")
     if precision not in _COMPUTE:
@@ -255,6 +274,9 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
         zero = pipeline_state_memory(config, pp=pp, pp_rank=r, virtual_stages=v, balance=balance, tp=tp,
                                      zero_stage=zero_stage, zero_shards=zero_shards, dp_rank=dp_rank)
         state = {"weights": zero.weights, "grads": zero.grads, "AdamW state": zero.optimizer}
+        if zero_stage == 3 and zero_shards > 1:
+            state.update(_zero3_gathered(config, mine=mine, ranges=ranges, shapes=shapes, tp=tp, p=p,
+                                         shards=zero_shards, per_microbatch=zero3_reshard_per_microbatch))
         if p != 4:
             state["autocast weight copies"] = p * sum(
                 stage_matmul_weights(config, stage=st, num_stages=num_stages, blocks=ranges[st], tp=tp)

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from refimpl.config import ModelConfig, ParallelConfig
+from refimpl.config import ModelConfig
 from refimpl.measure.state import StateMemory
 from refimpl.parallel.pipeline_parallel import split_layers, stage_rank
 from refimpl.planner.param_table import ParamSpec, param_table
 from refimpl.planner.zero_state import zero_memory
-from refimpl.support import check_supported
 
 __all__ = ["pipeline_state_memory", "rank_param_shapes", "stage_layers", "stage_matmul_weights",
            "stage_param_shapes", "stage_params"]
@@ -98,10 +97,9 @@ def pipeline_state_memory(config: ModelConfig, *, pp: int, pp_rank: int, virtual
     """fp32 weights, gradients and AdamW state(two moments, a ``step`` per tensor) of the parameters of
     pipeline rank ``pp_rank``'s stages (:func:`stage_param_shapes`, the tensor-parallel shards of ``tp``
     ranks), whole, or with ``zero_stage`` 1 (Rajbhandari et al. 2020; the runtime's ShardedOptimizer over the
-    stages; 2: the gradients too) the AdamW state sharded over the ``zero_shards`` (``dp x cp``) ranks, dim 0
-    of each tensor, as held by the group's rank ``dp_rank``
+    stages; 2: the gradients too; 3: the weights too, at rest) the AdamW state sharded over the
+    ``zero_shards`` (``dp x cp``) ranks, dim 0 of each tensor, as held by the group's rank ``dp_rank``
     (:func:`~refimpl.planner.zero_state.zero_memory`)."""
-    check_supported(ParallelConfig(pp=pp, tp=tp, zero_stage=zero_stage))  # ZeRO-3 with pp: refused
     ranges = stage_layers(config, num_stages=pp * virtual_stages, balance=balance, tp=tp)
     shapes = rank_param_shapes(config, pp=pp, rank=pp_rank, ranges=ranges, tp=tp)
     return zero_memory(shapes, zero_shards, zero_stage, rank=dp_rank)

@@ -115,13 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
                      "the sequence (Korthikanti et al. 2022); --seq-len must divide by --tp")
     par.add_argument("--pp", type=int, default=1,
                      help="pipeline-parallel degree (chapter 08): the blocks cut into pp stages, the batch "
-                     "run through them in micro-batches; composes with --dp, --tp, --cp and --zero-stage 0/1")
+                     "run through them in micro-batches; composes with --dp, --tp, --cp and --zero-stage 0-3")
     par.add_argument("--microbatches", type=int, default=None, metavar="M",
                      help="with --pp > 1: pipeline micro-batches per step and data-parallel rank (default: "
                      "per-rank batch / --micro-batch-size, else pp)")
     par.add_argument("--pp-schedule", type=_schedule, choices=PP_SCHEDULES,
                      default="1f1b", help="with --pp > 1: the pipeline schedule (zbh1: the handcrafted "
                      "zero-bubble schedule ZB-H1 of Qi et al. 2023)")
+    par.add_argument("--zero3-reshard-per-microbatch", action="store_true",
+                     help="with --pp > 1 and --zero-stage 3: gather each stage's weights and reduce its "
+                     "gradients per micro-batch (m times the collectives, less memory) instead of once per "
+                     "step")
     par.add_argument("--virtual-stages", type=int, default=1, metavar="V",
                      help="with --pp-schedule interleaved: model chunks per pipeline rank")
     par.add_argument("--pp-balance", choices=PP_BALANCES, default="layers",
@@ -214,6 +218,7 @@ class RunOptions:
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1
     pp_balance: str = "layers"
+    zero3_reshard_per_microbatch: bool = False  # ZeRO-3 with pp: gather and reduce per micro-batch
 
     def __post_init__(self) -> None:
         ParallelDims(dp=self.dp_replicate if self.dp is None else self.dp, cp=self.cp, tp=self.tp, pp=self.pp,
@@ -242,7 +247,8 @@ class RunOptions:
                               cp_method=self.cp_method, pp_schedule=self.pp_schedule,
                               virtual_stages=self.virtual_stages, pp_balance=self.pp_balance,
                               microbatches=self.microbatches,
-                              activation_checkpointing=self.activation_checkpointing)
+                              activation_checkpointing=self.activation_checkpointing,
+                              zero3_reshard_per_microbatch=self.zero3_reshard_per_microbatch)
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
         """The layout of ``world_size`` ranks (checked: the degrees' product is the world size)."""
@@ -254,7 +260,8 @@ class RunOptions:
                 "activation_checkpointing": self.activation_checkpointing, "dp": self.dp, "cp": self.cp,
                 "cp_method": self.cp_method, "tp": self.tp, "sequence_parallel": self.sequence_parallel,
                 "pp": self.pp, "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
-                "microbatches": self.microbatches, "dp_replicate": self.dp_replicate}
+                "microbatches": self.microbatches, "dp_replicate": self.dp_replicate,
+                "zero3_reshard_per_microbatch": self.zero3_reshard_per_microbatch}
 
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:
@@ -286,4 +293,5 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
                       dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp, dp_replicate=args.dp_replicate,
                       sequence_parallel=args.sequence_parallel, cp_method=args.cp_method,
                       microbatches=args.microbatches, pp_schedule=args.pp_schedule,
-                      virtual_stages=args.virtual_stages, pp_balance=args.pp_balance)
+                      virtual_stages=args.virtual_stages, pp_balance=args.pp_balance,
+                      zero3_reshard_per_microbatch=args.zero3_reshard_per_microbatch)

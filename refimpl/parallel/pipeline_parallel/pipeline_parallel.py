@@ -63,6 +63,9 @@ class PipelineModule(nn.Module):
         # where a parameter's gradient lives after backward: itself, or under ZeRO-2 (whose hooks cut each
         # gradient into its dp shard inside backward) the optimizer's shard (parallelize sets it)
         self.gradient_holder: Callable[[nn.Parameter], torch.Tensor] = lambda param: param
+        # what runs once the schedule's backwards are done, before the tied-embedding sum: under ZeRO-3 the
+        # stages' gradient reduce-scatter, once per step (parallelize sets it)
+        self.after_backward: Callable[[], None] | None = None
 
     def tied_weight(self) -> torch.Tensor | None:
         """This rank's end of a tied embedding that another rank also holds (None otherwise)."""
@@ -120,6 +123,8 @@ class PipelineModule(nn.Module):
                             labels=labels.chunk(m), loss_fn=loss_fn, activation_shape=shape,
                             activation_dtype=torch.float32, store=self.store, scale_loss=scale_loss,
                             events=self.last_events, clock=clock)
+        if self.after_backward is not None:
+            self.after_backward()
         weight = self.tied_weight()
         if weight is not None:
             # the two ends hold the same rows of their gradients (whole, or the same ZeRO-2 shard)

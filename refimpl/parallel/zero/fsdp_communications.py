@@ -184,3 +184,16 @@ def all_gather_full(unit: FSDPUnit, group: dist.ProcessGroup | None) -> list[tor
     outs = [sp.sharded.new_empty(sp.spec.shape) for sp in unit.params]
     all_gather_into([sp.sharded.detach() for sp in unit.params], specs, outs, group)
     return outs
+
+
+@torch.no_grad()
+def full_parameters(units: list[FSDPUnit], module: nn.Module,
+                    group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """Every parameter of ``module`` in full, by its name, on every rank: each unit all-gathered once
+    (:func:`all_gather_full`). Collective."""
+    full: dict[int, torch.Tensor] = {}
+    for unit in units:
+        if unit.params:
+            for sp, t in zip(unit.params, all_gather_full(unit, group), strict=True):
+                full[id(sp.sharded)] = t
+    return {name: full[id(p)] for name, p in module.named_parameters()}

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from refimpl.distributed.placement import Box, LocalShard
+from refimpl.measure.state import StateMemory, state_bytes, storage_bytes
 from refimpl.parallel.zero.sharding import ShardSpec
 
 
@@ -63,3 +65,45 @@ def _tensors(obj: object) -> list[torch.Tensor]:
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in _tensors(v)]
     return []
+
+
+def gathered_bytes(units: list[FSDPUnit]) -> StateMemory:
+    """Bytes of *full* tensors a ZeRO-3 rank holds now: gathered parameters and all-gathers in flight
+    (weights) and full gradients not yet reduce-scattered (grads); the shards are not counted.
+    :func:`refimpl.planner.zero3_peak_gathered_bytes` bounds its peak over a step."""
+    sps = [sp for u in units for sp in u.params]
+    in_flight = [u.pending[1] for u in units if u.pending is not None]
+    seen: set = set()
+    weights = storage_bytes([sp.unsharded for sp in sps] + in_flight, exclude=seen)
+    grads = storage_bytes([sp.unsharded.grad for sp in sps], exclude=seen)
+    return StateMemory(weights=weights, grads=grads, optimizer=0)
+
+
+def held_bytes(units: list[FSDPUnit], optimizer: torch.optim.Optimizer | None = None) -> StateMemory:
+    """Bytes a ZeRO-3 rank holds now in parameters (shards, gathered units and all-gathers in flight),
+    gradients (shards and full gradients not yet reduced) and optimizer state."""
+    sps = [sp for u in units for sp in u.params]
+    in_flight = [u.pending[1] for u in units if u.pending is not None]  # prefetched all-gathers
+    return state_bytes([sp.sharded for sp in sps], optimizer,
+                       extra_params=[sp.unsharded for sp in sps] + in_flight,
+                       extra_grads=[sp.unsharded.grad for sp in sps])
+
+
+def units_local_shards(module: nn.Module, units: list[FSDPUnit],
+                       inner_boxes: dict[str, Box]) -> dict[str, LocalShard]:
+    """What a ZeRO-3 rank holds of ``module``, by name (the checkpoint reads it, chapter 09): each
+    parameter's rows (:attr:`ShardSpec.box`, under its first name when tied) and every persistent buffer
+    whole. A parameter that was itself a block of a larger tensor (a tensor-parallel shard: its box in
+    ``inner_boxes``) gets the rows inside that block, ``inner.within(rows)``: the 2-D box of FSDP2 over TP
+    (torch's ``_StridedShard`` places the same elements for a DTensor)."""
+    names = {(id(m), attr): f"{prefix}.{attr}" if prefix else attr
+             for prefix, m in module.named_modules() for attr in m._parameters}
+    index = {key: i for i, key in enumerate(names)}
+    out = {}
+    for unit in units:
+        for sp in unit.params:
+            name = names[min(((id(m), a) for m, a in sp.registrations), key=index.__getitem__)]
+            inner = inner_boxes.get(name)
+            out[name] = LocalShard(sp.sharded, sp.spec.box if inner is None else inner.within(sp.spec.box))
+    persistent = set(module.state_dict(keep_vars=True))
+    return out | {n: LocalShard.full(b) for n, b in module.named_buffers() if n in persistent}

@@ -16,17 +16,17 @@ import torch.distributed as dist
 from torch import nn
 
 from refimpl.distributed.placement import Box, LocalShard, module_shards
-from refimpl.measure.state import StateMemory, state_bytes, storage_bytes
+from refimpl.measure.state import StateMemory
 from refimpl.parallel.zero.clip_grad import clip_sharded_grad_norm_
 from refimpl.parallel.zero.fsdp_communications import (
-    all_gather_full,
     finish_all_gather,
     free_full_params,
+    full_parameters,
     reduce_scatter_grads,
     shard_into_units,
     start_all_gather,
 )
-from refimpl.parallel.zero.fsdp_unit import FSDPUnit, _tensors
+from refimpl.parallel.zero.fsdp_unit import FSDPUnit, _tensors, gathered_bytes, held_bytes, units_local_shards
 from refimpl.parallel.zero.zero_communications import _world
 from refimpl.precision import MixedPrecisionPolicy
 
@@ -78,6 +78,7 @@ class FullyShardedDataParallel(nn.Module):
         prefetch: bool = False,
         reshard_after_forward: bool = True,
         mp_policy: MixedPrecisionPolicy | None = None,
+        declare_on_module: bool = False,
     ) -> None:
         super().__init__()
         if unit_types is None:
@@ -101,7 +102,12 @@ class FullyShardedDataParallel(nn.Module):
         self._forward_order: list[FSDPUnit] = []  # units in the order this step's forward ran them
         self._last_order: list[FSDPUnit] = list(self.units[1:])  # ... and the previous step's
         self._callback_queued = False
+        self.requires_gradient_sync = True  # False: backward keeps the full gradients (micro-batches)
         root = self.units[0]
+        root.hooks.append(module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
+        root.hooks.append(module.register_forward_hook(self._root_post_forward))
+        if declare_on_module:  # FSDP2's in-place shape: the module itself now says what this rank holds
+            module.local_shards = self.local_shards
         for unit in self.units[1:]:
             unit.hooks.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
             unit.hooks.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
@@ -197,9 +203,25 @@ class FullyShardedDataParallel(nn.Module):
         def hook(param: torch.Tensor) -> None:
             self._queue_final_callback()
             unit.ready += 1
-            if unit.ready == len(unit.trainable):
+            if unit.ready == len(unit.trainable) and self.requires_gradient_sync:
                 self._reduce(unit)
         return hook
+
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        """FSDP2's switch for micro-batches: with ``False`` a backward keeps each unit's full gradients
+        (accumulating over the micro-batches; the units are freed after it only if
+        ``reshard_after_forward``) and reduce-scatters nothing; :meth:`finish_gradient_sync` then reduces
+        them once. Pipeline parallelism under ZeRO-3 runs its schedule so (chapter 08)."""
+        self.requires_gradient_sync = requires
+
+    def finish_gradient_sync(self) -> None:
+        """Reduce-scatter every unit's accumulated full gradients into the shards' ``.grad`` (once) and free
+        the units: the end of a step whose backwards ran without gradient sync."""
+        for unit in self.units:
+            if any(sp.unsharded.grad is not None for sp in unit.trainable):
+                self._reduce(unit)
+            self.reshard(unit)
+            unit.ready, unit.reduced = 0, False
 
     def _reduce(self, unit: FSDPUnit) -> None:
         """Reduce-scatter the unit's gradients into the shards' ``.grad``; free the full ones and the unit."""
@@ -211,8 +233,15 @@ class FullyShardedDataParallel(nn.Module):
             self.reshard(unit)
 
     def _finish_backward(self) -> None:
-        """End of backward: reduce units some of whose parameters got no gradient; free every unit."""
+        """End of backward: reduce units some of whose parameters got no gradient; free every unit. Without
+        gradient sync: nothing is reduced, and the units are freed only if ``reshard_after_forward``."""
         self._callback_queued = False
+        if not self.requires_gradient_sync:
+            for unit in self.units:
+                if self.reshard_after_forward:
+                    self.reshard(unit)
+                unit.ready = 0
+            return
         for unit in self.units:
             pending = any(sp.unsharded.grad is not None for sp in unit.trainable)
             if pending and not unit.reduced:
@@ -223,18 +252,19 @@ class FullyShardedDataParallel(nn.Module):
     # -- forward ---------------------------------------------------------------------------------------
 
     def forward(self, *args: object, **kwargs: object) -> object:
+        return self.module(*args, **kwargs)  # the root unit's hooks on the module gather and free it
+
+    def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._forward_order:
             self._last_order = self._forward_order
         self._forward_order = []
-        root = self._root
-        self._unshard_for_forward(root)
-        try:
-            output = self.module(*args, **kwargs)
-        finally:
-            self._use(root, "sharded")
+        self._unshard_for_forward(self._root)
+
+    def _root_post_forward(self, module: nn.Module, args: tuple, output: object) -> object:
+        self._use(self._root, "sharded")
         if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(output)):
-            self._register_pre_backward(root, output)
-        else:  # no backward will come (evaluation): free everything now
+            self._register_pre_backward(self._root, output)
+        elif self.requires_gradient_sync:  # no backward will come (evaluation): free everything now
             for unit in self.units:
                 self.reshard(unit)
         return output
@@ -245,23 +275,9 @@ class FullyShardedDataParallel(nn.Module):
         return [sp.sharded for u in self.units for sp in u.params]
 
     def local_shards(self) -> dict[str, LocalShard]:
-        """What this rank holds, by name in the wrapped module (the checkpoint reads it, chapter 09): each
-        parameter's rows (:attr:`ShardSpec.box`, under its first name when tied) and every persistent
-        buffer whole. A parameter that was itself a block of a larger tensor (a tensor-parallel shard,
-        :attr:`inner_boxes`) gets the rows inside that block: ``inner.within(rows)``, the 2-D box of FSDP2
-        over TP (torch's ``_StridedShard`` places the same elements for a DTensor)."""
-        names = {(id(m), attr): f"{prefix}.{attr}" if prefix else attr
-                 for prefix, m in self.module.named_modules() for attr in m._parameters}
-        index = {key: i for i, key in enumerate(names)}
-        out = {}
-        for unit in self.units:
-            for sp in unit.params:
-                name = names[min(((id(m), a) for m, a in sp.registrations), key=index.__getitem__)]
-                inner = self.inner_boxes.get(name)
-                box = sp.spec.box if inner is None else inner.within(sp.spec.box)
-                out[name] = LocalShard(sp.sharded, box)
-        persistent = set(self.module.state_dict(keep_vars=True))
-        return out | {n: LocalShard.full(b) for n, b in self.module.named_buffers() if n in persistent}
+        """What this rank holds, by name in the wrapped module: the row shards, 2-D inside a tensor-parallel
+        block (:func:`~refimpl.parallel.zero.fsdp_unit.units_local_shards`), the buffers whole."""
+        return units_local_shards(self.module, self.units, self.inner_boxes)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (from the shards, one all-reduce); return the norm before."""
@@ -269,35 +285,16 @@ class FullyShardedDataParallel(nn.Module):
         return clip_sharded_grad_norm_(grads, max_norm, device=self.sharded_parameters()[0].device,
                                        group=self.group, world_size=self.world_size)
 
-    @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter in full, by its name in the wrapped module, on every rank. Collective."""
-        full: dict[int, torch.Tensor] = {}
-        for unit in self.units:
-            if not unit.params:
-                continue
-            for sp, t in zip(unit.params, all_gather_full(unit, self.group), strict=True):
-                full[id(sp.sharded)] = t
-        return {name: full[id(p)] for name, p in self.module.named_parameters()}
+        return full_parameters(self.units, self.module, self.group)
 
     def gathered_bytes(self) -> StateMemory:
-        """Bytes of *full* tensors this rank holds now: gathered parameters and all-gathers in flight
-        (weights) and full gradients not yet reduce-scattered (grads); the shards are not counted.
-        :func:`refimpl.planner.zero3_peak_gathered_bytes` bounds its peak over a step."""
-        sps = [sp for u in self.units for sp in u.params]
-        in_flight = [u.pending[1] for u in self.units if u.pending is not None]
-        seen: set = set()
-        weights = storage_bytes([sp.unsharded for sp in sps] + in_flight, exclude=seen)
-        grads = storage_bytes([sp.unsharded.grad for sp in sps], exclude=seen)
-        return StateMemory(weights=weights, grads=grads, optimizer=0)
+        """Bytes of *full* tensors this rank holds now (gathered weights and all-gathers in flight, full
+        gradients not yet reduced; :func:`~refimpl.parallel.zero.fsdp_unit.gathered_bytes`)."""
+        return gathered_bytes(self.units)
 
     def state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> StateMemory:
-        """Bytes this rank holds now in parameters (shards, gathered units and all-gathers in flight),
-        gradients (shards and full gradients not yet reduced) and optimizer state."""
-        sps = [sp for u in self.units for sp in u.params]
-        in_flight = [u.pending[1] for u in self.units if u.pending is not None]  # prefetched all-gathers
-        return state_bytes(
-            self.sharded_parameters(), optimizer,
-            extra_params=[sp.unsharded for sp in sps] + in_flight,
-            extra_grads=[sp.unsharded.grad for sp in sps],
-        )
+        """Bytes this rank holds now in parameters, gradients and optimizer state, gathered tensors included
+        (:func:`~refimpl.parallel.zero.fsdp_unit.held_bytes`)."""
+        return held_bytes(self.units, optimizer)
