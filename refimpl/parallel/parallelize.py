@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -226,7 +227,8 @@ def _shard_stages(done: Parallelized, groups: ParallelGroups, dims: ParallelDims
     replicate = done.replicate_group
     done.fsdp_stages = [FullyShardedDataParallel(stage, group=shard_group, replicate_group=replicate,
                                                  reshard_after_forward=per_micro, declare_on_module=True,
-                                                 mp_policy=policy)
+                                                 mp_policy=policy,
+                                                 output_dtype=None if policy is None else torch.float32)
                         for stage in pipeline.stages.values()]
     if not per_micro:
         for fsdp in done.fsdp_stages:

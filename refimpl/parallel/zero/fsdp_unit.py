@@ -67,6 +67,15 @@ def _tensors(obj: object) -> list[torch.Tensor]:
     return []
 
 
+def _cast_floats(obj: object, dtype: torch.dtype) -> object:
+    """``obj`` with every floating-point tensor in it cast to ``dtype`` (tuples kept tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, tuple):
+        return tuple(_cast_floats(o, dtype) for o in obj)
+    return obj
+
+
 def gathered_bytes(units: list[FSDPUnit]) -> StateMemory:
     """Bytes of *full* tensors a ZeRO-3 rank holds now: gathered parameters and all-gathers in flight
     (weights) and full gradients not yet reduce-scattered (grads); the shards are not counted.

@@ -26,7 +26,14 @@ from refimpl.parallel.zero.fsdp_communications import (
     shard_into_units,
     start_all_gather,
 )
-from refimpl.parallel.zero.fsdp_unit import FSDPUnit, _tensors, gathered_bytes, held_bytes, units_local_shards
+from refimpl.parallel.zero.fsdp_unit import (
+    FSDPUnit,
+    _cast_floats,
+    _tensors,
+    gathered_bytes,
+    held_bytes,
+    units_local_shards,
+)
 from refimpl.parallel.zero.zero_communications import _world
 from refimpl.precision import MixedPrecisionPolicy
 
@@ -63,9 +70,9 @@ class FullyShardedDataParallel(nn.Module):
     **Mixed precision** (``mp_policy``, a :class:`refimpl.precision.MixedPrecisionPolicy`; chapter 05),
     as FSDP2's ``fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype))`` does it: the
     shards stay fp32 (the master weights; the optimizer and its state see only them), the all-gather and
-    the unit's compute run in ``param_dtype``, the reduce-scatter in ``reduce_dtype``
-    (:mod:`~refimpl.parallel.zero.fsdp_communications` has the casts). Floating-point buffers and inputs
-    are left alone (the course's GPT takes token ids).
+    the unit's compute run in ``param_dtype`` (floating-point inputs cast to it, ``output_dtype`` the
+    output's when given), the reduce-scatter in ``reduce_dtype``
+    (:mod:`~refimpl.parallel.zero.fsdp_communications` has the casts). Buffers are left alone.
     """
 
     def __init__(
@@ -79,6 +86,7 @@ class FullyShardedDataParallel(nn.Module):
         reshard_after_forward: bool = True,
         mp_policy: MixedPrecisionPolicy | None = None,
         declare_on_module: bool = False,
+        output_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if unit_types is None:
@@ -92,6 +100,7 @@ class FullyShardedDataParallel(nn.Module):
         # FSDP2's MixedPrecisionPolicy: gather and compute in param_dtype, reduce in reduce_dtype
         self.param_dtype = None if mp_policy is None else mp_policy.param_dtype
         self.reduce_dtype = None if mp_policy is None else mp_policy.reduce_dtype
+        self.output_dtype = output_dtype  # FSDP2's output_dtype: a pipeline stage's boundary is float32
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
         # where each parameter of the wrapped module lies before sharding (a tensor-parallel layer's block,
@@ -254,11 +263,14 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args: object, **kwargs: object) -> object:
         return self.module(*args, **kwargs)  # the root unit's hooks on the module gather and free it
 
-    def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self._forward_order:
             self._last_order = self._forward_order
         self._forward_order = []
         self._unshard_for_forward(self._root)
+        if self.param_dtype is None:
+            return None
+        return _cast_floats(args, self.param_dtype), kwargs  # FSDP2's cast_forward_inputs (token ids stay)
 
     def _root_post_forward(self, module: nn.Module, args: tuple, output: object) -> object:
         self._use(self._root, "sharded")
@@ -267,7 +279,7 @@ class FullyShardedDataParallel(nn.Module):
         elif self.requires_gradient_sync:  # no backward will come (evaluation): free everything now
             for unit in self.units:
                 self.reshard(unit)
-        return output
+        return output if self.output_dtype is None else _cast_floats(output, self.output_dtype)
 
     # -- utilities -------------------------------------------------------------------------------------
 
@@ -298,3 +310,4 @@ class FullyShardedDataParallel(nn.Module):
         """Bytes this rank holds now in parameters, gradients and optimizer state, gathered tensors included
         (:func:`~refimpl.parallel.zero.fsdp_unit.held_bytes`)."""
         return held_bytes(self.units, optimizer)
+
