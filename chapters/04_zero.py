@@ -40,7 +40,9 @@
 # 3. the **collectives** each stage runs, recorded by chapter 02's tracer with the bytes handed to each
 #    one, are the ones the stage must run; under the ring model stages 1 and 2 send what data parallelism
 #    sends, stage 3 about 1.5x;
-# 4. our stage 3 equals PyTorch's **FSDP2** (`torch.distributed.fsdp.fully_shard`) bit for bit.
+# 4. our stage 3 equals PyTorch's **FSDP2** (`torch.distributed.fsdp.fully_shard`) bit for bit;
+# 5. stage 3 **composes** (section 7): with activation checkpointing (bit for bit ZeRO-3 without it), as
+#    hybrid sharding (HSDP, bit for bit FSDP2's) and over tensor parallelism (2-D sharding).
 
 # %%
 import math
@@ -434,6 +436,245 @@ if rank == 0:
           f"{fsdp2_held.total:,d} (FSDP2) = {ours_held.total:,d} (ours)")
 
 # %% [markdown]
+# ## 7. ZeRO-3 composed: activation checkpointing, hybrid sharding, 2-D
+#
+# ZeRO-3 rarely runs alone. Three compositions a large run needs, each motivated, then proved on the same
+# four ranks.
+#
+# **Activation checkpointing** (chapter 05) keeps only a block's input and runs the block's forward again
+# during backward to rebuild what backward needs. Under ZeRO-3 that second forward comes after the block's
+# unit was freed: its weights exist in full only between the all-gather before its backward and the
+# reduce-scatter after it. So the hook that gathers a unit for backward must also **point the unit's
+# modules at the full tensors** (`FullyShardedDataParallel._unshard_for_backward`): the recomputation runs
+# without module hooks and computes with whatever the modules hold, which after forward is the rank's
+# shard, a quarter of each tensor's rows, and fails at the block's first layer (the run prints the error).
+# With the full weights it repeats the same products, so ZeRO-3 with every block checkpointed must train
+# **bit for bit** like ZeRO-3 without it (at 4 ranks too: both sides reduce the same gradients with the
+# same collectives). The negative control gathers the unit but leaves the modules on the shards, as our
+# ZeRO-3 did before it composed with checkpointing.
+
+# %%
+# %%px
+from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing
+
+
+class RecomputeOnShards(FullyShardedDataParallel):
+    """The negative control: backward gathers a unit but leaves its modules on the shards."""
+
+    def _unshard_for_backward(self, unit):
+        self.unshard(unit)
+
+
+def fit(model, steps=STEPS):
+    """`steps` AdamW steps of a wrapped model, each rank on its quarter of section 3's global batches.
+    Returns the optimizer, the last step's collectives {op: (calls, payload bytes)} and the process
+    groups each op ran on {op: {id(group)}}."""
+    opt = torch.optim.AdamW(param_groups(model, 0.1), **ADAMW)
+    with CommTracer() as tracer:
+        for step in range(steps):
+            opt.zero_grad()
+            x, y = batch(step, rank, world_size)
+            lm_loss(model(x), y).backward()
+            opt.step()
+            tracer.step()
+    ops = {op: (t.count, t.nbytes) for op, t in tracer.summary(step=steps - 1).items()}
+    return opt, ops, {op: {e.group_id for e in tracer.select(op=op, step=steps - 1)} for op in ops}
+
+
+def checkpointed_gpt():
+    model = GPT(cfg, seed=0).to(device)
+    apply_activation_checkpointing(model, "all")  # every block recomputed in backward
+    return model
+
+
+zero3_ac = FullyShardedDataParallel(checkpointed_gpt())
+fit(zero3_ac)
+ac_params, zero3_params = zero3_ac.full_state_dict(), results[4, 3][0]  # section 3's ZeRO-3, same 5 steps
+assert all(torch.equal(ac_params[k], zero3_params[k]) for k in zero3_params), max_diff(ac_params, zero3_params)
+try:
+    fit(RecomputeOnShards(checkpointed_gpt()), steps=1)
+    on_shards = None
+except RuntimeError as exc:  # torch's CheckpointError is a RuntimeError
+    on_shards = f"{type(exc).__name__}: " + " ".join(str(exc).split())[:300]
+assert on_shards is not None, "the recomputation on the shards trained without an error"
+if rank == 0:
+    print(f"ZeRO-3 + checkpointing of every block vs ZeRO-3, 4 ranks, {STEPS} steps: bit-identical "
+          f"(max |Δθ| = {max_diff(ac_params, zero3_params)})")
+    print("negative control, the recomputation on the shards:", on_shards)
+
+# %% [markdown]
+# **Hybrid sharding (HSDP).** ZeRO-3 runs three collectives per unit and step over its whole group, on the
+# critical path of forward and backward. On a cluster that group spans nodes, and a ring that crosses the
+# network runs at the network's pace, several times slower than NVLink inside a node (chapter 10's
+# data-sheet figures). HSDP (FSDP2's `fully_shard` on a 2-D mesh, FSDP1's `HYBRID_SHARD`) shards over a
+# **shard group** of $S$ ranks inside a node and **replicates** the shards over $R$ such groups: the
+# all-gathers and the reduce-scatter stay inside the node, and what crosses the nodes is one all-reduce
+# per unit of the **reduced gradient shard**, $1/S$ of the unit's gradients. The price: a rank keeps $1/S$
+# of the state instead of $1/(RS)$.
+#
+# `ParallelDims(dp=4, dp_replicate=2)` (the trainer's `--dp-replicate 2`) makes the shard groups {0, 1} and
+# {2, 3} and the replica groups {0, 2} and {1, 3}: read ranks 0-1 and 2-3 as two nodes. The gradient is
+# reduce-scattered (mean over the pair) and then all-reduced (mean over the replicas), which is what
+# PyTorch's HSDP does on a `(replicate, shard)` mesh of the same ranks: every reduction a sum of two
+# numbers (commutative) and a halving (exact), so the two must agree **bit for bit**. One device adds the
+# four quarters of the batch in another order: within `TOL`. The tracer checks the collectives against
+# `zero_collectives(..., replicas=2)` and which group each one ran on.
+
+# %%
+# %%px
+from refimpl.distributed import ParallelDims
+
+hsdp_groups = ParallelDims(dp=world_size, dp_replicate=2).build(rank=rank, world_size=world_size,
+                                                                timeout_s=120)  # start_ranks' timeout
+shard_group, replica_group = hsdp_groups.group("dp_shard", "cp"), hsdp_groups.group("dp_replicate")
+hsdp = FullyShardedDataParallel(GPT(cfg, seed=0).to(device), group=shard_group, replicate_group=replica_group)
+hsdp_opt, hsdp_ops, hsdp_on = fit(hsdp)
+hsdp_params, hsdp_held = hsdp.full_state_dict(), hsdp.state_bytes(hsdp_opt)
+
+fsdp2_hsdp = GPT(cfg, seed=0).to(device)
+mesh_2d = init_device_mesh(device.type, (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+for block in fsdp2_hsdp.layers:
+    fully_shard(block, mesh=mesh_2d)
+fully_shard(fsdp2_hsdp, mesh=mesh_2d)
+fit(fsdp2_hsdp)
+theirs_hsdp = {k: v.full_tensor() for k, v in fsdp2_hsdp.named_parameters()}
+
+assert all(torch.equal(theirs_hsdp[k], hsdp_params[k]) for k in hsdp_params), max_diff(theirs_hsdp, hsdp_params)
+assert max_diff(hsdp_params, single) < TOL, (max_diff(hsdp_params, single), TOL)
+hsdp_want = zero_collectives(units, 2, 3, replicas=2)  # ZeRO-3 over a shard group of 2, shards over 2 replicas
+assert hsdp_ops == hsdp_want, f"the tracer saw {hsdp_ops}, HSDP must run {hsdp_want}"
+assert hsdp_ops != zero_collectives(units, 2, 3)  # the replicas' all-reduce is what tells HSDP apart
+assert hsdp_on == {"all_gather": {id(shard_group)}, "reduce_scatter": {id(shard_group)},
+                   "all_reduce": {id(replica_group)}}, hsdp_on
+assert hsdp_held == zero_memory(shapes, 2, 3, rank=dist.get_rank(shard_group))
+inside = sum(wire_bytes(op, hsdp_ops[op][1], 2) for op in ("all_gather", "reduce_scatter"))
+across = wire_bytes("all_reduce", hsdp_ops["all_reduce"][1], 2)
+if rank == 0:
+    print(f"HSDP 2 x 2 vs FSDP2's HSDP after {STEPS} steps: bit-identical; vs one device "
+          f"{max_diff(hsdp_params, single):.1e} (TOL {TOL:.1e})")
+    where = {"all_gather": "its shard group", "reduce_scatter": "its shard group", "all_reduce": "its replicas"}
+    print("collectives of a step:", "; ".join(f"{c} {op} {b:,d} B over {where[op]}"
+                                              for op, (c, b) in hsdp_ops.items()), "= zero_collectives(replicas=2)")
+    print(f"ring model, bytes a rank sends per step: {inside:,.0f} inside its node, {across:,.0f} across "
+          f"nodes; ZeRO-3 over all 4 ranks: {ring_model[4, 3]:,.0f}, every collective a ring over both nodes")
+    print(f"model state per rank: {hsdp_held.total:,d} B under HSDP (ZeRO-3 over 2) vs "
+          f"{results[4, 3][1].total:,d} B under ZeRO-3 over 4")
+
+# %% [markdown]
+# **2-D: ZeRO-3 over tensor parallelism.** A 70B model's state, 16 bytes a parameter under mixed-precision
+# Adam, outgrows a box of 8 GPUs, so FSDP has to span boxes. FSDP alone then has two limits. Each GPU
+# computes whole sequences, so it holds at least one sequence's activations for every layer; and the
+# data-parallel degree is the number of GPUs, each needing at least one sequence per step, so the cluster
+# sets the smallest global batch. FSDP + TP (torchtitan's 2-D parallelism) puts tensor parallelism inside
+# the box (chapter 06: each GPU computes with $1/8$ of every weight and, with sequence parallelism, keeps
+# $1/8$ of a sequence's activations; its collectives run on NVLink) and ZeRO-3 across the boxes, sharding
+# each rank's TP block further over dp: the state per GPU is the same, the unit of work and the dp degree
+# are 8 times smaller. Chapter 10's planner on 64 H100s (8 boxes of 8), 4096-token sequences, a global
+# batch of 64, one sequence per micro-batch:
+
+# %%
+from refimpl.plan import GPUS, model_for
+from refimpl.planner import evaluate_layout, param_count
+
+SEQ_2D = 4096
+LIMIT_GB = 0.9 * GPUS["H100"]["memory"] / 1e9  # the planner's limit: 90% of an H100's 80 GB
+psi_70 = param_count(model_for(70e9, vocab_size=32000, seq_len=SEQ_2D)).total
+print(f"70B: 16 B x {psi_70 / 1e9:.1f}B parameters = {16 * psi_70 / 1e9:,.0f} GB of model state; a box of 8 "
+      f"H100s holds {8 * GPUS['H100']['memory'] / 1e9:,.0f} GB")
+assert 16 * psi_70 > 8 * GPUS["H100"]["memory"]
+LAYOUTS_2D = {"FSDP over 64": (64, 1, False), "FSDP over 64, recomputing": (64, 1, True),
+              "TP8 x FSDP over 8 boxes": (8, 8, False)}
+plans_2d = {}
+for size in (7e9, 70e9):
+    big = model_for(size, vocab_size=32000, seq_len=SEQ_2D)
+    for name, (dp, tp, recompute) in LAYOUTS_2D.items():
+        p = plans_2d[size, name] = evaluate_layout(big, dp=dp, tp=tp, pp=1, seq_len=SEQ_2D, global_batch=64,
+                                                   gpus_per_node=8, zero_stage=3, recompute=recompute)
+        print(f"{size / 1e9:2.0f}B, {name + ':':27s} state {p.state_bytes / 1e9:4.1f} + gathered "
+              f"{p.gathered_bytes / 1e9:3.1f} + activations {p.activation_bytes / 1e9:4.1f} = "
+              f"{p.memory_bytes / 1e9:5.1f} GB per GPU ({'fits' if p.fits else 'does not fit'} in {LIMIT_GB:.0f})")
+for gpus in (64, 2048):
+    print(f"{gpus} GPUs, one sequence per dp rank: the smallest global batch is {gpus * SEQ_2D / 1e6:.2f} M "
+          f"tokens under FSDP alone, {gpus // 8 * SEQ_2D / 1e6:.2f} M tokens under TP8 x FSDP")
+# what the next paragraph says
+assert all(plans_2d[7e9, name].fits for name in LAYOUTS_2D)
+fsdp_70, recompute_70, tp_70 = (plans_2d[70e9, name] for name in LAYOUTS_2D)
+assert not fsdp_70.fits and recompute_70.fits and tp_70.fits
+assert math.isclose(fsdp_70.state_bytes, tp_70.state_bytes) and tp_70.activation_bytes < fsdp_70.activation_bytes / 4
+
+# %% [markdown]
+# A 7B model fits every way: FSDP alone is the simple choice there, until the data-parallel degree outgrows
+# the global batch. At 70B, one sequence's activations do not fit beside FSDP's state unless every block is
+# recomputed (a third more compute, chapter 05); TP8 divides them and fits without recomputing, at the
+# same state per GPU, and divides the smallest global batch by 8 (at 2048 GPUs, FSDP alone cannot take a
+# step on fewer tokens than the printed figure). In both layouts ZeRO-3's collectives run over dp groups
+# that span the boxes; HSDP, above, is the way to keep them inside a box.
+#
+# On our ranks, `ParallelDims(dp=2, tp=2)` and `parallelize(model, groups, dims.config(zero_stage=3))`: tp
+# innermost, so ranks 0-1 and 2-3 are TP pairs (two "boxes") and {0, 2}, {1, 3} the dp groups. Tensor
+# parallelism replaces `query_key_value` (a `[192, 64]` weight, column-parallel) by each tp rank's block of
+# 96 rows; ZeRO-3 then shards that block over dp, so each rank holds the dp rows **of its TP block**:
+# `local_shards()` declares the box `inner.within(rows)` (`refimpl.distributed.placement.Box.within`).
+# Which rows each rank holds, and a check, from the tensors, that its shard is exactly those rows of the
+# unsharded weight and that the four boxes tile the weight once:
+
+# %%
+# %%px
+from refimpl.parallel.parallelize import parallelize
+
+dims_2d = ParallelDims(dp=2, tp=2)
+groups_2d = dims_2d.build(rank=rank, world_size=world_size, timeout_s=120)
+par = parallelize(GPT(cfg, seed=0).to(device), groups_2d, dims_2d.config(zero_stage=3))
+QKV = "layers.0.self_attention.query_key_value.weight"
+held_2d = par.state_module.local_shards()[QKV]
+full_qkv = GPT(cfg, seed=0).to(device).get_parameter(QKV).detach()
+assert torch.equal(held_2d.tensor.detach(), full_qkv[held_2d.box.slices()]), "the shard is not those rows"
+boxes_2d = [None] * world_size
+dist.all_gather_object(boxes_2d, (groups_2d.coords.tp, groups_2d.coords.dp, par.state_module.inner_boxes[QKV],
+                                  held_2d.box))
+covered = torch.zeros(full_qkv.shape, dtype=torch.int32)
+for *_, box in boxes_2d:
+    covered[box.slices()] += 1
+assert bool((covered == 1).all()), "the ranks' boxes do not tile the weight exactly once"
+if rank == 0:
+    for r, (tp, dp, block, box) in enumerate(boxes_2d):
+        print(f"rank {r} (tp {tp}, dp {dp}): TP block rows [{block.offsets[0]}, {block.offsets[0] + block.shape[0]})"
+              f", its dp rows: rows [{box.offsets[0]}, {box.offsets[0] + box.shape[0]}) x columns "
+              f"[{box.offsets[1]}, {box.offsets[1] + box.shape[1]}) of the {list(box.global_shape)} weight")
+
+# %%
+def fetch_boxes():
+    return boxes_2d  # the engine's variable (this function runs on each rank)
+
+
+held_boxes = ranks.run(fetch_boxes)[0]  # rank 0's copy of every rank's (tp, dp, TP block, box)
+owner = np.zeros(held_boxes[0][3].global_shape)
+for r, (*_, box) in enumerate(held_boxes):
+    owner[box.slices()] = r
+fig, ax = plt.subplots(figsize=(6.4, 2.2))
+ax.imshow(owner.T, aspect="auto", cmap="tab10", vmin=0, vmax=9, interpolation="nearest")
+for r, (tp, dp, block, box) in enumerate(held_boxes):
+    ax.text(box.offsets[0] + box.shape[0] / 2, box.global_shape[1] / 2, f"rank {r}\ntp {tp}, dp {dp}",
+            ha="center", va="center", fontsize=8, color="white")
+    ax.axvline(block.offsets[0] - 0.5, color="black", lw=2)  # where each TP block starts
+ax.set(xlabel="output row of query_key_value (its dim 0)", ylabel="input column",
+       title="ZeRO-3 over TP: the dp rows of each TP block (black line: TP block edge)")
+fig.tight_layout()
+display(fig)
+plt.close(fig)
+
+# %% [markdown]
+# Rows $[0, 96)$ are tp rank 0's block and $[96, 192)$ tp rank 1's; the dp ranks split each block, not
+# the whole weight (exercise 04.6 asks for these rows at any sizes, uneven ones included).
+# `tests/test_fsdp_tp.py` trains this layout against PyTorch's own 2-D sharding, `fully_shard` on the dp
+# dimension of a `(dp, tp)` mesh over DTensor TP (`parallelize_module` on its tp dimension; its
+# `_StridedShard` placements hold the same elements as our boxes): the two, and one device, agree within 4
+# times one device's summation-order spread (a tolerance, not bits: the two compute the tensor-parallel
+# loss and reductions with different code, in other orders), our ZeRO collectives over dp equal
+# `zero_collectives` of the TP-local shapes, and our state at rest is no larger than PyTorch's. That run
+# is not repeated here, to keep the chapter's time.
+
+# %% [markdown]
 # ## What we proved, and what is next
 #
 # * ZeRO changes **where** the state lives, not the arithmetic: stages 1-3 reproduce data parallelism bit
@@ -443,6 +684,10 @@ if rank == 0:
 # * Each stage runs the collectives it should, with the payloads it should; under the ring model stages 1
 #   and 2 are free in traffic and stage 3 pays one extra all-gather per unit (about 1.5x), which is
 #   why FSDP overlaps it with compute by **prefetching** the next unit (`prefetch=True`).
+# * ZeRO-3 composes: a checkpointed block recomputes on the weights its backward gathered (bit for bit
+#   ZeRO-3 without checkpointing; on the shards the recomputation fails); HSDP equals FSDP2's HSDP bit for
+#   bit, runs the collectives the planner names and sends only the gradient shards' all-reduce across the
+#   replicas; over tensor parallelism each rank holds the dp rows of its TP block.
 #
 # Still missing for large models: the activations (chapter 06) and lower precision (chapter 05). The
 # benchmark `bench/bench_zero.py` compares the peak bytes and step time of our ZeRO-3 with FSDP2's.
@@ -450,8 +695,9 @@ if rank == 0:
 # **Exercises** (`make grade CH=04`, per-task scores): `exercises/04_zero.py` asks for the partition
 # (`shard_rows`), the sharded step (reduce-scatter, step the shard, all-gather), the gather/free of one
 # unit without breaking what autograd saved, and ZeRO-3's schedule over a chain of units: when each unit
-# is gathered and freed around forward and backward, and the same with prefetch. The grader watches which
-# units hold memory while each one runs.
+# is gathered and freed around forward and backward, and the same with prefetch; and, for 2-D sharding,
+# which rows of a column-parallel weight a (tp, dp) rank holds, uneven sizes included. The grader watches
+# which units hold memory while each one runs.
 
 # %%
 ranks.stop()
@@ -462,13 +708,14 @@ ranks.stop()
 # 1. At 2 ranks our ZeRO stages are bit-identical to data parallelism, at 4 ranks they are not (but stay
 #    within `TOL`). What changes in the arithmetic between 2 and 4 ranks, and why could no choice of the
 #    division (sum then divide, or divide then sum) make 4 ranks bit-identical to one device?
-# 2. The tolerance is 4 x the spread of one device over micro-batch splits. Why is that spread a better
-#    yardstick than a float64 reference run of one side, and what would a tolerance of 1e-5, fixed once,
-#    have done on a CPU whose kernels round differently?
-# 3. The element that differs most is one whose gradient nearly cancels. Which AdamW hyperparameter sets
+# 2. The element that differs most is one whose gradient nearly cancels. Which AdamW hyperparameter sets
 #    how much such elements move, and what happens to the spread if you make it 1000x larger?
-# 4. Stage 3 keeps the root unit gathered from forward to backward. What would freeing it after forward
+# 3. Stage 3 keeps the root unit gathered from forward to backward. What would freeing it after forward
 #    cost in traffic and what would it save in memory, for this model and for a 7.5B model with a 50k
 #    vocabulary?
-# 5. With prefetch, a rank holds two blocks at once. When does prefetch pay for its memory, and why does a
+# 4. With prefetch, a rank holds two blocks at once. When does prefetch pay for its memory, and why does a
 #    prefetch help on a GPU but not on this CPU with gloo?
+# 5. Under ZeRO-3 over tensor parallelism each rank holds the dp rows of its TP block (section 7). What
+#    would an all-gather over the dp group give a rank if the dp rows were taken of the whole weight
+#    instead? And why does cutting the weight into tp x dp chunks in rank order give the right rows for
+#    this chapter's `query_key_value` but not for a weight of 10 rows at tp 2 x dp 4?

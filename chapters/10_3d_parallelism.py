@@ -671,9 +671,81 @@ print(f"  the paper's setting (no SP, recompute, no flash, ZeRO-0): state {state
 # parameters on 2048 H100s, under ZeRO-1, one layout fits, and only by spreading each sequence over 32 GPUs
 # of context parallelism (which also shards the optimizer state further); the seed's DP128 x TP8 x PP2
 # needs several times the 80 GB, as its printed figure says. The fix the first cell of this section found,
-# ZeRO-3 over dp, is outside what the planner searches. For Megatron-LM's model, "TP8 x PP64 fits" holds
-# in the planner's terms when the attention scores are not kept (flash attention) or every layer is
-# recomputed, as the printed lines say; the paper's own setting fits by the hand count.
+# ZeRO-3 over dp, is not among ZeRO-1's layouts; the planner's search over the ZeRO stages, next, finds
+# it. For Megatron-LM's model, "TP8 x PP64 fits" holds in the planner's terms when the attention scores are
+# not kept (flash attention) or every layer is recomputed, as the printed lines say; the paper's own
+# setting fits by the hand count.
+#
+# **The seed's layout under ZeRO 0-3.** `python -m refimpl.plan` also searches, per layout, the ZeRO stage
+# (0-3), recomputation (none, or every block) and an HSDP degree (chapter 04, section 7), and keeps the
+# fastest combination that fits. `refimpl.planner.evaluate_stages` is its evaluation of one layout at each
+# stage (what `python -m refimpl.plan --layout dp=128,tp=8,pp=2` prints), recomputing only when it must;
+# under ZeRO-3 it adds the working set of gathered blocks (two blocks' bf16 weights, one block's
+# gradients, divided by tp) to the state. The seed's layout, then all the layouts of 2048 H100s searched
+# that way (`plan_layouts(..., zero_stages=(0, 1, 2, 3), recompute=None, hsdp=True)`) against ZeRO-1 alone:
+
+# %%
+from collections import Counter
+
+from refimpl.planner import evaluate_stages
+from refimpl.support import refusals
+
+SEED_KW = dict(gpu="H100", gpus_per_node=8, seq_len=SEQ, global_batch=BATCH)
+by_stage = evaluate_stages(big, dp=SEED["dp"], tp=SEED["tp"], pp=SEED["pp"], **SEED_KW)
+for p in by_stage:
+    print(f"  ZeRO-{p.zero_stage}{', recomputing' if p.recompute else '             '}: state "
+          f"{p.state_bytes / 1e9:6.1f} GB + gathered {p.gathered_bytes / 1e9:3.1f} + activations "
+          f"{p.activation_bytes / 1e9:4.1f} = {p.memory_bytes / 1e9:6.1f} GB per GPU "
+          f"({'fits' if p.fits else 'does not fit'} in {p.limit_bytes / 1e9:.0f} GB)")
+stages_fit = [p.zero_stage for p in by_stage if p.fits]
+print(f"DP128 x TP8 x PP2: ZeRO stages that fit: {stages_fit}; model state {by_stage[1].state_bytes / 1e9:.1f} GB "
+      f"under ZeRO-1, {by_stage[3].state_bytes / 1e9:.1f} GB under ZeRO-3")
+assert stages_fit == [3], "the text says: ZeRO-3 only"
+searched = plan_layouts(big, gpus=SEED["gpus"], gpus_per_node=8, gpu="H100", seq_len=SEQ, global_batch=BATCH,
+                        zero_stages=(0, 1, 2, 3), recompute=None, hsdp=True)
+searched_fit = [p for p in searched if p.fits]
+print(f"layouts of 2048 H100s that fit: {len(fitting)} of {len(seed_plans)} under ZeRO-1 without recomputation; "
+      f"{len(searched_fit)} of {len(searched)} with ZeRO 0-3, recomputation and HSDP searched")
+needs = Counter((p.zero_stage, p.recompute) for p in searched_fit)
+print("  what each fitting layout needs:", ", ".join(f"ZeRO-{z}{' + recompute' if r else ''}: {n}"
+                                                      for (z, r), n in sorted(needs.items())))
+assert len(searched_fit) > len(fitting)
+seed_searched = next(p for p in searched if (p.dp, p.tp, p.pp, p.cp) == (SEED["dp"], SEED["tp"], SEED["pp"], 1))
+for label, p in (("the seed's DP128 x TP8 x PP2", seed_searched), ("the planner's first", searched_fit[0])):
+    print(f"  {label}: dp {p.dp} x tp {p.tp} x pp {p.pp} x cp {p.cp}, ZeRO-{p.zero_stage}"
+          f"{' + recompute' if p.recompute else ''}, HSDP {p.dp_replicate}: {p.memory_bytes / 1e9:.1f} GB per GPU, "
+          f"bubble {p.bubble:.1%}, step {p.step_s:.1f} s")
+# what the trainer runs of it: ZeRO-3 with pp, in its two modes, and what its support table still refuses
+seed_zero3, seed_dims = by_stage[3], ParallelDims(dp=SEED["dp"], tp=SEED["tp"], pp=SEED["pp"])
+kept_stage = 2 * 2 * per_gpu_params  # the rank's stage gathered and kept: bf16 weights + full bf16 gradients
+print(f"the trainer's ZeRO-3 with pp here: by default each stage gathered once per step and kept, with its full "
+      f"gradients, through the micro-batches: ~{kept_stage / 1e9:.0f} GB of bf16 per GPU; with "
+      f"--zero3-reshard-per-microbatch one block at a time, but the dp collectives {seed_zero3.microbatches} "
+      f"times per step: {seed_zero3.sent['dp'] * seed_zero3.microbatches / 1e9:,.0f} GB sent per GPU instead "
+      f"of the planner's {seed_zero3.sent['dp'] / 1e9:.0f} GB")
+assert kept_stage > H100_MEMORY, "the text says the default mode cannot hold the seed's stage"
+refused = {s: refusals(seed_dims.config(zero_stage=3, pp_schedule=s)) for s in ("1f1b", "zbh1")}
+print("the trainer's support table at DP128 x TP8 x PP2, ZeRO-3:",
+      "; ".join(f"{s}: " + ("; ".join(row.message() for row in rows) if rows else "runs") for s, rows in refused.items()))
+assert not refused["1f1b"] and refused["zbh1"], "the text says: 1F1B runs, zbh1 is refused"
+
+# %% [markdown]
+# So the planner, searching the ZeRO stages, confirms the first cell: DP128 x TP8 x PP2 holds a trillion
+# parameters at ZeRO-3 only (its state is then a few GB; the activations and the gathered blocks take the
+# rest), and many more layouts of the cluster fit once ZeRO-2/3, recomputation and HSDP are allowed, as
+# the printed counts say.
+#
+# That is a plan, and its ZeRO-3 row rests on an assumption the runtime does not meet with a pipeline: one
+# block gathered at a time, each gathered once per pass of the step. A 1F1B stage runs the forwards and
+# backwards of different micro-batches in turn, each through all of its blocks, so this course's trainer,
+# which runs ZeRO-3 with pipeline parallelism (under 1F1B, GPipe and interleaved 1F1B; zbh1 is refused with
+# the reason printed, and `python -m refimpl.train --list-layouts` prints every refused combination),
+# either keeps the whole stage gathered through the step or gathers it again for every micro-batch. At the
+# seed's size the first does not fit an H100 and the second multiplies the dp traffic by the number of
+# micro-batches, as the last lines print. The seed's exact layout is therefore planned here, not run, and
+# the planner's ZeRO-3 figure for it is a lower bound on what a run needs. The pieces it combines run
+# elsewhere in the course: ZeRO-3 over tp x dp (chapter 04, section 7), HSDP (chapter 04) and ZeRO-1 with
+# pipeline parallelism (section 2).
 
 # %% [markdown]
 # ## 5. An explorer: your model on your cluster

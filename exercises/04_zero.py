@@ -1,6 +1,6 @@
 """Chapter 04 exercises: ZeRO, from the partition of a tensor to the gather/free around a unit.
 
-Grade with ``make grade CH=04`` (or ``python -m exercises.grade 04``). Five tasks:
+Grade with ``make grade CH=04`` (or ``python -m exercises.grade 04``). Six tasks:
 
 1. ``shard_rows``: which rows of a tensor's dim 0 a rank owns (chunks of ``ceil(rows / N)``).
 2. ``sharded_step``: the ZeRO-1/2 step: reduce-scatter the gradients, step the shard, all-gather.
@@ -9,6 +9,8 @@ Grade with ``make grade CH=04`` (or ``python -m exercises.grade 04``). Five task
 4. ``install_unit_hooks``: ZeRO-3's schedule over a chain of units, around forward *and* backward: each
    unit holds memory only while it computes.
 5. ``install_unit_hooks(..., prefetch=True)``: the next unit's gather issued before it is needed.
+6. ``rows_of_2d_shard``: which rows of a column-parallel weight a rank holds under ZeRO-3 over tensor
+   parallelism (2-D sharding, FSDP + TP).
 
 Make every collective through ``refimpl.comm.ops`` (same signatures as ``torch.distributed``), so that the
 grader's tracer sees them. Chapter 04 explains each piece; ``refimpl/parallel/zero/`` is the solution, do
@@ -120,3 +122,23 @@ def install_unit_hooks(
     their gradient, not the first. A prefetched unit is already gathered when its turn comes.
     """
     raise NotImplementedError("exercise 04.4: install_unit_hooks")
+
+
+def rows_of_2d_shard(out_features: int, *, tp_rank: int, tp_size: int, dp_rank: int,
+                     dp_size: int) -> tuple[int, int]:
+    """Rows ``[start, end)`` of a column-parallel weight ``[out_features, in]`` that the rank at ``tp_rank``
+    of its tensor-parallel group and ``dp_rank`` of its data-parallel group holds under ZeRO-3 over tensor
+    parallelism (2-D sharding, chapter 04 section 7), in row numbers of the **full** weight.
+
+    Tensor parallelism gives each tp rank a block of the output rows; ZeRO-3 then shards, over the
+    ``dp_size`` ranks of the dp group, the tensor that tp rank holds, along the same dim 0. Both cut as
+    ``shard_rows`` does (chunks of ``ceil(rows / n)`` rows in rank order, the last ones smaller, possibly
+    empty). An empty shard is ``(e, e)``, ``e`` the end of the tp rank's block:
+
+    >>> [rows_of_2d_shard(8, tp_rank=t, tp_size=2, dp_rank=d, dp_size=2) for t in range(2) for d in range(2)]
+    [(0, 2), (2, 4), (4, 6), (6, 8)]
+
+    Trap: when the rows divide evenly, several wrong rules give these same answers. Raise ``ValueError``
+    if ``tp_rank`` or ``dp_rank`` lies outside its group.
+    """
+    raise NotImplementedError("exercise 04.6: rows_of_2d_shard")

@@ -1,7 +1,7 @@
 """Checks of chapter 04's exercises (ZeRO); see exercises/grading.py for the contract.
 
-Task 1 runs here. Tasks 2 to 5 run on 2 ranks (:func:`refimpl.launch.run_ranks`), each rank loading the
-graded file again by path; the shapes are uneven on purpose (3 rows over 2 ranks: 2 and 1; 1 row: 1 and
+Tasks 1 and 6 run here. Tasks 2 to 5 run on 2 ranks (:func:`refimpl.launch.run_ranks`), each rank loading
+the graded file again by path; the shapes are uneven on purpose (3 rows over 2 ranks: 2 and 1; 1 row: 1 and
 0), results are compared with a single-process computation of the same arithmetic, and a tracer checks
 that the traffic went through ``refimpl.comm.ops`` as a reduce-scatter and an all-gather. Tasks 4 and 5
 chain three units and record, from hooks of the grader's own inside each unit, which units hold memory
@@ -252,6 +252,58 @@ def check_unit_prefetch(path: str) -> None:
                                   f"hold memory; want {sorted(want)} among them: the previous unit ahead")
 
 
+# ------------------------------------------------------------------------------------------ 04.6
+def _rows_2d(out: int, tp_rank: int, tp: int, dp_rank: int, dp: int) -> tuple[int, int]:
+    """The tp rank's block of rows, then its dp chunk of that block, in rows of the full weight."""
+    t0, t1 = _rows(out, tp_rank, tp)
+    d0, d1 = _rows(t1 - t0, dp_rank, dp)
+    return t0 + d0, t0 + d1
+
+
+def _hint_2d(have: tuple[int, int], out: int, tp_rank: int, tp: int, dp_rank: int, dp: int) -> str:
+    """What a wrong answer looks like it did, when it matches a known wrong rule."""
+    if have == _rows(out, tp_rank * dp + dp_rank, tp * dp):
+        return (" (that is chunk tp_rank * dp_size + dp_rank of the whole weight cut tp x dp ways: it agrees "
+                "only when the rows divide; ZeRO-3 cuts the block the tp rank holds)")
+    if have == _rows(out, dp_rank, dp):
+        return " (that is the dp rows of the whole weight: ZeRO-3 over TP shards the tp rank's block)"
+    t0, t1 = _rows(out, dp_rank, dp)
+    d0, d1 = _rows(t1 - t0, tp_rank, tp)
+    if have == (t0 + d0, t0 + d1):
+        return " (that cuts dp first and tp inside it: tensor parallelism owns the block, ZeRO-3 cuts it)"
+    return ""
+
+
+def check_rows_of_2d_shard(path: str) -> None:
+    mod = load_module(path)
+
+    def rows(out: int, t: int, tp: int, d: int, dp: int) -> tuple[int, int]:
+        return tuple(mod.rows_of_2d_shard(out, tp_rank=t, tp_size=tp, dp_rank=d, dp_size=dp))
+
+    ranks = [(t, d) for t in range(2) for d in range(2)]
+    got = [rows(192, t, 2, d, 2) for t, d in ranks]
+    want = [(0, 48), (48, 96), (96, 144), (144, 192)]
+    wrong = [(have, t, d) for have, w, (t, d) in zip(got, want, ranks, strict=True) if have != w]
+    assert not wrong, (f"the 192 rows of chapter 04's query_key_value at tp 2 x dp 2 gave {got} for (tp, dp) "
+                       f"= {ranks}; want {want}" + (_hint_2d(wrong[0][0], 192, wrong[0][1], 2, wrong[0][2], 2)
+                                                    if wrong else ""))
+    # uneven: dp chunks of a block (10 over tp 2 x dp 4), empty tp blocks (3 over tp 4), odd sizes
+    for out, tp, dp in ((10, 2, 4), (3, 4, 2), (37, 2, 3), (259, 4, 4), (9, 3, 2), (5, 1, 4), (7, 4, 1)):
+        for t in range(tp):
+            for d in range(dp):
+                want, have = _rows_2d(out, t, tp, d, dp), rows(out, t, tp, d, dp)
+                assert have == want, (f"rows_of_2d_shard({out}, tp_rank={t}, tp_size={tp}, dp_rank={d}, "
+                                      f"dp_size={dp}) = {have}, want {want}"
+                                      + _hint_2d(have, out, t, tp, d, dp))
+    for kw in (dict(tp_rank=2, tp_size=2, dp_rank=0, dp_size=2),
+               dict(tp_rank=0, tp_size=2, dp_rank=2, dp_size=2)):
+        try:
+            mod.rows_of_2d_shard(8, **kw)
+        except ValueError:
+            continue
+        raise AssertionError(f"rows_of_2d_shard(8, {kw}) must raise ValueError: a rank outside its group")
+
+
 TASKS = [
     Task(name="04.1 shard_rows", points=3, check=check_shard_rows),
     Task(name="04.2 sharded_step (2 ranks)", points=4, check=check_sharded_step),
@@ -259,6 +311,8 @@ TASKS = [
     Task(name="04.4 ZeRO-3 schedule: gather and free around forward and backward", points=3,
          check=check_unit_schedule),
     Task(name="04.5 ZeRO-3 prefetch of the next unit", points=2, check=check_unit_prefetch),
+    Task(name="04.6 rows_of_2d_shard: ZeRO-3 over tensor parallelism", points=2,
+         check=check_rows_of_2d_shard),
 ]
 
 # Plausible wrong answers, each of which must fail its own task and only that one (tests/test_exercises.py).
@@ -372,4 +426,26 @@ from refimpl.parallel.zero import install_unit_hooks as _gather_when_needed
 def install_unit_hooks(units, fulls, shards, group=None, *, prefetch=False):
     return _gather_when_needed(units, fulls, shards, group)  # the prefetch flag is ignored
 ''',
+    "04.6 rows_of_2d_shard: ZeRO-3 over tensor parallelism": [
+        '''
+from exercises.reference.ch04 import *  # noqa: F403
+from refimpl.distributed.placement import chunk_range
+
+
+def rows_of_2d_shard(out_features, *, tp_rank, tp_size, dp_rank, dp_size):
+    chunk_range(out_features, tp_rank, tp_size)  # the tp rank is checked, then forgotten:
+    return chunk_range(out_features, dp_rank, dp_size)  # the dp rows of the whole weight, not of the block
+''',
+        '''
+from exercises.reference.ch04 import *  # noqa: F403
+from refimpl.distributed.placement import chunk_range
+
+
+def rows_of_2d_shard(out_features, *, tp_rank, tp_size, dp_rank, dp_size):
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(dp_rank)
+    # one flat cut into tp x dp chunks: right whenever the rows divide, wrong on uneven blocks
+    return chunk_range(out_features, tp_rank * dp_size + dp_rank, tp_size * dp_size)
+''',
+    ],
 }
