@@ -1,55 +1,69 @@
 """The planner's prediction of ZeRO-2/3, HSDP and activation-checkpointed trainer runs against the runs
-themselves (chapters 04, 05 and 10).
+themselves (chapters 04, 05, 08 and 10).
 
 ONE spawn of 4 ranks trains tests/test_planner_3d.py's tiny GPT (4 blocks, width 32, 4 heads, 16 tokens,
-global batch 8, 2 steps) through :func:`refimpl.train.train` at ten layouts: ZeRO-3 over dp 4; ZeRO-3
+global batch 8, 2 steps) through :func:`refimpl.train.train` at thirteen layouts: ZeRO-3 over dp 4; ZeRO-3
 of the tensor-parallel blocks (2-D) with checkpointing, and with sequence parallelism too; HSDP (dp 4 as
 2 replicas of 2) and HSDP with ring attention and checkpointing (a shard group of the 2 cp ranks); ZeRO-3
 in bf16 (FSDP2's mixed precision: 16-bit gathers and compute) with gradient accumulation; ZeRO-2 over
 dp 4, with sequence parallelism and accumulation, and under pipeline parallelism; ZeRO-1 with sequence
-parallelism and two of the four blocks checkpointed. Per rank,
-:func:`refimpl.planner.predict_run`'s figures equal, to the byte:
+parallelism and two of the four blocks checkpointed; ZeRO-3 under pipeline parallelism (dp 2 x pp 2, each
+stage sharded in place over dp): 1F1B over 4 micro-batches gathered once per step (the default) and
+gathered per micro-batch (``--zero3-reshard-per-microbatch``), GPipe over 2 micro-batches of 2 sequences
+per micro-batch. Per rank, :func:`refimpl.planner.predict_run`'s figures equal, to the byte:
 
 * the bytes sent per step and process group that ``metrics.jsonl`` records (``"dp x cp"``, under HSDP
   ``"dp_shard x cp"`` and ``"dp_replicate"``, ``"tp"``, ``"cp"``, ``"pp"``), every key, both steps;
 * the model state counted from the live tensors just before the second optimizer step
-  (:class:`~refimpl.measure.run_measurement.TrainerProbe`);
-* the saved activations held at the first micro-batch's loss: the probe's
-  :class:`~refimpl.measure.activations.SavedTensorMeter` where ZeRO-3 is off, and under ZeRO-3 the same
-  count keyed by storage identity (:class:`StorageKeyedMeter`, below). The probe's meter miscounts ZeRO-3
-  (tests/test_planner_cp.py found it): it de-duplicates by address, and ZeRO-3 frees each gathered weight
-  with ``untyped_storage().resize_(0)``, so an activation allocated later at a freed address is skipped;
-  and the gathered weights are not the module's parameters (those are the shards), so the LayerNorms'
-  gathered weights count as activations. Found in one run: its ZeRO-3 figure differed from rank to rank
-  (269332 to 285076 bytes at dp 4 where the ZeRO-2 twin saves 308116 on every rank). The storage-keyed
-  meter reads the ZeRO-2 twin's figure on ZeRO-3 (checked), and shows by measurement that the blocks'
-  saved weights hold no bytes at the loss (freed after their forward; not activations).
+  (:class:`~refimpl.measure.run_measurement.TrainerProbe`): under ZeRO-3 the shards, their gradients and
+  the AdamW state; the full tensors ZeRO-3 gathers are all freed by then, with and without the pipeline
+  (measured from the wrapper's units, :class:`FullTensors`: none allocated before the step);
+* the saved activations held at the peak, :class:`~refimpl.measure.run_measurement.TrainerProbe`'s (one
+  micro-batch's at its loss; under the pipeline the bytes alive between the schedule's actions). Its
+  meters key a storage by identity and take ZeRO-3's gathered weights (``nn.Parameter`` objects outside
+  ``model.parameters()``) for parameters; keyed by address they misread ZeRO-3 (tests/test_planner_cp.py
+  found it: a storage ZeRO-3 frees by resizing it to 0 gives its address to a later activation, which was
+  skipped, and the gathered LayerNorm weights counted as activations; its figure differed from rank to
+  rank, 269332 to 285076 bytes at dp 4 where the ZeRO-2 twin saves 308116 on every rank). Checked: the
+  probe reads on ZeRO-3 what it reads on the ZeRO-2 twin, at pp 1 and under the pipeline.
+
+Also measured against the memory preflight's ZeRO-3 terms, which are peaks, not the state at the step
+(:func:`~refimpl.planner.pipeline.pipeline_memory_per_rank`): under the pipeline, gathered once per step,
+the most full bytes alive between the schedule's actions are the stage's weights and full gradients
+(the preflight's term, to the byte); gathered per micro-batch, the stage's root unit (the term adds one
+block, gathered within an action). At pp 1 at the first loss only the root unit is gathered (the blocks'
+gathered weights are freed after their forward; a checkpointed block's too).
 
 Negative controls, each failing the same check: ZeRO-3 predicted as ZeRO-1 (bytes and state), HSDP
 without the replicas' all-reduce and as ZeRO-3 over all of dp x cp, the recomputed forward's collectives
 forgotten (tp and cp), ZeRO-3's bf16 gathers counted in fp32 and its activations with autocast's float32
 residual stream, ZeRO-2's reduce-scatter counted once per step instead of per micro-batch, the pipeline's
 tied-embedding exchange of the whole gradient instead of ZeRO-2's shard, ZeRO-1's gradient shards under
-sequence parallelism left out of the state. Bytes and state bytes are exact (no rounding involved): no
-numerics marker.
+sequence parallelism left out of the state; under the pipeline, ZeRO-3's bytes of the other mode (once per
+step / per micro-batch), its tied-embedding exchange of the whole gradient instead of the shard, its state
+as ZeRO-2's (whole weights) or with the preflight's gathered stage on top, GPipe's held activations as
+1F1B's, and the last stage's labels at 2 sequences per micro-batch as a view of the step's window (each
+loss saves a flattened copy instead). Bytes and state bytes are exact (no rounding involved): no numerics
+marker.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from refimpl.comm.tracer import now
 from refimpl.launch import run_ranks
-from refimpl.measure.activations import OUTSIDE, transformer_blocks
 from refimpl.measure.run_measurement import TrainerProbe
+from refimpl.parallel.zero.fsdp_unit import gathered_bytes
 from refimpl.planner import activation_bytes, predict_run, sharded_numel
 from refimpl.planner.param_table import param_table
+from refimpl.planner.pipeline import pipeline_memory_per_rank
 from refimpl.train import build_parser, config_from_args, options_from_args, train
 from refimpl.train.hooks import compose
 
@@ -71,7 +85,15 @@ LAYOUTS = {  # the trainer's flags at world size 4
     "dp2-pp2-zero2": ["--dp", "2", "--pp", "2", "--zero-stage", "2", "--microbatches", "4"],
     "dp2-tp2-sp-zero1-ac02": ["--dp", "2", "--tp", "2", "--sequence-parallel", "--zero-stage", "1",
                               "--activation-checkpointing", "0,2"],  # blocks 0 and 2 recomputed
+    # ZeRO-3 under the pipeline: each stage gathered once per step (default) or per micro-batch
+    "dp2-pp2-zero3": ["--dp", "2", "--pp", "2", *ZERO3, "--microbatches", "4"],
+    "dp2-pp2-zero3-reshard": ["--dp", "2", "--pp", "2", *ZERO3, "--microbatches", "4",
+                              "--zero3-reshard-per-microbatch"],
+    "dp2-pp2-zero3-gpipe-reshard": ["--dp", "2", "--pp", "2", *ZERO3, "--microbatches", "2",  # b = 2
+                                    "--pp-schedule", "gpipe", "--zero3-reshard-per-microbatch"],
 }
+KEPT = "ZeRO-3 gathered stages and their full gradients (kept through the step)"  # the preflight's peak
+PIPELINE_ZERO3 = ("dp2-pp2-zero3", "dp2-pp2-zero3-reshard", "dp2-pp2-zero3-gpipe-reshard")
 
 
 def _args(files: dict, name: str):
@@ -87,68 +109,29 @@ def predict(args, **change):
                        micro_batch=config.data.micro_batch_size, grad_clip=config.optim.grad_clip)
 
 
-class StorageKeyedMeter:
-    """The bytes autograd saves in a forward of ``model`` (a ZeRO-3 rank's plain GPT), each storage once:
-    :class:`~refimpl.measure.activations.SavedTensorMeter`'s count keyed by the storage itself
-    (``untyped_storage()._cdata``, stable while ZeRO-3 resizes it) instead of its address, with the
-    gathered weights of the wrapper's ``units`` (and their views) counted as weights. ``saved_weights``:
-    by owner (``"block i"``, ``OUTSIDE``), the weight tensors saved, to read their bytes later."""
-
-    def __init__(self, model: torch.nn.Module, units) -> None:
-        self.model = model
-        self.units = {sp.unsharded.untyped_storage()._cdata for u in units for sp in u.params}
-        self.activations: dict[str, int] = defaultdict(int)
-        self.weights_at_save: dict[str, int] = defaultdict(int)
-        self.saved_weights: dict[str, list[torch.Tensor]] = defaultdict(list)
-        self._seen: set[int] = set()
-        self._keep: list[torch.Tensor] = []  # the storages stay alive: no key is reused while measuring
-        self._owner = OUTSIDE
-        self._stack = contextlib.ExitStack()
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        key = storage._cdata
-        if storage.nbytes() == 0 or key in self._seen:
-            return t
-        self._seen.add(key)
-        self._keep.append(t)
-        if key in self.units:
-            self.weights_at_save[self._owner] += storage.nbytes()
-            self.saved_weights[self._owner].append(t)
-        else:
-            self.activations[self._owner] += storage.nbytes()
-        return t
-
-    def weights_now(self) -> dict[str, int]:
-        """The bytes the saved weights' storages hold now, by owner."""
-        return {k: sum(t.untyped_storage().nbytes() for t in ts) for k, ts in self.saved_weights.items()}
-
-    def __enter__(self) -> StorageKeyedMeter:
-        for i, block in enumerate(transformer_blocks(self.model)):
-            self._stack.callback(block.register_forward_pre_hook(self._owned(f"block {i}")).remove)
-            self._stack.callback(block.register_forward_hook(self._owned(OUTSIDE)).remove)
-        self._stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stack.close()
-        self._keep.clear()
-
-    def _owned(self, owner: str):
-        def hook(*_: object) -> None:
-            self._owner = owner
-        return hook
+def _zero3_units(setup) -> list:
+    """The ZeRO-3 units of a rank: the wrapper's (pp 1), or those of each pipeline stage's wrapper, found
+    through the ``local_shards`` it declares on the stage (FSDP2's in-place shape: a bound method)."""
+    if setup.pipeline is None:
+        return list(setup.forward.units)
+    return [u for stage in setup.pipeline.stages.values() for u in stage.local_shards.__self__.units]
 
 
-class Zero3SavedBytes:
-    """Trainer hooks (:mod:`refimpl.train.hooks`): a :class:`StorageKeyedMeter` over step ``step``'s
-    forward, read at the first micro-batch's loss (where the probe reads its meter): ``measured`` is
-    ``{"activations", "weights_at_save", "weights_now"}``, the last two by owner."""
+class FullTensors:
+    """Trainer hooks (:mod:`refimpl.train.hooks`) over step ``step`` of a ZeRO-3 run: the full (gathered)
+    tensors the wrapper's units hold (:func:`~refimpl.parallel.zero.fsdp_unit.gathered_bytes`, weights and
+    full gradients), ``measured``: ``"at_loss"`` at the first micro-batch's loss (pp 1), ``"at_step"``
+    before the optimizer step (where the probe reads the state) and ``"between_actions"``, the most at the
+    pipeline executor's clock reads (between the schedule's actions, where the probe samples)."""
 
     def __init__(self, *, step: int = 1) -> None:
-        self.step, self.measured = step, None
+        self.step, self.measured = step, {"between_actions": 0}
         self._first: int | None = None
-        self._meter: StorageKeyedMeter | None = None
+        self._units: list | None = None
+
+    def _read(self) -> tuple[int, int]:
+        held = gathered_bytes(self._units)
+        return held.weights, held.grads
 
     @contextlib.contextmanager
     def around_step(self, step: int, setup) -> Iterator[None]:
@@ -156,15 +139,24 @@ class Zero3SavedBytes:
         if step - self._first != self.step:
             yield
             return
-        with StorageKeyedMeter(setup.model, setup.forward.units) as self._meter:  # innermost: it counts
+        self._units = _zero3_units(setup)
+        try:
             yield
-        self._meter = None
+        finally:
+            self._units = None
 
     def after_first_loss(self, step: int, setup, loss: torch.Tensor) -> None:
-        if self._meter is not None and self.measured is None:
-            self.measured = {"activations": sum(self._meter.activations.values()),
-                             "weights_at_save": dict(self._meter.weights_at_save),
-                             "weights_now": self._meter.weights_now()}
+        if self._units is not None:
+            self.measured["at_loss"] = self._read()
+
+    def before_optimizer_step(self, step: int, setup) -> None:
+        if self._units is not None:
+            self.measured["at_step"] = self._read()
+
+    def clock(self) -> float:
+        if self._units is not None:
+            self.measured["between_actions"] = max(self.measured["between_actions"], sum(self._read()))
+        return now()
 
 
 @pytest.fixture(scope="module")
@@ -177,12 +169,12 @@ def _worker(ctx, files: dict) -> dict:
     for name in LAYOUTS:
         args = _args(files, name)
         options = dataclasses.replace(options_from_args(args), checkpoint=None)  # no save at the end
-        probe, zero3 = TrainerProbe(step=1), Zero3SavedBytes(step=1)
-        hooks = compose(probe, zero3) if options.zero_stage == 3 else probe
+        probe, full = TrainerProbe(step=1), FullTensors(step=1)
+        hooks = compose(probe, full) if options.zero_stage == 3 else probe
         records = train(config_from_args(args), ctx, options, hooks=hooks)
         measured = dataclasses.asdict(probe.measured)
-        if options.zero_stage == 3:  # the probe's meter miscounts ZeRO-3 (module docstring)
-            measured = {**measured, **zero3.measured}
+        if options.zero_stage == 3:
+            measured["full"] = full.measured
         out[name] = {"bytes": [r["bytes_sent"] for r in records], "measured": measured}
     return out
 
@@ -225,22 +217,77 @@ def test_state_and_held_activations_per_rank_equal_the_measurement(runs, files, 
 
 
 @TIMEOUT
-def test_zero3_saved_weights_are_freed_and_the_meters_agree(runs):
+def test_the_probe_reads_zero3_as_its_zero2_twin(runs):
+    """ZeRO-3 saves the tensors ZeRO-2 saves (its gathered weights are parameters): the probe's meters read
+    the same bytes on both, at pp 1 (:class:`~refimpl.measure.activations.SavedTensorMeter`) and under 1F1B
+    over 4 micro-batches (the bytes alive between the actions), every rank."""
     for rank, out in enumerate(runs):
-        for name, flags in LAYOUTS.items():
-            got = out[name]["measured"]
-            if "weights_now" not in got:
+        for zero3, zero2 in (("dp4-zero3", "dp4-zero2"), ("dp2-pp2-zero3", "dp2-pp2-zero2")):
+            got = out[zero3]["measured"]["activations"]
+            assert got == out[zero2]["measured"]["activations"] > 0, (zero3, rank, got)
+
+
+def _preflight(args, plan, rank: int):
+    """The memory preflight's :class:`~refimpl.planner.run_memory.RunMemory` of ``rank`` under the pipeline
+    (:func:`~refimpl.planner.pipeline.pipeline_memory_per_rank` at the layout, ZeRO-3 over the 2 dp ranks):
+    its ZeRO-3 term is the gathered tensors' peak."""
+    config, parallel = config_from_args(args).model, options_from_args(args).parallel
+    c = plan.ranks[rank].coords
+    ranks = pipeline_memory_per_rank(config, pp=2, num_microbatches=plan.microbatches,
+                                     schedule=parallel.pp_schedule, micro_batch=plan.micro_batch, seq_len=16,
+                                     zero_stage=3, zero_shards=2, dp_rank=c.dp,
+                                     zero3_reshard_per_microbatch=parallel.zero3_reshard_per_microbatch)
+    return ranks[c.pp].memory
+
+
+def _stage_root_numel(config, pp_rank: int) -> int:
+    """Elements of the root unit of pipeline rank ``pp_rank``'s stage at pp 2 (tied embedding): the
+    embedding on the first, the final LayerNorm and the tied copy on the last."""
+    table = param_table(config)
+    root = table.embedding if pp_rank == 0 else (*table.final_layernorm, table.head)
+    return sum(q.numel for q in root)
+
+
+@TIMEOUT
+def test_zero3_full_tensors_are_freed_before_the_step_and_the_preflight_peaks_hold(runs, files):
+    """What the probe's state reads (the shards) is all ZeRO-3 holds where the trainer steps: no gathered
+    weight, no full gradient is allocated then (every ZeRO-3 layout, every rank). Earlier in the step the
+    full tensors are the memory preflight's (peaks, not the state): at pp 1 at the first loss the root unit
+    alone (the blocks' freed after their forward); under the pipeline, between the schedule's actions, the
+    stage's weights and full gradients when gathered once per step (the preflight's term, to the byte), the
+    stage's root unit when gathered per micro-batch (the preflight's term adds its largest block)."""
+    names = [n for n in LAYOUTS if options_from_args(_args(files, n)).zero_stage == 3]
+    assert len(names) == 9
+    for name in names:
+        args = _args(files, name)
+        config, parallel = config_from_args(args).model, options_from_args(args).parallel
+        plan = predict(args)
+        for rank, out in enumerate(runs):
+            full = out[name]["measured"]["full"]
+            assert tuple(full["at_step"]) == (0, 0), (name, rank, full)
+            if parallel.pp == 1:
+                table = param_table(config, tp=parallel.tp)  # the rank's tp blocks of the root unit
+                root = sum(q.numel for q in (*table.embedding, *table.final_layernorm, *table.output_layer))
+                p = 2 if parallel.precision == "bf16" else 4  # FSDP2's mixed precision: 16-bit gathers
+                assert tuple(full["at_loss"]) == (p * root, 0), (name, rank, full)
                 continue
-            at_save, now = got["weights_at_save"], got["weights_now"]
-            blocks = [k for k in at_save if k.startswith("block ")]
-            if "--activation-checkpointing" in flags:  # a checkpointed block saves its input only
-                assert blocks == [], (name, rank, got)
-            else:  # every block saved its gathered weights, and they hold nothing at the loss: freed
-                assert len(blocks) == 4 and all(at_save[k] > 0 for k in blocks), (name, rank, got)
-                assert all(now[k] == 0 for k in blocks), (name, rank, got)
-            assert now[OUTSIDE] == at_save[OUTSIDE] > 0, (name, rank, got)  # the root unit stays gathered
-        # the storage-keyed meter on ZeRO-3 reads what the probe's meter reads on its ZeRO-2 twin
-        assert out["dp4-zero3"]["measured"]["activations"] == out["dp4-zero2"]["measured"]["activations"]
+            c = plan.ranks[rank].coords
+            memory = _preflight(args, plan, rank)
+            if not parallel.zero3_reshard_per_microbatch:
+                assert full["between_actions"] == memory.state[KEPT], (name, rank, full, memory.state)
+            else:
+                root = 4 * _stage_root_numel(config, c.pp)
+                peak = memory.state["ZeRO-3 gathered units (per micro-batch)"]
+                assert full["between_actions"] == root < peak, (name, rank, full, memory.state)
+
+
+@pytest.mark.parametrize("change", [{"precision": "bf16"}, {"tp": 2, "dp": 1}, {"cp": 2, "dp": 1},
+                                    {"dp_replicate": 2}, {"pp_schedule": "interleaved", "virtual_stages": 2}])
+def test_zero3_under_the_pipeline_is_refused_where_not_measured(files, change):
+    args = _args(files, "dp2-pp2-zero3")
+    with pytest.raises(ValueError, match="ZeRO-3 under pipeline parallelism in fp32"):
+        predict(args, **change)
+    predict(args, zero3_reshard_per_microbatch=True, pp_schedule="gpipe")  # what is measured is predicted
 
 
 @TIMEOUT
@@ -301,6 +348,40 @@ def test_plausible_wrong_predictions_fail_the_same_checks(runs, files):
         shard = sharded_numel([head.shape], plan.ranks[rank].coords.dp, 2)
         assert sent == recorded(name, rank) and 0 < shard < head.numel
         assert {**sent, "pp": sent["pp"] + 4 * (head.numel - shard)} != recorded(name, rank), rank
+    # ZeRO-3 under the pipeline: the other mode's bytes (each unit gathered and reduced once per step, or
+    # per micro-batch: the root once and the blocks twice per micro-batch) are far from the recorded ones
+    for name in PIPELINE_ZERO3:
+        args = _args(files, name)
+        per_micro = options_from_args(args).parallel.zero3_reshard_per_microbatch
+        other = predict(args, zero3_reshard_per_microbatch=not per_micro)
+        for rank in range(WORLD):
+            assert predict(args).ranks[rank].bytes_sent == recorded(name, rank)
+            assert other.ranks[rank].bytes_sent["dp x cp"] != recorded(name, rank)["dp x cp"], (name, rank)
+    # ... its tied-embedding exchange is the gradient shard (the stage's parameter is the shard again); its
+    # state the shards (not ZeRO-2's whole weights, not with the preflight's gathered stage on top)
+    name = "dp2-pp2-zero3"
+    args = _args(files, name)
+    plan, zero2 = predict(args), predict(args, zero_stage=2)
+    for rank, out in enumerate(runs):
+        sent, c = plan.ranks[rank].bytes_sent, plan.ranks[rank].coords
+        shard = sharded_numel([head.shape], c.dp, 2)
+        assert {**sent, "pp": sent["pp"] + 4 * (head.numel - shard)} != recorded(name, rank), rank
+        measured = tuple(out[name]["measured"]["state"])
+        assert measured == _state(plan.ranks[rank]) != _state(zero2.ranks[rank]), rank
+        gathered = _preflight(args, plan, rank).state[KEPT] // 2  # the full weights, the full gradients
+        weights, grads, optimizer = _state(plan.ranks[rank])
+        assert measured != (weights + gathered, grads + gathered, optimizer), rank
+    # GPipe holds both micro-batches on the last stage (1F1B one); there, at 2 sequences per micro-batch,
+    # each loss saves its labels flattened (a copy: the [2, 16] rows of the [4, 17] window are strided),
+    # not a view of the window held once per step: 2 x 8 x 2 x 16 bytes, not 8 x 4 x 17
+    name = "dp2-pp2-zero3-gpipe-reshard"
+    args = _args(files, name)
+    plan, one_f_one_b = predict(args), predict(args, pp_schedule="1f1b")
+    for rank in (2, 3):  # the last stage
+        got = runs[rank][name]["measured"]["activations"]
+        assert got == plan.ranks[rank].activation_bytes
+        assert got != one_f_one_b.ranks[rank].activation_bytes, rank
+        assert got != plan.ranks[rank].activation_bytes - 2 * 8 * 2 * 16 + 8 * 4 * 17, rank
     # ZeRO-1 under sequence parallelism: the tp sum reads the reduced gradient shards before the step, so
     # the rank holds them beside its full gradients
     name = "dp2-tp2-sp-zero1-ac02"

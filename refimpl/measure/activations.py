@@ -9,6 +9,15 @@ to the block whose forward saved it, tensors sharing storage are counted once (Q
 QKV output), and parameters, as well as autocast's low-precision copies of them, are counted apart: they
 do not grow with the batch. A block checkpointed by
 :func:`refimpl.parallel.activation_checkpoint.apply_activation_checkpointing` saves only its input.
+
+A storage is known by its identity (:func:`storage_key`, the ``StorageImpl`` itself), not its address:
+ZeRO-3 frees a gathered weight by shrinking its storage to 0 bytes (the tensors autograd saved stay valid)
+and the allocator hands the address to the next activation, which an address key would take for the weight
+seen before. A parameter is any ``nn.Parameter`` autograd saves, the model's or one a wrapper put in the
+model for the forward: ZeRO-3's gathered full weights (``FullyShardedDataParallel``'s ``sp.unsharded``,
+FSDP2's alike) are parameters (``nn.Parameter``) that ``model.parameters()`` does not list (it yields the
+shards), so a LayerNorm's gathered weight, saved as itself, is a weight, not an activation
+(tests/test_planner_zero3.py).
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["OUTSIDE", "SavedTensorMeter", "SavedTensorReport", "measure_saved_activations",
+__all__ = ["OUTSIDE", "SavedTensorMeter", "SavedTensorReport", "measure_saved_activations", "storage_key",
            "transformer_blocks"]
 
 OUTSIDE = "outside blocks"  # embedding, final LayerNorm, output layer, loss
@@ -69,9 +78,24 @@ class SavedTensorReport:
         return sum(sum(d.values()) for d in self.weights.values())
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage: its ``StorageImpl`` (``untyped_storage()._cdata``), the same while
+    ZeRO-3 resizes it to 0 bytes and back, and unique while the storage lives (a meter keeps the storages
+    it counted alive, or drops a key when its storage dies). An address (``data_ptr``) is neither: 0 while
+    freed, and reused by the next allocation."""
+    return t.untyped_storage()._cdata
+
+
+def _is_parameter(t: torch.Tensor, param_storages: set[int]) -> bool:
+    """A parameter or a view of one: storage ``param_storages`` (:func:`storage_key`) holds, or any
+    ``nn.Parameter`` (ZeRO-3's gathered full weights, which the module's ``parameters()`` do not list)."""
+    return isinstance(t, nn.Parameter) or storage_key(t) in param_storages
+
+
 def _is_weight(t: torch.Tensor, param_storages: set[int]) -> bool:
-    """A parameter, a view of one, or a chain of one-input ops (cast, transpose) from one (autocast)."""
-    if t.untyped_storage().data_ptr() in param_storages:
+    """A parameter (:func:`_is_parameter`), a view of one, or a chain of one-input ops (cast, transpose)
+    from one (autocast)."""
+    if _is_parameter(t, param_storages):
         return True
     node = t.grad_fn
     while node is not None:
@@ -93,7 +117,9 @@ class SavedTensorMeter:
         meter.report.per_block()              # bytes per transformer block
 
     Tensors are attributed to the block whose forward is running (forward pre/post hooks on
-    ``model.layers``), de-duplicated by storage; see :class:`SavedTensorReport`.
+    ``model.layers``), de-duplicated by storage identity (:func:`storage_key`; the storages counted are
+    kept alive while measuring, so no identity is reused); see :class:`SavedTensorReport`. Parameters are
+    those of ``model`` and any other ``nn.Parameter`` saved (module docstring: ZeRO-3's gathered weights).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -101,7 +127,7 @@ class SavedTensorMeter:
         self.report = SavedTensorReport()
         self._owner = OUTSIDE
         self._seen: set[int] = set()
-        self._keep: list[torch.Tensor] = []  # hold storages so an address cannot be reused while measuring
+        self._keep: list[torch.Tensor] = []  # hold storages so an identity cannot be reused while measuring
         self._handles: list[Any] = []
         self._hooks: Any = None
         self._param_storages: set[int] = set()
@@ -109,10 +135,10 @@ class SavedTensorMeter:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self.report.count += 1
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr == 0 or ptr in self._seen:  # empty, or a view of a storage already counted
+        key = storage_key(t)
+        if storage.nbytes() == 0 or key in self._seen:  # empty, or a view of a storage already counted
             return t
-        self._seen.add(ptr)
+        self._seen.add(key)
         self._keep.append(t)
         dtype = str(t.dtype).removeprefix("torch.")
         target = self.report.weights if _is_weight(t, self._param_storages) else self.report.activations
@@ -120,7 +146,7 @@ class SavedTensorMeter:
         return t
 
     def __enter__(self) -> SavedTensorMeter:
-        self._param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        self._param_storages = {storage_key(p) for p in self.model.parameters()}
         for i, block in enumerate(transformer_blocks(self.model)):
             self._handles.append(block.register_forward_pre_hook(self._enter_block(i)))
             self._handles.append(block.register_forward_hook(self._leave_block))

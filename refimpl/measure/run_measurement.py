@@ -18,6 +18,17 @@ trainer's own setup, batch and schedule):
   08. The sent tensors are seen through :class:`refimpl.comm.CommTracer`'s ``on_send`` (every send, plain
   or in a ``batch_isend_irecv`` group), not by patching the ops.
 
+Both activation meters know a storage by its identity (:func:`~refimpl.measure.activations.storage_key`),
+not its address, and take every saved ``nn.Parameter`` for a parameter: under ZeRO-3 the weights a unit
+gathers for its forward are ``nn.Parameter`` objects the module's ``parameters()`` do not list (those are
+the shards), freed after the forward by shrinking their storage to 0 bytes, whose address the allocator
+then gives to an activation; keyed by address the meters skipped that activation and counted the gathered
+LayerNorm weights (saved as themselves) as activations (tests/test_planner_zero3.py, with and without
+pipeline parallelism). Under ZeRO-3 the **state** is the rank's shards (the model's parameters when the
+step begins), their gradients and the optimizer's state: the gathered full weights and gradients, freed
+once the gradients are reduce-scattered (per unit, or under pipeline parallelism after the schedule), are
+not parameters of the module and are not counted; tests/test_planner_zero3.py measures them freed there.
+
 The probe is a set of the trainer's hooks (``train(..., hooks=probe)``): nothing of the trainer, the
 ops or the executor is replaced.
 """
@@ -55,13 +66,18 @@ class _Held:
 
 
 class LiveTensorBytes:
-    """Bytes of the tensors handed to :meth:`hold` that are alive now (each storage once, the parameters
-    left out and, with ``skip_weight_copies``, autocast's casts of them), the most at any time (``peak``)
-    and the most at a :meth:`sample` (``between``). :meth:`pack` is a ``saved_tensors_hooks`` pack hook
-    (unpack: ``lambda held: held.t``): a saved tensor counts until autograd frees it."""
+    """Bytes of the tensors handed to :meth:`hold` that are alive now (each storage once, by identity:
+    :func:`~refimpl.measure.activations.storage_key`; the parameters left out, ``params``' storages and any
+    ``nn.Parameter``, ZeRO-3's gathered weights too, and, with ``skip_weight_copies``, autocast's casts of
+    them), the most at any time (``peak``) and the most at a :meth:`sample` (``between``). :meth:`pack` is a
+    ``saved_tensors_hooks`` pack hook (unpack: ``lambda held: held.t``): a saved tensor counts until
+    autograd frees it. A counted storage stays alive until it is released (the held tensor, or the storage
+    itself, keeps it), so its key is not reused meanwhile."""
 
     def __init__(self, params, *, skip_weight_copies: bool = True) -> None:
-        self.params = {q.untyped_storage().data_ptr() for q in params}
+        from refimpl.measure.activations import storage_key
+
+        self.params = {storage_key(q) for q in params}
         self.skip_weight_copies = skip_weight_copies
         self.refs: dict[int, int] = {}
         self.size: dict[int, int] = {}
@@ -72,23 +88,24 @@ class LiveTensorBytes:
 
     def hold(self, obj: object, t: torch.Tensor) -> None:
         """Count ``t``'s storage until ``obj`` is garbage."""
-        from refimpl.measure.activations import _is_weight
+        from refimpl.measure.activations import _is_parameter, _is_weight, storage_key
 
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr == 0 or ptr in self.params or (self.skip_weight_copies and _is_weight(t, self.params)):
+        key = storage_key(t)
+        if (storage.nbytes() == 0 or _is_parameter(t, self.params)
+                or (self.skip_weight_copies and _is_weight(t, self.params))):
             return
-        if not self.refs.get(ptr):
-            self.size[ptr] = storage.nbytes()
+        if not self.refs.get(key):
+            self.size[key] = storage.nbytes()
             self.now += storage.nbytes()
             self.peak = max(self.peak, self.now)
-        self.refs[ptr] = self.refs.get(ptr, 0) + 1
-        weakref.finalize(obj, self.release, ptr)
+        self.refs[key] = self.refs.get(key, 0) + 1
+        weakref.finalize(obj, self.release, key)
 
-    def release(self, ptr: int) -> None:
-        self.refs[ptr] -= 1
-        if not self.refs[ptr]:
-            self.now -= self.size.pop(ptr)
+    def release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            self.now -= self.size.pop(key)
 
     def hold_storage(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage until the storage itself is freed (whichever tensors keep it)."""

@@ -42,8 +42,9 @@ under tp the vocab-parallel embedding's local ids and mask, the loss's softmax s
 target index and masks, per micro-batch), the boundaries ``O = G = 4 (s_c/u) b h`` (``u = t`` under
 sequence parallelism, else 1), the logits ``(p + 4) s_c b ceil(V/t)``. ZeRO-1 (a ShardedOptimizer over
 the stages) shards the AdamW state over the ``dp x cp`` ranks (:func:`pipeline_state_memory`), ZeRO-2 the
-gradients too (its hooks keep a shard of each micro-batch's gradients); ZeRO-3 is refused, as parallelize
-refuses it.
+gradients too (its hooks keep a shard of each micro-batch's gradients), ZeRO-3 the weights too, at rest,
+with its gathered stages on top at the peak (:func:`_zero3_gathered`: the whole stages kept through the
+step by default, one unit at a time with ``zero3_reshard_per_microbatch``).
 """
 
 from __future__ import annotations
@@ -202,7 +203,15 @@ def stage_deferred_bytes(config: ModelConfig, *, stage: int, num_stages: int, bl
 
 def _zero3_gathered(config: ModelConfig, *, mine: list[int], ranges, shapes, tp: int, p: int, shards: int,
                     per_microbatch: bool) -> dict[str, int]:
-    """ZeRO-3's full tensors a pipeline rank holds at its peak (see :func:`pipeline_memory_per_rank`)."""
+    """ZeRO-3's full tensors a pipeline rank holds at its peak during a step (see
+    :func:`pipeline_memory_per_rank`): a peak, on top of the sharded state, for the memory preflight
+    (:func:`~refimpl.planner.memory.run_memory_per_rank`), not the state the rank holds where the trainer
+    steps. By default the rank's stages gathered with their full gradients, ``2 p numel``, reached once the
+    last backward has accumulated them, before ``finish_gradient_sync``; per micro-batch the stage's root
+    unit beside its largest block, within a block's forward or backward. tests/test_planner_zero3.py
+    measures the full tensors between the schedule's actions: the first term to the byte; per micro-batch
+    the root alone (the block is gathered within an action). By the optimizer step every full tensor is
+    freed: :func:`~refimpl.planner.run_prediction.predict_run`'s state is the shards alone."""
     numel = sum(math.prod(s) for s in shapes)
     if not per_microbatch:  # the stages gathered once and kept, their gradients accumulated whole
         return {"ZeRO-3 gathered stages and their full gradients (kept through the step)": 2 * p * numel}

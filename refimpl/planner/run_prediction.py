@@ -11,7 +11,14 @@ large-scale language model training on GPU clusters using Megatron-LM", section 
   :func:`~refimpl.planner.memory.state_memory_per_rank`,
   :func:`~refimpl.planner.pipeline.pipeline_state_memory`, the rank's index in the group
   :func:`~refimpl.planner.run_terms.shard_group_rank`. ZeRO-1 under sequence parallelism also holds its
-  reduced gradient shards then (the tp sum of ``finish_gradients`` reads them before the step);
+  reduced gradient shards then (the tp sum of ``finish_gradients`` reads them before the step). ZeRO-3:
+  the shards only, with or without pp: the full weights and gradients a unit gathers are freed once its
+  gradients are reduce-scattered (pp: once per step after the schedule, ``finish_gradient_sync``, or in
+  every backward with ``--zero3-reshard-per-microbatch``), before the step (measured: no full tensor is
+  allocated there, tests/test_planner_zero3.py). That is not the peak a step reaches: the gathered units
+  or stages that the memory preflight adds on top of the state
+  (:func:`~refimpl.planner.memory.run_memory_per_rank`, under pp
+  :func:`~refimpl.planner.pipeline.pipeline_memory_per_rank`'s ZeRO-3 term) are not predicted here;
 * **activations**: the bytes saved for backward that the rank holds at its peak: one micro-batch's
   (:func:`~refimpl.planner.memory.run_memory_per_rank`'s saved terms, Korthikanti et al. 2022; a backward
   frees them before the next forward; a checkpointed block keeps its input only) or, under pipeline
@@ -20,12 +27,16 @@ large-scale language model training on GPU clusters using Megatron-LM", section 
   sends kept). Where the trainer saves the token ids and labels themselves (no tp, no cp), they are
   views of the step's batch window ``[B/dp, s+1]`` (``refimpl.data``'s ``batch``): its whole int64
   storage, ``8 (B/dp) (s+1)``, is held once, not the ids' and labels' ``8 b s`` each; at ``b > 1`` the
-  labels' ``[b, s]`` view is strided, and ``lm_loss``'s ``labels.flatten()`` saves a copy, ``8 b s``.
+  labels' ``[b, s]`` view is strided, and ``lm_loss``'s ``labels.flatten()`` saves a copy, ``8 b s`` (under
+  pipeline parallelism the last stage then holds that copy per micro-batch in flight and no window:
+  :func:`_held_with_label_copies`).
   Under sequence parallelism the embedding's output is the reduce-scatter's ``[b, s_c/t, h]`` shard
   itself (no view of a whole ``[b, s_c, h]``), so the planner's per-layer terms hold at every micro-batch
   size, ``b = 1`` too. ZeRO-3 saves the gathered weights, whose storage it frees after each unit's forward
-  (not held: measured, tests/test_planner_zero3.py); in bf16 it computes in 16-bit weights, a 16-bit
-  residual stream (:func:`~refimpl.planner.run_terms.sixteen_bit_weight_activations`);
+  (under pp, by default, after the step's last backward): weights, not activations, so in fp32 it holds
+  what ZeRO-2 holds (measured, tests/test_planner_zero3.py, with and without pp); in bf16 it computes in
+  16-bit weights, a 16-bit residual stream
+  (:func:`~refimpl.planner.run_terms.sixteen_bit_weight_activations`);
 * **bytes sent per step** by process group, under the keys of the trainer's ``metrics.jsonl``
   (``refimpl.train.loop``: ``"tp"``, ``"cp"``, ``"pp"``, ``"dp x cp"``, under HSDP also ``"dp_shard x
   cp"`` and ``"dp_replicate"``; the ring model for collectives, :func:`~refimpl.comm.tracer.wire_bytes`,
@@ -46,13 +57,16 @@ large-scale language model training on GPU clusters using Megatron-LM", section 
   - ``pp``: per micro-batch each stage's ``[b, s_c/u, h]`` float32 output (not the last stage) and input
     gradient (not the first), ``u = t`` under sequence parallelism; the tied embedding's gradient between
     the first and the last rank (``sync_tied_embeddings``, both ways; under ZeRO-2 the rank's shard of it,
-    ``gradient_holder``); the step loss's and the norm's float32 scalars (``PipelineModule.step``'s
-    all-reduce, the pipeline clip);
+    ``gradient_holder``; under ZeRO-3 too: the stage's registered parameter is the rank's shard again when
+    the exchange runs, after the gradients' reduce-scatter, and its ``.grad`` the shard's); the step loss's
+    and the norm's float32 scalars (``PipelineModule.step``'s all-reduce, the pipeline clip);
   - ``dp x cp`` (under HSDP ``dp_shard x cp`` and ``dp_replicate``): data parallelism's gradients and
     parameters (:func:`~refimpl.planner.run_terms.data_parallel_bytes`: ZeRO-0's all-reduce once per
     step; ZeRO-1's reduce-scatter and all-gather of padded shards; ZeRO-2's reduce-scatter per micro-batch;
     ZeRO-3's per micro-batch gathers of every unit, again before its backward but the root, and its
-    reduce-scatters, HSDP's all-reduce of each unit's shard over the replicas); the loss average's scalar
+    reduce-scatters, HSDP's all-reduce of each unit's shard over the replicas; under pp each stage's units,
+    its root the stage's tensors outside its blocks, by default each gathered and reduce-scattered once per
+    step, with ``--zero3-reshard-per-microbatch`` per micro-batch); the loss average's scalar
     (over ``dp x cp`` under HSDP too); under ZeRO 1-3 the norm's scalar (the shards are disjoint over the
     group; under HSDP over the shard group only, the replicas hold the same shard);
 
@@ -61,15 +75,17 @@ large-scale language model training on GPU clusters using Megatron-LM", section 
 
 Modelled: fp32 or bf16 (autocast; ZeRO-3: FSDP2's mixed precision, bf16 gathers and compute, fp32
 reductions), ZeRO 0-3, HSDP, activation checkpointing (any block selection), tensor, sequence and
-context parallelism. Refused, each with its reason: fp16 (not run); tensor-parallel traffic in bf16
-(under autocast the activations it moves are 16-bit); ZeRO-3 with pp > 1 (a stage's gathers per step are
-not modelled); activation checkpointing with pp > 1 and sequence parallelism with ZeRO and pp > 1 (not
-measured); ZeRO-3 without ``reshard_after_forward`` (not the trainer's). Proven against the trainer, to
-the byte: tests/test_planner_3d.py (8 ranks: 1F1B, ring attention, ZeRO 0/1, fp32/bf16, with and without
-sequence parallelism) and tests/test_planner_zero3.py (4 ranks: ZeRO-2/3, 2-D ZeRO-3 with tp, HSDP with and
-without cp, checkpointing with tp, sequence parallelism and ring attention, bf16 ZeRO-3, ZeRO-2 under the
-pipeline, ZeRO-1 with sequence parallelism); the other schedules (``gpipe``, ``interleaved``, ``zbh1``) and
-Ulysses go through the same terms but are not run there.
+context parallelism; ZeRO-3 under pipeline parallelism in fp32 with 1F1B or GPipe over dp alone, both
+ZeRO-3 modes. Refused, each with its reason: fp16 (not run); tensor-parallel traffic in bf16 (under
+autocast the activations it moves are 16-bit); ZeRO-3 with pp > 1 in bf16, with tp, cp or HSDP, or with
+another schedule (not measured); activation checkpointing with pp > 1 and sequence parallelism with ZeRO
+and pp > 1 (not measured); ZeRO-3 without ``reshard_after_forward`` (not the trainer's). Proven against
+the trainer, to the byte: tests/test_planner_3d.py (8 ranks: 1F1B, ring attention, ZeRO 0/1, fp32/bf16,
+with and without sequence parallelism) and tests/test_planner_zero3.py (4 ranks: ZeRO-2/3, 2-D ZeRO-3 with
+tp, HSDP with and without cp, checkpointing with tp, sequence parallelism and ring attention, bf16 ZeRO-3,
+ZeRO-2 under the pipeline, ZeRO-1 with sequence parallelism, ZeRO-3 under the pipeline: dp 2 x pp 2, 1F1B
+and GPipe, gathered once per step or per micro-batch); the other schedules (``interleaved``, ``zbh1``)
+and Ulysses go through the same terms but are not run there.
 """
 
 from __future__ import annotations
@@ -81,14 +97,14 @@ from refimpl.comm.tracer import wire_bytes
 from refimpl.config import ModelConfig, ParallelConfig, micro_batches
 from refimpl.distributed.mesh import Coordinates, ParallelDims
 from refimpl.measure.state import StateMemory
-from refimpl.parallel.pipeline_parallel import stage_rank
+from refimpl.parallel.pipeline_parallel import build_schedule, stage_rank
 from refimpl.parallel.pipeline_parallel.simulator import bubble_formula
 from refimpl.planner.activations import local_tokens
 from refimpl.planner.communication import context_parallel_bytes
 from refimpl.planner.memory import run_memory_per_rank, state_memory_per_rank
 from refimpl.planner.param_table import param_table
 from refimpl.planner.params_flops import param_shapes
-from refimpl.planner.pipeline import _COMPUTE, PER_STEP, pipeline_memory_per_rank
+from refimpl.planner.pipeline import _COMPUTE, PER_STEP, _walk, pipeline_memory_per_rank, stage_deferred_bytes
 from refimpl.planner.pipeline_stages import pipeline_state_memory, stage_layers, stage_params
 from refimpl.planner.run_terms import (
     DP_KEY,
@@ -157,6 +173,40 @@ def _tp_payloads(config: ModelConfig, *, layers: int, first: bool, last: bool, x
             "reduce_scatter": 4 * (4 * layers + f + la) * x}
 
 
+def _stage_units(table, *, stage: int, num_stages: int, blocks: range) -> list[list[tuple[int, ...]]]:
+    """ZeRO-3's units of pipeline stage ``stage`` as ``FullyShardedDataParallel(stage)`` cuts it
+    (``shard_into_units``): the root, the stage's tensors outside its blocks (the embedding on the first
+    stage, the final LayerNorm and the output layer, or the tied copy of the embedding, on the last; none
+    on a middle stage), then each block (``table``: :func:`~refimpl.planner.param_table.param_table`)."""
+    root = list(table.embedding) if stage == 0 else []
+    if stage == num_stages - 1:
+        root += [*table.final_layernorm, *(table.output_layer or (table.head,))]
+    return [[q.shape for q in root], *[[q.shape for q in table.blocks[i]] for i in blocks]]
+
+
+def _held_with_label_copies(config: ModelConfig, rank_memory, parallel: ParallelConfig, *, actions,
+                            ranges: list[range], micro_batch: int, seq_len: int) -> dict[str, int]:
+    """The held bytes at the peak of the pipeline rank holding the last stage (``rank_memory``, its
+    :class:`~refimpl.planner.pipeline.PipelineRankMemory`) where the labels are not held as a view of the
+    step's window: at ``b > 1`` (tp = cp = 1) a micro-batch's labels, rows ``[b, s]`` of the window
+    ``[B/dp, s+1]``, are strided, and ``lm_loss``'s ``labels.flatten()`` saves a copy, ``8 b s`` per
+    micro-batch in flight, in place of the planner's per-step labels term (measured, both 1F1B and GPipe:
+    tests/test_planner_zero3.py). The rank's actions walked again (:func:`~refimpl.planner.pipeline._walk`)
+    with that term moved into the last stage's micro-batch bytes; ``actions``: the rank's of
+    :func:`~refimpl.parallel.pipeline_parallel.build_schedule`."""
+    num_stages, b, h = len(ranges), micro_batch, config.hidden_size
+    saved = {st: dict(terms) for st, terms in rank_memory.saved.items()}
+    del saved[num_stages - 1][PER_STEP[1]]
+    saved[num_stages - 1][LABELS_COPY] = 8 * b * seq_len
+    compute = _COMPUTE[parallel.precision]
+    deferred = None if parallel.pp_schedule != "zbh1" else {
+        st: stage_deferred_bytes(config, stage=st, num_stages=num_stages, blocks=ranges[st], micro_batch=b,
+                                 seq_len=seq_len, compute_dtype=compute) for st in saved}
+    terms, _ = _walk(actions, saved=saved, deferred=deferred, num_stages=num_stages,
+                     outputs=4 * b * seq_len * h)  # float32 [b, s, h] at each boundary (tp = cp = 1)
+    return terms
+
+
 def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, global_batch: int,
                 world_size: int | None = None, micro_batch: int | None = None,
                 grad_clip: float | None = 1.0) -> RunPrediction:
@@ -173,8 +223,9 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     Every ZeRO stage (``parallel.zero_stage``), HSDP (``parallel.dp_replicate``), the blocks
     ``parallel.activation_checkpointing`` selects, fp32 or bf16 are modelled; a combination the trainer
     refuses (:func:`refimpl.support.check_supported`) or that is not modelled raises a ValueError naming
-    it: fp16; tp > 1 with bf16; ZeRO-3, or activation checkpointing, with pp > 1; sequence parallelism with
-    ZeRO 1-3 and pp > 1; ZeRO-3 with ``reshard_after_forward`` off.
+    it: fp16; tp > 1 with bf16; ZeRO-3 with pp > 1 other than fp32, 1f1b or gpipe, tp = cp = dp_replicate
+    = 1 (``parallel.zero3_reshard_per_microbatch`` either way); activation checkpointing with pp > 1;
+    sequence parallelism with ZeRO 1-3 and pp > 1; ZeRO-3 with ``reshard_after_forward`` off.
     """
     if parallel.dp is None and world_size is None:
         raise ValueError("predict_run needs parallel.dp or the world_size to derive it from")
@@ -195,9 +246,16 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     if sequence_parallel and (dims.tp == 1 or (zero_stage and dims.pp > 1)):
         raise ValueError("predict_run models sequence parallelism with tp > 1, and with ZeRO 1-3 at pp = 1 "
                          "only (under the pipeline the tp sum of the ZeRO shards' gradients is not measured)")
-    if dims.pp > 1 and zero_stage == 3:  # refused here even where the trainer builds it
-        raise ValueError("predict_run models ZeRO-3 with pp = 1 only (a pipeline stage's gathers and "
-                         "reductions per step are not modelled)")
+    if dims.pp > 1 and zero_stage == 3:  # what tests/test_planner_zero3.py runs; the rest is refused
+        unproven = [what for what, off in (
+            (f"precision {precision}", precision != "fp32"),
+            (f"the {parallel.pp_schedule} schedule", parallel.pp_schedule not in ("1f1b", "gpipe")),
+            ("tensor parallelism", dims.tp > 1), ("context parallelism", dims.cp > 1),
+            ("HSDP", dims.dp_replicate > 1)) if off]
+        if unproven:
+            raise ValueError("predict_run models ZeRO-3 under pipeline parallelism in fp32, with the 1f1b "
+                             "or gpipe schedule, over dp alone (tp = cp = dp_replicate = 1): "
+                             f"{', '.join(unproven)} with it is not measured")
     if dims.pp > 1 and checkpointed:
         raise ValueError("predict_run models activation checkpointing with pp = 1 only (a recomputed stage "
                          "holds other bytes between the schedule's actions: not measured)")
@@ -205,6 +263,7 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
         raise ValueError("predict_run models ZeRO-3 with reshard_after_forward (the trainer's setting): "
                          "without it no unit is gathered again for backward")
     pp, tp, cp, dp, v = dims.pp, dims.tp, dims.cp, dims.dp, virtual_stages
+    zero3_kept = pp > 1 and not parallel.zero3_reshard_per_microbatch  # the stages gathered once per step
     replicas, fsdp16 = dims.dp_replicate, parallel.fsdp_mixed_precision
     per_rank = global_batch // dp
     m = micro_batches(per_rank_batch=per_rank, micro_batch_size=micro_batch, pp=pp,
@@ -216,6 +275,8 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     ranges = stage_layers(config, num_stages=num_stages, balance=pp_balance, tp=tp)
     split = {"tp": tp, "sequence_parallel": sequence_parallel, "cp": cp, "cp_method": cp_method,
              "cp_layout": cp_layout}
+    schedule = (build_schedule(pp_schedule, pp_size=pp, num_microbatches=m, virtual_stages=v)
+                if pp > 1 else None)
     pipe = (pipeline_memory_per_rank(config, pp=pp, num_microbatches=m, schedule=pp_schedule,
                                      virtual_stages=v, micro_batch=b, seq_len=seq_len, precision=precision,
                                      balance=pp_balance, **split)
@@ -267,8 +328,8 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
         if pp > 1:
             if config.tie_word_embeddings and c.pp in (stage_rank(0, pp_size=pp),
                                                        stage_rank(num_stages - 1, pp_size=pp)):
-                tied = (sharded_numel([table.head.shape], group_rank, n) if zero_stage == 2 and n > 1
-                        else table.head.numel)  # ZeRO-2 keeps (and exchanges) only its gradient shard
+                tied = (sharded_numel([table.head.shape], group_rank, n) if zero_stage in (2, 3) and n > 1
+                        else table.head.numel)  # ZeRO-2/3 keep (and exchange) only their gradient shard
                 sent["pp"] = sent.get("pp", 0.0) + 4 * tied  # the embedding's gradient, both ways
             _add(sent, "pp", "all_reduce", _SCALAR, pp)  # the step loss, from the last stage
         if grad_clip is not None:  # the norm's sum of squares over the groups its gradients are split over
@@ -276,13 +337,23 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
             _add(sent, "tp", "all_reduce", _SCALAR, tp)
             if zero_stage:  # the ZeRO shards: over dp x cp, under HSDP the shard group (dp_shard placements)
                 _add(sent, DP_KEY if replicas == 1 else SHARD_KEY, "all_reduce", _SCALAR, shard_n)
-        for key, sent_bytes in data_parallel_bytes(units if zero_stage == 3 else [shapes],
-                                                   zero_stage=zero_stage, dp_cp=n, replicas=replicas,
-                                                   microbatches=m, gather_bytes=2 if fsdp16 else 4).items():
-            sent[key] = sent.get(key, 0.0) + sent_bytes
+        if zero_stage == 3 and pp > 1:  # each stage its own wrapper (parallelize's _shard_stages)
+            unit_lists = [_stage_units(table, stage=st, num_stages=num_stages, blocks=ranges[st])
+                          for st in stages]
+        else:
+            unit_lists = [units if zero_stage == 3 else [shapes]]
+        for unit_shapes in unit_lists:
+            for key, sent_bytes in data_parallel_bytes(unit_shapes, zero_stage=zero_stage, dp_cp=n,
+                                                       replicas=replicas, microbatches=m,
+                                                       gather_bytes=2 if fsdp16 else 4,
+                                                       zero3_kept=zero3_kept).items():
+                sent[key] = sent.get(key, 0.0) + sent_bytes
         _add(sent, DP_KEY, "all_reduce", _SCALAR, n)  # the loss's mean over dp x cp
         if pp > 1:
             held = dict(pipe[c.pp].peak_terms)
+            if tp == 1 and cp == 1 and b > 1 and num_stages - 1 in stages:  # labels copied per micro-batch
+                held = _held_with_label_copies(config, pipe[c.pp], parallel, actions=schedule[c.pp],
+                                               ranges=ranges, micro_batch=b, seq_len=seq_len)
             if tp == 1 and cp == 1 and any([held.pop(k, 0) for k in PER_STEP]):
                 held[WINDOW] = 8 * per_rank * (seq_len + 1)  # ids on the first stage, labels on the last
             state = pipeline_state_memory(config, pp=pp, pp_rank=c.pp, virtual_stages=v, balance=pp_balance,

@@ -17,7 +17,18 @@ proven against the trainer to the byte in tests/test_planner_zero3.py.
   ZeRO-3's mixed precision: 2 bytes), the reductions in ``reduce_dtype`` (fp32). HSDP (``dp_replicate``
   R > 1): the same over the shard group ``"dp_shard x cp"`` of ``dp/R cp`` ranks, and each unit's reduced
   padded shard all-reduced over the R replicas (``"dp_replicate"``; ``fsdp_communications.
-  reduce_scatter_grads``).
+  reduce_scatter_grads``). ZeRO-3 under pipeline parallelism (``refimpl.parallel.parallelize.
+  _shard_stages``: each stage sharded in place over ``dp x cp``, its own root unit, the stage's modules
+  outside its blocks): by default (``zero3_kept``) every unit of the stage all-gathered once per step, in
+  the first forward, and kept through the micro-batches (``reshard_after_forward=False``, the root's
+  pre-forward hook finds it gathered), the full gradients accumulated over the micro-batches
+  (``set_requires_gradient_sync(False)``) and reduce-scattered once per unit after the schedule
+  (``finish_gradient_sync`` from ``PipelineModule.after_backward``): one all-gather and one reduce-scatter
+  of each unit's padded tensors per step, whatever ``m``; with ``--zero3-reshard-per-microbatch`` the
+  pp = 1 schedule per micro-batch, ``m`` times: a unit's forward gathers it, its backward again but the
+  root's, and reduce-scatters it. The root is gathered ``m`` times whatever the schedule: every backward
+  ends by freeing all units (``_finish_backward``), and the next action (a forward, or a backward's
+  pre-backward hook) gathers it again, so it is gathered once per backward.
 * :func:`recompute_tp_payloads`, the tensor-parallel collectives a checkpointed block's recomputed forward
   repeats in backward: ``torch.utils.checkpoint``'s non-reentrant early stop ends the recomputation once
   the block's last saved tensor (the second MLP linear's input) is rebuilt, so the attention's row layer
@@ -70,12 +81,15 @@ def shard_group_rank(dims: ParallelDims, rank: int) -> int:
 
 
 def data_parallel_bytes(unit_shapes: Sequence[Sequence[Shape]], *, zero_stage: int, dp_cp: int,
-                        replicas: int = 1, microbatches: int = 1, gather_bytes: int = 4) -> dict[str, float]:
+                        replicas: int = 1, microbatches: int = 1, gather_bytes: int = 4,
+                        zero3_kept: bool = False) -> dict[str, float]:
     """Wire bytes one rank sends per step for data parallelism's gradients and parameters (module
     docstring), by group key; not the loss's or the norm's scalars. ``unit_shapes``: the rank's parameter
     shapes (its tensor-parallel blocks; pp: its stages' tensors), cut into ZeRO-3's units, the root first
-    (stages 0-2 use only their union); ``dp_cp``: the ``dp x cp`` ranks; ``replicas``: HSDP's R (ZeRO-3);
-    ``microbatches``: backwards per step; ``gather_bytes``: ZeRO-3's ``param_dtype`` size."""
+    (stages 0-2 use only their union; ZeRO-3 under pp: one stage's units, its root first, called per
+    stage); ``dp_cp``: the ``dp x cp`` ranks; ``replicas``: HSDP's R (ZeRO-3); ``microbatches``: backwards
+    per step; ``gather_bytes``: ZeRO-3's ``param_dtype`` size; ``zero3_kept``: ZeRO-3 under pp by default,
+    each unit gathered once per step and kept, its accumulated gradients reduced once (module docstring)."""
     out: dict[str, float] = {}
     shapes = [s for unit in unit_shapes for s in unit]
     m, n = microbatches, dp_cp
@@ -88,14 +102,19 @@ def data_parallel_bytes(unit_shapes: Sequence[Sequence[Shape]], *, zero_stage: i
     else:
         shard = n // replicas
         key = DP_KEY if replicas == 1 else SHARD_KEY
-        gathers = zero_collectives(unit_shapes, shard, 3, bytes_per_element=gather_bytes)
-        if "all_gather" in gathers:
-            _add(out, key, "all_gather", m * gathers["all_gather"][1], shard)
+        if zero3_kept:  # each unit gathered once per step (padded rows), every unit with a root's count
+            gathered = gather_bytes * sum(padded_numel(unit, shard) for unit in unit_shapes)
+            _add(out, key, "all_gather", gathered, shard)
+        else:
+            gathers = zero_collectives(unit_shapes, shard, 3, bytes_per_element=gather_bytes)
+            if "all_gather" in gathers:
+                _add(out, key, "all_gather", m * gathers["all_gather"][1], shard)
+        reductions = 1 if zero3_kept else m  # the accumulated full gradients once, or every backward's
         for op, (_, payload) in zero_collectives(unit_shapes, shard, 3, replicas=replicas).items():
             if op == "reduce_scatter":
-                _add(out, key, op, m * payload, shard)
+                _add(out, key, op, reductions * payload, shard)
             elif op == "all_reduce":  # HSDP: each unit's reduced shard over the replicas
-                _add(out, REPLICA_KEY, op, m * payload, replicas)
+                _add(out, REPLICA_KEY, op, reductions * payload, replicas)
     return out
 
 
