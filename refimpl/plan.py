@@ -123,8 +123,10 @@ def _assumptions(args: argparse.Namespace) -> str:
     spec = GPUS[args.gpu]
     return ("assumptions: bf16 weights/gradients + fp32 master and Adam (16 B/parameter) sharded by ZeRO "
             f"stage {'/'.join(map(str, args.zero_stages))} over dp x cp (HSDP: over dp/hsdp x cp); ZeRO-3 "
-            "gathers each block once per forward and backward (not per micro-batch) and holds 2 blocks' "
-            "weights and 1 block's gradients full; sequence parallelism; float32 stage boundaries "
+            "gathers each block once per forward and backward and holds 2 blocks' weights and 1 block's "
+            "gradients full; under pp it keeps the stage gathered (bf16 weights and gradients) through "
+            "the step, or, stage 3m, gathers and reduces per micro-batch; sequence parallelism; float32 "
+            "stage boundaries "
             f"(what refimpl's pipeline sends); 1F1B; {args.mfu:.0%} of the "
             f"{PEAK_FLOPS[args.gpu]['bf16'] / 1e12:.0f} TFLOP/s bf16 peak, one more forward when "
             f"recomputing; NVLink {spec['nvlink'] / 1e9:.0f} GB/s and network {spec['network'] / 1e9:.0f} "
@@ -153,7 +155,7 @@ def _report(config: ModelConfig, plans: list[LayoutPlan], args: argparse.Namespa
     for p in fit[: args.top]:
         mfu = args.mfu * p.compute_s / p.step_s
         lines.append(f"{p.dp:>5} {p.tp:>3} {p.pp:>3} {p.cp:>3} {p.microbatches:>5} {p.dp_replicate:>4} | "
-                     f"{p.zero_stage:>4} {'every' if p.recompute else 'none':>9} | {_gb(p.state_bytes):>6} "
+                     f"{p.zero_label:>4} {'every' if p.recompute else 'none':>9} | {_gb(p.state_bytes):>6} "
                      f"{_gb(p.gathered_bytes):>5} {_gb(p.activation_bytes):>6} GB | "
                      + " ".join(f"{_gb(p.sent[k]):>7}" for k in ("tp", "dp", "pp", "cp"))
                      + f" GB sent | {p.bubble:>6.1%} | {p.step_s:>7.2f} {mfu:>5.0%}")
@@ -208,7 +210,7 @@ def _layout_report(config: ModelConfig, layout: dict, rows: list[LayoutPlan], ar
              f"{spec['memory'] / 1e9:.0f} GB):", "", head, "-" * len(head)]
     for q in rows:
         verdict = f"yes, {_gb(q.margin_bytes)} GB spare" if q.fits else f"no, {_gb(-q.margin_bytes)} GB over"
-        lines.append(f"{q.zero_stage:>4} {'every' if q.recompute else 'none':>9} | "
+        lines.append(f"{q.zero_label:>4} {'every' if q.recompute else 'none':>9} | "
                      + " ".join(f"{_gb(x):>7}" for x in (q.state.weights, q.state.grads, q.state.optimizer))
                      + f" {_gb(q.gathered_bytes):>5} {_gb(q.activation_bytes):>6} {_gb(q.memory_bytes):>7} "
                      f"GB | {_gb(q.sent['dp']):>7} GB | {q.step_s:>7.2f} | {verdict}")

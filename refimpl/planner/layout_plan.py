@@ -8,7 +8,11 @@ and combination it searches, and what ``--layout`` prints; a chapter calls it di
   parameters of a rank, sharded over the ``(dp / dp_replicate) x cp`` ranks of its ZeRO group: stage 1
   shards the optimizer, stage 2 the gradients too, stage 3 the weights too. HSDP (``dp_replicate`` R > 1,
   FSDP's hybrid sharding) shards within ``dp / R`` ranks and replicates the shards ``R`` times;
-* **gathered** (ZeRO-3 only): one block's bf16 weights being used, the next one's prefetched and the
+* **gathered** (ZeRO-3 only): under pipeline parallelism the trainer's default keeps each stage gathered
+  through the step, its bf16 weights and full gradients (``4 N / (tp pp)``), its collectives once per step;
+  when that does not fit, the stage is gathered and reduced per micro-batch (``--zero3-reshard-per-
+  microbatch``: ``m`` times the dp bytes) and holds, as without a pipeline, one block's bf16 weights being
+  used, the next one's prefetched and the
   block's full bf16 gradients before their reduce-scatter, ``3 x 2 x`` a block's parameters ``/ tp``
   (:func:`~refimpl.planner.zero_state.zero3_peak_gathered_bytes` with prefetch, blocks as units);
 * **activations**: one micro-batch of ``s/cp`` tokens per layer with sequence parallelism, ``34 s b h / t``
@@ -95,6 +99,13 @@ class LayoutPlan:
     compute_s: float  # the model FLOPs at the assumed MFU
     recompute_s: float  # the forward recomputation adds
     comm_s: float
+    zero3_per_microbatch: bool = False  # ZeRO-3 under pp: each micro-batch gathers and reduces (the trainer's
+    # --zero3-reshard-per-microbatch), chosen when the default (the stage kept gathered) does not fit
+
+    @property
+    def zero_label(self) -> str:
+        """The ZeRO stage as the tables print it: ``3m`` for ZeRO-3 gathered per micro-batch under pp."""
+        return f"{self.zero_stage}m" if self.zero3_per_microbatch else str(self.zero_stage)
 
     @property
     def state_bytes(self) -> float:
@@ -163,6 +174,13 @@ def evaluate_layout(config: ModelConfig, *, dp: int, tp: int, pp: int, cp: int =
                                   compute_dtype=torch.bfloat16)
     grads = 2 * psi  # bf16
     in_shard = wire_bytes("all_reduce", grads, shard) * (1.5 if zero_stage == 3 else 1)
+    per_micro = False
+    if zero_stage == 3 and pp > 1:  # the trainer's two modes under pp: the stage kept gathered (bf16 weights
+        # and full gradients through the step, collectives once), else gathered and reduced per micro-batch
+        if state.total + 2 * grads + kept <= MEMORY_FRACTION * spec["memory"]:
+            gathered = 2 * grads
+        else:
+            per_micro, in_shard = True, in_shard * m
     across = wire_bytes("all_reduce", grads / shard, replicas)
     sent = {  # bytes one GPU sends per step, per axis
         "tp": sum(wire_bytes(op, payload, tp) for op, (_, payload) in collectives.items()) * m,
@@ -180,7 +198,8 @@ def evaluate_layout(config: ModelConfig, *, dp: int, tp: int, pp: int, cp: int =
     return LayoutPlan(dp=dp, tp=tp, pp=pp, cp=cp, microbatches=m, zero_stage=zero_stage, recompute=recompute,
                       dp_replicate=dp_replicate, state=state, gathered_bytes=gathered, activation_bytes=kept,
                       limit_bytes=MEMORY_FRACTION * spec["memory"], sent=sent, bubble=(pp - 1) / (m + pp - 1),
-                      compute_s=compute, recompute_s=compute / 3 if recompute else 0.0, comm_s=comm)
+                      compute_s=compute, recompute_s=compute / 3 if recompute else 0.0, comm_s=comm,
+                      zero3_per_microbatch=per_micro)
 
 
 def evaluate_stages(config: ModelConfig, *, stages: tuple[int, ...] = STAGES, recompute: bool | None = None,
