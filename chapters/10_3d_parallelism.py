@@ -719,11 +719,12 @@ for label, p in (("the seed's DP128 x TP8 x PP2", seed_searched), ("the planner'
 seed_zero3, seed_dims = by_stage[3], ParallelDims(dp=SEED["dp"], tp=SEED["tp"], pp=SEED["pp"])
 kept_stage = 2 * 2 * per_gpu_params  # the rank's stage gathered and kept: bf16 weights + full bf16 gradients
 print(f"the trainer's ZeRO-3 with pp here: by default each stage gathered once per step and kept, with its full "
-      f"gradients, through the micro-batches: ~{kept_stage / 1e9:.0f} GB of bf16 per GPU; with "
-      f"--zero3-reshard-per-microbatch one block at a time, but the dp collectives {seed_zero3.microbatches} "
-      f"times per step: {seed_zero3.sent['dp'] * seed_zero3.microbatches / 1e9:,.0f} GB sent per GPU instead "
-      f"of the planner's {seed_zero3.sent['dp'] / 1e9:.0f} GB")
-assert kept_stage > H100_MEMORY, "the text says the default mode cannot hold the seed's stage"
+      f"gradients, through the micro-batches: ~{kept_stage / 1e9:.0f} GB of bf16 per GPU, more than an H100; "
+      f"so the planner's ZeRO-3 row is --zero3-reshard-per-microbatch ('3m'): one block at a time, the dp "
+      f"collectives {seed_zero3.microbatches} times per step, {seed_zero3.sent['dp'] / 1e9:,.0f} GB sent per GPU "
+      f"against {by_stage[1].sent['dp'] / 1e9:.0f} GB under ZeRO-1 (step {seed_zero3.step_s:.0f} s against "
+      f"{by_stage[1].step_s:.0f} s)")
+assert kept_stage > H100_MEMORY and seed_zero3.zero3_per_microbatch, "the text says: the default cannot hold it"
 refused = {s: refusals(seed_dims.config(zero_stage=3, pp_schedule=s)) for s in ("1f1b", "zbh1")}
 print("the trainer's support table at DP128 x TP8 x PP2, ZeRO-3:",
       "; ".join(f"{s}: " + ("; ".join(row.message() for row in rows) if rows else "runs") for s, rows in refused.items()))
@@ -735,17 +736,18 @@ assert not refused["1f1b"] and refused["zbh1"], "the text says: 1F1B runs, zbh1 
 # rest), and many more layouts of the cluster fit once ZeRO-2/3, recomputation and HSDP are allowed, as
 # the printed counts say.
 #
-# That is a plan, and its ZeRO-3 row rests on an assumption the runtime does not meet with a pipeline: one
-# block gathered at a time, each gathered once per pass of the step. A 1F1B stage runs the forwards and
-# backwards of different micro-batches in turn, each through all of its blocks, so this course's trainer,
-# which runs ZeRO-3 with pipeline parallelism (under 1F1B, GPipe and interleaved 1F1B; zbh1 is refused with
-# the reason printed, and `python -m refimpl.train --list-layouts` prints every refused combination),
-# either keeps the whole stage gathered through the step or gathers it again for every micro-batch. At the
-# seed's size the first does not fit an H100 and the second multiplies the dp traffic by the number of
-# micro-batches, as the last lines print. The seed's exact layout is therefore planned here, not run, and
-# the planner's ZeRO-3 figure for it is a lower bound on what a run needs. The pieces it combines run
-# elsewhere in the course: ZeRO-3 over tp x dp (chapter 04, section 7), HSDP (chapter 04) and ZeRO-1 with
-# pipeline parallelism (section 2).
+# The planner's ZeRO-3 row under a pipeline is what this course's trainer runs (ZeRO-3 with pipeline
+# parallelism under 1F1B, GPipe and interleaved 1F1B, proven equal to one device at 2 x 2 x 2 in
+# tests/test_train_3d.py; zbh1 is refused with the reason printed, and `python -m refimpl.train
+# --list-layouts` prints every refused combination). A 1F1B stage runs the forwards and backwards of
+# different micro-batches in turn, each through all of its blocks, so the trainer either keeps the whole
+# stage gathered through the step (its default) or gathers and reduces it again for every micro-batch.
+# At the seed's size the first does not fit an H100, so the planner's row is the second, and the price is
+# printed above: the dp traffic times the number of micro-batches, a step several times longer than the
+# ZeRO-1 layouts'. ZeRO-3 makes DP128 x TP8 x PP2 *fit*; it does not make it a good layout, and the
+# search's fastest layouts are elsewhere. The seed's exact layout is planned here, not run (a trillion
+# parameters); the pieces it combines run in the course: ZeRO-3 over tp x dp (chapter 04, section 7),
+# HSDP (chapter 04), ZeRO-3 with pipeline parallelism (tests/test_train_3d.py, tests/test_train_zero3.py).
 
 # %% [markdown]
 # ## 5. An explorer: your model on your cluster
