@@ -175,10 +175,16 @@ def _old_ordering(ctx) -> dict:
 
 @pytest.mark.timeout(120)
 def test_negative_control_the_old_ordering_hangs_under_strict_mode_only():
-    for rank, got in enumerate(run_ranks(_old_ordering, 2, timeout_s=90, collective_timeout_s=3)):
+    ranks = run_ranks(_old_ordering, 2, timeout_s=90, collective_timeout_s=3)
+    for rank, got in enumerate(ranks):
         assert got["plain"] == got["batched"] == [float(1 - rank)] * 4  # gloo lets it pass; batched is fine
-        assert "timed out" in got["strict"].lower(), got["strict"]  # strict: each receive waits for a send
-        print(f"rank {rank}, strict, irecv then isend: {got['strict']}")  # queued behind the peer's receive
+        # strict: each receive waits for a send queued behind the peer's receive. A rank's 3 s timeout
+        # fires; the peer reports its own timeout, or (CI saw it once) the connection its peer closed on
+        # giving up, whichever comes first
+        strict = got["strict"].lower()
+        assert "timed out" in strict or "connection closed by peer" in strict, got["strict"]
+        print(f"rank {rank}, strict, irecv then isend: {got['strict']}")
+    assert any("timed out" in got["strict"].lower() for got in ranks), [got["strict"] for got in ranks]
 
 
 def _trainer(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
