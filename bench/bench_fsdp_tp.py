@@ -21,7 +21,8 @@ sequences ``[i B/2, (i+1) B/2)`` of the global batch, the two tp ranks of a repl
    boxes (ours) or ``full_tensor()`` (PyTorch), against one device trained on the whole batch in the same
    processes, within ``FACTOR x spread`` (``spread``: how far one device moves when only the summation
    order changes, the batch in 2 and in 4 micro-batches against 1); and ours against PyTorch's within the
-   same. The ZeRO collectives per step (all-gather, reduce-scatter: count and payload) against
+   same. Before that, the first step's reduced gradients, whole, before AdamW (which would hide a gradient
+   off by a constant factor), against one device's, per tensor relative to its largest element. The ZeRO collectives per step (all-gather, reduce-scatter: count and payload) against
    :func:`refimpl.planner.zero_collectives` of the rank's TP-local shapes over dp.
 2. **Step time** (forward + loss + backward + AdamW), interleaved with a barrier before each, median over
    the measured steps, slowest rank; and the model state each rank holds at rest after a step (parameter
@@ -60,25 +61,29 @@ def _ours(cfg, ctx):
     opt = torch.optim.AdamW(par.state_module.parameters(), **ADAMW)
     dp_rank = groups.coords.dp
 
-    def step(batch: torch.Tensor) -> float:
+    def step(batch: torch.Tensor, grads: dict | None = None) -> float:
         part = batch.chunk(2)[dp_rank]  # [B/2, s+1]: this replica's sequences
         loss = par.loss(par.forward(part[:, :-1]), part[:, 1:])
         loss.backward()
+        if grads is not None:  # the reduced gradient shards, whole, before AdamW (a collective)
+            held = module_shards(par.state_module).items()
+            grads.update(_assemble({n: (sh.tensor.grad, sh.box) for n, sh in held
+                                    if sh.tensor.grad is not None}))
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
     def full() -> dict[str, torch.Tensor]:
-        return _assemble(module_shards(par.state_module))
+        return _assemble({n: (sh.tensor, sh.box) for n, sh in module_shards(par.state_module).items()})
 
     return step, full, lambda: par.state_module.state_bytes(opt).total
 
 
-def _assemble(shards) -> dict[str, torch.Tensor]:
-    """Every rank's boxes gathered and written into whole tensors (a collective)."""
+def _assemble(shards: dict) -> dict[str, torch.Tensor]:
+    """``{name: (tensor, box)}`` of every rank gathered and written into whole tensors (a collective)."""
     import torch.distributed as dist
 
-    mine = [(n, s.box, s.tensor.detach().clone()) for n, s in shards.items()]
+    mine = [(n, box, t.detach().clone()) for n, (t, box) in shards.items()]
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
     out: dict[str, torch.Tensor] = {}
@@ -104,11 +109,13 @@ def _torch(cfg):
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     dp_rank = mesh["dp"].get_local_rank()
 
-    def step(batch: torch.Tensor) -> float:
+    def step(batch: torch.Tensor, grads: dict | None = None) -> float:
         part = batch.chunk(2)[dp_rank]
         with loss_parallel():
             loss = lm_loss(model(part[:, :-1]), part[:, 1:])
             loss.backward()
+        if grads is not None:  # the reduced gradients, whole, before AdamW (a collective)
+            grads.update({n: p.grad.full_tensor().detach().clone() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.full_tensor().item()
@@ -126,17 +133,28 @@ def _torch(cfg):
     return step, full, state
 
 
-def _one_device(cfg, batches: list[torch.Tensor], micro: int) -> dict[str, torch.Tensor]:
+def _one_device(cfg, batches: list[torch.Tensor], micro: int,
+                grads: dict | None = None) -> dict[str, torch.Tensor]:
+    """One device's parameters after ``batches`` (each in ``micro`` micro-batches); the first step's
+    gradients before AdamW into ``grads``."""
     from refimpl.model import GPT, lm_loss
 
     model = GPT(cfg, seed=0)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    for batch in batches:
+    for i, batch in enumerate(batches):
         for part in batch.chunk(micro):
             (lm_loss(model(part[:, :-1]), part[:, 1:]) / micro).backward()
+        if i == 0 and grads is not None:
+            grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad(set_to_none=True)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _rel_diff(a: dict, b: dict) -> float:
+    """The worst tensor's ``max |a - b| / max |b|``."""
+    assert a.keys() == b.keys(), a.keys() ^ b.keys()
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max()).item() for k in a)
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -157,20 +175,28 @@ def proof_worker(ctx, steps: int, micro_batch: int, seq_len: int) -> dict:
     batches = _batches(cfg, micro_batch=micro_batch, seq_len=seq_len, n=steps)
     ours_step, ours_full, ours_state = _ours(cfg, ctx)
     torch_step, torch_full, torch_state = _torch(cfg)
+    grads: dict[str, dict] = {"ours": {}, "torch": {}, "one": {}, "one, 2 micro-batches": {}}
     for i, batch in enumerate(batches):
         if i == len(batches) - 1:
             with CommTracer() as tracer:
                 ours_step(batch)
         else:
-            ours_step(batch)
-        torch_step(batch)
+            ours_step(batch, grads["ours"] if i == 0 else None)
+        torch_step(batch, grads["torch"] if i == 0 else None)
     ours, theirs = ours_full(), torch_full()
-    single = _one_device(cfg, batches, 1)
-    spread = max(_max_diff(_one_device(cfg, batches, m), single) for m in (2, 4))
+    single = _one_device(cfg, batches, 1, grads["one"])
+    spread = max(_max_diff(_one_device(cfg, batches, m, grads["one, 2 micro-batches"] if m == 2 else None),
+                           single) for m in (2, 4))
+    one, order = grads["one"], grads["one, 2 micro-batches"]  # the gradients' yardstick: another order
+    grad_spread = max(((order[k] - one[k]).abs().max() / one[k].abs().max()).item() for k in one)
     return {"spread": spread, "ours_vs_one": _max_diff(ours, single),
             "torch_vs_one": _max_diff(theirs, single), "ours_vs_torch": _max_diff(ours, theirs),
             "state_bytes": {"ours": ours_state(), "torch": torch_state()},
             "one_step_short": _max_diff(_one_device(cfg, batches[:-1], 1), single),  # the negative control
+            "grad_spread": grad_spread,  # per tensor |g - g_one| / max|g_one|, the worst tensor
+            "grads_ours_vs_one": _rel_diff(grads["ours"], one),
+            "grads_torch_vs_one": _rel_diff(grads["torch"], one),
+            "grads_x2_vs_one": _rel_diff({k: 2 * v for k, v in grads["ours"].items()}, one),
             "ops": {op: (s.count, s.nbytes) for op, s in tracer.summary().items()},
             "tp_shapes": _tp_local_unit_shapes(cfg, ctx.rank % 2)}
 

@@ -43,6 +43,20 @@ def test_zero3_over_tp_trains_like_fully_shard_over_dtensor_tp_and_one_device(ra
         assert r["one_step_short"] > 100 * tol, (rank, r)  # the negative control
 
 
+@pytest.mark.numerics
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
+def test_the_first_steps_gradients_before_adamw_are_one_devices(ranks):
+    """AdamW and clipping would hide a gradient off by a constant factor: the reduced gradients of the first
+    step, assembled whole before the optimizer, against one device's, each tensor relative to its largest
+    element, within FACTOR x the same measure between one device's whole batch and its 2 micro-batches.
+    Negative control: ours x 2 (a sum over the dp replicas, not the mean) fails."""
+    for rank, r in enumerate(ranks):
+        tol = FACTOR * r["grad_spread"]
+        assert 0 < r["grad_spread"] < 1e-4, r
+        assert r["grads_ours_vs_one"] <= tol and r["grads_torch_vs_one"] <= tol, (rank, r)
+        assert r["grads_x2_vs_one"] > 1000 * tol, (rank, r)
+
+
 @pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_the_zero_collectives_over_dp_equal_the_formula_of_the_tp_local_shapes(ranks):
     for rank, r in enumerate(ranks):
