@@ -22,7 +22,8 @@ sequences ``[i B/2, (i+1) B/2)`` of the global batch, the two tp ranks of a repl
    processes, within ``FACTOR x spread`` (``spread``: how far one device moves when only the summation
    order changes, the batch in 2 and in 4 micro-batches against 1); and ours against PyTorch's within the
    same. Before that, the first step's reduced gradients, whole, before AdamW (which would hide a gradient
-   off by a constant factor), against one device's, per tensor relative to its largest element. The ZeRO collectives per step (all-gather, reduce-scatter: count and payload) against
+   off by a constant factor), against one device's, per tensor relative to its largest element. The ZeRO
+   collectives per step (all-gather, reduce-scatter: count and payload) against
    :func:`refimpl.planner.zero_collectives` of the rank's TP-local shapes over dp.
 2. **Step time** (forward + loss + backward + AdamW), interleaved with a barrier before each, median over
    the measured steps, slowest rank; and the model state each rank holds at rest after a step (parameter
