@@ -81,11 +81,14 @@ def strict_p2p() -> bool:
     return os.environ.get(STRICT_P2P_ENV, "0") not in ("", "0")
 
 
-def _events(tracers, op: str, payload: int, group, peer, async_op: bool, *, batched: bool = False):
+def _events(tracers, op: str, payload: int, group, peer, async_op: bool, *, batched: bool = False,
+            wire: float | None = None):
     n = dist.get_world_size(group)
     measured = op in P2P_OPS
     if measured:  # a send puts exactly its tensor on the wire, a receive sends nothing
         sent = float(payload) if op in ("send", "isend") else 0.0
+    elif wire is not None:  # the caller knows what leaves this rank (an all-to-all's rows for other ranks)
+        sent = float(wire)
     else:         # the backend does not tell: book the ring model
         sent = wire_bytes(op, payload, n)
     start = now()
@@ -95,14 +98,15 @@ def _events(tracers, op: str, payload: int, group, peer, async_op: bool, *, batc
             for t in tracers]
 
 
-def _call(op: str, payload: int, group, peer, async_op: bool, fn, *, sent: torch.Tensor | None = None):
+def _call(op: str, payload: int, group, peer, async_op: bool, fn, *, sent: torch.Tensor | None = None,
+          wire: float | None = None):
     tracers = active_tracers()
     if not tracers:
         return fn()
     for t in tracers:
         if sent is not None and t.on_send is not None:
             t.on_send(sent)
-    events = _events(tracers, op, payload, group, peer, async_op)
+    events = _events(tracers, op, payload, group, peer, async_op, wire=wire)
     result = fn()
     if async_op:
         result = TracedWork(result, events) if result is not None else None
@@ -147,9 +151,19 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op
                  lambda: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op))
 
 
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None, group=None, async_op: bool = False):
+    """Rows of ``input`` (dim 0) to every rank of ``group``, equal blocks or ``input_split_sizes`` (uneven
+    and zero sizes work on gloo and NCCL). With split sizes the wire bytes are exact, not the ring model:
+    every row but those this rank keeps leaves it (chapter 09)."""
+    wire = None
+    if input_split_sizes is not None:
+        me = dist.get_rank(group)
+        row = input[0].numel() * input.element_size() if input.shape[0] else 0
+        wire = (input.shape[0] - input_split_sizes[me]) * row
     return _call("all_to_all", _nbytes(input), group, None, async_op,
-                 lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op))
+                 lambda: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                                group=group, async_op=async_op), wire=wire)
 
 
 def send(tensor: torch.Tensor, dst: int, group=None) -> None:

@@ -1,0 +1,248 @@
+"""The mixture-of-experts layer and expert parallelism (chapter 09).
+
+Shazeer et al. 2017, "Outrageously Large Neural Networks: The Sparsely-Gated Mixture-of-Experts Layer";
+Lepikhin et al. 2020, "GShard" (top-2 routing, capacity, experts spread over devices with all-to-all);
+Fedus et al. 2021, "Switch Transformers"; DeepSeek-AI 2024, "DeepSeek-V3 Technical Report". For each token
+``x_t`` the router (:mod:`.router`) picks ``k`` of ``E`` experts ``I_t`` with weights ``w_t``, and
+
+    y_t = sum_{j < k} w_{t,j} E_{I_tj}(x_t)          (combined in fp32; a dropped assignment adds 0).
+
+**Expert parallelism** (GShard section 3): the ``N`` ranks of ``ep_group`` each keep ``E/N`` experts (rank
+``r`` the experts ``[r E/N, (r+1) E/N)``) and each routes its **own** tokens. The all-to-all dispatcher
+(:func:`dispatch_all_to_all`, :func:`undispatch_all_to_all`): sort this rank's kept assignments by expert,
+exchange the per-expert counts, send each expert's rows to its owner (uneven splits), regroup rank-major to
+expert-major, run the local experts, and the reverse; then combine (:mod:`.dispatch` for the bookkeeping,
+:mod:`.expert_parallel_communications` for the collectives). The ``allgather`` dispatcher (Megatron-LM's
+default) gathers every rank's tokens and routing instead, computes the local experts' share of every token
+and reduce-scatters the partial outputs; both give the same result.
+
+**Gradients.** The layer averages nothing. After backward a local expert's gradient is the sum over every
+token it received, from any rank; the router's is this rank's tokens' (through the combine weights and the
+auxiliary losses). A data-parallel wrapper then averages dense weights over ``dp x cp`` and expert weights
+over the expert-data-parallel group (``dp x cp / ep``), by the global token count (docs: layout rules). An
+expert gradient divided by ``ep`` as well would be wrong by that factor, and AdamW would hide it
+(pytorch/pytorch#160285); the tests compare gradients, not losses.
+
+**Capacity** is per source rank (``C`` from this rank's ``T``, :mod:`.router`): one device reproduces an
+expert-parallel run by routing each rank's chunk on its own and concatenating (:func:`.concat_routings`, then
+:meth:`MoE.forward_routed`).
+
+Two constructors: ``MoE(dim=..., hidden=..., num_experts=..., top_k=..., ep_group=...)`` holds the local
+slice of :class:`.GroupedExperts`' 3-D weights (the efficient path); :meth:`MoE.from_modules` takes any
+router ``nn.Linear`` and any expert modules and runs them one by one (the general path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from refimpl.distributed.group_info import group_rank_size
+from refimpl.parallel.expert_parallel.dispatch import (
+    SortPlan,
+    combine,
+    expert_major_order,
+    inverse_permutation,
+    permute,
+    rank_splits,
+    sort_by_expert,
+)
+from refimpl.parallel.expert_parallel.expert_parallel_communications import (
+    AllToAllTraffic,
+    all_to_all_tokens,
+    check_equal_tokens,
+    exchange_counts,
+    gather_no_grad,
+    gather_tokens,
+    reduce_scatter_tokens,
+)
+from refimpl.parallel.expert_parallel.experts import GroupedExperts, LoopedExperts
+from refimpl.parallel.expert_parallel.router import RouterConfig, Routing, TopKRouter
+
+DISPATCHERS = ("alltoall", "allgather")
+"""Token dispatchers: ``alltoall`` (GShard; Megatron-LM's ``alltoall``) and ``allgather`` (Megatron-LM's
+default)."""
+
+Group = dist.ProcessGroup | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dispatched:
+    """What :func:`dispatch_all_to_all` hands the local experts, and what the way back needs.
+    ``tokens [R, h]``: expert-major rows; ``counts``: rows per local expert; ``plan``: this rank's sort;
+    ``order``: rank-major -> expert-major; ``input_splits`` / ``output_splits``: rows sent to / received
+    from each rank."""
+
+    tokens: torch.Tensor
+    counts: list[int]
+    plan: SortPlan
+    order: torch.Tensor
+    input_splits: list[int]
+    output_splits: list[int]
+
+
+def dispatch_all_to_all(x: torch.Tensor, routing: Routing, *, num_experts: int, group: Group,
+                        traffic: AllToAllTraffic | None = None) -> Dispatched:
+    """Send the tokens ``x [T, h]`` of this rank's kept assignments to their experts' ranks (module
+    docstring)."""
+    n = group_rank_size(group)[1]
+    plan = sort_by_expert(routing.kept_ids, num_experts)
+    recv = exchange_counts(plan.counts, group)                  # [N, E/N]: rank q's rows for my expert j
+    input_splits = rank_splits(plan.counts, n)
+    output_splits = recv.sum(1).tolist()
+    got = all_to_all_tokens(permute(x, plan), output_splits, input_splits, group, traffic)  # rank-major
+    order = expert_major_order(recv)
+    return Dispatched(tokens=got.index_select(0, order), counts=recv.sum(0).tolist(), plan=plan, order=order,
+                      input_splits=input_splits, output_splits=output_splits)
+
+
+def undispatch_all_to_all(y: torch.Tensor, d: Dispatched, group: Group,
+                          traffic: AllToAllTraffic | None = None) -> torch.Tensor:
+    """Expert outputs ``y [R, h]`` (expert-major) back to their source ranks: ``[A, h]`` in this rank's
+    sorted order (``d.plan``), ready for :func:`.combine`."""
+    back = y.index_select(0, inverse_permutation(d.order))     # rank-major again
+    return all_to_all_tokens(back, d.input_splits, d.output_splits, group, traffic)
+
+
+def _local_count(num_experts: int, ep: int) -> int:
+    if num_experts % ep:
+        raise ValueError(f"{num_experts} experts do not divide over the expert-parallel size {ep}")
+    return num_experts // ep
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts layer, expert-parallel over ``ep_group`` (module docstring).
+
+    ``moe(x)`` maps ``[b, s, h]`` or ``[T, h]`` to the same shape. After a forward: ``aux_loss`` (the
+    load-balancing loss plus the z-loss, in the graph: add it to the loss), ``z_loss``,
+    ``tokens_per_expert`` (``[E]`` assignments of this rank's tokens, before capacity), ``kept_per_expert``
+    (after), ``dropped_fraction``, ``routing`` and ``traffic`` (token bytes the all-to-alls sent to other
+    ranks, forward and, once backward ran, backward).
+
+    This constructor builds the efficient layer: a bias-free ``nn.Linear(dim, num_experts)`` router and the
+    local slice of :class:`.GroupedExperts`, all drawn from ``torch.Generator().manual_seed(seed)``, so
+    every ``ep`` holds the same experts as one device."""
+
+    def __init__(self, *, dim: int, hidden: int, num_experts: int, top_k: int, activation: str = "swiglu",
+                 score_func: str = "softmax", normalize_topk: bool = True,
+                 capacity_factor: float | None = None, aux_loss_coeff: float = 0.01,
+                 z_loss_coeff: float = 0.0, expert_bias: bool = False, dispatcher: str = "alltoall",
+                 ep_group: Group = None, seed: int = 0, device=None, dtype=None) -> None:
+        super().__init__()
+        config = RouterConfig(num_experts=num_experts, top_k=top_k, score_func=score_func,
+                              normalize_topk=normalize_topk, capacity_factor=capacity_factor,
+                              aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
+                              expert_bias=expert_bias)
+        ep_rank, ep = group_rank_size(ep_group)
+        local = _local_count(num_experts, ep)
+        g = torch.Generator().manual_seed(seed)
+        gate = nn.Linear(dim, num_experts, bias=False, device=device, dtype=dtype)
+        with torch.no_grad():
+            bound = 1.0 / dim**0.5
+            gate.weight.copy_(torch.empty(num_experts, dim).uniform_(-bound, bound, generator=g))
+        experts = GroupedExperts(dim=dim, hidden=hidden, num_experts=num_experts, activation=activation,
+                                 first=ep_rank * local, num_local=local, generator=g, device=device,
+                                 dtype=dtype)
+        self._attach(TopKRouter(gate, config), experts, ep_group, dispatcher)
+
+    @classmethod
+    def from_modules(cls, router: nn.Linear, experts: Sequence[nn.Module], *, top_k: int,
+                     score_func: str = "softmax", normalize_topk: bool = True,
+                     capacity_factor: float | None = None, ep_group: Group = None,
+                     aux_loss_coeff: float = 0.01, z_loss_coeff: float = 0.0, expert_bias: bool = False,
+                     dispatcher: str = "alltoall") -> MoE:
+        """The general layer: ``router`` (``h -> E``, used as given) and the full list of ``E`` expert
+        modules (``[n, h] -> [n, h]``, any module); rank ``r`` of ``ep_group`` (size ``N``) keeps
+        ``experts[r E/N : (r+1) E/N]`` and runs them one by one."""
+        experts = list(experts)
+        config = RouterConfig(num_experts=len(experts), top_k=top_k, score_func=score_func,
+                              normalize_topk=normalize_topk, capacity_factor=capacity_factor,
+                              aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
+                              expert_bias=expert_bias)
+        ep_rank, ep = group_rank_size(ep_group)
+        local = _local_count(len(experts), ep)
+        first = ep_rank * local
+        moe = cls.__new__(cls)
+        nn.Module.__init__(moe)
+        moe._attach(TopKRouter(router, config), LoopedExperts(experts[first : first + local], first),
+                    ep_group, dispatcher)
+        return moe
+
+    def _attach(self, router: TopKRouter, experts: nn.Module, ep_group: Group, dispatcher: str) -> None:
+        if dispatcher not in DISPATCHERS:
+            raise ValueError(f"unknown dispatcher {dispatcher!r}; expected one of {DISPATCHERS}")
+        self.router = router
+        self.experts = experts
+        self.ep_group = ep_group
+        self.ep_rank, self.ep_size = group_rank_size(ep_group)
+        self.num_experts = router.config.num_experts
+        self.num_local_experts = _local_count(self.num_experts, self.ep_size)
+        self.first_expert = self.ep_rank * self.num_local_experts
+        self.dim = router.gate.in_features
+        self.dispatcher = dispatcher
+        self.routing: Routing | None = None
+        self.aux_loss: torch.Tensor | None = None
+        self.z_loss: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+        self.kept_per_expert: torch.Tensor | None = None
+        self.dropped_fraction: float | None = None
+        self.traffic = AllToAllTraffic()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() not in (2, 3) or x.shape[-1] != self.dim:
+            raise ValueError(f"MoE expects [b, s, {self.dim}] or [T, {self.dim}], got {tuple(x.shape)}")
+        tokens = x.reshape(-1, self.dim)
+        routing = self.router(tokens)
+        y = self.forward_routed(tokens, routing)
+        self.routing, self.aux_loss, self.z_loss = routing, routing.aux_loss, routing.z_loss
+        self.tokens_per_expert, self.kept_per_expert = routing.tokens_per_expert, routing.kept_per_expert
+        self.dropped_fraction = routing.dropped_fraction
+        return y.view(x.shape)
+
+    def forward_routed(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """``[T, h]`` tokens already routed -> ``[T, h]`` (``x.dtype``): dispatch, local experts, combine."""
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"unknown dispatcher {self.dispatcher!r}; expected one of {DISPATCHERS}")
+        self.traffic = AllToAllTraffic()
+        if self.dispatcher == "allgather":
+            return self._forward_allgather(x, routing).to(x.dtype)
+        d = dispatch_all_to_all(x, routing, num_experts=self.num_experts, group=self.ep_group,
+                                traffic=self.traffic)
+        y = self.experts(d.tokens, d.counts)
+        back = undispatch_all_to_all(y, d, self.ep_group, self.traffic)
+        return combine(back, routing.kept_weights, d.plan).to(x.dtype)
+
+    def _forward_allgather(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Every rank's tokens and routing gathered; my experts' share of every token's output; the shares
+        summed back to the tokens' owners (one reduce-scatter)."""
+        g = self.ep_group
+        check_equal_tokens(x.shape[0], g, x.device)
+        x_all = gather_tokens(x, g)                                   # [N T, h]
+        ids = gather_no_grad(routing.kept_ids, g)                     # [N T, k], -1: dropped
+        weights = gather_tokens(routing.kept_weights, g)              # [N T, k] fp32, in the graph
+        lo, hi = self.first_expert, self.first_expert + self.num_local_experts
+        mine = torch.where((ids >= lo) & (ids < hi), ids - lo, torch.full_like(ids, -1))
+        plan = sort_by_expert(mine, self.num_local_experts)
+        y = self.experts(permute(x_all, plan), plan.counts.tolist())
+        return reduce_scatter_tokens(combine(y, weights, plan), g)   # [T, h] fp32
+
+    def update_expert_bias(self, rate: float, *, load: torch.Tensor | None = None,
+                           group: Group = None) -> torch.Tensor:
+        """DeepSeek-V3's bias update (:meth:`.TopKRouter.update_expert_bias`) from ``load`` (default: the
+        last forward's ``tokens_per_expert``), summed over ``group`` when given."""
+        load = self.tokens_per_expert if load is None else load
+        if load is None:
+            raise RuntimeError("update_expert_bias needs a forward first, or a load")
+        return self.router.update_expert_bias(load, rate, group)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, top_k={self.router.config.top_k}, ep={self.ep_size}, "
+                f"local=[{self.first_expert}, {self.first_expert + self.num_local_experts}), "
+                f"dispatcher={self.dispatcher}")
+
+
+__all__ = ["DISPATCHERS", "Dispatched", "MoE", "dispatch_all_to_all", "undispatch_all_to_all"]
