@@ -36,8 +36,8 @@ SPAWN = {
     "test_ring_attention", "test_tp_communications", "test_tp_layers", "test_tp_plan", "test_tp_transformer",
     "test_train", "test_train_3d", "test_train_zero3", "test_fsdp_tp", "test_planner_zero3",
     "test_train_checkpoint", "test_train_cp", "test_train_pp", "test_train_tp", "test_ulysses",
-    "test_vocab_parallel", "test_zero", "test_chapters", "test_expert_parallel", "test_fp8_communication", "test_moe_model",
-    "test_train_moe",
+    "test_vocab_parallel", "test_zero", "test_chapters", "test_expert_parallel", "test_fp8_communication",
+    "test_moe_model", "test_train_moe",
 }
 SUBPROCESS = {
     "test_browser", "test_chapters", "test_deploy", "test_elastic", "test_exercises", "test_notebook",
