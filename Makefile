@@ -38,9 +38,10 @@ setup: $(STAMP)
 train: $(STAMP)
 	$(PY) -m refimpl.train --nproc-per-node auto $(ARGS)
 
+# Two lanes (tools/run_tests.py): the tests no clock judges on two workers, then the clock-judged ones alone
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q --durations=15 $(ARGS)
+	$(PY) tools/run_tests.py --durations=15 $(ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q --ignore=tests/test_chapters.py $(ARGS)

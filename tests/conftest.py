@@ -5,7 +5,9 @@
 - ``spawn``: starts rank processes (``refimpl.launch.run_ranks``, torchrun, ipyparallel engines);
 - ``subprocess``: runs a child Python (the trainer's command line, the grader, the planner's CLI);
 - ``chapter``: executes a chapter as a notebook under nbval;
-- ``browser``: drives JupyterLab in Debian's chromium.
+- ``browser``: drives JupyterLab in Debian's chromium;
+- ``serial``: its verdict reads a clock; tools/run_tests.py (``make test``) runs it alone, after the tests
+  that no clock judges, which run on two workers.
 
 ``make test-unit`` runs what carries none of them (one process, seconds: the edit loop); ``make test``
 runs everything. A module that starts processes in some tests only carries the marker as a whole: the
@@ -46,7 +48,12 @@ SUBPROCESS = {
 }
 CHAPTER = {"test_chapters"}
 BROWSER = {"test_browser"}
-TIERS = {"spawn": SPAWN, "subprocess": SUBPROCESS, "chapter": CHAPTER, "browser": BROWSER}
+# Verdicts that read a clock (a hang named within its timeout, a process gone within a bound, a retry
+# loop's pace, a browser's redraw): tools/run_tests.py runs these alone, after the parallel lane.
+# test_chapters marks its own clock-judged chapter (08's measured bubble) per parameter.
+SERIAL = {"test_elastic", "test_elastic_3d", "test_p2p_strict", "test_rank_lifetime",
+          "test_notebook_lifetime", "test_browser"}
+TIERS = {"spawn": SPAWN, "subprocess": SUBPROCESS, "chapter": CHAPTER, "browser": BROWSER, "serial": SERIAL}
 
 
 def timeout_scale() -> float:
@@ -69,6 +76,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for marker, modules in TIERS.items():
             if module in modules:
                 item.add_marker(marker)
+        # the parallel lane's unit of work (tools/run_tests.py): a module, so that its module-scoped fixtures
+        # (one spawn for many tests) run once; each chapter on its own
+        group = f"{module}[{item.callspec.id}]" if module in CHAPTER and hasattr(item, "callspec") else module
+        item.add_marker(pytest.mark.xdist_group(group))
         if scale != 1 and (limit := scaled_timeout(item.get_closest_marker("timeout"), default, scale)):
             item.add_marker(pytest.mark.timeout(limit), append=False)  # first: the closest marker wins
 

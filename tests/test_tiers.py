@@ -42,3 +42,30 @@ def test_scaled_timeout_takes_the_tests_own_limit_else_the_default():
     assert scaled_timeout(pytest.mark.timeout(timeout=10).mark, 300, 3) == 30
     assert scaled_timeout(None, 300, 2) == 600
     assert scaled_timeout(None, 0, 2) == 0  # no limit stays no limit
+
+
+def _run_tests_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_tests", TESTS.parent / "tools" / "run_tests.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_two_lanes_split_the_selection_and_an_empty_lane_is_no_failure():
+    run_tests = _run_tests_module()
+    parallel, serial = run_tests.lane_commands("numerics", 2, ["tests/test_zero.py"])
+    assert "-m (numerics) and not serial -n 2" in " ".join(parallel)
+    assert "-m (numerics) and serial tests/test_zero.py" in " ".join(serial)
+    assert parallel[-3:] == ["--dist", "loadgroup", "tests/test_zero.py"] and "-n" not in serial
+    assert "-n" not in run_tests.lane_commands(None, 1, [])[0]  # one worker: no xdist at all
+    assert run_tests.combined_status([0, 5]) == 0 and run_tests.combined_status([5, 0]) == 0
+    assert run_tests.combined_status([5, 5]) == 5  # nothing selected anywhere is not a pass
+    assert run_tests.combined_status([1, 0]) == 1 and run_tests.combined_status([0, 2]) == 2
+
+
+def test_every_serial_module_exists():
+    from tests.conftest import SERIAL
+
+    assert SERIAL <= {p.stem for p in TESTS.glob("test_*.py")}
