@@ -48,12 +48,16 @@ def process_tree(pids: Sequence[int], known: dict[int, psutil.Process]) -> dict[
     return {pid: p for pid, p in out.items() if p.is_running()}
 
 
-def kill_tree(procs: dict[int, psutil.Process]) -> None:
-    """SIGKILL every process (children first), then reap what we can."""
+def kill_tree(procs: dict[int, psutil.Process], timeout_s: float = 3.0) -> None:
+    """SIGKILL every process (children first), then reap what we can: wait (at most ``timeout_s``) until
+    each is gone or a zombie, which only its parent can reap (a killed nanny's engine: init reaps it)."""
     for proc in reversed(list(procs.values())):
         with contextlib.suppress(psutil.Error):
             proc.kill()
-    psutil.wait_procs(list(procs.values()), timeout=3)
+    pending, deadline = list(procs.values()), time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        _, pending = psutil.wait_procs(pending, timeout=0.05)  # reaps our own children
+        pending = [p for p in pending if _alive(p.pid, None)]
 
 
 def watch(watched_pid: int, start_time: float | None, pids: Sequence[int], interval_s: float = 0.5) -> int:
