@@ -55,6 +55,34 @@ def _cli(args: list[str], cwd: Path, timeout: float = CLI_TIMEOUT_S) -> subproce
                           capture_output=True, text=True, timeout=timeout)
 
 
+def _cli_in_process(args: list[str], cwd: Path, env: dict[str, str] | None = None
+                    ) -> subprocess.CompletedProcess:
+    """``python -m refimpl.train args`` as :func:`refimpl.train.cli.main` in this process (``env``: extra
+    variables), for refusals: they end before any process group, thread or seed is touched, and a fresh
+    interpreter per case would cost seconds of torch import each. One case per path still runs as a real
+    command (``IN_A_CHILD``), so the two are checked to agree."""
+    import contextlib
+    import io
+
+    from refimpl.train.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved, here = dict(os.environ), os.getcwd()
+    os.environ.update(_env(cwd / "cache") | (env or {}))
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(args)
+            except SystemExit as exc:  # argparse's refusals and --help
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(["refimpl.train", *args], code, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("train")
@@ -69,6 +97,10 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-heads", "2", "--seq-len", "32"]
+
+# The refusals that run as real commands (a fresh interpreter, the self-launch and the rank's environment);
+# the others call the same main() in this process (_cli_in_process).
+IN_A_CHILD = {"unknown-flag", "help", "nproc-not-dividing-batch", "pp2-zero3-zbh1"}
 
 # name -> (arguments, whether argparse itself refuses them). {corpus} etc. are filled in from `files`.
 BAD_INPUT = {
@@ -92,10 +124,13 @@ def cli_runs(files) -> dict[str, subprocess.CompletedProcess]:
         cwd = files["root"] / name
         cwd.mkdir()
         args = [a.format(**files) for a in commands[name]] + ["--out", str(cwd / "run")]
-        return _cli(args, cwd)
+        return _cli(args, cwd) if name in IN_A_CHILD else _cli_in_process(args, cwd)
 
+    # in this process first (it changes os.environ and the working directory), then the children together
+    here = {name: run(name) for name in commands if name not in IN_A_CHILD}
     with ThreadPoolExecutor(max_workers=4) as pool:
-        return dict(zip(commands, pool.map(run, commands), strict=True))
+        children = {name: pool.submit(run, name) for name in commands if name in IN_A_CHILD}
+        return {name: children[name].result() if name in children else here[name] for name in commands}
 
 
 @pytest.mark.timeout(2 * CLI_TIMEOUT_S + 60)  # the first one waits for the fixture: two waves of four
@@ -454,17 +489,23 @@ def layout_refusals(files) -> dict[str, tuple[subprocess.CompletedProcess, subpr
         cwd.mkdir()
         args = [*TINY, "--batch-size", "4", "--data", str(files["corpus"]), *LAYOUT_REFUSALS[name][0],
                 "--out", str(cwd / "run")]
-        env = _env(cwd / "cache")
+        env = {}
         if as_rank:
             env.update(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", LOCAL_WORLD_SIZE="4")
         else:
             args += ["--nproc-per-node", "4"]
-        return subprocess.run([sys.executable, "-m", "refimpl.train", *args], cwd=cwd, env=env,
-                              capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+        if name not in IN_A_CHILD:
+            return _cli_in_process(args, cwd, env)
+        return subprocess.run([sys.executable, "-m", "refimpl.train", *args], cwd=cwd,
+                              env=_env(cwd / "cache") | env, capture_output=True, text=True,
+                              timeout=CLI_TIMEOUT_S)
 
     jobs = [(name, as_rank) for name in LAYOUT_REFUSALS for as_rank in (False, True)]
+    # in this process first (it changes os.environ and the working directory), then the children together
+    done = {job: run(job) for job in jobs if job[0] not in IN_A_CHILD}
     with ThreadPoolExecutor(max_workers=4) as pool:
-        done = dict(zip(jobs, pool.map(run, jobs), strict=True))
+        children = {job: pool.submit(run, job) for job in jobs if job[0] in IN_A_CHILD}
+        done |= {job: future.result() for job, future in children.items()}
     return {name: (done[(name, False)], done[(name, True)]) for name in LAYOUT_REFUSALS}
 
 
