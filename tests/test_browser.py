@@ -10,9 +10,9 @@ project's ``defaultViewers`` override, not the text editor), waits for the kerne
 * chapter 00: Run All (its ranks, a collective, a failing rank on purpose, torchrun, the figure);
 * chapter 02: the cells up to and including ``start_ranks``; then the kernel is shut down with its 4 ranks
   alive, and none of the ranks' processes (controller, engines, nannies, reaper) may survive it;
-* every other chapter: the cells before its ``start_ranks`` (those that need no ranks), at most
-  ``CELL_CAP`` code cells. The chapters run in full under nbval (tests/test_chapters.py); here what is
-  tested is the browser: the notebook opens, runs, renders.
+* every other chapter: the cells before its first ``start_ranks`` or ``run_command`` (those that launch
+  no ranks), at most ``CELL_CAP`` code cells. The chapters run in full under nbval
+  (tests/test_chapters.py); here what is tested is the browser: the notebook opens, runs, renders.
 
 It fails on an error output, a cell of the run left without an execution count, a figure (an ``image/png``
 output) whose ``<img>`` does not render (``naturalWidth > 0``), and on chapter 04's Ψ slider if it does not
@@ -124,12 +124,18 @@ def _cells_to_run(source: Path) -> tuple[int, bool]:
     if source.stem == FULL_RUN:
         return len(nb.cells), True
     code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
-    starts = [i for i in code if "start_ranks(" in nb.cells[i].source and "import" not in
-              nb.cells[i].source.split("start_ranks(")[0].splitlines()[-1]]
+
+    def calls(i: int, name: str) -> bool:
+        text = nb.cells[i].source
+        return name in text and "import" not in text.split(name)[0].splitlines()[-1]
+
+    starts = [i for i in code if calls(i, "start_ranks(")]
     if source.stem == LIVE_RANKS:
         assert starts, f"{source.name} no longer starts ranks: pick another chapter for LIVE_RANKS"
         return starts[0] + 1, False
-    before = [i for i in code if not starts or i < starts[0]][:CELL_CAP]
+    # ranks or a torchrun launch (run_command): the chapter's own test runs those (tests/test_chapters.py)
+    launches = [i for i in code if i in starts or calls(i, "run_command(")]
+    before = [i for i in code if not launches or i < launches[0]][:CELL_CAP]
     return (before[-1] + 1 if before else 0), False
 
 
