@@ -38,7 +38,7 @@ setup: $(STAMP)
 train: $(STAMP)
 	$(PY) -m refimpl.train --nproc-per-node auto $(ARGS)
 
-# Two lanes (tools/run_tests.py): the tests no clock judges on two workers, then the clock-judged ones alone
+# Two lanes at once (tools/run_tests.py): the computing tests, and beside them those that mostly wait
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) tools/run_tests.py --durations=15 $(ARGS)

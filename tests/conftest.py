@@ -6,8 +6,8 @@
 - ``subprocess``: runs a child Python (the trainer's command line, the grader, the planner's CLI);
 - ``chapter``: executes a chapter as a notebook under nbval;
 - ``browser``: drives JupyterLab in Debian's chromium;
-- ``serial``: its verdict reads a clock; tools/run_tests.py (``make test``) runs it alone, after the tests
-  that no clock judges, which run on two workers.
+- ``serial``: it mostly waits, and its verdict reads a clock; tools/run_tests.py (``make test``) runs these
+  one after the other, beside the rest of the suite.
 
 ``make test-unit`` runs what carries none of them (one process, seconds: the edit loop); ``make test``
 runs everything. A module that starts processes in some tests only carries the marker as a whole: the
@@ -48,9 +48,9 @@ SUBPROCESS = {
 }
 CHAPTER = {"test_chapters"}
 BROWSER = {"test_browser"}
-# Verdicts that read a clock (a hang named within its timeout, a process gone within a bound, a retry
-# loop's pace, a browser's redraw): tools/run_tests.py runs these alone, after the parallel lane.
-# test_chapters marks its own clock-judged chapter (08's measured bubble) per parameter.
+# Tests that mostly wait, judged by a clock (a hang named within its timeout, a process gone within a bound,
+# an elastic restart loop, a browser's redraw): tools/run_tests.py runs them in their own lane, one after
+# the other, beside the computing tests. test_chapters marks its own (08's bubble, timed) per parameter.
 SERIAL = {"test_elastic", "test_elastic_3d", "test_p2p_strict", "test_rank_lifetime",
           "test_notebook_lifetime", "test_browser"}
 TIERS = {"spawn": SPAWN, "subprocess": SUBPROCESS, "chapter": CHAPTER, "browser": BROWSER, "serial": SERIAL}
@@ -76,10 +76,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for marker, modules in TIERS.items():
             if module in modules:
                 item.add_marker(marker)
-        # the parallel lane's unit of work (tools/run_tests.py): a module, so that its module-scoped fixtures
-        # (one spawn for many tests) run once; each chapter on its own
-        group = f"{module}[{item.callspec.id}]" if module in CHAPTER and hasattr(item, "callspec") else module
-        item.add_marker(pytest.mark.xdist_group(group))
         if scale != 1 and (limit := scaled_timeout(item.get_closest_marker("timeout"), default, scale)):
             item.add_marker(pytest.mark.timeout(limit), append=False)  # first: the closest marker wins
 

@@ -22,8 +22,8 @@ CHAPTER_TIMEOUT_S = 420
 # ours vs PyTorch's) carry the numerics marker: CI reruns them under ATEN_CPU_CAPABILITY=default.
 NUMERICS = {"03_data_parallel", "04_zero", "05_mixed_precision", "06_tensor_parallel",
             "07_context_parallel", "08_pipeline_parallel", "09_checkpoint_elastic", "10_3d_parallelism"}
-# Chapters whose assertions read a clock (08 times a pipeline's bubble with sleeping stages): they run alone,
-# in the serial lane of tools/run_tests.py; the others run beside other tests.
+# Chapters that mostly wait, judged by a clock (08 times a pipeline's bubble with sleeping stages): the
+# waiting lane of tools/run_tests.py, beside the computing tests.
 SERIAL = {"08_pipeline_parallel"}
 PARAMS = [pytest.param(p, id=p.stem, marks=[*([pytest.mark.numerics] if p.stem in NUMERICS else []),
                                             *([pytest.mark.serial] if p.stem in SERIAL else [])])

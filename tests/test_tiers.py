@@ -55,11 +55,10 @@ def _run_tests_module():
 
 def test_the_two_lanes_split_the_selection_and_an_empty_lane_is_no_failure():
     run_tests = _run_tests_module()
-    parallel, serial = run_tests.lane_commands("numerics", 2, ["tests/test_zero.py"])
-    assert "-m (numerics) and not serial -n 2" in " ".join(parallel)
-    assert "-m (numerics) and serial tests/test_zero.py" in " ".join(serial)
-    assert parallel[-3:] == ["--dist", "loadgroup", "tests/test_zero.py"] and "-n" not in serial
-    assert "-n" not in run_tests.lane_commands(None, 1, [])[0]  # one worker: no xdist at all
+    compute, waiting = run_tests.lane_commands("numerics", ["tests/test_zero.py"])
+    assert " ".join(compute).endswith("-m (numerics) and not serial tests/test_zero.py")
+    assert " ".join(waiting).endswith("-m (numerics) and serial tests/test_zero.py")
+    assert " ".join(run_tests.lane_commands(None, [])[1]).endswith("-m serial")
     assert run_tests.combined_status([0, 5]) == 0 and run_tests.combined_status([5, 0]) == 0
     assert run_tests.combined_status([5, 5]) == 5  # nothing selected anywhere is not a pass
     assert run_tests.combined_status([1, 0]) == 1 and run_tests.combined_status([0, 2]) == 2
