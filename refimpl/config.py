@@ -24,6 +24,9 @@ CP_METHODS: tuple[str, ...] = ("ring", "ulysses")  # chapter 07: ring attention,
 CP_LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")  # chapter 07: how the ring splits the sequence
 PP_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zbh1")  # chapter 08
 PP_BALANCES: tuple[str, ...] = ("layers", "parameters")  # chapter 08: how blocks are cut into stages
+MOE_SCORE_FUNCS: tuple[str, ...] = ("softmax", "sigmoid")  # chapter 09: Switch / Mixtral, DeepSeek-V3
+MOE_LOAD_BALANCE: tuple[str, ...] = ("aux", "bias")  # chapter 09: the balance loss, or DeepSeek-V3's bias
+MOE_ACTIVATIONS: tuple[str, ...] = ("gelu", "swiglu")  # chapter 09: the experts' MLP
 
 
 def _divisors(n: int) -> list[int]:
@@ -71,6 +74,18 @@ class ModelConfig:
 
     A decoder-only transformer with pre-LayerNorm blocks (GPT-2, Radford et al. 2019), learned position
     embeddings and a byte vocabulary of 256.
+
+    **Mixture of experts** (chapter 09; Shazeer et al. 2017, GShard, Switch, DeepSeek-V3): with
+    ``num_experts = E > 0`` the MLP of every ``moe_every``-th block (blocks ``0, N, 2N, ...``, the rule of
+    Megatron-LM's ``moe_layer_freq``; 1: all) is a :class:`refimpl.moe.MoEMLP`: a top-``top_k`` router over
+    ``E`` experts with ``score_func`` scores, each expert an MLP of ``moe_ffn_hidden_size`` (None: the dense
+    MLP's ``ffn_hidden_size``) with ``moe_activation`` (``gelu``: two matrices like the dense MLP;
+    ``swiglu``: three). ``capacity_factor`` None is dropless, else each expert takes ``ceil(k T / E cf)``
+    of the ``T`` tokens of one forward on one rank. ``moe_load_balance``: ``aux`` adds the sequence-wise
+    balance loss ``aux_loss_coeff x E sum_i f_i P_i`` (DeepSeek-V3 eq. 17-20) to the loss; ``bias`` also
+    adds it (0 for none) and steers the choice with DeepSeek-V3's expert bias, moved by
+    ``moe_bias_update_rate`` before each optimizer step. With ``num_experts = 0`` (dense, the default) the
+    MoE fields are unused and left out of :meth:`to_dict`, so a dense configuration reads as before.
     """
 
     vocab_size: int = 256
@@ -81,6 +96,16 @@ class ModelConfig:
     max_seq_len: int = 128
     tie_word_embeddings: bool = True
     layernorm_eps: float = 1e-5
+    num_experts: int = 0  # 0: dense; E > 0: MoE blocks (chapter 09)
+    top_k: int = 2
+    moe_every: int = 1
+    capacity_factor: float | None = None  # None: dropless
+    aux_loss_coeff: float = 0.01
+    score_func: str = "softmax"
+    moe_load_balance: str = "aux"
+    moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
+    moe_activation: str = "gelu"
+    moe_bias_update_rate: float = 1e-3  # DeepSeek-V3's gamma
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "max_seq_len"):
@@ -97,14 +122,64 @@ class ModelConfig:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
         elif self.ffn_hidden_size <= 0:
             raise ConfigError(f"ModelConfig.ffn_hidden_size must be positive, got {self.ffn_hidden_size}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        e = self.num_experts
+        if isinstance(e, bool) or not isinstance(e, int) or e < 0:
+            raise ConfigError(f"ModelConfig.num_experts must be 0 (dense) or a positive integer, got "
+                              f"{self.num_experts!r}")
+        if self.num_experts == 0:
+            return
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(f"ModelConfig.top_k must be in [1, num_experts = {self.num_experts}], got "
+                              f"{self.top_k}")
+        if self.moe_every < 1:
+            raise ConfigError(f"ModelConfig.moe_every must be >= 1 (1: every block), got {self.moe_every}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ConfigError(f"ModelConfig.capacity_factor must be > 0 or None (dropless), got "
+                              f"{self.capacity_factor}")
+        if not self.aux_loss_coeff >= 0 or not self.moe_bias_update_rate >= 0:
+            raise ConfigError(f"ModelConfig.aux_loss_coeff and moe_bias_update_rate must be >= 0, got "
+                              f"{self.aux_loss_coeff} and {self.moe_bias_update_rate}")
+        for name, known in (("score_func", MOE_SCORE_FUNCS), ("moe_load_balance", MOE_LOAD_BALANCE),
+                            ("moe_activation", MOE_ACTIVATIONS)):
+            if getattr(self, name) not in known:
+                raise ConfigError(f"ModelConfig.{name} must be one of {known}, got {getattr(self, name)!r}")
+        if self.moe_ffn_hidden_size is not None and self.moe_ffn_hidden_size <= 0:
+            raise ConfigError(f"ModelConfig.moe_ffn_hidden_size must be positive, got "
+                              f"{self.moe_ffn_hidden_size}")
 
     @property
     def head_dim(self) -> int:
         """Q in the PaLM FLOPs formula: the width of one attention head."""
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def expert_hidden_size(self) -> int:
+        """The width of one expert's MLP: ``moe_ffn_hidden_size``, else the dense MLP's."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block ``index`` has an MoE MLP: ``num_experts > 0`` and ``index % moe_every == 0``."""
+        return self.num_experts > 0 and index % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The indices of the blocks whose MLP is an MoE."""
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
+
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as a dict; a dense configuration (``num_experts = 0``) without its unused MoE fields."""
+        out = dataclasses.asdict(self)
+        if self.num_experts == 0:
+            for name in _MOE_FIELDS:
+                out.pop(name)
+        return out
+
+
+_MOE_FIELDS = ("num_experts", "top_k", "moe_every", "capacity_factor", "aux_loss_coeff", "score_func",
+               "moe_load_balance", "moe_ffn_hidden_size", "moe_activation", "moe_bias_update_rate")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,7 +271,9 @@ class TrainConfig:
             raise ConfigError(f"TrainConfig.log_every must be positive, got {self.log_every}")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The run as a dict (config.json, the checkpoint's signature); the model's as
+        :meth:`ModelConfig.to_dict` gives it (a dense model without the MoE fields)."""
+        return dataclasses.asdict(self) | {"model": self.model.to_dict()}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,6 +291,8 @@ class ParallelConfig:
     ``zigzag``, the default, or ``contiguous``; Ulysses: contiguous) (chapter 07); the pipeline's
     ``pp_schedule``, ``virtual_stages`` (model chunks per rank), ``pp_balance`` (``layers`` or
     ``parameters``) and ``microbatches`` (None: the trainer's default) (chapter 08);
+    ``ep`` the expert-parallel degree (chapter 09): the experts of each MoE block split over ``ep``
+    consecutive ranks of the ``dp x cp`` ranks (torchtitan's dp2ep), so it must divide ``dp x cp``;
     ``activation_checkpointing`` a block selection (``all``, ``every-N``, ``0,2,-1``; None: off).
     The wrappers' tuning: ``bucket_cap_mb`` ZeRO-0's gradient buckets (DDP's 25 MB), ``zero_bucket_numel``
     the elements per reduce-scatter bucket of ZeRO-2, ``prefetch`` and ``reshard_after_forward`` ZeRO-3's
@@ -231,6 +310,7 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     dp_replicate: int = 1
+    ep: int = 1
     zero_stage: int = 0
     precision: str = "fp32"
     sequence_parallel: bool = False
@@ -248,8 +328,8 @@ class ParallelConfig:
     zero3_reshard_per_microbatch: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("cp", "tp", "pp", "dp_replicate", "virtual_stages") + (("dp",) if self.dp is not None
-                                                                            else ()):
+        degrees = ("cp", "tp", "pp", "dp_replicate", "ep", "virtual_stages")
+        for name in degrees + (("dp",) if self.dp is not None else ()):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
@@ -285,9 +365,10 @@ class ParallelConfig:
 
     @property
     def degrees(self) -> dict[str, int | None]:
-        """``{"dp": ..., "cp": ..., "tp": ..., "pp": ..., "dp_replicate": ...}`` (dp None: derived from the
-        world size)."""
-        return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "pp": self.pp, "dp_replicate": self.dp_replicate}
+        """``{"dp": ..., "cp": ..., "tp": ..., "pp": ..., "dp_replicate": ..., "ep": ...}`` (dp None: derived
+        from the world size)."""
+        return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "pp": self.pp, "dp_replicate": self.dp_replicate,
+                "ep": self.ep}
 
     @property
     def fsdp_mixed_precision(self) -> bool:

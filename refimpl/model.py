@@ -8,6 +8,9 @@ parallel chapter can replace them one for one. Each is a :class:`refimpl.nn.Line
 one linear seam, :func:`refimpl.nn.linear.linear_with_grad`, so zero-bubble's deferred ``dW`` sets a store
 on it instead of patching it).
 
+With ``config.num_experts > 0`` the MLP of every ``moe_every``-th block is a mixture of experts
+(:class:`refimpl.moe.MoEMLP`, chapter 09); a dense configuration builds exactly the model it always did.
+
 Shapes: b = micro-batch, s = sequence length, h = hidden size, a = attention heads, d = h / a, v = vocab.
 """
 
@@ -69,14 +72,20 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """x + Attn(LN(x)), then + MLP(LN(.)): the pre-LN residual block."""
+    """x + Attn(LN(x)), then + MLP(LN(.)): the pre-LN residual block. Block ``layer`` of an MoE
+    configuration (:meth:`ModelConfig.is_moe_layer`) has a mixture-of-experts MLP (chapter 09)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
         self.self_attention = CausalSelfAttention(config)
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
-        self.mlp = MLP(config)
+        if config.is_moe_layer(layer):
+            from refimpl.moe import MoEMLP  # the expert-parallel layer: only for MoE configurations
+
+            self.mlp = MoEMLP(config, layer=layer)
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h] -> [b, s, h]
         x = x + self.self_attention(self.input_layernorm(x))
@@ -107,7 +116,8 @@ class GPT(nn.Module):
 
     ``forward(input_ids [b, s]) -> logits [b, s, v]``. Initialisation is a pure function of ``seed``
     (a private ``torch.Generator``; the global RNG is not touched): normal(0, 0.02) weights, zero biases,
-    and the residual output projections scaled by 1 / sqrt(2 * num_layers) as in GPT-2.
+    and the residual output projections scaled by 1 / sqrt(2 * num_layers) as in GPT-2 (an MoE block's
+    router and experts alike: each expert's ``w2`` is a residual output projection).
     """
 
     def __init__(self, config: ModelConfig, *, seed: int = 0) -> None:
@@ -117,7 +127,7 @@ class GPT(nn.Module):
         # the caller's random stream untouched (our init below uses a private generator).
         with torch.random.fork_rng(devices=[]):
             self.embedding = Embedding(config)
-            self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+            self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.num_layers))
             self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
             self.output_layer = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -134,7 +144,8 @@ class GPT(nn.Module):
             elif "layernorm" in name:
                 p.fill_(1.0)
             else:
-                std = residual_std if name.endswith(("dense.weight", "dense_4h_to_h.weight")) else 0.02
+                residual = name.endswith(("dense.weight", "dense_4h_to_h.weight", "experts.w2"))
+                std = residual_std if residual else 0.02
                 # Draw on the CPU so that every device gets the same numbers from the same seed.
                 p.copy_(torch.randn(p.shape, generator=generator) * std)
 

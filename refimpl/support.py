@@ -9,6 +9,12 @@ A row leaves the table when the combination is built (docs/ARCHITECTURE.md: how 
 Each row is a predicate over a :class:`~refimpl.config.ParallelConfig` and the reason a learner needs:
 what the combination would do wrong, and what to use instead. tests/test_support.py holds, per row, a
 configuration it refuses and the nearest one it lets through.
+
+Mixture-of-experts models and expert parallelism (chapter 09) have their own rows,
+:data:`MOE_SUPPORT_TABLE`: each applies to a layout with ``ep > 1`` (expert parallelism implies MoE
+blocks), or to any layout when the caller says the model has MoE blocks (``check_supported(config,
+moe=True)``: the trainer and :func:`refimpl.parallel.parallelize`, which know the model); their cases
+are tests/test_moe_model.py's.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from dataclasses import dataclass
 
 from refimpl.config import ConfigError, ParallelConfig
 
-__all__ = ["SUPPORT_TABLE", "Unsupported", "check_supported", "describe_support_table", "refusals"]
+__all__ = ["MOE_SUPPORT_TABLE", "SUPPORT_TABLE", "Unsupported", "check_supported", "describe_support_table",
+           "refusals"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +38,7 @@ class Unsupported:
     when: str
     reason: str
     applies: Callable[[ParallelConfig], bool]
+    experts: bool = False  # a row of MoE models: applies when the model has MoE blocks (or ep > 1)
 
     def message(self) -> str:
         return f"{self.when}: {self.reason}"
@@ -74,15 +82,45 @@ SUPPORT_TABLE: tuple[Unsupported, ...] = (
 )
 
 
-def refusals(config: ParallelConfig) -> list[Unsupported]:
-    """The rows of :data:`SUPPORT_TABLE` that refuse ``config``, in the table's order."""
-    return [row for row in SUPPORT_TABLE if row.applies(config)]
+MOE_SUPPORT_TABLE: tuple[Unsupported, ...] = (
+    Unsupported(
+        name="moe-zero3", when="MoE blocks or expert parallelism with ZeRO-3", experts=True,
+        reason="ZeRO-3 would shard each rank's experts over dp x cp, but their gradients belong to the "
+               "expert-data-parallel group (dp x cp / ep): it needs a second fully-sharded wrapper over that "
+               "group (torchtitan's efsdp), not built; use ZeRO 0-2",
+        applies=lambda c: c.zero_stage == 3),
+    Unsupported(
+        name="moe-pp", when="MoE blocks or expert parallelism with pp > 1", experts=True,
+        reason="the blocks' auxiliary balance losses of every stage would have to join the last stage's "
+               "loss, and the experts' placements the stages' split: not built; use dp, tp and ep",
+        applies=lambda c: c.pp > 1),
+    Unsupported(
+        name="moe-cp", when="MoE blocks or expert parallelism with cp > 1", experts=True,
+        reason="the balance loss is a mean over whole sequences (DeepSeek-V3's sequence-wise loss) and a "
+               "context-parallel rank holds part of each: not built; use dp, tp and ep",
+        applies=lambda c: c.cp > 1),
+    Unsupported(
+        name="moe-sp", when="MoE blocks or expert parallelism with sequence parallelism", experts=True,
+        reason="the MoE input would be each tensor-parallel rank's s/t tokens, routed apart (the balance "
+               "loss and capacity per shard, the router and expert gradients summed over tp): not built; "
+               "use --tp without --sequence-parallel (every tp rank runs the same experts)",
+        applies=lambda c: c.sequence_parallel),
+)
+"""The rows of mixture-of-experts models (module docstring)."""
 
 
-def check_supported(config: ParallelConfig) -> None:
+def refusals(config: ParallelConfig, *, moe: bool = False) -> list[Unsupported]:
+    """The rows of :data:`SUPPORT_TABLE`, then :data:`MOE_SUPPORT_TABLE`, that refuse ``config``, in the
+    tables' order; an MoE row only when ``moe`` (the model has MoE blocks) or ``config.ep > 1``."""
+    experts = moe or config.ep > 1
+    return [row for row in (*SUPPORT_TABLE, *MOE_SUPPORT_TABLE)
+            if (experts or not row.experts) and row.applies(config)]
+
+
+def check_supported(config: ParallelConfig, *, moe: bool = False) -> None:
     """Raise :class:`~refimpl.config.ConfigError` with the first refusing row's message (the others after
-    it), or return: everything in ``config`` composes."""
-    rows = refusals(config)
+    it), or return: everything in ``config`` composes. ``moe``: the model has MoE blocks."""
+    rows = refusals(config, moe=moe)
     if rows:
         raise ConfigError("; and ".join(row.message() for row in rows))
 
@@ -90,7 +128,7 @@ def check_supported(config: ParallelConfig) -> None:
 def describe_support_table() -> str:
     """The table as text, one refused combination per line (``--list-layouts``)."""
     lines = ["Combinations refused by the trainer, parallelize and the planner alike (refimpl/support.py):"]
-    for row in SUPPORT_TABLE:
+    for row in (*SUPPORT_TABLE, *MOE_SUPPORT_TABLE):
         lines += [f"  {row.name}", *textwrap.wrap(row.message(), 100, initial_indent=" " * 6,
                                                    subsequent_indent=" " * 6)]
     return "\n".join(lines)

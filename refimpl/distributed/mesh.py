@@ -48,7 +48,8 @@ single axes (one already built, like ``batch``, is not built twice)."""
 DESCRIBE_ORDER = ("dp", "cp", "tp", "pp")  # how :meth:`ParallelDims.describe` lists the degrees
 HSDP_AXES = ("dp_replicate", "dp_shard")  # dp refactored for hybrid sharding: replicas outside shards
 SHARD_AXES = ("dp_shard", "cp")  # HSDP's shard group: ZeRO-3 shards over these, replicates over dp_replicate
-KEY_ORDER = ("pp", "dp", "dp_replicate", "dp_shard", "cp", "tp")  # every axis a group is keyed by, in order
+EXPERT_AXES = ("edp", "ep")  # dp x cp refactored for expert parallelism: ep innermost (torchtitan's dp2ep)
+KEY_ORDER = ("pp", "dp", "dp_replicate", "dp_shard", "edp", "ep", "cp", "tp")  # the axes groups are keyed by
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,22 +70,39 @@ class ParallelDims:
     ``dp_replicate`` (HSDP, hybrid sharding; chapter 04): the ``dp`` ranks as ``dp_replicate x dp_shard``,
     replicas outermost (torchtitan's ``[pp, dp_replicate, dp_shard, cp, tp]``), so a shard group is
     ``dp / dp_replicate`` adjacent ranks (inside a node) and a replica group spans the nodes. The rank
-    order is unchanged: the same ranks, a second factorization of ``dp`` (:meth:`refactor`)."""
+    order is unchanged: the same ranks, a second factorization of ``dp`` (:meth:`refactor`).
+
+    ``ep`` (expert parallelism, chapter 09): a second view of the same ranks. The ``dp x cp`` ranks (the
+    ones that see different tokens) refactored as ``edp x ep``, ``ep`` innermost: an expert-parallel group
+    is ``ep`` consecutive ranks of the ``dp x cp`` view (torchtitan's dp2ep; Megatron-LM's MoE parallel
+    folding), an expert-data-parallel group (``edp = dp cp / ep``) the ranks that hold the same experts.
+    Expert weights are split over ``ep`` and averaged over ``edp``, dense ones averaged over ``dp x cp``
+    (:attr:`expert_grid`). ``ep`` must divide ``dp x cp``; every other group and the rank order are
+    unchanged."""
 
     dp: int
     cp: int = 1
     tp: int = 1
     pp: int = 1
     dp_replicate: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for axis in (*AXES, "dp_replicate"):
+        for axis in (*AXES, "dp_replicate", "ep"):
             value = getattr(self, axis)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"the {axis} degree must be a positive integer, got {value!r}")
         if self.dp % self.dp_replicate:
             raise ConfigError(f"dp_replicate {self.dp_replicate} must divide dp {self.dp} (HSDP: dp = "
                               "dp_replicate x dp_shard)")
+        if (self.dp * self.cp) % self.ep:
+            raise ConfigError(f"ep {self.ep} must divide dp x cp = {self.dp} x {self.cp} (the expert-parallel"
+                              " groups are carved out of the ranks that see different tokens)")
+
+    @property
+    def edp(self) -> int:
+        """The expert-data-parallel degree ``dp x cp / ep``: the ranks that hold the same experts."""
+        return self.dp * self.cp // self.ep
 
     @property
     def dp_shard(self) -> int:
@@ -93,7 +111,7 @@ class ParallelDims:
 
     @classmethod
     def from_world(cls, world_size: int, *, dp: int | None = None, cp: int = 1, tp: int = 1,
-                   pp: int = 1, dp_replicate: int = 1) -> ParallelDims:
+                   pp: int = 1, dp_replicate: int = 1, ep: int = 1) -> ParallelDims:
         """The layout of ``world_size`` ranks; ``dp`` defaults to ``world_size / (tp * pp * cp)``."""
         if dp is None:
             others = cls(dp=1, cp=cp, tp=tp, pp=pp).world_size  # checks the given degrees first
@@ -101,7 +119,7 @@ class ParallelDims:
                 raise ConfigError(f"world size {world_size} is not divisible by tp x pp x cp = {tp} x {pp} "
                                   f"x {cp} = {others}")
             dp = world_size // others
-        dims = cls(dp=dp, cp=cp, tp=tp, pp=pp, dp_replicate=dp_replicate)
+        dims = cls(dp=dp, cp=cp, tp=tp, pp=pp, dp_replicate=dp_replicate, ep=ep)
         dims.check(world_size)
         return dims
 
@@ -126,13 +144,14 @@ class ParallelDims:
     def describe(self) -> str:
         hsdp = (f" (dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard})" if self.dp_replicate > 1
                 else "")
-        return " x ".join(f"{axis} {getattr(self, axis)}" for axis in DESCRIBE_ORDER) + hsdp
+        experts = f" (experts: ep {self.ep} x edp {self.edp})" if self.ep > 1 else ""
+        return " x ".join(f"{axis} {getattr(self, axis)}" for axis in DESCRIBE_ORDER) + hsdp + experts
 
     def config(self, **options: object) -> ParallelConfig:
         """The :class:`~refimpl.config.ParallelConfig` of this layout with the technique ``options``
         (``dims.config(zero_stage=1)``): what :func:`refimpl.parallel.parallelize` takes."""
         return ParallelConfig(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, dp_replicate=self.dp_replicate,
-                              **options)
+                              ep=self.ep, **options)
 
     def check(self, world_size: int) -> None:
         """Refuse a layout whose product is not the world size."""
@@ -163,13 +182,21 @@ class ParallelDims:
     def refactor(self, old: tuple[str, ...], new: tuple[tuple[str, int], ...]) -> RankGrid:
         """A second factorization of the same ranks (:meth:`RankGrid.refactor`), e.g. ``("dp",)`` ->
         ``(("dp_replicate", R), ("dp_shard", S))``; every rank keeps its number and the other axes their
-        groups. HSDP builds its groups from it (:attr:`hsdp_grid`); the expert view will too."""
+        groups. HSDP builds its groups from it (:attr:`hsdp_grid`), expert parallelism too
+        (:attr:`expert_grid`)."""
         return self.grid.refactor(old, new)
 
     @property
     def hsdp_grid(self) -> RankGrid:
         """The grid with ``dp`` as ``dp_replicate x dp_shard`` (HSDP's groups; the same rank numbers)."""
         return self.refactor(("dp",), (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)))
+
+    @property
+    def expert_grid(self) -> RankGrid:
+        """The grid with ``dp x cp`` as ``edp x ep``, ``ep`` innermost (the same rank numbers): rank ``r``
+        of the ``dp x cp`` view (``dp_i * cp + cp_i``) is expert-parallel rank ``r % ep`` of group
+        ``r // ep``."""
+        return self.refactor(("dp", "cp"), (("edp", self.edp), ("ep", self.ep)))
 
     def build(self, *, rank: int, world_size: int, timeout_s: float,
               backend: str | None = None) -> ParallelGroups:
@@ -187,6 +214,10 @@ class ParallelDims:
             hsdp, hsdp_members = build_groups(self.hsdp_grid, [("dp_replicate",), SHARD_AXES], rank=rank,
                                               world_size=world_size, timeout_s=timeout_s, backend=backend)
             groups, members = groups | hsdp, members | hsdp_members
+        if self.ep > 1:  # expert parallelism: the groups of the second factorization of dp x cp
+            expert, expert_members = build_groups(self.expert_grid, [(a,) for a in EXPERT_AXES], rank=rank,
+                                                  world_size=world_size, timeout_s=timeout_s, backend=backend)
+            groups, members = groups | expert, members | expert_members
         return ParallelGroups(dims=self, rank=rank, coords=self.coordinates(rank), groups=groups,
                               members=members)
 

@@ -12,7 +12,13 @@ needs for the layout, as an :class:`OptimizerSetup`, all read from the parameter
   last-stage copy not at all, a ZeRO shard on its rank);
 * after the data-parallel reduction (:attr:`OptimizerSetup.finish_gradients`): under pipeline parallelism
   at ZeRO-0 the ``dp x cp`` average once per step (chapter 08), then under sequence parallelism the sum
-  over ``tp`` of the gradients placed so (:func:`~refimpl.parallel.placements.reduce_gradients`).
+  over ``tp`` of the gradients placed so (:func:`~refimpl.parallel.placements.reduce_gradients`);
+* expert parallelism (chapter 09): at ZeRO-0 the experts' gradients, left alone by the data-parallel
+  wrapper, are summed over the group their placement reduces over (``expert_dp``, the mesh's ``edp``) and
+  divided by ``dp x cp``
+  once per step (:func:`~refimpl.parallel.expert_parallel_gpt.reduce_expert_gradients`); at ZeRO-1/2 the
+  sharded optimizer shards them over ``edp`` with the same divisor (its shard groups) and their optimizer
+  shards are placed over ``expert_dp``, the dense ones over ``dp_cp``.
 """
 
 from __future__ import annotations
@@ -60,14 +66,18 @@ class OptimizerInputs:
     zero_bucket_numel: int
     policy: MixedPrecisionPolicy
     average_in_finish: bool = False  # pipeline at ZeRO-0: the dp x cp average comes once, after the step
+    experts: tuple[str, ...] = ()  # expert parallelism: the expert tensors' names (reduced over edp)
+    num_replicas: int = 1  # dp x cp: what the experts' gradient sums are divided by
 
 
 def _sharded_optimizer(inputs: OptimizerInputs, config: OptimConfig) -> torch.optim.Optimizer:
-    from refimpl.parallel.zero import ShardedOptimizer
+    from refimpl.parallel.zero import ShardedOptimizer, ShardGroup
 
+    experts = ShardGroup(group=inputs.groups.get("expert_dp"), divide_factor=inputs.num_replicas)
+    shard_groups = {p: experts for n, p in inputs.held if n in set(inputs.experts)}
     return ShardedOptimizer(param_groups(inputs.module, config.weight_decay, inputs.named), torch.optim.AdamW,
                             inputs.groups.get("dp_cp"), zero_stage=inputs.zero_stage,
-                            bucket_numel=inputs.zero_bucket_numel, lr=config.lr,
+                            bucket_numel=inputs.zero_bucket_numel, shard_groups=shard_groups, lr=config.lr,
                             betas=(config.beta1, config.beta2), eps=config.eps, foreach=False)
 
 
@@ -89,7 +99,8 @@ def build_optimizer_setup(inputs: OptimizerInputs, config: OptimConfig) -> Optim
                 g = optimizer.shard(p).grad
                 if g is not None:
                     name = name_of[p]
-                    out.append(HeldGradient(name, g, placements[name].narrowed(specs[p], "dp_cp")))
+                    axis = "expert_dp" if name in inputs.experts else "dp_cp"  # the rows' group
+                    out.append(HeldGradient(name, g, placements[name].narrowed(specs[p], axis)))
             return out
 
         # stage 1 checks the full local gradients (reduced in step), stage 2 the shards it kept
@@ -106,19 +117,24 @@ def build_optimizer_setup(inputs: OptimizerInputs, config: OptimConfig) -> Optim
         return clip_grad_norm_(held(), config.grad_clip, groups=groups, device=device)
 
     sp = any("tp" in p.reduce_over for p in placements.values())
+    experts = inputs.experts if zero == 0 else ()  # ZeRO-1/2 reduce them in the optimizer
 
     def finish() -> None:
         if inputs.average_in_finish:  # every stage's gradients, once per step, over the replicas
             from refimpl.parallel.data_parallel.data_parallel_communications import reduce_gradients_
 
             reduce_gradients_([p for _, p in held_params], inputs.policy, group=groups.get("dp_cp"))
+        if experts:  # summed over the group their placement names (edp), divided by dp x cp
+            from refimpl.parallel.expert_parallel_gpt import reduce_expert_gradients
+
+            reduce_expert_gradients(held(), experts, groups=groups, num_replicas=inputs.num_replicas)
         if sp:  # the s/t-token gradients (whole, or the same rows of a ZeRO shard on every tp rank)
             reduce_gradients(held(), "tp", groups.get("tp"))
 
     needs_clip = config.grad_clip is not None and (zero != 0 or _sharded(placements))
     return OptimizerSetup(optimizer=optimizer, grad_params=grad_params,
                           clip_fn=clip_fn if needs_clip else None,
-                          finish_gradients=finish if (inputs.average_in_finish or sp) else None,
+                          finish_gradients=finish if (inputs.average_in_finish or sp or experts) else None,
                           held_gradients=held)
 
 

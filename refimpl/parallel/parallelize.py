@@ -9,6 +9,12 @@ is built tensor- and pipeline-parallel first, then wrapped in its ``DistributedD
 1. **tensor / sequence parallel** over the ``tp`` group (chapter 06; Shoeybi et al. 2019, Korthikanti et al.
    2022). First, because it *replaces* modules (a ``Linear`` by a ``ColumnParallelLinear``) and parameters (by
    their shards): everything after it must see the final modules and the local shards, never the full ones.
+1b. **expert parallel** over the ``ep`` group (chapter 09; GShard, Lepikhin et al. 2020; torchtitan's
+   dp2ep): each MoE block keeps its rank's experts (:func:`~refimpl.parallel.expert_parallel_gpt.
+   apply_expert_parallel`). Like 1 it replaces parameters by shards (the experts' rows), inside the blocks,
+   and leaves the dense part as 1 made it: an MoE MLP is not tensor-split (the experts are replicated over
+   ``tp``). The data-parallel step 6 then averages the dense gradients over ``dp x cp`` and leaves the
+   experts to the expert-data-parallel reduction (sum over ``edp``, divided by ``dp x cp``).
 2. **context parallel** over the ``cp`` group (chapter 07; ring attention, Liu et al. 2023; Ulysses, Jacobs
    et al. 2023). It swaps the attention inside each block and shards the sequence: like 1, a change inside
    the blocks, so it comes before the steps that wrap whole blocks.
@@ -71,6 +77,7 @@ from refimpl.config import ParallelConfig
 from refimpl.distributed.mesh import LOSS_AXES, SHARD_AXES, ParallelDims, ParallelGroups
 from refimpl.parallel.data_parallel import DataParallelBucket
 from refimpl.parallel.data_parallel.data_parallel_communications import broadcast_module
+from refimpl.parallel.expert_parallel_gpt import apply_expert_parallel, expert_parameter_names
 from refimpl.parallel.optimizer_setup import OptimizerSetup
 from refimpl.parallel.parallelized import Parallelized, record_parallel_placements
 from refimpl.precision import MixedPrecision, MixedPrecisionPolicy
@@ -78,12 +85,13 @@ from refimpl.support import check_supported
 
 __all__ = ["ORDER", "OptimizerSetup", "Parallelized", "parallelize"]
 
-ORDER = ("tensor parallel", "context parallel", "pipeline split", "activation checkpointing",
-         "mixed precision", "data parallel")  # the steps of :func:`parallelize`, in the order applied
+# the steps of :func:`parallelize`, in the order applied
+ORDER = ("tensor parallel", "expert parallel", "context parallel", "pipeline split",
+         "activation checkpointing", "mixed precision", "data parallel")
 
 
-def _layout(groups_or_dims: ParallelGroups | ParallelDims,
-            config: ParallelConfig) -> tuple[ParallelDims, ParallelGroups | None]:
+def _layout(groups_or_dims: ParallelGroups | ParallelDims, config: ParallelConfig, *,
+            moe: bool = False) -> tuple[ParallelDims, ParallelGroups | None]:
     """The layout and its groups; refuses a config whose degrees are not the layout's, combinations that
     are not built (saying why, :func:`refimpl.support.check_supported`) and a multi-rank layout given
     without its groups, before anything is touched (every rank alike)."""
@@ -94,12 +102,14 @@ def _layout(groups_or_dims: ParallelGroups | ParallelDims,
     else:
         raise TypeError("parallelize takes ParallelGroups or ParallelDims, got "
                         f"{type(groups_or_dims).__name__}")
-    layout = {"dp": dims.dp, "cp": dims.cp, "tp": dims.tp, "pp": dims.pp, "dp_replicate": dims.dp_replicate}
+    layout = {"dp": dims.dp, "cp": dims.cp, "tp": dims.tp, "pp": dims.pp, "dp_replicate": dims.dp_replicate,
+              "ep": dims.ep}
     differ = {k: v for k, v in config.degrees.items() if v is not None and v != layout[k]}
     if differ:
         raise ValueError(f"the config's degrees {differ} are not the layout's {dims.describe()}: give "
                          "dims.config(...) (ParallelDims.config: the layout's degrees and your options)")
-    check_supported(dataclasses.replace(config, dp=dims.dp))  # refused combinations: refimpl/support.py
+    # refused combinations: refimpl/support.py (the MoE rows when the model has MoE blocks)
+    check_supported(dataclasses.replace(config, dp=dims.dp), moe=moe)
     if groups is None and dims.world_size > 1:
         raise ValueError(f"the layout {dims.describe()} spans {dims.world_size} ranks: pass its process "
                          "groups (dims.build(rank=..., world_size=..., timeout_s=...))")
@@ -121,9 +131,10 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
     if config is None:
         dims = groups_or_dims.dims if isinstance(groups_or_dims, ParallelGroups) else groups_or_dims
         config = dims.config()
-    dims, groups = _layout(groups_or_dims, config)
+    experts = expert_parameter_names(model)  # [] for a dense model
+    dims, groups = _layout(groups_or_dims, config, moe=bool(experts))
     applied: list[str] = []
-    tp_group = cp_group = pipeline = None
+    tp_group = cp_group = pipeline = ep_group = None
     # 1. tensor / sequence parallel over tp: replaces the linears and the embedding by their shards
     if dims.tp > 1:
         from refimpl.parallel.tensor_parallel import apply_tensor_parallel
@@ -131,6 +142,11 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
         tp_group = groups.group("tp")
         apply_tensor_parallel(model, tp_group=tp_group, sequence_parallel=config.sequence_parallel)
         applied.append("tensor parallel")
+    # 1b. expert parallel over ep: each MoE block keeps its rank's experts (the rest replicated)
+    if dims.ep > 1:
+        ep_group = groups.group("ep")
+        apply_expert_parallel(model, ep_group=ep_group)
+        applied.append("expert parallel")
     # 2. context parallel over cp: attention across the ranks' parts of the sequence, global positions
     if dims.cp > 1:
         from refimpl.parallel.context_parallel import apply_context_parallel
@@ -169,7 +185,9 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
     group = None if groups is None else groups.group(*LOSS_AXES)
     replicas = dims.dp * dims.cp
     done = Parallelized(model=model, forward=model, state_module=model, mp=mp, config=config, group=group,
-                        applied=applied, tp_group=tp_group, cp_group=cp_group)
+                        applied=applied, tp_group=tp_group, cp_group=cp_group, ep_group=ep_group,
+                        edp_group=None if ep_group is None else groups.group("edp"),
+                        experts=experts if ep_group is not None else [])
     if pipeline is not None:  # the dp x cp average comes once per step (OptimizerSetup.finish_gradients)
         done.model = done.forward = done.state_module = done.pipeline = pipeline
         if replicas > 1:
@@ -182,8 +200,8 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
         done.placements = record_parallel_placements(done, replicas=replicas)
         return done
     if config.zero_stage == 0:
-        if replicas > 1:  # broadcasts the first rank's weights over the group
-            done.sync = DataParallelBucket(model, config.bucket_cap_mb, group)
+        if replicas > 1:  # broadcasts the first rank's weights over the group (not an ep rank's experts)
+            done.sync = DataParallelBucket(model, config.bucket_cap_mb, group, ignore=done.experts)
             done.forward = done.sync
             applied.append("data parallel")
     elif config.zero_stage in (1, 2):  # every rank built the same weights: the optimizer shards them

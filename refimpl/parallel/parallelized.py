@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from refimpl.config import OptimConfig, ParallelConfig
+from refimpl.distributed.group_info import group_rank_size
 from refimpl.distributed.placement import Box, module_shards
 from refimpl.model import lm_loss
 from refimpl.parallel.data_parallel import DataParallelBucket
@@ -36,7 +37,10 @@ class Parallelized:
     no tensor parallelism), ``cp_group`` the context-parallel group (None: no context parallelism),
     ``pipeline`` this rank's stages (None: no pipeline parallelism; then ``model`` and ``state_module`` are
     it too), ``placements`` each held parameter's :class:`~refimpl.parallel.placements.Placement` under the
-    plain GPT's name (:func:`record_parallel_placements`).
+    plain GPT's name (:func:`record_parallel_placements`); under expert parallelism (chapter 09)
+    ``ep_group`` and ``edp_group`` (the expert-parallel and expert-data-parallel groups) and ``experts`` the
+    names of the expert tensors (placed over the ``expert`` and ``expert_dp`` axes; empty without expert
+    parallelism).
     """
 
     model: nn.Module
@@ -54,6 +58,9 @@ class Parallelized:
     pipeline: nn.Module | None = None
     fsdp_stages: list[nn.Module] = field(default_factory=list)  # ZeRO-3 under pp: each stage's wrapper
     placements: dict[str, Placement] = field(default_factory=dict)
+    ep_group: dist.ProcessGroup | None = None
+    edp_group: dist.ProcessGroup | None = None
+    experts: list[str] = field(default_factory=list)
 
     def split_batch(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's part of ``tokens`` ``[b, s]`` (inputs or labels) along the sequence, ``[b, s/cp]``,
@@ -67,12 +74,22 @@ class Parallelized:
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean next-token loss of this rank's tokens: :func:`refimpl.model.lm_loss`, or under tensor
-        parallelism the vocab-parallel loss on the logits shard (equal on the ranks of a TP group)."""
+        parallelism the vocab-parallel loss on the logits shard (equal on the ranks of a TP group); an MoE
+        model adds its blocks' balance losses of the forward that gave ``logits``, and counts their load
+        (:func:`refimpl.moe_balance.record_micro_batch`; call once per micro-batch)."""
         if self.tp_group is None:
-            return lm_loss(logits, labels)
-        from refimpl.parallel.tensor_parallel import tp_lm_loss
+            loss = lm_loss(logits, labels)
+        else:
+            from refimpl.parallel.tensor_parallel import tp_lm_loss
 
-        return tp_lm_loss(logits, labels, tp_group=self.tp_group, vocab_size=self.model.config.vocab_size)
+            loss = tp_lm_loss(logits, labels, tp_group=self.tp_group, vocab_size=self.model.config.vocab_size)
+        if getattr(self.model.config, "num_experts", 0):
+            from refimpl.moe_balance import record_micro_batch
+
+            aux = record_micro_batch(self.model)
+            if aux is not None:
+                loss = loss + aux
+        return loss
 
     def build_optimizer(self, config: OptimConfig) -> OptimizerSetup:
         """AdamW over this rank's parameters, with what the checked step needs for this layout
@@ -88,7 +105,9 @@ class Parallelized:
             module=self.state_module if zero == 3 else self.model, named=named,
             held=held_parameters(self), placements=self.placements, groups=self.groups(),
             zero_stage=zero, zero_bucket_numel=self.config.zero_bucket_numel, policy=self.mp.policy,
-            average_in_finish=pipe is not None and zero == 0 and self.group is not None), config)
+            average_in_finish=pipe is not None and zero == 0 and self.group is not None,
+            experts=tuple(self.experts),
+            num_replicas=1 if self.group is None else group_rank_size(self.group)[1]), config)
         if pipe is not None and zero == 2:  # ZeRO-2's hooks keep only each gradient's shard: the tied
             pipe.gradient_holder = setup.optimizer.shard  # embedding's two ends are summed as shards
         return setup
@@ -96,7 +115,8 @@ class Parallelized:
     def groups(self) -> dict[str, dist.ProcessGroup | None]:
         """The process group of each axis a placement names (None: an axis of one rank)."""
         return {"pp": None if self.pipeline is None else self.pipeline.pp_group, "tp": self.tp_group,
-                "dp_cp": self.group, "dp_shard": self.shard_group, "dp_replicate": self.replicate_group}
+                "dp_cp": self.group, "dp_shard": self.shard_group, "dp_replicate": self.replicate_group,
+                "expert": self.ep_group, "expert_dp": self.edp_group}
 
 
 def held_parameters(done: Parallelized) -> list[tuple[str, nn.Parameter]]:
@@ -146,8 +166,14 @@ def record_parallel_placements(done: Parallelized, *, replicas: int) -> dict[str
             else None
     inner = _zero3_inner_boxes(done)
     if inner is None:
-        placed = record_placements(boxes, tp=tp, sequence_parallel=sp, pp=pipe is not None, tied_copy=tied)
-        return {n: p.along("dp_cp", sharded=False, reduced=replicas > 1) for n, p in placed.items()}
+        experts = set(done.experts)
+        placed = record_placements({n: b for n, b in boxes.items() if n not in experts}, tp=tp,
+                                   sequence_parallel=sp, pp=pipe is not None, tied_copy=tied)
+        out = {n: p.along("dp_cp", sharded=False, reduced=replicas > 1) for n, p in placed.items()}
+        for n in experts:  # split over ep, whole on each tp rank, averaged over the expert-data-parallel ones
+            p = Placement(box=boxes[n], sharded_over=("expert",), replicated_over=("tp",) if tp else ())
+            out[n] = p.along("expert_dp", sharded=False, reduced=True)
+        return {n: out[n] for n in boxes}
     before = record_placements({n: inner[n] for n in boxes}, tp=tp, sequence_parallel=sp, pp=pipe is not None,
                                tied_copy=tied)
     placed = {n: replace(p, box=boxes[n]) for n, p in before.items()}

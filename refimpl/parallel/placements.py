@@ -19,11 +19,19 @@ loses them. Here it is one record per parameter *name* (the plain GPT's), a :cla
   replicas; ``tp``: summed, a sequence-parallel parameter that saw ``s/t`` tokens);
 * ``primary``: False for a copy another rank counts (the tied embedding's last-stage copy).
 
+Under expert parallelism (chapter 09) an expert tensor is sharded over ``expert`` (the ``ep`` group of
+the mesh: rows of its ``[E, ...]`` box), replicated over ``expert_dp`` (the mesh's ``edp`` group, the
+expert-data-parallel ranks, ``dp x cp / ep``) and its gradient reduced over ``expert_dp``; ``dp_cp`` is then
+the product ``expert x expert_dp`` of the same ranks (:data:`FACTORS`).
+
 The global gradient norm (:func:`clip_grad_norm_`) counts every element of the model once:
 ``||g||^2 = sum over ranks of sum_{counted} ||g_i||^2``, where a tensor is counted on a rank when it is
 primary and the rank is coordinate 0 of every replicated axis the sum is all-reduced over, and the sum is
 all-reduced over the axes anything is sharded over, in the order :data:`NORM_AXES` (Megatron's
-``get_grad_norm_fp32``). Then ``g <- g min(1, max_norm / (||g|| + 1e-6))``, ``clip_grad_norm_``'s rule;
+``get_grad_norm_fp32``). The rule needs independent axes: when some placement names ``expert`` or
+``expert_dp``, a placement over ``dp_cp`` is read as over both (a dense replica is replicated over both, a
+ZeRO row shard of it sharded over both), so a dense element is counted once, not ``ep`` times. Then
+``g <- g min(1, max_norm / (||g|| + 1e-6))``, ``clip_grad_norm_``'s rule;
 with no sharded axis it *is* ``torch.nn.utils.clip_grad_norm_``.
 """
 
@@ -40,13 +48,18 @@ from refimpl.comm import ops
 from refimpl.distributed.group_info import group_rank_size
 from refimpl.distributed.placement import Box
 
-__all__ = ["AXES", "NORM_AXES", "HeldGradient", "Placement", "clip_grad_norm_", "record_placements",
+__all__ = ["AXES", "FACTORS", "NORM_AXES", "HeldGradient", "Placement", "clip_grad_norm_",
+           "record_placements",
            "reduce_gradients", "scale_to_max_norm_", "sum_of_squares"]
 
-AXES = ("pp", "tp", "dp_cp", "dp_shard", "dp_replicate")
+AXES = ("pp", "tp", "dp_cp", "dp_shard", "dp_replicate", "expert", "expert_dp")
 """The axes a placement names: ``dp_cp`` is the data-parallel (dp x cp) group; under HSDP ZeRO-3 shards over
-``dp_shard`` (the ``dp_shard x cp`` ranks of a shard group) and replicates over ``dp_replicate``."""
+``dp_shard`` (the ``dp_shard x cp`` ranks of a shard group) and replicates over ``dp_replicate``; under
+expert parallelism ``expert`` and ``expert_dp`` (the expert view of the dp x cp ranks: the mesh's ``ep`` and
+``edp`` groups)."""
 NORM_AXES = AXES  # the order the norm's partial sums are all-reduced in
+FACTORS = {"dp_cp": ("expert", "expert_dp")}
+"""``dp_cp`` as independent axes when a placement names them (the expert view, ``dp x cp = ep x edp``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,6 +150,21 @@ def _counted(p: Placement, reduced: set[str], ranks: Mapping[str, int]) -> bool:
     return p.primary and all(ranks.get(a, 0) == 0 for a in p.replicated_over if a in reduced)
 
 
+def _factored(held: Sequence[HeldGradient]) -> list[HeldGradient]:
+    """``held`` with ``dp_cp`` read as its :data:`FACTORS` when some placement names one of them."""
+    named = {a for h in held for a in (*h.placement.sharded_over, *h.placement.replicated_over)}
+    parts = {axis: factors for axis, factors in FACTORS.items() if named & set(factors)}
+    if not parts:
+        return list(held)
+
+    def split(axes: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(f for a in axes for f in parts.get(a, (a,))))
+
+    return [HeldGradient(h.name, h.grad, replace(h.placement, sharded_over=split(h.placement.sharded_over),
+                                                 replicated_over=split(h.placement.replicated_over)))
+            for h in held]
+
+
 @torch.no_grad()
 def clip_grad_norm_(held: Sequence[HeldGradient], max_norm: float, *,
                     groups: Mapping[str, dist.ProcessGroup | None], device: torch.device) -> torch.Tensor:
@@ -144,6 +172,7 @@ def clip_grad_norm_(held: Sequence[HeldGradient], max_norm: float, *,
     (module docstring); return that norm. ``groups``: the process group of each axis (None or absent: an
     axis of one rank).
     Collective over the groups of the axes anything is sharded over (every rank of them must call it)."""
+    held = _factored(held)
     axes = {a for h in held for a in h.placement.sharded_over}
     if not axes:  # every gradient whole on this rank: torch's own norm
         return torch.nn.utils.clip_grad_norm_([h.grad for h in held], max_norm)

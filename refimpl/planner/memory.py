@@ -24,7 +24,7 @@ import dataclasses
 
 import torch
 
-from refimpl.config import ModelConfig, ParallelConfig
+from refimpl.config import ConfigError, ModelConfig, ParallelConfig
 from refimpl.distributed.mesh import ParallelDims
 from refimpl.measure.state import StateMemory
 from refimpl.planner.activations import activation_bytes, outside_block_bytes
@@ -42,9 +42,22 @@ from refimpl.planner.run_memory import RunMemory
 from refimpl.planner.zero_state import zero3_peak_gathered_bytes, zero_memory
 from refimpl.support import check_supported
 
-__all__ = ["RunMemory", "run_memory_of", "run_memory_per_rank", "state_memory", "state_memory_per_rank"]
+__all__ = ["RunMemory", "check_dense", "run_memory_of", "run_memory_per_rank", "state_memory",
+           "state_memory_per_rank"]
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def check_dense(config: ModelConfig, what: str, *, ep: int = 1) -> None:
+    """Refuse an MoE model or ``ep > 1`` (chapter 09) where the planner's terms would be a dense block's:
+    its activations (the router's scores, the dispatched tokens), the all-to-all traffic and the experts'
+    split over ``ep`` are not modelled yet. (Parameter counts and FLOPs do model it,
+    :class:`~refimpl.planner.params_flops.ParamCount`; so does the state of an unsplit replica, which holds
+    every expert.)"""
+    if config.num_experts or ep > 1:
+        raise ConfigError(f"{what}: the planner does not model MoE blocks yet (their activations, all-to-all "
+                          "traffic and expert parallelism); it counts their parameters and FLOPs "
+                          "(param_count: total and active) only")
 
 
 def state_memory(
@@ -148,6 +161,7 @@ def run_memory_per_rank(
     float32 gradient, ``(p + 4) (s/cp) b V_t`` (``V_t = ceil(V/t)``), are transient buffers on top (not
     saved tensors: an estimate of the loss's peak, not a measured figure).
     """
+    check_dense(config, "run_memory_per_rank")
     if precision not in _DTYPE_BYTES:
         raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(_DTYPE_BYTES)}")
     shards, tp, cp = zero_shard_degree(dims), tensor_parallel_degree(dims), context_parallel_degree(dims)
@@ -195,6 +209,7 @@ def run_memory_of(config: ModelConfig, parallel: ParallelConfig, *, world_size: 
     parallelism ``num_microbatches`` (default ``parallel.microbatches``, else ``pp``) micro-batches of
     ``micro_batch`` sequences per step."""
     check_supported(dataclasses.replace(parallel, dp=None))  # what the trainer refuses is not planned
+    check_dense(config, "run_memory_of", ep=parallel.ep)
     dims = ParallelDims.from_world(world_size, **parallel.degrees)
     pipeline = {} if dims.pp == 1 else {
         "pp_schedule": parallel.pp_schedule, "virtual_stages": parallel.virtual_stages,

@@ -29,32 +29,50 @@ __all__ = ["ParamCount", "flops_per_token", "matmul_weights_per_rank", "num_para
 
 @dataclass(frozen=True, kw_only=True)
 class ParamCount:
-    """Parameters of a GPT by role; ``total`` counts a tied embedding once."""
+    """Parameters of a GPT by role; ``total`` counts a tied embedding once. An MoE model (chapter 09) holds
+    every expert (``total``) but each token uses ``k`` of the ``E`` experts of a block: ``inactive`` counts
+    the other ``E - k`` experts' weights, ``active = total - inactive`` (what a token's FLOPs see; equal to
+    ``total`` for a dense model)."""
 
     embedding: int  # word + position embeddings
-    layers: int  # all transformer blocks
+    layers: int  # all transformer blocks (an MoE block: the router and every expert)
     final_layernorm: int
     output_layer: int  # 0 when tied to the word embedding
-    matmul: int  # weights that enter a matrix multiply (what costs FLOPs)
+    matmul: int  # weights a token's matrix multiplies use (what costs FLOPs; MoE: the router, k experts)
+    inactive: int = 0  # MoE: the weights of the E - k experts a token is not routed to, over the blocks
 
     @property
     def total(self) -> int:
         return self.embedding + self.layers + self.final_layernorm + self.output_layer
 
+    @property
+    def active(self) -> int:
+        """The parameters one token uses: ``total`` minus the experts it is not routed to."""
+        return self.total - self.inactive
+
 
 def param_count(config: ModelConfig) -> ParamCount:
-    """Count the parameters of :class:`refimpl.model.GPT` for ``config`` without building it."""
+    """Count the parameters of :class:`refimpl.model.GPT` for ``config`` without building it (an MoE block:
+    a bias-free ``[E, h]`` router and ``E`` bias-free experts of 2 (GELU) or 3 (SwiGLU) ``h x f_e``
+    matrices; :class:`ParamCount`'s ``active`` and ``inactive``)."""
     h, f, v, n = config.hidden_size, config.ffn_hidden_size, config.vocab_size, config.num_layers
     attention = (h * 3 * h + 3 * h) + (h * h + h)  # query_key_value and dense, with biases
     mlp = (h * f + f) + (f * h + h)  # dense_h_to_4h and dense_4h_to_h
     layernorms = 2 * 2 * h  # two LayerNorms of weight + bias
-    per_layer = attention + mlp + layernorms
+    moe_layers = len(config.moe_layers)
+    matrices = 3 if config.moe_activation == "swiglu" else 2
+    expert = matrices * h * config.expert_hidden_size if moe_layers else 0
+    e, k = config.num_experts, config.top_k
+    dense_layers = n - moe_layers
     return ParamCount(
         embedding=v * h + config.max_seq_len * h,
-        layers=n * per_layer,
+        layers=dense_layers * (attention + mlp + layernorms)
+        + moe_layers * (attention + h * e + e * expert + layernorms),
         final_layernorm=2 * h,
         output_layer=0 if config.tie_word_embeddings else h * v,
-        matmul=n * (4 * h * h + 2 * h * f) + h * v,  # the output layer multiplies, tied or not
+        matmul=n * 4 * h * h + dense_layers * 2 * h * f + moe_layers * (h * e + k * expert)
+        + h * v,  # the output layer multiplies, tied or not
+        inactive=moe_layers * (e - k) * expert,
     )
 
 
@@ -65,14 +83,15 @@ def num_param_tensors(config: ModelConfig) -> int:
 
 
 def flops_per_token(config: ModelConfig, seq_len: int, *, matmul_only: bool = False) -> float:
-    """Training FLOPs per token, forward + backward: ``6 N + 12 L H Q T`` (PaLM appendix B).
+    """Training FLOPs per token, forward + backward: ``6 N + 12 L H Q T`` (PaLM appendix B); for an MoE
+    model ``N`` is the active parameters (the router and the ``k`` experts a token is routed to).
 
     With ``matmul_only`` N counts only weights inside matrix multiplies (no position embedding,
     LayerNorm or bias); that is the number a FLOP counter measures. The attention term counts the full
     T x T score matrix, as PaLM and ``FlopCounterMode`` do, although a causal mask could skip half.
     """
     counts = param_count(config)
-    n = counts.matmul if matmul_only else counts.total
+    n = counts.matmul if matmul_only else counts.active  # MoE: the parameters a token uses
     attention = 12 * config.num_layers * config.num_attention_heads * config.head_dim * seq_len
     return 6.0 * n + attention
 

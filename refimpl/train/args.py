@@ -12,6 +12,7 @@ from refimpl import elastic
 from refimpl.checkpoint import CheckpointConfig
 from refimpl.config import (
     CP_METHODS,
+    MOE_LOAD_BALANCE,
     PP_BALANCES,
     PP_SCHEDULES,
     PRECISIONS,
@@ -94,6 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--hidden-size", type=int, default=128)
     model.add_argument("--num-heads", type=int, default=4, help="attention heads; must divide --hidden-size")
     model.add_argument("--no-tie-embeddings", action="store_true", help="untie input and output embeddings")
+    moe = p.add_argument_group("mixture of experts (chapter 09)")
+    moe.add_argument("--moe-experts", type=int, default=0, metavar="E",
+                     help="experts per MoE block (0: a dense model); each an MLP of the dense MLP's width")
+    moe.add_argument("--moe-top-k", type=int, default=2, metavar="K", help="experts each token is routed to")
+    moe.add_argument("--moe-every", type=int, default=1, metavar="N",
+                     help="blocks 0, N, 2N, ... have an MoE MLP (1: every block)")
+    moe.add_argument("--moe-capacity-factor", type=float, default=None, metavar="C",
+                     help="each expert takes ceil(K T / E x C) of the T tokens of a forward on a rank; the "
+                     "rest are dropped (default: dropless)")
+    moe.add_argument("--moe-aux-loss-coeff", type=float, default=0.01, metavar="A",
+                     help="the sequence-wise balance loss's coefficient (DeepSeek-V3's complementary loss "
+                     "with --moe-load-balance bias; 0: none)")
+    moe.add_argument("--moe-load-balance", choices=MOE_LOAD_BALANCE, default="aux",
+                     help="aux: the balance loss; bias: also DeepSeek-V3's expert bias, updated before each "
+                     "optimizer step from the load summed over the batch's ranks")
     par = p.add_argument_group("parallelism and precision")
     par.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0,
                      help="0: data parallel; 1/2: sharded optimizer state (and gradients); 3: fully sharded")
@@ -107,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--dp-replicate", type=int, default=1, metavar="R",
                      help="with --zero-stage 3: hybrid sharding (HSDP), the dp ranks as R replicas of dp/R "
                      "adjacent ranks that shard the model (inside a node); R must divide dp")
+    par.add_argument("--ep", type=int, default=1,
+                     help="expert-parallel degree (chapter 09): each MoE block's experts split over ep "
+                     "consecutive ranks of the dp x cp ranks (torchtitan's dp2ep); must divide dp x cp and "
+                     "--moe-experts")
     par.add_argument("--tp", type=int, default=1,
                      help="tensor-parallel degree (chapter 06): heads, MLP and vocabulary split over tp "
                      "ranks that see the same batch; must divide --num-heads, 4 x --hidden-size and 256")
@@ -168,6 +188,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _moe_fields(args: argparse.Namespace) -> dict:
+    """The MoE fields of :class:`~refimpl.config.ModelConfig` from the ``--moe-*`` flags (none: dense)."""
+    if not args.moe_experts:
+        return {}
+    return {"num_experts": args.moe_experts, "top_k": args.moe_top_k, "moe_every": args.moe_every,
+            "capacity_factor": args.moe_capacity_factor, "aux_loss_coeff": args.moe_aux_loss_coeff,
+            "moe_load_balance": args.moe_load_balance}
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         model=ModelConfig(
@@ -176,6 +205,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             num_attention_heads=args.num_heads,
             max_seq_len=args.seq_len,
             tie_word_embeddings=not args.no_tie_embeddings,
+            **_moe_fields(args),
         ),
         data=DataConfig(
             data=args.data,
@@ -212,6 +242,7 @@ class RunOptions:
     tp: int = 1
     pp: int = 1
     dp_replicate: int = 1  # HSDP: the dp ranks as dp_replicate x dp_shard (ZeRO-3 within a shard group)
+    ep: int = 1  # expert parallelism: each MoE block's experts over ep ranks of dp x cp (chapter 09)
     sequence_parallel: bool = False
     cp_method: str = "ring"
     microbatches: int | None = None  # pipeline micro-batches per step and dp rank (None: see --microbatches)
@@ -223,6 +254,8 @@ class RunOptions:
     def __post_init__(self) -> None:
         ParallelDims(dp=self.dp_replicate if self.dp is None else self.dp, cp=self.cp, tp=self.tp, pp=self.pp,
                      dp_replicate=self.dp_replicate)  # degrees >= 1, dp_replicate divides dp
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+            raise ConfigError(f"--ep must be a positive integer, got {self.ep!r}")
         if self.virtual_stages < 1:
             raise ConfigError(f"--virtual-stages {self.virtual_stages}: a positive number, above 1 only with "
                               "--pp-schedule interleaved")
@@ -242,7 +275,7 @@ class RunOptions:
     def parallel(self) -> ParallelConfig:
         """The layout and the technique options as one :class:`~refimpl.config.ParallelConfig`."""
         return ParallelConfig(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, dp_replicate=self.dp_replicate,
-                              zero_stage=self.zero_stage,
+                              ep=self.ep, zero_stage=self.zero_stage,
                               precision=self.precision, sequence_parallel=self.sequence_parallel,
                               cp_method=self.cp_method, pp_schedule=self.pp_schedule,
                               virtual_stages=self.virtual_stages, pp_balance=self.pp_balance,
@@ -253,7 +286,7 @@ class RunOptions:
     def parallel_dims(self, world_size: int) -> ParallelDims:
         """The layout of ``world_size`` ranks (checked: the degrees' product is the world size)."""
         return ParallelDims.from_world(world_size, dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp,
-                                       dp_replicate=self.dp_replicate)
+                                       dp_replicate=self.dp_replicate, ep=self.ep)
 
     def to_dict(self) -> dict:
         return {"zero_stage": self.zero_stage, "precision": self.precision,
@@ -261,7 +294,8 @@ class RunOptions:
                 "cp_method": self.cp_method, "tp": self.tp, "sequence_parallel": self.sequence_parallel,
                 "pp": self.pp, "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
                 "microbatches": self.microbatches, "dp_replicate": self.dp_replicate,
-                "zero3_reshard_per_microbatch": self.zero3_reshard_per_microbatch}
+                "zero3_reshard_per_microbatch": self.zero3_reshard_per_microbatch} | (
+                    {"ep": self.ep} if self.ep > 1 else {})
 
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:
@@ -291,6 +325,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
                       faults=faults, sigterm_grace_s=args.sigterm_grace,
                       sleep_in_step_s=args.test_sleep_in_step,
                       dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp, dp_replicate=args.dp_replicate,
+                      ep=args.ep,
                       sequence_parallel=args.sequence_parallel, cp_method=args.cp_method,
                       microbatches=args.microbatches, pp_schedule=args.pp_schedule,
                       virtual_stages=args.virtual_stages, pp_balance=args.pp_balance,

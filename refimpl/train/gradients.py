@@ -17,8 +17,8 @@ the gradient lives:
 * ZeRO-2: the ``.grad`` of the optimizer's row shard (the full gradient was freed in backward);
 * ZeRO-1: the full local gradient is averaged over the data-parallel group only inside the optimizer's
   step, so here a copy of it is averaged (``all_reduce`` then ``/ N``, the arithmetic of the step's
-  reduce-scatter mean, untraced so that ``metrics.jsonl``'s bytes stay the step's) and the state the step
-  reads is left as it was.
+  reduce-scatter mean, untraced so that ``metrics.jsonl``'s bytes stay the step's; an expert's over its
+  expert-data-parallel group, divided by ``dp x cp``) and the state the step reads is left as it was.
 
 Under fp16 the gradients are divided by the loss scale (a power of two: exact), as ``unscale_`` does.
 """
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from refimpl.checkpoint import parameter_shards
+from refimpl.distributed.group_info import group_rank_size
 from refimpl.distributed.placement import LocalShard
 
 if TYPE_CHECKING:
@@ -59,8 +60,11 @@ def gradient_shards(setup: _Setup) -> dict[str, LocalShard]:
                 out[name] = LocalShard(stepped.grad.float() / scale, param_box.within(box))
         elif param.grad is not None:
             mean = param.grad.float().clone()
-            if optimizer.world_size > 1:
-                dist.all_reduce(mean, group=optimizer.group)  # not traced: the probe's, not the step's
-                mean /= optimizer.world_size
+            group, divide = optimizer.reduction(param)  # experts: summed over edp, divided by dp x cp
+            size = group_rank_size(group)[1]
+            if size > 1:
+                dist.all_reduce(mean, group=group)  # not traced: the probe's, not the step's
+            if (size if divide is None else divide) > 1:
+                mean /= size if divide is None else divide
             out[name] = LocalShard(mean / scale, param_box)
     return out

@@ -33,6 +33,7 @@ from refimpl.train.gradients import gradient_shards
 from refimpl.train.hooks import Hooks, TrainHooks, compose
 from refimpl.train.preflight import (
     check_context_parallel,
+    check_experts,
     check_fits,
     check_tensor_parallel,
     forwards_per_step,
@@ -102,6 +103,7 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
     check_tensor_parallel(config, dims.tp, sequence_parallel=options.sequence_parallel)
     check_context_parallel(config, dims.cp, method=options.cp_method, tp=dims.tp,
                            sequence_parallel=options.sequence_parallel)
+    check_experts(config, options)
     batches = check_fits(config, dims.dp)  # the global batch is split over the data-parallel axis
     seed_everything(config.data.seed, rank=ctx.rank)
     out = Path(config.out)
@@ -202,6 +204,9 @@ def _run_steps(config: TrainConfig, ctx: DistributedContext, options: RunOptions
                 record["pipeline_idle"] = bubble  # measured: the idle share of the pp ranks in this step
             if mp.scaler is not None:
                 record["loss_scale"] = mp.scale
+            if setup.moe_metrics is not None:  # MoE: the balance loss (in "loss"), load, drops (chapter 09)
+                record |= setup.moe_metrics
+                record["lm_loss"] = loss_value - setup.moe_metrics["moe_aux_loss"]
             records.append(record)
             if ctx.is_main:
                 with open(out / "metrics.jsonl", "a") as f:

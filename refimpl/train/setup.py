@@ -36,6 +36,12 @@ class _Setup:
     split_batch: Callable[[torch.Tensor], torch.Tensor] = lambda tokens: tokens  # [b, s] -> [b, s/cp]
     cp_group: torch.distributed.ProcessGroup | None = None
     pipeline: torch.nn.Module | None = None  # this rank's pipeline stages (PipelineModule): a step per call
+    placements: dict = field(default_factory=dict)  # each held parameter's Placement (refimpl.parallel)
+    # MoE models: once per step, before the optimizer step: the load summed over dp x cp, the expert bias
+    # update, the step's figures (refimpl.moe_balance.finish_step); None for a dense model
+    moe_step: Callable[[int], dict | None] | None = None
+    moe_metrics: dict | None = None  # the last step's figures (metrics.jsonl)
+    ep: int = 1
 
 
 def build_setup(config: TrainConfig, ctx: DistributedContext, options: RunOptions,
@@ -49,11 +55,18 @@ def build_setup(config: TrainConfig, ctx: DistributedContext, options: RunOption
     model = GPT(config.model, seed=config.data.seed).to(ctx.device)
     par = parallelize(model, groups if groups is not None else dims, options.parallel)
     opt = par.build_optimizer(config.optim)
+    moe_step = None
+    if config.model.num_experts:
+        from refimpl.moe_balance import finish_step
+
+        def moe_step(micro_batches: int) -> dict | None:
+            return finish_step(par.model, par.group, micro_batches=micro_batches, device=ctx.device)
+
     return _Setup(model=par.model, forward=par.forward, state_module=par.state_module, mp=par.mp,
                   optimizer=opt.optimizer, dp=par.sync, grad_params=opt.grad_params, clip_fn=opt.clip_fn,
                   group=par.group, loss=par.loss, finish_gradients=opt.finish_gradients,
                   tp_group=par.tp_group, split_batch=par.split_batch, cp_group=par.cp_group,
-                  pipeline=par.pipeline)
+                  pipeline=par.pipeline, placements=par.placements, moe_step=moe_step, ep=dims.ep)
 
 
 def _sampling_model(setup: _Setup, config: TrainConfig, options: RunOptions,
@@ -62,7 +75,8 @@ def _sampling_model(setup: _Setup, config: TrainConfig, options: RunOptions,
     other ranks. Under context parallelism the trained model's attention is collective, so rank 0 samples
     from a plain GPT holding the same weights."""
     boxed = setup.pipeline if setup.pipeline is not None else (
-        setup.state_module if setup.tp_group is not None and options.zero_stage == 3 else None)
+        setup.state_module if (setup.tp_group is not None and options.zero_stage == 3) or setup.ep > 1
+        else None)  # expert parallelism: each rank holds its experts' rows
     if boxed is not None:  # each rank holds boxes (its stages, tp blocks, ZeRO-3 rows of them): on rank 0
         import torch.distributed as dist
 

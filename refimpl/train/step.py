@@ -6,7 +6,9 @@ mixed-precision driver (chapter 05: unscale, skip on inf/NaN under fp16, clip, A
 With ``A`` micro-batches of ``b`` sequences each loss is the micro-batch mean divided by ``A``; summed over
 the micro-batches and averaged over equal-sized data-parallel ranks it is the mean over the global batch.
 Under pipeline parallelism (chapter 08) the ``A`` micro-batches are the pipeline's: one call of the stages'
-``step`` runs the schedule's forwards and backwards, and the data-parallel average follows once.
+``step`` runs the schedule's forwards and backwards, and the data-parallel average follows once. An MoE
+model's loss includes its blocks' balance losses (scaled alike), and once the gradients are reduced the
+step's expert load is summed over the ranks and DeepSeek-V3's expert bias updated (chapter 09).
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def train_step(setup: _Setup, inputs: torch.Tensor, labels: torch.Tensor, *, acc
         dp.finish_gradient_synchronization()  # wait for the buckets before clipping and stepping
     if setup.finish_gradients is not None:
         setup.finish_gradients()  # sequence parallelism: sum the s/t-token gradients over the tp group
+    if setup.moe_step is not None:  # MoE: the step's load over dp x cp, DeepSeek-V3's bias update, figures
+        setup.moe_metrics = setup.moe_step(accumulation)
     if before_optimizer_step is not None:
         before_optimizer_step()
     mp.step(setup.optimizer, grad_clip=grad_clip, params=setup.grad_params, clip_fn=setup.clip_fn)

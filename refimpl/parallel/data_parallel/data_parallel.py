@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -78,6 +78,10 @@ class DataParallelBucket(nn.Module):
     * **Copies, not views**: gradients are copied into the bucket and back (DDP's default,
       ``gradient_as_bucket_view=False``); buffers take one extra gradient's worth of memory.
 
+    ``ignore``: names of parameters the wrapper leaves alone (no bucket, no broadcast), as DDP's
+    ``_set_params_and_buffers_to_ignore_for_model``: an expert-parallel rank's experts, which are not
+    replicas over the group and whose gradients another reduction averages (chapter 09).
+
     ``average_gradients=False`` sums instead of averaging (for losses normalised by the global token
     count); ``comm_hook`` replaces the all-reduce (:func:`low_precision_hook`). ``.module`` is the wrapped
     model and ``parameters()`` yields its parameters in its order. ``last_timeline`` is the
@@ -93,6 +97,7 @@ class DataParallelBucket(nn.Module):
         average_gradients: bool = True,
         find_unused_parameters: bool = False,
         comm_hook: CommHook | None = None,
+        ignore: Collection[str] = (),
     ) -> None:
         super().__init__()
         if not bucket_cap_mb > 0:
@@ -106,11 +111,12 @@ class DataParallelBucket(nn.Module):
         self.bucket_cap_bytes = max(1, int(bucket_cap_mb * 2**20))
         self.require_backward_grad_sync = True
 
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.ignored = frozenset(ignore)  # reduced elsewhere (DDP's parameters to ignore): the experts
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in self.ignored]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         _check_same_parameters(self._params, self._names, group)
-        broadcast_module(module, group)
+        broadcast_module(module, group, exclude=self.ignored)
         self._buckets = self._build_buckets()
         self._param_buckets: list[list[int]] = [[] for _ in self._params]
         for b, bucket in enumerate(self._buckets):

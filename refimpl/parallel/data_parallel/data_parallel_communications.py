@@ -61,14 +61,17 @@ def _global_rank_of_first(group: Any) -> int:
 
 
 @torch.no_grad()
-def broadcast_module(module: nn.Module, group: Any = None) -> None:
+def broadcast_module(module: nn.Module, group: Any = None, *, exclude: Iterable[str] = ()) -> None:
     """Copy the first rank's parameters and buffers to every rank of ``group`` (all replicas equal).
 
     Frozen parameters are copied too: the replicas must be identical, not only their trainable part.
+    ``exclude``: names of tensors that are not replicas over ``group`` (an expert-parallel rank's experts).
     """
     src = _global_rank_of_first(group)
-    for t in [*module.parameters(), *module.buffers()]:
-        ops.broadcast(t.data, src=src, group=group)
+    skip = set(exclude)
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if name not in skip:
+            ops.broadcast(t.data, src=src, group=group)
 
 
 def _check_same_parameters(params: Sequence[nn.Parameter], names: Sequence[str], group: Any) -> None:

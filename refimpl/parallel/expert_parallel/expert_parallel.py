@@ -108,6 +108,13 @@ def undispatch_all_to_all(y: torch.Tensor, d: Dispatched, group: Group,
     return all_to_all_tokens(back, d.input_splits, d.output_splits, group, traffic)
 
 
+def _ep_rank_size(group: Group) -> tuple[int, int]:
+    """``(rank, size)`` in the expert-parallel group; ``None`` is no expert parallelism (this rank holds
+    every expert, no collective), also inside a multi-rank program: a layer built without a group must not
+    shard its experts over the default group (a GPT builds its MoE blocks whole, chapter 09)."""
+    return (0, 1) if group is None else group_rank_size(group)
+
+
 def _local_count(num_experts: int, ep: int) -> int:
     if num_experts % ep:
         raise ValueError(f"{num_experts} experts do not divide over the expert-parallel size {ep}")
@@ -117,8 +124,9 @@ def _local_count(num_experts: int, ep: int) -> int:
 class MoE(nn.Module):
     """A mixture-of-experts layer, expert-parallel over ``ep_group`` (module docstring).
 
-    ``moe(x)`` maps ``[b, s, h]`` or ``[T, h]`` to the same shape. After a forward: ``aux_loss`` (the
-    load-balancing loss plus the z-loss, in the graph: add it to the loss), ``z_loss``,
+    ``moe(x)`` maps ``[b, s, h]`` or ``[T, h]`` to the same shape (``ep_group=None``: no expert
+    parallelism, every expert here and no collective, with or without a process group). After a forward:
+    ``aux_loss`` (the load-balancing loss plus the z-loss, in the graph: add it to the loss), ``z_loss``,
     ``tokens_per_expert`` (``[E]`` assignments of this rank's tokens, before capacity), ``kept_per_expert``
     (after), ``dropped_fraction``, ``routing`` and ``traffic`` (token bytes the all-to-alls sent to other
     ranks, forward and, once backward ran, backward).
@@ -137,7 +145,7 @@ class MoE(nn.Module):
                               normalize_topk=normalize_topk, capacity_factor=capacity_factor,
                               aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
                               expert_bias=expert_bias)
-        ep_rank, ep = group_rank_size(ep_group)
+        ep_rank, ep = _ep_rank_size(ep_group)
         local = _local_count(num_experts, ep)
         g = torch.Generator().manual_seed(seed)
         gate = nn.Linear(dim, num_experts, bias=False, device=device, dtype=dtype)
@@ -163,7 +171,7 @@ class MoE(nn.Module):
                               normalize_topk=normalize_topk, capacity_factor=capacity_factor,
                               aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
                               expert_bias=expert_bias)
-        ep_rank, ep = group_rank_size(ep_group)
+        ep_rank, ep = _ep_rank_size(ep_group)
         local = _local_count(len(experts), ep)
         first = ep_rank * local
         moe = cls.__new__(cls)
@@ -178,7 +186,7 @@ class MoE(nn.Module):
         self.router = router
         self.experts = experts
         self.ep_group = ep_group
-        self.ep_rank, self.ep_size = group_rank_size(ep_group)
+        self.ep_rank, self.ep_size = _ep_rank_size(ep_group)
         self.num_experts = router.config.num_experts
         self.num_local_experts = _local_count(self.num_experts, self.ep_size)
         self.first_expert = self.ep_rank * self.num_local_experts
@@ -208,6 +216,10 @@ class MoE(nn.Module):
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"unknown dispatcher {self.dispatcher!r}; expected one of {DISPATCHERS}")
         self.traffic = AllToAllTraffic()
+        if self.ep_size == 1:  # every expert here: either dispatcher on one rank is this, no collective
+            plan = sort_by_expert(routing.kept_ids, self.num_experts)
+            y = self.experts(permute(x, plan), plan.counts.tolist())
+            return combine(y, routing.kept_weights, plan).to(x.dtype)
         if self.dispatcher == "allgather":
             return self._forward_allgather(x, routing).to(x.dtype)
         d = dispatch_all_to_all(x, routing, num_experts=self.num_experts, group=self.ep_group,

@@ -198,7 +198,8 @@ class TopKRouter(nn.Module):
         cfg = self.config
         dt = torch.promote_types(x.dtype, torch.float32)                        # fp32, or fp64 for fp64
         bias = None if self.gate.bias is None else self.gate.bias.to(dt)
-        logits = F.linear(x.to(dt), self.gate.weight.to(dt), bias)              # [T, E]
+        with torch.autocast(x.device.type, enabled=False):  # fp32 under autocast too (it would cast to 16)
+            logits = F.linear(x.to(dt), self.gate.weight.to(dt), bias)          # [T, E]
         scores = logits.softmax(-1) if cfg.score_func == "softmax" else logits.sigmoid()
         choose = scores.detach() if self.expert_bias is None else scores.detach() + self.expert_bias
         expert_ids = torch.topk(choose, cfg.top_k, dim=-1).indices               # [T, k]

@@ -13,7 +13,8 @@ Recomputation in Large Transformer Models" (sequence parallelism, figure 5). On 
   each head only needs its own q, k and v.
 * **MLP**: ``dense_h_to_4h`` column-parallel, GELU on the local ``4h/t`` features, ``dense_4h_to_h``
   row-parallel. Per block: one all-reduce forward after each row layer (``g``) and one backward before each
-  column layer (``f``): 2 + 2.
+  column layer (``f``): 2 + 2. An MoE block's MLP (chapter 09) is left whole: every tp rank routes the same
+  tokens to the same experts (:mod:`refimpl.parallel.expert_parallel_gpt`).
 * **vocabulary**: ``word_embeddings`` a :class:`VocabParallelEmbedding`; the output layer (tied: the same
   shard, :class:`TiedVocabParallelHead`; untied: a column-parallel ``[V, h]``) returns the logits shard
   ``[b, s, V/t]``, and :func:`tp_lm_loss` is the loss on it (:func:`vocab_parallel_cross_entropy`): the
@@ -42,7 +43,7 @@ from torch import nn
 
 from refimpl.comm import ops
 from refimpl.distributed.placement import module_shards
-from refimpl.model import GPT, Embedding, lm_loss
+from refimpl.model import GPT, MLP, Embedding, lm_loss
 from refimpl.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -149,8 +150,9 @@ def apply_tensor_parallel(model: GPT, *, tp_group: Group, sequence_parallel: boo
         attn.query_key_value = ColumnParallelLinear.from_linear(attn.query_key_value, **kw)
         attn.dense = RowParallelLinear.from_linear(attn.dense, **kw)
         attn.num_heads = model.config.num_attention_heads // t  # a/t heads, each with its own q, k, v
-        mlp.dense_h_to_4h = ColumnParallelLinear.from_linear(mlp.dense_h_to_4h, **kw)
-        mlp.dense_4h_to_h = RowParallelLinear.from_linear(mlp.dense_4h_to_h, **kw)
+        if isinstance(mlp, MLP):  # an MoE block's experts stay whole: replicated over tp (chapter 09)
+            mlp.dense_h_to_4h = ColumnParallelLinear.from_linear(mlp.dense_h_to_4h, **kw)
+            mlp.dense_4h_to_h = RowParallelLinear.from_linear(mlp.dense_4h_to_h, **kw)
         if sp:  # replicated, applied to s/t tokens: their gradients are summed over tp after backward
             block.input_layernorm = SequenceParallelLayerNorm.from_layernorm(block.input_layernorm)
             block.post_attention_layernorm = SequenceParallelLayerNorm.from_layernorm(

@@ -52,7 +52,7 @@ from __future__ import annotations
 from refimpl.parallel.zero.clip_grad import clip_sharded_grad_norm_  # noqa: F401 - importable here, as before
 from refimpl.parallel.zero.fsdp_unit import FSDPUnit  # noqa: F401 - importable here, as before
 from refimpl.parallel.zero.fully_sharded_data_parallel import FullyShardedDataParallel
-from refimpl.parallel.zero.sharded_optimizer import ShardedOptimizer
+from refimpl.parallel.zero.sharded_optimizer import ShardedOptimizer, ShardGroup
 from refimpl.parallel.zero.sharded_step import sharded_step
 from refimpl.parallel.zero.sharding import (
     ShardSpec,
@@ -72,6 +72,7 @@ from refimpl.parallel.zero.zero_communications import (  # noqa: F401 - importab
 
 __all__ = [
     "FullyShardedDataParallel",
+    "ShardGroup",
     "ShardSpec",
     "ShardedOptimizer",
     "allreduce_gradients",

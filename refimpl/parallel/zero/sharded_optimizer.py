@@ -10,11 +10,19 @@
 Assumption, as for DDP without ``find_unused_parameters``: every rank uses the same parameters in a step
 (collectives are issued in the order gradients arrive, which must be the same everywhere). The same step
 tensor by tensor, without buckets, is :func:`refimpl.parallel.zero.sharded_step.sharded_step`.
+
+**Shard groups** (chapter 09): a parameter given a :class:`ShardGroup` is sharded over that group instead,
+and its gradient's sum divided by the group's ``divide_factor``: under expert parallelism an expert tensor
+is sharded over the expert-data-parallel group (the ranks that hold the same experts) and its gradient
+summed there and divided by ``dp x cp`` (:mod:`refimpl.parallel.expert_parallel_gpt`), as torchtitan shards
+the experts with a second ``fully_shard`` over its ``efsdp`` mesh and Megatron-LM's distributed optimizer
+over the expert-data-parallel group. Each group's collectives are issued in the parameters' order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,6 +41,15 @@ def _buckets(items: Sequence, sizes: Sequence[int], limit: int) -> list[list]:
     a bucket closed once it holds ``limit``; whole tensors, since a packed shard is not split), from
     :func:`refimpl.parallel.data_parallel.bucket.assign_buckets`."""
     return [[items[i] for i in bucket] for bucket in assign_buckets(sizes, limit, whole_tensors=True)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardGroup:
+    """The process group a parameter is sharded over, and what its gradient's sum is divided by (None: the
+    group's size, a mean)."""
+
+    group: dist.ProcessGroup | None
+    divide_factor: int | None = None
 
 
 def _is_sharded_state(value: object, shard: torch.Tensor) -> bool:
@@ -68,6 +85,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         *,
         zero_stage: int = 1,
         bucket_numel: int = 2**20,
+        shard_groups: Mapping[torch.Tensor, ShardGroup] | None = None,
         **optimizer_kwargs: object,
     ) -> None:
         if zero_stage not in (1, 2):
@@ -77,6 +95,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.rank, self.world_size = _world(group)
         self.zero_stage = zero_stage
         self.bucket_numel = bucket_numel
+        self._shard_groups = dict(shard_groups or {})  # parameter -> its ShardGroup (default: group, mean)
         self._specs: dict[torch.Tensor, ShardSpec] = {}
         self._shards: dict[torch.Tensor, torch.Tensor] = {}
         self._inner_groups: list[dict] = []
@@ -102,7 +121,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for p in group["params"]:
             if not p.is_contiguous():
                 raise ValueError("ShardedOptimizer needs contiguous parameters (a shard is a view of rows)")
-            spec = ShardSpec(p.shape, self.rank, self.world_size)
+            rank, world = _world(self.reduction(p)[0])
+            spec = ShardSpec(p.shape, rank, world)
             self._specs[p] = spec
             self._shards[p] = shard_of(p.detach(), spec)  # a leaf view: stepping it updates p in place
             shards.append(self._shards[p])
@@ -117,6 +137,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @property
     def params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
+
+    def reduction(self, param: torch.Tensor) -> tuple[dist.ProcessGroup | None, int | None]:
+        """``(the group param is sharded over, what its gradient's sum is divided by; None: the group's
+        size)`` (:class:`ShardGroup`; default: the optimizer's group, a mean)."""
+        shard_group = self._shard_groups.get(param)
+        return (self.group, None) if shard_group is None else (shard_group.group, shard_group.divide_factor)
+
+    def _by_group(self, params: Sequence[torch.Tensor]) -> list[tuple[tuple, list[torch.Tensor]]]:
+        """``params`` split by their reduction (:meth:`reduction`), each in the given order."""
+        out: dict[tuple, list[torch.Tensor]] = {}
+        for p in params:
+            group, divide = self.reduction(p)
+            out.setdefault((id(group), divide), []).append(p)
+        return [(self.reduction(ps[0]), ps) for ps in out.values()]
 
     def shard(self, param: torch.Tensor) -> torch.Tensor:
         """This rank's rows of ``param`` (the tensor the inner optimizer steps)."""
@@ -136,12 +170,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _reduce(self, params: list[torch.Tensor]) -> None:
         """Reduce-scatter ``params``' gradients; add the mean of this rank's rows to the shards' grads."""
-        for bucket in _buckets(params, [self._specs[p].padded_numel for p in params], self.bucket_numel):
-            specs = [self._specs[p] for p in bucket]
-            local = reduce_scatter_mean([p.grad for p in bucket], specs, self.group)
-            for p, g in zip(bucket, local, strict=True):
-                shard = self._shards[p]
-                shard.grad = g.clone() if shard.grad is None else shard.grad.add_(g)
+        for (group, divide), members in self._by_group(params):
+            sizes = [self._specs[p].padded_numel for p in members]
+            for bucket in _buckets(members, sizes, self.bucket_numel):
+                specs = [self._specs[p] for p in bucket]
+                local = reduce_scatter_mean([p.grad for p in bucket], specs, group, divide_factor=divide)
+                for p, g in zip(bucket, local, strict=True):
+                    shard = self._shards[p]
+                    shard.grad = g.clone() if shard.grad is None else shard.grad.add_(g)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:  # stage 2, inside backward
         if not self._callback_queued:
@@ -173,7 +209,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Scale the gradients so that their global L2 norm is at most ``max_norm``; return the norm.
 
         The norm of the whole (averaged) gradient from the shards: each rank sums the squares of its
-        rows, one all-reduce adds the sums. Same rule as ``torch.nn.utils.clip_grad_norm_``.
+        rows, one all-reduce adds the sums. Same rule as ``torch.nn.utils.clip_grad_norm_``. (With shard
+        groups that split the optimizer's group, e.g. experts over ``ep x edp = dp x cp``, every rank still
+        holds disjoint rows, so the sum over the group counts each element once.)
         """
         self.reduce_gradients()
         grads = [s.grad for s in self._shards.values() if s.grad is not None]
@@ -193,10 +231,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             inner.update({k: v for k, v in group.items() if k != "params"})
         self.optimizer.step()
         stepped = [p for p in self.params if self._shards[p].grad is not None]
-        sizes = [self._specs[p].padded_numel for p in stepped]
-        for bucket in _buckets(stepped, sizes, self.bucket_numel):
-            all_gather_into([self._shards[p] for p in bucket], [self._specs[p] for p in bucket],
-                            [p.detach() for p in bucket], self.group)
+        for (group, _), members in self._by_group(stepped):
+            sizes = [self._specs[p].padded_numel for p in members]
+            for bucket in _buckets(members, sizes, self.bucket_numel):
+                all_gather_into([self._shards[p] for p in bucket], [self._specs[p] for p in bucket],
+                                [p.detach() for p in bucket], group)
         if self.zero_stage == 1:
             for p in stepped:
                 self._shards[p].grad = None  # stage 1 keeps full gradients only; the shard was transient
@@ -226,7 +265,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 value = local[key]
                 if _is_sharded_state(value, shard):
                     full = value.new_empty(p.shape)
-                    all_gather_into([value], [self._specs[p]], [full], self.group)
+                    all_gather_into([value], [self._specs[p]], [full], self.reduction(p)[0])
                     entry[key] = full
                 else:
                     entry[key] = value.clone() if isinstance(value, torch.Tensor) else value

@@ -43,26 +43,32 @@ def fp16_divide_factors(world_size: int) -> tuple[int, int]:
 
 
 def reduce_scatter_mean(
-    grads: Sequence[torch.Tensor], specs: Sequence[ShardSpec], group: dist.ProcessGroup | None
+    grads: Sequence[torch.Tensor], specs: Sequence[ShardSpec], group: dist.ProcessGroup | None, *,
+    divide_factor: int | None = None,
 ) -> list[torch.Tensor]:
     """Mean over the ranks of this rank's shard of each gradient: one reduce-scatter for all of them.
 
     The collective runs in the gradients' dtype: sum, then divide by N (exact at N = 2, 4 in fp32 and
     bf16). In fp16 the division is split around the sum (:func:`fp16_divide_factors`), as FSDP2 does.
+    ``divide_factor``: divide the sum by it instead of N (FSDP2's ``set_gradient_divide_factor``: expert
+    gradients, summed over the expert-data-parallel group and divided by ``dp x cp``; chapter 09).
     """
-    return unpack_reduce_scatter(reduce_scatter_mean_packed(grads, specs, group), specs)
+    return unpack_reduce_scatter(reduce_scatter_mean_packed(grads, specs, group, divide_factor=divide_factor),
+                                 specs)
 
 
 def reduce_scatter_mean_packed(
-    grads: Sequence[torch.Tensor], specs: Sequence[ShardSpec], group: dist.ProcessGroup | None
+    grads: Sequence[torch.Tensor], specs: Sequence[ShardSpec], group: dist.ProcessGroup | None, *,
+    divide_factor: int | None = None,
 ) -> torch.Tensor:
     """:func:`reduce_scatter_mean` before unpacking: this rank's padded shard of all the gradients, flat
     ``[S]`` (what HSDP all-reduces over the replicas, padding included, as FSDP2 does)."""
     n = specs[0].world_size
+    d = n if divide_factor is None else divide_factor
     packed = pack_for_reduce_scatter(grads, specs)  # [N, S]
     reduced = packed.new_empty(packed.shape[1])  # [S]
     if n > 1:
-        pre, post = fp16_divide_factors(n) if packed.dtype == torch.float16 else (1, n)
+        pre, post = fp16_divide_factors(d) if packed.dtype == torch.float16 else (1, d)
         if pre != 1:
             packed.div_(pre)
         ops.reduce_scatter_tensor(reduced, packed.view(-1), group=group)
@@ -70,6 +76,8 @@ def reduce_scatter_mean_packed(
             reduced.div_(post)
     else:
         reduced.copy_(packed[0])
+        if d != 1:
+            reduced.div_(d)
     return reduced
 
 

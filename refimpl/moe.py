@@ -1,0 +1,157 @@
+"""The GPT's mixture-of-experts MLP: :class:`MoEMLP`, built on :class:`refimpl.parallel.expert_parallel.MoE`
+(chapter 09).
+
+Shazeer et al. 2017 (the sparsely-gated MoE layer), Lepikhin et al. 2020 (GShard), Fedus et al. 2021
+(Switch), DeepSeek-AI 2024 (DeepSeek-V3). A block whose index is a multiple of ``moe_every``
+(:meth:`refimpl.config.ModelConfig.is_moe_layer`) replaces its dense MLP by ``E`` expert MLPs and a top-``k``
+router (the grouped experts: 3-D weights ``[E, h, f]``, one ``torch._grouped_mm`` per projection); a token's
+output is ``y_t = sum_j w_{t,j} E_{I_tj}(x_t)``.
+
+**The balance loss is sequence-wise** (DeepSeek-V3 eq. 17-20, its "complementary sequence-wise auxiliary
+loss"): for each sequence ``b`` of ``s`` tokens, ``f_{b,i}`` is the share of its ``s k`` assignments routed
+to expert ``i`` and ``P_{b,i}`` the mean probability of expert ``i`` over its tokens (sigmoid scores first
+normalised per token), and
+
+    L_aux = alpha E mean_b sum_i f_{b,i} P_{b,i}                  (a uniform router gives alpha).
+
+Why per sequence and not per forward (Switch computes it over the tokens of one device's batch): a mean
+over sequences does not depend on how the global batch is cut into ranks and micro-batches, exactly like
+the language-model loss, a mean over tokens. The block keeps ``aux_loss`` of its last forward; the model's
+loss adds the blocks' (:func:`moe_aux_loss`, called by :meth:`refimpl.parallel.parallelized.Parallelized.
+loss`), so it is divided by the micro-batches ``A`` and its gradient averaged over the ``dp x cp`` ranks
+like the main loss: the trainer minimises ``1/(N A) sum_{ranks, micro-batches} (CE + sum_blocks L_aux)``,
+the global mean over sequences of both, at any ``dp``, ``ep`` and micro-batch size (the pipeline, whose
+stages would each hold some blocks' losses, is refused: refimpl/support.py). The layer's own per-forward
+loss (:class:`~refimpl.parallel.expert_parallel.RouterConfig`'s ``aux_loss_coeff``) is kept at 0.
+
+**Capacity** (``capacity_factor``) is the layer's: ``C = ceil(k T / E cf)`` slots per expert for the ``T``
+tokens of one forward on one rank (GShard's group is a device's batch), so a run with capacity equals one
+device only at the same micro-batch per rank. Dropless (None) routes each token on its own.
+
+**Expert parallelism** (:meth:`MoEMLP.shard_experts`, applied by :func:`refimpl.parallel.expert_parallel_gpt.
+apply_expert_parallel`): the model is built whole (every expert, so every ``ep`` draws the same weights)
+and rank ``r`` of the ``ep`` group keeps experts ``[r E/ep, (r+1) E/ep)``. :meth:`MoEMLP.local_shards`
+declares those rows as boxes of the global ``[E, ...]`` tensors (the checkpoint reshards by them) and
+:meth:`MoEMLP.expert_parallel_parameters` names them (their placement: split over ``ep``, gradient
+averaged over the expert-data-parallel group).
+
+The per-step bookkeeping (load per expert, dropped assignments, the aux loss, DeepSeek-V3's bias update)
+is :mod:`refimpl.moe_balance`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from refimpl.config import ModelConfig
+from refimpl.distributed.placement import Box, LocalShard
+from refimpl.parallel.expert_parallel import MoE
+
+__all__ = ["EXPERT_TENSORS", "MoEMLP", "moe_aux_loss", "moe_blocks", "sequence_balance_loss"]
+
+EXPERT_TENSORS = ("w1", "w3", "w2")
+"""The grouped experts' 3-D weights (``w3``: SwiGLU only); under expert parallelism each rank holds rows."""
+
+
+def sequence_balance_loss(scores: torch.Tensor, expert_ids: torch.Tensor, *, sequences: int, coeff: float,
+                          score_func: str) -> torch.Tensor:
+    """``coeff E mean_b sum_i f_{b,i} P_{b,i}`` (module docstring) over ``sequences`` equal sequences of the
+    ``T`` tokens: ``scores [T, E]`` (fp32, in the graph), ``expert_ids [T, k]``. One sequence is Switch's
+    loss (:func:`refimpl.parallel.expert_parallel.load_balancing_loss`) over its tokens."""
+    t, e = scores.shape
+    if coeff == 0 or t == 0:
+        return scores.new_zeros(())
+    probs = scores if score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+    ids = expert_ids.reshape(sequences, -1)  # [b, s k]
+    counts = torch.zeros(sequences, e, dtype=scores.dtype, device=scores.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=scores.dtype))  # [b, E] assignments per expert
+    f = counts / ids.shape[1]  # [b, E]: share of the sequence's s k assignments (no gradient)
+    p = probs.reshape(sequences, t // sequences, e).mean(1)  # [b, E]: mean probability over its tokens
+    return coeff * e * (f * p).sum(-1).mean()
+
+
+class MoEMLP(nn.Module):
+    """The MLP of an MoE block (module docstring): ``forward(x [b, s, h]) -> [b, s, h]``; after a forward
+    ``aux_loss`` (the sequence-wise balance loss, in the graph) and ``moe`` the layer (its routing,
+    ``tokens_per_expert``, ``kept_per_expert``, ``dropped_fraction``). ``layer``: the block's index (the
+    layer's seed; the GPT's ``reset_parameters`` draws the weights anyway)."""
+
+    def __init__(self, config: ModelConfig, *, layer: int = 0) -> None:
+        super().__init__()
+        self.aux_loss_coeff = config.aux_loss_coeff
+        self.score_func = config.score_func
+        self.bias_update_rate = config.moe_bias_update_rate if config.moe_load_balance == "bias" else None
+        self._kw = dict(dim=config.hidden_size, hidden=config.expert_hidden_size,
+                        num_experts=config.num_experts, top_k=config.top_k, activation=config.moe_activation,
+                        score_func=config.score_func,
+                        capacity_factor=config.capacity_factor, aux_loss_coeff=0.0,
+                        expert_bias=config.moe_load_balance == "bias", seed=layer)
+        self.moe = MoE(**self._kw)
+        self.aux_loss: torch.Tensor | None = None
+        self.counters = None  # refimpl.moe_balance's per-step counters, set by its first record
+
+    @property
+    def num_experts(self) -> int:
+        return self.moe.num_experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.moe(x)
+        routing = self.moe.routing
+        self.aux_loss = sequence_balance_loss(routing.scores, routing.expert_ids,
+                                              sequences=x.shape[0] if x.dim() == 3 else 1,
+                                              coeff=self.aux_loss_coeff, score_func=self.score_func)
+        return y
+
+    @torch.no_grad()
+    def shard_experts(self, ep_group: torch.distributed.ProcessGroup | None) -> None:
+        """Keep this rank's experts ``[r E/ep, (r+1) E/ep)`` of the whole layer (built with every expert),
+        routing over ``ep_group`` (GShard's all-to-all); the router stays whole (every rank routes its own
+        tokens)."""
+        if self.moe.ep_size != 1:
+            raise ValueError("shard_experts takes a layer that holds every expert (it is already sharded)")
+        old = self.moe
+        new = MoE(**self._kw, ep_group=ep_group, device=old.router.gate.weight.device,
+                  dtype=old.router.gate.weight.dtype)
+        new.router.gate.weight.copy_(old.router.gate.weight)
+        if old.router.expert_bias is not None:
+            new.router.expert_bias.copy_(old.router.expert_bias)
+        rows = slice(new.first_expert, new.first_expert + new.num_local_experts)
+        for name in EXPERT_TENSORS:
+            if getattr(old.experts, name) is not None:
+                getattr(new.experts, name).copy_(getattr(old.experts, name)[rows])
+                getattr(new.experts, name).requires_grad_(getattr(old.experts, name).requires_grad)
+        new.router.gate.weight.requires_grad_(old.router.gate.weight.requires_grad)
+        self.moe = new
+
+    def expert_parallel_parameters(self) -> list[str]:
+        """The names (relative to this module) of the expert tensors, split over ``ep``."""
+        return [f"moe.experts.{n}" for n in EXPERT_TENSORS if getattr(self.moe.experts, n) is not None]
+
+    def local_shards(self) -> dict[str, LocalShard]:
+        """Every tensor whole but the experts': rows ``[first, first + E/ep)`` of the global ``[E, ...]``."""
+        experts = set(self.expert_parallel_parameters())
+        own = [*self.named_parameters(), *((n, b) for n, b in self.named_buffers() if b is not None)]
+        out = {}
+        for name, t in own:
+            box = Box.full(t.shape)
+            if name in experts:
+                box = Box.full((self.moe.num_experts, *t.shape[1:])).narrow(0, self.moe.first_expert,
+                                                                          self.moe.num_local_experts)
+            out[name] = LocalShard(t, box)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"aux_loss_coeff={self.aux_loss_coeff}, balance={'bias' if self.bias_update_rate else 'aux'}"
+
+
+def moe_blocks(model: nn.Module) -> list[MoEMLP]:
+    """The MoE MLPs of ``model`` (any wrapper of a GPT), in module order; [] for a dense model."""
+    return [m for m in model.modules() if isinstance(m, MoEMLP)]
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """The sum of the MoE blocks' balance losses of the last forward (None for a dense model): what the
+    model's loss adds (module docstring)."""
+    losses = [m.aux_loss for m in moe_blocks(model) if m.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None

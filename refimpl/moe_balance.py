@@ -1,0 +1,91 @@
+"""What a step of an MoE model counts and does once per optimizer step (chapter 09): each block's load per
+expert, its dropped assignments and its balance loss, summed over the step's micro-batches and ranks, and
+DeepSeek-V3's auxiliary-loss-free bias update.
+
+* :func:`record_micro_batch` (called by the model's loss, once per micro-batch, after its forward): the
+  blocks' balance losses summed (what the loss adds, in the graph), and each block's counters: the
+  assignments its router made per expert (``tokens_per_expert``, before capacity), the dropped ones and
+  the balance loss (detached). Read here and not in the forward, because activation checkpointing runs a
+  block's forward a second time in backward.
+* :func:`finish_step` (once per step, before the optimizer step): one all-reduce of every block's
+  counters over the ``dp x cp`` group (the ranks that saw different tokens; a tensor-parallel group saw the
+  same ones), so every rank knows the global batch's load ``c_i``. With ``moe_load_balance = "bias"`` each
+  router's expert bias moves by DeepSeek-V3's rule, ``b_i += u sign(mean_j c_j - c_i)`` (section 2.1.2),
+  the same on every rank. Returns the step's figures for metrics.jsonl: the balance loss (the mean over
+  micro-batches and ranks, summed over blocks: the part of the loss it is), the most and the mean
+  assignments per expert (over blocks and experts: ``mean = k T / E`` for ``T`` tokens), and the dropped
+  fraction of all assignments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from refimpl.comm import ops
+from refimpl.distributed.group_info import group_rank_size
+from refimpl.moe import moe_blocks
+
+__all__ = ["MoECounters", "finish_step", "record_micro_batch"]
+
+
+@dataclass(kw_only=True)
+class MoECounters:
+    """One block's sums over the step's micro-batches on this rank."""
+
+    load: torch.Tensor  # [E] assignments routed to each expert (before capacity)
+    dropped: float = 0.0  # assignments dropped by capacity
+    assignments: float = 0.0  # all assignments (T k per forward)
+    aux: float = 0.0  # the balance losses (detached)
+
+
+def record_micro_batch(model: nn.Module) -> torch.Tensor | None:
+    """The sum of the blocks' balance losses of the last forward (None: a dense model), each block's
+    counters advanced by it (module docstring)."""
+    blocks = moe_blocks(model)
+    losses = []
+    for block in blocks:
+        moe = block.moe
+        if block.aux_loss is None or moe.tokens_per_expert is None:
+            continue
+        c = block.counters
+        if c is None:
+            c = block.counters = MoECounters(load=torch.zeros(moe.num_experts, dtype=torch.float64))
+        assignments = float(moe.routing.expert_ids.numel())
+        c.load += moe.tokens_per_expert.detach().to("cpu", torch.float64)
+        c.assignments += assignments
+        c.dropped += moe.dropped_fraction * assignments
+        c.aux += float(block.aux_loss.detach())
+        losses.append(block.aux_loss)
+    return torch.stack(losses).sum() if losses else None
+
+
+@torch.no_grad()
+def finish_step(model: nn.Module, group: dist.ProcessGroup | None, *, micro_batches: int,
+                device: torch.device) -> dict[str, float] | None:
+    """Sum the blocks' counters over ``group`` (``dp x cp``; None: one rank), update the expert biases,
+    reset the counters and return the step's figures (module docstring); None for a dense model."""
+    blocks = [b for b in moe_blocks(model) if b.counters is not None]
+    if not blocks:
+        return None
+    loads = torch.stack([b.counters.load for b in blocks])  # [L, E]
+    scalars = torch.tensor([[b.counters.dropped, b.counters.assignments, b.counters.aux] for b in blocks],
+                           dtype=torch.float64)  # [L, 3]
+    packed = torch.cat([loads.flatten(), scalars.flatten()]).to(device)
+    n = group_rank_size(group)[1] if group is not None else 1
+    if n > 1:
+        ops.all_reduce(packed, group=group)  # the global batch's load: one collective for every block
+    packed = packed.cpu()
+    loads = packed[: loads.numel()].view_as(loads)
+    dropped, assignments, aux = packed[loads.numel():].view(len(blocks), 3).unbind(1)
+    for block, load in zip(blocks, loads, strict=True):
+        if block.bias_update_rate is not None:
+            block.moe.update_expert_bias(block.bias_update_rate, load=load.to(device))
+        block.counters = None
+    return {"moe_aux_loss": float(aux.sum()) / (n * micro_batches),
+            "moe_tokens_per_expert_max": float(loads.max()),
+            "moe_tokens_per_expert_mean": float(loads.mean()),
+            "moe_dropped_fraction": float(dropped.sum() / assignments.sum())}

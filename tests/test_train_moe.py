@@ -1,0 +1,312 @@
+"""The trainer with MoE blocks and ``--ep`` (chapter 09): expert parallelism carved out of the data-parallel
+ranks (``--ep 2 --dp 4``: two expert-data-parallel replicas of each expert; ``--ep 2 --tp 2`` (dp 2): the
+experts whole on both tp ranks), at ZeRO 0-2, with gradient accumulation, activation checkpointing and
+DeepSeek-V3's bias balancing, trains the model one device trains, and its checkpoints resume at another
+``--ep``.
+
+One ``run_ranks`` of 4 ranks runs every layout through :func:`refimpl.train.train`; the one-device runs
+(fp32, the whole batch at once and one sequence per micro-batch) run in this process. The balance loss is
+a mean over sequences (:mod:`refimpl.moe`), so both one-device orders and every layout minimise the same
+objective, and the numerics rule of tests/one_device.py applies unchanged (routing is dropless here:
+capacity is per rank's forward, :mod:`refimpl.moe`):
+
+* the losses within ``FACTOR x`` the one-device order spread, and the **first step's gradients before
+  clipping and AdamW**, every rank's boxes of every parameter (experts: rows of the ``[E, ...]`` tensors)
+  against one device's, each within ``FACTOR x`` its order spread; a planted factor 2 fails;
+* **negative control**: the same ``--ep 2 --dp 4`` run with the experts' placement saying ``dp_cp`` instead
+  of ``expert_dp`` (their gradients averaged over the dp x cp ranks, which hold other experts) fails the same
+  comparison on the expert tensors, by far;
+* metrics.jsonl's MoE figures: the balance loss equals one device's, tokens per expert mean is ``k T / E``
+  of the global batch's ``T`` tokens, max at least that, nothing dropped; the all-to-alls show as bytes on
+  the ``ep`` group, the expert gradients' sum on ``edp``;
+* the gradient norm the trainer clips by counts every element once (experts on their ep rank, dense
+  replicas once), at ZeRO-0 and ZeRO-1 and with tp;
+* checkpoints: the ``--ep 2`` checkpoint (experts' rows as boxes of ``[E, ...]``) loads bitwise into the
+  plain GPT (``--ep 1``) and into an ``--ep 4`` run's boxes, and the runs resumed at ``--ep 4`` and at
+  ``--ep 1`` (plain data parallelism of the whole MoE model) continue the ``--ep 2`` losses (and one
+  device's).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from refimpl.checkpoint import CheckpointConfig, Checkpointer, load_training_state
+from refimpl.config import OptimConfig
+from refimpl.distributed import DistributedContext
+from refimpl.distributed.placement import module_shards
+from refimpl.launch import run_ranks
+from refimpl.model import GPT
+from refimpl.train import build_parser, build_setup, config_from_args, options_from_args, train
+from refimpl.train.hooks import TrainHooks
+from tests.one_device import (
+    assert_gradients_like_one_device,
+    assert_trains_like_one_device,
+    first_step_gradients,
+    gradient_ratios,
+    tolerance,
+)
+
+SPAWN_TIMEOUT_S = 300
+FACTOR = 4.0
+STEPS = 4
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
+        "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
+        "--checkpoint-every", "0", "--moe-experts", "4", "--moe-top-k", "2", "--moe-aux-loss-coeff", "0.1"]
+BIAS = ["--moe-load-balance", "bias"]
+SAVED = "dp4-ep2"  # saves at STEPS, runs STEPS + 2: resumed at ep 4 and ep 1
+# name -> (flags at world size 4, the one-device reference: "aux" or "bias")
+LAYOUTS = {
+    SAVED: (["--ep", "2", "--steps", str(STEPS + 2), "--checkpoint-every", str(STEPS)], "aux"),
+    # the expert state sharded over edp 2; the recomputed forward runs the all-to-alls again in backward
+    "dp4-ep2-zero2-bias-actckpt": (["--ep", "2", "--zero-stage", "2", *BIAS, "--activation-checkpointing"],
+                                   "bias"),
+    "tp2-dp2-ep2-zero1-accum": (["--tp", "2", "--ep", "2", "--zero-stage", "1", "--micro-batch-size", "1"],
+                                "aux"),
+}
+EXPERT = ".mlp.moe.experts."
+
+
+def _args(files: dict, out: Path, *extra: str):
+    return build_parser().parse_args([*TINY, "--steps", str(STEPS), "--data", str(files["corpus"]),
+                                      "--cache-dir", str(files["cache"]), "--out", str(out), *extra])
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, corpus) -> dict:
+    return {"root": tmp_path_factory.mktemp("train_moe"), **corpus}  # tests/conftest.py's corpus
+
+
+def _load(folder: Path, model: torch.nn.Module) -> None:
+    checkpointer = Checkpointer(CheckpointConfig(folder=str(folder)))
+    load_training_state(checkpointer, checkpointer.find_latest_valid(), model=model, restore_rng=False)
+
+
+def _pieces(module: torch.nn.Module) -> dict:
+    return {n: (s.box.offsets, s.box.global_shape, s.tensor.detach().cpu().numpy().copy())
+            for n, s in module_shards(module).items()}
+
+
+def _dp_cp_for_experts(step: int, setup) -> None:
+    """The negative control: the experts' placements say dp_cp, so their gradients are averaged over the dp
+    x cp ranks (which hold other experts) instead of summed over edp and divided by dp x cp."""
+    if step == 0:
+        for name, p in setup.placements.items():
+            if "expert_dp" in p.reduce_over:
+                setup.placements[name] = replace(p, reduce_over=("dp_cp",))
+
+
+NORM_LAYOUTS = {  # name -> (degrees, options)
+    "dp4-ep2": (dict(dp=4, ep=2), {}),
+    "dp4-ep2-zero1": (dict(dp=4, ep=2), dict(zero_stage=1)),
+    "tp2-dp2-ep2": (dict(dp=2, tp=2, ep=2), {}),
+}
+
+
+def _norms(ctx, config) -> dict:
+    """The trainer's clip norm (``clip_fn``) of a planted gradient, the same global one on every rank, each
+    rank's boxes of it (tests/test_param_placements.py's check, with experts); and the norm with every
+    replica counted (placements without their replicated axes), which must be larger."""
+    from refimpl.distributed.mesh import ParallelDims
+    from refimpl.parallel.parallelize import parallelize
+    from refimpl.parallel.parallelized import held_parameters
+    from refimpl.parallel.placements import HeldGradient, clip_grad_norm_
+
+    gen = torch.Generator().manual_seed(11)
+    full = {n: torch.randn(p.shape, generator=gen) for n, p in GPT(config, seed=1).named_parameters()}
+    out = {"global": float(torch.cat([g.flatten().double() for g in full.values()]).norm())}
+    for name, (degrees, options) in NORM_LAYOUTS.items():
+        groups = ParallelDims(**degrees).build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=60)
+        par = parallelize(GPT(config, seed=1), groups, groups.dims.config(**options))
+        opt = par.build_optimizer(OptimConfig(grad_clip=1e9))
+        held = dict(held_parameters(par))
+        for n, p in held.items():  # ZeRO-1 sums the experts over edp and divides by dp x cp: plant ep x g
+            scale = 2.0 if options.get("zero_stage") == 1 and EXPERT in n else 1.0
+            p.grad = scale * full[n][par.placements[n].box.slices()].clone()
+        out[name] = float(opt.clip_fn(None))
+        if not options:
+            every = [HeldGradient(n, p.grad, replace(par.placements[n], replicated_over=()))
+                     for n, p in held.items()]
+            out[name, "replicas counted"] = float(clip_grad_norm_(every, 1e9, groups=par.groups(),
+                                                                  device=torch.device("cpu")))
+        dist.barrier()
+    return out
+
+
+def _worker(ctx, files: dict) -> dict:
+    root = Path(files["root"])
+    out = {}
+    for name, (flags, _) in LAYOUTS.items():
+        args = _args(files, root / name, *flags, "--checkpoint-dir", str(root / name / "ckpt"))
+        grads: dict = {}
+        records = train(config_from_args(args), ctx, options_from_args(args),
+                        gradient_probe=first_step_gradients(grads))
+        out[name] = [r["loss"] for r in records]
+        out[name, "grads"] = grads
+        out[name, "records"] = records
+    grads = {}  # the negative control, one step
+    args = _args(files, root / "control", "--ep", "2", "--steps", "1")
+    train(config_from_args(args), ctx, options_from_args(args),
+          hooks=TrainHooks(before_step=_dp_cp_for_experts, gradient_probe=first_step_gradients(grads)))
+    out["control", "grads"] = grads
+    if ctx.rank == 0:  # the ep 2 checkpoint of step STEPS alone, a copy for each resumed run
+        kept = root / "ep2-checkpoint"
+        shutil.copytree(root / SAVED / "ckpt", kept)
+        shutil.rmtree(kept / f"step_{STEPS + 2:08d}")
+        for ep in (4, 1):
+            shutil.copytree(kept, root / f"resumed-ep{ep}-ckpt")
+    dist.barrier()
+    # that checkpoint loaded into an ep 4 run's model: each rank's boxes
+    args = _args(files, root / "unused", "--ep", "4")
+    setup = build_setup(config_from_args(args), ctx, options_from_args(args))
+    _load(root / "ep2-checkpoint", setup.state_module)
+    out["ep4 load"] = _pieces(setup.state_module)
+    out["norms"] = _norms(ctx, config_from_args(args).model)
+    for ep in (4, 1):  # ... and the run resumed from it for 2 more steps (ep 1: plain data parallelism)
+        args = _args(files, root / f"resumed-ep{ep}", *LAYOUTS[SAVED][0], "--ep", str(ep),
+                     "--checkpoint-dir", str(root / f"resumed-ep{ep}-ckpt"))
+        out[f"resumed at ep{ep}"] = [r["loss"] for r in train(config_from_args(args), ctx,
+                                                              options_from_args(args))]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(files) -> list[dict]:
+    return run_ranks(_worker, 4, files, timeout_s=SPAWN_TIMEOUT_S)
+
+
+def _one_device(files: dict, flags: list[str], *, steps: int) -> dict:
+    """tests/one_device.py's references in fp32 only (the whole batch, one sequence per micro-batch), with
+    the first step's gradients and the records; one thread as a rank, the caller's RNG restored."""
+    state = random.getstate(), np.random.get_state(), torch.random.get_rng_state(), torch.get_num_threads()
+    torch.set_num_threads(1)
+    ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    try:
+        out = {}
+        for order, extra in (("batch", []), ("micro", ["--micro-batch-size", "1"])):
+            args = _args(files, Path(files["root"]) / f"one-{'-'.join(flags) or 'aux'}-{order}", *flags,
+                         "--steps", str(steps), *extra)
+            grads: dict = {}
+            records = train(config_from_args(args), ctx, options_from_args(args),
+                            gradient_probe=first_step_gradients(grads))
+            out["fp32", order] = [r["loss"] for r in records]
+            out["grads", "fp32", order] = grads
+            out["records", order] = records
+        return out
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.random.set_rng_state(state[2])
+        torch.set_num_threads(state[3])
+
+
+@pytest.fixture(scope="module")
+def one_device(files, runs) -> dict:
+    """Per balancing mode the one-device references, and the ep 2 checkpoint loaded into the plain GPT."""
+    out = {"aux": _one_device(files, [], steps=STEPS + 2), "bias": _one_device(files, BIAS, steps=STEPS)}
+    plain = GPT(config_from_args(_args(files, Path(files["root"]) / "x")).model, seed=7)
+    _load(Path(files["root"]) / "ep2-checkpoint", plain)
+    out["ep1 load"] = {k: v.clone() for k, v in plain.state_dict().items()}
+    return out
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_expert_parallel_layouts_train_like_one_device(runs, one_device, name):
+    reference = one_device[LAYOUTS[name][1]]
+    assert_trains_like_one_device([out[name][:STEPS] for out in runs], reference, "fp32", factor=FACTOR,
+                                  name=name)
+    want = reference["fp32", "batch"]
+    diff = max(abs(a - b) for out in runs for a, b in zip(out[name][:STEPS], want, strict=False))
+    print(f"{name}: losses within {diff:.2e} of one device's, tolerance "
+          f"{tolerance(reference, 'fp32', factor=FACTOR):.2e}")
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_expert_parallel_layouts_hand_the_optimizer_one_devices_gradients(runs, one_device, name):
+    """Every rank's boxes of the first step's gradients (experts: its rows of ``[E, ...]``) against one
+    device's; negative control: x 2 fails."""
+    reference = one_device[LAYOUTS[name][1]]
+    per_rank = [out[name, "grads"] for out in runs]
+    worst = assert_gradients_like_one_device(per_rank, reference, "fp32", factor=FACTOR, name=name,
+                                             control=2.0)
+    experts = {n for pieces in per_rank for n in pieces if EXPERT in n}  # rows of [E, ...], never all E
+    assert len(experts) == 4 and all(pieces[n][2].shape[0] < 4 for pieces in per_rank for n in experts)
+    print(f"{name}: worst gradient difference {worst:.3f} x its tolerance")
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+def test_expert_gradients_averaged_over_dp_x_cp_fail(runs, one_device):
+    """The negative control: the experts' gradients reduced over dp x cp (their placement says so) are off
+    one device's by far more than the tolerance, the dense ones still equal."""
+    per_rank = [out["control", "grads"] for out in runs]
+    ratios = gradient_ratios(per_rank, one_device["aux"], "fp32", factor=FACTOR)
+    experts = {n: r for n, r in ratios.items() if EXPERT in n}
+    assert len(experts) == 4 and min(experts.values()) > 100, experts
+    assert max(r for n, r in ratios.items() if EXPERT not in n) <= 1
+    print(f"dp x cp instead of edp: the expert gradients {min(experts.values()):.0f} to "
+          f"{max(experts.values()):.0f} x their tolerance off")
+
+
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+@pytest.mark.parametrize("layout", list(NORM_LAYOUTS))
+def test_the_trainers_norm_counts_every_expert_and_dense_element_once(runs, layout):
+    """Within float32 rounding (tests/test_param_placements.py's 1e-5 relative); the control (every
+    replica counted: the dense tensors ep or ep x tp times) is off by far more."""
+    for rank, out in enumerate(runs):
+        got, want = out["norms"][layout], out["norms"]["global"]
+        assert abs(got - want) <= 1e-5 * want, (rank, layout, got, want)
+        if (layout, "replicas counted") in out["norms"]:
+            assert out["norms"][layout, "replicas counted"] > want * 1.1, (rank, layout)
+    norms = runs[0]["norms"]
+    print(f"{layout}: norm {norms[layout]:.6f} vs {norms['global']:.6f}"
+          + (f", replicas counted {norms[layout, 'replicas counted']:.3f}" if not NORM_LAYOUTS[layout][1]
+             else ""))
+
+
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+def test_metrics_record_the_balance_loss_the_load_and_the_traffic(runs, one_device):
+    want = one_device["aux"]["records", "batch"]
+    tol = tolerance(one_device["aux"], "fp32", factor=FACTOR)
+    mean = 4 * 16 * 2 / 4  # k T / E over the global batch's T tokens
+    for out in runs:
+        for got, ref in zip(out[SAVED, "records"], want, strict=False):
+            assert abs(got["moe_aux_loss"] - ref["moe_aux_loss"]) <= tol
+            assert got["moe_tokens_per_expert_mean"] == mean <= got["moe_tokens_per_expert_max"]
+            assert got["moe_dropped_fraction"] == 0.0
+            assert got["lm_loss"] == pytest.approx(got["loss"] - got["moe_aux_loss"])
+            assert got["bytes_sent"]["ep"] > 0 and got["bytes_sent"]["edp"] > 0
+
+
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+def test_an_ep2_checkpoint_loads_bitwise_at_ep1_and_ep4_and_resumes_there(runs, one_device):
+    plain = one_device["ep1 load"]
+    for out in runs:  # every rank's ep 4 boxes are the plain GPT's elements, bit for bit
+        pieces = out["ep4 load"]
+        assert {n for n in pieces if EXPERT in n} and sorted(pieces) == sorted(
+            k for k in plain if k != "output_layer.weight")
+        for name, (offsets, shape, value) in pieces.items():
+            assert tuple(shape) == tuple(plain[name].shape)
+            box = tuple(slice(o, o + n) for o, n in zip(offsets, value.shape, strict=True))
+            assert np.array_equal(value, plain[name][box].numpy()), name
+    fresh = GPT(config_from_args(build_parser().parse_args(TINY)).model, seed=0).state_dict()
+    assert not all(torch.equal(v, fresh[k]) for k, v in plain.items())  # it did load trained weights
+    tol = tolerance(one_device["aux"], "fp32", factor=FACTOR)
+    one = np.array(one_device["aux"]["fp32", "batch"][STEPS:])
+    for ep in (4, 1):
+        resumed, ep2 = runs[0][f"resumed at ep{ep}"], runs[0][SAVED]
+        assert len(resumed) == 2  # a fresh --out: the two steps after the resume
+        assert float(np.abs(np.array(resumed) - np.array(ep2[STEPS:])).max()) <= tol, (ep, resumed, ep2)
+        assert float(np.abs(np.array(resumed) - one).max()) <= tol, (ep, resumed, one)
