@@ -1,4 +1,4 @@
-"""Benchmark of chapter 10: the 3D trainer's layouts at world size 8, and the planner against the runs.
+"""Benchmark of chapter 12: the 3D trainer's layouts at world size 8, and the planner against the runs.
 
     python -m bench.bench_3d [--steps 6] [--warmup 2] [--repeats 3] [--quick]
 

@@ -122,7 +122,7 @@ print(decode(torch.from_numpy(corpus.tokens[:120].copy())))
 # **Batches.** `ShardedBatches` cuts the corpus into windows of `seq_len + 1` tokens and serves step
 # `k`'s batch as a **pure function of (seed, step, rank, world size)**: the inputs are the first `seq_len`
 # tokens of each window and the labels the same window shifted by one, so position `t` learns to predict
-# token `t + 1`. Being a pure function is what makes a resumed run (chapter 09) and a data-parallel run
+# token `t + 1`. Being a pure function is what makes a resumed run (chapter 11) and a data-parallel run
 # (chapter 03) see exactly the tokens a single device sees: rank `r` of `W` takes its slice of the same
 # global batch.
 

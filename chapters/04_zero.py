@@ -505,7 +505,7 @@ if rank == 0:
 # %% [markdown]
 # **Hybrid sharding (HSDP).** ZeRO-3 runs three collectives per unit and step over its whole group, on the
 # critical path of forward and backward. On a cluster that group spans nodes, and a ring that crosses the
-# network runs at the network's pace, several times slower than NVLink inside a node (chapter 10's
+# network runs at the network's pace, several times slower than NVLink inside a node (chapter 12's
 # data-sheet figures). HSDP (FSDP2's `fully_shard` on a 2-D mesh, FSDP1's `HYBRID_SHARD`) shards over a
 # **shard group** of $S$ ranks inside a node and **replicates** the shards over $R$ such groups: the
 # all-gathers and the reduce-scatter stay inside the node, and what crosses the nodes is one all-reduce
@@ -569,7 +569,7 @@ if rank == 0:
 # the box (chapter 06: each GPU computes with $1/8$ of every weight and, with sequence parallelism, keeps
 # $1/8$ of a sequence's activations; its collectives run on NVLink) and ZeRO-3 across the boxes, sharding
 # each rank's TP block further over dp: the state per GPU is the same, the unit of work and the dp degree
-# are 8 times smaller. Chapter 10's planner on 64 H100s (8 boxes of 8), 4096-token sequences, a global
+# are 8 times smaller. Chapter 12's planner on 64 H100s (8 boxes of 8), 4096-token sequences, a global
 # batch of 64, one sequence per micro-batch:
 
 # %%

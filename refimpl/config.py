@@ -278,7 +278,7 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """The layout and every technique option of a run, in one object (chapter 10 assembles them): what the
+    """The layout and every technique option of a run, in one object (chapter 12 assembles them): what the
     trainer's options give (``RunOptions.parallel``), :func:`refimpl.parallel.parallelize` applies,
     :func:`refimpl.planner.predict_run` predicts and the trainer's memory preflight plans.
 

@@ -3,7 +3,7 @@
 AdamW (Loshchilov & Hutter 2019) decays only matrices (2-D weights); biases, LayerNorm parameters and the
 embeddings are left undecayed, as in GPT-2/nanoGPT. The learning rate is a pure function of the step
 (linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` at ``total_steps``), so
-a resumed run needs only the step to continue the schedule exactly (chapter 01, chapter 09).
+a resumed run needs only the step to continue the schedule exactly (chapter 01, chapter 11).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``python -m refimpl.plan``: the layouts (dp x tp x pp x cp) that fit a model on a cluster, ranked by an
-estimated step time, with memory and communication per GPU broken down (chapter 10).
+estimated step time, with memory and communication per GPU broken down (chapter 12).
 
     python -m refimpl.plan --params 70e9 --gpus 512 --gpu H100 --seq-len 4096 --global-batch 1024
     python -m refimpl.plan --params 1e12 --gpus 2048 --seq-len 2048 --global-batch 2048 \

@@ -75,7 +75,7 @@ def one_device_losses(args_for: Callable[..., object], root: Path, *, steps: int
 
 def tolerance(one_device: dict, precision: str, *, factor: float) -> float:
     """``factor x`` the order spread of ``precision`` (16 bits: at least ``|16-bit - fp32|``): the package's
-    :func:`refimpl.measure.order_tolerance`, which chapter 10 uses too."""
+    :func:`refimpl.measure.order_tolerance`, which chapter 12 uses too."""
     return order_tolerance(one_device, precision, factor=factor)
 
 

@@ -1,4 +1,4 @@
-"""The plan CLI's stage-boundary bytes against what the runtime sends (chapter 10).
+"""The plan CLI's stage-boundary bytes against what the runtime sends (chapter 12).
 
 ``python -m refimpl.plan`` counts the pipeline's traffic with :func:`refimpl.plan.boundary_bytes`: a
 ``[b, s/(cp tp), h]`` tensor of :data:`refimpl.plan.BOUNDARY_BYTES_PER_ELEMENT` bytes per element. Here ONE

@@ -1,4 +1,4 @@
-"""Checkpoints (chapter 09): sharded, verified, atomic; resharding; bitwise resume.
+"""Checkpoints (chapter 11): sharded, verified, atomic; resharding; bitwise resume.
 
 Everything is compared bit for bit (``torch.equal``, ``==`` on losses): saving and loading copy bytes, and
 a resumed run replays exactly the arithmetic of the uninterrupted one.

@@ -1,4 +1,4 @@
-"""The reliability suite (chapter 09): the trainer under torchrun survives killed, hung and lost ranks.
+"""The reliability suite (chapter 11): the trainer under torchrun survives killed, hung and lost ranks.
 
 Every case starts real ``torchrun`` agents on a tiny run (1 layer, width 32, 32 tokens, 6 steps,
 checkpoints every 2 steps) and is bounded twice: ``timeout -k`` around each command and a pytest timeout

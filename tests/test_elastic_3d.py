@@ -1,4 +1,4 @@
-"""The elastic trainer at a 3D layout (chapter 10, on chapter 09's machinery): real ``torchrun`` agents,
+"""The elastic trainer at a 3D layout (chapter 12, on chapter 11's machinery): real ``torchrun`` agents,
 each command bounded by ``timeout -k`` and each test by a pytest timeout.
 
 * a rank killed at ``dp 2 x tp 2 x pp 2`` (8 ranks, one agent): the group restarts once and the run ends

@@ -1,9 +1,9 @@
-"""``python -m refimpl.plan`` (chapter 10's planner for users): the layouts it prints multiply out to the
+"""``python -m refimpl.plan`` (chapter 12's planner for users): the layouts it prints multiply out to the
 GPUs, fit the memory it states and come fastest first; a model no layout fits exits 1 and says what the
 smallest layout needs; bad input is one line on stderr with exit status 2, before any estimate. The search
 over ZeRO stages 0-3, recomputation and HSDP keeps, per layout, the lowest stage that fits; ``--layout``
 estimates one layout at every stage with the ZeRO paper's state figures (the seed: DP128 x TP8 x PP2 of a
-1T model on 2048 H100 fits at ZeRO-3 only, chapter 10).
+1T model on 2048 H100 fits at ZeRO-3 only, chapter 12).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def test_it_runs_as_a_module():
     assert "layouts considered" in proc.stdout
 
 
-# the seed's claim as chapter 10 puts it through the planner: a 1T model (model_for(1e12)) on 2048 H100 in
+# the seed's claim as chapter 12 puts it through the planner: a 1T model (model_for(1e12)) on 2048 H100 in
 # nodes of 8, 2048 tokens per sequence, 2048 sequences per step, one per micro-batch
 SEED = ["--params", "1e12", "--gpus", "2048", "--gpu", "H100", "--seq-len", "2048", "--global-batch", "2048"]
 SEED_KW = dict(gpu="H100", gpus_per_node=8, seq_len=2048, global_batch=2048)
@@ -139,7 +139,7 @@ def test_the_seed_layout_fits_at_zero_3_only_with_the_papers_state(capsys, big):
     # that does not fit here, so the stage is gathered per micro-batch ("3m"): m = 16 times the dp bytes
     assert re.search(r"^\s+3m\s", out, re.M), out
     assert float(rows[3].group(9)) == pytest.approx(16 * 1.5 * float(rows[1].group(9)), rel=1e-3)
-    # chapter 10's figures: 261.6 GB of state under ZeRO-1, 8.0 GB under ZeRO-3
+    # chapter 12's figures: 261.6 GB of state under ZeRO-1, 8.0 GB under ZeRO-3
     assert round(sum(float(rows[1].group(i)) for i in (3, 4, 5)), 1) == 261.6
     assert round(sum(float(rows[3].group(i)) for i in (3, 4, 5)), 1) == 8.0
 

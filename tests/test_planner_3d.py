@@ -1,4 +1,4 @@
-"""The planner's prediction of a 3D trainer run against the run itself (chapter 10).
+"""The planner's prediction of a 3D trainer run against the run itself (chapter 12).
 
 ONE spawn of 8 ranks trains a tiny GPT (4 blocks, width 32, 4 heads, 16 tokens, global batch 8, 2 steps)
 through :func:`refimpl.train.train` at six ``dp x tp x pp`` layouts (ZeRO-1 at one, bf16 at one, sequence
@@ -20,7 +20,7 @@ gradient all-reduce counted per micro-batch instead of once per step, the SP emb
 whose ``s/t`` split at micro-batch 1 would be a view of the whole output, in bytes held and sent) each fail
 the same check. Sequence parallelism at micro-batch 1 is run with and without pipeline parallelism.
 The bubble (measured ``pipeline_idle`` against the schedule's formula) is timing on a loaded 2-core box:
-not checked here, only that it is a share; bench/bench_3d.py and chapter 10 compare it.
+not checked here, only that it is a share; bench/bench_3d.py and chapter 12 compare it.
 Bytes and state bytes are exact (no rounding involved): no numerics marker.
 """
 

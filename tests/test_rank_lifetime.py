@@ -1,4 +1,4 @@
-"""No rank outlives its launcher (refimpl.distributed.env.exit_with_parent; chapter 09 on hangs).
+"""No rank outlives its launcher (refimpl.distributed.env.exit_with_parent; chapter 11 on hangs).
 
 A launcher killed with SIGKILL (a job's timeout, ``kill -9``) cannot stop its ranks; a rank blocked in a
 receive would stay there until killed by hand. Here the launcher is killed while a rank hangs (the trainer's

@@ -1,4 +1,4 @@
-"""``survivor_layout`` (refimpl.train.preflight; chapters 09-10) as a property over tp, pp, cp and survivors.
+"""``survivor_layout`` (refimpl.train.preflight; chapters 11-12) as a property over tp, pp, cp and survivors.
 
 An elastic restart with another number of ranks keeps the model split: for every ``tp, pp, cp``, first
 ``dp`` and survivor count, the layout it returns keeps ``tp``, ``pp`` and ``cp``, its product is the

@@ -1,4 +1,4 @@
-"""The 3D trainer (chapter 10): dp x tp x pp (x cp) at 8 ranks trains like one device, and its checkpoints
+"""The 3D trainer (chapter 12): dp x tp x pp (x cp) at 8 ranks trains like one device, and its checkpoints
 move between layouts.
 
 * **Equivalence.** One spawn of 8 ranks runs :func:`refimpl.train.train` in process at ``2 x 2 x 2``

@@ -1,4 +1,4 @@
-"""The trainer's checkpoints (chapter 09): bitwise resume in every parallel and precision mode, SIGTERM,
+"""The trainer's checkpoints (chapter 11): bitwise resume in every parallel and precision mode, SIGTERM,
 ``--resume never``, a checkpoint of another configuration refused, time-based saves, the restart decision.
 
 The multi-rank cases run in one spawn of 2 ranks (``run_ranks``): per mode, an uninterrupted run, a run

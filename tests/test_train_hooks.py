@@ -176,7 +176,7 @@ def test_compose_reads_an_absent_point_as_none():
     both = compose(Recorder("a", log), five)
     both.gradient_probe(3, {"w": SimpleNamespace(tensor=torch.zeros(1))})
     assert log == [("a.gradient_probe", 3), ("five.gradient_probe", 3)]
-    probe = compose(TrainerProbe(step=1))  # chapter 10's measurement has the first five
+    probe = compose(TrainerProbe(step=1))  # chapter 12's measurement has the first five
     assert probe.around_step is not None and probe.clock is not None and probe.before_step is None
 
 

@@ -1,6 +1,6 @@
 """Trustworthy sharded checkpoints: save the whole training state, commit atomically, resume exactly.
 
-Chapter 09.
+Chapter 11.
 
 What a checkpoint holds (:func:`save_training_state`): the model's parameters and persistent buffers and
 the optimizer state *as each rank holds them* (full tensors, ZeRO-1/2 optimizer shards, FSDP parameter

@@ -1,4 +1,4 @@
-"""The :class:`Checkpointer`: the collective save (synchronous or asynchronous), find and load (chapter 09).
+"""The :class:`Checkpointer`: the collective save (synchronous or asynchronous), find and load (chapter 11).
 
 The commit protocol, every rank and then rank 0, is in the package docstring (:mod:`refimpl.checkpoint`);
 an asynchronous save returns after the CPU snapshot and a background thread writes, hashes and commits,

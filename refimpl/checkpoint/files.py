@@ -1,4 +1,4 @@
-"""The bytes on disk: fsync, sha256, a rank's file written and read back (chapter 09).
+"""The bytes on disk: fsync, sha256, a rank's file written and read back (chapter 11).
 
 A rank file is ``torch.save({"format_version", "pieces": {"<name>@<offsets>": tensor of the piece's box},
 "objects"})``, fsynced before its sha256 and size are reported (:func:`write_rank_file`).

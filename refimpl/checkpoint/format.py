@@ -1,4 +1,4 @@
-"""The on-disk format of a refimpl checkpoint: rank files plus a manifest that describes them (chapter 09).
+"""The on-disk format of a refimpl checkpoint: rank files plus a manifest that describes them (chapter 11).
 
 A checkpoint is a folder ``step_00000042/``::
 

@@ -1,4 +1,4 @@
-"""The manifest: what a checkpoint holds, and the checks that make it trusted (chapter 09).
+"""The manifest: what a checkpoint holds, and the checks that make it trusted (chapter 11).
 
 ``manifest.json`` records the format version, step, world size, config, library versions, the global
 state, every file's sha256 and size, and where every tensor's pieces lie (per piece its file and its box:

@@ -1,4 +1,4 @@
-"""Who writes which box, and who reads which: the two plans of a checkpoint (chapter 09).
+"""Who writes which box, and who reads which: the two plans of a checkpoint (chapter 11).
 
 :func:`plan_pieces` cuts every dimension of every tensor at every box boundary the ranks hold, so the
 tensor becomes a grid of cells each of which lies either wholly inside or wholly outside every rank's box;

@@ -1,4 +1,4 @@
-"""When to save: every N steps, every M minutes, at once on SIGTERM, the same on every rank (chapter 09)."""
+"""When to save: every N steps, every M minutes, at once on SIGTERM, the same on every rank (chapter 11)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class SaveSchedule:
     A step that never ends (a hang, a run too large for the machine) would keep a SIGTERM waiting for ever,
     so a second SIGTERM, or the first once ``grace_s`` seconds have passed without the save (``None``:
     wait for ever), exits at once: a line on stderr and ``os._exit(143)`` (128 + SIGTERM), no save; the
-    newest committed checkpoint stays valid (the commit is atomic, chapter 09). The grace runs in a thread
+    newest committed checkpoint stays valid (the commit is atomic, chapter 11). The grace runs in a thread
     of its own, so it fires even while the main thread is inside a long kernel; the second SIGTERM's
     handler runs in the main thread, as every Python signal handler does.
     """

@@ -1,4 +1,4 @@
-"""The training state as shards: parameters, optimizer moments, RNG; save and load it (chapter 09).
+"""The training state as shards: parameters, optimizer moments, RNG; save and load it (chapter 11).
 
 What a checkpoint holds: the model's parameters and persistent buffers and the optimizer state *as each
 rank holds them* (full tensors, ZeRO-1/2 optimizer shards, FSDP parameter shards), the optimizer's

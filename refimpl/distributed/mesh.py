@@ -1,6 +1,6 @@
 """The layout of the ranks: ``ParallelDims`` (``pp x dp x cp x tp``) and one process group per axis.
 
-Chapter 10 (the 3D trainer) explains it; chapters 06 (tensor), 07 (context) and 08 (pipeline) use it. The
+Chapter 12 (the 3D trainer) explains it; chapters 06 (tensor), 07 (context) and 08 (pipeline) use it. The
 ranks ``0 .. W-1`` are arranged as a 4-D grid of shape ``(pp, dp, cp, tp)`` in row-major order, so that
 
     rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i,        W = pp * dp * cp * tp.

@@ -16,7 +16,7 @@ The chunking rule of all of them is :func:`chunk_range` (``torch.chunk``'s and F
 chunks of ``ceil(size / N)``, the last ones smaller or empty. The runtime shards with it and the planner
 counts bytes with it, so the two cannot disagree.
 
-Resharding is box intersection (chapter 09): a reader that needs box ``R`` copies ``P ∩ R`` out of every
+Resharding is box intersection (chapter 11): a reader that needs box ``R`` copies ``P ∩ R`` out of every
 saved piece ``P`` that meets it, ``out[(P ∩ R) - R.offsets] = piece[(P ∩ R) - P.offsets]``.
 
 Who holds what is said by the wrappers themselves: a module with ``local_shards()`` declares its boxes, the
@@ -143,7 +143,7 @@ class Box:
 
 @dataclass(frozen=True, eq=False)
 class LocalShard:
-    """``tensor`` holds the elements ``box`` of a global tensor: what a rank says it holds (chapter 09).
+    """``tensor`` holds the elements ``box`` of a global tensor: what a rank says it holds (chapter 11).
 
     Wrappers hand these to the checkpoint (``local_shards()``); ``tensor.shape`` must be ``box.shape``.
     """
@@ -169,7 +169,7 @@ class LocalShard:
 def module_shards(module: nn.Module) -> dict[str, LocalShard]:
     """What a rank holds of ``module``'s parameters and persistent buffers, by their names in the module.
 
-    The rule the checkpoint reads (chapter 09): a module, at any depth, that has a method
+    The rule the checkpoint reads (chapter 11): a module, at any depth, that has a method
     ``local_shards() -> dict[str, LocalShard]`` claims its whole subtree and says itself which boxes it holds
     (names relative to that module, as the plain wrapped model names them: ZeRO-3 its row shards, a data-
     parallel wrapper its replicas); every tensor of the rest is held whole (:meth:`LocalShard.full`). A

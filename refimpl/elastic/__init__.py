@@ -1,5 +1,5 @@
 """Elastic training: the resume decision, fault injection, heartbeats that name a stuck rank, and the
-launch helpers (chapter 09).
+launch helpers (chapter 11).
 
 **How a restart happens.** ``torchrun --max-restarts R`` runs an *agent* per machine. When one of its
 workers exits non-zero (or is killed), the agent stops the others, meets the other agents again (the

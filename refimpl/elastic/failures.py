@@ -1,4 +1,4 @@
-"""The failure log (chapter 09): one JSON line per failure in ``<out>/failures.jsonl``, read back for the
+"""The failure log (chapter 11): one JSON line per failure in ``<out>/failures.jsonl``, read back for the
 report of a failed run."""
 
 from __future__ import annotations

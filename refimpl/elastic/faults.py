@@ -1,4 +1,4 @@
-"""Fault injection for teaching and tests (chapter 09): a rank that dies, hangs or is preempted mid-step.
+"""Fault injection for teaching and tests (chapter 11): a rank that dies, hangs or is preempted mid-step.
 
 A rank kills itself with SIGKILL in the middle of a step (after its forward pass, while the others already
 wait in the gradient all-reduce), stalls there (a hang: only the collective timeout ends it), sends itself
@@ -31,7 +31,7 @@ def parse_steps(text: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True, kw_only=True)
 class FaultPlan:
-    """Faults to inject (``--fail-at-step``, ``--hang-at-step``, ``--preempt-at-step``; chapter 09).
+    """Faults to inject (``--fail-at-step``, ``--hang-at-step``, ``--preempt-at-step``; chapter 11).
 
     Each is a tuple with one step per attempt: entry ``i`` applies to the attempt whose
     ``TORCHELASTIC_RESTART_COUNT`` is ``i``, and attempts beyond the tuple run clean. So ``(3,)`` fails

@@ -1,4 +1,4 @@
-"""Heartbeats that name a stuck rank (chapter 09).
+"""Heartbeats that name a stuck rank (chapter 11).
 
 A collective that times out says only that it timed out. Every rank therefore posts its position (step and
 phase) to the process group's key-value store as it goes; when a collective fails, each surviving rank

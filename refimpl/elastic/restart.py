@@ -1,4 +1,4 @@
-"""Restarts under torchrun, decided from the disk (chapter 09): the agent's counters, the resume decision,
+"""Restarts under torchrun, decided from the disk (chapter 11): the agent's counters, the resume decision,
 and the torchrun command line and environment that start (and restart) the workers.
 
 ``TORCHELASTIC_RESTART_COUNT`` counts the restarts *of this agent*: for reports only. Whether to resume is

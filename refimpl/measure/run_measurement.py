@@ -1,4 +1,4 @@
-"""What a trainer run holds, measured inside the run itself: :class:`TrainerProbe` (chapter 10).
+"""What a trainer run holds, measured inside the run itself: :class:`TrainerProbe` (chapter 12).
 
 The planner's prediction of a run (:func:`refimpl.planner.run_prediction.predict_run`) is checked against
 three measurements of a different source, taken in one step of :func:`refimpl.train.train` (the

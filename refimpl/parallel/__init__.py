@@ -6,7 +6,7 @@
   :mod:`refimpl.measure.state` (chapter 04);
 * :mod:`refimpl.parallel.activation_checkpoint`: activation checkpointing of transformer blocks (chapter 05);
 * :mod:`refimpl.parallel.parallelize`: ``parallelize(model, groups, config)`` applies them all in one
-  documented order, data parallel / ZeRO outermost (chapter 10; the trainer's setup).
+  documented order, data parallel / ZeRO outermost (chapter 12; the trainer's setup).
 
 Import from the submodules, e.g. ``from refimpl.parallel.data_parallel import DataParallelBucket``.
 """

@@ -1,4 +1,4 @@
-"""The optimizer of a parallelized model (chapter 10): :func:`build_optimizer_setup`, which
+"""The optimizer of a parallelized model (chapter 12): :func:`build_optimizer_setup`, which
 ``Parallelized.build_optimizer`` calls, gives AdamW over this rank's parameters and what the checked step
 needs for the layout, as an :class:`OptimizerSetup`, all read from the parameters' placements
 (:mod:`refimpl.parallel.placements`):

@@ -1,6 +1,6 @@
 """One function applies every parallel technique to a model, in one fixed order: :func:`parallelize`.
 
-Chapter 10 (the 3D trainer) explains the order; each step is the technique of its chapter. The trainer
+Chapter 12 (the 3D trainer) explains the order; each step is the technique of its chapter. The trainer
 (``refimpl.train.setup``) builds its run through this function only. As in torchtitan's
 ``parallelize_llama`` (``torchtitan/models/llama3/parallelize.py``: tensor parallel, then activation
 checkpointing, then ``torch.compile``, then FSDP with the mixed-precision policy) and Megatron-LM (the model

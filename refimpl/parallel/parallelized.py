@@ -1,4 +1,4 @@
-"""What :func:`~refimpl.parallel.parallelize.parallelize` gives (chapter 10): the parallelized model
+"""What :func:`~refimpl.parallel.parallelize.parallelize` gives (chapter 12): the parallelized model
 (:class:`Parallelized`; what it takes is a :class:`~refimpl.config.ParallelConfig`), which holds each
 parameter's placement (:mod:`refimpl.parallel.placements`, recorded by :func:`record_parallel_placements`)
 and builds the optimizer from them (:func:`refimpl.parallel.optimizer_setup.build_optimizer_setup`).

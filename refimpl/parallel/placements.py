@@ -1,5 +1,5 @@
 """One placement per parameter: where each tensor a rank holds lies across the ranks, and the one gradient
-norm and the one gradient reduction that read it (chapter 10).
+norm and the one gradient reduction that read it (chapter 12).
 
 Every technique of :func:`refimpl.parallel.parallelize` changes *where* a parameter lives, and the gradient
 path must know it: which part of the global tensor this rank holds, over which ranks the others are, over

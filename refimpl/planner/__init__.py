@@ -14,7 +14,7 @@
   :mod:`~refimpl.planner.pipeline`: per pipeline rank, the activations it holds at its peak under a
   schedule (chapter 08);
 * :mod:`~refimpl.planner.run_prediction`: one trainer run at a layout, per rank: state, held
-  activations, bytes per process group per step, the bubble (chapter 10); :mod:`~refimpl.planner.run_terms`:
+  activations, bytes per process group per step, the bubble (chapter 12); :mod:`~refimpl.planner.run_terms`:
   its terms for ZeRO-2/3, HSDP, activation checkpointing and ZeRO-3's 16-bit weights;
 * :mod:`~refimpl.planner.layout`: the layout (``ParallelDims``-like degrees) that per-rank functions take.
 

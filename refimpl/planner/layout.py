@@ -14,7 +14,7 @@ every sequence; ring attention, Liu et al. 2023, or Ulysses, Jacobs et al. 2023)
 replicated over ``cp`` as over ``dp``, so the loss, the gradients and ZeRO's shards span the ``dp x cp``
 ranks (:data:`refimpl.distributed.mesh.LOSS_AXES`): :func:`zero_shard_degree` is ``dp * cp``.
 Pipeline parallelism (chapter 08: each pipeline rank holds its stages, :mod:`refimpl.planner.pipeline`)
-composes with all three (chapter 10): the stages hold the tensor-parallel shards and the context-parallel
+composes with all three (chapter 12): the stages hold the tensor-parallel shards and the context-parallel
 attention, as :func:`refimpl.parallel.parallelize` builds them.
 """
 

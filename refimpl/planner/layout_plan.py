@@ -1,4 +1,4 @@
-"""One layout of a cluster estimated: memory per GPU, bytes per axis, bubble and step time (chapter 10).
+"""One layout of a cluster estimated: memory per GPU, bytes per axis, bubble and step time (chapter 12).
 
 :func:`evaluate_layout` is what ``python -m refimpl.plan`` (:mod:`refimpl.plan`) computes for every layout
 and combination it searches, and what ``--layout`` prints; a chapter calls it directly. Its terms:

@@ -34,7 +34,7 @@ Transient on top (not held between actions): the last stage's logits and their g
 output gradient of a backward ``4 s b h`` (stage ``s < S - 1``), and the largest checkpointed block's
 recomputation.
 
-Inside the other axes (chapter 10, as :func:`refimpl.parallel.parallelize` builds it: tensor and context
+Inside the other axes (chapter 12, as :func:`refimpl.parallel.parallelize` builds it: tensor and context
 parallelism first, then the split): the stages hold the tensor-parallel shards of ``t`` ranks (the tied
 copy a vocab-parallel shard, ``ceil(V/t)`` rows), and every term above is the rank's: the blocks' and the
 embedding's and loss's at ``s_c = s/cp`` tokens by ``cp_method`` (:mod:`refimpl.planner.activations`;
@@ -232,7 +232,7 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
     """Every pipeline rank of ``pp`` ranks running ``schedule`` over ``num_microbatches`` micro-batches of
     ``micro_batch`` sequences of ``seq_len`` tokens (module docstring), in rank order. ``precision``
     ``fp32`` or ``bf16``/``fp16`` under autocast; ``checkpointed_blocks``: global block indices.
-    Inside the stages (chapter 10's composition, as :func:`refimpl.parallel.parallelize` builds it): ``tp``
+    Inside the stages (chapter 12's composition, as :func:`refimpl.parallel.parallelize` builds it): ``tp``
     tensor-parallel ranks (``sequence_parallel``: the boundaries carry ``[b, s_c/t, h]``), ``cp``
     context-parallel ranks (``cp_method``, ``cp_layout``; ``s_c = s/cp`` tokens), ZeRO ``zero_stage`` 0-3
     over ``zero_shards`` ranks (:func:`pipeline_state_memory`, group rank ``dp_rank``). ZeRO-3 adds what the

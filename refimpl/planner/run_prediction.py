@@ -1,4 +1,4 @@
-"""One trainer run at a layout, predicted per rank before it runs: :func:`predict_run` (chapter 10).
+"""One trainer run at a layout, predicted per rank before it runs: :func:`predict_run` (chapter 12).
 
 The composition of the planner's terms for ``python -m refimpl.train --dp D --tp T --pp P --cp C ...``
 (the mesh ``pp x dp x cp x tp``, :mod:`refimpl.distributed.mesh`; Narayanan et al. 2021, "Efficient

@@ -9,7 +9,7 @@ dynamic loss scaler; with ``--zero-stage 3`` as FSDP2 instead: 16-bit all-gather
 shards, gradients reduced in fp32) and ``--activation-checkpointing`` recomputes blocks in backward
 (chapter 05).
 
-**Checkpoints and restarts** (chapter 09). The run saves its whole training state into
+**Checkpoints and restarts** (chapter 11). The run saves its whole training state into
 ``--checkpoint-dir`` (default ``<out>/checkpoints``) every ``--checkpoint-every`` steps and/or
 ``--checkpoint-minutes`` minutes, on SIGTERM (then it stops: exit status 143) and at the end. A run
 pointed at a folder that holds checkpoints resumes from the newest one that verifies (``--resume auto``)

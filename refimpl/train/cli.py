@@ -1,6 +1,6 @@
 """The command line: :func:`main` (``python -m refimpl.train``), the self-launch under torchrun with
 ``--nproc-per-node`` (:func:`_launch`, with the demonstration fault of the default run), and the report of a
-failed launch (:func:`failure_report`: the failures the ranks recorded, where a rerun resumes; chapter 09).
+failed launch (:func:`failure_report`: the failures the ranks recorded, where a rerun resumes; chapter 11).
 
 No process of a run outlives the one that started it: each rank dies with its torchrun agent
 (``init_distributed`` under ``TORCHELASTIC_RUN_ID``: :func:`refimpl.distributed.env.exit_with_parent`), and

@@ -7,7 +7,7 @@ gradient, so a gradient that is a constant factor off (a pipeline loss not divid
 micro-batches, expert gradients counted twice: pytorch/pytorch#160285) trains with the same losses. The
 equivalence tests compare these gradients with one device's (chapters 06-10).
 
-Each rank says what it holds, as the checkpoint does (chapter 09): ``{name: LocalShard(gradient, box)}``,
+Each rank says what it holds, as the checkpoint does (chapter 11): ``{name: LocalShard(gradient, box)}``,
 ``name`` the plain GPT's, ``box`` the part of the global tensor (a tensor-parallel block, a ZeRO row
 shard of it, a whole replica; a tied embedding on both pipeline ends under the embedding's name). Where
 the gradient lives:

@@ -1,7 +1,7 @@
 """What runs inside the loop of :func:`refimpl.train.train`, at documented points: :class:`TrainHooks`,
 and :func:`compose`, which makes one hooks object of several.
 
-The trainer calls each hook at one point of a step, so that a measurement (chapter 10's
+The trainer calls each hook at one point of a step, so that a measurement (chapter 12's
 :class:`refimpl.measure.run_measurement.TrainerProbe`), an equivalence test or the run's own probes
 (:class:`refimpl.train.probes.RunProbes`: fault injection, the test sleep, the heartbeat) read or do what
 they need without replacing the trainer's functions, the ops or the pipeline executor's clock. For step

@@ -1,4 +1,4 @@
-"""The training loop, :func:`train`: resume from the newest valid checkpoint (chapter 09), run the steps
+"""The training loop, :func:`train`: resume from the newest valid checkpoint (chapter 11), run the steps
 (:func:`refimpl.train.step.train_step`), append a record per step to ``metrics.jsonl`` (loss, throughput,
 memory, the bytes this rank sent per process group, and under pipeline parallelism the measured idle share),
 save on the schedule and on SIGTERM (then raise :class:`Preempted`), and report at the end (``loss.png``,

@@ -1,6 +1,6 @@
 """What is refused before any process starts: the batch split and the data (:func:`check_fits`), the
-planned memory per rank against the machine's (:func:`preflight_memory`, the planner of chapter 10), and a
-checkpoint folder of another run (:func:`preflight_resume`, chapter 09)."""
+planned memory per rank against the machine's (:func:`preflight_memory`, the planner of chapter 12), and a
+checkpoint folder of another run (:func:`preflight_resume`, chapter 11)."""
 
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ MEMORY_ENV = "REFIMPL_MEMORY_BYTES"  # tests: this node's memory in bytes, inste
 
 def survivor_layout(options: RunOptions, world_size: int, *,
                     restart_count: int) -> tuple[RunOptions, str | None]:
-    """The layout of a run that an elastic agent restarted with another number of ranks (chapters 09-10).
+    """The layout of a run that an elastic agent restarted with another number of ranks (chapters 11-12).
 
     A ``--dp`` given for the first attempt no longer multiplies out when a machine is lost (``torchrun
     --nnodes=1:2``): the trainer keeps ``tp``, ``pp`` and ``cp`` (a model split that the survivors can still

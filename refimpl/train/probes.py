@@ -1,7 +1,7 @@
 """The run's own probes, :class:`RunProbes`: hooks (:mod:`refimpl.train.hooks`) that the trainer composes
 before the caller's, ``compose(RunProbes(options, ctx, out), hooks)``.
 
-They are fault injection (``options.faults``, chapter 09: a preemption before the step; a kill, a lost
+They are fault injection (``options.faults``, chapter 11: a preemption before the step; a kill, a lost
 machine or a hang after the first forward, while the other ranks go on into the collectives), the tests'
 sleep in a step (``--test-sleep-in-step``: a step too long for a SIGTERM to wait for) and the heartbeat
 (:class:`refimpl.elastic.Heartbeat`: this rank's position in the store at four places of a step, read back

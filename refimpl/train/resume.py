@@ -1,4 +1,4 @@
-"""Where a run starts (chapter 09): :func:`resume` loads the newest valid checkpoint into the built setup
+"""Where a run starts (chapter 11): :func:`resume` loads the newest valid checkpoint into the built setup
 and keeps the records of the earlier attempts; the trainer (:func:`refimpl.train.train`) then runs the
 steps from :attr:`Resumed.start`.
 """
@@ -44,7 +44,7 @@ class Resumed:
 
 
 def resume(config: TrainConfig, ctx: DistributedContext, options: RunOptions, setup, out: Path) -> Resumed:
-    """Load the newest valid checkpoint of ``options.checkpoint`` into ``setup`` (chapter 09), write
+    """Load the newest valid checkpoint of ``options.checkpoint`` into ``setup`` (chapter 11), write
     config.json and keep the earlier attempts' records in metrics.jsonl (rank 0)."""
     attempt = elastic.restart_count()  # for the report only: the resume decision reads the disk
     job = elastic.run_id()

@@ -153,7 +153,7 @@ class DataParallelBucket(nn.Module):
         return [[self._names[i] for i in b.params] for b in self._buckets]
 
     def local_shards(self) -> dict[str, LocalShard]:
-        """What this rank holds (the checkpoint reads it, chapter 09): the wrapped module's tensors, every
+        """What this rank holds (the checkpoint reads it, chapter 11): the wrapped module's tensors, every
         one whole (a replica), by their names in the wrapped module: the wrapper adds no name."""
         return module_shards(self.module)
 

@@ -60,7 +60,7 @@ class DataParallelNaive(nn.Module):
         return self.module(*args, **kwargs)
 
     def local_shards(self) -> dict[str, LocalShard]:
-        """What this rank holds (the checkpoint reads it, chapter 09): the wrapped module's tensors, every
+        """What this rank holds (the checkpoint reads it, chapter 11): the wrapped module's tensors, every
         one whole (a replica), by their names in the wrapped module: the wrapper adds no name."""
         return module_shards(self.module)
 

@@ -18,7 +18,7 @@ Huang et al. 2019 (GPipe); Narayanan et al. 2021 (1F1B and interleaved 1F1B, Meg
   as one module (``parallelize``'s step 3): a whole step per call, checkpoints under the GPT's names.
 
 The trainer's ``--pp`` composes the pipeline with data, tensor and context parallelism and ZeRO 0-2
-(:mod:`refimpl.parallel.parallelize`, chapter 10).
+(:mod:`refimpl.parallel.parallelize`, chapter 12).
 """
 
 from __future__ import annotations

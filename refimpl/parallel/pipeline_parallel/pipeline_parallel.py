@@ -7,12 +7,12 @@ the rank's action list of the schedule (:func:`~refimpl.parallel.pipeline_parall
 build_schedule`) over ``m`` micro-batches (:func:`~refimpl.parallel.pipeline_parallel.executor.
 run_schedule`), then the tied-embedding gradient exchange, then the step loss sent from the last stage to
 every rank of the pipeline. What the data-parallel ranks do next (the gradient average over ``dp``, after
-the last backward of the step) is the caller's: chapter 10's rule that every technique reduces over its own
+the last backward of the step) is the caller's: chapter 12's rule that every technique reduces over its own
 group.
 
 Checkpoints see the plain GPT's names: :meth:`PipelineModule.local_shards` declares each stage parameter
 under its name in the GPT (``layers.5.mlp...``), so a checkpoint written at ``pp = 2`` loads at ``pp = 1``
-or ``4`` (chapter 09's boxes; a tied embedding's two copies are two replicas of one tensor).
+or ``4`` (chapter 11's boxes; a tied embedding's two copies are two replicas of one tensor).
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def held_bytes(units: list[FSDPUnit], optimizer: torch.optim.Optimizer | None = 
 
 def units_local_shards(module: nn.Module, units: list[FSDPUnit],
                        inner_boxes: dict[str, Box]) -> dict[str, LocalShard]:
-    """What a ZeRO-3 rank holds of ``module``, by name (the checkpoint reads it, chapter 09): each
+    """What a ZeRO-3 rank holds of ``module``, by name (the checkpoint reads it, chapter 11): each
     parameter's rows (:attr:`ShardSpec.box`, under its first name when tied) and every persistent buffer
     whole. A parameter that was itself a block of a larger tensor (a tensor-parallel shard: its box in
     ``inner_boxes``) gets the rows inside that block, ``inner.within(rows)``: the 2-D box of FSDP2 over TP

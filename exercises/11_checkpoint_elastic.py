@@ -1,6 +1,6 @@
-"""Exercises of chapter 09: checkpoints you can trust.
+"""Exercises of chapter 11: checkpoints you can trust.
 
-Replace each ``raise NotImplementedError`` with your implementation, then run ``make grade CH=09`` (or
+Replace each ``raise NotImplementedError`` with your implementation, then run ``make grade CH=11`` (or
 ``python -m exercises.grade 09``) to see your score per task. The grader
 
 * commits a checkpoint with your ``commit`` over a folder that already holds a committed one, and then

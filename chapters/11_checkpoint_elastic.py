@@ -39,7 +39,7 @@
 #    and optimizer state bit for bit, and the next losses within a stated tolerance;
 # 3. a **flipped bit** in a checkpoint file is detected and the previous checkpoint is used.
 #
-# **Exercise** (`exercises/09_checkpoint_elastic.py`, graded by `make grade CH=09`): write the three pieces
+# **Exercise** (`exercises/11_checkpoint_elastic.py`, graded by `make grade CH=11`): write the three pieces
 # this chapter relies on yourself: the atomic commit (the grader crashes it at every rename and fsync),
 # the sha256 verification (a flipped bit must be caught) and the box intersection of resharding (saved by
 # 4 ranks, read by 3). Try them before you read sections 1, 3 and 4, which show how refimpl does it.
@@ -73,7 +73,7 @@ from refimpl.model import GPT, lm_loss
 from refimpl.optim import build_optimizer
 
 torch.set_num_threads(1)  # tiny matrices; leave the other core to the ranks
-WORK = Path(tempfile.mkdtemp(prefix="ch09-"))
+WORK = Path(tempfile.mkdtemp(prefix="ch11-"))
 
 # %% [markdown]
 # ## 1. What is in a checkpoint, and how it is committed
@@ -583,7 +583,7 @@ for name, extra in (("machine A", []), ("machine B", ["--fail-at-step", "3", "--
 #   rounding noise that AdamW normalises).
 # * A flipped bit that `torch.load` swallows is caught by the sha256, and the previous checkpoint is used.
 #
-# Now do the exercise if you have not: `exercises/09_checkpoint_elastic.py`, `make grade CH=09`.
+# Now do the exercise if you have not: `exercises/11_checkpoint_elastic.py`, `make grade CH=11`.
 #
 # ## Questions
 #

@@ -1,4 +1,4 @@
-"""Checks of chapter 09's exercises (``exercises/09_checkpoint_elastic.py``); see exercises/grading.py.
+"""Checks of chapter 11's exercises (``exercises/11_checkpoint_elastic.py``); see exercises/grading.py.
 
 * ``commit`` runs over a folder that holds a committed checkpoint (written by refimpl), first without a
   fault (the result, ``latest``, pruning to ``keep_last``, replacing a step saved again, the order of the
@@ -303,7 +303,7 @@ TASKS = [
     Task(name="plan_read: reshard boxes 4 -> 3", points=3, check=check_plan_read),
 ]
 
-_HEADER = "from exercises.reference.ch09 import *  # noqa: F403\n"
+_HEADER = "from exercises.reference.ch11 import *  # noqa: F403\n"
 MUTANTS = {
     "commit: atomic, crash-safe": _HEADER + (
         "import os\n"

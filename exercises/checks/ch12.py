@@ -1,4 +1,4 @@
-"""Checks of chapter 10's exercises (``exercises/10_3d_parallelism.py``); see exercises/grading.py.
+"""Checks of chapter 12's exercises (``exercises/12_3d_parallelism.py``); see exercises/grading.py.
 
 All in one process, integer and float arithmetic:
 
@@ -199,7 +199,7 @@ TASKS = [
     Task(name="gradient_average_group, counted_in_grad_norm", points=3, check=check_gradients),
 ]
 
-_HEADER = "from exercises.reference.ch10 import *  # noqa: F403\n"
+_HEADER = "from exercises.reference.ch12 import *  # noqa: F403\n"
 MUTANTS = {
     "rank_coordinates, axis_groups": _HEADER + (
         "from refimpl.distributed import ParallelDims\n"
@@ -228,12 +228,12 @@ MUTANTS = {
             "    return next(g for g in dims.groups_of('dp') if rank in g)\n"
         ),
         _HEADER + (
-            "from exercises.reference import ch10 as _ref\n"
+            "from exercises.reference import ch12 as _ref\n"
             "def counted_in_grad_norm(name, *, stage, pp, tp_rank, tp, tied):  # replicas counted tp times\n"
             "    return _ref.counted_in_grad_norm(name, stage=stage, pp=pp, tp_rank=0, tp=tp, tied=tied)\n"
         ),
         _HEADER + (
-            "from exercises.reference import ch10 as _ref\n"
+            "from exercises.reference import ch12 as _ref\n"
             "def counted_in_grad_norm(name, *, stage, pp, tp_rank, tp, tied):  # the tied copy counted too\n"
             "    return _ref.counted_in_grad_norm(name, stage=stage, pp=pp, tp_rank=tp_rank, tp=tp,\n"
             "                                     tied=False)\n"

@@ -66,7 +66,7 @@ from refimpl.planner import (
 from refimpl.train import build_parser, config_from_args, options_from_args, train
 
 torch.set_num_threads(1)  # the one-device references run here with one thread, as each rank does
-WORK = Path(tempfile.mkdtemp(prefix="ch10-"))
+WORK = Path(tempfile.mkdtemp(prefix="ch12-"))
 CORPUS = make_corpus_file(WORK / "corpus.txt", num_bytes=20_000)
 # the tiny model of this chapter: 4 blocks of width 32, 4 heads, 16 tokens, a global batch of 8 sequences
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16", "--batch-size", "8",
@@ -852,13 +852,13 @@ shutil.rmtree(WORK, ignore_errors=True)  # the runs' folders of this chapter
 #
 # ## Exercise
 #
-# Open `exercises/10_3d_parallelism.py`: write a rank's coordinates on the grid and its groups along any
+# Open `exercises/12_3d_parallelism.py`: write a rank's coordinates on the grid and its groups along any
 # axes; the model state per GPU of a layout under ZeRO 0-3; and, under a composed tp x pp x cp (x dp)
 # layout, over which ranks a rank's gradients are averaged and which of the gradients it holds enter the
 # global gradient norm (graded against the norm the trainer computes). Grade your work with
 #
 # ```
-# make grade CH=10
+# make grade CH=12
 # ```
 #
 # ## After the exercise: section 1's groups from the formula, by hand

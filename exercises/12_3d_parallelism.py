@@ -1,14 +1,14 @@
-"""Exercises of chapter 10: the 3D layout, as arithmetic.
+"""Exercises of chapter 12: the 3D layout, as arithmetic.
 
-Replace each ``raise NotImplementedError`` with your implementation, then run ``make grade CH=10`` (or
+Replace each ``raise NotImplementedError`` with your implementation, then run ``make grade CH=12`` (or
 ``python -m exercises.grade 10``) to see your score per task:
 
 1. ``rank_coordinates`` and ``axis_groups``: where a rank sits on the ``(pp, dp, cp, tp)`` grid and which
    ranks form its group along some axes (Narayanan et al. 2021, section 3.3: tensor parallelism innermost,
-   pipeline outermost; chapter 10, section 1);
+   pipeline outermost; chapter 12, section 1);
 2. ``state_bytes_per_gpu``: the bytes of weights, gradients and optimizer state one GPU holds for a model
    of ``N`` parameters laid out as ``dp x cp x tp x pp`` with ZeRO stage 0-3 and mixed-precision AdamW
-   (Rajbhandari et al. 2020; chapter 10, section 4);
+   (Rajbhandari et al. 2020; chapter 12, section 4);
 3. ``gradient_average_group`` and ``counted_in_grad_norm``: over which ranks a rank's gradients are
    averaged, and which of the gradients a rank holds enter the global gradient norm once (Megatron-LM's
    ``get_grad_norm_fp32``; chapters 06, 08 and 10).

@@ -1,4 +1,4 @@
-"""refimpl's answers to the exercises of chapter 09, under the exercise's names and signatures.
+"""refimpl's answers to the exercises of chapter 11, under the exercise's names and signatures.
 
 The grader's self-test grades this module and expects full marks (tests/test_exercises.py).
 """

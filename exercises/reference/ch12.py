@@ -1,4 +1,4 @@
-"""refimpl's answers to the exercises of chapter 10, under the exercise's names and signatures.
+"""refimpl's answers to the exercises of chapter 12, under the exercise's names and signatures.
 
 The grid is :class:`refimpl.distributed.ParallelDims` (``coordinates``, ``groups_of``), the state per GPU
 the planner's :func:`refimpl.planner.zero_memory_paper` applied to the GPU's ``N / (tp pp)`` parameters and
