@@ -233,7 +233,7 @@ import refimpl.train.loop as loop
 from refimpl.parallel.zero.sharding import pack_for_reduce_scatter, unpack_reduce_scatter
 
 
-def own_rows_unreduced(grads, specs, group):
+def own_rows_unreduced(grads, specs, group, *, divide_factor=None):
     """ZeRO-1's reduce-scatter with the bug: this rank's rows of its own gradients, no mean over dp."""
     packed = pack_for_reduce_scatter(grads, specs)  # [N, S]: row r is chunk r of every gradient
     return unpack_reduce_scatter(packed[dist.get_rank(group)].clone(), specs)
