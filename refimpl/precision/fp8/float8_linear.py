@@ -214,7 +214,7 @@ class Float8Linear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_grad_store is not None:
-            raise NotImplementedError(
+            raise ValueError(
                 "Float8Linear with a deferred weight gradient (weight_grad_store): the seam's deferred dW is "
                 "a high-precision GEMM; keep zero-bubble pipelines' linears in high precision")
         return linear_with_grad(x, self.weight, self.bias, matmul=self._matmul)
