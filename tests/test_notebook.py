@@ -1,7 +1,7 @@
 """Tests of refimpl.launch.notebook and .command: ranks as ipyparallel engines, %%px, timeouts, run_command.
 
-One cluster of 2 engines is shared by the module (starting engines and importing torch costs ~10-15 s on
-2 cores). It runs under a throw-away IPython shell so that ``start_ranks`` registers the ``%%px`` magics;
+One cluster of 2 engines is shared by the module (starting it costs a few seconds on 2 cores). It runs
+under a throw-away IPython shell so that ``start_ranks`` registers the ``%%px`` magics;
 the shell's changes to the interpreter (``__main__``, hooks, builtins) are undone afterwards.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -185,6 +186,51 @@ def test_collective_only_rank_0_enters_times_out_instead_of_hanging(ranks: Ranks
     finally:  # the group is out of step now: make a new one so that later tests can use the cluster
         ranks.restart_process_group()
     assert ranks.run(_all_reduce_ones) == [[2.0, 2.0, 2.0]] * 2
+
+
+@pytest.mark.timeout(CLUSTER_TIMEOUT)
+@pytest.mark.skipif(sys.platform != "linux", reason="the zygote forks engines on Linux only")
+def test_engines_are_forked_by_one_zygote(ranks: Ranks) -> None:
+    """The engines are children of the zygote (refimpl.launch.engine_zygote), which imported torch once."""
+    zygote = ranks._zygote
+    assert zygote is not None and zygote.process.poll() is None
+    parents = ranks.run(os.getppid)
+    assert parents == [zygote.process.pid] * 2, (parents, zygote.process.pid)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(sys.platform != "linux", reason="the zygote forks engines on Linux only")
+def test_engines_die_with_their_zygote(tmp_path: Path) -> None:
+    """SIGKILL the zygote (nothing can catch it): its forked engines go with it (PR_SET_PDEATHSIG).
+    Negative control: before the kill they were alive, waiting for a controller that never comes."""
+    import psutil
+
+    env = dict(os.environ, IPP_CLUSTER_ID="no-such-cluster", IPP_PROFILE_DIR=str(tmp_path),
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    zygote = subprocess.Popen([PY, "-m", "refimpl.launch.engine_zygote", "2"], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while len(children := psutil.Process(zygote.pid).children()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [c.pid for c in children]
+        assert len(pids) == 2 and all(_alive(p) for p in pids), "the zygote did not fork 2 engines"
+        zygote.kill()
+        zygote.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids), "an engine outlived its zygote"
+    finally:
+        if zygote.poll() is None:
+            zygote.kill()
+
+
+def test_zygote_usage_error_exits_2() -> None:
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.run([PY, "-m", "refimpl.launch.engine_zygote", "zero"], capture_output=True, text=True,
+                          timeout=30, env=env)
+    assert proc.returncode == 2 and "usage" in proc.stderr, proc.stderr
 
 
 @pytest.mark.timeout(30)

@@ -37,6 +37,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -71,8 +72,9 @@ class Ranks:
         self.devices: list[str] = []
         self._engine_ids = list(engine_ids)
         self._stopped = False
-        self._pids: list[int] = []  # the controller and the engines (their nannies are found at the end)
+        self._pids: list[int] = []  # the controller, the zygote, the engines (and any nanny)
         self._reaper: subprocess.Popen[bytes] | None = None
+        self._zygote: _Zygote | None = None  # what forked the engines, where it did (Linux)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every rank at once; return the results in rank order.
@@ -133,6 +135,8 @@ class Ranks:
         with contextlib.suppress(Exception):
             self.client.close()
         kill_tree(process_tree(self._pids, procs))  # whatever did not exit on request (nannies included)
+        if self._zygote is not None:
+            self._zygote.stop()
         if self._reaper is not None:
             self._reaper.kill()
             self._reaper.wait(timeout=5)
@@ -168,6 +172,59 @@ def _stop_cluster(cluster: Any, timeout_s: float) -> None:
                         os.kill(launcher.pid, signal.SIGKILL)
 
 
+class _Zygote:
+    """The process that forks the engines (:mod:`refimpl.launch.engine_zygote`) and its log file."""
+
+    def __init__(self, process: subprocess.Popen[bytes], log: Any) -> None:
+        self.process = process
+        self.log = log
+
+    def tail(self, lines: int = 20) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return "\n".join(self.log.read().decode(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """Kill it (its engines die with it) and drop the log; idempotent."""
+        if self.process.poll() is None:
+            self.process.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=5)
+        self.log.close()
+
+
+def _start_zygote(cluster: Any, world_size: int) -> _Zygote | None:
+    """On Linux, start the engines' zygote for ``cluster``'s controller (it may not be up yet: each
+    engine waits up to 10 s for the controller's connection file); elsewhere None (ipyparallel's own
+    launcher starts them, one new Python each: fork after ``import torch`` is unsafe on macOS)."""
+    if sys.platform != "linux":
+        return None
+    log = tempfile.TemporaryFile()
+    env = dict(os.environ, IPP_CLUSTER_ID=cluster.cluster_id, IPP_PROFILE_DIR=cluster.profile_dir,
+               PYTHONPATH=os.pathsep.join(p for p in [_REPO_ROOT, os.environ.get("PYTHONPATH")] if p))
+    process = subprocess.Popen([sys.executable, "-m", "refimpl.launch.engine_zygote", str(world_size)],
+                               stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return _Zygote(process, log)
+
+
+def _wait_for_engines(client: Any, world_size: int, timeout_s: float, zygote: _Zygote | None) -> None:
+    """Wait until ``world_size`` engines have registered; fail at once if the zygote died."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.wait_for_engines(world_size, timeout=0.5, interactive=False)
+            return
+        except TimeoutError:
+            pass
+        if zygote is not None and zygote.process.poll() is not None:
+            raise RuntimeError(f"the engines' process exited with {zygote.process.returncode} before "
+                               f"{world_size} engines registered; its last lines:\n{zygote.tail()}")
+        if time.monotonic() > deadline:
+            last = f"; the engines' last lines:\n{zygote.tail()}" if zygote is not None else ""
+            raise TimeoutError(f"{len(client.ids)} of {world_size} engines registered within "
+                               f"{timeout_s:.0f} s{last}")
+
+
 def start_ranks(
     world_size: int,
     *,
@@ -197,19 +254,27 @@ def start_ranks(
 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    # ERROR: the engines exit non-zero when stopped, and ipyparallel would dump their logs as warnings
-    cluster = ipp.Cluster(n=world_size, engines="local", log_level=logging.ERROR)
-    ranks = None
+    # ERROR: the engines exit non-zero when stopped, and ipyparallel would dump their logs as warnings.
+    # The hub pings every second, not every 3 s: it admits a new engine on a ping, so starting waits
+    # about one period less (2.7 s measured); 30 missed pings still drop an engine after 30 s, as before.
+    cluster = ipp.Cluster(n=world_size, engines="local", log_level=logging.ERROR,
+                          controller_args=["--ping=1000", "--HeartMonitor.max_heartmonitor_misses=30"])
+    ranks, zygote = None, None
     try:
-        cluster.start_cluster_sync(n=world_size)
+        zygote = _start_zygote(cluster, world_size)  # imports torch while the controller starts
+        cluster.start_controller_sync()
+        if zygote is None:
+            cluster.start_engines_sync(n=world_size)
         client = cluster.connect_client_sync()
-        client.wait_for_engines(world_size, timeout=startup_timeout_s, interactive=False)
+        _wait_for_engines(client, world_size, startup_timeout_s, zygote)
         ranks = Ranks(cluster, client, sorted(client.ids)[:world_size], timeout_s)
+        ranks._zygote = zygote
         paths = [_REPO_ROOT, *[p for p in sys.path if p]]
         ranks._call(ipp.interactive(_prepare_engine), (paths,), {}, wait_s=startup_timeout_s)
         engine_pids = ranks._call(os.getpid, (), {}, wait_s=startup_timeout_s)
         controller_pid = getattr(cluster.controller, "pid", None)
-        ranks._pids = [p for p in [controller_pid, *engine_pids] if p]
+        zygote_pid = zygote.process.pid if zygote is not None else None
+        ranks._pids = [p for p in [controller_pid, zygote_pid, *engine_pids] if p]
         ranks._reaper = start_reaper(ranks._pids)  # they die with this kernel, however it ends
         ranks.restart_process_group(backend=backend)
     except BaseException:
@@ -217,6 +282,8 @@ def start_ranks(
             ranks.stop()
         else:
             _stop_cluster(cluster, 30.0)
+            if zygote is not None:
+                zygote.stop()
         raise
     if activate:
         try:

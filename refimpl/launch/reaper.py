@@ -1,6 +1,7 @@
 """Nothing a notebook starts may outlive it: a small watchdog process that reaps the ranks' processes.
 
-A notebook's ranks are ipyparallel engines (each with a "nanny" child) and a controller, started by the
+A notebook's ranks are ipyparallel engines (forked by :mod:`refimpl.launch.engine_zygote`, or each with
+a "nanny" child where ipyparallel starts them) and a controller, started by the
 kernel but not in its process group: when the kernel exits, is restarted or is killed, nothing stops them,
 and each engine holds a few hundred MB. :func:`start_reaper` starts one watchdog per set of ranks, in a
 session of its own (so whatever kills the kernel's group does not kill it). Every ``interval_s`` it
