@@ -21,7 +21,8 @@ CHAPTER_TIMEOUT_S = 420
 # Chapters whose assertions compare floating-point results that are not bitwise (one device vs many ranks,
 # ours vs PyTorch's) carry the numerics marker: CI reruns them under ATEN_CPU_CAPABILITY=default.
 NUMERICS = {"03_data_parallel", "04_zero", "05_mixed_precision", "06_tensor_parallel",
-            "07_context_parallel", "08_pipeline_parallel", "11_checkpoint_elastic", "12_3d_parallelism"}
+            "07_context_parallel", "08_pipeline_parallel", "09_mixture_of_experts", "10_fp8",
+            "11_checkpoint_elastic", "12_3d_parallelism"}
 # Chapters that mostly wait, judged by a clock (08 times a pipeline's bubble with sleeping stages): the
 # waiting lane of tools/run_tests.py, beside the computing tests.
 SERIAL = {"08_pipeline_parallel"}
