@@ -712,6 +712,27 @@ shutil.rmtree(WORK, ignore_errors=True)
 # In the trainer: `python -m refimpl.train --nproc-per-node 4 --dp 4 --ep 2 --moe-experts 8 --moe-top-k 2`
 # (`--moe-capacity-factor`, `--moe-load-balance bias`, `--moe-every` for the rest).
 #
+# ## Exercise
+#
+# Open `exercises/09_mixture_of_experts.py` and implement the router's bookkeeping and the dispatch:
+# `load_balancing_loss` (Switch's $\alpha E \sum_i f_i P_i$, its gradient through $P$ only),
+# `expert_capacity` and `capacity_keep` ($C = \lceil kT/E \cdot cf \rceil$ slots, each expert keeping its
+# highest-scored assignments), `sort_by_expert` and `combine` (the stable sort of the kept assignments by
+# expert, and the experts' outputs back at their tokens, weighted and summed in fp32), then `rank_splits`
+# and `expert_major_order` (the split sizes of the uneven all-to-all, and the permutation from the
+# rank-major rows a rank receives to the expert-major rows its experts read). Grade your work with
+#
+# ```
+# make grade CH=09
+# ```
+#
+# which runs in one process: it checks the loss exactly on scores that are binary fractions and against
+# float64 (value and gradient) on softmax and sigmoid scores, the dropped assignments against a sort by
+# score (ties included), the dispatch order and the combine against loops (bf16 experts, dropped
+# assignments), and simulates expert-parallel groups of 2, 3 and 4 ranks (uneven and empty splits) whose
+# experts must receive exactly the rows one device gives them. A loss without the factor $E$ fails, and so
+# does a capacity rounded down.
+#
 # ## Questions
 #
 # 1. A token of the DeepSeek-V3-sized model costs a small fraction of the dense model's FLOPs. Why is it
