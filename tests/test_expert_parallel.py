@@ -11,7 +11,9 @@ Multi-rank (gloo, one ``run_ranks`` per world size, every check in it): four lay
 SwiGLU modules, dropless and with capacity and z-loss; the grouped layer with sigmoid scores, the expert
 bias and GELU, and with capacity) run forward and backward with the all-to-all and the all-gather
 dispatcher. Experts 6 and 7 never receive a token (a router bias of -30, or an expert bias of -10), so at
-ep 4 rank 3 receives nothing (zero splits); the other splits are uneven as routing makes them.
+ep 4 rank 3 receives nothing (zero splits); the other splits are uneven as routing makes them. Also
+bench/bench_expert_parallel.py's proof at ep 2 (its ``worker`` without timing, its ``prove``), which
+checks the all-gather dispatcher's bytes as well.
 
 The one-device reference processes all ranks' tokens concatenated, with **capacity and the auxiliary losses
 per source rank's chunk** (each rank's router sees only its tokens): it routes each chunk on its own,
@@ -436,6 +438,27 @@ def test_capacity_is_per_rank_and_sizes_that_do_not_divide_are_errors(ranks):
             assert run["dropped"] == (T * K - int(run["kept"].sum())) / (T * K)
     for message in per_rank[0]["errors"]:
         assert "do not divide over the expert-parallel size" in message and "\n" not in message, message
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+def test_the_benchmark_proof_passes_both_dispatchers_and_fails_its_controls():
+    """bench/bench_expert_parallel.py's proof at ep 2 on tiny sizes, without timing (its ``worker`` with no
+    repeats, its ``prove``): both dispatchers and the per-expert loop within its tolerance of one device,
+    uniform and skewed routing, both negative controls outside, and the bytes each rank sent forward and
+    backward equal to its formulas (the all-gather dispatcher's bytes are checked nowhere else)."""
+    from bench.bench_expert_parallel import CONTROLS, LOOP, METHODS, ROUTINGS, Sizes, prove, worker
+
+    s = Sizes(tokens=16, dim=8, hidden=16, experts=4, top_k=2, skew=0.1)
+    by_routing = run_ranks(worker, 2, s, 0, 0, timeout_s=SPAWN_TIMEOUT)
+    for routing in ROUTINGS:
+        proof = prove([p[routing] for p in by_routing], s, 2, routing)
+        assert all(proof.errors[m] <= 1.0 for m in [*METHODS, LOOP]), (routing, proof.errors)
+        assert all(proof.errors[c] > 1.0 for c in CONTROLS), (routing, proof.errors)
+        assert all(proof.equal.values()), (routing, proof.sent, proof.plans)
+        assert all(b > 0 for sent in proof.sent.values() for rank in sent for b in rank), proof.sent
+    uniform, skewed = (prove([p[r] for p in by_routing], s, 2, r).rows for r in ROUTINGS)
+    assert skewed[:, 0].sum() > uniform[:, 0].sum(), (uniform, skewed)  # the skew loads rank 0's experts
 
 
 # ---- single process --------------------------------------------------------------------------------------
