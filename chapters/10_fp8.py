@@ -738,12 +738,35 @@ print(f"fp8 gathers: the weight traffic halves again, the step's traffic falls t
 #   gradient reductions stay in bf16 or fp32.
 #
 # In the package: `refimpl.precision.fp8` (`convert_to_float8(model, scaling="rowwise")`,
-# `all_gather_float8`).
+# `all_gather_float8`). In the trainer: `python -m refimpl.train --precision fp8 [--fp8-scaling rowwise]`
+# (bf16 autocast with fp8 linears, composing with dp, ZeRO 0-2, tp and pp; ZeRO-3, sequence parallelism
+# and zbh1 are refused with the reason, `--list-layouts` prints it; tests/test_train_fp8.py compares the
+# layouts with one device).
 
 # %%
 ranks.stop()
 
 # %% [markdown]
+# ## Exercise
+#
+# Open `exercises/10_fp8.py` and implement fp8 from the scale up: `operand_amax` and `amax_to_scale`
+# ($s = f_{max}/\mathrm{amax}$ in fp32, per tensor or per slice along the contraction dimension,
+# optionally a power of two), `quantize` and `dequantize` (the saturating, round-to-nearest-even cast and
+# back), `scaled_mm` (two scaled fp8 operands multiplied with fp32 accumulation, the scales undone), then
+# `float8_linear`: a linear layer whose three GEMMs (output, input gradient, weight gradient) each cast
+# their operands with their own scales, in the formats the config gives their roles. Grade your work with
+#
+# ```
+# make grade CH=10
+# ```
+#
+# which compares every cast with the nearest number of the format found in PyTorch's decoding of all 256
+# codes (midpoints, overflow, inf and NaN included), every scale bit for bit with the correctly rounded
+# quotient, and every GEMM with a float64 emulation of the same fp8 numbers (and with `torch._scaled_mm`)
+# within a factor of the fp32 spread measured in the same run, under four recipes. A scale of
+# $\mathrm{amax}/f_{max}$ fails, a cast that lets e5m2 overflow to inf fails, and so does a layer that
+# casts its gradients to e4m3 when the recipe says e5m2.
+#
 # ## Questions
 #
 # 1. e4m3fn has no inf. What does a saturating cast do to an activation that overflowed to inf in the

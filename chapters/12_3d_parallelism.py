@@ -725,10 +725,13 @@ print(f"the trainer's ZeRO-3 with pp here: by default each stage gathered once p
       f"against {by_stage[1].sent['dp'] / 1e9:.0f} GB under ZeRO-1 (step {seed_zero3.step_s:.0f} s against "
       f"{by_stage[1].step_s:.0f} s)")
 assert kept_stage > H100_MEMORY and seed_zero3.zero3_per_microbatch, "the text says: the default cannot hold it"
-refused = {s: refusals(seed_dims.config(zero_stage=3, pp_schedule=s)) for s in ("1f1b", "zbh1")}
-print("the trainer's support table at DP128 x TP8 x PP2, ZeRO-3:",
-      "; ".join(f"{s}: " + ("; ".join(row.message() for row in rows) if rows else "runs") for s, rows in refused.items()))
-assert not refused["1f1b"] and refused["zbh1"], "the text says: 1F1B runs, zbh1 is refused"
+refused = {(s, m): refusals(seed_dims.config(zero_stage=3, pp_schedule=s, zero3_reshard_per_microbatch=m))
+           for s in ("1f1b", "zbh1") for m in (False, True)}
+print("the trainer's support table at DP128 x TP8 x PP2, ZeRO-3:")
+for (s, m), why in refused.items():
+    print(f"  {s}, {'resharded per micro-batch' if m else 'kept through the step'}: "
+          + ("; ".join(row.message() for row in why) if why else "runs"))
+assert [key for key, why in refused.items() if why] == [("zbh1", True)], "the text says: all but zbh1 + 3m run"
 
 # %% [markdown]
 # So the planner, searching the ZeRO stages, confirms the first cell: DP128 x TP8 x PP2 holds a trillion
@@ -738,8 +741,10 @@ assert not refused["1f1b"] and refused["zbh1"], "the text says: 1F1B runs, zbh1 
 #
 # The planner's ZeRO-3 row under a pipeline is what this course's trainer runs (ZeRO-3 with pipeline
 # parallelism under 1F1B, GPipe and interleaved 1F1B, proven equal to one device at 2 x 2 x 2 in
-# tests/test_train_3d.py; zbh1 is refused with the reason printed, and `python -m refimpl.train
-# --list-layouts` prints every refused combination). A 1F1B stage runs the forwards and backwards of
+# tests/test_train_3d.py; zbh1 too when the stage is kept gathered, its W actions adding the weight
+# gradients before the one reduce-scatter, tests/test_train_zero3.py; zbh1 with the per-micro-batch mode
+# is refused with the reason printed, and `python -m refimpl.train --list-layouts` prints every refused
+# combination). A 1F1B stage runs the forwards and backwards of
 # different micro-batches in turn, each through all of its blocks, so the trainer either keeps the whole
 # stage gathered through the step (its default) or gathers and reduces it again for every micro-batch.
 # At the seed's size the first does not fit an H100, so the planner's row is the second, and the price is

@@ -19,7 +19,8 @@ class ConfigError(ValueError):
 
 # The names each technique option takes, written once here (config imports nothing of refimpl, so the
 # techniques, the planner and the trainer's flags all read them from here).
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")  # chapter 05
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8")  # chapter 05 (fp8: bf16 + fp8 linears, 10)
+FP8_SCALINGS: tuple[str, ...] = ("tensorwise", "rowwise")  # chapter 10: torchao's two dynamic recipes
 CP_METHODS: tuple[str, ...] = ("ring", "ulysses")  # chapter 07: ring attention, DeepSpeed-Ulysses
 CP_LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")  # chapter 07: how the ring splits the sequence
 PP_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zbh1")  # chapter 08
@@ -286,9 +287,11 @@ class ParallelConfig:
     ``dp_replicate`` (HSDP: the ``dp`` ranks as ``dp_replicate x dp_shard``, ZeRO-3 sharding over a shard
     group and replicating across them; it must divide ``dp``); ``zero_stage``
     0 (data parallel), 1 (sharded optimizer state), 2 (and gradients), 3 (and parameters); ``precision``
-    fp32/bf16/fp16; ``sequence_parallel`` (the activations between the tensor-parallel regions split along
-    the sequence); ``cp_method`` ring/ulysses and ``cp_layout`` how the sequence is split for it (ring:
-    ``zigzag``, the default, or ``contiguous``; Ulysses: contiguous) (chapter 07); the pipeline's
+    fp32/bf16/fp16, or fp8 (bf16 autocast with the linears' three GEMMs in fp8, chapter 10) with
+    ``fp8_scaling`` tensorwise or rowwise (torchao's recipes); ``sequence_parallel`` (the activations
+    between the tensor-parallel regions split along the sequence); ``cp_method`` ring/ulysses and
+    ``cp_layout`` how the sequence is split for it (ring: ``zigzag``, the default, or ``contiguous``;
+    Ulysses: contiguous) (chapter 07); the pipeline's
     ``pp_schedule``, ``virtual_stages`` (model chunks per rank), ``pp_balance`` (``layers`` or
     ``parameters``) and ``microbatches`` (None: the trainer's default) (chapter 08);
     ``ep`` the expert-parallel degree (chapter 09): the experts of each MoE block split over ``ep``
@@ -313,6 +316,7 @@ class ParallelConfig:
     ep: int = 1
     zero_stage: int = 0
     precision: str = "fp32"
+    fp8_scaling: str = "tensorwise"
     sequence_parallel: bool = False
     cp_method: str = "ring"
     cp_layout: str | None = None
@@ -335,8 +339,9 @@ class ParallelConfig:
                 raise ConfigError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        for name, known in (("precision", PRECISIONS), ("cp_method", CP_METHODS),
-                            ("pp_schedule", PP_SCHEDULES), ("pp_balance", PP_BALANCES)):
+        for name, known in (("precision", PRECISIONS), ("fp8_scaling", FP8_SCALINGS),
+                            ("cp_method", CP_METHODS), ("pp_schedule", PP_SCHEDULES),
+                            ("pp_balance", PP_BALANCES)):
             if getattr(self, name) not in known:
                 raise ConfigError(f"{name} must be one of {known}, got {getattr(self, name)!r}")
         if self.cp_layout not in (None, *CP_LAYOUTS) or (self.cp_method == "ulysses"

@@ -51,10 +51,13 @@ SUPPORT_TABLE: tuple[Unsupported, ...] = (
                "ranks: it needs tp > 1",
         applies=lambda c: c.sequence_parallel and c.tp == 1),
     Unsupported(
-        name="zero3-zbh1", when="ZeRO-3 with the zbh1 schedule",
-        reason="zbh1 computes the weight gradients outside backward (its W actions), where ZeRO-3's "
-               "gradient hooks do not see them; use 1f1b, gpipe or interleaved with ZeRO-3",
-        applies=lambda c: c.zero_stage == 3 and c.pp > 1 and c.pp_schedule == "zbh1"),
+        name="zero3-reshard-zbh1", when="--zero3-reshard-per-microbatch with the zbh1 schedule",
+        reason="resharding per micro-batch reduce-scatters a unit's gradients and frees its gathered weights "
+               "when the unit's backward ends, and zbh1 adds the weight gradients later, in its W actions; "
+               "use ZeRO-3's default under pp (each stage gathered once and reduced once per step, after the "
+               "last W), or 1f1b",
+        applies=lambda c: (c.zero_stage == 3 and c.pp > 1 and c.pp_schedule == "zbh1"
+                           and c.zero3_reshard_per_microbatch)),
     Unsupported(
         name="zero3-reshard-without-zero3-pp",
         when="--zero3-reshard-per-microbatch without ZeRO-3 and pp > 1",
@@ -66,10 +69,27 @@ SUPPORT_TABLE: tuple[Unsupported, ...] = (
                "groups: it is ZeRO-3's (FSDP2's HSDP); use --zero-stage 3",
         applies=lambda c: c.dp_replicate > 1 and c.zero_stage != 3),
     Unsupported(
-        name="zero2-zbh1", when="ZeRO-2 with the zbh1 schedule",
-        reason="ZeRO-2 reduce-scatters each gradient when backward has accumulated it, and zbh1 computes "
-               "the weight gradients outside backward (its W actions); use ZeRO-1 with zbh1",
-        applies=lambda c: c.zero_stage == 2 and c.pp > 1 and c.pp_schedule == "zbh1"),
+        name="fp8-scaling-without-fp8", when="--fp8-scaling rowwise without --precision fp8",
+        reason="it chooses the scales of the fp8 linears: it needs --precision fp8",
+        applies=lambda c: c.fp8_scaling != "tensorwise" and c.precision != "fp8"),
+    Unsupported(
+        name="fp8-zero3", when="--precision fp8 with ZeRO-3",
+        reason="ZeRO-3 gathers each unit as one packed 16-bit buffer (FSDP2's mixed precision) and hands the "
+               "fp8 linears bf16 weights, which they would round a second time to fp8; the fp8 all-gather "
+               "(refimpl.precision.fp8.all_gather_float8, torchao's enable_fsdp_float8_all_gather) is built "
+               "and tested on its own but not wired into ZeRO-3's units; use ZeRO 0-2 with fp8",
+        applies=lambda c: c.precision == "fp8" and c.zero_stage == 3),
+    Unsupported(
+        name="fp8-sp", when="--precision fp8 with sequence parallelism",
+        reason="the seam's sequence-parallel path (all-gather in front, reduce-scatter behind) computes the "
+               "column layers' backward GEMMs itself in bf16, taking only the forward product from the "
+               "layer: those layers would be half fp8; use --tp without --sequence-parallel",
+        applies=lambda c: c.precision == "fp8" and c.sequence_parallel),
+    Unsupported(
+        name="fp8-zbh1", when="--precision fp8 with the zbh1 schedule",
+        reason="zbh1 defers each weight gradient to its W action, where the seam computes dW = g^T x as a "
+               "bf16 GEMM, not fp8; use 1f1b, gpipe or interleaved with fp8",
+        applies=lambda c: c.precision == "fp8" and c.pp > 1 and c.pp_schedule == "zbh1"),
     Unsupported(
         name="pipeline-options-without-pp", when="micro-batches or virtual stages with pp = 1",
         reason="they set the pipeline: they need pp > 1",
@@ -130,5 +150,5 @@ def describe_support_table() -> str:
     lines = ["Combinations refused by the trainer, parallelize and the planner alike (refimpl/support.py):"]
     for row in (*SUPPORT_TABLE, *MOE_SUPPORT_TABLE):
         lines += [f"  {row.name}", *textwrap.wrap(row.message(), 100, initial_indent=" " * 6,
-                                                   subsequent_indent=" " * 6)]
+                                                   subsequent_indent=" " * 6, break_on_hyphens=False)]
     return "\n".join(lines)

@@ -44,10 +44,9 @@ CASES = {  # name -> the technique options at dp 4
     "zero3-ac": dict(zero_stage=3, activation_checkpointing="all"),
 }
 REFUSED = {  # layout at world size 4 and options -> what the error must say
-    "dp2-pp2-zero3-zbh1": (dict(dp=2, pp=2), dict(zero_stage=3, pp_schedule="zbh1"),
-                           "ZeRO-3 with the zbh1 schedule"),
-    "dp2-pp2-zero2-zbh1": (dict(dp=2, pp=2), dict(zero_stage=2, pp_schedule="zbh1"),
-                           "use ZeRO-1 with zbh1"),
+    "dp2-pp2-zero3-reshard-zbh1": (dict(dp=2, pp=2), dict(zero_stage=3, pp_schedule="zbh1",
+                                                          zero3_reshard_per_microbatch=True),
+                                   "--zero3-reshard-per-microbatch with the zbh1 schedule"),
 }
 
 
@@ -291,9 +290,9 @@ def test_one_process_layout_needs_no_group():
     assert type(par.build_optimizer(OptimConfig()).optimizer).__name__ == "AdamW"
     with pytest.raises(ValueError, match="pass its process groups"):
         parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=2))
-    with pytest.raises(ValueError, match="ZeRO-3"):  # what is not built is named before the groups
+    with pytest.raises(ValueError, match="zero3-reshard"):  # what is not built is named before the groups
         parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, pp=2),
-                    ParallelConfig(pp=2, zero_stage=3, pp_schedule="zbh1"))
+                    ParallelConfig(pp=2, zero_stage=3, pp_schedule="zbh1", zero3_reshard_per_microbatch=True))
     with pytest.raises(ValueError, match="pass its process groups"):
         parallelize(GPT(CONFIG, seed=0), ParallelDims(dp=1, cp=2))
     with pytest.raises(ValueError, match="needs tp > 1"):
@@ -302,7 +301,8 @@ def test_one_process_layout_needs_no_group():
 
 @pytest.mark.parametrize("bad, match", [
     (dict(zero_stage=4), "zero_stage must be"),
-    (dict(precision="fp8"), "precision must be"),
+    (dict(precision="fp4"), "precision must be"),
+    (dict(fp8_scaling="blockwise"), "fp8_scaling must be"),
     (dict(bucket_cap_mb=0), "bucket sizes must be positive"),
     (dict(cp_method="striped"), "cp_method must be one of"),
     (dict(cp_method="ulysses", cp_layout="zigzag"), "cp_layout must be"),

@@ -176,4 +176,4 @@ def test_run_memory_state_follows_the_zero_stage():
     bf16 = run_memory_per_rank(config, ONE, micro_batch=1, seq_len=16, precision="bf16")
     assert bf16.state["autocast weight copies"] == 2 * param_count(config).matmul
     with pytest.raises(ValueError, match="unknown precision"):
-        run_memory_per_rank(config, ONE, micro_batch=1, seq_len=16, precision="fp8")
+        run_memory_per_rank(config, ONE, micro_batch=1, seq_len=16, precision="fp4")

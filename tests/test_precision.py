@@ -179,8 +179,9 @@ def test_policy_from_name():
             assert lin(torch.randn(2, 4)).dtype == expected
     master = MixedPrecisionPolicy.from_name("bf16", master_weights=True, reduce_dtype="bf16")
     assert master.param_dtype == master.reduce_dtype == torch.bfloat16 and master.master_weights
+    assert MixedPrecisionPolicy.from_name("fp8") == bf16  # fp8: bf16 autocast, the fp8 GEMMs in the linears
     with pytest.raises(ValueError, match="unknown precision"):
-        MixedPrecisionPolicy.from_name("fp8")
+        MixedPrecisionPolicy.from_name("fp4")
     with pytest.raises(ValueError, match="param_dtype"):
         MixedPrecisionPolicy(param_dtype=torch.float16, compute_dtype=torch.bfloat16)
 

@@ -20,14 +20,16 @@ from refimpl.train import RunOptions
 # row name -> (a configuration it refuses, the nearest one that passes)
 CASES = {
     "sp-without-tp": (dict(sequence_parallel=True), dict(sequence_parallel=True, tp=2)),
-    "zero3-zbh1": (dict(pp=2, zero_stage=3, pp_schedule="zbh1"),
-                   dict(pp=2, zero_stage=3, pp_schedule="1f1b")),
+    "zero3-reshard-zbh1": (dict(pp=2, zero_stage=3, pp_schedule="zbh1", zero3_reshard_per_microbatch=True),
+                           dict(pp=2, zero_stage=3, pp_schedule="zbh1")),
     "zero3-reshard-without-zero3-pp": (dict(zero_stage=3, zero3_reshard_per_microbatch=True),
                                        dict(pp=2, zero_stage=3, zero3_reshard_per_microbatch=True)),
     "hsdp-without-zero3": (dict(dp=4, dp_replicate=2, zero_stage=1),
                            dict(dp=4, dp_replicate=2, zero_stage=3)),
-    "zero2-zbh1": (dict(pp=2, zero_stage=2, pp_schedule="zbh1"),
-                   dict(pp=2, zero_stage=1, pp_schedule="zbh1")),
+    "fp8-scaling-without-fp8": (dict(fp8_scaling="rowwise"), dict(fp8_scaling="rowwise", precision="fp8")),
+    "fp8-zero3": (dict(precision="fp8", zero_stage=3), dict(precision="fp8", zero_stage=2)),
+    "fp8-sp": (dict(precision="fp8", tp=2, sequence_parallel=True), dict(precision="fp8", tp=2)),
+    "fp8-zbh1": (dict(precision="fp8", pp=2, pp_schedule="zbh1"), dict(precision="fp8", pp=2)),
     "pipeline-options-without-pp": (dict(microbatches=4), dict(microbatches=4, pp=2)),
     "virtual-stages-without-interleaving": (dict(pp=2, virtual_stages=2),
                                             dict(pp=2, virtual_stages=2, pp_schedule="interleaved")),
@@ -52,23 +54,24 @@ def test_each_row_refuses_its_case_and_lets_the_neighbour_through(name):
 
 
 def test_several_refusals_are_all_said():
-    config = ParallelConfig(dp=2, pp=2, zero_stage=2, dp_replicate=2, pp_schedule="zbh1")
-    assert [r.name for r in refusals(config)] == ["hsdp-without-zero3", "zero2-zbh1"]
-    with pytest.raises(ConfigError, match="without ZeRO-3.*; and ZeRO-2 with the zbh1 schedule"):
+    config = ParallelConfig(dp=2, zero_stage=2, dp_replicate=2, microbatches=2)
+    assert [r.name for r in refusals(config)] == ["hsdp-without-zero3", "pipeline-options-without-pp"]
+    with pytest.raises(ConfigError, match="without ZeRO-3.*; and micro-batches or virtual stages with pp"):
         check_supported(config)
 
 
 def test_the_trainer_parallelize_and_the_planner_refuse_in_the_rows_words():
-    message = next(r for r in SUPPORT_TABLE if r.name == "zero3-zbh1").message()
+    message = next(r for r in SUPPORT_TABLE if r.name == "zero3-reshard-zbh1").message()
     with pytest.raises(ConfigError) as trainer:
-        RunOptions(pp=2, zero_stage=3, pp_schedule="zbh1")
+        RunOptions(pp=2, zero_stage=3, pp_schedule="zbh1", zero3_reshard_per_microbatch=True)
     config = ModelConfig(vocab_size=64, max_seq_len=8, num_layers=2, hidden_size=16, num_attention_heads=2)
     with pytest.raises(ConfigError) as parallel:
         parallelize(GPT(config, seed=0), ParallelDims(dp=1, pp=2),
-                    ParallelConfig(dp=1, pp=2, zero_stage=3, pp_schedule="zbh1"))
+                    ParallelConfig(dp=1, pp=2, zero_stage=3, pp_schedule="zbh1",
+                                   zero3_reshard_per_microbatch=True))
     with pytest.raises(ConfigError) as planner:
         run_memory_per_rank(config, ParallelDims(dp=2, pp=2), micro_batch=1, seq_len=8, zero_stage=3,
-                            pp_schedule="zbh1")
+                            pp_schedule="zbh1", zero3_reshard_per_microbatch=True)
     assert str(trainer.value) == str(parallel.value) == str(planner.value) == message
 
 

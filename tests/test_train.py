@@ -100,7 +100,7 @@ TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-heads", "2", "--seq-l
 
 # The refusals that run as real commands (a fresh interpreter, the self-launch and the rank's environment);
 # the others call the same main() in this process (_cli_in_process).
-IN_A_CHILD = {"unknown-flag", "help", "nproc-not-dividing-batch", "pp2-zero3-zbh1"}
+IN_A_CHILD = {"unknown-flag", "help", "nproc-not-dividing-batch", "pp2-zero3-reshard-zbh1"}
 
 # name -> (arguments, whether argparse itself refuses them). {corpus} etc. are filled in from `files`.
 BAD_INPUT = {
@@ -465,8 +465,9 @@ def test_context_parallel_sizes_are_checked_before_anything_starts():
 
 
 LAYOUT_REFUSALS = {  # name -> (flags, what the one error line must say)
-    "pp2-zero3-zbh1": (["--pp", "2", "--zero-stage", "3", "--pp-schedule", "zbh1"],
-                       "ZeRO-3 with the zbh1 schedule"),
+    "pp2-zero3-reshard-zbh1": (["--pp", "2", "--zero-stage", "3", "--pp-schedule", "zbh1",
+                                "--zero3-reshard-per-microbatch"],
+                               "--zero3-reshard-per-microbatch with the zbh1 schedule"),
     "tp4-heads": (["--tp", "4"], "attention heads 2 does not divide by 4"),
     "sp-without-tp": (["--sequence-parallel"], "needs tp > 1"),
     # the cp and pp sizes take the same path (preflight, exit 2 before launch); their other cases are

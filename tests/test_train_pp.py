@@ -68,6 +68,10 @@ LAYOUTS = {
     # ZeRO-2: each micro-batch's gradients reduce-scattered and freed in backward, the tied embedding's
     # exchange made of the two ends' shards
     "pp2-dp2-zero2": (["--pp", "2", "--microbatches", "2", "--zero-stage", "2"], "fp32"),
+    # ZeRO-2 under zbh1: a weight's gradient is reduce-scattered after its W action (WeightGradStore's
+    # after_flush), the rest in backward as above
+    "pp2-dp2-zero2-zbh1": (["--pp", "2", "--microbatches", "2", "--zero-stage", "2", "--pp-schedule",
+                            "zbh1"], "fp32"),
 }
 # the layouts whose gradient norm is computed directly: ZeRO-1 (the norm summed over the dp shards), tensor
 # parallelism (a vocab-parallel tied embedding, replicas counted on tp rank 0)

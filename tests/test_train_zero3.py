@@ -75,6 +75,9 @@ LAYOUTS = {
     "pp2-dp2-zero3": (["--pp", "2", "--microbatches", "2", "--zero-stage", "3"], "fp32"),
     "pp2-dp2-zero3-reshard": (["--pp", "2", "--microbatches", "2", "--zero-stage", "3",
                                "--zero3-reshard-per-microbatch"], "fp32"),
+    # zbh1: the W actions add the weight gradients to the gathered stage before its one reduce-scatter
+    "pp2-dp2-zero3-zbh1": (["--pp", "2", "--microbatches", "2", "--zero-stage", "3", "--pp-schedule",
+                            "zbh1"], "fp32"),
     "pp2-dp2-zero3-gpipe-actckpt": (["--pp", "2", "--microbatches", "2", "--zero-stage", "3", "--pp-schedule",
                                      "gpipe", "--activation-checkpointing"], "fp32"),
 }

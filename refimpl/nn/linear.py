@@ -48,9 +48,10 @@ Matmul = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Ten
 
 
 class WeightGradQueue(Protocol):
-    """Where a deferred ``dW`` goes: ``push(fn)`` runs ``fn`` now or at the key's ``W``."""
+    """Where a deferred ``dW`` goes: ``push(fn)`` runs ``fn`` now or at the key's ``W``; ``fn()`` adds
+    ``dW`` to the weight's ``.grad`` and returns the weight."""
 
-    def push(self, fn: Callable[[], None]) -> None: ...
+    def push(self, fn: Callable[[], torch.Tensor]) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,12 +64,15 @@ class SequenceGather:
 
 
 @torch.no_grad()
-def _accumulate(weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
+def _accumulate(weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Add ``dW`` to ``weight.grad`` (a deferred weight gradient); returns ``weight``, whose gradient
+    changed (its reduction, ZeRO-2's reduce-scatter, may follow: :class:`WeightGradQueue`)."""
     grad = dy.t().mm(x).to(weight.dtype)  # dW = dY^T X: [out, tokens] @ [tokens, in] -> [out, in]
     if weight.grad is None:
         weight.grad = grad
     else:
         weight.grad += grad
+    return weight
 
 
 class _LinearWithGrad(torch.autograd.Function):

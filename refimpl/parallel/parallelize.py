@@ -15,6 +15,12 @@ is built tensor- and pipeline-parallel first, then wrapped in its ``DistributedD
    and leaves the dense part as 1 made it: an MoE MLP is not tensor-split (the experts are replicated over
    ``tp``). The data-parallel step 6 then averages the dense gradients over ``dp x cp`` and leaves the
    experts to the expert-data-parallel reduction (sum over ``edp``, divided by ``dp x cp``).
+1c. **fp8 linears** (chapter 10; torchao's ``convert_to_float8_training``, ``--precision fp8``): the seam's
+   layers get fp8 GEMMs in place (:func:`~refimpl.precision.fp8.apply_float8_training`), the tensor-parallel
+   ones with scales agreed over ``tp`` (one device's scales). After 1 and 1b, so that it sees the final
+   layers (a column-parallel block, not the full linear it replaced), but with the first and last linear
+   named on the plain model, before 1 replaced them; before 3 and 4, which wrap or move whole blocks.
+   ZeRO-3, sequence parallelism and zbh1 do not compose with it yet (refimpl/support.py says why).
 2. **context parallel** over the ``cp`` group (chapter 07; ring attention, Liu et al. 2023; Ulysses, Jacobs
    et al. 2023). It swaps the attention inside each block and shards the sequence: like 1, a change inside
    the blocks, so it comes before the steps that wrap whole blocks.
@@ -86,7 +92,7 @@ from refimpl.support import check_supported
 __all__ = ["ORDER", "OptimizerSetup", "Parallelized", "parallelize"]
 
 # the steps of :func:`parallelize`, in the order applied
-ORDER = ("tensor parallel", "expert parallel", "context parallel", "pipeline split",
+ORDER = ("tensor parallel", "expert parallel", "fp8 linears", "context parallel", "pipeline split",
          "activation checkpointing", "mixed precision", "data parallel")
 
 
@@ -134,6 +140,11 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
     experts = expert_parameter_names(model)  # [] for a dense model
     dims, groups = _layout(groups_or_dims, config, moe=bool(experts))
     applied: list[str] = []
+    fp8 = config.precision == "fp8"
+    if fp8:  # the first and last linear of the plain model, named before tensor parallelism replaces them
+        from refimpl.precision.fp8 import apply_float8_training, first_and_last_linear
+
+        keep_bf16 = first_and_last_linear(model)
     tp_group = cp_group = pipeline = ep_group = None
     # 1. tensor / sequence parallel over tp: replaces the linears and the embedding by their shards
     if dims.tp > 1:
@@ -147,6 +158,10 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
         ep_group = groups.group("ep")
         apply_expert_parallel(model, ep_group=ep_group)
         applied.append("expert parallel")
+    # 1c. fp8 linears: the seam's layers (tensor-parallel blocks too) get fp8 GEMMs; first and last kept
+    if fp8:
+        apply_float8_training(model, scaling=config.fp8_scaling, keep=keep_bf16)
+        applied.append("fp8 linears")
     # 2. context parallel over cp: attention across the ranks' parts of the sequence, global positions
     if dims.cp > 1:
         from refimpl.parallel.context_parallel import apply_context_parallel

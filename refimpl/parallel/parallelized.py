@@ -110,6 +110,8 @@ class Parallelized:
             num_replicas=1 if self.group is None else group_rank_size(self.group)[1]), config)
         if pipe is not None and zero == 2:  # ZeRO-2's hooks keep only each gradient's shard: the tied
             pipe.gradient_holder = setup.optimizer.shard  # embedding's two ends are summed as shards
+            if pipe.store is not None:  # zbh1: a weight's gradient is complete after its W action
+                pipe.store.after_flush = setup.optimizer.reduce_gradients_now
         return setup
 
     def groups(self) -> dict[str, dist.ProcessGroup | None]:

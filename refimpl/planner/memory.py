@@ -28,6 +28,7 @@ from refimpl.config import ConfigError, ModelConfig, ParallelConfig
 from refimpl.distributed.mesh import ParallelDims
 from refimpl.measure.state import StateMemory
 from refimpl.planner.activations import activation_bytes, outside_block_bytes
+from refimpl.planner.fp8 import fp8_extra_saved_bytes, fp8_weights
 from refimpl.planner.layout import (
     Layout,
     context_parallel_degree,
@@ -45,7 +46,7 @@ from refimpl.support import check_supported
 __all__ = ["RunMemory", "check_dense", "run_memory_of", "run_memory_per_rank", "state_memory",
            "state_memory_per_rank"]
 
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8: bf16 autocast around the fp8 linears
 
 
 def check_dense(config: ModelConfig, what: str, *, ep: int = 1) -> None:
@@ -147,7 +148,9 @@ def run_memory_per_rank(
     tensor-parallel shards, each full or sharded over the ``dims.dp x dims.cp`` ranks by ZeRO
     ``zero_stage``; ZeRO-3 adds the gathered root unit and the largest block (its forward/backward peak,
     :func:`~refimpl.planner.zero_state.zero3_peak_gathered_bytes`). ``precision`` bf16/fp16 computes under
-    autocast over fp32 weights and so adds autocast's cached 16-bit copies of the rank's matmul weights.
+    autocast over fp32 weights and so adds autocast's cached 16-bit copies of the rank's matmul weights;
+    fp8 (pp = 1) is bf16 with the fp8 layers' terms of :mod:`refimpl.planner.fp8` (no bf16 copy of their
+    weights, a transient fp8 cast, their fp32 LayerNorm-fed inputs saved).
 
     Activations of one micro-batch ``b`` of sequences of ``s`` tokens on one rank (Korthikanti et al. 2022,
     as :func:`refimpl.planner.activations.activation_bytes` counts our block exactly, with ``dims.tp`` and
@@ -166,6 +169,9 @@ def run_memory_per_rank(
         raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(_DTYPE_BYTES)}")
     shards, tp, cp = zero_shard_degree(dims), tensor_parallel_degree(dims), context_parallel_degree(dims)
     pp = pipeline_parallel_degree(dims)
+    if pp > 1 and precision == "fp8":
+        raise ValueError("run_memory_per_rank models --precision fp8 at pp = 1 only (the pipeline stages' "
+                         "fp8 saved inputs are not modelled)")
     if pp > 1:
         ranks = pipeline_memory_per_rank(config, pp=pp, num_microbatches=num_microbatches or pp,
                                          schedule=pp_schedule, virtual_stages=virtual_stages,
@@ -176,7 +182,8 @@ def run_memory_per_rank(
                                          zero3_reshard_per_microbatch=zero3_reshard_per_microbatch)
         return max((r.memory for r in ranks), key=lambda mem: mem.total)
     p = _DTYPE_BYTES[precision]
-    compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+               "fp8": torch.bfloat16}[precision]
     b, v = micro_batch, config.vocab_size
     zero = state_memory_per_rank(config, dims, zero_stage=zero_stage)
     state = {"weights": zero.weights, "grads": zero.grads, "AdamW state": zero.optimizer}
@@ -185,13 +192,21 @@ def run_memory_per_rank(
         blocks = [[q.shape for q in block] for block in table.blocks]
         root = [q.shape for q in table.embedding + table.final_layernorm + table.output_layer]
         state["ZeRO-3 gathered units"] = zero3_peak_gathered_bytes([root, *blocks], shards).weights
-    if p != 4:
-        state["autocast weight copies"] = p * matmul_weights_per_rank(config, tp=tp)
+    if p != 4:  # fp8: no bf16 copy of an fp8 layer's weight, a transient 1-byte cast (refimpl/planner/fp8.py)
+        fp8 = fp8_weights(config, tp=tp) if precision == "fp8" else ()
+        bf16_weights = matmul_weights_per_rank(config, tp=tp) - sum(q.numel for q in fp8)
+        state["autocast weight copies"] = p * bf16_weights
+        if fp8:
+            state["fp8 weight cast (transient, largest layer)"] = max(q.numel for q in fp8)
     chosen = set(checkpointed_blocks)
     kw = {"micro_batch": b, "seq_len": seq_len, "compute_dtype": compute, "tp": tp,
           "sequence_parallel": sequence_parallel, "cp": cp, "cp_method": cp_method, "cp_layout": cp_layout}
     saved = activation_bytes(config, checkpointed_blocks=chosen, **kw)
     full = activation_bytes(config, **kw)
+    if precision == "fp8":  # fp8 layers save their fp32 LayerNorm-fed inputs (refimpl/planner/fp8.py)
+        extra = fp8_extra_saved_bytes(config, micro_batch=b, tokens=seq_len // cp, tp=tp)
+        saved = [n + (0 if i in chosen else e) for i, (n, e) in enumerate(zip(saved, extra, strict=True))]
+        full = [n + e for n, e in zip(full, extra, strict=True)]
     activations = {
         "block activations": sum(saved),
         "recomputed block (backward)": max(full) if chosen and full else 0,

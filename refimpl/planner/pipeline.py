@@ -245,7 +245,8 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
     if precision not in _COMPUTE:
         raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(_COMPUTE)}")
     check_supported(ParallelConfig(pp=pp, tp=tp, zero_stage=zero_stage, pp_schedule=schedule,
-                                   sequence_parallel=sequence_parallel))
+                                   sequence_parallel=sequence_parallel,
+                                   zero3_reshard_per_microbatch=zero3_reshard_per_microbatch))
     m, v, compute = num_microbatches, virtual_stages, _COMPUTE[precision]
     table = build_schedule(schedule, pp_size=pp, num_microbatches=m, virtual_stages=v)
     sim = simulate(table, num_microbatches=m, virtual_stages=v)  # refuses an invalid or deadlocking table

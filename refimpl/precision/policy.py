@@ -14,6 +14,11 @@ Three dtypes describe a mixed-precision run (the same three as FSDP2's ``MixedPr
 
 fp16 needs loss scaling (section 3.2; :mod:`refimpl.precision.loss_scaler`), bf16 (fp32's exponent range)
 does not.
+
+``--precision fp8`` (chapter 10) is the bf16 policy here (autocast to bf16 over fp32 weights, gradients
+reduced in fp32): the fp8 part lives in the linear layers themselves, whose three GEMMs cast their operands
+to fp8 with their own scales (:mod:`refimpl.precision.fp8.training`, applied by ``parallelize``); what is
+not a linear (attention, LayerNorm, the loss, the first and last linear) computes as under bf16.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from refimpl.precision.loss_scaler import DynamicLossScaler
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _NAMES = {v: k for k, v in DTYPES.items()}
+AUTOCAST_OF: dict[str, str] = {"fp8": "bf16"}  # fp8's policy: bf16 autocast, the fp8 GEMMs in the linears
 
 
 def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
@@ -67,13 +73,13 @@ class MixedPrecisionPolicy:
     def from_name(
         cls, name: str, *, master_weights: bool = False, reduce_dtype: str | torch.dtype | None = None
     ) -> MixedPrecisionPolicy:
-        """The policy behind ``--precision {fp32,bf16,fp16}``.
+        """The policy behind ``--precision {fp32,bf16,fp16,fp8}`` (fp8: bf16's, module docstring).
 
         Default: autocast in ``name`` over fp32 weights, gradients reduced in fp32. ``master_weights``
         keeps the model itself in 16 bits (with an fp32 master copy); ``reduce_dtype`` sends gradients in
         16 bits (summed in fp32).
         """
-        compute = dtype_from_name(name)
+        compute = dtype_from_name(AUTOCAST_OF.get(name, name) if isinstance(name, str) else name)
         return cls(
             param_dtype=compute if master_weights else torch.float32,
             compute_dtype=compute,

@@ -12,6 +12,7 @@ from refimpl import elastic
 from refimpl.checkpoint import CheckpointConfig
 from refimpl.config import (
     CP_METHODS,
+    FP8_SCALINGS,
     MOE_LOAD_BALANCE,
     PP_BALANCES,
     PP_SCHEDULES,
@@ -114,7 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0,
                      help="0: data parallel; 1/2: sharded optimizer state (and gradients); 3: fully sharded")
     par.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                     help="compute dtype (autocast over fp32 weights; fp16 adds a dynamic loss scaler)")
+                     help="compute dtype (autocast over fp32 weights; fp16 adds a dynamic loss scaler; fp8: "
+                     "bf16 autocast with the linears' GEMMs in fp8, the first and last linear kept in bf16)")
+    par.add_argument("--fp8-scaling", choices=FP8_SCALINGS, default="tensorwise",
+                     help="with --precision fp8: torchao's recipe, one dynamic scale per tensor (tensorwise) "
+                     "or per row, power-of-two scales and e4m3 gradients (rowwise)")
     par.add_argument("--activation-checkpointing", nargs="?", const="all", default=None, metavar="BLOCKS",
                      help="recompute blocks in backward: all (the default when given), every-N, or 0,2,-1")
     par.add_argument("--dp", type=int, default=None,
@@ -232,6 +237,7 @@ class RunOptions:
 
     zero_stage: int = 0
     precision: str = "fp32"
+    fp8_scaling: str = "tensorwise"  # with precision fp8: torchao's tensorwise or rowwise recipe
     activation_checkpointing: str | None = None
     checkpoint: CheckpointConfig | None = None
     faults: elastic.FaultPlan = field(default_factory=elastic.FaultPlan)
@@ -276,7 +282,8 @@ class RunOptions:
         """The layout and the technique options as one :class:`~refimpl.config.ParallelConfig`."""
         return ParallelConfig(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, dp_replicate=self.dp_replicate,
                               ep=self.ep, zero_stage=self.zero_stage,
-                              precision=self.precision, sequence_parallel=self.sequence_parallel,
+                              precision=self.precision, fp8_scaling=self.fp8_scaling,
+                              sequence_parallel=self.sequence_parallel,
                               cp_method=self.cp_method, pp_schedule=self.pp_schedule,
                               virtual_stages=self.virtual_stages, pp_balance=self.pp_balance,
                               microbatches=self.microbatches,
@@ -295,7 +302,8 @@ class RunOptions:
                 "pp": self.pp, "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
                 "microbatches": self.microbatches, "dp_replicate": self.dp_replicate,
                 "zero3_reshard_per_microbatch": self.zero3_reshard_per_microbatch} | (
-                    {"ep": self.ep} if self.ep > 1 else {})
+                    {"ep": self.ep} if self.ep > 1 else {}) | (
+                    {"fp8_scaling": self.fp8_scaling} if self.precision == "fp8" else {})
 
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:
@@ -320,7 +328,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
     )
     faults = elastic.FaultPlan(fail_at_step=args.fail_at_step, hang_at_step=args.hang_at_step,
                                preempt_at_step=args.preempt_at_step, rank=args.fail_rank, node=args.fail_node)
-    return RunOptions(zero_stage=args.zero_stage, precision=args.precision,
+    return RunOptions(zero_stage=args.zero_stage, precision=args.precision, fp8_scaling=args.fp8_scaling,
                       activation_checkpointing=args.activation_checkpointing, checkpoint=checkpoint,
                       faults=faults, sigterm_grace_s=args.sigterm_grace,
                       sleep_in_step_s=args.test_sleep_in_step,

@@ -8,6 +8,10 @@ actions, ``B`` (input gradient) and ``W`` (weight gradient), and place the ``W``
 gradient) in backward and queue ``dW`` in a :class:`WeightGradStore` under the key the executor is running
 (``(stage, microbatch)``); :meth:`WeightGradStore.flush` of that key, the ``W`` action, adds them to the
 weights' ``.grad``. The LayerNorm and embedding gradients (``O(h)`` per token, no matmul) stay in ``B``.
+
+A gradient added in a ``W`` action is added outside autograd, so no gradient hook sees it: what must
+follow it (ZeRO-2's reduce-scatter of the weights' gradients, which its hooks do in backward) is
+:attr:`WeightGradStore.after_flush`, called with the weights each ``W`` action updated.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ class WeightGradStore:
     """Queued weight-gradient computations by key; :meth:`capture` sets the key of a backward."""
 
     def __init__(self) -> None:
-        self._pending: dict[object, list[Callable[[], None]]] = {}
+        self._pending: dict[object, list[Callable[[], torch.Tensor]]] = {}
         self._key: object | None = None
+        # called after each W action with the weights whose .grad it changed (ZeRO-2: reduce-scatter them)
+        self.after_flush: Callable[[list[torch.Tensor]], None] | None = None
 
     @contextlib.contextmanager
     def capture(self, key: object) -> Iterator[None]:
@@ -38,17 +44,19 @@ class WeightGradStore:
         finally:
             self._key = None
 
-    def push(self, fn: Callable[[], None]) -> None:
+    def push(self, fn: Callable[[], torch.Tensor]) -> None:
         if self._key is None:  # outside a captured backward: the plain backward, at once
             fn()
         else:
             self._pending.setdefault(self._key, []).append(fn)
 
     def flush(self, key: object) -> int:
-        """Run the weight gradients queued under ``key``; returns how many."""
+        """Run the weight gradients queued under ``key`` (then :attr:`after_flush` on their weights, each
+        once, in the order they were queued); returns how many."""
         fns = self._pending.pop(key, [])
-        for fn in fns:
-            fn()
+        updated = list({id(w): w for w in (fn() for fn in fns)}.values())
+        if self.after_flush is not None and updated:
+            self.after_flush(updated)
         return len(fns)
 
     def __len__(self) -> int:

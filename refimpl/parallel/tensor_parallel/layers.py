@@ -36,7 +36,10 @@ Both matmuls go through the one linear seam (:func:`refimpl.nn.linear.linear_wit
 ``weight_grad_store`` (None by default; set by
 :func:`~refimpl.parallel.pipeline_parallel.defer_weight_gradients`) queues this rank's ``dW_r = dY_r^T X``
 (column) or ``dY^T X_r`` (row) for zero-bubble's ``W`` action, so zbh1 composes with tensor parallelism:
-each rank defers the gradient of the block it holds.
+each rank defers the gradient of the block it holds. ``matmul`` (None: ``F.linear``) is the seam's pluggable
+product of this rank's block: ``--precision fp8`` sets it to the fp8 GEMMs
+(:func:`refimpl.precision.fp8.apply_float8_training`, chapter 10), which read ``split_features`` (``"out"``
+column, ``"in"`` row) and ``tp_group`` to agree the fp8 scales over the group.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from torch import nn
 
 from refimpl.comm import ops
 from refimpl.distributed.placement import Box, LocalShard
-from refimpl.nn.linear import WeightGradQueue, linear_with_grad
+from refimpl.nn.linear import Matmul, WeightGradQueue, linear_with_grad
 from refimpl.parallel.tensor_parallel.sequence_parallel_linear import linear_with_sequence_parallel_gather
 from refimpl.parallel.tensor_parallel.tp_communications import (
     Group,
@@ -93,6 +96,9 @@ class ColumnParallelLinear(nn.Module):
     output ``[..., out_features / t]`` (``[..., out_features]`` with ``gather_output``).
     """
 
+    split_features = "out"  # the dim of [out, in] split over the group (fp8's scales read it)
+    matmul: Matmul | None = None  # the seam's product of this rank's block (module docstring)
+
     def __init__(self, in_features: int, out_features: int, *, tp_group: Group, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
@@ -133,7 +139,7 @@ class ColumnParallelLinear(nn.Module):
                                                         weight_grad_store=self.weight_grad_store)
         x = copy_to_tensor_parallel_region(x, self.tp_group)            # f: all-reduce in backward
         y = linear_with_grad(x, self.weight, self.bias,                 # [..., out/t]
-                             weight_grad_store=self.weight_grad_store)
+                             weight_grad_store=self.weight_grad_store, matmul=self.matmul)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)    # [..., out]
         return y
@@ -152,6 +158,9 @@ class RowParallelLinear(nn.Module):
     ``[..., in_features / t]`` (``input_is_parallel``) or ``[..., in_features]``; output
     ``[..., out_features]`` whole, or ``[batch, seq / t, out_features]`` under ``sequence_parallel``.
     """
+
+    split_features = "in"  # the dim of [out, in] split over the group (fp8's scales read it)
+    matmul: Matmul | None = None  # the seam's product of this rank's block (module docstring)
 
     def __init__(self, in_features: int, out_features: int, *, tp_group: Group, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
@@ -195,7 +204,7 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)         # [..., in] -> [..., in/t]
         y = linear_with_grad(x, self.weight,                                # [..., out], a partial sum
-                             weight_grad_store=self.weight_grad_store)
+                             weight_grad_store=self.weight_grad_store, matmul=self.matmul)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)  # [b, s, out] -> [b, s/t, out]
         else:

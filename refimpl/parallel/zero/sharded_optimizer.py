@@ -180,6 +180,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     shard.grad = g.clone() if shard.grad is None else shard.grad.add_(g)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:  # stage 2, inside backward
+        if param.grad is None:  # a deferred weight gradient (zbh1): it comes in its W action
+            return
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._flush)
             self._callback_queued = True
@@ -198,6 +200,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _flush(self) -> None:  # stage 2, at the end of backward
         self._callback_queued = False
         self._flush_bucket()
+
+    def reduce_gradients_now(self, params: Sequence[torch.Tensor]) -> None:
+        """Stage 2, outside backward: reduce-scatter ``params``' gradients into the shards now and free
+        them, as the hooks do in backward (zero-bubble's ``W`` actions add weight gradients after their
+        backward: :attr:`refimpl.parallel.pipeline_parallel.WeightGradStore.after_flush`)."""
+        ready = [p for p in params if p.grad is not None]
+        if self.zero_stage == 2 and ready:
+            self._reduce(ready)
+            for p in ready:
+                p.grad = None
 
     def reduce_gradients(self) -> None:
         """Stage 1: reduce-scatter the full gradients into the shards (``step`` calls it if needed)."""

@@ -12,6 +12,8 @@ file:
 * :mod:`.float8_linear`: :class:`Float8Linear` (three separately scaled fp8 GEMMs, forward and backward),
   :class:`Float8Config` (torchao's ``tensorwise`` and ``rowwise`` recipes), :func:`scaled_mm`;
 * :mod:`.convert`: :func:`convert_to_float8`, the in-place swap of a model's ``nn.Linear`` layers;
+* :mod:`.training`: :func:`apply_float8_training`, what ``--precision fp8`` does to the trainer's model
+  (the seam's layers, tensor-parallel shards included, with one device's scales);
 * :mod:`.float8_communication`: ZeRO-3's weight all-gather in fp8 (:func:`all_gather_float8`) and the
   error of an fp8 gradient all-reduce (:func:`gradient_all_reduce_errors`).
 """
@@ -31,6 +33,7 @@ from refimpl.precision.fp8.float8_communication import (
 from refimpl.precision.fp8.float8_linear import (
     Float8Config,
     Float8Linear,
+    ShardedScales,
     check_float8_shape,
     float8_linear,
     scaled_mm,
@@ -46,6 +49,7 @@ from refimpl.precision.fp8.scaling import (
     cast_to_float8,
     operand_amax,
 )
+from refimpl.precision.fp8.training import apply_float8_training, float8_layers
 
 __all__ = [
     "E4M3",
@@ -62,14 +66,17 @@ __all__ = [
     "Float8Tensor",
     "GatherBytes",
     "GradientReductionErrors",
+    "ShardedScales",
     "agreed_amax",
     "all_gather_float8",
     "amax_to_scale",
+    "apply_float8_training",
     "cast_to_float8",
     "check_float8_shape",
     "convert_to_float8",
     "dequantize",
     "first_and_last_linear",
+    "float8_layers",
     "float8_all_gather_bytes",
     "float8_linear",
     "float8_tensor",

@@ -42,20 +42,33 @@ along the other dimension (rowwise needs that; tensorwise's second cast gives th
 is a :class:`refimpl.nn.Linear` (same ``weight`` / ``bias`` Parameters and state-dict names) whose
 forward goes through the linear seam with the fp8 product as its ``matmul``; a deferred weight gradient
 (zero-bubble's ``weight_grad_store``) would compute ``dW`` in high precision there, so it is refused.
+
+**Tensor-parallel shards** (chapter 06; torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel``,
+whose DTensor amax is the whole tensor's): a column layer holds ``W[N/t, K]`` and sees ``g[M, N/t]``, a row
+layer ``W[N, K/t]`` and ``x[M, K/t]``. A scale taken from the shard alone would differ from one device's,
+so :class:`ShardedScales` all-reduces (MAX, over the tensor-parallel group) the amax of every operand that
+is split along a dimension its amax runs over: tensorwise, any operand holding the split dimension;
+rowwise, only where the split dimension is the contraction dimension (a per-row amax of whole rows is
+already the whole row's, and the ranks hold other rows). Then every rank casts with one device's scales.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from refimpl.comm import ops
 from refimpl.nn.linear import Linear, linear_with_grad
 from refimpl.precision.fp8.formats import E4M3, E5M2, Float8Format, format_of
 from refimpl.precision.fp8.scaling import SCALINGS, Float8Tensor, Scaling, cast_to_float8
 
-__all__ = ["Float8Config", "Float8Linear", "check_float8_shape", "float8_linear", "scaled_mm"]
+__all__ = ["Float8Config", "Float8Linear", "ShardedScales", "check_float8_shape", "float8_linear",
+           "scaled_mm"]
 
 ALIGN = 16  # torch._scaled_mm on CUDA: a's columns and both of b's dims are multiples of 16
 
@@ -84,6 +97,37 @@ class Float8Config:
         if name == "rowwise":
             return cls(scaling="rowwise", grad_format=E4M3, power_of_2_scales=True)
         raise ValueError(f"unknown recipe {name!r}; expected one of {SCALINGS}")
+
+
+_DIMS = {"x": "MK", "weight": "NK", "grad": "MN"}  # each operand's dims: tokens M, in K, out N
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardedScales:
+    """A tensor-parallel shard's scales made the whole layer's (module docstring): ``split`` ``"out"`` (a
+    column-parallel layer: ``N`` over the group) or ``"in"`` (row-parallel: ``K``), ``group`` the
+    tensor-parallel process group."""
+
+    group: Any
+    split: Literal["in", "out"]
+
+    def __post_init__(self) -> None:
+        if self.split not in ("in", "out"):
+            raise ValueError(f"split must be 'in' or 'out', got {self.split!r}")
+
+    def reducer(self, operand: str, contraction_dim: int, scaling: Scaling
+                ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The MAX all-reduce the amax of ``operand`` (``x``, ``weight`` or ``grad``) cast along
+        ``contraction_dim`` needs, or None when the local amax is already the whole tensor's."""
+        dims, split = _DIMS[operand], "K" if self.split == "in" else "N"
+        if split not in dims or (scaling == "rowwise" and dims[contraction_dim] != split):
+            return None
+
+        def all_reduce_max(amax: torch.Tensor) -> torch.Tensor:
+            amax = amax.to(torch.float32)  # exact; gloo takes fp32
+            ops.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+            return amax
+        return all_reduce_max
 
 
 def check_float8_shape(in_features: int, out_features: int, *, name: str = "") -> None:
@@ -125,22 +169,30 @@ def _pad_rows(t: Float8Tensor, dim: int) -> Float8Tensor:
     return Float8Tensor(torch.cat([t.data, t.data.new_zeros(shape)], dim=dim), t.scale)
 
 
+def _cast(ctx, t: torch.Tensor, operand: str, fmt: Float8Format, dim: int) -> Float8Tensor:
+    """``t`` (the operand named ``operand``) cast along ``dim`` with the layer's recipe; a tensor-parallel
+    shard's amax made the whole tensor's first (:class:`ShardedScales`)."""
+    c: Float8Config = ctx.config
+    sharded: ShardedScales | None = ctx.sharded
+    reduce = None if sharded is None else sharded.reducer(operand, dim, c.scaling)
+    return cast_to_float8(t, fmt, scaling=c.scaling, contraction_dim=dim, power_of_2=c.power_of_2_scales,
+                          amax_reduce=reduce)
+
+
 class _Float8LinearFunction(torch.autograd.Function):
     """``x [M, K] @ W[N, K]^T`` with the three fp8 GEMMs of the module docstring."""
 
     @staticmethod
     def forward(ctx, x, weight, config: Float8Config, out_dtype: torch.dtype,
-                weight_fp8: Float8Tensor | None):
+                weight_fp8: Float8Tensor | None, sharded: ShardedScales | None):
         c = config
+        ctx.config, ctx.weight_fp8, ctx.sharded = config, weight_fp8, sharded
         with torch.autocast(x.device.type, enabled=False):
-            x8 = cast_to_float8(x, c.input_format, scaling=c.scaling, contraction_dim=1,
-                                power_of_2=c.power_of_2_scales)                       # [M, K], scale [M, 1]
-            w8 = weight_fp8 if weight_fp8 is not None else cast_to_float8(
-                weight, c.weight_format, scaling=c.scaling, contraction_dim=1,
-                power_of_2=c.power_of_2_scales)                                        # [N, K], scale [N, 1]
+            x8 = _cast(ctx, x, "x", c.input_format, 1)                                  # [M, K], scale [M, 1]
+            w8 = weight_fp8 if weight_fp8 is not None else _cast(
+                ctx, weight, "weight", c.weight_format, 1)                              # [N, K], scale [N, 1]
             y = scaled_mm(x8, w8.t(), out_dtype=out_dtype, use_fast_accum=True)       # [M, N]
         ctx.save_for_backward(x, weight)
-        ctx.config, ctx.weight_fp8 = config, weight_fp8
         return y
 
     @staticmethod
@@ -148,28 +200,26 @@ class _Float8LinearFunction(torch.autograd.Function):
         x, weight = ctx.saved_tensors                 # x [M, K], weight [N, K], g [M, N]
         c: Float8Config = ctx.config
         dx = dw = None
-
-        def cast(t: torch.Tensor, fmt: Float8Format, dim: int) -> Float8Tensor:
-            return cast_to_float8(t, fmt, scaling=c.scaling, contraction_dim=dim,
-                                  power_of_2=c.power_of_2_scales)
-
         g_rows = None
         if ctx.needs_input_grad[0]:
-            g_rows = cast(g, c.grad_format, 1)                                           # per row [M, 1]
-            w8 = ctx.weight_fp8 if ctx.weight_fp8 is not None else cast(weight, c.weight_format, 0)  # [1, K]
+            g_rows = _cast(ctx, g, "grad", c.grad_format, 1)                           # per row [M, 1]
+            w8 = ctx.weight_fp8 if ctx.weight_fp8 is not None else _cast(
+                ctx, weight, "weight", c.weight_format, 0)                              # per column [1, K]
             dx = scaled_mm(g_rows, w8, out_dtype=g.dtype).to(x.dtype)                  # [M, N] @ [N, K]
         if ctx.needs_input_grad[1]:
             reuse = c.scaling == "tensorwise" and g_rows is not None                   # the same bytes
-            g_cols = g_rows if reuse else cast(g, c.grad_format, 0)                      # per column [1, N]
-            x_cols = cast(x, c.input_format, 0)                                          # per column [1, K]
+            g_cols = g_rows if reuse else _cast(ctx, g, "grad", c.grad_format, 0)      # per column [1, N]
+            x_cols = _cast(ctx, x, "x", c.input_format, 0)                               # per column [1, K]
             dw = scaled_mm(_pad_rows(g_cols, 0).t(), _pad_rows(x_cols, 0),              # [N, M] @ [M, K]
                            out_dtype=g.dtype).to(weight.dtype)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  config: Float8Config, weight_fp8: Float8Tensor | None = None) -> torch.Tensor:
-    """``x @ weight^T + bias`` (``[..., K] -> [..., N]``) with fp8 GEMMs forward and backward.
+                  config: Float8Config, weight_fp8: Float8Tensor | None = None,
+                  sharded: ShardedScales | None = None) -> torch.Tensor:
+    """``x @ weight^T + bias`` (``[..., K] -> [..., N]``) with fp8 GEMMs forward and backward; ``sharded``:
+    the layer is a tensor-parallel shard whose scales must be the whole layer's (module docstring).
 
     ``weight_fp8``: the weight already cast (tensorwise), e.g. by an fp8 all-gather
     (:func:`refimpl.precision.fp8.float8_communication.all_gather_float8`); it replaces the cast of
@@ -178,7 +228,8 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError("a pre-cast fp8 weight must be tensorwise-scaled (as torchao's fp8 all-gather is)")
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    y = _Float8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, config, out_dtype, weight_fp8)
+    y = _Float8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, config, out_dtype, weight_fp8,
+                                    sharded)
     y = y.reshape(*x.shape[:-1], y.shape[-1])
     return y if bias is None else y + bias.to(y.dtype)
 

@@ -35,11 +35,13 @@ measures that (:attr:`DelayedCast.saturated`): the chapter's cost of not looking
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from refimpl.config import FP8_SCALINGS
 from refimpl.precision.fp8.formats import Float8Format, dequantize, format_of, quantize
 
 __all__ = ["EPS", "SCALINGS", "DelayedCast", "DelayedScaling", "Float8Tensor", "Scaling", "amax_to_scale",
@@ -47,7 +49,7 @@ __all__ = ["EPS", "SCALINGS", "DelayedCast", "DelayedScaling", "Float8Tensor", "
 
 EPS = 1e-12
 Scaling = Literal["tensorwise", "rowwise"]
-SCALINGS: tuple[str, ...] = ("tensorwise", "rowwise")
+SCALINGS: tuple[str, ...] = FP8_SCALINGS  # ("tensorwise", "rowwise"), named in refimpl.config
 
 
 def amax_to_scale(amax: torch.Tensor, fmt: Float8Format | torch.dtype, *, power_of_2: bool = False
@@ -103,10 +105,15 @@ class Float8Tensor:
 
 
 def cast_to_float8(x: torch.Tensor, fmt: Float8Format | torch.dtype, *, scaling: Scaling = "tensorwise",
-                   contraction_dim: int = -1, power_of_2: bool = False) -> Float8Tensor:
+                   contraction_dim: int = -1, power_of_2: bool = False,
+                   amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Float8Tensor:
     """``x`` cast to ``fmt`` with the dynamic scale of its current amax (module docstring): one scale
-    (tensorwise) or one per slice along ``contraction_dim`` (rowwise)."""
+    (tensorwise) or one per slice along ``contraction_dim`` (rowwise). ``amax_reduce`` (e.g. a MAX
+    all-reduce over the ranks that hold the other parts of the tensor) turns the local amax into the whole
+    tensor's before the scale is taken."""
     amax = operand_amax(x, scaling=scaling, contraction_dim=contraction_dim)
+    if amax_reduce is not None:
+        amax = amax_reduce(amax)
     scale = amax_to_scale(amax, fmt, power_of_2=power_of_2)
     return Float8Tensor(quantize(x.detach(), scale, fmt), scale)
 
