@@ -661,7 +661,9 @@ log = run_command(elastic.torchrun_command([*TRAIN, "--dp", "4", "--ep", "2", "-
 records = [json.loads(line) for line in (WORK / "ep2" / "metrics.jsonl").read_text().splitlines()]
 
 # %%
-ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+# the one-device reference on the ranks' kind of device
+ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device(ranks.devices[0]),
+                         backend=ranks.backend)
 one = {}
 for order, extra in (("batch", []), ("micro", ["--micro-batch-size", "1"])):
     args = build_parser().parse_args([*TRAIN, *extra, "--log-every", "100",
