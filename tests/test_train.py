@@ -439,13 +439,15 @@ def test_pipeline_micro_batches_are_checked_before_anything_starts():
         else:
             with pytest.raises(ConfigError, match=match):
                 pipeline_microbatches(config, options, dp)
-    for bad, match in ((dict(pp=2, zero_stage=3, pp_schedule="zbh1"), "use 1f1b, gpipe or interleaved"),
-                       (dict(pp=2, zero_stage=2, pp_schedule="zbh1"), "use ZeRO-1 with zbh1"),
+    for bad, match in ((dict(pp=2, zero_stage=3, pp_schedule="zbh1", zero3_reshard_per_microbatch=True),
+                        "use ZeRO-3's default under pp"),
                        (dict(microbatches=2), "need pp > 1"),
                        (dict(pp=2, virtual_stages=2), "without the interleaved schedule")):
         with pytest.raises(ConfigError, match=match):
             RunOptions(**bad)
     RunOptions(pp=2, tp=2, pp_schedule="zbh1")  # built: the tensor-parallel layers defer their dW too
+    RunOptions(pp=2, zero_stage=2, pp_schedule="zbh1")  # built: ZeRO-2 reduce-scatters after each W action
+    RunOptions(pp=2, zero_stage=3, pp_schedule="zbh1")  # built: the stage is reduced after the last W
 
 
 def test_context_parallel_sizes_are_checked_before_anything_starts():
