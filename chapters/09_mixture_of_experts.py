@@ -59,11 +59,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from refimpl import elastic
 from refimpl.config import ModelConfig
 from refimpl.data import make_corpus_file
 from refimpl.distributed import DistributedContext
-from refimpl.launch import run_command, start_ranks
+from refimpl.launch import start_ranks
 from refimpl.measure import order_tolerance
 from refimpl.model import GPT
 from refimpl.parallel.expert_parallel import (
@@ -644,9 +643,10 @@ fig.tight_layout()
 # are **summed over edp and divided by dp x cp** (the global token count), not averaged over edp, which
 # would make them ep times too large (`refimpl/parallel/expert_parallel_gpt.py`). The balance loss is
 # DeepSeek-V3's sequence-wise one (a mean over sequences, `refimpl.moe`), so it does not depend on how the
-# batch is cut into ranks: the run must train like one device. The run goes through `torchrun` (4 CPU
-# ranks) from `run_command`, which raises if it fails; `python -m refimpl.train --nproc-per-node 4 ...` would
-# launch the same. The one-device reference runs here, in the whole batch at once and one sequence per
+# batch is cut into ranks: the run must train like one device. The run is the trainer itself,
+# `refimpl.train.train`, called on the 4 ranks of section 4: what `python -m refimpl.train
+# --nproc-per-node 4 --dp 4 --ep 2 ...` runs on each of its processes (chapter 11 launches it with
+# `torchrun`). The one-device reference runs here, in the whole batch at once and one sequence per
 # micro-batch: the distance of the two is the spread.
 
 # %%
@@ -656,9 +656,26 @@ TRAIN = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-
          "--checkpoint-every", "0",
          "--moe-experts", "4", "--moe-top-k", "2", "--moe-aux-loss-coeff", "0.1",
          "--data", str(CORPUS), "--cache-dir", str(WORK / "cache")]
-log = run_command(elastic.torchrun_command([*TRAIN, "--dp", "4", "--ep", "2", "--out", str(WORK / "ep2")],
-                                          nproc_per_node=4), timeout_s=240)
+_ = ranks.view.push({"TRAIN": TRAIN, "EP_OUT": str(WORK / "ep2")})
+
+# %%
+# %%px
+# the engines' own imports (the same names as the kernel's)
+import contextlib  # noqa: F811
+import io  # noqa: F811
+
+from refimpl.distributed import DistributedContext  # noqa: F811
+from refimpl.train import build_parser, config_from_args, options_from_args, train  # noqa: F811
+
+ctx = DistributedContext(rank=rank, world_size=world_size, local_rank=rank, device=device,
+                         backend=dist.get_backend(), timeout_s=120)
+args = build_parser().parse_args([*TRAIN, "--dp", "4", "--ep", "2", "--out", EP_OUT])
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its log
+    ep_records = train(config_from_args(args), ctx, options_from_args(args))
+
+# %%
 records = [json.loads(line) for line in (WORK / "ep2" / "metrics.jsonl").read_text().splitlines()]
+assert [r["loss"] for r in records] == [r["loss"] for r in ranks.run(lambda: ep_records)[0]], "rank 0 wrote it"
 
 # %%
 # the one-device reference on the ranks' kind of device

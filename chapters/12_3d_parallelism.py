@@ -467,6 +467,136 @@ for ax in axes[:3]:
 fig.tight_layout()
 
 # %% [markdown]
+# ### ZeRO-3 under the pipeline: memory against bytes, over the micro-batches
+#
+# ZeRO-3 composes with the pipeline in two ways (chapter 04 built the units). A 1F1B stage runs the
+# forwards and backwards of different micro-batches in turn, each through all of its blocks. By default
+# (torchtitan's: `reshard_after_forward=False` under pp) a stage's units are **gathered once** at its first
+# forward and kept, with their full gradients accumulating, until the schedule's last backward; then one
+# reduce-scatter. With `--zero3-reshard-per-microbatch` every micro-batch gathers each unit for its forward
+# and again for its backward and reduce-scatters after it: the full tensors held at any moment fall to one
+# unit, and the dp bytes grow $m$-fold. Four runs of dp 2 x pp 4 (a 16-sequence batch, 8 per dp rank) at
+# $m$ = 2 and 8 in both modes, 2 steps each: the dp bytes each rank sent on step 2 (`metrics.jsonl`'s
+# `bytes_sent`) and the most full (gathered) bytes its units held between the schedule's actions
+# (`refimpl.parallel.zero.fsdp_unit.gathered_bytes`, read at the executor's clock), against the planner:
+# `predict_run`'s bytes and the memory preflight's ZeRO-3 term
+# (`refimpl.planner.pipeline.pipeline_memory_per_rank`, a peak: with resharding it adds the one block
+# gathered within an action to the root unit held between actions).
+
+# %%
+def trade_flags(mode, m):
+    """dp 2 x pp 4, ZeRO-3, 8 sequences per dp rank in m micro-batches, gathered in the mode given."""
+    return ["--dp", "2", "--pp", "4", "--zero-stage", "3", "--batch-size", "16", "--microbatches", str(m),
+            *(["--zero3-reshard-per-microbatch"] if mode == "per micro-batch" else [])]
+
+
+TRADE = {(mode, m): trade_flags(mode, m) for mode in ("once per step", "per micro-batch") for m in (2, 8)}
+_ = ranks.view.push({"TRADE": TRADE})
+
+# %%
+# %%px
+from refimpl.comm.tracer import now
+from refimpl.parallel.zero.fsdp_unit import gathered_bytes
+
+
+class GatheredPeak:
+    """Trainer hooks (refimpl.train.hooks): the most full bytes (gathered weights and full gradients) the
+    stages' ZeRO-3 units hold at the pipeline executor's clock reads, between its actions, in step 1."""
+
+    def __init__(self):
+        self.peak, self.units = 0, None
+
+    @contextlib.contextmanager
+    def around_step(self, step, setup):
+        stages = setup.pipeline.stages.values()  # each stage's ZeRO-3 wrapper declares its shards in place
+        self.units = [u for st in stages for u in st.local_shards.__self__.units] if step == 1 else None
+        try:
+            yield
+        finally:
+            self.units = None
+
+    def clock(self):
+        if self.units is not None:
+            held = gathered_bytes(self.units)
+            self.peak = max(self.peak, held.weights + held.grads)
+        return now()
+
+
+trade_runs = {}
+for key, flags in TRADE.items():
+    args = build_parser().parse_args([*TINY, *flags, "--steps", "2", "--out", f"{WORK}/trade-{key[0]}-{key[1]}"])
+    options = dataclasses.replace(options_from_args(args), checkpoint=None)
+    peak = GatheredPeak()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        records = train(config_from_args(args), ctx, options, hooks=peak)
+    trade_runs[key] = {"dp bytes": records[-1]["bytes_sent"]["dp x cp"], "held": peak.peak}
+
+# %%
+from refimpl.planner.pipeline import pipeline_memory_per_rank
+
+trade_measured = ranks.run(lambda: trade_runs)
+
+
+def trade_prediction(mode, m):
+    """Per rank: (dp bytes per step from predict_run, the preflight's ZeRO-3 term, its root unit alone)."""
+    args = build_parser().parse_args([*TINY, *trade_flags(mode, m)])
+    config, options = config_from_args(args), options_from_args(args)
+    plan = predict_run(config.model, options.parallel, world_size=8, seq_len=config.data.seq_len,
+                       global_batch=config.data.global_batch_size, micro_batch=config.data.micro_batch_size,
+                       grad_clip=config.optim.grad_clip)
+    out = []
+    for r in plan.ranks:
+        memory = pipeline_memory_per_rank(
+            config.model, pp=4, num_microbatches=m, schedule="1f1b", micro_batch=plan.micro_batch,
+            seq_len=config.data.seq_len, zero_stage=3, zero_shards=2, dp_rank=r.coords.dp,
+            zero3_reshard_per_microbatch=mode == "per micro-batch")[r.coords.pp].memory
+        term = next(v for k, v in memory.state.items() if k.startswith("ZeRO-3 gathered"))
+        out.append((r.bytes_sent["dp x cp"], term))
+    return out
+
+
+print(f"{'mode':16s} {'m':>2s} | {'dp bytes/step (rank 0)':>22s} {'measured':>9s} | "
+      f"{'held full bytes, preflight term':>31s} {'measured between actions':>25s}")
+for (mode, m) in TRADE:
+    predicted = trade_prediction(mode, m)
+    for rank, run in enumerate(trade_measured):
+        sent, term = predicted[rank]
+        assert 0 <= run[mode, m]["dp bytes"] - sent < 64, (mode, m, rank)  # + the step's float32 scalars
+        if mode == "once per step":
+            assert run[mode, m]["held"] == term, (mode, m, rank)  # the whole stage and its gradients
+        else:  # the root unit (none on a middle stage); the term adds the block gathered within an action
+            assert run[mode, m]["held"] < term, (mode, m, rank)
+    print(f"{mode:16s} {m:2d} | {predicted[0][0]:22,.0f} {trade_measured[0][mode, m]['dp bytes']:9,.0f} | "
+          f"{predicted[0][1]:31,.0f} {trade_measured[0][mode, m]['held']:25,.0f}")
+once = [trade_measured[0]["once per step", m]["dp bytes"] for m in (2, 8)]
+per_mb = [trade_measured[0]["per micro-batch", m]["dp bytes"] for m in (2, 8)]
+assert max(once) - min(once) < 64 and per_mb[0] < per_mb[1], (once, per_mb)
+assert all(trade_measured[0]["per micro-batch", m]["held"] < trade_measured[0]["once per step", m]["held"]
+           for m in (2, 8))
+
+ms = list(range(1, 9))
+curves = {mode: [trade_prediction(mode, m)[0] for m in ms] for mode in ("once per step", "per micro-batch")}
+fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.4))
+for mode, colour in (("once per step", "tab:blue"), ("per micro-batch", "tab:red")):
+    ax.plot(ms, [c[0] for c in curves[mode]], "-", color=colour, label=f"{mode}: predict_run")
+    ax.plot((2, 8), [trade_measured[0][mode, m]["dp bytes"] for m in (2, 8)], "kx")
+    bx.plot(ms, [c[1] for c in curves[mode]], "-", color=colour, label=f"{mode}: preflight term")
+    bx.plot((2, 8), [trade_measured[0][mode, m]["held"] for m in (2, 8)], "kx")
+ax.set(title="ZeRO-3 dp bytes per step (pp rank 0; x measured)", xlabel="micro-batches m", ylabel="bytes")
+bx.set(title="full tensors held (pp rank 0; x measured between actions)", xlabel="micro-batches m",
+       ylabel="bytes")
+ax.legend(fontsize=7)
+bx.legend(fontsize=7)
+fig.tight_layout()
+
+# %% [markdown]
+# Gathering once per step sends the same dp bytes at every $m$ and holds the whole stage and its full
+# gradients through the step; resharding per micro-batch holds one unit (the root between actions, one
+# block more within one) and pays the all-gathers and reduce-scatters $m$ times: the figure's two lines
+# cross nowhere, the choice is memory or bytes. Section 4 meets both at the seed's size, where the first
+# does not fit an H100 and the second is what the planner picks.
+
+# %% [markdown]
 # ## 4. The seed's cluster, checked with the planner
 #
 # Chapter 00 quoted the claim this course started from: *"We trained on 2048 H100 GPUs, 128 nodes of 16
