@@ -39,7 +39,7 @@ SPAWN = {
     "test_train", "test_train_3d", "test_train_zero3", "test_fsdp_tp", "test_planner_zero3",
     "test_train_checkpoint", "test_train_cp", "test_train_pp", "test_train_tp", "test_ulysses",
     "test_vocab_parallel", "test_zero", "test_chapters", "test_expert_parallel", "test_fp8_communication",
-    "test_moe_model", "test_train_moe", "test_train_fp8",
+    "test_moe_model", "test_train_moe", "test_train_fp8", "test_planner_moe", "test_fp8_zero3",
 }
 SUBPROCESS = {
     "test_browser", "test_chapters", "test_deploy", "test_elastic", "test_exercises", "test_notebook",

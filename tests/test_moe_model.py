@@ -18,7 +18,8 @@ balance loss and its scale, the per-step figures and the bias update, the planne
   capacity (the layer's own figure), DeepSeek-V3's bias step ``u sign(mean - load)``, and a one-device
   trainer run writes them to metrics.jsonl.
 * **Refusals**: each MoE row of the support table refuses its case and lets the nearest neighbour through;
-  the trainer refuses bad flags in one line with exit status 2; the planner refuses MoE memory plans.
+  the trainer refuses bad flags in one line with exit status 2; the planner plans MoE memory, refuses MoE run
+  predictions.
 """
 
 from __future__ import annotations
@@ -290,11 +291,14 @@ def test_the_trainer_refuses_bad_moe_flags_in_one_line(flags, fragment, capsys, 
     assert len(err) == 1 and err[0].startswith("error: ") and fragment in err[0], err
 
 
-def test_the_planner_refuses_an_moe_memory_plan():
-    from refimpl.planner import run_memory_per_rank
+def test_the_planner_plans_an_moe_memory_and_refuses_an_moe_run_prediction():
+    """run_memory_per_rank plans MoE blocks (tests/test_planner_moe.py measures it); predict_run's bytes per
+    group do not model them and say so in one line."""
+    from refimpl.planner import predict_run, run_memory_per_rank
 
-    with pytest.raises(ConfigError, match="does not model MoE blocks"):
-        run_memory_per_rank(MOE, ParallelDims(dp=1), micro_batch=1, seq_len=16)
+    assert run_memory_per_rank(MOE, ParallelDims(dp=2, ep=2), micro_batch=1, seq_len=16).total > 0
+    with pytest.raises(ConfigError, match="does not model an MoE run's bytes per process group"):
+        predict_run(MOE, ParallelConfig(dp=2, ep=2), seq_len=16, global_batch=2)
 
 
 def test_the_norm_reads_dp_cp_as_ep_x_edp_when_experts_are_placed():

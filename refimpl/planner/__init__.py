@@ -1,10 +1,13 @@
-"""Formulas only: what a training run needs and moves, before anything runs (chapters 00-08, 10).
+"""Formulas only: what a training run needs and moves, before anything runs (chapters 00-10).
 
 * :mod:`~refimpl.planner.params_flops`: parameters, their shapes, FLOPs per token (PaLM appendix B);
   :mod:`~refimpl.planner.param_table`: a rank's parameters by name, read from a meta-device model and the
   runtime's tensor-parallel plan (:mod:`refimpl.parallel.tensor_parallel.plan`);
 * :mod:`~refimpl.planner.memory`: model state of a replica and per rank, a run's memory per rank (the
   trainer's preflight); :mod:`~refimpl.planner.zero_state`: ZeRO stages 0-3 (Rajbhandari et al. 2020);
+* :mod:`~refimpl.planner.experts`: MoE blocks and expert parallelism (chapter 09): the experts' state per
+  rank (over the expert-data-parallel group), an MoE block's saved bytes and its all-to-all bytes, from
+  measured per-expert counts or uniform routing;
 * :mod:`~refimpl.planner.activations`: bytes saved for backward, per rank under tensor, sequence and
   context parallelism (Korthikanti et al. 2022; chapters 05-07);
 * :mod:`~refimpl.planner.communication`: bytes of the ring collectives, of ZeRO's and of tensor
@@ -43,6 +46,12 @@ from refimpl.planner.communication import (
     wire_bytes,
     zero_collectives,
     zero_comm_bytes,
+)
+from refimpl.planner.experts import (
+    ExpertLoad,
+    all_to_all_bytes,
+    moe_activation_bytes,
+    moe_state_memory_per_rank,
 )
 from refimpl.planner.layout import (
     Layout,
@@ -101,6 +110,7 @@ __all__ = [
     "STAGES",
     "ActivationBreakdown",
     "AlphaBeta",
+    "ExpertLoad",
     "Layout",
     "LayoutPlan",
     "ParamCount",
@@ -111,6 +121,7 @@ __all__ = [
     "StateMemory",
     "activation_bytes",
     "activation_bytes_per_layer",
+    "all_to_all_bytes",
     "context_parallel_bytes",
     "context_parallel_degree",
     "data_parallel_bytes",
@@ -122,6 +133,8 @@ __all__ = [
     "korthikanti_bytes_per_layer",
     "matmul_weights_per_rank",
     "model_flops_utilization",
+    "moe_activation_bytes",
+    "moe_state_memory_per_rank",
     "num_param_tensors",
     "outside_block_bytes",
     "padded_numel",

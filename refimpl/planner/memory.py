@@ -21,6 +21,7 @@ measures.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -28,6 +29,14 @@ from refimpl.config import ConfigError, ModelConfig, ParallelConfig
 from refimpl.distributed.mesh import ParallelDims
 from refimpl.measure.state import StateMemory
 from refimpl.planner.activations import activation_bytes, outside_block_bytes
+from refimpl.planner.experts import (
+    ExpertLoad,
+    autocast_weight_elements,
+    check_moe_plan,
+    expert_parallel_degree,
+    moe_activation_bytes,
+    moe_state_memory_per_rank,
+)
 from refimpl.planner.fp8 import fp8_extra_saved_bytes, fp8_weights
 from refimpl.planner.layout import (
     Layout,
@@ -37,7 +46,7 @@ from refimpl.planner.layout import (
     zero_shard_degree,
 )
 from refimpl.planner.param_table import param_table
-from refimpl.planner.params_flops import matmul_weights_per_rank, num_param_tensors, param_count, param_shapes
+from refimpl.planner.params_flops import num_param_tensors, param_count, param_shapes
 from refimpl.planner.pipeline import pipeline_memory_per_rank, pipeline_state_memory
 from refimpl.planner.run_memory import RunMemory
 from refimpl.planner.zero_state import zero3_peak_gathered_bytes, zero_memory
@@ -50,15 +59,14 @@ _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8: bf16 autocast
 
 
 def check_dense(config: ModelConfig, what: str, *, ep: int = 1) -> None:
-    """Refuse an MoE model or ``ep > 1`` (chapter 09) where the planner's terms would be a dense block's:
-    its activations (the router's scores, the dispatched tokens), the all-to-all traffic and the experts'
-    split over ``ep`` are not modelled yet. (Parameter counts and FLOPs do model it,
-    :class:`~refimpl.planner.params_flops.ParamCount`; so does the state of an unsplit replica, which holds
-    every expert.)"""
+    """Refuse an MoE model or ``ep > 1`` (chapter 09) where the planner's terms would be a dense run's:
+    :func:`~refimpl.planner.run_prediction.predict_run` does not model the MoE run's bytes per group (the
+    expert gradients' collectives on edp, the norm's on ep, the routing-dependent all-to-alls); their memory
+    (:func:`run_memory_per_rank`) and all-to-all bytes are :mod:`refimpl.planner.experts`'."""
     if config.num_experts or ep > 1:
-        raise ConfigError(f"{what}: the planner does not model MoE blocks yet (their activations, all-to-all "
-                          "traffic and expert parallelism); it counts their parameters and FLOPs "
-                          "(param_count: total and active) only")
+        raise ConfigError(f"{what}: the planner does not model an MoE run's bytes per process group yet (the "
+                          "expert gradients on edp, the all-to-alls on ep); run_memory_of plans its memory, "
+                          "refimpl.planner.experts.all_to_all_bytes its all-to-alls")
 
 
 def state_memory(
@@ -99,12 +107,17 @@ def state_memory_per_rank(config: ModelConfig, dims: Layout, *, zero_stage: int 
     (:func:`~refimpl.planner.zero_state.zero_memory`). ``dp_rank``: the rank's index in that group,
     ``dp_i * cp + cp_i`` (the group's ranks ascending; ``dp_i`` when ``cp = 1``). Stage 0 at ``tp = 1`` is
     :func:`state_memory`, the full replica. ZeRO-3 over tensor-parallel shards (2-D sharding) shards each
-    rank's blocks again, dim 0 of the local tensor, as the runtime does. Pipeline parallelism
+    rank's blocks again, dim 0 of the local tensor, as the runtime does. An MoE model (chapter 09, ZeRO
+    0-2, pp = 1): the rank's ``E/ep`` experts sharded over the expert-data-parallel group, the rest over
+    ``dp x cp`` (:func:`~refimpl.planner.experts.moe_state_memory_per_rank`). Pipeline parallelism
     (``dims.pp > 1``,
     chapter 08, ZeRO 0-2): the parameters of pipeline rank ``pp_rank``'s stages (``virtual_stages`` per
     rank, split by ``pp_balance``; :func:`~refimpl.planner.pipeline.stage_param_shapes`), whole.
     """
     shards, tp, pp = zero_shard_degree(dims), tensor_parallel_degree(dims), pipeline_parallel_degree(dims)
+    if config.num_experts:  # experts split over ep, their state sharded over edp (refimpl/planner/experts.py)
+        check_moe_plan(config, what="state_memory_per_rank", pp=pp, zero_stage=zero_stage)
+        return moe_state_memory_per_rank(config, dims, zero_stage=zero_stage, dp_rank=dp_rank)
     if pp > 1:
         return pipeline_state_memory(config, pp=pp, pp_rank=pp_rank, virtual_stages=virtual_stages,
                                      balance=pp_balance, tp=tp, zero_stage=zero_stage, zero_shards=shards,
@@ -129,6 +142,7 @@ def run_memory_per_rank(
     num_microbatches: int | None = None,
     pp_balance: str = "layers",
     zero3_reshard_per_microbatch: bool = False,
+    expert_loads: Sequence[ExpertLoad] | None = None,
 ) -> RunMemory:
     """The peak bytes one rank of a training run laid out as ``dims`` needs, before anything runs (chapters
     01, 04 and 05; the trainer's preflight).
@@ -163,8 +177,15 @@ def run_memory_per_rank(
     :class:`refimpl.measure.activations.SavedTensorMeter` measures, to the byte. The logits and their
     float32 gradient, ``(p + 4) (s/cp) b V_t`` (``V_t = ceil(V/t)``), are transient buffers on top (not
     saved tensors: an estimate of the loss's peak, not a measured figure).
+
+    MoE blocks (chapter 09; pp = 1, ZeRO 0-2, no cp or sequence parallelism, ``dims.ep`` the expert-parallel
+    degree): the rank's experts' state over the expert-data-parallel group, each MoE block's saved tensors
+    for ``expert_loads`` (one :class:`~refimpl.planner.experts.ExpertLoad` per MoE block, measured counts;
+    default uniform routing) and no autocast copy of the fp32 routers (:mod:`refimpl.planner.experts`).
     """
-    check_dense(config, "run_memory_per_rank")
+    check_moe_plan(config, what="run_memory_per_rank", pp=pipeline_parallel_degree(dims),
+                   cp=context_parallel_degree(dims), zero_stage=zero_stage,
+                   sequence_parallel=sequence_parallel, precision=precision)
     if precision not in _DTYPE_BYTES:
         raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(_DTYPE_BYTES)}")
     shards, tp, cp = zero_shard_degree(dims), tensor_parallel_degree(dims), context_parallel_degree(dims)
@@ -172,6 +193,10 @@ def run_memory_per_rank(
     if pp > 1 and precision == "fp8":
         raise ValueError("run_memory_per_rank models --precision fp8 at pp = 1 only (the pipeline stages' "
                          "fp8 saved inputs are not modelled)")
+    if zero_stage == 3 and precision == "fp8":
+        raise ValueError("run_memory_per_rank models --precision fp8 with ZeRO 0-2 only (ZeRO-3's fp8 "
+                         "all-gather holds the fp8 weights gathered at one byte and no bf16 copy of them: "
+                         "not counted yet)")
     if pp > 1:
         ranks = pipeline_memory_per_rank(config, pp=pp, num_microbatches=num_microbatches or pp,
                                          schedule=pp_schedule, virtual_stages=virtual_stages,
@@ -184,7 +209,7 @@ def run_memory_per_rank(
     p = _DTYPE_BYTES[precision]
     compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                "fp8": torch.bfloat16}[precision]
-    b, v = micro_batch, config.vocab_size
+    b, v, ep = micro_batch, config.vocab_size, expert_parallel_degree(dims)
     zero = state_memory_per_rank(config, dims, zero_stage=zero_stage)
     state = {"weights": zero.weights, "grads": zero.grads, "AdamW state": zero.optimizer}
     if zero_stage == 3:  # FSDP's units: each block, and the root (embedding, final LayerNorm, output layer)
@@ -194,15 +219,21 @@ def run_memory_per_rank(
         state["ZeRO-3 gathered units"] = zero3_peak_gathered_bytes([root, *blocks], shards).weights
     if p != 4:  # fp8: no bf16 copy of an fp8 layer's weight, a transient 1-byte cast (refimpl/planner/fp8.py)
         fp8 = fp8_weights(config, tp=tp) if precision == "fp8" else ()
-        bf16_weights = matmul_weights_per_rank(config, tp=tp) - sum(q.numel for q in fp8)
+        bf16_weights = autocast_weight_elements(config, tp=tp, ep=ep) - sum(q.numel for q in fp8)
         state["autocast weight copies"] = p * bf16_weights
         if fp8:
             state["fp8 weight cast (transient, largest layer)"] = max(q.numel for q in fp8)
     chosen = set(checkpointed_blocks)
     kw = {"micro_batch": b, "seq_len": seq_len, "compute_dtype": compute, "tp": tp,
           "sequence_parallel": sequence_parallel, "cp": cp, "cp_method": cp_method, "cp_layout": cp_layout}
-    saved = activation_bytes(config, checkpointed_blocks=chosen, **kw)
-    full = activation_bytes(config, **kw)
+    if config.num_experts:  # MoE blocks: their saved tensors for the routed rows (refimpl/planner/experts.py)
+        moe = {"micro_batch": b, "seq_len": seq_len, "compute_dtype": compute, "tp": tp, "ep": ep,
+               "loads": expert_loads}
+        saved = moe_activation_bytes(config, checkpointed_blocks=chosen, **moe)
+        full = moe_activation_bytes(config, **moe)
+    else:
+        saved = activation_bytes(config, checkpointed_blocks=chosen, **kw)
+        full = activation_bytes(config, **kw)
     if precision == "fp8":  # fp8 layers save their fp32 LayerNorm-fed inputs (refimpl/planner/fp8.py)
         extra = fp8_extra_saved_bytes(config, micro_batch=b, tokens=seq_len // cp, tp=tp)
         saved = [n + (0 if i in chosen else e) for i, (n, e) in enumerate(zip(saved, extra, strict=True))]
@@ -223,8 +254,8 @@ def run_memory_of(config: ModelConfig, parallel: ParallelConfig, *, world_size: 
     ``parallel.dp`` is None; the checkpointed blocks are ``parallel.checkpointed_blocks``; under pipeline
     parallelism ``num_microbatches`` (default ``parallel.microbatches``, else ``pp``) micro-batches of
     ``micro_batch`` sequences per step."""
-    check_supported(dataclasses.replace(parallel, dp=None))  # what the trainer refuses is not planned
-    check_dense(config, "run_memory_of", ep=parallel.ep)
+    # what the trainer refuses is not planned
+    check_supported(dataclasses.replace(parallel, dp=None), moe=bool(config.num_experts))
     dims = ParallelDims.from_world(world_size, **parallel.degrees)
     pipeline = {} if dims.pp == 1 else {
         "pp_schedule": parallel.pp_schedule, "virtual_stages": parallel.virtual_stages,

@@ -185,9 +185,12 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
     """Refuse, before any process starts, a run whose planned bytes per rank exceed the machine's:
     :func:`refimpl.planner.run_memory_of` the run's ``options.parallel`` (model state by ZeRO stage and
     precision + one micro-batch's activations) against :func:`machine_memory_per_rank`. ``force``: warn
-    and go on. Returns the estimate (None for an MoE model, which the planner does not model: not
-    checked, said on stderr; nor for fp8 under pipeline parallelism)."""
+    and go on. Returns the estimate (None where the planner does not model the run: fp8 under pipeline
+    parallelism or ZeRO-3, an MoE model with fp8 or a layout
+    :func:`refimpl.planner.experts.unmodelled_moe` names; not checked, said on stderr). An MoE model is
+    planned at pp = 1 for uniform routing (chapter 09)."""
     from refimpl.planner import run_memory_of
+    from refimpl.planner.experts import unmodelled_moe
 
     dims = options.parallel_dims(world_size)
     check_tensor_parallel(config, dims.tp, sequence_parallel=options.sequence_parallel)
@@ -196,8 +199,12 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
     check_experts(config, options)
     accumulation = forwards_per_step(config, options, dims.dp)  # a bad split: refused here
     micro = config.data.per_rank_batch(dims.dp) // accumulation
-    unplanned = ("MoE blocks" if config.model.num_experts else  # refused by refimpl/planner/memory.py
-                 "fp8 under pipeline parallelism" if options.precision == "fp8" and dims.pp > 1 else None)
+    moe = unmodelled_moe(config.model, pp=dims.pp, cp=dims.cp, zero_stage=options.zero_stage,
+                         sequence_parallel=options.sequence_parallel, precision=options.precision)
+    fp8 = options.precision == "fp8"
+    unplanned = (f"MoE blocks with {', '.join(moe)}" if moe else  # refimpl/planner/experts.py
+                 "fp8 under pipeline parallelism" if fp8 and dims.pp > 1 else
+                 "fp8 under ZeRO-3" if fp8 and options.zero_stage == 3 else None)
     if unplanned:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"note: no memory preflight for {unplanned} (the planner does not model them yet)",

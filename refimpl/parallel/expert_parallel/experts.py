@@ -131,7 +131,9 @@ class GroupedExperts(nn.Module):
 
         def param(shape, fan_in):
             w = _uniform((num_experts, *shape), fan_in, generator)[local]
-            return nn.Parameter(w.to(device=device, dtype=dtype or torch.get_default_dtype()).contiguous())
+            w = w.to(device=device, dtype=dtype or torch.get_default_dtype())
+            # a copy of the rows: the slice (a view) would keep all E experts' storage alive on every rank
+            return nn.Parameter(w.clone(memory_format=torch.contiguous_format))
 
         self.w1 = param((dim, hidden), dim)
         self.w3 = param((dim, hidden), dim) if activation == "swiglu" else None

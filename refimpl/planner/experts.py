@@ -1,0 +1,303 @@
+"""Mixture-of-experts blocks and expert parallelism in the planner: state per rank, saved activations and
+all-to-all bytes (chapter 09).
+
+Shazeer et al. 2017, GShard (Lepikhin et al. 2020), Switch (Fedus et al. 2021); the layout is torchtitan's
+dp2ep (Megatron-LM's MoE parallel folding): the ``N = dp x cp`` ranks are also ``edp x ep``, ``ep``
+innermost (:attr:`refimpl.distributed.mesh.ParallelDims.expert_grid`). Block ``i`` of an MoE config
+(:meth:`refimpl.config.ModelConfig.is_moe_layer`) has ``E`` experts and a top-``k`` router.
+
+**State per rank** (:func:`moe_state_memory_per_rank`): rank ``r`` of the ``dp x cp`` view is ep rank
+``r mod ep`` and edp rank ``r div ep``; it holds ``E/ep`` experts of each block (rows ``[q E/ep, (q+1)
+E/ep)`` of the ``[E, ...]`` tensors) and every dense tensor (its tp shard). ZeRO stage ``z`` (1-2) shards the
+dense tensors over the ``N`` ranks and the expert tensors over the ``edp = N/ep`` ranks that hold the same
+experts (:class:`refimpl.parallel.zero.ShardedOptimizer`'s shard groups), each along dim 0 by the runtime's
+:func:`~refimpl.distributed.placement.chunk_range`: :func:`~refimpl.planner.zero_state.zero_memory` of each
+part, summed. The experts are replicated over tp (:mod:`refimpl.parallel.expert_parallel_gpt`).
+
+**The load** (:class:`ExpertLoad`): in one forward this rank keeps ``A = sum_e a_e`` assignments
+(``a = Routing.kept_per_expert``: dropless ``A = k T`` for its ``T = b s`` tokens; with capacity each
+``a_e <= C = ceil(k T / E cf)``), ``A_self`` of them for its own experts, and its local experts compute
+``R = sum_j r_j`` rows, ``r_j`` summed over the ep group's ranks (``R = A`` at ep 1). Dropless routing
+makes them the router's choice: measured counts are an input, :meth:`ExpertLoad.uniform` the default
+(``k T / E`` per expert, capped at ``C``: ``A = min(k T, E C)``, ``A_self = A / ep``, ``R = A``).
+
+**Saved for backward** by one MoE MLP (:func:`moe_mlp_saved_terms`; fp32 router whatever the precision,
+``x`` the MoE input, the post-attention LayerNorm's fp32 output, ``f`` the expert width, ``L = E/ep``,
+``q`` the experts' bytes: 4 for the grouped experts in fp32 and under autocast, which does not cast
+``torch._grouped_mm`` (measured, torch 2.13 CPU), the compute dtype's for the per-expert loop)::
+
+    4 T h                  router input (x; the dense block's "MLP input")
+    + 4 T E                scores (softmax / sigmoid output)
+    + 8 T k + 4 T k + 4 T  top-k ids (int64); the gathered weights and their sum (renormalisation)
+    + 4 b E                the sequence-wise balance loss's f (when aux_loss_coeff > 0; sigmoid: + 4 T)
+    + 8 A + 8 T k          the permutation's token index; the sort's indices (int64; the kept A are a
+                           view of all T k)
+    + 16 R                 ep > 1: the rank-major -> expert-major order and its inverse (int64)
+    + c' q R h             the experts' input (c' = 2 for SwiGLU's loop under autocast: w1 and w3 each
+                           cast it; else 1)
+    + c q R f              the experts' intermediates: SwiGLU c = 4 (w1 x, silu, w3 x, their product),
+                           GELU c = 2 (w1 x, gelu)
+    + 4 L                  _grouped_mm's int32 offsets (when it runs: 16-byte fp32 strides)
+    + q A h                the expert outputs back home (the combine's index_copy source)
+    + T k + 4 T k          the keep mask (bool) and the kept weights (fp32)
+    + 4 T k h              the combine's fp32 unpermuted outputs, dropped assignments included
+
+(:class:`refimpl.measure.activations.SavedTensorMeter` measures these, to the byte, for the counts the
+forward produced; tests/test_planner_moe.py). The attention half of the block is the dense block's
+(:func:`~refimpl.planner.activations.activation_bytes_per_layer` without its MLP terms); under tp the MoE
+MLP sees every token, ``T = b s`` on every tp rank. Autocast keeps 16-bit copies of the linears' weights
+but not of the fp32 routers' (:func:`autocast_weight_elements`). At ep 1 dropless only ``A = R = k T``
+enters: uniform routing is exact there.
+
+**All-to-all bytes** (:func:`all_to_all_bytes`, as :class:`refimpl.comm.CommTracer` books them on the ep
+group, :func:`refimpl.comm.ops.all_to_all_single`): per block and forward the count exchange (no split
+sizes: the ring model, ``(ep - 1)/ep 8 E``), the dispatch ``(A - A_self) 4 h`` (fp32 rows) and the return
+``(R - A_self) q h``; backward sends the same rows back the other way (``A_self`` rows stay home both
+ways). Activation checkpointing repeats the forward's three in backward. Uniform routing gives
+``2 (ep - 1)/ep k T (4 + q) h + (ep - 1)/ep 8 E`` per block and forward+backward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from refimpl.config import ConfigError, ModelConfig
+from refimpl.measure.state import StateMemory
+from refimpl.planner.activations import activation_bytes_per_layer
+from refimpl.planner.layout import Layout, tensor_parallel_degree, zero_shard_degree
+from refimpl.planner.param_table import param_table
+from refimpl.planner.zero_state import zero_memory
+
+__all__ = ["DENSE_MLP_TERMS", "ExpertLoad", "all_to_all_bytes", "autocast_weight_elements", "check_moe_plan",
+           "expert_parallel_degree", "is_expert_tensor", "moe_activation_bytes", "moe_mlp_saved_terms",
+           "moe_state_memory_per_rank", "unmodelled_moe"]
+
+EXPERT_TENSORS = ".mlp.moe.experts."
+"""What the name of a grouped expert tensor holds (:meth:`refimpl.moe.MoEMLP.expert_parallel_parameters`)."""
+
+ROUTER = ".mlp.moe.router."
+"""What the name of an MoE block's router weight holds."""
+
+DENSE_MLP_TERMS = ("MLP input", "GELU input", "GELU output = second linear input")
+"""The dense block's MLP terms (:func:`~refimpl.planner.activations.activation_bytes_per_layer`), which an
+MoE block replaces by :func:`moe_mlp_saved_terms`."""
+
+
+def is_expert_tensor(name: str) -> bool:
+    """Whether parameter ``name`` (of the plain GPT) is a grouped expert tensor, split over ``ep``."""
+    return EXPERT_TENSORS in name
+
+
+def expert_parallel_degree(dims: Layout) -> int:
+    """``dims.ep`` (1 when the layout has none), checked to divide ``dp x cp``."""
+    ep = getattr(dims, "ep", 1)
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or zero_shard_degree(dims) % ep:
+        raise ValueError(f"ep must be a positive integer that divides dp x cp, got ep={ep!r} in {dims!r}")
+    return ep
+
+
+def moe_state_memory_per_rank(config: ModelConfig, dims: Layout, *, zero_stage: int = 0,
+                              dp_rank: int = 0) -> StateMemory:
+    """Weights, gradients and AdamW state of rank ``dp_rank`` of the ``dp x cp`` group (module docstring):
+    the dense tensors (tp shards) by ZeRO ``zero_stage`` over ``dp x cp``, the ``E/ep`` local experts' rows
+    over the expert-data-parallel group (``dp x cp / ep``). ZeRO-3 is refused (the support table refuses
+    it with MoE blocks)."""
+    if zero_stage == 3:
+        raise ConfigError("the planner models MoE blocks at ZeRO 0-2 (ZeRO-3 with MoE blocks is refused: "
+                          "refimpl/support.py)")
+    n, ep = zero_shard_degree(dims), expert_parallel_degree(dims)
+    if config.num_experts % ep:
+        raise ValueError(f"{config.num_experts} experts do not split over ep={ep}")
+    table = param_table(config, tp=tensor_parallel_degree(dims))
+    dense = [p.shape for p in table.params if not is_expert_tensor(p.name)]
+    experts = [(p.shape[0] // ep, *p.shape[1:]) for p in table.params if is_expert_tensor(p.name)]
+    a = zero_memory(dense, n, zero_stage, rank=dp_rank)
+    b = zero_memory(experts, n // ep, zero_stage, rank=dp_rank // ep)
+    return StateMemory(weights=a.weights + b.weights, grads=a.grads + b.grads,
+                       optimizer=a.optimizer + b.optimizer)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertLoad:
+    """One MoE block's rows on one rank in one forward (module docstring): ``kept[e]`` this rank's kept
+    assignments per expert (``[E]``, :attr:`refimpl.parallel.expert_parallel.Routing.kept_per_expert`),
+    ``received[j]`` the rows its local expert ``j`` computes, from every rank of the ep group (``[E/ep]``),
+    ``ep_rank`` its rank there."""
+
+    kept: tuple[int, ...]
+    received: tuple[int, ...]
+    ep_rank: int = 0
+
+    @property
+    def ep(self) -> int:
+        return len(self.kept) // len(self.received)
+
+    @property
+    def sent(self) -> int:
+        """``A``: the rows this rank dispatches (its kept assignments)."""
+        return sum(self.kept)
+
+    @property
+    def to_self(self) -> int:
+        """``A_self``: those for its own experts (they do not leave the rank)."""
+        first = self.ep_rank * len(self.received)
+        return sum(self.kept[first:first + len(self.received)])
+
+    @property
+    def computed(self) -> int:
+        """``R``: the rows its local experts compute."""
+        return sum(self.received)
+
+    @classmethod
+    def from_counts(cls, kept_by_rank: Sequence[Sequence[int]], ep_rank: int) -> ExpertLoad:
+        """The load of rank ``ep_rank`` from every ep rank's kept counts ``kept_by_rank[q][e]`` (measured)."""
+        ep, e = len(kept_by_rank), len(kept_by_rank[0])
+        local = e // ep
+        first = ep_rank * local
+        received = tuple(sum(int(k[first + j]) for k in kept_by_rank) for j in range(local))
+        return cls(kept=tuple(int(c) for c in kept_by_rank[ep_rank]), received=received, ep_rank=ep_rank)
+
+    @classmethod
+    def uniform(cls, config: ModelConfig, tokens: int, *, ep: int = 1, ep_rank: int = 0) -> ExpertLoad:
+        """Every rank routes its ``tokens`` alike, ``k T / E`` per expert (the remainder to the first
+        experts), each capped at the capacity ``C = ceil(k T / E cf)`` (``config.capacity_factor``)."""
+        e, k = config.num_experts, config.top_k
+        if e % ep:
+            raise ValueError(f"{e} experts do not split over ep={ep}")
+        q, rest = divmod(k * tokens, e)
+        kept = [q + (i < rest) for i in range(e)]
+        if config.capacity_factor is not None:
+            cap = math.ceil(k * tokens / e * config.capacity_factor)  # the router's expert_capacity
+            kept = [min(c, cap) for c in kept]
+        return cls.from_counts([kept] * ep, ep_rank)
+
+
+def _bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _expert_dtype(config: ModelConfig, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the experts compute, save and return in (the planner's precisions: fp32, or bf16/fp16
+    autocast over fp32 weights): autocast does not cast ``torch._grouped_mm`` (measured, torch 2.13 CPU), so
+    the grouped experts run in their fp32 weights' dtype; the per-expert loop's matmuls are cast."""
+    return torch.float32 if _uses_grouped_mm(config) else compute_dtype
+
+
+def _uses_grouped_mm(config: ModelConfig) -> bool:
+    """:meth:`refimpl.parallel.expert_parallel.GroupedExperts.uses_grouped_mm` for the layer's fp32 input
+    (the LayerNorm's output, fp32 under autocast too): 16-byte strides."""
+    return (config.hidden_size * 4) % 16 == 0 and (config.expert_hidden_size * 4) % 16 == 0
+
+
+def moe_mlp_saved_terms(config: ModelConfig, load: ExpertLoad, *, micro_batch: int, seq_len: int,
+                        compute_dtype: torch.dtype = torch.float32) -> dict[str, int]:
+    """What one MoE MLP saves for backward on one rank (the module docstring's terms), for ``micro_batch``
+    sequences of ``seq_len`` tokens and the rows of ``load``."""
+    b, h, e, k = micro_batch, config.hidden_size, config.num_experts, config.top_k
+    t, f = b * seq_len, config.expert_hidden_size
+    a, r, local = load.sent, load.computed, len(load.received)
+    if len(load.kept) != e:
+        raise ValueError(f"the load counts {len(load.kept)} experts, the block has {e}")
+    expert = _expert_dtype(config, compute_dtype)
+    q = _bytes(expert)
+    swiglu = config.moe_activation == "swiglu"
+    terms = {
+        "router input (fp32)": 4 * t * h,
+        "router scores (fp32)": 4 * t * e,
+        "top-k ids (int64), weights and their sum (fp32)": 8 * t * k + 4 * t * k + 4 * t,
+    }
+    if config.aux_loss_coeff:
+        terms["balance loss f (fp32)"] = 4 * b * e + (4 * t if config.score_func == "sigmoid" else 0)
+    terms |= {"token index (int64)": 8 * a, "sorted order (int64: the sort's T k indices)": 8 * t * k}
+    if load.ep > 1:
+        terms |= {"expert-major order and its inverse (int64)": 16 * r}
+    casts = 2 if swiglu and q != 4 else 1  # autocast casts the fp32 input for w1 and for w3 alike
+    terms |= {
+        "expert input": casts * q * r * h,
+        "expert intermediates": (4 if swiglu else 2) * q * r * f,
+    }
+    if _uses_grouped_mm(config):
+        terms |= {"grouped_mm offsets (int32)": 4 * local}
+    terms |= {
+        "expert outputs back home (the combine's index_copy source)": q * a * h,
+        "keep mask (bool), kept weights (fp32)": t * k + 4 * t * k,
+        "unpermuted expert outputs (fp32)": 4 * t * k * h,
+    }
+    return terms
+
+
+def moe_activation_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int,
+                         compute_dtype: torch.dtype = torch.float32, tp: int = 1, ep: int = 1,
+                         checkpointed_blocks: set[int] | list[int] | tuple[int, ...] = (),
+                         loads: Sequence[ExpertLoad] | None = None) -> list[int]:
+    """Saved bytes of every block on one rank (as :func:`~refimpl.planner.activations.activation_bytes`),
+    the MoE blocks by :func:`moe_mlp_saved_terms` in place of their dense MLP terms: ``loads`` one
+    :class:`ExpertLoad` per MoE block in order (measured), default :meth:`ExpertLoad.uniform` at ``ep``."""
+    moe = config.moe_layers
+    if loads is None:
+        loads = [ExpertLoad.uniform(config, micro_batch * seq_len, ep=ep)] * len(moe)
+    if len(loads) != len(moe):
+        raise ValueError(f"{len(loads)} expert loads for {len(moe)} MoE blocks")
+    by_block = dict(zip(moe, loads, strict=True))
+    chosen = set(checkpointed_blocks)
+    kw = {"micro_batch": micro_batch, "seq_len": seq_len, "compute_dtype": compute_dtype, "tp": tp}
+    out = []
+    for i in range(config.num_layers):
+        terms = activation_bytes_per_layer(config, checkpointed=i in chosen, **kw).terms
+        if i in by_block and i not in chosen:
+            terms = {n: v for n, v in terms.items() if n not in DENSE_MLP_TERMS}
+            terms |= moe_mlp_saved_terms(config, by_block[i], micro_batch=micro_batch, seq_len=seq_len,
+                                         compute_dtype=compute_dtype)
+        out.append(sum(terms.values()))
+    return out
+
+
+def all_to_all_bytes(config: ModelConfig, load: ExpertLoad, *, compute_dtype: torch.dtype = torch.float32,
+                     recomputed: bool = False) -> dict[str, float]:
+    """Bytes one rank sends on the ep group for one MoE block's forward and backward, by term (module
+    docstring; ``recomputed``: activation checkpointing runs the forward's collectives again)."""
+    ep, h, e = load.ep, config.hidden_size, config.num_experts
+    if ep == 1:
+        return {}
+    q = _bytes(_expert_dtype(config, compute_dtype))
+    dispatch, back = (load.sent - load.to_self) * 4 * h, (load.computed - load.to_self) * q * h
+    forwards = 2 if recomputed else 1
+    return {"count exchange (ring model)": forwards * (ep - 1) / ep * 8 * e,
+            "dispatch (forward) and its gradient": (forwards + 1) * dispatch,
+            "return (forward) and its gradient": (forwards + 1) * back}
+
+
+def unmodelled_moe(config: ModelConfig, *, pp: int = 1, cp: int = 1, zero_stage: int = 0,
+                   sequence_parallel: bool = False, precision: str = "fp32") -> list[str]:
+    """What of an MoE layout the planner does not model (empty for a dense model): pipeline or context
+    parallelism, sequence parallelism, ZeRO-3 (the support table refuses them with MoE blocks:
+    refimpl/support.py) and fp8 (its converted layers' terms, :mod:`refimpl.planner.fp8`, are not counted
+    for an MoE model)."""
+    if not config.num_experts:
+        return []
+    return [name for name, on in (("pp > 1", pp > 1), ("cp > 1", cp > 1), ("ZeRO-3", zero_stage == 3),
+                                  ("sequence parallelism", sequence_parallel), ("fp8", precision == "fp8"))
+            if on]
+
+
+def check_moe_plan(config: ModelConfig, *, what: str, **layout) -> None:
+    """Refuse, in one line, what :func:`unmodelled_moe` names (``layout``: its keyword arguments)."""
+    unmodelled = unmodelled_moe(config, **layout)
+    if unmodelled:
+        raise ConfigError(f"{what}: the planner models MoE blocks at pp = 1 without cp, sequence "
+                          f"parallelism, ZeRO-3 or fp8; not {', '.join(unmodelled)}")
+
+
+def autocast_weight_elements(config: ModelConfig, *, tp: int = 1, ep: int = 1) -> int:
+    """Elements of the weights autocast keeps a 16-bit copy of on one rank: the linear layers'
+    (:func:`~refimpl.planner.params_flops.matmul_weights_per_rank`) but the MoE routers', which compute in
+    fp32 with autocast off (:class:`refimpl.parallel.expert_parallel.TopKRouter`); the rank's experts only
+    where their per-expert loop runs (autocast does not cast ``torch._grouped_mm``)."""
+    table = param_table(config, tp=tp)
+    cast_experts = not _uses_grouped_mm(config)
+    return sum(p.numel // (ep if is_expert_tensor(p.name) else 1) for p in table.params
+               if (p.matmul and ROUTER not in p.name) or (cast_experts and is_expert_tensor(p.name)))
