@@ -73,12 +73,26 @@ SUPPORT_TABLE: tuple[Unsupported, ...] = (
         reason="it chooses the scales of the fp8 linears: it needs --precision fp8",
         applies=lambda c: c.fp8_scaling != "tensorwise" and c.precision != "fp8"),
     Unsupported(
-        name="fp8-zero3", when="--precision fp8 with ZeRO-3",
-        reason="ZeRO-3 gathers each unit as one packed 16-bit buffer (FSDP2's mixed precision) and hands the "
-               "fp8 linears bf16 weights, which they would round a second time to fp8; the fp8 all-gather "
-               "(refimpl.precision.fp8.all_gather_float8, torchao's enable_fsdp_float8_all_gather) is built "
-               "and tested on its own but not wired into ZeRO-3's units; use ZeRO 0-2 with fp8",
-        applies=lambda c: c.precision == "fp8" and c.zero_stage == 3),
+        name="fp8-zero3-rowwise", when="--fp8-scaling rowwise with ZeRO-3",
+        reason="ZeRO-3 gathers the fp8 linears' weights in fp8 with one scale per tensor (torchao's fp8 "
+               "all-gather is tensorwise only too); a rowwise layer casts its weight per row for the output "
+               "GEMM and per column for the input gradient, two copies no one gathered copy serves, and "
+               "gathering bf16 instead would round its weights twice (bf16, then fp8) where ZeRO 0-2 round "
+               "once; use --fp8-scaling tensorwise with ZeRO-3, or ZeRO 0-2 with rowwise",
+        applies=lambda c: c.precision == "fp8" and c.zero_stage == 3 and c.fp8_scaling == "rowwise"),
+    Unsupported(
+        name="fp8-zero3-tp", when="--precision fp8 with ZeRO-3 and tp > 1",
+        reason="ZeRO-3 would shard the tensor-parallel blocks again over dp: their fp8 all-gather would need "
+               "the amax agreed over dp and tp and the seam's fp8 matmul to take the gathered weight, not "
+               "built (gathering bf16 would round the weights twice); use ZeRO 0-2 with --tp, or ZeRO-3 "
+               "with tp = 1",
+        applies=lambda c: c.precision == "fp8" and c.zero_stage == 3 and c.tp > 1),
+    Unsupported(
+        name="fp8-zero3-pp", when="--precision fp8 with ZeRO-3 and pp > 1",
+        reason="each pipeline stage is sharded by its own wrapper, whose fp8 all-gather is not wired "
+               "(gathering bf16 would round the fp8 weights twice); use ZeRO 0-2 with --pp, or ZeRO-3 with "
+               "pp = 1",
+        applies=lambda c: c.precision == "fp8" and c.zero_stage == 3 and c.pp > 1),
     Unsupported(
         name="fp8-sp", when="--precision fp8 with sequence parallelism",
         reason="the seam's sequence-parallel path (all-gather in front, reduce-scatter behind) computes the "

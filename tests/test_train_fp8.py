@@ -1,5 +1,6 @@
 """The trainer with ``--precision fp8`` (chapter 10; issue 26, item 4): bf16 autocast with the linears' three
-GEMMs in fp8 (refimpl.precision.fp8.apply_float8_training), composed with dp, ZeRO-2, tp and pp.
+GEMMs in fp8 (refimpl.precision.fp8.apply_float8_training), composed with dp, ZeRO-2, tp and pp (ZeRO-3:
+tests/test_fp8_zero3.py).
 
 One spawn of 2 ranks runs each layout through :func:`refimpl.train.train` and, first, the tensor-parallel
 layer check below; the one-device references run in this process (one thread, as each rank).
@@ -28,9 +29,11 @@ layer check below; the one-device references run in this process (one thread, as
   layer left unconverted. (Rowwise shards cast with their own amax are no control: its scales are powers of
   two, and a power of two more or less moves no mantissa bit of an e4m3 value, only the few values near the
   subnormals: measured 0.8-1.9 x the tolerance.)
-* **Refusals**: ZeRO-3, sequence parallelism, zbh1 and ``--fp8-scaling`` without fp8, one line each from
-  refimpl/support.py and exit status 2. **Planner**: fp8's saved activations and bf16 weight copies to the
-  byte against :class:`SavedTensorMeter`, its fp8 weights the trainer's; ``predict_run`` refuses fp8.
+* **Refusals**: ZeRO-3 with rowwise scaling, tp or pp (ZeRO-3 with fp8 itself, its weights all-gathered
+  in fp8, is tests/test_fp8_zero3.py's), sequence parallelism, zbh1 and ``--fp8-scaling`` without fp8, one
+  line each from refimpl/support.py and exit status 2. **Planner**: fp8's saved activations and bf16
+  weight copies to the byte against :class:`SavedTensorMeter`, its fp8 weights the trainer's;
+  ``predict_run`` refuses fp8.
 """
 
 from __future__ import annotations
@@ -246,7 +249,10 @@ def test_tp2_and_pp2_train_like_one_device(runs, one_device, name):
     assert all(out[name][-1] < out[name][0] - 0.5 for out in runs), name  # it trains
 
 
-REFUSED = {"fp8-zero3": ["--zero-stage", "3", *FP8], "fp8-sp": [*FP8, "--tp", "2", "--sequence-parallel"],
+REFUSED = {"fp8-zero3-rowwise": ["--zero-stage", "3", *ROWWISE],
+           "fp8-zero3-tp": [*FP8, "--zero-stage", "3", "--tp", "2"],
+           "fp8-zero3-pp": [*FP8, "--zero-stage", "3", "--pp", "2"],
+           "fp8-sp": [*FP8, "--tp", "2", "--sequence-parallel"],
            "fp8-zbh1": [*FP8, "--pp", "2", "--pp-schedule", "zbh1"],
            "fp8-scaling-without-fp8": ["--fp8-scaling", "rowwise"]}
 
@@ -261,10 +267,10 @@ def test_refusals_say_one_line_and_exit_2(name, capsys):
 
 
 def test_the_refusal_is_the_commands_exit_status(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "refimpl.train", *TINY, *REFUSED["fp8-zero3"],
+    done = subprocess.run([sys.executable, "-m", "refimpl.train", *TINY, *REFUSED["fp8-zero3-rowwise"],
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, (done.returncode, done.stderr)
-    assert done.stderr.startswith("error: --precision fp8 with ZeRO-3: ")
+    assert done.stderr.startswith("error: --fp8-scaling rowwise with ZeRO-3: ")
 
 
 CONFIG = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, max_seq_len=16)

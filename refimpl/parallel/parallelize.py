@@ -20,7 +20,9 @@ is built tensor- and pipeline-parallel first, then wrapped in its ``DistributedD
    ones with scales agreed over ``tp`` (one device's scales). After 1 and 1b, so that it sees the final
    layers (a column-parallel block, not the full linear it replaced), but with the first and last linear
    named on the plain model, before 1 replaced them; before 3 and 4, which wrap or move whole blocks.
-   ZeRO-3, sequence parallelism and zbh1 do not compose with it yet (refimpl/support.py says why).
+   Under ZeRO-3 (step 6) those layers' weights are all-gathered in fp8
+   (:mod:`refimpl.parallel.zero.fsdp_float8`). Rowwise scaling or tp > 1 or pp > 1 with ZeRO-3, sequence
+   parallelism and zbh1 do not compose with it yet (refimpl/support.py says why).
 2. **context parallel** over the ``cp`` group (chapter 07; ring attention, Liu et al. 2023; Ulysses, Jacobs
    et al. 2023). It swaps the attention inside each block and shards the sequence: like 1, a change inside
    the blocks, so it comes before the steps that wrap whole blocks.
@@ -228,6 +230,10 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
                                         replicate_group=done.replicate_group, prefetch=config.prefetch,
                                         reshard_after_forward=config.reshard_after_forward,
                                         mp_policy=mp.policy if fsdp_mp else None)
+        if fp8:  # the fp8 linears' weights gathered in fp8 (torchao's enable_fsdp_float8_all_gather)
+            from refimpl.parallel.zero.fsdp_float8 import enable_float8_all_gather
+
+            enable_float8_all_gather(fsdp)
         done.forward = done.state_module = fsdp
         applied.append("data parallel")
     done.placements = record_parallel_placements(done, replicas=replicas)

@@ -41,7 +41,9 @@ One concept per file, imports one way (sharding -> zero_communications, clip_gra
   :mod:`~refimpl.parallel.zero.sharded_optimizer` (stages 1 and 2);
 * :mod:`~refimpl.parallel.zero.unit_hooks` (the lesson) beside :mod:`~refimpl.parallel.zero.fsdp_unit`,
   :mod:`~refimpl.parallel.zero.fsdp_communications` (a unit's sharding, all-gather and reduce-scatter) and
-  :mod:`~refimpl.parallel.zero.fully_sharded_data_parallel` (stage 3: the schedule around them).
+  :mod:`~refimpl.parallel.zero.fully_sharded_data_parallel` (stage 3: the schedule around them);
+* :mod:`~refimpl.parallel.zero.fsdp_float8`: under ``--precision fp8`` the fp8 linears' weights all-gathered
+  in fp8, one agreed scale per tensor (:func:`enable_float8_all_gather`, chapter 10).
 
 Assumption, as for DDP without ``find_unused_parameters``: every rank uses the same parameters in a step
 (collectives are issued in the order gradients arrive, which must be the same everywhere).
@@ -50,6 +52,7 @@ Assumption, as for DDP without ``find_unused_parameters``: every rank uses the s
 from __future__ import annotations
 
 from refimpl.parallel.zero.clip_grad import clip_sharded_grad_norm_  # noqa: F401 - importable here, as before
+from refimpl.parallel.zero.fsdp_float8 import Float8Gather, enable_float8_all_gather
 from refimpl.parallel.zero.fsdp_unit import FSDPUnit  # noqa: F401 - importable here, as before
 from refimpl.parallel.zero.fully_sharded_data_parallel import FullyShardedDataParallel
 from refimpl.parallel.zero.sharded_optimizer import ShardedOptimizer, ShardGroup
@@ -71,12 +74,14 @@ from refimpl.parallel.zero.zero_communications import (  # noqa: F401 - importab
 )
 
 __all__ = [
+    "Float8Gather",
     "FullyShardedDataParallel",
     "ShardGroup",
     "ShardSpec",
     "ShardedOptimizer",
     "allreduce_gradients",
     "copy_out_all_gather",
+    "enable_float8_all_gather",
     "fp16_divide_factors",
     "install_unit_hooks",
     "pack_for_all_gather",

@@ -12,7 +12,9 @@ a whole unit, its tensors packed side by side (:mod:`refimpl.parallel.zero.shard
 * **all-gather** (:func:`start_all_gather`, then :func:`finish_all_gather`): ``W_i = concat_r W_i[r]``,
   each shard cast to ``param_dtype`` *before* the collective (half the bytes in bf16/fp16), written into
   the unit's full tensors, whose storage is allocated only while the unit is gathered
-  (:func:`free_full_params` gives it back). Started asynchronously, so a prefetch overlaps compute;
+  (:func:`free_full_params` gives it back). Started asynchronously, so a prefetch overlaps compute.
+  Under ``--precision fp8`` the fp8 linears' weights are cast to e4m3 before it instead, the unit's
+  parameters gathered as bytes (:mod:`refimpl.parallel.zero.fsdp_float8`, chapter 10);
 * **reduce-scatter** (:func:`reduce_scatter_grads`): the full gradients ``g`` (in ``param_dtype``) are cast
   to ``reduce_dtype`` and each rank receives the mean of its rows, ``sum_r g_r[rank] / N`` (fp16:
   ``sum_r (g_r / pre) / post`` with ``pre * post = N``, :func:`fp16_divide_factors`), cast to fp32 and
@@ -32,6 +34,13 @@ import torch.distributed as dist
 from torch import nn
 
 from refimpl.comm import ops
+from refimpl.parallel.zero.fsdp_float8 import (
+    float8_gather_inputs,
+    float8_gather_outputs,
+    float8_unit,
+    release_float8,
+    use_float8,
+)
 from refimpl.parallel.zero.fsdp_unit import FSDPUnit, _alloc, _free, _ShardedParam
 from refimpl.parallel.zero.sharding import (
     ShardSpec,
@@ -111,8 +120,10 @@ def start_all_gather(unit: FSDPUnit, group: dist.ProcessGroup | None) -> None:
         return
     specs = [sp.spec for sp in unit.params]
     n = specs[0].world_size
-    # Cast before the all-gather (FSDP2 does the same): a bf16/fp16 all-gather moves half the bytes.
-    shards = [sp.sharded.detach().to(sp.unsharded.dtype) for sp in unit.params]
+    if float8_unit(unit):  # fp8 weights inside: every parameter as bytes, the fp8 ones cast to e4m3
+        shards, specs = float8_gather_inputs(unit, group)
+    else:  # cast before the all-gather (FSDP2 does the same): a bf16/fp16 all-gather moves half the bytes
+        shards = [sp.sharded.detach().to(sp.unsharded.dtype) for sp in unit.params]
     packed = pack_for_all_gather(shards, specs)  # [S]
     gathered = packed.new_empty(n * packed.numel())  # [N * S]
     work = None
@@ -136,6 +147,12 @@ def finish_all_gather(unit: FSDPUnit, group: dist.ProcessGroup | None) -> None:
     unit.pending = None
     if work is not None:
         work.wait()
+    if float8_unit(unit):  # the bytes into the full parameters and the fp8 weights, which the layers take
+        fulls, specs = float8_gather_outputs(unit)
+        copy_out_all_gather(gathered, specs, fulls)
+        use_float8(unit)
+        unit.gathered = True
+        return
     for sp in unit.params:
         _alloc(sp.unsharded)
     # Write through .data: the same storage autograd saved, without bumping the version counter.
@@ -150,6 +167,7 @@ def free_full_params(unit: FSDPUnit, group: dist.ProcessGroup | None) -> None:
         finish_all_gather(unit, group)
     for sp in unit.params:
         _free(sp.unsharded)
+    release_float8(unit)
     unit.gathered = False
 
 

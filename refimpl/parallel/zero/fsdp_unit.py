@@ -8,6 +8,7 @@ lesson (:mod:`refimpl.parallel.zero.unit_hooks`) and by :class:`FullyShardedData
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,6 +38,7 @@ class _ShardedParam:
     spec: ShardSpec
     sharded: nn.Parameter  # this rank's rows, [end - start, ...]: what the optimizer steps
     unsharded: nn.Parameter  # the full tensor; its storage is allocated only while the unit is gathered
+    float8: Any = None  # a weight gathered in fp8 instead (fsdp_float8.Float8Gather): its full fp8 tensor
 
 
 @dataclass(eq=False)
@@ -76,6 +78,11 @@ def _cast_floats(obj: object, dtype: torch.dtype) -> object:
     return obj
 
 
+def _full_tensors(sps: list[_ShardedParam]) -> list[torch.Tensor]:
+    """The full tensors of ``sps``: each full parameter, and the full fp8 weight of one gathered in fp8."""
+    return [sp.unsharded for sp in sps] + [sp.float8.tensor.data for sp in sps if sp.float8 is not None]
+
+
 def gathered_bytes(units: list[FSDPUnit]) -> StateMemory:
     """Bytes of *full* tensors a ZeRO-3 rank holds now: gathered parameters and all-gathers in flight
     (weights) and full gradients not yet reduce-scattered (grads); the shards are not counted.
@@ -83,7 +90,7 @@ def gathered_bytes(units: list[FSDPUnit]) -> StateMemory:
     sps = [sp for u in units for sp in u.params]
     in_flight = [u.pending[1] for u in units if u.pending is not None]
     seen: set = set()
-    weights = storage_bytes([sp.unsharded for sp in sps] + in_flight, exclude=seen)
+    weights = storage_bytes(_full_tensors(sps) + in_flight, exclude=seen)
     grads = storage_bytes([sp.unsharded.grad for sp in sps], exclude=seen)
     return StateMemory(weights=weights, grads=grads, optimizer=0)
 
@@ -94,7 +101,7 @@ def held_bytes(units: list[FSDPUnit], optimizer: torch.optim.Optimizer | None = 
     sps = [sp for u in units for sp in u.params]
     in_flight = [u.pending[1] for u in units if u.pending is not None]  # prefetched all-gathers
     return state_bytes([sp.sharded for sp in sps], optimizer,
-                       extra_params=[sp.unsharded for sp in sps] + in_flight,
+                       extra_params=_full_tensors(sps) + in_flight,
                        extra_grads=[sp.unsharded.grad for sp in sps])
 
 

@@ -16,7 +16,9 @@ is the amax), so nothing changes numerically (tests/test_fp8_communication.py ch
 refuses float8 dtypes in collectives (torch 2.13: "Invalid scalar type"), so the bytes travel as a
 **uint8 view** of the fp8 tensor and are viewed back after the gather; NCCL would take them either way.
 The shards follow ZeRO's cut (:func:`refimpl.distributed.placement.chunk_range`: ``ceil(rows / N)`` rows
-per rank, the last ones shorter or empty), padded to the chunk for the collective. Only tensorwise scaling
+per rank, the last ones shorter or empty), padded to the chunk for the collective. The trainer's ZeRO-3
+makes the same cast inside its units, all of a unit's parameters in one collective of bytes
+(:mod:`refimpl.parallel.zero.fsdp_float8`, ``--precision fp8 --zero-stage 3``). Only tensorwise scaling
 can do this: a rowwise weight scale (per row of ``W``, along ``K``) would work too, but torchao supports
 only tensorwise, and a per-column scale would need the whole tensor.
 
