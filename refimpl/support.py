@@ -94,17 +94,6 @@ SUPPORT_TABLE: tuple[Unsupported, ...] = (
                "pp = 1",
         applies=lambda c: c.precision == "fp8" and c.zero_stage == 3 and c.pp > 1),
     Unsupported(
-        name="fp8-sp", when="--precision fp8 with sequence parallelism",
-        reason="the seam's sequence-parallel path (all-gather in front, reduce-scatter behind) computes the "
-               "column layers' backward GEMMs itself in bf16, taking only the forward product from the "
-               "layer: those layers would be half fp8; use --tp without --sequence-parallel",
-        applies=lambda c: c.precision == "fp8" and c.sequence_parallel),
-    Unsupported(
-        name="fp8-zbh1", when="--precision fp8 with the zbh1 schedule",
-        reason="zbh1 defers each weight gradient to its W action, where the seam computes dW = g^T x as a "
-               "bf16 GEMM, not fp8; use 1f1b, gpipe or interleaved with fp8",
-        applies=lambda c: c.precision == "fp8" and c.pp > 1 and c.pp_schedule == "zbh1"),
-    Unsupported(
         name="pipeline-options-without-pp", when="micro-batches or virtual stages with pp = 1",
         reason="they set the pipeline: they need pp > 1",
         applies=lambda c: c.pp == 1 and (c.microbatches is not None or c.virtual_stages != 1)),

@@ -3,12 +3,15 @@ backward); with a deferred weight gradient the backward returns ``dX`` and ``db`
 and queues ``dW`` until the store's ``W``; with a sequence gather (here a fake group of two: the gather
 concatenates the rank's chunk with a fixed other chunk, the reduce-scatter keeps the rank's chunk of the
 sum) the forward is the linear of the gathered input and only the local input is saved; the pluggable
-matmul is the forward's product. Every model linear and the defer swap go through it."""
+matmul is the forward's product, and a matmul that brings its backward GEMMs (fp8's ``Float8Matmul``)
+computes all three, under a gather and a store too, bit for bit as its own autograd does. Every model
+linear and the defer swap go through it."""
 
 from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +20,7 @@ from refimpl.config import ModelConfig
 from refimpl.model import GPT
 from refimpl.nn.linear import Linear, SequenceGather, linear_with_grad
 from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, defer_weight_gradients
+from refimpl.precision.fp8 import Float8Config, Float8Linear, Float8Matmul, float8_linear
 
 
 def _inputs(seed: int = 0):
@@ -121,3 +125,81 @@ def test_the_model_linears_are_the_seam_and_defer_sets_the_store():
     with store.capture(1):
         plain(torch.randn(2, 4)).sum().backward()
     assert plain[0].weight.grad is None and store.flush(1) == 1 and plain[0].weight.grad is not None
+
+
+def _sum_bound(dy: torch.Tensor, rounding: float = 0.0) -> torch.Tensor:
+    """How far two orders of ``db = sum_tokens dy`` may differ in fp32: ``2 (n - 1) eps sum |dy|`` per
+    output (Higham's bound for any order), plus ``rounding`` of the result (when both sums are rounded
+    to bf16 after: half an ulp each, at most 2^-8 of the value, so 2^-7)."""
+    dy2 = dy.float().reshape(-1, dy.shape[-1])
+    eps = torch.finfo(torch.float32).eps
+    return 2 * (dy2.shape[0] - 1) * eps * dy2.abs().sum(0) + rounding * dy2.sum(0).abs()
+
+
+def _fp8_grads(y: torch.Tensor, dy: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    for t in tensors:
+        t.grad = None
+    y.backward(dy)
+    return [t.grad.clone() for t in tensors]
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_fp8s_split_matmul_keeps_all_three_gemms_fp8_under_a_gather_and_a_store(scaling):
+    """The seam's own backward with ``Float8Matmul`` gives float8_linear's gradients: ``dX`` and ``dW`` bit
+    for bit (the same casts, the same ``_scaled_mm`` calls), ``db`` within two fp32 orders of summation
+    (the seam sums ``[tokens, out]``, autograd ``[b, s, out]``: :func:`_sum_bound`). Negative control:
+    the fp8 product given as a plain callable (the seam then computes the backward GEMMs in high
+    precision) is not fp8's."""
+    config = Float8Config.recipe(scaling)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 8, 16, generator=g, requires_grad=True)
+    other = torch.randn(2, 8, 16, generator=g)
+    w = (torch.randn(32, 16, generator=g) * 0.2).requires_grad_()
+    b = torch.randn(32, generator=g, requires_grad=True)
+    dy = torch.randn(2, 16, 32, generator=g)
+    full = torch.cat([x.detach(), other], dim=1).requires_grad_()
+    ref_dx, ref_dw, ref_db = _fp8_grads(float8_linear(full, w, b, config=config), dy, full, w, b)
+    want_dx = 2 * ref_dx[:, :8]                  # the fake gather's adjoint: twice my chunk
+    split = Float8Matmul(config=config)
+    for deferred in (False, True):
+        store = WeightGradStore() if deferred else None
+        for t in (x, w, b):
+            t.grad = None
+        y = linear_with_grad(x, w, b, sequence_gather=_fake_gather(other, 0), weight_grad_store=store,
+                             matmul=split)
+        assert torch.equal(y, float8_linear(full, w, b, config=config).detach())
+        with store.capture(0) if deferred else contextlib.nullcontext():
+            y.backward(dy)
+        if deferred:
+            assert w.grad is None and store.flush(0) == 1
+        assert torch.equal(x.grad, want_dx) and torch.equal(w.grad, ref_dw), (scaling, deferred)
+        assert ((b.grad - ref_db).abs() <= _sum_bound(dy)).all()
+
+    def plain(x, w, b):  # the same product, without backward GEMMs of its own
+        return float8_linear(x, w, b, config=config)
+    dx, dw = _fp8_grads(linear_with_grad(x, w, b, sequence_gather=_fake_gather(other, 0), matmul=plain),
+                        dy, x, w)
+    assert not torch.equal(dx, want_dx) and not torch.equal(dw, ref_dw)
+
+
+def test_a_float8_linear_defers_its_weight_gradient_in_fp8():
+    """zbh1 with fp8: the deferred ``dW`` of a Float8Linear is the one its plain backward computes, bitwise,
+    under bf16 autocast too; the store holds it until ``W``."""
+    layer = Float8Linear.from_linear(nn.Linear(16, 32))
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1))
+    dy = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(2))
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = layer(x)
+        want = _fp8_grads(y, dy.to(y.dtype), layer.weight, layer.bias)
+        layer.weight_grad_store = store = WeightGradStore()
+        layer.weight.grad = layer.bias.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = layer(x)
+        with store.capture("w"):
+            y.backward(dy.to(y.dtype))
+        assert layer.weight.grad is None and store.flush("w") == 1
+        assert torch.equal(layer.weight.grad, want[0]), autocast
+        bound = _sum_bound(dy, rounding=2.0 ** -7 if autocast else 0.0)  # bf16: two roundings
+        assert ((layer.bias.grad - want[1]).abs() <= bound).all(), autocast
+        layer.weight_grad_store = None

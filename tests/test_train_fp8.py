@@ -11,7 +11,8 @@ layer check below; the one-device references run in this process (one thread, as
   of every rank equal that run's bitwise (ZeRO 0: the losses too). Negative controls: one device with the
   whole batch in one forward (other activation scales), and the same micro-batches with one more layer left
   in bf16, are not equal.
-* **tp 2 (tensorwise and rowwise) and pp 2 train like one device**, within ``FACTOR x`` the spread of one
+* **tp 2 (tensorwise and rowwise, and with sequence parallelism) and pp 2 (1F1B and zbh1) train like one
+  device**, within ``FACTOR x`` the spread of one
   device's two orders (tests/one_device.py's rule, fp8 as a precision of its own). Why that yardstick and
   not a tighter one: under bf16 autocast a row-parallel layer rounds its partial sum to bf16 before the
   all-reduce (as bf16 TP does, tests/test_train_tp.py), and each such rounding flips some fp8 casts of the
@@ -29,9 +30,12 @@ layer check below; the one-device references run in this process (one thread, as
   layer left unconverted. (Rowwise shards cast with their own amax are no control: its scales are powers of
   two, and a power of two more or less moves no mantissa bit of an e4m3 value, only the few values near the
   subnormals: measured 0.8-1.9 x the tolerance.)
+* **Sequence parallelism and zbh1 stay fp8 in all three GEMMs** (the seam's own backward takes them from
+  ``Float8Matmul``): each rank runs as many ``_scaled_mm`` calls (counted by a dispatch mode) as the same
+  layout without them; the seam's old bf16 backward GEMMs made 60 against 84 at tp 2 with SP.
 * **Refusals**: ZeRO-3 with rowwise scaling, tp or pp (ZeRO-3 with fp8 itself, its weights all-gathered
-  in fp8, is tests/test_fp8_zero3.py's), sequence parallelism, zbh1 and ``--fp8-scaling`` without fp8, one
-  line each from refimpl/support.py and exit status 2. **Planner**: fp8's saved activations and bf16
+  in fp8, is tests/test_fp8_zero3.py's) and ``--fp8-scaling`` without fp8, one line each from
+  refimpl/support.py and exit status 2. **Planner**: fp8's saved activations and bf16
   weight copies to the byte against :class:`SavedTensorMeter`, its fp8 weights the trainer's;
   ``predict_run`` refuses fp8.
 """
@@ -49,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from refimpl.config import ModelConfig, ParallelConfig
 from refimpl.distributed import DistributedContext, ParallelDims
@@ -81,7 +86,9 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-l
 FP8 = ["--precision", "fp8"]
 ROWWISE = [*FP8, "--fp8-scaling", "rowwise"]
 LAYOUTS = {"dp2": FP8, "dp2-zero2": [*FP8, "--zero-stage", "2"], "tp2": [*FP8, "--tp", "2"],
-           "tp2-rowwise": [*ROWWISE, "--tp", "2"], "pp2": [*FP8, "--pp", "2"]}
+           "tp2-rowwise": [*ROWWISE, "--tp", "2"], "pp2": [*FP8, "--pp", "2"],
+           "tp2-sp": [*FP8, "--tp", "2", "--sequence-parallel"],
+           "pp2-zbh1": [*FP8, "--pp", "2", "--pp-schedule", "zbh1"]}
 # one-device runs: label -> flags (the "micro" order: one sequence per micro-batch)
 ONE_DEVICE = {("fp8", "batch"): FP8, ("fp8", "micro"): [*FP8, "--micro-batch-size", "1"],
               ("fp8-rowwise", "batch"): ROWWISE,
@@ -160,13 +167,26 @@ def _layer_check(ctx) -> dict[str, float]:
                                                          ref["tensorwise"])}
 
 
+class _CountScaledMM(TorchDispatchMode):
+    """Counts ``aten._scaled_mm`` calls (the fp8 GEMMs), forward and backward, on this thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.ops.aten._scaled_mm.default
+        return func(*args, **(kwargs or {}))
+
+
 def _worker(ctx, files: dict) -> dict:
     out = {"layers": _layer_check(ctx)}
     for name, flags in LAYOUTS.items():
         args, grads = _args(files, Path(files["root"]) / name, *flags), {}
-        out[name] = [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args),
-                                               gradient_probe=first_step_gradients(grads))]
-        out[name, "grads"] = grads
+        with _CountScaledMM() as fp8_gemms:
+            out[name] = [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args),
+                                                   gradient_probe=first_step_gradients(grads))]
+        out[name, "grads"], out[name, "fp8 GEMMs"] = grads, fp8_gemms.calls
     return out
 
 
@@ -239,7 +259,7 @@ def test_dp2_is_one_devices_fp8_arithmetic_bit_for_bit(runs, one_device, name):
 
 @pytest.mark.numerics
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
-@pytest.mark.parametrize("name", ["tp2", "tp2-rowwise", "pp2"])
+@pytest.mark.parametrize("name", ["tp2", "tp2-rowwise", "pp2", "tp2-sp", "pp2-zbh1"])
 def test_tp2_and_pp2_train_like_one_device(runs, one_device, name):
     label = "fp8-rowwise" if "rowwise" in name else "fp8"
     assert_trains_like_one_device([out[name] for out in runs], one_device, label, factor=FACTOR, name=name)
@@ -249,11 +269,24 @@ def test_tp2_and_pp2_train_like_one_device(runs, one_device, name):
     assert all(out[name][-1] < out[name][0] - 0.5 for out in runs), name  # it trains
 
 
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+@pytest.mark.parametrize(("name", "plain"), [("tp2-sp", "tp2"), ("pp2-zbh1", "pp2")])
+def test_sequence_parallelism_and_zbh1_run_every_gemm_in_fp8(runs, name, plain):
+    """Sequence parallelism (the seam gathers the column layers' input and computes their backward GEMMs
+    with fp8's :class:`Float8Matmul`) and zbh1 (the seam defers fp8's ``dW`` to the W actions) run as many
+    fp8 GEMMs per rank as the same layout without them, three per converted layer and micro-batch (the
+    seam computing those backward GEMMs in bf16, as it did before, makes fewer: 60 against 84 at tp 2 with
+    SP); that they train like one device is :func:`test_tp2_and_pp2_train_like_one_device`."""
+    for rank, out in enumerate(runs):
+        assert out[name, "fp8 GEMMs"] == out[plain, "fp8 GEMMs"] > 0, (rank, out[name, "fp8 GEMMs"],
+                                                                      out[plain, "fp8 GEMMs"])
+        print(name, rank, out[name, "fp8 GEMMs"])
+
+
 REFUSED = {"fp8-zero3-rowwise": ["--zero-stage", "3", *ROWWISE],
            "fp8-zero3-tp": [*FP8, "--zero-stage", "3", "--tp", "2"],
            "fp8-zero3-pp": [*FP8, "--zero-stage", "3", "--pp", "2"],
-           "fp8-sp": [*FP8, "--tp", "2", "--sequence-parallel"],
-           "fp8-zbh1": [*FP8, "--pp", "2", "--pp-schedule", "zbh1"],
            "fp8-scaling-without-fp8": ["--fp8-scaling", "rowwise"]}
 
 

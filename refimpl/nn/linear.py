@@ -21,8 +21,15 @@ that owns the linear's backward, so the three places that need to change it chan
   action adds it to ``weight.grad`` later (with a sequence gather too, the queued ``dW`` keeps the gathered
   ``X`` until then: no collective runs in ``W``);
 * **a pluggable matmul** (``matmul(x, weight, bias) -> y``, ``F.linear`` by default): where a low-precision
-  kernel (fp8) would go. With neither a gather nor a store it is called as it is and autograd (or the
-  kernel's own autograd) differentiates it; with either, it is the forward product of this function.
+  kernel (fp8, chapter 10) goes. With neither a gather nor a store it is called as it is and autograd (or
+  the kernel's own autograd) differentiates it; with either, it is the forward product of this function,
+  and a matmul that also has ``input_grad(dY, W) -> dX`` and ``weight_grad(dY, X) -> (() -> dW)``
+  (:class:`SplitMatmul`: the fp8 GEMMs of :class:`refimpl.precision.fp8.Float8Matmul`) computes the two
+  backward products too, so a sequence-parallel or deferred layer stays the kernel's in all three GEMMs
+  (``weight_grad`` prepares its operands in ``B``, casts and their collectives included, and the returned
+  function multiplies, in ``W`` when deferred).
+  Such a matmul reads the tensors as they are (no autocast pre-cast: fp8 casts the fp32 master weight
+  once, not through bf16), so under autocast its sequence gather moves the input in its own dtype.
 
 With none of the three the seam is ``F.linear`` itself (autograd's own backward, bitwise the plain layer).
 Under autocast the forward matmul runs in the autocast dtype; backward computes in the dtype of the output
@@ -42,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Linear", "SequenceGather", "linear_with_grad"]
+__all__ = ["Linear", "SequenceGather", "SplitMatmul", "linear_with_grad"]
 
 Matmul = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
@@ -52,6 +59,30 @@ class WeightGradQueue(Protocol):
     ``dW`` to the weight's ``.grad`` and returns the weight."""
 
     def push(self, fn: Callable[[], torch.Tensor]) -> None: ...
+
+
+class SplitMatmul(Protocol):
+    """A pluggable matmul that owns its backward products too (module docstring): ``__call__`` is the
+    forward ``x W^T + b``; ``input_grad(dy [..., out], weight) -> dx [..., in]`` and
+    ``weight_grad(dy [tokens, out], x [tokens, in])``, which prepares its operands now and returns the
+    function computing ``dW [out, in]``; both results in ``dy``'s dtype."""
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+    def input_grad(self, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def weight_grad(self, dy: torch.Tensor, x: torch.Tensor) -> Callable[[], torch.Tensor]: ...
+
+
+def _splits(matmul: Matmul) -> bool:
+    """Whether ``matmul`` computes its backward products itself (:class:`SplitMatmul`)."""
+    return callable(getattr(matmul, "input_grad", None)) and callable(getattr(matmul, "weight_grad", None))
+
+
+def _weight_grad(matmul: Matmul, dy: torch.Tensor, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The function computing ``dW = dY^T X`` (``[tokens, out]^T @ [tokens, in] -> [out, in]``); by
+    ``matmul`` if it splits (its operands prepared now)."""
+    return matmul.weight_grad(dy, x) if _splits(matmul) else lambda: dy.t().matmul(x)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,10 +95,10 @@ class SequenceGather:
 
 
 @torch.no_grad()
-def _accumulate(weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Add ``dW`` to ``weight.grad`` (a deferred weight gradient); returns ``weight``, whose gradient
-    changed (its reduction, ZeRO-2's reduce-scatter, may follow: :class:`WeightGradQueue`)."""
-    grad = dy.t().mm(x).to(weight.dtype)  # dW = dY^T X: [out, tokens] @ [tokens, in] -> [out, in]
+def _accumulate(weight: torch.Tensor, weight_grad: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Add ``dW = weight_grad()`` to ``weight.grad`` (a deferred weight gradient); returns ``weight``, whose
+    gradient changed (its reduction, ZeRO-2's reduce-scatter, may follow: :class:`WeightGradQueue`)."""
+    grad = weight_grad().to(weight.dtype)  # dW = dY^T X: [out, in]
     if weight.grad is None:
         weight.grad = grad
     else:
@@ -81,27 +112,32 @@ class _LinearWithGrad(torch.autograd.Function):
         ctx.save_for_backward(x, weight)                              # x: [..., in] (SP: [b, s/t, in])
         full = x if gather is None else gather.all_gather(x)          # [..., in] (SP: [b, s, in])
         y = matmul(full, weight, bias)                                # autocast (if on) picks the dtype
-        ctx.gather, ctx.store, ctx.compute = gather, store, y.dtype
+        ctx.gather, ctx.store, ctx.compute, ctx.matmul = gather, store, y.dtype, matmul
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y                                                      # [..., out]
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
+        mm, split = ctx.matmul, _splits(ctx.matmul)
         dy = dy.to(ctx.compute)
         full = x.detach() if ctx.gather is None else ctx.gather.all_gather(x)  # gathered again (SP)
-        full = full.to(ctx.compute)
-        dx = dy.matmul(weight.to(ctx.compute))                        # [..., out] @ [out, in] -> [..., in]
+        if split:                                                     # the kernel's own dX (it casts)
+            dx = mm.input_grad(dy, weight)                            # [..., out] @ [out, in] -> [..., in]
+        else:
+            full = full.to(ctx.compute)
+            dx = dy.matmul(weight.to(ctx.compute))                    # [..., out] @ [out, in] -> [..., in]
         if ctx.gather is not None:
             dx = ctx.gather.reduce_scatter(dx)                        # a partial sum: my s/t of the sum
         dy2 = dy.reshape(-1, dy.shape[-1])                            # [tokens, out]
         x2 = full.reshape(-1, full.shape[-1])                         # [tokens, in]
         db = None if ctx.bias_dtype is None else dy2.sum(0).to(ctx.bias_dtype)  # [out]
+        weight_grad = _weight_grad(mm, dy2, x2)
         if ctx.store is not None:                                     # zero-bubble's W: dW later
-            ctx.store.push(lambda: _accumulate(weight, dy2, x2))
+            ctx.store.push(lambda: _accumulate(weight, weight_grad))
             dw = None
         else:
-            dw = dy2.t().matmul(x2).to(weight.dtype)                  # [out, in]
+            dw = weight_grad().to(weight.dtype)                       # [out, in]
         return dx.to(x.dtype), dw, db, None, None, None
 
 
@@ -119,7 +155,7 @@ def linear_with_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         if x.dim() < 2:
             raise ValueError("sequence-parallel linear: needs [batch, seq, ...] input, got shape "
                              f"{tuple(x.shape)}")
-        if weight_grad_store is None and torch.is_autocast_enabled(x.device.type):
+        if weight_grad_store is None and not _splits(mm) and torch.is_autocast_enabled(x.device.type):
             # the forward matmul in the autocast dtype, the gather too (the casts' own backward casts back)
             dtype = torch.get_autocast_dtype(x.device.type)
             weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)

@@ -136,7 +136,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:  # [b, s/t, in] all-gathered to [b, s, in]; only [b, s/t, in] is saved
             return linear_with_sequence_parallel_gather(x, self.weight, self.bias, self.tp_group,
-                                                        weight_grad_store=self.weight_grad_store)
+                                                        weight_grad_store=self.weight_grad_store,
+                                                        matmul=self.matmul)
         x = copy_to_tensor_parallel_region(x, self.tp_group)            # f: all-reduce in backward
         y = linear_with_grad(x, self.weight, self.bias,                 # [..., out/t]
                              weight_grad_store=self.weight_grad_store, matmul=self.matmul)

@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from refimpl.nn.linear import SequenceGather, WeightGradQueue, linear_with_grad
+from refimpl.nn.linear import Matmul, SequenceGather, WeightGradQueue, linear_with_grad
 from refimpl.parallel.tensor_parallel.tp_communications import (
     SEQUENCE_DIM,
     Group,
@@ -46,11 +46,13 @@ def sequence_gather(group: Group) -> SequenceGather:
 
 def linear_with_sequence_parallel_gather(x_local: torch.Tensor, weight: torch.Tensor,
                                          bias: torch.Tensor | None, group: Group, *,
-                                         weight_grad_store: WeightGradQueue | None = None) -> torch.Tensor:
+                                         weight_grad_store: WeightGradQueue | None = None,
+                                         matmul: Matmul | None = None) -> torch.Tensor:
     """``all_gather_seq(x_local) @ weight.T + bias`` saving only ``x_local`` (module docstring);
     ``[b, s/t, in] -> [b, s, out/t]``. A group of one is the plain linear. ``weight_grad_store``: ``dW``
-    queued there (zero-bubble's ``W``), not returned."""
+    queued there (zero-bubble's ``W``), not returned; ``matmul``: the seam's product (fp8's
+    :class:`~refimpl.precision.fp8.Float8Matmul` computes the backward GEMMs too)."""
     if group_size(group) == 1:
-        return linear_with_grad(x_local, weight, bias, weight_grad_store=weight_grad_store)
+        return linear_with_grad(x_local, weight, bias, weight_grad_store=weight_grad_store, matmul=matmul)
     return linear_with_grad(x_local, weight, bias, sequence_gather=sequence_gather(group),
-                            weight_grad_store=weight_grad_store)
+                            weight_grad_store=weight_grad_store, matmul=matmul)

@@ -10,7 +10,10 @@ file:
 * :mod:`.scaling`: ``scale = fmax / amax`` (:func:`amax_to_scale`), tensorwise and rowwise casts
   (:func:`cast_to_float8` -> :class:`Float8Tensor`), and :class:`DelayedScaling` (an amax history);
 * :mod:`.float8_linear`: :class:`Float8Linear` (three separately scaled fp8 GEMMs, forward and backward),
-  :class:`Float8Config` (torchao's ``tensorwise`` and ``rowwise`` recipes), :func:`scaled_mm`;
+  :class:`Float8Matmul` (the same GEMMs as the linear seam's matmul), :class:`Float8Config` (torchao's
+  ``tensorwise`` and ``rowwise`` recipes), :func:`scaled_mm`;
+* :mod:`.sharded_scales`: :class:`ShardedScales`, a tensor-parallel shard cast with its whole layer's
+  scales;
 * :mod:`.convert`: :func:`convert_to_float8`, the in-place swap of a model's ``nn.Linear`` layers;
 * :mod:`.training`: :func:`apply_float8_training`, what ``--precision fp8`` does to the trainer's model
   (the seam's layers, tensor-parallel shards included, with one device's scales);
@@ -33,7 +36,7 @@ from refimpl.precision.fp8.float8_communication import (
 from refimpl.precision.fp8.float8_linear import (
     Float8Config,
     Float8Linear,
-    ShardedScales,
+    Float8Matmul,
     check_float8_shape,
     float8_linear,
     scaled_mm,
@@ -49,6 +52,7 @@ from refimpl.precision.fp8.scaling import (
     cast_to_float8,
     operand_amax,
 )
+from refimpl.precision.fp8.sharded_scales import ShardedScales
 from refimpl.precision.fp8.training import apply_float8_training, float8_layers
 
 __all__ = [
@@ -63,6 +67,7 @@ __all__ = [
     "Float8Conversion",
     "Float8Format",
     "Float8Linear",
+    "Float8Matmul",
     "Float8Tensor",
     "GatherBytes",
     "GradientReductionErrors",

@@ -40,35 +40,29 @@ once, not through bf16 first) and the GEMMs write the autocast dtype; gradients 
 inputs' dtypes. The high-precision input and weight are saved for backward, where they are cast again
 along the other dimension (rowwise needs that; tensorwise's second cast gives the same bytes). The layer
 is a :class:`refimpl.nn.Linear` (same ``weight`` / ``bias`` Parameters and state-dict names) whose
-forward goes through the linear seam with the fp8 product as its ``matmul``; a deferred weight gradient
-(zero-bubble's ``weight_grad_store``) would compute ``dW`` in high precision there, so it is refused.
+forward goes through the linear seam with the fp8 product as its ``matmul`` (:class:`Float8Matmul`, which
+hands the seam the two backward GEMMs too): under sequence parallelism (the seam gathers the input) and
+with a deferred weight gradient (zero-bubble's ``weight_grad_store``: the casts of ``dW``'s operands run
+in ``B``, the fp8 GEMM in ``W``) all three GEMMs stay fp8, cast as here.
 
-**Tensor-parallel shards** (chapter 06; torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel``,
-whose DTensor amax is the whole tensor's): a column layer holds ``W[N/t, K]`` and sees ``g[M, N/t]``, a row
-layer ``W[N, K/t]`` and ``x[M, K/t]``. A scale taken from the shard alone would differ from one device's,
-so :class:`ShardedScales` all-reduces (MAX, over the tensor-parallel group) the amax of every operand that
-is split along a dimension its amax runs over: tensorwise, any operand holding the split dimension;
-rowwise, only where the split dimension is the contraction dimension (a per-row amax of whole rows is
-already the whole row's, and the ranks hold other rows). Then every rank casts with one device's scales.
+**Tensor-parallel shards** cast with the whole layer's scales: :mod:`refimpl.precision.fp8.sharded_scales`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from refimpl.comm import ops
 from refimpl.nn.linear import Linear, linear_with_grad
 from refimpl.precision.fp8.formats import E4M3, E5M2, Float8Format, format_of
 from refimpl.precision.fp8.scaling import SCALINGS, Float8Tensor, Scaling, cast_to_float8
+from refimpl.precision.fp8.sharded_scales import ShardedScales
 
-__all__ = ["Float8Config", "Float8Linear", "ShardedScales", "check_float8_shape", "float8_linear",
-           "scaled_mm"]
+__all__ = ["Float8Config", "Float8Linear", "Float8Matmul", "ShardedScales", "check_float8_shape",
+           "float8_linear", "scaled_mm"]
 
 ALIGN = 16  # torch._scaled_mm on CUDA: a's columns and both of b's dims are multiples of 16
 
@@ -97,37 +91,6 @@ class Float8Config:
         if name == "rowwise":
             return cls(scaling="rowwise", grad_format=E4M3, power_of_2_scales=True)
         raise ValueError(f"unknown recipe {name!r}; expected one of {SCALINGS}")
-
-
-_DIMS = {"x": "MK", "weight": "NK", "grad": "MN"}  # each operand's dims: tokens M, in K, out N
-
-
-@dataclass(frozen=True, kw_only=True)
-class ShardedScales:
-    """A tensor-parallel shard's scales made the whole layer's (module docstring): ``split`` ``"out"`` (a
-    column-parallel layer: ``N`` over the group) or ``"in"`` (row-parallel: ``K``), ``group`` the
-    tensor-parallel process group."""
-
-    group: Any
-    split: Literal["in", "out"]
-
-    def __post_init__(self) -> None:
-        if self.split not in ("in", "out"):
-            raise ValueError(f"split must be 'in' or 'out', got {self.split!r}")
-
-    def reducer(self, operand: str, contraction_dim: int, scaling: Scaling
-                ) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """The MAX all-reduce the amax of ``operand`` (``x``, ``weight`` or ``grad``) cast along
-        ``contraction_dim`` needs, or None when the local amax is already the whole tensor's."""
-        dims, split = _DIMS[operand], "K" if self.split == "in" else "N"
-        if split not in dims or (scaling == "rowwise" and dims[contraction_dim] != split):
-            return None
-
-        def all_reduce_max(amax: torch.Tensor) -> torch.Tensor:
-            amax = amax.to(torch.float32)  # exact; gloo takes fp32
-            ops.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-            return amax
-        return all_reduce_max
 
 
 def check_float8_shape(in_features: int, out_features: int, *, name: str = "") -> None:
@@ -169,14 +132,33 @@ def _pad_rows(t: Float8Tensor, dim: int) -> Float8Tensor:
     return Float8Tensor(torch.cat([t.data, t.data.new_zeros(shape)], dim=dim), t.scale)
 
 
-def _cast(ctx, t: torch.Tensor, operand: str, fmt: Float8Format, dim: int) -> Float8Tensor:
-    """``t`` (the operand named ``operand``) cast along ``dim`` with the layer's recipe; a tensor-parallel
+def _cast(c: Float8Config, sharded: ShardedScales | None, t: torch.Tensor, operand: str, fmt: Float8Format,
+          dim: int) -> Float8Tensor:
+    """``t`` (the operand named ``operand``) cast along ``dim`` with the recipe ``c``; a tensor-parallel
     shard's amax made the whole tensor's first (:class:`ShardedScales`)."""
-    c: Float8Config = ctx.config
-    sharded: ShardedScales | None = ctx.sharded
     reduce = None if sharded is None else sharded.reducer(operand, dim, c.scaling)
     return cast_to_float8(t, fmt, scaling=c.scaling, contraction_dim=dim, power_of_2=c.power_of_2_scales,
                           amax_reduce=reduce)
+
+
+def _input_grad(c: Float8Config, sharded: ShardedScales | None, g: torch.Tensor, weight: torch.Tensor,
+                weight_fp8: Float8Tensor | None) -> tuple[torch.Tensor, Float8Tensor]:
+    """``dx = g W`` (``[M, N] @ [N, K]``, e5m2 x e4m3 under tensorwise) in ``g``'s dtype, and ``g`` cast
+    per row (tensorwise: the bytes the weight gradient reuses)."""
+    g_rows = _cast(c, sharded, g, "grad", c.grad_format, 1)                            # per row [M, 1]
+    w8 = weight_fp8 if weight_fp8 is not None else _cast(c, sharded, weight, "weight", c.weight_format, 0)
+    return scaled_mm(g_rows, w8, out_dtype=g.dtype), g_rows                           # w8 per column [1, K]
+
+
+def _weight_grad(c: Float8Config, sharded: ShardedScales | None, g: torch.Tensor, x: torch.Tensor,
+                 g_rows: Float8Tensor | None = None) -> Callable[[], torch.Tensor]:
+    """``dW = g^T x`` (``[N, M] @ [M, K]``) in ``g``'s dtype, in two steps: the casts now (with their
+    scales' all-reduces, if any), the GEMM when the returned function is called (zero-bubble's ``W``: no
+    collective runs there, and what waits is the fp8 bytes)."""
+    reuse = c.scaling == "tensorwise" and g_rows is not None                           # the same bytes
+    g_cols = g_rows if reuse else _cast(c, sharded, g, "grad", c.grad_format, 0)       # per column [1, N]
+    x_cols = _cast(c, sharded, x, "x", c.input_format, 0)                              # per column [1, K]
+    return lambda: scaled_mm(_pad_rows(g_cols, 0).t(), _pad_rows(x_cols, 0), out_dtype=g.dtype)
 
 
 class _Float8LinearFunction(torch.autograd.Function):
@@ -188,9 +170,9 @@ class _Float8LinearFunction(torch.autograd.Function):
         c = config
         ctx.config, ctx.weight_fp8, ctx.sharded = config, weight_fp8, sharded
         with torch.autocast(x.device.type, enabled=False):
-            x8 = _cast(ctx, x, "x", c.input_format, 1)                                  # [M, K], scale [M, 1]
+            x8 = _cast(c, sharded, x, "x", c.input_format, 1)                           # [M, K], scale [M, 1]
             w8 = weight_fp8 if weight_fp8 is not None else _cast(
-                ctx, weight, "weight", c.weight_format, 1)                              # [N, K], scale [N, 1]
+                c, sharded, weight, "weight", c.weight_format, 1)                       # [N, K], scale [N, 1]
             y = scaled_mm(x8, w8.t(), out_dtype=out_dtype, use_fast_accum=True)       # [M, N]
         ctx.save_for_backward(x, weight)
         return y
@@ -198,20 +180,13 @@ class _Float8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors                 # x [M, K], weight [N, K], g [M, N]
-        c: Float8Config = ctx.config
-        dx = dw = None
-        g_rows = None
+        c, sharded = ctx.config, ctx.sharded
+        dx = dw = g_rows = None
         if ctx.needs_input_grad[0]:
-            g_rows = _cast(ctx, g, "grad", c.grad_format, 1)                           # per row [M, 1]
-            w8 = ctx.weight_fp8 if ctx.weight_fp8 is not None else _cast(
-                ctx, weight, "weight", c.weight_format, 0)                              # per column [1, K]
-            dx = scaled_mm(g_rows, w8, out_dtype=g.dtype).to(x.dtype)                  # [M, N] @ [N, K]
+            dx, g_rows = _input_grad(c, sharded, g, weight, ctx.weight_fp8)
+            dx = dx.to(x.dtype)
         if ctx.needs_input_grad[1]:
-            reuse = c.scaling == "tensorwise" and g_rows is not None                   # the same bytes
-            g_cols = g_rows if reuse else _cast(ctx, g, "grad", c.grad_format, 0)      # per column [1, N]
-            x_cols = _cast(ctx, x, "x", c.input_format, 0)                               # per column [1, K]
-            dw = scaled_mm(_pad_rows(g_cols, 0).t(), _pad_rows(x_cols, 0),              # [N, M] @ [M, K]
-                           out_dtype=g.dtype).to(weight.dtype)
+            dw = _weight_grad(c, sharded, g, x, g_rows)().to(weight.dtype)
         return dx, dw, None, None, None, None
 
 
@@ -232,6 +207,35 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                                     sharded)
     y = y.reshape(*x.shape[:-1], y.shape[-1])
     return y if bias is None else y + bias.to(y.dtype)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Float8Matmul:
+    """The fp8 product as the linear seam's matmul (:class:`refimpl.nn.linear.SplitMatmul`): called, it is
+    :func:`float8_linear`; ``input_grad`` and ``weight_grad`` are the same backward GEMMs, for the seam's
+    own backward (a sequence gather, a deferred ``dW``), so such a layer stays fp8 in all three GEMMs, with
+    the same casts as :func:`float8_linear`'s backward (bitwise: tests/test_linear_seam.py)."""
+
+    config: Float8Config
+    sharded: ShardedScales | None = None
+    weight_fp8: Float8Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        return float8_linear(x, weight, bias, config=self.config, weight_fp8=self.weight_fp8,
+                             sharded=self.sharded)
+
+    def input_grad(self, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``dx = dy W``: ``[..., N] -> [..., K]`` in ``dy``'s dtype."""
+        with torch.autocast(dy.device.type, enabled=False):
+            dx, _ = _input_grad(self.config, self.sharded, dy.reshape(-1, dy.shape[-1]), weight,
+                                self.weight_fp8)
+        return dx.reshape(*dy.shape[:-1], dx.shape[-1])
+
+    def weight_grad(self, dy: torch.Tensor, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """``dW = dy^T x`` (``dy [M, N]``, ``x [M, K]``): casts now, the GEMM when called."""
+        with torch.autocast(dy.device.type, enabled=False):
+            return _weight_grad(self.config, self.sharded, dy, x)
 
 
 class Float8Linear(Linear):
@@ -256,19 +260,14 @@ class Float8Linear(Linear):
             new = cls(linear.in_features, linear.out_features, bias=False, config=config)
         new.weight = linear.weight
         new.bias = linear.bias
-        new.weight_grad_store = getattr(linear, "weight_grad_store", None)  # refused in forward, not dropped
+        new.weight_grad_store = getattr(linear, "weight_grad_store", None)  # zbh1's deferred dW, in fp8
         new.train(linear.training)
         return new
 
-    def _matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return float8_linear(x, weight, bias, config=self.config, weight_fp8=self.weight_fp8)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_grad_store is not None:
-            raise ValueError(
-                "Float8Linear with a deferred weight gradient (weight_grad_store): the seam's deferred dW is "
-                "a high-precision GEMM; keep zero-bubble pipelines' linears in high precision")
-        return linear_with_grad(x, self.weight, self.bias, matmul=self._matmul)
+        matmul = Float8Matmul(config=self.config, weight_fp8=self.weight_fp8)
+        return linear_with_grad(x, self.weight, self.bias, weight_grad_store=self.weight_grad_store,
+                                matmul=matmul)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -13,9 +13,10 @@ GPT's dense linears:
 * a :class:`refimpl.nn.Linear` becomes a :class:`~refimpl.precision.fp8.Float8Linear` holding the same
   ``weight`` and ``bias`` Parameters (optimizer, state dict and placements see no change);
 * a tensor-parallel layer (``ColumnParallelLinear`` / ``RowParallelLinear``: it has ``matmul``,
-  ``split_features`` and ``tp_group``) keeps its class and gets the fp8 product as its seam ``matmul``,
-  with :class:`~refimpl.precision.fp8.float8_linear.ShardedScales` over ``tp_group``, so its shard is cast
-  with the whole layer's scales, those of one device.
+  ``split_features`` and ``tp_group``) keeps its class and gets the fp8 product as its seam ``matmul``
+  (:class:`~refimpl.precision.fp8.Float8Matmul`, all three GEMMs, under sequence parallelism and zbh1
+  too), with :class:`~refimpl.precision.fp8.sharded_scales.ShardedScales` over ``tp_group``, so its
+  shard is cast with the whole layer's scales, those of one device.
 
 What stays in bf16, each with its reason in the returned :class:`Float8Conversion`:
 
@@ -33,7 +34,6 @@ What stays in bf16, each with its reason in the returned :class:`Float8Conversio
 from __future__ import annotations
 
 from collections.abc import Collection
-from functools import partial
 
 from torch import nn
 
@@ -43,10 +43,10 @@ from refimpl.precision.fp8.float8_linear import (
     ALIGN,
     Float8Config,
     Float8Linear,
-    ShardedScales,
-    float8_linear,
+    Float8Matmul,
 )
 from refimpl.precision.fp8.scaling import Scaling
+from refimpl.precision.fp8.sharded_scales import ShardedScales
 
 __all__ = ["apply_float8_training", "float8_layers"]
 
@@ -84,7 +84,7 @@ def apply_float8_training(model: nn.Module, *, scaling: Scaling = "tensorwise", 
                     f"is [{local[0]}, {local[1]}] on this rank, not a multiple of {ALIGN} (torch._scaled_mm "
                     f"on CUDA); use a --hidden-size whose blocks stay multiples of {ALIGN} or a smaller --tp")
             sharded = ShardedScales(group=module.tp_group, split=module.split_features)
-            module.matmul = partial(float8_linear, config=config, sharded=sharded)
+            module.matmul = Float8Matmul(config=config, sharded=sharded)
             report.converted.append(name)
         else:
             swaps.append(name)
@@ -100,6 +100,5 @@ def float8_layers(model: nn.Module) -> list[str]:
     """The names of ``model``'s layers whose GEMMs run in fp8 (a Float8Linear, or a seam layer whose
     ``matmul`` is the fp8 product): what a test or a log checks after :func:`apply_float8_training`."""
     def fp8(module: nn.Module) -> bool:
-        matmul = getattr(module, "matmul", None)
-        return isinstance(module, Float8Linear) or getattr(matmul, "func", None) is float8_linear
+        return isinstance(module, Float8Linear) or isinstance(getattr(module, "matmul", None), Float8Matmul)
     return [name for name, module in model.named_modules() if fp8(module)]
