@@ -203,3 +203,36 @@ def test_a_float8_linear_defers_its_weight_gradient_in_fp8():
         bound = _sum_bound(dy, rounding=2.0 ** -7 if autocast else 0.0)  # bf16: two roundings
         assert ((layer.bias.grad - want[1]).abs() <= bound).all(), autocast
         layer.weight_grad_store = None
+
+
+class _Boxed:
+    """What a saved-tensors meter packs a tensor into (refimpl.measure's meters, activation offloading)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+@pytest.mark.parametrize("around", ["saved_tensors_hooks", "checkpoint"])
+def test_a_deferred_weight_gradient_reaches_the_parameter_through_saved_tensor_hooks(around):
+    """Under ``saved_tensors_hooks`` (a meter's: TrainerProbe's at zbh1) and under non-reentrant activation
+    checkpointing (its own hooks) the seam's saved weight comes back as another tensor object; the deferred
+    ``dW`` must still land on the Parameter, equal to the plain layer's. (It landed on the unpacked copy
+    before: TrainerProbe's measured zbh1 step lost every linear's weight gradient.)"""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = Linear(8, 5)
+    x, _, _, dy = _inputs()
+    layer(x).backward(dy)
+    want = layer.weight.grad.clone()
+    layer.weight.grad = layer.bias.grad = None
+    layer.weight_grad_store = store = WeightGradStore()
+    if around == "saved_tensors_hooks":
+        with torch.autograd.graph.saved_tensors_hooks(_Boxed, lambda boxed: boxed.t):
+            y = layer(x)
+    else:
+        y = checkpoint(layer, x, use_reentrant=False)
+    with store.capture("w"):
+        y.backward(dy)
+    assert layer.weight.grad is None and store.flush("w") == 1
+    assert layer.weight.grad is not None, "the deferred dW went to a copy of the weight"
+    torch.testing.assert_close(layer.weight.grad, want, rtol=1e-6, atol=1e-6)

@@ -94,11 +94,18 @@ def test_stage_parameters_and_state_per_rank_equal_the_built_stages(pp, v, balan
         assert [ranges[st] for st in sorted(stages)] == [stages[st].block_ids for st in sorted(stages)]
 
 
+def _held_by(fn) -> list[torch.Tensor]:
+    """The tensors a queued weight gradient's closure holds, the closures it holds searched too (the
+    seam queues ``dW``'s function inside the accumulation)."""
+    cells = [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]
+    inner = [f for f in cells if callable(f) and not isinstance(f, torch.Tensor)]
+    return [t for t in cells if isinstance(t, torch.Tensor)] + [t for f in inner for t in _held_by(f)]
+
+
 def _closure_tensors(fn, skip: set[int]) -> dict[int, int]:
     """The storages (not parameters) a queued weight gradient keeps, by address: their bytes."""
-    cells = [c.cell_contents for c in fn.__closure__ or ()]
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in cells
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in skip}
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _held_by(fn)
+            if t.untyped_storage().data_ptr() not in skip}
 
 
 @pytest.mark.parametrize("deferred", [False, True], ids=["whole-backward", "zbh1-deferred-W"])
@@ -161,9 +168,8 @@ def _counted_step(pipe, inputs, labels, loss_fn, *, num_microbatches: int = M) -
         push = pipe.store.push
 
         def counted_push(fn) -> None:
-            for t in (c.cell_contents for c in fn.__closure__ or ()):
-                if isinstance(t, torch.Tensor):
-                    live.hold(fn, t)
+            for t in _held_by(fn):
+                live.hold(fn, t)
             push(fn)
 
         pipe.store.push = counted_push

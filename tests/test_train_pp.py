@@ -72,6 +72,10 @@ LAYOUTS = {
     # after_flush), the rest in backward as above
     "pp2-dp2-zero2-zbh1": (["--pp", "2", "--microbatches", "2", "--zero-stage", "2", "--pp-schedule",
                             "zbh1"], "fp32"),
+    # zbh1 with activation checkpointing: the recomputed forward's saved weight comes back through the
+    # checkpoint's saved-tensor hooks as another tensor object; each deferred dW must reach the Parameter
+    "pp2-dp2-zbh1-actckpt": (["--pp", "2", "--microbatches", "2", "--pp-schedule", "zbh1",
+                              "--activation-checkpointing"], "fp32"),
 }
 # the layouts whose gradient norm is computed directly: ZeRO-1 (the norm summed over the dp shards), tensor
 # parallelism (a vocab-parallel tied embedding, replicas counted on tp rank 0)

@@ -19,7 +19,9 @@ that owns the linear's backward, so the three places that need to change it chan
   ``weight_grad_store`` the backward returns ``dX`` and ``db`` and queues ``dW`` in the store
   (:class:`refimpl.parallel.pipeline_parallel.WeightGradStore`, anything with ``push(fn)``), whose ``W``
   action adds it to ``weight.grad`` later (with a sequence gather too, the queued ``dW`` keeps the gathered
-  ``X`` until then: no collective runs in ``W``);
+  ``X`` until then: no collective runs in ``W``). The weight it adds to is held by reference, not read
+  back from the saved tensors: under ``saved_tensors_hooks`` (activation checkpointing, a memory meter)
+  those come back as other tensor objects, and a ``.grad`` set on one of them reaches no Parameter;
 * **a pluggable matmul** (``matmul(x, weight, bias) -> y``, ``F.linear`` by default): where a low-precision
   kernel (fp8, chapter 10) goes. With neither a gather nor a store it is called as it is and autograd (or
   the kernel's own autograd) differentiates it; with either, it is the forward product of this function,
@@ -113,6 +115,9 @@ class _LinearWithGrad(torch.autograd.Function):
         full = x if gather is None else gather.all_gather(x)          # [..., in] (SP: [b, s, in])
         y = matmul(full, weight, bias)                                # autocast (if on) picks the dtype
         ctx.gather, ctx.store, ctx.compute, ctx.matmul = gather, store, y.dtype, matmul
+        # the tensor whose .grad a deferred dW goes to, held as itself: a saved tensor comes back from
+        # saved_tensors_hooks (a meter's, checkpointing's) as another tensor object, whose .grad is no one's
+        ctx.grad_holder = weight if store is not None else None
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y                                                      # [..., out]
 
@@ -134,7 +139,8 @@ class _LinearWithGrad(torch.autograd.Function):
         db = None if ctx.bias_dtype is None else dy2.sum(0).to(ctx.bias_dtype)  # [out]
         weight_grad = _weight_grad(mm, dy2, x2)
         if ctx.store is not None:                                     # zero-bubble's W: dW later
-            ctx.store.push(lambda: _accumulate(weight, weight_grad))
+            holder = ctx.grad_holder
+            ctx.store.push(lambda: _accumulate(holder, weight_grad))
             dw = None
         else:
             dw = weight_grad().to(weight.dtype)                       # [out, in]
