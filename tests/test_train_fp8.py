@@ -42,6 +42,7 @@ layer check below; the one-device references run in this process (one thread, as
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from functools import partial
@@ -58,10 +59,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from refimpl.config import ModelConfig, ParallelConfig
 from refimpl.distributed import DistributedContext, ParallelDims
 from refimpl.launch import run_ranks
+from refimpl.measure import measure_saved_activations
+from refimpl.measure.run_measurement import TrainerProbe
 from refimpl.model import GPT, lm_loss
 from refimpl.nn.linear import Linear
 from refimpl.parallel.parallelize import parallelize
-from refimpl.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from refimpl.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    apply_tensor_parallel,
+    tp_lm_loss,
+)
 from refimpl.precision.fp8 import (
     Float8Config,
     apply_float8_training,
@@ -71,6 +79,7 @@ from refimpl.precision.fp8 import (
 )
 from refimpl.support import SUPPORT_TABLE
 from refimpl.train import build_parser, config_from_args, options_from_args, train
+from refimpl.train.hooks import TrainHooks
 from tests.one_device import (
     assert_gradients_like_one_device,
     assert_trains_like_one_device,
@@ -84,11 +93,13 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-l
         "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
         "--checkpoint-every", "0", "--steps", str(STEPS)]
 FP8 = ["--precision", "fp8"]
+CONFIG = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, max_seq_len=16)  # the planner's
 ROWWISE = [*FP8, "--fp8-scaling", "rowwise"]
 LAYOUTS = {"dp2": FP8, "dp2-zero2": [*FP8, "--zero-stage", "2"], "tp2": [*FP8, "--tp", "2"],
            "tp2-rowwise": [*ROWWISE, "--tp", "2"], "pp2": [*FP8, "--pp", "2"],
            "tp2-sp": [*FP8, "--tp", "2", "--sequence-parallel"],
            "pp2-zbh1": [*FP8, "--pp", "2", "--pp-schedule", "zbh1"]}
+PREDICTED = ("dp2", "dp2-zero2")  # the layouts predict_run is checked at
 # one-device runs: label -> flags (the "micro" order: one sequence per micro-batch)
 ONE_DEVICE = {("fp8", "batch"): FP8, ("fp8", "micro"): [*FP8, "--micro-batch-size", "1"],
               ("fp8-rowwise", "batch"): ROWWISE,
@@ -179,14 +190,38 @@ class _CountScaledMM(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _saved_per_block(group, *, sequence_parallel: bool) -> list[int]:
+    """The saved bytes per block of one bf16-autocast forward of the fp8 tensor-parallel GPT (the trainer's
+    conversion: first and last linear kept)."""
+    plain = GPT(CONFIG, seed=1)
+    keep = first_and_last_linear(plain)
+    model = apply_tensor_parallel(plain, tp_group=group, sequence_parallel=sequence_parallel, pad_vocab=True)
+    apply_float8_training(model, keep=keep)
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return tp_lm_loss(model(ids), ids, tp_group=group, vocab_size=CONFIG.vocab_size)
+    return measure_saved_activations(model, forward).per_block()
+
+
 def _worker(ctx, files: dict) -> dict:
     out = {"layers": _layer_check(ctx)}
+    for sp in (False, True):
+        out["saved per block", sp] = _saved_per_block(dist.group.WORLD, sequence_parallel=sp)
     for name, flags in LAYOUTS.items():
         args, grads = _args(files, Path(files["root"]) / name, *flags), {}
+        if name in PREDICTED:  # predict_run's figures of step 1
+            probe = TrainerProbe(step=1)
+            probe.gradient_probe = first_step_gradients(grads)
+        else:
+            probe = TrainHooks(gradient_probe=first_step_gradients(grads))
         with _CountScaledMM() as fp8_gemms:
-            out[name] = [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args),
-                                                   gradient_probe=first_step_gradients(grads))]
-        out[name, "grads"], out[name, "fp8 GEMMs"] = grads, fp8_gemms.calls
+            records = train(config_from_args(args), ctx, options_from_args(args), hooks=probe)
+        out[name], out[name, "grads"] = [r["loss"] for r in records], grads
+        out[name, "fp8 GEMMs"], out[name, "bytes"] = fp8_gemms.calls, records[1]["bytes_sent"]
+        if name in PREDICTED:
+            out[name, "measured"] = dataclasses.asdict(probe.measured)
     return out
 
 
@@ -306,7 +341,52 @@ def test_the_refusal_is_the_commands_exit_status(tmp_path):
     assert done.stderr.startswith("error: --fp8-scaling rowwise with ZeRO-3: ")
 
 
-CONFIG = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, max_seq_len=16)
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+@pytest.mark.parametrize("name", PREDICTED)
+def test_predict_run_equals_the_fp8_run_to_the_byte(runs, files, name):
+    """predict_run at fp8 (dp 2, ZeRO 0 and 2) against the trainer's step 1, per rank: the bytes sent per
+    group (metrics.jsonl's tracer), the state from the live tensors and the held activations
+    (:class:`TrainerProbe`), as tests/test_planner_3d.py checks fp32 and bf16. Control: bf16's prediction
+    of the same layout holds other activation bytes (fp8 saves the LayerNorm-fed inputs in fp32)."""
+    from refimpl.planner import predict_run
+
+    args = _args(files, Path(files["root"]) / name, *LAYOUTS[name])
+    config, options = config_from_args(args), options_from_args(args)
+
+    def predict(precision: str):
+        return predict_run(config.model, dataclasses.replace(options.parallel, precision=precision),
+                           world_size=2, seq_len=config.data.seq_len,
+                           global_batch=config.data.global_batch_size,
+                           micro_batch=config.data.micro_batch_size, grad_clip=config.optim.grad_clip)
+    plan, bf16 = predict("fp8"), predict("bf16")
+    for rank, out in enumerate(runs):
+        want, got = plan.ranks[rank], out[name, "measured"]
+        assert out[name, "bytes"] == want.bytes_sent, (name, rank, out[name, "bytes"], want.bytes_sent)
+        state = (want.state.weights, want.state.grads, want.state.optimizer)
+        assert tuple(got["state"]) == state, (name, rank, got, state)
+        assert got["activations"] == want.activation_bytes, (name, rank, got, want.activations)
+        assert got["activations"] != bf16.ranks[rank].activation_bytes
+
+
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_the_planner_counts_fp8s_saved_bytes_under_tensor_and_sequence_parallelism(runs, sequence_parallel):
+    """Per block, at tp 2 with and without sequence parallelism: the saved bytes of the fp8 GPT equal
+    :func:`activation_bytes` (bf16) plus :func:`fp8_extra_saved_bytes` (the LayerNorm-fed fp8 layers save
+    their input in fp32: whole under tp, the rank's s/t tokens under SP). Control: SP's extra counted on
+    the whole sequence is wrong."""
+    from refimpl.planner import activation_bytes
+    from refimpl.planner.fp8 import fp8_extra_saved_bytes
+
+    kw = {"micro_batch": 2, "tp": 2, "sequence_parallel": sequence_parallel}
+    base = activation_bytes(CONFIG, seq_len=16, compute_dtype=torch.bfloat16, **kw)
+    extra = fp8_extra_saved_bytes(CONFIG, tokens=16, **kw)
+    for rank, out in enumerate(runs):
+        got = out["saved per block", sequence_parallel]
+        assert got == [a + e for a, e in zip(base, extra, strict=True)], (rank, got, base, extra)
+    if sequence_parallel:
+        whole = fp8_extra_saved_bytes(CONFIG, tokens=16, micro_batch=2, tp=2)
+        assert runs[0]["saved per block", True] != [a + e for a, e in zip(base, whole, strict=True)]
 
 
 def test_the_planner_counts_fp8_to_the_byte_and_names_the_trainers_fp8_weights():
@@ -327,8 +407,9 @@ def test_the_planner_counts_fp8_to_the_byte_and_names_the_trainers_fp8_weights()
     copies = sum(d.get("bfloat16", 0) for d in meter.report.weights.values())  # autocast's bf16 copies
     weight_copies = {p: plan[p].state["autocast weight copies"] for p in plan}
     assert weight_copies["fp8"] == copies < weight_copies["bf16"]
-    with pytest.raises(ValueError, match="predict_run models fp32 and bf16, got 'fp8'"):
-        predict_run(CONFIG, ParallelConfig(dp=1, precision="fp8"), global_batch=2, seq_len=16)
+    for refused in ({"zero_stage": 3}, {"pp": 2}, {"cp": 2}, {"tp": 2}):
+        with pytest.raises(ValueError, match="predict_run models"):
+            predict_run(CONFIG, ParallelConfig(dp=1, precision="fp8", **refused), global_batch=2, seq_len=16)
 
 
 def test_moe_models_get_fp8_dense_linears_and_keep_routers_and_experts():

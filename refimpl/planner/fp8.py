@@ -41,11 +41,13 @@ def fp8_weights(config: ModelConfig, *, tp: int = 1) -> tuple[ParamSpec, ...]:
     return tuple(p for p in linears if p.name != first and _aligned(full[p.name]))
 
 
-def fp8_extra_saved_bytes(config: ModelConfig, *, micro_batch: int, tokens: int, tp: int = 1) -> list[int]:
+def fp8_extra_saved_bytes(config: ModelConfig, *, micro_batch: int, tokens: int, tp: int = 1,
+                          sequence_parallel: bool = False) -> list[int]:
     """Per block, the bytes an fp8 run saves beyond a bf16 run's (module docstring): ``2 b s h`` per
-    LayerNorm-fed fp8 layer, ``tokens`` the rank's ``s/cp`` (the column layers' input is whole under tp
-    without sequence parallelism, which fp8 refuses)."""
+    LayerNorm-fed fp8 layer, ``tokens`` the rank's ``s/cp``; the column layers' input is whole under tp,
+    but under sequence parallelism the seam saves the rank's ``s/t`` tokens before its gather (fp32 where
+    bf16's sequence-parallel path saves them cast to bf16)."""
     names = {p.name for p in fp8_weights(config, tp=tp)}
-    per_layer = (4 - 2) * micro_batch * tokens * config.hidden_size
+    per_layer = (4 - 2) * micro_batch * (tokens // tp if sequence_parallel else tokens) * config.hidden_size
     return [per_layer * sum(n.startswith(f"layers.{i}.") and n.endswith(_LAYERNORM_FED) for n in names)
             for i in range(config.num_layers)]

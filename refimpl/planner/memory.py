@@ -235,7 +235,8 @@ def run_memory_per_rank(
         saved = activation_bytes(config, checkpointed_blocks=chosen, **kw)
         full = activation_bytes(config, **kw)
     if precision == "fp8":  # fp8 layers save their fp32 LayerNorm-fed inputs (refimpl/planner/fp8.py)
-        extra = fp8_extra_saved_bytes(config, micro_batch=b, tokens=seq_len // cp, tp=tp)
+        extra = fp8_extra_saved_bytes(config, micro_batch=b, tokens=seq_len // cp, tp=tp,
+                                      sequence_parallel=sequence_parallel)
         saved = [n + (0 if i in chosen else e) for i, (n, e) in enumerate(zip(saved, extra, strict=True))]
         full = [n + e for n, e in zip(full, extra, strict=True)]
     activations = {

@@ -73,7 +73,8 @@ from refimpl.support import check_supported
 __all__ = ["PER_STEP", "PipelineRankMemory", "pipeline_memory_per_rank", "pipeline_state_memory",
            "stage_deferred_bytes", "stage_layers", "stage_param_shapes", "stage_saved_bytes"]
 
-_COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+            "fp8": torch.bfloat16}  # fp8: bf16 autocast around the fp8 GEMMs
 PER_STEP = ("token ids (the step's batch, int64)", "labels (the step's batch, int64)")
 
 

@@ -76,15 +76,18 @@ large-scale language model training on GPU clusters using Megatron-LM", section 
 Modelled: fp32 or bf16 (autocast; ZeRO-3: FSDP2's mixed precision, bf16 gathers and compute, fp32
 reductions), ZeRO 0-3, HSDP, activation checkpointing (any block selection), tensor, sequence and
 context parallelism; ZeRO-3 under pipeline parallelism in fp32 with 1F1B or GPipe over dp alone, both
-ZeRO-3 modes. Refused, each with its reason: fp16 (not run); tensor-parallel traffic in bf16 (under
-autocast the activations it moves are 16-bit); ZeRO-3 with pp > 1 in bf16, with tp, cp or HSDP, or with
+ZeRO-3 modes; fp8 (bf16 autocast, the linears' GEMMs in fp8: refimpl/planner/fp8.py's terms) at
+pp = cp = tp = 1 with ZeRO 0-2. Refused, each with its reason: fp16 (not run); tensor-parallel traffic
+in bf16 or fp8 (under autocast the activations it moves are 16-bit); fp8 with pp, cp or ZeRO-3 (not
+measured); ZeRO-3 with pp > 1 in bf16, with tp, cp or HSDP, or with
 another schedule (not measured); activation checkpointing with pp > 1 and sequence parallelism with ZeRO
 and pp > 1 (not measured); ZeRO-3 without ``reshard_after_forward`` (not the trainer's). Proven against
 the trainer, to the byte: tests/test_planner_3d.py (8 ranks: 1F1B, ring attention, ZeRO 0/1, fp32/bf16,
 with and without sequence parallelism) and tests/test_planner_zero3.py (4 ranks: ZeRO-2/3, 2-D ZeRO-3 with
 tp, HSDP with and without cp, checkpointing with tp, sequence parallelism and ring attention, bf16 ZeRO-3,
 ZeRO-2 under the pipeline, ZeRO-1 with sequence parallelism, ZeRO-3 under the pipeline: dp 2 x pp 2, 1F1B
-and GPipe, gathered once per step or per micro-batch); the other schedules (``interleaved``, ``zbh1``)
+and GPipe, gathered once per step or per micro-batch) and tests/test_train_fp8.py (2 ranks: fp8 at dp 2,
+ZeRO 0 and 2); the other schedules (``interleaved``, ``zbh1``)
 and Ulysses go through the same terms but are not run there.
 """
 
@@ -221,11 +224,12 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     ``grad_clip`` None: no norm.
 
     Every ZeRO stage (``parallel.zero_stage``), HSDP (``parallel.dp_replicate``), the blocks
-    ``parallel.activation_checkpointing`` selects, fp32 or bf16 are modelled; a combination the trainer
-    refuses (:func:`refimpl.support.check_supported`) or that is not modelled raises a ValueError naming
-    it: fp16; tp > 1 with bf16; ZeRO-3 with pp > 1 other than fp32, 1f1b or gpipe, tp = cp = dp_replicate
-    = 1 (``parallel.zero3_reshard_per_microbatch`` either way); activation checkpointing with pp > 1;
-    sequence parallelism with ZeRO 1-3 and pp > 1; ZeRO-3 with ``reshard_after_forward`` off.
+    ``parallel.activation_checkpointing`` selects, fp32 or bf16 are modelled, and fp8 at pp = cp = 1 with
+    ZeRO 0-2; a combination the trainer refuses (:func:`refimpl.support.check_supported`) or that is not
+    modelled raises a ValueError naming it: fp16; tp > 1 with bf16 or fp8; ZeRO-3 with pp > 1 other than
+    fp32, 1f1b or gpipe, tp = cp = dp_replicate = 1 (``parallel.zero3_reshard_per_microbatch`` either way);
+    activation checkpointing with pp > 1; sequence parallelism with ZeRO 1-3 and pp > 1; ZeRO-3 with
+    ``reshard_after_forward`` off.
     """
     if parallel.dp is None and world_size is None:
         raise ValueError("predict_run needs parallel.dp or the world_size to derive it from")
@@ -239,8 +243,12 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     virtual_stages, pp_balance, microbatches = (parallel.virtual_stages, parallel.pp_balance,
                                                 parallel.microbatches)
     checkpointed = parallel.checkpointed_blocks(config.num_layers)
-    if precision not in ("fp32", "bf16"):
-        raise ValueError(f"predict_run models fp32 and bf16, got {precision!r}")
+    if precision not in ("fp32", "bf16", "fp8"):
+        raise ValueError(f"predict_run models fp32, bf16 and fp8, got {precision!r}")
+    if precision == "fp8" and (parallel.pp > 1 or parallel.cp > 1 or zero_stage == 3):
+        raise ValueError("predict_run models --precision fp8 at pp = cp = 1 with ZeRO 0-2 (what "
+                         "tests/test_train_fp8.py measures; ZeRO-3's fp8 gathers, the pipeline's and context "
+                         "parallelism's fp8 bytes are not measured against it)")
     if dims.tp > 1 and precision != "fp32":
         raise ValueError("predict_run models the tensor-parallel traffic in fp32 only (under autocast the "
                          "activations it moves are 16-bit)")
