@@ -38,7 +38,8 @@ setup: $(STAMP)
 train: $(STAMP)
 	$(PY) -m refimpl.train --nproc-per-node auto $(ARGS)
 
-# Two lanes at once (tools/run_tests.py): the computing tests, and beside them those that mostly wait
+# Two lanes at once (tools/run_tests.py): the computing tests, and beside them those that mostly wait,
+# then the slowest chapters (marked lane2)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) tools/run_tests.py --durations=15 $(ARGS)

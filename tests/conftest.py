@@ -8,6 +8,8 @@
 - ``browser``: drives JupyterLab in Debian's chromium;
 - ``serial``: it mostly waits, and its verdict reads a clock; tools/run_tests.py (``make test``) runs these
   one after the other, beside the rest of the suite.
+- ``lane2`` (given per chapter in tests/test_chapters.py): a computing test that tools/run_tests.py runs
+  in the serial tests' lane once they are done, so that both lanes end together.
 
 ``make test-unit`` runs what carries none of them (one process, seconds: the edit loop); ``make test``
 runs everything. A module that starts processes in some tests only carries the marker as a whole: the

@@ -55,10 +55,14 @@ def _run_tests_module():
 
 def test_the_two_lanes_split_the_selection_and_an_empty_lane_is_no_failure():
     run_tests = _run_tests_module()
-    compute, waiting = run_tests.lane_commands("numerics", ["tests/test_zero.py"])
-    assert " ".join(compute).endswith("-m (numerics) and not serial tests/test_zero.py")
-    assert " ".join(waiting).endswith("-m (numerics) and serial tests/test_zero.py")
-    assert " ".join(run_tests.lane_commands(None, [])[1]).endswith("-m serial")
+    first, second = run_tests.lane_commands("numerics", ["tests/test_zero.py"])
+    selections = [" ".join(c) for c in (*first, *second)]
+    assert [s.split(" -m pytest -q ")[1] for s in selections] == [
+        "-m (numerics) and not serial and not lane2 tests/test_zero.py",
+        "-m (numerics) and serial tests/test_zero.py",
+        "-m (numerics) and not serial and lane2 tests/test_zero.py"]
+    assert [" ".join(c[3:]) for c in run_tests.lane_commands(None, [])[1]] == [
+        "-q -m serial", "-q -m not serial and lane2"]
     assert run_tests.combined_status([0, 5]) == 0 and run_tests.combined_status([5, 0]) == 0
     assert run_tests.combined_status([5, 5]) == 5  # nothing selected anywhere is not a pass
     assert run_tests.combined_status([1, 0]) == 1 and run_tests.combined_status([0, 2]) == 2
@@ -68,3 +72,21 @@ def test_every_serial_module_exists():
     from tests.conftest import SERIAL
 
     assert SERIAL <= {p.stem for p in TESTS.glob("test_*.py")}
+
+
+def test_the_lanes_cover_every_test_once():
+    """Each test falls in exactly one of the three selections, whatever its markers."""
+    run_tests = _run_tests_module()
+    selections = [c[c.index("-q") + 2] for lane in run_tests.lane_commands(None, []) for c in lane]
+    for serial in (False, True):
+        for lane2 in (False, True):
+            env = {"serial": serial, "lane2": lane2}
+            chosen = [s for s in selections if eval(s, {}, env)]
+            assert len(chosen) == 1, (env, chosen)
+
+
+def test_lane2_names_chapters_that_exist_and_none_is_serial():
+    from tests.test_chapters import CHAPTERS, LANE2
+    from tests.test_chapters import SERIAL as SERIAL_CHAPTERS
+
+    assert LANE2 <= {p.stem for p in CHAPTERS} and not LANE2 & SERIAL_CHAPTERS

@@ -1,4 +1,5 @@
-"""The suite in two lanes at once: the tests that compute, and beside them the tests that mostly wait.
+"""The suite in two lanes at once: the tests that compute, and beside them the tests that mostly wait,
+followed in that lane by a share of the computing tests.
 
     python tools/run_tests.py [-m EXPR] [--sequential] [pytest arguments ...]
 
@@ -7,19 +8,22 @@
 The ``serial`` tests (tests/conftest.py: a hang named within its timeout, a process gone within a bound,
 an elastic restart loop, chapter 08's bubble timed with sleeping stages, the browser) spend most of their
 time waiting: on a 2-core machine they kept about half a core busy, one at a time. The rest of the suite
-computes (forked ranks training, notebooks' engines), one test at a time on both cores. So the two lanes
-run at the same time, each a plain pytest process running its tests one after the other:
+computes (forked ranks training, notebooks' engines), one test at a time; its ranks wait on each other's
+messages too, so one such test keeps the two cores about two-thirds busy (sampled from /proc/stat during
+CI's numerics rerun). So two lanes run at the same time, each a pytest process after another:
 
-1. **the compute lane**: every test not marked ``serial``; its output streams as it runs;
-2. **the waiting lane**: the ``serial`` tests, in order; its output is printed when it ends.
+1. **the first lane**: every computing test not marked ``lane2``; its output streams as it runs;
+2. **the second lane**: the ``serial`` tests, in order, then the computing tests marked ``lane2`` (the
+   slowest chapters, tests/test_chapters.py: chosen so that both lanes end together); its output is
+   printed when it ends.
 
-The waiting lane therefore runs beside one busy pytest process, never beside several: its tests' bounds
-were measured with load on the machine (their modules say how) and must hold under it (the design's rule:
-verdicts must not depend on load). ``--sequential`` runs the lanes one after the other, the waiting lane
-alone on the machine (to tell a load-dependent verdict from a real failure).
+The serial tests therefore run beside one busy pytest process, never beside several: their bounds were
+measured with load on the machine (their modules say how) and must hold under it (the design's rule:
+verdicts must not depend on load). ``--sequential`` runs every command one after the other, alone on the
+machine (to tell a load-dependent verdict from a real failure).
 
-``-m EXPR`` selects within both lanes (``-m numerics``: CI's rerun). A lane that selects nothing (pytest's
-exit 5) is not a failure unless both select nothing. The exit status is the first failing lane's.
+``-m EXPR`` selects within every command (``-m numerics``: CI's rerun). A command that selects nothing
+(pytest's exit 5) is not a failure unless all select nothing. The exit status is the first failure's.
 """
 
 from __future__ import annotations
@@ -28,53 +32,86 @@ import argparse
 import subprocess
 import sys
 import tempfile
+import threading
+from typing import IO
 
 NO_TESTS = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
 
 
-def lane_commands(marker: str | None, rest: list[str]) -> list[list[str]]:
-    """The two pytest command lines: the compute lane and the waiting (``serial``) lane."""
-    def select(lane: str) -> str:
-        return f"({marker}) and {lane}" if marker else lane
+def lane_commands(marker: str | None, rest: list[str]) -> list[list[list[str]]]:
+    """The two lanes, each the pytest command lines it runs one after the other: the first lane's
+    computing tests; the second lane's ``serial`` tests, then its computing (``lane2``) tests."""
+    def command(lane: str) -> list[str]:
+        return [sys.executable, "-m", "pytest", "-q", "-m", f"({marker}) and {lane}" if marker else lane,
+                *rest]
 
-    pytest = [sys.executable, "-m", "pytest", "-q"]
-    return [[*pytest, "-m", select("not serial"), *rest], [*pytest, "-m", select("serial"), *rest]]
+    return [[command("not serial and not lane2")], [command("serial"), command("not serial and lane2")]]
 
 
 def combined_status(statuses: list[int]) -> int:
-    """0 if every lane passed or selected nothing (but not all nothing), else the first failure."""
+    """0 if every command passed or selected nothing (but not all nothing), else the first failure."""
     if all(s == NO_TESTS for s in statuses):
         return NO_TESTS
     return next((s for s in statuses if s not in (0, NO_TESTS)), 0)
 
 
+class _Lane(threading.Thread):
+    """Runs its commands one after the other, output to ``log``; :meth:`stop` ends the one running."""
+
+    def __init__(self, commands: list[list[str]], log: IO[str]) -> None:
+        super().__init__(daemon=True)
+        self.commands, self.log, self.statuses = commands, log, []
+        self._lock, self._process, self._stopped = threading.Lock(), None, False
+
+    def run(self) -> None:
+        for command in self.commands:
+            with self._lock:
+                if self._stopped:
+                    return
+                self.log.write(f"== {' '.join(command[1:])}\n")
+                self.log.flush()
+                self._process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
+                                                 text=True)
+            self.statuses.append(self._process.wait())
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            if self._process is not None and self._process.poll() is None:  # its tests end (their ranks too)
+                self._process.terminate()
+                self._process.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-m", dest="marker", default=None, help="pytest marker expression, for both lanes")
+    parser.add_argument("-m", dest="marker", default=None, help="pytest marker expression, for every lane")
     parser.add_argument("--sequential", action="store_true",
-                        help="run the waiting lane after the compute lane, alone on the machine")
+                        help="run every command one after the other, alone on the machine")
     args, rest = parser.parse_known_args(argv)
-    compute, waiting = lane_commands(args.marker, rest)
-    with tempfile.TemporaryFile("w+") as waiting_log:
-        if args.sequential:
-            print(f"== compute lane: {' '.join(compute[1:])}", flush=True)
-            statuses = [subprocess.run(compute).returncode]
-            print(f"== waiting lane: {' '.join(waiting[1:])}", flush=True)
-            statuses.append(subprocess.run(waiting).returncode)
-            return combined_status(statuses)
-        print(f"== waiting lane, beside (printed when it ends): {' '.join(waiting[1:])}", flush=True)
-        print(f"== compute lane: {' '.join(compute[1:])}", flush=True)
-        beside = subprocess.Popen(waiting, stdout=waiting_log, stderr=subprocess.STDOUT, text=True)
+    first, second = lane_commands(args.marker, rest)
+    if args.sequential:
+        statuses = []
+        for command in (*first, *second):
+            print(f"== {' '.join(command[1:])}", flush=True)
+            statuses.append(subprocess.run(command).returncode)
+        return combined_status(statuses)
+    with tempfile.TemporaryFile("w+") as log:
+        then = " then ".join(" ".join(c[3:]) for c in second)
+        print(f"== second lane, beside (printed when it ends): {then}", flush=True)
+        print(f"== first lane: {' '.join(first[0][1:])}", flush=True)
+        beside = _Lane(second, log)
+        beside.start()
         try:
-            statuses = [subprocess.run(compute).returncode, beside.wait()]
+            statuses = [subprocess.run(first[0]).returncode]
+            beside.join()
         finally:
-            if beside.poll() is None:  # interrupted: the lane's tests end with it (their ranks too)
-                beside.terminate()
-                beside.wait()
-        waiting_log.seek(0)
-        print(f"== waiting lane: {' '.join(waiting[1:])}", flush=True)
-        print(waiting_log.read(), end="", flush=True)
-    return combined_status(statuses)
+            if beside.is_alive():  # interrupted
+                beside.stop()
+                beside.join()
+        log.seek(0)
+        print("== second lane:", flush=True)
+        print(log.read(), end="", flush=True)
+    return combined_status([*statuses, *beside.statuses])
 
 
 if __name__ == "__main__":
