@@ -443,15 +443,16 @@ for recipe in ("tensorwise", "rowwise"):
 # fp8, everything else (LayerNorm, attention, the kept layers) under bf16 autocast, the weights and
 # optimizer in fp32.
 #
-# Five runs of the same 2-layer GPT, the same data, 30 AdamW steps: fp32, bf16 autocast, fp8 tensorwise
-# and fp8 rowwise (both under bf16 autocast), and fp32 again from another initialisation seed: the
-# spread a different seed makes is the yardstick for "the same curve". Before the optimizer touches
-# anything, the first step's gradients are compared with fp32's.
+# Runs of the same 2-layer GPT, the same data, 200 AdamW steps: fp32, bf16 autocast, fp8 tensorwise
+# and fp8 rowwise (both under bf16 autocast), and fp32 again from two other initialisation seeds: the
+# spread of fp32's final loss over the three seeds is the yardstick for "the same curve" (one other seed
+# alone is a noisy yardstick: the printout shows how far apart two seeds can land). Before the optimizer
+# touches anything, the first step's gradients are compared with fp32's.
 
 # %%
 corpus = prepare_corpus(None)
 config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, max_seq_len=64)
-BATCH, SEQ, STEPS = 8, 64, 30
+BATCH, SEQ, STEPS = 8, 64, 200
 batches = ShardedBatches(corpus.tokens, seq_len=SEQ, global_batch_size=BATCH, seed=0)
 optim_cfg = OptimConfig(lr=3e-3, warmup_steps=5)
 report = convert_to_float8(GPT(config))
@@ -482,10 +483,11 @@ def train(precision, *, seed=0):
 
 
 runs = {name: train(name) for name in ("fp32", "bf16", "fp8 tensorwise", "fp8 rowwise")}
-runs["fp32, init seed 1"] = train("fp32", seed=1)
+for seed in (1, 2):
+    runs[f"fp32, init seed {seed}"] = train("fp32", seed=seed)
 
 # %%
-TAIL = 5  # the final loss: the mean of the last 5 steps (one batch is noisy)
+TAIL = 20  # the final loss: the mean of the last 20 steps (one batch is noisy)
 
 
 def final(name):
@@ -494,17 +496,18 @@ def final(name):
 
 g32 = runs["fp32"][1]
 grad_err = {name: rel(runs[name][1], g32.double()) for name in ("bf16", "fp8 tensorwise", "fp8 rowwise")}
-seed_gap = abs(final("fp32, init seed 1") - final("fp32"))
+SEEDS = ("fp32", "fp32, init seed 1", "fp32, init seed 2")
+seed_gap = max(final(n) for n in SEEDS) - min(final(n) for n in SEEDS)  # fp32's spread over three inits
 for name, (losses, _) in runs.items():
     gap = final(name) - final("fp32")
     print(f"{name:18s} loss {losses[0]:.3f} -> {losses[-1]:.3f} | final (last {TAIL}) {final(name):.4f}, "
           f"minus fp32's {gap:+.4f}" + (f" | first-step gradients vs fp32: {grad_err[name]:.2e}"
                                         if name in grad_err else ""))
-print(f"the yardstick: another init seed moves the final loss by {seed_gap:.4f}")
+print(f"the yardstick: fp32's final loss spreads over {seed_gap:.4f} across three init seeds")
 assert all(r[0][-1] < r[0][0] - 1.0 for r in runs.values()), "every run trains"
 assert grad_err["bf16"] * 2 < min(grad_err["fp8 tensorwise"], grad_err["fp8 rowwise"]), "fp8 is coarser"
 for name in ("bf16", "fp8 tensorwise", "fp8 rowwise"):
-    assert abs(final(name) - final("fp32")) < seed_gap, f"{name}: further from fp32 than another seed"
+    assert abs(final(name) - final("fp32")) < seed_gap, f"{name}: further from fp32 than fp32's seed spread"
 
 fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.4))
 for name, (losses, _) in runs.items():
@@ -525,10 +528,11 @@ fig.tight_layout()
 
 # %% [markdown]
 # The first step's gradients show the arithmetic: fp8's are about ten times further from fp32's than
-# bf16's (printed above; 3 mantissa bits against 7, in the GEMMs that were converted). The losses show what training makes of
-# it: at this size and length all the curves stay closer to fp32's than fp32 is to itself from another
-# initialisation. That is a small model over 30 steps; the evidence that fp8 holds over long runs of
-# large models is the runs cited at the top, and the per-tensor scales are what make them work.
+# bf16's (printed above; 3 mantissa bits against 7, in the GEMMs that were converted). The losses show
+# what training makes of it: at this size and length every final loss lands within fp32's own spread
+# over initialisation seeds (the gaps are printed above the figure). That is a small model over 200
+# steps; the evidence that fp8 holds over long runs of large models is the runs cited at the top, and the
+# per-tensor scales are what make them work.
 #
 # ## 5. fp8 on the wire: ZeRO-3's all-gather in fp8
 #
