@@ -88,12 +88,6 @@ SUPPORT_TABLE: tuple[Unsupported, ...] = (
                "with tp = 1",
         applies=lambda c: c.precision == "fp8" and c.zero_stage == 3 and c.tp > 1),
     Unsupported(
-        name="fp8-zero3-pp", when="--precision fp8 with ZeRO-3 and pp > 1",
-        reason="each pipeline stage is sharded by its own wrapper, whose fp8 all-gather is not wired "
-               "(gathering bf16 would round the fp8 weights twice); use ZeRO 0-2 with --pp, or ZeRO-3 with "
-               "pp = 1",
-        applies=lambda c: c.precision == "fp8" and c.zero_stage == 3 and c.pp > 1),
-    Unsupported(
         name="pipeline-options-without-pp", when="micro-batches or virtual stages with pp = 1",
         reason="they set the pipeline: they need pp > 1",
         applies=lambda c: c.pp == 1 and (c.microbatches is not None or c.virtual_stages != 1)),

@@ -21,6 +21,10 @@ own amax (``agree_amaxes`` off). The one-device ZeRO-3 fp8 runs are made in this
   equal. The bf16-gather run rounds the weights twice (bf16, then e4m3 with the bf16 copy's amax), so it
   differs; its losses agree with the fp8 run's within ``FACTOR x`` the spread of one device's two orders
   (whole batch vs one sequence per micro-batch), fp8's own noise measured in the same session.
+* **Under the pipeline** (a second spawn, pp 2 x dp 2 on 4 ranks: each stage its own ZeRO-3 wrapper): every
+  fp8 weight of a rank's stage is gathered as the whole tensor's cast, bit for bit; the dp group moves fewer
+  bytes per step than the same run gathering bf16; zbh1 gives 1F1B's losses and gradients bit for bit; the
+  losses agree with the bf16-gather run within ``FACTOR x`` one device's fp8 order spread.
 """
 
 from __future__ import annotations
@@ -71,15 +75,26 @@ def files(tmp_path_factory, corpus) -> dict:
     return {"root": tmp_path_factory.mktemp("fp8_zero3"), **corpus}  # tests/conftest.py's corpus
 
 
-def _gathered_casts(groups) -> dict[str, bool]:
-    """Per fp8 weight: are the gathered bytes and scale the whole fp32 tensor's cast, and is the bf16 full
-    weight left unallocated?"""
+def _gathered_casts(groups, **options) -> dict[str, bool]:
+    """Per fp8 weight of this rank: are the gathered bytes and scale the whole fp32 tensor's cast, and is
+    the bf16 full weight left unallocated? (``options``: the layout's; under pp each of the
+    rank's stages is its own ZeRO-3 wrapper.)"""
     dims = groups.dims
     model = GPT(CONFIG, seed=0)
     whole = {n: p.detach().clone() for n, p in model.named_parameters()}
-    fsdp = parallelize(model, groups, dims.config(precision="fp8", zero_stage=3)).forward
+    done = parallelize(model, groups, dims.config(precision="fp8", zero_stage=3, **options))
+    wrappers = done.fsdp_stages if done.pipeline is not None else [done.forward]
     names = {id(m): n for n, m in model.named_modules()}
-    same = {f"{n}.weight": False for n in float8_layers(model)}  # every fp8 layer must be checked
+    same = {f"{n}.weight": False for n in float8_layers(model)  # every fp8 layer this rank holds is checked
+            if done.pipeline is None or any(m is model.get_submodule(n) for f in wrappers
+                                            for m in f.module.modules())}
+    for fsdp in wrappers:
+        same |= _unit_casts(fsdp, whole, names)
+    return same
+
+
+def _unit_casts(fsdp, whole: dict, names: dict) -> dict[str, bool]:
+    same = {}
     for unit in fsdp.units:
         if not float8_unit(unit):
             continue
@@ -94,6 +109,54 @@ def _gathered_casts(groups) -> dict[str, bool]:
                               and sp.unsharded.untyped_storage().nbytes() == 0)
         free_full_params(unit, fsdp.group)
     return same
+
+
+# pp 2 x dp 2 (4 ranks): each pipeline stage its own ZeRO-3 wrapper, its fp8 weights gathered in fp8
+PP = ["--pp", "2", "--microbatches", "2"]
+PP_RUNS = {"pp-fp8": (PP, None), "pp-fp8-zbh1": ([*PP, "--pp-schedule", "zbh1"], None),
+           "pp-bf16-gather": (PP, RUNS["bf16-gather"])}
+
+
+def _pp_worker(ctx, files: dict) -> dict:
+    import refimpl.parallel.zero.fsdp_float8 as fsdp_float8
+
+    dims = ParallelDims(dp=2, pp=2)
+    groups = dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
+    out: dict = {"casts": _gathered_casts(groups, microbatches=2)}
+    for name, (flags, switch) in PP_RUNS.items():
+        args, grads = _args(files, Path(files["root"]) / name, *flags), {}
+        with pytest.MonkeyPatch.context() as patch:
+            if switch is not None:
+                patch.setattr(fsdp_float8, *switch)
+            records = train(config_from_args(args), ctx, options_from_args(args),
+                            gradient_probe=first_step_gradients(grads))
+        out[name], out[name, "grads"] = [r["loss"] for r in records], grads
+        out[name, "sent"] = [r["bytes_sent"]["dp x cp"] for r in records]
+    return out
+
+
+@pytest.fixture(scope="module")
+def pp_runs(files) -> list[dict]:
+    return run_ranks(_pp_worker, 4, files, timeout_s=SPAWN_TIMEOUT_S)
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+def test_zero3_fp8_under_the_pipeline_gathers_each_stage_in_fp8(pp_runs, one_device):
+    """pp 2 x dp 2: every fp8 weight of a rank's stage is gathered as the whole tensor's cast, bit for bit;
+    the dp group moves fewer bytes than the same run gathering bf16; zbh1 (dW deferred to the W actions,
+    reduce-scattered once after the last) gives 1F1B's losses and gradients bit for bit; and the run
+    agrees with the bf16-gather run within ``FACTOR x`` one device's fp8 order spread (as at pp 1)."""
+    spread = float(np.abs(np.subtract(one_device["batch"], one_device["micro"])).max())
+    for rank, out in enumerate(pp_runs):
+        assert out["casts"] and all(out["casts"].values()), (rank, out["casts"])
+        assert all(a < b for a, b in zip(out["pp-fp8", "sent"], out["pp-bf16-gather", "sent"], strict=True))
+        assert out["pp-fp8-zbh1"] == out["pp-fp8"], (rank, out["pp-fp8-zbh1"], out["pp-fp8"])
+        got, want = out["pp-fp8-zbh1", "grads"], out["pp-fp8", "grads"]
+        assert set(got) == set(want) and all(np.array_equal(got[n][2], want[n][2]) for n in want), rank
+        diff = float(np.abs(np.subtract(out["pp-fp8"], out["pp-bf16-gather"])).max())
+        assert 0 < diff <= FACTOR * spread, (rank, diff, spread)
+        assert out["pp-fp8"][-1] < out["pp-fp8"][0] - 0.5, out["pp-fp8"]  # it trains
 
 
 def _worker(ctx, files: dict) -> dict:

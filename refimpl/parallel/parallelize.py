@@ -20,9 +20,9 @@ is built tensor- and pipeline-parallel first, then wrapped in its ``DistributedD
    ones with scales agreed over ``tp`` (one device's scales). After 1 and 1b, so that it sees the final
    layers (a column-parallel block, not the full linear it replaced), but with the first and last linear
    named on the plain model, before 1 replaced them; before 3 and 4, which wrap or move whole blocks.
-   Under ZeRO-3 (step 6) those layers' weights are all-gathered in fp8
-   (:mod:`refimpl.parallel.zero.fsdp_float8`). Rowwise scaling or tp > 1 or pp > 1 with ZeRO-3, sequence
-   parallelism and zbh1 do not compose with it yet (refimpl/support.py says why).
+   Under ZeRO-3 (step 6, and per pipeline stage) those layers' weights are all-gathered in fp8
+   (:mod:`refimpl.parallel.zero.fsdp_float8`). Rowwise scaling or tp > 1 with ZeRO-3 do not compose with
+   it yet (refimpl/support.py says why).
 2. **context parallel** over the ``cp`` group (chapter 07; ring attention, Liu et al. 2023; Ulysses, Jacobs
    et al. 2023). It swaps the attention inside each block and shards the sequence: like 1, a change inside
    the blocks, so it comes before the steps that wrap whole blocks.
@@ -269,6 +269,11 @@ def _shard_stages(done: Parallelized, groups: ParallelGroups, dims: ParallelDims
                                                  mp_policy=policy,
                                                  output_dtype=None if policy is None else torch.float32)
                         for stage in pipeline.stages.values()]
+    if config.precision == "fp8":  # each stage's fp8 linears' weights gathered in fp8, as at pp = 1
+        from refimpl.parallel.zero.fsdp_float8 import enable_float8_all_gather
+
+        for fsdp in done.fsdp_stages:
+            enable_float8_all_gather(fsdp)
     if not per_micro:
         for fsdp in done.fsdp_stages:
             fsdp.set_requires_gradient_sync(False)
