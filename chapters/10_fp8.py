@@ -744,11 +744,11 @@ print(f"fp8 gathers: the weight traffic halves again, the step's traffic falls t
 # In the package: `refimpl.precision.fp8` (`convert_to_float8(model, scaling="rowwise")`,
 # `all_gather_float8`). In the trainer: `python -m refimpl.train --precision fp8 [--fp8-scaling rowwise]`
 # (bf16 autocast with fp8 linears, composing with dp, ZeRO 0-3, tp and pp; under ZeRO-3 the weights of
-# the fp8 layers are all-gathered in fp8 as section 5 built it, tensorwise at tp = 1 (each pipeline
-# stage's wrapper too); with sequence parallelism and the zbh1 schedule the linear seam runs the two
-# backward GEMMs through the same fp8 product; what does not compose is refused with the reason,
-# `--list-layouts` prints it;
-# tests/test_train_fp8.py and tests/test_fp8_zero3.py compare the layouts with one device).
+# the fp8 layers are all-gathered in fp8 as section 5 built it, tensorwise (each pipeline stage's
+# wrapper too, and each tensor-parallel block with its whole layer's scale); with sequence parallelism
+# and the zbh1 schedule the linear seam runs the two backward GEMMs through the same fp8 product; what
+# does not compose is refused with the reason, `--list-layouts` prints it; tests/test_train_fp8.py and
+# tests/test_fp8_zero3.py compare the layouts with one device).
 
 # %%
 ranks.stop()

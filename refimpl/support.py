@@ -81,13 +81,6 @@ SUPPORT_TABLE: tuple[Unsupported, ...] = (
                "once; use --fp8-scaling tensorwise with ZeRO-3, or ZeRO 0-2 with rowwise",
         applies=lambda c: c.precision == "fp8" and c.zero_stage == 3 and c.fp8_scaling == "rowwise"),
     Unsupported(
-        name="fp8-zero3-tp", when="--precision fp8 with ZeRO-3 and tp > 1",
-        reason="ZeRO-3 would shard the tensor-parallel blocks again over dp: their fp8 all-gather would need "
-               "the amax agreed over dp and tp and the seam's fp8 matmul to take the gathered weight, not "
-               "built (gathering bf16 would round the weights twice); use ZeRO 0-2 with --tp, or ZeRO-3 "
-               "with tp = 1",
-        applies=lambda c: c.precision == "fp8" and c.zero_stage == 3 and c.tp > 1),
-    Unsupported(
         name="pipeline-options-without-pp", when="micro-batches or virtual stages with pp = 1",
         reason="they set the pipeline: they need pp > 1",
         applies=lambda c: c.pp == 1 and (c.microbatches is not None or c.virtual_stages != 1)),

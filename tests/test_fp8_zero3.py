@@ -21,10 +21,12 @@ own amax (``agree_amaxes`` off). The one-device ZeRO-3 fp8 runs are made in this
   equal. The bf16-gather run rounds the weights twice (bf16, then e4m3 with the bf16 copy's amax), so it
   differs; its losses agree with the fp8 run's within ``FACTOR x`` the spread of one device's two orders
   (whole batch vs one sequence per micro-batch), fp8's own noise measured in the same session.
-* **Under the pipeline** (a second spawn, pp 2 x dp 2 on 4 ranks: each stage its own ZeRO-3 wrapper): every
-  fp8 weight of a rank's stage is gathered as the whole tensor's cast, bit for bit; the dp group moves fewer
-  bytes per step than the same run gathering bf16; zbh1 gives 1F1B's losses and gradients bit for bit; the
-  losses agree with the bf16-gather run within ``FACTOR x`` one device's fp8 order spread.
+* **Under the pipeline and tensor parallelism** (a second spawn of 4 ranks: pp 2 x dp 2, each stage its own
+  ZeRO-3 wrapper; tp 2 x dp 2, the TP blocks sharded again over dp): every fp8 weight of a rank's stage is
+  gathered as the whole tensor's cast, and every TP block as its part of the whole layer's cast, bit for
+  bit (negative control: the blocks' amax agreed over dp only); the dp group moves fewer bytes per step
+  than the same run gathering bf16; zbh1 gives 1F1B's losses and gradients bit for bit; the losses agree
+  with the bf16-gather run within ``FACTOR x`` one device's fp8 order spread.
 """
 
 from __future__ import annotations
@@ -75,10 +77,11 @@ def files(tmp_path_factory, corpus) -> dict:
     return {"root": tmp_path_factory.mktemp("fp8_zero3"), **corpus}  # tests/conftest.py's corpus
 
 
-def _gathered_casts(groups, **options) -> dict[str, bool]:
+def _gathered_casts(groups, *, tp_agreed: bool = True, **options) -> dict[str, bool]:
     """Per fp8 weight of this rank: are the gathered bytes and scale the whole fp32 tensor's cast, and is
     the bf16 full weight left unallocated? (``options``: the layout's; under pp each of the
-    rank's stages is its own ZeRO-3 wrapper.)"""
+    rank's stages is its own ZeRO-3 wrapper; under tp the rank's block of the whole layer's cast is
+    compared. ``tp_agreed`` False: the negative control, amaxes agreed over dp only.)"""
     dims = groups.dims
     model = GPT(CONFIG, seed=0)
     whole = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -89,6 +92,11 @@ def _gathered_casts(groups, **options) -> dict[str, bool]:
             if done.pipeline is None or any(m is model.get_submodule(n) for f in wrappers
                                             for m in f.module.modules())}
     for fsdp in wrappers:
+        if not tp_agreed:
+            for unit in fsdp.units:
+                for sp in unit.params:
+                    if sp.float8 is not None:
+                        sp.float8.tp_group = None
         same |= _unit_casts(fsdp, whole, names)
     return same
 
@@ -101,28 +109,37 @@ def _unit_casts(fsdp, whole: dict, names: dict) -> dict[str, bool]:
         finish_all_gather(unit, fsdp.group)
         for sp in unit.params:
             if sp.float8 is not None:
-                name = names[id(sp.float8.layers[0])] + ".weight"
+                layer = sp.float8.layers[0]
+                name = names[id(layer)] + ".weight"
                 want = cast_to_float8(whole[name], E4M3)
-                got = sp.float8.layers[0].weight_fp8
-                same[name] = (torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+                data = want.data
+                if hasattr(layer, "tp_rank"):  # a tensor-parallel block: its block of the whole layer's cast
+                    dim = 0 if layer.split_features == "out" else 1
+                    data = data.chunk(layer.tp_size, dim=dim)[layer.tp_rank]
+                got = layer.weight_fp8 if hasattr(layer, "weight_fp8") else layer.matmul.weight_fp8
+                same[name] = (torch.equal(got.data.view(torch.uint8), data.view(torch.uint8))
                               and torch.equal(got.scale, want.scale)
                               and sp.unsharded.untyped_storage().nbytes() == 0)
         free_full_params(unit, fsdp.group)
     return same
 
 
-# pp 2 x dp 2 (4 ranks): each pipeline stage its own ZeRO-3 wrapper, its fp8 weights gathered in fp8
-PP = ["--pp", "2", "--microbatches", "2"]
+# 4 ranks: pp 2 x dp 2 (each pipeline stage its own ZeRO-3 wrapper) and tp 2 x dp 2 (2-D: the TP blocks
+# sharded again over dp), their fp8 weights gathered in fp8
+PP, TP = ["--pp", "2", "--microbatches", "2"], ["--tp", "2"]
 PP_RUNS = {"pp-fp8": (PP, None), "pp-fp8-zbh1": ([*PP, "--pp-schedule", "zbh1"], None),
-           "pp-bf16-gather": (PP, RUNS["bf16-gather"])}
+           "pp-bf16-gather": (PP, RUNS["bf16-gather"]), "tp-fp8": (TP, None),
+           "tp-bf16-gather": (TP, RUNS["bf16-gather"])}
 
 
 def _pp_worker(ctx, files: dict) -> dict:
     import refimpl.parallel.zero.fsdp_float8 as fsdp_float8
 
-    dims = ParallelDims(dp=2, pp=2)
+    dims, tp_dims = ParallelDims(dp=2, pp=2), ParallelDims(dp=2, tp=2)
     groups = dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
-    out: dict = {"casts": _gathered_casts(groups, microbatches=2)}
+    tp_groups = tp_dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
+    out: dict = {"casts": _gathered_casts(groups, microbatches=2), "tp casts": _gathered_casts(tp_groups),
+                 "tp casts, dp amax only": _gathered_casts(tp_groups, tp_agreed=False)}
     for name, (flags, switch) in PP_RUNS.items():
         args, grads = _args(files, Path(files["root"]) / name, *flags), {}
         with pytest.MonkeyPatch.context() as patch:
@@ -157,6 +174,23 @@ def test_zero3_fp8_under_the_pipeline_gathers_each_stage_in_fp8(pp_runs, one_dev
         diff = float(np.abs(np.subtract(out["pp-fp8"], out["pp-bf16-gather"])).max())
         assert 0 < diff <= FACTOR * spread, (rank, diff, spread)
         assert out["pp-fp8"][-1] < out["pp-fp8"][0] - 0.5, out["pp-fp8"]  # it trains
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+def test_zero3_fp8_with_tensor_parallelism_gathers_each_block_with_its_layers_scale(pp_runs, one_device):
+    """tp 2 x dp 2 (2-D): every fp8 TP block is gathered as its block of the whole layer's cast, bit for bit
+    (the amax agreed over dp, then over tp); negative control: agreed over dp only, some blocks differ. The
+    dp group moves fewer bytes than the same run gathering bf16; the losses agree with it within
+    ``FACTOR x`` one device's fp8 order spread."""
+    spread = float(np.abs(np.subtract(one_device["batch"], one_device["micro"])).max())
+    for rank, out in enumerate(pp_runs):
+        assert out["tp casts"] and all(out["tp casts"].values()), (rank, out["tp casts"])
+        assert not all(out["tp casts, dp amax only"].values()), (rank, out["tp casts, dp amax only"])
+        assert all(a < b for a, b in zip(out["tp-fp8", "sent"], out["tp-bf16-gather", "sent"], strict=True))
+        diff = float(np.abs(np.subtract(out["tp-fp8"], out["tp-bf16-gather"])).max())
+        assert 0 < diff <= FACTOR * spread, (rank, diff, spread)
+        assert out["tp-fp8"][-1] < out["tp-fp8"][0] - 0.5, out["tp-fp8"]  # it trains
 
 
 def _worker(ctx, files: dict) -> dict:

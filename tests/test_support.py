@@ -29,7 +29,6 @@ CASES = {
     "fp8-scaling-without-fp8": (dict(fp8_scaling="rowwise"), dict(fp8_scaling="rowwise", precision="fp8")),
     "fp8-zero3-rowwise": (dict(precision="fp8", fp8_scaling="rowwise", zero_stage=3),
                           dict(precision="fp8", fp8_scaling="rowwise", zero_stage=2)),
-    "fp8-zero3-tp": (dict(precision="fp8", zero_stage=3, tp=2), dict(precision="fp8", zero_stage=3)),
     "pipeline-options-without-pp": (dict(microbatches=4), dict(microbatches=4, pp=2)),
     "virtual-stages-without-interleaving": (dict(pp=2, virtual_stages=2),
                                             dict(pp=2, virtual_stages=2, pp_schedule="interleaved")),

@@ -33,7 +33,7 @@ layer check below; the one-device references run in this process (one thread, as
 * **Sequence parallelism and zbh1 stay fp8 in all three GEMMs** (the seam's own backward takes them from
   ``Float8Matmul``): each rank runs as many ``_scaled_mm`` calls (counted by a dispatch mode) as the same
   layout without them; the seam's old bf16 backward GEMMs made 60 against 84 at tp 2 with SP.
-* **Refusals**: ZeRO-3 with rowwise scaling or tp (ZeRO-3 with fp8 itself, under pp too, its weights
+* **Refusals**: ZeRO-3 with rowwise scaling (ZeRO-3 with fp8 itself, under tp and pp too, its weights
   all-gathered in fp8, is tests/test_fp8_zero3.py's) and ``--fp8-scaling`` without fp8, one line each from
   refimpl/support.py and exit status 2. **Planner**: fp8's saved activations and bf16
   weight copies to the byte against :class:`SavedTensorMeter`, its fp8 weights the trainer's;
@@ -320,7 +320,6 @@ def test_sequence_parallelism_and_zbh1_run_every_gemm_in_fp8(runs, name, plain):
 
 
 REFUSED = {"fp8-zero3-rowwise": ["--zero-stage", "3", *ROWWISE],
-           "fp8-zero3-tp": [*FP8, "--zero-stage", "3", "--tp", "2"],
            "fp8-scaling-without-fp8": ["--fp8-scaling", "rowwise"]}
 
 

@@ -19,9 +19,10 @@ never the cast of a bf16 copy (a second rounding; what gathering in ``param_dtyp
 shard cast with its own ``a_r`` would give other bytes (tests/test_fp8_zero3.py's negative control).
 
 **Wiring** (:func:`enable_float8_all_gather`, called by :func:`refimpl.parallel.parallelize` under
-``--precision fp8 --zero-stage 3``): every weight registered only in tensorwise
-:class:`~refimpl.precision.fp8.Float8Linear` layers gets a :class:`Float8Gather`, a full fp8 tensor (its
-storage freed between gathers, like the unit's full parameters) and its scale. A unit holding such a
+``--precision fp8 --zero-stage 3``): every weight registered only in tensorwise fp8 layers
+(:class:`~refimpl.precision.fp8.Float8Linear`, or tensor-parallel blocks: below) gets a
+:class:`Float8Gather`, a full fp8 tensor (its storage freed between gathers, like the unit's full
+parameters) and its scale. A unit holding such a
 weight gathers all its parameters in **one** collective of bytes (FSDP2 packs mixed all-gather dtypes
 into a ``uint8`` buffer alike; gloo refuses float8 dtypes anyway): the other parameters (LayerNorms,
 biases, the layers kept in bf16) in ``param_dtype`` as before, each as ``itemsize`` bytes per element
@@ -33,6 +34,13 @@ Per unit and gather, with ``c_p = ceil(rows_p / N) * row_numel_p`` the padded ch
 the collective moves ``N * (sum_{p not fp8} 2 c_p + sum_{p fp8} c_p)`` bytes, plus one all-reduce of
 ``4 k`` bytes: the fp8 weights' part is exactly half of their bf16 gather.
 
+**2-D (tp > 1)**: a tensor-parallel block (its seam matmul :class:`~refimpl.precision.fp8.Float8Matmul`,
+chapter 06) is sharded again over dp; its shard's amax is agreed over the dp group and then over the tp
+group (a second MAX all-reduce of the same ``4 k`` bytes), so the block is cast with its whole layer's
+scale, one device's, as :class:`~refimpl.precision.fp8.ShardedScales` casts it without ZeRO-3; the
+gathered block goes to the layer as its matmul's ``weight_fp8``. (torchao's fp8 all-gather under DTensor
+TP takes the amax of the whole DTensor the same way.)
+
 **Rowwise** layers are not gathered in fp8 (torchao: tensorwise only): their forward casts ``W`` per row
 and their input gradient per column, two fp8 copies with per-slice scales; refimpl/support.py refuses
 rowwise with ZeRO-3 rather than hand those layers bf16 weights to round a second time.
@@ -40,7 +48,9 @@ rowwise with ZeRO-3 rather than hand those layers bf16 weights to round a second
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,8 +61,10 @@ from refimpl.distributed.group_info import group_rank_size
 from refimpl.parallel.zero.fsdp_unit import FSDPUnit, _alloc, _free
 from refimpl.parallel.zero.sharding import ShardSpec
 from refimpl.precision.fp8 import (
+    Float8Config,
     Float8Format,
     Float8Linear,
+    Float8Matmul,
     Float8Tensor,
     amax_to_scale,
     operand_amax,
@@ -69,31 +81,47 @@ class Float8Gather:
     weight (storage allocated only while its unit is gathered) and its 0-d fp32 scale (written in place
     at each gather, so a backward reads the bytes and scale its unit's latest gather brought)."""
 
-    layers: list[Float8Linear]
+    layers: list[nn.Module]
     fmt: Float8Format
     tensor: Float8Tensor
     next_scale: torch.Tensor | None = field(default=None)  # the scale of the gather in flight
+    tp_group: Any = None  # a tensor-parallel block's group: its amax agreed over it too (the whole layer's)
+
+
+def _float8_config(module: nn.Module) -> Float8Config | None:
+    """The tensorwise fp8 recipe ``module``'s weight is multiplied with: a ``Float8Linear``'s, or a
+    tensor-parallel block's whose seam matmul is fp8 (:class:`~refimpl.precision.fp8.Float8Matmul`)."""
+    if isinstance(module, Float8Linear):
+        config = module.config
+    elif isinstance(getattr(module, "matmul", None), Float8Matmul):
+        config = module.matmul.config
+    else:
+        return None
+    return config if config.scaling == "tensorwise" else None
 
 
 def enable_float8_all_gather(fsdp: nn.Module) -> list[str]:
     """Give every weight of ``fsdp`` (a :class:`~refimpl.parallel.zero.FullyShardedDataParallel`, before
-    its first forward) that only tensorwise ``Float8Linear`` layers read an fp8 all-gather (module
-    docstring). Returns the layers' names in the wrapped module."""
+    its first forward) that only tensorwise fp8 layers read (``Float8Linear``, or tensor-parallel blocks
+    with the fp8 seam matmul) an fp8 all-gather (module docstring). Returns the layers' names in the
+    wrapped module."""
     names = {id(m): n for n, m in fsdp.module.named_modules()}
     enabled = []
     for unit in fsdp.units:
         for sp in unit.params:
-            layers = [m for m, attr in sp.registrations if attr == "weight" and isinstance(m, Float8Linear)
-                      and m.config.scaling == "tensorwise"]
+            layers = [m for m, attr in sp.registrations if attr == "weight" and _float8_config(m) is not None]
             if not layers or len(layers) != len(sp.registrations):  # read elsewhere too: keep param_dtype
                 continue
-            fmt = layers[0].config.weight_format
-            if any(m.config.weight_format != fmt for m in layers):
+            fmt = _float8_config(layers[0]).weight_format
+            if any(_float8_config(m).weight_format != fmt for m in layers):
                 continue
+            matmuls = [m.matmul for m in layers if isinstance(getattr(m, "matmul", None), Float8Matmul)]
+            sharded = [mm.sharded for mm in matmuls if mm.sharded is not None]
             data = torch.empty(sp.spec.shape, dtype=fmt.dtype, device=sp.sharded.device)
             _free(data)
             scale = torch.ones((), dtype=torch.float32, device=sp.sharded.device)
-            sp.float8 = Float8Gather(layers=layers, fmt=fmt, tensor=Float8Tensor(data, scale))
+            sp.float8 = Float8Gather(layers=layers, fmt=fmt, tensor=Float8Tensor(data, scale),
+                                     tp_group=sharded[0].group if sharded else None)
             enabled += [names[id(m)] for m in layers]
     return enabled
 
@@ -129,6 +157,10 @@ def float8_gather_inputs(unit: FSDPUnit, group: dist.ProcessGroup | None
     amaxes = torch.stack([operand_amax(sp.sharded.detach(), scaling="tensorwise", contraction_dim=0)
                           .to(torch.float32) for sp in fp8])
     amaxes = agree_amaxes(amaxes, group)
+    tp_groups = {id(sp.float8.tp_group): sp.float8.tp_group for sp in fp8 if sp.float8.tp_group is not None}
+    if tp_groups:  # tensor-parallel blocks: the whole layer's amax, over tp too (one device's scale)
+        (tp_group,) = tp_groups.values()  # one per rank; a weight replicated over tp has one amax there
+        amaxes = agree_amaxes(amaxes, tp_group)
     inputs, specs = [], []
     for sp in unit.params:
         rows = sp.spec.end - sp.spec.start
@@ -157,12 +189,22 @@ def float8_gather_outputs(unit: FSDPUnit) -> tuple[list[torch.Tensor], list[Shar
     return outputs, specs
 
 
+def _hand(layer: nn.Module, weight_fp8: Float8Tensor | None) -> None:
+    """Give ``layer`` the gathered fp8 weight (None: take it back): a ``Float8Linear``'s ``weight_fp8``, a
+    tensor-parallel block's fp8 seam matmul."""
+    if isinstance(layer, Float8Linear):
+        layer.weight_fp8 = weight_fp8
+    else:
+        layer.matmul = dataclasses.replace(layer.matmul, weight_fp8=weight_fp8)
+
+
 def use_float8(unit: FSDPUnit) -> None:
-    """The unit is gathered: its fp8 layers take the gathered weight (``Float8Linear.weight_fp8``)."""
+    """The unit is gathered: its fp8 layers take the gathered weight (``Float8Linear.weight_fp8``, or the
+    seam matmul's of a tensor-parallel block)."""
     for sp in unit.params:
         if sp.float8 is not None:
             for layer in sp.float8.layers:
-                layer.weight_fp8 = sp.float8.tensor
+                _hand(layer, sp.float8.tensor)
 
 
 def release_float8(unit: FSDPUnit) -> None:
@@ -170,5 +212,5 @@ def release_float8(unit: FSDPUnit) -> None:
     for sp in unit.params:
         if sp.float8 is not None:
             for layer in sp.float8.layers:
-                layer.weight_fp8 = None
+                _hand(layer, None)
             _free(sp.float8.tensor.data)
