@@ -90,15 +90,20 @@ def test_the_kubernetes_job_fits_every_pod_count_its_elastic_policy_allows():
 
 
 def test_the_gpu_bench_script_passes_only_trainer_flags():
-    """bench/gpu/run.sh (run by hand on GPUs, never by the suite): bash accepts it and the trainer parses
-    its flags, with ``$((16 * gpus))`` at one GPU; without a GPU it refuses in one line (exit 2)."""
+    """bench/gpu/run.sh (run by hand on GPUs, never by the suite): bash accepts it, the trainer parses its
+    flags for each default precision (bf16 and fp8), with ``$((16 * gpus))`` at one GPU, and its summary
+    compiles; without a GPU it refuses in one line (exit 2)."""
     path = ROOT / "bench" / "gpu" / "run.sh"
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
     text = path.read_text()
+    assert 'PRECISIONS=${PRECISIONS:-"bf16 fp8"}' in text
     command = " ".join(line.rstrip("\\").strip() for line in
                        text.split("-m refimpl.train", 1)[1].split('"$@"', 1)[0].splitlines())
-    argv = shlex.split(command.replace("$((16 * gpus))", "16").replace('"$out/run"', "runs/x"))
-    build_parser().parse_args(argv)
+    for precision in ("bf16", "fp8"):
+        argv = shlex.split(command.replace("$((16 * gpus))", "16").replace('"$out/$precision"', "runs/x")
+                           .replace('"$precision"', precision))
+        assert build_parser().parse_args(argv).precision == precision
+    compile(text.split("<<'PYEOF'\n", 1)[1].split("PYEOF", 1)[0], "run.sh summary", "exec")
     import torch
 
     if not torch.cuda.is_available():
