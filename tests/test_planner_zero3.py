@@ -2,7 +2,7 @@
 themselves (chapters 04, 05, 08 and 10).
 
 ONE spawn of 4 ranks trains tests/test_planner_3d.py's tiny GPT (4 blocks, width 32, 4 heads, 16 tokens,
-global batch 8, 2 steps) through :func:`refimpl.train.train` at thirteen layouts: ZeRO-3 over dp 4; ZeRO-3
+global batch 8, 2 steps) through :func:`refimpl.train.train` at fourteen layouts: ZeRO-3 over dp 4; ZeRO-3
 of the tensor-parallel blocks (2-D) with checkpointing, and with sequence parallelism too; HSDP (dp 4 as
 2 replicas of 2) and HSDP with ring attention and checkpointing (a shard group of the 2 cp ranks); ZeRO-3
 in bf16 (FSDP2's mixed precision: 16-bit gathers and compute) with gradient accumulation; ZeRO-2 over
@@ -10,7 +10,8 @@ dp 4, with sequence parallelism and accumulation, and under pipeline parallelism
 parallelism and two of the four blocks checkpointed; ZeRO-3 under pipeline parallelism (dp 2 x pp 2, each
 stage sharded in place over dp): 1F1B over 4 micro-batches gathered once per step (the default) and
 gathered per micro-batch (``--zero3-reshard-per-microbatch``), GPipe over 2 micro-batches of 2 sequences
-per micro-batch. Per rank, :func:`refimpl.planner.predict_run`'s figures equal, to the byte:
+per micro-batch, interleaved 1F1B (2 virtual stages of one block) over 4 micro-batches. Per rank,
+:func:`refimpl.planner.predict_run`'s figures equal, to the byte:
 
 * the bytes sent per step and process group that ``metrics.jsonl`` records (``"dp x cp"``, under HSDP
   ``"dp_shard x cp"`` and ``"dp_replicate"``, ``"tp"``, ``"cp"``, ``"pp"``), every key, both steps;
@@ -91,9 +92,12 @@ LAYOUTS = {  # the trainer's flags at world size 4
                               "--zero3-reshard-per-microbatch"],
     "dp2-pp2-zero3-gpipe-reshard": ["--dp", "2", "--pp", "2", *ZERO3, "--microbatches", "2",  # b = 2
                                     "--pp-schedule", "gpipe", "--zero3-reshard-per-microbatch"],
+    "dp2-pp2-zero3-interleaved": ["--dp", "2", "--pp", "2", *ZERO3, "--microbatches", "4", "--pp-schedule",
+                                  "interleaved", "--virtual-stages", "2"],
 }
 KEPT = "ZeRO-3 gathered stages and their full gradients (kept through the step)"  # the preflight's peak
-PIPELINE_ZERO3 = ("dp2-pp2-zero3", "dp2-pp2-zero3-reshard", "dp2-pp2-zero3-gpipe-reshard")
+PIPELINE_ZERO3 = ("dp2-pp2-zero3", "dp2-pp2-zero3-reshard", "dp2-pp2-zero3-gpipe-reshard",
+                  "dp2-pp2-zero3-interleaved")
 
 
 def _args(files: dict, name: str):
@@ -257,7 +261,7 @@ def test_zero3_full_tensors_are_freed_before_the_step_and_the_preflight_peaks_ho
     stage's weights and full gradients when gathered once per step (the preflight's term, to the byte), the
     stage's root unit when gathered per micro-batch (the preflight's term adds its largest block)."""
     names = [n for n in LAYOUTS if options_from_args(_args(files, n)).zero_stage == 3]
-    assert len(names) == 9
+    assert len(names) == 10
     for name in names:
         args = _args(files, name)
         config, parallel = config_from_args(args).model, options_from_args(args).parallel
@@ -282,7 +286,7 @@ def test_zero3_full_tensors_are_freed_before_the_step_and_the_preflight_peaks_ho
 
 
 @pytest.mark.parametrize("change", [{"precision": "bf16"}, {"tp": 2, "dp": 1}, {"cp": 2, "dp": 1},
-                                    {"dp_replicate": 2}, {"pp_schedule": "interleaved", "virtual_stages": 2}])
+                                    {"dp_replicate": 2}, {"pp_schedule": "zbh1"}])
 def test_zero3_under_the_pipeline_is_refused_where_not_measured(files, change):
     args = _args(files, "dp2-pp2-zero3")
     with pytest.raises(ValueError, match="ZeRO-3 under pipeline parallelism in fp32"):
