@@ -7,8 +7,8 @@
   :func:`pipeline_state_memory` to the byte.
 * One micro-batch's saved bytes per stage: :class:`SavedTensorMeter` on the stage's forward (and the loss on
   the last stage) equals :func:`stage_saved_bytes` to the byte, in float32, under bfloat16 autocast and
-  with checkpointed blocks; with zbh1's deferred weight gradients, the tensors the queued ``dW`` closures
-  keep after the backward equal :func:`stage_deferred_bytes`.
+  with checkpointed blocks; with zbh1's deferred weight gradients, the tensors the queued ``dW`` keep after
+  the backward (the seam declares them to the store's ``on_push``) equal :func:`stage_deferred_bytes`.
 * The peak of a real step: :class:`PipelineModule.step` at pp 2 and 4 over m = 4 micro-batches (gpipe,
   1f1b, interleaved v = 2, zbh1) with the bytes alive counted as they come and go (saved tensors through
   ``saved_tensors_hooks``, released when autograd frees them; the tensors sent, plain or batched, seen by
@@ -94,26 +94,13 @@ def test_stage_parameters_and_state_per_rank_equal_the_built_stages(pp, v, balan
         assert [ranges[st] for st in sorted(stages)] == [stages[st].block_ids for st in sorted(stages)]
 
 
-def _held_by(fn) -> list[torch.Tensor]:
-    """The tensors a queued weight gradient's closure holds, the closures it holds searched too (the
-    seam queues ``dW``'s function inside the accumulation)."""
-    cells = [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]
-    inner = [f for f in cells if callable(f) and not isinstance(f, torch.Tensor)]
-    return [t for t in cells if isinstance(t, torch.Tensor)] + [t for f in inner for t in _held_by(f)]
-
-
-def _closure_tensors(fn, skip: set[int]) -> dict[int, int]:
-    """The storages (not parameters) a queued weight gradient keeps, by address: their bytes."""
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _held_by(fn)
-            if t.untyped_storage().data_ptr() not in skip}
-
-
 @pytest.mark.parametrize("deferred", [False, True], ids=["whole-backward", "zbh1-deferred-W"])
 @pytest.mark.parametrize(("precision", "checkpointed"), [("fp32", ()), ("bf16", ()), ("fp32", (1, 4))],
                          ids=["fp32", "bf16-autocast", "fp32-checkpointed"])
 def test_one_microbatch_saves_what_the_planner_counts_per_stage(precision, checkpointed, deferred):
     """Forward: the saved bytes; with zbh1's deferred weight gradients also what the backward leaves for
-    W (the tensors its queued closures hold), against :func:`stage_deferred_bytes`."""
+    W (the tensors the seam declares its queued weight gradients hold), against
+    :func:`stage_deferred_bytes`."""
     config, pp = _config(tied=False), 4
     model = GPT(config, seed=0)
     if checkpointed:
@@ -142,12 +129,13 @@ def test_one_microbatch_saves_what_the_planner_counts_per_stage(precision, check
         widened = 2 * len(plain) * 2 * B * S * config.hidden_size if deferred and precision == "bf16" else 0
         assert sum(got.per_block()) == plan["block activations"] + widened, (rank, precision)
         if deferred:
+            held: list[torch.Tensor] = []  # what the queued weight gradients keep (the seam declares it)
+            store.on_push = lambda fn, tensors, held=held: held.extend(tensors)
             with store.capture("mb"):
                 torch.autograd.backward(y, None if st == pp - 1 else torch.ones_like(y))
             skip = {q.untyped_storage().data_ptr() for q in stage.parameters()}
-            kept: dict[int, int] = {}
-            for fn in store._pending["mb"]:
-                kept |= _closure_tensors(fn, skip)
+            kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held
+                    if t.untyped_storage().data_ptr() not in skip}
             want = stage_deferred_bytes(config, stage=st, num_stages=pp, blocks=stage.block_ids,
                                         micro_batch=B, seq_len=S, compute_dtype=dtype)
             assert sum(kept.values()) == want, (rank, precision)
@@ -164,15 +152,8 @@ def _counted_step(pipe, inputs, labels, loss_fn, *, num_microbatches: int = M) -
         live.sample()  # the executor reads the clock at each action's start, ready and end
         return now()
 
-    if pipe.store is not None:  # zbh1: what each queued weight gradient keeps until its W
-        push = pipe.store.push
-
-        def counted_push(fn) -> None:
-            for t in _held_by(fn):
-                live.hold(fn, t)
-            push(fn)
-
-        pipe.store.push = counted_push
+    if pipe.store is not None:  # zbh1: what each queued weight gradient keeps until its W (the seam says)
+        pipe.store.on_push = live.hold_queued
     # sent tensors count until their storage is freed (live.sends: the tracer's on_send)
     with live.sends(), torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.t):
         pipe.step(inputs, labels, num_microbatches=num_microbatches, loss_fn=loss_fn, clock=sampled_now)

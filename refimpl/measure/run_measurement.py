@@ -16,7 +16,8 @@ trainer's own setup, batch and schedule):
   whoever kept it: the runtime's send, or the stage output the backward needs), read whenever the executor
   reads its clock (an action's start, ready and end), as tests/test_planner_pp.py counts them for chapter
   08. The sent tensors are seen through :class:`refimpl.comm.CommTracer`'s ``on_send`` (every send, plain
-  or in a ``batch_isend_irecv`` group), not by patching the ops.
+  or in a ``batch_isend_irecv`` group), not by patching the ops; under zbh1 what each queued weight
+  gradient keeps until its ``W`` (the seam declares it) through its store's ``on_push``.
 
 Both activation meters know a storage by its identity (:func:`~refimpl.measure.activations.storage_key`),
 not its address, and take every saved ``nn.Parameter`` for a parameter: under ZeRO-3 the weights a unit
@@ -116,6 +117,12 @@ class LiveTensorBytes:
         ``with live.sends(): ...``."""
         return CommTracer(on_send=self.hold_storage)
 
+    def hold_queued(self, fn: object, held: tuple[torch.Tensor, ...]) -> None:
+        """Count what a queued weight gradient ``fn`` keeps until its ``W`` (a
+        :class:`~refimpl.parallel.pipeline_parallel.WeightGradStore`'s ``on_push``)."""
+        for t in held:
+            self.hold(fn, t)
+
     def pack(self, t: torch.Tensor) -> _Held:
         held = _Held(t)
         self.hold(held, t)
@@ -158,8 +165,16 @@ class TrainerProbe:
                     yield
             else:
                 self._live = live = LiveTensorBytes(self._params)
-                with live.sends(), torch.autograd.graph.saved_tensors_hooks(live.pack, lambda held: held.t):
-                    yield
+                store = setup.pipeline.store  # zbh1: what each queued weight gradient keeps until its W
+                if store is not None:
+                    store.on_push = live.hold_queued
+                saved = torch.autograd.graph.saved_tensors_hooks(live.pack, lambda held: held.t)
+                try:
+                    with live.sends(), saved:
+                        yield
+                finally:
+                    if store is not None:
+                        store.on_push = None
                 self._seen["activations"] = live.between
         finally:
             self._params, self._meter, self._live = None, None, None

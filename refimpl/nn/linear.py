@@ -51,29 +51,41 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Linear", "SequenceGather", "SplitMatmul", "linear_with_grad"]
+__all__ = ["DeferredProduct", "Linear", "SequenceGather", "SplitMatmul", "linear_with_grad"]
 
 Matmul = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 class WeightGradQueue(Protocol):
-    """Where a deferred ``dW`` goes: ``push(fn)`` runs ``fn`` now or at the key's ``W``; ``fn()`` adds
-    ``dW`` to the weight's ``.grad`` and returns the weight."""
+    """Where a deferred ``dW`` goes: ``push(fn, held)`` runs ``fn`` now or at the key's ``W``; ``fn()`` adds
+    ``dW`` to the weight's ``.grad`` and returns the weight; ``held``: the tensors ``fn`` keeps until then
+    (what a memory meter counts while it waits)."""
 
-    def push(self, fn: Callable[[], torch.Tensor]) -> None: ...
+    def push(self, fn: Callable[[], torch.Tensor], held: tuple[torch.Tensor, ...] = ()) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class DeferredProduct:
+    """A product prepared now and computed when called: ``fn()``, and ``held``, the tensors it keeps."""
+
+    fn: Callable[[], torch.Tensor]
+    held: tuple[torch.Tensor, ...] = ()
+
+    def __call__(self) -> torch.Tensor:
+        return self.fn()
 
 
 class SplitMatmul(Protocol):
     """A pluggable matmul that owns its backward products too (module docstring): ``__call__`` is the
     forward ``x W^T + b``; ``input_grad(dy [..., out], weight) -> dx [..., in]`` and
     ``weight_grad(dy [tokens, out], x [tokens, in])``, which prepares its operands now and returns the
-    function computing ``dW [out, in]``; both results in ``dy``'s dtype."""
+    :class:`DeferredProduct` computing ``dW [out, in]``; both results in ``dy``'s dtype."""
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
     def input_grad(self, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
 
-    def weight_grad(self, dy: torch.Tensor, x: torch.Tensor) -> Callable[[], torch.Tensor]: ...
+    def weight_grad(self, dy: torch.Tensor, x: torch.Tensor) -> DeferredProduct: ...
 
 
 def _splits(matmul: Matmul) -> bool:
@@ -81,10 +93,12 @@ def _splits(matmul: Matmul) -> bool:
     return callable(getattr(matmul, "input_grad", None)) and callable(getattr(matmul, "weight_grad", None))
 
 
-def _weight_grad(matmul: Matmul, dy: torch.Tensor, x: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """The function computing ``dW = dY^T X`` (``[tokens, out]^T @ [tokens, in] -> [out, in]``); by
-    ``matmul`` if it splits (its operands prepared now)."""
-    return matmul.weight_grad(dy, x) if _splits(matmul) else lambda: dy.t().matmul(x)
+def _weight_grad(matmul: Matmul, dy: torch.Tensor, x: torch.Tensor) -> DeferredProduct:
+    """``dW = dY^T X`` (``[tokens, out]^T @ [tokens, in] -> [out, in]``) to compute; by ``matmul`` if it
+    splits (its operands prepared now)."""
+    if _splits(matmul):
+        return matmul.weight_grad(dy, x)
+    return DeferredProduct(lambda: dy.t().matmul(x), held=(dy, x))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -140,7 +154,7 @@ class _LinearWithGrad(torch.autograd.Function):
         weight_grad = _weight_grad(mm, dy2, x2)
         if ctx.store is not None:                                     # zero-bubble's W: dW later
             holder = ctx.grad_holder
-            ctx.store.push(lambda: _accumulate(holder, weight_grad))
+            ctx.store.push(lambda: _accumulate(holder, weight_grad), held=weight_grad.held)
             dw = None
         else:
             dw = weight_grad().to(weight.dtype)                       # [out, in]

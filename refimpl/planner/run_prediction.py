@@ -75,23 +75,20 @@ large-scale language model training on GPU clusters using Megatron-LM", section 
 
 Modelled: fp32 or bf16 (autocast; ZeRO-3: FSDP2's mixed precision, bf16 gathers and compute, fp32
 reductions), ZeRO 0-3, HSDP, activation checkpointing (any block selection), tensor, sequence and
-context parallelism; ZeRO-3 under pipeline parallelism in fp32 with 1F1B, GPipe or interleaved 1F1B over
-dp alone, both ZeRO-3 modes; fp8 (bf16 autocast, the linears' GEMMs in fp8: refimpl/planner/fp8.py's terms) at
-pp = cp = tp = 1 with ZeRO 0-2. Refused, each with its reason: fp16 (not run); tensor-parallel traffic
-in bf16 or fp8 (under autocast the activations it moves are 16-bit); fp8 with pp, cp or ZeRO-3 (not
-measured); ZeRO-3 with pp > 1 in bf16, with tp, cp or HSDP, or with
-another schedule (not measured); activation checkpointing with pp > 1 and sequence parallelism with ZeRO
-and pp > 1 (not measured); ZeRO-3 without ``reshard_after_forward`` (not the trainer's). Proven against
-the trainer, to the byte: tests/test_planner_3d.py (8 ranks: 1F1B, ring attention, ZeRO 0/1, fp32/bf16,
-with and without sequence parallelism) and tests/test_planner_zero3.py (4 ranks: ZeRO-2/3, 2-D ZeRO-3 with
-tp, HSDP with and without cp, checkpointing with tp, sequence parallelism and ring attention, bf16 ZeRO-3,
-ZeRO-2 under the pipeline, ZeRO-1 with sequence parallelism, ZeRO-3 under the pipeline: dp 2 x pp 2, 1F1B,
-GPipe and interleaved (2 virtual stages), gathered once per step or per micro-batch) and
-tests/test_train_fp8.py (2 ranks: fp8 at dp 2, ZeRO 0 and 2). ZeRO-3 with zbh1 under the pipeline is
-refused: its bytes and state equal the run's, but the held activations include what the queued weight
-gradients keep until their W (tests/test_planner_pp.py measures that term without ZeRO-3), which the
-trainer's probe does not count. The other schedules (``interleaved``, ``zbh1``) and Ulysses go through the
-same terms elsewhere but are not run there.
+context parallelism; ZeRO-3 under pipeline parallelism in fp32 with 1F1B, GPipe, interleaved 1F1B or
+ZB-H1 over dp alone, both ZeRO-3 modes (ZB-H1: gathered once per step, the trainer's only mode with it);
+fp8 (bf16 autocast, the linears' GEMMs in fp8: refimpl/planner/fp8.py's terms) at pp = cp = tp = 1 with
+ZeRO 0-2. Refused, each with its reason: fp16 (not run); tensor-parallel traffic in bf16 or fp8 (under
+autocast the activations it moves are 16-bit); fp8 with pp, cp or ZeRO-3 (not measured); ZeRO-3 with
+pp > 1 in bf16, with tp, cp or HSDP (not measured); activation checkpointing with pp > 1 and sequence
+parallelism with ZeRO and pp > 1 (not measured); ZeRO-3 without ``reshard_after_forward`` (not the
+trainer's). Proven against the trainer, to the byte: tests/test_planner_3d.py (8 ranks: 1F1B, ring
+attention, ZeRO 0/1, fp32/bf16, with and without sequence parallelism) and tests/test_planner_zero3.py (4
+ranks: ZeRO-2/3, 2-D ZeRO-3 with tp, HSDP with and without cp, checkpointing with tp, sequence parallelism
+and ring attention, bf16 ZeRO-3, ZeRO-2 under the pipeline, ZeRO-1 with sequence parallelism, ZeRO-3 under
+the pipeline: dp 2 x pp 2, 1F1B, GPipe, interleaved (2 virtual stages) and ZB-H1, gathered once per step
+or per micro-batch) and tests/test_train_fp8.py (2 ranks: fp8 at dp 2, ZeRO 0 and 2). Ulysses goes
+through the same terms but is not run there.
 """
 
 from __future__ import annotations
@@ -230,7 +227,7 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     ``parallel.activation_checkpointing`` selects, fp32 or bf16 are modelled, and fp8 at pp = cp = 1 with
     ZeRO 0-2; a combination the trainer refuses (:func:`refimpl.support.check_supported`) or that is not
     modelled raises a ValueError naming it: fp16; tp > 1 with bf16 or fp8; ZeRO-3 with pp > 1 other than
-    fp32, 1f1b, gpipe or interleaved, tp = cp = dp_replicate = 1 (either
+    fp32 and tp = cp = dp_replicate = 1 (every schedule, either
     ``parallel.zero3_reshard_per_microbatch``); activation checkpointing with pp > 1; sequence parallelism
     with ZeRO 1-3 and pp > 1; ZeRO-3 with ``reshard_after_forward`` off.
     """
@@ -261,13 +258,11 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     if dims.pp > 1 and zero_stage == 3:  # what tests/test_planner_zero3.py runs; the rest is refused
         unproven = [what for what, off in (
             (f"precision {precision}", precision != "fp32"),
-            (f"the {parallel.pp_schedule} schedule",
-             parallel.pp_schedule not in ("1f1b", "gpipe", "interleaved")),
             ("tensor parallelism", dims.tp > 1), ("context parallelism", dims.cp > 1),
             ("HSDP", dims.dp_replicate > 1)) if off]
         if unproven:
-            raise ValueError("predict_run models ZeRO-3 under pipeline parallelism in fp32, with the 1f1b, "
-                             "gpipe or interleaved schedule, over dp alone (tp = cp = dp_replicate = 1): "
+            raise ValueError("predict_run models ZeRO-3 under pipeline parallelism in fp32 (every schedule), "
+                             "over dp alone (tp = cp = dp_replicate = 1): "
                              f"{', '.join(unproven)} with it is not measured")
     if dims.pp > 1 and checkpointed:
         raise ValueError("predict_run models activation checkpointing with pp = 1 only (a recomputed stage "

@@ -35,6 +35,9 @@ class WeightGradStore:
         self._key: object | None = None
         # called after each W action with the weights whose .grad it changed (ZeRO-2: reduce-scatter them)
         self.after_flush: Callable[[list[torch.Tensor]], None] | None = None
+        # called when a weight gradient is queued, with it and the tensors it keeps until its W (a meter's
+        # hook: refimpl.measure.run_measurement.TrainerProbe counts them)
+        self.on_push: Callable[[Callable[[], torch.Tensor], tuple[torch.Tensor, ...]], None] | None = None
 
     @contextlib.contextmanager
     def capture(self, key: object) -> Iterator[None]:
@@ -44,11 +47,15 @@ class WeightGradStore:
         finally:
             self._key = None
 
-    def push(self, fn: Callable[[], torch.Tensor]) -> None:
+    def push(self, fn: Callable[[], torch.Tensor], held: tuple[torch.Tensor, ...] = ()) -> None:
+        """Queue ``fn`` under the captured key (outside a capture: run it now); ``held``: the tensors it
+        keeps until its ``W``, handed to :attr:`on_push`."""
         if self._key is None:  # outside a captured backward: the plain backward, at once
             fn()
         else:
             self._pending.setdefault(self._key, []).append(fn)
+            if self.on_push is not None:
+                self.on_push(fn, held)
 
     def flush(self, key: object) -> int:
         """Run the weight gradients queued under ``key`` (then :attr:`after_flush` on their weights, each

@@ -50,13 +50,12 @@ in ``B``, the fp8 GEMM in ``W``) all three GEMMs stay fp8, cast as here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from refimpl.nn.linear import Linear, linear_with_grad
+from refimpl.nn.linear import DeferredProduct, Linear, linear_with_grad
 from refimpl.precision.fp8.formats import E4M3, E5M2, Float8Format, format_of
 from refimpl.precision.fp8.scaling import SCALINGS, Float8Tensor, Scaling, cast_to_float8
 from refimpl.precision.fp8.sharded_scales import ShardedScales
@@ -151,14 +150,16 @@ def _input_grad(c: Float8Config, sharded: ShardedScales | None, g: torch.Tensor,
 
 
 def _weight_grad(c: Float8Config, sharded: ShardedScales | None, g: torch.Tensor, x: torch.Tensor,
-                 g_rows: Float8Tensor | None = None) -> Callable[[], torch.Tensor]:
+                 g_rows: Float8Tensor | None = None) -> DeferredProduct:
     """``dW = g^T x`` (``[N, M] @ [M, K]``) in ``g``'s dtype, in two steps: the casts now (with their
     scales' all-reduces, if any), the GEMM when the returned function is called (zero-bubble's ``W``: no
     collective runs there, and what waits is the fp8 bytes)."""
     reuse = c.scaling == "tensorwise" and g_rows is not None                           # the same bytes
     g_cols = g_rows if reuse else _cast(c, sharded, g, "grad", c.grad_format, 0)       # per column [1, N]
     x_cols = _cast(c, sharded, x, "x", c.input_format, 0)                              # per column [1, K]
-    return lambda: scaled_mm(_pad_rows(g_cols, 0).t(), _pad_rows(x_cols, 0), out_dtype=g.dtype)
+    def gemm() -> torch.Tensor:
+        return scaled_mm(_pad_rows(g_cols, 0).t(), _pad_rows(x_cols, 0), out_dtype=g.dtype)
+    return DeferredProduct(gemm, held=(g_cols.data, g_cols.scale, x_cols.data, x_cols.scale))
 
 
 class _Float8LinearFunction(torch.autograd.Function):
@@ -232,7 +233,7 @@ class Float8Matmul:
                                 self.weight_fp8)
         return dx.reshape(*dy.shape[:-1], dx.shape[-1])
 
-    def weight_grad(self, dy: torch.Tensor, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def weight_grad(self, dy: torch.Tensor, x: torch.Tensor) -> DeferredProduct:
         """``dW = dy^T x`` (``dy [M, N]``, ``x [M, K]``): casts now, the GEMM when called."""
         with torch.autocast(dy.device.type, enabled=False):
             return _weight_grad(self.config, self.sharded, dy, x)
