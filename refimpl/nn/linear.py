@@ -17,8 +17,9 @@ that owns the linear's backward, so the three places that need to change it chan
   the tokens, not ``s`` (:mod:`refimpl.parallel.tensor_parallel.sequence_parallel_linear`);
 * **a deferred weight gradient** (Qi et al. 2023, zero-bubble's ``W``, chapter 08): with
   ``weight_grad_store`` the backward returns ``dX`` and ``db`` and queues ``dW`` in the store
-  (:class:`refimpl.parallel.pipeline_parallel.WeightGradStore`, anything with ``push(fn)``), whose ``W``
-  action adds it to ``weight.grad`` later (with a sequence gather too, the queued ``dW`` keeps the gathered
+  (:class:`refimpl.parallel.pipeline_parallel.WeightGradStore`, anything with ``push(fn, held)``, ``held``
+  the tensors ``dW`` keeps until then, which a memory meter counts), whose ``W`` action adds it to
+  ``weight.grad`` later (with a sequence gather too, the queued ``dW`` keeps the gathered
   ``X`` until then: no collective runs in ``W``). The weight it adds to is held by reference, not read
   back from the saved tensors: under ``saved_tensors_hooks`` (activation checkpointing, a memory meter)
   those come back as other tensor objects, and a ``.grad`` set on one of them reaches no Parameter;
