@@ -81,7 +81,8 @@ PER_STEP = ("token ids (the step's batch, int64)", "labels (the step's batch, in
 def stage_saved_bytes(config: ModelConfig, *, stage: int, num_stages: int, blocks: range, micro_batch: int,
                       seq_len: int, num_microbatches: int = 1, compute_dtype: torch.dtype = torch.float32,
                       checkpointed_blocks: set[int] | list[int] | tuple[int, ...] = (),
-                      deferred_weights: bool = False, **split: Any) -> dict[str, int]:
+                      deferred_weights: bool = False, residual_dtype: torch.dtype | None = None,
+                      **split: Any) -> dict[str, int]:
     """What one micro-batch saves for backward in stage ``stage`` (module docstring), term by term, plus
     the :data:`PER_STEP` terms (the batch's token ids on the first stage, labels on the last: ``8 m b s``
     each, held once per step). ``deferred_weights`` (zbh1's linear layers,
@@ -92,12 +93,16 @@ def stage_saved_bytes(config: ModelConfig, *, stage: int, num_stages: int, block
     blocks' terms at the rank's ``s_c = s/cp`` tokens, and under tp the first and the last stage's shares
     of :func:`~refimpl.planner.activations.outside_block_bytes` (the vocab-parallel embedding's int64
     local ids and bool mask, the loss's softmax shard, target index and two masks: per micro-batch, no
-    view of the step's batch)."""
+    view of the step's batch). ``residual_dtype`` (None: float32): the residual stream's, 16-bit where the
+    model computes in 16-bit weights (ZeRO-3's mixed precision: the blocks' terms and the last stage's
+    final LayerNorm and head inputs in that dtype, as
+    :func:`~refimpl.planner.run_terms.sixteen_bit_weight_activations` counts them at pp 1)."""
     b, v, tp = micro_batch, config.vocab_size, split.get("tp", 1)
     p, chosen = torch.empty((), dtype=compute_dtype).element_size(), set(checkpointed_blocks)
     kw = {"micro_batch": b, "seq_len": seq_len, "compute_dtype": compute_dtype, **split}
-    terms = {"block activations": sum(activation_bytes_per_layer(config, checkpointed=i in chosen, **kw).total
-                                      for i in blocks)}
+    layer_kw = kw if residual_dtype is None else {**kw, "residual_dtype": residual_dtype}
+    terms = {"block activations": sum(activation_bytes_per_layer(config, checkpointed=i in chosen,
+                                                                 **layer_kw).total for i in blocks)}
     s = local_tokens(config, seq_len=seq_len, cp=split.get("cp", 1), cp_method=split.get("cp_method", "ring"),
                      cp_layout=split.get("cp_layout"), tp=tp)
     if deferred_weights and p != 4:
@@ -113,6 +118,8 @@ def stage_saved_bytes(config: ModelConfig, *, stage: int, num_stages: int, block
         terms["positions (int64)"] = 8 * s
     if stage == num_stages - 1:
         final = "final layernorm + output layer inputs"
+        if residual_dtype is not None and residual_dtype.itemsize != 4:  # 16-bit input, mean/rstd, head input
+            outside[final] = 2 * p * s * b * config.hidden_size + 2 * p * s * b
         if tp == 1:
             terms |= {final: outside[final], "log-softmax (fp32)": 4 * s * b * v,
                       PER_STEP[1]: 8 * num_microbatches * b * s, "loss total weight": 4}
@@ -229,7 +236,8 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
                              balance: str = "layers", tp: int = 1, sequence_parallel: bool = False,
                              cp: int = 1, cp_method: str = "ring", cp_layout: str | None = None,
                              zero_stage: int = 0, zero_shards: int = 1, dp_rank: int = 0,
-                             zero3_reshard_per_microbatch: bool = False) -> list[PipelineRankMemory]:
+                             zero3_reshard_per_microbatch: bool = False,
+                             residual_dtype: torch.dtype | None = None) -> list[PipelineRankMemory]:
     """Every pipeline rank of ``pp`` ranks running ``schedule`` over ``num_microbatches`` micro-batches of
     ``micro_batch`` sequences of ``seq_len`` tokens (module docstring), in rank order. ``precision``
     ``fp32`` or ``bf16``/``fp16`` under autocast; ``checkpointed_blocks``: global block indices.
@@ -240,7 +248,8 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
     runtime holds gathered during a step: by default the rank's whole stages, weights and full gradients
     in the compute dtype, kept through the micro-batches (gathered once, reduced once); with
     ``zero3_reshard_per_microbatch`` one unit at a time beside the stage's root unit
-    (:func:`~refimpl.planner.zero_state.zero3_peak_gathered_bytes`)."""
+    (:func:`~refimpl.planner.zero_state.zero3_peak_gathered_bytes`). ``residual_dtype``: as
+    :func:`stage_saved_bytes` (ZeRO-3 in 16 bits computes in 16-bit weights)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {SCHEDULES}")
     if precision not in _COMPUTE:
@@ -265,7 +274,7 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
         saved = {st: stage_saved_bytes(config, stage=st, num_stages=num_stages, blocks=ranges[st],
                                        micro_batch=b, seq_len=seq_len, num_microbatches=m,
                                        compute_dtype=compute, checkpointed_blocks=checkpointed_blocks,
-                                       deferred_weights=split, **sp)
+                                       deferred_weights=split, residual_dtype=residual_dtype, **sp)
                  for st in mine}
         deferred = None if not split else {
             st: stage_deferred_bytes(config, stage=st, num_stages=num_stages, blocks=ranges[st],

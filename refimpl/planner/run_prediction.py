@@ -257,7 +257,8 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
                          "only (under the pipeline the tp sum of the ZeRO shards' gradients is not measured)")
     if dims.pp > 1 and zero_stage == 3:  # what tests/test_planner_zero3.py runs; the rest is refused
         unproven = [what for what, off in (
-            (f"precision {precision}", precision != "fp32"),
+            (f"precision {precision}", precision not in ("fp32", "bf16")),
+            (f"bf16 with {parallel.pp_schedule}", precision == "bf16" and parallel.pp_schedule == "zbh1"),
             ("tensor parallelism", dims.tp > 1), ("context parallelism", dims.cp > 1),
             ("HSDP", dims.dp_replicate > 1)) if off]
         if unproven:
@@ -285,9 +286,10 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
              "cp_layout": cp_layout}
     schedule = (build_schedule(pp_schedule, pp_size=pp, num_microbatches=m, virtual_stages=v)
                 if pp > 1 else None)
+    residual = _COMPUTE[precision] if fsdp16 else None  # ZeRO-3 in 16 bits: a 16-bit residual stream
     pipe = (pipeline_memory_per_rank(config, pp=pp, num_microbatches=m, schedule=pp_schedule,
                                      virtual_stages=v, micro_batch=b, seq_len=seq_len, precision=precision,
-                                     balance=pp_balance, **split)
+                                     balance=pp_balance, residual_dtype=residual, **split)
             if pp > 1 else None)
     flat = None if pp > 1 else run_memory_per_rank(config, dims, micro_batch=b, seq_len=seq_len,
                                                    precision=precision, sequence_parallel=sequence_parallel,
