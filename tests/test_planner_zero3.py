@@ -244,7 +244,7 @@ def _preflight(args, plan, rank: int):
     c = plan.ranks[rank].coords
     ranks = pipeline_memory_per_rank(config, pp=2, num_microbatches=plan.microbatches,
                                      schedule=parallel.pp_schedule, micro_batch=plan.micro_batch, seq_len=16,
-                                     zero_stage=3, zero_shards=2, dp_rank=c.dp,
+                                     precision=parallel.precision, zero_stage=3, zero_shards=2, dp_rank=c.dp,
                                      zero3_reshard_per_microbatch=parallel.zero3_reshard_per_microbatch)
     return ranks[c.pp].memory
 
@@ -263,8 +263,8 @@ def test_zero3_full_tensors_are_freed_before_the_step_and_the_preflight_peaks_ho
     weight, no full gradient is allocated then (every ZeRO-3 layout, every rank). Earlier in the step the
     full tensors are the memory preflight's (peaks, not the state): at pp 1 at the first loss the root unit
     alone (the blocks' freed after their forward); under the pipeline, between the schedule's actions, the
-    stage's weights and full gradients when gathered once per step (the preflight's term, to the byte in
-    fp32; in bf16 it measured half the term, which stays a bound), the
+    stage's weights and full gradients when gathered once per step (the preflight's term, to the byte, in
+    fp32 and in bf16), the
     stage's root unit when gathered per micro-batch (the preflight's term adds its largest block)."""
     names = [n for n in LAYOUTS if options_from_args(_args(files, n)).zero_stage == 3]
     assert len(names) == 12
@@ -283,11 +283,7 @@ def test_zero3_full_tensors_are_freed_before_the_step_and_the_preflight_peaks_ho
                 continue
             c = plan.ranks[rank].coords
             memory = _preflight(args, plan, rank)
-            if not parallel.zero3_reshard_per_microbatch and parallel.precision == "bf16":
-                # bf16: the preflight's term (16-bit weights and full gradients) is a bound here, measured
-                # at half of it; not yet explained, so not claimed to the byte
-                assert 0 < full["between_actions"] < memory.state[KEPT], (name, rank, full, memory.state)
-            elif not parallel.zero3_reshard_per_microbatch:
+            if not parallel.zero3_reshard_per_microbatch:  # bf16 too: 16-bit weights and full gradients
                 assert full["between_actions"] == memory.state[KEPT], (name, rank, full, memory.state)
             else:
                 root = 4 * _stage_root_numel(config, c.pp)
