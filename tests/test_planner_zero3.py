@@ -2,7 +2,7 @@
 themselves (chapters 04, 05, 08 and 10).
 
 ONE spawn of 4 ranks trains tests/test_planner_3d.py's tiny GPT (4 blocks, width 32, 4 heads, 16 tokens,
-global batch 8, 2 steps) through :func:`refimpl.train.train` at sixteen layouts: ZeRO-3 over dp 4; ZeRO-3
+global batch 8, 2 steps) through :func:`refimpl.train.train` at eighteen layouts: ZeRO-3 over dp 4; ZeRO-3
 of the tensor-parallel blocks (2-D) with checkpointing, and with sequence parallelism too; HSDP (dp 4 as
 2 replicas of 2) and HSDP with ring attention and checkpointing (a shard group of the 2 cp ranks); ZeRO-3
 in bf16 (FSDP2's mixed precision: 16-bit gathers and compute) with gradient accumulation; ZeRO-2 over
@@ -12,7 +12,8 @@ stage sharded in place over dp): 1F1B over 4 micro-batches gathered once per ste
 gathered per micro-batch (``--zero3-reshard-per-microbatch``), GPipe over 2 micro-batches of 2 sequences
 per micro-batch, interleaved 1F1B (2 virtual stages of one block), ZB-H1 (its held activations include
 what the queued weight gradients keep until their W) and 1F1B in bf16 (16-bit gathers, a 16-bit residual
-stream in the stages) over 4 micro-batches. Per rank,
+stream in the stages) over 4 micro-batches; ZeRO-1 and ZeRO-3 under 1F1B with every block checkpointed.
+Per rank,
 :func:`refimpl.planner.predict_run`'s figures equal, to the byte:
 
 * the bytes sent per step and process group that ``metrics.jsonl`` records (``"dp x cp"``, under HSDP
@@ -97,6 +98,8 @@ LAYOUTS = {  # the trainer's flags at world size 4
     "dp2-pp2-zero3-zbh1": ["--dp", "2", "--pp", "2", *ZERO3, "--microbatches", "4", "--pp-schedule",
                            "zbh1"],
     "dp2-pp2-zero3-bf16": ["--dp", "2", "--pp", "2", *ZERO3, "--microbatches", "4", "--precision", "bf16"],
+    "dp2-pp2-zero3-ac": ["--dp", "2", "--pp", "2", *ZERO3, "--microbatches", "4", *AC],
+    "dp2-pp2-zero1-ac": ["--dp", "2", "--pp", "2", "--zero-stage", "1", "--microbatches", "4", *AC],
     "dp2-pp2-zero3-interleaved": ["--dp", "2", "--pp", "2", *ZERO3, "--microbatches", "4", "--pp-schedule",
                                   "interleaved", "--virtual-stages", "2"],
 }
@@ -267,7 +270,7 @@ def test_zero3_full_tensors_are_freed_before_the_step_and_the_preflight_peaks_ho
     fp32 and in bf16), the
     stage's root unit when gathered per micro-batch (the preflight's term adds its largest block)."""
     names = [n for n in LAYOUTS if options_from_args(_args(files, n)).zero_stage == 3]
-    assert len(names) == 12
+    assert len(names) == 13
     for name in names:
         args = _args(files, name)
         config, parallel = config_from_args(args).model, options_from_args(args).parallel
@@ -300,11 +303,25 @@ def test_zero3_under_the_pipeline_is_refused_where_not_measured(files, change):
     predict(args, zero3_reshard_per_microbatch=True, pp_schedule="gpipe")  # what is measured is predicted
 
 
+@pytest.mark.parametrize("change", [{"precision": "bf16"}, {"pp_schedule": "gpipe"}])
+def test_checkpointing_under_the_pipeline_is_refused_where_not_measured(files, change):
+    args = _args(files, "dp2-pp2-zero1-ac")
+    with pytest.raises(ValueError, match="activation checkpointing under pp in fp32 with 1f1b"):
+        predict(args, **change)
+
+
 @TIMEOUT
 def test_plausible_wrong_predictions_fail_the_same_checks(runs, files):
     def recorded(name: str, rank: int) -> dict:
         return _recorded(runs, name, rank)
 
+    # checkpointed blocks under the pipeline held as if whole (the stages' saved bytes not recomputed)
+    for name in ("dp2-pp2-zero1-ac", "dp2-pp2-zero3-ac"):
+        args = _args(files, name)
+        whole = predict(args, activation_checkpointing=None)
+        for rank, out in enumerate(runs):
+            got = out[name]["measured"]["activations"]
+            assert got == predict(args).ranks[rank].activation_bytes != whole.ranks[rank].activation_bytes
     # ZeRO-3 predicted as ZeRO-1: one reduce-scatter and one all-gather, not 9 gathers and 5 reductions;
     # and the weights whole
     name = "dp4-zero3"

@@ -73,22 +73,23 @@ large-scale language model training on GPU clusters using Megatron-LM", section 
 * **bubble**: the schedule's textbook idle share
   (:func:`~refimpl.parallel.pipeline_parallel.simulator.bubble_formula`), None without pipeline parallelism.
 
-Modelled: fp32 or bf16 (autocast; ZeRO-3: FSDP2's mixed precision, bf16 gathers and compute, fp32
-reductions), ZeRO 0-3, HSDP, activation checkpointing (any block selection), tensor, sequence and
-context parallelism; ZeRO-3 under pipeline parallelism in fp32 with 1F1B, GPipe, interleaved 1F1B or
-ZB-H1 over dp alone, both ZeRO-3 modes (ZB-H1: gathered once per step, the trainer's only mode with it);
-fp8 (bf16 autocast, the linears' GEMMs in fp8: refimpl/planner/fp8.py's terms) at pp = cp = tp = 1 with
-ZeRO 0-2. Refused, each with its reason: fp16 (not run); tensor-parallel traffic in bf16 or fp8 (under
-autocast the activations it moves are 16-bit); fp8 with pp, cp or ZeRO-3 (not measured); ZeRO-3 with
-pp > 1 in bf16, with tp, cp or HSDP (not measured); activation checkpointing with pp > 1 and sequence
-parallelism with ZeRO and pp > 1 (not measured); ZeRO-3 without ``reshard_after_forward`` (not the
-trainer's). Proven against the trainer, to the byte: tests/test_planner_3d.py (8 ranks: 1F1B, ring
+Modelled: fp32 or bf16 (autocast; ZeRO-3: FSDP2's mixed precision, bf16 gathers and compute, fp32 reductions),
+ZeRO 0-3, HSDP, activation checkpointing (any block selection), tensor, sequence and context parallelism;
+ZeRO-3 under pipeline parallelism in fp32 (bf16 too but with ZB-H1) with 1F1B, GPipe, interleaved 1F1B or
+ZB-H1 over dp alone, both ZeRO-3 modes (ZB-H1: gathered once per step, the trainer's only mode with it); fp8
+(bf16 autocast, the linears' GEMMs in fp8: refimpl/planner/fp8.py's terms) at pp = cp = tp = 1 with ZeRO 0-2.
+Refused, each with its reason: fp16 (not run); tensor-parallel traffic in bf16 or fp8 (under autocast the
+activations it moves are 16-bit); fp8 with pp, cp or ZeRO-3 (not measured); ZeRO-3 with pp > 1 with tp, cp or
+HSDP, or in bf16 with ZB-H1 (not measured); activation checkpointing with pp > 1 other than fp32 1F1B at tp =
+cp = 1, and sequence parallelism with ZeRO and pp > 1 (not measured); ZeRO-3 without ``reshard_after_forward``
+(not the trainer's). Proven against the trainer, to the byte: tests/test_planner_3d.py (8 ranks: 1F1B, ring
 attention, ZeRO 0/1, fp32/bf16, with and without sequence parallelism) and tests/test_planner_zero3.py (4
-ranks: ZeRO-2/3, 2-D ZeRO-3 with tp, HSDP with and without cp, checkpointing with tp, sequence parallelism
-and ring attention, bf16 ZeRO-3, ZeRO-2 under the pipeline, ZeRO-1 with sequence parallelism, ZeRO-3 under
-the pipeline: dp 2 x pp 2, 1F1B, GPipe, interleaved (2 virtual stages) and ZB-H1, gathered once per step
-or per micro-batch) and tests/test_train_fp8.py (2 ranks: fp8 at dp 2, ZeRO 0 and 2). Ulysses goes
-through the same terms but is not run there.
+ranks: ZeRO-2/3, 2-D ZeRO-3 with tp, HSDP with and without cp, checkpointing with tp, sequence parallelism and
+ring attention, bf16 ZeRO-3, ZeRO-2 under the pipeline, ZeRO-1 with sequence parallelism, ZeRO-3 under the
+pipeline: dp 2 x pp 2, 1F1B, GPipe, interleaved (2 virtual stages), ZB-H1 and 1F1B in bf16, gathered once per
+step or per micro-batch; ZeRO-1 and ZeRO-3 with every block checkpointed under 1F1B) and
+tests/test_train_fp8.py (2 ranks: fp8 at dp 2, ZeRO 0 and 2). Ulysses goes through the same terms but is not
+run there.
 """
 
 from __future__ import annotations
@@ -228,8 +229,9 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     ZeRO 0-2; a combination the trainer refuses (:func:`refimpl.support.check_supported`) or that is not
     modelled raises a ValueError naming it: fp16; tp > 1 with bf16 or fp8; ZeRO-3 with pp > 1 other than
     fp32 and tp = cp = dp_replicate = 1 (every schedule, either
-    ``parallel.zero3_reshard_per_microbatch``); activation checkpointing with pp > 1; sequence parallelism
-    with ZeRO 1-3 and pp > 1; ZeRO-3 with ``reshard_after_forward`` off.
+    ``parallel.zero3_reshard_per_microbatch``); activation checkpointing with pp > 1 other than fp32 1f1b
+    at tp = cp = 1; sequence parallelism with ZeRO 1-3 and pp > 1; ZeRO-3 with ``reshard_after_forward``
+    off.
     """
     if parallel.dp is None and world_size is None:
         raise ValueError("predict_run needs parallel.dp or the world_size to derive it from")
@@ -265,9 +267,11 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
             raise ValueError("predict_run models ZeRO-3 under pipeline parallelism in fp32 (every schedule), "
                              "over dp alone (tp = cp = dp_replicate = 1): "
                              f"{', '.join(unproven)} with it is not measured")
-    if dims.pp > 1 and checkpointed:
-        raise ValueError("predict_run models activation checkpointing with pp = 1 only (a recomputed stage "
-                         "holds other bytes between the schedule's actions: not measured)")
+    if dims.pp > 1 and checkpointed and (dims.tp > 1 or dims.cp > 1 or precision != "fp32"
+                                         or parallel.pp_schedule != "1f1b"):
+        raise ValueError("predict_run models activation checkpointing under pp in fp32 with 1f1b at "
+                         "tp = cp = 1 (measured); the recomputation's tp/cp traffic per stage and the other "
+                         "schedules and precisions with it are not measured")
     if zero_stage == 3 and not parallel.reshard_after_forward:
         raise ValueError("predict_run models ZeRO-3 with reshard_after_forward (the trainer's setting): "
                          "without it no unit is gathered again for backward")
@@ -289,7 +293,8 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     residual = _COMPUTE[precision] if fsdp16 else None  # ZeRO-3 in 16 bits: a 16-bit residual stream
     pipe = (pipeline_memory_per_rank(config, pp=pp, num_microbatches=m, schedule=pp_schedule,
                                      virtual_stages=v, micro_batch=b, seq_len=seq_len, precision=precision,
-                                     balance=pp_balance, residual_dtype=residual, **split)
+                                     balance=pp_balance, residual_dtype=residual,
+                                     checkpointed_blocks=checkpointed, **split)
             if pp > 1 else None)
     flat = None if pp > 1 else run_memory_per_rank(config, dims, micro_batch=b, seq_len=seq_len,
                                                    precision=precision, sequence_parallel=sequence_parallel,
