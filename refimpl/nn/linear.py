@@ -26,7 +26,7 @@ that owns the linear's backward, so the three places that need to change it chan
 * **a pluggable matmul** (``matmul(x, weight, bias) -> y``, ``F.linear`` by default): where a low-precision
   kernel (fp8, chapter 10) goes. With neither a gather nor a store it is called as it is and autograd (or
   the kernel's own autograd) differentiates it; with either, it is the forward product of this function,
-  and a matmul that also has ``input_grad(dY, W) -> dX`` and ``weight_grad(dY, X) -> (() -> dW)``
+  and a matmul that also has ``input_grad(dY, W) -> dX`` and ``weight_grad(dY, X) -> DeferredProduct``
   (:class:`SplitMatmul`: the fp8 GEMMs of :class:`refimpl.precision.fp8.Float8Matmul`) computes the two
   backward products too, so a sequence-parallel or deferred layer stays the kernel's in all three GEMMs
   (``weight_grad`` prepares its operands in ``B``, casts and their collectives included, and the returned

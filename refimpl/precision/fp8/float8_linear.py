@@ -60,8 +60,8 @@ from refimpl.precision.fp8.formats import E4M3, E5M2, Float8Format, format_of
 from refimpl.precision.fp8.scaling import SCALINGS, Float8Tensor, Scaling, cast_to_float8
 from refimpl.precision.fp8.sharded_scales import ShardedScales
 
-__all__ = ["Float8Config", "Float8Linear", "Float8Matmul", "ShardedScales", "check_float8_shape",
-           "float8_linear", "scaled_mm"]
+__all__ = ["Float8Config", "Float8Linear", "Float8Matmul", "check_float8_shape", "float8_linear",
+           "scaled_mm"]
 
 ALIGN = 16  # torch._scaled_mm on CUDA: a's columns and both of b's dims are multiples of 16
 
