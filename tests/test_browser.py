@@ -34,7 +34,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -47,6 +46,8 @@ import psutil
 import pytest
 from playwright.sync_api import Page, sync_playwright
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+from refimpl.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.py"))
@@ -80,12 +81,6 @@ CELLS_JS = """(stop) => {
   const kernel = w.sessionContext.session && w.sessionContext.session.kernel;
   return {status: kernel ? kernel.status : null, cells: out};
 }"""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _marked(mark: str) -> list[psutil.Process]:
@@ -287,7 +282,7 @@ def test_course_in_jupyterlab_and_book(tmp_path: Path):
     status_before, hashes_before = _tracked_state()
     checkpoints = ROOT / "chapters" / ".ipynb_checkpoints"
     had_checkpoints = checkpoints.exists()
-    mark, token, port = secrets.token_hex(8), secrets.token_hex(16), _free_port()
+    mark, token, port = secrets.token_hex(8), secrets.token_hex(16), free_port()
     settings = tmp_path / "lab-settings"
     for rel, value in LAB_SETTINGS.items():
         (settings / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ The worker functions are defined at module level: spawned processes import this 
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from refimpl.launch import RankFailed, free_port, run_ranks
-from refimpl.launch.run_ranks import _exception_line, _first_cause
+from refimpl.launch.run_ranks import _ephemeral_ports, _exception_line, _first_cause
 
 
 def _rank_and_sum(ctx, offset):
@@ -48,9 +49,36 @@ def _collective_only_on_rank_0(ctx):
     return ctx.rank
 
 
-def test_free_port_returns_an_int():
-    port = free_port()
-    assert isinstance(port, int) and 0 < port < 65536
+def _who_listens_on_the_rendezvous_port(ctx, caller):
+    import psutil
+
+    port = int(os.environ["MASTER_PORT"])
+
+    def listens(pid):
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                   for c in psutil.Process(pid).net_connections(kind="tcp"))
+
+    return listens(caller), listens(os.getpid())
+
+
+@pytest.mark.timeout(90)
+def test_the_caller_holds_the_rendezvous_port_so_no_other_process_can_take_it():
+    """CI once failed with EADDRINUSE: the port was found free by the caller and bound by rank 0 a moment
+    later, and in between another lane's process took it. Now the caller binds it before any rank starts
+    (torchrun's agent store). Negative control: under the old scheme rank 0 listened, not the caller."""
+    results = run_ranks(_who_listens_on_the_rendezvous_port, 2, os.getpid(), timeout_s=60)
+    assert results == [(True, False), (True, False)]
+
+
+def test_free_port_is_bindable_and_outside_the_ephemeral_range():
+    """Below the range the OS hands out to connections and bind(0), so gloo's sockets cannot take it."""
+    low, _ = _ephemeral_ports()
+    ports = {free_port() for _ in range(20)}
+    assert all(isinstance(p, int) and 1024 <= p < low for p in ports), ports
+    assert len(ports) > 1  # drawn at random, not one fixed port that two callers would share
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
 
 
 @pytest.mark.timeout(90)

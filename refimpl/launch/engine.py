@@ -89,6 +89,7 @@ def _init_engine(
 
     env = {"RANK": rank_, "WORLD_SIZE": world_size_, "LOCAL_RANK": rank_, "LOCAL_WORLD_SIZE": world_size_}
     os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # the notebook's kernel hosts the store on ``port``
     if backend is None:
         use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world_size_
         backend = "nccl" if use_cuda else "gloo"

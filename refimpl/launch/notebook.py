@@ -46,7 +46,7 @@ from types import TracebackType
 from typing import Any
 
 from refimpl.launch.engine import RankError, _failures, _init_engine, _prepare_engine, _teardown_engine
-from refimpl.launch.run_ranks import free_port
+from refimpl.launch.run_ranks import host_store
 
 __all__ = ["RankError", "Ranks", "start_ranks"]
 
@@ -75,6 +75,7 @@ class Ranks:
         self._pids: list[int] = []  # the controller, the zygote, the engines (and any nanny)
         self._reaper: subprocess.Popen[bytes] | None = None
         self._zygote: _Zygote | None = None  # what forked the engines, where it did (Linux)
+        self._store: Any = None  # the rendezvous store this kernel hosts for the engines' process group
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every rank at once; return the results in rank order.
@@ -106,7 +107,8 @@ class Ranks:
         import ipyparallel as ipp
 
         self.timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        args = (self.world_size, free_port(), backend or self.backend or None, self.timeout_s)
+        self._store = host_store(self.world_size, self.timeout_s)  # a fresh store: the old one holds old keys
+        args = (self.world_size, self._store.port, backend or self.backend or None, self.timeout_s)
         init = ipp.interactive(_init_engine)
         pending = [self.client[eid].apply_async(init, r, *args) for r, eid in enumerate(self._engine_ids)]
         self.client.wait(pending, timeout=self.timeout_s + 60)
@@ -140,6 +142,7 @@ class Ranks:
         if self._reaper is not None:
             self._reaper.kill()
             self._reaper.wait(timeout=5)
+        self._store = None  # the engines are gone: close the rendezvous store
 
     def __enter__(self) -> Ranks:
         return self

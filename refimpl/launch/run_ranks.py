@@ -1,8 +1,11 @@
 """Run a function on N local ranks, for tests, graders and benchmarks (chapter 00).
 
 :func:`run_ranks` spawns ``world_size`` processes, gives each the torchrun environment (``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, a free ``MASTER_PORT``), initialises a gloo (or NCCL)
-process group with an explicit timeout, calls ``fn(ctx, *args)`` and returns the results in rank order.
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), initialises a gloo (or NCCL) process
+group with an explicit timeout, calls ``fn(ctx, *args)`` and returns the results in rank order. The caller
+hosts the rendezvous store (:func:`host_store`), as torchrun's agent does, on a port the OS gives it and it
+keeps: a port merely found free and handed to rank 0 can be taken in between (CI saw ``EADDRINUSE`` once,
+two test lanes launching ranks side by side).
 It never hangs: the first rank that fails kills the others and is raised in the caller as
 :class:`RankFailed`, whose first line names the rank and the exception and whose traceback follows; a whole
 run longer than ``timeout_s`` is killed too. No rank outlives the caller, even one killed by SIGKILL (a
@@ -25,6 +28,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -72,11 +76,59 @@ def _first_cause(errors: list[tuple[int, str]]) -> tuple[int, str]:
     return errors[0]
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the OS takes ports from for ``bind(port 0)`` and for every outgoing connection."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):  # not Linux: IANA's dynamic range
+        return 49152, 65535
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a program that must bind it itself (torchrun).
+
+    It is drawn below the OS's ephemeral range, so that the OS hands it to no one in between: each of the
+    many connections gloo opens takes an ephemeral port, and so does every ``bind(0)``. Only another
+    caller of this function could take it, with odds of one in thousands. A launcher that can bind the port
+    itself should (:func:`host_store`): that leaves no window at all.
+    """
+    import random
+
+    low, _ = _ephemeral_ports()
+    first = 20000 if low > 21000 else 1024
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(first, low) if low > first else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # every draw was taken: let the OS pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def host_store(world_size: int, timeout_s: float) -> Any:
+    """A rendezvous store served by this process on ``127.0.0.1`` and a port the OS picks; ``.port`` names it.
+
+    The ranks connect as clients when their environment holds ``TORCHELASTIC_USE_AGENT_STORE=True`` (see
+    :data:`AGENT_STORE_ENV`), which is how torchrun's own workers reach the store its agent hosts. Bound
+    before any rank starts, the port cannot be taken by another process in between. The store lives as
+    long as the returned object: keep it until the ranks have finished their rendezvous (here: the run).
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
+# what tells torch.distributed's env:// rendezvous to connect to a store the launcher hosts (torchrun sets it)
+AGENT_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def _context() -> mp.context.BaseContext:
@@ -153,12 +205,12 @@ def run_ranks(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = _context()
     results = ctx.Queue()
-    port = free_port()
+    store = host_store(world_size, timeout_s)
     procs = [
         ctx.Process(
             target=_worker,
-            args=(os.getpid(), fn, args, rank, world_size, port, collective_timeout_s or timeout_s / 2,
-                  backend, {**os.environ, **(env or {})}, results),
+            args=(os.getpid(), fn, args, rank, world_size, store.port, collective_timeout_s or timeout_s / 2,
+                  backend, {**os.environ, **(env or {}), **AGENT_STORE_ENV}, results),
             daemon=True,
         )
         for rank in range(world_size)
@@ -210,4 +262,5 @@ def run_ranks(
                 p.kill()
                 p.join(timeout=5)
         results.close()
+        del store  # the ranks are gone: nothing connects to it any more
     return [out[r] for r in range(world_size)]
