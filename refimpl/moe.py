@@ -20,8 +20,10 @@ the language-model loss, a mean over tokens. The block keeps ``aux_loss`` of its
 loss adds the blocks' (:func:`moe_aux_loss`, called by :meth:`refimpl.parallel.parallelized.Parallelized.
 loss`), so it is divided by the micro-batches ``A`` and its gradient averaged over the ``dp x cp`` ranks
 like the main loss: the trainer minimises ``1/(N A) sum_{ranks, micro-batches} (CE + sum_blocks L_aux)``,
-the global mean over sequences of both, at any ``dp``, ``ep`` and micro-batch size (the pipeline, whose
-stages would each hold some blocks' losses, is refused: refimpl/support.py). The layer's own per-forward
+the global mean over sequences of both, at any ``dp``, ``ep`` and micro-batch size. Under pipeline
+parallelism each stage holds some blocks' losses: the executor adds the last stage's to the loss and
+backpropagates every other stage's in that stage's backward (:meth:`refimpl.parallel.parallelized.
+Parallelized.stage_balance_loss`), the same gradient. The layer's own per-forward
 loss (:class:`~refimpl.parallel.expert_parallel.RouterConfig`'s ``aux_loss_coeff``) is kept at 0.
 
 **Capacity** (``capacity_factor``) is the layer's: ``C = ceil(k T / E cf)`` slots per expert for the ``T``

@@ -14,7 +14,8 @@ DeepSeek-V3's auxiliary-loss-free bias update.
   the same on every rank. Returns the step's figures for metrics.jsonl: the balance loss (the mean over
   micro-batches and ranks, summed over blocks: the part of the loss it is), the most and the mean
   assignments per expert (over blocks and experts: ``mean = k T / E`` for ``T`` tokens), and the dropped
-  fraction of all assignments.
+  fraction of all assignments. Under pipeline parallelism a rank holds its stages' blocks only: the figures
+  then sum (and take the largest load) over the ``pp`` group too.
 """
 
 from __future__ import annotations
@@ -65,27 +66,45 @@ def record_micro_batch(model: nn.Module) -> torch.Tensor | None:
 
 @torch.no_grad()
 def finish_step(model: nn.Module, group: dist.ProcessGroup | None, *, micro_batches: int,
-                device: torch.device) -> dict[str, float] | None:
+                device: torch.device, pp_group: dist.ProcessGroup | None = None) -> dict[str, float] | None:
     """Sum the blocks' counters over ``group`` (``dp x cp``; None: one rank), update the expert biases,
-    reset the counters and return the step's figures (module docstring); None for a dense model."""
+    reset the counters and return the step's figures (module docstring); None for a dense model. Under
+    pipeline parallelism ``model`` holds this rank's stages' blocks only: the figures then combine every
+    stage's over ``pp_group`` (each rank joins, with or without MoE blocks of its own)."""
     blocks = [b for b in moe_blocks(model) if b.counters is not None]
-    if not blocks:
+    pp = group_rank_size(pp_group)[1] if pp_group is not None else 1
+    if not blocks and pp == 1:
         return None
-    loads = torch.stack([b.counters.load for b in blocks])  # [L, E]
-    scalars = torch.tensor([[b.counters.dropped, b.counters.assignments, b.counters.aux] for b in blocks],
-                           dtype=torch.float64)  # [L, 3]
-    packed = torch.cat([loads.flatten(), scalars.flatten()]).to(device)
     n = group_rank_size(group)[1] if group is not None else 1
-    if n > 1:
-        ops.all_reduce(packed, group=group)  # the global batch's load: one collective for every block
-    packed = packed.cpu()
-    loads = packed[: loads.numel()].view_as(loads)
-    dropped, assignments, aux = packed[loads.numel():].view(len(blocks), 3).unbind(1)
-    for block, load in zip(blocks, loads, strict=True):
-        if block.bias_update_rate is not None:
-            block.moe.update_expert_bias(block.bias_update_rate, load=load.to(device))
-        block.counters = None
-    return {"moe_aux_loss": float(aux.sum()) / (n * micro_batches),
-            "moe_tokens_per_expert_max": float(loads.max()),
-            "moe_tokens_per_expert_mean": float(loads.mean()),
-            "moe_dropped_fraction": float(dropped.sum() / assignments.sum())}
+    # this rank's blocks' sums: balance loss, dropped, assignments, load summed and its element count
+    sums = torch.zeros(5, dtype=torch.float64)
+    most = torch.zeros(1, dtype=torch.float64)  # the largest load of an expert of a block here
+    if blocks:
+        loads = torch.stack([b.counters.load for b in blocks])  # [L, E]
+        scalars = torch.tensor([[b.counters.dropped, b.counters.assignments, b.counters.aux] for b in blocks],
+                               dtype=torch.float64)  # [L, 3]
+        packed = torch.cat([loads.flatten(), scalars.flatten()]).to(device)
+        if n > 1:
+            ops.all_reduce(packed, group=group)  # the global batch's load: one collective for every block
+        packed = packed.cpu()
+        loads = packed[: loads.numel()].view_as(loads)
+        dropped, assignments, aux = packed[loads.numel():].view(len(blocks), 3).unbind(1)
+        for block, load in zip(blocks, loads, strict=True):
+            if block.bias_update_rate is not None:
+                block.moe.update_expert_bias(block.bias_update_rate, load=load.to(device))
+            block.counters = None
+        sums = torch.stack([aux.sum(), dropped.sum(), assignments.sum(), loads.sum(),
+                            torch.tensor(float(loads.numel()), dtype=torch.float64)])
+        most = loads.max().reshape(1)
+    if pp > 1:  # every stage's blocks: the sums summed, the largest load the largest
+        sums, most = sums.to(device), most.to(device)
+        ops.all_reduce(sums, group=pp_group)
+        ops.all_reduce(most, op=dist.ReduceOp.MAX, group=pp_group)
+        sums, most = sums.cpu(), most.cpu()
+    aux, dropped, assignments, load, elements = sums.tolist()
+    if not elements:  # no stage of the pipeline has MoE blocks
+        return None
+    return {"moe_aux_loss": aux / (n * micro_batches),
+            "moe_tokens_per_expert_max": float(most),
+            "moe_tokens_per_expert_mean": load / elements,
+            "moe_dropped_fraction": dropped / assignments}

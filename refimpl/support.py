@@ -100,11 +100,6 @@ MOE_SUPPORT_TABLE: tuple[Unsupported, ...] = (
                "group (torchtitan's efsdp), not built; use ZeRO 0-2",
         applies=lambda c: c.zero_stage == 3),
     Unsupported(
-        name="moe-pp", when="MoE blocks or expert parallelism with pp > 1", experts=True,
-        reason="the blocks' auxiliary balance losses of every stage would have to join the last stage's "
-               "loss, and the experts' placements the stages' split: not built; use dp, tp and ep",
-        applies=lambda c: c.pp > 1),
-    Unsupported(
         name="moe-cp", when="MoE blocks or expert parallelism with cp > 1", experts=True,
         reason="the balance loss is a mean over whole sequences (DeepSeek-V3's sequence-wise loss) and a "
                "context-parallel rank holds part of each: not built; use dp, tp and ep",

@@ -13,6 +13,8 @@ capacity is per rank's forward, :mod:`refimpl.moe`):
 * the losses within ``FACTOR x`` the one-device order spread, and the **first step's gradients before
   clipping and AdamW**, every rank's boxes of every parameter (experts: rows of the ``[E, ...]`` tensors)
   against one device's, each within ``FACTOR x`` its order spread; a planted factor 2 fails;
+* under pipeline parallelism (``--pp 2 --dp 2 --ep 2``, 1F1B and zbh1 with ZeRO-2) each stage's balance
+  loss is backpropagated in that stage; **negative control**: stage 0's left out of its backward fails;
 * **negative control**: the same ``--ep 2 --dp 4`` run with the experts' placement saying ``dp_cp`` instead
   of ``expert_dp`` (their gradients averaged over the dp x cp ranks, which hold other experts) fails the same
   comparison on the expert tensors, by far;
@@ -71,7 +73,13 @@ LAYOUTS = {
                                    "bias"),
     "tp2-dp2-ep2-zero1-accum": (["--tp", "2", "--ep", "2", "--zero-stage", "1", "--micro-batch-size", "1"],
                                 "aux"),
+    # one MoE block per stage: stage 0's balance loss is backpropagated beside the received gradient
+    "pp2-dp2-ep2": (["--pp", "2", "--ep", "2", "--micro-batch-size", "1"], "aux"),
+    # zbh1's W actions add the experts' and routers' weight gradients; ZeRO-2 shards the experts over edp
+    "pp2-dp2-ep2-zbh1-zero2-bias": (["--pp", "2", "--ep", "2", "--pp-schedule", "zbh1", "--zero-stage", "2",
+                                     *BIAS], "bias"),
 }
+PIPELINED = [name for name in LAYOUTS if name.startswith("pp")]
 EXPERT = ".mlp.moe.experts."
 
 
@@ -104,10 +112,24 @@ def _dp_cp_for_experts(step: int, setup) -> None:
                 setup.placements[name] = replace(p, reduce_over=("dp_cp",))
 
 
+def _first_stage_loss_dropped(step: int, setup) -> None:
+    """The pipeline's negative control: stage 0's balance loss counted but not backpropagated (as if only
+    the last stage's loss reached backward)."""
+    if step == 0:
+        full = setup.stage_loss
+
+        def last_only(stage, *, micro_batches):
+            aux = full(stage, micro_batches=micro_batches)
+            return aux if aux is None or stage.is_last else aux.detach().requires_grad_()
+
+        setup.stage_loss = last_only
+
+
 NORM_LAYOUTS = {  # name -> (degrees, options)
     "dp4-ep2": (dict(dp=4, ep=2), {}),
     "dp4-ep2-zero1": (dict(dp=4, ep=2), dict(zero_stage=1)),
     "tp2-dp2-ep2": (dict(dp=2, tp=2, ep=2), {}),
+    "pp2-dp2-ep2": (dict(dp=2, pp=2, ep=2), {}),  # each stage's experts summed over pp too
 }
 
 
@@ -157,6 +179,11 @@ def _worker(ctx, files: dict) -> dict:
     train(config_from_args(args), ctx, options_from_args(args),
           hooks=TrainHooks(before_step=_dp_cp_for_experts, gradient_probe=first_step_gradients(grads)))
     out["control", "grads"] = grads
+    grads = {}  # the pipeline's negative control, one step
+    args = _args(files, root / "control-pp", *LAYOUTS["pp2-dp2-ep2"][0], "--steps", "1")
+    train(config_from_args(args), ctx, options_from_args(args),
+          hooks=TrainHooks(before_step=_first_stage_loss_dropped, gradient_probe=first_step_gradients(grads)))
+    out["control-pp", "grads"] = grads
     if ctx.rank == 0:  # the ep 2 checkpoint of step STEPS alone, a copy for each resumed run
         kept = root / "ep2-checkpoint"
         shutil.copytree(root / SAVED / "ckpt", kept)
@@ -241,8 +268,10 @@ def test_expert_parallel_layouts_hand_the_optimizer_one_devices_gradients(runs, 
     per_rank = [out[name, "grads"] for out in runs]
     worst = assert_gradients_like_one_device(per_rank, reference, "fp32", factor=FACTOR, name=name,
                                              control=2.0)
-    experts = {n for pieces in per_rank for n in pieces if EXPERT in n}  # rows of [E, ...], never all E
-    assert len(experts) == 4 and all(pieces[n][2].shape[0] < 4 for pieces in per_rank for n in experts)
+    # rows of [E, ...], never all E (under pp a rank holds its stage's blocks' experts only)
+    experts = {n for pieces in per_rank for n in pieces if EXPERT in n}
+    assert len(experts) == 4 and all(pieces[n][2].shape[0] < 4 for pieces in per_rank for n in experts
+                                     if n in pieces)
     print(f"{name}: worst gradient difference {worst:.3f} x its tolerance")
 
 
@@ -258,6 +287,19 @@ def test_expert_gradients_averaged_over_dp_x_cp_fail(runs, one_device):
     assert max(r for n, r in ratios.items() if EXPERT not in n) <= 1
     print(f"dp x cp instead of edp: the expert gradients {min(experts.values()):.0f} to "
           f"{max(experts.values()):.0f} x their tolerance off")
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+def test_a_first_stage_balance_loss_left_out_of_backward_fails(runs, one_device):
+    """The pipeline's negative control: without stage 0's balance loss in its backward, stage 0's router
+    (and everything below it) is off one device's by far more than the tolerance; stage 1 is unchanged."""
+    per_rank = [out["control-pp", "grads"] for out in runs]
+    ratios = gradient_ratios(per_rank, one_device["aux"], "fp32", factor=FACTOR)
+    assert ratios["layers.0.mlp.moe.router.gate.weight"] > 100, ratios
+    assert max(r for n, r in ratios.items() if n.startswith("layers.1.")) <= 1, ratios
+    print(f"stage 0's balance loss left out: its router's gradient "
+          f"{ratios['layers.0.mlp.moe.router.gate.weight']:.0f} x its tolerance off")
 
 
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
@@ -277,17 +319,24 @@ def test_the_trainers_norm_counts_every_expert_and_dense_element_once(runs, layo
 
 
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
-def test_metrics_record_the_balance_loss_the_load_and_the_traffic(runs, one_device):
-    want = one_device["aux"]["records", "batch"]
-    tol = tolerance(one_device["aux"], "fp32", factor=FACTOR)
+@pytest.mark.parametrize("name", [SAVED, *PIPELINED])
+def test_metrics_record_the_balance_loss_the_load_and_the_traffic(runs, one_device, name):
+    """Under pp every rank reports every stage's blocks: the balance loss summed over the stages (each
+    stage's in its own backward), the load's mean and most over all blocks, the same figures as one device."""
+    reference = one_device[LAYOUTS[name][1]]
+    want = reference["records", "batch"]
+    tol = tolerance(reference, "fp32", factor=FACTOR)
     mean = 4 * 16 * 2 / 4  # k T / E over the global batch's T tokens
     for out in runs:
-        for got, ref in zip(out[SAVED, "records"], want, strict=False):
+        for got, ref in zip(out[name, "records"], want, strict=False):
             assert abs(got["moe_aux_loss"] - ref["moe_aux_loss"]) <= tol
             assert got["moe_tokens_per_expert_mean"] == mean <= got["moe_tokens_per_expert_max"]
+            assert got["moe_tokens_per_expert_max"] == ref["moe_tokens_per_expert_max"]
             assert got["moe_dropped_fraction"] == 0.0
             assert got["lm_loss"] == pytest.approx(got["loss"] - got["moe_aux_loss"])
-            assert got["bytes_sent"]["ep"] > 0 and got["bytes_sent"]["edp"] > 0
+            assert got["bytes_sent"]["ep"] > 0
+            # dp 4 / ep 2: two replicas of each expert sum their gradients; dp 2 / ep 2 (pp 2): one
+            assert got["bytes_sent"].get("edp", 0) > 0 if name == SAVED else got["bytes_sent"]["pp"] > 0
 
 
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)

@@ -123,7 +123,9 @@ def build_optimizer_setup(inputs: OptimizerInputs, config: OptimConfig) -> Optim
         if inputs.average_in_finish:  # every stage's gradients, once per step, over the replicas
             from refimpl.parallel.data_parallel.data_parallel_communications import reduce_gradients_
 
-            reduce_gradients_([p for _, p in held_params], inputs.policy, group=groups.get("dp_cp"))
+            # not the experts': they are summed over edp below (the pipeline's stages hold experts too)
+            reduce_gradients_([p for n, p in held_params if n not in experts], inputs.policy,
+                              group=groups.get("dp_cp"))
         if experts:  # summed over the group their placement names (edp), divided by dp x cp
             from refimpl.parallel.expert_parallel_gpt import reduce_expert_gradients
 

@@ -207,8 +207,12 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
                         experts=experts if ep_group is not None else [])
     if pipeline is not None:  # the dp x cp average comes once per step (OptimizerSetup.finish_gradients)
         done.model = done.forward = done.state_module = done.pipeline = pipeline
-        if replicas > 1:
-            broadcast_module(pipeline, group)  # the replicas start equal, as DataParallelBucket makes them
+        held = dict(pipeline.named_parameters_full())
+        done.experts = [n for n in done.experts if n in held]  # this rank's stages' experts
+        if replicas > 1:  # the replicas start equal, as DataParallelBucket makes them (an ep rank's experts
+            expert_ids = {id(held[n]) for n in done.experts}  # are its own: not the first rank's)
+            broadcast_module(pipeline, group, exclude=[n for n, p in pipeline.named_parameters()
+                                                       if id(p) in expert_ids])
             applied.append("data parallel")
             if config.zero_stage == 3:
                 _shard_stages(done, groups, dims)

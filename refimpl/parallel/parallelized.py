@@ -76,20 +76,32 @@ class Parallelized:
         """The mean next-token loss of this rank's tokens: :func:`refimpl.model.lm_loss`, or under tensor
         parallelism the vocab-parallel loss on the logits shard (equal on the ranks of a TP group); an MoE
         model adds its blocks' balance losses of the forward that gave ``logits``, and counts their load
-        (:func:`refimpl.moe_balance.record_micro_batch`; call once per micro-batch)."""
+        (:func:`refimpl.moe_balance.record_micro_batch`; call once per micro-batch). Under pipeline
+        parallelism the executor takes each stage's balance losses itself (:meth:`stage_balance_loss`)."""
         if self.tp_group is None:
             loss = lm_loss(logits, labels)
         else:
             from refimpl.parallel.tensor_parallel import tp_lm_loss
 
             loss = tp_lm_loss(logits, labels, tp_group=self.tp_group, vocab_size=self.model.config.vocab_size)
-        if getattr(self.model.config, "num_experts", 0):
+        if getattr(self.model.config, "num_experts", 0) and self.pipeline is None:
             from refimpl.moe_balance import record_micro_batch
 
             aux = record_micro_batch(self.model)
             if aux is not None:
                 loss = loss + aux
         return loss
+
+    @staticmethod
+    def stage_balance_loss(stage: nn.Module, *, micro_batches: int) -> torch.Tensor | None:
+        """Under pipeline parallelism, a stage's own loss after its forward: its MoE blocks' balance losses
+        (counted, :func:`refimpl.moe_balance.record_micro_batch`) divided by ``micro_batches`` like the
+        micro-batch's language-model loss; None for a stage without MoE blocks. The pipeline executor adds
+        it to the last stage's loss and backpropagates it in the other stages' backward."""
+        from refimpl.moe_balance import record_micro_batch
+
+        aux = record_micro_batch(stage)
+        return None if aux is None else aux / micro_batches
 
     def build_optimizer(self, config: OptimConfig) -> OptimizerSetup:
         """AdamW over this rank's parameters, with what the checked step needs for this layout
@@ -174,6 +186,8 @@ def record_parallel_placements(done: Parallelized, *, replicas: int) -> dict[str
         out = {n: p.along("dp_cp", sharded=False, reduced=replicas > 1) for n, p in placed.items()}
         for n in experts:  # split over ep, whole on each tp rank, averaged over the expert-data-parallel ones
             p = Placement(box=boxes[n], sharded_over=("expert",), replicated_over=("tp",) if tp else ())
+            if pipe is not None:  # a stage's own, like its dense tensors
+                p = p.along("pp", sharded=True)
             out[n] = p.along("expert_dp", sharded=False, reduced=True)
         return {n: out[n] for n in boxes}
     before = record_placements({n: inner[n] for n in boxes}, tp=tp, sequence_parallel=sp, pp=pipe is not None,

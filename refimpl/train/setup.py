@@ -41,6 +41,9 @@ class _Setup:
     # update, the step's figures (refimpl.moe_balance.finish_step); None for a dense model
     moe_step: Callable[[int], dict | None] | None = None
     moe_metrics: dict | None = None  # the last step's figures (metrics.jsonl)
+    # MoE under pipeline parallelism: a stage's balance losses after its forward, / micro-batches
+    # (Parallelized.stage_balance_loss); None otherwise
+    stage_loss: Callable[..., torch.Tensor | None] | None = None
     ep: int = 1
 
 
@@ -60,13 +63,16 @@ def build_setup(config: TrainConfig, ctx: DistributedContext, options: RunOption
         from refimpl.moe_balance import finish_step
 
         def moe_step(micro_batches: int) -> dict | None:
-            return finish_step(par.model, par.group, micro_batches=micro_batches, device=ctx.device)
+            return finish_step(par.model, par.group, micro_batches=micro_batches, device=ctx.device,
+                               pp_group=None if par.pipeline is None else par.pipeline.pp_group)
 
     return _Setup(model=par.model, forward=par.forward, state_module=par.state_module, mp=par.mp,
                   optimizer=opt.optimizer, dp=par.sync, grad_params=opt.grad_params, clip_fn=opt.clip_fn,
                   group=par.group, loss=par.loss, finish_gradients=opt.finish_gradients,
                   tp_group=par.tp_group, split_batch=par.split_batch, cp_group=par.cp_group,
-                  pipeline=par.pipeline, placements=par.placements, moe_step=moe_step, ep=dims.ep)
+                  pipeline=par.pipeline, placements=par.placements, moe_step=moe_step, ep=dims.ep,
+                  stage_loss=par.stage_balance_loss if moe_step is not None and par.pipeline is not None
+                  else None)
 
 
 def _sampling_model(setup: _Setup, config: TrainConfig, options: RunOptions,

@@ -7,7 +7,8 @@ With ``A`` micro-batches of ``b`` sequences each loss is the micro-batch mean di
 the micro-batches and averaged over equal-sized data-parallel ranks it is the mean over the global batch.
 Under pipeline parallelism (chapter 08) the ``A`` micro-batches are the pipeline's: one call of the stages'
 ``step`` runs the schedule's forwards and backwards, and the data-parallel average follows once. An MoE
-model's loss includes its blocks' balance losses (scaled alike), and once the gradients are reduced the
+model's loss includes its blocks' balance losses (scaled alike; under pipeline parallelism each stage's,
+backpropagated in that stage), and once the gradients are reduced the
 step's expert load is summed over the ranks and DeepSeek-V3's expert bias updated (chapter 09).
 """
 
@@ -39,11 +40,16 @@ def train_step(setup: _Setup, inputs: torch.Tensor, labels: torch.Tensor, *, acc
         def share(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return setup.loss(logits, y) / accumulation
 
+        def balance(stage: torch.nn.Module) -> torch.Tensor | None:  # an MoE stage's own loss, / accumulation
+            return setup.stage_loss(stage, micro_batches=accumulation)
+
+        aux_loss = None if setup.stage_loss is None else balance
+
         with mp.autocast():
             loss_sum = setup.pipeline.step(inputs.to(device), labels.to(device),
                                            num_microbatches=accumulation, loss_fn=share,
                                            scale_loss=None if mp.scaler is None else mp.scaler.scale,
-                                           clock=clock)
+                                           clock=clock, aux_loss=aux_loss)
         if after_first_forward is not None:
             after_first_forward()  # the step's forwards and backwards are done; the reduction is not
     for i in range(0 if setup.pipeline is not None else accumulation):

@@ -11,6 +11,11 @@ The rank walks its list (:func:`~refimpl.parallel.pipeline_parallel.schedules.bu
   to stage ``s - 1``. Parameter gradients accumulate over the micro-batches, as one device's would.
   When the schedule has ``W`` actions the linear layers' weight gradients are queued instead
   (:mod:`.weight_grad`), and ``W`` computes them.
+* An MoE stage (chapter 09) also has a loss of its own, its blocks' balance losses (``aux_loss(stage)``
+  after each ``F``, scaled like the micro-batch's loss): the last stage adds it to the loss; any other
+  stage backpropagates it in its ``B`` together with the received gradient, one
+  ``autograd.backward([output, aux], [grad, None])`` (Megatron-LM attaches it to the activation with its
+  ``MoEAuxLossAutoScaler`` instead: the same gradient). It counts in the returned loss sum.
 
 Transfers (:mod:`.p2p_plan`, :mod:`.pipeline_communications`): at each boundary of the list (before the
 first action, after each) the rank posts one group, the sends of the action just done with the receives
@@ -67,7 +72,8 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, GPTStage],
                  scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  events: list[PipelineEvent] | None = None,
                  table: Sequence[Sequence[Action]] | None = None,
-                 clock: Callable[[], float] | None = None) -> torch.Tensor:
+                 clock: Callable[[], float] | None = None,
+                 aux_loss: Callable[[GPTStage], torch.Tensor | None] | None = None) -> torch.Tensor:
     """Run ``actions`` (this rank's list) over ``stages`` (this rank's, by index); returns the sum of the
     micro-batch losses this rank computed (the last stage's rank; zero elsewhere), detached.
 
@@ -78,14 +84,17 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, GPTStage],
     before its backward (the fp16 loss scaler; the returned sum is unscaled); ``events``: appended one per
     action; ``table``: every rank's list, for the transfer plan (default: the named schedule whose list
     ``actions`` is, else the plan from ``actions`` alone; :func:`~.p2p_plan.p2p_plan`); ``clock``: the clock
-    the events read (default :func:`refimpl.comm.tracer.now`; a measurement samples at its reads).
+    the events read (default :func:`refimpl.comm.tracer.now`; a measurement samples at its reads);
+    ``aux_loss(stage)``: the stage's own loss of the forward just run, in the graph (None: none; an MoE
+    stage's balance losses, module docstring).
     """
     now = clock if clock is not None else tracer_now
     num_stages = next(iter(stages.values())).num_stages
     device = next(next(iter(stages.values())).parameters()).device
     if any(a.kind == "W" for a in actions) and store is None:
         raise ValueError("a schedule with W actions needs the WeightGradStore its stages defer into")
-    saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    # (stage, micro-batch) -> the input, the output (or loss) and the stage's own loss (or None)
+    saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
     plan = p2p_plan(actions, num_stages=num_stages, pp_size=pp_size, table=table)
     outbox: dict = {}  # what the action just done sends, by message
 
@@ -108,22 +117,31 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, GPTStage],
         if a.kind == "F":
             x = inputs[a.microbatch].to(device) if stage.is_first else received.requires_grad_()
             y = stage(x)
+            aux = None if aux_loss is None else aux_loss(stage)
             if stage.is_last:
                 y = loss_fn(y, labels[a.microbatch].to(device))
+                y = y if aux is None else y + aux
+                aux = None
                 total += y.detach()
                 y = y if scale_loss is None else scale_loss(y)
-            saved[key] = (x, y)
+            elif aux is not None:  # backpropagated in this stage's B, beside the received gradient
+                total += aux.detach()
+                aux = aux if scale_loss is None else scale_loss(aux)
+            saved[key] = (x, y, aux)
             for t in after:
                 outbox[message(t)] = y
         elif a.kind == "B":
-            x, y = saved.pop(key)
+            x, y, aux = saved.pop(key)
+            roots, grads = [y], [None if stage.is_last else received]
+            if aux is not None:
+                roots, grads = [y, aux], [received, None]
             with store.capture(key) if store is not None else contextlib.nullcontext():
-                torch.autograd.backward(y, None if stage.is_last else received)
+                torch.autograd.backward(roots, grads)
             for t in after:
                 outbox[message(t)] = x.grad
         else:
             store.flush(key)
-        x = y = received = None  # drop this action's tensors: what stays alive is saved, sent or queued
+        x = y = aux = received = None  # drop this action's tensors: what stays alive is saved, sent or queued
         pending = post(k + 1)
         if events is not None:
             events.append(PipelineEvent(kind=a.kind, stage=a.stage, microbatch=a.microbatch, start=start,

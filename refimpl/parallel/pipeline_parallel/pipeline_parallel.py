@@ -104,11 +104,13 @@ class PipelineModule(nn.Module):
     def step(self, inputs: torch.Tensor, labels: torch.Tensor, *, num_microbatches: int,
              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
              scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
-             clock: Callable[[], float] | None = None) -> torch.Tensor:
+             clock: Callable[[], float] | None = None,
+             aux_loss: Callable[[nn.Module], torch.Tensor | None] | None = None) -> torch.Tensor:
         """Forward and backward of ``inputs``/``labels`` (``[B, s]``, this data-parallel rank's batch) in
         ``num_microbatches`` micro-batches; returns the step's loss (the sum of the micro-batch losses) on
         every pipeline rank. Gradients accumulate in the stages' parameters (the tied copies summed).
-        ``clock``: the executor's clock (:func:`~.executor.run_schedule`)."""
+        ``clock``: the executor's clock; ``aux_loss(stage)``: a stage's own loss after its forward (an MoE
+        stage's balance losses; :func:`~.executor.run_schedule`)."""
         m = num_microbatches
         actions = build_schedule(self.schedule, pp_size=self.pp_size, num_microbatches=m,
                                  virtual_stages=self.virtual_stages)[self.pp_rank]
@@ -122,7 +124,7 @@ class PipelineModule(nn.Module):
                             pp_group=self.pp_group, pp_size=self.pp_size, inputs=inputs.chunk(m),
                             labels=labels.chunk(m), loss_fn=loss_fn, activation_shape=shape,
                             activation_dtype=torch.float32, store=self.store, scale_loss=scale_loss,
-                            events=self.last_events, clock=clock)
+                            events=self.last_events, clock=clock, aux_loss=aux_loss)
         if self.after_backward is not None:
             self.after_backward()
         weight = self.tied_weight()
