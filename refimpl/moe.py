@@ -20,7 +20,8 @@ the language-model loss, a mean over tokens. The block keeps ``aux_loss`` of its
 loss adds the blocks' (:func:`moe_aux_loss`, called by :meth:`refimpl.parallel.parallelized.Parallelized.
 loss`), so it is divided by the micro-batches ``A`` and its gradient averaged over the ``dp x cp`` ranks
 like the main loss: the trainer minimises ``1/(N A) sum_{ranks, micro-batches} (CE + sum_blocks L_aux)``,
-the global mean over sequences of both, at any ``dp``, ``ep`` and micro-batch size. Under pipeline
+the global mean over sequences of both, at any ``dp``, ``ep`` and micro-batch size (under ``cp``
+:func:`sequence_balance_loss` sums each sequence's counts over the cp ranks). Under pipeline
 parallelism each stage holds some blocks' losses: the executor adds the last stage's to the loss and
 backpropagates every other stage's in that stage's backward (:meth:`refimpl.parallel.parallelized.
 Parallelized.stage_balance_loss`), the same gradient. The layer's own per-forward
@@ -44,9 +45,12 @@ is :mod:`refimpl.moe_balance`.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from refimpl.comm import ops
 from refimpl.config import ModelConfig
+from refimpl.distributed.group_info import group_rank_size
 from refimpl.distributed.placement import Box, LocalShard
 from refimpl.parallel.expert_parallel import MoE
 
@@ -57,18 +61,29 @@ EXPERT_TENSORS = ("w1", "w3", "w2")
 
 
 def sequence_balance_loss(scores: torch.Tensor, expert_ids: torch.Tensor, *, sequences: int, coeff: float,
-                          score_func: str) -> torch.Tensor:
+                          score_func: str, cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``coeff E mean_b sum_i f_{b,i} P_{b,i}`` (module docstring) over ``sequences`` equal sequences of the
     ``T`` tokens: ``scores [T, E]`` (fp32, in the graph), ``expert_ids [T, k]``. One sequence is Switch's
-    loss (:func:`refimpl.parallel.expert_parallel.load_balancing_loss`) over its tokens."""
+    loss (:func:`refimpl.parallel.expert_parallel.load_balancing_loss`) over its tokens.
+
+    ``cp_group`` (context parallelism, chapter 07): this rank holds ``s / cp`` tokens of each sequence. The
+    counts, which carry no gradient, are summed over the group, so ``f`` is the whole sequence's; ``P`` is
+    the mean over this rank's tokens. The ``cp`` ranks' losses then average (as the trainer averages the
+    ranks' losses over ``dp x cp``) to ``coeff E mean_b sum_i f_{b,i} mean_r P^{(r)}_{b,i}``, and the mean of
+    the ranks' means over equal parts is the whole sequence's ``P``: the one-device loss and gradient."""
     t, e = scores.shape
     if coeff == 0 or t == 0:
         return scores.new_zeros(())
     probs = scores if score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
-    ids = expert_ids.reshape(sequences, -1)  # [b, s k]
+    ids = expert_ids.reshape(sequences, -1)  # [b, s k] (s: this rank's tokens of each sequence)
     counts = torch.zeros(sequences, e, dtype=scores.dtype, device=scores.device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=scores.dtype))  # [b, E] assignments per expert
-    f = counts / ids.shape[1]  # [b, E]: share of the sequence's s k assignments (no gradient)
+    assignments = ids.shape[1]
+    cp = group_rank_size(cp_group)[1] if cp_group is not None else 1
+    if cp > 1:  # the whole sequences' counts (no gradient flows through f)
+        ops.all_reduce(counts, group=cp_group)
+        assignments *= cp
+    f = counts / assignments  # [b, E]: share of the sequence's s k assignments (no gradient)
     p = probs.reshape(sequences, t // sequences, e).mean(1)  # [b, E]: mean probability over its tokens
     return coeff * e * (f * p).sum(-1).mean()
 
@@ -92,6 +107,9 @@ class MoEMLP(nn.Module):
         self.moe = MoE(**self._kw)
         self.aux_loss: torch.Tensor | None = None
         self.counters = None  # refimpl.moe_balance's per-step counters, set by its first record
+        # context parallelism: the group whose ranks hold the other parts of each sequence (parallelize's
+        # step 2 sets it); the balance loss sums its counts over it (sequence_balance_loss)
+        self.cp_group: dist.ProcessGroup | None = None
 
     @property
     def num_experts(self) -> int:
@@ -102,7 +120,8 @@ class MoEMLP(nn.Module):
         routing = self.moe.routing
         self.aux_loss = sequence_balance_loss(routing.scores, routing.expert_ids,
                                               sequences=x.shape[0] if x.dim() == 3 else 1,
-                                              coeff=self.aux_loss_coeff, score_func=self.score_func)
+                                              coeff=self.aux_loss_coeff, score_func=self.score_func,
+                                              cp_group=self.cp_group)
         return y
 
     @torch.no_grad()

@@ -100,11 +100,6 @@ MOE_SUPPORT_TABLE: tuple[Unsupported, ...] = (
                "group (torchtitan's efsdp), not built; use ZeRO 0-2",
         applies=lambda c: c.zero_stage == 3),
     Unsupported(
-        name="moe-cp", when="MoE blocks or expert parallelism with cp > 1", experts=True,
-        reason="the balance loss is a mean over whole sequences (DeepSeek-V3's sequence-wise loss) and a "
-               "context-parallel rank holds part of each: not built; use dp, tp and ep",
-        applies=lambda c: c.cp > 1),
-    Unsupported(
         name="moe-sp", when="MoE blocks or expert parallelism with sequence parallelism", experts=True,
         reason="the MoE input would be each tensor-parallel rank's s/t tokens, routed apart (the balance "
                "loss and capacity per shard, the router and expert gradients summed over tp): not built; "

@@ -13,6 +13,8 @@ capacity is per rank's forward, :mod:`refimpl.moe`):
 * the losses within ``FACTOR x`` the one-device order spread, and the **first step's gradients before
   clipping and AdamW**, every rank's boxes of every parameter (experts: rows of the ``[E, ...]`` tensors)
   against one device's, each within ``FACTOR x`` its order spread; a planted factor 2 fails;
+* under context parallelism (``--cp 2 --dp 2 --ep 4``: an expert-parallel group spans the cp ranks) the
+  balance loss sums each sequence's counts over cp; **negative control**: per cp rank's half fails;
 * under pipeline parallelism (``--pp 2 --dp 2 --ep 2``, 1F1B and zbh1 with ZeRO-2) each stage's balance
   loss is backpropagated in that stage; **negative control**: stage 0's left out of its backward fails;
 * **negative control**: the same ``--ep 2 --dp 4`` run with the experts' placement saying ``dp_cp`` instead
@@ -78,6 +80,8 @@ LAYOUTS = {
     # zbh1's W actions add the experts' and routers' weight gradients; ZeRO-2 shards the experts over edp
     "pp2-dp2-ep2-zbh1-zero2-bias": (["--pp", "2", "--ep", "2", "--pp-schedule", "zbh1", "--zero-stage", "2",
                                      *BIAS], "bias"),
+    # each sequence split over 2 cp ranks: the balance loss's counts summed over cp; ep 4 spans dp x cp
+    "cp2-dp2-ep4": (["--cp", "2", "--ep", "4"], "aux"),
 }
 PIPELINED = [name for name in LAYOUTS if name.startswith("pp")]
 EXPERT = ".mlp.moe.experts."
@@ -123,6 +127,16 @@ def _first_stage_loss_dropped(step: int, setup) -> None:
             return aux if aux is None or stage.is_last else aux.detach().requires_grad_()
 
         setup.stage_loss = last_only
+
+
+def _counts_not_summed_over_cp(step: int, setup) -> None:
+    """The context-parallel negative control: each cp rank's balance loss from its own half of every
+    sequence's assignments (the counts not summed over the cp group)."""
+    if step == 0:
+        from refimpl.moe import moe_blocks
+
+        for block in moe_blocks(setup.model):
+            block.cp_group = None
 
 
 NORM_LAYOUTS = {  # name -> (degrees, options)
@@ -184,6 +198,12 @@ def _worker(ctx, files: dict) -> dict:
     train(config_from_args(args), ctx, options_from_args(args),
           hooks=TrainHooks(before_step=_first_stage_loss_dropped, gradient_probe=first_step_gradients(grads)))
     out["control-pp", "grads"] = grads
+    grads = {}  # the context-parallel negative control, one step
+    args = _args(files, root / "control-cp", *LAYOUTS["cp2-dp2-ep4"][0], "--steps", "1")
+    train(config_from_args(args), ctx, options_from_args(args),
+          hooks=TrainHooks(before_step=_counts_not_summed_over_cp,
+                           gradient_probe=first_step_gradients(grads)))
+    out["control-cp", "grads"] = grads
     if ctx.rank == 0:  # the ep 2 checkpoint of step STEPS alone, a copy for each resumed run
         kept = root / "ep2-checkpoint"
         shutil.copytree(root / SAVED / "ckpt", kept)
@@ -302,6 +322,19 @@ def test_a_first_stage_balance_loss_left_out_of_backward_fails(runs, one_device)
           f"{ratios['layers.0.mlp.moe.router.gate.weight']:.0f} x its tolerance off")
 
 
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+def test_balance_loss_counts_not_summed_over_cp_fail(runs, one_device):
+    """The context-parallel negative control: with each cp rank's ``f`` from its own part of the sequence,
+    the routers' gradients are off one device's by far more than the tolerance."""
+    per_rank = [out["control-cp", "grads"] for out in runs]
+    ratios = gradient_ratios(per_rank, one_device["aux"], "fp32", factor=FACTOR)
+    routers = {n: r for n, r in ratios.items() if "router" in n}
+    assert len(routers) == 2 and min(routers.values()) > 100, routers
+    print(f"counts not summed over cp: the routers' gradients {min(routers.values()):.0f} to "
+          f"{max(routers.values()):.0f} x their tolerance off")
+
+
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
 @pytest.mark.parametrize("layout", list(NORM_LAYOUTS))
 def test_the_trainers_norm_counts_every_expert_and_dense_element_once(runs, layout):
@@ -319,10 +352,11 @@ def test_the_trainers_norm_counts_every_expert_and_dense_element_once(runs, layo
 
 
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
-@pytest.mark.parametrize("name", [SAVED, *PIPELINED])
+@pytest.mark.parametrize("name", [SAVED, *PIPELINED, "cp2-dp2-ep4"])
 def test_metrics_record_the_balance_loss_the_load_and_the_traffic(runs, one_device, name):
     """Under pp every rank reports every stage's blocks: the balance loss summed over the stages (each
-    stage's in its own backward), the load's mean and most over all blocks, the same figures as one device."""
+    stage's in its own backward), the load's mean and most over all blocks; under cp the ranks' halves of
+    each sequence: the same figures as one device."""
     reference = one_device[LAYOUTS[name][1]]
     want = reference["records", "batch"]
     tol = tolerance(reference, "fp32", factor=FACTOR)
@@ -335,8 +369,9 @@ def test_metrics_record_the_balance_loss_the_load_and_the_traffic(runs, one_devi
             assert got["moe_dropped_fraction"] == 0.0
             assert got["lm_loss"] == pytest.approx(got["loss"] - got["moe_aux_loss"])
             assert got["bytes_sent"]["ep"] > 0
-            # dp 4 / ep 2: two replicas of each expert sum their gradients; dp 2 / ep 2 (pp 2): one
-            assert got["bytes_sent"].get("edp", 0) > 0 if name == SAVED else got["bytes_sent"]["pp"] > 0
+            # dp 4 / ep 2: two replicas of each expert sum their gradients; dp 2 (x cp 2) / ep 2 (4): one
+            axis = "edp" if name == SAVED else name[:2]
+            assert got["bytes_sent"].get(axis, 0) > 0, (axis, got["bytes_sent"])
 
 
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)

@@ -25,7 +25,8 @@ is built tensor- and pipeline-parallel first, then wrapped in its ``DistributedD
    it yet (refimpl/support.py says why).
 2. **context parallel** over the ``cp`` group (chapter 07; ring attention, Liu et al. 2023; Ulysses, Jacobs
    et al. 2023). It swaps the attention inside each block and shards the sequence: like 1, a change inside
-   the blocks, so it comes before the steps that wrap whole blocks.
+   the blocks, so it comes before the steps that wrap whole blocks. An MoE block's balance loss then sums
+   each sequence's counts over ``cp`` (:func:`refimpl.moe.sequence_balance_loss`).
 3. **pipeline split** over the ``pp`` group (chapter 08; GPipe, Huang et al. 2019; 1F1B, Narayanan et al.
    2021). It cuts the model *between* blocks, so it commutes with 1-2 (which act inside blocks); torchtitan
    splits first and then applies the rest to each stage. It must come before 4-6: checkpointing, precision
@@ -83,6 +84,7 @@ from torch import nn
 
 from refimpl.config import ParallelConfig
 from refimpl.distributed.mesh import LOSS_AXES, SHARD_AXES, ParallelDims, ParallelGroups
+from refimpl.moe import moe_blocks
 from refimpl.parallel.data_parallel import DataParallelBucket
 from refimpl.parallel.data_parallel.data_parallel_communications import broadcast_module
 from refimpl.parallel.expert_parallel_gpt import apply_expert_parallel, expert_parameter_names
@@ -170,6 +172,8 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
 
         cp_group = groups.group("cp")
         apply_context_parallel(model, cp_group=cp_group, method=config.cp_method, layout=config.cp_layout)
+        for block in moe_blocks(model):  # the balance loss counts each whole sequence's assignments
+            block.cp_group = cp_group
         applied.append("context parallel")
     # 3. pipeline split over pp: this rank keeps its stages (and runs them by the schedule)
     if dims.pp > 1:
