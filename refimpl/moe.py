@@ -61,7 +61,8 @@ EXPERT_TENSORS = ("w1", "w3", "w2")
 
 
 def sequence_balance_loss(scores: torch.Tensor, expert_ids: torch.Tensor, *, sequences: int, coeff: float,
-                          score_func: str, cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                          score_func: str, cp_group: dist.ProcessGroup | None = None,
+                          sp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``coeff E mean_b sum_i f_{b,i} P_{b,i}`` (module docstring) over ``sequences`` equal sequences of the
     ``T`` tokens: ``scores [T, E]`` (fp32, in the graph), ``expert_ids [T, k]``. One sequence is Switch's
     loss (:func:`refimpl.parallel.expert_parallel.load_balancing_loss`) over its tokens.
@@ -70,7 +71,14 @@ def sequence_balance_loss(scores: torch.Tensor, expert_ids: torch.Tensor, *, seq
     counts, which carry no gradient, are summed over the group, so ``f`` is the whole sequence's; ``P`` is
     the mean over this rank's tokens. The ``cp`` ranks' losses then average (as the trainer averages the
     ranks' losses over ``dp x cp``) to ``coeff E mean_b sum_i f_{b,i} mean_r P^{(r)}_{b,i}``, and the mean of
-    the ranks' means over equal parts is the whole sequence's ``P``: the one-device loss and gradient."""
+    the ranks' means over equal parts is the whole sequence's ``P``: the one-device loss and gradient.
+
+    ``sp_group`` (sequence parallelism, chapter 06): the tensor-parallel ranks hold ``s / t`` tokens each
+    too, and the counts are summed over them alike; but their losses are not averaged (every tp rank holds
+    the same loss, and the gradients of the parameters that saw ``s / t`` tokens are *summed* over tp). So
+    each rank returns ``L_r / t`` in the gradient (the tp sum of those gradients is the mean's) and the tp
+    mean of the ``L_r`` in value (one all-reduce of a scalar): the same loss on every tp rank, one
+    device's."""
     t, e = scores.shape
     if coeff == 0 or t == 0:
         return scores.new_zeros(())
@@ -79,13 +87,20 @@ def sequence_balance_loss(scores: torch.Tensor, expert_ids: torch.Tensor, *, seq
     counts = torch.zeros(sequences, e, dtype=scores.dtype, device=scores.device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=scores.dtype))  # [b, E] assignments per expert
     assignments = ids.shape[1]
-    cp = group_rank_size(cp_group)[1] if cp_group is not None else 1
-    if cp > 1:  # the whole sequences' counts (no gradient flows through f)
-        ops.all_reduce(counts, group=cp_group)
-        assignments *= cp
+    for group in (cp_group, sp_group):  # the whole sequences' counts (no gradient flows through f)
+        parts = group_rank_size(group)[1] if group is not None else 1
+        if parts > 1:
+            ops.all_reduce(counts, group=group)
+            assignments *= parts
     f = counts / assignments  # [b, E]: share of the sequence's s k assignments (no gradient)
     p = probs.reshape(sequences, t // sequences, e).mean(1)  # [b, E]: mean probability over its tokens
-    return coeff * e * (f * p).sum(-1).mean()
+    loss = coeff * e * (f * p).sum(-1).mean()
+    tp = group_rank_size(sp_group)[1] if sp_group is not None else 1
+    if tp > 1:  # gradient of L_r / t, value the tp mean of the L_r (docstring)
+        mean = loss.detach().clone()
+        ops.all_reduce(mean, group=sp_group)
+        loss = loss / tp + (mean / tp - loss.detach() / tp)
+    return loss
 
 
 class MoEMLP(nn.Module):
@@ -110,6 +125,10 @@ class MoEMLP(nn.Module):
         # context parallelism: the group whose ranks hold the other parts of each sequence (parallelize's
         # step 2 sets it); the balance loss sums its counts over it (sequence_balance_loss)
         self.cp_group: dist.ProcessGroup | None = None
+        # sequence parallelism: the tensor-parallel group, whose ranks route s/t tokens each (parallelize's
+        # step 1 sets it); the balance loss sums its counts over it, the router's and experts' gradients
+        # are summed over it (sequence_parallel_parameters)
+        self.sp_group: dist.ProcessGroup | None = None
 
     @property
     def num_experts(self) -> int:
@@ -121,7 +140,7 @@ class MoEMLP(nn.Module):
         self.aux_loss = sequence_balance_loss(routing.scores, routing.expert_ids,
                                               sequences=x.shape[0] if x.dim() == 3 else 1,
                                               coeff=self.aux_loss_coeff, score_func=self.score_func,
-                                              cp_group=self.cp_group)
+                                              cp_group=self.cp_group, sp_group=self.sp_group)
         return y
 
     @torch.no_grad()
@@ -144,6 +163,14 @@ class MoEMLP(nn.Module):
                 getattr(new.experts, name).requires_grad_(getattr(old.experts, name).requires_grad)
         new.router.gate.weight.requires_grad_(old.router.gate.weight.requires_grad)
         self.moe = new
+
+    def sequence_parallel_parameters(self) -> list[str]:
+        """Under sequence parallelism, the parameters applied to this tp rank's ``s/t`` tokens: the router's
+        and the experts' (their gradients summed over tp, :func:`refimpl.parallel.tensor_parallel.
+        sequence_parallel_names`); none otherwise."""
+        if self.sp_group is None:
+            return []
+        return [n for n, _ in self.named_parameters()]
 
     def expert_parallel_parameters(self) -> list[str]:
         """The names (relative to this module) of the expert tensors, split over ``ep``."""

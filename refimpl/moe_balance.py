@@ -66,11 +66,14 @@ def record_micro_batch(model: nn.Module) -> torch.Tensor | None:
 
 @torch.no_grad()
 def finish_step(model: nn.Module, group: dist.ProcessGroup | None, *, micro_batches: int,
-                device: torch.device, pp_group: dist.ProcessGroup | None = None) -> dict[str, float] | None:
+                device: torch.device, pp_group: dist.ProcessGroup | None = None,
+                sp_group: dist.ProcessGroup | None = None) -> dict[str, float] | None:
     """Sum the blocks' counters over ``group`` (``dp x cp``; None: one rank), update the expert biases,
     reset the counters and return the step's figures (module docstring); None for a dense model. Under
     pipeline parallelism ``model`` holds this rank's stages' blocks only: the figures then combine every
-    stage's over ``pp_group`` (each rank joins, with or without MoE blocks of its own)."""
+    stage's over ``pp_group`` (each rank joins, with or without MoE blocks of its own). Under sequence
+    parallelism (``sp_group``, the tp group) each tp rank routed other tokens: the load is summed over it
+    too (the balance loss, the same on the tp ranks, is not)."""
     blocks = [b for b in moe_blocks(model) if b.counters is not None]
     pp = group_rank_size(pp_group)[1] if pp_group is not None else 1
     if not blocks and pp == 1:
@@ -86,9 +89,13 @@ def finish_step(model: nn.Module, group: dist.ProcessGroup | None, *, micro_batc
         packed = torch.cat([loads.flatten(), scalars.flatten()]).to(device)
         if n > 1:
             ops.all_reduce(packed, group=group)  # the global batch's load: one collective for every block
+        tp = group_rank_size(sp_group)[1] if sp_group is not None else 1
+        if tp > 1:  # each tp rank's s/t tokens; the balance losses (equal there) averaged back below
+            ops.all_reduce(packed, group=sp_group)
         packed = packed.cpu()
         loads = packed[: loads.numel()].view_as(loads)
         dropped, assignments, aux = packed[loads.numel():].view(len(blocks), 3).unbind(1)
+        aux = aux / tp
         for block, load in zip(blocks, loads, strict=True):
             if block.bias_update_rate is not None:
                 block.moe.update_expert_bias(block.bias_update_rate, load=load.to(device))

@@ -99,12 +99,6 @@ MOE_SUPPORT_TABLE: tuple[Unsupported, ...] = (
                "expert-data-parallel group (dp x cp / ep): it needs a second fully-sharded wrapper over that "
                "group (torchtitan's efsdp), not built; use ZeRO 0-2",
         applies=lambda c: c.zero_stage == 3),
-    Unsupported(
-        name="moe-sp", when="MoE blocks or expert parallelism with sequence parallelism", experts=True,
-        reason="the MoE input would be each tensor-parallel rank's s/t tokens, routed apart (the balance "
-               "loss and capacity per shard, the router and expert gradients summed over tp): not built; "
-               "use --tp without --sequence-parallel (every tp rank runs the same experts)",
-        applies=lambda c: c.sequence_parallel),
 )
 """The rows of mixture-of-experts models (module docstring)."""
 

@@ -235,7 +235,6 @@ def test_a_one_device_trainer_run_writes_the_moe_figures(tmp_path, corpus):
 # name -> (a ParallelConfig it refuses for an MoE model, the nearest one that passes)
 CASES = {
     "moe-zero3": (dict(dp=2, zero_stage=3), dict(dp=2, zero_stage=2)),
-    "moe-sp": (dict(tp=2, sequence_parallel=True), dict(tp=2)),
 }
 
 
@@ -257,12 +256,12 @@ def test_parallelize_and_the_trainer_refuse_an_moe_model_in_the_rows_words():
     from refimpl.train import RunOptions, build_parser, config_from_args
     from refimpl.train.preflight import check_experts
 
-    message = next(r for r in MOE_SUPPORT_TABLE if r.name == "moe-sp").message()
+    message = next(r for r in MOE_SUPPORT_TABLE if r.name == "moe-zero3").message()
     with pytest.raises(ConfigError) as parallel:
-        parallelize(GPT(MOE), ParallelDims(dp=1, tp=2), ParallelConfig(dp=1, tp=2, sequence_parallel=True))
+        parallelize(GPT(MOE), ParallelDims(dp=2), ParallelConfig(dp=2, zero_stage=3))
     config = config_from_args(build_parser().parse_args(["--moe-experts", "4"]))
     with pytest.raises(ConfigError) as trainer:
-        check_experts(config, RunOptions(tp=2, sequence_parallel=True))
+        check_experts(config, RunOptions(dp=2, zero_stage=3))
     assert str(parallel.value) == str(trainer.value) == message
     with pytest.raises(ConfigError, match="give --moe-experts"):
         check_experts(config_from_args(build_parser().parse_args([])), RunOptions(ep=2, dp=2))

@@ -15,6 +15,9 @@ capacity is per rank's forward, :mod:`refimpl.moe`):
   against one device's, each within ``FACTOR x`` its order spread; a planted factor 2 fails;
 * under context parallelism (``--cp 2 --dp 2 --ep 4``: an expert-parallel group spans the cp ranks) the
   balance loss sums each sequence's counts over cp; **negative control**: per cp rank's half fails;
+* under sequence parallelism (``--tp 2 --sequence-parallel --dp 2 --ep 2``, ZeRO-1) each tp rank routes
+  its ``s/t`` tokens: the counts summed over tp, the routers' and experts' gradients too; **negative
+  control**: each tp rank's balance loss from its own tokens, whole, fails;
 * under pipeline parallelism (``--pp 2 --dp 2 --ep 2``, 1F1B and zbh1 with ZeRO-2) each stage's balance
   loss is backpropagated in that stage; **negative control**: stage 0's left out of its backward fails;
 * **negative control**: the same ``--ep 2 --dp 4`` run with the experts' placement saying ``dp_cp`` instead
@@ -82,6 +85,8 @@ LAYOUTS = {
                                      *BIAS], "bias"),
     # each sequence split over 2 cp ranks: the balance loss's counts summed over cp; ep 4 spans dp x cp
     "cp2-dp2-ep4": (["--cp", "2", "--ep", "4"], "aux"),
+    # each tp rank routes its s/t tokens: counts summed over tp, router and expert gradients too
+    "tp2-sp-dp2-ep2-zero1": (["--tp", "2", "--sequence-parallel", "--ep", "2", "--zero-stage", "1"], "aux"),
 }
 PIPELINED = [name for name in LAYOUTS if name.startswith("pp")]
 EXPERT = ".mlp.moe.experts."
@@ -139,11 +144,22 @@ def _counts_not_summed_over_cp(step: int, setup) -> None:
             block.cp_group = None
 
 
+def _balance_loss_not_split_over_sp(step: int, setup) -> None:
+    """The sequence-parallel negative control: each tp rank's balance loss from its own s/t tokens, whole
+    (neither its counts summed over tp nor its gradient divided by t); the gradients are still summed."""
+    if step == 0:
+        from refimpl.moe import moe_blocks
+
+        for block in moe_blocks(setup.model):
+            block.sp_group = None
+
+
 NORM_LAYOUTS = {  # name -> (degrees, options)
     "dp4-ep2": (dict(dp=4, ep=2), {}),
     "dp4-ep2-zero1": (dict(dp=4, ep=2), dict(zero_stage=1)),
     "tp2-dp2-ep2": (dict(dp=2, tp=2, ep=2), {}),
     "pp2-dp2-ep2": (dict(dp=2, pp=2, ep=2), {}),  # each stage's experts summed over pp too
+    "tp2-sp-dp2-ep2": (dict(dp=2, tp=2, ep=2), dict(sequence_parallel=True)),
 }
 
 
@@ -204,6 +220,12 @@ def _worker(ctx, files: dict) -> dict:
           hooks=TrainHooks(before_step=_counts_not_summed_over_cp,
                            gradient_probe=first_step_gradients(grads)))
     out["control-cp", "grads"] = grads
+    grads = {}  # the sequence-parallel negative control, one step
+    args = _args(files, root / "control-sp", *LAYOUTS["tp2-sp-dp2-ep2-zero1"][0], "--steps", "1")
+    train(config_from_args(args), ctx, options_from_args(args),
+          hooks=TrainHooks(before_step=_balance_loss_not_split_over_sp,
+                           gradient_probe=first_step_gradients(grads)))
+    out["control-sp", "grads"] = grads
     if ctx.rank == 0:  # the ep 2 checkpoint of step STEPS alone, a copy for each resumed run
         kept = root / "ep2-checkpoint"
         shutil.copytree(root / SAVED / "ckpt", kept)
@@ -335,6 +357,19 @@ def test_balance_loss_counts_not_summed_over_cp_fail(runs, one_device):
           f"{max(routers.values()):.0f} x their tolerance off")
 
 
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+def test_balance_loss_not_split_over_sequence_parallel_ranks_fails(runs, one_device):
+    """The sequence-parallel negative control: a tp rank's balance loss from its own tokens, whole, puts
+    the routers' gradients off one device's by far more than the tolerance."""
+    per_rank = [out["control-sp", "grads"] for out in runs]
+    ratios = gradient_ratios(per_rank, one_device["aux"], "fp32", factor=FACTOR)
+    routers = {n: r for n, r in ratios.items() if "router" in n}
+    assert len(routers) == 2 and min(routers.values()) > 100, routers
+    print(f"balance loss per tp rank, whole: the routers' gradients {min(routers.values()):.0f} to "
+          f"{max(routers.values()):.0f} x their tolerance off")
+
+
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
 @pytest.mark.parametrize("layout", list(NORM_LAYOUTS))
 def test_the_trainers_norm_counts_every_expert_and_dense_element_once(runs, layout):
@@ -352,7 +387,7 @@ def test_the_trainers_norm_counts_every_expert_and_dense_element_once(runs, layo
 
 
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
-@pytest.mark.parametrize("name", [SAVED, *PIPELINED, "cp2-dp2-ep4"])
+@pytest.mark.parametrize("name", [SAVED, *PIPELINED, "cp2-dp2-ep4", "tp2-sp-dp2-ep2-zero1"])
 def test_metrics_record_the_balance_loss_the_load_and_the_traffic(runs, one_device, name):
     """Under pp every rank reports every stage's blocks: the balance loss summed over the stages (each
     stage's in its own backward), the load's mean and most over all blocks; under cp the ranks' halves of

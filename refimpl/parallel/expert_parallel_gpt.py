@@ -9,8 +9,10 @@ parallelism is a second view of the ``N = dp x cp`` ranks that see different tok
 all-to-all; the dense weights (attention, norms, embeddings, the routers) are replicated over all ``N``.
 Under tensor parallelism (without sequence parallelism) the MoE input is the whole ``[b, s, h]`` on every
 tp rank, so every tp rank routes the same tokens and runs the same experts: the experts are replicated over
-``tp``, and their gradients are equal there (nothing to reduce over tp). Simple and correct; splitting the
-tokens over the tp ranks instead saves the repeated expert compute and is not built.
+``tp``, and their gradients are equal there (nothing to reduce over tp). With sequence parallelism the MoE
+input is the tp rank's ``[b, s/t, h]``: each tp rank routes its own tokens (no repeated expert compute), and
+the router's and experts' gradients, like the layer norms', are summed over ``tp``
+(:meth:`refimpl.moe.MoEMLP.sequence_parallel_parameters`); the balance loss counts over tp too.
 
 **Gradients.** After backward a local expert's gradient is ``sum_{q in my ep group} dL_q/dW``: the sum over
 every token it received (the all-to-all's backward brings each rank's share home), and ``L_q`` is rank

@@ -156,6 +156,9 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
 
         tp_group = groups.group("tp")
         apply_tensor_parallel(model, tp_group=tp_group, sequence_parallel=config.sequence_parallel)
+        if config.sequence_parallel:  # an MoE block routes this tp rank's s/t tokens (refimpl.moe)
+            for block in moe_blocks(model):
+                block.sp_group = tp_group
         applied.append("tensor parallel")
     # 1b. expert parallel over ep: each MoE block keeps its rank's experts (the rest replicated)
     if dims.ep > 1:

@@ -185,7 +185,9 @@ def record_parallel_placements(done: Parallelized, *, replicas: int) -> dict[str
                                    sequence_parallel=sp, pp=pipe is not None, tied_copy=tied)
         out = {n: p.along("dp_cp", sharded=False, reduced=replicas > 1) for n, p in placed.items()}
         for n in experts:  # split over ep, whole on each tp rank, averaged over the expert-data-parallel ones
-            p = Placement(box=boxes[n], sharded_over=("expert",), replicated_over=("tp",) if tp else ())
+            p = Placement(box=boxes[n], sharded_over=("expert",))
+            if tp:  # under sequence parallelism each tp rank's experts saw other tokens: summed over tp
+                p = p.along("tp", sharded=False, reduced=n in sp)
             if pipe is not None:  # a stage's own, like its dense tensors
                 p = p.along("pp", sharded=True)
             out[n] = p.along("expert_dp", sharded=False, reduced=True)

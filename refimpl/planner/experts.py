@@ -274,9 +274,10 @@ def all_to_all_bytes(config: ModelConfig, load: ExpertLoad, *, compute_dtype: to
 def unmodelled_moe(config: ModelConfig, *, pp: int = 1, cp: int = 1, zero_stage: int = 0,
                    sequence_parallel: bool = False, precision: str = "fp32") -> list[str]:
     """What of an MoE layout the planner does not model (empty for a dense model): pipeline or context
-    parallelism, sequence parallelism, ZeRO-3 (the support table refuses them with MoE blocks:
-    refimpl/support.py) and fp8 (its converted layers' terms, :mod:`refimpl.planner.fp8`, are not counted
-    for an MoE model)."""
+    parallelism and sequence parallelism (the trainer runs them with MoE blocks; their stage split, the
+    sequence's parts and the tp ranks' own tokens are not in these terms), ZeRO-3 (the support table refuses
+    it with MoE blocks: refimpl/support.py) and fp8 (its converted layers' terms, :mod:`refimpl.planner.fp8`,
+    are not counted for an MoE model)."""
     if not config.num_experts:
         return []
     return [name for name, on in (("pp > 1", pp > 1), ("cp > 1", cp > 1), ("ZeRO-3", zero_stage == 3),

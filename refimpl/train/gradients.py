@@ -18,7 +18,8 @@ the gradient lives:
 * ZeRO-1: the full local gradient is averaged over the data-parallel group only inside the optimizer's
   step, so here a copy of it is averaged (``all_reduce`` then ``/ N``, the arithmetic of the step's
   reduce-scatter mean, untraced so that ``metrics.jsonl``'s bytes stay the step's; an expert's over its
-  expert-data-parallel group, divided by ``dp x cp``) and the state the step reads is left as it was.
+  expert-data-parallel group, divided by ``dp x cp``; under sequence parallelism then summed over tp, as
+  ``finish_gradients`` sums the step's shards) and the state the step reads is left as it was.
 
 Under fp16 the gradients are divided by the loss scale (a power of two: exact), as ``unscale_`` does.
 """
@@ -66,5 +67,8 @@ def gradient_shards(setup: _Setup) -> dict[str, LocalShard]:
                 dist.all_reduce(mean, group=group)  # not traced: the probe's, not the step's
             if (size if divide is None else divide) > 1:
                 mean /= size if divide is None else divide
+            placement = setup.placements.get(name)
+            if placement is not None and "tp" in placement.reduce_over and setup.tp_group is not None:
+                dist.all_reduce(mean, group=setup.tp_group)  # sequence parallelism: finish_gradients' tp sum
             out[name] = LocalShard(mean / scale, param_box)
     return out

@@ -69,7 +69,7 @@ def check_context_parallel(config: TrainConfig, cp: int, *, method: str = "ring"
 def check_experts(config: TrainConfig, options: RunOptions) -> None:
     """Refuse what an MoE model or ``--ep`` cannot take (chapter 09): ``--ep`` without MoE blocks, experts
     that do not split over ``--ep``, and the combinations :data:`refimpl.support.MOE_SUPPORT_TABLE` refuses
-    for a model with MoE blocks (ZeRO-3, sequence parallelism)."""
+    for a model with MoE blocks (ZeRO-3)."""
     experts, ep = config.model.num_experts, options.ep
     if ep > 1 and experts == 0:
         raise ConfigError(f"--ep {ep} splits the experts of MoE blocks over {ep} ranks: give --moe-experts")

@@ -64,7 +64,8 @@ def build_setup(config: TrainConfig, ctx: DistributedContext, options: RunOption
 
         def moe_step(micro_batches: int) -> dict | None:
             return finish_step(par.model, par.group, micro_batches=micro_batches, device=ctx.device,
-                               pp_group=None if par.pipeline is None else par.pipeline.pp_group)
+                               pp_group=None if par.pipeline is None else par.pipeline.pp_group,
+                               sp_group=par.tp_group if options.sequence_parallel else None)
 
     return _Setup(model=par.model, forward=par.forward, state_module=par.state_module, mp=par.mp,
                   optimizer=opt.optimizer, dp=par.sync, grad_params=opt.grad_params, clip_fn=opt.clip_fn,
