@@ -41,7 +41,8 @@
 #    one; two broken variants that fail the same check; the bytes each rank sends equal to the formula
 #    from the routed counts;
 # 5. load balance measured while training: no balancing, the balance loss, the expert bias;
-# 6. the trainer, `python -m refimpl.train --ep 2`, trains like one device and reports its experts' load.
+# 6. the trainer, `python -m refimpl.train --ep 2`, trains like one device and reports its experts' load,
+#    alone and with the pipeline, context and sequence parallelism.
 
 # %%
 import contextlib
@@ -710,6 +711,48 @@ assert one["fp32", "batch"][-1] < one["fp32", "batch"][0], "it trains"
 # logs, and the `ep` and `edp` groups both carried bytes: the token all-to-alls and the experts' gradient
 # sum. In the load columns, `max` is the busiest expert over the blocks and `mean` is $kT/E$ by
 # construction (every token makes $k$ assignments), so their ratio is the imbalance section 5 plotted.
+
+# %% [markdown]
+# **With the other dimensions.** The same MoE model composes with the pipeline, context and sequence
+# parallelism. Each needs one thing of its own, and the run must still be one device's:
+#
+# * `--pp 2 --dp 2 --ep 2`: each stage holds some blocks, so some balance losses live on stages that
+#   never see the loss. The pipeline executor backpropagates a stage's balance loss in that stage's own
+#   backward, beside the gradient it receives (`autograd.backward([output, aux], [grad, None])`;
+#   Megatron-LM attaches it to the activation instead, the same gradient), and the step's MoE figures are
+#   summed over the stages.
+# * `--cp 2 --dp 2 --ep 4`: a rank holds half of each sequence, so the sequence-wise loss sums each
+#   sequence's counts over the cp ranks (its $f$) and keeps its own mean probability (its $P$): the cp
+#   ranks' losses average to the sequence's. The expert-parallel group of 4 spans the cp ranks.
+# * `--tp 2 --sequence-parallel --dp 2 --ep 2`: each tensor-parallel rank routes its own $s/t$ tokens (no
+#   expert computed twice), so the routers' and experts' gradients are summed over tp, like the layer
+#   norms'; the tp ranks hold one loss, so each rank's balance loss counts $1/t$ in its gradient.
+
+# %%
+# %%px
+MORE = {"pp2-dp2-ep2": ["--pp", "2", "--dp", "2", "--ep", "2", "--micro-batch-size", "2"],
+        "cp2-dp2-ep4": ["--cp", "2", "--dp", "2", "--ep", "4"],
+        "tp2-sp-dp2-ep2": ["--tp", "2", "--sequence-parallel", "--dp", "2", "--ep", "2"]}
+more_records = {}
+for name, flags in MORE.items():
+    args = build_parser().parse_args([*TRAIN, *flags, "--out", f"{EP_OUT}-{name}"])
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its log
+        more_records[name] = train(config_from_args(args), ctx, options_from_args(args))
+
+# %%
+more = ranks.run(lambda: {name: [r["loss"] for r in recs] for name, recs in more_records.items()})
+for name in more[0]:
+    got = more[0][name]
+    assert all(out[name] == got for out in more), "every rank logs the same loss"
+    worst = max(abs(a - b) for a, b in zip(got, one["fp32", "batch"], strict=True))
+    print(f"{name:>15}: {[round(v, 4) for v in got]} | |{name} - one device| {worst:.1e}, tolerance {tol:.1e}")
+    assert worst <= tol, (name, got, one)
+
+# %% [markdown]
+# Every layout gives one device's losses within the tolerance. The losses alone would not catch a
+# gradient off by a constant factor: tests/test_train_moe.py compares each layout's first-step gradients
+# with one device's too, and plants the mistakes (a stage's balance loss left out of its backward, the
+# counts not summed over cp, each tp rank's balance loss whole), each of which fails by far.
 
 # %%
 ranks.stop()
