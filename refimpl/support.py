@@ -94,11 +94,11 @@ SUPPORT_TABLE: tuple[Unsupported, ...] = (
 
 MOE_SUPPORT_TABLE: tuple[Unsupported, ...] = (
     Unsupported(
-        name="moe-zero3", when="MoE blocks or expert parallelism with ZeRO-3", experts=True,
-        reason="ZeRO-3 would shard each rank's experts over dp x cp, but their gradients belong to the "
-               "expert-data-parallel group (dp x cp / ep): it needs a second fully-sharded wrapper over that "
-               "group (torchtitan's efsdp), not built; use ZeRO 0-2",
-        applies=lambda c: c.zero_stage == 3),
+        name="moe-hsdp", when="MoE blocks or expert parallelism with HSDP (dp_replicate > 1)", experts=True,
+        reason="HSDP shards over a shard group and all-reduces the shards across the replicas, and the "
+               "experts would need a shard group and replicas of their own inside the expert-data-parallel "
+               "ranks: not built; use ZeRO-3 over dp x cp (the experts sharded over edp) or ZeRO 0-2",
+        applies=lambda c: c.dp_replicate > 1),
 )
 """The rows of mixture-of-experts models (module docstring)."""
 

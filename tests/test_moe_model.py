@@ -234,7 +234,7 @@ def test_a_one_device_trainer_run_writes_the_moe_figures(tmp_path, corpus):
 
 # name -> (a ParallelConfig it refuses for an MoE model, the nearest one that passes)
 CASES = {
-    "moe-zero3": (dict(dp=2, zero_stage=3), dict(dp=2, zero_stage=2)),
+    "moe-hsdp": (dict(dp=4, dp_replicate=2, zero_stage=3), dict(dp=4, zero_stage=3)),
 }
 
 
@@ -256,12 +256,13 @@ def test_parallelize_and_the_trainer_refuse_an_moe_model_in_the_rows_words():
     from refimpl.train import RunOptions, build_parser, config_from_args
     from refimpl.train.preflight import check_experts
 
-    message = next(r for r in MOE_SUPPORT_TABLE if r.name == "moe-zero3").message()
+    message = next(r for r in MOE_SUPPORT_TABLE if r.name == "moe-hsdp").message()
     with pytest.raises(ConfigError) as parallel:
-        parallelize(GPT(MOE), ParallelDims(dp=2), ParallelConfig(dp=2, zero_stage=3))
+        parallelize(GPT(MOE), ParallelDims(dp=4, dp_replicate=2),
+                    ParallelConfig(dp=4, dp_replicate=2, zero_stage=3))
     config = config_from_args(build_parser().parse_args(["--moe-experts", "4"]))
     with pytest.raises(ConfigError) as trainer:
-        check_experts(config, RunOptions(dp=2, zero_stage=3))
+        check_experts(config, RunOptions(dp=4, dp_replicate=2, zero_stage=3))
     assert str(parallel.value) == str(trainer.value) == message
     with pytest.raises(ConfigError, match="give --moe-experts"):
         check_experts(config_from_args(build_parser().parse_args([])), RunOptions(ep=2, dp=2))
@@ -275,7 +276,8 @@ def test_parallelize_and_the_trainer_refuse_an_moe_model_in_the_rows_words():
     (["--moe-experts", "4", "--moe-top-k", "5"], "top_k must be in [1, num_experts = 4]"),
     (["--moe-experts", "4", "--moe-capacity-factor", "0"], "capacity_factor must be > 0"),
     (["--ep", "2"], "ep 2 must divide dp x cp"),
-    (["--moe-experts", "4", "--zero-stage", "3"], "MoE blocks or expert parallelism with ZeRO-3"),
+    (["--moe-experts", "4", "--nproc-per-node", "4", "--dp", "4", "--dp-replicate", "2", "--zero-stage", "3"],
+     "MoE blocks or expert parallelism with HSDP"),
     (["--moe-experts", "-1"], "num_experts must be 0 (dense) or a positive integer"),
 ])
 def test_the_trainer_refuses_bad_moe_flags_in_one_line(flags, fragment, capsys, tmp_path, monkeypatch):

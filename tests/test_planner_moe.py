@@ -150,8 +150,8 @@ def test_uniform_all_to_all_bytes_are_the_closed_form():
 
 def test_what_the_planner_does_not_model_is_refused_in_one_line():
     config = CONFIGS["gelu-softmax"]
-    for dims, kw in ((ParallelDims(dp=2, pp=2), {}), (ParallelDims(dp=2), {"zero_stage": 3}),
-                     (ParallelDims(dp=1), {"precision": "fp8"}), (ParallelDims(dp=2, cp=2), {})):
+    for dims, kw in ((ParallelDims(dp=2, pp=2), {}), (ParallelDims(dp=1), {"precision": "fp8"}),
+                     (ParallelDims(dp=2, cp=2), {}), (ParallelDims(dp=2, tp=2), {"sequence_parallel": True})):
         with pytest.raises(ConfigError, match="the planner models MoE blocks at pp = 1"):
             run_memory_per_rank(config, dims, micro_batch=1, seq_len=16, **kw)
 
@@ -182,6 +182,7 @@ RUNS = {  # name -> the trainer's flags at world size 4
     "dp4-ep2-zero2": ["--zero-stage", "2"],
     "dp4-ep2-zero2-bf16": ["--zero-stage", "2", "--precision", "bf16"],
     "tp2-dp2-ep2-zero1": ["--tp", "2", "--zero-stage", "1"],
+    "dp4-ep2-zero3": ["--zero-stage", "3"],  # each block's experts a unit of their own over edp 2
 }
 
 

@@ -18,6 +18,9 @@ capacity is per rank's forward, :mod:`refimpl.moe`):
 * under sequence parallelism (``--tp 2 --sequence-parallel --dp 2 --ep 2``, ZeRO-1) each tp rank routes
   its ``s/t`` tokens: the counts summed over tp, the routers' and experts' gradients too; **negative
   control**: each tp rank's balance loss from its own tokens, whole, fails;
+* under ZeRO-3 (``--dp 4 --ep 2``, and per stage under ``--pp 2``) each MoE block's experts are a unit of
+  their own, sharded over the expert-data-parallel group, their gradients summed there and divided by
+  ``dp x cp``; **negative control**: a mean over edp instead fails;
 * under pipeline parallelism (``--pp 2 --dp 2 --ep 2``, 1F1B and zbh1 with ZeRO-2) each stage's balance
   loss is backpropagated in that stage; **negative control**: stage 0's left out of its backward fails;
 * **negative control**: the same ``--ep 2 --dp 4`` run with the experts' placement saying ``dp_cp`` instead
@@ -87,6 +90,11 @@ LAYOUTS = {
     "cp2-dp2-ep4": (["--cp", "2", "--ep", "4"], "aux"),
     # each tp rank routes its s/t tokens: counts summed over tp, router and expert gradients too
     "tp2-sp-dp2-ep2-zero1": (["--tp", "2", "--sequence-parallel", "--ep", "2", "--zero-stage", "1"], "aux"),
+    # ZeRO-3: the dense weights sharded over dp 4, each MoE block's experts a unit of their own, sharded over
+    # edp 2 (their gradients summed there and divided by dp x cp), with accumulation
+    "dp4-ep2-zero3-accum": (["--ep", "2", "--zero-stage", "3", "--micro-batch-size", "1"], "aux"),
+    # ... and each pipeline stage sharded so, gathered once per step
+    "pp2-dp2-ep2-zero3-bias": (["--pp", "2", "--ep", "2", "--zero-stage", "3", *BIAS], "bias"),
 }
 PIPELINED = [name for name in LAYOUTS if name.startswith("pp")]
 EXPERT = ".mlp.moe.experts."
@@ -144,6 +152,14 @@ def _counts_not_summed_over_cp(step: int, setup) -> None:
             block.cp_group = None
 
 
+def _zero3_experts_averaged_over_edp(step: int, setup) -> None:
+    """The ZeRO-3 negative control: the expert units' reduce-scatter a mean over edp (ep times too large)."""
+    if step == 0:
+        for unit in setup.state_module.units:
+            if unit.divide_factor is not None:
+                unit.divide_factor = None
+
+
 def _balance_loss_not_split_over_sp(step: int, setup) -> None:
     """The sequence-parallel negative control: each tp rank's balance loss from its own s/t tokens, whole
     (neither its counts summed over tp nor its gradient divided by t); the gradients are still summed."""
@@ -160,6 +176,7 @@ NORM_LAYOUTS = {  # name -> (degrees, options)
     "tp2-dp2-ep2": (dict(dp=2, tp=2, ep=2), {}),
     "pp2-dp2-ep2": (dict(dp=2, pp=2, ep=2), {}),  # each stage's experts summed over pp too
     "tp2-sp-dp2-ep2": (dict(dp=2, tp=2, ep=2), dict(sequence_parallel=True)),
+    "dp4-ep2-zero3": (dict(dp=4, ep=2), dict(zero_stage=3)),
 }
 
 
@@ -226,6 +243,12 @@ def _worker(ctx, files: dict) -> dict:
           hooks=TrainHooks(before_step=_balance_loss_not_split_over_sp,
                            gradient_probe=first_step_gradients(grads)))
     out["control-sp", "grads"] = grads
+    grads = {}  # the ZeRO-3 negative control, one step
+    args = _args(files, root / "control-zero3", "--ep", "2", "--zero-stage", "3", "--steps", "1")
+    train(config_from_args(args), ctx, options_from_args(args),
+          hooks=TrainHooks(before_step=_zero3_experts_averaged_over_edp,
+                           gradient_probe=first_step_gradients(grads)))
+    out["control-zero3", "grads"] = grads
     if ctx.rank == 0:  # the ep 2 checkpoint of step STEPS alone, a copy for each resumed run
         kept = root / "ep2-checkpoint"
         shutil.copytree(root / SAVED / "ckpt", kept)
@@ -314,6 +337,8 @@ def test_expert_parallel_layouts_hand_the_optimizer_one_devices_gradients(runs, 
     experts = {n for pieces in per_rank for n in pieces if EXPERT in n}
     assert len(experts) == 4 and all(pieces[n][2].shape[0] < 4 for pieces in per_rank for n in experts
                                      if n in pieces)
+    if name == "dp4-ep2-zero3-accum":  # E/ep = 2 rows per ep rank, sharded over edp 2: one row each
+        assert all(pieces[n][2].shape[0] == 1 for pieces in per_rank for n in experts), name
     print(f"{name}: worst gradient difference {worst:.3f} x its tolerance")
 
 
@@ -329,6 +354,19 @@ def test_expert_gradients_averaged_over_dp_x_cp_fail(runs, one_device):
     assert max(r for n, r in ratios.items() if EXPERT not in n) <= 1
     print(f"dp x cp instead of edp: the expert gradients {min(experts.values()):.0f} to "
           f"{max(experts.values()):.0f} x their tolerance off")
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+def test_zero3_expert_gradients_averaged_over_edp_fail(runs, one_device):
+    """The ZeRO-3 negative control: the expert units' gradients a mean over edp (not the sum divided by
+    dp x cp) are ep times too large, far outside the tolerance; the dense ones still equal."""
+    per_rank = [out["control-zero3", "grads"] for out in runs]
+    ratios = gradient_ratios(per_rank, one_device["aux"], "fp32", factor=FACTOR)
+    experts = {n: r for n, r in ratios.items() if EXPERT in n}
+    assert len(experts) == 4 and min(experts.values()) > 100, experts
+    assert max(r for n, r in ratios.items() if EXPERT not in n) <= 1
+    print(f"ZeRO-3, a mean over edp: the expert gradients {min(experts.values()):.0f} x their tolerance off")
 
 
 @pytest.mark.numerics

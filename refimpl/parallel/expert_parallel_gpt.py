@@ -27,8 +27,11 @@ pytorch/pytorch#160285, hidden by AdamW; Megatron-LM's DDP scales expert gradien
 and torchtitan sets FSDP's ``gradient_divide_factor`` to ``dp cp`` for the experts).
 :func:`reduce_expert_gradients` does it once per step (after the micro-batches, ZeRO-0); ZeRO-1/2
 reduce-scatter them over ``edp`` with the same divisor (:class:`refimpl.parallel.zero.ShardedOptimizer`'s
-shard groups). Which group is read from the placement (``reduce_over``: ``expert_dp``), so a placement
-that says ``dp_cp`` gives the wrong, averaged-over-``dp x cp`` gradient the tests' negative control plants.
+shard groups); ZeRO-3 makes each block's experts a unit of their own, sharded over ``edp`` and
+reduce-scattered there with the same divisor (:class:`refimpl.parallel.zero.FullyShardedDataParallel`'s
+``own_groups``; torchtitan's ``fully_shard`` of the experts on its ``efsdp`` mesh). Which group is read
+from the placement (``reduce_over``: ``expert_dp``), so a placement that says ``dp_cp`` gives the wrong,
+averaged-over-``dp x cp`` gradient the tests' negative control plants.
 """
 
 from __future__ import annotations

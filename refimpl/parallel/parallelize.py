@@ -45,7 +45,8 @@ is built tensor- and pipeline-parallel first, then wrapped in its ``DistributedD
    ZeRO-0 is :class:`~refimpl.parallel.data_parallel.DataParallelBucket`; ZeRO-1/2 a
    :class:`~refimpl.parallel.zero.ShardedOptimizer` (the optimizer *is* the technique, so
    :meth:`Parallelized.build_optimizer` makes it); ZeRO-3
-   :class:`~refimpl.parallel.zero.FullyShardedDataParallel`.
+   :class:`~refimpl.parallel.zero.FullyShardedDataParallel` (with expert parallelism each MoE block's
+   experts a unit of their own over the expert-data-parallel group, their gradients divided by ``dp x cp``).
 
 Step 1 with ``tp > 1`` composes with ZeRO 0-2 over ``dp``; ZeRO-3 would shard the tensor-parallel shards
 again over ``dp`` (FSDP2's 2-D layout): not built, refused.
@@ -240,7 +241,8 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
         fsdp = FullyShardedDataParallel(model, group=_zero3_groups(done, groups, dims),
                                         replicate_group=done.replicate_group, prefetch=config.prefetch,
                                         reshard_after_forward=config.reshard_after_forward,
-                                        mp_policy=mp.policy if fsdp_mp else None)
+                                        mp_policy=mp.policy if fsdp_mp else None,
+                                        own_groups=_expert_units(done, model, replicas))
         if fp8:  # the fp8 linears' weights gathered in fp8 (torchao's enable_fsdp_float8_all_gather)
             from refimpl.parallel.zero.fsdp_float8 import enable_float8_all_gather
 
@@ -249,6 +251,16 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
         applied.append("data parallel")
     done.placements = record_parallel_placements(done, replicas=replicas)
     return done
+
+
+def _expert_units(done: Parallelized, module: nn.Module,
+                  replicas: int) -> dict[nn.Module, tuple[dist.ProcessGroup | None, int]] | None:
+    """ZeRO-3 with expert parallelism: each MoE block's experts a unit of their own, sharded over the
+    expert-data-parallel group and their gradients summed there and divided by ``dp x cp`` (torchtitan's
+    ``fully_shard`` on its ``efsdp`` mesh with ``gradient_divide_factor``); None without ``ep``."""
+    if done.ep_group is None:
+        return None
+    return {block.moe.experts: (done.edp_group, replicas) for block in moe_blocks(module)}
 
 
 def _zero3_groups(done: Parallelized, groups: ParallelGroups, dims: ParallelDims) -> dist.ProcessGroup:
@@ -278,7 +290,8 @@ def _shard_stages(done: Parallelized, groups: ParallelGroups, dims: ParallelDims
     done.fsdp_stages = [FullyShardedDataParallel(stage, group=shard_group, replicate_group=replicate,
                                                  reshard_after_forward=per_micro, declare_on_module=True,
                                                  mp_policy=policy,
-                                                 output_dtype=None if policy is None else torch.float32)
+                                                 output_dtype=None if policy is None else torch.float32,
+                                                 own_groups=_expert_units(done, stage, dims.dp * dims.cp))
                         for stage in pipeline.stages.values()]
     if config.precision == "fp8":  # each stage's fp8 linears' weights gathered in fp8, as at pp = 1
         from refimpl.parallel.zero.fsdp_float8 import enable_float8_all_gather

@@ -192,11 +192,20 @@ def record_parallel_placements(done: Parallelized, *, replicas: int) -> dict[str
                 p = p.along("pp", sharded=True)
             out[n] = p.along("expert_dp", sharded=False, reduced=True)
         return {n: out[n] for n in boxes}
-    before = record_placements({n: inner[n] for n in boxes}, tp=tp, sequence_parallel=sp, pp=pipe is not None,
-                               tied_copy=tied)
+    experts = set(done.experts)  # ZeRO-3 shards them over their own group (parallelize's _expert_units)
+    before = record_placements({n: inner[n] for n in boxes if n not in experts}, tp=tp, sequence_parallel=sp,
+                               pp=pipe is not None, tied_copy=tied)
     placed = {n: replace(p, box=boxes[n]) for n, p in before.items()}
     if done.replicate_group is not None:  # HSDP
         return {n: p.along("dp_shard", sharded=True, reduced=True).along("dp_replicate", sharded=False,
                                                                           reduced=True)
                 for n, p in placed.items()}
-    return {n: p.along("dp_cp", sharded=True, reduced=True) for n, p in placed.items()}
+    out = {n: p.along("dp_cp", sharded=True, reduced=True) for n, p in placed.items()}
+    for n in experts:  # the ep rank's experts, their rows sharded over the expert-data-parallel group
+        p = Placement(box=boxes[n], sharded_over=("expert",))
+        if tp:
+            p = p.along("tp", sharded=False, reduced=n in sp)
+        if pipe is not None:
+            p = p.along("pp", sharded=True)
+        out[n] = p.along("expert_dp", sharded=True, reduced=True)
+    return {n: out[n] for n in boxes}

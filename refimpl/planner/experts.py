@@ -104,11 +104,8 @@ def moe_state_memory_per_rank(config: ModelConfig, dims: Layout, *, zero_stage: 
                               dp_rank: int = 0) -> StateMemory:
     """Weights, gradients and AdamW state of rank ``dp_rank`` of the ``dp x cp`` group (module docstring):
     the dense tensors (tp shards) by ZeRO ``zero_stage`` over ``dp x cp``, the ``E/ep`` local experts' rows
-    over the expert-data-parallel group (``dp x cp / ep``). ZeRO-3 is refused (the support table refuses
-    it with MoE blocks)."""
-    if zero_stage == 3:
-        raise ConfigError("the planner models MoE blocks at ZeRO 0-2 (ZeRO-3 with MoE blocks is refused: "
-                          "refimpl/support.py)")
+    over the expert-data-parallel group (``dp x cp / ep``): under ZeRO-3 each block's experts are a unit
+    of their own sharded there (:func:`refimpl.parallel.parallelize`'s ``_expert_units``), the same rows."""
     n, ep = zero_shard_degree(dims), expert_parallel_degree(dims)
     if config.num_experts % ep:
         raise ValueError(f"{config.num_experts} experts do not split over ep={ep}")
@@ -275,12 +272,12 @@ def unmodelled_moe(config: ModelConfig, *, pp: int = 1, cp: int = 1, zero_stage:
                    sequence_parallel: bool = False, precision: str = "fp32") -> list[str]:
     """What of an MoE layout the planner does not model (empty for a dense model): pipeline or context
     parallelism and sequence parallelism (the trainer runs them with MoE blocks; their stage split, the
-    sequence's parts and the tp ranks' own tokens are not in these terms), ZeRO-3 (the support table refuses
-    it with MoE blocks: refimpl/support.py) and fp8 (its converted layers' terms, :mod:`refimpl.planner.fp8`,
-    are not counted for an MoE model)."""
+    sequence's parts and the tp ranks' own tokens are not in these terms) and fp8 (its converted layers'
+    terms, :mod:`refimpl.planner.fp8`, are not counted for an MoE model). ``zero_stage`` is accepted for the
+    callers' uniformity: ZeRO 0-3 are modelled."""
     if not config.num_experts:
         return []
-    return [name for name, on in (("pp > 1", pp > 1), ("cp > 1", cp > 1), ("ZeRO-3", zero_stage == 3),
+    return [name for name, on in (("pp > 1", pp > 1), ("cp > 1", cp > 1),
                                   ("sequence parallelism", sequence_parallel), ("fp8", precision == "fp8"))
             if on]
 
@@ -290,7 +287,7 @@ def check_moe_plan(config: ModelConfig, *, what: str, **layout) -> None:
     unmodelled = unmodelled_moe(config, **layout)
     if unmodelled:
         raise ConfigError(f"{what}: the planner models MoE blocks at pp = 1 without cp, sequence "
-                          f"parallelism, ZeRO-3 or fp8; not {', '.join(unmodelled)}")
+                          f"parallelism or fp8; not {', '.join(unmodelled)}")
 
 
 def autocast_weight_elements(config: ModelConfig, *, tp: int = 1, ep: int = 1) -> int:

@@ -34,6 +34,7 @@ from refimpl.planner.experts import (
     autocast_weight_elements,
     check_moe_plan,
     expert_parallel_degree,
+    is_expert_tensor,
     moe_activation_bytes,
     moe_state_memory_per_rank,
 )
@@ -214,7 +215,10 @@ def run_memory_per_rank(
     state = {"weights": zero.weights, "grads": zero.grads, "AdamW state": zero.optimizer}
     if zero_stage == 3:  # FSDP's units: each block, and the root (embedding, final LayerNorm, output layer)
         table = param_table(config, tp=tp)  # under tp the rank's blocks of them, gathered over dp x cp
-        blocks = [[q.shape for q in block] for block in table.blocks]
+        # an MoE block's experts: a unit of their own inside the block's, gathered while the block is: its
+        # rank's E/ep experts (gathered over edp) beside the block's other tensors
+        blocks = [[(q.shape[0] // ep, *q.shape[1:]) if is_expert_tensor(q.name) else q.shape for q in block]
+                  for block in table.blocks]
         root = [q.shape for q in table.embedding + table.final_layernorm + table.output_layer]
         state["ZeRO-3 gathered units"] = zero3_peak_gathered_bytes([root, *blocks], shards).weights
     if p != 4:  # fp8: no bf16 copy of an fp8 layer's weight, a transient 1-byte cast (refimpl/planner/fp8.py)

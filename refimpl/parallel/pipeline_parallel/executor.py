@@ -137,6 +137,7 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, GPTStage],
                 roots, grads = [y, aux], [received, None]
             with store.capture(key) if store is not None else contextlib.nullcontext():
                 torch.autograd.backward(roots, grads)
+            roots = grads = None  # they hold the output and its gradient: released with this action
             for t in after:
                 outbox[message(t)] = x.grad
         else:

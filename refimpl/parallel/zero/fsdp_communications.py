@@ -29,11 +29,14 @@ schedule (when a unit is gathered, freed, reduced) is :class:`FullyShardedDataPa
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from refimpl.comm import ops
+from refimpl.distributed.group_info import group_rank_size
 from refimpl.parallel.zero.fsdp_float8 import (
     float8_gather_inputs,
     float8_gather_outputs,
@@ -68,18 +71,25 @@ __all__ = [
 def shard_into_units(
     module: nn.Module, unit_types: tuple[type[nn.Module], ...], *, rank: int, world_size: int,
     param_dtype: torch.dtype | None,
+    own_groups: Mapping[nn.Module, tuple[dist.ProcessGroup | None, int | None]] | None = None,
 ) -> list[FSDPUnit]:
     """Cut ``module`` into units, the root first, and replace every parameter by this rank's rows.
 
     A unit is each outermost submodule of a type in ``unit_types``; the root unit holds the rest, and any
     parameter registered in two units (tied embeddings). Each parameter gets a full tensor (in
-    ``param_dtype`` when floating point and given) whose storage is freed until the unit is gathered."""
+    ``param_dtype`` when floating point and given) whose storage is freed until the unit is gathered.
+    ``own_groups``: submodules that are units of their own wherever they sit (inside a block unit too),
+    sharded over their own group with their own gradient divisor: ``{module: (group, divide_factor)}``
+    (the experts of an MoE block over the expert-data-parallel group, torchtitan's efsdp). The other units
+    are sharded ``world_size`` ways, this rank keeping chunk ``rank``; their ``group`` is left None (the
+    wrapper's)."""
+    own_groups = dict(own_groups or {})
     unit_modules: dict[str, nn.Module] = {"": module}  # unit name -> its module ("" is the root)
     owner: dict[int, str] = {}  # id(module) -> the unit it belongs to
 
     def walk(m: nn.Module, prefix: str, unit: str) -> None:
-        if m is not module and unit == "" and isinstance(m, unit_types):  # outermost match only
-            unit = prefix
+        if m is not module and (m in own_groups or (unit == "" and isinstance(m, unit_types))):
+            unit = prefix  # an outermost match, or a module with its own group
             unit_modules[unit] = m
         owner.setdefault(id(m), unit)
         for name, child in m.named_children():
@@ -95,10 +105,13 @@ def shard_into_units(
             regs.setdefault(p, []).append((m, name))
             units_of.setdefault(p, set()).add(owner[id(m)])
     params_by_unit: dict[str, list[_ShardedParam]] = {name: [] for name in unit_modules}
+    group_of = {name: own_groups.get(m, (None, None)) for name, m in unit_modules.items()}
+    where = {name: group_rank_size(group_of[name][0]) if m in own_groups else (rank, world_size)
+             for name, m in unit_modules.items()}  # (rank, size) each unit is sharded by
     for p, registrations in regs.items():
         units = units_of[p]
         unit = units.pop() if len(units) == 1 else ""  # shared by two units: the root holds it
-        spec = ShardSpec(p.shape, rank, world_size)
+        spec = ShardSpec(p.shape, *where[unit])
         # [rows_r, ...]: this rank's rows, what the optimizer steps
         sharded = nn.Parameter(shard_of(p.detach(), spec).clone(), requires_grad=p.requires_grad)
         dtype = param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype
@@ -108,7 +121,8 @@ def shard_into_units(
         params_by_unit[unit].append(sp)
         for m, name in registrations:
             m._parameters[name] = sharded
-    return [FSDPUnit(name=name or "<root>", module=unit_modules[name], params=params_by_unit[name])
+    return [FSDPUnit(name=name or "<root>", module=unit_modules[name], params=params_by_unit[name],
+                     group=group_of[name][0], divide_factor=group_of[name][1])
             for name in unit_modules]
 
 
@@ -186,7 +200,8 @@ def reduce_scatter_grads(
     grads = [sp.unsharded.grad for sp in with_grad]
     if reduce_dtype is not None:
         grads = [g.to(reduce_dtype) for g in grads]
-    reduced = reduce_scatter_mean_packed(grads, specs, group)  # [S]: this rank's padded shard, the mean
+    # [S]: this rank's padded shard, the mean (an expert unit: the sum over edp divided by dp x cp)
+    reduced = reduce_scatter_mean_packed(grads, specs, group, divide_factor=unit.divide_factor)
     if replicate_group is not None and dist.get_world_size(replicate_group) > 1:
         all_reduce_mean_(reduced, replicate_group)  # HSDP: and the mean over the replicas
     local = unpack_reduce_scatter(reduced, specs)
@@ -212,6 +227,6 @@ def full_parameters(units: list[FSDPUnit], module: nn.Module,
     full: dict[int, torch.Tensor] = {}
     for unit in units:
         if unit.params:
-            for sp, t in zip(unit.params, all_gather_full(unit, group), strict=True):
+            for sp, t in zip(unit.params, all_gather_full(unit, unit.group), strict=True):
                 full[id(sp.sharded)] = t
     return {name: full[id(p)] for name, p in module.named_parameters()}

@@ -53,6 +53,10 @@ class FSDPUnit:
     ready: int = 0  # trainable parameters whose gradient arrived in this backward
     reduced: bool = False
     hooks: list = field(default_factory=list)
+    # the group it is sharded over and its gradients reduce-scattered over (the wrapper's, or an expert
+    # unit's expert-data-parallel group), and what the sum is divided by (None: the group's size, a mean)
+    group: Any = None
+    divide_factor: int | None = None
 
     @property
     def trainable(self) -> list[_ShardedParam]:

@@ -67,6 +67,13 @@ class FullyShardedDataParallel(nn.Module):
     all-reduced (mean) over the replicas: ``(1/R) sum_r (1/S) sum_s g_{r,s}``, the mean over the ``R S``
     ranks; the all-gathers stay inside a shard group (a node), only the shards' all-reduce crosses.
 
+    **Units of their own group** (``own_groups``: ``{submodule: (group, divide_factor)}``; torchtitan's
+    ``fully_shard`` of the experts on the ``efsdp`` mesh, chapter 09): such a submodule is a unit wherever
+    it sits (inside a block unit too), sharded over its own group, its gradients reduce-scattered there and
+    divided by ``divide_factor`` (None: that group's size). An expert-parallel rank's experts are sharded
+    over the expert-data-parallel group and their gradients divided by ``dp x cp``, not averaged over it
+    (:mod:`refimpl.parallel.expert_parallel_gpt`). Not with HSDP.
+
     **Mixed precision** (``mp_policy``, a :class:`refimpl.precision.MixedPrecisionPolicy`; chapter 05),
     as FSDP2's ``fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype))`` does it: the
     shards stay fp32 (the master weights; the optimizer and its state see only them), the all-gather and
@@ -87,6 +94,7 @@ class FullyShardedDataParallel(nn.Module):
         mp_policy: MixedPrecisionPolicy | None = None,
         declare_on_module: bool = False,
         output_dtype: torch.dtype | None = None,
+        own_groups: dict[nn.Module, tuple[dist.ProcessGroup | None, int | None]] | None = None,
     ) -> None:
         super().__init__()
         if unit_types is None:
@@ -106,8 +114,13 @@ class FullyShardedDataParallel(nn.Module):
         # where each parameter of the wrapped module lies before sharding (a tensor-parallel layer's block,
         # else the whole tensor): the boxes the row shards are composed into (2-D sharding, local_shards)
         self.inner_boxes: dict[str, Box] = {n: s.box for n, s in module_shards(module).items()}
+        if own_groups and replicate_group is not None:
+            raise ValueError("units with their own group (experts) under HSDP are not built")
         self.units = shard_into_units(module, unit_types, rank=self.rank, world_size=self.world_size,
-                                      param_dtype=self.param_dtype)  # [root, unit 1, ...]
+                                      param_dtype=self.param_dtype, own_groups=own_groups)  # [root, ...]
+        for unit in self.units:
+            if unit.module not in (own_groups or {}):
+                unit.group = group  # the others: the wrapper's group (an own unit keeps its own)
         self._forward_order: list[FSDPUnit] = []  # units in the order this step's forward ran them
         self._last_order: list[FSDPUnit] = list(self.units[1:])  # ... and the previous step's
         self._callback_queued = False
@@ -129,12 +142,12 @@ class FullyShardedDataParallel(nn.Module):
 
     def unshard(self, unit: FSDPUnit) -> None:
         """Make the unit's full parameters available (wait for a prefetch, or all-gather now)."""
-        finish_all_gather(unit, self.group)
+        finish_all_gather(unit, unit.group)
 
     def reshard(self, unit: FSDPUnit) -> None:
         """Free the unit's full parameters (the shards stay, and the modules point at them again)."""
         self._use(unit, "sharded")
-        free_full_params(unit, self.group)
+        free_full_params(unit, unit.group)
 
     @staticmethod
     def _use(unit: FSDPUnit, which: str) -> None:
@@ -158,7 +171,7 @@ class FullyShardedDataParallel(nn.Module):
         if self.prefetch:
             following = self._neighbour(unit, +1)
             if following is not None:
-                start_all_gather(following, self.group)
+                start_all_gather(following, following.group)
 
     def _make_post_forward(self, unit: FSDPUnit):
         def hook(module: nn.Module, args: tuple, output: object) -> object:
@@ -191,7 +204,7 @@ class FullyShardedDataParallel(nn.Module):
             if self.prefetch:
                 previous = self._neighbour(unit, -1)
                 if previous is not None:
-                    start_all_gather(previous, self.group)
+                    start_all_gather(previous, previous.group)
 
         torch.autograd.graph.register_multi_grad_hook(tensors, pre_backward, mode="any")
 
@@ -234,7 +247,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _reduce(self, unit: FSDPUnit) -> None:
         """Reduce-scatter the unit's gradients into the shards' ``.grad``; free the full ones and the unit."""
-        reduce_scatter_grads(unit, self.group, self.reduce_dtype, replicate_group=self.replicate_group)
+        reduce_scatter_grads(unit, unit.group, self.reduce_dtype, replicate_group=self.replicate_group)
         unit.reduced = True
         if len(unit.trainable) == len(unit.params):
             # Every operation that reads these parameters has run: it produced their gradients. A frozen
@@ -292,7 +305,11 @@ class FullyShardedDataParallel(nn.Module):
         return units_local_shards(self.module, self.units, self.inner_boxes)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the global gradient norm (from the shards, one all-reduce); return the norm before."""
+        """Clip the global gradient norm (from the shards, one all-reduce); return the norm before. Not
+        with units of their own group (experts: :func:`refimpl.parallel.placements.clip_grad_norm_`)."""
+        if any(unit.group is not self.group for unit in self.units):
+            raise ValueError("units sharded over other groups (experts): clip by their placements "
+                             "(refimpl.parallel.placements.clip_grad_norm_)")
         grads = [p.grad for p in self.sharded_parameters() if p.grad is not None]
         return clip_sharded_grad_norm_(grads, max_norm, device=self.sharded_parameters()[0].device,
                                        group=self.group, world_size=self.world_size)
