@@ -31,8 +31,10 @@ capacity is per rank's forward, :mod:`refimpl.moe`):
   the ``ep`` group, the expert gradients' sum on ``edp``;
 * the gradient norm the trainer clips by counts every element once (experts on their ep rank, dense
   replicas once), at ZeRO-0 and ZeRO-1 and with tp;
-* checkpoints: the ``--ep 2`` checkpoint (experts' rows as boxes of ``[E, ...]``) loads bitwise into the
-  plain GPT (``--ep 1``) and into an ``--ep 4`` run's boxes, and the runs resumed at ``--ep 4`` and at
+* checkpoints: the ``--dp 4 --ep 2 --zero-stage 3`` checkpoint loads bitwise into the plain GPT and into a
+  ``--pp 2 --dp 2 --ep 2 --zero-stage 3`` run's boxes; the ``--ep 2`` checkpoint (experts' rows as boxes
+  of ``[E, ...]``) loads bitwise into the plain GPT (``--ep 1``) and into an ``--ep 4`` run's boxes, and
+  the runs resumed at ``--ep 4`` and at
   ``--ep 1`` (plain data parallelism of the whole MoE model) continue the ``--ep 2`` losses (and one
   device's).
 """
@@ -92,7 +94,8 @@ LAYOUTS = {
     "tp2-sp-dp2-ep2-zero1": (["--tp", "2", "--sequence-parallel", "--ep", "2", "--zero-stage", "1"], "aux"),
     # ZeRO-3: the dense weights sharded over dp 4, each MoE block's experts a unit of their own, sharded over
     # edp 2 (their gradients summed there and divided by dp x cp), with accumulation
-    "dp4-ep2-zero3-accum": (["--ep", "2", "--zero-stage", "3", "--micro-batch-size", "1"], "aux"),
+    "dp4-ep2-zero3-accum": (["--ep", "2", "--zero-stage", "3", "--micro-batch-size", "1",
+                             "--checkpoint-every", str(STEPS)], "aux"),  # saved: loaded at pp 2 below
     # ... and each pipeline stage sharded so, gathered once per step
     "pp2-dp2-ep2-zero3-bias": (["--pp", "2", "--ep", "2", "--zero-stage", "3", *BIAS], "bias"),
 }
@@ -261,6 +264,11 @@ def _worker(ctx, files: dict) -> dict:
     setup = build_setup(config_from_args(args), ctx, options_from_args(args))
     _load(root / "ep2-checkpoint", setup.state_module)
     out["ep4 load"] = _pieces(setup.state_module)
+    # the ZeRO-3 run's checkpoint (experts' rows over edp inside their ep boxes) at pp 2 x dp 2 x ep 2, ZeRO-3
+    args = _args(files, root / "unused", "--pp", "2", "--ep", "2", "--zero-stage", "3")
+    setup = build_setup(config_from_args(args), ctx, options_from_args(args))
+    _load(root / "dp4-ep2-zero3-accum" / "ckpt", setup.state_module)
+    out["zero3 at pp2 load"] = _pieces(setup.state_module)
     out["norms"] = _norms(ctx, config_from_args(args).model)
     for ep in (4, 1):  # ... and the run resumed from it for 2 more steps (ep 1: plain data parallelism)
         args = _args(files, root / f"resumed-ep{ep}", *LAYOUTS[SAVED][0], "--ep", str(ep),
@@ -307,6 +315,9 @@ def one_device(files, runs) -> dict:
     plain = GPT(config_from_args(_args(files, Path(files["root"]) / "x")).model, seed=7)
     _load(Path(files["root"]) / "ep2-checkpoint", plain)
     out["ep1 load"] = {k: v.clone() for k, v in plain.state_dict().items()}
+    plain = GPT(config_from_args(_args(files, Path(files["root"]) / "x")).model, seed=7)
+    _load(Path(files["root"]) / "dp4-ep2-zero3-accum" / "ckpt", plain)
+    out["zero3 plain load"] = {k: v.clone() for k, v in plain.state_dict().items()}
     return out
 
 
@@ -445,6 +456,24 @@ def test_metrics_record_the_balance_loss_the_load_and_the_traffic(runs, one_devi
             # dp 4 / ep 2: two replicas of each expert sum their gradients; dp 2 (x cp 2) / ep 2 (4): one
             axis = "edp" if name == SAVED else name[:2]
             assert got["bytes_sent"].get(axis, 0) > 0, (axis, got["bytes_sent"])
+
+
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+def test_a_zero3_ep2_checkpoint_loads_bitwise_into_the_plain_gpt_and_at_pp2(runs, one_device):
+    """Saved at ``--dp 4 --ep 2 --zero-stage 3`` (an expert's rows: edp row shards inside its ep box),
+    loaded into the plain GPT and into a ``--pp 2 --dp 2 --ep 2 --zero-stage 3`` run: every rank's boxes
+    there are the plain GPT's elements, bit for bit, and together they cover the model."""
+    plain = one_device["zero3 plain load"]
+    fresh = GPT(config_from_args(build_parser().parse_args(TINY)).model, seed=0).state_dict()
+    assert not all(torch.equal(v, fresh[k]) for k, v in plain.items())  # it did load trained weights
+    seen = set()
+    for out in runs:
+        for name, (offsets, shape, value) in out["zero3 at pp2 load"].items():
+            assert tuple(shape) == tuple(plain[name].shape), name
+            box = tuple(slice(o, o + n) for o, n in zip(offsets, value.shape, strict=True))
+            assert np.array_equal(value, plain[name][box].numpy()), name
+            seen.add(name)
+    assert {n for n in seen if EXPERT in n} and seen == {k for k in plain if k != "output_layer.weight"}
 
 
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
