@@ -1,9 +1,12 @@
 """The planner's prediction of a 3D trainer run against the run itself (chapter 12).
 
 ONE spawn of 8 ranks trains a tiny GPT (4 blocks, width 32, 4 heads, 16 tokens, global batch 8, 2 steps)
-through :func:`refimpl.train.train` at six ``dp x tp x pp`` layouts (ZeRO-1 at one, bf16 at one, sequence
-parallelism at two, one of them with gradient accumulation) and one with ``cp 2`` (ring attention). Per
-rank, :func:`refimpl.planner.predict_run`'s figures equal, to the byte:
+through :func:`refimpl.train.train` at ``dp x tp x pp`` layouts (ZeRO-1 at one, bf16 at one, sequence
+parallelism at two, one of them with gradient accumulation; ZeRO-3 over the stages' TP blocks, with and
+without every block checkpointed; checkpointing under GPipe and interleaved 1F1B; HSDP under the pipeline;
+sequence parallelism with ZeRO 1-3 under the pipeline)
+and with ``cp 2`` (ring attention; with ZeRO-3, with checkpointing). Per rank,
+:func:`refimpl.planner.predict_run`'s figures equal, to the byte:
 
 * the bytes sent per step and process group that ``metrics.jsonl`` records (the tracer: point-to-point
   sends measured, collectives by the ring model), every key, both steps;
@@ -45,10 +48,31 @@ LAYOUTS = {  # dp x tp x pp -> the trainer's flags at world size 8
     "8x1x1": ["--dp", "8"],
     "4x2x1-sp-accum": ["--tp", "2", "--sequence-parallel", "--micro-batch-size", "1"],
     "2x2x2-zero1": ["--tp", "2", "--pp", "2", "--zero-stage", "1", "--microbatches", "2"],
+    "2x2x2-zero3": ["--tp", "2", "--pp", "2", "--zero-stage", "3", "--microbatches", "2"],
+    # sequence parallelism with ZeRO under the pipeline (ZeRO-1 holds its reduced shards' gradients too)
+    "2x2x2-zero1-sp": ["--tp", "2", "--pp", "2", "--zero-stage", "1", "--microbatches", "2",
+                       "--sequence-parallel"],
+    "2x2x2-zero2-sp": ["--tp", "2", "--pp", "2", "--zero-stage", "2", "--microbatches", "2",
+                       "--sequence-parallel"],
+    "2x2x2-zero3-sp": ["--tp", "2", "--pp", "2", "--zero-stage", "3", "--microbatches", "2",
+                       "--sequence-parallel"],
+    # every block recomputed in backward: its tp collectives again before checkpoint's early stop
+    "2x2x2-zero3-actckpt": ["--tp", "2", "--pp", "2", "--zero-stage", "3", "--microbatches", "2",
+                            "--activation-checkpointing"],
     "1x4x2": ["--tp", "4", "--pp", "2", "--microbatches", "4"],
     "2x1x4-bf16": ["--pp", "4", "--microbatches", "4", "--precision", "bf16"],
     "1x2x4-sp": ["--tp", "2", "--sequence-parallel", "--pp", "4", "--microbatches", "8"],  # micro-batch 1
     "2x1x2-cp2": ["--cp", "2", "--pp", "2", "--microbatches", "2"],  # dp 2 x cp 2 x pp 2, ring attention
+    "2x1x2-cp2-zero3": ["--cp", "2", "--pp", "2", "--zero-stage", "3", "--microbatches", "2"],
+    "2x1x2-cp2-actckpt": ["--cp", "2", "--pp", "2", "--microbatches", "2", "--activation-checkpointing"],
+    # checkpointing under the other schedules: blocks 1 and 3 (one per stage) under GPipe, every block
+    # under interleaved 1F1B (2 virtual stages of one block each)
+    "2x2x2-gpipe-actckpt13": ["--tp", "2", "--pp", "2", "--microbatches", "4", "--pp-schedule", "gpipe",
+                              "--activation-checkpointing", "1,3"],
+    "2x2x2-interleaved-actckpt": ["--tp", "2", "--pp", "2", "--microbatches", "2", "--pp-schedule",
+                                  "interleaved", "--virtual-stages", "2", "--activation-checkpointing"],
+    # HSDP under the pipeline: each stage sharded over dp_shard 2, its shards all-reduced over 2 replicas
+    "4x1x2-hsdp2-zero3": ["--pp", "2", "--dp-replicate", "2", "--zero-stage", "3", "--microbatches", "2"],
 }
 
 

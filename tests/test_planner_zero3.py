@@ -294,19 +294,18 @@ def test_zero3_full_tensors_are_freed_before_the_step_and_the_preflight_peaks_ho
                 assert full["between_actions"] == root < peak, (name, rank, full, memory.state)
 
 
-@pytest.mark.parametrize("change", [{"precision": "bf16", "pp_schedule": "zbh1"}, {"tp": 2, "dp": 1},
-                                    {"cp": 2, "dp": 1}, {"dp_replicate": 2}])
-def test_zero3_under_the_pipeline_is_refused_where_not_measured(files, change):
+def test_zero3_under_the_pipeline_is_refused_where_not_measured(files):
     args = _args(files, "dp2-pp2-zero3")
     with pytest.raises(ValueError, match="ZeRO-3 under pipeline parallelism in fp32"):
-        predict(args, **change)
+        predict(args, precision="bf16", pp_schedule="zbh1")
     predict(args, zero3_reshard_per_microbatch=True, pp_schedule="gpipe")  # what is measured is predicted
+    predict(args, tp=2, dp=1)  # tests/test_planner_3d.py measures it at 2 x 2 x 2
 
 
-@pytest.mark.parametrize("change", [{"precision": "bf16"}, {"pp_schedule": "gpipe"}])
+@pytest.mark.parametrize("change", [{"precision": "bf16"}, {"pp_schedule": "zbh1"}])
 def test_checkpointing_under_the_pipeline_is_refused_where_not_measured(files, change):
     args = _args(files, "dp2-pp2-zero1-ac")
-    with pytest.raises(ValueError, match="activation checkpointing under pp in fp32 with 1f1b"):
+    with pytest.raises(ValueError, match="activation checkpointing under pp in fp32 with 1f1b, gpipe"):
         predict(args, **change)
 
 

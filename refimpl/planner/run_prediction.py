@@ -74,16 +74,20 @@ large-scale language model training on GPU clusters using Megatron-LM", section 
   (:func:`~refimpl.parallel.pipeline_parallel.simulator.bubble_formula`), None without pipeline parallelism.
 
 Modelled: fp32 or bf16 (autocast; ZeRO-3: FSDP2's mixed precision, bf16 gathers and compute, fp32 reductions),
-ZeRO 0-3, HSDP, activation checkpointing (any block selection), tensor, sequence and context parallelism;
-ZeRO-3 under pipeline parallelism in fp32 (bf16 too but with ZB-H1) with 1F1B, GPipe, interleaved 1F1B or
-ZB-H1 over dp alone, both ZeRO-3 modes (ZB-H1: gathered once per step, the trainer's only mode with it); fp8
-(bf16 autocast, the linears' GEMMs in fp8: refimpl/planner/fp8.py's terms) at pp = cp = tp = 1 with ZeRO 0-2.
+ZeRO 0-3, HSDP, activation checkpointing (any block selection), tensor, sequence and context parallelism, and
+under pipeline parallelism all of them together: ZeRO-3 with 1F1B, GPipe, interleaved 1F1B or ZB-H1 (fp32;
+bf16 but with ZB-H1), both ZeRO-3 modes (ZB-H1: gathered once per step, the trainer's only mode with it),
+with tp, cp or HSDP; checkpointing under 1F1B, GPipe and interleaved 1F1B in fp32 (the recomputed blocks'
+tp and cp traffic counted per stage); sequence parallelism with ZeRO 1-3. fp8 (bf16 autocast, the linears'
+GEMMs in fp8: refimpl/planner/fp8.py's terms) at pp = cp = tp = 1 with ZeRO 0-2.
 Refused, each with its reason: fp16 (not run); tensor-parallel traffic in bf16 or fp8 (under autocast the
-activations it moves are 16-bit); fp8 with pp, cp or ZeRO-3 (not measured); ZeRO-3 with pp > 1 with tp, cp or
-HSDP, or in bf16 with ZB-H1 (not measured); activation checkpointing with pp > 1 other than fp32 1F1B at tp =
-cp = 1, and sequence parallelism with ZeRO and pp > 1 (not measured); ZeRO-3 without ``reshard_after_forward``
-(not the trainer's). Proven against the trainer, to the byte: tests/test_planner_3d.py (8 ranks: 1F1B, ring
-attention, ZeRO 0/1, fp32/bf16, with and without sequence parallelism) and tests/test_planner_zero3.py (4
+activations it moves are 16-bit); fp8 with pp, cp or ZeRO-3 (not measured); ZeRO-3 under pp in bf16 with
+ZB-H1, activation checkpointing under pp with ZB-H1 or in bf16 (not measured); ZeRO-3 without
+``reshard_after_forward`` (not the trainer's); MoE models (their bytes per group). Proven against the trainer,
+to the byte: tests/test_planner_3d.py (8 ranks: 1F1B, ring attention, ZeRO 0/1, fp32/bf16, with and without
+sequence parallelism; ZeRO-3 over the stages' TP blocks, with every block checkpointed too; checkpointing
+under GPipe and interleaved 1F1B with tp, and under 1F1B with cp; ZeRO-3 with cp; HSDP under the pipeline;
+sequence parallelism with ZeRO 1-3 under the pipeline) and tests/test_planner_zero3.py (4
 ranks: ZeRO-2/3, 2-D ZeRO-3 with tp, HSDP with and without cp, checkpointing with tp, sequence parallelism and
 ring attention, bf16 ZeRO-3, ZeRO-2 under the pipeline, ZeRO-1 with sequence parallelism, ZeRO-3 under the
 pipeline: dp 2 x pp 2, 1F1B, GPipe, interleaved (2 virtual stages), ZB-H1 and 1F1B in bf16, gathered once per
@@ -227,11 +231,9 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     Every ZeRO stage (``parallel.zero_stage``), HSDP (``parallel.dp_replicate``), the blocks
     ``parallel.activation_checkpointing`` selects, fp32 or bf16 are modelled, and fp8 at pp = cp = 1 with
     ZeRO 0-2; a combination the trainer refuses (:func:`refimpl.support.check_supported`) or that is not
-    modelled raises a ValueError naming it: fp16; tp > 1 with bf16 or fp8; ZeRO-3 with pp > 1 other than
-    fp32 and tp = cp = dp_replicate = 1 (every schedule, either
-    ``parallel.zero3_reshard_per_microbatch``); activation checkpointing with pp > 1 other than fp32 1f1b
-    at tp = cp = 1; sequence parallelism with ZeRO 1-3 and pp > 1; ZeRO-3 with ``reshard_after_forward``
-    off.
+    modelled raises a ValueError naming it: fp16; tp > 1 with bf16 or fp8; ZeRO-3 with pp > 1 in bf16 with
+    zbh1; activation checkpointing with pp > 1 in bf16 or with zbh1; ZeRO-3 with
+    ``reshard_after_forward`` off; an MoE model.
     """
     if parallel.dp is None and world_size is None:
         raise ValueError("predict_run needs parallel.dp or the world_size to derive it from")
@@ -254,24 +256,17 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     if dims.tp > 1 and precision != "fp32":
         raise ValueError("predict_run models the tensor-parallel traffic in fp32 only (under autocast the "
                          "activations it moves are 16-bit)")
-    if sequence_parallel and (dims.tp == 1 or (zero_stage and dims.pp > 1)):
+    if sequence_parallel and dims.tp == 1:
         raise ValueError("predict_run models sequence parallelism with tp > 1, and with ZeRO 1-3 at pp = 1 "
                          "only (under the pipeline the tp sum of the ZeRO shards' gradients is not measured)")
-    if dims.pp > 1 and zero_stage == 3:  # what tests/test_planner_zero3.py runs; the rest is refused
-        unproven = [what for what, off in (
-            (f"precision {precision}", precision not in ("fp32", "bf16")),
-            (f"bf16 with {parallel.pp_schedule}", precision == "bf16" and parallel.pp_schedule == "zbh1"),
-            ("tensor parallelism", dims.tp > 1), ("context parallelism", dims.cp > 1),
-            ("HSDP", dims.dp_replicate > 1)) if off]
-        if unproven:
-            raise ValueError("predict_run models ZeRO-3 under pipeline parallelism in fp32 (every schedule), "
-                             "over dp alone (tp = cp = dp_replicate = 1): "
-                             f"{', '.join(unproven)} with it is not measured")
-    if dims.pp > 1 and checkpointed and (dims.tp > 1 or dims.cp > 1 or precision != "fp32"
-                                         or parallel.pp_schedule != "1f1b"):
-        raise ValueError("predict_run models activation checkpointing under pp in fp32 with 1f1b at "
-                         "tp = cp = 1 (measured); the recomputation's tp/cp traffic per stage and the other "
-                         "schedules and precisions with it are not measured")
+    if dims.pp > 1 and zero_stage == 3 and precision == "bf16" and parallel.pp_schedule == "zbh1":
+        raise ValueError("predict_run models ZeRO-3 under pipeline parallelism in fp32 (every schedule, "
+                         "with tp, cp and HSDP: tests/test_planner_3d.py and test_planner_zero3.py) and in "
+                         "bf16 but with zbh1 (its deferred 16-bit weight gradients are not measured)")
+    if dims.pp > 1 and checkpointed and (precision != "fp32" or parallel.pp_schedule == "zbh1"):
+        raise ValueError("predict_run models activation checkpointing under pp in fp32 with 1f1b, gpipe "
+                         "and interleaved (measured); with zbh1 (its deferred weight gradients' tensors "
+                         "beside the recomputation) and in 16 bits it is not measured")
     if zero_stage == 3 and not parallel.reshard_after_forward:
         raise ValueError("predict_run models ZeRO-3 with reshard_after_forward (the trainer's setting): "
                          "without it no unit is gathered again for backward")
@@ -329,13 +324,14 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
             if pp > 1:
                 boundary = 4 * b * (s_c // (tp if sequence_parallel else 1)) * h  # float32 [b, s_c/u, h]
                 sent["pp"] = sent.get("pp", 0.0) + m * boundary * ((not last) + (not first))
-        if checkpointed:  # pp = 1: the recomputed forwards of the checkpointed blocks, in every backward
+        recomputed = [i for st in stages for i in ranges[st] if i in checkpointed]  # this rank's blocks
+        if recomputed:  # the recomputed forwards of the rank's checkpointed blocks, in every backward
             if tp > 1:
-                for op, payload in recompute_tp_payloads(checkpointed=len(checkpointed), x=x,
+                for op, payload in recompute_tp_payloads(checkpointed=len(recomputed), x=x,
                                                          sequence_parallel=sequence_parallel).items():
                     _add(sent, "tp", op, m * payload, tp)
             if cp_layer is not None:
-                sent["cp"] = sent.get("cp", 0.0) + m * len(checkpointed) * cp_layer["forward"]
+                sent["cp"] = sent.get("cp", 0.0) + m * len(recomputed) * cp_layer["forward"]
         if sequence_parallel:  # once per step: the s/t-token parameters' gradients (LayerNorms, row biases)
             replicated = [q.shape for q in held_params if q.sequence_parallel_gradient]
             _add(sent, "tp", "all_reduce", sp_gradient_payload(replicated, zero_stage=zero_stage, n=shard_n,
@@ -343,7 +339,8 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
         if pp > 1:
             if config.tie_word_embeddings and c.pp in (stage_rank(0, pp_size=pp),
                                                        stage_rank(num_stages - 1, pp_size=pp)):
-                tied = (sharded_numel([table.head.shape], group_rank, n) if zero_stage in (2, 3) and n > 1
+                tied = (sharded_numel([table.head.shape], group_rank, shard_n)
+                        if zero_stage in (2, 3) and shard_n > 1
                         else table.head.numel)  # ZeRO-2/3 keep (and exchange) only their gradient shard
                 sent["pp"] = sent.get("pp", 0.0) + 4 * tied  # the embedding's gradient, both ways
             _add(sent, "pp", "all_reduce", _SCALAR, pp)  # the step loss, from the last stage
@@ -372,7 +369,8 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
             if tp == 1 and cp == 1 and any([held.pop(k, 0) for k in PER_STEP]):
                 held[WINDOW] = 8 * per_rank * (seq_len + 1)  # ids on the first stage, labels on the last
             state = pipeline_state_memory(config, pp=pp, pp_rank=c.pp, virtual_stages=v, balance=pp_balance,
-                                          tp=tp, zero_stage=zero_stage, zero_shards=n, dp_rank=group_rank)
+                                          tp=tp, zero_stage=zero_stage, zero_shards=shard_n,
+                                          dp_rank=group_rank)  # HSDP: over the rank's shard group
         else:
             held = {k: val for k, val in flat.activations.items() if k not in _TRANSIENT}
             if fsdp16:  # ZeRO-3 in 16 bits computes in the gathered 16-bit weights: a 16-bit residual stream
@@ -386,9 +384,9 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
                 if b > 1:  # lm_loss's labels.flatten() copies the strided [b, s] view of the [b, s+1] rows
                     held[LABELS_COPY] = 8 * tokens
             state = state_memory_per_rank(config, dims, zero_stage=zero_stage, dp_rank=group_rank)
-            if zero_stage == 1 and sequence_parallel:  # the shards' gradients, reduced before the step
-                shard_grads = 4 * sharded_numel(shapes, group_rank, n)
-                state = dataclasses.replace(state, grads=state.grads + shard_grads)
+        if zero_stage == 1 and sequence_parallel:  # the shards' gradients, reduced before the step
+            shard_grads = 4 * sharded_numel(shapes, group_rank, n)
+            state = dataclasses.replace(state, grads=state.grads + shard_grads)
         ranks.append(RankPrediction(rank=rank, coords=c, state=state, activations=held, bytes_sent=sent))
     bubble = (bubble_formula(pp_schedule, pp_size=pp, num_microbatches=m, virtual_stages=v) if pp > 1
               else None)
