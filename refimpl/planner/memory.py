@@ -194,10 +194,6 @@ def run_memory_per_rank(
     if pp > 1 and precision == "fp8":
         raise ValueError("run_memory_per_rank models --precision fp8 at pp = 1 only (the pipeline stages' "
                          "fp8 saved inputs are not modelled)")
-    if zero_stage == 3 and precision == "fp8":
-        raise ValueError("run_memory_per_rank models --precision fp8 with ZeRO 0-2 only (ZeRO-3's fp8 "
-                         "all-gather holds the fp8 weights gathered at one byte and no bf16 copy of them: "
-                         "not counted yet)")
     if pp > 1:
         ranks = pipeline_memory_per_rank(config, pp=pp, num_microbatches=num_microbatches or pp,
                                          schedule=pp_schedule, virtual_stages=virtual_stages,

@@ -79,9 +79,10 @@ under pipeline parallelism all of them together: ZeRO-3 with 1F1B, GPipe, interl
 bf16 but with ZB-H1), both ZeRO-3 modes (ZB-H1: gathered once per step, the trainer's only mode with it),
 with tp, cp or HSDP; checkpointing under 1F1B, GPipe and interleaved 1F1B in fp32 (the recomputed blocks'
 tp and cp traffic counted per stage); sequence parallelism with ZeRO 1-3. fp8 (bf16 autocast, the linears'
-GEMMs in fp8: refimpl/planner/fp8.py's terms) at pp = cp = tp = 1 with ZeRO 0-2.
+GEMMs in fp8: refimpl/planner/fp8.py's terms) at pp = cp = tp = 1 with ZeRO 0-3 (ZeRO-3: the fp8 weights
+gathered as e4m3 bytes, :func:`~refimpl.planner.run_terms.data_parallel_bytes`).
 Refused, each with its reason: fp16 (not run); tensor-parallel traffic in bf16 or fp8 (under autocast the
-activations it moves are 16-bit); fp8 with pp, cp or ZeRO-3 (not measured); ZeRO-3 under pp in bf16 with
+activations it moves are 16-bit); fp8 with pp or cp (not measured); ZeRO-3 under pp in bf16 with
 ZB-H1, activation checkpointing under pp with ZB-H1 or in bf16 (not measured); ZeRO-3 without
 ``reshard_after_forward`` (not the trainer's); MoE models (their bytes per group). Proven against the trainer,
 to the byte: tests/test_planner_3d.py (8 ranks: 1F1B, ring attention, ZeRO 0/1, fp32/bf16, with and without
@@ -92,8 +93,8 @@ ranks: ZeRO-2/3, 2-D ZeRO-3 with tp, HSDP with and without cp, checkpointing wit
 ring attention, bf16 ZeRO-3, ZeRO-2 under the pipeline, ZeRO-1 with sequence parallelism, ZeRO-3 under the
 pipeline: dp 2 x pp 2, 1F1B, GPipe, interleaved (2 virtual stages), ZB-H1 and 1F1B in bf16, gathered once per
 step or per micro-batch; ZeRO-1 and ZeRO-3 with every block checkpointed under 1F1B) and
-tests/test_train_fp8.py (2 ranks: fp8 at dp 2, ZeRO 0 and 2). Ulysses goes through the same terms but is not
-run there.
+tests/test_train_fp8.py (2 ranks: fp8 at dp 2, ZeRO 0, 2 and 3). Ulysses goes through the same terms but is
+not run there.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ from refimpl.parallel.pipeline_parallel import build_schedule, stage_rank
 from refimpl.parallel.pipeline_parallel.simulator import bubble_formula
 from refimpl.planner.activations import local_tokens
 from refimpl.planner.communication import context_parallel_bytes
+from refimpl.planner.fp8 import fp8_weights
 from refimpl.planner.memory import check_dense, run_memory_per_rank, state_memory_per_rank
 from refimpl.planner.param_table import param_table
 from refimpl.planner.params_flops import param_shapes
@@ -230,7 +232,7 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
 
     Every ZeRO stage (``parallel.zero_stage``), HSDP (``parallel.dp_replicate``), the blocks
     ``parallel.activation_checkpointing`` selects, fp32 or bf16 are modelled, and fp8 at pp = cp = 1 with
-    ZeRO 0-2; a combination the trainer refuses (:func:`refimpl.support.check_supported`) or that is not
+    ZeRO 0-3; a combination the trainer refuses (:func:`refimpl.support.check_supported`) or that is not
     modelled raises a ValueError naming it: fp16; tp > 1 with bf16 or fp8; ZeRO-3 with pp > 1 in bf16 with
     zbh1; activation checkpointing with pp > 1 in bf16 or with zbh1; ZeRO-3 with
     ``reshard_after_forward`` off; an MoE model.
@@ -249,10 +251,10 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     checkpointed = parallel.checkpointed_blocks(config.num_layers)
     if precision not in ("fp32", "bf16", "fp8"):
         raise ValueError(f"predict_run models fp32, bf16 and fp8, got {precision!r}")
-    if precision == "fp8" and (parallel.pp > 1 or parallel.cp > 1 or zero_stage == 3):
-        raise ValueError("predict_run models --precision fp8 at pp = cp = 1 with ZeRO 0-2 (what "
-                         "tests/test_train_fp8.py measures; ZeRO-3's fp8 gathers, the pipeline's and context "
-                         "parallelism's fp8 bytes are not measured against it)")
+    if precision == "fp8" and (parallel.pp > 1 or parallel.cp > 1):
+        raise ValueError("predict_run models --precision fp8 at pp = cp = 1 (what tests/test_train_fp8.py "
+                         "measures; the pipeline's and context parallelism's fp8 bytes are not measured "
+                         "against it)")
     if dims.tp > 1 and precision != "fp32":
         raise ValueError("predict_run models the tensor-parallel traffic in fp32 only (under autocast the "
                          "activations it moves are 16-bit)")
@@ -296,8 +298,12 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
                                                    cp_method=cp_method, cp_layout=cp_layout,
                                                    checkpointed_blocks=checkpointed)
     table = param_table(config, tp=tp)
-    units = [[q.shape for q in table.embedding + table.final_layernorm + table.output_layer],
-             *[[q.shape for q in block] for block in table.blocks]]  # ZeRO-3's: the root, each block
+    root = table.embedding + table.final_layernorm + table.output_layer
+    units = [[q.shape for q in root], *[[q.shape for q in block] for block in table.blocks]]  # ZeRO-3's
+    fp8_units = None  # fp8 under ZeRO-3 (pp = 1): which tensors of each unit are gathered as e4m3 bytes
+    if precision == "fp8":
+        gathered_fp8 = {q.name for q in fp8_weights(config, tp=tp)}
+        fp8_units = [[q.name in gathered_fp8 for q in unit] for unit in (root, *table.blocks)]
     shard_n = n // replicas  # the ranks ZeRO shards over: dp x cp, or HSDP's shard group
     cp_layer = context_parallel_bytes(config, micro_batch=b, seq_len=seq_len, cp=cp, method=cp_method, tp=tp,
                                       compute_dtype=_COMPUTE[precision]) if cp > 1 else None
@@ -358,7 +364,8 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
             for key, sent_bytes in data_parallel_bytes(unit_shapes, zero_stage=zero_stage, dp_cp=n,
                                                        replicas=replicas, microbatches=m,
                                                        gather_bytes=2 if fsdp16 else 4,
-                                                       zero3_kept=zero3_kept).items():
+                                                       zero3_kept=zero3_kept,
+                                                       fp8=fp8_units if zero_stage == 3 else None).items():
                 sent[key] = sent.get(key, 0.0) + sent_bytes
         _add(sent, DP_KEY, "all_reduce", _SCALAR, n)  # the loss's mean over dp x cp
         if pp > 1:

@@ -82,14 +82,18 @@ def shard_group_rank(dims: ParallelDims, rank: int) -> int:
 
 def data_parallel_bytes(unit_shapes: Sequence[Sequence[Shape]], *, zero_stage: int, dp_cp: int,
                         replicas: int = 1, microbatches: int = 1, gather_bytes: int = 4,
-                        zero3_kept: bool = False) -> dict[str, float]:
+                        zero3_kept: bool = False,
+                        fp8: Sequence[Sequence[bool]] | None = None) -> dict[str, float]:
     """Wire bytes one rank sends per step for data parallelism's gradients and parameters (module
     docstring), by group key; not the loss's or the norm's scalars. ``unit_shapes``: the rank's parameter
     shapes (its tensor-parallel blocks; pp: its stages' tensors), cut into ZeRO-3's units, the root first
     (stages 0-2 use only their union; ZeRO-3 under pp: one stage's units, its root first, called per
     stage); ``dp_cp``: the ``dp x cp`` ranks; ``replicas``: HSDP's R (ZeRO-3); ``microbatches``: backwards
     per step; ``gather_bytes``: ZeRO-3's ``param_dtype`` size; ``zero3_kept``: ZeRO-3 under pp by default,
-    each unit gathered once per step and kept, its accumulated gradients reduced once (module docstring)."""
+    each unit gathered once per step and kept, its accumulated gradients reduced once (module docstring);
+    ``fp8`` (ZeRO-3 at pp = 1 under ``--precision fp8``): per unit, which tensors are gathered as e4m3, one
+    byte per element beside the others' ``gather_bytes``, each gather preceded by the MAX all-reduce of the
+    unit's fp32 amaxes (:mod:`refimpl.parallel.zero.fsdp_float8`)."""
     out: dict[str, float] = {}
     shapes = [s for unit in unit_shapes for s in unit]
     m, n = microbatches, dp_cp
@@ -102,7 +106,18 @@ def data_parallel_bytes(unit_shapes: Sequence[Sequence[Shape]], *, zero_stage: i
     else:
         shard = n // replicas
         key = DP_KEY if replicas == 1 else SHARD_KEY
-        if zero3_kept:  # each unit gathered once per step (padded rows), every unit with a root's count
+        if fp8 is not None:  # per tensor: e4m3 bytes or gather_bytes; the root once, the blocks twice
+            if zero3_kept:
+                raise ValueError("fp8 gathers under the pipeline are not modelled")
+            times = [1 if u == 0 else 2 for u in range(len(unit_shapes))]
+            gathered = sum(t * sum(padded_numel([s], shard) * (1 if f else gather_bytes)
+                                   for s, f in zip(unit, flags, strict=True))
+                           for t, unit, flags in zip(times, unit_shapes, fp8, strict=True) if unit)
+            _add(out, key, "all_gather", m * gathered, shard)
+            amaxes = sum(t * 4 * sum(flags) for t, flags in zip(times, fp8, strict=True))
+            if amaxes:
+                _add(out, key, "all_reduce", m * amaxes, shard)
+        elif zero3_kept:  # each unit gathered once per step (padded rows), every unit with a root's count
             gathered = gather_bytes * sum(padded_numel(unit, shard) for unit in unit_shapes)
             _add(out, key, "all_gather", gathered, shard)
         else:

@@ -186,7 +186,7 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
     :func:`refimpl.planner.run_memory_of` the run's ``options.parallel`` (model state by ZeRO stage and
     precision + one micro-batch's activations) against :func:`machine_memory_per_rank`. ``force``: warn
     and go on. Returns the estimate (None where the planner does not model the run: fp8 under pipeline
-    parallelism or ZeRO-3, an MoE model with fp8 or a layout
+    parallelism, an MoE model with fp8 or a layout
     :func:`refimpl.planner.experts.unmodelled_moe` names; not checked, said on stderr). An MoE model is
     planned at pp = 1 for uniform routing (chapter 09)."""
     from refimpl.planner import run_memory_of
@@ -203,8 +203,7 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
                          sequence_parallel=options.sequence_parallel, precision=options.precision)
     fp8 = options.precision == "fp8"
     unplanned = (f"MoE blocks with {', '.join(moe)}" if moe else  # refimpl/planner/experts.py
-                 "fp8 under pipeline parallelism" if fp8 and dims.pp > 1 else
-                 "fp8 under ZeRO-3" if fp8 and options.zero_stage == 3 else None)
+                 "fp8 under pipeline parallelism" if fp8 and dims.pp > 1 else None)
     if unplanned:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"note: no memory preflight for {unplanned} (the planner does not model them yet)",
