@@ -100,7 +100,7 @@ LAYOUTS = {"dp2": FP8, "dp2-zero2": [*FP8, "--zero-stage", "2"], "dp2-zero3": [*
            "tp2-rowwise": [*ROWWISE, "--tp", "2"], "pp2": [*FP8, "--pp", "2"],
            "tp2-sp": [*FP8, "--tp", "2", "--sequence-parallel"],
            "pp2-zbh1": [*FP8, "--pp", "2", "--pp-schedule", "zbh1"]}
-PREDICTED = ("dp2", "dp2-zero2", "dp2-zero3")  # the layouts predict_run is checked at
+PREDICTED = ("dp2", "dp2-zero2", "dp2-zero3", "pp2")  # the layouts predict_run is checked at
 # one-device runs: label -> flags (the "micro" order: one sequence per micro-batch)
 ONE_DEVICE = {("fp8", "batch"): FP8, ("fp8", "micro"): [*FP8, "--micro-batch-size", "1"],
               ("fp8-rowwise", "batch"): ROWWISE,
@@ -411,7 +411,7 @@ def test_the_planner_counts_fp8_to_the_byte_and_names_the_trainers_fp8_weights()
     copies = sum(d.get("bfloat16", 0) for d in meter.report.weights.values())  # autocast's bf16 copies
     weight_copies = {p: plan[p].state["autocast weight copies"] for p in plan}
     assert weight_copies["fp8"] == copies < weight_copies["bf16"]
-    for refused in ({"pp": 2}, {"cp": 2}, {"tp": 2}):
+    for refused in ({"pp": 2, "pp_schedule": "zbh1"}, {"pp": 2, "zero_stage": 3}, {"cp": 2}, {"tp": 2}):
         with pytest.raises(ValueError, match="predict_run models"):
             predict_run(CONFIG, ParallelConfig(dp=1, precision="fp8", **refused), global_batch=2, seq_len=16)
 

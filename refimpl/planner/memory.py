@@ -191,9 +191,6 @@ def run_memory_per_rank(
         raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(_DTYPE_BYTES)}")
     shards, tp, cp = zero_shard_degree(dims), tensor_parallel_degree(dims), context_parallel_degree(dims)
     pp = pipeline_parallel_degree(dims)
-    if pp > 1 and precision == "fp8":
-        raise ValueError("run_memory_per_rank models --precision fp8 at pp = 1 only (the pipeline stages' "
-                         "fp8 saved inputs are not modelled)")
     if pp > 1:
         ranks = pipeline_memory_per_rank(config, pp=pp, num_microbatches=num_microbatches or pp,
                                          schedule=pp_schedule, virtual_stages=virtual_stages,

@@ -58,6 +58,7 @@ import torch
 from refimpl.config import ModelConfig, ParallelConfig
 from refimpl.parallel.pipeline_parallel import SCHEDULES, build_schedule, simulate, stage_rank
 from refimpl.planner.activations import activation_bytes_per_layer, local_tokens, outside_block_bytes
+from refimpl.planner.fp8 import fp8_extra_saved_bytes, fp8_weights
 from refimpl.planner.param_table import param_table
 from refimpl.planner.pipeline_stages import (
     pipeline_state_memory,
@@ -76,6 +77,12 @@ __all__ = ["PER_STEP", "PipelineRankMemory", "pipeline_memory_per_rank", "pipeli
 _COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
             "fp8": torch.bfloat16}  # fp8: bf16 autocast around the fp8 GEMMs
 PER_STEP = ("token ids (the step's batch, int64)", "labels (the step's batch, int64)")
+FP8_INPUTS = "fp8 layers' float32 LayerNorm-fed inputs"  # --precision fp8 (refimpl/planner/fp8.py)
+
+
+def _block_of(name: str) -> int | None:
+    """The block index of a parameter name of the plain GPT (``layers.5.mlp...`` -> 5), None outside."""
+    return int(name.split(".")[1]) if name.startswith("layers.") else None
 
 
 def stage_saved_bytes(config: ModelConfig, *, stage: int, num_stages: int, blocks: range, micro_batch: int,
@@ -257,6 +264,9 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
     check_supported(ParallelConfig(pp=pp, tp=tp, zero_stage=zero_stage, pp_schedule=schedule,
                                    sequence_parallel=sequence_parallel,
                                    zero3_reshard_per_microbatch=zero3_reshard_per_microbatch))
+    if precision == "fp8" and schedule == "zbh1":
+        raise ValueError("pipeline_memory_per_rank models --precision fp8 under 1f1b, gpipe and interleaved; "
+                         "zbh1's deferred fp8 weight gradients are not modelled")
     m, v, compute = num_microbatches, virtual_stages, _COMPUTE[precision]
     table = build_schedule(schedule, pp_size=pp, num_microbatches=m, virtual_stages=v)
     sim = simulate(table, num_microbatches=m, virtual_stages=v)  # refuses an invalid or deadlocking table
@@ -267,6 +277,9 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
     b, h, p = micro_batch, config.hidden_size, compute.itemsize
     s = local_tokens(config, seq_len=seq_len, cp=cp, cp_method=cp_method, cp_layout=cp_layout, tp=tp)
     boundary = 4 * (s // (tp if sequence_parallel else 1)) * b * h  # float32 [b, s_c/u, h]
+    fp8_extra = (fp8_extra_saved_bytes(config, micro_batch=b, tokens=s, tp=tp,
+                                       sequence_parallel=sequence_parallel)
+                 if precision == "fp8" else None)  # per block
     out = []
     for r in range(pp):
         mine = [st for st in range(num_stages) if stage_rank(st, pp_size=pp) == r]
@@ -276,6 +289,11 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
                                        compute_dtype=compute, checkpointed_blocks=checkpointed_blocks,
                                        deferred_weights=split, residual_dtype=residual_dtype, **sp)
                  for st in mine}
+        if fp8_extra is not None:  # fp8: the LayerNorm-fed fp8 layers keep their float32 inputs
+            for st in mine:
+                extra = sum(fp8_extra[i] for i in ranges[st] if i not in set(checkpointed_blocks))
+                if extra:
+                    saved[st][FP8_INPUTS] = extra
         deferred = None if not split else {
             st: stage_deferred_bytes(config, stage=st, num_stages=num_stages, blocks=ranges[st],
                                      micro_batch=b, seq_len=s, compute_dtype=compute) for st in mine}
@@ -297,10 +315,14 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
         if zero_stage == 3 and zero_shards > 1:
             state.update(_zero3_gathered(config, mine=mine, ranges=ranges, shapes=shapes, tp=tp, p=p,
                                          shards=zero_shards, per_microbatch=zero3_reshard_per_microbatch))
-        if p != 4:
-            state["autocast weight copies"] = p * sum(
+        if p != 4:  # fp8: no bf16 copy of an fp8 weight, a transient 1-byte cast (refimpl/planner/fp8.py)
+            fp8 = [q for q in fp8_weights(config, tp=tp) if _block_of(q.name) in
+                   {i for st in mine for i in ranges[st]}] if precision == "fp8" else []
+            state["autocast weight copies"] = p * (sum(
                 stage_matmul_weights(config, stage=st, num_stages=num_stages, blocks=ranges[st], tp=tp)
-                for st in mine)
+                for st in mine) - sum(q.numel for q in fp8))
+            if fp8:
+                state["fp8 weight cast (transient, largest layer)"] = max(q.numel for q in fp8)
         out.append(PipelineRankMemory(rank=r, stages=tuple(mine), blocks=tuple(ranges[st] for st in mine),
                                       param_shapes=shapes, saved=saved, in_flight=flying,
                                       peak_in_flight=sim.peak_in_flight[r], peak_terms=terms,

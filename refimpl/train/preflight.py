@@ -203,7 +203,8 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
                          sequence_parallel=options.sequence_parallel, precision=options.precision)
     fp8 = options.precision == "fp8"
     unplanned = (f"MoE blocks with {', '.join(moe)}" if moe else  # refimpl/planner/experts.py
-                 "fp8 under pipeline parallelism" if fp8 and dims.pp > 1 else None)
+                 "fp8 with the zbh1 schedule" if fp8 and dims.pp > 1 and options.pp_schedule == "zbh1"
+                 else None)
     if unplanned:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"note: no memory preflight for {unplanned} (the planner does not model them yet)",
