@@ -50,6 +50,7 @@ step by default, one unit at a time with ``zero3_reshard_per_microbatch``).
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,16 +205,28 @@ def _walk(actions, *, saved: dict[int, dict[str, int]], deferred: dict[int, int]
 
 
 def stage_deferred_bytes(config: ModelConfig, *, stage: int, num_stages: int, blocks: range, micro_batch: int,
-                         seq_len: int, compute_dtype: torch.dtype = torch.float32) -> int:
+                         seq_len: int, compute_dtype: torch.dtype = torch.float32,
+                         fp8_layers: Collection[str] = ()) -> int:
     """What a ``B`` of ZB-H1 leaves for its ``W`` in stage ``stage``
     (:func:`~refimpl.parallel.pipeline_parallel.defer_weight_gradients`): every linear layer's input ``X``
     and output gradient ``dY`` for ``dW = dY^T X``, in the compute dtype (``p`` bytes, measured: also the
     inputs that come from a float32 LayerNorm under autocast): per block ``p s b (8 h + 2 f)`` (QKV ``h``
     in, ``3 h`` out; the projection ``h``, ``h``; the MLP ``h``, ``f`` and ``f``, ``h``), on the last stage
-    the output layer's ``p s b (h + V)``."""
+    the output layer's ``p s b (h + V)``. A tensorwise fp8 layer (its weight named in ``fp8_layers``,
+    ``--precision fp8``) keeps the two fp8 operands of its weight-gradient GEMM instead, one byte per
+    element, and their two fp32 scales (:class:`~refimpl.precision.fp8.Float8Matmul`'s ``weight_grad``)."""
     p, h, f, v = compute_dtype.itemsize, config.hidden_size, config.ffn_hidden_size, config.vocab_size
-    per_token = len(blocks) * (8 * h + 2 * f) + (h + v if stage == num_stages - 1 else 0)
-    return p * seq_len * micro_batch * per_token
+    linears = (("self_attention.query_key_value", h, 3 * h), ("self_attention.dense", h, h),
+               ("mlp.dense_h_to_4h", h, f), ("mlp.dense_4h_to_h", f, h))  # (name, in, out) per block
+    tokens = seq_len * micro_batch
+    total = 0
+    for i in blocks:
+        for name, d_in, d_out in linears:
+            fp8 = f"layers.{i}.{name}.weight" in fp8_layers
+            total += (1 if fp8 else p) * tokens * (d_in + d_out) + (2 * 4 if fp8 else 0)
+    if stage == num_stages - 1:
+        total += p * tokens * (h + v)  # the output layer (kept in bf16 under fp8)
+    return total
 
 
 def _zero3_gathered(config: ModelConfig, *, mine: list[int], ranges, shapes, tp: int, p: int, shards: int,
@@ -264,9 +277,6 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
     check_supported(ParallelConfig(pp=pp, tp=tp, zero_stage=zero_stage, pp_schedule=schedule,
                                    sequence_parallel=sequence_parallel,
                                    zero3_reshard_per_microbatch=zero3_reshard_per_microbatch))
-    if precision == "fp8" and schedule == "zbh1":
-        raise ValueError("pipeline_memory_per_rank models --precision fp8 under 1f1b, gpipe and interleaved; "
-                         "zbh1's deferred fp8 weight gradients are not modelled")
     m, v, compute = num_microbatches, virtual_stages, _COMPUTE[precision]
     table = build_schedule(schedule, pp_size=pp, num_microbatches=m, virtual_stages=v)
     sim = simulate(table, num_microbatches=m, virtual_stages=v)  # refuses an invalid or deadlocking table
@@ -277,6 +287,7 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
     b, h, p = micro_batch, config.hidden_size, compute.itemsize
     s = local_tokens(config, seq_len=seq_len, cp=cp, cp_method=cp_method, cp_layout=cp_layout, tp=tp)
     boundary = 4 * (s // (tp if sequence_parallel else 1)) * b * h  # float32 [b, s_c/u, h]
+    fp8_names = {q.name for q in fp8_weights(config, tp=tp)} if precision == "fp8" else set()
     fp8_extra = (fp8_extra_saved_bytes(config, micro_batch=b, tokens=s, tp=tp,
                                        sequence_parallel=sequence_parallel)
                  if precision == "fp8" else None)  # per block
@@ -289,14 +300,15 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
                                        compute_dtype=compute, checkpointed_blocks=checkpointed_blocks,
                                        deferred_weights=split, residual_dtype=residual_dtype, **sp)
                  for st in mine}
-        if fp8_extra is not None:  # fp8: the LayerNorm-fed fp8 layers keep their float32 inputs
-            for st in mine:
+        if fp8_extra is not None and not split:  # fp8: the LayerNorm-fed fp8 layers keep their float32
+            for st in mine:  # inputs (under zbh1 every deferred linear does already: stage_saved_bytes)
                 extra = sum(fp8_extra[i] for i in ranges[st] if i not in set(checkpointed_blocks))
                 if extra:
                     saved[st][FP8_INPUTS] = extra
         deferred = None if not split else {
             st: stage_deferred_bytes(config, stage=st, num_stages=num_stages, blocks=ranges[st],
-                                     micro_batch=b, seq_len=s, compute_dtype=compute) for st in mine}
+                                     micro_batch=b, seq_len=s, compute_dtype=compute,
+                                     fp8_layers=fp8_names) for st in mine}
         terms, flying = _walk(table[r], saved=saved, deferred=deferred, num_stages=num_stages,
                               outputs=boundary)
         transient = {}

@@ -79,12 +79,13 @@ under pipeline parallelism all of them together: ZeRO-3 with 1F1B, GPipe, interl
 bf16 but with ZB-H1), both ZeRO-3 modes (ZB-H1: gathered once per step, the trainer's only mode with it),
 with tp, cp or HSDP; checkpointing under 1F1B, GPipe and interleaved 1F1B in fp32 (the recomputed blocks'
 tp and cp traffic counted per stage); sequence parallelism with ZeRO 1-3. fp8 (bf16 autocast, the linears'
-GEMMs in fp8: refimpl/planner/fp8.py's terms) at cp = tp = 1: ZeRO 0-3 at pp = 1 (ZeRO-3: the fp8 weights
-gathered as e4m3 bytes, :func:`~refimpl.planner.run_terms.data_parallel_bytes`), ZeRO 0-2 under 1F1B, GPipe
-and interleaved 1F1B (each stage's fp8 layers' float32 inputs, :func:`~refimpl.planner.pipeline.
-pipeline_memory_per_rank`).
+GEMMs in fp8: refimpl/planner/fp8.py's terms) at tp = 1: ZeRO 0-3 at pp = 1 (ZeRO-3: the fp8 weights
+gathered as e4m3 bytes, :func:`~refimpl.planner.run_terms.data_parallel_bytes`), with cp, and ZeRO 0-2 under
+the pipeline (each stage's fp8 layers' float32 inputs, :func:`~refimpl.planner.pipeline.
+pipeline_memory_per_rank`; under ZB-H1 the tensorwise fp8 layers' deferred dW operands at one byte,
+:func:`~refimpl.planner.pipeline.stage_deferred_bytes`).
 Refused, each with its reason: fp16 (not run); tensor-parallel traffic in bf16 or fp8 (under autocast the
-activations it moves are 16-bit); fp8 with cp, or under pp with ZeRO-3 or ZB-H1 (not measured); ZeRO-3
+activations it moves are 16-bit); fp8 under pp with ZeRO-3, or rowwise with ZB-H1 (not measured); ZeRO-3
 under pp in bf16 with
 ZB-H1, activation checkpointing under pp with ZB-H1 or in bf16 (not measured); ZeRO-3 without
 ``reshard_after_forward`` (not the trainer's); MoE models (their bytes per group). Proven against the trainer,
@@ -96,7 +97,8 @@ ranks: ZeRO-2/3, 2-D ZeRO-3 with tp, HSDP with and without cp, checkpointing wit
 ring attention, bf16 ZeRO-3, ZeRO-2 under the pipeline, ZeRO-1 with sequence parallelism, ZeRO-3 under the
 pipeline: dp 2 x pp 2, 1F1B, GPipe, interleaved (2 virtual stages), ZB-H1 and 1F1B in bf16, gathered once per
 step or per micro-batch; ZeRO-1 and ZeRO-3 with every block checkpointed under 1F1B) and
-tests/test_train_fp8.py (2 ranks: fp8 at dp 2, ZeRO 0, 2 and 3, and at pp 2). Ulysses goes through the same
+tests/test_train_fp8.py (2 ranks: fp8 at dp 2, ZeRO 0, 2 and 3, at cp 2, at pp 2 under 1F1B and ZB-H1).
+Ulysses goes through the same
 terms but is
 not run there.
 """
@@ -215,7 +217,9 @@ def _held_with_label_copies(config: ModelConfig, rank_memory, parallel: Parallel
     compute = _COMPUTE[parallel.precision]
     deferred = None if parallel.pp_schedule != "zbh1" else {
         st: stage_deferred_bytes(config, stage=st, num_stages=num_stages, blocks=ranges[st], micro_batch=b,
-                                 seq_len=seq_len, compute_dtype=compute) for st in saved}
+                                 seq_len=seq_len, compute_dtype=compute,
+                                 fp8_layers={q.name for q in fp8_weights(config)}
+                                 if parallel.precision == "fp8" else ()) for st in saved}
     terms, _ = _walk(actions, saved=saved, deferred=deferred, num_stages=num_stages,
                      outputs=4 * b * seq_len * h)  # float32 [b, s, h] at each boundary (tp = cp = 1)
     return terms
@@ -235,8 +239,8 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     ``grad_clip`` None: no norm.
 
     Every ZeRO stage (``parallel.zero_stage``), HSDP (``parallel.dp_replicate``), the blocks
-    ``parallel.activation_checkpointing`` selects, fp32 or bf16 are modelled, and fp8 at cp = 1 (ZeRO 0-3 at
-    pp = 1; under pp ZeRO 0-2 but with zbh1); a combination the trainer refuses
+    ``parallel.activation_checkpointing`` selects, fp32 or bf16 are modelled, and fp8 (ZeRO 0-3 at pp = 1,
+    with cp too; under pp ZeRO 0-2, zbh1 tensorwise); a combination the trainer refuses
     (:func:`refimpl.support.check_supported`) or that is not modelled raises a ValueError naming it: fp16;
     tp > 1 with bf16 or fp8; ZeRO-3 with pp > 1 in bf16 with
     zbh1; activation checkpointing with pp > 1 in bf16 or with zbh1; ZeRO-3 with
@@ -256,12 +260,14 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     checkpointed = parallel.checkpointed_blocks(config.num_layers)
     if precision not in ("fp32", "bf16", "fp8"):
         raise ValueError(f"predict_run models fp32, bf16 and fp8, got {precision!r}")
-    if precision == "fp8" and (parallel.cp > 1 or (parallel.pp > 1 and (zero_stage == 3 or
-                                                                        parallel.pp_schedule == "zbh1"))):
-        raise ValueError("predict_run models --precision fp8 at cp = 1, under pp with 1f1b, gpipe or "
-                         "interleaved at ZeRO 0-2 (what tests/test_train_fp8.py measures; context "
-                         "parallelism's fp8 bytes, zbh1's deferred fp8 weight gradients and the stages' fp8 "
-                         "gathers are not measured against it)")
+    if precision == "fp8" and parallel.pp > 1 and parallel.pp_schedule == "zbh1" \
+            and parallel.fp8_scaling == "rowwise":
+        raise ValueError("predict_run models zbh1's deferred fp8 weight gradients with tensorwise scaling "
+                         "(rowwise keeps per-row scales: not measured)")
+    if precision == "fp8" and parallel.pp > 1 and zero_stage == 3:
+        raise ValueError("predict_run models --precision fp8 with ZeRO 0-3 at pp = 1 and ZeRO 0-2 under pp "
+                         "(what tests/test_train_fp8.py measures; the stages' fp8 gathers are not measured "
+                         "against it)")
     if dims.tp > 1 and precision != "fp32":
         raise ValueError("predict_run models the tensor-parallel traffic in fp32 only (under autocast the "
                          "activations it moves are 16-bit)")

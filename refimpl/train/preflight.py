@@ -185,8 +185,8 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
     """Refuse, before any process starts, a run whose planned bytes per rank exceed the machine's:
     :func:`refimpl.planner.run_memory_of` the run's ``options.parallel`` (model state by ZeRO stage and
     precision + one micro-batch's activations) against :func:`machine_memory_per_rank`. ``force``: warn
-    and go on. Returns the estimate (None where the planner does not model the run: fp8 under pipeline
-    parallelism, an MoE model with fp8 or a layout
+    and go on. Returns the estimate (None where the planner does not model the run: an MoE model with fp8
+    or a layout
     :func:`refimpl.planner.experts.unmodelled_moe` names; not checked, said on stderr). An MoE model is
     planned at pp = 1 for uniform routing (chapter 09)."""
     from refimpl.planner import run_memory_of
@@ -201,10 +201,7 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
     micro = config.data.per_rank_batch(dims.dp) // accumulation
     moe = unmodelled_moe(config.model, pp=dims.pp, cp=dims.cp, zero_stage=options.zero_stage,
                          sequence_parallel=options.sequence_parallel, precision=options.precision)
-    fp8 = options.precision == "fp8"
-    unplanned = (f"MoE blocks with {', '.join(moe)}" if moe else  # refimpl/planner/experts.py
-                 "fp8 with the zbh1 schedule" if fp8 and dims.pp > 1 and options.pp_schedule == "zbh1"
-                 else None)
+    unplanned = f"MoE blocks with {', '.join(moe)}" if moe else None  # refimpl/planner/experts.py
     if unplanned:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"note: no memory preflight for {unplanned} (the planner does not model them yet)",
