@@ -71,6 +71,10 @@ LAYOUTS = {  # dp x tp x pp -> the trainer's flags at world size 8
                               "--activation-checkpointing", "1,3"],
     "2x2x2-interleaved-actckpt": ["--tp", "2", "--pp", "2", "--microbatches", "2", "--pp-schedule",
                                   "interleaved", "--virtual-stages", "2", "--activation-checkpointing"],
+    # zbh1 under tp: the deferred dW operands are the rank's shards' (with and without checkpointing)
+    "2x2x2-zbh1": ["--tp", "2", "--pp", "2", "--microbatches", "4", "--pp-schedule", "zbh1"],
+    "2x2x2-zbh1-actckpt": ["--tp", "2", "--pp", "2", "--microbatches", "4", "--pp-schedule", "zbh1",
+                           "--activation-checkpointing"],
     # HSDP under the pipeline: each stage sharded over dp_shard 2, its shards all-reduced over 2 replicas
     "4x1x2-hsdp2-zero3": ["--pp", "2", "--dp-replicate", "2", "--zero-stage", "3", "--microbatches", "2"],
 }

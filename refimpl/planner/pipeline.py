@@ -50,7 +50,6 @@ step by default, one unit at a time with ``zero3_reshard_per_microbatch``).
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,8 +61,10 @@ from refimpl.planner.activations import activation_bytes_per_layer, local_tokens
 from refimpl.planner.fp8 import fp8_extra_saved_bytes, fp8_weights
 from refimpl.planner.param_table import param_table
 from refimpl.planner.pipeline_stages import (
+    block_of,
     pipeline_state_memory,
     rank_param_shapes,
+    stage_deferred_bytes,
     stage_layers,
     stage_matmul_weights,
     stage_param_shapes,
@@ -79,11 +80,6 @@ _COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16
             "fp8": torch.bfloat16}  # fp8: bf16 autocast around the fp8 GEMMs
 PER_STEP = ("token ids (the step's batch, int64)", "labels (the step's batch, int64)")
 FP8_INPUTS = "fp8 layers' float32 LayerNorm-fed inputs"  # --precision fp8 (refimpl/planner/fp8.py)
-
-
-def _block_of(name: str) -> int | None:
-    """The block index of a parameter name of the plain GPT (``layers.5.mlp...`` -> 5), None outside."""
-    return int(name.split(".")[1]) if name.startswith("layers.") else None
 
 
 def stage_saved_bytes(config: ModelConfig, *, stage: int, num_stages: int, blocks: range, micro_batch: int,
@@ -113,7 +109,8 @@ def stage_saved_bytes(config: ModelConfig, *, stage: int, num_stages: int, block
                                                                  **layer_kw).total for i in blocks)}
     s = local_tokens(config, seq_len=seq_len, cp=split.get("cp", 1), cp_method=split.get("cp_method", "ring"),
                      cp_layout=split.get("cp_layout"), tp=tp)
-    if deferred_weights and p != 4:
+    if deferred_weights and p != 4 and (residual_dtype is None or residual_dtype.itemsize == 4):
+        # (ZeRO-3 in 16 bits: the LayerNorms run in the gathered 16-bit weights, their outputs 16-bit)
         plain = [i for i in blocks if i not in chosen]
         widened = (2 * len(plain) + (stage == num_stages - 1)) * (4 - p) * s * b * config.hidden_size
         terms["float32 LayerNorm outputs the deferred linears keep"] = widened
@@ -204,31 +201,6 @@ def _walk(actions, *, saved: dict[int, dict[str, int]], deferred: dict[int, int]
     return best[1], best[2]
 
 
-def stage_deferred_bytes(config: ModelConfig, *, stage: int, num_stages: int, blocks: range, micro_batch: int,
-                         seq_len: int, compute_dtype: torch.dtype = torch.float32,
-                         fp8_layers: Collection[str] = ()) -> int:
-    """What a ``B`` of ZB-H1 leaves for its ``W`` in stage ``stage``
-    (:func:`~refimpl.parallel.pipeline_parallel.defer_weight_gradients`): every linear layer's input ``X``
-    and output gradient ``dY`` for ``dW = dY^T X``, in the compute dtype (``p`` bytes, measured: also the
-    inputs that come from a float32 LayerNorm under autocast): per block ``p s b (8 h + 2 f)`` (QKV ``h``
-    in, ``3 h`` out; the projection ``h``, ``h``; the MLP ``h``, ``f`` and ``f``, ``h``), on the last stage
-    the output layer's ``p s b (h + V)``. A tensorwise fp8 layer (its weight named in ``fp8_layers``,
-    ``--precision fp8``) keeps the two fp8 operands of its weight-gradient GEMM instead, one byte per
-    element, and their two fp32 scales (:class:`~refimpl.precision.fp8.Float8Matmul`'s ``weight_grad``)."""
-    p, h, f, v = compute_dtype.itemsize, config.hidden_size, config.ffn_hidden_size, config.vocab_size
-    linears = (("self_attention.query_key_value", h, 3 * h), ("self_attention.dense", h, h),
-               ("mlp.dense_h_to_4h", h, f), ("mlp.dense_4h_to_h", f, h))  # (name, in, out) per block
-    tokens = seq_len * micro_batch
-    total = 0
-    for i in blocks:
-        for name, d_in, d_out in linears:
-            fp8 = f"layers.{i}.{name}.weight" in fp8_layers
-            total += (1 if fp8 else p) * tokens * (d_in + d_out) + (2 * 4 if fp8 else 0)
-    if stage == num_stages - 1:
-        total += p * tokens * (h + v)  # the output layer (kept in bf16 under fp8)
-    return total
-
-
 def _zero3_gathered(config: ModelConfig, *, mine: list[int], ranges, shapes, tp: int, p: int, shards: int,
                     per_microbatch: bool) -> dict[str, int]:
     """ZeRO-3's full tensors a pipeline rank holds at its peak during a step (see
@@ -308,7 +280,7 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
         deferred = None if not split else {
             st: stage_deferred_bytes(config, stage=st, num_stages=num_stages, blocks=ranges[st],
                                      micro_batch=b, seq_len=s, compute_dtype=compute,
-                                     fp8_layers=fp8_names) for st in mine}
+                                     fp8_layers=fp8_names, tp=tp) for st in mine}
         terms, flying = _walk(table[r], saved=saved, deferred=deferred, num_stages=num_stages,
                               outputs=boundary)
         transient = {}
@@ -328,7 +300,7 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
             state.update(_zero3_gathered(config, mine=mine, ranges=ranges, shapes=shapes, tp=tp, p=p,
                                          shards=zero_shards, per_microbatch=zero3_reshard_per_microbatch))
         if p != 4:  # fp8: no bf16 copy of an fp8 weight, a transient 1-byte cast (refimpl/planner/fp8.py)
-            fp8 = [q for q in fp8_weights(config, tp=tp) if _block_of(q.name) in
+            fp8 = [q for q in fp8_weights(config, tp=tp) if block_of(q.name) in
                    {i for st in mine for i in ranges[st]}] if precision == "fp8" else []
             state["autocast weight copies"] = p * (sum(
                 stage_matmul_weights(config, stage=st, num_stages=num_stages, blocks=ranges[st], tp=tp)

@@ -7,10 +7,13 @@ tensor-parallel shards of ``t`` ranks; no model built); stage ``s`` lives on ran
 its blocks' parameters (``layers.{i}.*``), the first also the embedding's, the last the final LayerNorm's
 and the output layer's; a tied embedding's copy there too (its own tensor, another rank holds the
 original; under tp a vocab-parallel shard, ``ceil(V/t)`` rows). The weights a stage multiplies (autocast's
-16-bit copies) are its blocks' linear weights and, on the last stage, the output layer's.
+16-bit copies) are its blocks' linear weights and, on the last stage, the output layer's. Under ZB-H1 a
+stage's ``B`` leaves its linears' weight-gradient operands to its ``W`` (:func:`stage_deferred_bytes`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 import torch
 
@@ -20,8 +23,8 @@ from refimpl.parallel.pipeline_parallel import split_layers, stage_rank
 from refimpl.planner.param_table import ParamSpec, param_table
 from refimpl.planner.zero_state import zero_memory
 
-__all__ = ["pipeline_state_memory", "rank_param_shapes", "stage_layers", "stage_matmul_weights",
-           "stage_param_shapes", "stage_params"]
+__all__ = ["block_of", "pipeline_state_memory", "rank_param_shapes", "stage_deferred_bytes", "stage_layers",
+           "stage_matmul_weights", "stage_param_shapes", "stage_params"]
 
 
 class _Sized:
@@ -103,3 +106,39 @@ def pipeline_state_memory(config: ModelConfig, *, pp: int, pp_rank: int, virtual
     ranges = stage_layers(config, num_stages=pp * virtual_stages, balance=balance, tp=tp)
     shapes = rank_param_shapes(config, pp=pp, rank=pp_rank, ranges=ranges, tp=tp)
     return zero_memory(shapes, zero_shards, zero_stage, rank=dp_rank)
+
+
+def block_of(name: str) -> int | None:
+    """The block index of a parameter name of the plain GPT (``layers.5.mlp...`` -> 5), None outside."""
+    return int(name.split(".")[1]) if name.startswith("layers.") else None
+
+
+def stage_deferred_bytes(config: ModelConfig, *, stage: int, num_stages: int, blocks: range, micro_batch: int,
+                         seq_len: int, compute_dtype: torch.dtype = torch.float32,
+                         fp8_layers: Collection[str] = (), tp: int = 1) -> int:
+    """What a ``B`` of ZB-H1 leaves for its ``W`` in stage ``stage``
+    (:func:`~refimpl.parallel.pipeline_parallel.defer_weight_gradients`): every linear layer's input ``X``
+    and output gradient ``dY`` for ``dW = dY^T X``, in the compute dtype (``p`` bytes, measured: also the
+    inputs that come from a float32 LayerNorm under autocast): per block ``p s b (8 h + 2 f)`` (QKV ``h``
+    in, ``3 h`` out; the projection ``h``, ``h``; the MLP ``h``, ``f`` and ``f``, ``h``), on the last stage
+    the output layer's ``p s b (h + V)``. A tensorwise fp8 layer (its weight named in ``fp8_layers``,
+    ``--precision fp8``) keeps the two fp8 operands of its weight-gradient GEMM instead, one byte per
+    element, and their two fp32 scales (:class:`~refimpl.precision.fp8.Float8Matmul`'s ``weight_grad``).
+    Under tensor parallelism (``tp`` ranks, without sequence parallelism) each rank's layers are its
+    shards: the column layers' outputs (QKV's ``3h/t``, the MLP's ``f/t``, an untied head's ``V/t``) and the
+    row layers' inputs (``h/t``, ``f/t``) split over tp, the rest whole; a tied vocab-parallel head
+    (:class:`~refimpl.parallel.tensor_parallel.TiedVocabParallelHead`, not a seam layer) computes its weight
+    gradient in ``B`` and leaves nothing (measured)."""
+    p, h, f = compute_dtype.itemsize, config.hidden_size, config.ffn_hidden_size
+    v = -(-config.vocab_size // tp)
+    linears = (("self_attention.query_key_value", h, 3 * h // tp), ("self_attention.dense", h // tp, h),
+               ("mlp.dense_h_to_4h", h, f // tp), ("mlp.dense_4h_to_h", f // tp, h))  # (name, in, out)
+    tokens = seq_len * micro_batch
+    total = 0
+    for i in blocks:
+        for name, d_in, d_out in linears:
+            fp8 = f"layers.{i}.{name}.weight" in fp8_layers
+            total += (1 if fp8 else p) * tokens * (d_in + d_out) + (2 * 4 if fp8 else 0)
+    if stage == num_stages - 1 and (tp == 1 or not config.tie_word_embeddings):
+        total += p * tokens * (h + v)  # the output layer (kept in bf16 under fp8)
+    return total

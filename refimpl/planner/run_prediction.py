@@ -75,32 +75,30 @@ large-scale language model training on GPU clusters using Megatron-LM", section 
 
 Modelled: fp32 or bf16 (autocast; ZeRO-3: FSDP2's mixed precision, bf16 gathers and compute, fp32 reductions),
 ZeRO 0-3, HSDP, activation checkpointing (any block selection), tensor, sequence and context parallelism, and
-under pipeline parallelism all of them together: ZeRO-3 with 1F1B, GPipe, interleaved 1F1B or ZB-H1 (fp32;
-bf16 but with ZB-H1), both ZeRO-3 modes (ZB-H1: gathered once per step, the trainer's only mode with it),
-with tp, cp or HSDP; checkpointing under 1F1B, GPipe and interleaved 1F1B in fp32 (the recomputed blocks'
-tp and cp traffic counted per stage); sequence parallelism with ZeRO 1-3. fp8 (bf16 autocast, the linears'
-GEMMs in fp8: refimpl/planner/fp8.py's terms) at tp = 1: ZeRO 0-3 at pp = 1 (ZeRO-3: the fp8 weights
-gathered as e4m3 bytes, :func:`~refimpl.planner.run_terms.data_parallel_bytes`), with cp, and ZeRO 0-2 under
-the pipeline (each stage's fp8 layers' float32 inputs, :func:`~refimpl.planner.pipeline.
-pipeline_memory_per_rank`; under ZB-H1 the tensorwise fp8 layers' deferred dW operands at one byte,
+under pipeline parallelism all of them together: ZeRO-3 with 1F1B, GPipe, interleaved 1F1B or ZB-H1 (fp32 and
+bf16), both ZeRO-3 modes (ZB-H1: gathered once per step, the trainer's only mode with it), with tp, cp or
+HSDP; checkpointing under every schedule in fp32 (the recomputed blocks' tp and cp traffic counted per
+stage); sequence parallelism with ZeRO 1-3; ZB-H1's deferred weight-gradient operands, the rank's tp shards
+of them (a tied vocab-parallel head defers nothing). fp8 (bf16 autocast, the linears' GEMMs in fp8:
+refimpl/planner/fp8.py's terms) at tp = 1: ZeRO 0-3 at pp = 1 (ZeRO-3: the fp8 weights gathered as e4m3
+bytes, :func:`~refimpl.planner.run_terms.data_parallel_bytes`), with cp, and ZeRO 0-2 under the pipeline
+(each stage's fp8 layers' float32 inputs, :func:`~refimpl.planner.pipeline.pipeline_memory_per_rank`; under
+ZB-H1 the tensorwise fp8 layers' deferred dW operands at one byte,
 :func:`~refimpl.planner.pipeline.stage_deferred_bytes`).
 Refused, each with its reason: fp16 (not run); tensor-parallel traffic in bf16 or fp8 (under autocast the
-activations it moves are 16-bit); fp8 under pp with ZeRO-3, or rowwise with ZB-H1 (not measured); ZeRO-3
-under pp in bf16 with
-ZB-H1, activation checkpointing under pp with ZB-H1 or in bf16 (not measured); ZeRO-3 without
+activations it moves are 16-bit); fp8 under pp with ZeRO-3, or rowwise with ZB-H1 (not measured); ZB-H1 with
+sequence parallelism, activation checkpointing under pp in bf16 (not measured); ZeRO-3 without
 ``reshard_after_forward`` (not the trainer's); MoE models (their bytes per group). Proven against the trainer,
 to the byte: tests/test_planner_3d.py (8 ranks: 1F1B, ring attention, ZeRO 0/1, fp32/bf16, with and without
 sequence parallelism; ZeRO-3 over the stages' TP blocks, with every block checkpointed too; checkpointing
-under GPipe and interleaved 1F1B with tp, and under 1F1B with cp; ZeRO-3 with cp; HSDP under the pipeline;
-sequence parallelism with ZeRO 1-3 under the pipeline) and tests/test_planner_zero3.py (4
-ranks: ZeRO-2/3, 2-D ZeRO-3 with tp, HSDP with and without cp, checkpointing with tp, sequence parallelism and
-ring attention, bf16 ZeRO-3, ZeRO-2 under the pipeline, ZeRO-1 with sequence parallelism, ZeRO-3 under the
-pipeline: dp 2 x pp 2, 1F1B, GPipe, interleaved (2 virtual stages), ZB-H1 and 1F1B in bf16, gathered once per
-step or per micro-batch; ZeRO-1 and ZeRO-3 with every block checkpointed under 1F1B) and
-tests/test_train_fp8.py (2 ranks: fp8 at dp 2, ZeRO 0, 2 and 3, at cp 2, at pp 2 under 1F1B and ZB-H1).
-Ulysses goes through the same
-terms but is
-not run there.
+under GPipe, interleaved 1F1B and ZB-H1 with tp, and under 1F1B with cp; ZB-H1 with tp; ZeRO-3 with cp; HSDP
+under the pipeline; sequence parallelism with ZeRO 1-3 under the pipeline) and tests/test_planner_zero3.py
+(4 ranks: ZeRO-2/3, 2-D ZeRO-3 with tp, HSDP with and without cp, checkpointing with tp, sequence parallelism
+and ring attention, bf16 ZeRO-3, ZeRO-2 under the pipeline, ZeRO-1 with sequence parallelism, ZeRO-3 under
+the pipeline: dp 2 x pp 2, 1F1B, GPipe, interleaved (2 virtual stages), ZB-H1 in fp32 and bf16 and 1F1B in
+bf16, gathered once per step or per micro-batch; ZeRO-1 and ZeRO-3 with every block checkpointed under 1F1B)
+and tests/test_train_fp8.py (2 ranks: fp8 at dp 2, ZeRO 0, 2 and 3, at cp 2, at pp 2 under 1F1B and ZB-H1).
+Ulysses goes through the same terms but is not run there.
 """
 
 from __future__ import annotations
@@ -242,9 +240,8 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     ``parallel.activation_checkpointing`` selects, fp32 or bf16 are modelled, and fp8 (ZeRO 0-3 at pp = 1,
     with cp too; under pp ZeRO 0-2, zbh1 tensorwise); a combination the trainer refuses
     (:func:`refimpl.support.check_supported`) or that is not modelled raises a ValueError naming it: fp16;
-    tp > 1 with bf16 or fp8; ZeRO-3 with pp > 1 in bf16 with
-    zbh1; activation checkpointing with pp > 1 in bf16 or with zbh1; ZeRO-3 with
-    ``reshard_after_forward`` off; an MoE model.
+    tp > 1 with bf16 or fp8; zbh1 with sequence parallelism; activation checkpointing with pp > 1 in bf16;
+    ZeRO-3 with ``reshard_after_forward`` off; an MoE model.
     """
     if parallel.dp is None and world_size is None:
         raise ValueError("predict_run needs parallel.dp or the world_size to derive it from")
@@ -274,14 +271,13 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     if sequence_parallel and dims.tp == 1:
         raise ValueError("predict_run models sequence parallelism with tp > 1, and with ZeRO 1-3 at pp = 1 "
                          "only (under the pipeline the tp sum of the ZeRO shards' gradients is not measured)")
-    if dims.pp > 1 and zero_stage == 3 and precision == "bf16" and parallel.pp_schedule == "zbh1":
-        raise ValueError("predict_run models ZeRO-3 under pipeline parallelism in fp32 (every schedule, "
-                         "with tp, cp and HSDP: tests/test_planner_3d.py and test_planner_zero3.py) and in "
-                         "bf16 but with zbh1 (its deferred 16-bit weight gradients are not measured)")
-    if dims.pp > 1 and checkpointed and (precision != "fp32" or parallel.pp_schedule == "zbh1"):
-        raise ValueError("predict_run models activation checkpointing under pp in fp32 with 1f1b, gpipe "
-                         "and interleaved (measured); with zbh1 (its deferred weight gradients' tensors "
-                         "beside the recomputation) and in 16 bits it is not measured")
+
+    if dims.pp > 1 and checkpointed and precision != "fp32":
+        raise ValueError("predict_run models activation checkpointing under pp in fp32 (measured); in 16 "
+                         "bits it is not measured")
+    if parallel.pp_schedule == "zbh1" and dims.pp > 1 and sequence_parallel:
+        raise ValueError("predict_run models zbh1 without sequence parallelism (the deferred column layers' "
+                         "gathered inputs under SP are not measured)")
     if zero_stage == 3 and not parallel.reshard_after_forward:
         raise ValueError("predict_run models ZeRO-3 with reshard_after_forward (the trainer's setting): "
                          "without it no unit is gathered again for backward")
