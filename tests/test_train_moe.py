@@ -395,28 +395,19 @@ def test_a_first_stage_balance_loss_left_out_of_backward_fails(runs, one_device)
 
 @pytest.mark.numerics
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
-def test_balance_loss_counts_not_summed_over_cp_fail(runs, one_device):
-    """The context-parallel negative control: with each cp rank's ``f`` from its own part of the sequence,
-    the routers' gradients are off one device's by far more than the tolerance."""
-    per_rank = [out["control-cp", "grads"] for out in runs]
+@pytest.mark.parametrize(("control", "what"), [
+    ("control-cp", "counts not summed over cp"),  # each cp rank's f from its own part of the sequence
+    ("control-sp", "balance loss per tp rank, whole"),  # each tp rank's s/t tokens, neither summed nor 1/t
+])
+def test_balance_loss_not_spread_over_the_sequences_ranks_fails(runs, one_device, control, what):
+    """The context- and sequence-parallel negative controls: a rank's balance loss from its own part of
+    each sequence alone puts the routers' gradients off one device's by far more than the tolerance."""
+    per_rank = [out[control, "grads"] for out in runs]
     ratios = gradient_ratios(per_rank, one_device["aux"], "fp32", factor=FACTOR)
     routers = {n: r for n, r in ratios.items() if "router" in n}
     assert len(routers) == 2 and min(routers.values()) > 100, routers
-    print(f"counts not summed over cp: the routers' gradients {min(routers.values()):.0f} to "
-          f"{max(routers.values()):.0f} x their tolerance off")
-
-
-@pytest.mark.numerics
-@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
-def test_balance_loss_not_split_over_sequence_parallel_ranks_fails(runs, one_device):
-    """The sequence-parallel negative control: a tp rank's balance loss from its own tokens, whole, puts
-    the routers' gradients off one device's by far more than the tolerance."""
-    per_rank = [out["control-sp", "grads"] for out in runs]
-    ratios = gradient_ratios(per_rank, one_device["aux"], "fp32", factor=FACTOR)
-    routers = {n: r for n, r in ratios.items() if "router" in n}
-    assert len(routers) == 2 and min(routers.values()) > 100, routers
-    print(f"balance loss per tp rank, whole: the routers' gradients {min(routers.values()):.0f} to "
-          f"{max(routers.values()):.0f} x their tolerance off")
+    print(f"{what}: the routers' gradients {min(routers.values()):.0f} to {max(routers.values()):.0f} x "
+          "their tolerance off")
 
 
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)

@@ -128,6 +128,8 @@ from refimpl.planner.run_terms import (
     shard_group_rank,
     sixteen_bit_weight_activations,
     sp_gradient_payload,
+    stage_zero3_units,
+    tp_stage_payloads,
 )
 from refimpl.planner.zero_state import sharded_numel
 from refimpl.support import check_supported
@@ -171,31 +173,6 @@ class RunPrediction:
 def _add(out: dict[str, float], key: str, op: str, payload: float, n: int) -> None:
     if n > 1 and payload:
         out[key] = out.get(key, 0.0) + wire_bytes(op, payload, n)
-
-
-def _tp_payloads(config: ModelConfig, *, layers: int, first: bool, last: bool, x: int, tokens: int,
-                 sequence_parallel: bool) -> dict[str, int]:
-    """One micro-batch's tensor-parallel payloads (float32 bytes) on a stage holding ``layers`` blocks
-    (first / last stage: the embedding / the head and loss), ``x = b s_c h``, ``tokens = b s_c``: the
-    stage's part of :func:`tensor_parallel_collectives` (the parts of all stages add up to it)."""
-    f, la = int(first), int(last)
-    if not sequence_parallel:  # f/g all-reduces: 4 per block, the embedding's sum, the head's f
-        return {"all_reduce": 4 * (4 * layers * x + f * x + la * (x + 3 * tokens))}
-    # SP: the embedding reduce-scatters into the sequence shard (backward: all-gather)
-    return {"all_reduce": 4 * la * 3 * tokens,
-            "all_gather": 4 * (6 * layers + f + 2 * la) * x,
-            "reduce_scatter": 4 * (4 * layers + f + la) * x}
-
-
-def _stage_units(table, *, stage: int, num_stages: int, blocks: range) -> list[list[tuple[int, ...]]]:
-    """ZeRO-3's units of pipeline stage ``stage`` as ``FullyShardedDataParallel(stage)`` cuts it
-    (``shard_into_units``): the root, the stage's tensors outside its blocks (the embedding on the first
-    stage, the final LayerNorm and the output layer, or the tied copy of the embedding, on the last; none
-    on a middle stage), then each block (``table``: :func:`~refimpl.planner.param_table.param_table`)."""
-    root = list(table.embedding) if stage == 0 else []
-    if stage == num_stages - 1:
-        root += [*table.final_layernorm, *(table.output_layer or (table.head,))]
-    return [[q.shape for q in root], *[[q.shape for q in table.blocks[i]] for i in blocks]]
 
 
 def _held_with_label_copies(config: ModelConfig, rank_memory, parallel: ParallelConfig, *, actions,
@@ -330,8 +307,9 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
         for st in stages:  # per micro-batch: tp collectives, cp attention, pipeline boundaries
             first, last = st == 0, st == num_stages - 1
             if tp > 1:
-                for op, payload in _tp_payloads(config, layers=len(ranges[st]), first=first, last=last, x=x,
-                                                tokens=tokens, sequence_parallel=sequence_parallel).items():
+                for op, payload in tp_stage_payloads(config, layers=len(ranges[st]), first=first, last=last,
+                                                     x=x, tokens=tokens,
+                                                     sequence_parallel=sequence_parallel).items():
                     _add(sent, "tp", op, m * payload, tp)
             if cp_layer is not None:
                 per_layer = cp_layer["forward"] + cp_layer["backward"]
@@ -365,7 +343,7 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
             if zero_stage:  # the ZeRO shards: over dp x cp, under HSDP the shard group (dp_shard placements)
                 _add(sent, DP_KEY if replicas == 1 else SHARD_KEY, "all_reduce", _SCALAR, shard_n)
         if zero_stage == 3 and pp > 1:  # each stage its own wrapper (parallelize's _shard_stages)
-            unit_lists = [_stage_units(table, stage=st, num_stages=num_stages, blocks=ranges[st])
+            unit_lists = [stage_zero3_units(table, stage=st, num_stages=num_stages, blocks=ranges[st])
                           for st in stages]
         else:
             unit_lists = [units if zero_stage == 3 else [shapes]]

@@ -60,7 +60,8 @@ from refimpl.planner.communication import zero_collectives
 from refimpl.planner.zero_state import Shape, padded_numel, sharded_numel
 
 __all__ = ["DP_KEY", "REPLICA_KEY", "SHARD_KEY", "data_parallel_bytes", "recompute_tp_payloads",
-           "shard_group_rank", "sixteen_bit_weight_activations", "sp_gradient_payload"]
+           "shard_group_rank", "sixteen_bit_weight_activations", "sp_gradient_payload", "stage_zero3_units",
+           "tp_stage_payloads"]
 
 DP_KEY, SHARD_KEY, REPLICA_KEY = "dp x cp", "dp_shard x cp", "dp_replicate"  # metrics.jsonl's group keys
 
@@ -168,3 +169,29 @@ def sixteen_bit_weight_activations(config: ModelConfig, *, checkpointed_blocks: 
                                         cp_layout=cp_layout, tp=1)
     return {"block activations": blocks,
             "final layernorm + output layer inputs": 2 * p * tokens * config.hidden_size + 2 * p * tokens}
+
+
+def tp_stage_payloads(config: ModelConfig, *, layers: int, first: bool, last: bool, x: int, tokens: int,
+                 sequence_parallel: bool) -> dict[str, int]:
+    """One micro-batch's tensor-parallel payloads (float32 bytes) on a stage holding ``layers`` blocks
+    (first / last stage: the embedding / the head and loss), ``x = b s_c h``, ``tokens = b s_c``: the
+    stage's part of :func:`~refimpl.planner.communication.tensor_parallel_collectives` (the parts of all
+    stages add up to it)."""
+    f, la = int(first), int(last)
+    if not sequence_parallel:  # f/g all-reduces: 4 per block, the embedding's sum, the head's f
+        return {"all_reduce": 4 * (4 * layers * x + f * x + la * (x + 3 * tokens))}
+    # SP: the embedding reduce-scatters into the sequence shard (backward: all-gather)
+    return {"all_reduce": 4 * la * 3 * tokens,
+            "all_gather": 4 * (6 * layers + f + 2 * la) * x,
+            "reduce_scatter": 4 * (4 * layers + f + la) * x}
+
+
+def stage_zero3_units(table, *, stage: int, num_stages: int, blocks: range) -> list[list[tuple[int, ...]]]:
+    """ZeRO-3's units of pipeline stage ``stage`` as ``FullyShardedDataParallel(stage)`` cuts it
+    (``shard_into_units``): the root, the stage's tensors outside its blocks (the embedding on the first
+    stage, the final LayerNorm and the output layer, or the tied copy of the embedding, on the last; none
+    on a middle stage), then each block (``table``: :func:`~refimpl.planner.param_table.param_table`)."""
+    root = list(table.embedding) if stage == 0 else []
+    if stage == num_stages - 1:
+        root += [*table.final_layernorm, *(table.output_layer or (table.head,))]
+    return [[q.shape for q in root], *[[q.shape for q in table.blocks[i]] for i in blocks]]
