@@ -76,7 +76,8 @@ def test_a_rank_killed_at_2x2x2_restarts_the_group_and_resumes_bitwise(data, ref
     assert [r["step"] for r in lines] == list(range(STEPS)), _report(proc)
     assert [r["loss"] for r in lines] == references["eight"], _report(proc)  # bitwise
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["restart_count"] == 1 and summary["resumed_from_step"] == 2, summary
+    # (CI saw this once with resumed_from_step None, the losses still right: the logs say why next time)
+    assert summary["restart_count"] == 1 and summary["resumed_from_step"] == 2, (summary, _report(proc))
     assert [r["attempt"] for r in lines] == [0, 0, 1, 1]
     kills = [(f["rank"], f["step"]) for f in elastic.read_failures(out) if f["kind"] == "kill"]
     assert kills == [(5, 3)], kills
