@@ -6,7 +6,7 @@ bytes a point-to-point call sends are measured too (the tensor itself), those of
 model (:func:`refimpl.comm.tracer.wire_bytes`): the backend does not say what it sends. Without an
 active tracer each function is the plain ``torch.distributed`` call. An async call (``async_op=True``,
 ``isend``, ``irecv``, :func:`batch_isend_irecv`) returns :class:`TracedWork` s whose ``wait()`` stamps the end
-time of their events.
+time of their events (device time on CUDA: :class:`TracedWork`).
 
 Point-to-point and NCCL (chapters 02, 07, 08). NCCL runs a pair's point-to-point calls in order on one
 stream, and an unbatched send or receive completes only once the peer has posted its match. A pair of ranks
@@ -35,6 +35,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from refimpl.comm.device_clock import raw_stamp
 from refimpl.comm.tracer import P2P_OPS, CommEvent, active_tracers, now, wire_bytes
 
 ReduceOp = dist.ReduceOp
@@ -50,8 +51,13 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class TracedWork:
-    """A ``torch.distributed.Work`` whose ``wait()`` records when the op was seen complete. Waiting twice
-    returns at once the second time (a gloo send or receive waited twice would wait for another one)."""
+    """A ``torch.distributed.Work`` whose ``wait()`` stamps the end of its events. Waiting twice returns
+    at once the second time (a gloo send or receive waited twice would wait for another one).
+
+    The end is a stamp of :func:`~refimpl.comm.tracer.now` taken after ``work.wait()``: on gloo the CPU
+    has waited, so ``perf_counter`` then is the completion; on NCCL ``wait()`` only makes the current
+    stream wait for the collective and returns at once, and the stamp is a CUDA event recorded on that
+    stream after the wait, which completes when the collective has (read after a synchronize)."""
 
     def __init__(self, work: dist.Work, events: list[CommEvent]) -> None:
         self.work = work
@@ -63,9 +69,9 @@ class TracedWork:
             return True
         ok = self.work.wait() if timeout is None else self.work.wait(timeout)
         self.done = True
-        t = now()
+        t = now()  # after the wait: on CUDA the current stream reaches it once the collective is done
         for e in self.events:
-            if e.end is None:
+            if raw_stamp(e, "end") is None:  # unread: reading a CUDA stamp here would synchronize
                 e.end = t
         return ok
 
@@ -91,7 +97,7 @@ def _events(tracers, op: str, payload: int, group, peer, async_op: bool, *, batc
         sent = float(wire)
     else:         # the backend does not tell: book the ring model
         sent = wire_bytes(op, payload, n)
-    start = now()
+    start = now()  # posted: on CUDA the collective's stream starts no earlier than the current one is here
     return [CommEvent(op=op, nbytes=payload, wire_bytes=sent, group_size=n, peer=peer, start=start, end=None,
                       step=t.current_step, async_op=async_op, measured=measured, batched=batched,
                       group_id=None if group is None else id(group))
@@ -110,7 +116,7 @@ def _call(op: str, payload: int, group, peer, async_op: bool, fn, *, sent: torch
     result = fn()
     if async_op:
         result = TracedWork(result, events) if result is not None else None
-    else:
+    else:  # returned: on NCCL the current stream was made to wait, so its stamp here is the completion
         end = now()
         for e in events:
             e.end = end

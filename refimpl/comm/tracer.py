@@ -10,8 +10,14 @@ formula, the overlap of communication with backward as a timeline).
     tracer.summary()                   # {"all_reduce": OpTotal(count=..., nbytes=..., wire_bytes=...)}
 
 Each :class:`CommEvent` records the op, the payload bytes, the bytes this rank sends, the group size, the
-peer of a point-to-point call, the start time and the end time (when the op returned, or for an async op
-when its handle was waited), and the step. What is **measured** and what is **modelled**:
+peer of a point-to-point call, the start time (when the op was posted) and the end time (when the op
+returned, or for an async op when its handle was waited), and the step. The times are stamps of
+:func:`now`: on CPU ``time.perf_counter()`` floats; on CUDA events on the current stream, since NCCL's
+``work.wait()`` only makes the current stream wait for the collective and returns at once (an end stamp
+recorded after it completes when the stream has waited, the collective's completion). Read, ``start``
+and ``end`` are seconds on the ``perf_counter`` axis either way; CUDA stamps are read after one
+synchronize, at the first read (:mod:`refimpl.comm.device_clock`). What is **measured** and what is
+**modelled**:
 
 * ``nbytes`` (every op) is measured: ``numel * element_size`` of the tensors handed to the op (for
   reduce-scatter and all-gather the full, unsharded tensor);
@@ -46,6 +52,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from refimpl.comm import device_clock
+from refimpl.comm.device_clock import Stamp, StampField
+
 _LOCK = threading.Lock()
 _ACTIVE: list[CommTracer] = []
 
@@ -57,15 +66,16 @@ P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
 @dataclass(kw_only=True)
 class CommEvent:
     """One call. ``nbytes``: payload, measured from the tensors. ``wire_bytes``: bytes this rank sends,
-    measured for point-to-point calls (``measured=True``), the ring model for collectives (``False``)."""
+    measured for point-to-point calls (``measured=True``), the ring model for collectives (``False``).
+    ``start`` / ``end``: stamps of :func:`now`, read as seconds (:class:`~.device_clock.StampField`)."""
 
     op: str
     nbytes: int
     wire_bytes: float
     group_size: int
     peer: int | None
-    start: float
-    end: float | None
+    start: float = StampField()
+    end: float | None = StampField()  # None until the op returned (an async op: until it was waited)
     step: int
     async_op: bool
     measured: bool = True
@@ -177,5 +187,9 @@ def active_tracers() -> list[CommTracer]:
         return list(_ACTIVE)
 
 
-def now() -> float:
-    return time.perf_counter()
+def now() -> Stamp:
+    """A stamp of the tracer's clock, the one every timing path reads: on CPU ``time.perf_counter()`` taken
+    now; once this process has initialised CUDA, an event on the current stream, which completes when the
+    device gets there (NCCL's ``work.wait()`` and kernel launches return before the work is done). Read it
+    with :func:`~refimpl.comm.device_clock.seconds`; the records that hold stamps read them as seconds."""
+    return device_clock.current_clock().mark()

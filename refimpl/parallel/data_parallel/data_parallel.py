@@ -200,7 +200,7 @@ class DataParallelBucket(nn.Module):
                 assert bucket.pending is not None
                 bucket.pending.wait()
                 bucket.pending = None
-                if timeline.done[b] is None:  # the future's callback may trail wait() by a moment
+                if timeline.done.raw(b) is None:  # the callback may trail wait(); raw: no synchronize
                     timeline.done[b] = now()
                 for piece in bucket.pieces:
                     if used is not None and not used[piece.param]:
@@ -297,7 +297,7 @@ class DataParallelBucket(nn.Module):
         with contextlib.suppress(AttributeError, RuntimeError):  # a Work without a future: no stamp
 
             def stamp(_: Any, b: int = b) -> None:
-                if timeline.done[b] is None:
+                if timeline.done.raw(b) is None:
                     timeline.done[b] = now()
 
             bucket.pending.work.get_future().add_done_callback(stamp)

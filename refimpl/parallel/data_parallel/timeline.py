@@ -3,6 +3,13 @@
 :class:`~refimpl.parallel.data_parallel.data_parallel.DataParallelBucket` leaves one :class:`SyncTimeline`
 per synchronisation (``last_timeline``); :mod:`refimpl.parallel.dp_viz` draws it, and
 :meth:`SyncTimeline.exposed_fraction` is the share of communication that backward did not hide.
+
+Its times are stamps of :func:`refimpl.comm.tracer.now`, held as they were taken and read as seconds
+(:mod:`refimpl.comm.device_clock`): on CPU ``time.perf_counter`` floats; on CUDA events on the current
+stream, because a gradient hook runs when its kernels are launched, not done, and NCCL's ``work.wait()``
+only makes the stream wait for the all-reduce. A bucket's ``done`` is stamped in a callback on the
+collective's future, which on NCCL runs on a stream made to wait for the collective: its event completes
+with it. CUDA stamps are read after one synchronize, at the first read (after the step).
 """
 
 from __future__ import annotations
@@ -10,27 +17,34 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from refimpl.comm.device_clock import StampField, StampList
+
 __all__ = ["SyncTimeline"]
 
 
 @dataclass
 class SyncTimeline:
-    """What one synchronised backward did when, in ``time.perf_counter`` seconds (the tracer's clock).
+    """What one synchronised backward did when, in seconds of the tracer's clock (device time on CUDA).
 
     ``launch[b]`` / ``done[b]``: when bucket ``b``'s reduction was launched and seen complete (a callback
     on the collective's future, so it is the completion, not the later ``wait()``); ``grad_ready``: the
     time of every gradient hook; ``backward_start`` / ``backward_end``: the first gradient reaching the
     model's output and the end of the autograd pass; ``wait_start`` / ``wait_end``: the call to
-    ``finish_gradient_synchronization``.
+    ``finish_gradient_synchronization``. The lists are :class:`~refimpl.comm.device_clock.StampList` s and
+    the single times :class:`~refimpl.comm.device_clock.StampField` s: stamps in, seconds out.
     """
 
     launch: list[float | None]
     done: list[float | None]
     grad_ready: list[float] = field(default_factory=list)
-    backward_start: float | None = None
-    backward_end: float | None = None
-    wait_start: float | None = None
-    wait_end: float | None = None
+    backward_start: float | None = StampField(default=None)
+    backward_end: float | None = StampField(default=None)
+    wait_start: float | None = StampField(default=None)
+    wait_end: float | None = StampField(default=None)
+
+    def __post_init__(self) -> None:
+        self.launch, self.done = StampList(self.launch), StampList(self.done)
+        self.grad_ready = StampList(self.grad_ready)
 
     def _intervals(self, not_before: float = -math.inf) -> list[tuple[float, float]]:
         spans = sorted((max(a, not_before), b) for a, b in zip(self.launch, self.done, strict=True)

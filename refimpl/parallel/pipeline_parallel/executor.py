@@ -26,9 +26,13 @@ of the next action; a stage output lives until its backward anyway (``autograd.b
 1F1B's rank ``r`` holds ``min(p - r, m)`` micro-batches' activations and outputs whatever ``m``
 (tests/test_pipeline_memory.py).
 
-Every action is timed (:class:`PipelineEvent`, ``time.perf_counter`` seconds, the clock of
-:class:`refimpl.comm.CommTracer`), including the wait for its input: the chapter's Gantt chart and the
-measured bubble come from these events.
+Every action is timed (:class:`PipelineEvent`), including the wait for its input: the chapter's Gantt
+chart and the measured bubble come from these events. The stamps are the stages' device's
+(:class:`~refimpl.comm.device_clock.DeviceClock`): ``time.perf_counter`` on CPU; on CUDA events on the
+current stream, since a launch returns before its kernels ran and NCCL's ``work.wait()`` only makes the
+stream wait for the transfer: ``ready`` completes when the input has arrived, ``end`` when the action's
+kernels are done. The events read them as seconds (on CUDA after one synchronize, at the first read, after
+the step), on the ``perf_counter`` axis of :class:`refimpl.comm.CommTracer`'s events.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from refimpl.comm.tracer import now as tracer_now
+from refimpl.comm.device_clock import DeviceClock, Stamp, StampField
 from refimpl.parallel.pipeline_parallel.p2p_plan import p2p_plan
 from refimpl.parallel.pipeline_parallel.pipeline_communications import message, post_group
 from refimpl.parallel.pipeline_parallel.schedules import Action, p2p_actions
@@ -53,14 +57,15 @@ __all__ = ["PipelineEvent", "run_schedule"]
 @dataclass(frozen=True, kw_only=True)
 class PipelineEvent:
     """One action of one rank: ``kind`` ``F``/``B``/``W``; ``ready`` when its input had arrived (after the
-    receive), ``start`` when it was called, ``end`` when it finished."""
+    receive), ``start`` when it was called, ``end`` when it finished: stamps of the executor's clock, read
+    as seconds (:class:`~refimpl.comm.device_clock.StampField`: device time on CUDA)."""
 
     kind: str
     stage: int
     microbatch: int
-    start: float
-    ready: float
-    end: float
+    start: float = StampField()
+    ready: float = StampField()
+    end: float = StampField()
 
 
 def run_schedule(actions: Sequence[Action], *, stages: dict[int, GPTStage],
@@ -72,7 +77,7 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, GPTStage],
                  scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  events: list[PipelineEvent] | None = None,
                  table: Sequence[Sequence[Action]] | None = None,
-                 clock: Callable[[], float] | None = None,
+                 clock: Callable[[], Stamp] | None = None,
                  aux_loss: Callable[[GPTStage], torch.Tensor | None] | None = None) -> torch.Tensor:
     """Run ``actions`` (this rank's list) over ``stages`` (this rank's, by index); returns the sum of the
     micro-batch losses this rank computed (the last stage's rank; zero elsewhere), detached.
@@ -84,13 +89,14 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, GPTStage],
     before its backward (the fp16 loss scaler; the returned sum is unscaled); ``events``: appended one per
     action; ``table``: every rank's list, for the transfer plan (default: the named schedule whose list
     ``actions`` is, else the plan from ``actions`` alone; :func:`~.p2p_plan.p2p_plan`); ``clock``: the clock
-    the events read (default :func:`refimpl.comm.tracer.now`; a measurement samples at its reads);
+    the events read (default: the stages' device's, :class:`~refimpl.comm.device_clock.DeviceClock`; a
+    measurement samples at its reads and returns a stamp, e.g. :func:`refimpl.comm.tracer.now`'s);
     ``aux_loss(stage)``: the stage's own loss of the forward just run, in the graph (None: none; an MoE
     stage's balance losses, module docstring).
     """
-    now = clock if clock is not None else tracer_now
     num_stages = next(iter(stages.values())).num_stages
     device = next(next(iter(stages.values())).parameters()).device
+    now = clock if clock is not None else DeviceClock(device).mark
     if any(a.kind == "W" for a in actions) and store is None:
         raise ValueError("a schedule with W actions needs the WeightGradStore its stages defer into")
     # (stage, micro-batch) -> the input, the output (or loss) and the stage's own loss (or None)
