@@ -191,6 +191,16 @@ class ShardedBatches:
         return window[:, :-1], window[:, 1:]  # inputs, labels: [B/W, s] each
 
 
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``batch`` (a CPU tensor) on ``device``, once per step: on a GPU copied through pinned (page-locked)
+    memory with ``non_blocking=True``, so the host queues the copy and goes on to the step's kernels
+    instead of waiting for it (a copy from pageable memory is staged and waited for); the kernels that read
+    the batch run after the copy on the same stream. On a CPU the tensor itself, untouched."""
+    if device.type != "cuda":
+        return batch.to(device)
+    return batch.pin_memory().to(device, non_blocking=True)
+
+
 def make_corpus_file(path: str | os.PathLike, *, num_bytes: int = 20_000, seed: int = 0) -> Path:
     """Write a small deterministic pseudo-text file (for tests and examples that need no real corpus)."""
     rng = np.random.default_rng(seed)

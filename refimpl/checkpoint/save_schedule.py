@@ -18,8 +18,9 @@ class SaveSchedule:
 
     Every ``every_steps`` steps (no communication); every ``every_minutes`` by rank 0's clock; and at once
     when any rank received SIGTERM (``stop_requested`` then tells the trainer to stop after saving). The
-    time and signal flags travel in one all-reduce (MAX) per step, on ``device`` for the default process
-    group's backend.
+    time and signal flags travel in one tensor, one all-reduce (MAX) per step, on ``device`` for the default
+    process group's backend, and come back to the host in one read (one GPU sync per step, not one per
+    flag); with nothing to agree on (no minutes, no signal handler, or one rank) no tensor is made at all.
 
     A step that never ends (a hang, a run too large for the machine) would keep a SIGTERM waiting for ever,
     so a second SIGTERM, or the first once ``grace_s`` seconds have passed without the save (``None``:
@@ -69,20 +70,24 @@ class SaveSchedule:
     def due(self, step: int) -> bool:
         """After ``step`` completed steps: save now? Collective when minutes or SIGTERM are watched."""
         timed = self.every_s is not None and time.monotonic() - self._last >= self.every_s
-        flags = torch.tensor([float(self._signalled), float(timed)], device=self.device)
+        signalled = self._signalled
         watched = self._use_signal or self.every_s is not None
         if watched and dist.is_initialized() and dist.get_world_size() > 1:
-            from refimpl.comm import ops
-
-            if dist.get_rank() != 0:
-                flags[1] = 0.0  # rank 0's clock decides
-            ops.all_reduce(flags, op=ops.ReduceOp.MAX)
-        signalled, timed = bool(flags[0].item()), bool(flags[1].item())
+            signalled, timed = self._agree(signalled, timed and dist.get_rank() == 0)  # rank 0's clock
         self.stop_requested = self.stop_requested or signalled
         due = signalled or timed or (self.every_steps is not None and step % self.every_steps == 0)
         if due:
             self._last = time.monotonic()
         return due
+
+    def _agree(self, signalled: bool, timed: bool) -> tuple[bool, bool]:
+        """Both flags, each the MAX over the ranks: one tensor, one all-reduce, one read back."""
+        from refimpl.comm import ops
+
+        flags = torch.tensor([float(signalled), float(timed)], device=self.device)
+        ops.all_reduce(flags, op=ops.ReduceOp.MAX)
+        signalled, timed = (value > 0 for value in flags.tolist())  # one device-to-host copy
+        return signalled, timed
 
     def close(self) -> None:
         self._closed.set()

@@ -2,8 +2,10 @@
 
 ``torchrun`` (and our own launchers) describe a rank with environment variables: ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. From them :func:`init_distributed`
-builds a :class:`DistributedContext`: NCCL and ``cuda:LOCAL_RANK`` when CUDA is there, else gloo on the
-CPU with one thread per rank. A missing environment means a single process (world size 1), so the same
+builds a :class:`DistributedContext`: NCCL and ``cuda:LOCAL_RANK`` when CUDA is there (``cuda:0`` when each
+process is shown one GPU of its own), else gloo on the CPU with one thread per rank; an explicit backend
+decides the device, and too few GPUs for the local ranks is an error, never a silent CPU run
+(:func:`choose_device`). A missing environment means a single process (world size 1), so the same
 script runs under ``python`` and under ``torchrun``. Every collective gets an explicit timeout so a rank
 that dies or stalls turns into an error instead of a hang.
 
@@ -64,16 +66,50 @@ class DistributedContext:
         return self.world_size > 1 or dist.is_initialized()
 
 
-def choose_device(local_rank: int, local_world_size: int | None = None) -> tuple[torch.device, str]:
-    """``(cuda:local_rank, "nccl")`` when every rank of this node gets a GPU, else ``(cpu, "gloo")``.
+BACKENDS = ("gloo", "nccl")
 
-    All ranks must make the same choice: one rank on NCCL and another on gloo would hang at the first
-    collective, so 2 ranks on a 1-GPU box both use the CPU.
+
+def choose_device(local_rank: int, local_world_size: int | None = None, *, backend: str | None = None,
+                  shared_view: bool = False) -> tuple[torch.device, str]:
+    """This rank's ``(device, backend)``, the same rule on every rank of a node.
+
+    1. An explicit ``backend`` decides the device: ``"gloo"`` -> the CPU (even on a GPU box: a CPU run asked
+       for); ``"nccl"`` -> a GPU as in 3-4 (a RuntimeError without CUDA: NCCL moves CUDA tensors only).
+    2. No CUDA -> ``(cpu, "gloo")``.
+    3. At least as many GPUs as local ranks -> ``(cuda:local_rank, "nccl")``.
+    4. Exactly one visible GPU while the node runs several ranks -> ``(cuda:0, "nccl")``: one GPU per
+       process, each rank shown its own (Slurm's ``--gpus-per-task``, one GPU per Kubernetes container,
+       ``CUDA_VISIBLE_DEVICES`` set per rank).
+    5. Otherwise (CUDA there, fewer GPUs than local ranks, not one each) -> a RuntimeError naming the counts
+       and the two ways out (``--backend gloo``, ``CUDA_VISIBLE_DEVICES=""``).
+
+    Why no silent CPU fallback: a GPU job that trains on its CPUs runs on for hours at a hundredth of the
+    speed and reports nothing wrong (it used to, whenever each process saw one GPU). Why every rank must
+    decide alike: one rank on NCCL and another on gloo would hang at the first collective.
+    ``local_world_size``: the ranks on this node (default ``LOCAL_WORLD_SIZE``, else 1). ``shared_view``:
+    the caller knows that every local rank sees the devices it sees (the self-launcher, whose torchrun
+    children inherit its environment), so one GPU for several ranks is the shortage of rule 5, not rule 4.
     """
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "gloo":
+        return torch.device("cpu"), "gloo"
+    if not torch.cuda.is_available():
+        if backend == "nccl":
+            raise RuntimeError("backend nccl needs CUDA, and torch.cuda.is_available() is False on this "
+                               "machine; use --backend gloo (CPU ranks)")
+        return torch.device("cpu"), "gloo"
     n = local_world_size if local_world_size is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if torch.cuda.is_available() and torch.cuda.device_count() >= max(n, local_rank + 1):
+    ranks, gpus = max(n, local_rank + 1), torch.cuda.device_count()
+    if gpus >= ranks:
         return torch.device("cuda", local_rank), "nccl"
-    return torch.device("cpu"), "gloo"
+    if gpus == 1 and not shared_view:
+        return torch.device("cuda", 0), "nccl"
+    raise RuntimeError(
+        f"{ranks} ranks on this node but {gpus} visible GPU(s) (torch.cuda.device_count()), and not one per "
+        f"rank: NCCL needs a GPU of its own for each rank. Start at most {gpus} ranks per node, give each "
+        "rank its own GPU (CUDA_VISIBLE_DEVICES per rank), or train on the CPU: --backend gloo, or "
+        "CUDA_VISIBLE_DEVICES=\"\" to hide the GPUs")
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>: the signal this process gets when its parent thread exits
@@ -182,15 +218,15 @@ def init_distributed(*, timeout_s: float = 300.0, backend: str | None = None,
                      watch_parent: bool | None = None) -> DistributedContext:
     """Initialise the default process group from the environment (or a world of one without it).
 
-    ``watch_parent``: die with the launcher (:func:`exit_with_parent`); default: when ``torchrun`` started
-    this process (``TORCHELASTIC_RUN_ID`` is set)."""
+    ``backend``: ``"gloo"`` (CPU ranks, also on a GPU box) or ``"nccl"`` (GPU ranks); None: the device and
+    backend :func:`choose_device` picks. ``watch_parent``: die with the launcher (:func:`exit_with_parent`);
+    default: when ``torchrun`` started this process (``TORCHELASTIC_RUN_ID`` is set)."""
     if watch_parent if watch_parent is not None else "TORCHELASTIC_RUN_ID" in os.environ:
         exit_with_parent()  # first, before anything can block
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    device, default_backend = choose_device(local_rank)
-    backend = backend or default_backend
+    device, backend = choose_device(local_rank, backend=backend)
     if device.type == "cpu":
         torch.set_num_threads(1)  # N ranks on N cores: one thread each, or they fight over the cores
     else:

@@ -5,7 +5,10 @@
 collectives, optimizer) and keeps the largest, so a briefly gathered ZeRO-3 unit is seen (Rajbhandari et
 al. 2020; what :func:`refimpl.planner.zero3_peak_gathered_bytes` bounds). :func:`peak_memory_bytes` is the
 allocator's peak on a GPU and the process's peak resident set on a CPU (which also counts the Python
-interpreter and libraries).
+interpreter and libraries); :func:`peak_reserved_bytes` the GPU allocator's peak of reserved segments (what
+the GPU really gave the process: the allocated bytes plus the allocator's rounding and unused cached blocks;
+None on a CPU). On a GPU both are peaks since :func:`reset_peak_memory`, which the trainer calls at the
+start of every step, so that a step's record is that step's peak, not the run's so far.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from refimpl.measure.state import StateMemory
 
-__all__ = ["PeakStateBytes", "format_bytes", "peak_memory_bytes"]
+__all__ = ["PeakStateBytes", "format_bytes", "peak_memory_bytes", "peak_reserved_bytes", "reset_peak_memory"]
 
 
 @dataclass
@@ -85,11 +88,25 @@ class PeakStateBytes(TorchDispatchMode):
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak allocated bytes on a GPU; peak resident set size of this process on a CPU."""
+    """Peak allocated bytes on a GPU (since :func:`reset_peak_memory`); peak resident set size of this
+    process on a CPU (since it started: the kernel keeps no other)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+def peak_reserved_bytes(device: torch.device) -> int | None:
+    """Peak bytes the caching allocator reserved on a GPU (since :func:`reset_peak_memory`); None on a CPU,
+    where no allocator of torch's reserves memory apart from what tensors take."""
+    return int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start the GPU's peaks anew (``torch.cuda.reset_peak_memory_stats``: a host-side counter, no sync);
+    nothing on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def format_bytes(n: float) -> str:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from refimpl.config import OptimConfig
-from refimpl.optim import build_optimizer, param_groups
+from refimpl.optim import adamw_foreach, build_optimizer, param_groups
 from refimpl.parallel.placements import HeldGradient, Placement, clip_grad_norm_, reduce_gradients
 from refimpl.precision import MixedPrecisionPolicy
 
@@ -75,10 +75,12 @@ def _sharded_optimizer(inputs: OptimizerInputs, config: OptimConfig) -> torch.op
 
     experts = ShardGroup(group=inputs.groups.get("expert_dp"), divide_factor=inputs.num_replicas)
     shard_groups = {p: experts for n, p in inputs.held if n in set(inputs.experts)}
+    device = inputs.held[0][1].device if inputs.held else torch.device("cpu")
     return ShardedOptimizer(param_groups(inputs.module, config.weight_decay, inputs.named), torch.optim.AdamW,
                             inputs.groups.get("dp_cp"), zero_stage=inputs.zero_stage,
                             bucket_numel=inputs.zero_bucket_numel, shard_groups=shard_groups, lr=config.lr,
-                            betas=(config.beta1, config.beta2), eps=config.eps, foreach=False)
+                            betas=(config.beta1, config.beta2), eps=config.eps,
+                            foreach=adamw_foreach(device))  # the shards' device: refimpl.optim
 
 
 def build_optimizer_setup(inputs: OptimizerInputs, config: OptimConfig) -> OptimizerSetup:

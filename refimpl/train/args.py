@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="start even when the planner's memory per rank exceeds the machine's memory")
     run.add_argument("--nproc-per-node", default=None,
                      help="launch this many ranks with torchrun ('auto' = one per GPU, else 2 CPU ranks)")
+    run.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                     help="gloo: CPU ranks, also on a GPU box; nccl: a GPU per rank (default: nccl when each "
+                     "rank gets a GPU, gloo without CUDA; too few GPUs for the ranks is refused)")
     run.add_argument("--max-restarts", type=int, default=3,
                      help="with --nproc-per-node: torchrun restarts the ranks this often after a failure")
     run.add_argument("--demo-fault", action=argparse.BooleanOptionalAction, default=None,

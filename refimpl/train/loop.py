@@ -21,10 +21,11 @@ from refimpl import elastic
 from refimpl.checkpoint import save_training_state
 from refimpl.comm import CommTracer, ops
 from refimpl.config import TrainConfig
-from refimpl.data import decode, encode
+from refimpl.data import decode, encode, to_device
 from refimpl.distributed import DistributedContext, log0, seed_everything
 from refimpl.distributed.placement import LocalShard
 from refimpl.measure import Throughput, format_bytes, format_mfu, peak_dtype, peak_memory_bytes, progress
+from refimpl.measure.peak import peak_reserved_bytes, reset_peak_memory
 from refimpl.model import generate
 from refimpl.optim import lr_at, set_lr
 from refimpl.planner import flops_per_token, param_count
@@ -70,11 +71,14 @@ def _bound(point: Callable[..., None] | None, *args) -> Callable[..., None] | No
 def _pipeline_idle(setup) -> float:
     """The idle share of the pipeline ranks in the last step, measured from the executor's events (per
     rank ``1 - sum(action time after its input arrived) / (last end - first start)``, averaged over the pp
-    group: the bubble and the waits for transfers, chapter 08)."""
+    group: the bubble and the waits for transfers, chapter 08). The events' times are device time on CUDA
+    (their reads synchronize once: :mod:`refimpl.comm.device_clock`), and the share is all-reduced from the
+    stages' device, the run's: NCCL takes no CPU tensor."""
     events = setup.pipeline.last_events
     span = max(e.end for e in events) - min(e.start for e in events)
     busy = sum(e.end - e.ready for e in events)
-    idle = torch.tensor(1.0 - busy / span if span > 0 else 0.0)
+    device = next(setup.pipeline.parameters()).device  # ctx.device: the stages were built on it
+    idle = torch.tensor(1.0 - busy / span if span > 0 else 0.0, device=device)
     torch.distributed.all_reduce(idle, group=setup.pipeline.pp_group)  # not traced: bookkeeping
     return idle.item() / setup.pipeline.pp_size
 
@@ -170,13 +174,14 @@ def _run_steps(config: TrainConfig, ctx: DistributedContext, options: RunOptions
     try:
         for step in range(start, config.steps):
             tracer.events.clear()  # this step's calls only (a checkpoint's land here too, then are cleared)
+            reset_peak_memory(ctx.device)  # a GPU's peaks from here: the record's are this step's
             _call(hooks.before_step, step, setup)
             lr = lr_at(step, config.optim, config.steps)
             set_lr(setup.optimizer, lr)
             inputs, labels = batches.batch(step, coords.dp, dims.dp)  # [B/dp, s] each: this dp rank's shard
             # context parallelism: this cp rank's part of each sequence, [B/dp, s/cp] (the layout of its
-            # attention); the tp ranks of a replica take the same part
-            inputs, labels = setup.split_batch(inputs), setup.split_batch(labels)
+            # attention); the tp ranks of a replica take the same part; on the device once, pinned
+            inputs, labels = (to_device(setup.split_batch(t), ctx.device) for t in (inputs, labels))
             with hooks.around_step(step, setup) if hooks.around_step is not None else nullcontext():
                 loss_sum = train_step(setup, inputs, labels, accumulation=accumulation, micro=micro,
                                       device=ctx.device, grad_clip=config.optim.grad_clip,
@@ -197,6 +202,7 @@ def _run_steps(config: TrainConfig, ctx: DistributedContext, options: RunOptions
             tokens_per_s, mfu = meter.step()
             record = {"step": step, "loss": loss_value, "lr": lr, "tokens_per_s": tokens_per_s,
                       "mfu": mfu, "peak_memory_bytes": peak_memory_bytes(ctx.device),
+                      "peak_reserved_bytes": peak_reserved_bytes(ctx.device),  # GPU only, else None
                       "elapsed_s": time.perf_counter() - begin, "attempt": attempt,
                       "world_size": ctx.world_size}
             record["bytes_sent"] = sent  # this rank, per process group (ring model for collectives)

@@ -1,6 +1,8 @@
 """What is refused before any process starts: the batch split and the data (:func:`check_fits`), the
-planned memory per rank against the machine's (:func:`preflight_memory`, the planner of chapter 12), and a
-checkpoint folder of another run (:func:`preflight_resume`, chapter 11)."""
+device (:func:`run_device`: too few GPUs for the ranks; :func:`check_fp8_device`: fp8 on a GPU without fp8
+tensor cores), the planned memory per rank against the machine's (:func:`preflight_memory`, the planner of
+chapter 12; on a GPU less the headroom of :func:`usable_cuda_bytes`), and a checkpoint folder of another run
+(:func:`preflight_resume`, chapter 11)."""
 
 from __future__ import annotations
 
@@ -117,6 +119,9 @@ def pipeline_microbatches(config: TrainConfig, options: RunOptions, dp: int) -> 
 
 
 MEMORY_ENV = "REFIMPL_MEMORY_BYTES"  # tests: this node's memory in bytes, instead of the measured figure
+CUDA_USABLE_SHARE = 0.9  # of a GPU's free (or, launching, total) memory: the caching allocator's rounding
+CUDA_ALLOWANCE_BYTES = 2**30  # what a GPU rank holds outside the planned tensors: see usable_cuda_bytes
+FP8_MIN_CAPABILITY = (8, 9)  # the first CUDA compute capability with fp8 tensor cores (Ada; Hopper is 9.0)
 
 
 def survivor_layout(options: RunOptions, world_size: int, *,
@@ -149,11 +154,64 @@ def survivor_layout(options: RunOptions, world_size: int, *,
                     f"survivors{hsdp})")
 
 
-def machine_memory_per_rank(ranks_per_node: int, *, local_rank: int = 0,
-                            launching: bool = False) -> tuple[int, str]:
-    """The bytes one rank may use and where the figure comes from: on a GPU its free memory
-    (``torch.cuda.mem_get_info``; the self-launcher reads the total instead, to create no CUDA context in
-    itself), on a CPU the node's available memory (psutil, else /proc/meminfo) over its ranks."""
+def run_device(ranks_per_node: int, *, local_rank: int = 0, backend: str | None = None,
+               launching: bool = False) -> torch.device:
+    """A rank's device by :func:`refimpl.distributed.choose_device`'s rule, its refusal a
+    :class:`ConfigError` (exit status 2). ``launching``: the self-launcher, whose ranks see its GPUs."""
+    from refimpl.distributed import choose_device
+
+    try:
+        return choose_device(local_rank, max(ranks_per_node, 1), backend=backend, shared_view=launching)[0]
+    except RuntimeError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def check_fp8_device(precision: str, device: torch.device) -> None:
+    """Refuse ``--precision fp8`` on a GPU below compute capability 8.9 (:data:`FP8_MIN_CAPABILITY`): the
+    fp8 kernels of ``torch._scaled_mm`` need fp8 tensor cores (Ada 8.9, Hopper 9.0 and later); on an A100
+    the first fp8 GEMM would fail inside step 0, once every rank has set up. A CPU keeps fp8 (dequantized)."""
+    if precision != "fp8" or device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < FP8_MIN_CAPABILITY:
+        raise ConfigError(f"--precision fp8 needs a GPU of compute capability 8.9 or newer (fp8 tensor cores "
+                          f"for torch._scaled_mm: Ada, Hopper and later); {device} is a "
+                          f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}); use "
+                          "--precision bf16")
+
+
+def usable_cuda_bytes(measured: int) -> int:
+    """What a GPU rank may plan for out of ``measured`` bytes (free; the self-launcher's: total):
+    ``0.9 x measured - 1 GiB`` (:data:`CUDA_USABLE_SHARE`, :data:`CUDA_ALLOWANCE_BYTES`), at least 0.
+
+    The planner counts the step's tensors. The 10%: the caching allocator rounds blocks up (512 bytes, large
+    ones cut from 2 or 20 MiB segments) and cannot always reuse a freed segment for a larger block, so it
+    reserves more than the tensors take. The 1 GiB, whatever the model: NCCL's communicators (one per group
+    of the layout, ``NCCL_BUFFSIZE`` 4 MiB per channel and peer: tens to hundreds of MiB each), cuBLAS's and
+    cuBLASLt's workspaces (32 MiB per handle and stream on Hopper) and, where the figure is the total, the
+    rank's CUDA context (about half a GiB). Too little shows as an out-of-memory error in step 0 on every
+    rank; too much refuses a run that ``--force`` still starts."""
+    return max(int(CUDA_USABLE_SHARE * measured) - CUDA_ALLOWANCE_BYTES, 0)
+
+
+def _cuda_memory(device: torch.device, *, launching: bool) -> tuple[int, str]:
+    """:func:`usable_cuda_bytes` of the GPU's free memory (launching: total), and how (the refusal says)."""
+    name = torch.cuda.get_device_name(device)
+    if launching:
+        measured, what = torch.cuda.get_device_properties(device).total_memory, f"total memory of the {name}"
+    else:
+        measured, what = torch.cuda.mem_get_info(device)[0], f"free memory of the {name} (mem_get_info)"
+    return usable_cuda_bytes(measured), (f"usable: {CUDA_USABLE_SHARE:g} x {format_bytes(measured)} {what} - "
+                                         f"{format_bytes(CUDA_ALLOWANCE_BYTES)} for the CUDA context, NCCL "
+                                         "and cuBLAS")
+
+
+def machine_memory_per_rank(ranks_per_node: int, *, local_rank: int = 0, launching: bool = False,
+                            backend: str | None = None) -> tuple[int, str]:
+    """The bytes one rank may use and where the figure comes from: on a GPU :func:`usable_cuda_bytes` of
+    its free memory (``torch.cuda.mem_get_info``; the self-launcher reads the total instead, to create no
+    CUDA context in itself), on a CPU the node's available memory (psutil, else /proc/meminfo) over its
+    ranks; ``REFIMPL_MEMORY_BYTES`` (tests) replaces the measured node's figure."""
     per = max(ranks_per_node, 1)
     if os.environ.get(MEMORY_ENV):
         try:
@@ -162,14 +220,9 @@ def machine_memory_per_rank(ranks_per_node: int, *, local_rank: int = 0,
             raise ConfigError(f"{MEMORY_ENV} must be a number of bytes, got "
                               f"{os.environ[MEMORY_ENV]!r}") from None
         return node // per, f"{MEMORY_ENV} {format_bytes(node)} / {per} rank(s) on this node"
-    from refimpl.distributed import choose_device
-
-    device, _ = choose_device(local_rank, per)
+    device = run_device(per, local_rank=local_rank, backend=backend, launching=launching)
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        if launching:
-            return torch.cuda.get_device_properties(device).total_memory, f"the total memory of the {name}"
-        return torch.cuda.mem_get_info(device)[0], f"the free memory of the {name} (torch.cuda.mem_get_info)"
+        return _cuda_memory(device, launching=launching)
     try:
         import psutil
 
@@ -181,14 +234,16 @@ def machine_memory_per_rank(ranks_per_node: int, *, local_rank: int = 0,
 
 
 def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: int, ranks_per_node: int,
-                     force: bool = False, local_rank: int = 0, launching: bool = False):
+                     force: bool = False, local_rank: int = 0, launching: bool = False,
+                     backend: str | None = None):
     """Refuse, before any process starts, a run whose planned bytes per rank exceed the machine's:
     :func:`refimpl.planner.run_memory_of` the run's ``options.parallel`` (model state by ZeRO stage and
     precision + one micro-batch's activations) against :func:`machine_memory_per_rank`. ``force``: warn
     and go on. Returns the estimate (None where the planner does not model the run: an MoE model with fp8
     or a layout
     :func:`refimpl.planner.experts.unmodelled_moe` names; not checked, said on stderr). An MoE model is
-    planned at pp = 1 for uniform routing (chapter 09)."""
+    planned at pp = 1 for uniform routing (chapter 09). First the device (``backend``: ``--backend``):
+    :func:`run_device` and :func:`check_fp8_device`, which ``force`` does not override."""
     from refimpl.planner import run_memory_of
     from refimpl.planner.experts import unmodelled_moe
 
@@ -197,6 +252,8 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
     check_context_parallel(config, dims.cp, method=options.cp_method, tp=dims.tp,
                            sequence_parallel=options.sequence_parallel)
     check_experts(config, options)
+    check_fp8_device(options.precision, run_device(ranks_per_node, local_rank=local_rank, backend=backend,
+                                                   launching=launching))
     accumulation = forwards_per_step(config, options, dims.dp)  # a bad split: refused here
     micro = config.data.per_rank_batch(dims.dp) // accumulation
     moe = unmodelled_moe(config.model, pp=dims.pp, cp=dims.cp, zero_stage=options.zero_stage,
@@ -209,7 +266,8 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
         return None
     need = run_memory_of(config.model, options.parallel, world_size=world_size, micro_batch=micro,
                          seq_len=config.data.seq_len, num_microbatches=accumulation)
-    have, source = machine_memory_per_rank(ranks_per_node, local_rank=local_rank, launching=launching)
+    have, source = machine_memory_per_rank(ranks_per_node, local_rank=local_rank, launching=launching,
+                                           backend=backend)
     if need.total > have:
         tokens = (f"{config.data.seq_len} tokens" if dims.cp == 1
                   else f"{config.data.seq_len // dims.cp} tokens of {config.data.seq_len} (cp {dims.cp})")
