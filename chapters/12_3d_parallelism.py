@@ -117,8 +117,9 @@ dims = ParallelDims(dp=2, tp=2, pp=2)
 groups = dims.build(rank=rank, world_size=world_size, timeout_s=120)
 members = {}
 for axis in ("tp", "dp", "pp"):
-    got = [torch.zeros((), dtype=torch.long) for _ in range(dist.get_world_size(groups.group(axis)))]
-    dist.all_gather(got, torch.tensor(rank), group=groups.group(axis))  # who answers in my group
+    got = [torch.zeros((), dtype=torch.long, device=device)  # on the rank's device: NCCL takes no CPU tensor
+           for _ in range(dist.get_world_size(groups.group(axis)))]
+    dist.all_gather(got, torch.tensor(rank, device=device), group=groups.group(axis))  # who answers in my group
     members[axis] = tuple(int(t) for t in got)
 
 # %%

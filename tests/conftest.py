@@ -20,6 +20,12 @@ unit tier is what surely starts nothing.
 limits were measured on. Limits inside a test (a rank's collective timeout, ``run_ranks``' own bound) are
 the test's measured design and stay as written.
 
+**GPUs only when asked**: unless ``REFIMPL_TEST_GPU=1``, this module hides the GPUs at import
+(``CUDA_VISIBLE_DEVICES=""``, before torch initialises CUDA; the ranks and child Pythons inherit it), so the
+suite runs on CPU and gloo on a GPU box too, as its bitwise references were measured. Tests marked ``gpu``
+(tests/test_gpu.py: what only CUDA and NCCL show) are deselected, the reason printed after collection,
+unless ``REFIMPL_TEST_GPU=1`` and CUDA is there: ``REFIMPL_TEST_GPU=1 pytest -m gpu tests/test_gpu.py``.
+
 **Session fixtures** for work several modules repeat: ``corpus`` (the trainer tests' 20 kB pseudo-text and
 its token cache) and ``one_device_references`` (tests/one_device.py's one-device runs, computed once per set
 of trainer flags and step count: test_train_tp and test_train_cp compare their layouts with the same runs).
@@ -32,6 +38,11 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
+GPU_ENV = "REFIMPL_TEST_GPU"
+_GPU_DESELECTED = pytest.StashKey[str]()  # the collection report's line on the gpu tests left out
+if os.environ.get(GPU_ENV) != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch initialises CUDA: the suite runs on CPU and gloo
+
 SPAWN = {
     "test_boundary_bytes", "test_checkpoint", "test_comm", "test_context_parallel_gpt", "test_data_parallel",
     "test_elastic", "test_elastic_3d", "test_launch", "test_mesh", "test_notebook", "test_notebook_lifetime",
@@ -41,12 +52,13 @@ SPAWN = {
     "test_train", "test_train_3d", "test_train_zero3", "test_fsdp_tp", "test_planner_zero3",
     "test_train_checkpoint", "test_train_cp", "test_train_pp", "test_train_tp", "test_ulysses",
     "test_vocab_parallel", "test_zero", "test_chapters", "test_expert_parallel", "test_fp8_communication",
-    "test_moe_model", "test_train_moe", "test_train_fp8", "test_planner_moe", "test_fp8_zero3",
+    "test_moe_model", "test_train_moe", "test_train_fp8", "test_planner_moe", "test_fp8_zero3", "test_gpu",
+    "test_device_lint",
 }
 SUBPROCESS = {
     "test_browser", "test_chapters", "test_deploy", "test_elastic", "test_exercises", "test_notebook",
     "test_p2p_strict", "test_plan_cli", "test_planner_layout", "test_pp_schedules", "test_rank_lifetime",
-    "test_train", "test_train_fp8",
+    "test_train", "test_train_fp8", "test_device_lint", "test_bench_gpu",
 }
 CHAPTER = {"test_chapters"}
 BROWSER = {"test_browser"}
@@ -70,7 +82,35 @@ def timeout_scale() -> float:
     return scale
 
 
+def gpu_tests_off() -> str | None:
+    """Why the ``gpu`` tests do not run here (None: they do): ``REFIMPL_TEST_GPU=1`` and CUDA are needed."""
+    if os.environ.get(GPU_ENV) != "1":
+        return f"{GPU_ENV}=1 not set (the suite hides the GPUs: CUDA_VISIBLE_DEVICES=\"\")"
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"{GPU_ENV}=1 but torch.cuda.is_available() is False"
+    return None
+
+
+def _deselect_gpu_tests(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Remove the ``gpu``-marked items unless :func:`gpu_tests_off` says they run; the count and the reason
+    go to the collection report (:func:`pytest_report_collectionfinish`)."""
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    why = gpu_tests_off() if gpu else None
+    if why is None:
+        return
+    items[:] = [item for item in items if item.get_closest_marker("gpu") is None]
+    config.hook.pytest_deselected(items=gpu)
+    config.stash[_GPU_DESELECTED] = f"{len(gpu)} gpu test(s) deselected: {why}"
+
+
+def pytest_report_collectionfinish(config: pytest.Config) -> str | None:
+    return config.stash.get(_GPU_DESELECTED, None)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _deselect_gpu_tests(config, items)
     scale = timeout_scale()
     default = float(config.getini("timeout") or 0)
     for item in items:

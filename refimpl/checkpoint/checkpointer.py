@@ -43,6 +43,7 @@ from refimpl.checkpoint.format import (
 from refimpl.checkpoint.manifest import build_manifest, library_versions
 from refimpl.checkpoint.plan import plan_pieces, snapshot_pieces
 from refimpl.config import ConfigError
+from refimpl.distributed.device_lint import private_group
 from refimpl.distributed.placement import LocalShard
 
 
@@ -106,7 +107,7 @@ class Checkpointer:
         if dist.is_available() and dist.is_initialized():
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             if self.world_size > 1:
-                self._group = dist.new_group(backend="gloo")
+                self._group = private_group()  # gloo: host-side control messages, on GPU runs too
         else:
             self.rank, self.world_size = 0, 1
         self._thread: threading.Thread | None = None

@@ -79,7 +79,9 @@ def _init_engine(
     """Runs on each engine (shipped as an interactive function): env, device, process group.
 
     It is self-contained (imports inside) because its globals are the engine's namespace, where it
-    leaves ``rank``, ``world_size``, ``device``, ``dist`` and ``torch`` for the ``%%px`` cells.
+    leaves ``rank``, ``world_size``, ``device``, ``dist`` and ``torch`` for the ``%%px`` cells. With
+    ``REFIMPL_DEVICE_LINT=1`` the engine runs every later cell under the device lint
+    (:mod:`refimpl.distributed.device_lint`): a host tensor reaching a collective fails the cell.
     """
     import datetime
     import os
@@ -105,6 +107,10 @@ def _init_engine(
         backend, rank=rank_, world_size=world_size_, timeout=datetime.timedelta(seconds=timeout_s)
     )
     globals().update(rank=rank_, world_size=world_size_, device=device, dist=dist, torch=torch)
+    from refimpl.distributed.device_lint import DeviceLint, device_lint_enabled
+
+    if device_lint_enabled() and "device_lint" not in globals():  # every %%px cell from now on, once
+        globals()["device_lint"] = DeviceLint().__enter__()
     return str(device), backend
 
 

@@ -24,6 +24,7 @@ from refimpl.checkpoint import CheckpointError, find_latest_valid
 from refimpl.config import ConfigError, TrainConfig
 from refimpl.data import DataError
 from refimpl.distributed import init_distributed, teardown
+from refimpl.distributed.device_lint import DeviceLint, device_lint_enabled
 from refimpl.distributed.env import preexec_exit_with_parent
 from refimpl.train.args import RunOptions, build_parser, config_from_args, options_from_args
 from refimpl.train.loop import SIGTERM_EXIT, Preempted, train
@@ -50,8 +51,8 @@ def demo_fault_flags(args: argparse.Namespace, rest: list[str], nproc: int) -> l
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Re-run this command under torchrun with ``--nproc-per-node`` ranks (our flag removed)."""
     n = args.nproc_per_node
-    if n == "auto":
-        n = str(torch.cuda.device_count() or 2)
+    if n == "auto":  # one rank per GPU; CPU ranks (2) without a GPU or under --backend gloo
+        n = str((torch.cuda.device_count() if args.backend != "gloo" else 0) or 2)
     if not n.isdigit() or int(n) < 1:
         print(f"error: --nproc-per-node must be a positive integer or 'auto', got {n!r}", file=sys.stderr)
         return 2
@@ -66,7 +67,7 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     config, options = config_from_args(args), options_from_args(args)
     dims = options.parallel_dims(int(n))  # a layout that does not fit the ranks is refused before torchrun
     preflight_memory(config, options, world_size=int(n), ranks_per_node=int(n), force=args.force,
-                     launching=True)
+                     launching=True, backend=args.backend)
     check_fits(config, dims.dp)
     preflight_resume(config, options)
     demo = demo_fault_flags(args, rest, int(n))
@@ -103,6 +104,18 @@ def failure_report(config: TrainConfig, options: RunOptions, code: int, max_rest
     return "\n".join(lines)
 
 
+def _train(config: TrainConfig, ctx, options: RunOptions) -> None:
+    """:func:`train`, under the device lint when ``REFIMPL_DEVICE_LINT=1`` (the whole run, setup included:
+    a call CUDA or NCCL would refuse raises there; rank 0 prints the host syncs per step at the end)."""
+    if not device_lint_enabled():
+        train(config, ctx, options)
+        return
+    with DeviceLint() as lint:
+        train(config, ctx, options, hooks=lint)
+    if ctx.is_main:
+        print(lint.report(), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)  # an unknown flag: usage + exit 2
@@ -118,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         layout.parallel_dims(world)  # refused before init_process_group
         preflight_memory(config, layout, world_size=world,
                          ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), force=args.force,
-                         local_rank=int(os.environ.get("LOCAL_RANK", "0")))
-        ctx = init_distributed(timeout_s=config.timeout_s)
-        train(config, ctx, options)
+                         local_rank=int(os.environ.get("LOCAL_RANK", "0")), backend=args.backend)
+        ctx = init_distributed(timeout_s=config.timeout_s, backend=args.backend)
+        _train(config, ctx, options)
         # Only after success: after a failure a peer may be gone or stuck, and teardown's barrier would
         # wait for it a whole --timeout more before the agent learns of the failure. Exiting frees all.
         teardown()
