@@ -860,3 +860,23 @@ def test_sigterm_asks_for_a_save_and_a_stop_then_the_old_handler_returns():
         assert len(calls) == 1
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_the_optimizer_keeps_how_this_machine_runs_its_update(tmp_path):
+    """A checkpoint saved by CPU ranks (AdamW ``foreach=False``) resumes with the optimizer built here
+    (``foreach=True``, as on a GPU): ``foreach``/``fused``/``capturable`` say how, not what, and are not
+    restored; the learning rate and the moments are."""
+    model = _tiny_gpt()
+    optimizer = build_optimizer(model, OPTIM)
+    _train(model, optimizer, _OneRank, 0, 1)
+    optimizer.param_groups[0]["lr"] = 0.123
+    ck = Checkpointer(CheckpointConfig(folder=tmp_path))
+    save_training_state(ck, 1, model=model, optimizer=optimizer)
+    assert optimizer.param_groups[0]["foreach"] is False
+    fresh = _tiny_gpt(seed=5)
+    resumed = build_optimizer(fresh, OPTIM)
+    for group in resumed.param_groups:
+        group["foreach"] = True  # as build_optimizer makes it on a GPU (optim.adamw_foreach)
+    load_training_state(ck, ck.resume_point(), model=fresh, optimizer=resumed, restore_rng=False)
+    assert resumed.param_groups[0]["foreach"] is True
+    assert resumed.param_groups[0]["lr"] == 0.123 and len(resumed.state) > 0

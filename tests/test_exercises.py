@@ -6,8 +6,8 @@ For every chapter with checks (``exercises/checks/chNN.py``):
 * the untouched stubs (``exercises/NN_*.py``) score zero on every task, as "not implemented yet";
 * each plausible wrong answer in the checks' ``MUTANTS`` (one source per task, or a list of them) fails
   its own task and only that one, so no check passes everything (negative controls);
-* each independent right answer in the checks' optional ``CORRECT`` passes (the mutants are wrong only
-  where they differ from it);
+* each independent right answer in the checks' optional ``CORRECT`` (one source per task, or a list)
+  passes (the mutants are wrong only where they differ from it);
 
 and ``python -m exercises.grade`` behaves as a command: exit 1 below full marks, 0 with ``--reference``,
 one clear line for a chapter that has no exercise.
@@ -63,8 +63,10 @@ def _correct_params() -> list:
             correct = getattr(importlib.import_module(f"exercises.checks.ch{chapter}"), "CORRECT", {})
         except Exception:  # noqa: BLE001 - reported by _mutant_params' import-error case
             continue
-        params += [pytest.param(chapter, task, source, id=f"ch{chapter}-{task}")
-                   for task, source in sorted(correct.items())]
+        for task, sources in sorted(correct.items()):
+            sources = sources if isinstance(sources, list) else [sources]
+            params += [pytest.param(chapter, task, source, id=f"ch{chapter}-{task}" + (f"-{i}" if i else ""))
+                       for i, source in enumerate(sources)]
     return params
 
 

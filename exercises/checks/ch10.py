@@ -36,6 +36,7 @@ import torch
 
 from exercises.checks.ch10_mutants import CAST, CORRECT, LINEAR, MM, MUTANTS, SCALES
 from exercises.grading import Task, load_module
+from refimpl.distributed.device_lint import DeviceLint
 from refimpl.precision.fp8 import E4M3, E5M2, EPS, Float8Config, Float8Format, Float8Tensor
 
 FACTOR = 4.0  # stated: a GEMM may be this many times further from the float64 emulation than the measured
@@ -307,43 +308,66 @@ def _gemm_error(got: torch.Tensor, want: torch.Tensor, size: torch.Tensor) -> fl
     return float(((got.double() - want).abs() / size).max())
 
 
+def _operands(a: torch.Tensor, b: torch.Tensor, fa: Float8Format, rowwise: bool, layout: str
+              ) -> tuple[Float8Tensor, Float8Tensor]:
+    """``a`` [M, K] and ``b`` [K, N] cast (``b`` in e4m3), their data in ``layout``: "as sm90 takes them"
+    (``a`` row-major, ``b`` a transposed view, column-major) or "the other way round" (``a`` a transposed
+    view, ``b`` row-major), which a GPU's ``torch._scaled_mm`` refuses as it stands."""
+    a8 = reference_cast(a, fa, rowwise=rowwise, dim=1, pow2=False)
+    b8 = reference_cast(b.t(), E4M3, rowwise=rowwise, dim=1, pow2=False).t()
+    if layout == "the other way round":
+        a8 = Float8Tensor(a8.data.t().contiguous().t(), a8.scale)
+        b8 = Float8Tensor(b8.data.contiguous(), b8.scale)
+    return a8, b8
+
+
+def _sm90_refusals(call) -> tuple[torch.Tensor, list[str]]:
+    """``call()``'s result, and what an H100 would refuse in the ``torch._scaled_mm`` calls it made (a CPU
+    takes every layout: :mod:`refimpl.distributed.device_lint` checks sm90's rules)."""
+    with DeviceLint(raise_at_once=False) as lint:
+        got = call()
+    return got, [v.detail for v in lint.violations if v.rule == "scaled-mm"]
+
+
 def check_scaled_mm(path: str) -> None:
     scaled_mm = load_module(path).scaled_mm
     a = torch.randn(24, 64, generator=_gen(6)) * torch.logspace(-2, 2, 24).unsqueeze(1)  # rows of any size
-    # [64, 48], column-major
-    b = torch.randn(48, 64, generator=_gen(7)).t()
-    for rowwise in (False, True):
-        for fa, out_dtype in ((E4M3, torch.float32), (E5M2, torch.float32), (E4M3, torch.bfloat16)):
-            a8 = reference_cast(a, fa, rowwise=rowwise, dim=1, pow2=False)
-            # data: a transposed view
-            b8 = reference_cast(b.t(), E4M3, rowwise=rowwise, dim=1, pow2=False).t()
-            saved = (a8.data.clone(), b8.data.clone())
-            where = (f"scaled_mm({fa.name} [24, 64] x e4m3 [64, 48] (a transposed view), "
-                     f"{'rowwise' if rowwise else 'tensorwise'} scales, out_dtype={out_dtype})")
-            got = scaled_mm(a8, b8, out_dtype=out_dtype)
-            assert isinstance(got, torch.Tensor) and got.dtype == out_dtype and got.shape == (24, 48), (
-                f"{where} returned {getattr(got, 'dtype', type(got).__name__)} of shape "
-                f"{tuple(getattr(got, 'shape', ()))}; want {out_dtype} of shape (24, 48)")
-            same = [torch.equal(t.data.view(torch.uint8), v.view(torch.uint8))
-                    for t, v in zip((a8, b8), saved, strict=True)]
-            assert all(same), f"{where} modified its inputs"
-            size, sp = spread(a8, b8, out_dtype)
-            exact = emulate(a8, b8)
-            err = _gemm_error(got, exact, size)
-            hint = ""
-            scaled = (a8.data.double() @ b8.data.double()) * a8.scale.double() * b8.scale.double()
-            if float((got.double() - scaled).norm() / scaled.norm()) < 1e-2:
-                hint = (" (Hint: you multiplied by the scales; the GEMM undoes them: torch._scaled_mm takes "
-                        "1 / scale)")
-            assert err <= FACTOR * sp, (f"{where} is off by {err:.2g} x |A||B| from the float64 emulation "
-                                        f"of the same fp8 numbers (tolerance {FACTOR:g} x spread "
-                                        f"{sp:.2g}){hint}")
-            theirs = torch._scaled_mm(a8.data, b8.data, scale_a=_inverse(a8), scale_b=_inverse(b8),
-                                      out_dtype=out_dtype)
-            err = _gemm_error(got, theirs.double(), size)
-            assert err <= 2 * FACTOR * sp, (f"{where} is off by {err:.2g} x |A||B| from torch._scaled_mm's "
-                                            f"result (tolerance 2 x {FACTOR:g} x spread {sp:.2g}: both "
-                                            f"sides' rounding)")
+    b = torch.randn(48, 64, generator=_gen(7)).t()  # [64, 48]
+    cases = [(rowwise, fa, out_dtype, "as sm90 takes them") for rowwise in (False, True)
+             for fa, out_dtype in ((E4M3, torch.float32), (E5M2, torch.float32), (E4M3, torch.bfloat16))]
+    cases += [(rowwise, E4M3, torch.float32, "the other way round") for rowwise in (False, True)]
+    for rowwise, fa, out_dtype, layout in cases:
+        a8, b8 = _operands(a, b, fa, rowwise, layout)
+        saved = (a8.data.clone(), b8.data.clone())
+        where = (f"scaled_mm({fa.name} [24, 64] x e4m3 [64, 48], data laid out {layout}, "
+                 f"{'rowwise' if rowwise else 'tensorwise'} scales, out_dtype={out_dtype})")
+        got, refused = _sm90_refusals(lambda: scaled_mm(a8, b8, out_dtype=out_dtype))  # noqa: B023
+        assert not refused, (f"{where} calls torch._scaled_mm as a GPU (sm90) refuses it: "
+                             f"{'; '.join(refused)}. The CPU takes it; an H100 does not: lay the "
+                             "operands out as the kernel needs first")
+        assert isinstance(got, torch.Tensor) and got.dtype == out_dtype and got.shape == (24, 48), (
+            f"{where} returned {getattr(got, 'dtype', type(got).__name__)} of shape "
+            f"{tuple(getattr(got, 'shape', ()))}; want {out_dtype} of shape (24, 48)")
+        same = [torch.equal(t.data.view(torch.uint8), v.view(torch.uint8))
+                for t, v in zip((a8, b8), saved, strict=True)]
+        assert all(same), f"{where} modified its inputs"
+        size, sp = spread(a8, b8, out_dtype)
+        exact = emulate(a8, b8)
+        err = _gemm_error(got, exact, size)
+        hint = ""
+        scaled = (a8.data.double() @ b8.data.double()) * a8.scale.double() * b8.scale.double()
+        if float((got.double() - scaled).norm() / scaled.norm()) < 1e-2:
+            hint = (" (Hint: you multiplied by the scales; the GEMM undoes them: torch._scaled_mm takes "
+                    "1 / scale)")
+        assert err <= FACTOR * sp, (f"{where} is off by {err:.2g} x |A||B| from the float64 emulation "
+                                    f"of the same fp8 numbers (tolerance {FACTOR:g} x spread "
+                                    f"{sp:.2g}){hint}")
+        theirs = torch._scaled_mm(a8.data, b8.data, scale_a=_inverse(a8), scale_b=_inverse(b8),
+                                  out_dtype=out_dtype)
+        err = _gemm_error(got, theirs.double(), size)
+        assert err <= 2 * FACTOR * sp, (f"{where} is off by {err:.2g} x |A||B| from torch._scaled_mm's "
+                                        f"result (tolerance 2 x {FACTOR:g} x spread {sp:.2g}: both "
+                                        f"sides' rounding)")
 
 
 CONFIGS = [("torchao's tensorwise recipe", Float8Config()),

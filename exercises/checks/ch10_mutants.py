@@ -4,8 +4,9 @@
 only its task, must fail) and every ``CORRECT`` source (its task must pass). Each source is a whole module
 that takes refimpl's answers (``exercises/reference/ch10.py``) for the other tasks and replaces its task's
 names. The right implementations are written here independently of refimpl (a learner's way: the quotient
-in float64 rounded once to fp32, ``frexp`` for the power of two, a dequantize-and-matmul GEMM in fp32, the
-layer's backward casting each operand through a helper), and every mutant is that same code with one line
+in float64 rounded once to fp32, ``frexp`` for the power of two, a dequantize-and-matmul GEMM in fp32 and
+one on ``torch._scaled_mm`` in the layouts a GPU takes, the layer's backward casting each operand through a
+helper), and every mutant is that same code with one line
 changed (:func:`_mutate` insists that the line is there).
 """
 
@@ -92,6 +93,17 @@ def float8_linear(x, weight, bias=None, *, config):
 """
 
 
+# The GEMM on torch._scaled_mm, as a GPU takes it: a row-major, b column-major, fp32 inverse scales
+_MM_SCALED = _HEADER + """
+def scaled_mm(a, b, *, out_dtype, use_fast_accum=False):
+    a_data = a.data.contiguous()
+    b_data = b.data.t().contiguous().t()
+    sa = a.scale.reciprocal().to(torch.float32).contiguous()
+    sb = b.scale.reciprocal().to(torch.float32).contiguous()
+    return torch._scaled_mm(a_data, b_data, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+"""
+
+
 def _mutate(source: str, old: str, new: str) -> str:
     assert source.count(old) == 1, old  # a mutant that silently equals the answer would test nothing
     return source.replace(old, new)
@@ -101,7 +113,7 @@ SCALES = "scales: fmax / amax, per tensor and row"
 CAST = "quantize / dequantize: saturate, RNE"
 MM = "scaled_mm: the scales undone"
 LINEAR = "float8_linear: three fp8 GEMMs"
-CORRECT = {SCALES: _SCALES, CAST: _CAST, MM: _MM, LINEAR: _LINEAR}
+CORRECT = {SCALES: _SCALES, CAST: _CAST, MM: [_MM, _MM_SCALED], LINEAR: _LINEAR}
 MUTANTS = {
     SCALES: [
         _mutate(_SCALES, "scale = (torch.full_like(a, fmax) / a).to(torch.float32)",
@@ -123,6 +135,8 @@ MUTANTS = {
         # ^ the scales, not the inverse scales
         _mutate(_MM, "return (a32 @ b32).to(out_dtype)",
                 "return (a32.bfloat16() @ b32.bfloat16()).to(out_dtype)"),  # dequantized to bf16
+        # the operands as they come: right on a CPU, refused by an H100's torch._scaled_mm
+        _mutate(_MM_SCALED, "    b_data = b.data.t().contiguous().t()\n", "    b_data = b.data\n"),
     ],
     LINEAR: [
         _mutate(_LINEAR, "gf = c.grad_format", "gf = c.input_format"),  # e4m3 for the gradients

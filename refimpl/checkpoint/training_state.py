@@ -148,6 +148,11 @@ def save_training_state(checkpointer: Checkpointer, step: int, *, model: nn.Modu
     checkpointer.save(step, tensors, state=state, rank_state={"rng": capture_rng_state()}, config=config)
 
 
+# Optimizer options that say how this machine runs the update, not what it computes: kept from the optimizer
+# built here (a checkpoint saved on CPU ranks, foreach=False, resumes on GPUs with foreach, and back).
+_HOW_NOT_WHAT = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
 def _load_optimizer(reader: CheckpointReader, model: nn.Module, optimizer: torch.optim.Optimizer,
                     groups: list[dict] | None) -> None:
     inner, slots = _optimizer_slots(model, optimizer)
@@ -183,7 +188,8 @@ def _load_optimizer(reader: CheckpointReader, model: nn.Module, optimizer: torch
                                   f"optimizer has {len(optimizer.param_groups)}")
         for target in {id(o): o for o in (optimizer, inner)}.values():
             for g, saved in zip(target.param_groups, groups, strict=True):
-                g.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in g})
+                g.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
+                          if k in g and k not in _HOW_NOT_WHAT})
 
 
 def load_training_state(checkpointer: Checkpointer, info: CheckpointInfo, *, model: nn.Module,
