@@ -19,6 +19,10 @@ one with ``cp 2``), ``--steps`` steps each, no checkpoint. Per layout:
    steps): timing on a shared CPU (transfer delays, 8 processes on the cores), so reported, not asserted.
 
 ``--quick``: the tiny model of tests/test_planner_3d.py, 3 steps, 1 warm-up, one round (a smoke run).
+
+**Pinned to gloo on the CPU**, also on a GPU box: ``run_ranks(..., backend="gloo")`` gives every rank the
+CPU as ``ctx.device``, which the trainer builds on. Eight ranks would not find eight GPUs on most boxes, and
+the figures here are CPU ratios and bytes; a GPU's are bench/gpu/check.py's.
 """
 
 from __future__ import annotations
@@ -108,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     load0, start = os.getloadavg()[0], time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
         make_corpus_file(Path(root) / "corpus.txt", num_bytes=50_000)
-        per_rank = run_ranks(_run_all, WORLD, model, steps, root, repeats, timeout_s=900)
+        per_rank = run_ranks(_run_all, WORLD, model, steps, root, repeats, timeout_s=900, backend="gloo")
     elapsed, load1 = time.perf_counter() - start, os.getloadavg()[0]
     print(f"# bench_3d: world {WORLD} on {_cpu()}, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, Python {platform.python_version()}; "

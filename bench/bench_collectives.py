@@ -8,6 +8,10 @@ all-reduce through rank 0 (``refimpl.comm.ring.naive_all_reduce``), **alternatin
 that all see the same machine load. Every call starts after a barrier and is timed on every rank; the
 slowest rank's time is the call's time, and the median over the repeats (after a warm-up) is reported.
 
+**Pinned to gloo on the CPU**, also on a GPU box: ``run_ranks(..., backend="gloo")``, and every buffer on
+``ctx.device`` (the CPU under gloo). What it compares is our Python ring against gloo's all-reduce on the
+same CPU; on GPUs the rings would race NCCL's kernels, another benchmark.
+
 Printed: a markdown table with, per world size and size, the three medians and the ratios ring / torch
 and naive / torch, and the bytes the busiest rank sends in the ring and rank 0 in the naive version,
 **measured** by a :class:`~refimpl.comm.tracer.CommTracer` (the tensors handed to ``isend``/``send`` in one
@@ -46,7 +50,7 @@ def _worker(ctx, sizes: list[int], repeats: int, warmup: int) -> tuple[list[dict
     impls = {"ring": ring_all_reduce, "torch": lambda t: dist.all_reduce(t), "naive": naive_all_reduce}
     rows = []
     for size in sizes:
-        buf = torch.zeros(max(1, size // 4), dtype=torch.float32)  # zeros: sums stay finite
+        buf = torch.zeros(max(1, size // 4), dtype=torch.float32, device=ctx.device)  # finite sums
         times: dict[str, list[float]] = {k: [] for k in impls}
         for i in range(warmup + repeats):
             for name, fn in impls.items():
@@ -57,18 +61,18 @@ def _worker(ctx, sizes: list[int], repeats: int, warmup: int) -> tuple[list[dict
                     times[name].append(time.perf_counter() - t0)
         slowest = {}
         for name, ts in times.items():  # each call lasts as long as its slowest rank
-            t = torch.tensor(ts, dtype=torch.float64)
+            t = torch.tensor(ts, dtype=torch.float64, device=ctx.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             slowest[name] = statistics.median(t.tolist())
         sent = {}
         for name in ("ring", "naive"):  # one more call each, traced: the bytes this rank handed to (i)send
             with CommTracer() as tracer:
                 impls[name](buf)
-            sent[name] = torch.tensor([tracer.measured_bytes_sent()], dtype=torch.float64)
+            sent[name] = torch.tensor([tracer.measured_bytes_sent()], dtype=torch.float64, device=ctx.device)
             dist.all_reduce(sent[name], op=dist.ReduceOp.MAX)  # the busiest rank
         rows.append({"size": size, **slowest, "ring_sent": int(sent["ring"].item()),
                      "naive_sent": int(sent["naive"].item())})
-    p2p = measure_p2p(repeats=repeats, warmup=warmup)  # ranks 0 <-> 1, 4 B .. 4 MiB
+    p2p = measure_p2p(repeats=repeats, warmup=warmup)  # ranks 0 <-> 1, 4 B .. 4 MiB, on the group's device
     return rows, p2p
 
 
@@ -85,7 +89,7 @@ def run(ranks: list[int], sizes: list[int], repeats: int, warmup: int) -> str:
 
     fits = []
     for world in ranks:
-        rows, p2p = run_ranks(_worker, world, sizes, repeats, warmup, timeout_s=1800)[0]
+        rows, p2p = run_ranks(_worker, world, sizes, repeats, warmup, timeout_s=1800, backend="gloo")[0]
         fit = fit_alpha_beta(p2p.sizes_bytes, p2p.seconds)
         fits.append(f"- {world} ranks running, ping-pong 0 <-> 1: alpha = {fit.alpha_s * 1e6:.1f} us, "
                     f"beta = {fit.beta_bytes_per_s / 1e9:.2f} GB/s, R^2 (log T) = {fit.r2:.3f} "

@@ -32,6 +32,9 @@ as a share of its forward, per rank the median over the passes. Exposed time inc
 waiting for a neighbour that has not reached its send yet: with more ranks than free cores that is the
 scheduler's doing as much as the wire's. A rank waiting in a barrier or an ``irecv`` sleeps (gloo), so
 the one-device pass on rank 0 has the cores the other ranks leave. CPU: compare ratios only.
+
+**Pinned to gloo on the CPU**, also on a GPU box (``run_ranks(..., backend="gloo")``; the tensors on
+``ctx.device``, the CPU under gloo): the ratios compare implementations on the same CPU ranks.
 """
 
 from __future__ import annotations
@@ -213,7 +216,8 @@ def run(sizes: list[int], micro_batch: int, seq_len: int, repeats: int, warmup: 
              "sent per rank, forward | backward | formula (forward, backward) | exposed ring transfer |",
              "|---|---|---|---|---|---|---|---|"]
     for cp in sizes:
-        per_rank = run_ranks(_worker, cp, micro_batch, seq_len, repeats, warmup, timeout_s=600)
+        per_rank = run_ranks(_worker, cp, micro_batch, seq_len, repeats, warmup, timeout_s=600,
+                             backend="gloo")
         control = _error_ratio(per_rank, "negative control", "zigzag", refs)
         if not control > 1.0:
             raise SystemExit(f"cp = {cp}: the negative control (a mask from the wrong positions) passed the "

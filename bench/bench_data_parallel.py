@@ -15,6 +15,10 @@ goal is <= 1.10), our bucket count, and the fraction of our communication left *
 lies after the end of the autograd pass; median over the measured steps). DDP's exposure is not observable
 from outside its C++ reducer without changing it, so it is not reported. On CPU, compare ratios only;
 absolute times depend on the machine and its load.
+
+**Pinned to gloo on the CPU**, also on a GPU box (``run_ranks(..., backend="gloo")``; models and batches on
+``ctx.device``, the CPU under gloo): the ratio ours / DDP is measured on the same CPU ranks, and a GPU run
+of the same comparison would need CUDA-event timing (docs/ARCHITECTURE.md, "GPUs").
 """
 
 from __future__ import annotations
@@ -38,11 +42,11 @@ def _worker(ctx, caps_mb: list[float], steps: int, warmup: int, micro_batch: int
 
     cfg = ModelConfig(max_seq_len=seq_len)  # the course's default GPT: 4 layers, hidden 128, tied
     g = torch.Generator().manual_seed(ctx.rank)
-    data = [torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1), generator=g)
+    data = [torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1), generator=g).to(ctx.device)
             for _ in range(steps + warmup)]
     rows = []
     for cap in caps_mb:
-        ours_model, ddp_model = GPT(cfg, seed=0), GPT(cfg, seed=0)
+        ours_model, ddp_model = GPT(cfg, seed=0).to(ctx.device), GPT(cfg, seed=0).to(ctx.device)
         ours = DataParallelBucket(ours_model, bucket_cap_mb=cap)
         ddp = DDP(ddp_model, bucket_cap_mb=cap)
         runs = {"ours": (ours, build_optimizer(ours_model, OptimConfig()), []),
@@ -78,7 +82,8 @@ def run(ranks: list[int], caps_mb: list[float], steps: int, warmup: int, micro_b
         "|---|---|---|---|---|---|---|",
     ]
     for world in ranks:
-        per_rank = run_ranks(_worker, world, caps_mb, steps, warmup, micro_batch, seq_len, timeout_s=1800)
+        per_rank = run_ranks(_worker, world, caps_mb, steps, warmup, micro_batch, seq_len, timeout_s=1800,
+                             backend="gloo")
         for k, cap in enumerate(caps_mb):
             ours = max(r[k]["ours_s"] for r in per_rank)
             theirs = max(r[k]["ddp_s"] for r in per_rank)

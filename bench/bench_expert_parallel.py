@@ -46,6 +46,10 @@ exchange are the tracer's ring model of the payloads actually handed over, as to
 gloo sends) against :func:`alltoall_bytes` (from the counts the run measured) and :func:`allgather_bytes`
 (stated here; the planner has no MoE byte formula yet). CPU: compare ratios only; with more ranks than
 free cores the ratios measure CPU time and the scheduler, not links.
+
+**Pinned to gloo on the CPU**, also on a GPU box (``run_ranks(..., backend="gloo")``; ``ctx.device`` is the
+CPU, where the layers, tokens and references are made): the one-device references and the proof compare
+float32 and float64 runs on the same CPU, and the GPU's grouped GEMM is bench/gpu/check.py's.
 """
 
 from __future__ import annotations
@@ -382,7 +386,7 @@ def run(sizes: list[int], s: Sizes, repeats: int, warmup: int) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for ep in sizes:
-        by_routing = run_ranks(worker, ep, s, repeats, warmup, timeout_s=900)
+        by_routing = run_ranks(worker, ep, s, repeats, warmup, timeout_s=900, backend="gloo")
         for routing in ROUTINGS:
             per_rank = [p[routing] for p in by_routing]
             proof = prove(per_rank, s, ep, routing)

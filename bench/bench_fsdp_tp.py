@@ -29,6 +29,10 @@ sequences ``[i B/2, (i+1) B/2)`` of the global batch, the two tp ranks of a repl
    the measured steps, slowest rank; and the model state each rank holds at rest after a step (parameter
    shards, gradient shards, AdamW state: ours :meth:`FullyShardedDataParallel.state_bytes`, PyTorch's the
    local tensors of its DTensors). On CPU compare ratios only.
+
+**Pinned to gloo on the CPU**, also on a GPU box (``run_ranks(..., backend="gloo")``; the models, batches and
+the (dp, tp) mesh on ``ctx.device``, the CPU under gloo): the proof's one-device references run in the same
+CPU processes, and tests/test_fsdp_tp.py runs ``proof_worker`` on CPU ranks too.
 """
 
 from __future__ import annotations
@@ -44,9 +48,10 @@ FACTOR = 4.0  # x the one-device summation-order spread (tests/test_zero.py's ru
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=False)
 
 
-def _batches(cfg, *, micro_batch: int, seq_len: int, n: int) -> list[torch.Tensor]:
+def _batches(cfg, *, micro_batch: int, seq_len: int, n: int, device: torch.device) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1), generator=g) for _ in range(n)]
+    return [torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1), generator=g).to(device)
+            for _ in range(n)]
 
 
 def _ours(cfg, ctx):
@@ -58,7 +63,7 @@ def _ours(cfg, ctx):
 
     dims = ParallelDims(dp=2, tp=2)
     groups = dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
-    par = parallelize(GPT(cfg, seed=0), groups, dims.config(zero_stage=3))
+    par = parallelize(GPT(cfg, seed=0).to(ctx.device), groups, dims.config(zero_stage=3))
     opt = torch.optim.AdamW(par.state_module.parameters(), **ADAMW)
     dp_rank = groups.coords.dp
 
@@ -89,12 +94,12 @@ def _assemble(shards: dict) -> dict[str, torch.Tensor]:
     dist.all_gather_object(parts, mine)
     out: dict[str, torch.Tensor] = {}
     for name, box, t in (item for part in parts for item in part):
-        out.setdefault(name, torch.empty(box.global_shape))[box.slices()] = t
+        out.setdefault(name, t.new_empty(box.global_shape))[box.slices()] = t
     return out
 
 
-def _torch(cfg):
-    """FSDP2 over DTensor TP on a (dp, tp) mesh: (step, full parameters, state bytes)."""
+def _torch(cfg, ctx):
+    """FSDP2 over DTensor TP on a (dp, tp) mesh of ``ctx.device``: (step, full parameters, state bytes)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import loss_parallel
@@ -102,7 +107,7 @@ def _torch(cfg):
     from bench.bench_tensor_parallel import dtensor_gpt
     from refimpl.model import lm_loss
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(ctx.device.type, (2, 2), mesh_dim_names=("dp", "tp"))
     model = dtensor_gpt(cfg, mesh["tp"])
     for block in model.layers:
         fully_shard(block, mesh=mesh["dp"])
@@ -140,7 +145,7 @@ def _one_device(cfg, batches: list[torch.Tensor], micro: int,
     gradients before AdamW into ``grads``."""
     from refimpl.model import GPT, lm_loss
 
-    model = GPT(cfg, seed=0)
+    model = GPT(cfg, seed=0).to(batches[0].device)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     for i, batch in enumerate(batches):
         for part in batch.chunk(micro):
@@ -173,9 +178,9 @@ def proof_worker(ctx, steps: int, micro_batch: int, seq_len: int) -> dict:
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, max_seq_len=seq_len,
                       tie_word_embeddings=False)
-    batches = _batches(cfg, micro_batch=micro_batch, seq_len=seq_len, n=steps)
+    batches = _batches(cfg, micro_batch=micro_batch, seq_len=seq_len, n=steps, device=ctx.device)
     ours_step, ours_full, ours_state = _ours(cfg, ctx)
-    torch_step, torch_full, torch_state = _torch(cfg)
+    torch_step, torch_full, torch_state = _torch(cfg, ctx)
     grads: dict[str, dict] = {"ours": {}, "torch": {}, "one": {}, "one, 2 micro-batches": {}}
     for i, batch in enumerate(batches):
         if i == len(batches) - 1:
@@ -220,8 +225,9 @@ def time_worker(ctx, steps: int, warmup: int, micro_batch: int, seq_len: int) ->
 
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     cfg = ModelConfig(max_seq_len=seq_len, tie_word_embeddings=False)
-    batches = _batches(cfg, micro_batch=micro_batch, seq_len=seq_len, n=warmup + steps)
-    impls = {"ours (ZeRO-3 over TP)": _ours(cfg, ctx), "PyTorch (fully_shard over DTensor TP)": _torch(cfg)}
+    batches = _batches(cfg, micro_batch=micro_batch, seq_len=seq_len, n=warmup + steps, device=ctx.device)
+    impls = {"ours (ZeRO-3 over TP)": _ours(cfg, ctx),
+             "PyTorch (fully_shard over DTensor TP)": _torch(cfg, ctx)}
     times: dict[str, list[float]] = {k: [] for k in impls}
     for i, batch in enumerate(batches):
         for name, (step, _, _) in impls.items():
@@ -237,7 +243,7 @@ def time_worker(ctx, steps: int, warmup: int, micro_batch: int, seq_len: int) ->
 def run(steps: int, warmup: int, micro_batch: int, seq_len: int) -> str:
     from refimpl.launch import run_ranks
 
-    per_rank = run_ranks(time_worker, 4, steps, warmup, micro_batch, seq_len, timeout_s=900)
+    per_rank = run_ranks(time_worker, 4, steps, warmup, micro_batch, seq_len, timeout_s=900, backend="gloo")
     names = list(per_rank[0]["median_s"])
     step_s = {n: max(r["median_s"][n] for r in per_rank) for n in names}
     state = {n: max(r["state_bytes"][n] for r in per_rank) for n in names}

@@ -25,6 +25,10 @@ One set of CPU ranks per pipeline size ``p`` (gloo, world = p, one thread each) 
    Beside it the simulator (:func:`simulate`) replaying each action's measured duration with the median
    measured transfer delay ``p2p`` (what is left between it and the measured bubble: the delays' tail),
    the delays' median and largest, and the slowest action over its kind's median.
+
+**Pinned to gloo on the CPU**, also on a GPU box (``run_ranks(..., backend="gloo")``; ``ctx.device``, which
+the stages are given, is the CPU): part 2's sleeps stand in for GPU kernels on CPU ranks, and the one-device
+reference of part 1 runs on the same CPU.
 """
 
 from __future__ import annotations
@@ -285,7 +289,7 @@ def run(sizes: list[int], m: int, repeats: int, warmup: int, bubble_m: list[int]
               "|---|---|---|---|---|---|---|---|---|"]
     for p in sizes:
         per_rank = run_ranks(_worker, p, m, repeats, warmup, bubble_m, cost_ms / 1e3, bubble_repeats,
-                             timeout_s=900)
+                             timeout_s=900, backend="gloo")
         for name in TIMED:
             cells = []
             for key in (f"ours {name}", f"torch {name}"):

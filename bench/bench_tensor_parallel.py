@@ -29,6 +29,10 @@ Each trains with AdamW on the same batches (every rank of the group sees the sam
    and the ring model's bytes sent (:func:`refimpl.planner.wire_bytes`: ``2(t-1)/t b s h`` floats per
    all-reduce of the blocks); DTensor's collectives counted by ``CommDebugMode`` (counts only).
 3. A sanity check: the first step's loss of ours and DTensor's, side by side.
+
+**Pinned to gloo on the CPU**, also on a GPU box (``run_ranks(..., backend="gloo")``; the models, batches
+and DTensor's mesh on ``ctx.device``, the CPU under gloo): DTensor's SDPA and gloo's reduce-scatter behave
+otherwise on GPUs, so these CPU ratios say nothing of NCCL.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def dtensor_gpt(cfg, mesh):
 
     from refimpl.model import GPT
 
-    model = GPT(cfg, seed=0)
+    model = GPT(cfg, seed=0).to(mesh.device_type)  # the mesh's device: parallelize_module shards in place
     t = mesh.size()
     for block in model.layers:
         parallelize_module(block, mesh, {
@@ -88,11 +92,11 @@ def _worker(ctx, steps: int, warmup: int, micro_batch: int, seq_len: int) -> dic
     group, t = dist.group.WORLD, ctx.world_size
     adamw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False)
     g = torch.Generator().manual_seed(0)  # the same tokens on every rank of the tensor-parallel group
-    data = [torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1), generator=g)
+    data = [torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1), generator=g).to(ctx.device)
             for _ in range(1 + warmup + steps)]
 
     def ours(sp: bool):
-        model = apply_tensor_parallel(GPT(cfg, seed=0), tp_group=group, sequence_parallel=sp)
+        model = apply_tensor_parallel(GPT(cfg, seed=0).to(ctx.device), tp_group=group, sequence_parallel=sp)
         opt = torch.optim.AdamW(model.parameters(), **adamw)
 
         def step(batch) -> float:
@@ -108,7 +112,7 @@ def _worker(ctx, steps: int, warmup: int, micro_batch: int, seq_len: int) -> dic
         return step
 
     def dtensor():
-        model = dtensor_gpt(cfg, init_device_mesh("cpu", (t,)))
+        model = dtensor_gpt(cfg, init_device_mesh(ctx.device.type, (t,)))
         opt = torch.optim.AdamW(model.parameters(), **adamw)
 
         def step(batch) -> float:
@@ -169,7 +173,7 @@ def run(sizes: list[int], steps: int, warmup: int, micro_batch: int, seq_len: in
              "|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for t in sizes:
-        per_rank = run_ranks(_worker, t, steps, warmup, micro_batch, seq_len, timeout_s=900)
+        per_rank = run_ranks(_worker, t, steps, warmup, micro_batch, seq_len, timeout_s=900, backend="gloo")
         names = list(per_rank[0]["median_s"])
         step_s = {n: max(r["median_s"][n] for r in per_rank) for n in names}
         fb_s = {n: max(r["median_fwd_bwd_s"][n] for r in per_rank) for n in names}

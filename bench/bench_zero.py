@@ -19,6 +19,10 @@ same shards of the same batches.
    each so all see the same load; per rank the median over the measured steps, then the slowest rank's
    median. On CPU compare ratios only.
 3. A sanity check: after the same steps, our parameters and FSDP2's are compared (bit for bit expected).
+
+**Pinned to gloo on the CPU**, also on a GPU box (``run_ranks(..., backend="gloo")``; the models, batches and
+FSDP2's mesh on ``ctx.device``, the CPU under gloo): the state bytes are counted from the tensors wherever
+they live, and the step-time ratio is taken on the same CPU ranks.
 """
 
 from __future__ import annotations
@@ -132,7 +136,8 @@ def run(ranks: list[int], steps: int, warmup: int, micro_batch: int, seq_len: in
     ]
     notes = []
     for world in ranks:
-        per_rank = run_ranks(_worker, world, steps, warmup, micro_batch, seq_len, timeout_s=1800)
+        per_rank = run_ranks(_worker, world, steps, warmup, micro_batch, seq_len, timeout_s=1800,
+                             backend="gloo")
         names = list(per_rank[0]["peak"])
         step_s = {n: max(r["median_s"][n] for r in per_rank) for n in names}
         for n in names:

@@ -6,11 +6,8 @@ trainer does not know, and the layout on the wrong number of GPUs, fail the same
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -87,29 +84,6 @@ def test_the_kubernetes_job_fits_every_pod_count_its_elastic_policy_allows():
     for pods in range(policy["minReplicas"], policy["maxReplicas"] + 1):
         dims = _world_layout(trainer, pods * per_pod)  # dp follows the world size
         assert dims.world_size == pods * per_pod and dims.dp == pods, (pods, dims)
-
-
-def test_the_gpu_bench_script_passes_only_trainer_flags():
-    """bench/gpu/run.sh (run by hand on GPUs, never by the suite): bash accepts it, the trainer parses its
-    flags for each default precision (bf16 and fp8), with ``$((16 * gpus))`` at one GPU, and its summary
-    compiles; without a GPU it refuses in one line (exit 2)."""
-    path = ROOT / "bench" / "gpu" / "run.sh"
-    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
-    text = path.read_text()
-    assert 'PRECISIONS=${PRECISIONS:-"bf16 fp8"}' in text
-    command = " ".join(line.rstrip("\\").strip() for line in
-                       text.split("-m refimpl.train", 1)[1].split('"$@"', 1)[0].splitlines())
-    for precision in ("bf16", "fp8"):
-        argv = shlex.split(command.replace("$((16 * gpus))", "16").replace('"$out/$precision"', "runs/x")
-                           .replace('"$precision"', precision))
-        assert build_parser().parse_args(argv).precision == precision
-    compile(text.split("<<'PYEOF'\n", 1)[1].split("PYEOF", 1)[0], "run.sh summary", "exec")
-    import torch
-
-    if not torch.cuda.is_available():
-        proc = subprocess.run(["bash", str(path)], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "PY": sys.executable})
-        assert proc.returncode == 2 and proc.stderr.startswith("error: no CUDA device"), proc.stderr
 
 
 def test_negative_control_an_unknown_flag_fails_the_parse():

@@ -7,6 +7,10 @@ with it):
 * :func:`measure_p2p`: ping-pong between two ranks, one-way time = half the round trip;
 * :func:`measure_collective`: any collective, e.g. ``ops.all_reduce`` or ``ring_all_reduce``.
 
+Buffers are made on the process group's device (:func:`group_device`: ``cuda:<current>`` under NCCL, which
+moves CUDA tensors only, the CPU under gloo) unless ``device`` names one; the GPU is synchronised around each
+timed call, since a collective on NCCL returns before it has run.
+
 Each size is run ``warmup`` times unmeasured (connection setup, allocator, caches), then ``repeats`` times;
 the time of one repeat is the slowest rank's, and the median over repeats is kept (robust to a stray
 slow run on a shared machine). Timings on an oversubscribed CPU are only illustrative: docs/ARCHITECTURE.md
@@ -25,7 +29,7 @@ import torch.distributed as dist
 
 from refimpl.comm import ops
 
-__all__ = ["DEFAULT_SIZES", "Timings", "measure_collective", "measure_p2p"]
+__all__ = ["DEFAULT_SIZES", "Timings", "group_device", "measure_collective", "measure_p2p"]
 
 DEFAULT_SIZES: tuple[int, ...] = (4, 64, 1024, 16 * 1024, 256 * 1024, 4 * 1024 * 1024)
 """Message sizes in bytes, from one float32 to 4 MiB."""
@@ -40,6 +44,17 @@ class Timings:
     sizes_bytes: tuple[int, ...]
     seconds: tuple[float, ...]
     repeats: int
+
+
+def group_device(group=None) -> torch.device:
+    """The device a collective on ``group`` (default: the default group) takes its tensors on: the current
+    CUDA device when the group's backend is NCCL (it has no CPU path: "No backend type associated with device
+    type cpu"), else the CPU (gloo; also without a process group)."""
+    if not dist.is_initialized():
+        return torch.device("cpu")
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _sync(device: torch.device) -> None:
@@ -64,14 +79,15 @@ def measure_collective(
     repeats: int = 5,
     warmup: int = 2,
     group=None,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
 ) -> Timings:
     """Median time of ``fn(buffer, group=group)`` on float32 buffers of each size. Call on every rank.
 
     ``fn`` is e.g. :func:`refimpl.comm.ops.all_reduce` or :func:`refimpl.comm.ring.ring_all_reduce`.
-    Buffers are zeros (sums stay finite however often they run) of ``max(1, size // 4)`` elements.
+    Buffers are zeros (sums stay finite however often they run) of ``max(1, size // 4)`` elements, on
+    ``device`` (None: the rank's device for ``group``, :func:`group_device`).
     """
-    device = torch.device(device)
+    device = group_device(group) if device is None else torch.device(device)
     n = dist.get_world_size(group) if dist.is_initialized() else 1
     medians = []
     for size in sizes_bytes:
@@ -99,14 +115,15 @@ def measure_p2p(
     repeats: int = 5,
     warmup: int = 2,
     group=None,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
 ) -> Timings:
     """One-way time of a message between group ranks ``src`` and ``dst``: half a ping-pong's round trip.
 
     Call on every rank of the group (the others wait); every rank gets the same :class:`Timings`. Uses
-    blocking ``ops.send``/``ops.recv``, so an active tracer sees each message.
+    blocking ``ops.send``/``ops.recv``, so an active tracer sees each message (the pair is ordered, send
+    against receive, so NCCL's blocking unbatched calls meet). ``device``: as in :func:`measure_collective`.
     """
-    device = torch.device(device)
+    device = group_device(group) if device is None else torch.device(device)
     rank, n = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     if n < 2 or src == dst or not (0 <= src < n and 0 <= dst < n):
         raise ValueError(f"need two distinct ranks of a group of at least 2; got src={src}, dst={dst}, n={n}")
