@@ -311,7 +311,10 @@ def _one_device(files: dict, flags: list[str], *, steps: int) -> dict:
 @pytest.fixture(scope="module")
 def one_device(files, runs) -> dict:
     """Per balancing mode the one-device references, and the ep 2 checkpoint loaded into the plain GPT."""
-    out = {"aux": _one_device(files, [], steps=STEPS + 2), "bias": _one_device(files, BIAS, steps=STEPS)}
+    # STEPS + 2 for bias too: on AVX2 kernels (an AMD EPYC here) its two orders gave the same bits for the
+    # first STEPS steps (AdamW's first updates, about lr x sign(g), absorb the gradients' last-bit
+    # differences), so there was no yardstick; at STEPS + 2 the orders part (one ulp of the loss)
+    out = {"aux": _one_device(files, [], steps=STEPS + 2), "bias": _one_device(files, BIAS, steps=STEPS + 2)}
     plain = GPT(config_from_args(_args(files, Path(files["root"]) / "x")).model, seed=7)
     _load(Path(files["root"]) / "ep2-checkpoint", plain)
     out["ep1 load"] = {k: v.clone() for k, v in plain.state_dict().items()}
