@@ -6,16 +6,20 @@ DeepSeek-V3's auxiliary-loss-free bias update.
   blocks' balance losses summed (what the loss adds, in the graph), and each block's counters: the
   assignments its router made per expert (``tokens_per_expert``, before capacity), the dropped ones and
   the balance loss (detached). Read here and not in the forward, because activation checkpointing runs a
-  block's forward a second time in backward.
+  block's forward a second time in backward. The counters are device tensors, added to on the device:
+  nothing here reads a value on the host (a ``.cpu()`` and a ``float()`` per block and micro-batch were
+  two device-to-host syncs each; :mod:`refimpl.parallel.expert_parallel.host_syncs`), the step's one read
+  is :func:`finish_step`'s.
 * :func:`finish_step` (once per step, before the optimizer step): one all-reduce of every block's
   counters over the ``dp x cp`` group (the ranks that saw different tokens; a tensor-parallel group saw the
   same ones), so every rank knows the global batch's load ``c_i``. With ``moe_load_balance = "bias"`` each
   router's expert bias moves by DeepSeek-V3's rule, ``b_i += u sign(mean_j c_j - c_i)`` (section 2.1.2),
-  the same on every rank. Returns the step's figures for metrics.jsonl: the balance loss (the mean over
-  micro-batches and ranks, summed over blocks: the part of the loss it is), the most and the mean
-  assignments per expert (over blocks and experts: ``mean = k T / E`` for ``T`` tokens), and the dropped
-  fraction of all assignments. Under pipeline parallelism a rank holds its stages' blocks only: the figures
-  then sum (and take the largest load) over the ``pp`` group too.
+  the same on every rank (from the reduced counters still on the device). Returns the step's figures for
+  metrics.jsonl: the balance loss (the mean over micro-batches and ranks, summed over blocks: the part of
+  the loss it is), the most and the mean assignments per expert (over blocks and experts: ``mean = k T /
+  E`` for ``T`` tokens), and the dropped fraction of all assignments. Under pipeline parallelism a rank
+  holds its stages' blocks only: the figures then sum (and take the largest load) over the ``pp`` group
+  too.
 """
 
 from __future__ import annotations
@@ -35,12 +39,25 @@ __all__ = ["MoECounters", "finish_step", "record_micro_batch"]
 
 @dataclass(kw_only=True)
 class MoECounters:
-    """One block's sums over the step's micro-batches on this rank."""
+    """One block's sums over the step's micro-batches on this rank, float64 on the block's device:
+    ``load [E]`` (assignments routed to each expert, before capacity) and ``scalars [3]``: the
+    assignments dropped by capacity, all assignments (``T k`` per forward) and the balance losses
+    (detached)."""
 
-    load: torch.Tensor  # [E] assignments routed to each expert (before capacity)
-    dropped: float = 0.0  # assignments dropped by capacity
-    assignments: float = 0.0  # all assignments (T k per forward)
-    aux: float = 0.0  # the balance losses (detached)
+    load: torch.Tensor
+    scalars: torch.Tensor
+
+    @classmethod
+    def zeros(cls, num_experts: int, device: torch.device) -> MoECounters:
+        return cls(load=torch.zeros(num_experts, dtype=torch.float64, device=device),
+                   scalars=torch.zeros(3, dtype=torch.float64, device=device))
+
+    def add(self, load: torch.Tensor, dropped: torch.Tensor, assignments: int, aux: torch.Tensor) -> None:
+        """One forward's figures, added on the device (no host read)."""
+        self.load += load.detach()
+        self.scalars[0] += dropped
+        self.scalars[1] += assignments
+        self.scalars[2] += aux.detach()
 
 
 def record_micro_batch(model: nn.Module) -> torch.Tensor | None:
@@ -52,14 +69,10 @@ def record_micro_batch(model: nn.Module) -> torch.Tensor | None:
         moe = block.moe
         if block.aux_loss is None or moe.tokens_per_expert is None:
             continue
-        c = block.counters
-        if c is None:
-            c = block.counters = MoECounters(load=torch.zeros(moe.num_experts, dtype=torch.float64))
-        assignments = float(moe.routing.expert_ids.numel())
-        c.load += moe.tokens_per_expert.detach().to("cpu", torch.float64)
-        c.assignments += assignments
-        c.dropped += moe.dropped_fraction * assignments
-        c.aux += float(block.aux_loss.detach())
+        if block.counters is None:
+            block.counters = MoECounters.zeros(moe.num_experts, moe.tokens_per_expert.device)
+        block.counters.add(moe.tokens_per_expert, moe.routing.dropped, moe.routing.expert_ids.numel(),
+                           block.aux_loss)
         losses.append(block.aux_loss)
     return torch.stack(losses).sum() if losses else None
 
@@ -84,22 +97,21 @@ def finish_step(model: nn.Module, group: dist.ProcessGroup | None, *, micro_batc
     most = torch.zeros(1, dtype=torch.float64)  # the largest load of an expert of a block here
     if blocks:
         loads = torch.stack([b.counters.load for b in blocks])  # [L, E]
-        scalars = torch.tensor([[b.counters.dropped, b.counters.assignments, b.counters.aux] for b in blocks],
-                               dtype=torch.float64)  # [L, 3]
+        scalars = torch.stack([b.counters.scalars for b in blocks])  # [L, 3]: dropped, assignments, aux
         packed = torch.cat([loads.flatten(), scalars.flatten()]).to(device)
         if n > 1:
             ops.all_reduce(packed, group=group)  # the global batch's load: one collective for every block
         tp = group_rank_size(sp_group)[1] if sp_group is not None else 1
         if tp > 1:  # each tp rank's s/t tokens; the balance losses (equal there) averaged back below
             ops.all_reduce(packed, group=sp_group)
-        packed = packed.cpu()
+        for block, load in zip(blocks, packed[: loads.numel()].view_as(loads), strict=True):
+            if block.bias_update_rate is not None:  # from the device's copy: no host-to-device copy
+                block.moe.update_expert_bias(block.bias_update_rate, load=load)
+            block.counters = None
+        packed = packed.cpu()  # the step's one host read
         loads = packed[: loads.numel()].view_as(loads)
         dropped, assignments, aux = packed[loads.numel():].view(len(blocks), 3).unbind(1)
         aux = aux / tp
-        for block, load in zip(blocks, loads, strict=True):
-            if block.bias_update_rate is not None:
-                block.moe.update_expert_bias(block.bias_update_rate, load=load.to(device))
-            block.counters = None
         sums = torch.stack([aux.sum(), dropped.sum(), assignments.sum(), loads.sum(),
                             torch.tensor(float(loads.numel()), dtype=torch.float64)])
         most = loads.max().reshape(1)

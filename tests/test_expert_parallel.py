@@ -35,7 +35,23 @@ controls: a dispatch that assumes uniform splits instead of exchanging the count
 than 100 x the tolerance), and expert gradients divided by ``ep`` (1e6 x the tolerance). Bytes: the token
 all-to-alls send other ranks exactly ``(rows to others + rows back to others) x h x 4`` bytes each way, from
 the kept counts; the tracer sees the count exchange (``E`` int64) and the rows handed to each all-to-all.
-The single-process grouped-experts checks use the same rule with the float64 loop as the reference.
+The single-process grouped-experts checks use the same rule with the float64 loop as the reference; under
+bf16 autocast the grouped experts are held to autocast's own per-expert loop (bf16 matmuls) within ``FACTOR
+x`` that loop's distance from float64, and every ``_grouped_mm`` they run, forward and backward, must get
+bf16 operands and int32 offsets (autocast does not cast ``_grouped_mm``; before the experts cast for it,
+every expert GEMM of a bf16 run computed in fp32, which on CUDA is the per-expert fallback with a host sync).
+
+**Host syncs** per MoE layer and forward, counted by :class:`HostSyncCounter` (the calls that wait for the
+device on a GPU: ``.tolist()``, ``.item()`` / ``int`` / ``bool``, ``.cpu()``, ``bincount``, boolean masks,
+``repeat_interleave`` without ``output_size``, and ``torch.tensor(list)`` copies), :data:`SYNC_BUDGET`. Before
+this budget (same counter, same layers): 11 at ep 1 (the router's two ``bincount`` s and its dropped
+fraction's ``float``, ``sort_by_expert``'s id check, kept count, mask and ``bincount``, the counts'
+``tolist``, the offsets' ``torch.tensor``, ``kept_per_expert``'s mask and ``bincount``), 16 with the
+all-to-all dispatcher at ep 2 (also the split sizes' two ``tolist`` s, the local counts' third, the
+permutation's ``int`` and two ``repeat_interleave`` s), 13 with the all-gather one; backward 0. Now: one
+``tolist`` of the counts per forward (the all-to-all's split sizes must be host ints; input splits, output
+splits and local counts come in that one read), two with the all-gather dispatcher (its equal-token
+check), none in backward. A negative control plants each kind of sync and counts it.
 """
 
 from __future__ import annotations
@@ -46,6 +62,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from refimpl.comm import CommTracer
 from refimpl.launch import run_ranks
@@ -63,6 +80,7 @@ from refimpl.parallel.expert_parallel import (
     dispatch_all_to_all,
     expert_capacity,
     expert_major_order,
+    grouped_mm_runs_fused,
     inverse_permutation,
     load_balancing_loss,
     permute,
@@ -72,6 +90,7 @@ from refimpl.parallel.expert_parallel import (
     undispatch_all_to_all,
     unpermute,
 )
+from refimpl.parallel.expert_parallel.host_syncs import HostSyncCounter
 
 H, FFN, E, K = 8, 16, 8, 2   # width, expert hidden, experts, top-k (h and f multiples of 4: _grouped_mm)
 B, S = 2, 6                  # each rank's tokens: [B, S, H], T = 12
@@ -81,6 +100,7 @@ FACTOR = 4
 SPAWN_TIMEOUT = 120
 CASES = ("modules_dropless", "modules_capacity", "grouped_sigmoid", "grouped_capacity")
 DISPATCH = ("alltoall", "allgather")
+SYNC_BUDGET = {"alltoall": 1, "allgather": 2}  # host syncs per layer and forward at ep > 1 (docstring)
 
 
 # ---- the layers and data, the same on every rank and in the parent -----------------------------------------
@@ -214,6 +234,17 @@ def _round_trip(group, x: torch.Tensor, seed: int) -> dict:
                 kept_ids=routing.kept_ids, dropped=routing.dropped_fraction)
 
 
+def _host_syncs(case: str, group, x: torch.Tensor, dispatcher: str) -> tuple[list[str], list[str]]:
+    """The host syncs (``"what @ file:line"``) of one forward and of its backward."""
+    moe = _build(case, group, dispatcher)
+    x = x.clone().requires_grad_()
+    with HostSyncCounter() as forward:
+        y = moe(x)
+    with HostSyncCounter() as backward:
+        ((y * y).sum() + moe.aux_loss).backward()
+    return sorted(forward.by_place().elements()), sorted(backward.by_place().elements())
+
+
 def _error(fn) -> str:
     try:
         fn()
@@ -228,6 +259,8 @@ def _ranks(ctx, world: int) -> dict:
     x, g = _data(world)
     out = {(case, disp): _run(_build(case, group, disp), x[rank], g[rank])
            for case in CASES for disp in DISPATCH}
+    out["syncs"] = {(case, disp): _host_syncs(case, group, x[rank], disp)
+                    for case in CASES for disp in DISPATCH}
     out["uniform"] = _uniform_splits("modules_dropless", group, x[rank])
     out["round_trip"] = _round_trip(group, x[rank], 30 + rank)
     moe = _build("grouped_sigmoid", group)
@@ -440,6 +473,20 @@ def test_capacity_is_per_rank_and_sizes_that_do_not_divide_are_errors(ranks):
         assert "do not divide over the expert-parallel size" in message and "\n" not in message, message
 
 
+@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+def test_a_dispatch_reads_the_host_once_and_backward_never(ranks):
+    """Per layer and forward: one ``tolist`` (the split sizes and local counts in one read) with the
+    all-to-all dispatcher, two with the all-gather one (module docstring); backward none."""
+    world, per_rank = ranks
+    for rank, r in enumerate(per_rank):
+        for case in CASES:
+            for disp in DISPATCH:
+                forward, backward = r["syncs"][(case, disp)]
+                where = (world, rank, case, disp, forward, backward)
+                assert len(forward) == SYNC_BUDGET[disp] and not backward, where
+                assert all(e.startswith("tolist @ ") for e in forward), where
+
+
 @pytest.mark.numerics
 @pytest.mark.timeout(SPAWN_TIMEOUT + 60)
 def test_the_benchmark_proof_passes_both_dispatchers_and_fails_its_controls():
@@ -642,6 +689,113 @@ def test_grouped_mm_offsets_are_cumulative_ends_and_an_empty_group_works():
         exact = x.detach()[s:e].double() @ w.detach()[i].double()
         assert _diff(y.detach()[s:e], block) <= FACTOR * _diff(block.double(), exact), i
     assert torch.equal(w.grad[1], torch.zeros(H, FFN))
+
+
+class _GroupedMMOperands(TorchDispatchMode):
+    """Records the operand and offset dtypes of every ``aten._grouped_mm``, forward and backward (a
+    monkeypatched ``torch._grouped_mm`` would miss the backward's calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[torch.dtype, torch.dtype, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket is torch.ops.aten._grouped_mm:
+            offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+            self.calls.append((args[0].dtype, args[1].dtype, offs.dtype))
+        return func(*args, **kwargs)
+
+
+def _experts_run(module: nn.Module, call, x: torch.Tensor, counts: list[int], gy: torch.Tensor,
+                 autocast: bool) -> dict[str, torch.Tensor]:
+    """``call(x, counts)`` (under bf16 autocast when asked) and its backward: output and gradients."""
+    xi = x.to(next(module.parameters()).dtype).clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = call(xi, counts)
+    y.backward(gy.to(y.dtype))
+    return {"y": y.detach(), "dx": xi.grad, **{n: p.grad for n, p in module.named_parameters()}}
+
+
+@pytest.mark.numerics
+def test_grouped_experts_compute_in_bf16_under_autocast():
+    """Autocast does not cast ``torch._grouped_mm``: :class:`GroupedExperts` casts the rows and the weights
+    to autocast's dtype itself (torchtitan's ``_run_experts_grouped_mm``). Under bf16 autocast every
+    ``_grouped_mm`` call, forward and backward, gets bf16 operands and int32 offsets, the output is bf16,
+    and outputs and gradients equal autocast's per-expert loop (its ``@`` is cast) within FACTOR x that
+    loop's distance from the float64 loop; a zero-token expert gets a zero gradient, a stride-0 gradient
+    goes through. Negative control: outside autocast the same call records fp32 operands (what every bf16
+    run computed in before). Measured (default and avx2 kernels): the outputs and weight gradients
+    bit for bit the loop's, SwiGLU's input gradient 0.4 x the loop's distance from float64."""
+    counts = [3, 0, 5, 4]
+    x, gy = _randn((12, H), 8), _randn((12, H), 9)
+    for activation in ("swiglu", "gelu"):
+        def build(dtype, activation=activation):
+            return GroupedExperts(dim=H, hidden=FFN, num_experts=4, activation=activation,
+                                  generator=torch.Generator().manual_seed(0)).to(dtype)
+
+        m64 = build(torch.float64)
+        exact = _experts_run(m64, m64.forward_loop, x, counts, gy, autocast=False)
+        loop_m, fast_m = build(torch.float32), build(torch.float32)
+        loop = _experts_run(loop_m, loop_m.forward_loop, x, counts, gy, autocast=True)
+        with _GroupedMMOperands() as seen:
+            fast = _experts_run(fast_m, fast_m, x, counts, gy, autocast=True)
+        calls = 3 if activation == "swiglu" else 2
+        assert len(seen.calls) == 3 * calls, seen.calls  # each forward GEMM and its two backward GEMMs
+        assert set(seen.calls) == {(torch.bfloat16, torch.bfloat16, torch.int32)}, seen.calls
+        assert fast["y"].dtype == loop["y"].dtype == torch.bfloat16
+        for n, t in fast.items():
+            assert t.dtype == loop[n].dtype, n
+            spread = _diff(loop[n].double(), exact[n])
+            assert _diff(t, loop[n]) <= FACTOR * spread, (activation, n, _diff(t, loop[n]), spread)
+        for n in ("w1", "w3", "w2"):
+            if n in fast:
+                assert torch.equal(fast[n][1], torch.zeros_like(fast[n][1])), n  # zero tokens, zero grad
+        with _GroupedMMOperands() as plain:  # negative control: no autocast, the fp32 weights' dtype
+            _experts_run(fast_m, fast_m, x, counts, gy, autocast=False)
+        assert set(plain.calls) == {(torch.float32, torch.float32, torch.int32)}, plain.calls
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a stride-0 incoming gradient (sum's) goes through
+        fast_m(x, counts).sum().backward()
+
+
+def test_grouped_mm_runs_only_where_cuda_would_not_fall_back(monkeypatch):
+    """On CPU ``_grouped_mm`` runs in every dtype it takes; on CUDA only bf16 on sm90 / sm100 (its fused
+    kernel): elsewhere its fallback reads ``offs`` on the host per call, and the layer runs its loop."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert all(grouped_mm_runs_fused(cpu, d) for d in (torch.float32, torch.bfloat16, torch.float16))
+    monkeypatch.setattr(torch.version, "hip", None)
+    for major, fused in ((8, False), (9, True), (10, True), (12, False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, m=major: (m, 0))
+        assert grouped_mm_runs_fused(cuda, torch.bfloat16) == fused, major
+        assert not grouped_mm_runs_fused(cuda, torch.float32), major
+
+
+def test_the_host_sync_counter_sees_each_kind_of_sync():
+    """Negative control of the budget: each kind of sync the counter knows, planted once, is counted once;
+    the sync-free forms (``output_size``, a ``scatter_add_`` count) are not."""
+    t, ids = torch.arange(6), torch.tensor([0, 2, 2, 1])
+    with HostSyncCounter() as c:
+        t.tolist(), t.cpu(), int(t.sum()), bool(t[1]), float(t[2])
+        torch.bincount(ids), t[t > 2], torch.nonzero(t), torch.repeat_interleave(ids, ids)
+        torch.tensor([1, 2])
+    kinds = [e.what for e in c.events]
+    assert kinds == ["tolist", "cpu", "item", "item", "item", "bincount", "bool index", "nonzero",
+                     "repeat_interleave", "host tensor"], kinds
+    with HostSyncCounter() as quiet:
+        torch.repeat_interleave(ids, ids, output_size=5)
+        torch.zeros(3, dtype=torch.int64).scatter_add_(0, ids, torch.ones_like(ids))
+    assert quiet.count == 0, quiet.events
+
+
+def test_one_process_layer_reads_the_host_once_per_forward():
+    """ep 1 (no group), both dispatchers, every case: one ``tolist`` of the counts in forward, none in
+    backward (module docstring; 11 before)."""
+    x, _ = _data(1)
+    for case in CASES:
+        for disp in DISPATCH:
+            forward, backward = _host_syncs(case, None, x[0], disp)
+            where = (case, disp, forward, backward)
+            assert len(forward) == 1 and forward[0].startswith("tolist @ ") and not backward, where
 
 
 def test_dispatch_permutations_round_trip_exactly():

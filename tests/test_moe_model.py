@@ -17,6 +17,11 @@ balance loss and its scale, the per-step figures and the bias update, the planne
 * **Figures and bias**: the step's tokens per expert (mean ``k T / E``), the dropped fraction under
   capacity (the layer's own figure), DeepSeek-V3's bias step ``u sign(mean - load)``, and a one-device
   trainer run writes them to metrics.jsonl.
+* **Host syncs**: a micro-batch (forward, loss, :func:`record_micro_batch`, backward) reads the device on
+  the host once per MoE block (the layer's counts; :class:`HostSyncCounter`), twice under activation
+  checkpointing (the recomputed forward reads them again). Before: 12 per block and micro-batch (the
+  layer's 10 reads and its offsets' host copy, and the per-step counters' ``.cpu()`` and ``float()`` in
+  :func:`record_micro_batch`); the counters now stay on the device until :func:`finish_step`.
 * **Refusals**: each MoE row of the support table refuses its case and lets the nearest neighbour through;
   the trainer refuses bad flags in one line with exit status 2; the planner plans MoE memory, refuses MoE run
   predictions.
@@ -36,7 +41,9 @@ from refimpl.distributed.placement import Box
 from refimpl.model import GPT, MLP, lm_loss
 from refimpl.moe import MoEMLP, moe_aux_loss, moe_blocks, sequence_balance_loss
 from refimpl.moe_balance import finish_step, record_micro_batch
+from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing
 from refimpl.parallel.expert_parallel import load_balancing_loss
+from refimpl.parallel.expert_parallel.host_syncs import HostSyncCounter
 from refimpl.parallel.parallelize import parallelize
 from refimpl.parallel.placements import HeldGradient, Placement, clip_grad_norm_
 from refimpl.planner import flops_per_token, param_count
@@ -210,6 +217,27 @@ def test_step_figures_capacity_drops_and_the_bias_update():
         assert torch.equal(block.moe.router.expert_bias, 0.25 * torch.sign(load.mean() - load).float())
         assert block.counters is None  # reset for the next step
     assert finish_step(model, None, micro_batches=1, device=CPU) is None  # nothing recorded since
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_a_micro_batch_reads_the_host_once_per_moe_block(checkpointed):
+    """Capacity (drops) and the bias balance, two micro-batches: one ``tolist`` per MoE block and forward
+    (module docstring), none in backward or in the counters; the step's figures are then read once."""
+    config = ModelConfig(**{**MOE.to_dict(), "capacity_factor": 0.5, "moe_load_balance": "bias"})
+    model = GPT(config, seed=8)
+    if checkpointed:
+        apply_activation_checkpointing(model, list(range(config.num_layers)))
+    blocks = len(moe_blocks(model))
+    for seed in (1, 2):
+        ids = _ids(2, 16, seed)
+        with HostSyncCounter() as syncs:
+            loss = lm_loss(model(ids[:, :-1]), ids[:, 1:])
+            (loss + record_micro_batch(model)).backward()
+        forwards = 2 if checkpointed else 1
+        assert syncs.count == forwards * blocks, syncs.by_place()
+        assert all(e.what == "tolist" for e in syncs.events), syncs.by_place()
+    figures = finish_step(model, None, micro_batches=2, device=CPU)
+    assert figures["moe_dropped_fraction"] > 0 and figures["moe_tokens_per_expert_mean"] == 2 * (2 * 32) / 4
 
 
 def test_a_one_device_trainer_run_writes_the_moe_figures(tmp_path, corpus):

@@ -104,7 +104,8 @@ def test_moe_block_saved_bytes_equal_the_meter_for_the_forwards_counts(name, pre
              + a["token ids, labels, positions"])
     assert saved == meter.report.total
     if precision == "bf16" and not checkpointed:  # autocast's 16-bit weight copies: the linears', not the
-        # fp32 routers'; the experts' where their loop runs (a checkpointed block saves no weight in forward)
+        # fp32 routers'; the experts' (cast by autocast in their loop, by GroupedExperts for _grouped_mm; a
+        # checkpointed block saves no weight in forward)
         assert plan.state["autocast weight copies"] == sum(
             d.get("bfloat16", 0) for d in meter.report.weights.values())
     # negative control: the dense block's formula for an MoE block
@@ -134,10 +135,11 @@ def test_expert_tensors_are_the_models_and_the_state_at_ep1_is_the_replicas():
 
 def test_uniform_all_to_all_bytes_are_the_closed_form():
     """2 (ep - 1)/ep k T (4 + q) h + (ep - 1)/ep 8 E per block and forward + backward (module docstring of
-    refimpl/planner/experts.py) at ep 2 and 4: the rows go out fp32 and come back in the experts' dtype, fp32
-    for the grouped experts in fp32 and bf16 (autocast does not cast ``_grouped_mm``), bf16 for the loop."""
+    refimpl/planner/experts.py) at ep 2 and 4: the rows go out fp32 and come back in the experts' dtype, the
+    compute dtype for the grouped experts (they cast to autocast's dtype themselves: autocast does not cast
+    ``_grouped_mm``) and for the loop alike."""
     t = 2 * 16
-    for name, dtype, q in (("gelu-softmax", torch.float32, 4), ("gelu-softmax", torch.bfloat16, 4),
+    for name, dtype, q in (("gelu-softmax", torch.float32, 4), ("gelu-softmax", torch.bfloat16, 2),
                            ("odd-widths-no-aux", torch.bfloat16, 2)):
         config = CONFIGS[name]
         h, e, k = config.hidden_size, config.num_experts, config.top_k
@@ -291,8 +293,9 @@ def test_trainer_saved_bytes_and_all_to_all_bytes_equal_the_planner_for_the_meas
         # negative controls: the dense formula for the MoE blocks; the rows a rank routes to its own experts
         # counted as sent (they are copied locally by the all-to-all, not put on the wire)
         assert activation_bytes(config, **kw) != seen["per_block"]
-        home = sum(2 * load.to_self * (4 + 4) * config.hidden_size for load in loads)  # out and back, fp32
-        assert home > 0 and sent + home != seen["all_to_all"]  # (the grouped experts compute in fp32)
+        q = dtype.itemsize  # the rows go out fp32 and come back in the experts' compute dtype
+        home = sum(2 * load.to_self * (4 + q) * config.hidden_size for load in loads)  # out and back
+        assert home > 0 and sent + home != seen["all_to_all"]
         uniform = ExpertLoad.uniform(config, micro * 16, ep=dims.ep, ep_rank=dp_rank % dims.ep)
         even = len(loads) * sum(all_to_all_bytes(config, uniform, compute_dtype=dtype).values())
         if rank == 0:

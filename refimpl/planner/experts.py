@@ -23,8 +23,9 @@ makes them the router's choice: measured counts are an input, :meth:`ExpertLoad.
 
 **Saved for backward** by one MoE MLP (:func:`moe_mlp_saved_terms`; fp32 router whatever the precision,
 ``x`` the MoE input, the post-attention LayerNorm's fp32 output, ``f`` the expert width, ``L = E/ep``,
-``q`` the experts' bytes: 4 for the grouped experts in fp32 and under autocast, which does not cast
-``torch._grouped_mm`` (measured, torch 2.13 CPU), the compute dtype's for the per-expert loop)::
+``q`` the experts' bytes: the compute dtype's, for the grouped experts too (autocast does not cast
+``torch._grouped_mm``, so :class:`refimpl.parallel.expert_parallel.GroupedExperts` casts its rows and
+weights to autocast's dtype itself, as torchtitan does))::
 
     4 T h                  router input (x; the dense block's "MLP input")
     + 4 T E                scores (softmax / sigmoid output)
@@ -34,10 +35,11 @@ makes them the router's choice: measured counts are an input, :meth:`ExpertLoad.
                            view of all T k)
     + 16 R                 ep > 1: the rank-major -> expert-major order and its inverse (int64)
     + c' q R h             the experts' input (c' = 2 for SwiGLU's loop under autocast: w1 and w3 each
-                           cast it; else 1)
+                           cast it; else 1: the grouped experts cast it once for both)
     + c q R f              the experts' intermediates: SwiGLU c = 4 (w1 x, silu, w3 x, their product),
                            GELU c = 2 (w1 x, gelu)
-    + 4 L                  _grouped_mm's int32 offsets (when it runs: 16-byte fp32 strides)
+    + 4 L                  _grouped_mm's int32 offsets (when it runs: 16-byte strides in the compute
+                           dtype, h and f multiples of 4 in fp32, of 8 in bf16)
     + q A h                the expert outputs back home (the combine's index_copy source)
     + T k + 4 T k          the keep mask (bool) and the kept weights (fp32)
     + 4 T k h              the combine's fp32 unpermuted outputs, dropped assignments included
@@ -46,15 +48,19 @@ makes them the router's choice: measured counts are an input, :meth:`ExpertLoad.
 forward produced; tests/test_planner_moe.py). The attention half of the block is the dense block's
 (:func:`~refimpl.planner.activations.activation_bytes_per_layer` without its MLP terms); under tp the MoE
 MLP sees every token, ``T = b s`` on every tp rank. Autocast keeps 16-bit copies of the linears' weights
-but not of the fp32 routers' (:func:`autocast_weight_elements`). At ep 1 dropless only ``A = R = k T``
-enters: uniform routing is exact there.
+and the experts' but not of the fp32 routers' (:func:`autocast_weight_elements`). At ep 1 dropless only
+``A = R = k T`` enters: uniform routing is exact there.
 
 **All-to-all bytes** (:func:`all_to_all_bytes`, as :class:`refimpl.comm.CommTracer` books them on the ep
 group, :func:`refimpl.comm.ops.all_to_all_single`): per block and forward the count exchange (no split
-sizes: the ring model, ``(ep - 1)/ep 8 E``), the dispatch ``(A - A_self) 4 h`` (fp32 rows) and the return
-``(R - A_self) q h``; backward sends the same rows back the other way (``A_self`` rows stay home both
-ways). Activation checkpointing repeats the forward's three in backward. Uniform routing gives
-``2 (ep - 1)/ep k T (4 + q) h + (ep - 1)/ep 8 E`` per block and forward+backward.
+sizes: the ring model, ``(ep - 1)/ep 8 E``), the dispatch ``(A - A_self) 4 h`` (fp32 rows: the experts
+cast them after the exchange) and the return ``(R - A_self) q h`` (the experts' output dtype); backward
+runs each the other way, in its forward tensor's dtype: the dispatch's gradient is the fp32 gradient of
+the ``R - A_self`` rows received, ``(R - A_self) 4 h``, the return's the ``q``-byte gradient of the ``A -
+A_self`` rows sent, ``(A - A_self) q h`` (``A_self`` rows stay home both ways; with ``q = 4`` the two
+readings agree, with ``q = 2`` and ``A != R`` only this one is the tracer's). Activation checkpointing
+repeats the forward's three in backward. Uniform routing gives ``2 (ep - 1)/ep k T (4 + q) h + (ep - 1)/ep
+8 E`` per block and forward+backward.
 """
 
 from __future__ import annotations
@@ -177,17 +183,14 @@ def _bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _expert_dtype(config: ModelConfig, compute_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the experts compute, save and return in (the planner's precisions: fp32, or bf16/fp16
-    autocast over fp32 weights): autocast does not cast ``torch._grouped_mm`` (measured, torch 2.13 CPU), so
-    the grouped experts run in their fp32 weights' dtype; the per-expert loop's matmuls are cast."""
-    return torch.float32 if _uses_grouped_mm(config) else compute_dtype
-
-
-def _uses_grouped_mm(config: ModelConfig) -> bool:
-    """:meth:`refimpl.parallel.expert_parallel.GroupedExperts.uses_grouped_mm` for the layer's fp32 input
-    (the LayerNorm's output, fp32 under autocast too): 16-byte strides."""
-    return (config.hidden_size * 4) % 16 == 0 and (config.expert_hidden_size * 4) % 16 == 0
+def _uses_grouped_mm(config: ModelConfig, compute_dtype: torch.dtype) -> bool:
+    """:meth:`refimpl.parallel.expert_parallel.GroupedExperts.uses_grouped_mm` for the layer's input (the
+    LayerNorm's fp32 output) computed in ``compute_dtype`` (fp32, or autocast's, to which the grouped
+    experts cast it): 16-byte strides in that dtype. As on CPU and on an sm90 / sm100 GPU in bf16; where
+    CUDA would take ``_grouped_mm``'s fallback (fp32, fp16) the layer runs its loop, which saves the same
+    bytes but the ``4 L`` offsets (:func:`refimpl.parallel.expert_parallel.grouped_mm_runs_fused`)."""
+    size = _bytes(compute_dtype)
+    return (config.hidden_size * size) % 16 == 0 and (config.expert_hidden_size * size) % 16 == 0
 
 
 def moe_mlp_saved_terms(config: ModelConfig, load: ExpertLoad, *, micro_batch: int, seq_len: int,
@@ -199,8 +202,8 @@ def moe_mlp_saved_terms(config: ModelConfig, load: ExpertLoad, *, micro_batch: i
     a, r, local = load.sent, load.computed, len(load.received)
     if len(load.kept) != e:
         raise ValueError(f"the load counts {len(load.kept)} experts, the block has {e}")
-    expert = _expert_dtype(config, compute_dtype)
-    q = _bytes(expert)
+    q = _bytes(compute_dtype)  # the experts compute, save and return in it (module docstring)
+    grouped = _uses_grouped_mm(config, compute_dtype)
     swiglu = config.moe_activation == "swiglu"
     terms = {
         "router input (fp32)": 4 * t * h,
@@ -212,12 +215,12 @@ def moe_mlp_saved_terms(config: ModelConfig, load: ExpertLoad, *, micro_batch: i
     terms |= {"token index (int64)": 8 * a, "sorted order (int64: the sort's T k indices)": 8 * t * k}
     if load.ep > 1:
         terms |= {"expert-major order and its inverse (int64)": 16 * r}
-    casts = 2 if swiglu and q != 4 else 1  # autocast casts the fp32 input for w1 and for w3 alike
+    casts = 2 if swiglu and q != 4 and not grouped else 1  # the loop's autocast casts it for w1 and w3
     terms |= {
         "expert input": casts * q * r * h,
         "expert intermediates": (4 if swiglu else 2) * q * r * f,
     }
-    if _uses_grouped_mm(config):
+    if grouped:
         terms |= {"grouped_mm offsets (int32)": 4 * local}
     terms |= {
         "expert outputs back home (the combine's index_copy source)": q * a * h,
@@ -260,12 +263,12 @@ def all_to_all_bytes(config: ModelConfig, load: ExpertLoad, *, compute_dtype: to
     ep, h, e = load.ep, config.hidden_size, config.num_experts
     if ep == 1:
         return {}
-    q = _bytes(_expert_dtype(config, compute_dtype))
-    dispatch, back = (load.sent - load.to_self) * 4 * h, (load.computed - load.to_self) * q * h
+    q = _bytes(compute_dtype)
+    out_rows, in_rows = load.sent - load.to_self, load.computed - load.to_self  # A - A_self, R - A_self
     forwards = 2 if recomputed else 1
     return {"count exchange (ring model)": forwards * (ep - 1) / ep * 8 * e,
-            "dispatch (forward) and its gradient": (forwards + 1) * dispatch,
-            "return (forward) and its gradient": (forwards + 1) * back}
+            "dispatch (forward) and its gradient": (forwards * out_rows + in_rows) * 4 * h,
+            "return (forward) and its gradient": (forwards * in_rows + out_rows) * q * h}
 
 
 def unmodelled_moe(config: ModelConfig, *, pp: int = 1, cp: int = 1, zero_stage: int = 0,
@@ -293,9 +296,9 @@ def check_moe_plan(config: ModelConfig, *, what: str, **layout) -> None:
 def autocast_weight_elements(config: ModelConfig, *, tp: int = 1, ep: int = 1) -> int:
     """Elements of the weights autocast keeps a 16-bit copy of on one rank: the linear layers'
     (:func:`~refimpl.planner.params_flops.matmul_weights_per_rank`) but the MoE routers', which compute in
-    fp32 with autocast off (:class:`refimpl.parallel.expert_parallel.TopKRouter`); the rank's experts only
-    where their per-expert loop runs (autocast does not cast ``torch._grouped_mm``)."""
+    fp32 with autocast off (:class:`refimpl.parallel.expert_parallel.TopKRouter`), and the rank's experts
+    (their per-expert loop's matmuls are cast by autocast, the grouped experts cast their weights
+    themselves)."""
     table = param_table(config, tp=tp)
-    cast_experts = not _uses_grouped_mm(config)
     return sum(p.numel // (ep if is_expert_tensor(p.name) else 1) for p in table.params
-               if (p.matmul and ROUTER not in p.name) or (cast_experts and is_expert_tensor(p.name)))
+               if (p.matmul and ROUTER not in p.name) or is_expert_tensor(p.name))

@@ -11,12 +11,14 @@ One concept per file:
 * :mod:`~refimpl.parallel.expert_parallel.experts`: :class:`ExpertMLP` (SwiGLU or GELU),
   :class:`LoopedExperts` (any modules, one by one) and :class:`GroupedExperts` (3-D weights,
   ``torch._grouped_mm``);
-* :mod:`~refimpl.parallel.expert_parallel.dispatch`: the bookkeeping (sort by expert, split sizes,
-  rank-major to expert-major, combine);
+* :mod:`~refimpl.parallel.expert_parallel.dispatch`: the bookkeeping (counts, sort by expert, split sizes
+  in one host read, rank-major to expert-major, combine);
 * :mod:`~refimpl.parallel.expert_parallel.expert_parallel_communications`: the uneven autograd all-to-all,
   the count exchange, the all-gather dispatcher's all-gather / reduce-scatter pair;
 * :mod:`~refimpl.parallel.expert_parallel.expert_parallel`: :class:`MoE` (``MoE(dim=..., ...)`` with grouped
-  experts, :meth:`MoE.from_modules` with any modules), the all-to-all and all-gather dispatchers.
+  experts, :meth:`MoE.from_modules` with any modules), the all-to-all and all-gather dispatchers;
+* :mod:`~refimpl.parallel.expert_parallel.host_syncs`: :class:`HostSyncCounter`, the device-to-host syncs
+  a GPU would wait for, counted on CPU.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ from __future__ import annotations
 from refimpl.parallel.expert_parallel.dispatch import (
     SortPlan,
     combine,
+    expert_counts,
     expert_major_order,
     inverse_permutation,
     permute,
     rank_splits,
     sort_by_expert,
+    split_sizes,
     unpermute,
 )
 from refimpl.parallel.expert_parallel.expert_parallel import (
@@ -51,7 +55,9 @@ from refimpl.parallel.expert_parallel.experts import (
     GroupedExperts,
     LoopedExperts,
     contiguous_grad,
+    grouped_mm_runs_fused,
 )
+from refimpl.parallel.expert_parallel.host_syncs import HostSyncCounter
 from refimpl.parallel.expert_parallel.router import (
     SCORE_FUNCS,
     RouterConfig,
@@ -72,6 +78,7 @@ __all__ = [
     "Dispatched",
     "ExpertMLP",
     "GroupedExperts",
+    "HostSyncCounter",
     "LoopedExperts",
     "MoE",
     "RouterConfig",
@@ -85,9 +92,11 @@ __all__ = [
     "contiguous_grad",
     "dispatch_all_to_all",
     "exchange_counts",
+    "expert_counts",
     "expert_capacity",
     "expert_major_order",
     "gather_tokens",
+    "grouped_mm_runs_fused",
     "inverse_permutation",
     "load_balancing_loss",
     "permute",
@@ -95,6 +104,7 @@ __all__ = [
     "reduce_scatter_tokens",
     "router_z_loss",
     "sort_by_expert",
+    "split_sizes",
     "undispatch_all_to_all",
     "unpermute",
 ]

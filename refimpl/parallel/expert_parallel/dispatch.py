@@ -21,6 +21,14 @@ owning experts ``[r E/N, (r+1) E/N)`` (contiguous blocks, as Megatron-LM and tor
 Stability makes the result reproducible: after the sort, an expert sees its tokens in token order, and after
 the exchange in (source rank, token) order, which is exactly the order one device sees when it processes
 the ranks' tokens concatenated. The matmuls then get identical operands, and the outputs agree bit for bit.
+
+**Host syncs.** On a GPU the host waits for the device whenever it reads a value (``.tolist()``,
+``int(t)``) or runs an operator whose output shape depends on the data (``bincount``, a boolean mask,
+``repeat_interleave`` without ``output_size``). The shapes here depend on the routing, so the host must
+learn the counts once per dispatch; everything else is sized from that one read: :func:`expert_counts`
+(a ``scatter_add_``, not ``bincount``), :func:`split_sizes` (input splits, output splits and local counts
+in one ``.tolist()``), ``sort_by_expert(..., counts=, kept=)`` and ``expert_major_order(recv, total)``
+(:mod:`.host_syncs` counts them; the budget is in tests/test_expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -47,18 +55,35 @@ class SortPlan:
         return torch.div(self.order, self.top_k, rounding_mode="floor")
 
 
-def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> SortPlan:
+def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[E]`` int64 on ``expert_ids``' device: the assignments per expert, ids of -1 left out. One
+    ``scatter_add_`` into a fixed ``[E]``: ``torch.bincount`` counts the same but reads the ids' maximum
+    on the host to size its output (a device-to-host sync on CUDA), and ``flat[flat >= 0]`` is a
+    data-dependent shape (another)."""
+    flat = expert_ids.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat.clamp(min=0), (flat >= 0).to(torch.int64))
+
+
+def sort_by_expert(expert_ids: torch.Tensor, num_experts: int, *, counts: torch.Tensor | None = None,
+                   kept: int | None = None) -> SortPlan:
     """Stable sort of the assignments ``expert_ids [T, k]`` by expert; ids of -1 (dropped, or another
-    rank's expert) are left out."""
+    rank's expert) are left out.
+
+    Standalone, it checks the ids and reads how many are kept (two host syncs on a GPU). The layer, which
+    already read the counts once (:func:`split_sizes`), passes ``counts`` (:func:`expert_counts`) and
+    ``kept`` (their sum, a host int): then nothing waits for the device (an id >= ``num_experts`` fails
+    :func:`expert_counts`' index check instead)."""
     if expert_ids.dim() != 2:
         raise ValueError(f"expert_ids must be [tokens, top_k], got shape {tuple(expert_ids.shape)}")
     flat = expert_ids.flatten()
-    valid = flat >= 0
-    if bool((flat >= num_experts).any()):
-        raise ValueError(f"an expert id is >= num_experts = {num_experts}")
-    key = torch.where(valid, flat, torch.full_like(flat, num_experts))  # dropped ones sort last
-    order = torch.sort(key, stable=True).indices[: int(valid.sum())]
-    counts = torch.bincount(flat[valid], minlength=num_experts)
+    if kept is None:
+        if bool((flat >= num_experts).any()):
+            raise ValueError(f"an expert id is >= num_experts = {num_experts}")
+        kept = int((flat >= 0).sum())
+    key = torch.where(flat >= 0, flat, num_experts)  # dropped ones sort last
+    order = torch.sort(key, stable=True).indices[:kept]
+    counts = expert_counts(expert_ids, num_experts) if counts is None else counts
     return SortPlan(order=order, counts=counts, top_k=expert_ids.shape[1], num_tokens=expert_ids.shape[0])
 
 
@@ -91,16 +116,33 @@ def _exclusive_cumsum(c: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(c, 0) - c
 
 
-def expert_major_order(recv: torch.Tensor) -> torch.Tensor:
+def split_sizes(counts: torch.Tensor, recv: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
+    """What the host must know to run the uneven all-to-all and the experts, read in **one** transfer:
+    the input splits (:func:`rank_splits` of my ``counts [E]``), the output splits ``recv.sum(1)`` and the
+    rows per local expert ``recv.sum(0)`` (``recv [N, L]``, :func:`.exchange_counts`). Three ``.tolist()``
+    would be three device-to-host syncs; ``all_to_all_single`` needs its split sizes as Python ints, so
+    one is inherent (torchtitan's dispatcher pays it too: its output splits' blocking copy, "this would
+    incur a device-to-host sync", torchtitan/models/common/token_dispatcher.py)."""
+    n = recv.shape[0]
+    if counts.numel() % n:
+        raise ValueError(f"{counts.numel()} experts do not divide over {n} ranks")
+    sizes = torch.cat([counts.view(n, -1).sum(1), recv.sum(1), recv.sum(0)]).tolist()
+    return sizes[:n], sizes[n:2 * n], sizes[2 * n:]
+
+
+def expert_major_order(recv: torch.Tensor, total: int | None = None) -> torch.Tensor:
     """``recv [N, L]`` (rows from rank ``q`` for local expert ``j``) -> ``idx [R]`` with
-    ``expert_major = rank_major[idx]``: rank-major blocks ``(q, j)`` reordered to ``(j, q)``."""
+    ``expert_major = rank_major[idx]``: rank-major blocks ``(q, j)`` reordered to ``(j, q)``. ``total``:
+    ``R`` when the host knows it (:func:`split_sizes`); otherwise it is read from the device, and each
+    ``repeat_interleave`` without ``output_size`` would read it again."""
     n, local = recv.shape
     starts = _exclusive_cumsum(recv.flatten()).view(n, local)  # where block (q, j) starts, rank-major
     c = recv.t().flatten()                                     # block sizes in expert-major order
     s = starts.t().flatten()
-    total = int(c.sum())
-    within = torch.arange(total, device=recv.device) - torch.repeat_interleave(_exclusive_cumsum(c), c)
-    return torch.repeat_interleave(s, c) + within
+    total = int(c.sum()) if total is None else total
+    block_start = torch.repeat_interleave(_exclusive_cumsum(c), c, output_size=total)
+    within = torch.arange(total, device=recv.device) - block_start
+    return torch.repeat_interleave(s, c, output_size=total) + within
 
 
 def inverse_permutation(idx: torch.Tensor) -> torch.Tensor:
@@ -113,10 +155,12 @@ def inverse_permutation(idx: torch.Tensor) -> torch.Tensor:
 __all__ = [
     "SortPlan",
     "combine",
+    "expert_counts",
     "expert_major_order",
     "inverse_permutation",
     "permute",
     "rank_splits",
     "sort_by_expert",
+    "split_sizes",
     "unpermute",
 ]

@@ -27,6 +27,16 @@ expert gradient divided by ``ep`` as well would be wrong by that factor, and Ada
 expert-parallel run by routing each rank's chunk on its own and concatenating (:func:`.concat_routings`, then
 :meth:`MoE.forward_routed`).
 
+**Host syncs** (what stalls a GPU: the host waiting for a value the device computes; :mod:`.host_syncs`
+counts them on CPU): the shapes of the dispatch depend on the routing, so the host reads the counts once
+per forward: ep 1 one ``.tolist()`` of the ``[E]`` counts, the all-to-all dispatcher one of the exchanged
+counts (input splits, output splits and local counts together, :func:`.split_sizes`), the all-gather
+dispatcher two (its equal-token check, then its counts); backward none. Everything else stays on the
+device: counts by ``scatter_add_`` (not ``bincount``), the kept count and ``repeat_interleave`` sizes from
+the host read, ``_grouped_mm``'s offsets from the device counts, the dropped count and
+``kept_per_expert`` read only when asked for (:attr:`MoE.dropped_fraction` is a host read). Before: 11
+per forward at ep 1, 16 with the all-to-all dispatcher (tests/test_expert_parallel.py).
+
 Two constructors: ``MoE(dim=..., hidden=..., num_experts=..., top_k=..., ep_group=...)`` holds the local
 slice of :class:`.GroupedExperts`' 3-D weights (the efficient path); :meth:`MoE.from_modules` takes any
 router ``nn.Linear`` and any expert modules and runs them one by one (the general path).
@@ -45,11 +55,12 @@ from refimpl.distributed.group_info import group_rank_size
 from refimpl.parallel.expert_parallel.dispatch import (
     SortPlan,
     combine,
+    expert_counts,
     expert_major_order,
     inverse_permutation,
     permute,
-    rank_splits,
     sort_by_expert,
+    split_sizes,
 )
 from refimpl.parallel.expert_parallel.expert_parallel_communications import (
     AllToAllTraffic,
@@ -73,9 +84,10 @@ Group = dist.ProcessGroup | None
 @dataclass(frozen=True, kw_only=True)
 class Dispatched:
     """What :func:`dispatch_all_to_all` hands the local experts, and what the way back needs.
-    ``tokens [R, h]``: expert-major rows; ``counts``: rows per local expert; ``plan``: this rank's sort;
-    ``order``: rank-major -> expert-major; ``input_splits`` / ``output_splits``: rows sent to / received
-    from each rank."""
+    ``tokens [R, h]``: expert-major rows; ``counts``: rows per local expert (host ints) and
+    ``device_counts`` the same on the device (the grouped experts' offsets, no host-to-device copy);
+    ``plan``: this rank's sort; ``order``: rank-major -> expert-major; ``input_splits`` /
+    ``output_splits``: rows sent to / received from each rank."""
 
     tokens: torch.Tensor
     counts: list[int]
@@ -83,21 +95,22 @@ class Dispatched:
     order: torch.Tensor
     input_splits: list[int]
     output_splits: list[int]
+    device_counts: torch.Tensor | None = None
 
 
 def dispatch_all_to_all(x: torch.Tensor, routing: Routing, *, num_experts: int, group: Group,
                         traffic: AllToAllTraffic | None = None) -> Dispatched:
     """Send the tokens ``x [T, h]`` of this rank's kept assignments to their experts' ranks (module
-    docstring)."""
-    n = group_rank_size(group)[1]
-    plan = sort_by_expert(routing.kept_ids, num_experts)
-    recv = exchange_counts(plan.counts, group)                  # [N, E/N]: rank q's rows for my expert j
-    input_splits = rank_splits(plan.counts, n)
-    output_splits = recv.sum(1).tolist()
+    docstring). One device-to-host read: the exchanged counts (:func:`.split_sizes`)."""
+    ids = routing.kept_ids
+    counts = expert_counts(ids, num_experts)                    # [E] on the device
+    recv = exchange_counts(counts, group)                       # [N, E/N]: rank q's rows for my expert j
+    input_splits, output_splits, local = split_sizes(counts, recv)  # the one host sync
+    plan = sort_by_expert(ids, num_experts, counts=counts, kept=sum(input_splits))
     got = all_to_all_tokens(permute(x, plan), output_splits, input_splits, group, traffic)  # rank-major
-    order = expert_major_order(recv)
-    return Dispatched(tokens=got.index_select(0, order), counts=recv.sum(0).tolist(), plan=plan, order=order,
-                      input_splits=input_splits, output_splits=output_splits)
+    order = expert_major_order(recv, total=sum(output_splits))
+    return Dispatched(tokens=got.index_select(0, order), counts=local, plan=plan, order=order,
+                      input_splits=input_splits, output_splits=output_splits, device_counts=recv.sum(0))
 
 
 def undispatch_all_to_all(y: torch.Tensor, d: Dispatched, group: Group,
@@ -106,6 +119,13 @@ def undispatch_all_to_all(y: torch.Tensor, d: Dispatched, group: Group,
     sorted order (``d.plan``), ready for :func:`.combine`."""
     back = y.index_select(0, inverse_permutation(d.order))     # rank-major again
     return all_to_all_tokens(back, d.input_splits, d.output_splits, group, traffic)
+
+
+def _local_plan(ids: torch.Tensor, num_experts: int) -> tuple[SortPlan, list[int]]:
+    """The sort of ``ids`` (no collective) and its counts as host ints: one device-to-host read."""
+    counts = expert_counts(ids, num_experts)
+    host = counts.tolist()  # the one host sync: the experts' row blocks are sized by it
+    return sort_by_expert(ids, num_experts, counts=counts, kept=sum(host)), host
 
 
 def _ep_rank_size(group: Group) -> tuple[int, int]:
@@ -128,8 +148,8 @@ class MoE(nn.Module):
     parallelism, every expert here and no collective, with or without a process group). After a forward:
     ``aux_loss`` (the load-balancing loss plus the z-loss, in the graph: add it to the loss), ``z_loss``,
     ``tokens_per_expert`` (``[E]`` assignments of this rank's tokens, before capacity), ``kept_per_expert``
-    (after), ``dropped_fraction``, ``routing`` and ``traffic`` (token bytes the all-to-alls sent to other
-    ranks, forward and, once backward ran, backward).
+    (after; computed when read), ``dropped_fraction`` (a host read), ``routing`` and ``traffic`` (token
+    bytes the all-to-alls sent to other ranks, forward and, once backward ran, backward).
 
     This constructor builds the efficient layer: a bias-free ``nn.Linear(dim, num_experts)`` router and the
     local slice of :class:`.GroupedExperts`, all drawn from ``torch.Generator().manual_seed(seed)``, so
@@ -196,9 +216,17 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
-        self.kept_per_expert: torch.Tensor | None = None
-        self.dropped_fraction: float | None = None
         self.traffic = AllToAllTraffic()
+
+    @property
+    def kept_per_expert(self) -> torch.Tensor | None:
+        """``[E]`` assignments of the last forward each expert computes (on the device; None before)."""
+        return None if self.routing is None else self.routing.kept_per_expert
+
+    @property
+    def dropped_fraction(self) -> float | None:
+        """The last forward's dropped share of the assignments (a host read: call it outside the step)."""
+        return None if self.routing is None else self.routing.dropped_fraction
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() not in (2, 3) or x.shape[-1] != self.dim:
@@ -207,8 +235,7 @@ class MoE(nn.Module):
         routing = self.router(tokens)
         y = self.forward_routed(tokens, routing)
         self.routing, self.aux_loss, self.z_loss = routing, routing.aux_loss, routing.z_loss
-        self.tokens_per_expert, self.kept_per_expert = routing.tokens_per_expert, routing.kept_per_expert
-        self.dropped_fraction = routing.dropped_fraction
+        self.tokens_per_expert = routing.tokens_per_expert
         return y.view(x.shape)
 
     def forward_routed(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -217,14 +244,14 @@ class MoE(nn.Module):
             raise ValueError(f"unknown dispatcher {self.dispatcher!r}; expected one of {DISPATCHERS}")
         self.traffic = AllToAllTraffic()
         if self.ep_size == 1:  # every expert here: either dispatcher on one rank is this, no collective
-            plan = sort_by_expert(routing.kept_ids, self.num_experts)
-            y = self.experts(permute(x, plan), plan.counts.tolist())
+            plan, counts = _local_plan(routing.kept_ids, self.num_experts)
+            y = self.experts(permute(x, plan), counts, plan.counts)
             return combine(y, routing.kept_weights, plan).to(x.dtype)
         if self.dispatcher == "allgather":
             return self._forward_allgather(x, routing).to(x.dtype)
         d = dispatch_all_to_all(x, routing, num_experts=self.num_experts, group=self.ep_group,
                                 traffic=self.traffic)
-        y = self.experts(d.tokens, d.counts)
+        y = self.experts(d.tokens, d.counts, d.device_counts)
         back = undispatch_all_to_all(y, d, self.ep_group, self.traffic)
         return combine(back, routing.kept_weights, d.plan).to(x.dtype)
 
@@ -238,8 +265,8 @@ class MoE(nn.Module):
         weights = gather_tokens(routing.kept_weights, g)              # [N T, k] fp32, in the graph
         lo, hi = self.first_expert, self.first_expert + self.num_local_experts
         mine = torch.where((ids >= lo) & (ids < hi), ids - lo, torch.full_like(ids, -1))
-        plan = sort_by_expert(mine, self.num_local_experts)
-        y = self.experts(permute(x_all, plan), plan.counts.tolist())
+        plan, counts = _local_plan(mine, self.num_local_experts)
+        y = self.experts(permute(x_all, plan), counts, plan.counts)
         return reduce_scatter_tokens(combine(y, weights, plan), g)   # [T, h] fp32
 
     def update_expert_bias(self, rate: float, *, load: torch.Tensor | None = None,

@@ -208,10 +208,14 @@ def gather_no_grad(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def check_equal_tokens(num_tokens: int, group: Group, device: torch.device) -> None:
-    """The all-gather dispatcher needs the same token count on every rank: one all-gather of one integer."""
+    """The all-gather dispatcher needs the same token count on every rank: one all-gather of one integer
+    (made on ``device`` by a fill, not copied from the host), read on the host before the tokens'
+    all-gather, which would hang or mix rows on NCCL with unequal sizes: this dispatcher's second host
+    sync, beside its counts'."""
     if group_rank_size(group)[1] == 1:
         return
-    counts = _all_gather_rows(torch.tensor([num_tokens], device=device), group).tolist()
+    mine = torch.full((1,), num_tokens, dtype=torch.int64, device=device)
+    counts = _all_gather_rows(mine, group).tolist()
     if len(set(counts)) != 1:
         raise ValueError(f"the allgather dispatcher needs equal token counts on every rank, got {counts}")
 

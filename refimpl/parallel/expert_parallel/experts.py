@@ -22,8 +22,35 @@ rows are expert 0's, the next ``counts[1]`` expert 1's, and so on. Two ways to r
   stride-0 incoming gradient (``y.sum().backward()``): :func:`contiguous_grad` makes it contiguous. With
   AVX-512 kernels one expert's result can depend, in the last bit, on the other experts in the same call
   (an expert-parallel rank's 2-expert call against one device's 8-expert call). Where
-  ``_grouped_mm`` does not apply (fp64, odd widths) :class:`GroupedExperts` runs its own per-expert loop,
-  :meth:`GroupedExperts.forward_loop`, which is also the reference the tests compare it with.
+  ``_grouped_mm`` does not apply (fp64, odd widths), or would not run its fused kernel on CUDA (below),
+  :class:`GroupedExperts` runs its own per-expert loop, :meth:`GroupedExperts.forward_loop`, which is also
+  the reference the tests compare it with.
+
+**Autocast does not cast ``torch._grouped_mm``** (it is on none of autocast's op lists): under
+``torch.autocast(dtype=torch.bfloat16)`` the fp32 LayerNorm output and the fp32 weights would reach it as
+they are, and every expert GEMM of a "bf16" run would compute in fp32. On CUDA that is the slow path:
+``_grouped_mm_cuda`` runs its fused CUTLASS kernel (sm90 / sm100) only for bf16 operands and output, and
+otherwise ``_grouped_mm_fallback``, one matmul per expert after ``offs.cpu()`` (a host sync). So, as
+torchtitan's ``_run_experts_grouped_mm`` does (``x.bfloat16()``, ``w.bfloat16()``; torchtitan
+``torchtitan/models/moe/moe.py``), :meth:`GroupedExperts.forward` casts the rows (once, shared by ``w1``
+and ``w3``) and the weights to ``torch.get_autocast_dtype(device)`` itself when autocast is on, and the
+result comes out in that dtype, as a linear's would; outside autocast nothing is cast (the fp32 path is
+unchanged, bit for bit). The per-expert loop needs no such care: its ``@`` is on autocast's list. Where
+CUDA would take the fallback anyway (fp32 or fp16 operands, a GPU other than sm90 / sm100, ROCm) the
+layer runs its per-expert loop instead: the same matmuls, without the fallback's ``offs.cpu()`` per call
+(nine per SwiGLU layer and micro-batch, forward and backward), since the loop's counts are host ints
+already (:func:`grouped_mm_runs_fused`). On CPU ``_grouped_mm`` runs whatever the dtype.
+
+The kernel's other rules (``aten/src/ATen/native/cuda/GroupMMCommon.cuh``, the checks of
+``torch/_meta_registrations.py``): ``offs`` int32 (a cumulative sum on the device, no host copy), operand
+strides a multiple of 16 bytes (the width check above, in the compute dtype), and no per-expert row
+padding for this layout: the 16-byte rule on a group's *row count* applies only where the groups run
+along a row-major operand's contiguous dimension, and neither the forward (``x [R, h]`` by ``w [L, h,
+f]``, groups along ``x``'s rows) nor the weight gradient (``x^T`` column-major by ``dy`` row-major, groups
+along ``K``, zero-row groups allowed) is such a case. torchtitan padded each expert's rows to a multiple
+of 8 / 16 until it found the bf16 kernel does not need it (pytorch/torchtitan#2774 "remove unnecessary
+padding in MoE"; the padding stays for fp8 / MXFP8 grouped GEMMs, which this course does not run on
+experts).
 """
 
 from __future__ import annotations
@@ -44,6 +71,26 @@ _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _check_activation(activation: str) -> None:
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """Autocast's dtype where it is on for ``x``'s device and casts ``x`` (floats but fp64), else None."""
+    kind = x.device.type
+    if not torch.is_autocast_enabled(kind) or not x.is_floating_point() or x.dtype == torch.float64:
+        return None
+    return torch.get_autocast_dtype(kind)
+
+
+def grouped_mm_runs_fused(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` on ``device`` in ``dtype`` runs without a host sync (module docstring):
+    always on CPU; on CUDA only the fused kernel, bf16 on sm90 / sm100 (``_grouped_mm_cuda``'s
+    ``use_fast_path``, torch 2.13; ROCm, whose fast path depends on the build: treated as never), not
+    ``_grouped_mm_fallback``'s ``offs.cpu()``."""
+    if device.type != "cuda":
+        return True
+    if torch.version.hip or dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
 def _check_counts(x: torch.Tensor, counts: Sequence[int], num_local: int) -> None:
@@ -80,7 +127,10 @@ class LoopedExperts(nn.ModuleDict):
         super().__init__({str(first + i): m for i, m in enumerate(experts)})
         self.first = first
 
-    def forward(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: Sequence[int],
+                device_counts: torch.Tensor | None = None) -> torch.Tensor:
+        """``device_counts`` (the counts on the device) is accepted for :class:`GroupedExperts`' signature;
+        the loop needs the host ints only."""
         _check_counts(x, counts, len(self))
         outs = [expert(rows) for expert, rows in zip(self.values(), x.split(list(counts)), strict=True)]
         return torch.cat(outs) if outs else x[:0]
@@ -154,21 +204,38 @@ class GroupedExperts(nn.Module):
                     getattr(layer, name).copy_(torch.stack([getattr(m, name).weight.t() for m in experts]))
         return layer
 
+    def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype the experts compute ``x`` in: autocast's (``torch.get_autocast_dtype``) where it is on
+        for ``x``'s device and would cast ``x`` (a float, not fp64), else ``x.dtype``."""
+        return _autocast_dtype(x) or x.dtype
+
     def uses_grouped_mm(self, x: torch.Tensor) -> bool:
-        """Whether ``forward`` runs ``_grouped_mm`` for ``x``: a dtype it takes and 16-byte strides."""
-        size = x.element_size()
-        return (x.dtype in _GROUPED_MM_DTYPES and self.w1.dtype == x.dtype
+        """Whether ``forward`` runs ``_grouped_mm`` for ``x``: a dtype it takes (:meth:`compute_dtype`; the
+        weights' too, outside autocast), 16-byte strides in it, and no host sync for it on ``x``'s device
+        (:func:`grouped_mm_runs_fused`)."""
+        dtype = self.compute_dtype(x)
+        size = dtype.itemsize
+        same = _autocast_dtype(x) is not None or self.w1.dtype == x.dtype
+        return (dtype in _GROUPED_MM_DTYPES and same and grouped_mm_runs_fused(x.device, dtype)
                 and (self.dim * size) % 16 == 0 and (self.hidden * size) % 16 == 0)
 
-    def forward(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: Sequence[int],
+                device_counts: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [R, h]`` sorted by expert, ``counts`` its rows per local expert (host ints, checked);
+        ``device_counts``: the same on ``x``'s device, whose cumulative sum are the offsets (without it
+        they are copied from the host, a blocking copy on a GPU). Under autocast the rows and the weights
+        are cast to its dtype first (module docstring); the result is in that dtype, as a linear's."""
         _check_counts(x, counts, self.num_local)
         if not self.uses_grouped_mm(x):
             return self.forward_loop(x, counts)
-        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-        x = x.contiguous()
+        if device_counts is None:
+            device_counts = torch.tensor(counts, device=x.device)
+        offs = device_counts.cumsum(0, dtype=torch.int32)
+        dtype = self.compute_dtype(x)
+        x = x.to(dtype).contiguous()
 
         def mm(a, w):
-            return contiguous_grad(torch._grouped_mm(a, w, offs=offs))
+            return contiguous_grad(torch._grouped_mm(a, w.to(dtype), offs=offs))
 
         if self.activation == "swiglu":
             h = F.silu(mm(x, self.w1)) * mm(x, self.w3)
@@ -194,4 +261,5 @@ class GroupedExperts(nn.Module):
                 f"{self.num_experts}, activation={self.activation}")
 
 
-__all__ = ["ACTIVATIONS", "ExpertMLP", "GroupedExperts", "LoopedExperts", "contiguous_grad"]
+__all__ = ["ACTIVATIONS", "ExpertMLP", "GroupedExperts", "LoopedExperts", "contiguous_grad",
+           "grouped_mm_runs_fused"]

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from refimpl.comm import ops
+from refimpl.parallel.expert_parallel.dispatch import expert_counts
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 """``softmax`` (Switch, Mixtral) or ``sigmoid`` (DeepSeek-V3) router scores."""
@@ -78,7 +79,9 @@ class Routing:
     """The router's decision for ``T`` tokens: ``expert_ids [T, k]`` (int64), ``weights [T, k]`` (fp32 combine
     weights, in the graph), ``keep [T, k]`` (False: dropped by capacity), ``scores [T, E]`` (fp32),
     ``tokens_per_expert [E]`` (assignments routed, before dropping), the auxiliary losses (scalars in the
-    graph) and the dropped fraction of the ``T k`` assignments."""
+    graph) and ``dropped`` (0-d int64: the assignments dropped by capacity). Every field stays on the
+    device: :attr:`dropped_fraction` and :attr:`kept_per_expert` are read when asked for, not in the
+    forward (a host read there would stall a GPU once per layer and micro-batch)."""
 
     expert_ids: torch.Tensor
     weights: torch.Tensor
@@ -87,7 +90,12 @@ class Routing:
     tokens_per_expert: torch.Tensor
     balance_loss: torch.Tensor
     z_loss: torch.Tensor
-    dropped_fraction: float
+    dropped: torch.Tensor
+
+    @property
+    def dropped_fraction(self) -> float:
+        """The dropped share of the ``T k`` assignments (a host read)."""
+        return int(self.dropped) / max(self.keep.numel(), 1)
 
     @property
     def aux_loss(self) -> torch.Tensor:
@@ -106,8 +114,8 @@ class Routing:
 
     @property
     def kept_per_expert(self) -> torch.Tensor:
-        """``[E]`` assignments each expert computes (after dropping)."""
-        return torch.bincount(self.expert_ids[self.keep], minlength=self.scores.shape[-1])
+        """``[E]`` assignments each expert computes (after dropping), on the device."""
+        return expert_counts(self.kept_ids, self.scores.shape[-1])
 
 
 def concat_routings(routings: Sequence[Routing]) -> Routing:
@@ -116,8 +124,6 @@ def concat_routings(routings: Sequence[Routing]) -> Routing:
     chunk (per-rank capacity and per-rank auxiliary losses)."""
     if not routings:
         raise ValueError("concat_routings needs at least one routing")
-    n = [r.expert_ids.numel() for r in routings]
-    dropped = sum(r.dropped_fraction * m for r, m in zip(routings, n, strict=True)) / max(sum(n), 1)
     return Routing(
         expert_ids=torch.cat([r.expert_ids for r in routings]),
         weights=torch.cat([r.weights for r in routings]),
@@ -126,7 +132,7 @@ def concat_routings(routings: Sequence[Routing]) -> Routing:
         tokens_per_expert=sum(r.tokens_per_expert for r in routings),
         balance_loss=sum(r.balance_loss for r in routings),
         z_loss=sum(r.z_loss for r in routings),
-        dropped_fraction=dropped,
+        dropped=sum(r.dropped for r in routings),
     )
 
 
@@ -164,7 +170,7 @@ def load_balancing_loss(scores: torch.Tensor, expert_ids: torch.Tensor, coeff: f
     if coeff == 0 or t == 0:
         return scores.new_zeros(())
     probs = scores if score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
-    f = torch.bincount(expert_ids.flatten(), minlength=e).to(scores.dtype) / expert_ids.numel()
+    f = expert_counts(expert_ids, e).to(scores.dtype) / expert_ids.numel()
     return coeff * e * (f * probs.mean(0)).sum()
 
 
@@ -210,10 +216,10 @@ class TopKRouter(nn.Module):
         keep = capacity_keep(expert_ids, scores, capacity)
         return Routing(
             expert_ids=expert_ids, weights=weights, keep=keep, scores=scores,
-            tokens_per_expert=torch.bincount(expert_ids.flatten(), minlength=cfg.num_experts),
+            tokens_per_expert=expert_counts(expert_ids, cfg.num_experts),
             balance_loss=load_balancing_loss(scores, expert_ids, cfg.aux_loss_coeff, cfg.score_func),
             z_loss=router_z_loss(logits, cfg.z_loss_coeff),
-            dropped_fraction=float((~keep).sum()) / max(keep.numel(), 1),
+            dropped=(~keep).sum(),
         )
 
     @torch.no_grad()
