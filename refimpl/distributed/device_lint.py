@@ -19,8 +19,9 @@ on GPUs"):
   multiples of 16, float32 scales, both 0-d/one element (tensorwise) or ``[M, 1]`` and ``[1, N]``
   contiguous (rowwise), not e5m2 x e5m2;
 - **grouped GEMMs**: ``torch._grouped_mm`` as CUDA takes it: operands in autocast's dtype under autocast
-  (autocast does not cast it), 16-byte aligned data and strides, int32 offsets; non-bf16 operands take
-  CUDA's per-group fallback, counted as a host sync;
+  (autocast does not cast it), 16-byte aligned data and strides, int32 offsets (outside autocast CUDA
+  takes other dtypes on a per-group fallback that reads the offsets on the host; refimpl's experts loop
+  over the experts themselves there, on a GPU only, so the lint does not count it);
 - **host syncs**: every call that makes the CPU wait for the device on a GPU (``item``, ``tolist``,
   ``bool``/``int``/``float`` of a tensor, ``.cpu()``, ``numpy``, ``nonzero``, a boolean-mask index, ...)
   on an untagged tensor is counted (not inside torch's object collectives: host pickles), per step when
@@ -70,6 +71,7 @@ _REDUCTIONS = {"allreduce_", "allreduce_coalesced_", "reduce_", "reduce_scatter_
 _SYNC_METHODS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "nonzero",
                  "cpu", "unique", "masked_select", "equal", "allclose", "argwhere"}
 _NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}  # _c10d_functional ops that take no group
+_SHAPE_OF_OTHER = {"view_as", "reshape_as", "expand_as"}
 _LIKE = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
          "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}
 
@@ -214,8 +216,6 @@ class _HostTensors(TorchFunctionMode):
 
     def _grouped_mm(self, args, kwargs) -> None:
         a, b = args[0], args[1]
-        if a.dtype != torch.bfloat16:  # CUDA's per-group fallback reads the offsets on the host
-            self.lint.count_sync(f"_grouped_mm fallback ({a.dtype}) at {_caller()}")
         for problem in grouped_mm_problems(a, b, _arg(args, kwargs, 2, "offs"), autocast=_autocast_dtype(a)):
             self.lint.flag("grouped-mm", "torch._grouped_mm", problem, _caller())
 
@@ -224,6 +224,9 @@ class _HostTensors(TorchFunctionMode):
         if not inputs or (name in _LIKE and "device" in kwargs):
             if (device is None or _names_host(device)) and not _in_object_collective():
                 _tag(out, _caller())  # made on the default device: the CPU
+        elif name in _SHAPE_OF_OTHER:  # the other tensor gives only a shape: the result stays where self is
+            if origin_of(inputs[0]) is not None:
+                _tag(out, origin_of(inputs[0]) or "?")
         elif all(origin_of(t) is not None for t in inputs):
             _tag(out, origin_of(inputs[0]) or "?")
 
@@ -351,8 +354,7 @@ def grouped_mm_problems(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | N
     """What CUDA's ``torch._grouped_mm`` would refuse or run off its fast path (empty: nothing): under
     autocast (``autocast``: its dtype) operands of another dtype (autocast does not cast ``_grouped_mm``:
     a bf16 run would compute its experts in fp32, on the per-group fallback), operands of two dtypes,
-    misaligned data, offsets other than int32. fp32 outside autocast runs (the fallback: one host sync,
-    counted by the lint)."""
+    misaligned data, offsets other than int32. fp32 outside autocast runs (CUDA's fallback)."""
     problems = []
     if autocast is not None and (a.dtype != autocast or b.dtype != autocast):
         problems.append(f"operands {a.dtype} and {b.dtype} under {autocast} autocast (autocast does not cast "
