@@ -8,7 +8,7 @@ DeepSeek-V3's auxiliary-loss-free bias update.
   the balance loss (detached). Read here and not in the forward, because activation checkpointing runs a
   block's forward a second time in backward. The counters are device tensors, added to on the device:
   nothing here reads a value on the host (a ``.cpu()`` and a ``float()`` per block and micro-batch were
-  two device-to-host syncs each; :mod:`refimpl.parallel.expert_parallel.host_syncs`), the step's one read
+  two device-to-host syncs each; :mod:`refimpl.distributed.host_syncs`), the step's one read
   is :func:`finish_step`'s.
 * :func:`finish_step` (once per step, before the optimizer step): one all-reduce of every block's
   counters over the ``dp x cp`` group (the ranks that saw different tokens; a tensor-parallel group saw the

@@ -65,6 +65,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from refimpl.comm import CommTracer
+from refimpl.distributed.host_syncs import HostSyncCounter
 from refimpl.launch import run_ranks
 from refimpl.parallel.expert_parallel import (
     ExpertMLP,
@@ -90,7 +91,6 @@ from refimpl.parallel.expert_parallel import (
     undispatch_all_to_all,
     unpermute,
 )
-from refimpl.parallel.expert_parallel.host_syncs import HostSyncCounter
 
 H, FFN, E, K = 8, 16, 8, 2   # width, expert hidden, experts, top-k (h and f multiples of 4: _grouped_mm)
 B, S = 2, 6                  # each rank's tokens: [B, S, H], T = 12

@@ -23,7 +23,8 @@ on GPUs"):
   takes other dtypes on a per-group fallback that reads the offsets on the host; refimpl's experts loop
   over the experts themselves there, on a GPU only, so the lint does not count it);
 - **host syncs**: every call that makes the CPU wait for the device on a GPU (``item``, ``tolist``,
-  ``bool``/``int``/``float`` of a tensor, ``.cpu()``, ``numpy``, ``nonzero``, a boolean-mask index, ...)
+  ``bool``/``int``/``float`` of a tensor, ``.cpu()``, ``numpy``, ``nonzero``, a boolean-mask index, ...:
+  :func:`refimpl.distributed.host_syncs.sync_name`, forward and backward)
   on an untagged tensor is counted (not inside torch's object collectives: host pickles), per step when
   the lint is the trainer's hooks (:meth:`DeviceLint.before_step`); host tensors cost no sync.
 
@@ -56,6 +57,8 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from refimpl.distributed.host_syncs import MAY_SYNC, sync_name
+
 __all__ = ["DEVICE_LINT_ENV", "PRIVATE_GROUP_DESC", "DeviceLint", "DeviceLintError", "Violation",
            "device_lint_enabled", "private_group"]
 
@@ -68,8 +71,7 @@ _FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.
 _REDUCTIONS = {"allreduce_", "allreduce_coalesced_", "reduce_", "reduce_scatter_", "_reduce_scatter_base_",
                "reduce_scatter_tensor_coalesced_", "all_reduce", "all_reduce_", "all_reduce_coalesced",
                "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"}
-_SYNC_METHODS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "nonzero",
-                 "cpu", "unique", "masked_select", "equal", "allclose", "argwhere"}
+_SYNC_METHODS = {"tolist", "numpy", "cpu"}  # host reads that do not reach the dispatcher on a CPU tensor
 _NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}  # _c10d_functional ops that take no group
 _SHAPE_OF_OTHER = {"view_as", "reshape_as", "expand_as"}
 _LIKE = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
@@ -180,7 +182,8 @@ def _func_name(func: Any) -> str:
 
 
 class _HostTensors(TorchFunctionMode):
-    """Tags host tensors, counts host syncs and checks the grouped GEMMs (module docstring)."""
+    """Tags host tensors, counts the host reads that bypass the dispatcher on CPU (``tolist``, ``numpy``,
+    ``cpu``) and checks the grouped GEMMs (module docstring)."""
 
     def __init__(self, lint: DeviceLint) -> None:
         super().__init__()
@@ -195,9 +198,8 @@ class _HostTensors(TorchFunctionMode):
         if name == "__get__":  # an attribute (shape, dtype, grad, ...): nothing made, nothing waited for
             return func(*args, **kwargs)
         inputs = _flat(args, kwargs)
-        if name in _SYNC_METHODS or (name == "__getitem__" and _bool_index(args)):
-            if any(origin_of(t) is None for t in inputs[:1]) and not _in_object_collective():
-                self.lint.count_sync(f"{name} at {_caller()}")
+        if name in _SYNC_METHODS and origin_of(inputs[0]) is None and not _in_object_collective():
+            self.lint.count_sync(f"{name} at {_caller()}")
         if name == "_grouped_mm":  # here, above autocast's dispatch key, autocast's state is visible
             self._grouped_mm(args, kwargs)
         out = func(*args, **kwargs)
@@ -241,18 +243,14 @@ def _to_device(args, kwargs) -> Any:
     return None
 
 
-def _bool_index(args) -> bool:
-    """A boolean-mask index (``x[mask]``): its result's size is data, so the host waits for the device."""
-    return len(args) > 1 and any(t.dtype == torch.bool for t in _tensors(args[1]))
-
-
 class _Collectives(TorchDispatchMode):
-    """Checks every ``c10d`` / ``_c10d_functional`` op and the fp8 GEMMs (module docstring)."""
+    """Checks every ``c10d`` / ``_c10d_functional`` op and the fp8 GEMMs, counts the ops that wait for the
+    device (module docstring)."""
 
     def __init__(self, lint: DeviceLint) -> None:
         super().__init__()
         self.lint = lint
-        self.kinds: dict[Any, str] = {}  # op -> "collective", "scaled_mm" or "" (asked on every op)
+        self.kinds: dict[Any, str] = {}  # op -> "collective", "scaled_mm", "sync" or "" (asked on every op)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -264,10 +262,24 @@ class _Collectives(TorchDispatchMode):
         name = func._schema.name.split("::")[-1]
         if kind == "collective":
             self._collective(name, args)
-        else:
+        elif kind == "scaled_mm":
             for problem in scaled_mm_problems(*args[:4]):
                 self.lint.flag("scaled-mm", "torch._scaled_mm", problem, _caller())
+        else:
+            self._sync(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _sync(self, func, args, kwargs) -> None:
+        """An op that waits for the device (:func:`refimpl.distributed.host_syncs.sync_name`: ``item``,
+        ``bool``, ``nonzero``, a boolean mask, ...) on a device tensor: counted. Not here: a tensor made
+        from Python data (a copy to the device, no read) and a copy to the CPU (``.cpu()`` and
+        ``.to("cpu")`` are counted where they are called: on a CPU run ``to(ctx.device)`` copies "to the
+        CPU" too)."""
+        what = sync_name(func, args, kwargs)
+        first = next(iter(_flat(args, {})), None)
+        if (what is not None and what not in ("host tensor", "to cpu") and first is not None
+                and origin_of(first) is None and not _in_object_collective()):
+            self.lint.count_sync(f"{what} at {_caller()}")
 
     def _collective(self, name: str, args) -> None:
         tensors = list(_tensors(args))
@@ -289,7 +301,9 @@ def _kind(func: Any) -> str:
     namespace, name = func.namespace, func._schema.name.split("::")[-1]
     if namespace == "c10d" or (namespace == "_c10d_functional" and name not in _NOT_COLLECTIVES):
         return "collective"
-    return "scaled_mm" if name == "_scaled_mm" else ""
+    if name == "_scaled_mm":
+        return "scaled_mm"
+    return "sync" if func.overloadpacket in MAY_SYNC else ""
 
 
 def _arg(args, kwargs, index: int, name: str) -> Any:

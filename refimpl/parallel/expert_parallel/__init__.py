@@ -17,8 +17,6 @@ One concept per file:
   the count exchange, the all-gather dispatcher's all-gather / reduce-scatter pair;
 * :mod:`~refimpl.parallel.expert_parallel.expert_parallel`: :class:`MoE` (``MoE(dim=..., ...)`` with grouped
   experts, :meth:`MoE.from_modules` with any modules), the all-to-all and all-gather dispatchers;
-* :mod:`~refimpl.parallel.expert_parallel.host_syncs`: :class:`HostSyncCounter`, the device-to-host syncs
-  a GPU would wait for, counted on CPU.
 """
 
 from __future__ import annotations
@@ -57,7 +55,6 @@ from refimpl.parallel.expert_parallel.experts import (
     contiguous_grad,
     grouped_mm_runs_fused,
 )
-from refimpl.parallel.expert_parallel.host_syncs import HostSyncCounter
 from refimpl.parallel.expert_parallel.router import (
     SCORE_FUNCS,
     RouterConfig,
@@ -78,7 +75,6 @@ __all__ = [
     "Dispatched",
     "ExpertMLP",
     "GroupedExperts",
-    "HostSyncCounter",
     "LoopedExperts",
     "MoE",
     "RouterConfig",

@@ -27,15 +27,15 @@ expert gradient divided by ``ep`` as well would be wrong by that factor, and Ada
 expert-parallel run by routing each rank's chunk on its own and concatenating (:func:`.concat_routings`, then
 :meth:`MoE.forward_routed`).
 
-**Host syncs** (what stalls a GPU: the host waiting for a value the device computes; :mod:`.host_syncs`
-counts them on CPU): the shapes of the dispatch depend on the routing, so the host reads the counts once
-per forward: ep 1 one ``.tolist()`` of the ``[E]`` counts, the all-to-all dispatcher one of the exchanged
-counts (input splits, output splits and local counts together, :func:`.split_sizes`), the all-gather
-dispatcher two (its equal-token check, then its counts); backward none. Everything else stays on the
-device: counts by ``scatter_add_`` (not ``bincount``), the kept count and ``repeat_interleave`` sizes from
-the host read, ``_grouped_mm``'s offsets from the device counts, the dropped count and
-``kept_per_expert`` read only when asked for (:attr:`MoE.dropped_fraction` is a host read). Before: 11
-per forward at ep 1, 16 with the all-to-all dispatcher (tests/test_expert_parallel.py).
+**Host syncs** (what stalls a GPU: the host waiting for a value the device computes;
+:mod:`refimpl.distributed.host_syncs` counts them on CPU): the shapes of the dispatch depend on the routing,
+so the host reads the counts once per forward: ep 1 one ``.tolist()`` of the ``[E]`` counts, the all-to-all
+dispatcher one of the exchanged counts (input splits, output splits and local counts together,
+:func:`.split_sizes`), the all-gather dispatcher two (its equal-token check, then its counts); backward none.
+Everything else stays on the device: counts by ``scatter_add_`` (not ``bincount``), the kept count and
+``repeat_interleave`` sizes from the host read, ``_grouped_mm``'s offsets from the device counts, the dropped
+count and ``kept_per_expert`` read only when asked for (:attr:`MoE.dropped_fraction` is a host read). Before:
+11 per forward at ep 1, 16 with the all-to-all dispatcher (tests/test_expert_parallel.py).
 
 Two constructors: ``MoE(dim=..., hidden=..., num_experts=..., top_k=..., ep_group=...)`` holds the local
 slice of :class:`.GroupedExperts`' 3-D weights (the efficient path); :meth:`MoE.from_modules` takes any

@@ -1,4 +1,4 @@
-"""Counting the device-to-host synchronisations of a piece of code, on CPU (chapter 09).
+"""Counting the device-to-host synchronisations of a piece of code, on CPU (chapters 09 and 12).
 
 On a GPU the host only enqueues kernels; it waits for the device when it needs a value the device computes:
 ``.item()``, ``int(t)``, ``float(t)``, ``bool(t)``, ``.tolist()``, ``.cpu()``, and every operator whose
@@ -15,7 +15,9 @@ apart as ``host tensor``: on a GPU it is a blocking host-to-device copy (ATen's 
 synchronises the stream), not a device-to-host read, but as costly in a hot loop.
 
 Used by tests/test_expert_parallel.py and tests/test_moe_model.py to hold an MoE layer to its budget of
-host syncs per micro-batch. For CPU runs: on CUDA a ``.cpu()`` is counted twice (the call and its copy).
+host syncs per micro-batch; :func:`sync_name` is also the device lint's definition of a sync
+(:mod:`refimpl.distributed.device_lint`: the trainer's syncs per step). For CPU runs: on CUDA a ``.cpu()``
+is counted twice (the call and its copy).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HostSyncCounter", "SyncEvent"]
+__all__ = ["MAY_SYNC", "HostSyncCounter", "SyncEvent", "sync_name"]
 
 aten = torch.ops.aten
 
@@ -42,9 +44,12 @@ _DATA_DEPENDENT = {  # aten overload packet -> the name reported
     aten.unique_consecutive: "unique",
     aten.equal: "equal",
 }
+MAY_SYNC = frozenset({*_DATA_DEPENDENT, aten.repeat_interleave, aten.index, aten.index_put, aten.index_put_,
+                      aten._to_copy, aten.lift_fresh})
+"""The overload packets :func:`sync_name` may name (a cheap first test for a caller that sees every op)."""
 _WRAPPED = ("tolist", "cpu", "numpy")
 _HERE = str(Path(__file__).resolve())
-_ROOT = str(Path(__file__).resolve().parents[2])  # refimpl/
+_ROOT = str(Path(__file__).resolve().parents[1])  # refimpl/
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,7 @@ def _bool_index(indices) -> bool:
     return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices)
 
 
-def _sync_name(func, args, kwargs) -> str | None:
+def sync_name(func, args, kwargs) -> str | None:
     """The reported name when ``func(*args, **kwargs)`` would synchronise on a GPU, else None."""
     packet = func.overloadpacket
     if packet in _DATA_DEPENDENT:
@@ -110,7 +115,7 @@ class HostSyncCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = _sync_name(func, args, kwargs)
+        name = sync_name(func, args, kwargs)
         if name is not None:
             self._record(name)
         return func(*args, **kwargs)
