@@ -265,3 +265,36 @@ def test_every_steps_record_holds_that_steps_gpu_peaks(trained):
         for name in LAYOUTS:
             for step, (allocated, reserved) in enumerate(out[name, "memory"]):
                 assert isinstance(reserved, int) and 0 < allocated <= reserved, (rank, name, step)
+
+
+# ---------------------------------------------------------------- host syncs, counted by CUDA itself
+
+
+def _syncs_per_step(ctx, corpus: dict, root: str) -> list[int]:
+    """One GPU, the dp layout: the synchronizing CUDA calls of each step, as CUDA's own sync debug mode
+    reports them (``torch.cuda.set_sync_debug_mode("warn")``: a warning per call that waits for the
+    device), steps 1 on (step 0 also warms up the allocator and cuBLAS)."""
+    import warnings
+
+    from refimpl.train.hooks import TrainHooks
+
+    marks: list[int] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # one warning per call, not per place
+        hooks = TrainHooks(before_step=lambda step, setup: marks.append(len(caught)))
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            args = _args(corpus, Path(root) / "syncs", 1)
+            train(config_from_args(args), ctx, options_from_args(args), hooks=hooks)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [b - a for a, b in zip(marks[1:], marks[2:], strict=False)]
+
+
+def test_a_steps_host_syncs_on_a_gpu_are_within_the_device_lints_budget(tmp_path, corpus):
+    """The device lint counts, on CPU, the calls that would make the host wait (tests/test_device_lint.py:
+    at most ``SYNC_BUDGET`` per step for dp); CUDA counts the real ones, and they stay within it."""
+    from tests.test_device_lint import SYNC_BUDGET
+
+    steps = run_ranks(_syncs_per_step, 1, corpus, str(tmp_path), backend="nccl", timeout_s=SPAWN_TIMEOUT_S)[0]
+    assert steps and max(steps) <= SYNC_BUDGET, steps
