@@ -1,5 +1,5 @@
 """Benchmark and proof of 2-D sharding: our ZeRO-3 over tensor-parallel shards against PyTorch's
-``fully_shard`` over DTensor TP, at dp 2 x tp 2 (issue "ZeRO-3 everywhere"; chapter 04 and 06).
+``fully_shard`` over DTensor TP, at dp 2 x tp 2 (chapters 04 and 06).
 
     python -m bench.bench_fsdp_tp [--steps 8] [--warmup 2] [--micro-batch 4] [--seq-len 128]
 

@@ -12,7 +12,7 @@
 # ---
 
 # %% [markdown]
-# # 09 · Checkpoints you can trust, and runs that survive a dead rank
+# # 11 · Checkpoints you can trust, and runs that survive a dead rank
 #
 # At scale something always breaks. Meta reports 466 interruptions in 54 days of Llama 3 405B
 # pre-training on 16,384 GPUs, 419 of them unexpected and about 78 % attributed to hardware (faulty

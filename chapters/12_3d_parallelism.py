@@ -12,7 +12,7 @@
 # ---
 
 # %% [markdown]
-# # 10 · The 3D trainer: data x tensor x pipeline parallelism, and a planner checked against it
+# # 12 · The 3D trainer: data x tensor x pipeline parallelism, and a planner checked against it
 #
 # Chapters 03-08 each split one thing: the batch (data parallelism, ZeRO), each layer's matmuls (tensor
 # and sequence parallelism), the sequence (context parallelism), the stack of layers (pipeline

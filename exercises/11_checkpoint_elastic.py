@@ -1,7 +1,7 @@
 """Exercises of chapter 11: checkpoints you can trust.
 
 Replace each ``raise NotImplementedError`` with your implementation, then run ``make grade CH=11`` (or
-``python -m exercises.grade 09``) to see your score per task. The grader
+``python -m exercises.grade 11``) to see your score per task. The grader
 
 * commits a checkpoint with your ``commit`` over a folder that already holds a committed one, and then
   again with a crash injected at every ``os.replace``, ``os.rename`` and ``os.fsync`` your code makes, one

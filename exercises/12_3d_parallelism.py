@@ -1,7 +1,7 @@
 """Exercises of chapter 12: the 3D layout, as arithmetic.
 
 Replace each ``raise NotImplementedError`` with your implementation, then run ``make grade CH=12`` (or
-``python -m exercises.grade 10``) to see your score per task:
+``python -m exercises.grade 12``) to see your score per task:
 
 1. ``rank_coordinates`` and ``axis_groups``: where a rank sits on the ``(pp, dp, cp, tp)`` grid and which
    ranks form its group along some axes (Narayanan et al. 2021, section 3.3: tensor parallelism innermost,

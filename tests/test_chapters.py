@@ -8,6 +8,7 @@ that raises in any cell, on any rank, fails here with the failing cell's output.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,19 @@ PARAMS = [pytest.param(p, id=p.stem, marks=[*([pytest.mark.numerics] if p.stem i
 
 def test_there_are_chapters():
     assert CHAPTERS, "no chapters found"
+
+
+def test_every_chapter_and_exercise_names_its_own_number():
+    """A chapter's title ("# # NN · ...") and its exercise's grade command carry the file's number (a
+    renumbering once left chapter 11 titled "09" and its exercise pointing at chapter 09's grader)."""
+    for path in CHAPTERS:
+        number = path.stem[:2]
+        title = next(line for line in path.read_text().splitlines() if line.startswith("# # "))
+        assert title.startswith(f"# # {number} ·"), (path.name, title)
+        exercise = ROOT / "exercises" / path.name
+        if exercise.exists():
+            graded = set(re.findall(r"exercises\.grade (\d\d)|CH=(\d\d)", exercise.read_text()))
+            assert {a or b for a, b in graded} == {number}, (exercise.name, graded)
 
 
 @pytest.mark.timeout(CHAPTER_TIMEOUT_S + 60)

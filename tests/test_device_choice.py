@@ -1,4 +1,4 @@
-"""Which device a rank takes, and what the preflight refuses on a GPU, without a GPU (issue 33).
+"""Which device a rank takes, and what the preflight refuses on a GPU, without a GPU.
 
 ``torch.cuda``'s answers are faked (monkeypatched ``is_available``, ``device_count``, ``mem_get_info``,
 ``get_device_name``, ``get_device_capability``), so every rule is checked on a CPU machine and in one

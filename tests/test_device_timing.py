@@ -1,4 +1,4 @@
-"""Timings read when the device did the work, not when the CPU launched it (issue 33; DESIGN.md, "GPUs").
+"""Timings read when the device did the work, not when the CPU launched it (docs/ARCHITECTURE.md, "GPUs").
 
 On NCCL ``work.wait()`` returns at once: it only makes the current stream wait for the collective, and a
 kernel launch returns before the kernel ran. Here a fake device emulates that, without a GPU: a

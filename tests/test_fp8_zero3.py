@@ -1,5 +1,5 @@
 """``--precision fp8 --zero-stage 3``: the fp8 linears' weights all-gathered in fp8 (chapters 04 and 10;
-issue 26, item 3; refimpl/parallel/zero/fsdp_float8.py).
+refimpl/parallel/zero/fsdp_float8.py).
 
 One spawn of 2 ranks checks the gathered casts and runs the trainer three times (4 steps each): the fp8
 all-gather, the same layout gathering those weights in bf16 (``enable_float8_all_gather`` off: the layers

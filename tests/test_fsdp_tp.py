@@ -1,4 +1,4 @@
-"""2-D sharding against PyTorch's own (issue "ZeRO-3 everywhere"; chapters 04 and 06): our ZeRO-3 over
+"""2-D sharding against PyTorch's own (chapters 04 and 06): our ZeRO-3 over
 tensor-parallel shards at dp 2 x tp 2 and ``fully_shard`` over DTensor TP (``parallelize_module`` on the
 mesh's tp dimension, ``fully_shard`` on its dp dimension) train the same GPT from the same seed on the same
 batches in the same 4 processes (bench/bench_fsdp_tp.py's ``proof_worker``: one code path for the proof and

@@ -1,4 +1,4 @@
-"""What only CUDA and NCCL show (issue 33); marked ``gpu``: deselected unless ``REFIMPL_TEST_GPU=1`` and
+"""What only CUDA and NCCL show; marked ``gpu``: deselected unless ``REFIMPL_TEST_GPU=1`` and
 CUDA is there (tests/conftest.py). Run on a GPU box::
 
     REFIMPL_TEST_GPU=1 .venv/bin/python -m pytest -q -m gpu tests/test_gpu.py

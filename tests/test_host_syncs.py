@@ -1,4 +1,4 @@
-"""What a step asks of the host on a GPU, checked without one (issue 33): the batch goes to the device once,
+"""What a step asks of the host on a GPU, checked without one: the batch goes to the device once,
 pinned and ``non_blocking``; AdamW takes the ``foreach`` path on CUDA and keeps the CPU's per-tensor path
 (the course's bitwise references); the save schedule reads its two flags back in one host read per step
 (one GPU sync, not two), and in none when there is nothing to agree on.

@@ -553,7 +553,7 @@ def _run_cli(args: list[str], cwd: Path, *, memory: int | None = None,
 @pytest.mark.timeout(2 * CLI_TIMEOUT_S)
 @pytest.mark.parametrize("launch", [[], ["--nproc-per-node", "2"]], ids=["plain", "self-launch"])
 def test_a_run_too_large_for_the_memory_is_refused_fast(launch, files, tmp_path):
-    """Issue 11's run (--seq-len 100000) on a node of 16 GiB: one error line with the estimate broken down
+    """A run too large for the machine (--seq-len 100000) on a node of 16 GiB: one error line with the estimate broken down
     and the memory per rank, exit status 2, in seconds, and (self-launch) before torchrun starts."""
     import time
 

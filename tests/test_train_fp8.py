@@ -1,4 +1,4 @@
-"""The trainer with ``--precision fp8`` (chapter 10; issue 26, item 4): bf16 autocast with the linears' three
+"""The trainer with ``--precision fp8`` (chapter 10): bf16 autocast with the linears' three
 GEMMs in fp8 (refimpl.precision.fp8.apply_float8_training), composed with dp, ZeRO-2, tp and pp (ZeRO-3:
 tests/test_fp8_zero3.py).
 

@@ -1,4 +1,4 @@
-"""The prepared one-GPU check (issue 33, "Runs on CUDA + NCCL as it runs on CPU").
+"""The prepared one-GPU check: does the course run on CUDA + NCCL as it runs on CPU?
 
     python3 bench/gpu/check.py                 # one GPU: budgeted to 6 minutes on one H100
     python3 bench/gpu/check.py --smoke         # the same code on the CPU at tiny sizes, in seconds

@@ -1,4 +1,4 @@
-"""A clock that reads when the device did the work, not when the CPU asked for it (issue 33).
+"""A clock that reads when the device did the work, not when the CPU asked for it.
 
 On CPU + gloo a blocking call returns once its work is done, and ``work.wait()`` blocks until the data is
 there: ``time.perf_counter()`` after it is the completion. On CUDA + NCCL neither holds: a kernel launch
