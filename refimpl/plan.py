@@ -27,13 +27,17 @@ the assumptions printed under the table:
   does on every box (inside an HGX H100 node it picks NVLS, NVLink SHARP, or a tree as well as rings).
 
 **The search** tries every layout at ``--zero-stages`` (0-3), recomputation none and every block
-(``--recompute`` forces one) and, for stages 1-3, each HSDP degree dividing dp (``--no-hsdp``: none), with
-``--global-batch / (dp --micro-batch)`` micro-batches, and keeps per layout the combination that fits with
-the shortest step; ties (stages 0-2 move the same bytes here) go to the lowest stage, then to no
-recomputation, then to no replication. So a layout runs at the lowest ZeRO stage that fits it (ZeRO-3 sends
-1.5 times the bytes) and recomputes only when that is the cheaper way to fit (it costs a third more compute).
-``--layout dp=128,tp=8,pp=2[,cp=1][,zero=3][,mb=1][,hsdp=1]`` estimates one layout at each stage instead;
-exit status 0 when it fits at one (at ``zero=`` when given), 1 when not, 2 on bad input.
+(``--recompute`` forces one) and each HSDP degree dividing dp (``--no-hsdp``: none), with
+``--global-batch / (dp --micro-batch)`` micro-batches, skips what the trainer refuses (the combinations of
+refimpl/support.py's table, e.g. HSDP without ZeRO-3, and the shapes its tensor and context parallelism
+cannot split: :func:`refimpl.planner.layout_plan.layout_refusals`, each combination as the trainer's
+``ParallelConfig``), and keeps per layout the combination that fits with the shortest step; ties (stages
+0-2 move the same bytes here) go to the lowest stage, then to no recomputation, then to no replication. So
+a layout runs at the lowest ZeRO stage that fits it (ZeRO-3 sends 1.5 times the bytes) and recomputes only
+when that is the cheaper way to fit (it costs a third more compute).
+``--layout dp=128,tp=8,pp=2[,cp=1][,zero=3][,mb=1][,hsdp=1]`` estimates one layout at each stage the
+trainer takes there instead (the others named, with the reason); exit status 0 when it fits at one (at
+``zero=`` when given), 1 when not, 2 on bad input or a ``zero=`` the trainer refuses.
 
 This is an estimate for choosing a layout, not a measurement: its inputs (peak, MFU, link bandwidths from
 the data sheets) are the assumptions it prints.
@@ -55,6 +59,7 @@ from refimpl.planner.layout_plan import (
     choose,
     evaluate_layout,
     evaluate_stages,
+    layout_refusals,
 )
 
 __all__ = ["BOUNDARY_BYTES_PER_ELEMENT", "GPUS", "LayoutPlan", "boundary_bytes", "evaluate_layout",
@@ -99,12 +104,15 @@ def plan_layouts(config: ModelConfig, *, gpus: int, gpu: str, gpus_per_node: int
                 if gpus % (tp * pp * cp) or global_batch % (gpus // (tp * pp * cp) * b):
                     continue
                 dp = gpus // (tp * pp * cp)
-                plans.append(choose([
-                    evaluate_layout(config, dp=dp, tp=tp, pp=pp, cp=cp, gpu=gpu, gpus_per_node=gpus_per_node,
-                                    seq_len=s, global_batch=global_batch, micro_batch=b, mfu=mfu,
-                                    zero_stage=z, recompute=r, dp_replicate=rep, flash=flash)
-                    for z in zero_stages for r in recomputes
-                    for rep in (_divisors(dp) if hsdp and z else (1,))]))
+                layout = dict(dp=dp, tp=tp, pp=pp, cp=cp, seq_len=s, global_batch=global_batch, micro_batch=b)
+                combos = [dict(zero_stage=z, recompute=r, dp_replicate=rep) for z in zero_stages
+                          for r in recomputes for rep in (_divisors(dp) if hsdp else (1,))]
+                # what the trainer refuses is not searched: the support table's rows (HSDP is ZeRO-3's), the
+                # shapes tensor and context parallelism cannot split
+                combos = [c for c in combos if not layout_refusals(config, **layout, **c)]
+                if combos:
+                    plans.append(choose([evaluate_layout(config, **layout, **c, gpu=gpu, mfu=mfu, flash=flash,
+                                                         gpus_per_node=gpus_per_node) for c in combos]))
     return sorted(plans, key=lambda p: (not p.fits, p.step_s))
 
 
@@ -184,15 +192,26 @@ def parse_layout(text: str, gpus: int) -> dict[str, int]:
 
 
 def _evaluate_given(config: ModelConfig, args: argparse.Namespace) -> tuple[dict, list[LayoutPlan]]:
-    """The --layout at each stage shown (:func:`evaluate_stages`); a ConfigError on bad input."""
+    """The --layout at each stage shown (:func:`evaluate_stages`: the stages the trainer refuses at this
+    layout are left out, ``layout["refused"]`` says which and why); a ConfigError on bad input, and when
+    the trainer refuses the ``zero=`` given (the support table's words)."""
     layout = parse_layout(args.layout, args.gpus)
     layout["mb"] = args.micro_batch if layout["mb"] is None else layout["mb"]
     stages = tuple(sorted({*args.zero_stages, *(() if layout["zero"] is None else (layout["zero"],))}))
-    return layout, evaluate_stages(
+    degrees = dict(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], cp=layout["cp"], seq_len=args.seq_len,
+                   global_batch=args.global_batch, micro_batch=layout["mb"])
+    rows = evaluate_stages(
         config, stages=stages, recompute={"search": None, "none": False, "every": True}[args.recompute],
-        dp_replicate=layout["hsdp"], dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], cp=layout["cp"],
-        gpu=args.gpu, gpus_per_node=args.gpus_per_node, seq_len=args.seq_len, global_batch=args.global_batch,
-        micro_batch=layout["mb"], mfu=args.mfu, flash=args.flash)
+        dp_replicate=layout["hsdp"], **degrees, gpu=args.gpu, gpus_per_node=args.gpus_per_node, mfu=args.mfu,
+        flash=args.flash)
+    refused = [z for z in stages if z not in {q.zero_stage for q in rows}]
+    layout["refused"] = (refused, "; and ".join(layout_refusals(
+        config, **degrees, zero_stage=refused[0], recompute=args.recompute == "every",
+        dp_replicate=layout["hsdp"]))) if refused else None
+    if layout["zero"] in refused:
+        raise ConfigError(f"--layout zero={layout['zero']}: the trainer refuses it here: "
+                          f"{layout['refused'][1]}")
+    return layout, rows
 
 
 def _layout_report(config: ModelConfig, layout: dict, rows: list[LayoutPlan], args: argparse.Namespace
@@ -218,6 +237,10 @@ def _layout_report(config: ModelConfig, layout: dict, rows: list[LayoutPlan], ar
     verdict = (f"ZeRO-{given} (given): {'fits' if str(given) in fits else 'does not fit'}"
                if given is not None else f"ZeRO stages that fit: {', '.join(fits) or 'none'} (of "
                f"{', '.join(str(q.zero_stage) for q in rows)})")
+    if layout["refused"]:
+        left_out, why = layout["refused"]
+        verdict += (f"; ZeRO-{', '.join(map(str, left_out))} not shown: the trainer refuses "
+                    f"{'it' if len(left_out) == 1 else 'them'} at this layout ({why})")
     lines += ["", "bytes each GPU sends per step: " + ", ".join(f"{k} {_gb(p.sent[k])} GB" for k in
                                                               ("tp", "pp", "cp")) + "; dp per stage above",
               f"bubble {p.bubble:.1%} (1F1B, pp {p.pp}, {p.microbatches} micro-batches)", verdict, "",

@@ -15,6 +15,12 @@ Mixture-of-experts models and expert parallelism (chapter 09) have their own row
 blocks), or to any layout when the caller says the model has MoE blocks (``check_supported(config,
 moe=True)``: the trainer and :func:`refimpl.parallel.parallelize`, which know the model); their cases
 are tests/test_moe_model.py's.
+
+What a layout needs of the model and the sequence (tensor parallelism splits the heads, the MLP width and
+the vocabulary; sequence parallelism and context parallelism split the sequence) is
+:func:`shape_refusals`: the planner's search asks it with the table (``python -m refimpl.plan`` ranks no
+layout the trainer would refuse) and tests/test_support.py holds it equal, case for case, to the trainer's
+preflight (:func:`refimpl.train.preflight.check_tensor_parallel` and ``check_context_parallel``).
 """
 
 from __future__ import annotations
@@ -23,10 +29,10 @@ import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from refimpl.config import ConfigError, ParallelConfig
+from refimpl.config import ConfigError, ModelConfig, ParallelConfig
 
 __all__ = ["MOE_SUPPORT_TABLE", "SUPPORT_TABLE", "Unsupported", "check_supported", "describe_support_table",
-           "refusals"]
+           "refusals", "shape_refusals"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +123,36 @@ def check_supported(config: ParallelConfig, *, moe: bool = False) -> None:
     rows = refusals(config, moe=moe)
     if rows:
         raise ConfigError("; and ".join(row.message() for row in rows))
+
+
+def shape_refusals(model: ModelConfig, config: ParallelConfig, *, seq_len: int) -> list[str]:
+    """What the degrees of ``config`` need of ``model`` and of sequences of ``seq_len`` tokens and do not
+    get, one sentence each (none: the shapes split). Tensor parallelism gives each of its ``tp`` ranks
+    ``1/tp`` of the heads, of the MLP width and of the vocabulary (chapter 06), sequence parallelism
+    ``1/tp`` of the tokens; ring attention cuts a sequence into ``2 cp`` chunks, Ulysses into ``cp`` and
+    gives each context-parallel rank whole heads of its tensor-parallel rank's (chapter 07). The same rules
+    as the trainer's preflight (module docstring)."""
+    tp, cp, s, heads = config.tp, config.cp, seq_len, model.num_attention_heads
+    out = []
+    if tp > 1:
+        out += [f"tp {tp} does not divide the {size} {what} (each tensor-parallel rank holds 1/{tp} of them)"
+                for what, size in (("heads", heads), ("MLP width", model.ffn_hidden_size),
+                                   ("vocabulary entries", model.vocab_size)) if size % tp]
+        if config.sequence_parallel and s % tp:
+            out.append(f"sequence parallelism splits the sequence over the {tp} tensor-parallel ranks: {s} "
+                       f"tokens do not divide by {tp}")
+    if cp > 1:
+        parts = 2 * cp if config.cp_method == "ring" else cp
+        if s % parts:
+            out.append(f"cp {cp} ({config.cp_method}) cuts each sequence into {parts} equal parts: {s} "
+                       f"tokens do not divide by {parts}")
+        if config.cp_method == "ulysses" and (heads // tp) % cp:
+            out.append(f"Ulysses gives each of the {cp} context-parallel ranks whole heads: the "
+                       f"{heads // tp} heads per tensor-parallel rank do not divide by {cp}")
+        if config.sequence_parallel and (s // cp) % tp:
+            out.append(f"sequence parallelism splits each context-parallel rank's {s // cp} tokens over the "
+                       f"{tp} tensor-parallel ranks: they do not divide by {tp}")
+    return out
 
 
 def describe_support_table() -> str:

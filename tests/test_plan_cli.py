@@ -11,11 +11,21 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
+from refimpl.config import ConfigError, DataConfig, TrainConfig
 from refimpl.plan import GPUS, evaluate_layout, main, model_for, plan_layouts
 from refimpl.planner import STAGES, param_count, zero_memory_paper
+from refimpl.support import check_supported
+from refimpl.train import build_parser, options_from_args
+from refimpl.train.preflight import (
+    check_context_parallel,
+    check_experts,
+    check_tensor_parallel,
+    forwards_per_step,
+)
 
 # dp tp pp cp m hsdp | ZeRO recompute | state gathered activations GB | ... | step s MFU
 ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+) \|\s+(\d)m?\s+(none|every) \|"
@@ -206,6 +216,99 @@ def test_zero_1_alone_does_not_fit_the_seed_layout(capsys):
     assert all((int(r.group(1)), int(r.group(2)), int(r.group(3))) != (128, 8, 2) for r in rows)
 
 
+def _trainer_flags(p, *, seq_len: int, global_batch: int, micro_batch: int) -> list[str]:
+    """The trainer's flags for one planned combination, written from the planner's fields (an independent
+    statement of :func:`refimpl.planner.layout_plan.trainer_config`'s mapping): bf16, sequence parallelism
+    at tp > 1, every block recomputed, ``m`` pipeline micro-batches under pp (without a pipeline they are
+    gradient accumulation: the batch over --micro-batch-size)."""
+    flags = ["--dp", str(p.dp), "--tp", str(p.tp), "--pp", str(p.pp), "--cp", str(p.cp), "--dp-replicate",
+             str(p.dp_replicate), "--zero-stage", str(p.zero_stage), "--precision", "bf16", "--seq-len",
+             str(seq_len), "--batch-size", str(global_batch), "--micro-batch-size", str(micro_batch)]
+    flags += ["--sequence-parallel"] * (p.tp > 1) + ["--activation-checkpointing"] * p.recompute
+    flags += ["--microbatches", str(p.microbatches)] * (p.pp > 1)
+    return flags + ["--zero3-reshard-per-microbatch"] * p.zero3_per_microbatch
+
+
+def _trainer_checks(model, flags: list[str], gpus: int) -> int:
+    """What the trainer checks of a run before its first step, in its own code: the options from the flags
+    (RunOptions: the support table), the layout of ``gpus`` ranks, tensor and context parallelism against
+    the model and the sequence, experts, the batch split, the pipeline's micro-batches, and parallelize's
+    check; the model is the planner's (the trainer's command line builds a byte-level one). Returns the
+    forwards per step; a ConfigError when the trainer refuses the run."""
+    args = build_parser().parse_args(flags)
+    options = options_from_args(args)
+    config = TrainConfig(model=model, data=DataConfig(seq_len=args.seq_len, global_batch_size=args.batch_size,
+                                                      micro_batch_size=args.micro_batch_size))
+    dims = options.parallel_dims(gpus)
+    check_tensor_parallel(config, dims.tp, sequence_parallel=options.sequence_parallel)
+    check_context_parallel(config, dims.cp, method=options.cp_method, tp=dims.tp,
+                           sequence_parallel=options.sequence_parallel)
+    check_experts(config, options)
+    config.data.accumulation_steps(dims.dp)
+    forwards = forwards_per_step(config, options, dims.dp)
+    check_supported(dims.config(**{k: v for k, v in vars(options.parallel).items()
+                                   if k not in ("dp", "cp", "tp", "pp", "dp_replicate", "ep")}))
+    return forwards
+
+
+# (parameters, GPUs, sequence length, global batch, micro-batch): the issue's command first (its top layout
+# was dp 2 tp 4 pp 4 cp 2 with HSDP 2 at ZeRO-1, which the trainer refuses), then other sizes and clusters;
+# 96 and 48 GPUs let tp take a factor 3 that a 32000-entry vocabulary does not split
+TRAINER_CASES = [(70e9, 64, 8192, 128, 1), (70e9, 512, 4096, 1024, 1), (70e9, 96, 4096, 192, 1),
+                 (13e9, 48, 4096, 96, 1), (7e9, 8, 4096, 64, 1), (175e9, 256, 2048, 512, 1),
+                 (70e9, 64, 4096, 256, 2)]
+
+
+@pytest.mark.parametrize("params, gpus, seq_len, global_batch, micro_batch", TRAINER_CASES)
+def test_the_trainer_runs_every_layout_the_planner_ranks(params, gpus, seq_len, global_batch, micro_batch):
+    config = model_for(params, vocab_size=32000, seq_len=seq_len)
+    plans = plan_layouts(config, gpus=gpus, gpu="H100", gpus_per_node=8, seq_len=seq_len,
+                         global_batch=global_batch, micro_batch=micro_batch, zero_stages=STAGES,
+                         recompute=None, hsdp=True)  # the command line's search
+    assert sum(p.fits for p in plans) >= 10
+    for p in plans:  # the ranked ones that fit first, then the rest: every one the trainer's
+        flags = _trainer_flags(p, seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch)
+        assert options_from_args(build_parser().parse_args(flags)).parallel == p.parallel, flags
+        assert _trainer_checks(config, flags, gpus) == p.microbatches, flags
+
+
+def test_the_trainer_check_refuses_the_issues_former_top_layout(capsys):
+    # the negative control of the test above: the layout the planner ranked first before it read the support
+    # table (dp 2 tp 4 pp 4 cp 2, HSDP 2, ZeRO-1) is refused by the same checks, in the table's words
+    config = model_for(70e9, vocab_size=32000, seq_len=8192)
+    former = evaluate_layout(config, dp=2, tp=4, pp=4, cp=2, seq_len=8192, global_batch=128, zero_stage=3,
+                             dp_replicate=2)
+    flags = _trainer_flags(former, seq_len=8192, global_batch=128, micro_batch=1)
+    flags[flags.index("--zero-stage") + 1] = "1"
+    with pytest.raises(ConfigError, match=r"HSDP \(dp_replicate > 1\) without ZeRO-3"):
+        _trainer_checks(config, flags, 64)
+    with pytest.raises(ConfigError, match=r"HSDP \(dp_replicate > 1\) without ZeRO-3"):  # the planner alike
+        evaluate_layout(config, dp=2, tp=4, pp=4, cp=2, seq_len=8192, global_batch=128, zero_stage=1,
+                        dp_replicate=2)
+    # a tensor-parallel degree the vocabulary does not split: refused by both, never ranked
+    tp3 = SimpleNamespace(dp=4, tp=3, pp=4, cp=2, dp_replicate=1, zero_stage=1, recompute=False,
+                          microbatches=48, zero3_per_microbatch=False)
+    flags = _trainer_flags(tp3, seq_len=4096, global_batch=192, micro_batch=1)
+    with pytest.raises(ConfigError, match="does not divide by 3"):
+        _trainer_checks(model_for(70e9, vocab_size=32000, seq_len=4096), flags, 96)
+    with pytest.raises(ConfigError, match="does not divide the 32000 vocabulary"):
+        evaluate_layout(model_for(70e9, vocab_size=32000, seq_len=4096), dp=4, tp=3, pp=4, cp=2, seq_len=4096,
+                        global_batch=192)
+    # and the command of the issue ranks no HSDP below ZeRO-3 now
+    assert main(["--params", "70e9", "--gpus", "64", "--gpu", "H100", "--seq-len", "8192",
+                 "--global-batch", "128"]) == 0
+    rows = [r for r in map(ROW.match, capsys.readouterr().out.splitlines()) if r]
+    assert len(rows) == 10 and all(int(r.group(6)) == 1 or int(r.group(7)) == 3 for r in rows), rows
+    assert [int(rows[0].group(i)) for i in range(1, 8)] == [1, 2, 8, 4, 128, 1, 1]
+
+
+def test_a_layout_with_hsdp_shows_the_stages_the_trainer_takes(capsys):
+    assert main([*SEED, "--layout", "dp=128,tp=8,pp=2,hsdp=4"]) == 0
+    out = capsys.readouterr().out
+    assert sorted(_stage_rows(out)) == [3], out  # HSDP is ZeRO-3's: stages 0-2 are named, not estimated
+    assert "ZeRO-0, 1, 2 not shown: the trainer refuses them at this layout (HSDP (dp_replicate > 1) " in out
+
+
 @pytest.mark.parametrize("layout, message", [
     ("dp=128,tp=8,pp=1", "dp x tp x pp x cp = 1024, not --gpus 2048"),
     ("dp=128,tp=8", "--layout needs pp="),
@@ -215,6 +318,8 @@ def test_zero_1_alone_does_not_fit_the_seed_layout(capsys):
     ("dp=64,tp=16,pp=2", "tp 16 does not divide the 168 heads"),
     ("dp=128,tp=8,pp=2,zero=4", "ZeRO stage must be one of"),
     ("dp=128,tp=8,pp=2,hsdp=3", "hsdp 3 does not divide the 128 dp ranks"),
+    ("dp=128,tp=8,pp=2,hsdp=4,zero=1",
+     "--layout zero=1: the trainer refuses it here: HSDP (dp_replicate > 1) without ZeRO-3"),
 ])
 def test_a_bad_layout_is_one_line_and_exit_2(layout, message, capsys):
     assert main([*SEED, "--layout", layout]) == 2

@@ -3,19 +3,24 @@
 Every row of the support table is checked here by a configuration it refuses and a neighbour (one option
 changed back) that no row refuses, so a row that never fires, or that fires too widely, fails; the three
 places that ask the table (the trainer's options, parallelize, the planner) refuse with the row's words.
+The shapes a layout needs (:func:`refimpl.support.shape_refusals`, which the planner's search asks) are the
+trainer's preflight's, case for case.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from refimpl.config import ConfigError, ModelConfig, ParallelConfig
+from refimpl.config import ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from refimpl.distributed import ParallelDims
 from refimpl.model import GPT
 from refimpl.parallel.parallelize import parallelize
-from refimpl.planner import run_memory_per_rank
-from refimpl.support import SUPPORT_TABLE, check_supported, describe_support_table, refusals
+from refimpl.planner import evaluate_layout, run_memory_per_rank
+from refimpl.support import SUPPORT_TABLE, check_supported, describe_support_table, refusals, shape_refusals
 from refimpl.train import RunOptions
+from refimpl.train.preflight import check_context_parallel, check_tensor_parallel
 
 # row name -> (a configuration it refuses, the nearest one that passes)
 CASES = {
@@ -88,3 +93,55 @@ def test_list_layouts_prints_the_table_and_exits_0(capsys):
         build_parser().parse_args(["--list-layouts"])
     assert done.value.code in (0, None)
     assert capsys.readouterr().out.strip() == describe_support_table()
+
+
+def test_the_layout_planner_refuses_in_the_rows_words():
+    # python -m refimpl.plan's estimate of one layout (its search skips what this refuses)
+    config = ModelConfig(vocab_size=64, max_seq_len=8, num_layers=2, hidden_size=16, num_attention_heads=2)
+    message = next(r for r in SUPPORT_TABLE if r.name == "hsdp-without-zero3").message()
+    for stage in (0, 1, 2):
+        with pytest.raises(ConfigError) as planner:
+            evaluate_layout(config, dp=4, tp=1, pp=1, seq_len=8, global_batch=4, zero_stage=stage,
+                            dp_replicate=2)
+        assert str(planner.value) == message
+    assert evaluate_layout(config, dp=4, tp=1, pp=1, seq_len=8, global_batch=4, zero_stage=3,
+                           dp_replicate=2).dp_replicate == 2  # the neighbour
+
+
+def _preflight_refuses(model: ModelConfig, config: ParallelConfig, seq_len: int) -> bool:
+    train = TrainConfig(model=model, data=DataConfig(seq_len=seq_len, global_batch_size=1))
+    try:
+        check_tensor_parallel(train, config.tp, sequence_parallel=config.sequence_parallel)
+        check_context_parallel(train, config.cp, method=config.cp_method, tp=config.tp,
+                               sequence_parallel=config.sequence_parallel)
+    except ConfigError:
+        return True
+    return False
+
+
+# each rule of shape_refusals by a phrase of its sentence
+SHAPE_RULES = ("heads (each", "MLP width", "vocabulary entries", "splits the sequence over",
+               "cuts each sequence", "whole heads", "context-parallel rank's")
+
+
+def test_the_shapes_are_the_trainers_preflight_case_for_case():
+    """shape_refusals (the planner's) refuses exactly where the trainer's preflight does, over a grid where
+    each of its rules is the only one that fires somewhere, and where none does."""
+    alone, passed = {rule: 0 for rule in SHAPE_RULES}, 0
+    for (heads, ffn, vocab), tp, cp, s, sp, method in itertools.product(
+            [(4, 64, 256), (6, 96, 256), (4, 66, 256), (4, 64, 250), (12, 192, 240)], [1, 2, 3, 4],
+            [1, 2, 3], [24, 36, 40, 64], [False, True], ["ring", "ulysses"]):
+        if sp and tp == 1:
+            continue  # refused by the support table (sp-without-tp), before any shape
+        model = ModelConfig(vocab_size=vocab, num_layers=2, hidden_size=8 * heads, ffn_hidden_size=ffn,
+                            num_attention_heads=heads, max_seq_len=64)
+        config = ParallelConfig(tp=tp, cp=cp, sequence_parallel=sp, cp_method=method)
+        why = shape_refusals(model, config, seq_len=s)
+        case = (heads, ffn, vocab, tp, cp, s, sp, method, why)
+        assert bool(why) == _preflight_refuses(model, config, s), case
+        rules = [rule for rule in SHAPE_RULES for w in why if rule in w]
+        assert len(rules) == len(why), why  # each sentence is one rule's
+        if len(rules) == 1:
+            alone[rules[0]] += 1
+        passed += not why
+    assert all(alone.values()) and passed, (alone, passed)

@@ -33,24 +33,39 @@ and combination it searches, and what ``--layout`` prints; a chapter calls it di
 
 Ranks are laid out ``[pp, dp_replicate, dp_shard, cp, tp]``, tp innermost (:mod:`refimpl.distributed.mesh`).
 An estimate from data-sheet figures (:data:`GPUS`), not a measurement.
+
+**What the trainer would run.** Each combination is the trainer's :class:`~refimpl.config.ParallelConfig`
+:func:`trainer_config` (:attr:`LayoutPlan.parallel`), and :func:`check_layout` refuses, in the same words,
+what the trainer refuses: the support table's rows (:func:`refimpl.support.check_supported`, e.g. HSDP is
+ZeRO-3's) and the shapes its tensor and context parallelism cannot split
+(:func:`refimpl.support.shape_refusals`); :func:`layout_refusals` lists them for the search, which skips
+them. The planner's fields map onto the trainer's options explicitly: ``recompute`` is
+``activation_checkpointing="all"`` (every block), the ``m`` micro-batches are ``microbatches`` under a
+pipeline and, without one, gradient accumulation, which the trainer derives from the batch and
+``--micro-batch-size`` (``microbatches`` is a pipeline option there); ``zero3_per_microbatch`` is
+``zero3_reshard_per_microbatch``; the planner's assumptions are ``precision="bf16"``, sequence parallelism
+whenever ``tp > 1`` (the trainer refuses it at tp 1), ring attention and the 1F1B schedule. ``flash``
+(the s^2 scores kept or not) is a memory assumption with no trainer option.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from refimpl.comm.tracer import wire_bytes
-from refimpl.config import ConfigError, ModelConfig
+from refimpl.config import ConfigError, ModelConfig, ParallelConfig
 from refimpl.measure.peaks import PEAK_FLOPS
 from refimpl.measure.state import StateMemory
 from refimpl.planner.communication import context_parallel_bytes, tensor_parallel_collectives
 from refimpl.planner.params_flops import flops_per_token, param_count
 from refimpl.planner.zero_state import STAGES, zero_memory_paper
+from refimpl.support import refusals, shape_refusals
 
 __all__ = ["BOUNDARY_BYTES_PER_ELEMENT", "GPUS", "MEMORY_FRACTION", "LayoutPlan", "boundary_bytes",
-           "check_layout", "choose", "evaluate_layout", "evaluate_stages"]
+           "check_layout", "choose", "evaluate_layout", "evaluate_stages", "layout_refusals",
+           "trainer_config"]
 
 # per GPU, from the data sheets: memory (bytes), NVLink bandwidth per direction and the network per GPU
 # per direction (bytes/s); dense bf16 peaks come from refimpl.measure.peaks
@@ -108,6 +123,13 @@ class LayoutPlan:
         return f"{self.zero_stage}m" if self.zero3_per_microbatch else str(self.zero_stage)
 
     @property
+    def parallel(self) -> ParallelConfig:
+        """The trainer's configuration of this combination (:func:`trainer_config`)."""
+        return trainer_config(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, zero_stage=self.zero_stage,
+                              recompute=self.recompute, dp_replicate=self.dp_replicate,
+                              microbatches=self.microbatches, zero3_per_microbatch=self.zero3_per_microbatch)
+
+    @property
     def state_bytes(self) -> float:
         return self.state.total
 
@@ -129,9 +151,45 @@ class LayoutPlan:
         return (self.compute_s + self.recompute_s) / (1 - self.bubble) + self.comm_s
 
 
+def trainer_config(*, dp: int, tp: int, pp: int, cp: int, zero_stage: int, recompute: bool, dp_replicate: int,
+                   microbatches: int, zero3_per_microbatch: bool = False) -> ParallelConfig:
+    """The :class:`~refimpl.config.ParallelConfig` the trainer runs for one of the planner's combinations
+    (``RunOptions.parallel`` of the flags that give it): the mapping of the module docstring."""
+    return ParallelConfig(dp=dp, cp=cp, tp=tp, pp=pp, dp_replicate=dp_replicate, zero_stage=zero_stage,
+                          precision="bf16", sequence_parallel=tp > 1, cp_method="ring", pp_schedule="1f1b",
+                          microbatches=microbatches if pp > 1 else None,
+                          activation_checkpointing="all" if recompute else None,
+                          zero3_reshard_per_microbatch=zero3_per_microbatch)
+
+
+def layout_refusals(config: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, seq_len: int,
+                    global_batch: int, micro_batch: int, zero_stage: int, recompute: bool = False,
+                    dp_replicate: int = 1) -> list[str]:
+    """Why the trainer would refuse this combination (its :func:`trainer_config`), one sentence per
+    reason, none when it runs it: the support table's rows (:func:`refimpl.support.refusals`), then the
+    shapes (:func:`refimpl.support.shape_refusals`). The degrees must be positive (:func:`check_layout`)."""
+    microbatches = max(global_batch // (dp * micro_batch), 1)
+    parallel = trainer_config(dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero_stage, recompute=recompute,
+                              dp_replicate=dp_replicate, microbatches=microbatches)
+    return [row.message() for row in refusals(parallel)] + shape_refusals(config, parallel, seq_len=seq_len)
+
+
 def check_layout(config: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, seq_len: int, global_batch: int,
-                 micro_batch: int, zero_stage: int, dp_replicate: int) -> None:
-    """A ConfigError unless the degrees split the model, the sequence and the batch."""
+                 micro_batch: int, zero_stage: int, dp_replicate: int, recompute: bool = False) -> None:
+    """A ConfigError unless the degrees split the model, the sequence and the batch and the trainer runs the
+    combination (:func:`layout_refusals`, in the support table's words)."""
+    _check_degrees(config, dp=dp, tp=tp, pp=pp, cp=cp, seq_len=seq_len, global_batch=global_batch,
+                   micro_batch=micro_batch, zero_stage=zero_stage, dp_replicate=dp_replicate)
+    why = layout_refusals(config, dp=dp, tp=tp, pp=pp, cp=cp, seq_len=seq_len, global_batch=global_batch,
+                          micro_batch=micro_batch, zero_stage=zero_stage, recompute=recompute,
+                          dp_replicate=dp_replicate)
+    if why:
+        raise ConfigError("; and ".join(why))
+
+
+def _check_degrees(config: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, seq_len: int,
+                   global_batch: int, micro_batch: int, zero_stage: int, dp_replicate: int) -> None:
+    """The arithmetic of :func:`check_layout`: positive degrees, a ZeRO stage, splits that divide."""
     for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("micro_batch", micro_batch),
                     ("dp_replicate", dp_replicate)):
         if v < 1:
@@ -145,8 +203,6 @@ def check_layout(config: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, seq
             raise ConfigError(f"{name} {d} does not divide the {n} {what}")
     if cp > 1 and seq_len % (2 * cp):
         raise ConfigError(f"cp {cp}: the ring's 2 cp chunks do not split {seq_len} tokens")
-    if dp_replicate > 1 and zero_stage == 0:
-        raise ConfigError("HSDP (dp_replicate > 1) replicates ZeRO shards: it needs a ZeRO stage >= 1")
 
 
 def evaluate_layout(config: ModelConfig, *, dp: int, tp: int, pp: int, cp: int = 1, gpu: str = "H100",
@@ -155,7 +211,8 @@ def evaluate_layout(config: ModelConfig, *, dp: int, tp: int, pp: int, cp: int =
                     flash: bool = True) -> LayoutPlan:
     """The estimate of one layout at one ZeRO stage, recomputation and HSDP degree (module docstring)."""
     check_layout(config, dp=dp, tp=tp, pp=pp, cp=cp, seq_len=seq_len, global_batch=global_batch,
-                 micro_batch=micro_batch, zero_stage=zero_stage, dp_replicate=dp_replicate)
+                 micro_batch=micro_batch, zero_stage=zero_stage, dp_replicate=dp_replicate,
+                 recompute=recompute)
     spec, peak = GPUS[gpu], PEAK_FLOPS[gpu]["bf16"]
     count = param_count(config)
     psi = count.total / (tp * pp)  # the parameters of a rank
@@ -177,7 +234,11 @@ def evaluate_layout(config: ModelConfig, *, dp: int, tp: int, pp: int, cp: int =
     per_micro = False
     if zero_stage == 3 and pp > 1:  # the trainer's two modes under pp: the stage kept gathered (bf16 weights
         # and full gradients through the step, collectives once), else gathered and reduced per micro-batch
-        if state.total + 2 * grads + kept <= MEMORY_FRACTION * spec["memory"]:
+        # (where the support table takes it)
+        per_micro_config = replace(trainer_config(dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=3,
+                                                  recompute=recompute, dp_replicate=dp_replicate,
+                                                  microbatches=m), zero3_reshard_per_microbatch=True)
+        if state.total + 2 * grads + kept <= MEMORY_FRACTION * spec["memory"] or refusals(per_micro_config):
             gathered = 2 * grads
         else:
             per_micro, in_shard = True, in_shard * m
@@ -205,11 +266,20 @@ def evaluate_layout(config: ModelConfig, *, dp: int, tp: int, pp: int, cp: int =
 def evaluate_stages(config: ModelConfig, *, stages: tuple[int, ...] = STAGES, recompute: bool | None = None,
                     dp_replicate: int = 1, **layout) -> list[LayoutPlan]:
     """:func:`evaluate_layout` at each ZeRO stage of ``stages`` (``layout``: its other arguments), without
-    recomputation when that fits, else with it (``recompute`` None; True or False: only that); HSDP's
-    ``dp_replicate`` applies to stages 1-3."""
-    tried = [[evaluate_layout(config, **layout, zero_stage=z, recompute=r,
-                              dp_replicate=dp_replicate if z else 1)
-              for r in ((False, True) if recompute is None else (recompute,))] for z in stages]
+    recomputation when that fits, else with it (``recompute`` None; True or False: only that), at HSDP's
+    ``dp_replicate``; the combinations the trainer refuses (:func:`layout_refusals`: HSDP is ZeRO-3's) are
+    left out, a stage with none left too (none at all: :func:`check_layout`'s ConfigError)."""
+    args = {k: layout[k] for k in ("dp", "tp", "pp", "seq_len", "global_batch")} | {
+        "cp": layout.get("cp", 1), "micro_batch": layout.get("micro_batch", 1), "dp_replicate": dp_replicate}
+    recomputes = (False, True) if recompute is None else (recompute,)
+    for z in stages:
+        _check_degrees(config, **args, zero_stage=z)
+    combos = [[r for r in recomputes if not layout_refusals(config, **args, zero_stage=z, recompute=r)]
+              for z in stages]
+    if not any(combos):  # every stage refused: say why, in the trainer's words
+        check_layout(config, **args, zero_stage=stages[0], recompute=recomputes[0])
+    tried = [[evaluate_layout(config, **layout, zero_stage=z, recompute=r, dp_replicate=dp_replicate)
+              for r in rs] for z, rs in zip(stages, combos, strict=True) if rs]
     return [next((p for p in t if p.fits), t[-1]) for t in tried]
 
 
