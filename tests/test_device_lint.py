@@ -6,7 +6,8 @@
 - the trainer under it at one layout of every family at 4 ranks (dp; ZeRO-1/2/3; HSDP; tp with SP and
   cp ring and Ulysses, each x dp 2; pp 2 x dp 2 with each schedule; ep; fp16; bf16; fp8 tensorwise and
   rowwise): zero violations, and a budget of host syncs per step;
-- ``REFIMPL_DEVICE_LINT=1`` on the command line (a pp 2 run: its idle-share all-reduce was a CPU tensor, which NCCL refuses).
+- ``REFIMPL_DEVICE_LINT=1`` on the command line (a pp 2 run: its idle-share all-reduce was a CPU tensor,
+  which NCCL refuses).
 """
 
 from __future__ import annotations
