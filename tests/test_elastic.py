@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -213,6 +214,84 @@ def test_hung_rank_is_named_within_the_timeout_and_the_run_restarts(data, refere
     assert HANG_TIMEOUT_S - 1 <= waited <= HANG_TIMEOUT_S + 30, waited  # the collective timeout, not later
     assert json.loads((out / "summary.json").read_text())["restart_count"] >= 1
     assert [r["loss"] for r in _metrics(out)] == reference
+
+
+# ------------------------------------------------------------------------------------ the demonstration
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_the_demo_fault_reads_as_planned_and_the_run_resumes_bitwise(data, reference, tmp_path):
+    """Issue 34: the self-launched demonstration (what `make train` does, here on the tiny run). The killed
+    rank says in one line that the fault was planned; no traceback and no SIGTERM promise of a save that
+    cannot happen; the restart resumes from the checkpoint and ends with an uninterrupted run's losses."""
+    out = tmp_path / "demo"
+    proc = _run([sys.executable, "-m", "refimpl.train", *_flags(data, out, "--timeout", "60"), "--demo-fault",
+                 "--nproc-per-node", "2"], data)
+    assert proc.returncode == 0, _report(proc)
+    assert ("demo: rank 1 will kill itself once, in step 3, to show an elastic restart" in proc.stdout
+            and "they resume from the checkpoint of step 2" in proc.stdout), _report(proc)
+    assert "[rank 1] step 3: demo fault, as planned: this rank kills itself (SIGKILL)" in proc.stderr, \
+        _report(proc)
+    for noise in ("Traceback", "SIGTERM: saving", "failed: RuntimeError", "stopped behind", "error:"):
+        assert noise not in proc.stdout + proc.stderr, (noise, _report(proc))
+    torchrun_log = re.compile(r"^[DIWEF]\d{4} ")  # the agent's own lines (glog style), not ours to change
+    ours = [line for line in proc.stderr.splitlines()  # splitlines cuts the progress bar at each \r too
+            if line.strip() and not line.startswith("train:") and not torchrun_log.match(line)]
+    assert len(ours) == 1, ours  # the killed rank's line
+    assert "resuming from" in proc.stdout and "restarts: 1" in proc.stdout, _report(proc)
+    assert [r["loss"] for r in _metrics(out)] == reference, _report(proc)
+    failures = [(f["rank"], f["step"], f["kind"]) for f in elastic.read_failures(out)]
+    assert (1, 3, "kill") in failures, failures
+
+
+def _sigterm_after_demo_step(data, step: int, rank: int) -> subprocess.CompletedProcess:
+    """A process that runs :meth:`FaultPlan.before_step` of ``step`` as ``rank`` of 2 under the demo's plan
+    (rank 1 killed in step 3), then sends itself SIGTERM."""
+    code = ("import os, signal, time\n"
+            "from refimpl.elastic import FaultPlan\n"
+            "plan = FaultPlan(fail_at_step=(3,), rank=(1,), demo=True)\n"
+            f"plan.before_step({step}, rank={rank}, world_size=2)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(30)\n"
+            "print('still alive')\n")
+    return subprocess.run([sys.executable, "-c", code], env=_env(data["cache"]), capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.mark.timeout(120)
+def test_in_the_demo_step_a_sigterm_stops_the_other_ranks_quietly(data):
+    """In the step in which the demonstration kills rank 1, torchrun's SIGTERM ends the other ranks at once,
+    silently, with status 143 (the trainer's own handler would promise a save their dead peer prevents);
+    before that step, and on the killed rank, SIGTERM is left alone (here: its default action)."""
+    survivor = _sigterm_after_demo_step(data, 3, 0)
+    assert survivor.returncode == 143 and survivor.stdout == survivor.stderr == "", survivor
+    for step, rank in ((2, 0), (3, 1)):
+        other = _sigterm_after_demo_step(data, step, rank)
+        assert other.returncode == -15, (step, rank, other)
+
+
+def test_in_the_demo_step_a_failing_rank_is_marked_planned_and_says_nothing(tmp_path, monkeypatch, capfd):
+    import torch
+
+    from refimpl.distributed import DistributedContext
+    from refimpl.elastic.faults import FaultPlan, is_planned
+    from refimpl.train import RunOptions
+    from refimpl.train.probes import RunProbes
+
+    monkeypatch.delenv(elastic.RESTART_COUNT_ENV, raising=False)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    ctx = DistributedContext(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    plan = FaultPlan(fail_at_step=(3,), demo=True)
+    assert plan.killed_in(3, 2) == 1 and plan.killed_in(2, 2) is None
+    assert plan.peer_killed_in(3, rank=0, world_size=2) and not plan.peer_killed_in(3, rank=1, world_size=2)
+    assert not FaultPlan(fail_at_step=(3,)).peer_killed_in(3, rank=0, world_size=2)  # not the demo's
+    probes = RunProbes(RunOptions(faults=plan), ctx, tmp_path)
+    exc = RuntimeError("Connection closed by peer")
+    probes.on_failure(3, None, exc)
+    assert is_planned(exc) and capfd.readouterr().err == ""
+    assert [(f["rank"], f["step"], f["message"]) for f in elastic.read_failures(tmp_path)] == \
+        [(0, 3, "RuntimeError (the planned demo fault: rank 1 was killed in this step)")]
+    other = RuntimeError("a failure of its own")  # negative control: another step is reported as before
+    probes.on_failure(2, None, other)
+    assert not is_planned(other) and "[rank 0] step 2 failed: RuntimeError" in capfd.readouterr().err
 
 
 # ----------------------------------------------------------------------------- more faults than restarts

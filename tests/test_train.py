@@ -171,6 +171,51 @@ def test_help_lists_the_main_flags(cli_runs, files):
     assert not (files["root"] / "help" / "run").exists()
 
 
+def _help_entries(text: str) -> dict[str, str]:
+    """``--help`` cut into one entry per flag (its first option name -> its lines, whitespace joined)."""
+    entries: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            entries[current] = [line]
+        elif current is not None and line.startswith("    "):
+            entries[current].append(line)
+        else:
+            current = None
+    return {flag: " ".join(" ".join(lines).split()) for flag, lines in entries.items()}
+
+
+def test_help_shows_each_default_once(tmp_path):
+    """Issue 34: a help text that gives its default in words ("default: <out>/checkpoints") got argparse's
+    "(default: None)" after it as well. One default per flag, the words where there are words."""
+    proc = _cli_in_process(["--help"], tmp_path, env={"COLUMNS": "100"})
+    assert proc.returncode == 0, proc.stderr
+    entries = _help_entries(proc.stdout)
+    assert len(entries) > 50 and "--steps" in entries and "--fail-rank" in entries, sorted(entries)
+    twice = {flag: text for flag, text in entries.items() if text.count("default:") > 1}
+    assert not twice, twice
+    in_words = {"--data": "(default: Python's standard library source)", "--backend": "(default: nccl",
+                "--demo-fault": "(default: only when no other flag", "--dp": "(default: world size",
+                "--microbatches": "(default: per-rank batch", "--checkpoint-dir": "default: <out>/",
+                "--fail-rank": "(default: the last rank)", "--steps": "(default: 200)",
+                "--out": "(default: runs/default)"}
+    for flag, words in in_words.items():
+        assert words in entries[flag] and "(default: None)" not in entries[flag], (flag, entries[flag])
+    assert "default:" not in entries["--fail-at-step"]  # no fault: nothing to show, not "()"
+
+
+def test_the_readme_examples_of_make_train_name_their_own_run_folder():
+    """Issue 34: `make train` writes runs/default; an example with other flags run after it in the same
+    folder is refused (another run's checkpoints), so each example of ARGS names its own --out."""
+    import re
+
+    examples = re.findall(r'make train ARGS="([^"]*)"', (ROOT / "README.md").read_text())
+    assert examples
+    for flags in examples:
+        assert "--out " in flags, flags
+
+
 # ---------------------------------------------------------------- real runs
 
 RUN_FLAGS = [*TINY, "--steps", "6", "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2",
@@ -553,8 +598,9 @@ def _run_cli(args: list[str], cwd: Path, *, memory: int | None = None,
 @pytest.mark.timeout(2 * CLI_TIMEOUT_S)
 @pytest.mark.parametrize("launch", [[], ["--nproc-per-node", "2"]], ids=["plain", "self-launch"])
 def test_a_run_too_large_for_the_memory_is_refused_fast(launch, files, tmp_path):
-    """A run too large for the machine (--seq-len 100000) on a node of 16 GiB: one error line with the estimate broken down
-    and the memory per rank, exit status 2, in seconds, and (self-launch) before torchrun starts."""
+    """A run too large for the machine (--seq-len 100000) on a node of 16 GiB: one error line with the
+    estimate broken down and the memory per rank, exit status 2, in seconds, and (self-launch) before
+    torchrun starts."""
     import time
 
     begin = time.monotonic()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from refimpl import elastic
-from refimpl.checkpoint import list_checkpoints
+from refimpl.checkpoint import list_checkpoints, rank_file_name
 from refimpl.config import ConfigError
 from refimpl.data import make_corpus_file
 from refimpl.distributed import DistributedContext
@@ -30,6 +31,7 @@ from refimpl.train import (
     demo_fault_flags,
     main,
     options_from_args,
+    preflight_resume,
     train,
 )
 
@@ -144,6 +146,104 @@ def test_resume_never_and_another_configuration_are_refused(files, one_rank, tmp
     assert "is complete (step 3 of 3)" in capsys.readouterr().out
 
 
+def _launcher_flags(files, out: Path, *extra: str) -> list[str]:
+    """``python -m refimpl.train --nproc-per-node 2`` on the 3-step run of :func:`_run_one`."""
+    return [*TINY, "--data", str(files["corpus"]), "--cache-dir", str(files["cache"]), "--out", str(out),
+            "--steps", "3", "--num-layers", "1", "--nproc-per-node", "2", *extra]
+
+
+def _refused_before_torchrun(flags: list[str], capsys, monkeypatch) -> str:
+    """The self-launch of ``flags`` (in this process): exit status 2 with one error line, and torchrun never
+    started. Returns that line."""
+    def no_torchrun(cmd, **kwargs):
+        pytest.fail(f"torchrun was started: {cmd}")
+
+    monkeypatch.setattr(subprocess, "call", no_torchrun)
+    code = main(flags)
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, captured)
+    assert "launching" not in captured.out, captured.out
+    return lines[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_finished_run_is_not_extended_and_the_refusal_says_why(files, one_rank, tmp_path, capsys,
+                                                                 monkeypatch):
+    """Issue 34: `make train` then `make train ARGS="--steps 50 --data my.txt"` in the same folder. Refused
+    before torchrun (status 2, one line) with what differs, why --steps cannot change (the schedule), and
+    the fix; the ranks refuse it in the same words; another --out is a fresh start."""
+    out = tmp_path / "run"
+    _run_one(files, one_rank, out)  # finished: 3 of 3 steps
+    capsys.readouterr()
+    line = _refused_before_torchrun(_launcher_flags(files, out, "--steps", "5"), capsys, monkeypatch)
+    assert "steps: 3 in the checkpoint, 5 now" in line, line
+    assert "cannot be extended with more --steps" in line and "refimpl/optim.py lr_at" in line, line
+    assert "--out runs/other" in line, line
+    mine = tmp_path / "my.txt"
+    mine.write_bytes(files["corpus"].read_bytes())
+    line = _refused_before_torchrun(_launcher_flags(files, out, "--steps", "2", "--data", str(mine)), capsys,
+                                    monkeypatch)
+    assert f"data.data: {str(files['corpus'])!r} in the checkpoint, {str(mine)!r} now" in line, line
+    assert "steps: 3 in the checkpoint, 2 now" in line and "--out runs/other" in line, line
+    with pytest.raises(ConfigError, match="cannot be extended with more --steps"):  # a rank, same words
+        _run_one(files, one_rank, out, "--steps", "5")
+    args = _args(files, tmp_path / "other", "--steps", "2", "--num-layers", "1", "--data", str(mine))
+    assert preflight_resume(config_from_args(args), options_from_args(args)) is None  # the fix: a fresh run
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.timeout(120)
+def test_a_folder_of_damaged_checkpoints_is_refused_before_torchrun(files, one_rank, tmp_path, capsys,
+                                                                    monkeypatch):
+    """Every checkpoint damaged: the launcher refuses (status 2, one line naming the folder and each
+    checkpoint's damage) instead of starting torchrun, whose ranks would refuse it once per restart. One
+    damaged checkpoint of two is no refusal: the ranks resume from the older one."""
+    out = tmp_path / "run"
+    _run_one(files, one_rank, out)
+    capsys.readouterr()
+    folder = out / "checkpoints"
+    newest, older = list_checkpoints(folder)
+    args = _args(files, out, "--steps", "3", "--num-layers", "1")
+    config, options = config_from_args(args), options_from_args(args)
+    assert preflight_resume(config, options) == 3  # control: the run resumes at its end
+    _flip_a_byte(newest / rank_file_name(0))
+    assert preflight_resume(config, options) == 2
+    _flip_a_byte(older / rank_file_name(0))
+    files_before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
+    line = _refused_before_torchrun(_launcher_flags(files, out), capsys, monkeypatch)
+    assert line.startswith(f"error: no valid checkpoint in {folder}, so the run cannot resume"), line
+    for damaged in (newest, older):
+        assert f"{damaged.name}/{rank_file_name(0)}: sha256 mismatch" in line, line
+    assert f"mv {folder} {folder}.damaged" in line and "--out runs/other" in line, line
+    assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == files_before  # nothing changed
+
+
+@pytest.mark.timeout(120)
+def test_the_launcher_announces_the_demo_and_marks_it_for_the_ranks(files, tmp_path, capsys, monkeypatch):
+    """The self-launch's command (torchrun not started): the ranks get ``--demo-fault`` with the demo's
+    fault only (it makes the fault read as planned), and the launcher says what will happen."""
+    commands: list[list[str]] = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd, **kwargs: commands.append(cmd) or 0)
+    base = [*TINY, "--data", str(files["corpus"]), "--cache-dir", str(files["cache"]), "--out",
+            str(tmp_path / "demo"), "--nproc-per-node", "2"]
+    assert main([*base, "--demo-fault"]) == 0
+    assert commands[-1][-5:] == ["--demo-fault", "--fail-at-step", "3", "--fail-rank", "1"], commands[-1]
+    assert commands[-1].count("--demo-fault") == 1
+    printed = capsys.readouterr().out
+    assert "demo: rank 1 will kill itself once, in step 3," in printed, printed
+    assert "they resume from the checkpoint of step 2 and finish the run" in printed, printed
+    for own in (["--no-demo-fault"], ["--demo-fault", "--fail-at-step", "2"]):  # no demo, or your own fault
+        assert main([*base, *own]) == 0
+        assert not [a for a in commands[-1] if a.endswith("demo-fault")], commands[-1]
+        assert "demo:" not in capsys.readouterr().out
+
+
 @pytest.mark.timeout(120)
 def test_checkpoint_minutes_saves_by_the_clock(files, one_rank, tmp_path):
     out = tmp_path / "clock"
@@ -204,6 +304,11 @@ def test_the_demo_fault_only_in_the_default_self_launched_run():
     assert demo("--steps", "6", "--demo-fault")[:2] == ["--fail-at-step", "3"]  # no checkpoint before it
     assert demo("--no-demo-fault") == []
     assert demo("--demo-fault", "--fail-at-step", "2") == []  # your own fault instead
+    assert demo("--demo-fault", "--max-restarts", "0") == []  # no restart to show
+    # `make train` again: a run that resumes at or past step 75 would never meet its fault
+    args = build_parser().parse_args(["--nproc-per-node", "2"])
+    assert demo_fault_flags(args, [], 2, start=50) == ["--fail-at-step", "75", "--fail-rank", "1"]
+    assert demo_fault_flags(args, [], 2, start=75) == demo_fault_flags(args, [], 2, start=200) == []
 
 
 def test_torchrun_commands_and_the_environment():

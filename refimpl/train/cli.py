@@ -6,6 +6,11 @@ No process of a run outlives the one that started it: each rank dies with its to
 (``init_distributed`` under ``TORCHELASTIC_RUN_ID``: :func:`refimpl.distributed.env.exit_with_parent`), and
 the torchrun of the self-launch dies with the trainer that started it (``preexec_exit_with_parent``, Linux),
 so a self-launcher killed by a job's timeout takes torchrun and then the ranks with it.
+
+The demonstration of the default run (``make train``: :func:`demo_fault_flags`) is said once before the
+launch (:func:`_demo_announcement`); the ranks get ``--demo-fault`` with its fault, so that the killed
+rank says in one line that the fault was planned and the others, whose step fails with it, stop quietly
+(:mod:`refimpl.elastic.faults`; :func:`main` ends them with status 1 and no traceback).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,6 +32,7 @@ from refimpl.data import DataError
 from refimpl.distributed import init_distributed, teardown
 from refimpl.distributed.device_lint import DeviceLint, device_lint_enabled
 from refimpl.distributed.env import preexec_exit_with_parent
+from refimpl.elastic.faults import is_planned
 from refimpl.train.args import RunOptions, build_parser, config_from_args, options_from_args
 from refimpl.train.loop import SIGTERM_EXIT, Preempted, train
 from refimpl.train.preflight import check_fits, preflight_memory, preflight_resume, survivor_layout
@@ -39,13 +46,36 @@ def _demo_fault_step(config: TrainConfig, options: RunOptions) -> int:
     return config.steps // 2
 
 
-def demo_fault_flags(args: argparse.Namespace, rest: list[str], nproc: int) -> list[str]:
-    """The fault flags the self-launch adds for the demonstration (see the module docstring), or []."""
+def demo_fault_flags(args: argparse.Namespace, rest: list[str], nproc: int, *,
+                     start: int | None = None) -> list[str]:
+    """The fault flags the self-launch adds for the demonstration (see the module docstring), or []: also
+    [] when the run resumes (``start``: the step of the checkpoint it resumes from) at or past that step,
+    where the fault would never happen, and under ``--max-restarts 0``, where no restart would follow it."""
     config, options = config_from_args(args), options_from_args(args)
     wanted = args.demo_fault if args.demo_fault is not None else not any(a.startswith("-") for a in rest)
-    if not wanted or options.faults.any or options.checkpoint is None:
+    if not wanted or options.faults.any or options.checkpoint is None or args.max_restarts < 1:
         return []
-    return ["--fail-at-step", str(_demo_fault_step(config, options)), "--fail-rank", str(nproc - 1)]
+    step = _demo_fault_step(config, options)
+    if start is not None and start >= step:
+        return []
+    return ["--fail-at-step", str(step), "--fail-rank", str(nproc - 1)]
+
+
+def _demo_announcement(demo: list[str], options: RunOptions, start: int | None) -> str:
+    """The line the self-launch prints before a demonstration: what will happen, and where the restarted
+    ranks will resume (the newest checkpoint saved before the fault, as far as the schedule tells)."""
+    step, rank = int(demo[1]), demo[3]
+    every = options.checkpoint.every_steps
+    saved = max(start or 0, step // every * every if every else 0)
+    if options.checkpoint.every_minutes is not None:
+        where = "resume from the newest checkpoint on disk"
+    elif saved:
+        where = f"resume from the checkpoint of step {saved}"
+    else:
+        where = "start again from step 0 (no checkpoint is saved before it)"
+    return (f"demo: rank {rank} will kill itself once, in step {step}, to show an elastic restart: torchrun "
+            f"logs its exit (-9), stops the other ranks and restarts them all; they {where} and finish the "
+            "run (--no-demo-fault turns this off)")
 
 
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
@@ -69,12 +99,13 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     preflight_memory(config, options, world_size=int(n), ranks_per_node=int(n), force=args.force,
                      launching=True, backend=args.backend)
     check_fits(config, dims.dp)
-    preflight_resume(config, options)
-    demo = demo_fault_flags(args, rest, int(n))
+    start = preflight_resume(config, options)  # another run's folder, or one without a valid checkpoint
+    demo = demo_fault_flags(args, rest, int(n), start=start)
+    # --demo-fault is the launcher's: the ranks get it only with the demonstration's fault, which it marks
+    rest = [a for a in rest if a not in ("--demo-fault", "--no-demo-fault")]
     if demo:
-        rest += demo
-        print(f"demo: rank {demo[3]} will be killed once in step {demo[1]} to show the elastic restart and "
-              "the resume (--no-demo-fault turns this off)", flush=True)
+        rest += ["--demo-fault", *demo]
+        print(_demo_announcement(demo, options, start), flush=True)
     cmd = elastic.torchrun_command(rest, nproc_per_node=int(n), max_restarts=args.max_restarts)
     print("launching:", " ".join(cmd[1:]), flush=True)
     started = time.time()
@@ -124,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.nproc_per_node is not None and not under_launcher:
             return _launch(args, argv)
         config, options = config_from_args(args), options_from_args(args)
+        if args.demo_fault and options.faults.any:  # the self-launch's demonstration: told as planned
+            options = replace(options, faults=replace(options.faults, demo=True))
         world = int(os.environ.get("WORLD_SIZE", "1"))
         # an elastic restart with fewer ranks keeps tp, pp and cp and shrinks dp (train() does it again
         # and says so)
@@ -145,4 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        if not is_planned(exc):
+            raise
+        return 1  # this rank's step failed with the demonstration's killed peer: torchrun restarts the group
     return 0

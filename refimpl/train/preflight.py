@@ -1,8 +1,9 @@
 """What is refused before any process starts: the batch split and the data (:func:`check_fits`), the
 device (:func:`run_device`: too few GPUs for the ranks; :func:`check_fp8_device`: fp8 on a GPU without fp8
 tensor cores), the planned memory per rank against the machine's (:func:`preflight_memory`, the planner of
-chapter 12; on a GPU less the headroom of :func:`usable_cuda_bytes`), and a checkpoint folder of another run
-(:func:`preflight_resume`, chapter 11)."""
+chapter 12; on a GPU less the headroom of :func:`usable_cuda_bytes`), and a checkpoint folder that the ranks
+could not resume: another run's, or one whose checkpoints are all damaged (:func:`preflight_resume`,
+chapter 11)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from refimpl.checkpoint import CheckpointError, list_checkpoints
+from refimpl.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
 from refimpl.config import ConfigError, TrainConfig, micro_batches
 from refimpl.data import ShardedBatches, prepare_corpus
 from refimpl.measure import format_bytes
@@ -296,33 +297,64 @@ def _run_signature(train_config: dict) -> dict:
     return json.loads(json.dumps(sig))
 
 
+def _shown(key: str, value: object) -> str:
+    if key == "data.data" and value is None:
+        return "None (the default corpus, Python's standard library)"
+    return repr(value)
+
+
 def check_same_run(saved: dict | None, config: TrainConfig, where: object) -> None:
-    """Refuse to resume a checkpoint written with other model/data/optimizer settings or step count."""
+    """Refuse to resume a checkpoint written with other model/data/optimizer settings or step count, in
+    one line: what differs, why a run cannot change it (``--steps``: the learning-rate schedule), and the
+    fix (another run folder)."""
     if not saved or "train" not in saved:
         return
     before, now = _run_signature(saved["train"]), _run_signature(config.to_dict())
-    diffs = [f"{k}: {before.get(k)!r} in the checkpoint, {v!r} now" for k, v in now.items()
-             if before.get(k) != v]
-    if diffs:
-        raise ConfigError(f"{where} was written by another run configuration ({'; '.join(diffs)}); resume "
-                          "with the same flags, or use another --out / --checkpoint-dir")
+    changed = [k for k, v in now.items() if before.get(k) != v]
+    if not changed:
+        return
+    diffs = "; ".join(f"{k}: {_shown(k, before.get(k))} in the checkpoint, {_shown(k, now[k])} now"
+                      for k in changed)
+    steps = ("; --steps too: the learning rate of every step follows from the total steps (warm-up, then a "
+             "cosine decay that reaches its floor at the last step: refimpl/optim.py lr_at), so a run, "
+             "finished or not, cannot be extended with more --steps" if "steps" in changed else "")
+    raise ConfigError(f"{where} belongs to a run with other settings ({diffs}): a run resumes only with the "
+                      f"settings it started with{steps}; to train with these flags use another run folder "
+                      "(e.g. --out runs/other, or --checkpoint-dir), or give that run's flags to resume it")
 
 
-def preflight_resume(config: TrainConfig, options: RunOptions) -> None:
-    """Before launching: refuse a folder that ``--resume never`` or the run's settings would refuse."""
+def _relative(reason: str, folder: Path) -> str:
+    return reason.replace(f"{folder}{os.sep}", "")
+
+
+def preflight_resume(config: TrainConfig, options: RunOptions) -> int | None:
+    """Before launching, what the ranks would refuse (exit status 2, in one line, before torchrun would
+    restart them to refuse again): a folder that holds checkpoints under ``--resume never``; one whose
+    checkpoints are all damaged (each verified as the ranks do, newest first, down to the first valid one:
+    its manifest, files, sizes and sha256, :func:`refimpl.checkpoint.verify_checkpoint`); a valid checkpoint
+    of another run configuration (:func:`check_same_run`). Returns the step the run resumes from (None:
+    a fresh start). Nothing in the folder is changed."""
     if options.checkpoint is None:
-        return
-    found = list_checkpoints(options.checkpoint.folder)
+        return None
+    folder = Path(options.checkpoint.folder)
+    found = list_checkpoints(folder)
     if not found:
-        return
+        return None
     if options.checkpoint.resume == "never":
-        raise CheckpointError(f"{options.checkpoint.folder} already holds checkpoints (newest "
-                              f"{found[0].name}) and --resume never refuses to overwrite them; use "
-                              "--resume auto or another folder")
-    from refimpl.checkpoint import read_manifest
-
-    try:
-        manifest = read_manifest(found[0])
-    except CheckpointError:
-        return  # the ranks will verify, skip it and say why
-    check_same_run(manifest.get("config"), config, found[0])
+        raise CheckpointError(f"{folder} already holds checkpoints (newest {found[0].name}) and --resume "
+                              "never refuses to overwrite them; use --resume auto to continue that run, or "
+                              "another run folder (e.g. --out runs/other, or --checkpoint-dir)")
+    rejected = []
+    for path in found:
+        try:
+            manifest = verify_checkpoint(path)
+        except CheckpointError as exc:
+            rejected.append(_relative(str(exc), folder) if str(exc).startswith(str(folder)) else
+                            f"{path.name}: {exc}")
+            continue
+        check_same_run(manifest.get("config"), config, path)
+        return int(manifest["step"])
+    raise CheckpointError(f"no valid checkpoint in {folder}, so the run cannot resume: every one of its "
+                          f"{len(found)} checkpoint(s) is damaged ({'; '.join(rejected)}); to start over, "
+                          f"move that folder away (e.g. mv {folder} {folder}.damaged), or use another run "
+                          "folder (e.g. --out runs/other, or --checkpoint-dir)")

@@ -19,6 +19,7 @@ from refimpl import elastic
 from refimpl.config import ConfigError
 from refimpl.data import DataError
 from refimpl.distributed import DistributedContext
+from refimpl.elastic.faults import mark_planned
 from refimpl.train.args import RunOptions
 
 __all__ = ["RunProbes"]
@@ -27,14 +28,17 @@ __all__ = ["RunProbes"]
 class RunProbes:
     """The run's probes as hooks. At each point (``step`` the step's index):
 
-    - ``before_step``: heartbeat 0, "forward"; then a planned preemption (``faults.before_step``);
+    - ``before_step``: heartbeat 0, "forward"; then a planned preemption (``faults.before_step``; in the
+      step in which the demonstration kills another rank, a SIGTERM from then on ends this one quietly);
     - ``after_first_forward``: a planned kill, lost machine or hang (``faults.mid_step``), the test sleep,
       then heartbeat 1, "backward and gradient reduction";
     - ``after_gradient_probe``: heartbeat 2, "optimizer step";
     - ``before_checkpoint``: heartbeat 3, "checkpoint";
     - ``on_failure``: in a world of more than one, unless the error is the user's (a bad configuration or
       data): a line on stderr with the heartbeat's report (:meth:`refimpl.elastic.Heartbeat.explain`) and an
-      ``error`` record in ``<out>/failures.jsonl``.
+      ``error`` record in ``<out>/failures.jsonl``; in the step in which the demonstration (``--demo-fault``)
+      killed another rank only the record, and the error is marked planned
+      (:func:`refimpl.elastic.faults.is_planned`: no traceback follows).
     """
 
     around_step = after_first_loss = before_optimizer_step = gradient_probe = clock = None  # not the run's
@@ -65,6 +69,15 @@ class RunProbes:
 
     def on_failure(self, step: int, setup: Any, exc: BaseException) -> None:
         if self.world_size <= 1 or isinstance(exc, (ConfigError, DataError)):
+            return
+        if self.faults.peer_killed_in(step, rank=self.rank, world_size=self.world_size):
+            # the demonstration killed a peer in this step, as the killed rank said: nothing to report
+            # (refimpl.elastic.faults: marked planned, the command line ends this rank without a traceback)
+            killed = self.faults.killed_in(step, self.world_size)
+            elastic.record_failure(self.out, rank=self.rank, step=step, kind="error",
+                                   message=f"{type(exc).__name__} (the planned demo fault: rank {killed} "
+                                   "was killed in this step)")
+            mark_planned(exc)
             return
         report = self.heartbeat.explain()
         first = (str(exc).splitlines() or [""])[0][:300]
