@@ -81,7 +81,10 @@ class ModelConfig:
     Megatron-LM's ``moe_layer_freq``; 1: all) is a :class:`refimpl.moe.MoEMLP`: a top-``top_k`` router over
     ``E`` experts with ``score_func`` scores, each expert an MLP of ``moe_ffn_hidden_size`` (None: the dense
     MLP's ``ffn_hidden_size``) with ``moe_activation`` (``gelu``: two matrices like the dense MLP;
-    ``swiglu``: three). ``capacity_factor`` None is dropless, else each expert takes ``ceil(k T / E cf)``
+    ``swiglu``: three). ``moe_normalize_topk``: divide each token's ``k`` combine weights by their sum
+    (GShard, Mixtral, DeepSeek-V3) or keep the raw scores (Switch's top-1); None (the default) renormalises
+    when ``top_k > 1`` (at ``k = 1`` a renormalised weight is 1 and the router would learn nothing from the
+    task). ``capacity_factor`` None is dropless, else each expert takes ``ceil(k T / E cf)``
     of the ``T`` tokens of one forward on one rank. ``moe_load_balance``: ``aux`` adds the sequence-wise
     balance loss ``aux_loss_coeff x E sum_i f_i P_i`` (DeepSeek-V3 eq. 17-20) to the loss; ``bias`` also
     adds it (0 for none) and steers the choice with DeepSeek-V3's expert bias, moved by
@@ -107,6 +110,7 @@ class ModelConfig:
     moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
     moe_activation: str = "gelu"
     moe_bias_update_rate: float = 1e-3  # DeepSeek-V3's gamma
+    moe_normalize_topk: bool | None = None  # None: renormalise the top-k weights when top_k > 1
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "max_seq_len"):
@@ -147,6 +151,9 @@ class ModelConfig:
                             ("moe_activation", MOE_ACTIVATIONS)):
             if getattr(self, name) not in known:
                 raise ConfigError(f"ModelConfig.{name} must be one of {known}, got {getattr(self, name)!r}")
+        if self.moe_normalize_topk not in (None, True, False):
+            raise ConfigError(f"ModelConfig.moe_normalize_topk must be None (when top_k > 1), True or False, "
+                              f"got {self.moe_normalize_topk!r}")
         if self.moe_ffn_hidden_size is not None and self.moe_ffn_hidden_size <= 0:
             raise ConfigError(f"ModelConfig.moe_ffn_hidden_size must be positive, got "
                               f"{self.moe_ffn_hidden_size}")
@@ -180,7 +187,8 @@ class ModelConfig:
 
 
 _MOE_FIELDS = ("num_experts", "top_k", "moe_every", "capacity_factor", "aux_loss_coeff", "score_func",
-               "moe_load_balance", "moe_ffn_hidden_size", "moe_activation", "moe_bias_update_rate")
+               "moe_load_balance", "moe_ffn_hidden_size", "moe_activation", "moe_bias_update_rate",
+               "moe_normalize_topk")
 
 
 @dataclass(frozen=True, kw_only=True)

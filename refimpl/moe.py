@@ -116,7 +116,7 @@ class MoEMLP(nn.Module):
         self.bias_update_rate = config.moe_bias_update_rate if config.moe_load_balance == "bias" else None
         self._kw = dict(dim=config.hidden_size, hidden=config.expert_hidden_size,
                         num_experts=config.num_experts, top_k=config.top_k, activation=config.moe_activation,
-                        score_func=config.score_func,
+                        score_func=config.score_func, normalize_topk=config.moe_normalize_topk,
                         capacity_factor=config.capacity_factor, aux_loss_coeff=0.0,
                         expert_bias=config.moe_load_balance == "bias", seed=layer)
         self.moe = MoE(**self._kw)

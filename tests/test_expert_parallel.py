@@ -1,11 +1,12 @@
 """Mixture of experts and expert parallelism (chapter 09): the router's maths, capacity, grouped experts,
 the dispatch bookkeeping, and expert parallelism at ep 2 and ep 4 against one device.
 
-Single process: top-k and renormalisation, the load-balancing loss against a hand computation on dyadic
-numbers (bit for bit), the z-loss, the expert bias (changes the choice, not the combine weights; the sign of
-its update), capacity (``C``, which assignments drop, the dropped fraction, a fully dropped token gives 0),
-:class:`GroupedExperts` against its per-expert loop (an expert with zero tokens included), the dispatch
-permutations (exact round trips) and the one-line errors.
+Single process: top-k and renormalisation (by default above top-1 only: at top-1 the raw score, which
+keeps the router's gradient; renormalised it is 1, the negative control), the load-balancing loss against
+a hand computation on dyadic numbers (bit for bit), the z-loss, the expert bias (changes the choice, not
+the combine weights; the sign of its update), capacity (``C``, which assignments drop, the dropped
+fraction, a fully dropped token gives 0), :class:`GroupedExperts` against its per-expert loop (an expert
+with zero tokens included), the dispatch permutations (exact round trips) and the one-line errors.
 
 Multi-rank (gloo, one ``run_ranks`` per world size, every check in it): four layers (``from_modules`` with
 SwiGLU modules, dropless and with capacity and z-loss; the grouped layer with sigmoid scores, the expert
@@ -535,6 +536,27 @@ def test_router_top_k_and_renormalisation():
             assert r.keep.all() and float(r.aux_loss) == 0.0
 
 
+def test_the_default_renormalises_above_top_1_and_keeps_switchs_raw_score_at_top_1():
+    """``normalize_topk=None`` is ``top_k > 1`` (GShard, Mixtral, DeepSeek-V3 renormalise; Switch's top-1
+    multiplies by the raw probability). At ``k = 1`` the raw weight carries the router's gradient from any
+    loss of the output; renormalised it is ``s / s = 1``, whose gradient is zero up to rounding (the
+    negative control)."""
+    assert [RouterConfig(num_experts=4, top_k=k).normalize_topk for k in (1, 2, 4)] == [False, True, True]
+    assert RouterConfig(num_experts=4, top_k=1, normalize_topk=True).normalize_topk is True
+    assert RouterConfig(num_experts=4, top_k=2, normalize_topk=False).normalize_topk is False
+    logits = _randn((6, 4), 12)
+    grads = {}
+    for normalize in (None, True):
+        x = logits.clone().requires_grad_()
+        r = _identity_router(RouterConfig(num_experts=4, top_k=1, normalize_topk=normalize,
+                                          aux_loss_coeff=0.0))(x)
+        picked = x.detach().softmax(-1).gather(1, r.expert_ids)
+        assert torch.equal(r.weights.detach(), picked if normalize is None else torch.ones_like(picked))
+        (r.weights * torch.arange(1.0, 7.0).unsqueeze(1)).sum().backward()  # a loss of the weights
+        grads[normalize] = x.grad.norm().item()
+    assert grads[None] > 0.1 and grads[True] < 1e-5 * grads[None], grads
+
+
 def test_load_balancing_loss_against_a_hand_computation():
     """Dyadic scores, so every step is exact: ``alpha E sum_i f_i P_i`` bit for bit."""
     scores = torch.tensor([[0.5, 0.25, 0.125, 0.125], [0.25, 0.5, 0.125, 0.125],
@@ -622,7 +644,8 @@ def test_capacity_drops_the_lowest_scores():
     assert moe.dropped_fraction == 3 / 4 and moe.kept_per_expert.tolist() == [1, 0, 0, 0]
     assert moe.tokens_per_expert.tolist() == [4, 0, 0, 0]
     assert torch.equal(y[[0, 2, 3]], torch.zeros(3, 4))     # dropped: zero (the residual carries them)
-    assert torch.equal(y[1], experts[0](x[1:2])[0])          # kept with weight 1 (k = 1, renormalised)
+    weight = torch.softmax(x[1], -1)[0]                     # k = 1: the raw score (Switch), not 1
+    assert torch.equal(y[1], weight * experts[0](x[1:2])[0])  # kept
 
 
 def _loop_spread(fn, x: torch.Tensor, counts: list[int], gy: torch.Tensor) -> tuple[dict, dict]:

@@ -14,6 +14,9 @@ balance loss and its scale, the per-step figures and the bias update, the planne
   at once (every parameter within 1e-5 of its largest element; measured 5e-7); negative control: the
   balance loss not divided by the micro-batches (or computed per micro-batch, Switch's way) moves the
   router's gradient by far more.
+* **Top-1 learns** (issue 34): at ``k = 1`` the combine weight is the raw probability (Switch), so the
+  router's gradient from the task alone is of the order of ``k = 2``'s; always renormalised (the old
+  default, the negative control) it is ~0. ``--moe-top-k 1`` reaches the router so and trains.
 * **Figures and bias**: the step's tokens per expert (mean ``k T / E``), the dropped fraction under
   capacity (the layer's own figure), DeepSeek-V3's bias step ``u sign(mean - load)``, and a one-device
   trainer run writes them to metrics.jsonl.
@@ -258,6 +261,55 @@ def test_a_one_device_trainer_run_writes_the_moe_figures(tmp_path, corpus):
                 "moe_dropped_fraction", "lm_loss"} <= set(r)
         assert r["moe_tokens_per_expert_mean"] == 2 * 16 * 2 / 4 and 0 <= r["moe_dropped_fraction"] < 1
     assert records[-1]["moe_aux_loss"] == lines[-1]["moe_aux_loss"]
+
+
+def _router_grad_norm(config: ModelConfig, ids: torch.Tensor) -> float:
+    """The norm of every router's gradient from the language-model loss alone."""
+    model = GPT(config)
+    lm_loss(model(ids[:, :-1]), ids[:, 1:]).backward()
+    return torch.stack([b.moe.router.gate.weight.grad.norm() for b in moe_blocks(model)]).norm().item()
+
+
+def test_a_top_1_router_learns_from_the_task():
+    """Issue 34: with its top-k always renormalised, a top-1 router's combine weight is ``s / s = 1`` and
+    the task's loss gives it no gradient (only the balance loss trained it). By default the weight is now
+    the raw probability at ``k = 1`` (Switch) and renormalised above (GShard, Mixtral, DeepSeek-V3, as
+    before: k = 2 is unchanged). Balance loss 0: the gradient is the task's. Measured (this batch): 4.8e-3
+    at k = 1 against 1.0e-2 at k = 2; always renormalised, k = 1 gets 6.8e-10 (the negative control)."""
+    ids = _ids(4, 16)
+    base = {**MOE.to_dict(), "aux_loss_coeff": 0.0}
+    k2 = _router_grad_norm(ModelConfig(**{**base, "top_k": 2}), ids)
+    k1 = _router_grad_norm(ModelConfig(**{**base, "top_k": 1}), ids)
+    always = _router_grad_norm(ModelConfig(**{**base, "top_k": 1, "moe_normalize_topk": True}), ids)
+    assert k2 / 10 <= k1 <= 10 * k2, (k1, k2)
+    assert always < 1e-5 * k2, (always, k2)
+    # k = 2 renormalises by default, bit for bit as an explicit True
+    assert _router_grad_norm(ModelConfig(**{**base, "top_k": 2, "moe_normalize_topk": True}), ids) == k2
+    with pytest.raises(ConfigError, match="moe_normalize_topk must be None"):
+        ModelConfig(**{**base, "moe_normalize_topk": "yes"})
+
+
+def test_the_trainers_top_1_routes_with_the_raw_score_and_trains(tmp_path, corpus):
+    """``--moe-top-k 1`` reaches the router without renormalisation (``--moe-normalize-topk`` forces it,
+    ``--no-moe-normalize-topk`` turns it off at k = 2), and a run of it trains."""
+    from refimpl.distributed import DistributedContext
+    from refimpl.train import build_parser, config_from_args, options_from_args, train
+
+    def routers(*flags):
+        config = config_from_args(build_parser().parse_args(["--moe-experts", "4", *flags]))
+        return {b.moe.router.config.normalize_topk for b in moe_blocks(GPT(config.model))}
+
+    assert routers("--moe-top-k", "1") == {False} and routers() == {True}
+    assert routers("--moe-top-k", "1", "--moe-normalize-topk") == {True}
+    assert routers("--no-moe-normalize-topk") == {False}
+    args = build_parser().parse_args([
+        "--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
+        "--batch-size", "4", "--steps", "3", "--lr", "1e-2", "--warmup-steps", "1", "--log-every", "100",
+        "--checkpoint-every", "0", "--data", str(corpus["corpus"]), "--cache-dir", str(corpus["cache"]),
+        "--out", str(tmp_path), "--moe-experts", "4", "--moe-top-k", "1", "--moe-aux-loss-coeff", "0"])
+    ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=CPU, backend="gloo")
+    losses = [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args))]
+    assert losses[-1] < losses[0], losses
 
 
 # name -> (a ParallelConfig it refuses for an MoE model, the nearest one that passes)

@@ -55,13 +55,23 @@ class _ListLayouts(argparse.Action):
         parser.exit()
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's ``(default: X)`` after a flag's help, once: not where the help gives its default itself
+    in words (``default: <out>/checkpoints``), nor where there is none to give (an empty list of steps)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default:" in (action.help or "") or (isinstance(action.default, tuple) and not action.default):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m refimpl.train",
         description="Train the course's byte-level GPT with data parallelism or ZeRO, tensor, context and "
         "pipeline parallelism (run under torchrun, or pass --nproc-per-node to launch it). Writes "
         "metrics.jsonl, loss.png, config.json and checkpoints into --out, and resumes from them.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--list-layouts", action=_ListLayouts,
                    help="print the combinations of techniques that are refused, with the reasons, and exit")
@@ -103,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     moe.add_argument("--moe-experts", type=int, default=0, metavar="E",
                      help="experts per MoE block (0: a dense model); each an MLP of the dense MLP's width")
     moe.add_argument("--moe-top-k", type=int, default=2, metavar="K", help="experts each token is routed to")
+    moe.add_argument("--moe-normalize-topk", action=argparse.BooleanOptionalAction, default=None,
+                     help="divide each token's K combine weights by their sum (GShard, Mixtral, DeepSeek-V3) "
+                     "or keep the raw router scores (Switch); default: renormalise when K > 1 (at K = 1 a "
+                     "renormalised weight is 1 and the router learns nothing from the task)")
     moe.add_argument("--moe-every", type=int, default=1, metavar="N",
                      help="blocks 0, N, 2N, ... have an MoE MLP (1: every block)")
     moe.add_argument("--moe-capacity-factor", type=float, default=None, metavar="C",
@@ -202,7 +216,7 @@ def _moe_fields(args: argparse.Namespace) -> dict:
         return {}
     return {"num_experts": args.moe_experts, "top_k": args.moe_top_k, "moe_every": args.moe_every,
             "capacity_factor": args.moe_capacity_factor, "aux_loss_coeff": args.moe_aux_loss_coeff,
-            "moe_load_balance": args.moe_load_balance}
+            "moe_load_balance": args.moe_load_balance, "moe_normalize_topk": args.moe_normalize_topk}
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -153,10 +153,11 @@ class MoE(nn.Module):
 
     This constructor builds the efficient layer: a bias-free ``nn.Linear(dim, num_experts)`` router and the
     local slice of :class:`.GroupedExperts`, all drawn from ``torch.Generator().manual_seed(seed)``, so
-    every ``ep`` holds the same experts as one device."""
+    every ``ep`` holds the same experts as one device. ``normalize_topk`` (None: ``top_k > 1``) is the
+    router's (:class:`.RouterConfig`): at ``top_k = 1`` the combine weight is the raw score, Switch's."""
 
     def __init__(self, *, dim: int, hidden: int, num_experts: int, top_k: int, activation: str = "swiglu",
-                 score_func: str = "softmax", normalize_topk: bool = True,
+                 score_func: str = "softmax", normalize_topk: bool | None = None,
                  capacity_factor: float | None = None, aux_loss_coeff: float = 0.01,
                  z_loss_coeff: float = 0.0, expert_bias: bool = False, dispatcher: str = "alltoall",
                  ep_group: Group = None, seed: int = 0, device=None, dtype=None) -> None:
@@ -179,7 +180,7 @@ class MoE(nn.Module):
 
     @classmethod
     def from_modules(cls, router: nn.Linear, experts: Sequence[nn.Module], *, top_k: int,
-                     score_func: str = "softmax", normalize_topk: bool = True,
+                     score_func: str = "softmax", normalize_topk: bool | None = None,
                      capacity_factor: float | None = None, ep_group: Group = None,
                      aux_loss_coeff: float = 0.01, z_loss_coeff: float = 0.0, expert_bias: bool = False,
                      dispatcher: str = "alltoall") -> MoE:

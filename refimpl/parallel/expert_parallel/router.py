@@ -8,9 +8,17 @@ fp64 reference) ``z = x W^T`` (``W``: an ``nn.Linear(h, E)``, its parameters the
 * ``sigmoid``: ``s_{t,i} = sigmoid(z_{t,i})`` (DeepSeek-V3, DeepSeek-AI 2024), each expert judged alone;
 
 picks each token's ``k`` experts ``I_t = topk_i(s_{t,i} + b_i)`` and gives them the combine weights
-``w_{t,j} = s_{t,I_tj}``, divided by ``sum_j w_{t,j}`` when ``normalize_topk``. ``b`` is DeepSeek-V3's
-**auxiliary-loss-free expert bias** (``expert_bias=True``; zero until updated): it only steers the choice,
-never the combine weights, and :meth:`TopKRouter.update_expert_bias` moves it before each optimizer step by
+``w_{t,j} = s_{t,I_tj}``, divided by ``sum_j w_{t,j}`` when ``normalize_topk``. **Renormalising the top-k**
+is what the top-2 and top-8 recipes do (GShard's top-2, Lepikhin et al. 2020, Algorithm 1; Mixtral, whose
+softmax over the k chosen logits is this; DeepSeek-V3 eq. 13, on its sigmoid scores); Switch's top-1
+multiplies the expert's output by the raw probability ``p_i(x)`` (Fedus et al. 2021, eq. 2). At ``k = 1`` a
+renormalised weight is ``s / s = 1`` whatever the logits: the task's loss then gives the router **no
+gradient** (only the auxiliary losses train it; measured on the course GPT, tests/test_moe_model.py: router
+gradient norm 6.8e-10 at ``k = 1`` renormalised, 4.8e-3 with the raw score, 1.0e-2 at ``k = 2``). So
+``normalize_topk=None`` (the default) means ``k > 1``: Switch at ``k = 1``, GShard / Mixtral / DeepSeek-V3
+above; ``True`` or ``False`` forces it. ``b`` is DeepSeek-V3's **auxiliary-loss-free expert bias**
+(``expert_bias=True``; zero until updated): it only steers the choice, never the combine weights, and
+:meth:`TopKRouter.update_expert_bias` moves it before each optimizer step by
 ``b_i += u * sign(mean_j load_j - load_i)``: an overloaded expert becomes less attractive.
 
 Auxiliary losses, both on this rank's tokens only (a data-parallel wrapper averages later):
@@ -18,7 +26,8 @@ Auxiliary losses, both on this rank's tokens only (a data-parallel wrapper avera
 * load balancing (Switch, eq. 4; GShard, Lepikhin et al. 2020): ``L_aux = alpha * E * sum_i f_i P_i`` with
   ``f_i`` the fraction of the ``T k`` assignments routed to expert ``i`` (a count: no gradient) and ``P_i``
   the mean router probability of expert ``i`` (sigmoid scores are first normalised to sum to one per token,
-  DeepSeek-V3 eq. 18-20). A uniform router gives ``alpha``; the gradient flows through ``P``;
+  DeepSeek-V3 eq. 18-20). A uniform router gives ``alpha`` (not the minimum: hard counts ``f`` can
+  go below, chapter 09); the gradient flows through ``P``;
 * router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): ``L_z = beta * mean_t (logsumexp_i z_{t,i})^2``, which
   keeps the logits small enough for fp32 exponentials.
 
@@ -26,8 +35,13 @@ Auxiliary losses, both on this rank's tokens only (a data-parallel wrapper avera
 expert ``C = ceil(k T / E * cf)`` slots *per rank* (``T`` is this rank's token count: under expert
 parallelism each source rank sends each expert at most ``C`` tokens, as Megatron-LM's router does before
 its all-to-all). An expert chosen by more assignments keeps the ``C`` with the highest score ``s_{t,i}``
-(ties: the earlier token) and drops the rest; a dropped assignment contributes zero (the residual
-connection around the layer carries its token). ``f_i`` counts the assignments before dropping.
+(ties: the earlier token) and drops the rest: Megatron-LM's default drop policy
+(``moe_token_drop_policy="probs"``; close to V-MoE's batch-prioritized routing, Riquelme et al. 2021, which
+ranks tokens by their top score). GShard and Switch drop **by position** instead: an expert's slots go to
+its assignments in token order (GShard: every token's first choice before any second choice), so the
+assignments beyond ``C`` in that order drop, whatever their scores (Megatron-LM's ``"position"``). A
+dropped assignment contributes zero (the residual connection around the layer carries its token). ``f_i``
+counts the assignments before dropping.
 """
 
 from __future__ import annotations
@@ -55,7 +69,7 @@ class RouterConfig:
     num_experts: int
     top_k: int
     score_func: str = "softmax"
-    normalize_topk: bool = True
+    normalize_topk: bool | None = None    # divide the k weights by their sum; None: when top_k > 1
     capacity_factor: float | None = None  # None: dropless
     aux_loss_coeff: float = 0.01          # alpha of the load-balancing loss (0: none)
     z_loss_coeff: float = 0.0             # beta of the router z-loss (0: none)
@@ -72,6 +86,8 @@ class RouterConfig:
             raise ValueError(f"capacity_factor must be > 0 (or None: dropless), got {self.capacity_factor}")
         if self.aux_loss_coeff < 0 or self.z_loss_coeff < 0:
             raise ValueError("aux_loss_coeff and z_loss_coeff must be >= 0")
+        if self.normalize_topk is None:  # the recipes' choice (module docstring): Switch at k = 1
+            object.__setattr__(self, "normalize_topk", self.top_k > 1)
 
 
 @dataclass(kw_only=True)
