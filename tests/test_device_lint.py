@@ -141,6 +141,8 @@ def _collectives(ctx) -> dict:
         dist.all_reduce(torch.ones(2, device=device))
         dist.all_reduce(torch.ones(2), group=control)  # a private gloo group takes host tensors
         dist.all_gather_object([None, None], {"rank": ctx.rank})
+        # torch's own code makes its host tensors below the dispatch mode (DDP's parameter-shape check)
+        torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
         planted = {
             "host": lambda: dist.all_reduce(torch.tensor(1.0)),
             "moved": lambda: dist.broadcast(torch.ones(3, device=device).cpu(), src=0),

@@ -192,6 +192,8 @@ class _HostTensors(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.OpOverload):  # an aten op the dispatch mode below re-dispatches (its
+            return func(*args, **kwargs)            # factories run below the user's call, on its device)
         name = self.names.get(func)
         if name is None:
             name = self.names[func] = _func_name(func)
