@@ -22,14 +22,8 @@ import torch
 import torch.distributed as dist
 
 from refimpl.data import make_corpus_file
-from refimpl.distributed.device_lint import (
-    DeviceLint,
-    DeviceLintError,
-    grouped_mm_problems,
-    origin_of,
-    private_group,
-    scaled_mm_problems,
-)
+from refimpl.distributed.device_lint import DeviceLint, DeviceLintError, origin_of, private_group
+from refimpl.distributed.kernel_rules import grouped_mm_problems, scaled_mm_problems
 from refimpl.launch import run_ranks
 
 # the second lane of tools/run_tests.py (after its serial tests, beside the computing ones): the lanes end

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, SupportsIndex, TypeAlias
@@ -43,14 +44,15 @@ __all__ = ["CudaStamp", "DeferredStamp", "DeviceClock", "Stamp", "StampField", "
            "raw_stamp", "seconds"]
 
 
-class DeferredStamp:
+class DeferredStamp(ABC):
     """A stamp whose seconds are known once the device has reached it (:meth:`seconds`). Compared,
     subtracted or pickled it acts as its seconds, so code that holds a raw stamp keeps working."""
 
     __slots__ = ()
 
+    @abstractmethod
     def seconds(self) -> float:
-        raise NotImplementedError
+        """Seconds on the ``time.perf_counter`` axis (reading may wait for the device)."""
 
     def __float__(self) -> float:
         return self.seconds()

@@ -18,7 +18,8 @@ on GPUs"):
 - **fp8 GEMMs**: ``torch._scaled_mm`` as sm90 takes it: ``a`` row-major, ``b`` column-major, K and N
   multiples of 16, float32 scales, both 0-d/one element (tensorwise) or ``[M, 1]`` and ``[1, N]``
   contiguous (rowwise), not e5m2 x e5m2;
-- **grouped GEMMs**: ``torch._grouped_mm`` as CUDA takes it: operands in autocast's dtype under autocast
+- **grouped GEMMs** (both rules in :mod:`refimpl.distributed.kernel_rules`): ``torch._grouped_mm`` as CUDA
+  takes it: operands in autocast's dtype under autocast
   (autocast does not cast it), 16-byte aligned data and strides, int32 offsets (outside autocast CUDA
   takes other dtypes on a per-group fallback that reads the offsets on the host; refimpl's experts loop
   over the experts themselves there, on a GPU only, so the lint does not count it);
@@ -58,6 +59,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from refimpl.distributed.host_syncs import MAY_SYNC, sync_name
+from refimpl.distributed.kernel_rules import autocast_dtype, grouped_mm_problems, scaled_mm_problems
 
 __all__ = ["DEVICE_LINT_ENV", "PRIVATE_GROUP_DESC", "DeviceLint", "DeviceLintError", "Violation",
            "device_lint_enabled", "private_group"]
@@ -220,7 +222,7 @@ class _HostTensors(TorchFunctionMode):
 
     def _grouped_mm(self, args, kwargs) -> None:
         a, b = args[0], args[1]
-        for problem in grouped_mm_problems(a, b, _arg(args, kwargs, 2, "offs"), autocast=_autocast_dtype(a)):
+        for problem in grouped_mm_problems(a, b, _arg(args, kwargs, 2, "offs"), autocast=autocast_dtype(a)):
             self.lint.flag("grouped-mm", "torch._grouped_mm", problem, _caller())
 
     def _classify(self, name: str, kwargs, inputs: list[torch.Tensor], out) -> None:
@@ -329,61 +331,6 @@ def _is_private(args) -> bool:
         if group is not None:
             return group.group_desc == PRIVATE_GROUP_DESC
     return False
-
-
-def scaled_mm_problems(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor
-                       ) -> list[str]:
-    """What sm90's ``torch._scaled_mm`` would refuse in ``a @ b`` (empty: nothing). Also the chapter 10
-    grader's layout check (a CPU ``_scaled_mm`` takes every layout). Not checked: the output dtype of
-    rowwise scaling (bf16 or fp16 but on sm90 with cuBLAS 12.9 or later), which
-    :func:`refimpl.precision.fp8.float8_linear.scaled_mm` chooses by device itself."""
-    problems = []
-    M, K = a.shape
-    N = b.shape[1]
-    if not (a.stride(1) == 1 and a.stride(0) >= max(K, 1)):
-        problems.append(f"a must be row-major, got strides {a.stride()}")
-    if not (b.stride(0) == 1 and b.stride(1) >= max(K, 1)):
-        problems.append(f"b must be column-major (a transposed row-major weight), got strides {b.stride()}")
-    if K % 16 or N % 16:
-        problems.append(f"K={K} and N={N} must be multiples of 16")
-    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
-        problems.append("e5m2 x e5m2 has no kernel")
-    if scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32:
-        problems.append(f"scales must be float32, got {scale_a.dtype} and {scale_b.dtype}")
-    tensorwise = scale_a.numel() == 1 and scale_b.numel() == 1
-    rowwise = (tuple(scale_a.shape) == (M, 1) and tuple(scale_b.shape) == (1, N)
-               and scale_a.is_contiguous() and scale_b.is_contiguous())
-    if not (tensorwise or rowwise):
-        problems.append(f"scales must be both one element (tensorwise) or [M, 1] and [1, N] contiguous "
-                        f"(rowwise), got {tuple(scale_a.shape)} and {tuple(scale_b.shape)}")
-    return problems
-
-
-def _autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
-    """The dtype autocast computes in on ``t``'s device, None when autocast is off."""
-    kind = t.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
-
-
-def grouped_mm_problems(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None, *,
-                        autocast: torch.dtype | None = None) -> list[str]:
-    """What CUDA's ``torch._grouped_mm`` would refuse or run off its fast path (empty: nothing): under
-    autocast (``autocast``: its dtype) operands of another dtype (autocast does not cast ``_grouped_mm``:
-    a bf16 run would compute its experts in fp32, on the per-group fallback), operands of two dtypes,
-    misaligned data, offsets other than int32. fp32 outside autocast runs (CUDA's fallback)."""
-    problems = []
-    if autocast is not None and (a.dtype != autocast or b.dtype != autocast):
-        problems.append(f"operands {a.dtype} and {b.dtype} under {autocast} autocast (autocast does not cast "
-                        "_grouped_mm: cast them first)")
-    elif a.dtype != b.dtype:
-        problems.append(f"operands of two dtypes, {a.dtype} and {b.dtype}")
-    for label, t in (("a", a), ("b", b)):
-        size = t.element_size()
-        if t.data_ptr() % 16 or any(s * size % 16 for s in t.stride() if s != 1):
-            problems.append(f"{label} must be 16-byte aligned (pointer and strides), strides {t.stride()}")
-    if offs is not None and offs.dtype != torch.int32:
-        problems.append(f"offsets must be int32, got {offs.dtype}")
-    return problems
 
 
 class DeviceLint:
