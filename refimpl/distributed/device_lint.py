@@ -179,10 +179,6 @@ def _names_host(device: Any) -> bool:
     return isinstance(device, str) and device.split(":")[0] == "cpu"
 
 
-def _func_name(func: Any) -> str:
-    return getattr(func, "__name__", "") or str(func)
-
-
 class _HostTensors(TorchFunctionMode):
     """Tags host tensors, counts the host reads that bypass the dispatcher on CPU (``tolist``, ``numpy``,
     ``cpu``) and checks the grouped GEMMs (module docstring)."""
@@ -198,7 +194,7 @@ class _HostTensors(TorchFunctionMode):
             return func(*args, **kwargs)            # factories run below the user's call, on its device)
         name = self.names.get(func)
         if name is None:
-            name = self.names[func] = _func_name(func)
+            name = self.names[func] = getattr(func, "__name__", "") or str(func)
         if name == "__get__":  # an attribute (shape, dtype, grad, ...): nothing made, nothing waited for
             return func(*args, **kwargs)
         inputs = _flat(args, kwargs)
