@@ -18,9 +18,10 @@ are tests/test_moe_model.py's.
 
 What a layout needs of the model and the sequence (tensor parallelism splits the heads, the MLP width and
 the vocabulary; sequence parallelism and context parallelism split the sequence) is
-:func:`shape_refusals`: the planner's search asks it with the table (``python -m refimpl.plan`` ranks no
-layout the trainer would refuse) and tests/test_support.py holds it equal, case for case, to the trainer's
-preflight (:func:`refimpl.train.preflight.check_tensor_parallel` and ``check_context_parallel``).
+:func:`shape_refusals`, the one rule set: the trainer's preflight raises its sentences
+(:func:`refimpl.train.preflight.check_shapes`) and the planner's search asks it with the table
+(``python -m refimpl.plan`` ranks no layout the trainer would refuse; tests/test_plan_cli.py runs its top
+layouts through the trainer's validation).
 """
 
 from __future__ import annotations
@@ -127,31 +128,36 @@ def check_supported(config: ParallelConfig, *, moe: bool = False) -> None:
 
 def shape_refusals(model: ModelConfig, config: ParallelConfig, *, seq_len: int) -> list[str]:
     """What the degrees of ``config`` need of ``model`` and of sequences of ``seq_len`` tokens and do not
-    get, one sentence each (none: the shapes split). Tensor parallelism gives each of its ``tp`` ranks
-    ``1/tp`` of the heads, of the MLP width and of the vocabulary (chapter 06), sequence parallelism
-    ``1/tp`` of the tokens; ring attention cuts a sequence into ``2 cp`` chunks, Ulysses into ``cp`` and
-    gives each context-parallel rank whole heads of its tensor-parallel rank's (chapter 07). The same rules
-    as the trainer's preflight (module docstring)."""
+    get, one sentence each naming the trainer's flags (none: the shapes split). Tensor parallelism gives
+    each of its ``tp`` ranks ``1/tp`` of the heads, of the MLP width and of the vocabulary (chapter 06),
+    sequence parallelism ``1/tp`` of the tokens; ring attention cuts a sequence into ``2 cp`` chunks,
+    Ulysses into ``cp`` and gives each context-parallel rank whole heads of its tensor-parallel rank's
+    (chapter 07). The trainer's preflight (:func:`refimpl.train.preflight.check_shapes`) raises these
+    sentences, the planner's search skips the layouts they refuse: one rule set."""
     tp, cp, s, heads = config.tp, config.cp, seq_len, model.num_attention_heads
     out = []
     if tp > 1:
-        out += [f"tp {tp} does not divide the {size} {what} (each tensor-parallel rank holds 1/{tp} of them)"
-                for what, size in (("heads", heads), ("MLP width", model.ffn_hidden_size),
-                                   ("vocabulary entries", model.vocab_size)) if size % tp]
+        out += [f"--tp {tp} does not divide the {size} {what} (each tensor-parallel rank holds 1/{tp} of "
+                f"them); change {flag} or --tp"
+                for what, size, flag in (("attention heads", heads, "--num-heads"),
+                                         ("MLP width", model.ffn_hidden_size, "--hidden-size"),
+                                         ("vocabulary entries", model.vocab_size, "the vocabulary"))
+                if size % tp]
         if config.sequence_parallel and s % tp:
-            out.append(f"sequence parallelism splits the sequence over the {tp} tensor-parallel ranks: {s} "
-                       f"tokens do not divide by {tp}")
+            out.append(f"--sequence-parallel splits the sequence over the {tp} tensor-parallel ranks: "
+                       f"--seq-len {s} does not divide by {tp}")
     if cp > 1:
         parts = 2 * cp if config.cp_method == "ring" else cp
         if s % parts:
-            out.append(f"cp {cp} ({config.cp_method}) cuts each sequence into {parts} equal parts: {s} "
-                       f"tokens do not divide by {parts}")
+            out.append(f"--cp {cp} --cp-method {config.cp_method} cuts each sequence into {parts} equal "
+                       f"parts: --seq-len {s} does not divide by {parts}")
         if config.cp_method == "ulysses" and (heads // tp) % cp:
-            out.append(f"Ulysses gives each of the {cp} context-parallel ranks whole heads: the "
-                       f"{heads // tp} heads per tensor-parallel rank do not divide by {cp}")
+            out.append(f"--cp-method ulysses gives each of the {cp} context-parallel ranks whole heads: the "
+                       f"heads per tensor-parallel rank ({heads} / --tp {tp} = {heads // tp}) do not "
+                       f"divide by {cp}; use --cp-method ring or change --num-heads")
         if config.sequence_parallel and (s // cp) % tp:
-            out.append(f"sequence parallelism splits each context-parallel rank's {s // cp} tokens over the "
-                       f"{tp} tensor-parallel ranks: they do not divide by {tp}")
+            out.append(f"--sequence-parallel splits each context-parallel rank's {s // cp} tokens (--seq-len "
+                       f"{s} / --cp {cp}) over the {tp} tensor-parallel ranks: they do not divide by {tp}")
     return out
 
 

@@ -14,13 +14,8 @@ import pytest
 import yaml
 
 from refimpl.config import ConfigError
-from refimpl.train import (
-    build_parser,
-    check_context_parallel,
-    config_from_args,
-    options_from_args,
-)
-from refimpl.train.preflight import check_tensor_parallel, pipeline_microbatches
+from refimpl.train import build_parser, check_shapes, config_from_args, options_from_args
+from refimpl.train.preflight import pipeline_microbatches
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,9 +49,7 @@ def _world_layout(trainer_args: list[str], world: int):
     args = build_parser().parse_args(trainer_args)  # an unknown flag: SystemExit
     config, options = config_from_args(args), options_from_args(args)
     dims = options.parallel_dims(world)
-    check_tensor_parallel(config, dims.tp, sequence_parallel=options.sequence_parallel)
-    check_context_parallel(config, dims.cp, method=options.cp_method, tp=dims.tp,
-                           sequence_parallel=options.sequence_parallel)
+    check_shapes(config, options.parallel)
     if dims.pp > 1:
         pipeline_microbatches(config, options, dims.dp)
     return dims

@@ -20,12 +20,7 @@ from refimpl.plan import GPUS, evaluate_layout, main, model_for, plan_layouts
 from refimpl.planner import STAGES, param_count, zero_memory_paper
 from refimpl.support import check_supported
 from refimpl.train import build_parser, options_from_args
-from refimpl.train.preflight import (
-    check_context_parallel,
-    check_experts,
-    check_tensor_parallel,
-    forwards_per_step,
-)
+from refimpl.train.preflight import check_experts, check_shapes, forwards_per_step
 
 # dp tp pp cp m hsdp | ZeRO recompute | state gathered activations GB | ... | step s MFU
 ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+) \|\s+(\d)m?\s+(none|every) \|"
@@ -240,9 +235,7 @@ def _trainer_checks(model, flags: list[str], gpus: int) -> int:
     config = TrainConfig(model=model, data=DataConfig(seq_len=args.seq_len, global_batch_size=args.batch_size,
                                                       micro_batch_size=args.micro_batch_size))
     dims = options.parallel_dims(gpus)
-    check_tensor_parallel(config, dims.tp, sequence_parallel=options.sequence_parallel)
-    check_context_parallel(config, dims.cp, method=options.cp_method, tp=dims.tp,
-                           sequence_parallel=options.sequence_parallel)
+    check_shapes(config, options.parallel)
     check_experts(config, options)
     config.data.accumulation_steps(dims.dp)
     forwards = forwards_per_step(config, options, dims.dp)

@@ -3,8 +3,8 @@
 Every row of the support table is checked here by a configuration it refuses and a neighbour (one option
 changed back) that no row refuses, so a row that never fires, or that fires too widely, fails; the three
 places that ask the table (the trainer's options, parallelize, the planner) refuse with the row's words.
-The shapes a layout needs (:func:`refimpl.support.shape_refusals`, which the planner's search asks) are the
-trainer's preflight's, case for case.
+The shapes a layout needs (:func:`refimpl.support.shape_refusals`, which the planner's search and the
+trainer's preflight both ask) refuse exactly the layouts whose cuts torch's own split makes uneven.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from refimpl.config import ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from refimpl.distributed import ParallelDims
@@ -20,7 +21,7 @@ from refimpl.parallel.parallelize import parallelize
 from refimpl.planner import evaluate_layout, run_memory_per_rank
 from refimpl.support import SUPPORT_TABLE, check_supported, describe_support_table, refusals, shape_refusals
 from refimpl.train import RunOptions
-from refimpl.train.preflight import check_context_parallel, check_tensor_parallel
+from refimpl.train.preflight import check_shapes
 
 # row name -> (a configuration it refuses, the nearest one that passes)
 CASES = {
@@ -108,25 +109,34 @@ def test_the_layout_planner_refuses_in_the_rows_words():
                            dp_replicate=2).dp_replicate == 2  # the neighbour
 
 
-def _preflight_refuses(model: ModelConfig, config: ParallelConfig, seq_len: int) -> bool:
-    train = TrainConfig(model=model, data=DataConfig(seq_len=seq_len, global_batch_size=1))
-    try:
-        check_tensor_parallel(train, config.tp, sequence_parallel=config.sequence_parallel)
-        check_context_parallel(train, config.cp, method=config.cp_method, tp=config.tp,
-                               sequence_parallel=config.sequence_parallel)
-    except ConfigError:
-        return True
-    return False
+def _splits_evenly(size: int, parts: int) -> bool:
+    """Whether a tensor of ``size`` rows cut into ``parts`` pieces gives equal pieces (torch's own split,
+    not a modulo: the oracle the rules are checked against)."""
+    return len({len(piece) for piece in torch.arange(size).tensor_split(parts)}) == 1
+
+
+def _shapes_split(model: ModelConfig, config: ParallelConfig, s: int) -> bool:
+    """Every cut the layout makes is even: tp's heads, MLP columns, vocabulary rows and (sp) tokens;
+    cp's 2 cp (ring) or cp (Ulysses) sequence chunks, Ulysses' heads per tp rank over cp, and (sp) each
+    cp rank's tokens over tp."""
+    tp, cp, heads = config.tp, config.cp, model.num_attention_heads
+    cuts = [(heads, tp), (model.ffn_hidden_size, tp), (model.vocab_size, tp)]
+    cuts += [(s, tp)] * config.sequence_parallel
+    cuts += [(s, 2 * cp if config.cp_method == "ring" else cp)]
+    cuts += [(heads // tp, cp)] * (config.cp_method == "ulysses")
+    cuts += [(s // cp, tp)] * config.sequence_parallel
+    return all(_splits_evenly(size, parts) for size, parts in cuts)
 
 
 # each rule of shape_refusals by a phrase of its sentence
-SHAPE_RULES = ("heads (each", "MLP width", "vocabulary entries", "splits the sequence over",
+SHAPE_RULES = ("attention heads (each", "MLP width", "vocabulary entries", "splits the sequence over",
                "cuts each sequence", "whole heads", "context-parallel rank's")
 
 
-def test_the_shapes_are_the_trainers_preflight_case_for_case():
-    """shape_refusals (the planner's) refuses exactly where the trainer's preflight does, over a grid where
-    each of its rules is the only one that fires somewhere, and where none does."""
+def test_the_shapes_refuse_exactly_the_layouts_whose_cuts_are_uneven():
+    """shape_refusals (the planner's search and the trainer's preflight ask it) refuses exactly where
+    torch's split of some tensor the layout cuts gives unequal pieces, over a grid where each of its rules
+    is the only one that fires somewhere, and where none does."""
     alone, passed = {rule: 0 for rule in SHAPE_RULES}, 0
     for (heads, ffn, vocab), tp, cp, s, sp, method in itertools.product(
             [(4, 64, 256), (6, 96, 256), (4, 66, 256), (4, 64, 250), (12, 192, 240)], [1, 2, 3, 4],
@@ -138,10 +148,23 @@ def test_the_shapes_are_the_trainers_preflight_case_for_case():
         config = ParallelConfig(tp=tp, cp=cp, sequence_parallel=sp, cp_method=method)
         why = shape_refusals(model, config, seq_len=s)
         case = (heads, ffn, vocab, tp, cp, s, sp, method, why)
-        assert bool(why) == _preflight_refuses(model, config, s), case
+        assert bool(why) == (not _shapes_split(model, config, s)), case
         rules = [rule for rule in SHAPE_RULES for w in why if rule in w]
         assert len(rules) == len(why), why  # each sentence is one rule's
         if len(rules) == 1:
             alone[rules[0]] += 1
         passed += not why
     assert all(alone.values()) and passed, (alone, passed)
+
+
+def test_the_trainers_preflight_raises_the_shape_rules_sentences():
+    """The trainer refuses a layout the shapes do not split in shape_refusals' own words (one rule set:
+    no second copy in the preflight), and lets the neighbour through."""
+    model = ModelConfig(vocab_size=256, num_layers=2, hidden_size=48, num_attention_heads=6, max_seq_len=64)
+    train = TrainConfig(model=model, data=DataConfig(seq_len=36, global_batch_size=1))
+    bad = ParallelConfig(tp=4, cp=2, sequence_parallel=True, cp_method="ring")
+    with pytest.raises(ConfigError) as refused:
+        check_shapes(train, bad)
+    assert str(refused.value) == "; and ".join(shape_refusals(model, bad, seq_len=36))
+    assert "--tp 4 does not divide the 6 attention heads" in str(refused.value)
+    check_shapes(train, ParallelConfig(tp=2, cp=3, sequence_parallel=True, cp_method="ring"))  # 36 = 6 x 6

@@ -496,19 +496,23 @@ def test_pipeline_micro_batches_are_checked_before_anything_starts():
 
 
 def test_context_parallel_sizes_are_checked_before_anything_starts():
-    from refimpl.config import ConfigError
-    from refimpl.train import check_context_parallel
+    from refimpl.config import ConfigError, ParallelConfig
+    from refimpl.train import check_shapes
 
     config = config_from_args(build_parser().parse_args([*TINY, "--seq-len", "18", "--num-heads", "4"]))
-    check_context_parallel(config, 1, method="ring")  # cp 1: nothing to check
-    check_context_parallel(config, 2, method="ulysses")  # 18 = 2 x 9 tokens, 2 heads per rank
+
+    def check(cp: int, method: str, tp: int = 1, sp: bool = False) -> None:
+        check_shapes(config, ParallelConfig(cp=cp, cp_method=method, tp=tp, sequence_parallel=sp))
+
+    check(1, "ring")  # cp 1: nothing to check
+    check(2, "ulysses")  # 18 = 2 x 9 tokens, 2 heads per rank
     with pytest.raises(ConfigError, match="--seq-len 18 does not divide by 4"):
-        check_context_parallel(config, 2, method="ring")  # zig-zag: 2 cp chunks
-    check_context_parallel(config, 2, method="ulysses", tp=2)  # 2 heads per tp rank: 1 per cp rank
+        check(2, "ring")  # zig-zag: 2 cp chunks
+    check(2, "ulysses", tp=2)  # 2 heads per tp rank: 1 per cp rank
     with pytest.raises(ConfigError, match=r"\(4 / --tp 4 = 1\) do not divide by 2"):
-        check_context_parallel(config, 2, method="ulysses", tp=4)
-    with pytest.raises(ConfigError, match="each rank's 9 tokens"):  # 9 tokens do not split over tp 2
-        check_context_parallel(config, 2, method="ulysses", tp=2, sequence_parallel=True)
+        check(2, "ulysses", tp=4)
+    with pytest.raises(ConfigError, match="each context-parallel rank's 9 tokens"):  # not over tp 2
+        check(2, "ulysses", tp=2, sp=True)
 
 
 LAYOUT_REFUSALS = {  # name -> (flags, what the one error line must say)

@@ -49,9 +49,9 @@ from refimpl.train.cli import demo_fault_flags, failure_report, main
 from refimpl.train.loop import SIGTERM_EXIT, Preempted, train
 from refimpl.train.preflight import (
     MEMORY_ENV,
-    check_context_parallel,
     check_fits,
     check_same_run,
+    check_shapes,
     machine_memory_per_rank,
     preflight_memory,
     preflight_resume,
@@ -66,9 +66,9 @@ __all__ = [
     "RunOptions",
     "build_parser",
     "build_setup",
-    "check_context_parallel",
     "check_fits",
     "check_same_run",
+    "check_shapes",
     "config_from_args",
     "demo_fault_flags",
     "failure_report",

@@ -33,10 +33,9 @@ from refimpl.train.args import RunOptions
 from refimpl.train.gradients import gradient_shards
 from refimpl.train.hooks import Hooks, TrainHooks, compose
 from refimpl.train.preflight import (
-    check_context_parallel,
     check_experts,
     check_fits,
-    check_tensor_parallel,
+    check_shapes,
     forwards_per_step,
     survivor_layout,
 )
@@ -104,9 +103,7 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
     if shrunk:
         log0(ctx, shrunk)
     dims = options.parallel_dims(ctx.world_size)  # pp x dp x cp x tp, tp innermost (refimpl.distributed.mesh)
-    check_tensor_parallel(config, dims.tp, sequence_parallel=options.sequence_parallel)
-    check_context_parallel(config, dims.cp, method=options.cp_method, tp=dims.tp,
-                           sequence_parallel=options.sequence_parallel)
+    check_shapes(config, options.parallel)
     check_experts(config, options)
     batches = check_fits(config, dims.dp)  # the global batch is split over the data-parallel axis
     seed_everything(config.data.seed, rank=ctx.rank)

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from refimpl.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
-from refimpl.config import ConfigError, TrainConfig, micro_batches
+from refimpl.config import ConfigError, ParallelConfig, TrainConfig, micro_batches
 from refimpl.data import ShardedBatches, prepare_corpus
 from refimpl.measure import format_bytes
-from refimpl.support import check_supported
+from refimpl.support import check_supported, shape_refusals
 from refimpl.train.args import RunOptions
 
 
@@ -31,42 +31,12 @@ def check_fits(config: TrainConfig, world_size: int) -> ShardedBatches:
                           global_batch_size=config.data.global_batch_size, seed=config.data.seed)
 
 
-def check_tensor_parallel(config: TrainConfig, tp: int, *, sequence_parallel: bool = False) -> None:
-    """Refuse a ``--tp`` that does not divide the heads, the MLP width or the vocabulary, or under
-    ``--sequence-parallel`` the sequence (chapter 06)."""
-    if tp == 1:
-        return
-    if sequence_parallel and config.data.seq_len % tp:
-        raise ConfigError(f"--sequence-parallel splits the sequence over the {tp} tensor-parallel ranks: "
-                          f"--seq-len {config.data.seq_len} does not divide by {tp}")
-    m = config.model
-    for flag, what, size in (("--num-heads", "attention heads", m.num_attention_heads),
-                             ("--hidden-size", "MLP width (4 x --hidden-size)", m.ffn_hidden_size),
-                             ("the vocabulary", "vocabulary (256 bytes)", m.vocab_size)):
-        if size % tp:
-            raise ConfigError(f"--tp {tp}: the {what} {size} does not divide by {tp} (each tensor-parallel "
-                              f"rank holds 1/{tp} of it); change {flag} or --tp")
-
-
-def check_context_parallel(config: TrainConfig, cp: int, *, method: str = "ring", tp: int = 1,
-                           sequence_parallel: bool = False) -> None:
-    """Refuse a ``--cp`` the sequence or the heads cannot take (chapter 07): ring attention's zig-zag split
-    cuts ``--seq-len`` into ``2 cp`` chunks, Ulysses into ``cp`` parts and gives each rank ``1/cp`` of the
-    heads of its tensor-parallel rank; sequence parallelism splits each rank's ``s/cp`` tokens over tp."""
-    if cp == 1:
-        return
-    s, heads = config.data.seq_len, config.model.num_attention_heads
-    parts = 2 * cp if method == "ring" else cp
-    if s % parts:
-        raise ConfigError(f"--cp {cp} --cp-method {method} cuts each sequence into {parts} equal parts: "
-                          f"--seq-len {s} does not divide by {parts}")
-    if method == "ulysses" and (heads // tp) % cp:
-        raise ConfigError(f"--cp-method ulysses gives each of the {cp} context-parallel ranks whole heads: "
-                          f"the heads per tensor-parallel rank ({heads} / --tp {tp} = {heads // tp}) do not "
-                          f"divide by {cp}; use --cp-method ring or change --num-heads")
-    if sequence_parallel and (s // cp) % tp:
-        raise ConfigError(f"--sequence-parallel splits each rank's {s // cp} tokens (--seq-len {s} / --cp "
-                          f"{cp}) over the {tp} tensor-parallel ranks: they do not divide by {tp}")
+def check_shapes(config: TrainConfig, parallel: ParallelConfig) -> None:
+    """Refuse a ``--tp`` or ``--cp`` the model or the sequence cannot take (chapters 06 and 07): the
+    sentences of :func:`refimpl.support.shape_refusals`, the rule set the planner's search asks too."""
+    why = shape_refusals(config.model, parallel, seq_len=config.data.seq_len)
+    if why:
+        raise ConfigError("; and ".join(why))
 
 
 def check_experts(config: TrainConfig, options: RunOptions) -> None:
@@ -249,9 +219,7 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
     from refimpl.planner.experts import unmodelled_moe
 
     dims = options.parallel_dims(world_size)
-    check_tensor_parallel(config, dims.tp, sequence_parallel=options.sequence_parallel)
-    check_context_parallel(config, dims.cp, method=options.cp_method, tp=dims.tp,
-                           sequence_parallel=options.sequence_parallel)
+    check_shapes(config, options.parallel)
     check_experts(config, options)
     check_fp8_device(options.precision, run_device(ranks_per_node, local_rank=local_rank, backend=backend,
                                                    launching=launching))
