@@ -248,9 +248,9 @@ def test_the_run_resumed_at_another_layout_continues_the_losses(runs, one_device
 
 @pytest.mark.parametrize("flags, says", [
     (["--nproc-per-node", "8", "--dp", "2", "--tp", "2", "--pp", "3"], "does not match the world size 8"),
-    (["--nproc-per-node", "8", "--tp", "8"], "attention heads 4 does not divide by 8"),
+    (["--nproc-per-node", "8", "--tp", "8"], "--tp 8 does not divide the 4 attention heads"),
     (["--nproc-per-node", "6", "--tp", "3", "--num-heads", "6", "--hidden-size", "96"],
-     "vocabulary (256 bytes) 256 does not divide by 3"),
+     "--tp 3 does not divide the 256 vocabulary entries"),
     (["--nproc-per-node", "8", "--tp", "2", "--pp", "4", "--num-layers", "3"],
      "--num-layers 3 cannot fill 4 pipeline stages"),
 ])
