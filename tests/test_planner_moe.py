@@ -14,7 +14,8 @@ ONE ``run_ranks`` of 4 ranks trains the MoE GPT (8 experts, top 2) through :func
 
 * the model state before the second optimizer step (:func:`refimpl.measure.state_bytes`) equals
   :func:`refimpl.planner.run_memory_per_rank`'s weights, gradients and AdamW state: the two experts of each
-  block sharded over edp 2, the dense tensors over dp 4;
+  block sharded over edp 2, the dense tensors over dp 4 (ZeRO-1 then holds the reduced gradient shards
+  too, ZeRO-2's gradients, reduce-scattered before the loss scaler reads them);
 * every block's saved bytes (the meter, second step) equal the planner's for the counts of that forward
   (every ep rank's kept counts, :class:`refimpl.planner.ExpertLoad.from_counts`);
 * the bytes the tracer books for the step's all-to-alls (the counts' exchange and the token all-to-alls on
@@ -260,13 +261,17 @@ def test_trainer_state_per_rank_is_the_experts_over_edp_and_the_rest_over_dp(run
     local = [(s[0] // dims.ep, *s[1:]) for s in experts]
     plan = run_memory_per_rank(config, dims, micro_batch=micro, seq_len=16, zero_stage=zero,
                                precision=precision)
-    terms = (plan.state["weights"], plan.state["grads"], plan.state["AdamW state"])
+    # ZeRO-1 at the step holds its full gradients and the reduced shards (ZeRO-2's gradients) beside them
+    def shards(dp_rank: int) -> int:
+        return state_memory_per_rank(config, dims, zero_stage=2, dp_rank=dp_rank).grads if zero == 1 else 0
+
+    terms = (plan.state["weights"], plan.state["grads"] + shards(0), plan.state["AdamW state"])
     assert runs[0][name]["state"] == terms  # rank 0: the planner's rank
     n = dims.dp * dims.cp
     for rank, out in enumerate(runs):
         got, dp_rank = out[name]["state"], rank // dims.tp  # tp innermost: the rank in the dp x cp view
         st = state_memory_per_rank(config, dims, zero_stage=zero, dp_rank=dp_rank)
-        assert got == (st.weights, st.grads, st.optimizer), (rank, got, st)
+        assert got == (st.weights, st.grads + shards(dp_rank), st.optimizer), (rank, got, st)
         # negative controls: the experts sharded over dp x cp instead of edp, or whole on every rank
         for shapes, over, r in ((local, n, dp_rank), (experts, n // dims.ep, dp_rank // dims.ep)):
             a, b = zero_memory(dense, n, zero, rank=dp_rank), zero_memory(shapes, over, zero, rank=r)

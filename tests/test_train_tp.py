@@ -44,7 +44,7 @@ LAYOUTS = {
                        str(STEPS)], "fp32"),  # saves at STEPS: resumed at tp 4 below
     "tp2-dp2-zero0-sp-accum": (["--tp", "2", "--sequence-parallel", "--micro-batch-size", "1"], "fp32"),
     "tp4-sp": (["--tp", "4", "--sequence-parallel"], "fp32"),
-    # ZeRO-1 sums the s/t-token gradients' shards over tp before the step (the probe's copy likewise)
+    # ZeRO-1 sums the s/t-token gradients' shards over tp before the step (the probe reads those shards)
     "tp2-dp2-zero1-sp": (["--tp", "2", "--sequence-parallel", "--zero-stage", "1"], "fp32"),
     "tp2-dp2-zero2-sp-bf16": (["--tp", "2", "--zero-stage", "2", "--sequence-parallel",
                                "--precision", "bf16"], "bf16"),

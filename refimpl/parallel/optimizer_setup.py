@@ -10,9 +10,11 @@ needs for the layout, as an :class:`OptimizerSetup`, all read from the parameter
 * the gradient norm: one :func:`~refimpl.parallel.placements.clip_grad_norm_` over the held gradients,
   each element of the model counted once (a tensor-parallel replica on tp rank 0, a tied embedding's
   last-stage copy not at all, a ZeRO shard on its rank);
-* after the data-parallel reduction (:attr:`OptimizerSetup.finish_gradients`): under pipeline parallelism
-  at ZeRO-0 the ``dp x cp`` average once per step (chapter 08), then under sequence parallelism the sum
-  over ``tp`` of the gradients placed so (:func:`~refimpl.parallel.placements.reduce_gradients`);
+* after the data-parallel reduction (:attr:`OptimizerSetup.finish_gradients`): ZeRO-1's reduce-scatter
+  into the optimizer's shards (so that the loss scaler unscales and checks what AdamW steps); under
+  pipeline parallelism at ZeRO-0 the ``dp x cp`` average once per step (chapter 08), then under sequence
+  parallelism the sum over ``tp`` of the gradients placed so
+  (:func:`~refimpl.parallel.placements.reduce_gradients`);
 * expert parallelism (chapter 09): at ZeRO-0 the experts' gradients, left alone by the data-parallel
   wrapper, are summed over the group their placement reduces over (``expert_dp``, the mesh's ``edp``) and
   divided by ``dp x cp``
@@ -105,8 +107,9 @@ def build_optimizer_setup(inputs: OptimizerInputs, config: OptimConfig) -> Optim
                     out.append(HeldGradient(name, g, placements[name].narrowed(specs[p], axis)))
             return out
 
-        # stage 1 checks the full local gradients (reduced in step), stage 2 the shards it kept
-        grad_params = list(optimizer.params) if zero == 1 else [optimizer.shard(p) for p in optimizer.params]
+        # the shards the inner optimizer steps: the loss scaler unscales and checks them, clipping scales
+        # them (stage 1 reduce-scatters into them in finish_gradients, before the scaler; stage 2 in backward)
+        grad_params = [optimizer.shard(p) for p in optimizer.params]
     else:
         optimizer = build_optimizer(inputs.module, config, named=inputs.named)
 
@@ -122,6 +125,8 @@ def build_optimizer_setup(inputs: OptimizerInputs, config: OptimConfig) -> Optim
     experts = inputs.experts if zero == 0 else ()  # ZeRO-1/2 reduce them in the optimizer
 
     def finish() -> None:
+        if zero == 1:  # ZeRO-1's once-per-step reduce-scatter, before the loss scaler reads the shards
+            optimizer.reduce_gradients()
         if inputs.average_in_finish:  # every stage's gradients, once per step, over the replicas
             from refimpl.parallel.data_parallel.data_parallel_communications import reduce_gradients_
 
@@ -138,7 +143,8 @@ def build_optimizer_setup(inputs: OptimizerInputs, config: OptimConfig) -> Optim
     needs_clip = config.grad_clip is not None and (zero != 0 or _sharded(placements))
     return OptimizerSetup(optimizer=optimizer, grad_params=grad_params,
                           clip_fn=clip_fn if needs_clip else None,
-                          finish_gradients=finish if (inputs.average_in_finish or sp or experts) else None,
+                          finish_gradients=finish if (inputs.average_in_finish or sp or experts or zero == 1)
+                          else None,
                           held_gradients=held)
 
 

@@ -10,8 +10,8 @@ large-scale language model training on GPU clusters using Megatron-LM", section 
   the weights) over the ``dp x cp`` ranks, under HSDP over the rank's shard group:
   :func:`~refimpl.planner.memory.state_memory_per_rank`,
   :func:`~refimpl.planner.pipeline.pipeline_state_memory`, the rank's index in the group
-  :func:`~refimpl.planner.run_terms.shard_group_rank`. ZeRO-1 under sequence parallelism also holds its
-  reduced gradient shards then (the tp sum of ``finish_gradients`` reads them before the step). ZeRO-3:
+  :func:`~refimpl.planner.run_terms.shard_group_rank`. ZeRO-1 also holds its reduced gradient shards
+  then (``finish_gradients`` reduce-scatters into them before the loss scaler and the step read them). ZeRO-3:
   the shards only, with or without pp: the full weights and gradients a unit gathers are freed once its
   gradients are reduce-scattered (pp: once per step after the schedule, ``finish_gradient_sync``, or in
   every backward with ``--zero3-reshard-per-microbatch``), before the step (measured: no full tensor is
@@ -378,7 +378,7 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
                 if b > 1:  # lm_loss's labels.flatten() copies the strided [b, s] view of the [b, s+1] rows
                     held[LABELS_COPY] = 8 * tokens
             state = state_memory_per_rank(config, dims, zero_stage=zero_stage, dp_rank=group_rank)
-        if zero_stage == 1 and sequence_parallel:  # the shards' gradients, reduced before the step
+        if zero_stage == 1:  # the shards' gradients, reduced before the step (finish_gradients)
             shard_grads = 4 * sharded_numel(shapes, group_rank, n)
             state = dataclasses.replace(state, grads=state.grads + shard_grads)
         ranks.append(RankPrediction(rank=rank, coords=c, state=state, activations=held, bytes_sent=sent))

@@ -84,11 +84,14 @@ class MixedPrecision:
         grad_clip: float | None = None,
         params: Iterable[torch.Tensor] | None = None,
         clip_fn: Callable[[list[torch.Tensor]], object] | None = None,
+        after_unscale: Callable[[], None] | None = None,
     ) -> bool:
         """Unscale and check (fp16), clip, step, update the scale; False when the step was skipped.
 
         ``params`` (default: the optimizer's) are the parameters whose gradients this rank checks and
         clips, e.g. a ZeRO shard; ``clip_fn(params)`` replaces ``clip_grad_norm_`` (a sharded norm).
+        ``after_unscale()`` runs once the gradients are unscaled and checked, before clipping (skipped step
+        or not): the gradients the optimizer receives, unclipped (the trainer's gradient probe).
         """
         if self.master is not None:
             self.master.copy_grads_to_master()
@@ -98,6 +101,8 @@ class MixedPrecision:
         stepped = True
         if self.scaler is not None:
             stepped = not self.scaler.unscale_(params)
+        if after_unscale is not None:
+            after_unscale()
         if stepped:
             if clip_fn is not None:
                 clip_fn(params)

@@ -19,12 +19,13 @@ they need without replacing the trainer's functions, the ops or the pipeline exe
    micro-batches);
 5. ``before_optimizer_step(step, setup)``: the gradients reduced, before the loss scaler's check, clipping
    and AdamW;
-6. ``gradient_probe(step, shards)``: those gradients as boxes of the plain GPT's tensors
+6. ``gradient_probe(step, shards)``: the gradients the optimizer receives, once the loss scaler has
+   unscaled and checked them (fp16), as boxes of the plain GPT's tensors
    (:func:`refimpl.train.gradients.gradient_shards`, computed only when some hook has this point; read
-   them there, the step changes them after);
-7. ``after_gradient_probe(step, setup)``: the last point before the loss scaler's check, clipping and AdamW
-   (called with or without a ``gradient_probe``); then ``around_step`` exits, the loss is averaged over the
-   ranks and the step's record written;
+   them there, clipping and the step change them after);
+7. ``after_gradient_probe(step, setup)``: the last point before clipping and AdamW (called with or without
+   a ``gradient_probe``); then ``around_step`` exits, the loss is averaged over the ranks and the step's
+   record written;
 8. ``before_checkpoint(step, setup)``: after that, when a save is due (on the schedule, at the end, on
    SIGTERM), just before it.
 

@@ -156,9 +156,8 @@ def _run_steps(config: TrainConfig, ctx: DistributedContext, options: RunOptions
     hooks = compose(RunProbes(options, ctx, out), hooks)  # the run's own probes first, at every point
     mp = setup.mp
 
-    def gradients_ready() -> None:  # the gradients of `step` are reduced; the update follows
-        _call(hooks.before_optimizer_step, step, setup)
-        if hooks.gradient_probe is not None:  # gradient_shards is a collective under ZeRO-1: only if asked
+    def gradients_unscaled() -> None:  # what the optimizer receives, before clipping; the update follows
+        if hooks.gradient_probe is not None:
             hooks.gradient_probe(step, gradient_shards(setup))
         _call(hooks.after_gradient_probe, step, setup)
 
@@ -184,7 +183,8 @@ def _run_steps(config: TrainConfig, ctx: DistributedContext, options: RunOptions
                                       device=ctx.device, grad_clip=config.optim.grad_clip,
                                       after_first_forward=_bound(hooks.after_first_forward, step, setup),
                                       after_first_loss=_bound(hooks.after_first_loss, step, setup),
-                                      before_optimizer_step=gradients_ready, clock=hooks.clock)
+                                      before_optimizer_step=_bound(hooks.before_optimizer_step, step, setup),
+                                      after_unscale=gradients_unscaled, clock=hooks.clock)
 
             if setup.group is not None and dims.dp * dims.cp > 1:
                 # The mean over the dp x cp ranks (equal token counts), the group the gradients were

@@ -26,13 +26,15 @@ def train_step(setup: _Setup, inputs: torch.Tensor, labels: torch.Tensor, *, acc
                device: torch.device, grad_clip: float | None,
                after_first_forward: Callable[[], None] | None = None,
                before_optimizer_step: Callable[[], None] | None = None,
+               after_unscale: Callable[[], None] | None = None,
                after_first_loss: Callable[[torch.Tensor], None] | None = None,
                clock: Callable[[], float] | None = None) -> torch.Tensor:
     """Forward, backward and step over ``inputs``/``labels`` (``[accumulation x micro, s]``: this rank's
     shard). Returns this rank's loss (the sum of the scaled micro-batch losses, detached, not reduced).
     ``after_first_forward`` runs inside the first micro-batch, between its forward and its backward (the
     trainer's fault injection and heartbeat); ``after_first_loss(loss)`` once the first micro-batch's loss is
-    computed (not under pipeline parallelism); ``before_optimizer_step`` once the gradients are reduced;
+    computed (not under pipeline parallelism); ``before_optimizer_step`` once the gradients are reduced,
+    ``after_unscale`` once they are unscaled (fp16), before clipping and AdamW;
     ``clock``: the pipeline executor's clock (:class:`refimpl.train.hooks.TrainHooks`)."""
     mp, dp = setup.mp, setup.dp
     loss_sum = torch.zeros((), device=device)
@@ -80,6 +82,7 @@ def train_step(setup: _Setup, inputs: torch.Tensor, labels: torch.Tensor, *, acc
         setup.moe_metrics = setup.moe_step(accumulation)
     if before_optimizer_step is not None:
         before_optimizer_step()
-    mp.step(setup.optimizer, grad_clip=grad_clip, params=setup.grad_params, clip_fn=setup.clip_fn)
+    mp.step(setup.optimizer, grad_clip=grad_clip, params=setup.grad_params, clip_fn=setup.clip_fn,
+            after_unscale=after_unscale)
     setup.optimizer.zero_grad(set_to_none=True)
     return loss_sum
