@@ -20,7 +20,7 @@ every element of every parameter. Negative control: the same gradients scaled by
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -46,20 +46,23 @@ def first_step_gradients(into: dict) -> Callable[[int, dict[str, LocalShard]], N
     return probe
 
 
-def one_device_losses(args_for: Callable[..., object], root: Path, *, steps: int) -> dict:
+def one_device_losses(args_for: Callable[..., object], root: Path, *, steps: int,
+                      precisions: Mapping[str, Sequence[str]] | None = None) -> dict:
     """``{(precision, "batch" | "micro"): losses}`` of ``steps`` one-device steps in this process (one
     thread, as each rank runs; the caller's RNG states and thread count restored), and under
     ``("grads", precision, order)`` the first step's gradients (:data:`Pieces`, whole tensors).
-    ``args_for(out, *flags)`` parses the trainer's flags for a run in ``out``."""
+    ``args_for(out, *flags)`` parses the trainer's flags for a run in ``out``; ``precisions``: name -> the
+    trainer's flags of each precision (default :data:`PRECISIONS` as ``--precision NAME``; "fp32" must be
+    one of them: the 16-bit rule reads it)."""
     state = random.getstate(), np.random.get_state(), torch.random.get_rng_state(), torch.get_num_threads()
     torch.set_num_threads(1)
     ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     try:
         out = {}
-        for precision in PRECISIONS:
+        chosen = precisions if precisions is not None else {p: ["--precision", p] for p in PRECISIONS}
+        for precision, flags in chosen.items():
             for order, extra in (("batch", []), ("micro", ["--micro-batch-size", "1"])):
-                args = args_for(root / f"{precision}-{order}", "--precision", precision,
-                                "--steps", str(steps), *extra)
+                args = args_for(root / f"{precision}-{order}", *flags, "--steps", str(steps), *extra)
                 grads: dict = {}
                 out[precision, order] = [r["loss"] for r in train(
                     config_from_args(args), ctx, options_from_args(args),
