@@ -219,7 +219,7 @@ def test_hung_rank_is_named_within_the_timeout_and_the_run_restarts(data, refere
 # ------------------------------------------------------------------------------------ the demonstration
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_the_demo_fault_reads_as_planned_and_the_run_resumes_bitwise(data, reference, tmp_path):
-    """Issue 34: the self-launched demonstration (what `make train` does, here on the tiny run). The killed
+    """The self-launched demonstration (what `make train` does, here on the tiny run). The killed
     rank says in one line that the fault was planned; no traceback and no SIGTERM promise of a save that
     cannot happen; the restart resumes from the checkpoint and ends with an uninterrupted run's losses."""
     out = tmp_path / "demo"

@@ -14,7 +14,7 @@ balance loss and its scale, the per-step figures and the bias update, the planne
   at once (every parameter within 1e-5 of its largest element; measured 5e-7); negative control: the
   balance loss not divided by the micro-batches (or computed per micro-batch, Switch's way) moves the
   router's gradient by far more.
-* **Top-1 learns** (issue 34): at ``k = 1`` the combine weight is the raw probability (Switch), so the
+* **Top-1 learns**: at ``k = 1`` the combine weight is the raw probability (Switch), so the
   router's gradient from the task alone is of the order of ``k = 2``'s; always renormalised (the old
   default, the negative control) it is ~0. ``--moe-top-k 1`` reaches the router so and trains.
 * **Figures and bias**: the step's tokens per expert (mean ``k T / E``), the dropped fraction under
@@ -271,7 +271,7 @@ def _router_grad_norm(config: ModelConfig, ids: torch.Tensor) -> float:
 
 
 def test_a_top_1_router_learns_from_the_task():
-    """Issue 34: with its top-k always renormalised, a top-1 router's combine weight is ``s / s = 1`` and
+    """With its top-k always renormalised, a top-1 router's combine weight is ``s / s = 1`` and
     the task's loss gives it no gradient (only the balance loss trained it). By default the weight is now
     the raw probability at ``k = 1`` (Switch) and renormalised above (GShard, Mixtral, DeepSeek-V3, as
     before: k = 2 is unchanged). Balance loss 0: the gradient is the task's. Measured (this batch): 4.8e-3

@@ -244,7 +244,7 @@ def _trainer_checks(model, flags: list[str], gpus: int) -> int:
     return forwards
 
 
-# (parameters, GPUs, sequence length, global batch, micro-batch): the issue's command first (its top layout
+# (parameters, GPUs, sequence length, global batch, micro-batch): a 70B run on 64 H100s first (its top layout
 # was dp 2 tp 4 pp 4 cp 2 with HSDP 2 at ZeRO-1, which the trainer refuses), then other sizes and clusters;
 # 96 and 48 GPUs let tp take a factor 3 that a 32000-entry vocabulary does not split
 TRAINER_CASES = [(70e9, 64, 8192, 128, 1), (70e9, 512, 4096, 1024, 1), (70e9, 96, 4096, 192, 1),
@@ -265,7 +265,7 @@ def test_the_trainer_runs_every_layout_the_planner_ranks(params, gpus, seq_len, 
         assert _trainer_checks(config, flags, gpus) == p.microbatches, flags
 
 
-def test_the_trainer_check_refuses_the_issues_former_top_layout(capsys):
+def test_the_trainer_check_refuses_the_former_top_layout(capsys):
     # the negative control of the test above: the layout the planner ranked first before it read the support
     # table (dp 2 tp 4 pp 4 cp 2, HSDP 2, ZeRO-1) is refused by the same checks, in the table's words
     config = model_for(70e9, vocab_size=32000, seq_len=8192)
@@ -287,7 +287,7 @@ def test_the_trainer_check_refuses_the_issues_former_top_layout(capsys):
     with pytest.raises(ConfigError, match="does not divide the 32000 vocabulary"):
         evaluate_layout(model_for(70e9, vocab_size=32000, seq_len=4096), dp=4, tp=3, pp=4, cp=2, seq_len=4096,
                         global_batch=192)
-    # and the command of the issue ranks no HSDP below ZeRO-3 now
+    # and the 70B command on 64 GPUs ranks no HSDP below ZeRO-3 now
     assert main(["--params", "70e9", "--gpus", "64", "--gpu", "H100", "--seq-len", "8192",
                  "--global-batch", "128"]) == 0
     rows = [r for r in map(ROW.match, capsys.readouterr().out.splitlines()) if r]

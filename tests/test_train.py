@@ -187,7 +187,7 @@ def _help_entries(text: str) -> dict[str, str]:
 
 
 def test_help_shows_each_default_once(tmp_path):
-    """Issue 34: a help text that gives its default in words ("default: <out>/checkpoints") got argparse's
+    """A help text that gives its default in words ("default: <out>/checkpoints") got argparse's
     "(default: None)" after it as well. One default per flag, the words where there are words."""
     proc = _cli_in_process(["--help"], tmp_path, env={"COLUMNS": "100"})
     assert proc.returncode == 0, proc.stderr
@@ -206,7 +206,7 @@ def test_help_shows_each_default_once(tmp_path):
 
 
 def test_the_readme_examples_of_make_train_name_their_own_run_folder():
-    """Issue 34: `make train` writes runs/default; an example with other flags run after it in the same
+    """`make train` writes runs/default; an example with other flags run after it in the same
     folder is refused (another run's checkpoints), so each example of ARGS names its own --out."""
     import re
 

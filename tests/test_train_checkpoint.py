@@ -170,7 +170,7 @@ def _refused_before_torchrun(flags: list[str], capsys, monkeypatch) -> str:
 @pytest.mark.timeout(120)
 def test_a_finished_run_is_not_extended_and_the_refusal_says_why(files, one_rank, tmp_path, capsys,
                                                                  monkeypatch):
-    """Issue 34: `make train` then `make train ARGS="--steps 50 --data my.txt"` in the same folder. Refused
+    """`make train` then `make train ARGS="--steps 50 --data my.txt"` in the same folder. Refused
     before torchrun (status 2, one line) with what differs, why --steps cannot change (the schedule), and
     the fix; the ranks refuse it in the same words; another --out is a fresh start."""
     out = tmp_path / "run"

@@ -120,7 +120,7 @@ def _check_attention(group, causal: bool, seed: int) -> dict:
         out["err"][n] = float((ours[n] - ref).abs().max())
         out["broken_err"][n] = float((broken[n] - ref).abs().max())
         out["bitwise_f32"][n] = torch.equal(ours[n], r32[n][:, :, chunk])
-    local_bytes = B * HEADS * sc * HEAD_DIM * 4  # the "local tensor": [b, a, s/cp, d] float32
+    local_bytes = B * HEADS * sc * HEAD_DIM * 4  # the "local tensor" of each rank: [b, a, s/cp, d] float32
     out["traffic"] = {
         "formula_per_call": (cp - 1) / cp * local_bytes,
         "formula_payload": local_bytes,
