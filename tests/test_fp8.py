@@ -25,6 +25,7 @@ the bf16 output's spread is the float64 result rounded to bf16.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -107,6 +108,8 @@ def test_scale_from_amax_puts_the_largest_value_on_fmax_and_equals_torchaos(fmt)
     decades = 10.0 ** torch.randint(-9, 9, (200,), generator=_gen(1))
     edges = torch.tensor([0.0, 1e-13, 1e-12, 3.0, 448.0, 3e38])  # 448 / 3: where a reciprocal-multiply errs
     amax = torch.cat([torch.rand(200, generator=_gen(0)) * decades, edges])
+    # with power_of_2 too: torchao's exp2(floor(log2)) rounds up only for a scale within an ulp of a power of
+    # two above it (the next test), which none of these random amaxes has
     for pow2 in (False, True):
         assert torch.equal(amax_to_scale(amax, fmt, power_of_2=pow2),
                            ao_amax_to_scale(amax, fmt.dtype, round_scales_to_power_of_2=pow2))
@@ -120,6 +123,42 @@ def test_scale_from_amax_puts_the_largest_value_on_fmax_and_equals_torchaos(fmt)
     assert (cols.data.float().abs().amax(0) == fmt.max).all()
     zero = cast_to_float8(torch.zeros(4, 4), fmt)  # the eps floor: a finite scale, zeros stay zeros
     assert zero.scale.isfinite() and (zero.data.float() == 0).all()
+
+
+def _power_of_2_down(scale: torch.Tensor) -> torch.Tensor:
+    """The largest power of two not above each scale, from Python's exact ``frexp`` (a source independent
+    of the package's)."""
+    return torch.tensor([math.ldexp(1.0, math.frexp(v)[1] - 1) for v in scale.flatten().tolist()],
+                        dtype=torch.float32).view(scale.shape)
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+def test_power_of_2_scale_rounds_down_so_the_amax_never_saturates(fmt):
+    """Amaxes whose exact scale ``fmax / amax`` is one fp32 ulp below ``2^k``: the power-of-two scale must
+    be ``2^(k-1)``. Rounded to nearest (or through ``exp2(floor(log2(scale)))``, whose fp32 ``log2``
+    rounds to ``k``) it is ``2^k``, ``amax * scale`` exceeds ``fmax`` and the amax saturates."""
+    k = torch.arange(-30, 31, dtype=torch.float32)
+    power = torch.exp2(k)
+    below = torch.nextafter(power, torch.zeros(()))                     # one ulp below 2^k
+    amax = (fmt.max / below.double()).float()
+    exact = amax_to_scale(amax, fmt)
+    assert (exact < power).all(), "the planted amaxes: their exact scale lies below 2^k"
+    scale = amax_to_scale(amax, fmt, power_of_2=True)
+    assert torch.equal(scale, _power_of_2_down(exact)) and torch.equal(scale, power / 2)
+    assert (amax * scale <= fmt.max).all()                              # exact: scale is a power of two
+    # the cast the rowwise recipe makes: each row's amax (the first entry) is scaled to fmax / 2, not onto
+    # fmax, so no entry of the row saturates or lands on fmax
+    x = torch.stack([amax, -amax / 3, amax / 7], dim=1)
+    t = cast_to_float8(x, fmt, scaling="rowwise", contraction_dim=1, power_of_2=True)
+    assert torch.equal(t.scale.flatten(), scale)
+    assert (x * t.scale).abs().le(fmt.max).all() and (t.data.float().abs() < fmt.max).all()
+    # negative controls: round to nearest gives 2^k and saturates every one of them; so does the fp32 log2
+    # of exp2(floor(log2(scale))) wherever it rounds to k (measured on torch 2.13's CPU kernels: for every
+    # k >= 3 and k <= -2, where fp32's spacing near k is coarser than the distance)
+    nearest = torch.exp2(torch.round(torch.log2(exact)))
+    assert torch.equal(nearest, power) and (amax * nearest > fmt.max).all()
+    via_log2 = torch.exp2(torch.floor(torch.log2(exact)))
+    assert (amax * via_log2 > fmt.max).any()
 
 
 def test_delayed_scaling_saturates_on_the_step_the_amax_jumps():
@@ -150,7 +189,7 @@ def _ref_cast(t: torch.Tensor, fmt, *, rowwise: bool, dim: int, pow2: bool) -> F
     amax = amax.clamp(min=1e-12)
     scale = (torch.full_like(amax, fmt.max) / amax).float()  # one correctly rounded division, then to fp32
     if pow2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+        scale = _power_of_2_down(scale)
     return Float8Tensor((t * scale).clamp(-fmt.max, fmt.max).to(fmt.dtype), scale)
 
 

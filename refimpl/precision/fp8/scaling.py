@@ -15,7 +15,12 @@ fp32 numbers rounds to the correctly rounded fp32 quotient: 53 >= 2 * 24 + 2 bit
 computes ``python_float / tensor`` as ``tensor.reciprocal() * python_float``, two roundings (448 / 3 comes
 out one ulp high), so the division here is tensor by tensor. With
 ``power_of_2=True`` the scale is rounded down to a power of two (torchao's rowwise recipe), so scaling
-and unscaling are exact and only the fp8 rounding is left.
+and unscaling are exact and only the fp8 rounding is left. **Down**, exactly: a power of two above the
+scale puts ``amax * scale`` above ``fmax``, and amax saturates. ``exp2(floor(log2(scale)))`` (torchao's
+``_round_scale_down_to_power_of_2``, 0.18) is not exact: for a scale one ulp below ``2^k`` the fp32
+``log2`` rounds to the integer ``k`` (measured for k in -30..30: at every ``k >= 3`` and ``k <= -2``, where
+fp32's spacing near ``k`` is coarser than the distance), and the scale rounds **up**. The exponent ``frexp``
+gives is exact (tests/test_fp8.py plants such amaxes).
 
 **Granularity** (:func:`cast_to_float8`): *tensorwise* is one scale for the whole tensor (torchao's
 default); one outlier then pushes every other value toward the subnormals. *Rowwise* is one scale per
@@ -55,12 +60,15 @@ SCALINGS: tuple[str, ...] = FP8_SCALINGS  # ("tensorwise", "rowwise"), named in 
 def amax_to_scale(amax: torch.Tensor, fmt: Float8Format | torch.dtype, *, power_of_2: bool = False
                   ) -> torch.Tensor:
     """``fmax / max(amax, eps)`` in fp32 (any shape: one scale per amax), optionally rounded down to a
-    power of two (``2^floor(log2(scale))``, torchao's ``_round_scale_down_to_power_of_2``)."""
+    power of two, ``2^floor(log2(scale))`` exactly (not via an fp32 ``log2``: module docstring)."""
     f = format_of(fmt)
     amax = amax.to(torch.float32).clamp(min=EPS)
     scale = torch.full_like(amax, f.max) / amax  # not f.max / amax (a reciprocal, then a multiply)
     if power_of_2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+        # scale = m 2^e with 0.5 <= m < 1 (frexp, exact), so 2^(e-1) = scale / (2m): a quotient whose exact
+        # value is a float, which IEEE division returns exactly. 0, inf and NaN stay as they are.
+        mantissa, _ = torch.frexp(scale)
+        scale = torch.where(torch.isfinite(scale) & (scale > 0), scale / (2 * mantissa), scale)
     return scale
 
 
