@@ -179,6 +179,30 @@ def test_delayed_scaling_saturates_on_the_step_the_amax_jumps():
     assert all(e > 10 * d for e, d in zip(err[5:9], dyn[5:9], strict=True)) and err[9] < 1.1 * dyn[9]
 
 
+def test_delayed_scaling_margin_halves_the_scale_per_step_and_absorbs_a_growth_of_2_to_the_margin():
+    """Transformer Engine's ``margin``: the scale is ``fmax / amax_history / 2^margin``. A tensor that grows
+    by 1.5x on the next step saturates under margin 0 and fits under margin 1 (its amax is within
+    ``2^1`` of the history's); each margin halves the scale exactly (a power of two: no other rounding).
+    Negative control: margin 0 saturates the grown step."""
+    base = torch.randn(4096, generator=_gen(5))
+    grown = base * 1.5
+    casts = {}
+    for margin in (0, 1, 3):
+        delayed = DelayedScaling(E4M3, history_len=4, margin=margin)
+        first = delayed.cast(base)
+        casts[margin] = (first, delayed.cast(grown))
+        plain = amax_to_scale(base.abs().amax(), E4M3)
+        assert torch.equal(first.tensor.scale, plain / 2**margin), margin  # the first cast: its own amax
+        assert torch.equal(casts[margin][1].tensor.scale, plain / 2**margin)  # the next: the history's
+    assert casts[0][1].saturated > 0 and casts[1][1].saturated == 0 and casts[3][1].saturated == 0
+    # the price of the margin: the range given up at the top is lost at the bottom (more small values in
+    # e4m3's subnormals), so the error of the step that did not grow does not shrink as the margin grows
+    err = {m: float((c[0].tensor.dequantize() - base).norm() / base.norm()) for m, c in casts.items()}
+    assert err[0] <= err[1] <= err[3], err
+    with pytest.raises(ValueError, match="margin must be >= 0"):
+        DelayedScaling(E4M3, margin=-1)
+
+
 # ---------------------------------------------------------------- the three GEMMs against float64
 
 
