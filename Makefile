@@ -15,11 +15,11 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || e
 help:
 	@echo "make train            train the default model (2 CPU ranks, or one rank per GPU)"
 	@echo "make test             the whole suite: unit, multi-rank, notebooks (nbval), exercise self-check"
-	@echo "make lab              open the course in JupyterLab"
+	@echo "make lab              open the course in JupyterLab (the repository root, chapter 00 open)"
 	@echo "make book [ONLY=00]   the executed course as static HTML in build/book/ (index.html: the course map)"
 	@echo "make grade CH=NN      grade your solution of exercises/NN_*.py"
 	@echo "make test-fast        the suite without the notebooks"
-	@echo "make test-unit        the tests that start no process (seconds: the edit loop)"
+	@echo "make test-unit        the tests that start no process (about 30 s on 2 cores: the edit loop)"
 	@echo "make lint             ruff check"
 	@echo "make bench            run every benchmark (tables to record in bench/RESULTS.md)"
 
@@ -47,14 +47,18 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q --ignore=tests/test_chapters.py $(ARGS)
 
-# tests/conftest.py gives the markers, per module
+# tests/conftest.py gives the markers, per module: pytest -m "not spawn and not subprocess and not chapter
+# and not browser", the modules of those tiers not even collected (tools/run_tests.py, unit_command)
 test-unit: $(STAMP)
-	$(PY) -m pytest -q -m "not spawn and not subprocess and not chapter and not browser" $(ARGS)
+	$(PY) tools/run_tests.py --unit $(ARGS)
 
-# At the repository root (refimpl/ and exercises/ one click away), the first chapter open. JupyterLab
-# refuses to run as root without --allow-root: in a container we are root.
+# At the repository root (refimpl/ and exercises/ one click away), the first chapter open: with a file
+# alone, Lab would serve the file's folder. JupyterLab refuses to run as root without --allow-root: in a
+# container we are root. ARGS go to Lab: tests/test_browser.py starts Lab through this target (make lab
+# ARGS="--no-browser --ServerApp.port=..."), so that the command tested is this one.
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root,) chapters/00_orientation.py
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=. $(if $(filter 0,$(shell id -u)),--allow-root,) $(ARGS) \
+		chapters/00_orientation.py
 
 # Every chapter executed (a fresh kernel each) and rendered to HTML; ONLY="00 03" builds a subset.
 book: $(STAMP)

@@ -2,10 +2,11 @@
 
 docs/ARCHITECTURE.md, "The two commands, and the suite".
 
-One test starts JupyterLab headless at the repository root (127.0.0.1, a free port, a random token) and drives
-Debian's chromium through Playwright's sync API (launched by its path; no browser is ever downloaded). For
-EVERY chapter it double-clicks the file in the file browser, checks that it opened as a notebook (the
-project's ``defaultViewers`` override, not the text editor), waits for the kernel and runs cells:
+One test starts JupyterLab through ``make lab`` itself, the README's command (headless: 127.0.0.1, a free
+port, a random token, given in its ``ARGS``), checks that it serves the repository root and opens chapter 00,
+and drives Debian's chromium through Playwright's sync API (launched by its path; no browser is ever
+downloaded). For EVERY chapter it double-clicks the file in the file browser, checks that it opened as a
+notebook (the project's ``defaultViewers`` override, not the text editor), waits for the kernel, runs cells:
 
 * chapter 00: Run All (its ranks, a collective, a failing rank on purpose, torchrun, the figure);
 * chapter 02: the cells up to and including ``start_ranks``; then the kernel is shut down with its 4 ranks
@@ -162,6 +163,33 @@ def _enter_folder(page: Page, name: str, expect: str, attempts: int = 3) -> None
     _item(page, expect).wait_for()
 
 
+def _make_lab(port: int, token: str) -> list[str]:
+    """``make lab`` as the README gives it, with the flags a test needs in its ``ARGS``: the command tested is
+    the learner's (its root, its chapter, ``--allow-root`` as root). ``VENV`` is this test's environment (the
+    suite's .venv under ``make test``), and ``-o`` keeps make from reinstalling it (its stamp taken as
+    up to date)."""
+    flags = ["--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+             "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+             "--LabApp.expose_app_in_browser=True"]
+    make = shutil.which("make") or "make"
+    return [make, "--no-print-directory", "-C", str(ROOT), "-o", f"{sys.prefix}/.installed", "lab",
+            f"VENV={sys.prefix}", f"ARGS={' '.join(flags)}"]
+
+
+def _check_lab_root(url: str, token: str, runtime: Path) -> None:
+    """``make lab`` serves the repository root (refimpl/ and exercises/ one click away) and opens chapter 00:
+    the root's listing, and the page Lab would open in the learner's browser (its redirect file)."""
+    req = urllib.request.Request(f"{url}/api/contents", headers={"Authorization": f"token {token}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        names = {c["name"] for c in json.load(resp)["content"]}
+    assert {"chapters", "refimpl", "exercises", "README.md"} <= names, \
+        f"make lab does not serve the repository root: its root lists {sorted(names)}"
+    opens = [p.read_text() for p in runtime.glob("jpserver-file-to-run-*-open.html")]
+    target = f"/lab/tree/{CHAPTERS[0].relative_to(ROOT).as_posix()}?"
+    assert len(opens) == 1 and target in opens[0], \
+        f"make lab does not open {target[:-1]} (Lab's file-to-run page: {opens})"
+
+
 def _log(msg: str) -> None:
     print(msg, flush=True)
 
@@ -292,12 +320,9 @@ def test_course_in_jupyterlab_and_book(tmp_path: Path):
                 "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "lab-workspaces"),
                 "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "IPYTHONDIR": str(tmp_path / "ipython"),
                 "REFIMPL_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)})
-    jupyter = Path(sys.executable).parent / "jupyter"
-    cmd = [str(jupyter), "lab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
-           "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={ROOT}",
-           "--LabApp.expose_app_in_browser=True"]
-    if os.geteuid() == 0:
-        cmd.append("--allow-root")
+    for var in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES"):  # a learner's shell, not `make test`'s
+        env.pop(var, None)
+    cmd = _make_lab(port, token)
     book = tmp_path / "book"
     timings: dict[str, float] = {}
     t0 = time.monotonic()
@@ -322,6 +347,7 @@ def test_course_in_jupyterlab_and_book(tmp_path: Path):
                 assert time.monotonic() < deadline, "jupyter lab did not answer"
                 time.sleep(0.5)
         timings["server"] = time.monotonic() - t0
+        _check_lab_root(url, token, tmp_path / "runtime")
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, timeout=60_000)
             try:

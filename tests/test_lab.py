@@ -6,7 +6,8 @@ kernel's kernelspec, ``language_info``, widget state, cell outputs and execution
 all of that out. This test does what Lab does to every chapter through the same contents manager (with
 the project's configuration, in a copy of the repository's files) and compares the bytes. The negative
 control: without ``jupytext.toml`` the same save changes the file. And ``make lab``'s setting, which
-makes a double-click open a chapter as a notebook, is the one the Makefile installs.
+makes a double-click open a chapter as a notebook, is the one the Makefile installs; its recipe gives Lab the
+repository root.
 """
 
 from __future__ import annotations
@@ -65,3 +66,12 @@ def test_lab_opens_python_files_as_notebooks():
     assert viewers["python"] == "Jupytext Notebook"
     makefile = (ROOT / "Makefile").read_text()
     assert "lab/overrides.json $(VENV)/share/jupyter/lab/settings/overrides.json" in makefile
+
+
+def test_make_lab_serves_the_repository_root():
+    """The recipe's text (tests/test_browser.py runs it: ``make lab`` with its ``ARGS``): the root given,
+    since with a file alone Lab serves the file's folder (chapters/), and the test's flags passed through."""
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = makefile.split("\nlab:", 1)[1].split("\n\n", 1)[0]
+    assert "--ServerApp.root_dir=." in recipe and "$(ARGS)" in recipe, recipe
+    assert "chapters/00_orientation.py" in recipe and "--allow-root" in recipe, recipe
