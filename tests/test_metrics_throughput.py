@@ -63,3 +63,52 @@ def test_throughput_requires_the_compute_dtype():
         Throughput(**kwargs, dtype="float32")
     tokens_per_s, mfu = Throughput(**kwargs, dtype="fp32").step()
     assert tokens_per_s > 0 and mfu is None  # a CPU has no peak in the table: MFU is n/a, not made up
+
+
+def test_progress_in_a_jupyter_kernel_is_a_text_bar_that_ends_at_100(monkeypatch: pytest.MonkeyPatch):
+    """In a kernel (a notebook rank's engine too) ``tqdm.auto`` picks the notebook widget, whose saved output
+    is its text when created: "train: 0%" (chapters 09 and 12, executed, kept such stale bars). The module is
+    imported afresh with IPython reporting a kernel, ``tqdm.auto`` unimported: its bar must be the text one,
+    caught by ``redirect_stderr``, its last redraw (what a cell shows) at 100%."""
+    import contextlib
+    import importlib.util
+    import io
+    import sys
+    import types
+
+    import IPython
+    import tqdm
+    import tqdm.auto
+    import tqdm.autonotebook
+    import tqdm.std
+
+    import refimpl.measure.throughput as throughput
+
+    class ZMQInteractiveShell:  # a kernel's shell, as tqdm.autonotebook recognises one
+        config = {"IPKernelApp": {}}
+
+    monkeypatch.setitem(sys.modules, "ipykernel.zmqshell", types.ModuleType("ipykernel.zmqshell"))
+    monkeypatch.setattr(IPython, "get_ipython", ZMQInteractiveShell)
+    for name in ("tqdm.auto", "tqdm.autonotebook"):  # they decide when imported: afresh below, if at all
+        monkeypatch.delitem(sys.modules, name)
+        monkeypatch.setattr(tqdm, name.split(".")[1], getattr(tqdm, name.split(".")[1]))
+    spec = importlib.util.spec_from_file_location("_throughput_in_a_kernel", throughput.__file__)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    shown = io.StringIO()
+    with contextlib.redirect_stderr(shown), contextlib.redirect_stdout(shown):
+        spec.loader.exec_module(module)
+        bar = module.progress(4)
+        for _ in range(4):
+            bar.update(1)
+        bar.close()
+    assert type(bar) is tqdm.std.tqdm, f"progress() made a {type(bar).__module__}.{type(bar).__name__}"
+    last = shown.getvalue().rstrip("\n").rsplit("\r", 1)[-1]
+    assert last.startswith("train: 100%") and "4/4" in last, repr(shown.getvalue())
+    # and outside a kernel too (the trainer's command line)
+    shown = io.StringIO()
+    with contextlib.redirect_stderr(shown):
+        bar = throughput.progress(2)
+        bar.update(2)
+        bar.close()
+    assert type(bar) is tqdm.std.tqdm and shown.getvalue().rsplit("\r", 1)[-1].startswith("train: 100%")

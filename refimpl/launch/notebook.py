@@ -298,5 +298,7 @@ def start_ranks(
             ranks.view.activate()
             if stream is None:
                 stream = os.environ.get("REFIMPL_PX_STREAM", "1") != "0"
-            ip.run_line_magic("pxconfig", "--stream" if stream else "--no-stream")
+            # no "%px: 0%" widget: an executed notebook keeps a widget's text at its creation (nbval,
+            # make book); the streamed output shows the cell's progress instead
+            ip.run_line_magic("pxconfig", ("--stream" if stream else "--no-stream") + " --progress-after -1")
     return ranks

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
+from tqdm.std import tqdm  # the text bar, in a notebook too: progress()
 
 from refimpl.measure.peaks import PEAK_DTYPES, peak_flops
 
@@ -99,6 +99,14 @@ class Throughput:
 
 
 def progress(total: int, *, enabled: bool = True, desc: str = "train", initial: int = 0) -> tqdm:
-    """A tqdm progress bar shown on rank 0 only (pass ``enabled=ctx.is_main``)."""
+    """A tqdm progress bar shown on rank 0 only (pass ``enabled=ctx.is_main``).
+
+    Always tqdm's text bar, never ``tqdm.auto``'s notebook widget, which a kernel or an ipyparallel engine
+    would pick: a widget's saved output is its text when created, "train: 0%", what an executed notebook
+    keeps (nbval, ``make book``'s pages), and a widget is displayed past ``contextlib.redirect_stderr``
+    (chapters 09 and 12 hide the trainer's log that way). The text bar goes where ``sys.stderr`` points when
+    it is created (a redirect's buffer, a cell's stderr), redraws its line in place ("\\r", which a cell
+    shows in place) and ends at 100%.
+    """
     return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, dynamic_ncols=True,
                 leave=True, file=sys.stderr)
