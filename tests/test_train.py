@@ -29,7 +29,7 @@ from refimpl import precision
 from refimpl.data import make_corpus_file
 from refimpl.distributed import DistributedContext
 from refimpl.launch import run_ranks
-from refimpl.train import build_parser, config_from_args, train
+from refimpl.train import RunOptions, build_parser, config_from_args, train
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI_TIMEOUT_S = 120
@@ -242,7 +242,7 @@ def _train_in_process(files, out: Path, *extra: str, ctx: DistributedContext | N
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as init_distributed does on a CPU (and tiny matmuls are faster so)
     try:
-        return train(config_from_args(args), ctx)
+        return train(config_from_args(args), ctx, RunOptions(report="--no-report" not in extra))
     finally:
         torch.set_num_threads(threads)
 
@@ -282,8 +282,12 @@ def test_tiny_run_writes_its_outputs(single_run):
 
 def test_tiny_run_is_reproducible(single_run, files, tmp_path, keep_global_rng):
     _, first = single_run
-    again = _train_in_process(files, tmp_path / "again")
+    again = _train_in_process(files, tmp_path / "again", "--no-report")
     assert [r["loss"] for r in again] == [r["loss"] for r in first]  # bitwise
+    # --no-report: the same run, its metrics and config, and none of the end's report (the first run's)
+    again_out = tmp_path / "again"
+    assert len(_read_metrics(again_out)) == len(first) and (again_out / "config.json").exists()
+    assert not any((again_out / f).exists() for f in ("loss.png", "sample.txt", "summary.json"))
     # Negative control: another seed (other weights, other batches) gives other losses.
     other = _train_in_process(files, tmp_path / "other", "--seed", "1")
     assert [r["loss"] for r in other] != [r["loss"] for r in first]

@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--cache-dir", default=None, help="where prepared token files are kept")
     run.add_argument("--out", default="runs/default", help="the run folder")
     run.add_argument("--log-every", type=int, default=10, help="print a line every N steps")
+    run.add_argument("--no-report", dest="report", action="store_false",
+                     help="skip the end of run's loss.png, text sample and summary.json (sweeps, tests)")
     run.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
     run.add_argument("--force", action="store_true",
                      help="start even when the planner's memory per rank exceeds the machine's memory")
@@ -273,6 +275,7 @@ class RunOptions:
     virtual_stages: int = 1
     pp_balance: str = "layers"
     zero3_reshard_per_microbatch: bool = False  # ZeRO-3 with pp: gather and reduce per micro-batch
+    report: bool = True  # at the end, rank 0: loss.png, a text sample, summary.json (--no-report: none)
 
     def __post_init__(self) -> None:
         ParallelDims(dp=self.dp_replicate if self.dp is None else self.dp, cp=self.cp, tp=self.tp, pp=self.pp,
@@ -354,4 +357,4 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
                       sequence_parallel=args.sequence_parallel, cp_method=args.cp_method,
                       microbatches=args.microbatches, pp_schedule=args.pp_schedule,
                       virtual_stages=args.virtual_stages, pp_balance=args.pp_balance,
-                      zero3_reshard_per_microbatch=args.zero3_reshard_per_microbatch)
+                      zero3_reshard_per_microbatch=args.zero3_reshard_per_microbatch, report=args.report)

@@ -120,7 +120,11 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
     records = _run_steps(config, ctx, options, setup, dims=dims, groups=groups, batches=batches,
                          resumed=resumed, hooks=hooks, out=out, begin=begin)
     all_records = resumed.earlier + records
-    _report(config, ctx, options, setup, resumed=resumed, all_records=all_records, out=out, begin=begin)
+    if options.report:
+        _report(config, ctx, options, setup, resumed=resumed, all_records=all_records, out=out, begin=begin)
+    elif all_records:
+        log0(ctx, f"done: loss {all_records[0]['loss']:.3f} -> {all_records[-1]['loss']:.3f} in "
+                  f"{time.perf_counter() - begin:.1f} s (--no-report: no loss.png, sample or summary)")
     return all_records
 
 
