@@ -25,7 +25,7 @@ SEQ_LEN = 16
 # 4 blocks: the interleaved schedule's 2 stages x 2 virtual stages; sizes multiples of 16 (fp8's GEMMs)
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-heads", "4", "--seq-len", str(SEQ_LEN),
          "--batch-size", "8", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
-         "--checkpoint-every", "0"]
+         "--checkpoint-every", "0", "--no-report"]
 MOE = ["--moe-experts", "4", "--moe-top-k", "2", "--moe-aux-loss-coeff", "0.1"]
 # precision level -> the trainer's flags (the one-device reference runs the same flags)
 PRECISIONS = {"fp32": ["--precision", "fp32"], "bf16": ["--precision", "bf16"],

@@ -57,7 +57,7 @@ STEPS = 4
 N = 2
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
         "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
-        "--checkpoint-every", "0", "--steps", str(STEPS)]
+        "--checkpoint-every", "0", "--no-report", "--steps", str(STEPS)]
 ZERO3_FP8 = ["--precision", "fp8", "--zero-stage", "3"]
 CONFIG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, max_seq_len=16)
 # the trainer's runs on 2 ranks: name -> (module attribute switched off, its stand-in)

@@ -43,7 +43,7 @@ from refimpl.train import build_parser, config_from_args, options_from_args, tra
 WORLD, STEPS, SPAWN_TIMEOUT_S = 8, 2, 300
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
         "--batch-size", "8", "--steps", str(STEPS), "--lr", "1e-2", "--warmup-steps", "1",
-        "--log-every", "100", "--checkpoint-every", "0"]
+        "--log-every", "100", "--checkpoint-every", "0", "--no-report"]
 LAYOUTS = {  # dp x tp x pp -> the trainer's flags at world size 8
     "8x1x1": ["--dp", "8"],
     "4x2x1-sp-accum": ["--tp", "2", "--sequence-parallel", "--micro-batch-size", "1"],

@@ -179,7 +179,8 @@ def test_the_memory_preflight_checks_an_moe_run(corpus, monkeypatch):
 WORLD, SPAWN_TIMEOUT_S = 4, 120
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
         "--batch-size", "8", "--steps", "2", "--lr", "1e-2", "--warmup-steps", "1", "--log-every", "100",
-        "--checkpoint-every", "0", "--moe-experts", "8", "--moe-top-k", "2", "--moe-aux-loss-coeff", "0.1",
+        "--checkpoint-every", "0", "--no-report", "--moe-experts", "8", "--moe-top-k", "2",
+        "--moe-aux-loss-coeff", "0.1",
         "--ep", "2"]
 RUNS = {  # name -> the trainer's flags at world size 4
     "dp4-ep2-zero2": ["--zero-stage", "2"],

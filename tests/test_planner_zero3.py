@@ -74,7 +74,7 @@ from refimpl.train.hooks import compose
 WORLD, STEPS, SPAWN_TIMEOUT_S = 4, 2, 300
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
         "--batch-size", "8", "--steps", str(STEPS), "--lr", "1e-2", "--warmup-steps", "1",
-        "--log-every", "100", "--checkpoint-every", "0"]
+        "--log-every", "100", "--checkpoint-every", "0", "--no-report"]
 ZERO3, AC = ["--zero-stage", "3"], ["--activation-checkpointing"]
 LAYOUTS = {  # the trainer's flags at world size 4
     "dp4-zero3": ["--dp", "4", *ZERO3],

@@ -523,7 +523,7 @@ LAYOUT_REFUSALS = {  # name -> (flags, what the one error line must say)
     "pp2-zero3-reshard-zbh1": (["--pp", "2", "--zero-stage", "3", "--pp-schedule", "zbh1",
                                 "--zero3-reshard-per-microbatch"],
                                "--zero3-reshard-per-microbatch with the zbh1 schedule"),
-    "tp4-heads": (["--tp", "4"], "attention heads 2 does not divide by 4"),
+    "tp4-heads": (["--tp", "4"], "--tp 4 does not divide the 2 attention heads"),
     "sp-without-tp": (["--sequence-parallel"], "needs tp > 1"),
     # the cp and pp sizes take the same path (preflight, exit 2 before launch); their other cases are
     # checked in process (test_context_parallel_sizes..., test_pipeline_micro_batches...)

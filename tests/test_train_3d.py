@@ -52,7 +52,7 @@ FACTOR = 4.0
 STEPS = 4  # the checkpoint's step; the runs go 2 steps further
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
         "--batch-size", "8", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
-        "--steps", str(STEPS + 2), "--checkpoint-every", "0"]
+        "--steps", str(STEPS + 2), "--checkpoint-every", "0", "--no-report"]
 CUBE = ["--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2"]
 SAVED = "2x2x2-zero1-bf16"  # the checkpoint moved between layouts
 # name -> (flags at world size 8, the one-device precision it is compared with)

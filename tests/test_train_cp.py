@@ -34,14 +34,15 @@ FACTOR = 4.0
 STEPS = 4
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
         "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
-        "--checkpoint-every", "0"]
+        "--checkpoint-every", "0", "--no-report"]
 # name -> (flags at world size 4, the one-device precision it is compared with)
 LAYOUTS = {
     "cp2-dp2-zero1-ring": (["--cp", "2", "--zero-stage", "1", "--steps", str(STEPS + 2),
                             "--checkpoint-every", str(STEPS)], "fp32"),  # saves at STEPS: resumed at dp 4
     "cp4-ulysses-accum": (["--cp", "4", "--cp-method", "ulysses", "--micro-batch-size", "2"], "fp32"),
     "cp2-dp2-zero3-ulysses": (["--cp", "2", "--cp-method", "ulysses", "--zero-stage", "3"], "fp32"),
-    "cp2-tp2-sp-bf16": (["--cp", "2", "--tp", "2", "--sequence-parallel", "--precision", "bf16"], "bf16"),
+    "cp2-tp2-sp-bf16": (["--cp", "2", "--tp", "2", "--sequence-parallel", "--precision", "bf16", "--report"],
+                        "bf16"),  # its sample is read below
     "cp2-dp2-fp16-actckpt": (["--cp", "2", "--precision", "fp16", "--activation-checkpointing"], "fp16"),
 }
 

@@ -91,7 +91,7 @@ FACTOR = 4.0
 STEPS = 4
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
         "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
-        "--checkpoint-every", "0", "--steps", str(STEPS)]
+        "--checkpoint-every", "0", "--no-report", "--steps", str(STEPS)]
 FP8 = ["--precision", "fp8"]
 CONFIG = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, max_seq_len=16)  # the planner's
 ROWWISE = [*FP8, "--fp8-scaling", "rowwise"]

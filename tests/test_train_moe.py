@@ -72,7 +72,8 @@ FACTOR = 4.0
 STEPS = 4
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
         "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
-        "--checkpoint-every", "0", "--moe-experts", "4", "--moe-top-k", "2", "--moe-aux-loss-coeff", "0.1"]
+        "--checkpoint-every", "0", "--no-report", "--moe-experts", "4", "--moe-top-k", "2",
+        "--moe-aux-loss-coeff", "0.1"]
 BIAS = ["--moe-load-balance", "bias"]
 SAVED = "dp4-ep2"  # saves at STEPS, runs STEPS + 2: resumed at ep 4 and ep 1
 # name -> (flags at world size 4, the one-device reference: "aux" or "bias")

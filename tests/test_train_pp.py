@@ -41,12 +41,13 @@ FACTOR = 4.0
 STEPS = 4
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
         "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
-        "--checkpoint-every", "0"]
+        "--checkpoint-every", "0", "--no-report"]
 # name -> (flags at world size 4, the one-device precision it is compared with)
 LAYOUTS = {
     "pp2-dp2-1f1b-zero1": (["--pp", "2", "--microbatches", "2", "--zero-stage", "1", "--steps",
                             str(STEPS + 2), "--checkpoint-every", str(STEPS)], "fp32"),  # resumed at dp 4
-    "pp4-gpipe": (["--pp", "4", "--pp-schedule", "gpipe", "--microbatches", "4"], "fp32"),
+    "pp4-gpipe": (["--pp", "4", "--pp-schedule", "gpipe", "--microbatches", "4", "--report"],  # its sample
+                  "fp32"),
     "pp2-dp2-interleaved": (["--pp", "2", "--pp-schedule", "interleaved", "--virtual-stages", "2",
                              "--microbatches", "2", "--pp-balance", "parameters"], "fp32"),
     "pp4-zbh1-bf16": (["--pp", "4", "--pp-schedule", "zbh1", "--microbatches", "4", "--precision", "bf16"],

@@ -37,7 +37,7 @@ FACTOR = 4.0
 STEPS = 4
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
         "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
-        "--checkpoint-every", "0"]
+        "--checkpoint-every", "0", "--no-report"]
 # name -> (flags at world size 4, the one-device precision it is compared with)
 LAYOUTS = {
     "tp2-dp2-zero1": (["--tp", "2", "--zero-stage", "1", "--steps", str(STEPS + 2), "--checkpoint-every",

@@ -55,7 +55,7 @@ FACTOR = 4.0
 STEPS = 4
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
         "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
-        "--checkpoint-every", "0"]  # test_train_tp's and test_train_cp's: one set of one-device references
+        "--checkpoint-every", "0", "--no-report"]  # as test_train_tp and _cp: one set of references
 HSDP = "dp4-hsdp2-zero3"  # 2 replicas x 2-rank shard groups; its checkpoint moves across R
 TP2 = "tp2-dp2-zero3"  # 2-D sharding: ZeRO-3 rows of the tensor-parallel blocks
 # name -> (flags at world size 4, the one-device precision it is compared with)

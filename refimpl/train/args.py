@@ -90,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--cache-dir", default=None, help="where prepared token files are kept")
     run.add_argument("--out", default="runs/default", help="the run folder")
     run.add_argument("--log-every", type=int, default=10, help="print a line every N steps")
-    run.add_argument("--no-report", dest="report", action="store_false",
-                     help="skip the end of run's loss.png, text sample and summary.json (sweeps, tests)")
+    run.add_argument("--report", action=argparse.BooleanOptionalAction, default=True,
+                     help="at the end, rank 0 writes loss.png, a text sample and summary.json (--no-report: "
+                     "not, for sweeps and tests)")
     run.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
     run.add_argument("--force", action="store_true",
                      help="start even when the planner's memory per rank exceeds the machine's memory")
