@@ -1,4 +1,4 @@
-"""Exercises of chapter 09: mixture of experts, the router's bookkeeping and the token dispatch.
+"""Exercises of chapter 09: mixture of experts, from the router to the dispatch and the experts' gradients.
 
 Replace each ``raise NotImplementedError`` with your implementation, then run ``make grade CH=09`` (or
 ``python -m exercises.grade 09``) to see your score per task:
@@ -10,12 +10,19 @@ Replace each ``raise NotImplementedError`` with your implementation, then run ``
 3. ``sort_by_expert`` and ``combine``: the assignments sorted by expert (what the experts and the
    all-to-all read), and the experts' outputs back at their tokens, weighted and summed in fp32;
 4. ``rank_splits`` and ``expert_major_order``: the split sizes of the uneven all-to-all and the
-   permutation that regroups what a rank receives (rank-major) by expert (expert-major).
+   permutation that regroups what a rank receives (rank-major) by expert (expert-major);
+5. ``route`` and ``update_expert_bias``: the top-k router (softmax or sigmoid scores, the combine weights
+   renormalised or not, DeepSeek-V3's expert bias on the choice only) and the bias's update;
+6. ``exchange_counts`` and ``all_to_all_tokens``: the count exchange and the uneven all-to-all with its
+   backward, GShard's dispatch, on real ranks;
+7. ``reduce_expert_gradients``: an expert's gradient summed over its expert-data-parallel group and
+   divided by ``dp x cp``, on real ranks.
 
-Everything runs in one process: the grader simulates an expert-parallel group of 2, 3 and 4 ranks by
-slicing the rows each rank would send to each other (the count exchange and the all-to-all), and compares
-every result with an answer it computes on its own (by loops, in float64, or with Python's ``sorted``):
-integers and orders exactly, floating-point results within a stated factor of a spread measured in the
+Tasks 1-5 run in one process (task 4 simulates an expert-parallel group of 2, 3 and 4 ranks by slicing the
+rows each rank would send to each other). Tasks 6 and 7 run on 4 ranks (``refimpl.launch.run_ranks``;
+each rank loads this file by path), in groups that are not the world. Every result is compared with an
+answer the grader computes on its own (by loops, in float64, or with Python's ``sorted``): integers,
+orders and exact data exactly, floating-point results within a stated factor of a spread measured in the
 same run.
 
 Notation: ``T`` tokens, ``E`` experts, each token picks ``k`` of them; the ``T k`` **assignments** are
@@ -23,9 +30,10 @@ numbered ``a = t k + j`` (token ``t``'s ``j``-th choice). ``expert_ids [T, k]`` 
 assignment's expert, ``-1`` for an assignment that was dropped (by capacity) or belongs to no expert here.
 ``scores [T, E]`` are the router's fp32 scores (softmax, or sigmoid for DeepSeek-V3's router).
 
-You may use ``torch`` and ``math``, and the record ``SortPlan`` below; do not import
-``refimpl.parallel.expert_parallel``'s router and dispatch functions (that is the answer).
-Chapter 09 explains each piece.
+You may use ``torch``, ``math``, ``torch.distributed`` (ranks and groups), ``refimpl.comm.ops`` (the
+collectives, as refimpl makes them) and the record ``SortPlan`` below; do not import
+``refimpl.parallel.expert_parallel``'s router, dispatch and communication functions, nor
+``refimpl.parallel.expert_parallel_gpt`` (that is the answer). Chapter 09 explains each piece.
 """
 
 from __future__ import annotations
@@ -33,7 +41,10 @@ from __future__ import annotations
 import math  # noqa: F401  (you may need it)
 
 import torch
+import torch.distributed as dist  # noqa: F401  (you may need it)
+from torch import nn
 
+from refimpl.comm import ops  # noqa: F401  (you may need it)
 from refimpl.parallel.expert_parallel.dispatch import SortPlan
 
 # ---- 1: the load-balancing loss ----------------------------------------------------------------------------
@@ -84,7 +95,9 @@ def capacity_keep(expert_ids: torch.Tensor, scores: torch.Tensor, capacity: int 
     ``capacity`` of them with the highest score ``scores[t, i]`` and drops the rest; among equal scores the
     earlier token wins. Each expert is judged on its own.
 
-    Trap: the first ``capacity`` tokens to arrive are not the best ones.
+    Traps: the first ``capacity`` tokens to arrive are not the best ones; a sort that is not stable
+    (``torch.sort`` and ``torch.argsort`` by default) may order equal scores any way it likes (on the CPU
+    it does, beyond 16 keys), so ties need ``stable=True`` or an explicit tie-break.
     """
     raise NotImplementedError("capacity_keep: each expert keeps its highest-scored assignments")
 
@@ -146,3 +159,115 @@ def expert_major_order(recv: torch.Tensor) -> torch.Tensor:
     and so on. Blocks may be empty.
     """
     raise NotImplementedError("expert_major_order: blocks (q, j) in rank-major order, read as (j, q)")
+
+
+# ---- 5: the router -----------------------------------------------------------------------------------------
+
+
+def route(x: torch.Tensor, gate: nn.Linear, top_k: int, *, score_func: str,
+          normalize_topk: bool | None = None, expert_bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The top-k router: ``(expert_ids [T, k] int64, weights [T, k], scores [T, E])`` for ``x [T, h]``.
+
+    ``gate``: an ``nn.Linear(h, E)`` (with or without a bias), the router's parameters; ``x`` of any float
+    dtype. Then, with ``dt`` fp32 (fp64 for an fp64 ``x``):
+
+    * the logits ``z = gate(x)`` computed in ``dt`` (x, the weight and the bias taken to ``dt`` first),
+      whatever ``x``'s dtype: a bf16 router rounds its scores to 3 significant digits, and near-ties pick
+      the wrong expert;
+    * ``scores``: ``softmax`` over the experts (Switch, Mixtral), or ``sigmoid`` of each logit
+      (DeepSeek-V3), ``[T, E]`` in ``dt``;
+    * ``expert_ids``: each token's ``k`` experts of the highest **selection score** ``scores + b``
+      (``expert_bias``: ``b [E]`` fp32, or None for zero), in decreasing order of that score (as
+      ``torch.topk`` gives them);
+    * ``weights``: the chosen experts' **scores** ``w_tj = scores[t, expert_ids[t, j]]`` (never the bias),
+      divided by their sum over ``j`` when renormalising. ``normalize_topk``: True or False forces it;
+      ``None`` (the default, ``ModelConfig.moe_normalize_topk``) renormalises when ``top_k > 1`` only.
+
+    ``weights`` and ``scores`` are in the autograd graph of ``gate``'s parameters (and of ``x``); the ids
+    are integers (no gradient), and the bias gets none.
+
+    Traps: at ``k = 1`` a renormalised weight is ``s / s = 1`` whatever the logits, so the task's loss
+    gives the router **no gradient** (Switch multiplies the expert's output by the raw probability: that
+    is why ``None`` renormalises only above ``k = 1``); the bias steers the choice only: added to the
+    weights, it would scale the experts' outputs and be trained by the task's loss.
+    """
+    raise NotImplementedError("route: fp32 logits, scores, top-k of scores + bias, the weights renormalised?")
+
+
+def update_expert_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
+    """DeepSeek-V3's auxiliary-loss-free update, once per optimizer step: ``[E]`` fp32, the new bias
+
+        b_i  +  rate * sign(mean_j load_j - load_i).
+
+    ``bias [E]`` fp32; ``load [E]``: the tokens routed to each expert in the step (int64 counts, or floats);
+    ``rate >= 0`` (DeepSeek-V3's gamma). An expert above the mean load gets less attractive (its bias goes
+    down), one below it more attractive; one exactly at the mean does not move (sign 0); the step is the
+    same however large the imbalance. Return the new bias (``bias`` updated in place and returned, or a new
+    tensor: the grader reads what you return).
+
+    Trap: the sign. ``rate * sign(load_i - mean)`` sends still more tokens to the busiest expert.
+    """
+    raise NotImplementedError("update_expert_bias: b + rate * sign(mean(load) - load)")
+
+
+# ---- 6: the count exchange and the uneven all-to-all (on ranks) --------------------------------------------
+
+
+def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """What every rank of ``group`` will send this rank: ``recv [N, E/N]`` int64 from ``counts [E]`` int64.
+
+    ``counts[i]``: this rank's rows for expert ``i`` (its rows are sorted by expert); rank ``q`` of the
+    group (``N`` ranks, ``dist.get_world_size(group)``) owns experts ``[q E/N, (q+1) E/N)``. Return
+    ``recv`` with ``recv[q, j]``: the rows rank ``q`` will send this rank for its local expert ``j``. The
+    routing is each rank's own, so this is not ``counts`` reshaped: one ``all_to_all_single`` of the ``E``
+    counts (rank ``q`` gets the block of counts of its experts). ``E`` that does not divide by ``N``:
+    ``ValueError``. A group of one rank: ``counts`` as ``[1, E]``.
+
+    ``group`` is a process group that is not the world (its rank 0 is not global rank 0): pass it to every
+    collective.
+    """
+    raise NotImplementedError("exchange_counts: one all-to-all of the counts, [N, E/N] per source rank")
+
+
+def all_to_all_tokens(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                      group) -> torch.Tensor:
+    """GShard's uneven all-to-all over ``group``, differentiable: ``[sum(output_splits), *x.shape[1:]]``.
+
+    Forward: the rows ``x[off_q : off_q + input_splits[q]]`` (``off_q = sum(input_splits[:q])``) go to rank
+    ``q`` of the group, ``output_splits[q]`` rows come from rank ``q``, concatenated in rank order
+    (``all_to_all_single`` with uneven split sizes; sizes may be zero, ``x`` may have no row). Backward:
+    the gradient of each received row goes back to the row it came from, the **reverse** all-to-all: the
+    same collective on ``dy`` with the splits swapped. Write it as a ``torch.autograd.Function``. Lists of
+    ``N`` ints; a group of one rank: ``x`` itself. ``x`` is not modified.
+
+    Traps: a plain ``all_to_all_single`` into a fresh tensor cuts the autograd graph (the router and
+    everything before the dispatch learn nothing); the forward's splits used again on the gradient send
+    its rows to the wrong ranks.
+    """
+    raise NotImplementedError("all_to_all_tokens: uneven all-to-all forward, the splits swapped backward")
+
+
+# ---- 7: the experts' gradients -----------------------------------------------------------------------------
+
+
+def reduce_expert_gradients(grads: list[torch.Tensor], *, edp_group, ep_group) -> None:
+    """This rank's experts' gradients made the gradients of the global loss, **in place**.
+
+    The ``N = dp x cp`` ranks that see different tokens are also ``edp x ep`` (expert-data-parallel x
+    expert-parallel; ``ep_group`` holds this rank's expert-parallel peers, ``edp_group`` the ranks that
+    hold copies of the same experts). After backward each tensor of ``grads`` holds
+    ``sum over the ep group of dL_q/dW`` (the all-to-all's backward brought every token's share home;
+    ``L_q`` is rank ``q``'s loss, a mean over its tokens). The global loss is ``1/N sum_q L_q``, so
+
+        grad  <-  (sum over edp_group of grad) / N,        N = |edp_group| x |ep_group|  (= dp x cp)
+
+    a sum over ``edp`` divided by ``dp x cp``, as the dense weights' gradients are divided by it. Ranks of
+    tensor or pipeline parallelism in the world hold copies of the same tokens or other layers: they are
+    in neither group and take no part. A group of one rank: nothing to sum.
+
+    Traps: the mean over ``edp`` (``1/edp = ep/N``) gives gradients ``ep`` times too large
+    (pytorch/pytorch#160285; AdamW hides it, the loss curve barely shows it); the world size counts the
+    tensor- and pipeline-parallel ranks too.
+    """
+    raise NotImplementedError("reduce_expert_gradients: sum over edp, divide by edp x ep")

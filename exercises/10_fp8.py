@@ -17,7 +17,8 @@ The grader compares every cast with PyTorch's own decoding of all 256 codes of e
 number, ties to the even code, computed here by search, not by a cast), every scale with the fp32
 rounding of the float64 quotient, and every GEMM with a float64 emulation of the same fp8 numbers,
 within a stated factor of the fp32 arithmetic's spread measured in the same run (and with
-``torch._scaled_mm`` itself).
+``torch._scaled_mm`` itself). A CPU runs ``torch._scaled_mm`` in any layout and size; the grader also
+holds ``scaled_mm`` and the layer's three GEMMs to what an H100 (sm90) accepts.
 
 Notation: an fp8 tensor travels with its scale as ``Float8Tensor(data, scale)``: ``data ~= x * scale``
 (``data`` in ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``, ``scale`` fp32, 0-d for one scale per
@@ -144,8 +145,23 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     different dims). The bias is added in high precision after the GEMM, and its gradient is ``g``
     summed over the tokens (no fp8). Use ``torch.autograd.Function`` for the backward.
 
+    **Each GEMM as an H100 runs it.** A CPU's ``torch._scaled_mm`` takes any size and layout; sm90's does
+    not (``refimpl.distributed.kernel_rules``), so the grader checks every fp8 GEMM the layer makes (the
+    three, each through :func:`scaled_mm` or ``torch._scaled_mm``) against sm90's rules:
+
+    * the contraction dim and the output's columns are multiples of 16. ``K`` and ``N`` are the layer's
+      features (multiples of 16, as ``Float8Linear`` requires), but the weight gradient contracts over the
+      ``M`` tokens, which need not be: pad ``g`` and ``x`` (their fp8 data) with zero rows up to a
+      multiple of 16, which is exact (a zero row adds nothing to ``g^T x``; zero is the all-zero byte);
+    * not both operands e5m2 (there is no e5m2 x e5m2 kernel);
+    * where you call ``torch._scaled_mm`` yourself: ``a`` row-major, ``b`` column-major (a transposed
+      row-major tensor), fp32 inverse scales, 0-d or ``[M, 1]`` and ``[1, N]`` contiguous.
+
     Traps: gradients span more decades than activations, which is why the recipes give them e5m2 (the
     range) where the forward tensors get e4m3 (the precision): read the formats from ``config``; a
-    rowwise cast reused from the forward has its scales along the wrong dim for both backward GEMMs.
+    rowwise cast reused from the forward has its scales along the wrong dim for both backward GEMMs; the
+    backward's operands come in the layouts the kernel refuses (``W [N, K]`` row-major as the ``b`` of
+    ``g W``, ``g^T`` a column-major view as the ``a`` of ``g^T x``), and the token count of a batch is
+    rarely a multiple of 16: the CPU runs all of it, an H100 none.
     """
     raise NotImplementedError("float8_linear: three scaled fp8 GEMMs, forward and backward")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-from exercises.rank_batch import Deferred, folded
+from exercises.rank_batch import Batch, Deferred, folded
 
 HERE = Path(__file__).resolve().parent
 _MAX_ROUNDS = 20  # a check asks for ranks a few times in turn (chapter 02: 2 ranks, then 3); more is a bug
@@ -123,6 +123,7 @@ def grade(chapter: str, module_path: str | Path | None = None, *, verbose: bool 
                     _show(results[len(report.results)])
                     report.results.append(results[len(report.results)])
             batch.run_pending()
+            _own_failures(batch)
         else:
             raise RuntimeError(f"chapter {chapter}: new rank calls after {_MAX_ROUNDS} rounds")
     report.results = [results[k] for k in range(len(checks.TASKS))]
@@ -132,6 +133,18 @@ def grade(chapter: str, module_path: str | Path | None = None, *, verbose: bool 
             if r.detail:
                 print(f"\n--- {r.name}: {r.message}\n{r.detail.rstrip()}", flush=True)
     return report
+
+
+def _own_failures(batch: Batch) -> None:
+    """Each call's failure reads as its own spawn's alone. A folded spawn that failed is split, and the spawns
+    of its parts run while its failure is being handled, so Python chains that failure (another call's, often
+    another task's) to theirs as ``__context__``: a task's traceback would open with another task's failure
+    ("During handling of the above exception, another exception occurred"). The failure a task reads is
+    that of its own call run alone (:mod:`exercises.rank_batch`): the chain is dropped."""
+    for outcome in batch.outcomes.values():
+        if isinstance(outcome, BaseException):
+            outcome.__context__ = None
+            outcome.__suppress_context__ = True
 
 
 def _run_task(task: Task, path: str) -> TaskResult:

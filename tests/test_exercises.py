@@ -117,6 +117,26 @@ def test_independent_answer_passes_its_task(chapter: str, task: str, source: str
     assert report.passed, f"an independent right answer to {task!r} loses points:\n{_summary(report)}"
 
 
+def test_each_task_reports_its_own_failure(tmp_path: Path):
+    """Two rank tasks of chapter 09 wrong at once: their calls fail in one folded spawn, which is split and
+    each call run alone. Each task's traceback is that of its own call, not opened by the other task's
+    failure (the folded spawn's, which Python chained to the split's as the exception's context)."""
+    checks = importlib.import_module("exercises.checks.ch09")
+    header = "from exercises.reference.ch09 import *  # noqa: F403\n"
+    first, second = checks.MUTANTS[checks.EXCHANGE][0], checks.MUTANTS[checks.EXPERT_GRADS][0]
+    assert second.startswith(header)
+    path = tmp_path / "two_wrong.py"
+    path.write_text(first + second[len(header):])  # the second's import would restore the first's names
+    report = grade("09", path, verbose=False)
+    failed = {r.name: r for r in report.results if r.earned != r.points}
+    assert set(failed) == {checks.EXCHANGE, checks.EXPERT_GRADS}, _summary(report)
+    for name, result in failed.items():
+        (other,) = (r for n, r in failed.items() if n != name)
+        theirs = other.message.split(": ", 1)[1]  # "rank N: Error: ..." without the rank
+        assert theirs not in result.detail, f"{name}'s traceback holds {other.name}'s:\n{result.detail}"
+        assert "During handling" not in result.detail and "folded call" not in result.detail, result.detail
+
+
 def test_hint_for_a_common_mistake(tmp_path: Path):
     """Chapter 01: counting the tied output layer twice fails with a message that says so."""
     path = tmp_path / "tied_twice.py"

@@ -67,6 +67,13 @@ def _cast(t, fmt, dim, config):
     return Float8Tensor(quantize(t.detach(), scale, fmt), scale)
 
 
+def _pad_tokens(t):
+    # zero rows up to a multiple of 16 (an H100's _scaled_mm needs K % 16 == 0); the scale is not along them
+    missing = -t.data.shape[0] % 16
+    zeros = t.data.new_zeros((missing, t.data.shape[1]))
+    return Float8Tensor(torch.cat([t.data, zeros]), t.scale)
+
+
 class _Float8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, config):
@@ -82,7 +89,8 @@ class _Float8Matmul(torch.autograd.Function):
         c = ctx.config
         gf = c.grad_format
         dx = scaled_mm(_cast(g, gf, 1, c), _cast(weight, c.weight_format, 0, c), out_dtype=torch.float32)
-        dw = scaled_mm(_cast(g, gf, 0, c).t(), _cast(x, c.input_format, 0, c), out_dtype=torch.float32)
+        g_cols, x_cols = _cast(g, gf, 0, c), _cast(x, c.input_format, 0, c)       # along M, the tokens
+        dw = scaled_mm(_pad_tokens(g_cols).t(), _pad_tokens(x_cols), out_dtype=torch.float32)
         return dx, dw, None
 
 
@@ -103,6 +111,19 @@ def scaled_mm(a, b, *, out_dtype, use_fast_accum=False):
     return torch._scaled_mm(a_data, b_data, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
 """
 
+# The layer calling torch._scaled_mm itself, as a GPU takes it: a row-major, b column-major
+_GEMM = """
+
+def _gemm(a, b, *, out_dtype):
+    a_data = a.data.contiguous()
+    b_data = b.data.t().contiguous().t()
+    sa = a.scale.reciprocal().contiguous()
+    sb = b.scale.reciprocal().contiguous()
+    return torch._scaled_mm(a_data, b_data, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+"""
+_LINEAR_KERNEL = _LINEAR.replace(" scaled_mm(", " _gemm(") + _GEMM
+assert _LINEAR_KERNEL.count("_gemm(") == 4
+
 
 def _mutate(source: str, old: str, new: str) -> str:
     assert source.count(old) == 1, old  # a mutant that silently equals the answer would test nothing
@@ -113,7 +134,7 @@ SCALES = "scales: fmax / amax, per tensor and row"
 CAST = "quantize / dequantize: saturate, RNE"
 MM = "scaled_mm: the scales undone"
 LINEAR = "float8_linear: three fp8 GEMMs"
-CORRECT = {SCALES: _SCALES, CAST: _CAST, MM: [_MM, _MM_SCALED], LINEAR: _LINEAR}
+CORRECT = {SCALES: _SCALES, CAST: _CAST, MM: [_MM, _MM_SCALED], LINEAR: [_LINEAR, _LINEAR_KERNEL]}
 MUTANTS = {
     SCALES: [
         _mutate(_SCALES, "scale = (torch.full_like(a, fmax) / a).to(torch.float32)",
@@ -141,5 +162,13 @@ MUTANTS = {
     LINEAR: [
         _mutate(_LINEAR, "gf = c.grad_format", "gf = c.input_format"),  # e4m3 for the gradients
         _mutate(_LINEAR, "pow2 = config.power_of_2_scales", "pow2 = False"),  # ignores the power-of-2 scales
+        # right on a CPU, refused by an H100: the weight gradient's contraction over 40 tokens, not padded
+        _mutate(_LINEAR, "scaled_mm(_pad_tokens(g_cols).t(), _pad_tokens(x_cols),",
+                "scaled_mm(g_cols.t(), x_cols,"),
+        # right on a CPU, refused by an H100: the operands as they come, the backward's W and g^T row-major
+        # where the kernel needs b column-major and a row-major
+        _mutate(_LINEAR_KERNEL, "    a_data = a.data.contiguous()\n"
+                                "    b_data = b.data.t().contiguous().t()\n",
+                "    a_data, b_data = a.data, b.data\n"),
     ],
 }
