@@ -203,6 +203,20 @@ def test_delayed_scaling_margin_halves_the_scale_per_step_and_absorbs_a_growth_o
         DelayedScaling(E4M3, margin=-1)
 
 
+def test_a_config_whose_gemm_pairs_two_e5m2_operands_is_refused():
+    """CUDA's _scaled_mm has no e5m2 x e5m2 kernel (refimpl.distributed.kernel_rules): a config that gives
+    one of the three GEMMs two e5m2 operands is refused at construction, naming the GEMM; torchao's two
+    recipes and an e5m2 weight with e4m3 gradients are accepted."""
+    for kwargs, gemm in ((dict(weight_format=E5M2), "the input gradient g W"),
+                         (dict(input_format=E5M2), "the weight gradient g^T x"),
+                         (dict(input_format=E5M2, weight_format=E5M2, grad_format=E4M3), "the output x W")):
+        with pytest.raises(ValueError, match=gemm.replace("^", r"\^")):
+            Float8Config(**kwargs)
+    Float8Config(weight_format=E5M2, grad_format=E4M3)
+    Float8Config.recipe("tensorwise")
+    Float8Config.recipe("rowwise")
+
+
 # ---------------------------------------------------------------- the three GEMMs against float64
 
 

@@ -81,6 +81,13 @@ class Float8Config:
             raise ValueError(f"unknown scaling {self.scaling!r}; expected one of {SCALINGS}")
         for field in ("input_format", "weight_format", "grad_format"):
             object.__setattr__(self, field, format_of(getattr(self, field)))
+        # the three GEMMs' operand pairs: CUDA's _scaled_mm has no e5m2 x e5m2 kernel (kernel_rules)
+        for gemm, a, b in (("the output x W", "input_format", "weight_format"),
+                           ("the input gradient g W", "grad_format", "weight_format"),
+                           ("the weight gradient g^T x", "grad_format", "input_format")):
+            if getattr(self, a).dtype == getattr(self, b).dtype == torch.float8_e5m2:
+                raise ValueError(f"Float8Config: {a} and {b} both e5m2 make {gemm} an e5m2 x e5m2 GEMM, "
+                                 "which CUDA's _scaled_mm has no kernel for; give one of them e4m3")
 
     @classmethod
     def recipe(cls, name: Scaling) -> Float8Config:
