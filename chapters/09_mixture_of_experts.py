@@ -890,18 +890,26 @@ shutil.rmtree(WORK, ignore_errors=True)
 # highest-scored assignments), `sort_by_expert` and `combine` (the stable sort of the kept assignments by
 # expert, and the experts' outputs back at their tokens, weighted and summed in fp32), then `rank_splits`
 # and `expert_major_order` (the split sizes of the uneven all-to-all, and the permutation from the
-# rank-major rows a rank receives to the expert-major rows its experts read). Grade your work with
+# rank-major rows a rank receives to the expert-major rows its experts read). Then the distributed
+# halves: `route` and `update_expert_bias` (the top-k router with section 1's renormalisation rule, raw
+# probabilities at $k = 1$, and DeepSeek-V3's bias, which chooses but never weighs), the count exchange and
+# the uneven all-to-all with its backward, and the expert gradients summed over their expert-data-parallel
+# group and divided by $dp \times cp$. Grade your work with
 #
 # ```
 # make grade CH=09
 # ```
 #
-# which runs in one process: it checks the loss exactly on scores that are binary fractions and against
-# float64 (value and gradient) on softmax and sigmoid scores, the dropped assignments against a sort by
-# score (ties included), the dispatch order and the combine against loops (bf16 experts, dropped
-# assignments), and simulates expert-parallel groups of 2, 3 and 4 ranks (uneven and empty splits) whose
-# experts must receive exactly the rows one device gives them. A loss without the factor $E$ fails, and so
-# does a capacity rounded down.
+# It checks the loss exactly on scores that are binary fractions and against float64 (value and
+# gradient) on softmax and sigmoid scores, the dropped assignments against a sort by score (many ties: an
+# unstable sort fails), the dispatch order and the combine against loops (bf16 experts, dropped
+# assignments), simulates expert-parallel groups of 2, 3 and 4 ranks (uneven and empty splits) whose
+# experts must receive exactly the rows one device gives them, checks the router's choices exactly and its
+# weights and gate gradient against float64, and runs the exchange, the all-to-all's backward and the
+# expert gradients on 4 gloo ranks (a group that is not the world, a rank without rows, two layouts). A
+# loss without the factor $E$ fails, and so do a capacity rounded down, a top-1 router that renormalises
+# (its gate gets no gradient), a bias in the combine weights, a backward that reuses the forward's splits
+# and expert gradients divided by the expert-data-parallel size (ep times too large).
 #
 # ## Questions
 #

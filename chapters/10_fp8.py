@@ -949,9 +949,12 @@ ranks.stop()
 # which compares every cast with the nearest number of the format found in PyTorch's decoding of all 256
 # codes (midpoints, overflow, inf and NaN included), every scale bit for bit with the correctly rounded
 # quotient, and every GEMM with a float64 emulation of the same fp8 numbers (and with `torch._scaled_mm`)
-# within a factor of the fp32 spread measured in the same run, under four recipes. A scale of
-# $\mathrm{amax}/f_{max}$ fails, a cast that lets e5m2 overflow to inf fails, and so does a layer that
-# casts its gradients to e4m3 when the recipe says e5m2.
+# within a factor of the fp32 spread measured in the same run, under four recipes, and holds every fp8
+# GEMM of your layer to what an H100 accepts (sm90's `_scaled_mm` rules: operand layouts, dims that are
+# multiples of 16, no e5m2 x e5m2; a CPU runs all of it). A scale of $\mathrm{amax}/f_{max}$ fails, a
+# cast that lets e5m2 overflow to inf fails, and so do a layer that casts its gradients to e4m3 when the
+# recipe says e5m2, one whose weight gradient contracts over a token count that is not a multiple of 16,
+# and one that hands the backward's operands to the kernel in the layouts it refuses.
 #
 # ## Questions
 #
