@@ -35,10 +35,12 @@ tokens (measured: bf16 ZeRO-3 with MoE blocks against autocast's one device, fir
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from refimpl.config import ConfigError
 from refimpl.launch import run_ranks
@@ -74,17 +76,34 @@ def files(tmp_path_factory, corpus) -> dict:
     return {"root": tmp_path_factory.mktemp("train_pairs"), **corpus}  # tests/conftest.py's corpus
 
 
+def _record_first_norm(norms: list) -> Callable:
+    """A ``before_step`` hook: wraps the run's sharded clipping (``setup.clip_fn``, None where every
+    gradient is whole on its rank and torch's ``clip_grad_norm_`` runs) so that the norm it clips the
+    first step by lands in ``norms``."""
+    def before_step(step: int, setup) -> None:
+        clip = setup.clip_fn
+        if step == 0 and clip is not None:
+            def recording(params):
+                norm = clip(params)
+                norms.append(float(norm))
+                setup.clip_fn = clip  # once
+                return norm
+            setup.clip_fn = recording
+    return before_step
+
+
 def _worker(ctx, files: dict) -> dict:
     out = {}
     for name, row in ROWS.items():
         args = _args(files, Path(files["root"]) / name, *row_flags(row))
         options = dataclasses.replace(options_from_args(args), checkpoint=None)  # no save at the end
         grads: dict = {}
+        norms: list[float] = []
         probe = TrainerProbe(step=1)
-        records = train(config_from_args(args), ctx, options,
-                        hooks=compose(probe, TrainHooks(gradient_probe=first_step_gradients(grads))))
+        hooks = TrainHooks(gradient_probe=first_step_gradients(grads), before_step=_record_first_norm(norms))
+        records = train(config_from_args(args), ctx, options, hooks=compose(probe, hooks))
         out[name] = {"losses": [r["loss"] for r in records], "grads": grads,
-                     "bytes": [r["bytes_sent"] for r in records],
+                     "norm": norms[0] if norms else None, "bytes": [r["bytes_sent"] for r in records],
                      "measured": dataclasses.asdict(probe.measured)}
     return out
 
@@ -154,6 +173,50 @@ def test_every_pair_hands_the_optimizer_one_devices_gradients(runs, one_device, 
                                              _reference(one_device, name), str(ROWS[name]["precision"]),
                                              factor=FACTOR, name=name, control=2.0)
     print(f"{name}: worst gradient difference {worst:.3f} x its tolerance")
+
+
+def _whole(per_rank: list[dict]) -> dict[str, np.ndarray]:
+    """The layout's gradients as whole tensors, from every rank's boxes (a replica's boxes overwrite each
+    other with the same values: tests/test_train_pp.py's assembly)."""
+    out: dict[str, np.ndarray] = {}
+    for pieces in per_rank:
+        for name, (offsets, shape, g) in pieces.items():
+            whole = out.setdefault(name, np.zeros(shape, dtype=np.float32))
+            whole[tuple(slice(o, o + n) for o, n in zip(offsets, g.shape, strict=True))] = g
+    return out
+
+
+@pytest.mark.numerics
+@TIMEOUT
+def test_the_clipping_norm_of_every_sharded_pair_counts_each_element_once(runs):
+    """The norm a layout clips its first step by (its sharded ``clip_fn``: tensor-parallel blocks, ZeRO
+    shards, pipeline stages and experts, each element once, the tied embedding once) equals
+    ``clip_grad_norm_`` of the same gradients, gathered whole, in a plain model: within ``FACTOR x`` the
+    spread of that fp32 norm over two orders of the tensors and float64 (tests/test_train_pp.py's rule),
+    and at least one fp32 ulp of it.
+    The gradients themselves are the test above's. Negative control: the largest tensor counted twice (a
+    replica or a tied copy summed again) fails."""
+    checked, worst = [], 0.0
+    for name in ROWS:
+        norms = [out[name]["norm"] for out in runs]
+        if norms[0] is None:  # every gradient whole on its rank: torch's clip_grad_norm_ (no sharded norm)
+            assert all(n is None for n in norms), name
+            continue
+        assert len(set(norms)) == 1, (name, norms)  # every rank clips by the same norm
+        grads = [torch.from_numpy(g) for g in _whole([out[name]["grads"] for out in runs]).values()]
+        forwards = float(torch.nn.utils.get_total_norm(grads))
+        backwards = float(torch.nn.utils.get_total_norm(grads[::-1]))
+        exact = float(torch.cat([g.double().ravel() for g in grads]).norm())
+        ulp = float(np.spacing(np.float32(forwards)))  # an fp32 result: one ulp of it at least
+        tol = FACTOR * max(abs(forwards - backwards), abs(forwards - exact), ulp)
+        assert abs(norms[0] - forwards) <= tol, (name, norms[0], forwards, tol)
+        worst = max(worst, abs(norms[0] - forwards) / tol)
+        largest = max(float(g.double().square().sum()) for g in grads)
+        assert abs((norms[0] ** 2 + largest) ** 0.5 - forwards) > tol, (name, "control", tol)
+        checked.append(name)
+    print(f"the sharded clipping norm is clip_grad_norm_'s in {len(checked)} of {len(ROWS)} rows (worst "
+          f"{worst:.2f} x its tolerance)")
+    assert len(checked) >= len(ROWS) // 2, checked
 
 
 def _predict(files: dict, name: str):
