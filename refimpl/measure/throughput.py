@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.std import tqdm  # the text bar, in a notebook too: progress()
+from tqdm import tqdm  # tqdm.std's text bar, in a notebook too: progress()
 
 from refimpl.measure.peaks import PEAK_DTYPES, peak_flops
 
