@@ -284,13 +284,17 @@ def test_the_trainers_preflight_plans_what_its_cp_ranks_hold(ranks):
             assert (got["blocks"], got["outside"]) == planned, (rank, options)
             index = dims.coordinates(rank).dp * dims.cp + dims.coordinates(rank).cp
             state = state_memory_per_rank(CFG_DIVIDES, dims, zero_stage=run.zero_stage, dp_rank=index)
-            assert got["state"] == (state.weights, state.grads, state.optimizer), (rank, options)
+            # ZeRO-1 before its step holds the reduced gradient shards (ZeRO-2's gradients) beside the full
+            shards = (state_memory_per_rank(CFG_DIVIDES, dims, zero_stage=2, dp_rank=index).grads
+                      if run.zero_stage == 1 else 0)
+            assert got["state"] == (state.weights, state.grads + shards, state.optimizer), (rank, options)
             if run.zero_stage:  # negative control: ZeRO over dp alone holds more
                 alone = state_memory_per_rank(CFG_DIVIDES, ParallelDims(dp=dims.dp, tp=dims.tp),
                                               zero_stage=run.zero_stage, dp_rank=dims.coordinates(rank).dp)
                 assert got["state"] != (alone.weights, alone.grads, alone.optimizer), (rank, options)
             if index == 0:  # the preflight plans the first rank of the group (the largest ZeRO shard)
-                assert got["state"] == (plan.state["weights"], plan.state["grads"], plan.state["AdamW state"])
+                assert got["state"] == (plan.state["weights"], plan.state["grads"] + shards,
+                                        plan.state["AdamW state"])
 
 
 def test_sizes_the_split_cannot_take_are_refused():

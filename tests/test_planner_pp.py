@@ -412,11 +412,15 @@ def test_the_preflight_of_pp2_dp2_zero1_is_what_its_setup_holds(composed):
         got = r["zero1"]
         state = state_memory_per_rank(config, dims, zero_stage=1, dp_rank=got["dp_rank"],
                                       pp_rank=got["pp_rank"])
-        assert got["state"] == (state.weights, state.grads, state.optimizer), rank
+        # before its step ZeRO-1 holds the reduced gradient shards (ZeRO-2's gradients) beside the full ones
+        shards = state_memory_per_rank(config, dims, zero_stage=2, dp_rank=got["dp_rank"],
+                                       pp_rank=got["pp_rank"]).grads
+        assert got["state"] == (state.weights, state.grads + shards, state.optimizer), rank
         whole = state_memory_per_rank(config, dims, pp_rank=got["pp_rank"])
-        assert got["state"] != (whole.weights, whole.grads, whole.optimizer), rank
+        assert got["state"] != (whole.weights, whole.grads + shards, whole.optimizer), rank
         if got["pp_rank"] == plan.rank and got["dp_rank"] == 0:
-            assert got["state"] == (plan.state["weights"], plan.state["grads"], plan.state["AdamW state"])
+            assert got["state"] == (plan.state["weights"], plan.state["grads"] + shards,
+                                    plan.state["AdamW state"])
             worst += 1
     assert worst == 1
 

@@ -191,8 +191,11 @@ def test_collectives_per_micro_batch_equal_the_traced_ones(ranks):
 
 
 def _state(config: ModelConfig, dims: ParallelDims, zero_stage: int, dp_rank: int) -> tuple[int, int, int]:
+    """The state measured before the step: ZeRO-1 then holds the reduced gradient shards (ZeRO-2's
+    gradients) beside the full gradients."""
     s = state_memory_per_rank(config, dims, zero_stage=zero_stage, dp_rank=dp_rank)
-    return s.weights, s.grads, s.optimizer
+    shards = state_memory_per_rank(config, dims, zero_stage=2, dp_rank=dp_rank).grads
+    return s.weights, s.grads + (shards if zero_stage == 1 else 0), s.optimizer
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S + 60)
