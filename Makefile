@@ -19,7 +19,7 @@ help:
 	@echo "make book [ONLY=00]   the executed course as static HTML in build/book/ (index.html: the course map)"
 	@echo "make grade CH=NN      grade your solution of exercises/NN_*.py"
 	@echo "make test-fast        the suite without the notebooks"
-	@echo "make test-unit        the tests that start no process (about 30 s on 2 cores: the edit loop)"
+	@echo "make test-unit        the tests that start no process (about 23 s on 2 idle cores: the edit loop)"
 	@echo "make lint             ruff check"
 	@echo "make bench            run every benchmark (tables to record in bench/RESULTS.md)"
 

@@ -11,7 +11,7 @@
 - ``lane2`` (given per chapter in tests/test_chapters.py): a computing test that tools/run_tests.py runs
   in the serial tests' lane once they are done, so that both lanes end together.
 
-``make test-unit`` runs what carries none of them (one process, about 30 s: the edit loop); ``make test``
+``make test-unit`` runs what carries none of them (one process, about 23 s: the edit loop); ``make test``
 runs everything. A module that starts processes in some tests only carries the marker as a whole: the
 unit tier is what surely starts nothing.
 

@@ -4,8 +4,9 @@ A new user's path: ``make train`` (the default run: 200 steps on 2 CPU ranks, th
 restart), ``make train`` again in the same folder (a finished run: nothing to train, said in one line),
 then the README's own example with a corpus of their own, ``make train ARGS="--steps 50 --data my.txt
 --out runs/mine"``. Each command is read from README.md, split as a shell would, and run in a ``git
-clone`` of this repository; the only addition is where make finds the environment (``VENV=`` this
-suite's, ``-o`` its stamp: no reinstall), as tests/test_browser.py starts ``make lab``.
+clone`` of this repository (make, and git for the clone, are the README's requirements: no skip without
+them); the only addition is where make finds the environment (``VENV=`` this suite's, ``-o`` its stamp: no
+reinstall), as tests/test_browser.py starts ``make lab``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -54,8 +54,6 @@ def _metrics(run: Path) -> list[dict]:
 
 @pytest.mark.timeout(4 * TIMEOUT_S)
 def test_the_readmes_make_train_examples_run_in_order_on_a_fresh_clone(tmp_path):
-    if shutil.which("make") is None or shutil.which("git") is None:
-        pytest.skip("make and git are needed to run the README's commands")
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=120)
     commands = _readme_commands()
