@@ -36,7 +36,7 @@ def _worker(ctx, caps_mb: list[float], steps: int, warmup: int, micro_batch: int
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from refimpl.config import ModelConfig, OptimConfig
-    from refimpl.model import GPT, lm_loss
+    from refimpl.models import GPT, lm_loss
     from refimpl.optim import build_optimizer
     from refimpl.parallel.data_parallel import DataParallelBucket
 

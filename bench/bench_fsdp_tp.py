@@ -58,7 +58,7 @@ def _ours(cfg, ctx):
     """Our dp 2 x tp 2 ZeRO-3: (step(batch) -> loss, full parameters (collective), state bytes)."""
     from refimpl.distributed import ParallelDims
     from refimpl.distributed.placement import module_shards
-    from refimpl.model import GPT
+    from refimpl.models import GPT
     from refimpl.parallel.parallelize import parallelize
 
     dims = ParallelDims(dp=2, tp=2)
@@ -105,7 +105,7 @@ def _torch(cfg, ctx):
     from torch.distributed.tensor.parallel import loss_parallel
 
     from bench.bench_tensor_parallel import dtensor_gpt
-    from refimpl.model import lm_loss
+    from refimpl.models import lm_loss
 
     mesh = init_device_mesh(ctx.device.type, (2, 2), mesh_dim_names=("dp", "tp"))
     model = dtensor_gpt(cfg, mesh["tp"])
@@ -143,7 +143,7 @@ def _one_device(cfg, batches: list[torch.Tensor], micro: int,
                 grads: dict | None = None) -> dict[str, torch.Tensor]:
     """One device's parameters after ``batches`` (each in ``micro`` micro-batches); the first step's
     gradients before AdamW into ``grads``."""
-    from refimpl.model import GPT, lm_loss
+    from refimpl.models import GPT, lm_loss
 
     model = GPT(cfg, seed=0).to(batches[0].device)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from refimpl.config import ModelConfig
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.parallel.pipeline_parallel import build_schedule
 from refimpl.parallel.pipeline_parallel.executor import run_schedule
 from refimpl.parallel.pipeline_parallel.simulator import Costs, bubble_formula, simulate

@@ -33,7 +33,7 @@ import torch
 
 from refimpl.config import ModelConfig, OptimConfig
 from refimpl.measure import measure_saved_activations
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.optim import build_optimizer
 from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing
 from refimpl.planner import activation_bytes

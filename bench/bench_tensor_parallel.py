@@ -52,7 +52,7 @@ def dtensor_gpt(cfg, mesh):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from refimpl.model import GPT
+    from refimpl.models import GPT
 
     model = GPT(cfg, seed=0).to(mesh.device_type)  # the mesh's device: parallelize_module shards in place
     t = mesh.size()
@@ -79,7 +79,7 @@ def _worker(ctx, steps: int, warmup: int, micro_batch: int, seq_len: int) -> dic
 
     from refimpl.comm import CommTracer
     from refimpl.config import ModelConfig
-    from refimpl.model import GPT, lm_loss
+    from refimpl.models import GPT, lm_loss
     from refimpl.parallel.tensor_parallel import (
         allreduce_sequence_parallel_grads,
         apply_tensor_parallel,

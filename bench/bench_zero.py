@@ -68,7 +68,7 @@ def _worker(ctx, steps: int, warmup: int, micro_batch: int, seq_len: int) -> dic
 
     from refimpl.config import ModelConfig
     from refimpl.measure import PeakStateBytes
-    from refimpl.model import GPT, lm_loss
+    from refimpl.models import GPT, lm_loss
     from refimpl.optim import param_groups
     from refimpl.parallel.zero import FullyShardedDataParallel
 

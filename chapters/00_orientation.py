@@ -20,7 +20,7 @@
 #
 # | chapter | what is split | what is communicated | built in |
 # |---|---|---|---|
-# | 01 single device | nothing | nothing: the baseline every other chapter is checked against | `refimpl.model`, `refimpl.data`, `refimpl.planner` |
+# | 01 single device | nothing | nothing: the baseline every other chapter is checked against | `refimpl.models`, `refimpl.data`, `refimpl.planner` |
 # | 02 collectives | - | all-reduce, reduce-scatter, all-gather, all-to-all, built from send/recv | `refimpl.comm` |
 # | 03 data parallel | the batch | gradients (all-reduce), overlapped with backward | `refimpl.parallel.data_parallel` |
 # | 04 ZeRO / FSDP | batch + optimizer state, gradients, parameters | reduce-scatter + all-gather | `refimpl.parallel.zero` |
@@ -49,7 +49,7 @@ from refimpl.launch import run_command, start_ranks
 from refimpl.planner import PEAK_FLOPS, model_flops_utilization
 
 print("torch", torch.__version__, "| CUDA available:", torch.cuda.is_available())
-built = ["refimpl.model", "refimpl.data", "refimpl.planner", "refimpl.comm", "refimpl.parallel.data_parallel",
+built = ["refimpl.models", "refimpl.data", "refimpl.planner", "refimpl.comm", "refimpl.parallel.data_parallel",
          "refimpl.parallel.zero", "refimpl.precision", "refimpl.checkpoint", "refimpl.elastic",
          "refimpl.train"]  # the modules the map names as built
 missing = [name for name in built if importlib.util.find_spec(name) is None]

@@ -27,7 +27,7 @@
 # the measurement equals the formula, byte for byte and FLOP for FLOP. Later chapters then trust the
 # planner when they shard.
 #
-# The pieces: `refimpl.model` (the GPT), `refimpl.data` (bytes in, batches out), `refimpl.optim`
+# The pieces: `refimpl.models` (the GPT), `refimpl.data` (bytes in, batches out), `refimpl.optim`
 # (AdamW and its schedule) and `refimpl.planner` (the formulas).
 
 # %%
@@ -43,7 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from refimpl.config import ModelConfig, OptimConfig
 from refimpl.data import ShardedBatches, decode, encode, prepare_corpus
 from refimpl.measure import device_peak_flops, format_bytes, format_mfu, peak_dtype
-from refimpl.model import GPT, generate, lm_loss
+from refimpl.models import GPT, generate, lm_loss
 from refimpl.optim import build_optimizer, lr_at, set_lr
 from refimpl.planner import flops_per_token, num_param_tensors, param_count, state_memory
 from refimpl.viz import plot_bars, plot_loss

@@ -41,7 +41,7 @@ import torch
 from refimpl.config import DataConfig
 from refimpl.data import ShardedBatches, prepare_corpus
 from refimpl.launch import start_ranks
-from refimpl.model import lm_loss
+from refimpl.models import lm_loss
 
 torch.manual_seed(0)
 WORLD_SIZE = 2  # try 4: every assertion holds, the bitwise comparisons become tolerances (section 2)
@@ -196,7 +196,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from refimpl.comm.tracer import CommTracer
 from refimpl.config import ModelConfig
 from refimpl.data import ShardedBatches, prepare_corpus
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.parallel.data_parallel import DataParallelBucket, DataParallelNaive, low_precision_hook
 
 cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, max_seq_len=32)

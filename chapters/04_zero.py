@@ -55,7 +55,7 @@ from IPython.display import display
 
 from refimpl.config import ModelConfig
 from refimpl.launch import start_ranks
-from refimpl.model import GPT
+from refimpl.models import GPT
 from refimpl.planner import shard_rows, sharded_numel, zero_memory_paper
 from refimpl.viz import plot_bars
 
@@ -183,7 +183,7 @@ import math
 from refimpl.comm.tracer import CommTracer, wire_bytes
 from refimpl.config import ModelConfig
 from refimpl.measure import state_bytes
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.optim import param_groups
 from refimpl.parallel.zero import FullyShardedDataParallel, ShardedOptimizer, allreduce_gradients
 from refimpl.planner import zero_collectives, zero_memory

@@ -49,7 +49,7 @@ import torch
 from refimpl.config import ModelConfig, OptimConfig
 from refimpl.data import ShardedBatches, prepare_corpus
 from refimpl.measure import format_bytes, measure_saved_activations
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.optim import build_optimizer, lr_at, set_lr
 from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing
 from refimpl.planner import activation_bytes_per_layer, korthikanti_bytes_per_layer
@@ -439,7 +439,7 @@ ranks
 # %%px
 # (the engines are separate processes: they import for themselves)
 from refimpl.config import ModelConfig  # noqa: F811
-from refimpl.model import GPT, lm_loss  # noqa: F811
+from refimpl.models import GPT, lm_loss  # noqa: F811
 from refimpl.parallel.data_parallel import reduce_gradients_
 from refimpl.precision import MixedPrecision, MixedPrecisionPolicy  # noqa: F811
 

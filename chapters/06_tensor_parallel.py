@@ -133,7 +133,7 @@ import numpy as np
 from refimpl.comm import CommTracer, ops
 from refimpl.config import ModelConfig
 from refimpl.distributed.placement import module_shards
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.parallel.tensor_parallel import (
     allreduce_sequence_parallel_grads,
     apply_tensor_parallel,
@@ -323,7 +323,7 @@ for (t, sp), res in traffic[0].items():
 # hands rank $r$ a contiguous block of $3h/t$ rows. Whether that block is *whole heads* depends on the
 # order of the rows:
 #
-# * **Megatron's per-head layout** (ours, `refimpl.model.CausalSelfAttention`): the output is viewed as
+# * **Megatron's per-head layout** (ours, `refimpl.models.CausalSelfAttention`): the output is viewed as
 #   `[b, s, a, 3, d]`, so rows $[3d\,i, 3d\,(i+1))$ are q, k and v of head $i$. A block of $3h/t$ rows is
 #   q, k and v of $a/t$ whole heads: each rank computes its heads' attention alone.
 # * **nanoGPT's layout**: `q, k, v = qkv.split(h, dim=-1)`, i.e. `[b, s, 3, a, d]`: all of q first, then

@@ -199,7 +199,7 @@ import refimpl.parallel.context_parallel.ring_attention as ra  # the module (its
 from refimpl.comm import CommTracer
 from refimpl.config import ModelConfig
 from refimpl.measure.activations import SavedTensorMeter
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.parallel.context_parallel import (
     RingTimeline,
     apply_context_parallel,

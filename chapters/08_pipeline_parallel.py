@@ -242,7 +242,7 @@ import datetime
 import time
 
 from refimpl.config import ModelConfig
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.parallel.pipeline_parallel import (
     Action,
     WeightGradStore,

@@ -27,7 +27,7 @@
 # Everything here lives in `refimpl.parallel.expert_parallel`: the router, its balance losses and capacity
 # (`router`), the experts one by one or grouped into one matmul (`experts`), the dispatch bookkeeping
 # (`dispatch`), the autograd all-to-alls (`expert_parallel_communications`) and the layer, `MoE`
-# (`expert_parallel`); the GPT's MoE block is `refimpl.moe`, the trainer's per-step load and bias update
+# (`expert_parallel`); the GPT's MoE block is `refimpl.models.moe`, the trainer's per-step load and bias update
 # `refimpl.moe_balance`. This chapter shows, and proves with assertions:
 #
 # 1. a token costs $6N_\text{active}$ FLOPs, not $6N_\text{total}$: the planner's count for a
@@ -68,7 +68,7 @@ from refimpl.data import make_corpus_file
 from refimpl.distributed import DistributedContext
 from refimpl.launch import start_ranks
 from refimpl.measure import order_tolerance
-from refimpl.model import GPT
+from refimpl.models import GPT
 from refimpl.parallel.expert_parallel import (
     ExpertMLP,
     GroupedExperts,
@@ -748,7 +748,7 @@ fig.tight_layout()
 # **expert-data-parallel** group (`edp`). Dense weights are averaged over all 4 ranks; expert gradients
 # are **summed over edp and divided by dp x cp** (the global token count), not averaged over edp, which
 # would make them ep times too large (`refimpl/parallel/expert_parallel_gpt.py`). The balance loss is
-# DeepSeek-V3's sequence-wise one (a mean over sequences, `refimpl.moe`), so it does not depend on how the
+# DeepSeek-V3's sequence-wise one (a mean over sequences, `refimpl.models.moe`), so it does not depend on how the
 # batch is cut into ranks: the run must train like one device. The run is the trainer itself,
 # `refimpl.train.train`, called on the 4 ranks of section 4: what `python -m refimpl.train
 # --nproc-per-node 4 --dp 4 --ep 2 ...` runs on each of its processes (chapter 11 launches it with

@@ -57,7 +57,7 @@ from torch import nn
 
 from refimpl.config import ModelConfig, OptimConfig
 from refimpl.data import ShardedBatches, prepare_corpus
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.nn.linear import DeferredProduct
 from refimpl.optim import build_optimizer, lr_at, set_lr
 from refimpl.precision.fp8 import (
@@ -857,7 +857,7 @@ assert reduce_errors[0]["e4m3fn"].fp8_flushed > 0.05 and reduce_errors[0]["e5m2"
 # %%
 # %%px
 from refimpl.config import ModelConfig  # noqa: F811
-from refimpl.model import GPT, lm_loss  # noqa: F811
+from refimpl.models import GPT, lm_loss  # noqa: F811
 
 model = GPT(ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, max_seq_len=64)).to(device)
 ids = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(rank)).to(device)

@@ -69,7 +69,7 @@ from refimpl.config import ModelConfig, OptimConfig
 from refimpl.distributed import seed_everything
 from refimpl.distributed.placement import Box
 from refimpl.launch import run_command, start_ranks
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.optim import build_optimizer
 
 torch.set_num_threads(1)  # tiny matrices; leave the other core to the ranks
@@ -281,7 +281,7 @@ _ = ranks.view.push({"FOLDER": str(WORK / "reshard")})  # a name the engines' ce
 # %%px
 from refimpl.checkpoint import CheckpointConfig, Checkpointer, load_training_state, save_training_state
 from refimpl.config import ModelConfig
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.optim import param_groups
 from refimpl.parallel.zero import ShardedOptimizer
 

@@ -2,11 +2,11 @@
 
 Replace each ``raise NotImplementedError`` with your implementation, then run ``make grade CH=01``
 (or ``python -m exercises.grade 01``) to see your score per task. The grader builds real models with
-``refimpl.model.GPT`` and real ``torch.optim.AdamW`` optimizers and compares your answers with them,
+``refimpl.models.GPT`` and real ``torch.optim.AdamW`` optimizers and compares your answers with them,
 on several configurations (tied and untied embeddings, odd widths, one layer, long sequences).
 
 You may import anything from ``torch`` and ``math``, and read ``refimpl`` to understand the model, but
-do not call ``refimpl.planner``, ``refimpl.model.lm_loss`` or ``refimpl.optim.lr_at``: the point is to
+do not call ``refimpl.planner``, ``refimpl.models.lm_loss`` or ``refimpl.optim.lr_at``: the point is to
 derive these numbers yourself. Chapter 00's exercise (is a throughput claim plausible?) uses ``mfu``.
 """
 
@@ -18,7 +18,7 @@ from refimpl.config import ModelConfig, OptimConfig
 
 
 def count_parameters(config: ModelConfig) -> int:
-    """Number of parameters of ``refimpl.model.GPT(config)``, computed from ``config`` alone.
+    """Number of parameters of ``refimpl.models.GPT(config)``, computed from ``config`` alone.
 
     It must equal ``sum(p.numel() for p in GPT(config).parameters())``, which counts a tied parameter once.
     Count, with h = ``hidden_size``, f = ``ffn_hidden_size``, v = ``vocab_size``, T = ``max_seq_len``:

@@ -66,7 +66,7 @@ def overflow_on_any_rank(
 
 
 def checkpoint_block(block: nn.Module) -> nn.Module:
-    """Make ``block`` (a ``refimpl.model.TransformerBlock``) use activation checkpointing; return it.
+    """Make ``block`` (a ``refimpl.models.TransformerBlock``) use activation checkpointing; return it.
 
     After the call, ``block(x)`` saves only ``x`` for backward and runs the block's forward a second time
     during backward to rebuild the rest; the gradients are the plain block's, bit for bit. The block is

@@ -216,7 +216,7 @@ def shard_fused_qkv(tensor: torch.Tensor, *, num_heads: int, group: Group) -> to
 
     ``tensor`` is the fused weight ``[3h, h]`` or bias ``[3h]`` (``h = a d``, ``a = num_heads``) with its rows
     in nanoGPT's order ``[3, a, d]``: all heads' queries, then all keys, then all values (``q, k, v =
-    qkv.split(h, dim=-1)``). refimpl's attention (``refimpl.model.CausalSelfAttention``, chapter 06) reads
+    qkv.split(h, dim=-1)``). refimpl's attention (``refimpl.models.CausalSelfAttention``, chapter 06) reads
     its fused rows in Megatron's per-head order ``[a', 3, d]``: head ``i``'s q, k and v rows one after the
     other, for each of its ``a'`` heads.
 

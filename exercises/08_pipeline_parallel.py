@@ -22,7 +22,7 @@ lives on rank ``s % pp``. Dependencies: ``F`` of stage ``s`` needs ``F`` of ``s 
 ``B`` of ``s`` needs ``F`` of ``s`` and ``B`` of ``s + 1``, ``W`` needs ``B`` of its stage.
 
 You may use ``Action`` and ``P2PAction`` (the data types), ``GPTStage`` (a stage of refimpl's GPT, built
-for you), ``WeightGradStore`` (the queue of deferred weight gradients), ``refimpl.model.lm_loss``,
+for you), ``WeightGradStore`` (the queue of deferred weight gradients), ``refimpl.models.lm_loss``,
 ``refimpl.comm.ops`` and ``torch.distributed``; do not import the rest of
 ``refimpl.parallel.pipeline_parallel`` (that is the answer). Chapter 08 explains each piece.
 """

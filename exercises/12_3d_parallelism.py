@@ -83,7 +83,7 @@ def counted_in_grad_norm(name: str, *, stage: int, pp: int, tp_rank: int, tp: in
     global gradient norm ``||g||^2`` (the partial sums are then all-reduced over the tp and pp groups; ZeRO
     0, so the dp x cp replicas hold the same, already averaged, gradients and are not summed).
 
-    ``name`` is the parameter's name in the plain GPT (``refimpl.model.GPT.named_parameters()``, e.g.
+    ``name`` is the parameter's name in the plain GPT (``refimpl.models.GPT.named_parameters()``, e.g.
     ``"layers.3.mlp.dense_4h_to_h.bias"``), held by pipeline stage ``stage`` of ``pp`` on tensor-parallel
     rank ``tp_rank`` of ``tp``, with Megatron's column-, row- and vocabulary-parallel layers (chapter 06).
     ``tied``: the output layer reuses the word embedding; under ``pp > 1`` the last stage then holds a copy

@@ -76,21 +76,20 @@ class ModelConfig:
     A decoder-only transformer with pre-LayerNorm blocks (GPT-2, Radford et al. 2019), learned position
     embeddings and a byte vocabulary of 256.
 
-    **Mixture of experts** (chapter 09; Shazeer et al. 2017, GShard, Switch, DeepSeek-V3): with
-    ``num_experts = E > 0`` the MLP of every ``moe_every``-th block (blocks ``0, N, 2N, ...``, the rule of
-    Megatron-LM's ``moe_layer_freq``; 1: all) is a :class:`refimpl.moe.MoEMLP`: a top-``top_k`` router over
-    ``E`` experts with ``score_func`` scores, each expert an MLP of ``moe_ffn_hidden_size`` (None: the dense
-    MLP's ``ffn_hidden_size``) with ``moe_activation`` (``gelu``: two matrices like the dense MLP;
-    ``swiglu``: three). ``moe_normalize_topk``: divide each token's ``k`` combine weights by their sum
-    (GShard, Mixtral, DeepSeek-V3) or keep the raw scores (Switch's top-1); None (the default) renormalises
-    when ``top_k > 1`` (at ``k = 1`` a renormalised weight is 1 and the router would learn nothing from the
-    task). ``capacity_factor`` None is dropless, else each expert takes ``ceil(k T / E cf)``
-    of the ``T`` tokens of one forward on one rank. ``moe_load_balance``: ``aux`` adds the sequence-wise
-    balance loss ``aux_loss_coeff x E sum_i f_i P_i`` (DeepSeek-V3 eq. 17-20) to the loss; ``bias`` also
-    adds it (0 for none) and steers the choice with DeepSeek-V3's expert bias, moved by
-    ``moe_bias_update_rate`` before each optimizer step. With ``num_experts = 0`` (dense, the default) the
-    MoE fields are unused and left out of :meth:`to_dict`, so a dense configuration reads as before.
-    """
+    **Mixture of experts** (chapter 09; Shazeer et al. 2017, GShard, Switch, DeepSeek-V3): with ``num_experts
+    = E > 0`` the MLP of every ``moe_every``-th block (blocks ``0, N, 2N, ...``, the rule of Megatron-LM's
+    ``moe_layer_freq``; 1: all) is an ``MoEMLP`` (``refimpl.models.moe``): a top-``top_k`` router over ``E``
+    experts with ``score_func`` scores, each expert an MLP of ``moe_ffn_hidden_size`` (None: the dense MLP's
+    ``ffn_hidden_size``) with ``moe_activation`` (``gelu``: two matrices like the dense MLP; ``swiglu``:
+    three). ``moe_normalize_topk``: divide each token's ``k`` combine weights by their sum (GShard, Mixtral,
+    DeepSeek-V3) or keep the raw scores (Switch's top-1); None (the default) renormalises when ``top_k > 1``
+    (at ``k = 1`` a renormalised weight is 1 and the router would learn nothing from the task).
+    ``capacity_factor`` None is dropless, else each expert takes ``ceil(k T / E cf)`` of the ``T`` tokens of
+    one forward on one rank. ``moe_load_balance``: ``aux`` adds the sequence-wise balance loss
+    ``aux_loss_coeff x E sum_i f_i P_i`` (DeepSeek-V3 eq. 17-20) to the loss; ``bias`` also adds it (0 for
+    none) and steers the choice with DeepSeek-V3's expert bias, moved by ``moe_bias_update_rate`` before each
+    optimizer step. With ``num_experts = 0`` (dense, the default) the MoE fields are unused and left out of
+    :meth:`to_dict`, so a dense configuration reads as before. """
 
     vocab_size: int = 256
     num_layers: int = 4

@@ -32,7 +32,7 @@ from torch import nn
 
 from refimpl.comm import ops
 from refimpl.distributed.group_info import group_rank_size
-from refimpl.moe import moe_blocks
+from refimpl.models.moe import moe_blocks
 
 __all__ = ["MoECounters", "finish_step", "record_micro_batch"]
 

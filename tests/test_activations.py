@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from refimpl.config import ModelConfig
 from refimpl.measure import OUTSIDE, measure_saved_activations
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.parallel.activation_checkpoint import (
     apply_activation_checkpointing,
     checkpointed_blocks,

@@ -54,7 +54,7 @@ from refimpl.config import ConfigError, ModelConfig, OptimConfig
 from refimpl.distributed import seed_everything
 from refimpl.distributed.placement import Box, LocalShard
 from refimpl.launch import run_ranks
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.optim import build_optimizer, lr_at, param_groups, set_lr
 
 SPAWN_TIMEOUT = 240

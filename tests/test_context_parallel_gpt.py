@@ -24,7 +24,7 @@ from refimpl.config import ModelConfig
 from refimpl.distributed import ParallelDims
 from refimpl.distributed.placement import module_shards
 from refimpl.launch import run_ranks
-from refimpl.model import GPT, Embedding, lm_loss
+from refimpl.models import GPT, Embedding, lm_loss
 from refimpl.parallel.context_parallel import apply_context_parallel, split_for_context_parallel
 from refimpl.parallel.tensor_parallel import apply_tensor_parallel, tp_lm_loss
 from tests.test_tp_layers import _error

@@ -43,7 +43,7 @@ from torch.utils.checkpoint import checkpoint
 from refimpl.comm.tracer import CommTracer
 from refimpl.config import ModelConfig
 from refimpl.launch import run_ranks
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.parallel.data_parallel import (
     DataParallelBucket,
     DataParallelNaive,

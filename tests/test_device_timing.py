@@ -26,7 +26,7 @@ from refimpl.comm import CommTracer, device_clock, ops
 from refimpl.comm.device_clock import DeferredStamp, StampList
 from refimpl.comm.tracer import now
 from refimpl.config import ModelConfig
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.parallel.context_parallel import RingTimeline
 from refimpl.parallel.data_parallel import SyncTimeline
 from refimpl.parallel.pipeline_parallel import build_schedule

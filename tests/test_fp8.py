@@ -395,7 +395,7 @@ def test_from_linear_keeps_the_parameters_and_refuses_shapes_scaled_mm_cannot_ta
 
 def test_convert_to_float8_swaps_the_middle_layers_of_the_gpt_in_place():
     from refimpl.config import ModelConfig
-    from refimpl.model import GPT, lm_loss
+    from refimpl.models import GPT, lm_loss
 
     model = GPT(ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, max_seq_len=32,
                             tie_word_embeddings=False))

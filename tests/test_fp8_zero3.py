@@ -42,7 +42,7 @@ from refimpl.comm import CommTracer
 from refimpl.config import ModelConfig, ParallelConfig
 from refimpl.distributed import DistributedContext, ParallelDims
 from refimpl.launch import run_ranks
-from refimpl.model import GPT
+from refimpl.models import GPT
 from refimpl.parallel.parallelize import parallelize
 from refimpl.parallel.zero.fsdp_communications import finish_all_gather, free_full_params
 from refimpl.parallel.zero.fsdp_float8 import float8_unit

@@ -20,7 +20,7 @@ from refimpl.checkpoint.save_schedule import SaveSchedule
 from refimpl.config import ModelConfig, OptimConfig, ParallelConfig
 from refimpl.data import to_device
 from refimpl.distributed import ParallelDims
-from refimpl.model import GPT
+from refimpl.models import GPT
 from refimpl.optim import adamw_foreach, build_optimizer
 from refimpl.parallel.parallelize import parallelize
 

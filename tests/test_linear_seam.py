@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from refimpl.config import ModelConfig
-from refimpl.model import GPT
+from refimpl.models import GPT
 from refimpl.nn.linear import Linear, SequenceGather, linear_with_grad
 from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, defer_weight_gradients
 from refimpl.precision.fp8 import Float8Config, Float8Linear, Float8Matmul, float8_linear

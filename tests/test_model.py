@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from refimpl.config import ModelConfig
-from refimpl.model import GPT, generate, lm_loss
+from refimpl.models import GPT, generate, lm_loss
 from refimpl.planner import num_param_tensors, param_count
 
 TINY = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, max_seq_len=16)

@@ -42,8 +42,8 @@ from refimpl.config import ConfigError, DataConfig, ModelConfig, OptimConfig, Pa
 from refimpl.distributed import ParallelDims
 from refimpl.distributed.host_syncs import HostSyncCounter
 from refimpl.distributed.placement import Box
-from refimpl.model import GPT, MLP, lm_loss
-from refimpl.moe import MoEMLP, moe_aux_loss, moe_blocks, sequence_balance_loss
+from refimpl.models import GPT, MLP, lm_loss
+from refimpl.models.moe import MoEMLP, moe_aux_loss, moe_blocks, sequence_balance_loss
 from refimpl.moe_balance import finish_step, record_micro_batch
 from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing
 from refimpl.parallel.expert_parallel import load_balancing_loss

@@ -36,7 +36,7 @@ from refimpl.comm import CommTracer, chunk_sizes, ops, ring_all_gather, ring_all
 from refimpl.config import ModelConfig
 from refimpl.data import make_corpus_file
 from refimpl.launch import run_ranks
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.parallel.context_parallel import ring_attention as ra
 from refimpl.parallel.context_parallel import sequence_layout as sl
 from refimpl.parallel.pipeline_parallel import PipelineModule, build_schedule

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from refimpl.config import ConfigError, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from refimpl.distributed import ParallelDims
 from refimpl.launch import run_ranks
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.parallel.parallelize import ORDER, parallelize
 
 WORLD = 4

@@ -95,7 +95,7 @@ def _norms_on_rank(ctx) -> dict:
 
     from refimpl.config import ModelConfig, OptimConfig
     from refimpl.distributed.mesh import ParallelDims
-    from refimpl.model import GPT
+    from refimpl.models import GPT
     from refimpl.parallel.parallelize import parallelize
 
     config = ModelConfig(vocab_size=50, num_layers=2, hidden_size=16, num_attention_heads=2, max_seq_len=8,

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from refimpl.config import ModelConfig
 from refimpl.launch import RankFailed, run_ranks
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.parallel.pipeline_parallel import build_schedule
 from refimpl.parallel.pipeline_parallel.executor import run_schedule
 from refimpl.parallel.pipeline_parallel.pipeline_communications import sync_tied_embeddings

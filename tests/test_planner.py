@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from refimpl.config import ModelConfig
 from refimpl.distributed import ParallelDims
 from refimpl.measure import measure_saved_activations
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing
 from refimpl.planner import (
     flops_per_token,

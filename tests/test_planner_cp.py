@@ -33,7 +33,7 @@ from refimpl.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 from refimpl.distributed import ParallelDims
 from refimpl.launch import run_ranks
 from refimpl.measure import OUTSIDE, SavedTensorMeter, measure_saved_activations, state_bytes
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing
 from refimpl.parallel.context_parallel import apply_context_parallel, split_for_context_parallel
 from refimpl.parallel.tensor_parallel import apply_tensor_parallel, tp_lm_loss

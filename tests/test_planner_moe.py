@@ -44,8 +44,8 @@ from refimpl.config import ConfigError, ModelConfig
 from refimpl.distributed import ParallelDims
 from refimpl.launch import run_ranks
 from refimpl.measure import SavedTensorMeter, state_bytes
-from refimpl.model import GPT, lm_loss
-from refimpl.moe import moe_blocks
+from refimpl.models import GPT, lm_loss
+from refimpl.models.moe import moe_blocks
 from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing
 from refimpl.parallel.expert_parallel_gpt import expert_parameter_names
 from refimpl.planner import (

@@ -40,7 +40,7 @@ from refimpl.distributed import ParallelDims
 from refimpl.launch import run_ranks
 from refimpl.measure import SavedTensorMeter, state_bytes
 from refimpl.measure.run_measurement import LiveTensorBytes
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing
 from refimpl.parallel.pipeline_parallel import PipelineModule, build_schedule, build_stages
 from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, defer_weight_gradients

@@ -29,7 +29,7 @@ from refimpl.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 from refimpl.distributed import ParallelDims
 from refimpl.launch import run_ranks
 from refimpl.measure import OUTSIDE, measure_saved_activations, state_bytes
-from refimpl.model import GPT
+from refimpl.models import GPT
 from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing
 from refimpl.parallel.tensor_parallel import (
     allreduce_sequence_parallel_grads,

@@ -10,7 +10,7 @@ import torch
 
 from refimpl.config import ModelConfig
 from refimpl.launch import run_ranks
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.precision import (
     DynamicLossScaler,
     LossScaleError,

@@ -16,7 +16,7 @@ import torch
 
 from refimpl.config import ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from refimpl.distributed import ParallelDims
-from refimpl.model import GPT
+from refimpl.models import GPT
 from refimpl.parallel.parallelize import parallelize
 from refimpl.planner import evaluate_layout, run_memory_per_rank
 from refimpl.support import SUPPORT_TABLE, check_supported, describe_support_table, refusals, shape_refusals

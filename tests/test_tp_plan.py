@@ -22,7 +22,7 @@ import torch.distributed as dist
 from refimpl.config import ModelConfig
 from refimpl.distributed.placement import module_shards
 from refimpl.launch import run_ranks
-from refimpl.model import GPT
+from refimpl.models import GPT
 from refimpl.parallel.tensor_parallel import apply_tensor_parallel
 from refimpl.parallel.tensor_parallel import plan as tp_plan
 from refimpl.planner.params_flops import param_shapes

@@ -32,7 +32,7 @@ from refimpl.comm import CommTracer
 from refimpl.config import ModelConfig
 from refimpl.distributed.placement import module_shards
 from refimpl.launch import run_ranks
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.parallel.tensor_parallel import (
     allreduce_sequence_parallel_grads,
     apply_tensor_parallel,

@@ -61,7 +61,7 @@ from refimpl.distributed import DistributedContext, ParallelDims
 from refimpl.launch import run_ranks
 from refimpl.measure import measure_saved_activations
 from refimpl.measure.run_measurement import TrainerProbe
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.nn.linear import Linear
 from refimpl.parallel.parallelize import parallelize
 from refimpl.parallel.tensor_parallel import (

@@ -6,9 +6,9 @@ DeepSeek-V3's bias balancing, trains the model one device trains, and its checkp
 
 One ``run_ranks`` of 4 ranks runs every layout through :func:`refimpl.train.train`; the one-device runs
 (fp32, the whole batch at once and one sequence per micro-batch) run in this process. The balance loss is
-a mean over sequences (:mod:`refimpl.moe`), so both one-device orders and every layout minimise the same
+a mean over sequences (``refimpl.models.moe``), so both one-device orders and every layout minimise the same
 objective, and the numerics rule of tests/one_device.py applies unchanged (routing is dropless here:
-capacity is per rank's forward, :mod:`refimpl.moe`):
+capacity is per rank's forward, :mod:`refimpl.models.moe`):
 
 * the losses within ``FACTOR x`` the one-device order spread, and the **first step's gradients before
   clipping and AdamW**, every rank's boxes of every parameter (experts: rows of the ``[E, ...]`` tensors)
@@ -56,7 +56,7 @@ from refimpl.config import OptimConfig
 from refimpl.distributed import DistributedContext
 from refimpl.distributed.placement import module_shards
 from refimpl.launch import run_ranks
-from refimpl.model import GPT
+from refimpl.models import GPT
 from refimpl.train import build_parser, build_setup, config_from_args, options_from_args, train
 from refimpl.train.hooks import TrainHooks
 from tests.one_device import (
@@ -150,7 +150,7 @@ def _counts_not_summed_over_cp(step: int, setup) -> None:
     """The context-parallel negative control: each cp rank's balance loss from its own half of every
     sequence's assignments (the counts not summed over the cp group)."""
     if step == 0:
-        from refimpl.moe import moe_blocks
+        from refimpl.models.moe import moe_blocks
 
         for block in moe_blocks(setup.model):
             block.cp_group = None
@@ -168,7 +168,7 @@ def _balance_loss_not_split_over_sp(step: int, setup) -> None:
     """The sequence-parallel negative control: each tp rank's balance loss from its own s/t tokens, whole
     (neither its counts summed over tp nor its gradient divided by t); the gradients are still summed."""
     if step == 0:
-        from refimpl.moe import moe_blocks
+        from refimpl.models.moe import moe_blocks
 
         for block in moe_blocks(setup.model):
             block.sp_group = None

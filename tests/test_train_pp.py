@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from refimpl.data import make_corpus_file
 from refimpl.launch import run_ranks
-from refimpl.model import GPT
+from refimpl.models import GPT
 from refimpl.train import build_parser, build_setup, config_from_args, options_from_args, train
 from refimpl.train.gradients import gradient_shards
 from refimpl.train.step import train_step

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from refimpl.checkpoint import CheckpointConfig, Checkpointer, load_training_state
 from refimpl.launch import run_ranks
-from refimpl.model import GPT
+from refimpl.models import GPT
 from refimpl.parallel.tensor_parallel import apply_tensor_parallel, full_state_dict
 from refimpl.train import build_parser, config_from_args, options_from_args, train
 from tests.one_device import (

@@ -41,7 +41,7 @@ from refimpl.checkpoint import (
 )
 from refimpl.distributed import DistributedContext
 from refimpl.launch import run_ranks
-from refimpl.model import GPT
+from refimpl.models import GPT
 from refimpl.train import build_parser, build_setup, config_from_args, options_from_args, train
 from tests.one_device import (
     assert_gradients_like_one_device,
@@ -209,7 +209,7 @@ def test_hsdp_bytes_per_group_equal_the_formula(runs):
     group of 2, to the byte; the shard group ("dp_shard x cp") carries the all-gathers and reduce-scatters
     (ZeRO-3's, never the replicas' reduction)."""
     from refimpl.comm.tracer import wire_bytes
-    from refimpl.model import GPT
+    from refimpl.models import GPT
     from refimpl.planner import zero_collectives
 
     config = config_from_args(_args({"corpus": "x", "cache": "x"}, Path("x"))).model

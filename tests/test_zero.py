@@ -36,7 +36,7 @@ from refimpl.comm.tracer import CommTracer
 from refimpl.config import ModelConfig
 from refimpl.launch import run_ranks
 from refimpl.measure import PeakStateBytes, StateMemory, state_bytes
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.optim import param_groups
 from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing
 from refimpl.parallel.zero import (

@@ -20,7 +20,7 @@ import torch
 from exercises.grading import Task, load_module
 from refimpl import planner
 from refimpl.config import ModelConfig, OptimConfig
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.optim import lr_at
 
 CONFIGS = [

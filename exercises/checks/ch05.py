@@ -24,7 +24,7 @@ import torch
 from exercises.grading import Task, load_module, probe_stub
 from refimpl.config import ModelConfig
 from refimpl.measure import SavedTensorMeter
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.precision.loss_scaler import LossScalerConfig, ScalerState
 
 

@@ -133,7 +133,7 @@ def _nanogpt_attention(x, w, b, heads):
 
 def _qkv_on_rank(ctx, path: str) -> None:
     from refimpl.config import ModelConfig
-    from refimpl.model import GPT
+    from refimpl.models import GPT
     from refimpl.parallel.tensor_parallel import apply_tensor_parallel
 
     torch.set_num_threads(1)

@@ -85,7 +85,7 @@ def simulate_bubble(schedule, *, costs, p2p=0.0):
 _EXECUTOR = _HEADER + """
 import torch
 import torch.distributed as dist
-from refimpl.model import lm_loss
+from refimpl.models import lm_loss
 
 
 def run_pipeline_rank(actions, *, stage, inputs, labels, num_tokens, activation_shape, group=None):

@@ -46,7 +46,7 @@ def _batch(m: int, device: torch.device) -> tuple[list[torch.Tensor], list[torch
 
 
 def _one_device(m: int, order, device: torch.device) -> tuple[list[float], dict[str, torch.Tensor]]:
-    from refimpl.model import GPT, lm_loss
+    from refimpl.models import GPT, lm_loss
 
     model = GPT(_config(), seed=0).to(device)
     xs, ys = _batch(m, device)
@@ -59,7 +59,7 @@ def _one_device(m: int, order, device: torch.device) -> tuple[list[float], dict[
 
 
 def _executor_on_rank(ctx, path: str) -> None:
-    from refimpl.model import GPT
+    from refimpl.models import GPT
     from refimpl.parallel.pipeline_parallel.schedules import build_schedule
     from refimpl.parallel.pipeline_parallel.stage import build_stages
 

@@ -125,7 +125,7 @@ def _gradients_on_rank(ctx, layout: dict) -> dict:
     import torch.distributed as dist
 
     from refimpl.config import ModelConfig, OptimConfig
-    from refimpl.model import GPT
+    from refimpl.models import GPT
     from refimpl.parallel.parallelize import parallelize
 
     groups = ParallelDims(**layout).build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=60)

@@ -9,7 +9,7 @@ import torch
 
 from refimpl import planner
 from refimpl.config import ModelConfig
-from refimpl.model import lm_loss
+from refimpl.models import lm_loss
 from refimpl.optim import lr_at  # same signature as the exercise: re-exported as is
 
 __all__ = ["adam_state_bytes", "count_parameters", "flops_per_token", "lr_at", "mfu", "next_token_loss"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from refimpl.model import lm_loss
+from refimpl.models import lm_loss
 from refimpl.parallel.pipeline_parallel.executor import run_schedule
 from refimpl.parallel.pipeline_parallel.schedules import Action, P2PAction, build_schedule, p2p_actions
 from refimpl.parallel.pipeline_parallel.simulator import Costs, simulate

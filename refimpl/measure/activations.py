@@ -37,7 +37,7 @@ OUTSIDE = "outside blocks"  # embedding, final LayerNorm, output layer, loss
 
 
 def transformer_blocks(model: nn.Module) -> nn.ModuleList:
-    """``model.layers``, the transformer blocks of :class:`refimpl.model.GPT` (TypeError if there is none)."""
+    """``model.layers``, the transformer blocks of the course GPT (TypeError if there is none)."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise TypeError(f"{type(model).__name__} has no ModuleList `layers` of transformer blocks")

@@ -5,14 +5,14 @@
 parallelism is a second view of the ``N = dp x cp`` ranks that see different tokens, ``N = edp x ep``
 (:attr:`refimpl.distributed.mesh.ParallelDims.expert_grid`, ``ep`` consecutive ranks of that view). Rank
 ``r`` of an ``ep`` group keeps experts ``[r E/ep, (r+1) E/ep)`` of every MoE block
-(:meth:`refimpl.moe.MoEMLP.shard_experts`) and routes its own tokens to their owners with GShard's
+(:meth:`refimpl.models.moe.MoEMLP.shard_experts`) and routes its own tokens to their owners with GShard's
 all-to-all; the dense weights (attention, norms, embeddings, the routers) are replicated over all ``N``.
 Under tensor parallelism (without sequence parallelism) the MoE input is the whole ``[b, s, h]`` on every
 tp rank, so every tp rank routes the same tokens and runs the same experts: the experts are replicated over
 ``tp``, and their gradients are equal there (nothing to reduce over tp). With sequence parallelism the MoE
 input is the tp rank's ``[b, s/t, h]``: each tp rank routes its own tokens (no repeated expert compute), and
 the router's and experts' gradients, like the layer norms', are summed over ``tp``
-(:meth:`refimpl.moe.MoEMLP.sequence_parallel_parameters`); the balance loss counts over tp too.
+(:meth:`refimpl.models.moe.MoEMLP.sequence_parallel_parameters`); the balance loss counts over tp too.
 
 **Gradients.** After backward a local expert's gradient is ``sum_{q in my ep group} dL_q/dW``: the sum over
 every token it received (the all-to-all's backward brings each rank's share home), and ``L_q`` is rank
@@ -44,7 +44,7 @@ from torch import nn
 
 from refimpl.comm import ops
 from refimpl.distributed.group_info import group_rank_size
-from refimpl.moe import moe_blocks
+from refimpl.models.moe import moe_blocks
 from refimpl.parallel.placements import HeldGradient
 
 __all__ = ["apply_expert_parallel", "expert_parameter_names", "reduce_expert_gradients"]
@@ -66,7 +66,7 @@ def apply_expert_parallel(model: nn.Module, *, ep_group: dist.ProcessGroup | Non
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
     """The names, in ``model`` (a GPT), of the MoE blocks' expert tensors
-    (:meth:`refimpl.moe.MoEMLP.expert_parallel_parameters`)."""
+    (:meth:`refimpl.models.moe.MoEMLP.expert_parallel_parameters`)."""
     where = {id(m): name for name, m in model.named_modules()}
     return [f"{where[id(b)]}.{n}" for b in moe_blocks(model) for n in b.expert_parallel_parameters()]
 

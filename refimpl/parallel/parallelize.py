@@ -26,7 +26,7 @@ is built tensor- and pipeline-parallel first, then wrapped in its ``DistributedD
 2. **context parallel** over the ``cp`` group (chapter 07; ring attention, Liu et al. 2023; Ulysses, Jacobs
    et al. 2023). It swaps the attention inside each block and shards the sequence: like 1, a change inside
    the blocks, so it comes before the steps that wrap whole blocks. An MoE block's balance loss then sums
-   each sequence's counts over ``cp`` (:func:`refimpl.moe.sequence_balance_loss`).
+   each sequence's counts over ``cp`` (:func:`refimpl.models.moe.sequence_balance_loss`).
 3. **pipeline split** over the ``pp`` group (chapter 08; GPipe, Huang et al. 2019; 1F1B, Narayanan et al.
    2021). It cuts the model *between* blocks, so it commutes with 1-2 (which act inside blocks); torchtitan
    splits first and then applies the rest to each stage. It must come before 4-6: checkpointing, precision
@@ -85,7 +85,7 @@ from torch import nn
 
 from refimpl.config import ParallelConfig
 from refimpl.distributed.mesh import LOSS_AXES, SHARD_AXES, ParallelDims, ParallelGroups
-from refimpl.moe import moe_blocks
+from refimpl.models.moe import moe_blocks
 from refimpl.parallel.data_parallel import DataParallelBucket
 from refimpl.parallel.data_parallel.data_parallel_communications import broadcast_module
 from refimpl.parallel.expert_parallel_gpt import apply_expert_parallel, expert_parameter_names
@@ -157,7 +157,7 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
 
         tp_group = groups.group("tp")
         apply_tensor_parallel(model, tp_group=tp_group, sequence_parallel=config.sequence_parallel)
-        if config.sequence_parallel:  # an MoE block routes this tp rank's s/t tokens (refimpl.moe)
+        if config.sequence_parallel:  # an MoE block routes this tp rank's s/t tokens (refimpl.models.moe)
             for block in moe_blocks(model):
                 block.sp_group = tp_group
         applied.append("tensor parallel")

@@ -15,7 +15,7 @@ from torch import nn
 from refimpl.config import OptimConfig, ParallelConfig
 from refimpl.distributed.group_info import group_rank_size
 from refimpl.distributed.placement import Box, module_shards
-from refimpl.model import lm_loss
+from refimpl.nn.loss import lm_loss
 from refimpl.parallel.data_parallel import DataParallelBucket
 from refimpl.parallel.optimizer_setup import OptimizerInputs, OptimizerSetup, build_optimizer_setup
 from refimpl.parallel.placements import Placement, record_placements
@@ -73,7 +73,7 @@ class Parallelized:
                                           layout=self.config.cp_layout)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The mean next-token loss of this rank's tokens: :func:`refimpl.model.lm_loss`, or under tensor
+        """The mean next-token loss of this rank's tokens: :func:`refimpl.models.lm_loss`, or under tensor
         parallelism the vocab-parallel loss on the logits shard (equal on the ranks of a TP group); an MoE
         model adds its blocks' balance losses of the forward that gave ``logits``, and counts their load
         (:func:`refimpl.moe_balance.record_micro_batch`; call once per micro-batch). Under pipeline

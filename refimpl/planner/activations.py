@@ -17,7 +17,7 @@ QKV and of the first MLP linear, the two dropout masks) sits outside the paralle
 parallelism splits it along the sequence: Megatron's column layers save their ``s/t`` input shard and
 all-gather it again in backward.
 
-Our block (:class:`refimpl.model.TransformerBlock`, :func:`refimpl.parallel.tensor_parallel.
+Our block (:class:`refimpl.models.TransformerBlock`, :func:`refimpl.parallel.tensor_parallel.
 apply_tensor_parallel`) differs, and :func:`activation_bytes_per_layer` counts it exactly, term by term,
 for a compute dtype (``p`` bytes), the residual stream's dtype (``r``), ``t`` ranks and ``u = t`` under
 sequence parallelism (else ``u = 1``):
@@ -175,7 +175,7 @@ def activation_bytes_per_layer(
     cp_method: str = "ring",
     cp_layout: str | None = None,
 ) -> ActivationBreakdown:
-    """Saved-for-backward bytes of one :class:`refimpl.model.TransformerBlock` on one rank of ``tp``
+    """Saved-for-backward bytes of one :class:`refimpl.models.TransformerBlock` on one rank of ``tp``
     tensor-parallel ranks (with ``sequence_parallel``: Korthikanti et al.'s sequence parallelism) and ``cp``
     context-parallel ranks (``cp_method`` ``"ring"`` or ``"ulysses"``, ``cp_layout`` the ring's
     ``"zigzag"``, its default, or ``"contiguous"``); see the module docstring for the terms.
@@ -249,7 +249,7 @@ def outside_block_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int,
     (everything outside attention acts on each token alone; the embedding saves the int64 global positions
     of those tokens; the same checks as :func:`activation_bytes_per_layer`).
 
-    One device (``tp = 1``, :func:`refimpl.model.lm_loss`): the final LayerNorm's input ``4 s b h`` and
+    One device (``tp = 1``, :func:`refimpl.models.lm_loss`): the final LayerNorm's input ``4 s b h`` and
     statistics ``2 x 4 s b``, the output layer's input ``p s b h``, the float32 log-softmax ``4 s b V``, the
     int64 token ids, labels and positions ``8 (2 s b + s)`` and ``cross_entropy``'s float32 total weight.
 

@@ -83,7 +83,7 @@ __all__ = ["DENSE_MLP_TERMS", "ExpertLoad", "all_to_all_bytes", "autocast_weight
            "moe_state_memory_per_rank", "unmodelled_moe"]
 
 EXPERT_TENSORS = ".mlp.moe.experts."
-"""What the name of a grouped expert tensor holds (:meth:`refimpl.moe.MoEMLP.expert_parallel_parameters`)."""
+"""What the name of a grouped expert tensor holds (``MoEMLP.expert_parallel_parameters``)."""
 
 ROUTER = ".mlp.moe.router."
 """What the name of an MoE block's router weight holds."""

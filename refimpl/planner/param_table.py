@@ -1,7 +1,7 @@
 """The parameters one tensor-parallel rank holds, by name, read from the model and the runtime's plan
 (chapters 01, 06 and 08).
 
-:func:`param_table` builds :class:`refimpl.model.GPT` on the meta device (shapes only, nothing allocated;
+:func:`param_table` builds :class:`refimpl.models.GPT` on the meta device (shapes only, nothing allocated;
 read once per configuration), takes its ``named_parameters()`` (a tied weight once, under its first name)
 and applies the tensor-parallel declarations of :mod:`refimpl.parallel.tensor_parallel.plan`: a parameter
 split along dim ``d`` holds ``n/t`` there (the vocab-parallel table ``ceil(V/t)`` rows, its padding rows
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from refimpl.config import ModelConfig
-from refimpl.model import GPT
+from refimpl.models import GPT
 from refimpl.parallel.tensor_parallel import plan
 
 __all__ = ["ParamSpec", "ParamTable", "param_table"]
@@ -105,7 +105,7 @@ def _local(name: str, shape: Shape, *, t: int, tied: bool) -> Shape:
 
 
 def param_table(config: ModelConfig, *, tp: int = 1) -> ParamTable:
-    """The parameters of :class:`refimpl.model.GPT` for ``config`` as one of ``tp`` tensor-parallel ranks
+    """The parameters of :class:`refimpl.models.GPT` for ``config`` as one of ``tp`` tensor-parallel ranks
     holds them after :func:`~refimpl.parallel.tensor_parallel.apply_tensor_parallel` (module docstring).
     Heads or ``ffn_hidden_size`` that do not divide by ``tp``, or an untied output layer's vocabulary, are a
     ``ValueError``."""

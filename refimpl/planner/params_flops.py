@@ -2,7 +2,7 @@
 
 Every figure here is a formula that a chapter checks against a measurement:
 
-* parameters: counted from the architecture, equal to ``sum(p.numel())`` of :class:`refimpl.model.GPT`
+* parameters: counted from the architecture, equal to ``sum(p.numel())`` of :class:`refimpl.models.GPT`
   (:func:`param_count`), and their shapes in ``named_parameters()`` order (:func:`param_shapes`, read from
   a meta-device model and the tensor-parallel plan; what the ZeRO formulas of
   :mod:`refimpl.planner.zero_state` shard);
@@ -52,7 +52,7 @@ class ParamCount:
 
 
 def param_count(config: ModelConfig) -> ParamCount:
-    """Count the parameters of :class:`refimpl.model.GPT` for ``config`` without building it (an MoE block:
+    """Count the parameters of :class:`refimpl.models.GPT` for ``config`` without building it (an MoE block:
     a bias-free ``[E, h]`` router and ``E`` bias-free experts of 2 (GELU) or 3 (SwiGLU) ``h x f_e``
     matrices; :class:`ParamCount`'s ``active`` and ``inactive``)."""
     h, f, v, n = config.hidden_size, config.ffn_hidden_size, config.vocab_size, config.num_layers
@@ -97,7 +97,7 @@ def flops_per_token(config: ModelConfig, seq_len: int, *, matmul_only: bool = Fa
 
 
 def param_shapes(config: ModelConfig, *, tp: int = 1) -> list[tuple[int, ...]]:
-    """The shapes of :class:`refimpl.model.GPT`'s parameters in ``named_parameters()`` order (read from a
+    """The shapes of :class:`refimpl.models.GPT`'s parameters in ``named_parameters()`` order (read from a
     meta-device model, :func:`~refimpl.planner.param_table.param_table`); with ``tp > 1`` those one rank
     holds after :func:`refimpl.parallel.tensor_parallel.apply_tensor_parallel` (Shoeybi et al. 2019;
     chapter 06), split as :mod:`refimpl.parallel.tensor_parallel.plan` declares.

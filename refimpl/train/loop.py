@@ -26,7 +26,7 @@ from refimpl.distributed import DistributedContext, log0, seed_everything
 from refimpl.distributed.placement import LocalShard
 from refimpl.measure import Throughput, format_bytes, format_mfu, peak_dtype, peak_memory_bytes, progress
 from refimpl.measure.peak import peak_reserved_bytes, reset_peak_memory
-from refimpl.model import generate
+from refimpl.models import generate
 from refimpl.optim import lr_at, set_lr
 from refimpl.planner import flops_per_token, param_count
 from refimpl.train.args import RunOptions

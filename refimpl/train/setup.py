@@ -12,7 +12,7 @@ import torch
 from refimpl.config import TrainConfig
 from refimpl.distributed import DistributedContext
 from refimpl.distributed.mesh import ParallelGroups
-from refimpl.model import GPT, lm_loss
+from refimpl.models import GPT, lm_loss
 from refimpl.parallel.data_parallel import DataParallelBucket
 from refimpl.parallel.parallelize import parallelize
 from refimpl.precision import MixedPrecision

@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 
 from refimpl.config import CP_METHODS
-from refimpl.model import GPT
+from refimpl.models import GPT
 from refimpl.parallel.context_parallel.context_parallel_communications import Group, cp_rank, cp_size
 from refimpl.parallel.context_parallel.ring_attention import ring_attention
 from refimpl.parallel.context_parallel.sequence_layout import sequence_positions, split_sequence

@@ -10,7 +10,7 @@ global batch is ``L = (1/N) sum_t l_t = (1/W) sum_r L_r``, and the gradient is l
 One all-reduce of the gradients followed by a division by ``W`` therefore gives every rank the gradient of
 the whole global batch, and identical replicas that apply identical updates stay identical. With shards
 of *unequal* token counts the per-rank means must not be averaged; normalise each rank's summed loss by the
-global token count ``N`` instead (``refimpl.model.lm_loss(num_tokens=N)``) and sum the gradients
+global token count ``N`` instead (``refimpl.models.lm_loss(num_tokens=N)``) and sum the gradients
 (``average_gradients=False``). Gradient accumulation is the same sum over ``A`` micro-batches in time:
 global batch = micro-batch x ``A`` x ``W``, each micro-batch loss divided by ``A``.
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from refimpl.comm import ops
 from refimpl.distributed.placement import LocalShard, module_shards
-from refimpl.model import GPT
+from refimpl.models import GPT
 from refimpl.parallel.pipeline_parallel.executor import PipelineEvent, run_schedule
 from refimpl.parallel.pipeline_parallel.pipeline_communications import sync_tied_embeddings
 from refimpl.parallel.pipeline_parallel.schedules import build_schedule, stage_rank

@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from refimpl.model import GPT
+from refimpl.models import GPT
 from refimpl.parallel.pipeline_parallel.schedules import stage_rank
 
 __all__ = ["GPTStage", "build_stages", "split_layers"]

@@ -1,7 +1,7 @@
 """What tensor parallelism does to each parameter of the plain GPT, declared by name (chapter 06).
 
 :func:`~refimpl.parallel.tensor_parallel.transformer.apply_tensor_parallel` replaces submodules of
-:class:`refimpl.model.GPT` (Shoeybi et al. 2019; Korthikanti et al. 2022 for sequence parallelism); this
+:class:`refimpl.models.GPT` (Shoeybi et al. 2019; Korthikanti et al. 2022 for sequence parallelism); this
 file says, for a parameter name as the plain model's ``named_parameters()`` gives it (e.g.
 ``layers.3.self_attention.query_key_value.weight``), what that replacement does to it, without building
 anything, so the planner can count a rank's bytes from a meta-device model:

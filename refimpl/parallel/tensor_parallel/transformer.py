@@ -6,7 +6,7 @@ Recomputation in Large Transformer Models" (sequence parallelism, figure 5). On 
 
 * **attention, heads split**: ``query_key_value`` becomes a :class:`ColumnParallelLinear`, ``dense`` a
   :class:`RowParallelLinear`, and the block keeps its forward with ``a/t`` heads. The fused weight is in
-  Megatron's per-head layout (:class:`refimpl.model.CausalSelfAttention`: rows ``[3d i, 3d (i+1))`` are head
+  Megatron's per-head layout (:class:`refimpl.models.CausalSelfAttention`: rows ``[3d i, 3d (i+1))`` are head
   ``i``'s q, k and v), so rank ``r``'s contiguous block of ``3h/t`` rows is q, k and v of heads
   ``[r a/t, (r+1) a/t)``: each of q, k, v is column-parallel. (In nanoGPT's ``[3, a, d]`` layout the same
   row block is all of q and part of k: the fused-qkv trap of the chapter.) Attention itself is local:
@@ -43,7 +43,7 @@ from torch import nn
 
 from refimpl.comm import ops
 from refimpl.distributed.placement import module_shards
-from refimpl.model import GPT, MLP, Embedding, lm_loss
+from refimpl.models import GPT, MLP, Embedding, lm_loss
 from refimpl.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -106,7 +106,7 @@ class TiedVocabParallelHead(nn.Module):
 
 def fused_qkv_per_head(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
     """The rows of a fused qkv weight ``[3h, h]`` or bias ``[3h]`` from nanoGPT's order ``[3, a, d]`` (all q,
-    all k, all v) to Megatron's per-head ``[a, 3, d]`` (:class:`refimpl.model.CausalSelfAttention`), a copy:
+    all k, all v) to Megatron's per-head ``[a, 3, d]`` (:class:`refimpl.models.CausalSelfAttention`), a copy:
     after it a contiguous row block of ``3h/t`` rows is q, k and v of ``a/t`` whole heads, the shard a
     :class:`ColumnParallelLinear` takes (the fused-qkv trap of chapter 06)."""
     three_h = tensor.shape[0]
@@ -180,7 +180,7 @@ def is_tensor_parallel(model: nn.Module) -> bool:
 
 def tp_lm_loss(logits_shard: torch.Tensor, labels: torch.Tensor, *, tp_group: Group, vocab_size: int,
                num_tokens: int | None = None) -> torch.Tensor:
-    """:func:`refimpl.model.lm_loss` on the logits shard ``[b, s, V/t]`` (padded columns masked): the sum
+    """:func:`refimpl.models.lm_loss` on the logits shard ``[b, s, V/t]`` (padded columns masked): the sum
     of the per-token losses of :func:`vocab_parallel_cross_entropy`, divided by ``num_tokens``."""
     if group_size(tp_group) == 1 and logits_shard.shape[-1] == vocab_size:
         return lm_loss(logits_shard, labels, num_tokens=num_tokens)

@@ -98,7 +98,7 @@ class FullyShardedDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         if unit_types is None:
-            from refimpl.model import TransformerBlock
+            from refimpl.models import TransformerBlock
 
             unit_types = (TransformerBlock,)
         self.module = module

@@ -9,7 +9,8 @@ one linear seam, :func:`refimpl.nn.linear.linear_with_grad`, so zero-bubble's de
 on it instead of patching it).
 
 With ``config.num_experts > 0`` the MLP of every ``moe_every``-th block is a mixture of experts
-(:class:`refimpl.moe.MoEMLP`, chapter 09); a dense configuration builds exactly the model it always did.
+(:class:`refimpl.models.moe.MoEMLP`, chapter 09); a dense configuration builds exactly the model it
+always did.
 
 Shapes: b = micro-batch, s = sequence length, h = hidden size, a = attention heads, d = h / a, v = vocab.
 """
@@ -24,6 +25,9 @@ from torch import nn
 
 from refimpl.config import ModelConfig
 from refimpl.nn.linear import Linear
+from refimpl.nn.loss import lm_loss
+
+__all__ = ["GPT", "MLP", "CausalSelfAttention", "Embedding", "TransformerBlock", "generate", "lm_loss"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -81,7 +85,7 @@ class TransformerBlock(nn.Module):
         self.self_attention = CausalSelfAttention(config)
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
         if config.is_moe_layer(layer):
-            from refimpl.moe import MoEMLP  # the expert-parallel layer: only for MoE configurations
+            from refimpl.models.moe import MoEMLP  # the expert-parallel layer: only for MoE configurations
 
             self.mlp = MoEMLP(config, layer=layer)
         else:
@@ -154,17 +158,6 @@ class GPT(nn.Module):
         for layer in self.layers:
             x = layer(x)  # [b, s, h]
         return self.output_layer(self.final_layernorm(x))  # [b, s, v]
-
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, num_tokens: int | None = None) -> torch.Tensor:
-    """Next-token cross entropy, summed over tokens and divided by ``num_tokens``.
-
-    ``num_tokens`` defaults to the tokens in this call (a plain mean). Under data parallelism and gradient
-    accumulation pass the token count of the whole global batch, so that the sum of every rank's and
-    every micro-batch's loss is exactly the mean over the global batch (chapter 03's trap).
-    """
-    total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")  # [b*s, v]
-    return total / (labels.numel() if num_tokens is None else num_tokens)
 
 
 @torch.no_grad()
