@@ -44,7 +44,8 @@ if os.environ.get(GPU_ENV) != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch initialises CUDA: the suite runs on CPU and gloo
 
 SPAWN = {
-    "test_boundary_bytes", "test_checkpoint", "test_comm", "test_context_parallel_gpt", "test_data_parallel",
+    "test_boundary_bytes", "test_checkpoint", "test_checkpoint_fully_shard", "test_comm",
+    "test_context_parallel_gpt", "test_data_parallel",
     "test_elastic", "test_elastic_3d", "test_launch", "test_mesh", "test_notebook", "test_notebook_lifetime",
     "test_p2p_strict", "test_param_placements", "test_parallelize", "test_pipeline_gpt", "test_planner_3d",
     "test_planner_cp", "test_planner_pp", "test_planner_tp", "test_precision", "test_rank_lifetime",

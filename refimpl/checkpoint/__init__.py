@@ -11,7 +11,9 @@ library versions, and each rank's RNG states. The format (version 2) is in
 of its tensor (:class:`refimpl.distributed.placement.Box`: offsets and shape), so a checkpoint written at
 one data-parallel size, ZeRO stage or layout loads at another, by box intersection. The wrappers say
 themselves which boxes they hold (``local_shards()`` on a module, ``local_state_shards()`` on an
-optimizer); the checkpoint reads only that.
+optimizer), and so do torch's DTensors (FSDP2 ``fully_shard``'s parameters and their ``AdamW`` moments:
+the box of their placements, :func:`refimpl.distributed.placement.dtensor_box`); the checkpoint reads
+only that.
 
 **The commit protocol** (:meth:`Checkpointer.save`, collective)::
 
@@ -49,7 +51,7 @@ The package, one concept per file, imports running down the list::
     manifest.py        the manifest built, written, read, its checksum; verify_checkpoint
     folder.py          the folder protocol: commit, latest, list, clean, find_latest_valid
     checkpointer.py    Checkpointer: the collective save (sync or async), find, resume_point, load
-    training_state.py  parameter/optimizer shards, RNG states, save/load_training_state
+    training_state.py  parameter/optimizer shards (declared, or DTensor boxes), RNG states, save/load
     save_schedule.py   SaveSchedule: every N steps, every M minutes, on SIGTERM
 """
 

@@ -12,7 +12,8 @@ A checkpoint is a folder ``step_00000042/``::
 (``model/blocks.0.mlp.fc.weight``), a global shape and a dtype. A rank that holds part of it passes a
 :class:`~refimpl.distributed.placement.LocalShard`: its local tensor holds the *box* ``global[o_0 : o_0 + s_0,
 ..., o_{n-1} : o_{n-1} + s_{n-1}]`` (a :class:`~refimpl.distributed.placement.Box`, the one shard descriptor
-of refimpl; a plain tensor is the full box). A ZeRO/FSDP row shard is a box of rows; a row-parallel
+of refimpl; a plain tensor is the full box, a ``DTensor`` the box of its placements). A ZeRO/FSDP row
+shard is a box of rows (torch's ``fully_shard`` too: its padding is not saved); a row-parallel
 tensor-parallel shard a box of *columns* (strided in memory, still one box); a 1-D range ``[a, b)`` is the
 1-D box. When several ranks hold the same elements (data-parallel replicas), :func:`plan_pieces` cuts every
 dimension at every box boundary and gives each cell of that grid to one holder, splitting large replicated
@@ -46,7 +47,7 @@ from typing import Any
 
 import torch
 
-from refimpl.distributed.placement import Box, LocalShard
+from refimpl.distributed.placement import Box, LocalShard, held_shard
 
 FORMAT_NAME = "refimpl-checkpoint"
 FORMAT_VERSION = 2  # 1: flat ranges of the flattened tensor; 2: N-D boxes (offsets + shape)
@@ -63,11 +64,12 @@ class CheckpointError(Exception):
 
 
 def as_local_shard(value: LocalShard | torch.Tensor) -> LocalShard:
-    """A :class:`LocalShard` as given, or a plain tensor held whole."""
+    """A :class:`LocalShard` as given, a DTensor as the box of its placements, a plain tensor held whole
+    (:func:`~refimpl.distributed.placement.held_shard`)."""
     if isinstance(value, LocalShard):
         return value
     if isinstance(value, torch.Tensor):
-        return LocalShard.full(value)
+        return held_shard(value)
     raise CheckpointError(f"a checkpoint saves tensors or LocalShards, not a {type(value).__name__}")
 
 

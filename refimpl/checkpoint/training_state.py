@@ -16,6 +16,14 @@ wrapper's replicas, later tensor-parallel column or row blocks); the rest of the
 parameter's local tensor)`` triples, and ``inner_optimizer``, the optimizer that holds the state; the
 checkpoint composes the two boxes (``parameter_box.within(inner_box)``), so ZeRO-1 over a tensor-parallel
 shard is one more box, not one more branch.
+
+**torch's own sharding says it too.** A ``DTensor`` parameter (FSDP2's ``fully_shard``: ``Shard(0)`` on a
+1-D mesh, dim 0 padded to a multiple of the world size for the all-gather) holds the box of its placements
+(:func:`~refimpl.distributed.placement.dtensor_box`: chunks of ``ceil(N / W)`` rows, the padding never
+saved); a plain ``torch.optim.AdamW`` on such parameters keeps DTensor moments of the same placements, saved
+as the same boxes, and a 0-d plain ``step``, saved whole. Load writes the intersecting boxes into the local
+tensors in place, and the moments come back as DTensors of the parameter's placements, so the same
+checkpoint loads into ``fully_shard`` at another world size, into our ZeRO wrappers or into a plain model.
 """
 
 from __future__ import annotations
@@ -33,7 +41,16 @@ from refimpl.checkpoint.checkpointer import Checkpointer
 from refimpl.checkpoint.files import CheckpointReader
 from refimpl.checkpoint.folder import CheckpointInfo
 from refimpl.checkpoint.format import CheckpointError
-from refimpl.distributed.placement import Box, LocalShard, module_shards
+from refimpl.distributed.placement import (
+    Box,
+    LocalShard,
+    dtensor_like,
+    dtensor_shard,
+    held_shard,
+    is_dtensor,
+    local_tensor,
+    module_shards,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +84,8 @@ def parameter_shards(model: nn.Module) -> dict[str, LocalShard]:
 
     What the modules declare (:func:`~refimpl.distributed.placement.module_shards`): a plain or data-
     parallel model holds full tensors, a :class:`~refimpl.parallel.zero.FullyShardedDataParallel` the row
-    box ``[start, end) x ...`` of each parameter.
+    box ``[start, end) x ...`` of each parameter, torch's ``fully_shard`` the box of each DTensor's
+    placements (its local tensor).
     """
     if isinstance(model, nn.parallel.DistributedDataParallel):  # torch's wrapper: its module's names
         model = model.module
@@ -82,7 +100,9 @@ def expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
 def _optimizer_slots(model: nn.Module, optimizer: torch.optim.Optimizer,
                      ) -> tuple[torch.optim.Optimizer, list[tuple[torch.Tensor, str, Box]]]:
     """The optimizer that holds the state, and for each tensor it steps (in its order): the parameter's
-    name and the box of the global parameter that tensor holds."""
+    name and the box of the global parameter that tensor holds. Tensors are matched by the identity of
+    their local tensor (:func:`~refimpl.distributed.placement.local_tensor`: a DTensor parameter's
+    ``_local_tensor`` is what :func:`parameter_shards` holds)."""
     by_id = {id(s.tensor): (name.removeprefix("model/"), s.box)
              for name, s in parameter_shards(model).items()}
     declare = getattr(optimizer, "local_state_shards", None)
@@ -90,26 +110,40 @@ def _optimizer_slots(model: nn.Module, optimizer: torch.optim.Optimizer,
     if callable(declare):  # e.g. ZeRO-1/2: the inner optimizer steps a box of each parameter's local tensor
         inner, where = optimizer.inner_optimizer, {}
         for param, stepped, box in declare():
-            if id(param) not in by_id:
+            if id(local_tensor(param)) not in by_id:
                 raise CheckpointError("the optimizer holds a parameter that is not a parameter of the model")
-            name, param_box = by_id[id(param)]
-            where[id(stepped)] = (name, param_box.within(box))
+            name, param_box = by_id[id(local_tensor(param))]
+            where[id(local_tensor(stepped))] = (name, param_box.within(box))
     slots = []
     for group in inner.param_groups:
         for t in group["params"]:
-            if id(t) not in where:
+            local = local_tensor(t)
+            if id(local) not in where:
                 raise CheckpointError("the optimizer steps a tensor that is not a parameter of the model")
-            name, box = where[id(t)]
-            if tuple(t.shape) != box.shape:
-                raise CheckpointError(f"the optimizer steps a {tuple(t.shape)} tensor for {name!r}, whose "
-                                      f"declared box has shape {box.shape}")
+            name, box = where[id(local)]
+            if tuple(local.shape) != box.shape:
+                raise CheckpointError(f"the optimizer steps a {tuple(local.shape)} tensor for {name!r}, "
+                                      f"whose declared box has shape {box.shape}")
             slots.append((t, name, box))
     return inner, slots
 
 
+def _moment_shard(value: torch.Tensor, box: Box, what: str) -> LocalShard:
+    """A per-element state tensor (a moment) as the box ``box`` of the parameter it belongs to. A DTensor
+    moment (``AdamW`` on ``fully_shard``'s parameters) says its box by its own placements, which must be
+    the parameter's."""
+    if not is_dtensor(value):
+        return LocalShard(value, box)
+    shard = dtensor_shard(value)
+    if shard.box != box:
+        raise CheckpointError(f"optimizer state {what} holds {shard.box}, its parameter {box}")
+    return shard
+
+
 def optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, LocalShard]:
-    """``{"optimizer/<param>/<key>": LocalShard}``: per-element state (moments) in the box of the tensor
-    it belongs to, other tensors (the step count) whole."""
+    """``{"optimizer/<param>/<key>": LocalShard}``: per-element state (moments, the parameter's global
+    shape) in the box of the tensor it belongs to, other tensors (the step count) as held
+    (:func:`~refimpl.distributed.placement.held_shard`: a plain one whole)."""
     inner, slots = _optimizer_slots(model, optimizer)
     out = {}
     for t, name, box in slots:
@@ -118,7 +152,8 @@ def optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
                 raise CheckpointError(f"optimizer state {name}/{key} is a {type(value).__name__}, "
                                       "not a tensor")
             per_element = value.dim() > 0 and value.shape == t.shape
-            out[f"optimizer/{name}/{key}"] = LocalShard(value, box) if per_element else LocalShard.full(value)
+            out[f"optimizer/{name}/{key}"] = (_moment_shard(value, box, f"{name}/{key}") if per_element
+                                              else held_shard(value))
     return out
 
 
@@ -161,27 +196,24 @@ def _load_optimizer(reader: CheckpointReader, model: nn.Module, optimizer: torch
         if entry.startswith("optimizer/"):
             name, key = entry.removeprefix("optimizer/").rsplit("/", 1)
             keys_of.setdefault(name, []).append(key)
-    state: dict[int, dict] = {}
+    state: dict[int, dict[str, tuple[torch.Tensor, bool]]] = {}
     for index, (_, name, box) in enumerate(slots):
         for key in keys_of.get(name, []):
             entry = f"optimizer/{name}/{key}"
             shape = tuple(reader.entry(entry)["shape"])
             # per element (a moment): this rank's box of it; else (the step count) the whole tensor
-            value = reader.read(entry, box) if shape == box.global_shape and shape else reader.read(entry)
-            state.setdefault(index, {})[key] = value
-    # Cast as Optimizer.load_state_dict would (moments to the parameter's device and dtype, the step count
-    # stays a CPU float unless capturable/fused), but fill the state in place: a ZeRO optimizer shares
-    # this dict with its wrapper, and load_state_dict would replace it.
+            per_element = shape == box.global_shape and bool(shape)
+            value = reader.read(entry, box) if per_element else reader.read(entry)
+            state.setdefault(index, {})[key] = (value, per_element)
+    # Fill the state in place, not by load_state_dict: a ZeRO optimizer shares this dict with its wrapper,
+    # and load_state_dict would replace it.
     group_of = [g for g in inner.param_groups for _ in g["params"]]
     inner.state.clear()
     for index, entries in state.items():
         t, group = slots[index][0], group_of[index]
-        on_device = group.get("capturable") or group.get("fused")
-        inner.state[t] = {
-            k: (v.to(t.device) if on_device else v) if k == "step"
-            else v.to(t.device, t.dtype if v.is_floating_point() else v.dtype)
-            for k, v in entries.items()
-        }
+        on_device = bool(group.get("capturable") or group.get("fused"))
+        inner.state[t] = {k: _restored(t, k, v, per_element=pe, on_device=on_device)
+                          for k, (v, pe) in entries.items()}
     if groups is not None:
         if len(groups) != len(optimizer.param_groups):
             raise CheckpointError(f"{reader.folder}: {len(groups)} optimizer parameter groups saved, the "
@@ -190,6 +222,19 @@ def _load_optimizer(reader: CheckpointReader, model: nn.Module, optimizer: torch
             for g, saved in zip(target.param_groups, groups, strict=True):
                 g.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
                           if k in g and k not in _HOW_NOT_WHAT})
+
+
+def _restored(t: torch.Tensor, key: str, value: torch.Tensor, *, per_element: bool,
+              on_device: bool) -> torch.Tensor:
+    """A state tensor read from the checkpoint, cast as ``Optimizer.load_state_dict`` would: the step count
+    stays a CPU float unless capturable/fused, the rest goes to the parameter's device (floating point: to
+    its dtype). The moments of a DTensor parameter become DTensors of its placements around this rank's box
+    (:func:`~refimpl.distributed.placement.dtensor_like`), as ``AdamW`` makes them."""
+    if key == "step":
+        return value.to(t.device) if on_device else value
+    local = local_tensor(t)
+    value = value.to(local.device, t.dtype if value.is_floating_point() else value.dtype)
+    return dtensor_like(t, value) if per_element and is_dtensor(t) else value
 
 
 def load_training_state(checkpointer: Checkpointer, info: CheckpointInfo, *, model: nn.Module,

@@ -19,13 +19,16 @@ counts bytes with it, so the two cannot disagree.
 Resharding is box intersection (chapter 11): a reader that needs box ``R`` copies ``P ∩ R`` out of every
 saved piece ``P`` that meets it, ``out[(P ∩ R) - R.offsets] = piece[(P ∩ R) - P.offsets]``.
 
-Who holds what is said by the wrappers themselves: a module with ``local_shards()`` declares its boxes, the
-rest of a model is held whole (:func:`module_shards`, what the checkpoint saves).
+Who holds what is said by the tensors and wrappers themselves: a module with ``local_shards()`` declares
+its boxes, a ``DTensor`` (torch's FSDP2 ``fully_shard``, ``parallelize_module``) says its box by its
+placements (:func:`dtensor_box`), the rest of a model is held whole (:func:`module_shards`, what the
+checkpoint saves).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -152,6 +155,9 @@ class LocalShard:
     box: Box
 
     def __post_init__(self) -> None:
+        if is_dtensor(self.tensor):
+            raise TypeError("a LocalShard holds a plain local tensor; a DTensor says its own box: "
+                            "held_shard(t) or dtensor_shard(t)")
         if tuple(self.tensor.shape) != self.box.shape:
             raise ValueError(f"a local tensor of shape {tuple(self.tensor.shape)} cannot hold the box "
                              f"{self.box.shape} at {self.box.offsets} of {self.box.global_shape}")
@@ -166,14 +172,88 @@ class LocalShard:
         return self.box.global_shape
 
 
+def _dtensor_class() -> type | None:
+    """torch's ``DTensor`` class, or None while ``torch.distributed.tensor`` is not imported: then no DTensor
+    exists. This module does not import it (0.7 s, and most users of a Box never need it)."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
+def is_dtensor(t: object) -> bool:
+    """``t`` is a ``torch.distributed.tensor.DTensor`` (as ``fully_shard``'s and ``parallelize_module``'s
+    parameters are)."""
+    cls = _dtensor_class()
+    return cls is not None and isinstance(t, cls)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds of ``t``: a DTensor's ``_local_tensor``, any other tensor itself.
+
+    ``_local_tensor`` is one object for as long as the DTensor keeps its storage, so it can key a map by
+    ``id``; ``to_local()`` under autograd returns a new view on every call.
+    """
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def dtensor_box(t: torch.Tensor) -> Box:
+    """The box of the global tensor that this rank's local tensor of the DTensor ``t`` holds (chapter 11).
+
+    torch's own rule (``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``, what DCP
+    saves): along the mesh axes in order, ``Shard(d)`` over an axis of ``n`` ranks cuts the current extent of
+    dim ``d`` into ``n`` chunks of ``ceil(size / n)`` rows (:func:`chunk_range`, the last ones smaller or
+    empty) and keeps chunk ``coordinate``; ``Replicate()`` keeps the whole extent (a replica is the full
+    box). FSDP2's ``fully_shard`` pads dim 0 to a multiple of the world size ``W`` for its all-gather, but
+    the DTensor's local tensor is the unpadded part: rank ``r`` of ``N`` rows holds
+    ``[min(r c, N), min((r + 1) c, N))``, ``c = ceil(N / W)`` (11 rows over 3 ranks: 4, 4, 3; 2 rows: 1, 1,
+    0). The offset is ``r c``, not ``r`` times the rank's own row count, which is right only when ``W``
+    divides ``N``. ``Partial`` (a pending sum) and ``_StridedShard`` (interleaved rows) hold no box: refused.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    odd = [p for p in t.placements if not isinstance(p, (Shard, Replicate))]
+    if odd:
+        raise ValueError(f"a DTensor placed {tuple(t.placements)} holds no box of its global tensor "
+                         f"(only Shard and Replicate do): {odd}")
+    if t.device_mesh.get_coordinate() is None:
+        raise ValueError(f"this rank is not in the DTensor's mesh {t.device_mesh}: it holds nothing of it")
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    box = Box(tuple(t.shape), offsets, shape)
+    if box.shape != tuple(t._local_tensor.shape):
+        raise ValueError(f"a DTensor of shape {tuple(t.shape)} placed {tuple(t.placements)} should hold "
+                         f"{box.shape} here, its local tensor is {tuple(t._local_tensor.shape)}")
+    return box
+
+
+def dtensor_shard(t: torch.Tensor) -> LocalShard:
+    """The DTensor ``t`` as a :class:`LocalShard`: its local tensor (written in place on load) and
+    :func:`dtensor_box`."""
+    return LocalShard(t._local_tensor, dtensor_box(t))
+
+
+def dtensor_like(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """The DTensor on ``t``'s mesh and placements, of ``t``'s global shape and strides, whose local tensor
+    is ``local`` (this rank's box of it, :func:`dtensor_box` of ``t``): no communication."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())
+
+
+def held_shard(t: torch.Tensor) -> LocalShard:
+    """What this rank holds of ``t``: a DTensor its box (:func:`dtensor_shard`), any other tensor the
+    whole of it (:meth:`LocalShard.full`)."""
+    return dtensor_shard(t) if is_dtensor(t) else LocalShard.full(t)
+
+
 def module_shards(module: nn.Module) -> dict[str, LocalShard]:
     """What a rank holds of ``module``'s parameters and persistent buffers, by their names in the module.
 
     The rule the checkpoint reads (chapter 11): a module, at any depth, that has a method
     ``local_shards() -> dict[str, LocalShard]`` claims its whole subtree and says itself which boxes it holds
     (names relative to that module, as the plain wrapped model names them: ZeRO-3 its row shards, a data-
-    parallel wrapper its replicas); every tensor of the rest is held whole (:meth:`LocalShard.full`). A
-    tensor registered twice (tied weights) is listed once, under its first name (``named_parameters``).
+    parallel wrapper its replicas); every tensor of the rest is what :func:`held_shard` says: a DTensor
+    (torch's ``fully_shard``) the box of its placements (:func:`dtensor_box`), a plain tensor the whole.
+    A tensor registered twice (tied weights) is listed once, under its first name (``named_parameters``).
     """
     declare = getattr(module, "local_shards", None)
     if callable(declare):
@@ -198,7 +278,7 @@ def module_shards(module: nn.Module) -> dict[str, LocalShard]:
         for name, t in own:
             if t is not None and id(t) not in seen:
                 seen.add(id(t))
-                out[prefix + name] = LocalShard.full(t)
+                out[prefix + name] = held_shard(t)
         for name, child in m._modules.items():
             if child is not None:
                 walk(child, f"{prefix}{name}.")
