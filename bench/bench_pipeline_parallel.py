@@ -45,10 +45,10 @@ import torch.distributed as dist
 
 from refimpl.config import ModelConfig
 from refimpl.models import GPT, lm_loss
+from refimpl.models.gpt_stages import build_stages
 from refimpl.parallel.pipeline_parallel import build_schedule
 from refimpl.parallel.pipeline_parallel.executor import run_schedule
 from refimpl.parallel.pipeline_parallel.simulator import Costs, bubble_formula, simulate
-from refimpl.parallel.pipeline_parallel.stage import build_stages
 from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, defer_weight_gradients
 
 FACTOR = 4.0  # stated, as in tests/test_pipeline_gpt.py: within 4 x the one-device order spread

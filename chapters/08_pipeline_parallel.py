@@ -243,11 +243,11 @@ import time
 
 from refimpl.config import ModelConfig
 from refimpl.models import GPT, lm_loss
+from refimpl.models.gpt_stages import build_stages
 from refimpl.parallel.pipeline_parallel import (
     Action,
     WeightGradStore,
     build_schedule,
-    build_stages,
     defer_weight_gradients,
     run_schedule,
     sync_tied_embeddings,

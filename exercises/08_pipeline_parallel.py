@@ -32,8 +32,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from refimpl.models.gpt_stages import GPTStage
 from refimpl.parallel.pipeline_parallel.schedules import Action, P2PAction
-from refimpl.parallel.pipeline_parallel.stage import GPTStage
 from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore
 
 # ---- 1: 1F1B, one rank's list ------------------------------------------------------------------------------

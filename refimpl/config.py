@@ -11,6 +11,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 class ConfigError(ValueError):
@@ -175,6 +179,16 @@ class ModelConfig:
     def moe_layers(self) -> list[int]:
         """The indices of the blocks whose MLP is an MoE."""
         return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
+
+    def build(self, *, seed: int = 0) -> nn.Module:
+        """The model this configuration describes (the course GPT), built on the current default device
+        (``with torch.device("meta"):`` for shapes only). The planner reads the model's declarations through
+        it (its parameters and its tensor-parallel plan) without importing a model; the one import of
+        ``refimpl.models`` from this file, inside the call (Hugging Face's ``AutoModel.from_config``
+        pattern: the configuration names what it builds)."""
+        from refimpl.models import GPT
+
+        return GPT(self, seed=seed)
 
     def to_dict(self) -> dict:
         """The fields as a dict; a dense configuration (``num_experts = 0``) without its unused MoE fields."""

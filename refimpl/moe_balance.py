@@ -32,7 +32,7 @@ from torch import nn
 
 from refimpl.comm import ops
 from refimpl.distributed.group_info import group_rank_size
-from refimpl.models.moe import moe_blocks
+from refimpl.parallel.declarations import moe_layers
 
 __all__ = ["MoECounters", "finish_step", "record_micro_batch"]
 
@@ -63,7 +63,7 @@ class MoECounters:
 def record_micro_batch(model: nn.Module) -> torch.Tensor | None:
     """The sum of the blocks' balance losses of the last forward (None: a dense model), each block's
     counters advanced by it (module docstring)."""
-    blocks = moe_blocks(model)
+    blocks = moe_layers(model)
     losses = []
     for block in blocks:
         moe = block.moe
@@ -87,7 +87,7 @@ def finish_step(model: nn.Module, group: dist.ProcessGroup | None, *, micro_batc
     stage's over ``pp_group`` (each rank joins, with or without MoE blocks of its own). Under sequence
     parallelism (``sp_group``, the tp group) each tp rank routed other tokens: the load is summed over it
     too (the balance loss, the same on the tp ranks, is not)."""
-    blocks = [b for b in moe_blocks(model) if b.counters is not None]
+    blocks = [b for b in moe_layers(model) if b.counters is not None]
     pp = group_rank_size(pp_group)[1] if pp_group is not None else 1
     if not blocks and pp == 1:
         return None

@@ -27,11 +27,11 @@ from refimpl.comm.device_clock import DeferredStamp, StampList
 from refimpl.comm.tracer import now
 from refimpl.config import ModelConfig
 from refimpl.models import GPT, lm_loss
+from refimpl.models.gpt_stages import build_stages
 from refimpl.parallel.context_parallel import RingTimeline
 from refimpl.parallel.data_parallel import SyncTimeline
 from refimpl.parallel.pipeline_parallel import build_schedule
 from refimpl.parallel.pipeline_parallel.executor import PipelineEvent, run_schedule
-from refimpl.parallel.pipeline_parallel.stage import build_stages
 from refimpl.train.loop import _pipeline_idle
 
 U = 1000.0  # a unit of fake device time: far beyond anything the CPU path could record here

@@ -23,10 +23,10 @@ import torch.distributed as dist
 from refimpl.config import ModelConfig
 from refimpl.launch import RankFailed, run_ranks
 from refimpl.models import GPT, lm_loss
+from refimpl.models.gpt_stages import build_stages
 from refimpl.parallel.pipeline_parallel import build_schedule
 from refimpl.parallel.pipeline_parallel.executor import run_schedule
 from refimpl.parallel.pipeline_parallel.pipeline_communications import sync_tied_embeddings
-from refimpl.parallel.pipeline_parallel.stage import build_stages
 from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, defer_weight_gradients
 
 SPAWN_TIMEOUT_S = 240
@@ -167,7 +167,7 @@ def test_a_stage_that_raises_fails_the_run_fast():
 
 
 def _stage_params(model: GPT, ranges: list[range]) -> list[int]:
-    from refimpl.parallel.pipeline_parallel.stage import GPTStage
+    from refimpl.models.gpt_stages import GPTStage
 
     return [sum(p.numel() for p in GPTStage(model, stage=s, num_stages=len(ranges), layers=r,
                                             copy_tied=True).parameters())
@@ -177,7 +177,7 @@ def _stage_params(model: GPT, ranges: list[range]) -> list[int]:
 def test_split_by_layers_and_by_parameters_cover_the_blocks_and_parameters_is_the_best_split():
     import itertools
 
-    from refimpl.parallel.pipeline_parallel import split_layers
+    from refimpl.models.gpt_stages import split_layers
 
     model = GPT(_config(True), seed=0)
     by_layers = split_layers(model, 3)
@@ -196,7 +196,7 @@ def test_split_by_layers_and_by_parameters_cover_the_blocks_and_parameters_is_th
     (dict(num_stages=0), "positive integer"),
 ])
 def test_splits_that_cannot_be_made_are_one_line_errors(kwargs, match):
-    from refimpl.parallel.pipeline_parallel import split_layers
+    from refimpl.models.gpt_stages import split_layers
 
     with pytest.raises(ValueError, match=match):
         split_layers(GPT(_config(False), seed=0), **kwargs)

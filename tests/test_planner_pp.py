@@ -41,8 +41,9 @@ from refimpl.launch import run_ranks
 from refimpl.measure import SavedTensorMeter, state_bytes
 from refimpl.measure.run_measurement import LiveTensorBytes
 from refimpl.models import GPT, lm_loss
+from refimpl.models.gpt_stages import build_stages
 from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing
-from refimpl.parallel.pipeline_parallel import PipelineModule, build_schedule, build_stages
+from refimpl.parallel.pipeline_parallel import PipelineModule, build_schedule
 from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, defer_weight_gradients
 from refimpl.planner import run_memory_per_rank, state_memory_per_rank
 from refimpl.planner.pipeline import (

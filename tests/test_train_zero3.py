@@ -259,7 +259,7 @@ def test_the_2d_checkpoint_reassembles_bitwise_at_another_layout(runs, files, na
 def _stage_units(pp_rank: int) -> list[list[tuple[int, ...]]]:
     """The parameter shapes of pipeline rank ``pp_rank``'s stage per ZeRO-3 unit: its root (embedding, or
     final LayerNorm and head), then each block."""
-    from refimpl.parallel.pipeline_parallel.stage import build_stages
+    from refimpl.models.gpt_stages import build_stages
 
     model = GPT(config_from_args(_args({"corpus": "x", "cache": "x"}, Path("x"))).model, seed=0)
     (stage,) = build_stages(model, pp_rank=pp_rank, pp_size=2).values()

@@ -60,8 +60,8 @@ def _one_device(m: int, order, device: torch.device) -> tuple[list[float], dict[
 
 def _executor_on_rank(ctx, path: str) -> None:
     from refimpl.models import GPT
+    from refimpl.models.gpt_stages import build_stages
     from refimpl.parallel.pipeline_parallel.schedules import build_schedule
-    from refimpl.parallel.pipeline_parallel.stage import build_stages
 
     torch.set_num_threads(1)
     fn = load_module(path).run_pipeline_rank

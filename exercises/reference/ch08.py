@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from refimpl.models import lm_loss
+from refimpl.models.gpt_stages import GPTStage
 from refimpl.parallel.pipeline_parallel.executor import run_schedule
 from refimpl.parallel.pipeline_parallel.schedules import Action, P2PAction, build_schedule, p2p_actions
 from refimpl.parallel.pipeline_parallel.simulator import Costs, simulate
-from refimpl.parallel.pipeline_parallel.stage import GPTStage
 from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, linear_deferred_weight
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from refimpl.config import ModelConfig
 from refimpl.nn.linear import Linear
 from refimpl.nn.loss import lm_loss
+from refimpl.parallel.declarations import ContextParallelModules
 
 __all__ = ["GPT", "MLP", "CausalSelfAttention", "Embedding", "TransformerBlock", "generate", "lm_loss"]
 
@@ -35,7 +36,7 @@ class CausalSelfAttention(nn.Module):
 
     ``query_key_value`` is one fused ``[3h, h]`` linear in Megatron-LM's layout: output row ``3d*i + j*d + c``
     is component ``c`` of q (j = 0), k (1) or v (2) of head ``i``. Tensor parallelism (chapter 06) keeps the
-    forward as it is with ``num_heads = a/t`` and a column-parallel ``query_key_value``.
+    forward as it is with a column-parallel ``query_key_value``: the forward infers the ``a/t`` heads.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -56,10 +57,11 @@ class CausalSelfAttention(nn.Module):
         b, s = qkv.shape[:2]
         # Megatron-LM's per-head layout: the 3h outputs are a heads of (q, k, v) x d, so a contiguous block
         # of rows of the weight holds whole heads and splits across tensor-parallel ranks (chapter 06)
-        qkv = qkv.view(b, s, self.num_heads, 3, self.head_dim)  # [b, s, a, 3, d]
+        # (the heads are inferred from the width: a/t of them on a tensor-parallel rank)
+        qkv = qkv.view(b, s, -1, 3, self.head_dim)  # [b, s, a, 3, d]
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # 3 x [b, a, s, d]
         y = self.core_attention(q, k, v)  # [b, a, s, d]
-        y = y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)  # [b, s, a*d] = [b, s, h]
+        y = y.transpose(1, 2).reshape(b, s, -1)  # [b, s, a*d] = [b, s, h] (tp: [b, s, h/t])
         return self.dense(y)
 
 
@@ -152,6 +154,35 @@ class GPT(nn.Module):
                 std = residual_std if residual else 0.02
                 # Draw on the CPU so that every device gets the same numbers from the same seed.
                 p.copy_(torch.randn(p.shape, generator=generator) * std)
+
+    # -- declarations: how each technique applies to this model (refimpl.parallel.declarations) --------
+
+    def tensor_parallel_plan(self, *, tp_size: int, sequence_parallel: bool = False,
+                             pad_vocab: bool = False) -> dict[str, object]:
+        """``{module-name pattern: style}`` for ``tp_size`` ranks (``refimpl/models/gpt_sharding.py``)."""
+        from refimpl.models.gpt_sharding import gpt_tensor_parallel_plan
+
+        return gpt_tensor_parallel_plan(self, tp_size=tp_size, sequence_parallel=sequence_parallel,
+                                        pad_vocab=pad_vocab)
+
+    def shard_units(self) -> tuple[type[nn.Module], ...]:
+        """ZeRO-3's and activation checkpointing's units: the transformer block."""
+        return (TransformerBlock,)
+
+    def context_parallel_modules(self) -> ContextParallelModules:
+        """Context parallelism replaces each block's ``core_attention`` and the embedding's
+        ``position_ids``; the heads are those this rank's fused qkv holds (``a/t`` under tp)."""
+        attention = [block.self_attention for block in self.layers]
+        heads = [a.query_key_value.weight.shape[0] // (3 * a.head_dim) for a in attention]
+        return ContextParallelModules(attention=attention, positions=[self.embedding], heads=heads)
+
+    def pipeline_stages(self, *, pp_rank: int, pp_size: int, virtual_stages: int = 1,
+                        balance: str = "layers") -> dict[int, nn.Module]:
+        """The stages pipeline rank ``pp_rank`` holds, by index (``refimpl/models/gpt_stages.py``)."""
+        from refimpl.models.gpt_stages import build_stages
+
+        return build_stages(self, pp_rank=pp_rank, pp_size=pp_size, virtual_stages=virtual_stages,
+                            balance=balance)  # type: ignore[arg-type]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embedding(input_ids)  # [b, s, h]

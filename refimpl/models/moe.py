@@ -172,6 +172,10 @@ class MoEMLP(nn.Module):
             return []
         return [n for n, _ in self.named_parameters()]
 
+    def expert_unit(self) -> nn.Module:
+        """The module holding the expert tensors: ZeRO-3 shards it over the expert-data-parallel group."""
+        return self.moe.experts
+
     def expert_parallel_parameters(self) -> list[str]:
         """The names (relative to this module) of the expert tensors, split over ``ep``."""
         return [f"moe.experts.{n}" for n in EXPERT_TENSORS if getattr(self.moe.experts, n) is not None]

@@ -9,7 +9,9 @@ version stops recomputing as soon as the last tensor backward needs is rebuilt (
 block's last matrix multiply is not run again.
 
 :func:`apply_activation_checkpointing` turns it on per block without changing the module tree (parameter
-names, ``state_dict`` and optimizer groups stay the same). What a block then saves is measured by
+names, ``state_dict`` and optimizer groups stay the same). The blocks are the modules of the types the
+model declares (``shard_units()``: the units ZeRO-3 gathers are the ones recomputed) or that the caller
+names (``unit_types=``): any model, not only ours. What a block then saves is measured by
 :class:`refimpl.measure.activations.SavedTensorMeter` and predicted by
 :func:`refimpl.planner.activation_bytes_per_layer`.
 """
@@ -23,10 +25,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from refimpl.config import parse_block_selection
-from refimpl.measure.activations import transformer_blocks
+from refimpl.parallel.declarations import declared
 
-__all__ = ["CheckpointedForward", "apply_activation_checkpointing", "checkpoint_block", "checkpointed_blocks",
-           "is_checkpointed", "parse_block_selection", "uncheckpoint_block"]
+__all__ = ["CheckpointedForward", "apply_activation_checkpointing", "checkpoint_block", "checkpoint_units",
+           "checkpointed_blocks", "is_checkpointed", "parse_block_selection", "uncheckpoint_block"]
 
 
 class CheckpointedForward:
@@ -59,16 +61,33 @@ def is_checkpointed(block: nn.Module) -> bool:
     return isinstance(block.__dict__.get("forward"), CheckpointedForward)
 
 
+Units = tuple[type[nn.Module], ...]
+
+
+def checkpoint_units(model: nn.Module, unit_types: Units | None = None) -> list[nn.Module]:
+    """The blocks checkpointing chooses from, in module order: the submodules of a type in
+    ``unit_types`` (None: the model's declared ``shard_units()``; a model without it is refused by name)."""
+    if unit_types is None:
+        unit_types = tuple(declared(model, "shard_units")())
+    units = [m for m in model.modules() if isinstance(m, unit_types) and m is not model]
+    if not units:
+        raise ValueError(f"activation checkpointing: {type(model).__name__} has no submodule of the unit "
+                         f"types {[t.__name__ for t in unit_types]}")
+    return units
+
+
 def apply_activation_checkpointing(
-    model: nn.Module, blocks: str | Iterable[int] | Callable[[int], bool] = "all"
+    model: nn.Module, blocks: str | Iterable[int] | Callable[[int], bool] = "all", *,
+    unit_types: Units | None = None,
 ) -> list[int]:
-    """Checkpoint the transformer blocks ``model.layers[i]`` selected by ``blocks``; return their indices.
+    """Checkpoint the blocks of ``model`` (:func:`checkpoint_units`: the modules of ``unit_types``, or of
+    the types the model declares) selected by ``blocks``; return their indices.
 
     ``blocks``: ``"all"``, ``"none"``, indices (negative ones count from the end), or ``fn(i) -> bool``
     (e.g. ``lambda i: i % 2 == 0`` for every other block). Blocks not selected are left plain (an earlier
     call's checkpointing of them is undone), so the call states the whole selection.
     """
-    layers = transformer_blocks(model)
+    layers = checkpoint_units(model, unit_types)
     n = len(layers)
     if blocks == "all":
         chosen = set(range(n))
@@ -87,5 +106,6 @@ def apply_activation_checkpointing(
     return sorted(chosen)
 
 
-def checkpointed_blocks(model: nn.Module) -> list[int]:
-    return [i for i, b in enumerate(transformer_blocks(model)) if is_checkpointed(b)]
+def checkpointed_blocks(model: nn.Module, unit_types: Units | None = None) -> list[int]:
+    """The indices of the checkpointed blocks (:func:`checkpoint_units`)."""
+    return [i for i, b in enumerate(checkpoint_units(model, unit_types)) if is_checkpointed(b)]

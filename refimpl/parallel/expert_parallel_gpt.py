@@ -44,7 +44,7 @@ from torch import nn
 
 from refimpl.comm import ops
 from refimpl.distributed.group_info import group_rank_size
-from refimpl.models.moe import moe_blocks
+from refimpl.parallel.declarations import moe_layers
 from refimpl.parallel.placements import HeldGradient
 
 __all__ = ["apply_expert_parallel", "expert_parameter_names", "reduce_expert_gradients"]
@@ -53,7 +53,7 @@ __all__ = ["apply_expert_parallel", "expert_parameter_names", "reduce_expert_gra
 def apply_expert_parallel(model: nn.Module, *, ep_group: dist.ProcessGroup | None) -> nn.Module:
     """Keep this rank's experts of every MoE block of ``model`` (in place; module docstring); a model
     without MoE blocks is refused. Returns ``model``."""
-    blocks = moe_blocks(model)
+    blocks = moe_layers(model)
     if not blocks:
         raise ValueError("expert parallelism needs a model with MoE blocks (ModelConfig.num_experts > 0)")
     ep = group_rank_size(ep_group)[1]
@@ -68,7 +68,7 @@ def expert_parameter_names(model: nn.Module) -> list[str]:
     """The names, in ``model`` (a GPT), of the MoE blocks' expert tensors
     (:meth:`refimpl.models.moe.MoEMLP.expert_parallel_parameters`)."""
     where = {id(m): name for name, m in model.named_modules()}
-    return [f"{where[id(b)]}.{n}" for b in moe_blocks(model) for n in b.expert_parallel_parameters()]
+    return [f"{where[id(b)]}.{n}" for b in moe_layers(model) for n in b.expert_parallel_parameters()]
 
 
 @torch.no_grad()

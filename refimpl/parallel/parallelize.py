@@ -85,9 +85,9 @@ from torch import nn
 
 from refimpl.config import ParallelConfig
 from refimpl.distributed.mesh import LOSS_AXES, SHARD_AXES, ParallelDims, ParallelGroups
-from refimpl.models.moe import moe_blocks
 from refimpl.parallel.data_parallel import DataParallelBucket
 from refimpl.parallel.data_parallel.data_parallel_communications import broadcast_module
+from refimpl.parallel.declarations import declared, moe_layers
 from refimpl.parallel.expert_parallel_gpt import apply_expert_parallel, expert_parameter_names
 from refimpl.parallel.optimizer_setup import OptimizerSetup
 from refimpl.parallel.parallelized import Parallelized, record_parallel_placements
@@ -158,7 +158,7 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
         tp_group = groups.group("tp")
         apply_tensor_parallel(model, tp_group=tp_group, sequence_parallel=config.sequence_parallel)
         if config.sequence_parallel:  # an MoE block routes this tp rank's s/t tokens (refimpl.models.moe)
-            for block in moe_blocks(model):
+            for block in moe_layers(model):
                 block.sp_group = tp_group
         applied.append("tensor parallel")
     # 1b. expert parallel over ep: each MoE block keeps its rank's experts (the rest replicated)
@@ -176,7 +176,7 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
 
         cp_group = groups.group("cp")
         apply_context_parallel(model, cp_group=cp_group, method=config.cp_method, layout=config.cp_layout)
-        for block in moe_blocks(model):  # the balance loss counts each whole sequence's assignments
+        for block in moe_layers(model):  # the balance loss counts each whole sequence's assignments
             block.cp_group = cp_group
         applied.append("context parallel")
     # 3. pipeline split over pp: this rank keeps its stages (and runs them by the schedule)
@@ -196,7 +196,8 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
             parse_block_selection,
         )
 
-        apply_activation_checkpointing(model, parse_block_selection(config.activation_checkpointing))
+        apply_activation_checkpointing(model, parse_block_selection(config.activation_checkpointing),
+                                       unit_types=tuple(declared(model, "shard_units")()))
         applied.append("activation checkpointing")
     # 5. mixed precision: the policy, handed to ZeRO-3 (it casts before the all-gather) or used as autocast.
     # The fp16 scaler agrees on overflow over WORLD (group None): every rank skips the step together.
@@ -223,7 +224,7 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
                                                        if id(p) in expert_ids])
             applied.append("data parallel")
             if config.zero_stage == 3:
-                _shard_stages(done, groups, dims)
+                _shard_stages(done, groups, dims, unit_types=tuple(declared(model, "shard_units")()))
         else:
             done.group = None
         done.placements = record_parallel_placements(done, replicas=replicas)
@@ -239,6 +240,7 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
         from refimpl.parallel.zero import FullyShardedDataParallel
 
         fsdp = FullyShardedDataParallel(model, group=_zero3_groups(done, groups, dims),
+                                        unit_types=tuple(declared(model, "shard_units")()),
                                         replicate_group=done.replicate_group, prefetch=config.prefetch,
                                         reshard_after_forward=config.reshard_after_forward,
                                         mp_policy=mp.policy if fsdp_mp else None,
@@ -260,7 +262,7 @@ def _expert_units(done: Parallelized, module: nn.Module,
     ``fully_shard`` on its ``efsdp`` mesh with ``gradient_divide_factor``); None without ``ep``."""
     if done.ep_group is None:
         return None
-    return {block.moe.experts: (done.edp_group, replicas) for block in moe_blocks(module)}
+    return {block.expert_unit(): (done.edp_group, replicas) for block in moe_layers(module)}
 
 
 def _zero3_groups(done: Parallelized, groups: ParallelGroups, dims: ParallelDims) -> dist.ProcessGroup:
@@ -273,7 +275,8 @@ def _zero3_groups(done: Parallelized, groups: ParallelGroups, dims: ParallelDims
     return done.shard_group
 
 
-def _shard_stages(done: Parallelized, groups: ParallelGroups, dims: ParallelDims) -> None:
+def _shard_stages(done: Parallelized, groups: ParallelGroups, dims: ParallelDims, *,
+                  unit_types: tuple[type[nn.Module], ...]) -> None:
     """ZeRO-3 under pipeline parallelism: each of this rank's stages sharded in place over ``dp x cp``
     (FSDP2's ``fully_shard`` per stage, as torchtitan applies it). By default a stage is gathered once per
     step and kept through its micro-batches, its gradients accumulated whole and reduce-scattered once
@@ -288,6 +291,7 @@ def _shard_stages(done: Parallelized, groups: ParallelGroups, dims: ParallelDims
     policy = done.mp.policy if config.fsdp_mixed_precision else None
     replicate = done.replicate_group
     done.fsdp_stages = [FullyShardedDataParallel(stage, group=shard_group, replicate_group=replicate,
+                                                 unit_types=unit_types,
                                                  reshard_after_forward=per_micro, declare_on_module=True,
                                                  mp_policy=policy,
                                                  output_dtype=None if policy is None else torch.float32,

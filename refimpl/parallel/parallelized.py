@@ -176,8 +176,7 @@ def record_parallel_placements(done: Parallelized, *, replicas: int) -> dict[str
         tied = None
     else:
         sp = [stage.full_name(n) for stage in pipe.stages.values() for n in sequence_parallel_names(stage)]
-        tied = "embedding.word_embeddings.weight" if pipe.tied_peer is not None and 0 not in pipe.stage_ids \
-            else None
+        tied = pipe.tied_copy_name()
     inner = _zero3_inner_boxes(done)
     if inner is None:
         experts = set(done.experts)

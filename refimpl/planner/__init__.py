@@ -2,7 +2,7 @@
 
 * :mod:`~refimpl.planner.params_flops`: parameters, their shapes, FLOPs per token (PaLM appendix B);
   :mod:`~refimpl.planner.param_table`: a rank's parameters by name, read from a meta-device model and the
-  runtime's tensor-parallel plan (:mod:`refimpl.parallel.tensor_parallel.plan`);
+  tensor-parallel plan the model declares (``tensor_parallel_plan``);
 * :mod:`~refimpl.planner.memory`: model state of a replica and per rank, a run's memory per rank (the
   trainer's preflight); :mod:`~refimpl.planner.zero_state`: ZeRO stages 0-3 (Rajbhandari et al. 2020);
 * :mod:`~refimpl.planner.experts`: MoE blocks and expert parallelism (chapter 09): the experts' state per

@@ -1,19 +1,21 @@
 """The parameters one tensor-parallel rank holds, by name, read from the model and the runtime's plan
 (chapters 01, 06 and 08).
 
-:func:`param_table` builds :class:`refimpl.models.GPT` on the meta device (shapes only, nothing allocated;
-read once per configuration), takes its ``named_parameters()`` (a tied weight once, under its first name)
-and applies the tensor-parallel declarations of :mod:`refimpl.parallel.tensor_parallel.plan`: a parameter
-split along dim ``d`` holds ``n/t`` there (the vocab-parallel table ``ceil(V/t)`` rows, its padding rows
-included), a replicated one is whole. No position in a list is assumed:
+:func:`param_table` builds the model a configuration describes on the meta device (``ModelConfig.build``:
+shapes only, nothing allocated; read once per configuration), takes its ``named_parameters()`` (a tied weight
+once, under its first name) and applies the tensor-parallel plan the model declares (``tensor_parallel_plan``,
+read by :func:`refimpl.parallel.tensor_parallel.param_split`): a parameter split along dim ``d`` holds ``n/t``
+there (the vocab-parallel table ``ceil(V/t)`` rows, its padding rows included), a replicated one is whole. No
+position in a list is assumed:
 
-* the groups the pipeline cuts at (:func:`refimpl.parallel.pipeline_parallel.split_layers`) are the
+* the groups the pipeline cuts at (:func:`refimpl.parallel.pipeline_parallel.split_blocks`) are the
   model's own submodules by name: ``embedding.*``, ``layers.{i}.*``, ``final_layernorm.*``,
   ``output_layer.*`` (none when tied);
 * the weights that enter a matrix multiply (``matmul``: what costs FLOPs and what autocast casts) are those
   of the model's ``nn.Linear`` modules, the output layer's included (tied: the word embedding);
 * ``sequence_parallel_gradient``: the plan's replicated parameters that see ``s/t`` tokens under sequence
-  parallelism (their gradients are all-reduced over the tensor-parallel group once per step).
+  parallelism (their gradients are all-reduced over the tensor-parallel group once per step); none at
+  ``tp = 1``.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import torch
 from torch import nn
 
 from refimpl.config import ModelConfig
-from refimpl.models import GPT
-from refimpl.parallel.tensor_parallel import plan
+from refimpl.parallel.declarations import declared
+from refimpl.parallel.tensor_parallel import ParamSplit, param_split
 
 __all__ = ["ParamSpec", "ParamTable", "param_table"]
 
@@ -64,16 +66,32 @@ class ParamTable:
     head: ParamSpec
 
 
+def _meta_model(config: ModelConfig) -> nn.Module:
+    """The model ``config`` describes, shapes only (``ModelConfig.build`` on the meta device)."""
+    with torch.device("meta"):
+        return config.build()
+
+
 @functools.lru_cache(maxsize=64)
 def _model_params(config: ModelConfig) -> tuple[tuple[tuple[str, Shape, bool], ...], str]:
     """``(name, shape, matmul)`` of every parameter of a meta-device GPT, and the name of the output
     layer's weight (tied: the word embedding's)."""
-    with torch.device("meta"):
-        model = GPT(config)
+    model = _meta_model(config)
     linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     named = list(model.named_parameters())
     head = next(n for n, p in named if p is model.output_layer.weight)
     return tuple((n, tuple(p.shape), id(p) in linear) for n, p in named), head
+
+
+@functools.lru_cache(maxsize=64)
+def _splits(config: ModelConfig, t: int) -> dict[str, ParamSplit]:
+    """What the model's declared tensor-parallel plan (``tensor_parallel_plan``, sequence parallelism on,
+    the vocabulary padded) does to each parameter on ``t`` ranks (:func:`param_split`)."""
+    model = _meta_model(config)
+    if t == 1:
+        return {n: ParamSplit() for n, _ in model.named_parameters()}
+    plan = declared(model, "tensor_parallel_plan")(tp_size=t, sequence_parallel=True, pad_vocab=True)
+    return {n: param_split(plan, n) for n, _ in model.named_parameters()}
 
 
 def _check_tp(config: ModelConfig, t: int) -> None:
@@ -89,14 +107,13 @@ def _check_tp(config: ModelConfig, t: int) -> None:
                          f"tp={t}")
 
 
-def _local(name: str, shape: Shape, *, t: int, tied: bool) -> Shape:
-    """The part of a ``shape`` parameter one of ``t`` ranks holds (:mod:`~refimpl.parallel.tensor_parallel.
-    plan`)."""
-    dim = plan.shard_dim(name, tie_word_embeddings=tied)
+def _local(name: str, shape: Shape, split: ParamSplit, *, t: int) -> Shape:
+    """The part of a ``shape`` parameter one of ``t`` ranks holds (the plan's ``split``)."""
+    dim = split.dim
     if dim is None:
         return shape
     n = shape[dim]
-    if plan.padded_rows(name, tie_word_embeddings=tied):
+    if split.padded:
         return shape[:dim] + (-(-n // t),) + shape[dim + 1:]
     if n % t:
         raise ValueError(f"tensor parallelism: {name} has {n} along dim {dim}, which does not divide by "
@@ -111,9 +128,9 @@ def param_table(config: ModelConfig, *, tp: int = 1) -> ParamTable:
     ``ValueError``."""
     _check_tp(config, tp)
     named, head = _model_params(config)
-    tied = config.tie_word_embeddings
-    specs = tuple(ParamSpec(name=n, shape=_local(n, s, t=tp, tied=tied), matmul=mm,
-                            sequence_parallel_gradient=plan.sequence_parallel_gradient(n))
+    splits = _splits(config, tp)
+    specs = tuple(ParamSpec(name=n, shape=_local(n, s, splits[n], t=tp), matmul=mm,
+                            sequence_parallel_gradient=splits[n].sequence_parallel_gradient)
                   for n, s, mm in named)
 
     def under(prefix: str) -> tuple[ParamSpec, ...]:

@@ -100,7 +100,7 @@ def param_shapes(config: ModelConfig, *, tp: int = 1) -> list[tuple[int, ...]]:
     """The shapes of :class:`refimpl.models.GPT`'s parameters in ``named_parameters()`` order (read from a
     meta-device model, :func:`~refimpl.planner.param_table.param_table`); with ``tp > 1`` those one rank
     holds after :func:`refimpl.parallel.tensor_parallel.apply_tensor_parallel` (Shoeybi et al. 2019;
-    chapter 06), split as :mod:`refimpl.parallel.tensor_parallel.plan` declares.
+    chapter 06), split as the model's ``tensor_parallel_plan`` declares.
 
     Sharded by ``t``: ``query_key_value`` and ``dense_h_to_4h`` by rows (weight and bias, column-parallel),
     ``dense`` and ``dense_4h_to_h`` weights by columns (row-parallel; their biases whole), the word

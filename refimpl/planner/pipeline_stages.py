@@ -1,7 +1,7 @@
 """Pipeline parallelism in the planner: the stages' cut and the parameters each stage holds (chapter 08).
 
 The model is cut into ``S = p v`` stages as the runtime cuts it
-(:func:`refimpl.parallel.pipeline_parallel.split_layers`, by blocks or by parameters), here on the
+(:func:`refimpl.parallel.pipeline_parallel.split_blocks`, by blocks or by parameters), here on the
 parameters of :func:`~refimpl.planner.param_table.param_table` (a meta-device model read by name, the
 tensor-parallel shards of ``t`` ranks; no model built); stage ``s`` lives on rank ``s mod p``. A stage holds
 its blocks' parameters (``layers.{i}.*``), the first also the embedding's, the last the final LayerNorm's
@@ -19,7 +19,7 @@ import torch
 
 from refimpl.config import ModelConfig
 from refimpl.measure.state import StateMemory
-from refimpl.parallel.pipeline_parallel import split_layers, stage_rank
+from refimpl.parallel.pipeline_parallel import split_blocks, stage_rank
 from refimpl.planner.param_table import ParamSpec, param_table
 from refimpl.planner.zero_state import zero_memory
 
@@ -27,33 +27,20 @@ __all__ = ["block_of", "pipeline_state_memory", "rank_param_shapes", "stage_defe
            "stage_matmul_weights", "stage_param_shapes", "stage_params"]
 
 
-class _Sized:
-    """A module stand-in for :func:`split_layers`: ``parameters()`` yields shapes (``torch.Size.numel``)."""
-
-    def __init__(self, specs: tuple[ParamSpec, ...]) -> None:
-        self.shapes = [torch.Size(p.shape) for p in specs]
-        self.weight = self.shapes[0] if self.shapes else None
-
-    def parameters(self) -> list[torch.Size]:
-        return self.shapes
-
-
-class _Shapes:
-    """What :func:`split_layers` reads of a GPT, from the configuration's parameter table."""
-
-    def __init__(self, config: ModelConfig, *, tp: int = 1) -> None:
-        table = param_table(config, tp=tp)
-        self.embedding = _Sized(table.embedding)
-        self.layers = [_Sized(block) for block in table.blocks]
-        self.final_layernorm = _Sized(table.final_layernorm)
-        self.output_layer = _Sized((table.head,))  # tied or not, the last stage multiplies by it
+def _numel(specs: tuple[ParamSpec, ...]) -> int:
+    return sum(p.numel for p in specs)
 
 
 def stage_layers(config: ModelConfig, *, num_stages: int, balance: str = "layers",
                  tp: int = 1) -> list[range]:
-    """The blocks of each stage, by the runtime's rule (:func:`split_layers`, ``balance`` ``"layers"`` or
-    ``"parameters"``, on the tensor-parallel shards' sizes)."""
-    return split_layers(_Shapes(config, tp=tp), num_stages, balance=balance)  # type: ignore[arg-type]
+    """The blocks of each stage, by the runtime's rule (:func:`split_blocks`, ``balance`` ``"layers"`` or
+    ``"parameters"``, on the tensor-parallel shards' sizes: the embedding counts towards the first stage,
+    the final LayerNorm and the head, tied or not, towards the last)."""
+    table = param_table(config, tp=tp)
+    return split_blocks([_numel(block) for block in table.blocks], num_stages,
+                        balance=balance,  # type: ignore[arg-type]
+                        first_extra=_numel(table.embedding),
+                        last_extra=_numel(table.final_layernorm) + table.head.numel)
 
 
 def stage_params(config: ModelConfig, *, stage: int, num_stages: int, blocks: range,

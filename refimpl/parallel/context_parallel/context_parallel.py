@@ -1,4 +1,4 @@
-"""refimpl's GPT with its sequence split across the ``cp`` ranks: :func:`apply_context_parallel` (chapter 07).
+"""A model with its sequence split across the ``cp`` ranks: :func:`apply_context_parallel` (chapter 07).
 
 Everything in the model but attention acts on each token alone, so under context parallelism each rank
 runs the whole model on its part of the sequence, ``[b, s/cp]`` tokens, and only attention looks across the
@@ -12,6 +12,11 @@ all-to-alls from sequence shards to head shards and back). Two things must follo
 * the **positions**: the embedding's ``position_ids`` returns the global positions of the rank's tokens
   (:func:`~refimpl.parallel.context_parallel.sequence_layout.sequence_positions`), not ``[0, s/cp)``.
 
+Which modules those are, the model declares (``context_parallel_modules()``,
+:class:`~refimpl.parallel.declarations.ContextParallelModules`): the attention modules whose
+``core_attention(q, k, v)`` is replaced, the modules whose ``position_ids(seq_len, device)`` is replaced,
+and, for Ulysses' check before any step, each attention's heads on this rank.
+
 The loss of a rank is the mean over its ``b s/cp`` tokens; every rank holds as many, so the mean of those
 means over the ``dp x cp`` group, the group the data-parallel wrapper averages gradients over
 (:data:`refimpl.distributed.mesh.LOSS_AXES`), is the mean over the global batch (chapter 03's rule).
@@ -23,13 +28,14 @@ import functools
 from typing import Literal
 
 import torch
+from torch import nn
 
 from refimpl.config import CP_METHODS
-from refimpl.models import GPT
 from refimpl.parallel.context_parallel.context_parallel_communications import Group, cp_rank, cp_size
 from refimpl.parallel.context_parallel.ring_attention import ring_attention
 from refimpl.parallel.context_parallel.sequence_layout import sequence_positions, split_sequence
 from refimpl.parallel.context_parallel.ulysses import ulysses_attention
+from refimpl.parallel.declarations import declared
 
 __all__ = ["METHODS", "apply_context_parallel", "split_for_context_parallel"]
 
@@ -52,31 +58,32 @@ def _positions(seq_len: int, device: torch.device, *, rank: int, size: int, layo
     return sequence_positions(seq_len=seq_len * size, cp_rank=rank, cp_size=size, layout=layout).to(device)
 
 
-def apply_context_parallel(model: GPT, *, cp_group: Group, method: Method = "ring",
-                           layout: str | None = None) -> GPT:
+def apply_context_parallel(model: nn.Module, *, cp_group: Group, method: Method = "ring",
+                           layout: str | None = None) -> nn.Module:
     """Make ``model`` run on this rank's part of the sequence over ``cp_group``, in place; returns it.
 
-    Each block's ``core_attention`` becomes ring attention (``layout`` ``"zigzag"`` by default, or
-    ``"contiguous"``) or Ulysses (contiguous; the heads, after tensor parallelism the local ones, must divide
-    by cp); the embedding's ``position_ids`` the global positions. Feed it the tokens of
-    :func:`split_for_context_parallel`. Composes with :func:`~refimpl.parallel.tensor_parallel.
-    apply_tensor_parallel` (applied before it: attention then runs on the ``a/t`` local heads).
+    Each declared attention module's ``core_attention`` becomes ring attention (``layout`` ``"zigzag"`` by
+    default, or ``"contiguous"``) or Ulysses (contiguous; the heads, after tensor parallelism the local
+    ones, must divide by cp); each declared position module's ``position_ids`` the global positions. Feed
+    it the tokens of :func:`split_for_context_parallel`. Composes with :func:`~refimpl.parallel.
+    tensor_parallel.apply_tensor_parallel` (applied before it: attention then runs on the local heads).
     """
     layout = _layout_of(method, layout)
     n, r = cp_size(cp_group), cp_rank(cp_group)
     if n == 1:
         return model
-    for block in model.layers:
-        heads = block.self_attention.num_heads
+    modules = declared(model, "context_parallel_modules")()
+    for heads in modules.heads or ():
         if method == "ulysses" and heads % n:
             raise ValueError(f"Ulysses gives each of the cp = {n} ranks whole heads: {heads} attention heads "
                              f"(per tensor-parallel rank) do not divide by {n}")
-        attention = (functools.partial(ring_attention, cp_group=cp_group, causal=True, layout=layout)
-                     if method == "ring" else functools.partial(ulysses_attention, cp_group=cp_group,
-                                                                causal=True))
-        block.self_attention.core_attention = attention
-    model.embedding.position_ids = functools.partial(_positions, rank=r, size=n, layout=layout)
-    model.cp_group, model.cp_layout = cp_group, layout
+    attention = (functools.partial(ring_attention, cp_group=cp_group, causal=True, layout=layout)
+                 if method == "ring"
+                 else functools.partial(ulysses_attention, cp_group=cp_group, causal=True))
+    for module in modules.attention:
+        module.core_attention = attention
+    for module in modules.positions:
+        module.position_ids = functools.partial(_positions, rank=r, size=n, layout=layout)
     return model
 
 

@@ -43,7 +43,7 @@ from refimpl.parallel.pipeline_parallel.simulator import (
     simulate,
     validate,
 )
-from refimpl.parallel.pipeline_parallel.stage import GPTStage, build_stages, split_layers
+from refimpl.parallel.pipeline_parallel.stage import Balance, split_blocks, with_own_parameters
 from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, defer_weight_gradients
 
 __all__ = [
@@ -51,7 +51,7 @@ __all__ = [
     "SCHEDULES",
     "Action",
     "Costs",
-    "GPTStage",
+    "Balance",
     "P2PAction",
     "PipelineEvent",
     "PipelineModule",
@@ -60,13 +60,13 @@ __all__ = [
     "WeightGradStore",
     "bubble_formula",
     "build_schedule",
-    "build_stages",
     "defer_weight_gradients",
     "p2p_actions",
     "run_schedule",
     "simulate",
-    "split_layers",
+    "split_blocks",
     "stage_rank",
     "sync_tied_embeddings",
     "validate",
+    "with_own_parameters",
 ]

@@ -43,12 +43,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from refimpl.comm.device_clock import DeviceClock, Stamp, StampField
 from refimpl.parallel.pipeline_parallel.p2p_plan import p2p_plan
 from refimpl.parallel.pipeline_parallel.pipeline_communications import message, post_group
 from refimpl.parallel.pipeline_parallel.schedules import Action, p2p_actions
-from refimpl.parallel.pipeline_parallel.stage import GPTStage
 from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore
 
 __all__ = ["PipelineEvent", "run_schedule"]
@@ -68,7 +68,7 @@ class PipelineEvent:
     end: float = StampField()
 
 
-def run_schedule(actions: Sequence[Action], *, stages: dict[int, GPTStage],
+def run_schedule(actions: Sequence[Action], *, stages: dict[int, nn.Module],
                  pp_group: dist.ProcessGroup | None, pp_size: int,
                  inputs: Sequence[torch.Tensor] | None, labels: Sequence[torch.Tensor] | None,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -78,7 +78,7 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, GPTStage],
                  events: list[PipelineEvent] | None = None,
                  table: Sequence[Sequence[Action]] | None = None,
                  clock: Callable[[], Stamp] | None = None,
-                 aux_loss: Callable[[GPTStage], torch.Tensor | None] | None = None) -> torch.Tensor:
+                 aux_loss: Callable[[nn.Module], torch.Tensor | None] | None = None) -> torch.Tensor:
     """Run ``actions`` (this rank's list) over ``stages`` (this rank's, by index); returns the sum of the
     micro-batch losses this rank computed (the last stage's rank; zero elsewhere), detached.
 

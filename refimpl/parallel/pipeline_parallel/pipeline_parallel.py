@@ -25,11 +25,10 @@ from torch import nn
 
 from refimpl.comm import ops
 from refimpl.distributed.placement import LocalShard, module_shards
-from refimpl.models import GPT
+from refimpl.parallel.declarations import declared
 from refimpl.parallel.pipeline_parallel.executor import PipelineEvent, run_schedule
 from refimpl.parallel.pipeline_parallel.pipeline_communications import sync_tied_embeddings
 from refimpl.parallel.pipeline_parallel.schedules import build_schedule, stage_rank
-from refimpl.parallel.pipeline_parallel.stage import build_stages
 from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, defer_weight_gradients
 
 __all__ = ["PipelineModule"]
@@ -38,16 +37,17 @@ __all__ = ["PipelineModule"]
 class PipelineModule(nn.Module):
     """The stages pipeline rank ``pp_rank`` of ``pp_size`` holds of ``model``, run by ``schedule``."""
 
-    def __init__(self, model: GPT, *, pp_group: dist.ProcessGroup | None, pp_rank: int, pp_size: int,
+    def __init__(self, model: nn.Module, *, pp_group: dist.ProcessGroup | None, pp_rank: int, pp_size: int,
                  schedule: str = "1f1b", virtual_stages: int = 1, balance: str = "layers",
                  sequence_split: int = 1) -> None:
         super().__init__()
         self.sequence_split = sequence_split  # tensor-parallel ranks the boundary activations' s splits over
-        self.config, self.schedule, self.virtual_stages = model.config, schedule, virtual_stages
+        self.schedule, self.virtual_stages = schedule, virtual_stages
+        self.config = getattr(model, "config", None)  # the model's own, when it has one
         self.pp_group, self.pp_rank, self.pp_size = pp_group, pp_rank, pp_size
         build_schedule(schedule, pp_size=pp_size, num_microbatches=pp_size, virtual_stages=virtual_stages)
-        found = build_stages(model, pp_rank=pp_rank, pp_size=pp_size, virtual_stages=virtual_stages,
-                             balance=balance)
+        found = declared(model, "pipeline_stages")(pp_rank=pp_rank, pp_size=pp_size,
+                                                   virtual_stages=virtual_stages, balance=balance)
         self.stage_ids = sorted(found)
         self.stages = nn.ModuleDict({str(s): found[s] for s in self.stage_ids})
         self.store = WeightGradStore() if schedule == "zbh1" else None
@@ -57,7 +57,8 @@ class PipelineModule(nn.Module):
         self.num_stages = pp_size * virtual_stages
         first, last = stage_rank(0, pp_size=pp_size), stage_rank(self.num_stages - 1, pp_size=pp_size)
         self.tied_peer = None  # the rank at the other end of a tied embedding
-        if model.config.tie_word_embeddings and first != last and pp_rank in (first, last):
+        ends = [s for s in (0, self.num_stages - 1) if s in found and found[s].tied_weight() is not None]
+        if ends and first != last:
             self.tied_peer = last if pp_rank == first else first
         self.last_events: list[PipelineEvent] = []
         # where a parameter's gradient lives after backward: itself, or under ZeRO-2 (whose hooks cut each
@@ -71,14 +72,22 @@ class PipelineModule(nn.Module):
         """This rank's end of a tied embedding that another rank also holds (None otherwise)."""
         if self.tied_peer is None:
             return None
-        if 0 in self.stage_ids:
-            return self.stages["0"].embedding.word_embeddings.weight
-        return self.stages[str(self.num_stages - 1)].output_layer.weight
+        end = "0" if 0 in self.stage_ids else str(self.num_stages - 1)
+        return self.stages[end].tied_weight()
 
     def is_tied_copy(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is the last stage's copy of the tied embedding (the first stage counts it)."""
         last = self.stages[str(self.num_stages - 1)] if str(self.num_stages - 1) in self.stages else None
-        return last is not None and last.tied_copy and param is last.output_layer.weight
+        return last is not None and last.tied_copy and param is last.tied_weight()
+
+    def tied_copy_name(self) -> str | None:
+        """The whole model's name of the tied tensor whose copy this rank's last stage holds (None when
+        this rank holds no copy: the first stage's end is the primary)."""
+        weight = self.tied_weight()
+        if weight is None or 0 in self.stage_ids:
+            return None
+        last = self.stages[str(self.num_stages - 1)]
+        return next(last.full_name(n) for n, p in last.named_parameters() if p is weight)
 
     def named_parameters_full(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters under their names in the plain GPT (the tied copy as the embedding)."""
@@ -118,7 +127,8 @@ class PipelineModule(nn.Module):
             raise ValueError(f"{inputs.shape[0]} sequences do not split into {m} micro-batches")
         micro = inputs.shape[0] // m
         # [b, s, h] at every stage boundary ([b, s/t, h] under sequence parallelism)
-        shape = (micro, inputs.shape[1] // self.sequence_split, self.config.hidden_size)
+        hidden = self.stages[str(self.stage_ids[0])].hidden_size
+        shape = (micro, inputs.shape[1] // self.sequence_split, hidden)
         self.last_events = []
         loss = run_schedule(actions, stages={s: self.stages[str(s)] for s in self.stage_ids},
                             pp_group=self.pp_group, pp_size=self.pp_size, inputs=inputs.chunk(m),

@@ -11,14 +11,25 @@ Parallelism"; Korthikanti et al. 2022, "Reducing Activation Recomputation in Lar
 * :mod:`~refimpl.parallel.tensor_parallel.vocab_parallel`: :class:`VocabParallelEmbedding` (with its tied
   head ``lm_logits``) and :func:`vocab_parallel_cross_entropy`, which never builds the full logits.
 
-* :mod:`~refimpl.parallel.tensor_parallel.transformer`: :func:`apply_tensor_parallel` turns refimpl's GPT
-  into its TP form (heads split, parallel MLP, vocabulary split, sequence parallelism), :func:`tp_lm_loss`,
-  :func:`full_state_dict`, :func:`fused_qkv_per_head` (nanoGPT's fused qkv rows in the per-head order);
+* :mod:`~refimpl.parallel.tensor_parallel.styles`: the styles a plan maps module names to
+  (:class:`ColwiseParallel`, :class:`RowwiseParallel`, :class:`SequenceParallel`, :class:`VocabParallel`,
+  :class:`TiedVocabParallelOutput`), torch's semantics with local tensors;
+* :mod:`~refimpl.parallel.tensor_parallel.apply`: :func:`apply_tensor_parallel` applies a plan (the
+  model's declared one by default) to any module, :func:`tp_lm_loss`, :func:`full_state_dict`,
+  :func:`fused_qkv_per_head` (nanoGPT's fused qkv rows in the per-head order);
 * :mod:`~refimpl.parallel.tensor_parallel.grad_norm`: the gradient norm that counts each element once.
 """
 
 from __future__ import annotations
 
+from refimpl.parallel.tensor_parallel.apply import (
+    apply_tensor_parallel,
+    full_state_dict,
+    fused_qkv_per_head,
+    match_plan,
+    param_split,
+    tp_lm_loss,
+)
 from refimpl.parallel.tensor_parallel.grad_norm import (
     clip_grad_norm_tensor_parallel_,
     tensor_parallel_sharded,
@@ -30,6 +41,15 @@ from refimpl.parallel.tensor_parallel.layers import (
     allreduce_sequence_parallel_grads,
     sequence_parallel_names,
 )
+from refimpl.parallel.tensor_parallel.styles import (
+    ColwiseParallel,
+    ParallelStyle,
+    ParamSplit,
+    RowwiseParallel,
+    SequenceParallel,
+    TiedVocabParallelOutput,
+    VocabParallel,
+)
 from refimpl.parallel.tensor_parallel.tp_communications import (
     SEQUENCE_DIM,
     copy_to_tensor_parallel_region,
@@ -40,16 +60,8 @@ from refimpl.parallel.tensor_parallel.tp_communications import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
-from refimpl.parallel.tensor_parallel.transformer import (
-    TiedVocabParallelHead,
-    VocabParallelGPTEmbedding,
-    apply_tensor_parallel,
-    full_state_dict,
-    fused_qkv_per_head,
-    is_tensor_parallel,
-    tp_lm_loss,
-)
 from refimpl.parallel.tensor_parallel.vocab_parallel import (
+    TiedVocabParallelHead,
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
@@ -57,11 +69,17 @@ from refimpl.parallel.tensor_parallel.vocab_parallel import (
 __all__ = [
     "SEQUENCE_DIM",
     "ColumnParallelLinear",
+    "ColwiseParallel",
+    "ParallelStyle",
+    "ParamSplit",
     "RowParallelLinear",
+    "RowwiseParallel",
+    "SequenceParallel",
     "SequenceParallelLayerNorm",
     "TiedVocabParallelHead",
+    "TiedVocabParallelOutput",
+    "VocabParallel",
     "VocabParallelEmbedding",
-    "VocabParallelGPTEmbedding",
     "allreduce_sequence_parallel_grads",
     "apply_tensor_parallel",
     "clip_grad_norm_tensor_parallel_",
@@ -70,7 +88,8 @@ __all__ = [
     "fused_qkv_per_head",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_parallel_region",
-    "is_tensor_parallel",
+    "match_plan",
+    "param_split",
     "reduce_from_tensor_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",

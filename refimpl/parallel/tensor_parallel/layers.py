@@ -83,8 +83,8 @@ def _sharded_from(cls: type, linear: nn.Linear, *, tp_group: Group, **kw) -> nn.
     layer = cls(linear.in_features, linear.out_features, tp_group=tp_group, bias=linear.bias is not None,
                 device=linear.weight.device, dtype=linear.weight.dtype, **kw)
     with torch.no_grad():
-        for name, shard in layer.local_shards().items():
-            shard.tensor.copy_(getattr(linear, name)[shard.box.slices()])
+        for name, shard in layer.local_shards().items():  # the source viewed as the declared global shape
+            shard.tensor.copy_(getattr(linear, name).reshape(shard.box.global_shape)[shard.box.slices()])
     return layer
 
 
@@ -94,21 +94,30 @@ class ColumnParallelLinear(nn.Module):
     ``weight``: ``[out_features / t, in_features]``, ``bias``: ``[out_features / t]``. Input
     ``[..., in_features]`` whole (or ``[batch, seq / t, in_features]`` under ``sequence_parallel``);
     output ``[..., out_features / t]`` (``[..., out_features]`` with ``gather_output``).
+
+    ``chunks = k``: the ``out_features`` are ``k`` stacked projections (a fused ``q|k|v``), each split over
+    the group: the rank holds rows ``[r n/t, (r+1) n/t)`` of each chunk (``n = out_features / k``), chunk
+    after chunk, and declares them as a box of the ``[k, n, in_features]`` view of the weight.
     """
 
     split_features = "out"  # the dim of [out, in] split over the group (fp8's scales read it)
     matmul: Matmul | None = None  # the seam's product of this rank's block (module docstring)
 
     def __init__(self, in_features: int, out_features: int, *, tp_group: Group, bias: bool = True,
-                 gather_output: bool = False, sequence_parallel: bool = False,
+                 gather_output: bool = False, sequence_parallel: bool = False, chunks: int = 1,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        if gather_output and sequence_parallel:
-            raise ValueError("ColumnParallelLinear: gather_output and sequence_parallel exclude each other")
+        if gather_output and (sequence_parallel or chunks > 1):
+            raise ValueError("ColumnParallelLinear: gather_output and sequence_parallel (or chunks) exclude "
+                             "each other")
         self.tp_group = tp_group
         self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
-        self.in_features, self.out_features = in_features, out_features
-        self.out_per_rank = _divide(out_features, self.tp_size, "out_features", type(self).__name__)
+        self.in_features, self.out_features, self.chunks = in_features, out_features, chunks
+        if chunks < 1 or out_features % chunks:
+            raise ValueError(f"{type(self).__name__}: out_features {out_features} are not {chunks} equal "
+                             "chunks")
+        self.out_per_rank = chunks * _divide(out_features // chunks, self.tp_size, "out_features",
+                                             type(self).__name__)
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.weight_grad_store: WeightGradQueue | None = None  # zero-bubble's deferred dW (module docstring)
         kw = {"device": device, "dtype": dtype}
@@ -121,16 +130,24 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, tp_group: Group, **kw) -> ColumnParallelLinear:
-        """This rank's block of rows of ``linear.weight`` (and of ``linear.bias``), copied."""
+        """This rank's block of rows of ``linear.weight`` (and of ``linear.bias``; of each chunk), copied."""
         return _sharded_from(cls, linear, tp_group=tp_group, **kw)
 
     def local_shards(self) -> dict[str, LocalShard]:
-        """Rows ``[r*out/t, (r+1)*out/t)`` of the ``[out, in]`` weight and of the ``[out]`` bias."""
-        out = {"weight": LocalShard(self.weight, Box.chunk((self.out_features, self.in_features), 0,
-                                                           self.tp_rank, self.tp_size))}
-        if self.bias is not None:
-            box = Box.chunk((self.out_features,), 0, self.tp_rank, self.tp_size)
-            out["bias"] = LocalShard(self.bias, box)
+        """Rows ``[r*out/t, (r+1)*out/t)`` of the ``[out, in]`` weight and of the ``[out]`` bias; with
+        ``chunks = k`` rows ``[r n/t, (r+1) n/t)`` of each chunk, a box of the ``[k, n, ...]`` view."""
+        tensors = {"weight": self.weight} if self.bias is None else {"weight": self.weight, "bias": self.bias}
+        out = {}
+        for name, tensor in tensors.items():
+            whole = (self.out_features, *tensor.shape[1:])
+            if self.chunks == 1:
+                out[name] = LocalShard(tensor, Box.chunk(whole, 0, self.tp_rank, self.tp_size))
+                continue
+            k = self.chunks
+            # [out/t, ...] -> [k, n/t, ...] of the [k, n, ...] view of the whole
+            view = tensor.view(k, self.out_per_rank // k, *tensor.shape[1:])
+            out[name] = LocalShard(view, Box.chunk((k, self.out_features // k, *whole[1:]), 1,
+                                                   self.tp_rank, self.tp_size))
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,7 +164,7 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"({self.out_per_rank} on rank {self.tp_rank} of {self.tp_size}), "
+                f"({self.out_per_rank} on rank {self.tp_rank} of {self.tp_size}), chunks={self.chunks}, "
                 f"bias={self.bias is not None}, "
                 f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
 

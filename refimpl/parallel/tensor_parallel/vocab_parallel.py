@@ -50,6 +50,7 @@ from torch import nn
 from refimpl.comm import ops
 from refimpl.distributed.placement import Box, LocalShard
 from refimpl.nn.linear import linear_with_grad
+from refimpl.parallel.tensor_parallel.sequence_parallel_linear import linear_with_sequence_parallel_gather
 from refimpl.parallel.tensor_parallel.tp_communications import (
     SEQUENCE_DIM,
     Group,
@@ -61,7 +62,7 @@ from refimpl.parallel.tensor_parallel.tp_communications import (
     reduce_from_tensor_parallel_region,
 )
 
-__all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
+__all__ = ["TiedVocabParallelHead", "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
 
 
 def _partition(vocab_size: int, t: int, *, pad_vocab: bool) -> int:
@@ -241,3 +242,25 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
         raise ValueError(f"target of shape {tuple(target.shape)} does not match logits of shape "
                          f"{tuple(logits_shard.shape)} (expected the logits' shape without its last dim)")
     return _VocabParallelCrossEntropy.apply(logits_shard, target, tp_group, ignore_index, vocab_size)
+
+
+class TiedVocabParallelHead(nn.Module):
+    """The output layer tied to the vocab-parallel embedding: ``[b, s, h] -> [b, s, V/t]`` on the same
+    shard. Without SP the input goes through ``f`` (:meth:`VocabParallelEmbedding.lm_logits`); with SP it is
+    all-gathered along the sequence instead (its backward, a reduce-scatter, already sums the ranks), saving
+    only this rank's ``s/t`` tokens (:func:`linear_with_sequence_parallel_gather`)."""
+
+    def __init__(self, embedding: VocabParallelEmbedding, *, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.embedding, self.sequence_parallel = embedding, sequence_parallel  # shared, saved once
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.sequence_parallel:
+            return self.embedding.lm_logits(hidden)
+        # [b, s/t, h] gathered to [b, s, h] (saving only [b, s/t, h]) -> [b, s, V/t]
+        emb = self.embedding
+        return linear_with_sequence_parallel_gather(hidden, emb.weight, None, emb.tp_group)

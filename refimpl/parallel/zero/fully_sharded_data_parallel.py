@@ -17,6 +17,7 @@ from torch import nn
 
 from refimpl.distributed.placement import Box, LocalShard, module_shards
 from refimpl.measure.state import StateMemory
+from refimpl.parallel.declarations import declared
 from refimpl.parallel.zero.clip_grad import clip_sharded_grad_norm_
 from refimpl.parallel.zero.fsdp_communications import (
     finish_all_gather,
@@ -41,8 +42,10 @@ from refimpl.precision import MixedPrecisionPolicy
 class FullyShardedDataParallel(nn.Module):
     """ZeRO stage 3: parameters, gradients and optimizer state sharded over the ranks (chapter 04).
 
-    ``FullyShardedDataParallel(model)`` makes every submodule of a type in ``unit_types`` (default: the
-    course's ``TransformerBlock``) a unit and puts the remaining parameters in the root unit. Each
+    ``FullyShardedDataParallel(model, unit_types=(Block,))`` makes every submodule of a type in
+    ``unit_types`` a unit and puts the remaining parameters in the root unit. ``unit_types`` None: the
+    types the model declares (``shard_units()``, :mod:`refimpl.parallel.declarations`); a model that
+    declares none is refused (there is no silent default: ``()`` makes the whole model one unit). Each
     parameter is replaced by this rank's rows (``model.parameters()`` yields the shards: build a plain
     optimizer on them and its state is sharded too). Around each unit:
 
@@ -97,10 +100,8 @@ class FullyShardedDataParallel(nn.Module):
         own_groups: dict[nn.Module, tuple[dist.ProcessGroup | None, int | None]] | None = None,
     ) -> None:
         super().__init__()
-        if unit_types is None:
-            from refimpl.models import TransformerBlock
-
-            unit_types = (TransformerBlock,)
+        if unit_types is None:  # the model's declaration, or a refusal saying to pass unit_types
+            unit_types = tuple(declared(module, "shard_units")())
         self.module = module
         self.group = group
         self.replicate_group = replicate_group  # HSDP: the shards' replicas, one per shard group
