@@ -420,14 +420,34 @@ def test_convert_to_float8_swaps_the_middle_layers_of_the_gpt_in_place():
 def test_convert_to_float8_states_why_it_skips_a_layer():
     model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 40), nn.Linear(40, 48), nn.Linear(48, 32),
                           nn.Linear(32, 32), nn.Linear(32, 16), nn.MultiheadAttention(32, 4))
-    report = convert_to_float8(model, module_filter=lambda m, name: name != "4")
+    report = convert_to_float8(model, module_filter_fn=lambda m, name: name != "4")
     assert report.converted == ["3"]
     assert report.skipped["0"].startswith("first or last") and report.skipped["6.out_proj"].startswith("read")
     assert "[40, 64] is not a multiple of 16" in report.skipped["1"] and "[48, 40]" in report.skipped["2"]
-    assert report.skipped["4"] == "refused by module_filter"
+    assert report.skipped["4"] == "refused by module_filter_fn"
     assert report.skipped["5"].startswith("first or last")  # out_proj is not counted: it is never called
     with pytest.raises(ValueError, match="from_linear"):
         convert_to_float8(nn.Linear(32, 32))
+
+
+def test_fp8_training_takes_any_model_and_a_filter_the_user_sees():
+    """``--precision fp8``'s conversion on a model that is not ours: every ``nn.Linear`` but the first and
+    last (torch's own ``nn.Linear``, not only refimpl's seam layers), and ``module_filter_fn`` decides
+    what the model's declaration (the GPT's ``float8_filter``: an MoE router stays bf16) would."""
+    from refimpl.precision.fp8 import apply_float8_training, first_and_last_linear, float8_layers
+
+    def user_model() -> nn.Module:
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 32),
+                             nn.Linear(32, 16))
+
+    model = user_model()
+    report = apply_float8_training(model, keep=first_and_last_linear(model))
+    assert report.converted == ["2", "3"] == float8_layers(model)
+    assert set(report.skipped) == {"0", "4"}
+    model = user_model()
+    report = apply_float8_training(model, module_filter_fn=lambda module, name: name != "3")
+    assert report.converted == ["0", "2", "4"]
+    assert report.skipped["3"].startswith("refused by module_filter_fn")
 
 
 # ---------------------------------------------------------------- measured numerics (for the chapter)

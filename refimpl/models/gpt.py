@@ -165,6 +165,13 @@ class GPT(nn.Module):
         return gpt_tensor_parallel_plan(self, tp_size=tp_size, sequence_parallel=sequence_parallel,
                                         pad_vocab=pad_vocab)
 
+    def float8_filter(self, module: nn.Module, name: str) -> bool:
+        """``--precision fp8`` converts the layers of the linear seam (its dense linears), not an MoE
+        router's ``nn.Linear`` gate (``refimpl.precision.fp8.seam_layers``)."""
+        from refimpl.precision.fp8.training import seam_layers
+
+        return seam_layers(module, name)
+
     def shard_units(self) -> tuple[type[nn.Module], ...]:
         """ZeRO-3's and activation checkpointing's units: the transformer block."""
         return (TransformerBlock,)

@@ -19,9 +19,9 @@ What stays in high precision by default, and why:
 * ``nn.MultiheadAttention``'s ``out_proj`` (``NonDynamicallyQuantizableLinear``): its parent reads
   ``out_proj.weight`` directly and never calls its ``forward``, so a swap would change nothing.
 
-Each skip is reported with its reason (:class:`Float8Conversion`). ``module_filter(module, name)``, when
-given, is asked about the layers that pass these checks (name as in ``named_modules``); passing
-``keep_first_last=False`` converts the first and last layers too.
+Each skip is reported with its reason (:class:`Float8Conversion`). ``module_filter_fn(module, name)``
+(torchao's name), when given, is asked about the layers that pass these checks (name as in
+``named_modules``); ``keep_first_last=False`` converts the first and last layers too.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def first_and_last_linear(model: nn.Module) -> tuple[str, ...]:
 
 def convert_to_float8(model: nn.Module, *, scaling: Scaling = "tensorwise",
                       config: Float8Config | None = None,
-                      module_filter: Callable[[nn.Module, str], bool] | None = None,
+                      module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
                       keep_first_last: bool = True) -> Float8Conversion:
     """Swap ``model``'s ``nn.Linear`` layers for :class:`Float8Linear` in place (module docstring for what
     is skipped); ``config`` defaults to torchao's recipe named ``scaling``."""
@@ -81,7 +81,7 @@ def convert_to_float8(model: nn.Module, *, scaling: Scaling = "tensorwise",
     report = Float8Conversion()
     swaps = []
     for name, parent, attribute, linear in _linears(model):
-        reason = _skip_reason(linear, name, parent, ends, module_filter)
+        reason = _skip_reason(linear, name, parent, ends, module_filter_fn)
         if reason is None:
             swaps.append((parent, attribute, linear))
             report.converted.append(name)
@@ -93,7 +93,7 @@ def convert_to_float8(model: nn.Module, *, scaling: Scaling = "tensorwise",
 
 
 def _skip_reason(linear: nn.Linear, name: str, parent: nn.Module, ends: tuple[str, ...],
-                 module_filter: Callable[[nn.Module, str], bool] | None) -> str | None:
+                 module_filter_fn: Callable[[nn.Module, str], bool] | None) -> str | None:
     if isinstance(parent, nn.MultiheadAttention):
         return "read directly by nn.MultiheadAttention (its forward is never called)"
     if linear.in_features % ALIGN or linear.out_features % ALIGN:
@@ -101,6 +101,6 @@ def _skip_reason(linear: nn.Linear, name: str, parent: nn.Module, ends: tuple[st
                 "(torch._scaled_mm on CUDA)")
     if name in ends:
         return "first or last linear layer: kept in high precision"
-    if module_filter is not None and not module_filter(linear, name):
-        return "refused by module_filter"
+    if module_filter_fn is not None and not module_filter_fn(linear, name):
+        return "refused by module_filter_fn"
     return None
