@@ -85,10 +85,19 @@ def parameter_shards(model: nn.Module) -> dict[str, LocalShard]:
     What the modules declare (:func:`~refimpl.distributed.placement.module_shards`): a plain or data-
     parallel model holds full tensors, a :class:`~refimpl.parallel.zero.FullyShardedDataParallel` the row
     box ``[start, end) x ...`` of each parameter, torch's ``fully_shard`` the box of each DTensor's
-    placements (its local tensor).
+    placements (its local tensor). A tensor-parallel layer of stacked projections split chunk by chunk
+    (``ColwiseParallel(chunks=k)``, k > 1) holds ``k`` separate row blocks of its weight, which no single
+    box names: refused, saying what to do instead.
     """
     if isinstance(model, nn.parallel.DistributedDataParallel):  # torch's wrapper: its module's names
         model = model.module
+    chunked = [name for name, m in model.named_modules() if getattr(m, "chunks", 1) > 1]
+    if chunked:
+        k = model.get_submodule(chunked[0]).chunks
+        raise ValueError(f"the checkpoint cannot save {chunked[0]}: a ColwiseParallel(chunks={k}) layer "
+                         "holds separate row blocks of its weight, which one box cannot name; store the "
+                         "fused rows per head (Megatron's [heads, 3, d] order, then chunks=1) or use "
+                         "separate q, k, v layers")
     return {f"model/{name}": shard for name, shard in sorted(module_shards(model).items())}
 
 

@@ -78,7 +78,8 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, nn.Module],
                  events: list[PipelineEvent] | None = None,
                  table: Sequence[Sequence[Action]] | None = None,
                  clock: Callable[[], Stamp] | None = None,
-                 aux_loss: Callable[[nn.Module], torch.Tensor | None] | None = None) -> torch.Tensor:
+                 aux_loss: Callable[[nn.Module], torch.Tensor | None] | None = None,
+                 num_stages: int | None = None) -> torch.Tensor:
     """Run ``actions`` (this rank's list) over ``stages`` (this rank's, by index); returns the sum of the
     micro-batch losses this rank computed (the last stage's rank; zero elsewhere), detached.
 
@@ -94,7 +95,8 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, nn.Module],
     ``aux_loss(stage)``: the stage's own loss of the forward just run, in the graph (None: none; an MoE
     stage's balance losses, module docstring).
     """
-    num_stages = next(iter(stages.values())).num_stages
+    if num_stages is None:  # the stages' own count (the course GPT's stages carry it)
+        num_stages = next(iter(stages.values())).num_stages
     device = next(next(iter(stages.values())).parameters()).device
     now = clock if clock is not None else DeviceClock(device).mark
     if any(a.kind == "W" for a in actions) and store is None:

@@ -131,6 +131,7 @@ class PipelineModule(nn.Module):
         shape = (micro, inputs.shape[1] // self.sequence_split, hidden)
         self.last_events = []
         loss = run_schedule(actions, stages={s: self.stages[str(s)] for s in self.stage_ids},
+                            num_stages=self.num_stages,
                             pp_group=self.pp_group, pp_size=self.pp_size, inputs=inputs.chunk(m),
                             labels=labels.chunk(m), loss_fn=loss_fn, activation_shape=shape,
                             activation_dtype=torch.float32, store=self.store, scale_loss=scale_loss,

@@ -140,21 +140,26 @@ def tp_lm_loss(logits_shard: torch.Tensor, labels: torch.Tensor, *, tp_group: Gr
 
 @torch.no_grad()
 def full_state_dict(model: nn.Module, tp_group: Group) -> dict[str, torch.Tensor]:
-    """The plain model's state (every tensor whole, the plain GPT's names) on every rank of ``tp_group``.
+    """The plain model's state (every tensor whole, in the plain model's names and shapes) on every rank
+    of ``tp_group``.
 
     Each rank writes the boxes it declares (:func:`refimpl.distributed.placement.module_shards`) into a
     zero tensor of the global shape; one all-reduce (sum) per sharded tensor assembles them (the boxes of
-    a tensor are disjoint over the group), replicated tensors are taken as they are. Collective.
+    a tensor are disjoint over the group), replicated tensors are taken as they are. A box declared over
+    a view of the parameter (``ColwiseParallel(chunks=k)``: ``[k, n, ...]`` of the plain ``[k n, ...]``)
+    comes back in the plain shape, its leading dims merged. Collective.
     """
     out: dict[str, torch.Tensor] = {}
     t = group_size(tp_group)
+    held = dict(model.named_parameters()) | dict(model.named_buffers())
     for name, shard in module_shards(model).items():
         if shard.box.shape == shard.box.global_shape:
-            out[name] = shard.tensor.detach().clone()
-            continue
-        full = torch.zeros(shard.box.global_shape, dtype=shard.tensor.dtype, device=shard.tensor.device)
-        full[shard.box.slices()] = shard.tensor
-        if t > 1:
-            ops.all_reduce(full, group=tp_group)
-        out[name] = full
+            full = shard.tensor.detach().clone()
+        else:
+            full = torch.zeros(shard.box.global_shape, dtype=shard.tensor.dtype, device=shard.tensor.device)
+            full[shard.box.slices()] = shard.tensor
+            if t > 1:
+                ops.all_reduce(full, group=tp_group)
+        local = held.get(name)
+        out[name] = full if local is None or local.dim() == full.dim() else full.reshape(-1, *local.shape[1:])
     return out
