@@ -967,6 +967,181 @@ _ = widgets.interact_manual(  # draws when its button is pressed: nothing runs h
     gpu=widgets.Dropdown(options=sorted(GPUS), value="H100", description="GPU"),
 )
 
+# %% [markdown]
+# ## 6. Bring your own model
+#
+# Everything above ran the course's GPT, but nothing in `refimpl.parallel` knows it: each technique takes
+# any `nn.Module` and reads what the model **declares** (`refimpl/parallel/declarations.py`), the way
+# torchtitan's models declare their sharding (`torchtitan/models/llama3/sharding.py`). The GPT declares
+# its tensor-parallel plan (`refimpl/models/gpt_sharding.py`), its shard units, its pipeline stages and
+# its attention and positions for context parallelism; `parallelize` reads those. Your model can declare
+# the same methods, or you pass the declaration to the entry point, a few lines per technique:
+#
+# | technique | your glue |
+# |---|---|
+# | tensor parallelism | `apply_tensor_parallel(model, {"blocks.*.attn.qkv": ColwiseParallel(chunks=3), "blocks.*.attn.out": RowwiseParallel(), ...}, tp_group=tp)`, the loss `tp_lm_loss(logits_shard, labels, tp_group=tp, vocab_size=V)` |
+# | ZeRO-3 | `FullyShardedDataParallel(model, group=dp, unit_types=(Block,))` |
+# | activation checkpointing | `apply_activation_checkpointing(model, "all", unit_types=(Block,))` |
+# | data parallelism, ZeRO-1/2 | `DataParallelBucket(model, 25, dp)`, `ShardedOptimizer(model.parameters(), torch.optim.AdamW, zero_stage=2)`: no declaration |
+# | pipeline | a `pipeline_stages(*, pp_rank, pp_size, virtual_stages, balance)` method returning your stage modules, then `PipelineModule(model, ...)` |
+# | fp8 | `apply_float8_training(model, module_filter_fn=...)`: torchao's filter, in your hands |
+# | checkpoints | `save_training_state` / `load_training_state`: the boxes each wrapper declares (torch's `fully_shard` too) |
+#
+# The patterns are torch's (`parallelize_module`): split at the dots, matched atom by atom; a pattern
+# that matches nothing is an error, not a layer silently left whole. The styles have torch's semantics
+# with local tensors: `ColwiseParallel` keeps rank $r$'s rows $[r\,out/t, (r+1)\,out/t)$ and returns the
+# local shard of the output, `RowwiseParallel` keeps the input columns and all-reduces its output.
+#
+# Below, a transformer written the way a user writes one: its own names, and one **fused** `qkv` linear in
+# nanoGPT's order (all q rows, then all k, then all v). Contiguous rows of that weight are not whole heads
+# (rank 0 of 2 would get all of q and half of k: chapter 06's fused-qkv trap), so its plan says
+# `ColwiseParallel(chunks=3)`: three stacked projections, each split over the ranks. The attention infers
+# its heads from the width (`view(b, s, -1, d)`), so the same forward runs on $a/t$ heads. Each pair of
+# ranks (this chapter's tp groups) runs it at tp 2 and compares the loss and **every gradient** with one
+# device, within 4 times the one-device float32 run's distance from float64 (the numerics rule: each run is
+# about that far from exact arithmetic, 2x for the two, 2x for the reduction's other order); the same
+# model with the plain `ColwiseParallel()` on the fused qkv is the negative control. Then ZeRO-3 and
+# activation checkpointing by `unit_types` over the same pairs, each rank half the batch, against one
+# device running the two halves as micro-batches: bit for bit. `tests/test_bring_your_own_model.py`
+# proves the same on Hugging Face's `LlamaForCausalLM` with its own `base_model_tp_plan`, against torch's
+# `parallelize_module`, DDP, `fully_shard` and `checkpoint_wrapper`, plus the user's own pipeline stages
+# and checkpoints that resume at another layout.
+
+# %%
+# %%px
+import torch.nn.functional as F  # noqa: F811
+from torch import nn  # noqa: F811
+
+from refimpl.distributed.placement import module_shards  # noqa: F811
+from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: F811
+from refimpl.parallel.declarations import MissingDeclaration  # noqa: F811
+from refimpl.parallel.tensor_parallel import (  # noqa: F811
+    ColwiseParallel,
+    RowwiseParallel,
+    VocabParallel,
+    apply_tensor_parallel,
+    tp_lm_loss,
+)
+from refimpl.parallel.zero import FullyShardedDataParallel  # noqa: F811
+
+
+class Attention(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.d = width // heads
+        self.qkv = nn.Linear(width, 3 * width)  # nanoGPT's order: all q rows, then all k, then all v
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x [b, s, w] (on a tp rank [b, s, w/t]: its heads)
+        q, k, v = (y.view(b, s, -1, self.d).transpose(1, 2) for y in (q, k, v))  # [b, heads, s, d]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, -1))  # [b, s, heads d]
+
+
+class Block(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = Attention(width, heads)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class UserLM(nn.Module):
+    def __init__(self, vocab=64, width=32, heads=4, depth=2):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(x)
+
+
+def user_model(dtype=torch.float32):
+    torch.manual_seed(0)  # the same weights on every rank
+    return UserLM().to(device=device, dtype=dtype)
+
+
+PLAN = {"tok": VocabParallel(), "blocks.*.attn.qkv": ColwiseParallel(chunks=3),
+        "blocks.*.attn.out": RowwiseParallel(), "blocks.*.up": ColwiseParallel(),
+        "blocks.*.down": RowwiseParallel(), "lm_head": ColwiseParallel()}
+tp_pair = groups.group("tp")
+gen = torch.Generator().manual_seed(1)
+ids, labels = (torch.randint(0, 64, (4, 16), generator=gen).to(device) for _ in range(2))
+
+
+def one_device(dtype):
+    model = user_model(dtype)
+    loss = F.cross_entropy(model(ids).flatten(0, 1).float(), labels.flatten())
+    loss.backward()
+    return loss.double(), {n: p.grad.double() for n, p in model.named_parameters()}
+
+
+(loss32, g32), (loss64, g64) = one_device(torch.float32), one_device(torch.float64)
+ulp = torch.finfo(torch.float32).eps  # a float32 result may round to the float64 one exactly: 1 ulp floor
+tol = {n: 4 * max((g32[n] - g64[n]).abs().max().item(), ulp * g64[n].abs().max().item()) for n in g32}
+tol_loss = 4 * max(abs(loss32 - loss64).item(), ulp * loss64.item())
+
+
+def worst_ratio(plan):
+    """max over the loss and every gradient element of |tp 2 - one device| / tolerance."""
+    model = apply_tensor_parallel(user_model(), plan, tp_group=tp_pair)
+    loss = tp_lm_loss(model(ids), labels, tp_group=tp_pair, vocab_size=64)  # on the [b, s, V/2] shard
+    loss.backward()
+    params, worst = dict(model.named_parameters()), abs(loss.item() - loss32.item()) / tol_loss
+    for name, shard in module_shards(model).items():  # each rank's box of every gradient
+        mine = params[name].grad.double().reshape(shard.box.shape)
+        want = g32[name].reshape(shard.box.global_shape)[shard.box.slices()]
+        worst = max(worst, ((mine - want).abs().max() / tol[name]).item())
+    return worst
+
+
+byom = {"tp chunks=3": worst_ratio(PLAN),
+        "tp plain colwise qkv": worst_ratio({**PLAN, "blocks.*.attn.qkv": ColwiseParallel()})}
+
+# ZeRO-3 and activation checkpointing by unit_types over the pair: each rank half the batch, against one
+# device running the two halves as micro-batches (each loss halved: exact, a power of two)
+me = dist.get_rank(tp_pair)
+reference = user_model()
+for half in (0, 1):
+    rows = slice(2 * half, 2 * half + 2)
+    (F.cross_entropy(reference(ids[rows]).flatten(0, 1), labels[rows].flatten()) / 2).backward()
+model = user_model()
+apply_activation_checkpointing(model, "all", unit_types=(Block,))
+fsdp = FullyShardedDataParallel(model, group=tp_pair, unit_types=(Block,))
+rows = slice(2 * me, 2 * me + 2)
+F.cross_entropy(fsdp(ids[rows]).flatten(0, 1), labels[rows].flatten()).backward()
+plain = dict(reference.named_parameters())
+byom["zero3 + checkpointing: bitwise"] = all(
+    torch.equal(shard.tensor.grad, plain[name].grad[shard.box.slices()])
+    for name, shard in fsdp.local_shards().items())
+try:  # a technique asked of a model that declares nothing is refused by name
+    FullyShardedDataParallel(user_model(), group=tp_pair)
+except MissingDeclaration as refused:
+    byom["refusal"] = str(refused)
+
+# %%
+byom_runs = ranks.run(lambda: byom)
+for key in ("tp chunks=3", "tp plain colwise qkv"):
+    print(f"{key:>22}: worst |tp 2 - one device| / tolerance over the ranks "
+          f"{max(r[key] for r in byom_runs):.3g}")
+print("ZeRO-3 + activation checkpointing by unit_types, bitwise on every rank:",
+      all(r["zero3 + checkpointing: bitwise"] for r in byom_runs))
+print("without unit_types:", byom_runs[0]["refusal"])
+assert max(r["tp chunks=3"] for r in byom_runs) <= 1  # the user's model at tp 2 is one device's
+assert min(r["tp plain colwise qkv"] for r in byom_runs) > 100  # the fused-qkv trap, far outside
+assert all(r["zero3 + checkpointing: bitwise"] for r in byom_runs)
+assert all("unit_types" in r["refusal"] for r in byom_runs)
+
 # %%
 ranks.stop()
 shutil.rmtree(WORK, ignore_errors=True)  # the runs' folders of this chapter

@@ -7,8 +7,9 @@ Huang et al. 2019 (GPipe); Narayanan et al. 2021 (1F1B and interleaved 1F1B, Meg
   rank (``F``, ``B``, ``W`` of a stage and a micro-batch); the sends and receives derived from them;
 * :mod:`~refimpl.parallel.pipeline_parallel.simulator`: a schedule checked (every action once, forward
   before backward, no deadlock) and timed without processes: bubble, in-flight micro-batches;
-* :mod:`~refimpl.parallel.pipeline_parallel.stage`: the GPT cut into stages (by layers or parameters),
-  a tied embedding's copy on the last stage;
+* :mod:`~refimpl.parallel.pipeline_parallel.stage`: blocks cut into stages (by layers or parameters,
+  :func:`split_blocks`), a tied embedding's copy (:func:`with_own_parameters`) and what a stage module
+  carries; the model builds its stages (``pipeline_stages``: the GPT's in ``refimpl/models/gpt_stages.py``);
 * :mod:`~refimpl.parallel.pipeline_parallel.pipeline_communications`: activations and gradients between
   stages over ``isend`` / ``irecv``, shapes agreed up front; the tied-embedding gradient exchange;
 * :mod:`~refimpl.parallel.pipeline_parallel.weight_grad`: the weight gradient split off the backward

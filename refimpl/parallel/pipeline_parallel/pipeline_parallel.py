@@ -1,8 +1,8 @@
-"""A rank's part of a pipeline-parallel GPT, as one module: :class:`PipelineModule` (chapter 08).
+"""A rank's part of a pipeline-parallel model, as one module: :class:`PipelineModule` (chapter 08).
 
 :func:`refimpl.parallel.parallelize.parallelize` cuts the model (its step 3) into ``pp x v`` stages and
-keeps this rank's (:func:`~refimpl.parallel.pipeline_parallel.stage.build_stages`) in a
-:class:`PipelineModule`. One call of :meth:`PipelineModule.step` is a whole step's forward and backward:
+keeps this rank's (the model's ``pipeline_stages`` declaration; the GPT's: ``refimpl/models/gpt_stages.py``)
+in a :class:`PipelineModule`. One call of :meth:`PipelineModule.step` is a whole step's forward and backward:
 the rank's action list of the schedule (:func:`~refimpl.parallel.pipeline_parallel.schedules.
 build_schedule`) over ``m`` micro-batches (:func:`~refimpl.parallel.pipeline_parallel.executor.
 run_schedule`), then the tied-embedding gradient exchange, then the step loss sent from the last stage to
@@ -10,9 +10,10 @@ every rank of the pipeline. What the data-parallel ranks do next (the gradient a
 the last backward of the step) is the caller's: chapter 12's rule that every technique reduces over its own
 group.
 
-Checkpoints see the plain GPT's names: :meth:`PipelineModule.local_shards` declares each stage parameter
-under its name in the GPT (``layers.5.mlp...``), so a checkpoint written at ``pp = 2`` loads at ``pp = 1``
-or ``4`` (chapter 11's boxes; a tied embedding's two copies are two replicas of one tensor).
+Checkpoints see the whole model's names: :meth:`PipelineModule.local_shards` declares each stage parameter
+under its name in the model (the stage's ``full_name``: ``layers.5.mlp...``), so a checkpoint written at ``pp
+= 2`` loads at ``pp = 1`` or ``4`` (chapter 11's boxes; a tied embedding's two copies are two replicas of one
+tensor).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class PipelineModule(nn.Module):
         return next(last.full_name(n) for n, p in last.named_parameters() if p is weight)
 
     def named_parameters_full(self) -> list[tuple[str, nn.Parameter]]:
-        """This rank's parameters under their names in the plain GPT (the tied copy as the embedding)."""
+        """This rank's parameters under their names in the whole model (the tied copy as the original)."""
         out = []
         for stage in self.stages.values():
             params = dict(stage.named_parameters())
@@ -99,7 +100,7 @@ class PipelineModule(nn.Module):
 
     def local_shards(self) -> dict[str, LocalShard]:
         """What this rank holds of each tensor of its stages (whole, or the box a tensor-parallel layer
-        declares), under its name in the plain GPT."""
+        declares), under its name in the whole model."""
         out: dict[str, LocalShard] = {}
         for stage in self.stages.values():
             for name, shard in module_shards(stage).items():
