@@ -36,7 +36,7 @@ DECLARATIONS = {
                              "sequence_parallel, pad_vocab) returning {module-name pattern: style}, e.g. "
                              "{'layers.*.mlp.up': ColwiseParallel(), "
                              "'layers.*.mlp.down': RowwiseParallel()}"),
-    "shard_units": ("ZeRO-3 and activation checkpointing", "a method shard_units() returning the block "
+    "shard_units": ("ZeRO-3 or activation checkpointing", "a method shard_units() returning the block "
                     "types, e.g. (MyBlock,), or pass unit_types= yourself"),
     "context_parallel_modules": ("context parallelism", "a method context_parallel_modules() returning "
                                  "ContextParallelModules(attention=[...], positions=[...])"),
