@@ -19,14 +19,19 @@ from refimpl.config import OptimConfig
 
 def param_groups(model: nn.Module, weight_decay: float,
                  named: Iterable[tuple[str, nn.Parameter]] | None = None) -> list[dict]:
-    """Two groups: 2-D weights outside the embedding decay, everything else does not. ``named``: the
-    ``(name, parameter)`` pairs to sort, when the model's own names are not the plain GPT's (a pipeline
-    stage's copy of a tied embedding is named ``output_layer.weight`` but is the embedding)."""
+    """Two groups: 2-D weights outside the embeddings decay, everything else does not. An embedding is a
+    parameter of a module whose type is an embedding (``nn.Embedding``, a vocab-parallel one, Hugging
+    Face's; any model) or one named so (``named``: the ``(name, parameter)`` pairs to sort, when the model's
+    own names are not the plain GPT's: a pipeline stage's copy of a tied embedding is named
+    ``output_layer.weight`` but is the embedding)."""
+    tables = {id(p) for m in model.modules() if type(m).__name__.endswith("Embedding")
+              for p in m.parameters(recurse=False)}
     decay, no_decay = [], []
     for name, p in (model.named_parameters() if named is None else named):
         if not p.requires_grad:
             continue
-        (decay if p.ndim >= 2 and "embedding" not in name else no_decay).append(p)
+        embedding = id(p) in tables or "embedding" in name
+        (decay if p.ndim >= 2 and not embedding else no_decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -51,10 +51,12 @@ SPAWN = {
     "test_planner_cp", "test_planner_pp", "test_planner_tp", "test_precision", "test_rank_lifetime",
     "test_ring_attention", "test_tp_communications", "test_tp_layers", "test_tp_plan", "test_tp_transformer",
     "test_train", "test_train_3d", "test_train_zero3", "test_fsdp_tp", "test_planner_zero3",
-    "test_train_checkpoint", "test_train_cp", "test_train_pp", "test_train_tp", "test_ulysses",
+    "test_train_checkpoint", "test_train_cp", "test_train_pp", "test_train_tp", "test_train_llama",
+    "test_ulysses",
     "test_vocab_parallel", "test_zero", "test_chapters", "test_expert_parallel", "test_fp8_communication",
     "test_moe_model", "test_train_moe", "test_train_fp8", "test_planner_moe", "test_fp8_zero3", "test_gpu",
     "test_device_lint", "test_train_pairs", "test_readme", "test_bring_your_own_model",
+    "test_parallelize_byom",
 }
 SUBPROCESS = {
     "test_browser", "test_chapters", "test_deploy", "test_elastic", "test_exercises", "test_notebook",

@@ -66,14 +66,21 @@ def test_record_placements_reads_the_boxes():
 
 
 def test_with_no_sharded_axis_the_norm_is_torchs():
+    """torch's ``clip_grad_norm_`` on Parameters carrying these gradients: the same norm and clipped bits;
+    the norm is far above 0.5, so the clipping is not vacuous."""
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)]
-    ours, theirs = [g.clone() for g in grads], [g.clone() for g in grads]
+    ours = [g.clone() for g in grads]
+    theirs = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(theirs, grads, strict=True):
+        p.grad = g.clone()
     held = [HeldGradient(str(i), g, Placement(box=Box.full(g.shape), replicated_over=("dp_cp",)))
             for i, g in enumerate(ours)]
     n1 = clip_grad_norm_(held, 0.5, groups={}, device=torch.device("cpu"))
     n2 = torch.nn.utils.clip_grad_norm_(theirs, 0.5)
-    assert torch.equal(n1, n2) and all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    assert n2 > 2 and torch.equal(n1, n2)
+    assert all(torch.equal(a, p.grad) for a, p in zip(ours, theirs, strict=True))
+    assert not any(torch.equal(a, g) for a, g in zip(ours, grads, strict=True))  # clipped
 
 
 def test_sequence_parallel_roles_are_declared_by_modules_not_tensors():

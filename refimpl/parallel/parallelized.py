@@ -17,6 +17,7 @@ from refimpl.distributed.group_info import group_rank_size
 from refimpl.distributed.placement import Box, module_shards
 from refimpl.nn.loss import lm_loss
 from refimpl.parallel.data_parallel import DataParallelBucket
+from refimpl.parallel.declarations import moe_layers
 from refimpl.parallel.optimizer_setup import OptimizerInputs, OptimizerSetup, build_optimizer_setup
 from refimpl.parallel.placements import Placement, record_placements
 from refimpl.precision import MixedPrecision
@@ -83,14 +84,23 @@ class Parallelized:
         else:
             from refimpl.parallel.tensor_parallel import tp_lm_loss
 
-            loss = tp_lm_loss(logits, labels, tp_group=self.tp_group, vocab_size=self.model.config.vocab_size)
-        if getattr(self.model.config, "num_experts", 0) and self.pipeline is None:
+            loss = tp_lm_loss(logits, labels, tp_group=self.tp_group, vocab_size=self.vocab_size(logits))
+        if self.pipeline is None and moe_layers(self.model):
             from refimpl.moe_balance import record_micro_batch
 
             aux = record_micro_batch(self.model)
             if aux is not None:
                 loss = loss + aux
         return loss
+
+    def vocab_size(self, logits_shard: torch.Tensor) -> int:
+        """The vocabulary the logits shard ``[..., V/t]`` is part of: the model's ``config.vocab_size``
+        (ours, Hugging Face's), else ``t`` times the shard's width (a vocabulary padded to divide by ``t``
+        needs the model to say its size: ``config.vocab_size``)."""
+        declared = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if declared is not None:
+            return declared
+        return logits_shard.shape[-1] * group_rank_size(self.tp_group)[1]
 
     @staticmethod
     def stage_balance_loss(stage: nn.Module, *, micro_batches: int) -> torch.Tensor | None:

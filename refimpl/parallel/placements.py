@@ -174,8 +174,9 @@ def clip_grad_norm_(held: Sequence[HeldGradient], max_norm: float, *,
     Collective over the groups of the axes anything is sharded over (every rank of them must call it)."""
     held = _factored(held)
     axes = {a for h in held for a in h.placement.sharded_over}
-    if not axes:  # every gradient whole on this rank: torch's own norm
-        return torch.nn.utils.clip_grad_norm_([h.grad for h in held], max_norm)
+    if not axes:  # every gradient whole on this rank: torch's own norm (of the gradients themselves)
+        grads = [h.grad for h in held]
+        return scale_to_max_norm_(grads, torch.nn.utils.get_total_norm(grads), max_norm)
     ranks = {a: _rank_size(groups.get(a))[0] for a in AXES}
     sq = sum_of_squares([h.grad for h in held if _counted(h.placement, axes, ranks)], device=device)
     for a in NORM_AXES:

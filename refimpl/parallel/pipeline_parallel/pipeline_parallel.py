@@ -95,7 +95,7 @@ class PipelineModule(nn.Module):
         out = []
         for stage in self.stages.values():
             params = dict(stage.named_parameters())
-            out += [(full, params[local]) for local, full in stage.full_names().items()]
+            out += [(stage.full_name(local), p) for local, p in params.items()]
         return out
 
     def local_shards(self) -> dict[str, LocalShard]:
