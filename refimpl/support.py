@@ -143,6 +143,11 @@ def shape_refusals(model: ModelConfig, config: ParallelConfig, *, seq_len: int) 
                                          ("MLP width", model.ffn_hidden_size, "--hidden-size"),
                                          ("vocabulary entries", model.vocab_size, "the vocabulary"))
                 if size % tp]
+        kv = model.num_key_value_heads
+        if kv != heads and kv % tp:
+            out.append(f"--tp {tp} does not divide the {kv} key/value heads (--num-kv-heads): each "
+                       "tensor-parallel rank holds whole query groups; fewer key/value heads than ranks "
+                       "(replicated k/v, Megatron's sub-sharding) is not built yet")
         if config.sequence_parallel and s % tp:
             out.append(f"--sequence-parallel splits the sequence over the {tp} tensor-parallel ranks: "
                        f"--seq-len {s} does not divide by {tp}")
@@ -155,6 +160,10 @@ def shape_refusals(model: ModelConfig, config: ParallelConfig, *, seq_len: int) 
             out.append(f"--cp-method ulysses gives each of the {cp} context-parallel ranks whole heads: the "
                        f"heads per tensor-parallel rank ({heads} / --tp {tp} = {heads // tp}) do not "
                        f"divide by {cp}; use --cp-method ring or change --num-heads")
+        if model.num_key_value_heads != heads:
+            out.append(f"--cp {cp} with grouped-query attention (--num-kv-heads "
+                       f"{model.num_key_value_heads} < --num-heads {heads}): context parallelism moving "
+                       "key/value heads at their own count is not built yet")
         if config.sequence_parallel and (s // cp) % tp:
             out.append(f"--sequence-parallel splits each context-parallel rank's {s // cp} tokens (--seq-len "
                        f"{s} / --cp {cp}) over the {tp} tensor-parallel ranks: they do not divide by {tp}")

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from refimpl.config import ModelConfig
+from refimpl.models.rope import RotaryEmbedding, apply_rotary
 from refimpl.nn.linear import Linear
 from refimpl.nn.loss import lm_loss
 from refimpl.parallel.declarations import ContextParallelModules
@@ -31,61 +32,95 @@ from refimpl.parallel.declarations import ContextParallelModules
 __all__ = ["GPT", "MLP", "CausalSelfAttention", "Embedding", "TransformerBlock", "generate", "lm_loss"]
 
 
-class CausalSelfAttention(nn.Module):
-    """softmax(Q K^T / sqrt(d) + causal mask) V over ``num_attention_heads`` heads, then a projection.
+def norm(config: ModelConfig) -> nn.Module:
+    """The block's normalisation: GPT-2's LayerNorm (with a bias when the model has biases) or Llama's
+    RMSNorm, ``x / sqrt(mean(x^2) + eps) * g`` (Zhang & Sennrich 2019)."""
+    if config.normalization == "rmsnorm":
+        return nn.RMSNorm(config.hidden_size, eps=config.layernorm_eps)
+    return nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps, bias=config.add_bias)
 
-    ``query_key_value`` is one fused ``[3h, h]`` linear in Megatron-LM's layout: output row ``3d*i + j*d + c``
-    is component ``c`` of q (j = 0), k (1) or v (2) of head ``i``. Tensor parallelism (chapter 06) keeps the
-    forward as it is with a column-parallel ``query_key_value``: the forward infers the ``a/t`` heads.
+
+class CausalSelfAttention(nn.Module):
+    """softmax(Q K^T / sqrt(d) + causal mask) V over ``a`` query heads and ``g`` key/value heads, then a
+    projection (``g = a``: multi-head; ``g < a``: grouped-query attention, Ainslie et al. 2023, each k/v head
+    serving ``a/g`` query heads; ``g = 1``: multi-query, Shazeer 2019).
+
+    ``query_key_value`` is one fused linear in Megatron-LM's layout by query group: the outputs are ``g``
+    groups of ``(a/g + 2) d`` rows, the ``a/g`` query heads of the group, then its key, then its value head
+    (with ``g = a``: per head ``[q, k, v]``, rows ``3d i + j d + c``). A contiguous block of rows is then
+    whole groups, so tensor parallelism (chapter 06) splits it by rows when ``t`` divides ``g``, and the
+    forward, which infers the groups from the width, runs on ``g/t`` of them. With RoPE (``position_embedding
+    = "rope"``) q and k are rotated by their positions (``refimpl.models.rope``) before the scores.
     """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
-        self.query_key_value = Linear(config.hidden_size, 3 * config.hidden_size)
-        self.dense = Linear(config.hidden_size, config.hidden_size)
+        self.q_per_group = config.num_attention_heads // config.query_groups
+        rows = config.query_groups * (self.q_per_group + 2) * self.head_dim  # = 3h without GQA
+        self.query_key_value = Linear(config.hidden_size, rows, bias=config.add_bias)
+        self.dense = Linear(config.hidden_size, config.hidden_size, bias=config.add_bias)
+        self.rotary = RotaryEmbedding(config) if config.position_embedding == "rope" else None
 
     @staticmethod
     def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal softmax attention of ``[b, a, s, d]`` blocks. Context parallelism (chapter 07) replaces it
-        on the instance by attention across the ranks that hold the other parts of the sequence."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        """Causal softmax attention of ``[b, a, s, d]`` queries over ``[b, g, s, d]`` keys and values (query
+        head ``i`` reads k/v head ``i // (a/g)``). Context parallelism (chapter 07) replaces it on the
+        instance by attention across the ranks that hold the other parts of the sequence."""
+        gqa = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.query_key_value(x)  # [b, s, 3h] (under tensor parallelism [b, s, 3h/t]: a/t heads)
+        qkv = self.query_key_value(x)  # [b, s, g (a/g + 2) d] (tp: g/t groups)
         b, s = qkv.shape[:2]
-        # Megatron-LM's per-head layout: the 3h outputs are a heads of (q, k, v) x d, so a contiguous block
-        # of rows of the weight holds whole heads and splits across tensor-parallel ranks (chapter 06)
-        # (the heads are inferred from the width: a/t of them on a tensor-parallel rank)
-        qkv = qkv.view(b, s, -1, 3, self.head_dim)  # [b, s, a, 3, d]
-        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # 3 x [b, a, s, d]
+        # Megatron-LM's layout by query group: a contiguous block of rows of the weight holds whole groups
+        qkv = qkv.view(b, s, -1, self.q_per_group + 2, self.head_dim)  # [b, s, g, a/g + 2, d]
+        parts = qkv.permute(3, 0, 2, 1, 4)  # [a/g + 2, b, g, s, d]
+        q = parts[: self.q_per_group].permute(1, 2, 0, 3, 4).reshape(b, -1, s, self.head_dim)  # [b, a, s, d]
+        k, v = parts[self.q_per_group], parts[self.q_per_group + 1]  # [b, g, s, d] each
+        if self.rotary is not None:
+            cos, sin = self.rotary(s, device=x.device, dtype=q.dtype)  # [s, d] each
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = self.core_attention(q, k, v)  # [b, a, s, d]
         y = y.transpose(1, 2).reshape(b, s, -1)  # [b, s, a*d] = [b, s, h] (tp: [b, s, h/t])
         return self.dense(y)
 
 
 class MLP(nn.Module):
-    """GELU(x W1 + b1) W2 + b2 with W1: h -> ffn_hidden_size (4h by default)."""
+    """GELU(x W1 + b1) W2 + b2 (GPT-2), or SwiGLU: (SiLU(x W_gate) * x W_up) W2 (Shazeer 2020; Llama), with
+    W1: h -> ``ffn_hidden_size`` (4h by default).
+
+    SwiGLU's gate and up projections are one fused ``dense_h_to_4h`` of ``2f`` rows, interleaved: row ``2i``
+    is feature ``i``'s gate, row ``2i + 1`` its up projection. A contiguous block of rows then holds both
+    halves of its features, so tensor parallelism splits it by rows like GELU's (the per-head qkv's lesson,
+    chapter 06).
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.dense_h_to_4h = Linear(config.hidden_size, config.ffn_hidden_size)
-        self.dense_4h_to_h = Linear(config.ffn_hidden_size, config.hidden_size)
+        f, h, bias = config.ffn_hidden_size, config.hidden_size, config.add_bias
+        self.swiglu = config.activation == "swiglu"
+        self.dense_h_to_4h = Linear(h, 2 * f if self.swiglu else f, bias=bias)
+        self.dense_4h_to_h = Linear(f, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
+        y = self.dense_h_to_4h(x)  # [b, s, f] (SwiGLU: [b, s, 2f]; tp: f/t, 2f/t)
+        if self.swiglu:
+            gate, up = y.view(*y.shape[:-1], -1, 2).unbind(-1)  # [b, s, f] each: rows 2i and 2i + 1
+            return self.dense_4h_to_h(F.silu(gate) * up)
+        return self.dense_4h_to_h(F.gelu(y, approximate="tanh"))
 
 
 class TransformerBlock(nn.Module):
-    """x + Attn(LN(x)), then + MLP(LN(.)): the pre-LN residual block. Block ``layer`` of an MoE
+    """x + Attn(LN(x)), then + MLP(LN(.)): the pre-norm residual block. Block ``layer`` of an MoE
     configuration (:meth:`ModelConfig.is_moe_layer`) has a mixture-of-experts MLP (chapter 09)."""
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
+        self.input_layernorm = norm(config)
         self.self_attention = CausalSelfAttention(config)
-        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
+        self.post_attention_layernorm = norm(config)
         if config.is_moe_layer(layer):
             from refimpl.models.moe import MoEMLP  # the expert-parallel layer: only for MoE configurations
 
@@ -99,12 +134,14 @@ class TransformerBlock(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token embedding plus learned absolute position embedding."""
+    """Token embedding plus, in GPT-2's form, a learned absolute position embedding (RoPE: none, the
+    attention rotates q and k instead)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.position_embeddings = nn.Embedding(config.max_seq_len, config.hidden_size)
+        self.position_embeddings = (nn.Embedding(config.max_seq_len, config.hidden_size)
+                                    if config.position_embedding == "learned" else None)
 
     @staticmethod
     def position_ids(seq_len: int, device: torch.device) -> torch.Tensor:
@@ -113,8 +150,11 @@ class Embedding(nn.Module):
         return torch.arange(seq_len, device=device)  # [s]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> [b, s, h]
+        words = self.word_embeddings(input_ids)  # [b, s, h]
+        if self.position_embeddings is None:
+            return words
         positions = self.position_ids(input_ids.shape[1], input_ids.device)  # [s]
-        return self.word_embeddings(input_ids) + self.position_embeddings(positions)  # [b, s, h]
+        return words + self.position_embeddings(positions)  # [b, s, h]
 
 
 class GPT(nn.Module):
@@ -134,7 +174,7 @@ class GPT(nn.Module):
         with torch.random.fork_rng(devices=[]):
             self.embedding = Embedding(config)
             self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.num_layers))
-            self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
+            self.final_layernorm = norm(config)
             self.output_layer = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.output_layer.weight = self.embedding.word_embeddings.weight
@@ -177,11 +217,14 @@ class GPT(nn.Module):
         return (TransformerBlock,)
 
     def context_parallel_modules(self) -> ContextParallelModules:
-        """Context parallelism replaces each block's ``core_attention`` and the embedding's
-        ``position_ids``; the heads are those this rank's fused qkv holds (``a/t`` under tp)."""
+        """Context parallelism replaces each block's ``core_attention`` and the ``position_ids`` of the
+        embedding and (RoPE) of each block's rotation; the heads are the query heads this rank's fused qkv
+        holds (``a/t`` under tp)."""
         attention = [block.self_attention for block in self.layers]
-        heads = [a.query_key_value.weight.shape[0] // (3 * a.head_dim) for a in attention]
-        return ContextParallelModules(attention=attention, positions=[self.embedding], heads=heads)
+        heads = [a.query_key_value.weight.shape[0] // ((a.q_per_group + 2) * a.head_dim) * a.q_per_group
+                 for a in attention]
+        rotary = [a.rotary for a in attention if a.rotary is not None]  # RoPE: each block rotates its q, k
+        return ContextParallelModules(attention=attention, positions=[self.embedding, *rotary], heads=heads)
 
     def pipeline_stages(self, *, pp_rank: int, pp_size: int, virtual_stages: int = 1,
                         balance: str = "layers") -> dict[int, nn.Module]:

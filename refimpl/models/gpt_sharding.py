@@ -4,13 +4,16 @@
 Shoeybi et al. 2019, "Megatron-LM" (section 3, figure 3); Korthikanti et al. 2022 (sequence parallelism,
 figure 5). On ``t`` ranks:
 
-* **attention, heads split**: ``query_key_value`` column-parallel, ``dense`` row-parallel; the block keeps
-  its forward and sees ``a/t`` heads (it infers them from the width). The fused weight is in Megatron's
-  per-head layout (:class:`refimpl.models.CausalSelfAttention`: rows ``[3d i, 3d (i+1))`` are head ``i``'s
-  q, k and v), so rank ``r``'s contiguous block of ``3h/t`` rows is q, k and v of heads
-  ``[r a/t, (r+1) a/t)``: one chunk. (In nanoGPT's ``[3, a, d]`` layout the same rows are all of q and part
-  of k: the fused-qkv trap of the chapter; ``ColwiseParallel(chunks=3)`` is that layout's plan.)
-* **MLP**: ``dense_h_to_4h`` column-parallel, GELU on the local ``4h/t`` features, ``dense_4h_to_h``
+* **attention, heads split**: ``query_key_value`` column-parallel, ``dense`` row-parallel; the block keeps its
+  forward and sees ``a/t`` heads (it infers them from the width). The fused weight is in Megatron's per-head
+  layout (:class:`refimpl.models.CausalSelfAttention`: rows ``[3d i, 3d (i+1))`` are head ``i``'s q, k and v),
+  so rank ``r``'s contiguous block of ``3h/t`` rows is q, k and v of heads ``[r a/t, (r+1) a/t)``: one chunk.
+  With grouped-query attention the rows are grouped by key/value head (its ``a/g`` query heads, its k, its v),
+  so the block is ``g/t`` whole groups: ``t`` must divide ``g`` (fewer key/value heads than ranks is refused:
+  the support table says why). (In nanoGPT's ``[3, a, d]`` layout the same rows are all of q and part of k:
+  the fused-qkv trap of the chapter; ``ColwiseParallel(chunks=3)`` is that layout's plan.)
+* **MLP**: ``dense_h_to_4h`` column-parallel, GELU on the local ``4h/t`` features (SwiGLU: its rows
+  interleave gate and up, so the block holds both halves of ``f/t`` features), ``dense_4h_to_h``
   row-parallel. An MoE block's MLP is left whole: every tp rank routes the same tokens to the same
   experts (chapter 09).
 * **vocabulary**: the word embedding vocab-parallel inside :class:`VocabParallelGPTEmbedding` (which adds
@@ -55,7 +58,7 @@ class VocabParallelGPTEmbedding(nn.Module):
     ``[b, s] -> [b, s/t, h]`` (backward: one all-gather), as :class:`VocabParallelEmbedding` with
     ``reduce_scatter_embeddings`` does: the output is the shard itself, no view of a whole ``[b, s, h]``."""
 
-    def __init__(self, word_embeddings: VocabParallelEmbedding, position_embeddings: nn.Embedding, *,
+    def __init__(self, word_embeddings: VocabParallelEmbedding, position_embeddings: nn.Embedding | None, *,
                  sequence_parallel: bool) -> None:
         super().__init__()
         if word_embeddings.reduce_scatter_embeddings != sequence_parallel:
@@ -70,6 +73,8 @@ class VocabParallelGPTEmbedding(nn.Module):
         return torch.arange(seq_len, device=device)  # [s]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> [b, s, h] (SP: [b, s/t, h])
+        if self.position_embeddings is None:  # RoPE: the attention rotates q and k instead
+            return self.word_embeddings(input_ids)
         positions = self.position_ids(input_ids.shape[1], input_ids.device)  # [s]
         return self.word_embeddings(input_ids, self.position_embeddings(positions))
 
@@ -98,6 +103,7 @@ class GPTEmbeddingParallel:
 def _check_divides(model: GPT, t: int, pad_vocab: bool) -> None:
     c = model.config
     for what, size in (("num_attention_heads", c.num_attention_heads),
+                       ("num_key_value_heads", c.num_key_value_heads),
                        ("ffn_hidden_size", c.ffn_hidden_size)):
         if size % t:
             raise ValueError(f"tensor parallelism: {what}={size} does not divide by the tensor-parallel size "

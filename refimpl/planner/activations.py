@@ -88,9 +88,19 @@ import torch
 from refimpl.config import CP_METHODS, ModelConfig
 
 __all__ = ["METHODS", "ActivationBreakdown", "activation_bytes", "activation_bytes_per_layer",
-           "korthikanti_bytes_per_layer", "local_tokens", "outside_block_bytes"]
+           "korthikanti_bytes_per_layer", "local_tokens", "outside_block_bytes", "unmodelled_architecture"]
 
 METHODS = CP_METHODS  # the context-parallel methods, named in refimpl.config
+
+
+def unmodelled_architecture(config: ModelConfig) -> list[str]:
+    """What of ``config`` the exact activation count does not model yet: the Llama form's pieces
+    (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases); [] for GPT-2's form, which it counts to the
+    byte. The activation functions refuse such a config (``ValueError``) rather than count it wrong."""
+    found = {"RMSNorm": config.normalization != "layernorm", "RoPE": config.position_embedding != "learned",
+             "SwiGLU": config.activation != "gelu", "no biases": not config.add_bias,
+             "grouped-query attention": config.num_key_value_heads != config.num_attention_heads}
+    return [name for name, present in found.items() if present]
 
 
 def _check_tp(config: ModelConfig, *, tp: int, sequence_parallel: bool, seq_len: int, cp: int = 1) -> int:
@@ -188,6 +198,10 @@ def activation_bytes_per_layer(
     float32 in every case, the ring's is in its block dtype. ``sequence_parallel`` at ``tp = 1`` is the
     plain block (as :func:`apply_tensor_parallel` does).
     """
+    unmodelled = unmodelled_architecture(config)
+    if unmodelled:
+        raise ValueError(f"the planner's activation count models GPT-2's block, not {', '.join(unmodelled)} "
+                         "yet")
     b, h, a = micro_batch, config.hidden_size, config.num_attention_heads
     f, t = config.ffn_hidden_size, tp
     s = local_tokens(config, seq_len=seq_len, cp=cp, cp_method=cp_method, cp_layout=cp_layout, tp=tp)

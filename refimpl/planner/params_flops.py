@@ -56,21 +56,25 @@ def param_count(config: ModelConfig) -> ParamCount:
     a bias-free ``[E, h]`` router and ``E`` bias-free experts of 2 (GELU) or 3 (SwiGLU) ``h x f_e``
     matrices; :class:`ParamCount`'s ``active`` and ``inactive``)."""
     h, f, v, n = config.hidden_size, config.ffn_hidden_size, config.vocab_size, config.num_layers
-    attention = (h * 3 * h + 3 * h) + (h * h + h)  # query_key_value and dense, with biases
-    mlp = (h * f + f) + (f * h + h)  # dense_h_to_4h and dense_4h_to_h
-    layernorms = 2 * 2 * h  # two LayerNorms of weight + bias
+    bias = int(config.add_bias)
+    qkv = h + 2 * config.num_key_value_heads * config.head_dim  # q heads, then k and v at kv-head size
+    attention = (h * qkv + bias * qkv) + (h * h + bias * h)  # query_key_value and dense
+    up = 2 * f if config.activation == "swiglu" else f  # SwiGLU: gate and up
+    mlp = (h * up + bias * up) + (f * h + bias * h)  # dense_h_to_4h and dense_4h_to_h
+    norm = h * (2 if config.normalization == "layernorm" and config.add_bias else 1)  # weight (+ bias)
+    layernorms = 2 * norm
     moe_layers = len(config.moe_layers)
     matrices = 3 if config.moe_activation == "swiglu" else 2
     expert = matrices * h * config.expert_hidden_size if moe_layers else 0
     e, k = config.num_experts, config.top_k
     dense_layers = n - moe_layers
     return ParamCount(
-        embedding=v * h + config.max_seq_len * h,
+        embedding=v * h + (config.max_seq_len * h if config.position_embedding == "learned" else 0),
         layers=dense_layers * (attention + mlp + layernorms)
         + moe_layers * (attention + h * e + e * expert + layernorms),
-        final_layernorm=2 * h,
+        final_layernorm=norm,
         output_layer=0 if config.tie_word_embeddings else h * v,
-        matmul=n * 4 * h * h + dense_layers * 2 * h * f + moe_layers * (h * e + k * expert)
+        matmul=n * (h * qkv + h * h) + dense_layers * (h * up + f * h) + moe_layers * (h * e + k * expert)
         + h * v,  # the output layer multiplies, tied or not
         inactive=moe_layers * (e - k) * expert,
     )

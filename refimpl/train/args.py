@@ -11,6 +11,7 @@ from pathlib import Path
 from refimpl import elastic
 from refimpl.checkpoint import CheckpointConfig
 from refimpl.config import (
+    ARCHS,
     CP_METHODS,
     FP8_SCALINGS,
     MOE_LOAD_BALANCE,
@@ -112,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--hidden-size", type=int, default=128)
     model.add_argument("--num-heads", type=int, default=4, help="attention heads; must divide --hidden-size")
     model.add_argument("--no-tie-embeddings", action="store_true", help="untie input and output embeddings")
+    model.add_argument("--arch", choices=tuple(ARCHS), default="gpt2",
+                       help="gpt2: LayerNorm, learned positions, GELU, biases, tied embeddings; llama: "
+                       "RMSNorm, RoPE, SwiGLU, no biases, an untied output layer (chapter 01)")
+    model.add_argument("--num-kv-heads", type=int, default=None, metavar="G",
+                       help="key/value heads (grouped-query attention; 1: multi-query); must divide "
+                       "--num-heads (default: --num-heads, multi-head attention)")
+    model.add_argument("--ffn-hidden-size", type=int, default=None, metavar="F",
+                       help="the MLP's width (default 4 x --hidden-size)")
     moe = p.add_argument_group("mixture of experts (chapter 09)")
     moe.add_argument("--moe-experts", type=int, default=0, metavar="E",
                      help="experts per MoE block (0: a dense model); each an MLP of the dense MLP's width")
@@ -225,11 +234,13 @@ def _moe_fields(args: argparse.Namespace) -> dict:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         model=ModelConfig(
+            **{**ARCHS[args.arch], **({"tie_word_embeddings": False} if args.no_tie_embeddings else {})},
             num_layers=args.num_layers,
             hidden_size=args.hidden_size,
             num_attention_heads=args.num_heads,
+            num_key_value_heads=args.num_kv_heads,
+            ffn_hidden_size=args.ffn_hidden_size,
             max_seq_len=args.seq_len,
-            tie_word_embeddings=not args.no_tie_embeddings,
             **_moe_fields(args),
         ),
         data=DataConfig(

@@ -1,0 +1,131 @@
+"""The trainer's Llama form (``--arch llama``: RMSNorm, RoPE, SwiGLU, no biases, untied; chapter 01) trains
+the same model as one device at the layout families (chapters 04-08), with grouped-query attention.
+
+One spawn of 4 ranks: ``--num-kv-heads 2`` (GQA: 4 query heads in 2 groups) at tp 2 x dp 2 with sequence
+parallelism on RMSNorm and ZeRO-1 (each tensor-parallel rank holds one whole query group), at dp 4 with
+ZeRO-3 and activation checkpointing, and at pp 2 x dp 2 (1F1B); multi-head RoPE at cp 2 x dp 2 (ring
+attention, zig-zag: RoPE must take each chunk's global positions). Each against one device in fp32, losses
+and the first step's gradients before the optimizer (tests/one_device.py's rule: ``FACTOR x`` the spread of
+two one-device summation orders; negative controls: the gradients x 2 fail, and the cp run whose RoPE
+rotates by each rank's local positions fails the losses). The layouts the Llama form cannot take yet are
+refused by the trainer's shape rules, by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from refimpl.config import LLAMA, ModelConfig, ParallelConfig
+from refimpl.launch import run_ranks
+from refimpl.models import GPT
+from refimpl.parallel.declarations import ContextParallelModules
+from refimpl.support import shape_refusals
+from refimpl.train import build_parser, config_from_args, options_from_args, train
+from tests.one_device import (
+    assert_gradients_like_one_device,
+    assert_trains_like_one_device,
+    first_step_gradients,
+    one_device_losses,
+    tolerance,
+)
+
+SPAWN_TIMEOUT_S = 300
+FACTOR = 4.0
+STEPS = 4
+TINY = ["--arch", "llama", "--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
+        "--batch-size", "8", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
+        "--checkpoint-every", "0", "--no-report", "--steps", str(STEPS)]
+MODELS = {"gqa": ["--num-kv-heads", "2"], "mha": ["--num-kv-heads", "4"]}
+LAYOUTS = {  # name -> (model, the trainer's flags at world size 4)
+    "tp2-dp2-sp-zero1": ("gqa", ["--tp", "2", "--sequence-parallel", "--zero-stage", "1"]),
+    "dp4-zero3-actckpt": ("gqa", ["--zero-stage", "3", "--activation-checkpointing"]),
+    "pp2-dp2-1f1b": ("gqa", ["--pp", "2", "--microbatches", "2"]),
+    "cp2-dp2-ring": ("mha", ["--cp", "2"]),
+}
+
+
+def _args(files: dict, out: Path, *extra: str):
+    return build_parser().parse_args([*TINY, "--data", str(files["corpus"]), "--cache-dir",
+                                      str(files["cache"]), "--out", str(out), *extra])
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, corpus) -> dict:
+    return {"root": tmp_path_factory.mktemp("train_llama"), **corpus}  # tests/conftest.py's corpus
+
+
+def _local_positions(model: GPT) -> ContextParallelModules:
+    """The negative control's declaration: no position module, so RoPE rotates each cp rank's tokens by
+    their local positions ``[0, s/cp)`` instead of their chunks' global ones."""
+    return dataclasses.replace(DECLARED(model), positions=[])
+
+
+DECLARED = GPT.context_parallel_modules
+
+
+def _worker(ctx, files: dict) -> dict:
+    out = {}
+    for name, (model, flags) in {**LAYOUTS, "cp2-local-positions": LAYOUTS["cp2-dp2-ring"]}.items():
+        args = _args(files, Path(files["root"]) / name, *MODELS[model], *flags)
+        grads: dict = {}
+        with mock.patch.object(GPT, "context_parallel_modules",
+                               _local_positions if name == "cp2-local-positions" else DECLARED):
+            records = train(config_from_args(args), ctx, options_from_args(args),
+                            gradient_probe=first_step_gradients(grads))
+        out[name], out[name, "grads"] = [r["loss"] for r in records], grads
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(files) -> list[dict]:
+    return run_ranks(_worker, 4, files, timeout_s=SPAWN_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def one_device(files) -> dict:
+    """fp32 one-device runs of each model in this process, in two summation orders."""
+    def references(model: str) -> dict:
+        def args_for(out, *extra: str):
+            return _args(files, out, *MODELS[model], *extra)
+        return one_device_losses(args_for, Path(files["root"]) / f"one-{model}", steps=STEPS,
+                                 precisions={"fp32": ["--precision", "fp32"]})
+    return {model: references(model) for model in MODELS}
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_the_llama_form_trains_like_one_device(runs, one_device, name):
+    reference = one_device[LAYOUTS[name][0]]
+    assert_trains_like_one_device([out[name] for out in runs], reference, "fp32", factor=FACTOR, name=name)
+    worst = assert_gradients_like_one_device([out[name, "grads"] for out in runs], reference, "fp32",
+                                             factor=FACTOR, name=name, control=2.0)
+    print(f"{name}: worst gradient difference {worst:.3f} x its tolerance")
+
+
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+def test_rope_with_each_ranks_local_positions_fails(runs, one_device):
+    """Negative control: zig-zag chunks rotated by their local positions train another model: its losses
+    leave one device's by more than 10x the tolerance within the steps."""
+    with pytest.raises(AssertionError, match="cp2-local-positions rank 0"):
+        assert_trains_like_one_device([out["cp2-local-positions"] for out in runs], one_device["mha"], "fp32",
+                                      factor=FACTOR, name="cp2-local-positions")
+    want, tol = one_device["mha"]["fp32", "batch"], tolerance(one_device["mha"], "fp32", factor=FACTOR)
+    off = max(abs(a - b) for a, b in zip(runs[0]["cp2-local-positions"], want, strict=True))
+    print(f"local positions: losses off by {off:.2e}, {off / tol:.0f} x the tolerance")
+    assert off > 10 * tol, off
+
+
+def test_the_layouts_not_built_for_gqa_are_refused_by_name():
+    gqa = ModelConfig(**LLAMA, num_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+    assert shape_refusals(gqa, ParallelConfig(tp=2), seq_len=16) == []
+    (tp4,) = shape_refusals(gqa, ParallelConfig(tp=4), seq_len=16)
+    assert "--tp 4 does not divide the 2 key/value heads" in tp4
+    (cp2,) = shape_refusals(gqa, ParallelConfig(cp=2), seq_len=16)
+    assert "--cp 2 with grouped-query attention" in cp2
+    mha = ModelConfig(**LLAMA, num_layers=2, hidden_size=32, num_attention_heads=4)
+    assert shape_refusals(mha, ParallelConfig(cp=2), seq_len=16) == []
