@@ -160,10 +160,11 @@ def shape_refusals(model: ModelConfig, config: ParallelConfig, *, seq_len: int) 
             out.append(f"--cp-method ulysses gives each of the {cp} context-parallel ranks whole heads: the "
                        f"heads per tensor-parallel rank ({heads} / --tp {tp} = {heads // tp}) do not "
                        f"divide by {cp}; use --cp-method ring or change --num-heads")
-        if model.num_key_value_heads != heads:
-            out.append(f"--cp {cp} with grouped-query attention (--num-kv-heads "
-                       f"{model.num_key_value_heads} < --num-heads {heads}): context parallelism moving "
-                       "key/value heads at their own count is not built yet")
+        kv = model.num_key_value_heads
+        if config.cp_method == "ulysses" and kv != heads and (kv // tp) % cp:
+            out.append(f"--cp-method ulysses gives each of the {cp} context-parallel ranks whole key/value "
+                       f"heads too: the key/value heads per tensor-parallel rank ({kv} / --tp {tp} = "
+                       f"{kv // tp}) do not divide by {cp}; use --cp-method ring or change --num-kv-heads")
         if config.sequence_parallel and (s // cp) % tp:
             out.append(f"--sequence-parallel splits each context-parallel rank's {s // cp} tokens (--seq-len "
                        f"{s} / --cp {cp}) over the {tp} tensor-parallel ranks: they do not divide by {tp}")

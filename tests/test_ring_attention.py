@@ -39,19 +39,23 @@ B, A, D, DV, CHUNK = 2, 2, 8, 6, 3  # batch, heads, head dims of q/k and v, toke
 CASES = [(causal, layout) for causal in (False, True) for layout in sl.LAYOUTS]
 
 
-def _globals(cp: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Whole-sequence q, k, v [B, A, s, D|DV] and the upstream gradient, float32, s = 2 cp CHUNK."""
+GQA = (4, 2)  # grouped-query attention's case: 4 query heads, 2 key/value heads
+
+
+def _globals(cp: int, seed: int = 0, heads: tuple[int, int] = (A, A)) -> dict[str, torch.Tensor]:
+    """Whole-sequence q [B, a, s, D], k, v [B, g, s, D|DV] and the upstream gradient, float32,
+    s = 2 cp CHUNK; ``heads = (a, g)``."""
     g = torch.Generator().manual_seed(seed + cp)
-    s = 2 * cp * CHUNK
-    shapes = {"q": (B, A, s, D), "k": (B, A, s, D), "v": (B, A, s, DV), "do": (B, A, s, DV)}
+    s, (a, kv) = 2 * cp * CHUNK, heads
+    shapes = {"q": (B, a, s, D), "k": (B, kv, s, D), "v": (B, kv, s, DV), "do": (B, a, s, DV)}
     return {n: torch.randn(shape, generator=g) for n, shape in shapes.items()}
 
 
-def _run(group, cp: int, causal: bool, layout: str) -> dict:
+def _run(group, cp: int, causal: bool, layout: str, heads: tuple[int, int] = (A, A)) -> dict:
     """Ring attention forward (tracer step 0) and backward (step 1) on this rank's part of ``_globals``."""
     r = dist.get_rank(group)
-    part = {n: sl.split_sequence(t, dim=2, cp_rank=r, cp_size=cp, layout=layout)  # [B, A, s/cp, D|DV]
-            for n, t in _globals(cp).items()}
+    part = {n: sl.split_sequence(t, dim=2, cp_rank=r, cp_size=cp, layout=layout)  # [B, a|g, s/cp, D|DV]
+            for n, t in _globals(cp, heads=heads).items()}
     q, k, v = (part[n].clone().requires_grad_() for n in "qkv")
     calls = []
     block = ra.block_attention
@@ -82,11 +86,16 @@ def _no_mask(n, device):
     return torch.zeros(n, n, dtype=torch.bool, device=device)
 
 
-def _broken(group, cp: int, name: str, fake) -> dict:
+def _tiled_groups(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """Negative control: query head ``i`` reading key/value head ``i mod g`` (tiled, not grouped)."""
+    return kv.repeat(1, heads // kv.shape[1], 1, 1)
+
+
+def _broken(group, cp: int, name: str, fake, heads: tuple[int, int] = (A, A)) -> dict:
     original = getattr(ra, name)
     setattr(ra, name, fake)
     try:
-        return _run(group, cp, True, "zigzag")
+        return _run(group, cp, True, "zigzag", heads)
     finally:
         setattr(ra, name, original)
 
@@ -104,6 +113,8 @@ def _worker(ctx) -> dict:
     out: dict = {f"{c}/{lay}": _run(world, cp, c, lay) for c, lay in CASES}
     out["average_merge"] = _broken(world, cp, "merge_partial_attention", _averaging_merge)
     out["no_mask"] = _broken(world, cp, "_future_mask", _no_mask)
+    out["gqa"] = _run(world, cp, True, "zigzag", GQA)
+    out["gqa tiled"] = _broken(world, cp, "expand_groups", _tiled_groups, GQA)
     if cp == 4:  # groups {0, 2} and {1, 3}: group rank 1 of {1, 3} is global rank 3
         timeout = timedelta(seconds=ctx.timeout_s)
         pairs = [dist.new_group([0, 2], timeout=timeout), dist.new_group([1, 3], timeout=timeout)]
@@ -116,19 +127,21 @@ def _worker(ctx) -> dict:
     return out
 
 
-def _reference(cp: int, causal: bool, dtype: torch.dtype) -> dict[str, np.ndarray]:
+def _reference(cp: int, causal: bool, dtype: torch.dtype,
+               heads: tuple[int, int] = (A, A)) -> dict[str, np.ndarray]:
     """One device, the whole sequence: SDPA's output and dQ, dK, dV in ``dtype`` (as float64 arrays)."""
-    t = _globals(cp)
+    t = _globals(cp, heads=heads)
     q, k, v = (t[n].to(dtype).requires_grad_() for n in "qkv")
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=heads[0] != heads[1])
     out.backward(t["do"].to(dtype))
     return {n: x.detach().double().numpy() for n, x in (("out", out), ("dq", q.grad), ("dk", k.grad),
                                                          ("dv", v.grad))}
 
 
-def _errors(per_rank: list[dict], causal: bool, layout: str, cp: int) -> dict[str, float]:
+def _errors(per_rank: list[dict], causal: bool, layout: str, cp: int,
+            heads: tuple[int, int] = (A, A)) -> dict[str, float]:
     """Per tensor: the gathered ring result's max error vs float64 SDPA over FACTOR x the float32 spread."""
-    r32, r64 = _reference(cp, causal, torch.float32), _reference(cp, causal, torch.float64)
+    r32, r64 = _reference(cp, causal, torch.float32, heads), _reference(cp, causal, torch.float64, heads)
     ratios = {}
     for n in r64:
         got = sl.gather_sequence([torch.from_numpy(p[n]) for p in per_rank], dim=2, layout=layout).double()
@@ -185,6 +198,25 @@ def test_bytes_each_rank_sends_cp_minus_one_kv_blocks_forward_and_as_much_again_
             assert run["isends"] == [2 * (cp - 1), 4 * (cp - 1)], (rank, causal, layout, run["isends"])
             assert run["sent"] == [(cp - 1) * kv // cp, 2 * (cp - 1) * kv // cp], (rank, causal, layout)
             assert run["peers"] == [(rank + 1) % cp], (rank, run["peers"])
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+def test_grouped_query_attention_equals_sdpa_and_moves_kv_at_their_own_head_count(results):
+    """4 query heads, 2 key/value heads (zig-zag, causal): output, dQ, dK, dV within the measured spread of
+    SDPA's ``enable_gqa`` (query head i reads key/value head i // 2); the ring sends the k/v blocks at 2
+    heads, ``(cp-1)/cp`` of the whole sequence's K and V of 2 heads, half of what repeating them to 4 heads
+    would move (picotron's ring). Negative control: head i reading key/value head i mod 2 fails."""
+    cp, per_rank = results
+    ratios = _errors([o["gqa"] for o in per_rank], True, "zigzag", cp, GQA)
+    assert max(ratios.values()) <= 1, ratios
+    tiled = _errors([o["gqa tiled"] for o in per_rank], True, "zigzag", cp, GQA)
+    assert tiled["out"] > 100, tiled
+    t = _globals(cp, heads=GQA)
+    kv = t["k"].nbytes + t["v"].nbytes  # the whole sequence's K and V at 2 heads, float32
+    repeated = 2 * kv  # at 4 heads
+    for out in per_rank:
+        assert out["gqa"]["sent"][0] == (cp - 1) * kv // cp == (cp - 1) * repeated // (2 * cp)
 
 
 def test_the_timeline_has_one_compute_span_per_step_and_each_transfer_posted_before_and_waited_after_it(

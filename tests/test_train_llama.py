@@ -2,13 +2,14 @@
 the same model as one device at the layout families (chapters 04-08), with grouped-query attention.
 
 One spawn of 4 ranks: ``--num-kv-heads 2`` (GQA: 4 query heads in 2 groups) at tp 2 x dp 2 with sequence
-parallelism on RMSNorm and ZeRO-1 (each tensor-parallel rank holds one whole query group), at dp 4 with
-ZeRO-3 and activation checkpointing, and at pp 2 x dp 2 (1F1B); multi-head RoPE at cp 2 x dp 2 (ring
-attention, zig-zag: RoPE must take each chunk's global positions). Each against one device in fp32, losses
-and the first step's gradients before the optimizer (tests/one_device.py's rule: ``FACTOR x`` the spread of
-two one-device summation orders; negative controls: the gradients x 2 fail, and the cp run whose RoPE
-rotates by each rank's local positions fails the losses). The layouts the Llama form cannot take yet are
-refused by the trainer's shape rules, by name.
+parallelism on RMSNorm and ZeRO-1 (each tensor-parallel rank holds one whole query group), at dp 4 with ZeRO-3
+and activation checkpointing, at pp 2 x dp 2 (1F1B) and at cp 2 x dp 2 with Ulysses (the key/value heads
+all-to-all'd at their own count); ``--num-kv-heads 1`` (MQA) at cp 2 x dp 2 with ring attention (zig-zag: the
+one key/value head travels the ring, and RoPE must take each chunk's global positions). Each against one
+device in fp32, losses and the first step's gradients before the optimizer (tests/one_device.py's rule:
+``FACTOR x`` the spread of two one-device summation orders; negative controls: the gradients x 2 fail, and the
+cp run whose RoPE rotates by each rank's local positions fails the losses). The layouts the Llama form cannot
+take yet are refused by the trainer's shape rules, by name.
 """
 
 from __future__ import annotations
@@ -39,12 +40,13 @@ STEPS = 4
 TINY = ["--arch", "llama", "--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
         "--batch-size", "8", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
         "--checkpoint-every", "0", "--no-report", "--steps", str(STEPS)]
-MODELS = {"gqa": ["--num-kv-heads", "2"], "mha": ["--num-kv-heads", "4"]}
+MODELS = {"gqa": ["--num-kv-heads", "2"], "mqa": ["--num-kv-heads", "1"]}
 LAYOUTS = {  # name -> (model, the trainer's flags at world size 4)
     "tp2-dp2-sp-zero1": ("gqa", ["--tp", "2", "--sequence-parallel", "--zero-stage", "1"]),
     "dp4-zero3-actckpt": ("gqa", ["--zero-stage", "3", "--activation-checkpointing"]),
     "pp2-dp2-1f1b": ("gqa", ["--pp", "2", "--microbatches", "2"]),
-    "cp2-dp2-ring": ("mha", ["--cp", "2"]),
+    "cp2-dp2-ring": ("mqa", ["--cp", "2"]),
+    "cp2-dp2-ulysses": ("gqa", ["--cp", "2", "--cp-method", "ulysses"]),
 }
 
 
@@ -112,9 +114,9 @@ def test_rope_with_each_ranks_local_positions_fails(runs, one_device):
     """Negative control: zig-zag chunks rotated by their local positions train another model: its losses
     leave one device's by more than 10x the tolerance within the steps."""
     with pytest.raises(AssertionError, match="cp2-local-positions rank 0"):
-        assert_trains_like_one_device([out["cp2-local-positions"] for out in runs], one_device["mha"], "fp32",
+        assert_trains_like_one_device([out["cp2-local-positions"] for out in runs], one_device["mqa"], "fp32",
                                       factor=FACTOR, name="cp2-local-positions")
-    want, tol = one_device["mha"]["fp32", "batch"], tolerance(one_device["mha"], "fp32", factor=FACTOR)
+    want, tol = one_device["mqa"]["fp32", "batch"], tolerance(one_device["mqa"], "fp32", factor=FACTOR)
     off = max(abs(a - b) for a, b in zip(runs[0]["cp2-local-positions"], want, strict=True))
     print(f"local positions: losses off by {off:.2e}, {off / tol:.0f} x the tolerance")
     assert off > 10 * tol, off
@@ -125,7 +127,6 @@ def test_the_layouts_not_built_for_gqa_are_refused_by_name():
     assert shape_refusals(gqa, ParallelConfig(tp=2), seq_len=16) == []
     (tp4,) = shape_refusals(gqa, ParallelConfig(tp=4), seq_len=16)
     assert "--tp 4 does not divide the 2 key/value heads" in tp4
-    (cp2,) = shape_refusals(gqa, ParallelConfig(cp=2), seq_len=16)
-    assert "--cp 2 with grouped-query attention" in cp2
-    mha = ModelConfig(**LLAMA, num_layers=2, hidden_size=32, num_attention_heads=4)
-    assert shape_refusals(mha, ParallelConfig(cp=2), seq_len=16) == []
+    assert shape_refusals(gqa, ParallelConfig(cp=2, cp_method="ulysses"), seq_len=16) == []
+    (ulysses,) = shape_refusals(gqa, ParallelConfig(cp=2, tp=2, cp_method="ulysses"), seq_len=16)
+    assert "whole key/value heads too" in ulysses and "(2 / --tp 2 = 1)" in ulysses

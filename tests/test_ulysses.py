@@ -228,5 +228,9 @@ def test_without_a_process_group_ulysses_is_plain_sdpa():
     for causal in (False, True):
         expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         assert torch.equal(uly.ulysses_attention(q, k, v, cp_group=None, causal=causal), expected)
-    with pytest.raises(ValueError, match="shapes differ"):
+    with pytest.raises(ValueError, match="with g dividing a"):
         uly.ulysses_attention(q, k[:, :, :4], v, cp_group=None, causal=False)
+    with pytest.raises(ValueError, match="with g dividing a"):  # 2 key/value heads for 3 query heads
+        uly.ulysses_attention(q, k[:, :2], v[:, :2], cp_group=None, causal=False)
+    gqa = F.scaled_dot_product_attention(q, k[:, :1], v[:, :1], is_causal=True, enable_gqa=True)
+    assert torch.equal(uly.ulysses_attention(q, k[:, :1], v[:, :1], cp_group=None, causal=True), gqa)

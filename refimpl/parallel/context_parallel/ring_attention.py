@@ -23,6 +23,11 @@ travels behind it, picking up one rank's contribution per hop, ``n - 1`` hops, a
 which adds its own. Per rank: forward sends ``n - 1`` K/V blocks, ``(n - 1)/n`` of the whole sequence's K and
 V; backward the same again plus as much in dK/dV.
 
+Grouped-query attention (``g`` key/value heads for ``a`` query heads): K/V travel the ring at their own
+``g`` heads, ``g/a`` of multi-head attention's bytes, and each block expands them to the query heads it
+meets (:func:`expand_groups`), its dK/dV summed back over each group (:func:`reduce_groups`) before they
+travel: picotron repeats K/V before its ring and moves ``a/g`` times the bytes.
+
 Layouts and the causal mask: which chunks of the sequence a rank holds (contiguous or zig-zag) and which
 (query chunk, key chunk) pairs a causal mask skips or masks are :mod:`.sequence_layout`'s.
 """
@@ -65,10 +70,28 @@ def _scores(q: torch.Tensor, k: torch.Tensor, *, scale: float, diagonal: bool) -
     return s.masked_fill(_future_mask(s.shape[-1], s.device), float("-inf")) if diagonal else s
 
 
+def expand_groups(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """Grouped-query attention's k or v ``[b, g, c, d]`` for ``heads`` query heads: ``[b, heads, c, d]``,
+    head ``i`` reading key/value head ``i // (heads / g)`` (Ainslie et al. 2023); ``kv`` itself when
+    ``g = heads``."""
+    b, g, c, d = kv.shape
+    if g == heads:
+        return kv
+    return kv[:, :, None].expand(b, g, heads // g, c, d).reshape(b, heads, c, d)
+
+
+def reduce_groups(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The adjoint of :func:`expand_groups`: ``[b, heads, c, d]`` summed over each group's query heads."""
+    b, heads, c, d = grad.shape
+    return grad if groups == heads else grad.view(b, groups, heads // groups, c, d).sum(2)
+
+
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                     diagonal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(softmax(S) V, logsumexp(S))`` of one block, ``S = q k^T scale`` masked above the diagonal when
-    ``diagonal``: ``[b, a, c, d]`` and ``[b, a, c]``."""
+    ``diagonal``: ``[b, a, c, d]`` and ``[b, a, c]`` (k and v of ``g`` key/value heads: expanded here, after
+    the ring moved them at their own size)."""
+    k, v = expand_groups(k, q.shape[1]), expand_groups(v, q.shape[1])
     s = _scores(q, k, scale=scale, diagonal=diagonal)
     row_max = s.amax(dim=-1, keepdim=True)                      # [b, a, c_q, 1]: finite, the diagonal is kept
     e = torch.exp(s - row_max)
@@ -92,10 +115,14 @@ def merge_partial_attention(out: torch.Tensor | None, lse: torch.Tensor | None, 
 
 def block_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              lse: torch.Tensor, delta: torch.Tensor, *, scale: float, diagonal: bool):
-    """``(dQ, dK, dV)`` of one block given the whole row's ``lse`` and ``delta = rowsum(dO * O)``."""
+    """``(dQ, dK, dV)`` of one block given the whole row's ``lse`` and ``delta = rowsum(dO * O)`` (dK, dV
+    summed over each key/value head's query heads under grouped-query attention)."""
+    g = k.shape[1]
+    k, v = expand_groups(k, q.shape[1]), expand_groups(v, q.shape[1])
     p = torch.exp(_scores(q, k, scale=scale, diagonal=diagonal) - lse.unsqueeze(-1))  # [b, a, c_q, c_k]
     ds = p * (do @ v.transpose(-2, -1) - delta.unsqueeze(-1))
-    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ do
+    dk, dv = ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ do
+    return ds @ k * scale, reduce_groups(dk, g), reduce_groups(dv, g)
 
 
 # ---- the ring ----------------------------------------------------------------------------------------------
@@ -192,20 +219,24 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_grou
                    timeline: RingTimeline | None = None) -> torch.Tensor:
     """Exact attention of the local queries over the whole sequence split across ``cp_group``.
 
-    ``q, k, v``: this rank's ``[b, a, s/n, d]`` blocks (``v`` may have another head dim), the sequence split
-    by ``layout`` (:func:`split_sequence`); returns this rank's ``[b, a, s/n, d_v]`` of
+    ``q, k, v``: this rank's ``[b, a, s/n, d]`` blocks (``v`` may have another head dim; grouped-query
+    attention: k and v ``[b, g, s/n, d]``, moved round the ring at that size and expanded per block), the
+    sequence split by ``layout`` (:func:`split_sequence`); returns this rank's ``[b, a, s/n, d_v]`` of
     ``scaled_dot_product_attention(Q, K, V, is_causal=causal, scale=scale)`` on the whole sequence. A group
     of one is plain SDPA. ``timeline``: records the forward's compute and transfer spans per ring step
     (:class:`~refimpl.parallel.context_parallel.ring_timeline.RingTimeline`). Liu et al. 2023; chapter 07.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"ring_attention needs [b, a, s/cp, d] blocks, k like q, v of the same b, a, s: "
-                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    gqa_heads = k.dim() == 4 and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0
+    same = k.dim() == 4 and (k.shape[0], k.shape[2], k.shape[3]) == (q.shape[0], q.shape[2], q.shape[3])
+    if q.dim() != 4 or not (same and gqa_heads) or v.dim() != 4 or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"ring_attention needs [b, a, s/cp, d] queries and [b, g, s/cp, d] keys and values "
+                         f"(g divides a): q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     n = cp_size(cp_group)
     if n == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                              enable_gqa=k.shape[1] != q.shape[1])
     _check_length(n * q.shape[SEQ_DIM], n, layout)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _RingAttention.apply(q, k, v, cp_group, causal, layout, scale, timeline)
@@ -214,6 +245,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_grou
 __all__ = [
     "block_attention",
     "block_attention_backward",
+    "expand_groups",
     "merge_partial_attention",
+    "reduce_groups",
     "ring_attention",
 ]

@@ -163,18 +163,24 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_g
     ``q, k, v``: ``[b, a, s/cp, d]``, rank ``r``'s tokens ``[r s/cp, (r+1) s/cp)`` (all heads). Returns
     ``[b, a, s/cp, d]``, the rows of ``softmax(Q K^T / sqrt(d) + M) V`` of those tokens, with ``M`` the causal
     mask of the **whole** sequence when ``causal``. Four all-to-alls forward (q, k, v, output), four backward;
-    ``a`` must divide by ``cp``. A group of one is plain ``scaled_dot_product_attention``.
+    ``a`` must divide by ``cp``. Grouped-query attention: k and v ``[b, g, s/cp, d]`` travel at their own
+    ``g`` heads (``g`` must divide by ``cp`` too); rank ``r``'s ``a/cp`` query heads then meet exactly its
+    ``g/cp`` key/value heads (head ``i`` reads ``i // (a/g)``). A group of one is plain
+    ``scaled_dot_product_attention``.
     """
-    if not (q.shape == k.shape == v.shape):
-        raise ValueError(f"ulysses_attention: q, k, v shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
     _check_4d(q, "ulysses_attention")
+    if k.shape != v.shape or k.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:] \
+            or q.shape[1] % k.shape[1]:
+        raise ValueError(f"ulysses_attention: q [b, a, s/cp, d] and k, v [b, g, s/cp, d] with g dividing a, "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     cp = group_size(cp_group)
     _check_heads(q.shape[1], cp, "ulysses_attention")
+    _check_heads(k.shape[1], cp, "ulysses_attention (key/value heads)")
+    gqa = k.shape[1] != q.shape[1]
     if cp == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    qh, kh, vh = (sequence_to_heads(t, cp_group) for t in (q, k, v))  # each [b, a/cp, s, d]
-    oh = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal)  # [b, a/cp, s, d]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    qh, kh, vh = (sequence_to_heads(t, cp_group) for t in (q, k, v))  # [b, a/cp, s, d], k, v [b, g/cp, s, d]
+    oh = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, enable_gqa=gqa)  # [b, a/cp, s, d]
     return heads_to_sequence(oh, cp_group)                             # [b, a, s/cp, d]
 
 
