@@ -451,6 +451,84 @@ print(f"default kernel on {device}: {total_default:,d} FLOPs counted; missing {t
       f"= {(total - total_default) / attention_term:.3f} x the attention term")
 
 # %% [markdown]
+# ## 6. The block people train today: the Llama form
+#
+# GPT-2's block is where the course starts; the block of Llama, Mistral, Qwen and DeepSeek's dense layers
+# changes five things, each by a flag of the same `ModelConfig` (as Megatron-Core's `GPTModel` covers both):
+#
+# * **RMSNorm** (Zhang & Sennrich 2019): $x / \sqrt{\mathrm{mean}(x^2) + \epsilon} \cdot g$, no mean, no bias:
+#   one reduction instead of two.
+# * **RoPE** (Su et al. 2021): no position table; q and k are rotated by an angle proportional to their
+#   position, so a score depends on the *distance* between tokens. Llama 3.1 stretches the low frequencies
+#   (`rope_type="llama3"`) for long contexts.
+# * **Grouped-query attention** (Ainslie et al. 2023): `num_key_value_heads` $g$ < heads $a$; each key/value
+#   head serves $a/g$ query heads, so the K/V projections and the KV cache shrink by $a/g$ ($g = 1$:
+#   multi-query). Our fused `query_key_value` keeps the rows of a group together (its $a/g$ query heads,
+#   its key, its value), so chapter 06 can split it by rows.
+# * **SwiGLU** (Shazeer 2020): $(\mathrm{SiLU}(x W_g) \odot x W_u) W_2$, a gated MLP of three matrices
+#   (gate and up fused, their rows interleaved, again for chapter 06).
+# * **No biases, an untied output layer.**
+#
+# `LLAMA` names those fields; the trainer's `--arch llama --num-kv-heads 2` trains this form. The planner
+# counts it from the configuration, as it counted GPT-2's: the attention's projections are
+# $h(h + 2gd) + h^2$, SwiGLU's $3hf$, each norm $h$.
+
+# %%
+from refimpl.config import LLAMA  # noqa: E402
+
+llama_cfg = ModelConfig(**LLAMA, num_key_value_heads=2)  # 4 query heads in 2 groups
+llama = GPT(llama_cfg, seed=0)
+measured_llama = sum(p.numel() for p in llama.parameters())
+assert param_count(llama_cfg).total == measured_llama
+qkv_rows = llama.layers[0].self_attention.query_key_value.weight.shape[0]
+print(f"Llama form: {measured_llama:,d} parameters (planner: {param_count(llama_cfg).total:,d}); fused qkv "
+      f"{qkv_rows} rows = h + 2 g d = {cfg.hidden_size} + 2 x 2 x {llama_cfg.head_dim} (GPT-2's: 3h = "
+      f"{3 * cfg.hidden_size})")
+
+# %% [markdown]
+# Is it really Llama? `refimpl.models.convert.llama_from_hf` takes a Hugging Face `LlamaForCausalLM`'s
+# config and weights (here a small one built from a config: nothing is downloaded) and returns our model
+# in its Llama form: the same function, only three weights laid out differently (q/k/v fused by group,
+# gate/up interleaved). In float64 the logits should agree to the last few bits, and at first they do
+# not: Hugging Face computes the RoPE angles and RMSNorm in **float32** even in a float64 model (for
+# speed and memory in bf16 training). Made float64 there too, the two agree to float64's rounding.
+
+# %%
+try:
+    import transformers  # a test dependency of the course (pip install transformers)
+except ImportError:
+    transformers = None
+    print("transformers is not installed: pip install transformers to run this comparison")
+if transformers is not None:
+    from refimpl.models.convert import llama_from_hf
+    from refimpl.models.rope import rope_frequencies
+
+    hf_cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    hf_llama = transformers.LlamaForCausalLM(hf_cfg).double()
+    ours = llama_from_hf(hf_cfg.to_dict(), hf_llama.state_dict())
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = (hf_llama(input_ids=ids).logits - ours(ids)).abs().max().item()
+        freqs = rope_frequencies(ours.config)  # float64 angles in HF's rotary, float64 RMSNorm
+
+        def rotary64(x, position_ids):
+            angles = position_ids[..., None].double() * freqs
+            angles = torch.cat((angles, angles), dim=-1)
+            return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+        hf_llama.model.rotary_emb.forward = rotary64
+        for norm in (m for m in hf_llama.modules() if type(m).__name__ == "LlamaRMSNorm"):
+            norm.forward = lambda x, n=norm: n.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
+                                                                         + n.variance_epsilon))
+        after = (hf_llama(input_ids=ids).logits - ours(ids)).abs().max().item()
+    print(f"max |logits HF - ours| in float64: {before:.1e} with HF's float32 angles and norms, "
+          f"{after:.1e} with both float64 throughout")
+    assert after < 1e-12 < before  # tests/test_convert.py: every gradient too, with a measured tolerance
+
+# %% [markdown]
 # ## What to take away
 #
 # * The single-device run is the reference: a pure-function data order, a pure-function learning-rate
@@ -459,6 +537,8 @@ print(f"default kernel on {device}: {total_default:,d} FLOPs counted; missing {t
 #   planner predicts it exactly. Activations grow linearly with the batch and soon dominate.
 # * Training costs $6N + 12LHQT$ FLOPs per token, backward twice forward. Check a FLOP counter's blind
 #   spots before trusting it: on a CPU, `FlopCounterMode` does not see the default attention kernel.
+# * The Llama form (RMSNorm, RoPE, grouped-query attention, SwiGLU, no biases) is the same model class by
+#   configuration, equal to Hugging Face's `LlamaForCausalLM` once both compute in float64 throughout.
 #
 # ## Exercise
 #
