@@ -24,6 +24,7 @@ from refimpl.config import LLAMA, ModelConfig, ParallelConfig
 from refimpl.launch import run_ranks
 from refimpl.models import GPT
 from refimpl.parallel.declarations import ContextParallelModules
+from refimpl.planner import context_parallel_bytes
 from refimpl.support import shape_refusals
 from refimpl.train import build_parser, config_from_args, options_from_args, train
 from tests.one_device import (
@@ -79,6 +80,7 @@ def _worker(ctx, files: dict) -> dict:
             records = train(config_from_args(args), ctx, options_from_args(args),
                             gradient_probe=first_step_gradients(grads))
         out[name], out[name, "grads"] = [r["loss"] for r in records], grads
+        out[name, "bytes"] = [r["bytes_sent"] for r in records]
     return out
 
 
@@ -120,6 +122,28 @@ def test_rope_with_each_ranks_local_positions_fails(runs, one_device):
     off = max(abs(a - b) for a, b in zip(runs[0]["cp2-local-positions"], want, strict=True))
     print(f"local positions: losses off by {off:.2e}, {off / tol:.0f} x the tolerance")
     assert off > 10 * tol, off
+
+
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+@pytest.mark.parametrize("name", ["cp2-dp2-ring", "cp2-dp2-ulysses"])
+def test_the_cp_bytes_are_the_formula_at_the_key_value_heads(runs, name):
+    """metrics.jsonl's bytes on the cp group per step equal ``num_layers x`` the planner's
+    :func:`context_parallel_bytes` (forward + backward) of the model, its K/V at their own head count; the
+    same formula at the query heads (K/V repeated, picotron's ring) is not what the ranks sent."""
+    model, flags = LAYOUTS[name]
+    config = config_from_args(build_parser().parse_args([*TINY, *MODELS[model], *flags])).model
+    method = "ulysses" if "ulysses" in name else "ring"
+    micro = 8 // 2  # the global batch over dp 2, one micro-batch
+
+    def planned(c: ModelConfig) -> int:
+        per_layer = context_parallel_bytes(c, micro_batch=micro, seq_len=16, cp=2, method=method)
+        return c.num_layers * (per_layer["forward"] + per_layer["backward"])
+
+    repeated = planned(dataclasses.replace(config, num_key_value_heads=config.num_attention_heads))
+    for rank, out in enumerate(runs):
+        steps = out[name, "bytes"]
+        assert all(s["cp"] == planned(config) for s in steps), (rank, steps[0], planned(config))
+        assert steps[0]["cp"] < repeated, (steps[0]["cp"], repeated)
 
 
 def test_the_layouts_not_built_for_gqa_are_refused_by_name():

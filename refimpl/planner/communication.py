@@ -176,10 +176,13 @@ def context_parallel_bytes(config: ModelConfig, *, micro_batch: int, seq_len: in
     "backward": ...}`` (chapter 07; see the module docstring).
 
     ``seq_len`` is the whole sequence (each rank holds ``s/cp`` tokens), ``tp`` the tensor-parallel degree
-    (attention runs on ``a/t`` heads), ``compute_dtype`` the dtype of q, k, v (``p`` bytes). ``method``
-    ``"ring"``: forward ``2 (cp-1) p x``, backward ``2 (cp-1) (p + 4) x`` with ``x = b (a/t) (s/cp) d``
-    (dK/dV travel in float32, the ring's block dtype). ``"ulysses"``: ``4 (cp-1)/cp p x`` each way. Zero when
-    ``cp = 1``. The sizes must split: the ring's ``2 cp`` zig-zag chunks, Ulysses' ``cp`` parts and heads.
+    (attention runs on ``a/t`` heads), ``compute_dtype`` the dtype of q, k, v (``p`` bytes). With
+    ``x = b (a/t) (s/cp) d`` one rank's q and ``x_kv = b (g/t) (s/cp) d`` its k or v (``g`` key/value heads;
+    ``g = a`` without grouped-query attention): ``method`` ``"ring"``: forward ``2 (cp-1) p x_kv``, backward
+    ``2 (cp-1) (p + 4) x_kv`` (dK/dV travel in float32, the ring's block dtype; K/V at their own heads).
+    ``"ulysses"``: ``(cp-1)/cp p (2 x + 2 x_kv)`` each way (q and the output at ``a`` heads, k and v at
+    ``g``). Zero when ``cp = 1``. The sizes must split: the ring's ``2 cp`` zig-zag chunks, Ulysses' ``cp``
+    parts and heads.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -190,8 +193,9 @@ def context_parallel_bytes(config: ModelConfig, *, micro_batch: int, seq_len: in
     if cp == 1:
         return {"forward": 0, "backward": 0}
     p = torch.empty((), dtype=compute_dtype).element_size()
-    x = micro_batch * (config.num_attention_heads // tp) * s * config.head_dim  # one rank's q, k or v
+    x = micro_batch * (config.num_attention_heads // tp) * s * config.head_dim  # one rank's q
+    x_kv = micro_batch * (config.num_key_value_heads // tp) * s * config.head_dim  # its k or v
     if method == "ring":
-        return {"forward": 2 * (cp - 1) * p * x, "backward": 2 * (cp - 1) * (p + 4) * x}
-    per_direction = 4 * (cp - 1) * p * x // cp  # exact: x holds cp equal blocks (a/t divides by cp)
+        return {"forward": 2 * (cp - 1) * p * x_kv, "backward": 2 * (cp - 1) * (p + 4) * x_kv}
+    per_direction = (cp - 1) * p * (2 * x + 2 * x_kv) // cp  # exact: each holds cp equal blocks
     return {"forward": per_direction, "backward": per_direction}
