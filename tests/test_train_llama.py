@@ -9,16 +9,19 @@ one key/value head travels the ring, and RoPE must take each chunk's global posi
 device in fp32, losses and the first step's gradients before the optimizer (tests/one_device.py's rule:
 ``FACTOR x`` the spread of two one-device summation orders; negative controls: the gradients x 2 fail, and the
 cp run whose RoPE rotates by each rank's local positions fails the losses). The layouts the Llama form cannot
-take yet are refused by the trainer's shape rules, by name.
+take yet are refused by the trainer's shape rules, by name. The tp 2 run's checkpoint resumes at pp 2 and
+continues one device's losses; the cp group's bytes are the planner's formula at the key/value heads.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 from unittest import mock
 
 import pytest
+import torch.distributed as dist
 
 from refimpl.config import LLAMA, ModelConfig, ParallelConfig
 from refimpl.launch import run_ranks
@@ -43,7 +46,8 @@ TINY = ["--arch", "llama", "--num-layers", "2", "--hidden-size", "32", "--num-he
         "--checkpoint-every", "0", "--no-report", "--steps", str(STEPS)]
 MODELS = {"gqa": ["--num-kv-heads", "2"], "mqa": ["--num-kv-heads", "1"]}
 LAYOUTS = {  # name -> (model, the trainer's flags at world size 4)
-    "tp2-dp2-sp-zero1": ("gqa", ["--tp", "2", "--sequence-parallel", "--zero-stage", "1"]),
+    "tp2-dp2-sp-zero1": ("gqa", ["--tp", "2", "--sequence-parallel", "--zero-stage", "1",
+                                 "--checkpoint-every", str(STEPS // 2)]),  # resumed at pp 2 x dp 2 below
     "dp4-zero3-actckpt": ("gqa", ["--zero-stage", "3", "--activation-checkpointing"]),
     "pp2-dp2-1f1b": ("gqa", ["--pp", "2", "--microbatches", "2"]),
     "cp2-dp2-ring": ("mqa", ["--cp", "2"]),
@@ -73,7 +77,8 @@ DECLARED = GPT.context_parallel_modules
 def _worker(ctx, files: dict) -> dict:
     out = {}
     for name, (model, flags) in {**LAYOUTS, "cp2-local-positions": LAYOUTS["cp2-dp2-ring"]}.items():
-        args = _args(files, Path(files["root"]) / name, *MODELS[model], *flags)
+        args = _args(files, Path(files["root"]) / name, *MODELS[model], *flags,
+                     "--checkpoint-dir", str(Path(files["root"]) / name / "ckpt"))
         grads: dict = {}
         with mock.patch.object(GPT, "context_parallel_modules",
                                _local_positions if name == "cp2-local-positions" else DECLARED):
@@ -81,6 +86,16 @@ def _worker(ctx, files: dict) -> dict:
                             gradient_probe=first_step_gradients(grads))
         out[name], out[name, "grads"] = [r["loss"] for r in records], grads
         out[name, "bytes"] = [r["bytes_sent"] for r in records]
+    root = Path(files["root"])
+    if ctx.rank == 0:  # the tp 2 run's checkpoint of step STEPS / 2 alone, for a run at another layout
+        shutil.copytree(root / "tp2-dp2-sp-zero1" / "ckpt", root / "resumed" / "ckpt")
+        for later in (root / "resumed" / "ckpt").glob("step_*"):
+            if int(later.name.removeprefix("step_")) > STEPS // 2:
+                shutil.rmtree(later)
+    dist.barrier()
+    args = _args(files, root / "resumed", *MODELS["gqa"], *LAYOUTS["pp2-dp2-1f1b"][1],
+                 "--checkpoint-every", str(STEPS // 2), "--checkpoint-dir", str(root / "resumed" / "ckpt"))
+    out["resumed at pp2"] = [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args))]
     return out
 
 
@@ -144,6 +159,20 @@ def test_the_cp_bytes_are_the_formula_at_the_key_value_heads(runs, name):
         steps = out[name, "bytes"]
         assert all(s["cp"] == planned(config) for s in steps), (rank, steps[0], planned(config))
         assert steps[0]["cp"] < repeated, (steps[0]["cp"], repeated)
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+def test_a_tp_checkpoint_resumes_at_pp2_and_continues_one_devices_losses(runs, one_device):
+    """The tp 2 x dp 2 run's checkpoint of step STEPS / 2 (GQA's qkv rows and SwiGLU's interleaved rows in
+    their boxes) resumed at pp 2 x dp 2: its steps STEPS / 2 .. STEPS - 1 are one device's, within the
+    tolerance."""
+    want = one_device["gqa"]["fp32", "batch"][STEPS // 2:]
+    tol = tolerance(one_device["gqa"], "fp32", factor=FACTOR)
+    for rank, out in enumerate(runs):
+        got = out["resumed at pp2"]
+        assert len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want, strict=True)) <= tol, \
+            (rank, got, want)
 
 
 def test_the_layouts_not_built_for_gqa_are_refused_by_name():
