@@ -9,7 +9,8 @@ one key/value head travels the ring, and RoPE must take each chunk's global posi
 device in fp32, losses and the first step's gradients before the optimizer (tests/one_device.py's rule:
 ``FACTOR x`` the spread of two one-device summation orders; negative controls: the gradients x 2 fail, and the
 cp run whose RoPE rotates by each rank's local positions fails the losses). The layouts the Llama form cannot
-take yet are refused by the trainer's shape rules, by name. The tp 2 run's checkpoint resumes at pp 2 and
+take yet are refused by the trainer's shape rules, by name. An MoE block of SwiGLU experts at dp 4 with
+expert parallelism 2 trains like one device too. The tp 2 run's checkpoint resumes at pp 2 and
 continues one device's losses; the cp group's bytes are the planner's formula at the key/value heads.
 """
 
@@ -44,7 +45,8 @@ STEPS = 4
 TINY = ["--arch", "llama", "--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
         "--batch-size", "8", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
         "--checkpoint-every", "0", "--no-report", "--steps", str(STEPS)]
-MODELS = {"gqa": ["--num-kv-heads", "2"], "mqa": ["--num-kv-heads", "1"]}
+MODELS = {"gqa": ["--num-kv-heads", "2"], "mqa": ["--num-kv-heads", "1"],
+          "moe": ["--num-kv-heads", "2", "--moe-experts", "4", "--moe-every", "2"]}
 LAYOUTS = {  # name -> (model, the trainer's flags at world size 4)
     "tp2-dp2-sp-zero1": ("gqa", ["--tp", "2", "--sequence-parallel", "--zero-stage", "1",
                                  "--checkpoint-every", str(STEPS // 2)]),  # resumed at pp 2 x dp 2 below
@@ -52,6 +54,7 @@ LAYOUTS = {  # name -> (model, the trainer's flags at world size 4)
     "pp2-dp2-1f1b": ("gqa", ["--pp", "2", "--microbatches", "2"]),
     "cp2-dp2-ring": ("mqa", ["--cp", "2"]),
     "cp2-dp2-ulysses": ("gqa", ["--cp", "2", "--cp-method", "ulysses"]),
+    "dp4-ep2-moe": ("moe", ["--ep", "2"]),  # block 0 an MoE of SwiGLU experts, 2 per ep rank
 }
 
 

@@ -227,6 +227,7 @@ def _moe_fields(args: argparse.Namespace) -> dict:
     if not args.moe_experts:
         return {}
     return {"num_experts": args.moe_experts, "top_k": args.moe_top_k, "moe_every": args.moe_every,
+            "moe_activation": "swiglu" if args.arch == "llama" else "gelu",  # the experts as the dense MLP
             "capacity_factor": args.moe_capacity_factor, "aux_loss_coeff": args.moe_aux_loss_coeff,
             "moe_load_balance": args.moe_load_balance, "moe_normalize_topk": args.moe_normalize_topk}
 
