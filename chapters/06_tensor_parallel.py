@@ -566,6 +566,52 @@ if rank == 0:
     print(f"{len(assembled)} tensors assembled from 4 ranks, all equal to the one-device model bit for bit")
 
 # %% [markdown]
+# **Grouped-query attention** (the Llama form, chapter 01: $g$ key/value heads for $a$ query heads) keeps
+# the same rule one level up: our fused `query_key_value` lays its rows out by *query group*, the $a/g$
+# query heads of key/value head $j$, then its key, then its value, so a contiguous block of rows is whole
+# groups whenever $t$ divides $g$, and the plain row split is right again. Below: the Llama form with 4
+# query heads in 2 groups (RMSNorm, RoPE, SwiGLU with its gate and up rows interleaved for the same
+# reason) at tp 2, each rank one whole group, against one device, with and without sequence parallelism.
+# With fewer key/value heads than ranks ($t = 4$, $g = 2$) a rank would need half a group: the k/v
+# weights replicated and their gradients summed over the replicas, or Megatron's sub-sharding of the
+# activation; not built, and refused by name.
+
+# %%
+# %%px
+from refimpl.config import LLAMA  # noqa: E402
+
+llama_cfg = ModelConfig(**LLAMA, num_layers=2, hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
+                        max_seq_len=S)
+(l32, g32), (l64, g64) = gpt_reference(llama_cfg, torch.float32), gpt_reference(llama_cfg, torch.float64)
+boxes = {n: s.box.slices() for n, s in module_shards(
+    apply_tensor_parallel(GPT(llama_cfg, seed=1).to(device), tp_group=tp_groups[2])).items()}
+ref = {"loss": l32.detach(), **{n: g32[n][b] for n, b in boxes.items()}}
+spread = spread_of(ref, {"loss": l64, **{n: g64[n][b] for n, b in boxes.items()}})
+spread["loss"] = max(spread["loss"], float(np.spacing(np.float32(l32.item()))))  # at least 1 ulp
+llama_results = {}
+for sp in (False, True):
+    model = apply_tensor_parallel(GPT(llama_cfg, seed=1).to(device), tp_group=tp_groups[2], sequence_parallel=sp)
+    loss = tp_lm_loss(model(tokens), labels, tp_group=tp_groups[2], vocab_size=llama_cfg.vocab_size)
+    loss.backward()
+    allreduce_sequence_parallel_grads(model, tp_groups[2])  # the RMSNorms' gradients under SP
+    params = dict(model.named_parameters())
+    name = "tp 2, SP" if sp else "tp 2"  # string keys: ipyparallel sorts them
+    llama_results[name] = worst({"loss": loss.detach(), **{n: params[n].grad for n in boxes}}, ref, spread)
+    assert llama_results[name][1] <= 1, llama_results[name]
+try:
+    apply_tensor_parallel(GPT(llama_cfg, seed=1).to(device), tp_group=tp_groups[4])
+except ValueError as refused:
+    llama_results["tp 4"] = str(refused)
+
+# %%
+llama_runs = ranks.run(lambda: llama_results)
+for name in ("tp 2", "tp 2, SP"):
+    where, ratio = max((r[name] for r in llama_runs), key=lambda w: w[1])
+    print(f"Llama form, GQA 4/2, {name}: largest |difference| / tolerance {ratio:.2f} at {where}")
+print("tp=4:", llama_runs[0]["tp 4"])
+assert all("num_key_value_heads=2 does not divide" in r["tp 4"] for r in llama_runs)
+
+# %% [markdown]
 # ## 6. The vocabulary-parallel loss
 #
 # The output layer is the largest matmul of a small model, and its output, the logits $[b, s, V]$, the

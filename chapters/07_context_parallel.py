@@ -492,7 +492,54 @@ fig.tight_layout()
 # network, where each of the ring's sends goes to one neighbour), and it stops at `cp` = heads.
 # (Ulysses' numbers are the all-to-all's payload, measured from the tensors, times the $\frac{n-1}{n}$
 # that an equal-split all-to-all sends: exact for these equal blocks.)
+
 #
+# **Grouped-query attention shrinks the ring.** The Llama form (chapter 01) has $g$ key/value heads for
+# $a$ query heads, and only K and V travel the ring: ours sends them at their own $g$ heads and each block
+# expands them to the query heads it meets (`expand_groups`; dK/dV are summed back per group before they
+# travel), so the ring's bytes fall to $g/a$ of multi-head attention's. Repeating K/V to $a$ heads before
+# the ring (picotron does) would send $a/g$ times more. Ulysses moves q and the output at $a$ heads and
+# k, v at $g$. The same tracer, the same planner formula with `num_key_value_heads`:
+
+# %%
+# %%px
+from refimpl.config import LLAMA  # noqa: E402
+
+
+def traced_llama(kv_heads, method, group):
+    """The Llama form (RoPE, RMSNorm, SwiGLU) with ``kv_heads`` key/value heads, one forward and backward."""
+    cfg = ModelConfig(**LLAMA, num_layers=2, hidden_size=32, num_attention_heads=4,
+                      num_key_value_heads=kv_heads, max_seq_len=32)
+    model = apply_context_parallel(GPT(cfg, seed=1).to(device), cp_group=group, method=method)
+    x = split_for_context_parallel(tokens, cp_group=group, method=method)  # [b, s/cp]
+    with CommTracer() as tracer:
+        loss = lm_loss(model(x), x)
+        tracer.step()
+        loss.backward()
+    return tracer
+
+
+gqa_bytes = {(kv, method, cp): {p: per_layer(traced_llama(kv, method, group), method, s)
+                                for s, p in enumerate(("forward", "backward"))}
+             for kv in (4, 2, 1) for cp, group in cp_groups.items() for method in ("ring", "ulysses")
+             if method == "ring" or kv % cp == 0}
+
+# %%
+from refimpl.config import LLAMA  # noqa: E402, F811 (the kernel's own import; the cell above ran on the engines)
+
+gqa_bytes = ranks.run(lambda: gqa_bytes)[0]
+for (kv, method, cp), got in sorted(gqa_bytes.items()):
+    cfg = ModelConfig(**LLAMA, num_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=kv,
+                      max_seq_len=32)
+    plan = context_parallel_bytes(cfg, micro_batch=2, seq_len=32, cp=cp, method=method)
+    assert got == plan, (kv, method, cp, got, plan)  # tracer == planner, exact
+    mha = gqa_bytes[(4, method, cp)]["forward"]
+    print(f"{method:8s} cp={cp} kv heads {kv}: forward {got['forward']:>8,.0f} B per rank per layer "
+          f"({got['forward'] / mha:.3g} of multi-head's), planner {plan['forward']:,d} B")
+for cp in (2, 4):
+    assert gqa_bytes[(1, "ring", cp)]["forward"] * 4 == gqa_bytes[(4, "ring", cp)]["forward"]  # g/a = 1/4
+
+# %% [markdown]
 # ## 7. Activation memory per rank falls as 1/cp
 #
 # The point of the technique. The saved-tensor meter of chapter 05 (`SavedTensorMeter`) measures what each
