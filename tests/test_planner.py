@@ -177,3 +177,24 @@ def test_run_memory_state_follows_the_zero_stage():
     assert bf16.state["autocast weight copies"] == 2 * param_count(config).matmul
     with pytest.raises(ValueError, match="unknown precision"):
         run_memory_per_rank(config, ONE, micro_batch=1, seq_len=16, precision="fp4")
+
+
+# Llama 3's published shapes and sizes (Dubey et al. 2024, table 3; the model cards: 8.03 B, 70.6 B, 405.9 B)
+LLAMA3 = {"8B": (4096, 32, 32, 14336, 8.03), "70B": (8192, 80, 64, 28672, 70.6),
+          "405B": (16384, 126, 128, 53248, 405.9)}
+
+
+@pytest.mark.parametrize("size", list(LLAMA3))
+def test_the_llama_form_counts_llama3s_published_parameters(size):
+    """The Llama form's count (GQA's k/v at 8 heads, SwiGLU, RMSNorm, no biases, an untied head over a
+    vocabulary of 128,256) gives Llama 3's published sizes to their last printed digit; GPT-2's form of the
+    same shape does not."""
+    from refimpl.config import LLAMA
+
+    h, layers, heads, ffn, published = LLAMA3[size]
+    shape = dict(hidden_size=h, num_layers=layers, num_attention_heads=heads, ffn_hidden_size=ffn,
+                 vocab_size=128256, max_seq_len=8192)
+    llama = ModelConfig(**LLAMA, num_key_value_heads=8, **shape)
+    digits = 2 if published < 10 else 1
+    assert round(param_count(llama).total / 1e9, digits) == published
+    assert round(param_count(ModelConfig(**shape)).total / 1e9, digits) != published
