@@ -179,7 +179,7 @@ def test_run_memory_state_follows_the_zero_stage():
         run_memory_per_rank(config, ONE, micro_batch=1, seq_len=16, precision="fp4")
 
 
-# Llama 3's published shapes and sizes (Dubey et al. 2024, table 3; the model cards: 8.03 B, 70.6 B, 405.9 B)
+# Llama 3's published shapes and sizes (Dubey et al. 2024, "The Llama 3 Herd of Models"; the model cards)
 LLAMA3 = {"8B": (4096, 32, 32, 14336, 8.03), "70B": (8192, 80, 64, 28672, 70.6),
           "405B": (16384, 126, 128, 53248, 405.9)}
 
