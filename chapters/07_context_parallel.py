@@ -411,9 +411,9 @@ GB, GS = 2, 32
 tokens = torch.randint(0, gcfg.vocab_size, (GB, GS), generator=torch.Generator().manual_seed(1)).to(device)
 
 
-def traced_gpt(method, group):
+def traced_gpt(method, group, config=gcfg):
     """One forward (tracer step 0) and backward (step 1) of the context-parallel GPT on this rank's tokens."""
-    model = apply_context_parallel(GPT(gcfg, seed=1).to(device), cp_group=group, method=method)
+    model = apply_context_parallel(GPT(config, seed=1).to(device), cp_group=group, method=method)
     x = split_for_context_parallel(tokens, cp_group=group, method=method)  # [b, s/cp]
     with CommTracer() as tracer:
         loss = lm_loss(model(x), x)
@@ -510,13 +510,7 @@ def traced_llama(kv_heads, method, group):
     """The Llama form (RoPE, RMSNorm, SwiGLU) with ``kv_heads`` key/value heads, one forward and backward."""
     cfg = ModelConfig(**LLAMA, num_layers=2, hidden_size=32, num_attention_heads=4,
                       num_key_value_heads=kv_heads, max_seq_len=32)
-    model = apply_context_parallel(GPT(cfg, seed=1).to(device), cp_group=group, method=method)
-    x = split_for_context_parallel(tokens, cp_group=group, method=method)  # [b, s/cp]
-    with CommTracer() as tracer:
-        loss = lm_loss(model(x), x)
-        tracer.step()
-        loss.backward()
-    return tracer
+    return traced_gpt(method, group, cfg)
 
 
 gqa_bytes = {(kv, method, cp): {p: per_layer(traced_llama(kv, method, group), method, s)

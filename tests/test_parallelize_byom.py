@@ -69,10 +69,10 @@ from refimpl.launch import run_ranks
 from refimpl.parallel.activation_checkpoint import checkpointed_blocks
 from refimpl.parallel.declarations import ContextParallelModules
 from refimpl.parallel.parallelize import parallelize
-from refimpl.parallel.pipeline_parallel import split_blocks, stage_rank
 from refimpl.parallel.placements import clip_grad_norm_
 from refimpl.parallel.tensor_parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, VocabParallel
 from refimpl.train.gradients import gradient_shards
+from tests.test_bring_your_own_model import user_pipeline_stages
 
 SPAWN_TIMEOUT = 240
 FACTOR = 4.0  # x the one-device float32-vs-float64 distance (module docstring)
@@ -186,11 +186,9 @@ class DeclaredLM(nn.Module):
 
     def pipeline_stages(self, *, pp_rank: int, pp_size: int, virtual_stages: int,
                         balance: str) -> dict[int, nn.Module]:
-        n = pp_size * virtual_stages
-        ranges = split_blocks([sum(p.numel() for p in b.parameters()) for b in self.blocks], n,
-                              balance=balance)
-        return {s: Stage(self, ranges[s], stage=s, num_stages=n)
-                for s in range(n) if stage_rank(s, pp_size=pp_size) == pp_rank}
+        """The user's stages of tests/test_bring_your_own_model.py (the same attribute names)."""
+        return user_pipeline_stages(self, pp_rank=pp_rank, pp_size=pp_size, virtual_stages=virtual_stages,
+                                    balance=balance)
 
     def context_parallel_modules(self) -> ContextParallelModules:
         return ContextParallelModules(attention=[b.attn for b in self.blocks], positions=[self.rope])
@@ -211,42 +209,6 @@ class NoPositions(DeclaredLM):
 
     def context_parallel_modules(self) -> ContextParallelModules:
         return ContextParallelModules(attention=[b.attn for b in self.blocks])
-
-
-class Stage(nn.Module):
-    """A pipeline stage (refimpl/parallel/pipeline_parallel/stage.py's protocol): blocks ``block_ids`` of
-    ``model`` (shared), the embedding on the first stage, the final norm and head on the last."""
-
-    def __init__(self, model: DeclaredLM, block_ids: range, *, stage: int, num_stages: int) -> None:
-        super().__init__()
-        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
-        self.hidden_size = HIDDEN
-        self.tied_copy = False  # untied head
-        self.block_ids = block_ids
-        self.tok = model.tok if self.is_first else None
-        self.blocks = nn.ModuleList(model.blocks[i] for i in block_ids)
-        self.norm = model.norm if self.is_last else None
-        self.lm_head = model.lm_head if self.is_last else None
-
-    def tied_weight(self) -> torch.Tensor | None:
-        return None
-
-    def full_name(self, name: str) -> str:
-        if name.startswith("blocks."):
-            i, rest = name.split(".", 2)[1:]
-            return f"blocks.{self.block_ids[int(i)]}.{rest}"
-        return name
-
-    def full_names(self) -> dict[str, str]:
-        # PipelineModule.named_parameters_full reads this (the stage docstring names only full_name)
-        return {n: self.full_name(n) for n, _ in self.named_parameters()}
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tok is not None:
-            x = self.tok(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.norm(x)) if self.is_last else x
 
 
 # -- the layouts ---------------------------------------------------------------------------------------------

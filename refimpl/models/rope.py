@@ -33,10 +33,11 @@ from refimpl.config import ModelConfig
 __all__ = ["RotaryEmbedding", "apply_rotary", "rope_frequencies", "rotate_half"]
 
 
-def rope_frequencies(config: ModelConfig) -> torch.Tensor:
-    """``w_i`` of the module docstring, ``[d/2]`` float64 (the llama3 scaling applied when asked)."""
+def rope_frequencies(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """``w_i`` of the module docstring, ``[d/2]`` float64 on ``device`` (the llama3 scaling applied when
+    asked)."""
     d = config.head_dim
-    w = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)  # [d/2]
+    w = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d)  # [d/2]
     if config.rope_type == "default":
         return w
     low, high, factor = config.rope_low_freq_factor, config.rope_high_freq_factor, config.rope_factor
@@ -74,6 +75,6 @@ class RotaryEmbedding(nn.Module):
     def forward(self, seq_len: int, *, device: torch.device,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         positions = self.position_ids(seq_len, device).to(torch.float64)  # [s]
-        angles = positions[:, None] * rope_frequencies(self.config).to(device)  # [s, d/2]
+        angles = positions[:, None] * rope_frequencies(self.config, device)  # [s, d/2]
         angles = torch.cat((angles, angles), dim=-1)  # [s, d]: pair i and i + d/2 share an angle
         return angles.cos().to(dtype), angles.sin().to(dtype)
