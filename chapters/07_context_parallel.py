@@ -492,7 +492,6 @@ fig.tight_layout()
 # network, where each of the ring's sends goes to one neighbour), and it stops at `cp` = heads.
 # (Ulysses' numbers are the all-to-all's payload, measured from the tensors, times the $\frac{n-1}{n}$
 # that an equal-split all-to-all sends: exact for these equal blocks.)
-
 #
 # **Grouped-query attention shrinks the ring.** The Llama form (chapter 01) has $g$ key/value heads for
 # $a$ query heads, and only K and V travel the ring: ours sends them at their own $g$ heads and each block
