@@ -144,10 +144,10 @@ def shape_refusals(model: ModelConfig, config: ParallelConfig, *, seq_len: int) 
                                          ("vocabulary entries", model.vocab_size, "the vocabulary"))
                 if size % tp]
         kv = model.num_key_value_heads
-        if kv != heads and kv % tp:
-            out.append(f"--tp {tp} does not divide the {kv} key/value heads (--num-kv-heads): each "
-                       "tensor-parallel rank holds whole query groups; fewer key/value heads than ranks "
-                       "(replicated k/v, Megatron's sub-sharding) is not built yet")
+        if kv % tp and tp % kv:
+            out.append(f"--tp {tp} and the {kv} key/value heads (--num-kv-heads): one must divide the "
+                       "other (each tensor-parallel rank holds whole query groups, or tp/kv ranks share "
+                       "one key/value head); change --num-kv-heads or --tp")
         if config.sequence_parallel and s % tp:
             out.append(f"--sequence-parallel splits the sequence over the {tp} tensor-parallel ranks: "
                        f"--seq-len {s} does not divide by {tp}")
@@ -161,10 +161,11 @@ def shape_refusals(model: ModelConfig, config: ParallelConfig, *, seq_len: int) 
                        f"heads per tensor-parallel rank ({heads} / --tp {tp} = {heads // tp}) do not "
                        f"divide by {cp}; use --cp-method ring or change --num-heads")
         kv = model.num_key_value_heads
-        if config.cp_method == "ulysses" and kv != heads and (kv // tp) % cp:
+        held = max(kv // tp, 1)  # tp/kv ranks share one key/value head when kv < tp
+        if config.cp_method == "ulysses" and kv != heads and held % cp:
             out.append(f"--cp-method ulysses gives each of the {cp} context-parallel ranks whole key/value "
-                       f"heads too: the key/value heads per tensor-parallel rank ({kv} / --tp {tp} = "
-                       f"{kv // tp}) do not divide by {cp}; use --cp-method ring or change --num-kv-heads")
+                       f"heads too: the key/value heads per tensor-parallel rank ({kv} / --tp {tp}: "
+                       f"{held}) do not divide by {cp}; use --cp-method ring or change --num-kv-heads")
         if config.sequence_parallel and (s // cp) % tp:
             out.append(f"--sequence-parallel splits each context-parallel rank's {s // cp} tokens (--seq-len "
                        f"{s} / --cp {cp}) over the {tp} tensor-parallel ranks: they do not divide by {tp}")

@@ -16,7 +16,11 @@ parallelism, tied and untied output layer:
 * the gradient norm (:func:`clip_grad_norm_tensor_parallel_`) equals ``clip_grad_norm_``'s on one device;
   negative control: counting the replicated gradients on every rank;
 * :func:`full_state_dict` gives back the one-device weights bitwise; heads or widths that do not divide are
-  one-line errors; an odd vocabulary is padded by the stated rule (tied) and equals one device too.
+  one-line errors; an odd vocabulary is padded by the stated rule (tied) and equals one device too;
+* the Llama form (RMSNorm, RoPE, SwiGLU, untied) with 1 and 2 key/value heads, so at tp 4 (and MQA at tp 2)
+  fewer key/value heads than ranks (:class:`refimpl.models.gpt_sharding.SharedKeyValueQKV`): the same
+  checks; negative control: the shared k/v rows' gradients not summed over the ranks that read them
+  (bigcode-project/Megatron-LM#35) fails on a ``query_key_value`` gradient.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from refimpl.comm import CommTracer
-from refimpl.config import ModelConfig
+from refimpl.config import LLAMA, ModelConfig
 from refimpl.distributed.placement import module_shards
 from refimpl.launch import run_ranks
 from refimpl.models import GPT, lm_loss
@@ -38,6 +42,7 @@ from refimpl.parallel.tensor_parallel import (
     apply_tensor_parallel,
     clip_grad_norm_tensor_parallel_,
     full_state_dict,
+    gather_from_tensor_parallel_region,
     tensor_parallel_sharded,
     tp_lm_loss,
 )
@@ -98,6 +103,9 @@ def _run(cfg: ModelConfig, group, *, sp: bool, rank: int, t: int, variant: str =
                                   pad_vocab=True)
     if variant == "nanogpt rows":
         _nanogpt_rows_qkv(model, t, rank, dense)
+    if variant == "replicas not summed":  # the gather's backward keeps this rank's dy only
+        for block in model.layers:
+            block.self_attention.query_key_value.gather = gather_from_tensor_parallel_region
     x, y = _data(cfg.vocab_size)
     with CommTracer() as tracer:
         loss = tp_lm_loss(model(x), y, tp_group=group, vocab_size=cfg.vocab_size)
@@ -124,30 +132,42 @@ def _run(cfg: ModelConfig, group, *, sp: bool, rank: int, t: int, variant: str =
                                             or not cfg.tie_word_embeddings)}
 
 
+def _configs(t: int) -> dict[str, tuple[ModelConfig, list[str]]]:
+    """The cases: GPT-2 tied (and padded) and untied, the Llama form at 1 and 2 key/value heads; each with
+    the negative controls its layout can show."""
+    out = {}
+    for tied in (True, False):
+        for vocab in (256, 4 * t + 1) if tied else (256,):
+            negatives = ["nanogpt rows"] if vocab == 256 and tied else []
+            out[f"tied={tied} vocab={vocab}"] = (ModelConfig(**CFG, vocab_size=vocab, tie_word_embeddings=tied),
+                                                 negatives)
+    for kv in (1, 2):
+        negatives = ["replicas not summed"] if kv < t else []
+        out[f"llama kv={kv}"] = (ModelConfig(**{**CFG, **LLAMA}, num_key_value_heads=kv), negatives)
+    return out
+
+
 def _worker(ctx) -> dict:
     t, rank, world = ctx.world_size, ctx.rank, dist.group.WORLD
     out: dict = {"cases": {}}
-    for tied in (True, False):
-        for vocab in (256, 4 * t + 1) if tied else (256,):
-            cfg = ModelConfig(**CFG, vocab_size=vocab, tie_word_embeddings=tied)
-            r32, loss32 = _reference(cfg, torch.float32)
-            r64, loss64 = _reference(cfg, torch.float64)
-            tp_probe = apply_tensor_parallel(copy.deepcopy(r32), tp_group=world, pad_vocab=True)
-            boxes = _boxes(tp_probe)
-            g32 = {n: p.grad for n, p in r32.named_parameters()}
-            g64 = {n: p.grad for n, p in r64.named_parameters()}
-            ref = {n: g32[n][b].to(torch.float64).numpy() for n, b in boxes.items()}
-            spread = {n: float((g32[n][b].double() - g64[n][b]).abs().max()) for n, b in boxes.items()}
-            norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), float("inf")).item() for m in (r32, r64)]
-            key = f"tied={tied} vocab={vocab}"
-            out["cases"][key] = {"ref": ref, "spread": spread, "loss32": loss32,
-                                 "loss_spread": abs(loss32 - loss64), "norm": norms[0],
-                                 "norm_spread": abs(norms[0] - norms[1]), "runs": {}}
-            for sp in (False, True):
-                variants = ["ok", "nanogpt rows"] + (["no sp grad sum"] if sp else [])
-                for variant in variants if vocab == 256 and tied else ["ok"]:
-                    out["cases"][key]["runs"][f"sp={sp} {variant}"] = _run(cfg, world, sp=sp, rank=rank, t=t,
-                                                                          variant=variant)
+    for key, (cfg, negatives) in _configs(t).items():
+        r32, loss32 = _reference(cfg, torch.float32)
+        r64, loss64 = _reference(cfg, torch.float64)
+        tp_probe = apply_tensor_parallel(copy.deepcopy(r32), tp_group=world, pad_vocab=True)
+        boxes = _boxes(tp_probe)
+        g32 = {n: p.grad for n, p in r32.named_parameters()}
+        g64 = {n: p.grad for n, p in r64.named_parameters()}
+        ref = {n: g32[n][b].to(torch.float64).numpy() for n, b in boxes.items()}
+        spread = {n: float((g32[n][b].double() - g64[n][b]).abs().max()) for n, b in boxes.items()}
+        norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), float("inf")).item() for m in (r32, r64)]
+        out["cases"][key] = {"ref": ref, "spread": spread, "loss32": loss32,
+                             "loss_spread": abs(loss32 - loss64), "norm": norms[0],
+                             "norm_spread": abs(norms[0] - norms[1]), "runs": {}}
+        for sp in (False, True):
+            variants = ["ok", *negatives] + (["no sp grad sum"] if sp and negatives == ["nanogpt rows"] else [])
+            for variant in variants:
+                out["cases"][key]["runs"][f"sp={sp} {variant}"] = _run(cfg, world, sp=sp, rank=rank, t=t,
+                                                                      variant=variant)
     out["errors"] = [
         _error(lambda: apply_tensor_parallel(GPT(ModelConfig(**{**CFG, "num_attention_heads": 2 * t + 1,
                                                                  "hidden_size": 2 * (2 * t + 1)})),
@@ -164,13 +184,19 @@ def results(request):
     return request.param, run_ranks(_worker, request.param, timeout_s=SPAWN_TIMEOUT)
 
 
+def _off(run: dict, case: dict, name: str) -> float:
+    """|TP - one device| / tolerance of the gradient ``name``."""
+    return float(np.abs(run["grads"][name] - case["ref"][name]).max()) / (FACTOR * max(case["spread"][name],
+                                                                                     1e-12))
+
+
 def _worst(run: dict, case: dict) -> tuple[float, str]:
     """The largest |TP - one device| / tolerance over the gradients (and the loss)."""
     # the float32 loss often rounds to the float64 one exactly (spread 0): 1 ulp is the finest scale there is
     loss_scale = max(case["loss_spread"], float(np.spacing(np.float32(case["loss32"]))))
     worst, where = abs(run["loss"] - case["loss32"]) / (FACTOR * loss_scale), "loss"
-    for n, g in run["grads"].items():
-        ratio = float(np.abs(g - case["ref"][n]).max()) / (FACTOR * max(case["spread"][n], 1e-12))
+    for n in run["grads"]:
+        ratio = _off(run, case, n)
         if ratio > worst:
             worst, where = ratio, n
     return worst, where
@@ -189,6 +215,9 @@ def test_whole_gpt_equals_one_device_within_the_measured_spread(results):
                     assert run["weights_equal"] and run["names"], f"{key} {name}: full_state_dict differs"
                 else:  # the negative controls fail the same check
                     assert worst > 1.0, f"tp={t} {key} {name} passed: the check cannot see that mistake"
+                    if name.endswith("replicas not summed"):  # the shared k/v rows' own gradients are off
+                        qkv = [n for n in run["grads"] if n.endswith("query_key_value.weight")]
+                        assert any(_off(run, case, n) > 1.0 for n in qkv), (t, key, name, where)
 
 
 @pytest.mark.numerics

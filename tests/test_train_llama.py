@@ -2,7 +2,9 @@
 the same model as one device at the layout families (chapters 04-08), with grouped-query attention.
 
 One spawn of 4 ranks: ``--num-kv-heads 2`` (GQA: 4 query heads in 2 groups) at tp 2 x dp 2 with sequence
-parallelism on RMSNorm and ZeRO-1 (each tensor-parallel rank holds one whole query group), at dp 4 with ZeRO-3
+parallelism on RMSNorm and ZeRO-1 (each tensor-parallel rank holds one whole query group), at tp 4 with
+sequence parallelism (two ranks share each key/value head), MQA at tp 2 x dp 2 with ZeRO-2 (both ranks share
+the one key/value head), at dp 4 with ZeRO-3
 and activation checkpointing, at pp 2 x dp 2 (1F1B) and at cp 2 x dp 2 with Ulysses (the key/value heads
 all-to-all'd at their own count); ``--num-kv-heads 1`` (MQA) at cp 2 x dp 2 with ring attention (zig-zag: the
 one key/value head travels the ring, and RoPE must take each chunk's global positions). Each against one
@@ -52,6 +54,8 @@ LAYOUTS = {  # name -> (model, the trainer's flags at world size 4)
                                  "--checkpoint-every", str(STEPS // 2)]),  # resumed at pp 2 x dp 2 below
     "dp4-zero3-actckpt": ("gqa", ["--zero-stage", "3", "--activation-checkpointing"]),
     "pp2-dp2-1f1b": ("gqa", ["--pp", "2", "--microbatches", "2"]),
+    "tp2-dp2-mqa-zero2": ("mqa", ["--tp", "2", "--zero-stage", "2"]),  # 2 ranks share the k/v head
+    "tp4-gqa-sp": ("gqa", ["--tp", "4", "--sequence-parallel"]),  # 2 ranks share each of the 2 k/v heads
     "cp2-dp2-ring": ("mqa", ["--cp", "2"]),
     "cp2-dp2-ulysses": ("gqa", ["--cp", "2", "--cp-method", "ulysses"]),
     "dp4-ep2-moe": ("moe", ["--ep", "2"]),  # block 0 an MoE of SwiGLU experts, 2 per ep rank
@@ -181,8 +185,14 @@ def test_a_tp_checkpoint_resumes_at_pp2_and_continues_one_devices_losses(runs, o
 def test_the_layouts_not_built_for_gqa_are_refused_by_name():
     gqa = ModelConfig(**LLAMA, num_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
     assert shape_refusals(gqa, ParallelConfig(tp=2), seq_len=16) == []
-    (tp4,) = shape_refusals(gqa, ParallelConfig(tp=4), seq_len=16)
-    assert "--tp 4 does not divide the 2 key/value heads" in tp4
+    assert shape_refusals(gqa, ParallelConfig(tp=4), seq_len=16) == []  # 2 ranks share each k/v head
+    three = ModelConfig(**LLAMA, num_layers=2, hidden_size=48, num_attention_heads=6, num_key_value_heads=3)
+    (tp2,) = shape_refusals(three, ParallelConfig(tp=2), seq_len=16)
+    assert "--tp 2 and the 3 key/value heads (--num-kv-heads): one must divide the other" in tp2
     assert shape_refusals(gqa, ParallelConfig(cp=2, cp_method="ulysses"), seq_len=16) == []
+    # one key/value head per tensor-parallel rank: Ulysses cannot split it over cp
     (ulysses,) = shape_refusals(gqa, ParallelConfig(cp=2, tp=2, cp_method="ulysses"), seq_len=16)
-    assert "whole key/value heads too" in ulysses and "(2 / --tp 2 = 1)" in ulysses
+    assert "whole key/value heads too" in ulysses and "(2 / --tp 2: 1)" in ulysses
+    mqa = dataclasses.replace(gqa, num_key_value_heads=1)
+    (ulysses,) = shape_refusals(mqa, ParallelConfig(cp=2, cp_method="ulysses"), seq_len=16)
+    assert "(1 / --tp 1: 1)" in ulysses

@@ -57,6 +57,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
+        self.query_groups = config.query_groups
         self.q_per_group = config.num_attention_heads // config.query_groups
         rows = config.query_groups * (self.q_per_group + 2) * self.head_dim  # = 3h without GQA
         self.query_key_value = Linear(config.hidden_size, rows, bias=config.add_bias)
@@ -71,8 +72,16 @@ class CausalSelfAttention(nn.Module):
         gqa = q.shape[1] != k.shape[1]
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
+    def held_query_heads(self) -> int:
+        """The query heads this rank's ``query_key_value`` yields: ``a``, ``a/t`` under tensor parallelism
+        (its groups, read from its width or declared by a module that yields one group per rank)."""
+        groups = getattr(self.query_key_value, "held_query_groups", None)
+        if groups is None:
+            groups = self.query_key_value.weight.shape[0] // ((self.q_per_group + 2) * self.head_dim)
+        return groups * self.q_per_group
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.query_key_value(x)  # [b, s, g (a/g + 2) d] (tp: g/t groups)
+        qkv = self.query_key_value(x)  # [b, s, g (a/g + 2) d] (tp: g/t groups, or one shared by t/g ranks)
         b, s = qkv.shape[:2]
         # Megatron-LM's layout by query group: a contiguous block of rows of the weight holds whole groups
         qkv = qkv.view(b, s, -1, self.q_per_group + 2, self.head_dim)  # [b, s, g, a/g + 2, d]
@@ -221,8 +230,7 @@ class GPT(nn.Module):
         embedding and (RoPE) of each block's rotation; the heads are the query heads this rank's fused qkv
         holds (``a/t`` under tp)."""
         attention = [block.self_attention for block in self.layers]
-        heads = [a.query_key_value.weight.shape[0] // ((a.q_per_group + 2) * a.head_dim) * a.q_per_group
-                 for a in attention]
+        heads = [a.held_query_heads() for a in attention]
         rotary = [a.rotary for a in attention if a.rotary is not None]  # RoPE: each block rotates its q, k
         return ContextParallelModules(attention=attention, positions=[self.embedding, *rotary], heads=heads)
 

@@ -9,8 +9,14 @@ figure 5). On ``t`` ranks:
   layout (:class:`refimpl.models.CausalSelfAttention`: rows ``[3d i, 3d (i+1))`` are head ``i``'s q, k and v),
   so rank ``r``'s contiguous block of ``3h/t`` rows is q, k and v of heads ``[r a/t, (r+1) a/t)``: one chunk.
   With grouped-query attention the rows are grouped by key/value head (its ``a/g`` query heads, its k, its v),
-  so the block is ``g/t`` whole groups: ``t`` must divide ``g`` (fewer key/value heads than ranks is refused:
-  the support table says why). (In nanoGPT's ``[3, a, d]`` layout the same rows are all of q and part of k:
+  so the block is ``g/t`` whole groups when ``t`` divides ``g``. With fewer key/value heads than ranks
+  (``g < t``, ``t`` a multiple of ``g``: MQA at any ``t``) the ``r = t/g`` ranks of each group share its
+  k/v head: :class:`SharedKeyValueAttentionParallel` keeps the contiguous split (rank ``p`` holds
+  ``1/r`` of group ``p // r``'s rows: disjoint shards, so ZeRO, clipping and checkpoints see one copy of
+  every weight), all-gathers the projections and gives rank ``p`` its ``a/t`` query heads with its group's
+  k and v (Megatron's QKV sub-sharding of the activations). The backward of that gather is a
+  reduce-scatter: each k/v row's gradient is the sum of what the ``r`` ranks that read it send back (a
+  replica that keeps only its own is the bug of bigcode-project/Megatron-LM#35). (In nanoGPT's ``[3, a, d]`` layout the same rows are all of q and part of k:
   the fused-qkv trap of the chapter; ``ColwiseParallel(chunks=3)`` is that layout's plan.)
 * **MLP**: ``dense_h_to_4h`` column-parallel, GELU on the local ``4h/t`` features (SwiGLU: its rows
   interleave gate and up, so the block holds both halves of ``f/t`` features), ``dense_4h_to_h``
@@ -37,6 +43,7 @@ import torch
 from torch import nn
 
 from refimpl.parallel.tensor_parallel import (
+    ColumnParallelLinear,
     ColwiseParallel,
     ParamSplit,
     RowwiseParallel,
@@ -44,12 +51,17 @@ from refimpl.parallel.tensor_parallel import (
     TiedVocabParallelOutput,
     VocabParallelEmbedding,
 )
-from refimpl.parallel.tensor_parallel.tp_communications import Group, group_size
+from refimpl.parallel.tensor_parallel.tp_communications import (
+    Group,
+    gather_from_tensor_parallel_region,
+    group_size,
+)
 
 if TYPE_CHECKING:
     from refimpl.models.gpt import GPT
 
-__all__ = ["GPTEmbeddingParallel", "VocabParallelGPTEmbedding", "gpt_tensor_parallel_plan"]
+__all__ = ["GPTEmbeddingParallel", "SharedKeyValueAttentionParallel", "SharedKeyValueQKV",
+           "VocabParallelGPTEmbedding", "gpt_tensor_parallel_plan"]
 
 
 class VocabParallelGPTEmbedding(nn.Module):
@@ -100,14 +112,75 @@ class GPTEmbeddingParallel:
         return ParamSplit(dim=0, padded=True) if name == "word_embeddings.weight" else ParamSplit()
 
 
+class SharedKeyValueQKV(ColumnParallelLinear):
+    """The fused qkv of ``g`` query groups over ``t = r g`` ranks (module docstring): this rank's contiguous
+    ``1/t`` of the rows (a :class:`ColumnParallelLinear`, its box and gradient as any), then the whole
+    projection gathered and cut to one group: this rank's ``a/t`` query heads and its group's k and v.
+
+    ``[b, s, h] -> [b, s, (a/t + 2) d]``, the layout by query group with one group. ``gather``: the
+    all-gather whose backward sums the ranks' gradients (chapter 06 swaps in one that does not, the negative
+    control)."""
+
+    held_query_groups = 1  # the groups its output holds (CausalSelfAttention.held_query_heads reads it)
+
+    def __init__(self, in_features: int, out_features: int, *, query_groups: int, head_dim: int,
+                 **kw) -> None:
+        super().__init__(in_features, out_features, **kw)
+        t, g = self.tp_size, query_groups
+        if t % g or out_features % (g * head_dim):
+            raise ValueError(f"{type(self).__name__}: {g} query groups over {t} ranks need t a multiple of g")
+        self.query_groups, self.head_dim = g, head_dim
+        self.q_per_group = out_features // (g * head_dim) - 2  # a/g
+        self.q_per_rank = self.q_per_group * g // t  # a/t
+        self.group, self.index = divmod(self.tp_rank, t // g)  # my group j and my place u among its r ranks
+
+    @staticmethod
+    def gather(y: torch.Tensor, group: Group) -> torch.Tensor:
+        return gather_from_tensor_parallel_region(y, group, sum_grads=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.gather(super().forward(x), self.tp_group)  # [b, s, R/t] -> [b, s, R], R = g (a/g + 2) d
+        b, s = y.shape[:2]
+        grp = y.view(b, s, self.query_groups, self.q_per_group + 2, self.head_dim)[:, :, self.group]
+        n, u = self.q_per_rank, self.index  # grp: [b, s, a/g + 2, d]
+        q, kv = grp[:, :, u * n:(u + 1) * n], grp[:, :, self.q_per_group:]  # [b, s, a/t, d], [b, s, 2, d]
+        return torch.cat([q, kv], dim=2).reshape(b, s, (n + 2) * self.head_dim)  # [b, s, (a/t + 2) d]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SharedKeyValueAttentionParallel:
+    """The GPT's own style for a :class:`~refimpl.models.CausalSelfAttention` with fewer key/value heads
+    than ranks (module docstring): its ``query_key_value`` becomes a :class:`SharedKeyValueQKV` and the
+    attention reads ``a/t`` query heads per group. ``dense`` takes its own ``RowwiseParallel``."""
+
+    sequence_parallel: bool = False
+
+    def apply(self, module: nn.Module, *, tp_group: Group, root: nn.Module) -> nn.Module:
+        linear = module.query_key_value
+        module.query_key_value = SharedKeyValueQKV.from_linear(
+            linear, tp_group=tp_group, query_groups=module.query_groups, head_dim=module.head_dim,
+            sequence_parallel=self.sequence_parallel and group_size(tp_group) > 1)
+        module.q_per_group = module.query_key_value.q_per_rank
+        return module
+
+    def split(self, name: str) -> ParamSplit:
+        return ParamSplit(dim=0) if name.startswith("query_key_value.") else ParamSplit()
+
+
 def _check_divides(model: GPT, t: int, pad_vocab: bool) -> None:
     c = model.config
     for what, size in (("num_attention_heads", c.num_attention_heads),
-                       ("num_key_value_heads", c.num_key_value_heads),
                        ("ffn_hidden_size", c.ffn_hidden_size)):
         if size % t:
             raise ValueError(f"tensor parallelism: {what}={size} does not divide by the tensor-parallel size "
                              f"{t} (each rank holds {what} / {t})")
+    g = c.num_key_value_heads
+    if g % t and t % g:
+        raise ValueError(f"tensor parallelism: num_key_value_heads={g} and the tensor-parallel size {t}: one "
+                         "must divide the other (each rank holds whole query groups, or t/g ranks share one)")
+    if g < t and (c.num_attention_heads + 2 * g) * c.head_dim % t:
+        raise ValueError(f"tensor parallelism: the fused qkv's {(c.num_attention_heads + 2 * g) * c.head_dim} "
+                         f"rows do not divide by the tensor-parallel size {t}")
     if c.vocab_size % t and not (pad_vocab and c.tie_word_embeddings):
         fix = ("pass pad_vocab=True (pads to a multiple of the TP size)" if c.tie_word_embeddings
                else "padding needs tie_word_embeddings=True")
@@ -122,7 +195,10 @@ def gpt_tensor_parallel_plan(model: GPT, *, tp_size: int, sequence_parallel: boo
     _check_divides(model, tp_size, pad_vocab)
     sp = sequence_parallel and tp_size > 1
     plan: dict[str, object] = {"embedding": GPTEmbeddingParallel(sequence_parallel=sp, pad_vocab=pad_vocab)}
-    plan["layers.*.self_attention.query_key_value"] = ColwiseParallel(sequence_parallel=sp)
+    if model.config.num_key_value_heads < tp_size:  # t/g ranks share each key/value head
+        plan["layers.*.self_attention"] = SharedKeyValueAttentionParallel(sequence_parallel=sp)
+    else:
+        plan["layers.*.self_attention.query_key_value"] = ColwiseParallel(sequence_parallel=sp)
     plan["layers.*.self_attention.dense"] = RowwiseParallel(sequence_parallel=sp)
     dense = [i for i, block in enumerate(model.layers) if hasattr(block.mlp, "dense_h_to_4h")]
     mlps = ["layers.*.mlp"] if len(dense) == len(model.layers) else [f"layers.{i}.mlp" for i in dense]

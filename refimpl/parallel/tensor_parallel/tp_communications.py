@@ -169,6 +169,19 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
         return _split(dy, -1, ctx.group), None
 
 
+class _GatherFromTensorParallelRegionSumGrads(torch.autograd.Function):
+    """All-gather the last dim forward, reduce-scatter the last dim backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        return _reduce_scatter(dy, -1, ctx.group), None
+
+
 class _ScatterToSequenceParallelRegion(torch.autograd.Function):
     """Keep my chunk of the sequence (dim 1) forward, all-gather dim 1 backward."""
 
@@ -233,11 +246,17 @@ def scatter_to_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Te
     return _ScatterToTensorParallelRegion.apply(x, group)
 
 
-def gather_from_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+def gather_from_tensor_parallel_region(x: torch.Tensor, group: Group, *, sum_grads: bool = False) -> torch.Tensor:
     """``y = cat_r(x_r, dim=-1)`` (one all-gather); backward ``dx = dy[..., r*h/t:(r+1)*h/t]`` (no
-    communication)."""
+    communication): every rank computes the same thing from ``y``, so its ``dy`` is already the whole
+    gradient. ``sum_grads``: the ranks use ``y`` differently (each its own heads of it), so the gradient of
+    ``x_r`` is the sum of every rank's: backward is my chunk of ``sum_r dy_r`` (one reduce-scatter;
+    Megatron's ``tensor_parallel_output_grad``). Keeping only one's own ``dy`` there is the replica-gradient
+    bug of grouped-query attention under tensor parallelism (chapter 06)."""
     if group_size(group) == 1:
         return x
+    if sum_grads:
+        return _GatherFromTensorParallelRegionSumGrads.apply(x, group)
     return _GatherFromTensorParallelRegion.apply(x, group)
 
 
