@@ -139,8 +139,8 @@ def _configs(t: int) -> dict[str, tuple[ModelConfig, list[str]]]:
     for tied in (True, False):
         for vocab in (256, 4 * t + 1) if tied else (256,):
             negatives = ["nanogpt rows"] if vocab == 256 and tied else []
-            out[f"tied={tied} vocab={vocab}"] = (ModelConfig(**CFG, vocab_size=vocab, tie_word_embeddings=tied),
-                                                 negatives)
+            cfg = ModelConfig(**CFG, vocab_size=vocab, tie_word_embeddings=tied)
+            out[f"tied={tied} vocab={vocab}"] = (cfg, negatives)
     for kv in (1, 2):
         negatives = ["replicas not summed"] if kv < t else []
         out[f"llama kv={kv}"] = (ModelConfig(**{**CFG, **LLAMA}, num_key_value_heads=kv), negatives)
@@ -164,7 +164,8 @@ def _worker(ctx) -> dict:
                              "loss_spread": abs(loss32 - loss64), "norm": norms[0],
                              "norm_spread": abs(norms[0] - norms[1]), "runs": {}}
         for sp in (False, True):
-            variants = ["ok", *negatives] + (["no sp grad sum"] if sp and negatives == ["nanogpt rows"] else [])
+            sp_negative = ["no sp grad sum"] if sp and negatives == ["nanogpt rows"] else []
+            variants = ["ok", *negatives, *sp_negative]
             for variant in variants:
                 out["cases"][key]["runs"][f"sp={sp} {variant}"] = _run(cfg, world, sp=sp, rank=rank, t=t,
                                                                       variant=variant)

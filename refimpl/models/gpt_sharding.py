@@ -16,8 +16,9 @@ figure 5). On ``t`` ranks:
   every weight), all-gathers the projections and gives rank ``p`` its ``a/t`` query heads with its group's
   k and v (Megatron's QKV sub-sharding of the activations). The backward of that gather is a
   reduce-scatter: each k/v row's gradient is the sum of what the ``r`` ranks that read it send back (a
-  replica that keeps only its own is the bug of bigcode-project/Megatron-LM#35). (In nanoGPT's ``[3, a, d]`` layout the same rows are all of q and part of k:
-  the fused-qkv trap of the chapter; ``ColwiseParallel(chunks=3)`` is that layout's plan.)
+  replica that keeps only its own is the bug of bigcode-project/Megatron-LM#35). (In nanoGPT's
+  ``[3, a, d]`` layout the same rows are all of q and part of k: the fused-qkv trap of the chapter;
+  ``ColwiseParallel(chunks=3)`` is that layout's plan.)
 * **MLP**: ``dense_h_to_4h`` column-parallel, GELU on the local ``4h/t`` features (SwiGLU: its rows
   interleave gate and up, so the block holds both halves of ``f/t`` features), ``dense_4h_to_h``
   row-parallel. An MoE block's MLP is left whole: every tp rank routes the same tokens to the same
@@ -179,7 +180,8 @@ def _check_divides(model: GPT, t: int, pad_vocab: bool) -> None:
         raise ValueError(f"tensor parallelism: num_key_value_heads={g} and the tensor-parallel size {t}: one "
                          "must divide the other (each rank holds whole query groups, or t/g ranks share one)")
     if g < t and (c.num_attention_heads + 2 * g) * c.head_dim % t:
-        raise ValueError(f"tensor parallelism: the fused qkv's {(c.num_attention_heads + 2 * g) * c.head_dim} "
+        rows = (c.num_attention_heads + 2 * g) * c.head_dim
+        raise ValueError(f"tensor parallelism: the fused qkv's {rows} "
                          f"rows do not divide by the tensor-parallel size {t}")
     if c.vocab_size % t and not (pad_vocab and c.tie_word_embeddings):
         fix = ("pass pad_vocab=True (pads to a multiple of the TP size)" if c.tie_word_embeddings

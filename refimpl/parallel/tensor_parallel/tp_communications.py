@@ -246,7 +246,8 @@ def scatter_to_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Te
     return _ScatterToTensorParallelRegion.apply(x, group)
 
 
-def gather_from_tensor_parallel_region(x: torch.Tensor, group: Group, *, sum_grads: bool = False) -> torch.Tensor:
+def gather_from_tensor_parallel_region(x: torch.Tensor, group: Group, *,
+                                       sum_grads: bool = False) -> torch.Tensor:
     """``y = cat_r(x_r, dim=-1)`` (one all-gather); backward ``dx = dy[..., r*h/t:(r+1)*h/t]`` (no
     communication): every rank computes the same thing from ``y``, so its ``dy`` is already the whole
     gradient. ``sum_grads``: the ranks use ``y`` differently (each its own heads of it), so the gradient of
