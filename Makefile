@@ -13,7 +13,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || e
 .PHONY: help setup train test test-fast test-unit lab book grade lint bench clean
 
 help:
-	@echo "make train            train the default model (2 CPU ranks, or one rank per GPU)"
+	@echo "make train            train the default model, Llama form (2 CPU ranks, or one rank per GPU)"
 	@echo "make test             the whole suite: unit, multi-rank, notebooks (nbval), exercise self-check"
 	@echo "make lab              open the course in JupyterLab (the repository root, chapter 00 open)"
 	@echo "make book [ONLY=00]   the executed course as static HTML in build/book/ (index.html: the course map)"
@@ -35,8 +35,11 @@ $(STAMP): pyproject.toml lab/overrides.json
 
 setup: $(STAMP)
 
+# The default run trains the Llama form with grouped-query attention (TRAIN_ARGS="--arch gpt2": GPT-2's) and,
+# without ARGS, demonstrates elastic restart (the trainer's default run, README)
+TRAIN_ARGS ?= --arch llama --num-kv-heads 2
 train: $(STAMP)
-	$(PY) -m refimpl.train --nproc-per-node auto $(ARGS)
+	$(PY) -m refimpl.train --nproc-per-node auto $(TRAIN_ARGS) $(if $(ARGS),,--demo-fault) $(ARGS)
 
 # Two lanes at once (tools/run_tests.py): the computing tests, and beside them those that mostly wait,
 # then the slowest chapters (marked lane2)

@@ -4,13 +4,17 @@ estimated step time, with memory and communication per GPU broken down (chapter 
     python -m refimpl.plan --params 70e9 --gpus 512 --gpu H100 --seq-len 4096 --global-batch 1024
     python -m refimpl.plan --params 1e12 --gpus 2048 --seq-len 2048 --global-batch 2048 \
         --layout dp=128,tp=8,pp=2
+    python -m refimpl.plan --model llama3-70b --gpus 512 --seq-len 8192 --global-batch 512
 
 Every figure is a formula of :mod:`refimpl.planner` (the chapters check them against measurement), one
 layout at a time :func:`refimpl.planner.layout_plan.evaluate_layout` (its docstring has each term), fed with
 the assumptions printed under the table:
 
 * **shape**: from ``--params`` a GPT of ``L`` layers and width ``h`` with ``12 L h^2 ~ N`` and ``h = 128 L``
-  (GPT-3's aspect), heads of 128 (or give ``--num-layers --hidden-size --num-heads``);
+  (GPT-3's aspect), heads of 128 (or give ``--num-layers --hidden-size --num-heads``, and ``--arch llama``
+  with ``--num-kv-heads --ffn-hidden-size`` for the Llama form, ``--tie`` to tie the output layer); or a
+  published model by name, ``--model llama3-8b|llama3-70b|llama3-405b``
+  (:data:`refimpl.planner.presets.MODEL_PRESETS`: its count printed beside the published one);
 * **memory per GPU** (Rajbhandari et al. 2020; Korthikanti et al. 2022): the ZeRO table
   (:func:`~refimpl.planner.zero_state.zero_memory_paper`, bf16 weights and gradients, fp32 master weights
   and Adam moments, ``K = 12``) over a rank's ``N / (tp pp)`` parameters, sharded over the ``dp x cp``
@@ -48,7 +52,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from refimpl.config import ConfigError, ModelConfig
+from refimpl.config import ARCHS, ConfigError, ModelConfig
 from refimpl.planner import PEAK_FLOPS, STAGES, param_count
 from refimpl.planner.layout_plan import (
     BOUNDARY_BYTES_PER_ELEMENT,
@@ -61,6 +65,7 @@ from refimpl.planner.layout_plan import (
     evaluate_stages,
     layout_refusals,
 )
+from refimpl.planner.presets import MODEL_PRESETS
 
 __all__ = ["BOUNDARY_BYTES_PER_ELEMENT", "GPUS", "LayoutPlan", "boundary_bytes", "evaluate_layout",
            "evaluate_stages", "main", "model_for", "plan_layouts"]
@@ -121,8 +126,14 @@ def _gb(x: float) -> str:
 
 
 def _header(config: ModelConfig, args: argparse.Namespace) -> str:
-    return (f"model: {param_count(config).total / 1e9:.2f}B parameters ({config.num_layers} layers, width "
-            f"{config.hidden_size}, {config.num_attention_heads} heads, vocabulary {config.vocab_size}); "
+    preset = MODEL_PRESETS.get(args.model) if args.model else None
+    name = f"{args.model} (published: {preset.published:g}B), " if preset else ""
+    llama = config.activation == "swiglu"
+    form = (f"Llama form, {config.num_key_value_heads} key/value heads, SwiGLU of {config.ffn_hidden_size}, "
+            if llama else "")
+    return (f"model: {name}{param_count(config).total / 1e9:.3f}B parameters ({form}{config.num_layers} "
+            f"layers, width {config.hidden_size}, {config.num_attention_heads} heads, vocabulary "
+            f"{config.vocab_size}); "
             f"{args.gpus} x {args.gpu} in nodes of {args.gpus_per_node}; global batch {args.global_batch} x "
             f"{args.seq_len} tokens")
 
@@ -252,9 +263,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m refimpl.plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--params", type=float, default=None, help="parameters (e.g. 70e9); or give the shape")
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), default=None,
+                   help="a published model's shape (instead of --params or the shape flags)")
     p.add_argument("--num-layers", type=int, default=None)
     p.add_argument("--hidden-size", type=int, default=None)
     p.add_argument("--num-heads", type=int, default=None)
+    p.add_argument("--arch", choices=tuple(ARCHS), default="gpt2",
+                   help="the block: gpt2 (LayerNorm, GELU) or llama (RMSNorm, RoPE, GQA, SwiGLU, no biases)")
+    p.add_argument("--num-kv-heads", type=int, default=None, help="key/value heads (default: --num-heads)")
+    p.add_argument("--ffn-hidden-size", type=int, default=None, help="the MLP's width (default 4 h)")
+    p.add_argument("--tie", action="store_true", help="tie the output layer to the embedding")
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     p.add_argument("--gpu", choices=sorted(GPUS), default="H100")
@@ -290,15 +308,29 @@ def _config(args: argparse.Namespace) -> ModelConfig:
     if not set(args.zero_stages) <= set(STAGES):
         raise ConfigError(f"--zero-stages takes stages among {STAGES} (e.g. 1,3), got {args.zero_stages}")
     shape = (args.num_layers, args.hidden_size, args.num_heads)
-    if args.params is not None and any(v is not None for v in shape):
-        raise ConfigError("give --params or the shape (--num-layers --hidden-size --num-heads), not both")
+    given = [flag for flag, used in (("--params", args.params is not None),
+                                     ("--model", args.model is not None),
+                                     ("the shape", any(v is not None for v in shape))) if used]
+    if len(given) > 1:
+        raise ConfigError(f"give one of --params, --model or the shape (--num-layers --hidden-size "
+                          f"--num-heads), not {' and '.join(given)}")
+    form = {flag: v for flag, v in (("--arch", args.arch != "gpt2"), ("--num-kv-heads", args.num_kv_heads),
+                                    ("--ffn-hidden-size", args.ffn_hidden_size), ("--tie", args.tie)) if v}
+    if form and given and given[0] != "the shape":
+        raise ConfigError(f"{', '.join(form)} describe a shape: give them with --num-layers --hidden-size "
+                          f"--num-heads, not with {given[0]}")
+    if args.model is not None:
+        return MODEL_PRESETS[args.model].config(max_seq_len=args.seq_len)
     if args.params is not None:
         return model_for(args.params, vocab_size=args.vocab_size, seq_len=args.seq_len)
     if all(v is not None for v in shape):
-        return ModelConfig(vocab_size=args.vocab_size, num_layers=args.num_layers,
+        optional = {k: v for k, v in (("num_key_value_heads", args.num_kv_heads),
+                                      ("ffn_hidden_size", args.ffn_hidden_size)) if v is not None}
+        form = {**ARCHS[args.arch], "tie_word_embeddings": args.tie}
+        return ModelConfig(**form, vocab_size=args.vocab_size, num_layers=args.num_layers,
                            hidden_size=args.hidden_size, num_attention_heads=args.num_heads,
-                           max_seq_len=args.seq_len, tie_word_embeddings=False)
-    raise ConfigError("give --params, or all of --num-layers --hidden-size --num-heads")
+                           max_seq_len=args.seq_len, **optional)
+    raise ConfigError("give --params, --model, or all of --num-layers --hidden-size --num-heads")
 
 
 def main(argv: list[str] | None = None) -> int:

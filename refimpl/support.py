@@ -144,7 +144,7 @@ def shape_refusals(model: ModelConfig, config: ParallelConfig, *, seq_len: int) 
                                          ("vocabulary entries", model.vocab_size, "the vocabulary"))
                 if size % tp]
         kv = model.num_key_value_heads
-        if kv % tp and tp % kv:
+        if kv != heads and kv % tp and tp % kv:  # (multi-head: the heads rule says it)
             out.append(f"--tp {tp} and the {kv} key/value heads (--num-kv-heads): one must divide the "
                        "other (each tensor-parallel rank holds whole query groups, or tp/kv ranks share "
                        "one key/value head); change --num-kv-heads or --tp")

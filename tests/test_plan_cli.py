@@ -8,6 +8,7 @@ estimates one layout at every stage with the ZeRO paper's state figures (the see
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -15,8 +16,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from refimpl.config import ConfigError, DataConfig, TrainConfig
+from refimpl.config import ConfigError, DataConfig, ModelConfig, TrainConfig
 from refimpl.plan import GPUS, evaluate_layout, main, model_for, plan_layouts
+from refimpl.plan import _config as config_of
+from refimpl.plan import build_parser as build_parser_plan
 from refimpl.planner import STAGES, param_count, zero_memory_paper
 from refimpl.support import check_supported
 from refimpl.train import build_parser, options_from_args
@@ -74,8 +77,14 @@ def test_a_model_that_fits_nowhere_exits_1_and_names_the_smallest_need(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--params", "-1", "--gpus", "8", "--global-batch", "8"], "--params must be positive"),
-    (["--gpus", "8", "--global-batch", "8"], "give --params, or all of"),
-    (["--params", "7e9", "--num-layers", "32", "--gpus", "8", "--global-batch", "8"], "not both"),
+    (["--gpus", "8", "--global-batch", "8"], "give --params, --model, or all of"),
+    (["--params", "7e9", "--num-layers", "32", "--gpus", "8", "--global-batch", "8"],
+     "not --params and the shape"),
+    (["--model", "llama3-8b", "--params", "7e9", "--gpus", "8", "--global-batch", "8"],
+     "not --params and --model"),
+    (["--model", "llama3-8b", "--num-kv-heads", "4", "--gpus", "8", "--global-batch", "8"],
+     "--num-kv-heads describe a shape"),
+    (["--params", "7e9", "--arch", "llama", "--gpus", "8", "--global-batch", "8"], "not with --params"),
     (["--params", "7e9", "--gpus", "0", "--global-batch", "8"], "--gpus must be >= 1"),
     (["--params", "7e9", "--gpus", "8", "--global-batch", "8", "--mfu", "1.5"], "--mfu is a fraction"),
     (["--num-layers", "30", "--hidden-size", "4096", "--num-heads", "32", "--gpus", "7",
@@ -333,3 +342,44 @@ def test_the_layout_runs_as_a_module():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "ZeRO stages that fit: 3" in proc.stdout
+
+
+@pytest.mark.parametrize("name, published", [("llama3-8b", "8.03"), ("llama3-70b", "70.6"),
+                                             ("llama3-405b", "405.9")])
+def test_a_preset_prints_its_published_size_and_our_count_agrees(name, published, capsys):
+    """``--model`` plans a published model: the header names it with the model card's size, and our count
+    of the Llama form, printed to two decimals, rounds to it (tests/test_planner.py checks the count)."""
+    assert main(["--model", name, "--gpus", "1024", "--seq-len", "8192", "--global-batch", "1024",
+                 "--top", "1"]) in (0, 1)
+    header = capsys.readouterr().out.splitlines()[0]
+    match = re.search(rf"model: {name} \(published: {published}B\), ([\d.]+)B parameters \(Llama form, 8 "
+                      r"key/value heads", header)
+    assert match, header
+    assert f"{float(match.group(1)):.{len(published.split('.')[1])}f}" == published, header
+
+
+def test_the_llama_shape_flags_build_the_llama_form_and_its_activations():
+    """``--arch llama --num-kv-heads --ffn-hidden-size`` is the Llama form; its activation estimate is the
+    paper's count at its own sizes: fewer k/v bytes with fewer key/value heads, SwiGLU's third f-wide
+    tensor, no dropout masks; GPT-2's form keeps the paper's ``34 sbh/t`` (negative control: the same shape
+    as GPT-2 gives another figure)."""
+    from refimpl.planner.activations import korthikanti_bytes_per_layer, paper_bytes_per_layer
+
+    args = build_parser_plan().parse_args(["--num-layers", "2", "--hidden-size", "1024", "--num-heads", "8",
+                                           "--arch", "llama", "--num-kv-heads", "2", "--ffn-hidden-size",
+                                           "2816", "--gpus", "8", "--global-batch", "8"])
+    llama = config_of(args)
+    assert (llama.activation, llama.num_key_value_heads, llama.ffn_hidden_size) == ("swiglu", 2, 2816)
+    s, b, h, d = 4096, 1, 1024, 128
+    gpt = ModelConfig(num_layers=2, hidden_size=h, num_attention_heads=8, vocab_size=32000)
+    for t in (1, 2, 4, 8):
+        for flash in (True, False):
+            paper = korthikanti_bytes_per_layer(seq_len=s, micro_batch=b, hidden_size=h, num_heads=8, tp=t,
+                                                sequence_parallel=True)
+            assert paper_bytes_per_layer(gpt, seq_len=s, micro_batch=b, tp=t, sequence_parallel=True,
+                                         flash=flash) == paper - (5 * 8 // t * s * s * b if flash else 0)
+        kw = dict(seq_len=s, micro_batch=b, tp=t, sequence_parallel=True, flash=True, dropout=False)
+        ours = paper_bytes_per_layer(llama, **kw)
+        mha = paper_bytes_per_layer(dataclasses.replace(llama, num_key_value_heads=8), **kw)
+        assert mha - ours == 4 * s * b * d * (8 // t - max(2 // t, 1))  # K and V at 2 heads, not 8
+        assert paper_bytes_per_layer(dataclasses.replace(llama, activation="gelu"), **kw) < ours  # SwiGLU

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from refimpl.comm import CommTracer
-from refimpl.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
+from refimpl.config import LLAMA, DataConfig, ModelConfig, OptimConfig, TrainConfig
 from refimpl.distributed import ParallelDims
 from refimpl.launch import run_ranks
 from refimpl.measure import OUTSIDE, measure_saved_activations, state_bytes
@@ -78,12 +78,12 @@ def _measure_activations(group, *, sp: bool, dtype: torch.dtype | None, checkpoi
     return {"per_block": report.per_block(), "outside": _dtype_bytes(report, OUTSIDE)}
 
 
-def _trace_collectives(group, *, sp: bool) -> dict[str, tuple[int, int]]:
+def _trace_collectives(group, *, sp: bool, config: ModelConfig = CFG) -> dict[str, tuple[int, int]]:
     """One forward + backward (+ the SP gradient sums) of the float32 TP GPT under a CommTracer."""
-    model = apply_tensor_parallel(GPT(CFG, seed=1), tp_group=group, sequence_parallel=sp, pad_vocab=True)
-    x = torch.randint(0, CFG.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+    model = apply_tensor_parallel(GPT(config, seed=1), tp_group=group, sequence_parallel=sp, pad_vocab=True)
+    x = torch.randint(0, config.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
     with CommTracer() as tracer:
-        tp_lm_loss(model(x), x, tp_group=group, vocab_size=CFG.vocab_size).backward()
+        tp_lm_loss(model(x), x, tp_group=group, vocab_size=config.vocab_size).backward()
         if sp:
             allreduce_sequence_parallel_grads(model, group)
     return {op: (total.count, total.nbytes) for op, total in tracer.summary().items()}
@@ -120,6 +120,8 @@ def _worker(ctx) -> dict:
                 out["activations"][sp, name, tuple(ckpt)] = _measure_activations(
                     dist.group.WORLD, sp=sp, dtype=dtype, checkpointed=ckpt)
     out["collectives"] = {sp: _trace_collectives(dist.group.WORLD, sp=sp) for sp in (False, True)}
+    out["llama collectives"] = {(sp, kv): _trace_collectives(dist.group.WORLD, sp=sp, config=_llama(kv))
+                                for sp in (False, True) for kv in (1, 2)}
     model = apply_tensor_parallel(GPT(CFG, seed=1), tp_group=dist.group.WORLD, pad_vocab=True)
     sharded = tensor_parallel_sharded(model)
     out["shapes"] = [(tuple(p.shape), n in sharded) for n, p in model.named_parameters()]
@@ -188,6 +190,26 @@ def test_collectives_per_micro_batch_equal_the_traced_ones(ranks):
         sp_grads = (6 * CFG.num_layers + 2) * CFG.hidden_size
         extra = (2 * CFG.num_layers + 1) * x + 2 * sp_grads
         assert wire[True] - wire[False] == pytest.approx((t - 1) / t * 4 * extra, rel=1e-12)
+
+
+def _llama(kv: int) -> ModelConfig:
+    return ModelConfig(**{**CFG_DIVIDES.to_dict(), **LLAMA, "num_key_value_heads": kv})
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S + 60)
+def test_the_llama_forms_collectives_equal_the_traced_ones(ranks):
+    """The Llama form (RMSNorm: one parameter per norm to sum under SP, no biases) with 1 and 2 key/value
+    heads: at ``g < t`` each block adds an all-gather of its qkv output and a reduce-scatter of its gradient
+    (negative control: the count of GPT-2's form, which has neither)."""
+    t, results = ranks
+    kw = {"num_layers": CFG.num_layers, "hidden_size": CFG.hidden_size, "micro_batch": B, "seq_len": S,
+          "tp": t}
+    for rank, r in enumerate(results):
+        for (sp, kv), got in r["llama collectives"].items():
+            want = tensor_parallel_collectives(sequence_parallel=sp, config=_llama(kv), **kw)
+            assert got == want, (t, rank, sp, kv, got, want)
+            if kv < t or sp:
+                assert got != tensor_parallel_collectives(sequence_parallel=sp, **kw), (t, rank, sp, kv)
 
 
 def _state(config: ModelConfig, dims: ParallelDims, zero_stage: int, dp_rank: int) -> tuple[int, int, int]:

@@ -66,6 +66,9 @@ def test_the_readmes_make_train_examples_run_in_order_on_a_fresh_clone(tmp_path)
     assert [r["step"] for r in _metrics(default)] == list(range(200))
     summary = json.loads((default / "summary.json").read_text())
     assert summary["restart_count"] == 1 and summary["resumed_from_step"] == 50, summary  # the demo fault
+    model = json.loads((default / "config.json").read_text())["model"]  # the Llama form, 2 key/value heads
+    assert (model["normalization"], model["position_embedding"], model["num_key_value_heads"]) == \
+        ("rmsnorm", "rope", 2), model
 
     again = _run(commands[0], clone)  # the README: running make train again in the same folder resumes
     assert again.returncode == 0, again.stderr[-3000:]

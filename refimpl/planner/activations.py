@@ -156,6 +156,30 @@ def korthikanti_bytes_per_layer(*, seq_len: int, micro_batch: int, hidden_size: 
     return outside + 24 * s * b * h // t + 5 * (a // t) * s * s * b
 
 
+def paper_bytes_per_layer(config: ModelConfig, *, seq_len: int, micro_batch: int, tp: int = 1,
+                          sequence_parallel: bool = False, flash: bool = False, dropout: bool = True,
+                          key_len: int | None = None) -> int:
+    """Korthikanti et al.'s 16-bit count (:func:`korthikanti_bytes_per_layer`) for a layer of ``config``'s
+    form, per rank of ``tp``: the same tensors, at the model's own sizes.
+
+    Outside the tensor-parallel regions (``/t`` under sequence parallelism): the two norms' inputs ``4 sbh``,
+    the QKV and MLP inputs ``4 sbh``, the two dropout masks ``2 sbh`` (``dropout``). Inside (``/t``): Q and
+    the attention output ``4 sbh``, K and V ``4 s b d g`` over the ``g`` key/value heads (a rank holds
+    ``g/t`` of them, or one that ``t/g`` ranks share), the MLP's GELU input and output ``4 s b f`` or
+    SwiGLU's gate, up and product ``6 s b f``; without ``flash`` the scores ``5 a s k b`` (softmax output,
+    dropout mask and output; ``2 a s k b`` without dropout) over ``k = key_len`` keys. GPT-2's form at
+    ``f = 4h``, ``g = a`` with dropout is the paper's ``34 sbh + 5 a s^2 b``."""
+    s, b, h, a, t = seq_len, micro_batch, config.hidden_size, config.num_attention_heads, tp
+    g, d, f, k = config.num_key_value_heads, config.head_dim, config.ffn_hidden_size, key_len or seq_len
+    if a % t or f % t:
+        raise ValueError(f"tp={t} must divide num_heads={a} and the FFN width {f}")
+    outside = (8 + 2 * dropout) * s * b * h // (t if sequence_parallel else 1)
+    kv_heads = max(g // t, 1)
+    mlp = (6 if config.activation == "swiglu" else 4) * s * b * f // t
+    scores = 0 if flash else (5 if dropout else 2) * (a // t) * s * k * b
+    return outside + 4 * s * b * h // t + 4 * s * b * d * kv_heads + mlp + scores
+
+
 @dataclass(frozen=True, kw_only=True)
 class ActivationBreakdown:
     """Bytes one layer saves for backward, term by term (``terms[name] = bytes``)."""

@@ -139,8 +139,8 @@ def zero_comm_bytes(
 
 
 def tensor_parallel_collectives(*, num_layers: int, hidden_size: int, micro_batch: int, seq_len: int, tp: int,
-                                sequence_parallel: bool = False, bytes_per_element: int = 4
-                                ) -> dict[str, tuple[int, int]]:
+                                sequence_parallel: bool = False, bytes_per_element: int = 4,
+                                config: ModelConfig | None = None) -> dict[str, tuple[int, int]]:
     """The collectives one rank of :func:`refimpl.parallel.tensor_parallel.apply_tensor_parallel`'s GPT
     issues in one forward + backward of a micro-batch ``[b, s]``, float32: ``{op: (count, payload)}``.
 
@@ -157,17 +157,35 @@ def tensor_parallel_collectives(*, num_layers: int, hidden_size: int, micro_batc
     backward one all-reduce of ``h`` per replicated parameter that saw ``s/t`` tokens (each block's two
     LayerNorms' weight and bias and two row biases, the final LayerNorm). The payload is the full tensor
     (the tracer's ``nbytes``); :func:`wire_bytes` gives the ring model's bytes sent. ``{}`` at ``tp = 1``.
+
+    ``config`` (None: GPT-2's form) gives the block's form: RMSNorm has one parameter to sum under SP and
+    no biases mean no row biases (the Llama form: ``2 L + 1`` sums of ``h``); with fewer key/value heads
+    ``g`` than ``t`` each block also all-gathers its qkv output, ``b s (a + 2 g) d``, forward, and
+    reduce-scatters its gradient backward (:class:`refimpl.models.gpt_sharding.SharedKeyValueQKV`).
     """
     if tp == 1:
         return {}
     L, e = num_layers, bytes_per_element  # noqa: N806 (the paper's L)
     x, loss = micro_batch * seq_len * hidden_size, 3 * micro_batch * seq_len
+    shared: dict[str, tuple[int, int]] = {}
+    if config is not None and config.num_key_value_heads < tp:
+        qkv = micro_batch * seq_len * (config.num_attention_heads + 2 * config.num_key_value_heads) \
+            * config.head_dim
+        shared = {"all_gather": (L, e * L * qkv), "reduce_scatter": (L, e * L * qkv)}
     if not sequence_parallel:
-        return {"all_reduce": (4 * L + 2 + 3, e * ((4 * L + 2) * x + loss))}
-    grads = (6 * L + 2) * hidden_size  # the s/t-token parameters, summed after backward
-    return {"all_reduce": (3 + 6 * L + 2, e * (loss + grads)),
-            "all_gather": (6 * L + 3, e * (6 * L + 3) * x),
-            "reduce_scatter": (4 * L + 2, e * (4 * L + 2) * x)}
+        return _summed({"all_reduce": (4 * L + 2 + 3, e * ((4 * L + 2) * x + loss))}, shared)
+    per_norm = 1 if config is not None and config.normalization == "rmsnorm" else 2
+    biases = 0 if config is not None and not config.add_bias else 2
+    n = (2 * per_norm + biases) * L + per_norm  # the s/t-token parameters, summed after backward
+    return _summed({"all_reduce": (3 + n, e * (loss + n * hidden_size)),
+                    "all_gather": (6 * L + 3, e * (6 * L + 3) * x),
+                    "reduce_scatter": (4 * L + 2, e * (4 * L + 2) * x)}, shared)
+
+
+def _summed(a: dict[str, tuple[int, int]], b: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """``{op: (count, payload)}`` of both, counts and payloads added."""
+    return {op: tuple(u + v for u, v in zip(a.get(op, (0, 0)), b.get(op, (0, 0)), strict=True))
+            for op in {**a, **b}}
 
 
 def context_parallel_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int, cp: int, method: str,

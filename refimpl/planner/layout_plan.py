@@ -16,11 +16,14 @@ and combination it searches, and what ``--layout`` prints; a chapter calls it di
   block's full bf16 gradients before their reduce-scatter, ``3 x 2 x`` a block's parameters ``/ tp``
   (:func:`~refimpl.planner.zero_state.zero3_peak_gathered_bytes` with prefetch, blocks as units);
 * **activations**: one micro-batch of ``s/cp`` tokens per layer with sequence parallelism, ``34 s b h / t``
-  plus ``5 a s^2 b / t`` without flash attention (Korthikanti et al. 2022), times ``L/pp`` layers, times the
+  plus ``5 a s^2 b / t`` without flash attention (Korthikanti et al. 2022; the Llama form at its own sizes:
+  GQA's k/v, SwiGLU, no dropout, :func:`~refimpl.planner.activations.paper_bytes_per_layer`), times
+  ``L/pp`` layers, times the
   ``min(pp, m)`` micro-batches the first 1F1B stage holds; with recomputation every block keeps only its
   input, ``2 s b h / t``, plus one block recomputed;
 * **bytes each GPU sends per step**, per axis, by the ring model (:func:`refimpl.comm.tracer.wire_bytes`):
-  TP's collectives (:func:`~refimpl.planner.communication.tensor_parallel_collectives`), the pipeline's
+  TP's collectives (:func:`~refimpl.planner.communication.tensor_parallel_collectives`; with fewer key/value
+  heads than ``t``, each block's qkv output all-gathered and reduce-scattered back), the pipeline's
   boundary sends (:func:`boundary_bytes`), CP's ring
   (:func:`~refimpl.planner.communication.context_parallel_bytes`) and dp: the bf16 gradient all-reduce
   (stages 0-2: a reduce-scatter and an all-gather move the same bytes), 1.5 times that at ZeRO-3 (an
@@ -58,6 +61,7 @@ from refimpl.comm.tracer import wire_bytes
 from refimpl.config import ConfigError, ModelConfig, ParallelConfig
 from refimpl.measure.peaks import PEAK_FLOPS
 from refimpl.measure.state import StateMemory
+from refimpl.planner.activations import paper_bytes_per_layer
 from refimpl.planner.communication import context_parallel_bytes, tensor_parallel_collectives
 from refimpl.planner.params_flops import flops_per_token, param_count
 from refimpl.planner.zero_state import STAGES, zero_memory_paper
@@ -216,17 +220,17 @@ def evaluate_layout(config: ModelConfig, *, dp: int, tp: int, pp: int, cp: int =
     spec, peak = GPUS[gpu], PEAK_FLOPS[gpu]["bf16"]
     count = param_count(config)
     psi = count.total / (tp * pp)  # the parameters of a rank
-    L, h, a, s, b = (config.num_layers, config.hidden_size, config.num_attention_heads,  # noqa: N806
-                     seq_len, micro_batch)
+    L, h, s, b = config.num_layers, config.hidden_size, seq_len, micro_batch  # noqa: N806
     m, sc = global_batch // (dp * b), s // cp  # micro-batches; tokens per GPU per sequence
     shard, replicas = dp // dp_replicate * cp, dp_replicate  # the ZeRO group; its replicas (HSDP)
     state = zero_memory_paper(psi, shard, zero_stage)
     gathered = 3 * 2 * count.layers / L / tp if zero_stage == 3 else 0.0
-    per_layer = 34 * sc * b * h / tp + (0 if flash else 5 * (a / tp) * sc * s * b)
+    per_layer = paper_bytes_per_layer(config, seq_len=sc, key_len=s, micro_batch=b, tp=tp, flash=flash,
+                                      sequence_parallel=True, dropout=config.activation == "gelu")
     kept = ((2 * sc * b * h / tp) * L / pp * min(pp, m) + per_layer if recompute
             else per_layer * L / pp * min(pp, m))
     collectives = tensor_parallel_collectives(num_layers=L // pp, hidden_size=h, micro_batch=b, seq_len=sc,
-                                              tp=tp, bytes_per_element=2)
+                                              tp=tp, bytes_per_element=2, config=config)
     ring = context_parallel_bytes(config, micro_batch=b, seq_len=s, cp=cp, method="ring", tp=tp,
                                   compute_dtype=torch.bfloat16)
     grads = 2 * psi  # bf16
