@@ -1,7 +1,7 @@
 """Benchmark of chapter 06: our tensor-parallel GPT against the same model under PyTorch's DTensor TP.
 
     python -m bench.bench_tensor_parallel [--tp 2 4] [--steps 8] [--warmup 2] [--micro-batch 4]
-                                          [--seq-len 128]
+                                          [--seq-len 128] [--arch gpt2|llama] [--num-kv-heads G]
 
 For each tensor-parallel size ``t`` one set of CPU ranks (gloo, world = t) builds the course's default GPT
 (4 layers, hidden 128, 4 heads) with an **untied** output layer (a tied head cannot be given to
@@ -17,7 +17,12 @@ For each tensor-parallel size ``t`` one set of CPU ranks (gloo, world = t) build
   modules get ``a/t`` heads), ``RowwiseParallel(input_layouts=Replicate())`` on the word embedding and
   ``ColwiseParallel(output_layouts=Shard(-1))`` on the head, the loss under ``loss_parallel()``.
 
-Each trains with AdamW on the same batches (every rank of the group sees the same tokens).
+Each trains with AdamW on the same batches (every rank of the group sees the same tokens). ``--arch llama``
+(with ``--num-kv-heads G``) is the Llama form (RMSNorm, RoPE, GQA, SwiGLU, no biases) under the same plan:
+its fused qkv rows are grouped by key/value head and SwiGLU's gate/up rows interleaved, so DTensor's plain
+row split is right whenever ``t`` divides ``G``; with fewer key/value heads than ``t`` DTensor's split
+would cut a group (no plan of that form exists for it), so only ours runs
+(:class:`refimpl.models.gpt_sharding.SharedKeyValueQKV`) and the ratios are to ours.
 
 1. **Step time** (forward + loss + backward + AdamW), and the forward + backward part alone (up to the
    end of backward and, under SP, the gradient sums; AdamW on DTensor parameters dispatches per DTensor):
@@ -69,7 +74,16 @@ def dtensor_gpt(cfg, mesh):
     return model
 
 
-def _worker(ctx, steps: int, warmup: int, micro_batch: int, seq_len: int) -> dict:
+def model_config(seq_len: int, arch: str, kv_heads: int | None):
+    """The default model, untied, in ``arch``'s form (``kv_heads``: its key/value heads)."""
+    from refimpl.config import ARCHS, ModelConfig
+
+    kv = {} if kv_heads is None else {"num_key_value_heads": kv_heads}
+    return ModelConfig(**{**ARCHS[arch], "tie_word_embeddings": False}, max_seq_len=seq_len, **kv)
+
+
+def _worker(ctx, steps: int, warmup: int, micro_batch: int, seq_len: int, arch: str,
+            kv_heads: int | None) -> dict:
     import warnings
 
     import torch.distributed as dist
@@ -78,7 +92,6 @@ def _worker(ctx, steps: int, warmup: int, micro_batch: int, seq_len: int) -> dic
     from torch.distributed.tensor.parallel import loss_parallel
 
     from refimpl.comm import CommTracer
-    from refimpl.config import ModelConfig
     from refimpl.models import GPT, lm_loss
     from refimpl.parallel.tensor_parallel import (
         allreduce_sequence_parallel_grads,
@@ -88,7 +101,7 @@ def _worker(ctx, steps: int, warmup: int, micro_batch: int, seq_len: int) -> dic
 
     # DTensor's embedding style hooks a module whose input (token ids) needs no gradient: torch warns
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    cfg = ModelConfig(max_seq_len=seq_len, tie_word_embeddings=False)
+    cfg = model_config(seq_len, arch, kv_heads)
     group, t = dist.group.WORLD, ctx.world_size
     adamw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False)
     g = torch.Generator().manual_seed(0)  # the same tokens on every rank of the tensor-parallel group
@@ -127,7 +140,9 @@ def _worker(ctx, steps: int, warmup: int, micro_batch: int, seq_len: int) -> dic
         return step
 
     backward_done: list[float] = []  # each step appends the time its backward (and gradient sums) ended
-    variants = {"ours": ours(False), "ours + SP": ours(True), "DTensor": dtensor()}
+    variants = {"ours": ours(False), "ours + SP": ours(True)}
+    if cfg.num_key_value_heads >= t:  # DTensor's row split keeps whole query groups only then
+        variants["DTensor"] = dtensor()
     out: dict = {"first_loss": {}, "times": {k: [] for k in variants}, "fwd_bwd": {k: [] for k in variants}}
     for name, step in variants.items():
         dist.barrier()
@@ -147,10 +162,11 @@ def _worker(ctx, steps: int, warmup: int, micro_batch: int, seq_len: int) -> dic
             variants[name](data[-1])
         out["collectives"][name] = {op: (s.count, s.nbytes, s.wire_bytes)
                                     for op, s in tracer.summary().items()}
-    dist.barrier()
-    with CommDebugMode() as comm:
-        variants["DTensor"](data[-1])
-    out["dtensor_counts"] = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+    if "DTensor" in variants:
+        dist.barrier()
+        with CommDebugMode() as comm:
+            variants["DTensor"](data[-1])
+        out["dtensor_counts"] = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
     out["median_s"] = {k: statistics.median(v) for k, v in out.pop("times").items()}
     out["median_fwd_bwd_s"] = {k: statistics.median(v) for k, v in out.pop("fwd_bwd").items()}
     return out
@@ -160,21 +176,23 @@ def _ops(c: dict) -> str:
     return ", ".join(f"{n} {op}" for op, n in sorted(c.items()))
 
 
-def run(sizes: list[int], steps: int, warmup: int, micro_batch: int, seq_len: int) -> str:
-    from refimpl.config import ModelConfig
+def run(sizes: list[int], steps: int, warmup: int, micro_batch: int, seq_len: int, arch: str = "gpt2",
+        kv_heads: int | None = None) -> str:
     from refimpl.launch import run_ranks
     from refimpl.planner import tensor_parallel_collectives, wire_bytes
 
-    cfg = ModelConfig(max_seq_len=seq_len, tie_word_embeddings=False)
+    cfg = model_config(seq_len, arch, kv_heads)
     x = micro_batch * seq_len * cfg.hidden_size
-    lines = ["| t | implementation | median step | / DTensor | forward + backward / DTensor's | "
+    lines = ["| t | implementation | median step | / DTensor (or ours) | forward + backward / DTensor's | "
              "collectives per step (traced) | payload | ring-model bytes sent per rank | "
              "planned (counts, payload) |",
              "|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for t in sizes:
-        per_rank = run_ranks(_worker, t, steps, warmup, micro_batch, seq_len, timeout_s=900, backend="gloo")
+        per_rank = run_ranks(_worker, t, steps, warmup, micro_batch, seq_len, arch, kv_heads, timeout_s=900,
+                             backend="gloo")
         names = list(per_rank[0]["median_s"])
+        base = "DTensor" if "DTensor" in names else "ours"
         step_s = {n: max(r["median_s"][n] for r in per_rank) for n in names}
         fb_s = {n: max(r["median_fwd_bwd_s"][n] for r in per_rank) for n in names}
         for n in names:
@@ -189,19 +207,20 @@ def run(sizes: list[int], steps: int, warmup: int, micro_batch: int, seq_len: in
                 wire = f"{sum(w for _, _, w in traced.values()) / KiB:,.1f} KiB"
                 plan = tensor_parallel_collectives(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                                                    micro_batch=micro_batch, seq_len=seq_len, tp=t,
-                                                   sequence_parallel=n.endswith("SP"))
+                                                   sequence_parallel=n.endswith("SP"), config=cfg)
                 equal = plan == {op: (c, b) for op, (c, b, _) in traced.items()}
                 planned_bytes = sum(b for _, b in plan.values())
                 planned = f"{'equal' if equal else 'DIFFERENT'} ({planned_bytes / KiB:,.1f} KiB)"
-            lines.append(f"| {t} | {n} | {step_s[n] * 1e3:.1f} ms | {step_s[n] / step_s['DTensor']:.3f} | "
-                         f"{fb_s[n] / fb_s['DTensor']:.3f} | {counts} | {payload} | {wire} | {planned} |")
+            lines.append(f"| {t} | {n} | {step_s[n] * 1e3:.1f} ms | {step_s[n] / step_s[base]:.3f} | "
+                         f"{fb_s[n] / fb_s[base]:.3f} | {counts} | {payload} | {wire} | {planned} |")
         per_ar = wire_bytes("all_reduce", 4 * x, t)
         losses = per_rank[0]["first_loss"]
+        theirs = (f", DTensor {losses['DTensor']:.6f} (|ours - DTensor| = "
+                  f"{abs(losses['ours'] - losses['DTensor']):.1e})" if "DTensor" in losses else
+                  f"; no DTensor row: {cfg.num_key_value_heads} key/value heads over {t} ranks")
         notes.append(f"t = {t}: one all-reduce of b s h = {x:,d} floats sends 2(t-1)/t x "
                      f"{4 * x / KiB:,.1f} KiB = {per_ar / KiB:,.1f} KiB per rank (ring model); first-step "
-                     f"loss ours {losses['ours']:.6f}, ours + SP {losses['ours + SP']:.6f}, DTensor "
-                     f"{losses['DTensor']:.6f} (|ours - DTensor| = "
-                     f"{abs(losses['ours'] - losses['DTensor']):.1e})")
+                     f"loss ours {losses['ours']:.6f}, ours + SP {losses['ours + SP']:.6f}{theirs}")
     return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes)
 
 
@@ -213,12 +232,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per step (the same on every rank)")
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2")
+    p.add_argument("--num-kv-heads", type=int, default=None, help="key/value heads (default: the heads)")
     args = p.parse_args(argv)
     start = time.time()
-    table = run(args.tp, args.steps, args.warmup, args.micro_batch, args.seq_len)
+    table = run(args.tp, args.steps, args.warmup, args.micro_batch, args.seq_len, args.arch,
+                args.num_kv_heads)
     print(table)
-    print(f"\n({args.steps} measured steps after {args.warmup} warm-up, interleaved; default GPT with an "
-          f"untied head, {args.micro_batch} x {args.seq_len} tokens per step; gloo on CPU ranks; torch "
+    form = "" if args.arch == "gpt2" else f", Llama form with {args.num_kv_heads} key/value heads"
+    print(f"\n({args.steps} measured steps after {args.warmup} warm-up, interleaved; default GPT{form} with "
+          f"an untied head, {args.micro_batch} x {args.seq_len} tokens per step; gloo on CPU ranks; torch "
           f"{torch.__version__}, {platform.processor() or platform.machine()}; {time.time() - start:.0f} s)")
 
 
