@@ -49,7 +49,7 @@ import torch
 from IPython.display import display
 from matplotlib.patches import Rectangle
 
-from refimpl.config import ModelConfig
+from refimpl.config import ConfigError, ModelConfig
 from refimpl.data import make_corpus_file
 from refimpl.distributed import DistributedContext, ParallelDims
 from refimpl.launch import start_ranks
@@ -166,7 +166,9 @@ fig.tight_layout()
 # ## 2. The 3D trainer trains the one-device model
 #
 # On each of the 8 ranks the cell below calls the trainer in process, `refimpl.train.train(config, ctx,
-# options)`, what `python -m refimpl.train --dp 2 --tp 2 --pp 2 --microbatches 2` runs on each process:
+# options)`, what `python -m refimpl.train --dp 2 --tp 2 --pp 2 --microbatches 2 --arch llama --num-kv-heads 2`
+# runs on each process, on the model in the form people train today (chapter 01: RMSNorm, RoPE, 4 query heads
+# in 2 key/value groups, SwiGLU, no biases, `make train`'s default):
 # `parallelize` applies tensor parallelism (Megatron's column and row layers, a vocabulary-parallel
 # embedding and loss), cuts the model into 2 stages run by the 1F1B schedule over 2 micro-batches, and
 # averages the gradients over the dp group. Each dp replica sees half the global batch (4 sequences),
@@ -207,7 +209,8 @@ def quiet_train(out, *flags):
         return train(config_from_args(args), one_ctx, options)
 
 
-one = {(precision, order): [r["loss"] for r in quiet_train(WORK / f"one-{precision}-{order}",
+LLAMA_FLAGS = ["--arch", "llama", "--num-kv-heads", "2"]  # the Llama form (GQA: 2 groups of 2 query heads)
+one = {(precision, order): [r["loss"] for r in quiet_train(WORK / f"one-{precision}-{order}", *LLAMA_FLAGS,
                                                            "--precision", precision, *extra)]
        for precision in ("fp32", "bf16")
        for order, extra in (("batch", []), ("micro", ["--micro-batch-size", "1"]))}
@@ -259,7 +262,8 @@ def run_3d(name, *flags, skip_dp_average=False):
         loop.build_setup, sharded_optimizer.reduce_scatter_mean = build, reduce_scatter
 
 
-LAYOUT_3D = ["--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2", "--steps", "10"]
+LAYOUT_3D = ["--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2", "--steps", "10",
+             "--arch", "llama", "--num-kv-heads", "2"]  # the Llama form, as the one-device runs
 runs_3d = {"fp32": run_3d("3d-fp32", *LAYOUT_3D),
            "zero1-bf16": run_3d("3d-zero1-bf16", *LAYOUT_3D, "--zero-stage", "1", "--precision", "bf16"),
            "no dp average": run_3d("3d-broken", *LAYOUT_3D, "--steps", "3", skip_dp_average=True),  # fails at once
@@ -884,6 +888,71 @@ assert [key for key, why in refused.items() if why] == [("zbh1", True)], "the te
 # search's fastest layouts are elsewhere. The seed's exact layout is planned here, not run (a trillion
 # parameters); the pieces it combines run in the course: ZeRO-3 over tp x dp (chapter 04, section 7),
 # HSDP (chapter 04), ZeRO-3 with pipeline parallelism (tests/test_train_3d.py, tests/test_train_zero3.py).
+
+# %% [markdown]
+# ### A published run: Llama 3 405B
+#
+# The seed's claim could not have run as stated. A claim that did: Dubey et al. 2024 ("The Llama 3 Herd of
+# Models", section 3.3) trained Llama 3 405B on 16,384 H100s with TP 8 x PP 16 x DP 128 (CP 1 for the 8K
+# context), 16M tokens per step (2048 sequences of 8192), and report 400 TFLOP/s per GPU. Its 126 layers
+# do not split into 16 equal stages: the paper gives the first and the last stage one layer less (they
+# also hold the embedding and the output layer); the planner's stages are equal, so it refuses the model
+# as published and plans a stand-in of 128 layers, a bound from above. The planner knows
+# the model by name (`python -m refimpl.plan --model llama3-405b`: the model card's shape, the Llama form
+# with 8 key/value heads and SwiGLU); its count must give the published size, and the arithmetic below
+# reads the throughput as MFU and a step time, and puts the layout through the planner at every ZeRO stage.
+# The planner's activations for this model are Korthikanti et al.'s count at its own sizes (GQA's smaller
+# K and V, SwiGLU's three $f$-wide tensors, no dropout; `paper_bytes_per_layer`).
+
+# %%
+from refimpl.planner.presets import MODEL_PRESETS
+
+LLAMA_RUN = {"gpus": 16384, "tp": 8, "pp": 16, "dp": 128, "seq": 8192, "batch": 2048, "flops_per_gpu": 400e12}
+preset = MODEL_PRESETS["llama3-405b"]
+llama405 = preset.config(max_seq_len=LLAMA_RUN["seq"])
+n_llama = param_count(llama405).total
+print(f"llama3-405b: {n_llama / 1e9:.3f} B parameters by our count, {preset.published} B published")
+assert round(n_llama / 1e9, 1) == preset.published
+assert LLAMA_RUN["tp"] * LLAMA_RUN["pp"] * LLAMA_RUN["dp"] == LLAMA_RUN["gpus"]
+llama_mfu = LLAMA_RUN["flops_per_gpu"] / PEAK_FLOPS["H100"]["bf16"]
+step_flops = flops_per_token(llama405, LLAMA_RUN["seq"]) * LLAMA_RUN["batch"] * LLAMA_RUN["seq"]
+llama_step = step_flops / (LLAMA_RUN["gpus"] * LLAMA_RUN["flops_per_gpu"])
+print(f"400 TFLOP/s per GPU = MFU {llama_mfu:.1%} of the {PEAK_FLOPS['H100']['bf16'] / 1e12:.0f} TFLOP/s bf16 "
+      f"peak; a step of {LLAMA_RUN['batch'] * LLAMA_RUN['seq'] / 1e6:.1f} M tokens ({step_flops:.3g} FLOPs by "
+      f"6N + 12 L h s) takes {llama_step:.1f} s at that rate")
+LLAMA_KW = dict(dp=LLAMA_RUN["dp"], tp=LLAMA_RUN["tp"], pp=LLAMA_RUN["pp"], gpu="H100", gpus_per_node=8,
+                seq_len=LLAMA_RUN["seq"], global_batch=LLAMA_RUN["batch"], mfu=llama_mfu)
+try:
+    evaluate_stages(llama405, **LLAMA_KW)
+except ConfigError as refused:  # the planner's stages are equal: 126 layers do not split in 16
+    print(f"the planner refuses the model as published: {refused}")
+# the stand-in: 128 layers, 8 per stage (the paper gives its first and last stage one layer less instead)
+stand_in = dataclasses.replace(llama405, num_layers=128)
+print(f"planned instead: {stand_in.num_layers} layers, {param_count(stand_in).total / 1e9:.1f} B parameters "
+      f"(+{param_count(stand_in).total / n_llama - 1:.1%}: an upper bound on memory and time)")
+llama_rows = evaluate_stages(stand_in, **LLAMA_KW)
+for p in llama_rows:
+    print(f"  ZeRO-{p.zero_label}{', recomputing' if p.recompute else '             '}: state "
+          f"{p.state_bytes / 1e9:5.1f} GB + gathered {p.gathered_bytes / 1e9:4.1f} + activations "
+          f"{p.activation_bytes / 1e9:5.1f} = {p.memory_bytes / 1e9:5.1f} GB per GPU "
+          f"({'fits' if p.fits else 'does not fit'} in {p.limit_bytes / 1e9:.0f} GB); bubble {p.bubble:.1%}, "
+          f"step {p.step_s:.1f} s (compute at that MFU {p.compute_s:.1f} s)")
+assert any(p.fits for p in llama_rows), "the published layout fits at some ZeRO stage"
+fastest = min((p for p in llama_rows if p.fits), key=lambda p: p.step_s)
+print(f"the planner's fastest stage: {fastest.step_s:.1f} s per step, {fastest.step_s / llama_step:.1f} x the "
+      f"step the claimed rate implies; 1F1B's bubble {fastest.bubble:.0%}, recomputation "
+      f"{fastest.recompute_s:.1f} s, communication {fastest.comm_s:.1f} s not overlapped")
+assert fastest.step_s > llama_step  # the planner's schedule cannot reach the claim without hiding something
+
+# %% [markdown]
+# Our count gives the published size, the throughput reads as an MFU of about 40%, and the layout fits an
+# H100 at the stages the printed lines say (with recomputation, or ZeRO-3 gathered per micro-batch: 16
+# micro-batches of 8192 tokens held by a 1F1B stage do not fit otherwise). The step the planner predicts
+# at that MFU is longer than the FLOPs alone: its schedule is 1F1B, whose bubble with 16 stages and 16
+# micro-batches per replica is the printed share, recomputation costs one more forward, and it overlaps no
+# communication (an upper bound). That gap is what the published run must have closed (a schedule with a
+# smaller bubble, less recomputation, communication behind compute) to reach its figure: the claim is
+# consistent with the arithmetic only if it did.
 
 # %% [markdown]
 # ## 5. An explorer: your model on your cluster

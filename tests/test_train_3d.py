@@ -3,7 +3,8 @@ move between layouts.
 
 * **Equivalence.** One spawn of 8 ranks runs :func:`refimpl.train.train` in process at ``2 x 2 x 2``
   (fp32; ZeRO-1 + bf16; ZeRO-2 + sequence parallelism + the interleaved schedule; ZeRO-3, fp32 and bf16:
-  each stage's TP blocks sharded again over dp, gathered once per step) and at
+  each stage's TP blocks sharded again over dp, gathered once per step; ZeRO-3 on the Llama form, GQA
+  with 2 key/value heads, against its own one-device runs) and at
   ``dp 2 x cp 2 x pp 2`` (ZeRO-2 + fp16 + activation checkpointing); each against one device in this
   process within tests/one_device.py's rule (``FACTOR x`` the spread of two one-device summation orders):
   the losses, and the first step's gradients before the optimizer, every rank's boxes of them.
@@ -55,6 +56,7 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-heads", "4", "--seq-l
         "--steps", str(STEPS + 2), "--checkpoint-every", "0", "--no-report"]
 CUBE = ["--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2"]
 SAVED = "2x2x2-zero1-bf16"  # the checkpoint moved between layouts
+LLAMA = ["--arch", "llama", "--num-kv-heads", "2"]  # the Llama form, against its own one-device runs
 # name -> (flags at world size 8, the one-device precision it is compared with)
 LAYOUTS = {
     "2x2x2": ([*CUBE, "--checkpoint-every", str(STEPS)], "fp32"),
@@ -66,6 +68,7 @@ LAYOUTS = {
                                         "--activation-checkpointing"], "fp16"),
     "2x2x2-zero3": ([*CUBE, "--zero-stage", "3"], "fp32"),  # ZeRO-3 over the TP blocks of each stage
     "2x2x2-zero3-bf16": ([*CUBE, "--zero-stage", "3", "--precision", "bf16"], "bf16"),
+    "2x2x2-zero3-llama": ([*CUBE, "--zero-stage", "3", *LLAMA], "fp32"),  # RMSNorm, RoPE, GQA 4/2, SwiGLU
 }
 # the layouts the checkpoint of SAVED moves to: name -> (world size, flags)
 TARGETS = {
@@ -175,11 +178,22 @@ def one_device_zero3(files, tmp_path_factory) -> dict:
                              steps=STEPS + 2)
 
 
-def _reference(name: str, one_device: dict, one_device_zero3: dict) -> dict:
+@pytest.fixture(scope="module")
+def one_device_llama(files, tmp_path_factory) -> dict:
+    """One device training the Llama form, fp32."""
+    root = tmp_path_factory.mktemp("one_device_llama")
+    return one_device_losses(lambda run, *flags: _args(files, run, *LLAMA, *flags), root, steps=STEPS + 2,
+                             precisions={"fp32": ["--precision", "fp32"]})
+
+
+def _reference(name: str, one_device: dict, one_device_zero3: dict, one_device_llama: dict) -> dict:
     """The one-device runs layout ``name`` is held to: ZeRO-3 in 16 bits computes in 16-bit weights and
     activations (FSDP2's mixed precision), the others under autocast over fp32 weights (measured: the
-    2x2x2 ZeRO-3 bf16 losses lie 2.8e-3 from the autocast bf16 run, 1.8x that rule's tolerance)."""
+    2x2x2 ZeRO-3 bf16 losses lie 2.8e-3 from the autocast bf16 run, 1.8x that rule's tolerance); the Llama
+    form its own."""
     flags, precision = LAYOUTS[name]
+    if "--arch" in flags:
+        return one_device_llama
     zero3 = "--zero-stage" in flags and flags[flags.index("--zero-stage") + 1] == "3"
     return one_device_zero3 if zero3 and precision != "fp32" else one_device
 
@@ -198,23 +212,27 @@ def _read_all(folder: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.numerics
 @pytest.mark.timeout(3 * SPAWN_TIMEOUT_S)
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_3d_layouts_at_8_ranks_train_like_one_device(runs, one_device, one_device_zero3, name):
+def test_3d_layouts_at_8_ranks_train_like_one_device(runs, one_device, one_device_zero3, one_device_llama,
+                                                     name):
     assert_trains_like_one_device([out[name] for out in runs["eight"]],
-                                  _reference(name, one_device, one_device_zero3), LAYOUTS[name][1],
+                                  _reference(name, one_device, one_device_zero3, one_device_llama),
+                                  LAYOUTS[name][1],
                                   factor=FACTOR, name=name)
 
 
 @pytest.mark.numerics
 @pytest.mark.timeout(3 * SPAWN_TIMEOUT_S)
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_3d_layouts_hand_the_optimizer_one_devices_gradients(runs, one_device, one_device_zero3, name):
+def test_3d_layouts_hand_the_optimizer_one_devices_gradients(runs, one_device, one_device_zero3,
+                                                             one_device_llama, name):
     """The first step's gradients before clipping and AdamW, every rank's boxes (tp blocks, ZeRO-2 row
     shards of them, the tied embedding on both pipeline ends) against one device's (tests/one_device.py);
     negative control: the same gradients x m (a pipeline loss not divided by its m micro-batches) fail."""
     flags, precision = LAYOUTS[name]
     m = int(flags[flags.index("--microbatches") + 1])
     worst = assert_gradients_like_one_device([out[name, "grads"] for out in runs["eight"]],
-                                             _reference(name, one_device, one_device_zero3), precision,
+                                             _reference(name, one_device, one_device_zero3, one_device_llama),
+                                             precision,
                                              factor=FACTOR, name=name, control=float(m))
     print(f"{name}: worst gradient difference {worst:.3f} x its tolerance")
 

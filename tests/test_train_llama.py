@@ -4,7 +4,8 @@ the same model as one device at the layout families (chapters 04-08), with group
 One spawn of 4 ranks: ``--num-kv-heads 2`` (GQA: 4 query heads in 2 groups) at tp 2 x dp 2 with sequence
 parallelism on RMSNorm and ZeRO-1 (each tensor-parallel rank holds one whole query group), at tp 4 with
 sequence parallelism (two ranks share each key/value head), MQA at tp 2 x dp 2 with ZeRO-2 (both ranks share
-the one key/value head), at dp 4 with ZeRO-3
+the one key/value head), HSDP (ZeRO-3 over 2 ranks, 2 replicas), pp 2 x dp 2 under zbh1 as well as 1F1B,
+dp 4 in fp8 (against one device in fp8, by the same rule), at dp 4 with ZeRO-3
 and activation checkpointing, at pp 2 x dp 2 (1F1B) and at cp 2 x dp 2 with Ulysses (the key/value heads
 all-to-all'd at their own count); ``--num-kv-heads 1`` (MQA) at cp 2 x dp 2 with ring attention (zig-zag: the
 one key/value head travels the ring, and RoPE must take each chunk's global positions). Each against one
@@ -53,13 +54,19 @@ LAYOUTS = {  # name -> (model, the trainer's flags at world size 4)
     "tp2-dp2-sp-zero1": ("gqa", ["--tp", "2", "--sequence-parallel", "--zero-stage", "1",
                                  "--checkpoint-every", str(STEPS // 2)]),  # resumed at pp 2 x dp 2 below
     "dp4-zero3-actckpt": ("gqa", ["--zero-stage", "3", "--activation-checkpointing"]),
+    "hsdp2x2-zero3": ("gqa", ["--zero-stage", "3", "--dp-replicate", "2"]),  # shards over 2, 2 replicas
     "pp2-dp2-1f1b": ("gqa", ["--pp", "2", "--microbatches", "2"]),
+    "pp2-dp2-zbh1": ("gqa", ["--pp", "2", "--microbatches", "2", "--pp-schedule", "zbh1"]),
+    "dp4-fp8": ("gqa", ["--precision", "fp8"]),  # the linears' three GEMMs in fp8 (chapter 10)
     "tp2-dp2-mqa-zero2": ("mqa", ["--tp", "2", "--zero-stage", "2"]),  # 2 ranks share the k/v head
     "tp4-gqa-sp": ("gqa", ["--tp", "4", "--sequence-parallel"]),  # 2 ranks share each of the 2 k/v heads
     "cp2-dp2-ring": ("mqa", ["--cp", "2"]),
     "cp2-dp2-ulysses": ("gqa", ["--cp", "2", "--cp-method", "ulysses"]),
     "dp4-ep2-moe": ("moe", ["--ep", "2"]),  # block 0 an MoE of SwiGLU experts, 2 per ep rank
 }
+
+
+PRECISION = {"dp4-fp8": "fp8"}  # the layouts not in fp32, against one device in their precision
 
 
 def _args(files: dict, out: Path, *extra: str):
@@ -117,8 +124,10 @@ def one_device(files) -> dict:
     def references(model: str) -> dict:
         def args_for(out, *extra: str):
             return _args(files, out, *MODELS[model], *extra)
+        precisions = {p: ["--precision", p] for p in {"fp32", *(PRECISION.get(name, "fp32") for name, (m, _)
+                                                                in LAYOUTS.items() if m == model)}}
         return one_device_losses(args_for, Path(files["root"]) / f"one-{model}", steps=STEPS,
-                                 precisions={"fp32": ["--precision", "fp32"]})
+                                 precisions=precisions)
     return {model: references(model) for model in MODELS}
 
 
@@ -126,9 +135,9 @@ def one_device(files) -> dict:
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_the_llama_form_trains_like_one_device(runs, one_device, name):
-    reference = one_device[LAYOUTS[name][0]]
-    assert_trains_like_one_device([out[name] for out in runs], reference, "fp32", factor=FACTOR, name=name)
-    worst = assert_gradients_like_one_device([out[name, "grads"] for out in runs], reference, "fp32",
+    reference, precision = one_device[LAYOUTS[name][0]], PRECISION.get(name, "fp32")
+    assert_trains_like_one_device([out[name] for out in runs], reference, precision, factor=FACTOR, name=name)
+    worst = assert_gradients_like_one_device([out[name, "grads"] for out in runs], reference, precision,
                                              factor=FACTOR, name=name, control=2.0)
     print(f"{name}: worst gradient difference {worst:.3f} x its tolerance")
 
