@@ -44,6 +44,7 @@ WORLD, STEPS, SPAWN_TIMEOUT_S = 8, 2, 300
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
         "--batch-size", "8", "--steps", str(STEPS), "--lr", "1e-2", "--warmup-steps", "1",
         "--log-every", "100", "--checkpoint-every", "0", "--no-report"]
+LLAMA = ["--arch", "llama", "--num-kv-heads", "2"]
 LAYOUTS = {  # dp x tp x pp -> the trainer's flags at world size 8
     "8x1x1": ["--dp", "8"],
     "4x2x1-sp-accum": ["--tp", "2", "--sequence-parallel", "--micro-batch-size", "1"],
@@ -77,6 +78,15 @@ LAYOUTS = {  # dp x tp x pp -> the trainer's flags at world size 8
                            "--activation-checkpointing"],
     # HSDP under the pipeline: each stage sharded over dp_shard 2, its shards all-reduced over 2 replicas
     "4x1x2-hsdp2-zero3": ["--pp", "2", "--dp-replicate", "2", "--zero-stage", "3", "--microbatches", "2"],
+    # the Llama form (RMSNorm, RoPE, SwiGLU, no biases, GQA: 4 query heads in 2 groups)
+    "4x2x1-sp-llama": ["--tp", "2", "--sequence-parallel", *LLAMA],
+    "2x4x1-actckpt-llama": ["--tp", "4", "--activation-checkpointing", *LLAMA],  # 2 ranks share a k/v head
+    "2x2x2-zero1-llama": ["--tp", "2", "--pp", "2", "--zero-stage", "1", "--microbatches", "2", *LLAMA],
+    "2x1x4-bf16-zbh1-llama": ["--pp", "4", "--microbatches", "4", "--precision", "bf16", "--pp-schedule",
+                              "zbh1", *LLAMA],
+    "2x1x2-cp2-zero3-llama": ["--cp", "2", "--pp", "2", "--zero-stage", "3", "--microbatches", "2", *LLAMA],
+    "4x1x1-cp2-ulysses-llama": ["--cp", "2", "--cp-method", "ulysses", *LLAMA],
+    "8x1x1-zero3-bf16-llama": ["--zero-stage", "3", "--precision", "bf16", *LLAMA],
 }
 
 

@@ -92,15 +92,21 @@ def _is_parameter(t: torch.Tensor, param_storages: set[int]) -> bool:
     return isinstance(t, nn.Parameter) or storage_key(t) in param_storages
 
 
+_LOOKUPS = ("EmbeddingBackward", "IndexBackward", "IndexSelectBackward", "GatherBackward")
+"""Ops that read rows of one tensor by integer indices: one input to autograd, yet what they return is an
+activation (a lookup of the tokens), not a copy of the weight (RoPE's Llama form has no position embedding
+to add to the lookup, so the embedding's output reaches the first block through such a chain)."""
+
+
 def _is_weight(t: torch.Tensor, param_storages: set[int]) -> bool:
     """A parameter (:func:`_is_parameter`), a view of one, or a chain of one-input ops (cast, transpose)
-    from one (autocast)."""
+    from one (autocast); an index lookup (:data:`_LOOKUPS`) ends the chain as an activation."""
     if _is_parameter(t, param_storages):
         return True
     node = t.grad_fn
     while node is not None:
         nxt = [f for f, _ in node.next_functions if f is not None]
-        if len(nxt) != 1:
+        if len(nxt) != 1 or node.name().startswith(_LOOKUPS):
             return False
         node = nxt[0]
         variable = getattr(node, "variable", None)  # an AccumulateGrad node: the end of the chain

@@ -70,7 +70,21 @@ Per layer and rank, attention's ``(4 p) sbh/t + 4 a sb/t`` becomes at ``s_c`` to
     (4 p + q) s_c bh/t + q a s_c b/t         ring
     5 p s_c bh/t + 4 a s_c b/t               Ulysses
 
-so in 16-bit under autocast (p = 2, q = r = 4, f = 4h): ring ``s_c bh (12 + 28/t) + 16 s_c b + 4 a s_c b/t``,
+**The Llama form** (chapter 01; measured the same way, tests/test_planner_3d.py at seven layouts), per
+rank with ``a_t`` query and ``g_t`` key/value heads (``g/t``, or one that ``t/g`` ranks share):
+
+* RMSNorm keeps its input, ``rstd`` and ``x * rstd``, in float32 at least (a 16-bit input is upcast and
+  its float32 copy kept): ``(2 n sbh + n sb)/u`` per norm with ``n = max(r, 4)``;
+* the fused qkv output ``p sb (a_t + 2 g_t) d`` is kept because V is a view of it; RoPE adds its cos and
+  sin ``2 p s d`` and the rotated q and k ``p sb (a_t + g_t) d``;
+* the queries ``[b, a_t, s, d]`` are a view of the qkv output when the group dim or the heads-per-group dim
+  is 1 (MHA, MQA, one group per rank); otherwise a contiguous copy, after which SDPA's output is
+  contiguous too and the projection's input a second copy ``p sb a_t d``;
+* SwiGLU keeps the first linear's ``2f/t``-wide output (gate and up are views of it), ``SiLU(gate)`` and
+  the product: ``4 p sb f/t``;
+* outside the blocks the final RMSNorm's three tensors, and no positions (RoPE has no position embedding).
+
+So in 16-bit under autocast (p = 2, q = r = 4, f = 4h): ring ``s_c bh (12 + 28/t) + 16 s_c b + 4 a s_c b/t``,
 Ulysses ``s_c bh (12 + 26/t) + 16 s_c b + 4 a s_c b/t``, against SDPA's ``12 + 24/t`` at ``s_c`` tokens:
 both pay ``2/t`` for the projection's copy, the ring ``2/t`` more for its float32 output.
 :class:`refimpl.measure.activations.SavedTensorMeter` measures the same numbers (tests/test_activations.py,
@@ -88,19 +102,21 @@ import torch
 from refimpl.config import CP_METHODS, ModelConfig
 
 __all__ = ["METHODS", "ActivationBreakdown", "activation_bytes", "activation_bytes_per_layer",
-           "korthikanti_bytes_per_layer", "local_tokens", "outside_block_bytes", "unmodelled_architecture"]
+           "korthikanti_bytes_per_layer", "local_tokens", "outside_block_bytes"]
 
 METHODS = CP_METHODS  # the context-parallel methods, named in refimpl.config
 
 
-def unmodelled_architecture(config: ModelConfig) -> list[str]:
-    """What of ``config`` the exact activation count does not model yet: the Llama form's pieces
-    (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases); [] for GPT-2's form, which it counts to the
-    byte. The activation functions refuse such a config (``ValueError``) rather than count it wrong."""
-    found = {"RMSNorm": config.normalization != "layernorm", "RoPE": config.position_embedding != "learned",
-             "SwiGLU": config.activation != "gelu", "no biases": not config.add_bias,
-             "grouped-query attention": config.num_key_value_heads != config.num_attention_heads}
-    return [name for name, present in found.items() if present]
+def _attention_layout(config: ModelConfig, tp: int) -> tuple[int, int, bool]:
+    """``(a_t, g_t, copied)``: the query and key/value heads of one rank's attention under ``tp``
+    (``t/g`` ranks share one key/value head when ``g < t``), and whether the queries reach attention as a
+    copy. The fused qkv output ``[b, s, g_t, a/g + 2, d]`` viewed as ``[b, a_t, s, d]`` queries merges the
+    group dim with the heads-per-group dim: a view when either is 1 (MHA, MQA, one group per rank), else a
+    contiguous copy, after which SDPA's output is contiguous too and the projection's input a second
+    copy."""
+    a, g = config.num_attention_heads, config.num_key_value_heads
+    a_t, g_t = a // tp, max(g // tp, 1)
+    return a_t, g_t, g_t > 1 and a_t // g_t > 1
 
 
 def _check_tp(config: ModelConfig, *, tp: int, sequence_parallel: bool, seq_len: int, cp: int = 1) -> int:
@@ -222,42 +238,54 @@ def activation_bytes_per_layer(
     float32 in every case, the ring's is in its block dtype. ``sequence_parallel`` at ``tp = 1`` is the
     plain block (as :func:`apply_tensor_parallel` does).
     """
-    unmodelled = unmodelled_architecture(config)
-    if unmodelled:
-        raise ValueError(f"the planner's activation count models GPT-2's block, not {', '.join(unmodelled)} "
-                         "yet")
-    b, h, a = micro_batch, config.hidden_size, config.num_attention_heads
+    b, h, d = micro_batch, config.hidden_size, config.head_dim
     f, t = config.ffn_hidden_size, tp
     s = local_tokens(config, seq_len=seq_len, cp=cp, cp_method=cp_method, cp_layout=cp_layout, tp=tp)
     u = _check_tp(config, tp=tp, sequence_parallel=sequence_parallel, seq_len=s, cp=cp)
     p, r = _nbytes(compute_dtype), _nbytes(residual_dtype)
     if checkpointed:
         return ActivationBreakdown(terms={"block input (checkpoint)": r * s * b * h // u})
-    terms = {
-        "layernorm inputs (2)": 2 * r * s * b * h // u,
-        "layernorm mean + rstd (2 x 2)": 2 * 2 * r * s * b // u,
-        "QKV input": p * s * b * h // u,
-    }
+    a_t, g_t, copied = _attention_layout(config, t)
+    if config.normalization == "rmsnorm":  # x * rsqrt(mean(x^2) + eps), then * g: x, rstd and x * rstd kept,
+        n = max(r, 4)  # in float32 at least: a 16-bit input is upcast first (and its float32 copy kept)
+        terms = {"rmsnorm inputs (2)": 2 * n * s * b * h // u, "rmsnorm rstd (2)": 2 * n * s * b // u,
+                 "rmsnorm x * rstd (2)": 2 * n * s * b * h // u}
+    else:
+        terms = {"layernorm inputs (2)": 2 * r * s * b * h // u,
+                 "layernorm mean + rstd (2 x 2)": 2 * 2 * r * s * b // u}
+    qkv = p * s * b * (a_t + 2 * g_t) * d  # the fused output: V (and without RoPE K, Q) are views of it
+    q_bytes, kv_bytes, out = p * s * b * a_t * d, p * s * b * g_t * d, p * s * b * a_t * d
+    terms["QKV input"] = p * s * b * h // u
+    rope = config.position_embedding == "rope"
+    if rope:  # cos and sin [s, d] in the activations' dtype; q and k rotated into new tensors
+        terms["RoPE cos, sin"] = 2 * p * s * d
+    if cp == 1 or cp_method == "ring":
+        terms["QKV output (holds V)"] = qkv
+        if rope:
+            terms["Q, K rotated"] = q_bytes + kv_bytes
+        elif copied:
+            terms["Q (a copy)"] = q_bytes
     if cp == 1:
-        terms |= {"Q, K, V": 3 * p * s * b * h // t,
-                  "attention log-sum-exp (fp32)": 4 * (a // t) * s * b,
-                  "attention output = projection input": p * s * b * h // t}
+        terms |= {"attention log-sum-exp (fp32)": 4 * a_t * s * b, "attention output": out}
+        if copied:
+            terms["projection input (a copy of the output)"] = out
     elif cp_method == "ring":
         q = 4  # the ring's block dtype: float32 (autocast off inside)
-        terms |= {"Q, K, V (the QKV output, ring inputs)": 3 * p * s * b * h // t,
-                  "ring output (block dtype)": q * s * b * h // t,
-                  "ring log-sum-exp (block dtype)": q * (a // t) * s * b,
-                  "projection input (a copy of the output)": p * s * b * h // t}
+        terms |= {"ring output (block dtype)": q * s * b * a_t * d,
+                  "ring log-sum-exp (block dtype)": q * a_t * s * b,
+                  "projection input (a copy of the output)": out}
     else:
-        terms |= {"Q, K, V (head shards, 3 all-to-all outputs)": 3 * p * s * b * h // t,
-                  "attention log-sum-exp (fp32)": 4 * (a // t) * s * b,
-                  "attention output (head shard)": p * s * b * h // t,
-                  "projection input (all-to-all output, a copy)": p * s * b * h // t}
-    terms |= {
-        "MLP input": p * s * b * h // u,
-        "GELU input": p * s * b * (f // t),
-        "GELU output = second linear input": p * s * b * (f // t),
-    }
+        terms |= {"Q, K, V (head shards, 3 all-to-all outputs)": q_bytes + 2 * kv_bytes,
+                  "attention log-sum-exp (fp32)": 4 * a_t * s * b,
+                  "attention output (head shard)": out,
+                  "projection input (all-to-all output, a copy)": out}
+    terms["MLP input"] = p * s * b * h // u
+    width = p * s * b * (f // t)  # one f/t-wide tensor
+    if config.activation == "swiglu":
+        terms |= {"gate | up (the first linear's output)": 2 * width, "SiLU(gate)": width,
+                  "SiLU(gate) * up = second linear input": width}
+    else:
+        terms |= {"GELU input": width, "GELU output = second linear input": width}
     return ActivationBreakdown(terms=terms)
 
 
@@ -298,16 +326,21 @@ def outside_block_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int,
     padding rule of :mod:`refimpl.parallel.tensor_parallel.vocab_parallel`), its int64 target index and two
     bool masks (owned, valid); the vocab-parallel embedding its int64 local ids and bool mask; int64
     positions. The full ``[b, s, V]`` logits are never built.
+
+    The Llama form: the final RMSNorm keeps its input, ``rstd`` and ``x * rstd`` (``4 s b h + 4 s b + 4 s b
+    h``), and without a position embedding no positions are saved (RoPE's cos and sin are the blocks').
     """
     b, h, v, t = micro_batch, config.hidden_size, config.vocab_size, tp
     s = local_tokens(config, seq_len=seq_len, cp=cp, cp_method=cp_method, cp_layout=cp_layout, tp=tp)
     u = _check_tp(config, tp=tp, sequence_parallel=sequence_parallel, seq_len=s, cp=cp)
     p = _nbytes(compute_dtype)
+    norm = 4 * s * b * h + (4 * s * b + 4 * s * b * h if config.normalization == "rmsnorm" else 2 * 4 * s * b)
+    positions = 0 if config.position_embedding == "rope" else s
     if t == 1:
-        return {"final layernorm + output layer inputs": 4 * s * b * h + 2 * 4 * s * b + p * s * b * h,
+        return {"final layernorm + output layer inputs": norm + p * s * b * h,
                 "log-softmax (fp32)": 4 * s * b * v,
-                "token ids, labels, positions": 8 * (2 * s * b + s) + 4}
-    return {"final layernorm + output layer inputs": (4 * s * b * h + 2 * 4 * s * b + p * s * b * h) // u,
+                "token ids, labels, positions": 8 * (2 * s * b + positions) + 4}
+    return {"final layernorm + output layer inputs": (norm + p * s * b * h) // u,
             "vocab-parallel softmax shard (fp32)": 4 * s * b * -(-v // t),
-            "token ids, labels, positions": 8 * (2 * s * b + s),
+            "token ids, labels, positions": 8 * (2 * s * b + positions),
             "embedding + loss masks (bool)": 3 * s * b}

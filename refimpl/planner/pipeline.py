@@ -70,6 +70,7 @@ from refimpl.planner.pipeline_stages import (
     stage_param_shapes,
 )
 from refimpl.planner.run_memory import RunMemory
+from refimpl.planner.run_terms import final_norm_16
 from refimpl.planner.zero_state import zero3_peak_gathered_bytes
 from refimpl.support import check_supported
 
@@ -120,11 +121,12 @@ def stage_saved_bytes(config: ModelConfig, *, stage: int, num_stages: int, block
             terms[PER_STEP[0]] = 8 * num_microbatches * b * s
         else:
             terms["vocab-parallel embedding local ids (int64) + mask (bool)"] = 8 * s * b + s * b
-        terms["positions (int64)"] = 8 * s
+        if config.position_embedding == "learned":  # RoPE's positions are the blocks' cos and sin
+            terms["positions (int64)"] = 8 * s
     if stage == num_stages - 1:
         final = "final layernorm + output layer inputs"
-        if residual_dtype is not None and residual_dtype.itemsize != 4:  # 16-bit input, mean/rstd, head input
-            outside[final] = 2 * p * s * b * config.hidden_size + 2 * p * s * b
+        if residual_dtype is not None and residual_dtype.itemsize != 4:  # 16-bit norm terms, head input
+            outside[final] = final_norm_16(config, p, s * b)
         if tp == 1:
             terms |= {final: outside[final], "log-softmax (fp32)": 4 * s * b * v,
                       PER_STEP[1]: 8 * num_microbatches * b * s, "loss total weight": 4}

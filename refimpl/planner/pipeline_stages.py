@@ -118,8 +118,10 @@ def stage_deferred_bytes(config: ModelConfig, *, stage: int, num_stages: int, bl
     gradient in ``B`` and leaves nothing (measured)."""
     p, h, f = compute_dtype.itemsize, config.hidden_size, config.ffn_hidden_size
     v = -(-config.vocab_size // tp)
-    linears = (("self_attention.query_key_value", h, 3 * h // tp), ("self_attention.dense", h // tp, h),
-               ("mlp.dense_h_to_4h", h, f // tp), ("mlp.dense_4h_to_h", f // tp, h))  # (name, in, out)
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim  # 3h without GQA
+    up = (2 if config.activation == "swiglu" else 1) * f  # SwiGLU's gate and up rows
+    linears = (("self_attention.query_key_value", h, qkv // tp), ("self_attention.dense", h // tp, h),
+               ("mlp.dense_h_to_4h", h, up // tp), ("mlp.dense_4h_to_h", f // tp, h))  # (name, in, out)
     tokens = seq_len * micro_batch
     total = 0
     for i in blocks:

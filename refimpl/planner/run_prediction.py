@@ -126,6 +126,7 @@ from refimpl.planner.run_terms import (
     data_parallel_bytes,
     recompute_tp_payloads,
     shard_group_rank,
+    shared_qkv_elements,
     sixteen_bit_weight_activations,
     sp_gradient_payload,
     stage_zero3_units,
@@ -308,7 +309,7 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
             first, last = st == 0, st == num_stages - 1
             if tp > 1:
                 for op, payload in tp_stage_payloads(config, layers=len(ranges[st]), first=first, last=last,
-                                                     x=x, tokens=tokens,
+                                                     x=x, tokens=tokens, tp=tp,
                                                      sequence_parallel=sequence_parallel).items():
                     _add(sent, "tp", op, m * payload, tp)
             if cp_layer is not None:
@@ -320,7 +321,8 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
         recomputed = [i for st in stages for i in ranges[st] if i in checkpointed]  # this rank's blocks
         if recomputed:  # the recomputed forwards of the rank's checkpointed blocks, in every backward
             if tp > 1:
-                for op, payload in recompute_tp_payloads(checkpointed=len(recomputed), x=x,
+                shared = shared_qkv_elements(config, tp=tp, tokens=tokens)
+                for op, payload in recompute_tp_payloads(checkpointed=len(recomputed), x=x, shared_qkv=shared,
                                                          sequence_parallel=sequence_parallel).items():
                     _add(sent, "tp", op, m * payload, tp)
             if cp_layer is not None:

@@ -59,9 +59,9 @@ from refimpl.planner.activations import activation_bytes, local_tokens
 from refimpl.planner.communication import zero_collectives
 from refimpl.planner.zero_state import Shape, padded_numel, sharded_numel
 
-__all__ = ["DP_KEY", "REPLICA_KEY", "SHARD_KEY", "data_parallel_bytes", "recompute_tp_payloads",
-           "shard_group_rank", "sixteen_bit_weight_activations", "sp_gradient_payload", "stage_zero3_units",
-           "tp_stage_payloads"]
+__all__ = ["DP_KEY", "REPLICA_KEY", "SHARD_KEY", "data_parallel_bytes", "final_norm_16",
+           "recompute_tp_payloads", "shard_group_rank", "shared_qkv_elements",
+           "sixteen_bit_weight_activations", "sp_gradient_payload", "stage_zero3_units", "tp_stage_payloads"]
 
 DP_KEY, SHARD_KEY, REPLICA_KEY = "dp x cp", "dp_shard x cp", "dp_replicate"  # metrics.jsonl's group keys
 
@@ -144,12 +144,25 @@ def sp_gradient_payload(shapes: Sequence[Shape], *, zero_stage: int, n: int, gro
     return 4 * sharded_numel(shapes, group_rank, n)
 
 
-def recompute_tp_payloads(*, checkpointed: int, x: int, sequence_parallel: bool) -> dict[str, int]:
+def recompute_tp_payloads(*, checkpointed: int, x: int, sequence_parallel: bool,
+                          shared_qkv: int = 0) -> dict[str, int]:
     """Float32 payloads (bytes) of the tensor-parallel collectives the recomputed forwards of
-    ``checkpointed`` blocks repeat in one micro-batch's backward, ``x = b s_c h`` (module docstring)."""
+    ``checkpointed`` blocks repeat in one micro-batch's backward, ``x = b s_c h`` (module docstring);
+    ``shared_qkv``: the elements of a block's qkv output all-gathered when fewer key/value heads than
+    ranks share them (:func:`shared_qkv_elements`), gathered again too."""
+    gather = {"all_gather": 4 * checkpointed * shared_qkv} if shared_qkv else {}
     if not sequence_parallel:
-        return {"all_reduce": 4 * checkpointed * x}
-    return {"all_gather": 4 * 2 * checkpointed * x, "reduce_scatter": 4 * checkpointed * x}
+        return {"all_reduce": 4 * checkpointed * x} | gather
+    return {"all_gather": 4 * checkpointed * (2 * x + shared_qkv), "reduce_scatter": 4 * checkpointed * x}
+
+
+def shared_qkv_elements(config: ModelConfig, *, tp: int, tokens: int) -> int:
+    """Elements of one block's qkv output that :class:`refimpl.models.gpt_sharding.SharedKeyValueQKV`
+    all-gathers (and reduce-scatters back) when ``t/g`` ranks share each key/value head, ``tokens (a + 2g)
+    d``; 0 when each rank holds whole query groups."""
+    if config.num_key_value_heads >= tp:
+        return 0
+    return tokens * (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
 
 
 def sixteen_bit_weight_activations(config: ModelConfig, *, checkpointed_blocks: Sequence[int],
@@ -168,22 +181,35 @@ def sixteen_bit_weight_activations(config: ModelConfig, *, checkpointed_blocks: 
     tokens = micro_batch * local_tokens(config, seq_len=seq_len, cp=cp, cp_method=cp_method,
                                         cp_layout=cp_layout, tp=1)
     return {"block activations": blocks,
-            "final layernorm + output layer inputs": 2 * p * tokens * config.hidden_size + 2 * p * tokens}
+            "final layernorm + output layer inputs": final_norm_16(config, p, tokens)}
+
+
+def final_norm_16(config: ModelConfig, p: int, tokens: int) -> int:
+    """The final norm's saved tensors and the head's input (``p`` bytes) in a 16-bit model: LayerNorm's
+    input, mean and rstd in ``p`` bytes; RMSNorm computes in float32, keeping its input's float32 copy,
+    rstd and ``x * rstd``."""
+    h = config.hidden_size
+    if config.normalization == "rmsnorm":
+        return 8 * tokens * h + 4 * tokens + p * tokens * h
+    return 2 * p * tokens * h + 2 * p * tokens
 
 
 def tp_stage_payloads(config: ModelConfig, *, layers: int, first: bool, last: bool, x: int, tokens: int,
-                 sequence_parallel: bool) -> dict[str, int]:
+                      sequence_parallel: bool, tp: int = 1) -> dict[str, int]:
     """One micro-batch's tensor-parallel payloads (float32 bytes) on a stage holding ``layers`` blocks
     (first / last stage: the embedding / the head and loss), ``x = b s_c h``, ``tokens = b s_c``: the
     stage's part of :func:`~refimpl.planner.communication.tensor_parallel_collectives` (the parts of all
     stages add up to it)."""
     f, la = int(first), int(last)
+    # fewer key/value heads than tp: each block's qkv output gathered (backward: reduced-scattered)
+    shared = 4 * layers * shared_qkv_elements(config, tp=tp, tokens=tokens)
     if not sequence_parallel:  # f/g all-reduces: 4 per block, the embedding's sum, the head's f
-        return {"all_reduce": 4 * (4 * layers * x + f * x + la * (x + 3 * tokens))}
+        out = {"all_reduce": 4 * (4 * layers * x + f * x + la * (x + 3 * tokens))}
+        return out | ({"all_gather": shared, "reduce_scatter": shared} if shared else {})
     # SP: the embedding reduce-scatters into the sequence shard (backward: all-gather)
     return {"all_reduce": 4 * la * 3 * tokens,
-            "all_gather": 4 * (6 * layers + f + 2 * la) * x,
-            "reduce_scatter": 4 * (4 * layers + f + la) * x}
+            "all_gather": 4 * (6 * layers + f + 2 * la) * x + shared,
+            "reduce_scatter": 4 * (4 * layers + f + la) * x + shared}
 
 
 def stage_zero3_units(table, *, stage: int, num_stages: int, blocks: range) -> list[list[tuple[int, ...]]]:
