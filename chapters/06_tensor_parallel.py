@@ -36,7 +36,9 @@
 # 2. the fused query/key/value weight must be split per head: split by plain rows in nanoGPT's layout,
 #    the output is wrong;
 # 3. the whole GPT equals one device, loss and every gradient, and so does PyTorch's own tensor
-#    parallelism (`parallelize_module`, `loss_parallel`) on the same weights;
+#    parallelism (`parallelize_module`, `loss_parallel`) on the same weights; so does the Llama form with
+#    grouped-query attention, also with fewer key/value heads than ranks (their gradients summed over the
+#    ranks that share them; not summed, they are wrong);
 # 4. the vocabulary-parallel loss equals `F.cross_entropy` without any rank holding the full logits;
 # 5. the activation bytes per rank fall with $t$ and with sequence parallelism, measured equal to the
 #    planner's count byte for byte;
