@@ -1,0 +1,113 @@
+"""Ranks behind a rate-limited link: :func:`run_ranks` inside a private network namespace whose loopback is
+shaped to a given bandwidth (issue 38; chapters 03, 04, 07 and 08 measure overlap on it).
+
+On two CPU cores over raw loopback communication is nearly free: gloo's copy threads compete with the
+matmuls for the same cores, so overlapping the two cannot be seen. Behind a link of, say, 400 Mbit/s the
+link is the bottleneck and the cores are free, as between GPUs across a network.
+
+``run_ranks(fn, n, ..., link="400mbit")`` runs the ranks this way: the caller starts one helper process with
+``unshare -rn`` (a new user and network namespace, no privileges needed where the kernel allows
+unprivileged user namespaces), the helper brings the namespace's loopback up, attaches an ``htb`` queueing
+discipline to it (``tc qdisc add dev lo root handle 1: htb default 10``, one class at ``rate`` = ``ceil`` =
+the link), then calls :func:`refimpl.launch.run_ranks` there, so every rank's traffic (the rendezvous
+store included) crosses the shaped loopback, and pickles the results back. The namespace disappears with
+the helper. :func:`shaped_link_unavailable` says why a machine cannot do it (no ``unshare`` or ``tc``, user
+namespaces refused); tests skip with that reason. The helper dies with its caller (a parent-death signal
+and a watch of the caller's pid), and the ranks with the helper, as always.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["check_link", "run_ranks_shaped", "shaped_link_unavailable"]
+
+RATE = re.compile(r"^(\d+(\.\d+)?)(kbit|mbit|gbit)$")
+
+
+def check_link(link: str) -> str:
+    """``link`` as ``tc`` takes it (``400mbit``, ``1gbit``, ``2.5gbit``); a ``ValueError`` otherwise."""
+    if not isinstance(link, str) or not RATE.match(link.strip().lower()):
+        raise ValueError(f"link={link!r}: give a rate such as '400mbit' or '1gbit' (kbit, mbit or gbit)")
+    return link.strip().lower()
+
+
+def _shape_loopback(rate: str) -> None:
+    """Inside the namespace: loopback up, one ``htb`` class at ``rate`` for all of its traffic."""
+    for cmd in (["ip", "link", "set", "lo", "up"],
+                ["tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "10"],
+                ["tc", "class", "add", "dev", "lo", "parent", "1:", "classid", "1:10", "htb", "rate", rate,
+                 "ceil", rate]):
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30)
+
+
+def shaped_link_unavailable() -> str | None:
+    """Why this machine cannot shape a link (a sentence), or None when it can: ``unshare`` and ``tc``
+    installed (Debian's util-linux and iproute2) and an unprivileged user namespace allowed."""
+    missing = [tool for tool in ("unshare", "ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"{' and '.join(missing)} not installed (apt-get install util-linux iproute2)"
+    probe = subprocess.run(["unshare", "-rn", "tc", "qdisc", "show", "dev", "lo"], capture_output=True,
+                           text=True, timeout=30)
+    if probe.returncode:
+        return f"no private network namespace here (unshare -rn: {probe.stderr.strip() or probe.returncode})"
+    return None
+
+
+def run_ranks_shaped(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, *,
+                     link: str) -> list[Any]:
+    """:func:`refimpl.launch.run_ranks` behind ``link`` (module docstring); the same results, the same
+    :class:`~refimpl.launch.RankFailed` when a rank fails."""
+    from refimpl.distributed.env import preexec_exit_with_parent
+    from refimpl.launch.run_ranks import RankFailed
+
+    rate = check_link(link)
+    why = shaped_link_unavailable()
+    if why is not None:
+        raise RuntimeError(f"link={rate!r}: {why}")
+    timeout_s = float(kwargs.get("timeout_s", 120.0))
+    with tempfile.TemporaryDirectory(prefix="shaped-") as tmp:
+        request, reply = Path(tmp) / "request.pkl", Path(tmp) / "reply.pkl"
+        request.write_bytes(pickle.dumps((fn, world_size, args, kwargs, os.getpid())))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        proc = subprocess.run(["unshare", "-rn", sys.executable, "-m", "refimpl.launch.shaped_link",
+                               str(request), str(reply), rate], env=env, capture_output=True, text=True,
+                              timeout=timeout_s + 60, preexec_fn=preexec_exit_with_parent())
+        if not reply.exists():
+            raise RankFailed(None, f"the shaped-link helper exited with {proc.returncode} without a result:\n"
+                                   f"{proc.stderr[-3000:]}")
+        status, *value = pickle.loads(reply.read_bytes())
+    if status == "error":
+        rank, message = value
+        raise RankFailed(rank, message)
+    return value[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The helper, inside the namespace: shape the loopback, run the ranks, pickle what they returned."""
+    from refimpl.distributed.env import exit_with_process
+    from refimpl.launch.run_ranks import RankFailed, run_ranks
+
+    request, reply, rate = (argv or sys.argv[1:])[:3]
+    fn, world_size, args, kwargs, caller = pickle.loads(Path(request).read_bytes())
+    exit_with_process(caller)  # the caller gone (a test timed out): so is this helper, and its ranks
+    _shape_loopback(rate)
+    try:
+        result: tuple = ("ok", run_ranks(fn, world_size, *args, **kwargs))
+    except RankFailed as failed:
+        result = ("error", failed.rank, str(failed))
+    Path(reply).write_bytes(pickle.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
