@@ -1,5 +1,5 @@
 """Ranks behind a rate-limited link: :func:`run_ranks` inside a private network namespace whose loopback is
-shaped to a given bandwidth (issue 38; chapters 03, 04, 07 and 08 measure overlap on it).
+shaped to a given bandwidth, where communication, not the cores, sets the pace (for measuring overlap).
 
 On two CPU cores over raw loopback communication is nearly free: gloo's copy threads compete with the
 matmuls for the same cores, so overlapping the two cannot be seen. Behind a link of, say, 400 Mbit/s the
