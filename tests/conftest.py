@@ -56,12 +56,13 @@ SPAWN = {
     "test_vocab_parallel", "test_zero", "test_chapters", "test_expert_parallel", "test_fp8_communication",
     "test_moe_model", "test_train_moe", "test_train_fp8", "test_planner_moe", "test_fp8_zero3", "test_gpu",
     "test_device_lint", "test_train_pairs", "test_readme", "test_bring_your_own_model",
-    "test_parallelize_byom", "test_shaped_link",
+    "test_parallelize_byom", "test_shaped_link", "test_overlap",
 }
 SUBPROCESS = {
     "test_browser", "test_chapters", "test_deploy", "test_elastic", "test_exercises", "test_notebook",
     "test_p2p_strict", "test_plan_cli", "test_planner_layout", "test_pp_schedules", "test_rank_lifetime",
     "test_train", "test_train_fp8", "test_device_lint", "test_bench_gpu", "test_readme", "test_shaped_link",
+    "test_overlap",
 }
 CHAPTER = {"test_chapters"}
 BROWSER = {"test_browser"}
