@@ -1,6 +1,6 @@
 """Overlap claims measured against their serialized controls on a shaped link (refimpl/launch/shaped_link.py):
-data parallelism's bucketed all-reduce during backward (chapter 03) and ZeRO-3's prefetch of the next unit
-(chapter 04).
+data parallelism's bucketed all-reduce during backward (chapter 03), ZeRO-3's prefetch of the next unit
+(chapter 04) and ring attention's send-while-compute (chapter 07).
 
 Two ranks train a stack of 4 bias-free ``Linear(1024, 1024)`` on 1024 rows each, wrapped twice in
 :class:`~refimpl.parallel.data_parallel.DataParallelBucket` with one bucket per layer (4 MiB): once as it
@@ -19,6 +19,12 @@ ranks): ``prefetch=True`` starts the next unit's all-gather as soon as the curre
 before it, going backward), the control gathers each unit when it is needed (``prefetch=False``, the
 default). Same checks; measured 0.743-0.786 in three runs (about 1.0 s against 1.3 s; the reduce-scatters
 are not overlapped by either). With 4 layers it measured 0.83, and 0.96 unshaped.
+
+Ring attention (:func:`~refimpl.parallel.context_parallel.ring_attention.ring_attention`, cp 2, causal,
+zig-zag, 8 heads of 64, 2 x 1024 tokens per rank, forward and backward): as built, each K/V block (and
+going backward each partial dK/dV) is posted before the block computed meanwhile and waited for after it;
+the control (``overlap=False``) waits as soon as it has posted. Output and dQ, dK, dV bitwise equal;
+measured 0.723-0.826 in four runs (0.64-0.86 s against 0.88-1.04 s), 1.02 unshaped.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from torch import nn
 
 from refimpl.launch import run_ranks
 from refimpl.launch.shaped_link import shaped_link_unavailable
+from refimpl.parallel.context_parallel.ring_attention import ring_attention
 from refimpl.parallel.data_parallel import DataParallelBucket
 from refimpl.parallel.data_parallel.data_parallel_communications import PendingReduce, allreduce_hook
 from refimpl.parallel.zero.fully_sharded_data_parallel import FullyShardedDataParallel
@@ -96,6 +103,27 @@ def _zero3(ctx) -> dict:
     return _interleaved(wrapped, x)
 
 
+def _ring(ctx) -> dict:
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(ctx.rank)
+    q, k, v, grad = (torch.randn(2, 8, 1024, 64, generator=gen) for _ in range(4))  # [b, a, s/cp, d]
+    times: dict[bool, list[float]] = {True: [], False: []}
+    results: dict[bool, list[torch.Tensor]] = {}
+    for i in range(REPEATS + 1):
+        for overlap in (True, False):
+            qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+            dist.barrier()
+            start = time.perf_counter()
+            out = ring_attention(qq, kk, vv, cp_group=None, causal=True, overlap=overlap)
+            (out * grad).sum().backward()
+            if i:
+                times[overlap].append(time.perf_counter() - start)
+            results[overlap] = [out.detach(), qq.grad, kk.grad, vv.grad]
+    return {"median": {"overlapped": statistics.median(times[True]),
+                       "serialized": statistics.median(times[False])},
+            "equal": all(torch.equal(a, b) for a, b in zip(results[True], results[False], strict=True))}
+
+
 def _check(per_rank: list[dict]) -> None:
     assert all(r["equal"] for r in per_rank), "overlapped and serialized gradients differ"
     overlapped = max(r["median"]["overlapped"] for r in per_rank)
@@ -118,3 +146,9 @@ def test_the_bucketed_all_reduce_overlaps_backward_on_a_shaped_link():
 @pytest.mark.timeout(2 * TIMEOUT_S)
 def test_zero3_prefetch_overlaps_the_next_units_all_gather_on_a_shaped_link():
     _check(run_ranks(_zero3, 2, link=LINK, timeout_s=TIMEOUT_S))
+
+
+@needs_link
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_ring_attention_sends_while_it_computes_on_a_shaped_link():
+    _check(run_ranks(_ring, 2, link=LINK, timeout_s=TIMEOUT_S))
