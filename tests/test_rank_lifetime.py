@@ -8,7 +8,9 @@ seconds later:
 * ``torchrun -m refimpl.train``: torchrun killed;
 * ``python -m refimpl.train --nproc-per-node 2`` (the self-launch): the trainer that started torchrun
   killed, which takes torchrun and then the ranks with it;
-* ``run_ranks``: the caller killed (the ranks' parent is its fork server).
+* ``run_ranks``: the caller killed (the ranks' parent is its fork server); and behind a shaped link
+  (``link="400mbit"``), where the ranks run under a helper in its own network namespace: the helper goes
+  with the caller, the ranks with the helper.
 
 The mechanism's unit test forks children that watch their parent by ``prctl``, by the fallback poller, by
 its pid (a pidfd, and the poll where there is none), one that watches nothing (the negative control: it
@@ -35,6 +37,7 @@ import pytest
 
 from refimpl import elastic
 from refimpl.data import make_corpus_file
+from refimpl.launch.shaped_link import shaped_link_unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 GRACE_S = 10.0  # SIGKILL is delivered at once; this is for the kernel and a loaded machine to reap them
@@ -248,16 +251,24 @@ CALLER = textwrap.dedent("""
     from refimpl.launch import run_ranks
     from tests.test_rank_lifetime import blocked_rank
 
-    run_ranks(blocked_rank, 2, sys.argv[1], timeout_s=240)
+    if __name__ == "__main__":
+        run_ranks(blocked_rank, 2, sys.argv[1], timeout_s=240, link=sys.argv[2] if sys.argv[2:] else None)
 """)
+LINK_WHY = shaped_link_unavailable()
+SHAPED = pytest.param("400mbit", id="shaped link", marks=pytest.mark.skipif(
+    LINK_WHY is not None, reason=f"no shaped link on this machine: {LINK_WHY}"))
 
 
 @pytest.mark.timeout(START_TIMEOUT_S + 60)
-def test_killing_the_caller_of_run_ranks_leaves_no_rank(tmp_path):
+@pytest.mark.parametrize("link", [pytest.param(None, id="plain"), SHAPED])
+def test_killing_the_caller_of_run_ranks_leaves_no_rank(tmp_path, link):
+    """Behind a shaped link (refimpl/launch/shaped_link.py) the ranks run under a helper in its own network
+    namespace: killing the caller takes the helper and then the ranks."""
     log = tmp_path / "caller.log"
     with open(log, "w") as f:
-        caller = subprocess.Popen([sys.executable, "-c", CALLER, str(tmp_path)], cwd=ROOT, env=_env(),
-                                  stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        caller = subprocess.Popen([sys.executable, "-c", CALLER, str(tmp_path), *([link] if link else [])],
+                                  cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
     procs: list[tuple[int, int]] = []
     try:
         for r in range(2):
@@ -266,6 +277,10 @@ def test_killing_the_caller_of_run_ranks_leaves_no_rank(tmp_path):
                                 caller, log))
             procs.append(_identity(pid))
         time.sleep(1.0)  # rank 1 is in its receive
+        if link:  # the helper the caller started (unshare, then python) goes too
+            helpers = [c for c in _children(caller.pid) if "shaped_link" in _cmdline(c[0])]
+            assert len(helpers) == 1, [_cmdline(c[0]) for c in _children(caller.pid)]
+            procs += helpers
         assert all(_alive(p) for p in procs)
         os.kill(caller.pid, signal.SIGKILL)
         caller.wait(timeout=10)
