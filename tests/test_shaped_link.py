@@ -5,10 +5,10 @@ ranks has each send the whole tensor once; the shaped loopback is one link that 
 MiB / 25 MB/s`` = 0.34 s at the nominal rate. Measured on this 2-core container: 0.28-0.32 s (0.83-0.94 of it:
 htb lets somewhat more through than its nominal rate on loopback), against 5-8 ms unshaped; at 400 Mbit/s
 0.14-0.16 s. Checked: the shaped all-reduce takes at least half the nominal time (the link, not the cores,
-sets it) and at least 5 x the plain one, and the result is the same sum. A rank that raises behind the link is
-reported as from plain ``run_ranks``, by rank; a rate that ``tc`` would not take is refused before anything
-starts. Where the kernel refuses an unprivileged network namespace, or ``tc`` is missing, the timing tests are
-skipped with the reason (``.ci/run`` installs iproute2).
+sets it) while the plain one fails that check (the control), and the result is the same sum. A rank that
+raises behind the link is reported as from plain ``run_ranks``, by rank; a rate that ``tc`` would not take is
+refused before anything starts. Where the kernel refuses an unprivileged network namespace, or ``tc`` is
+missing, the timing tests are skipped with the reason (``.ci/run`` installs iproute2).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_the_shaped_link_is_the_bottleneck_and_the_sum_is_the_same(timed):
     nominal = 2 * 4 * ELEMENTS / RATE_BYTES_PER_S  # both ranks' 4 MiB cross the one shaped loopback
     plain, shaped = max(t for t, _ in timed[None]), min(t for t, _ in timed[RATE])
     assert shaped >= 0.5 * nominal, (shaped, nominal)
-    assert shaped >= 5 * plain, (shaped, plain)
+    assert plain < 0.5 * nominal, (plain, nominal)  # the control: unshaped, the same check fails
     assert {s for _, s in timed[RATE]} == {s for _, s in timed[None]} == {3.0}
 
 

@@ -196,13 +196,15 @@ def run_ranks(
     backend: str | None = None,
     env: dict[str, str] | None = None,
     link: str | None = None,
+    priority: int = 0,
 ) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world_size`` fresh processes; return the per-rank results in rank order.
 
     ``collective_timeout_s`` (default ``timeout_s / 2``) bounds each collective, so a rank stuck in one
     fails with a message; ``timeout_s`` bounds the whole run. Results must be picklable. ``link`` (e.g.
     ``"400mbit"``): the ranks talk over a loopback shaped to that rate, in a private network namespace
-    (:mod:`refimpl.launch.shaped_link`; a ``RuntimeError`` saying why where the machine cannot).
+    (:mod:`refimpl.launch.shaped_link`; a ``RuntimeError`` saying why where the machine cannot);
+    ``priority``: with ``link``, raise the ranks' scheduling priority by that much where allowed.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -211,7 +213,7 @@ def run_ranks(
 
         kwargs = {"timeout_s": timeout_s, "collective_timeout_s": collective_timeout_s, "backend": backend,
                   "env": env}
-        return run_ranks_shaped(fn, world_size, args, kwargs, link=link)
+        return run_ranks_shaped(fn, world_size, args, kwargs, link=link, priority=priority)
     ctx = _context()
     results = ctx.Queue()
     store = host_store(world_size, timeout_s)

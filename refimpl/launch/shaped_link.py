@@ -18,6 +18,7 @@ and a watch of the caller's pid), and the ranks with the helper, as always.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
@@ -64,9 +65,11 @@ def shaped_link_unavailable() -> str | None:
 
 
 def run_ranks_shaped(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, *,
-                     link: str) -> list[Any]:
+                     link: str, priority: int = 0) -> list[Any]:
     """:func:`refimpl.launch.run_ranks` behind ``link`` (module docstring); the same results, the same
-    :class:`~refimpl.launch.RankFailed` when a rank fails."""
+    :class:`~refimpl.launch.RankFailed` when a rank fails. ``priority`` > 0 raises the helper's and so the
+    ranks' scheduling priority by that much (``nice -priority``; where allowed, e.g. as root): timings on a
+    machine busy with other work then see the cores the ranks need."""
     from refimpl.distributed.env import preexec_exit_with_parent
     from refimpl.launch.run_ranks import RankFailed
 
@@ -79,9 +82,18 @@ def run_ranks_shaped(fn: Callable[..., Any], world_size: int, args: tuple, kwarg
         request, reply = Path(tmp) / "request.pkl", Path(tmp) / "reply.pkl"
         request.write_bytes(pickle.dumps((fn, world_size, args, kwargs, os.getpid())))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        die_with_caller = preexec_exit_with_parent()
+
+        def preexec() -> None:
+            if priority > 0:
+                with contextlib.suppress(OSError):  # not allowed here: the default priority
+                    os.nice(-priority)
+            if die_with_caller is not None:
+                die_with_caller()
+
         proc = subprocess.run(["unshare", "-rn", sys.executable, "-m", "refimpl.launch.shaped_link",
                                str(request), str(reply), rate], env=env, capture_output=True, text=True,
-                              timeout=timeout_s + 60, preexec_fn=preexec_exit_with_parent())
+                              timeout=timeout_s + 60, preexec_fn=preexec)
         if not reply.exists():
             raise RankFailed(None, f"the shaped-link helper exited with {proc.returncode} without a result:\n"
                                    f"{proc.stderr[-3000:]}")

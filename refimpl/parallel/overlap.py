@@ -1,0 +1,125 @@
+"""Each overlap of communication with computation the course builds, timed against its serialized control
+(chapters 03, 04 and 07): run the workers here with ``run_ranks(worker, 2, link="1gbit")``
+(:mod:`refimpl.launch.shaped_link`), where the link and not the two cores sets the pace.
+
+A control is the same code with ``wait()`` before the compute the transfer could hide behind:
+
+* :func:`data_parallel_overlap`: :class:`~refimpl.parallel.data_parallel.DataParallelBucket` launching each
+  bucket's all-reduce from the gradient hook and waiting at the end, against a comm hook that waits in the
+  gradient hook (:func:`serialized_hook`); 4 bias-free ``Linear(1024, 1024)``, one 4 MiB bucket each;
+* :func:`zero3_overlap`: :class:`~refimpl.parallel.zero.FullyShardedDataParallel` with ``prefetch=True``
+  (the next unit's all-gather started as soon as the current one is gathered) against ``prefetch=False``;
+  6 such layers, one unit each;
+* :func:`ring_overlap`: :func:`~refimpl.parallel.context_parallel.ring_attention.ring_attention` against
+  ``overlap=False`` (each exchange waited for as soon as it is posted); causal, 8 heads of 64, 2 x 1024
+  tokens per rank, forward and backward.
+
+Each worker alternates the two kinds of step (a barrier before each, the first of each a warm-up) and
+returns per rank the median seconds of each, ``{"median": {"overlapped": s, "serialized": s}, "equal":
+bool}``, ``equal`` saying whether the two ended with bitwise the same gradients (and ring output): the
+control changes when, not what. CPU tensors over gloo (``run_ranks(..., backend="gloo")`` on a GPU box).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from refimpl.parallel.context_parallel.ring_attention import ring_attention
+from refimpl.parallel.data_parallel import DataParallelBucket
+from refimpl.parallel.data_parallel.data_parallel_communications import PendingReduce, allreduce_hook
+from refimpl.parallel.zero.fully_sharded_data_parallel import FullyShardedDataParallel
+
+__all__ = ["data_parallel_overlap", "overlap_ratio", "ring_overlap", "serialized_hook", "zero3_overlap"]
+
+WIDTH, ROWS, REPEATS = 1024, 1024, 5
+
+
+def serialized_hook(buffer: torch.Tensor, group: Any) -> PendingReduce:
+    """The control's comm hook: the same all-reduce, waited for in the gradient hook (backward stops
+    until it is done)."""
+    allreduce_hook(buffer, group).wait()
+    return PendingReduce()
+
+
+def _layers(n: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(n)])
+
+
+def _interleaved(steps: dict[str, Any]) -> dict:
+    """Call each ``steps[name]()`` (one training step returning the tensors it ends with) in turn, a barrier
+    before each, ``REPEATS`` + 1 times (the first a warm-up): the medians and the bitwise check."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    ends: dict[str, list[torch.Tensor]] = {}
+    for i in range(REPEATS + 1):
+        for name, step in steps.items():
+            dist.barrier()
+            start = time.perf_counter()
+            ends[name] = step()
+            if i:
+                times[name].append(time.perf_counter() - start)
+    first, second = ends.values()
+    return {"median": {name: statistics.median(t) for name, t in times.items()},
+            "equal": all(torch.equal(a, b) for a, b in zip(first, second, strict=True))}
+
+
+def _train_step(model: nn.Module, x: torch.Tensor):
+    def step() -> list[torch.Tensor]:
+        for p in model.parameters():
+            p.grad = None
+        model(x).square().mean().backward()
+        finish = getattr(model, "finish_gradient_synchronization", None)
+        if finish is not None:
+            finish()
+        return [p.grad for p in model.parameters()]
+    return step
+
+
+def data_parallel_overlap(ctx: Any, layers: int = 4) -> dict:
+    """DP's bucketed all-reduce against :func:`serialized_hook` (module docstring)."""
+    torch.set_num_threads(1)
+    x = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(ctx.rank))
+    cap = WIDTH * WIDTH * 4 / 2**20  # one bucket per layer
+    overlapped = DataParallelBucket(_layers(layers), bucket_cap_mb=cap)
+    serialized = DataParallelBucket(_layers(layers), bucket_cap_mb=cap, comm_hook=serialized_hook)
+    steps = {"overlapped": _train_step(overlapped, x), "serialized": _train_step(serialized, x)}
+    return {**_interleaved(steps), "buckets": overlapped.num_buckets}
+
+
+def zero3_overlap(ctx: Any, layers: int = 6) -> dict:
+    """ZeRO-3 with ``prefetch=True`` against ``prefetch=False`` (module docstring)."""
+    torch.set_num_threads(1)
+    x = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(ctx.rank))
+    steps = {name: _train_step(FullyShardedDataParallel(_layers(layers), unit_types=(nn.Linear,),
+                                                        prefetch=prefetch), x)
+             for name, prefetch in (("overlapped", True), ("serialized", False))}
+    return _interleaved(steps)
+
+
+def ring_overlap(ctx: Any) -> dict:
+    """Ring attention against ``overlap=False`` (module docstring)."""
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(ctx.rank)
+    q, k, v, grad = (torch.randn(2, 8, 1024, 64, generator=gen) for _ in range(4))  # [b, a, s/cp, d]
+
+    def step(overlap: bool):
+        def run() -> list[torch.Tensor]:
+            qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+            out = ring_attention(qq, kk, vv, cp_group=None, causal=True, overlap=overlap)
+            (out * grad).sum().backward()
+            return [out.detach(), qq.grad, kk.grad, vv.grad]
+        return run
+
+    return _interleaved({"overlapped": step(True), "serialized": step(False)})
+
+
+def overlap_ratio(per_rank: list[dict]) -> float:
+    """Overlapped / serialized: the slowest rank's median of each."""
+    overlapped = max(r["median"]["overlapped"] for r in per_rank)
+    return overlapped / max(r["median"]["serialized"] for r in per_rank)
