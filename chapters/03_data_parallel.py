@@ -457,27 +457,20 @@ fig = plot_overlap([t for t, _ in pulled], events_per_rank=[e for _, e in pulled
 # %%
 import matplotlib.pyplot as plt  # noqa: E402
 
-from refimpl.launch import run_ranks  # noqa: E402
-from refimpl.launch.shaped_link import shaped_link_unavailable  # noqa: E402
-from refimpl.parallel.overlap import data_parallel_overlap, overlap_ratio  # noqa: E402
+from refimpl.parallel.overlap import data_parallel_overlap, time_overlap  # noqa: E402
 
-why_no_link = shaped_link_unavailable()
-if why_no_link is None:
-    timed = run_ranks(data_parallel_overlap, 2, link="1gbit", timeout_s=240, backend="gloo", priority=10)
-    overlap_share = overlap_ratio(timed)
-    medians = {k: max(r["median"][k] for r in timed) for k in ("overlapped", "serialized")}
-    assert all(r["equal"] for r in timed), "the control must not change the gradients"
-    assert overlap_share <= 0.9, medians
-    print(f"1 Gbit/s link: overlapped {medians['overlapped']:.2f} s, serialized {medians['serialized']:.2f} s "
-          f"per step: {overlap_share:.2f} of it; gradients bitwise equal")
+timed = time_overlap(data_parallel_overlap)  # asserts bitwise-equal gradients and a ratio <= 0.9
+if isinstance(timed, str):
+    print(f"no shaped link on this machine ({timed}): the timing is skipped")
+else:
+    print(f"1 Gbit/s link: overlapped {timed['overlapped']:.2f} s, serialized {timed['serialized']:.2f} s "
+          f"per step: {timed['ratio']:.2f} of it; gradients bitwise equal")
     fig, ax = plt.subplots(figsize=(5, 1.8))
-    ax.barh(["serialized", "overlapped"], [medians["serialized"], medians["overlapped"]],
+    ax.barh(["serialized", "overlapped"], [timed["serialized"], timed["overlapped"]],
             color=["tab:grey", "tab:blue"])
     ax.set_xlabel("seconds per step (median of 5, slowest rank)")
     ax.set_title("bucketed all-reduce vs its serialized control, 1 Gbit/s")
     fig.tight_layout()
-else:
-    print(f"no shaped link on this machine ({why_no_link}): the timing is skipped")
 
 # %% [markdown]
 # ## 5. Gradient accumulation and its two traps

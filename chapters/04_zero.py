@@ -684,20 +684,12 @@ plt.close(fig)
 # 5): the same gradients, bitwise, and the prefetching run at most 0.9 of the time.
 
 # %%
-from refimpl.launch import run_ranks  # noqa: E402
-from refimpl.launch.shaped_link import shaped_link_unavailable  # noqa: E402
-from refimpl.parallel.overlap import overlap_ratio, zero3_overlap  # noqa: E402
+from refimpl.parallel.overlap import time_overlap, zero3_overlap  # noqa: E402
 
-why_no_link = shaped_link_unavailable()
-if why_no_link is None:
-    timed = run_ranks(zero3_overlap, 2, link="1gbit", timeout_s=240, backend="gloo", priority=10)
-    medians = {k: max(r["median"][k] for r in timed) for k in ("overlapped", "serialized")}
-    assert all(r["equal"] for r in timed), "prefetching must not change the gradients"
-    assert overlap_ratio(timed) <= 0.9, medians
-    print(f"1 Gbit/s link: ZeRO-3 with prefetch {medians['overlapped']:.2f} s, without "
-          f"{medians['serialized']:.2f} s per step: {overlap_ratio(timed):.2f} of it; gradients bitwise equal")
-else:
-    print(f"no shaped link on this machine ({why_no_link}): the timing is skipped")
+timed = time_overlap(zero3_overlap)  # asserts bitwise-equal gradients and a ratio <= 0.9
+print(f"no shaped link on this machine ({timed}): the timing is skipped" if isinstance(timed, str) else
+      f"1 Gbit/s link: ZeRO-3 with prefetch {timed['overlapped']:.2f} s, without {timed['serialized']:.2f} s "
+      f"per step: {timed['ratio']:.2f} of it; gradients bitwise equal")
 
 # %% [markdown]
 # ## What we proved, and what is next

@@ -657,21 +657,12 @@ print("transfer time not hidden behind the same step's compute, per rank (ms):",
 # the control's time.
 
 # %%
-from refimpl.launch import run_ranks  # noqa: E402
-from refimpl.launch.shaped_link import shaped_link_unavailable  # noqa: E402
-from refimpl.parallel.overlap import overlap_ratio, ring_overlap  # noqa: E402
+from refimpl.parallel.overlap import ring_overlap, time_overlap  # noqa: E402
 
-why_no_link = shaped_link_unavailable()
-if why_no_link is None:
-    timed = run_ranks(ring_overlap, 2, link="1gbit", timeout_s=240, backend="gloo", priority=10)
-    medians = {k: max(r["median"][k] for r in timed) for k in ("overlapped", "serialized")}
-    assert all(r["equal"] for r in timed), "the control must not change the output or the gradients"
-    assert overlap_ratio(timed) <= 0.9, medians
-    print(f"1 Gbit/s link: ring attention {medians['overlapped']:.2f} s, serialized control "
-          f"{medians['serialized']:.2f} s (forward + backward): {overlap_ratio(timed):.2f} of it; "
-          "outputs and gradients bitwise equal")
-else:
-    print(f"no shaped link on this machine ({why_no_link}): the timing is skipped")
+timed = time_overlap(ring_overlap)  # asserts bitwise-equal outputs and gradients and a ratio <= 0.9
+print(f"no shaped link on this machine ({timed}): the timing is skipped" if isinstance(timed, str) else
+      f"1 Gbit/s link: ring attention {timed['overlapped']:.2f} s, serialized control {timed['serialized']:.2f} "
+      f"s (forward + backward): {timed['ratio']:.2f} of it; outputs and gradients bitwise equal")
 
 # %% [markdown]
 # ## 9. Training at cp = 2

@@ -35,7 +35,8 @@ from refimpl.parallel.data_parallel import DataParallelBucket
 from refimpl.parallel.data_parallel.data_parallel_communications import PendingReduce, allreduce_hook
 from refimpl.parallel.zero.fully_sharded_data_parallel import FullyShardedDataParallel
 
-__all__ = ["data_parallel_overlap", "overlap_ratio", "ring_overlap", "serialized_hook", "zero3_overlap"]
+__all__ = ["data_parallel_overlap", "overlap_ratio", "ring_overlap", "serialized_hook", "time_overlap",
+           "zero3_overlap"]
 
 WIDTH, ROWS, REPEATS = 1024, 1024, 5
 
@@ -123,3 +124,21 @@ def overlap_ratio(per_rank: list[dict]) -> float:
     """Overlapped / serialized: the slowest rank's median of each."""
     overlapped = max(r["median"]["overlapped"] for r in per_rank)
     return overlapped / max(r["median"]["serialized"] for r in per_rank)
+
+
+def time_overlap(worker: Any, *, link: str = "1gbit", bar: float = 0.9, timeout_s: float = 240) -> dict | str:
+    """``worker`` (one of this module's) on 2 ranks behind ``link``, at raised priority: ``{"overlapped": s,
+    "serialized": s, "ratio": r}`` after checking that the two ended bitwise equal and ``r <= bar`` (an
+    ``AssertionError`` saying so otherwise); or, where the machine cannot shape a link, the reason (a
+    string). What chapters 03, 04 and 07 call."""
+    from refimpl.launch import run_ranks
+    from refimpl.launch.shaped_link import shaped_link_unavailable
+
+    why = shaped_link_unavailable()
+    if why is not None:
+        return why
+    per_rank = run_ranks(worker, 2, link=link, timeout_s=timeout_s, backend="gloo", priority=10)
+    medians = {k: max(r["median"][k] for r in per_rank) for k in ("overlapped", "serialized")}
+    assert all(r["equal"] for r in per_rank), "the serialized control changed the results"
+    assert overlap_ratio(per_rank) <= bar, (medians, overlap_ratio(per_rank))
+    return {**medians, "ratio": overlap_ratio(per_rank)}
