@@ -278,7 +278,7 @@ def test_killing_the_caller_of_run_ranks_leaves_no_rank(tmp_path, link):
             procs.append(_identity(pid))
         time.sleep(1.0)  # rank 1 is in its receive
         if link:  # the helper the caller started (unshare, then python) goes too
-            helpers = [c for c in _children(caller.pid) if "shaped_link" in _cmdline(c[0])]
+            helpers = [c for c in _children(caller.pid) if "shaped_helper" in _cmdline(c[0])]
             assert len(helpers) == 1, [_cmdline(c[0]) for c in _children(caller.pid)]
             procs += helpers
         assert all(_alive(p) for p in procs)

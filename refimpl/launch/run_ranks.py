@@ -209,11 +209,14 @@ def run_ranks(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if link is not None:
-        from refimpl.launch.shaped_link import run_ranks_shaped
+        from refimpl.launch.shaped_link import run_shaped
 
         kwargs = {"timeout_s": timeout_s, "collective_timeout_s": collective_timeout_s, "backend": backend,
                   "env": env}
-        return run_ranks_shaped(fn, world_size, args, kwargs, link=link, priority=priority)
+        status, *value = run_shaped(fn, world_size, args, kwargs, link=link, priority=priority)
+        if status == "error":
+            raise RankFailed(*value)
+        return value[0]
     ctx = _context()
     results = ctx.Queue()
     store = host_store(world_size, timeout_s)

@@ -6,15 +6,14 @@ matmuls for the same cores, so overlapping the two cannot be seen. Behind a link
 link is the bottleneck and the cores are free, as between GPUs across a network.
 
 ``run_ranks(fn, n, ..., link="400mbit")`` runs the ranks this way: the caller starts one helper process with
-``unshare -rn`` (a new user and network namespace, no privileges needed where the kernel allows
-unprivileged user namespaces), the helper brings the namespace's loopback up, attaches an ``htb`` queueing
-discipline to it (``tc qdisc add dev lo root handle 1: htb default 10``, one class at ``rate`` = ``ceil`` =
-the link), then calls :func:`refimpl.launch.run_ranks` there, so every rank's traffic (the rendezvous
-store included) crosses the shaped loopback, and pickles the results back. The namespace disappears with
-the helper. :func:`shaped_link_unavailable` says why a machine cannot do it (no ``unshare`` or ``tc``, user
-namespaces refused); tests skip with that reason. The helper dies with its caller (a parent-death signal
-and a watch of the caller's pid), and the ranks with the helper, as always.
-"""
+``unshare -rn`` (a new user and network namespace, no privileges needed where the kernel allows unprivileged
+user namespaces), the helper brings the namespace's loopback up, attaches an ``htb`` queueing discipline to it
+(``tc qdisc add dev lo root handle 1: htb default 10``, one class at ``rate`` = ``ceil`` = the link), then
+calls :func:`refimpl.launch.run_ranks` there (:mod:`refimpl.launch.shaped_helper`), so every rank's traffic
+(the rendezvous store included) crosses the shaped loopback, and pickles the results back. The namespace
+disappears with the helper. :func:`shaped_link_unavailable` says why a machine cannot do it (no ``unshare`` or
+``tc``, user namespaces refused); tests skip with that reason. The helper dies with its caller (a parent-death
+signal and a watch of the caller's pid), and the ranks with the helper, as always."""
 
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_link", "run_ranks_shaped", "shaped_link_unavailable"]
+__all__ = ["check_link", "run_shaped", "shape_loopback", "shaped_link_unavailable"]
 
 RATE = re.compile(r"^(\d+(\.\d+)?)(kbit|mbit|gbit)$")
 
@@ -42,7 +41,7 @@ def check_link(link: str) -> str:
     return link.strip().lower()
 
 
-def _shape_loopback(rate: str) -> None:
+def shape_loopback(rate: str) -> None:
     """Inside the namespace: loopback up, one ``htb`` class at ``rate`` for all of its traffic."""
     for cmd in (["ip", "link", "set", "lo", "up"],
                 ["tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "10"],
@@ -64,14 +63,14 @@ def shaped_link_unavailable() -> str | None:
     return None
 
 
-def run_ranks_shaped(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, *,
-                     link: str, priority: int = 0) -> list[Any]:
-    """:func:`refimpl.launch.run_ranks` behind ``link`` (module docstring); the same results, the same
-    :class:`~refimpl.launch.RankFailed` when a rank fails. ``priority`` > 0 raises the helper's and so the
+def run_shaped(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, *,
+               link: str, priority: int = 0) -> tuple:
+    """:func:`refimpl.launch.run_ranks` behind ``link`` (module docstring): ``("ok", results)``, or
+    ``("error", rank, message)`` for :func:`run_ranks` to raise as :class:`~refimpl.launch.RankFailed`.
+    ``priority`` > 0 raises the helper's and so the
     ranks' scheduling priority by that much (``nice -priority``; where allowed, e.g. as root): timings on a
     machine busy with other work then see the cores the ranks need."""
     from refimpl.distributed.env import preexec_exit_with_parent
-    from refimpl.launch.run_ranks import RankFailed
 
     rate = check_link(link)
     why = shaped_link_unavailable()
@@ -91,35 +90,12 @@ def run_ranks_shaped(fn: Callable[..., Any], world_size: int, args: tuple, kwarg
             if die_with_caller is not None:
                 die_with_caller()
 
-        proc = subprocess.run(["unshare", "-rn", sys.executable, "-m", "refimpl.launch.shaped_link",
+        proc = subprocess.run(["unshare", "-rn", sys.executable, "-m", "refimpl.launch.shaped_helper",
                                str(request), str(reply), rate], env=env, capture_output=True, text=True,
                               timeout=timeout_s + 60, preexec_fn=preexec)
         if not reply.exists():
-            raise RankFailed(None, f"the shaped-link helper exited with {proc.returncode} without a result:\n"
+            return ("error", None, f"the shaped-link helper exited with {proc.returncode} without a result:\n"
                                    f"{proc.stderr[-3000:]}")
-        status, *value = pickle.loads(reply.read_bytes())
-    if status == "error":
-        rank, message = value
-        raise RankFailed(rank, message)
-    return value[0]
+        return pickle.loads(reply.read_bytes())
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The helper, inside the namespace: shape the loopback, run the ranks, pickle what they returned."""
-    from refimpl.distributed.env import exit_with_process
-    from refimpl.launch.run_ranks import RankFailed, run_ranks
-
-    request, reply, rate = (argv or sys.argv[1:])[:3]
-    fn, world_size, args, kwargs, caller = pickle.loads(Path(request).read_bytes())
-    exit_with_process(caller)  # the caller gone (a test timed out): so is this helper, and its ranks
-    _shape_loopback(rate)
-    try:
-        result: tuple = ("ok", run_ranks(fn, world_size, *args, **kwargs))
-    except RankFailed as failed:
-        result = ("error", failed.rank, str(failed))
-    Path(reply).write_bytes(pickle.dumps(result))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
