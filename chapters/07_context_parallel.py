@@ -647,22 +647,6 @@ print("transfer time not hidden behind the same step's compute, per rank (ms):",
 # profiler trace. A step moves a K/V block of $O(c\,d)$ elements and computes $O(c^2 d)$ FLOPs of
 # attention on the block it holds ($c$ tokens a chunk), so the longer the chunks, the more of the transfer
 # the compute hides; here, with 4 ranks sharing a CPU and tiny chunks, some of it stays exposed.
-#
-# **What the overlap saves, timed.** The picture cannot fail; a measurement can. Behind a link shaped to
-# 1 Gbit/s (`run_ranks(..., link="1gbit")`, `refimpl/launch/shaped_link.py`), where the link and not the
-# cores sets the pace, `refimpl.parallel.overlap.ring_overlap` times the ring as built (2 ranks, causal,
-# 8 heads of 64, 1024 tokens per rank, forward and backward) against its **serialized control**,
-# `ring_attention(..., overlap=False)`: the same code, each exchange waited for as soon as it is posted.
-# The two must give bitwise the same output and gradients; the overlapped ring must take at most 0.9 of
-# the control's time.
-
-# %%
-from refimpl.parallel.overlap import ring_overlap, time_overlap  # noqa: E402
-
-timed = time_overlap(ring_overlap)  # asserts bitwise-equal outputs and gradients and a ratio <= 0.9
-print(f"no shaped link on this machine ({timed}): the timing is skipped" if isinstance(timed, str) else
-      f"1 Gbit/s link: ring attention {timed['overlapped']:.2f} s, serialized control {timed['serialized']:.2f} "
-      f"s (forward + backward): {timed['ratio']:.2f} of it; outputs and gradients bitwise equal")
 
 # %% [markdown]
 # ## 9. Training at cp = 2

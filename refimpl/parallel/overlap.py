@@ -134,7 +134,7 @@ def time_overlap(worker: Any, *, link: str = "1gbit", bar: float = 0.9, attempts
     bar is taken again, up to ``attempts`` in all: on a machine busy with other work (a test suite's other
     lane) gloo's communication thread may get no core for a whole measurement, and the overlap with it
     (measured: 0.996 once at load average 3.5); every ratio is kept in ``tries``, and when none meets the
-    bar an ``AssertionError`` lists them. What the tests and chapters 03, 04 and 07 call."""
+    bar an ``AssertionError`` lists them. What the tests and chapters 03 and 04 call."""
     from refimpl.launch import run_ranks
     from refimpl.launch.shaped_link import shaped_link_unavailable
 
