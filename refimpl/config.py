@@ -17,6 +17,8 @@ from refimpl.errors import ConfigError
 from refimpl.model_config import (
     ACTIVATIONS,
     ARCHS,
+    ATTENTION_TYPES,
+    DEEPSEEK_V3,
     LLAMA,
     MODEL_CLASS,
     MOE_ACTIVATIONS,
@@ -28,11 +30,11 @@ from refimpl.model_config import (
     ModelConfig,
 )
 
-__all__ = ["ACTIVATIONS", "ARCHS", "CP_LAYOUTS", "CP_METHODS", "FP8_SCALINGS", "LLAMA", "MODEL_CLASS",
-           "MOE_ACTIVATIONS", "MOE_LOAD_BALANCE", "MOE_SCORE_FUNCS", "NORMALIZATIONS", "POSITION_EMBEDDINGS",
-           "PP_BALANCES", "PP_SCHEDULES", "PRECISIONS", "ROPE_TYPES", "ConfigError", "DataConfig",
-           "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "micro_batches",
-           "parse_block_selection"]
+__all__ = ["ACTIVATIONS", "ARCHS", "ATTENTION_TYPES", "CP_LAYOUTS", "CP_METHODS", "DEEPSEEK_V3",
+           "FP8_SCALINGS", "LLAMA", "MODEL_CLASS", "MOE_ACTIVATIONS", "MOE_LOAD_BALANCE", "MOE_SCORE_FUNCS",
+           "NORMALIZATIONS", "POSITION_EMBEDDINGS", "PP_BALANCES", "PP_SCHEDULES", "PRECISIONS", "ROPE_TYPES",
+           "ConfigError", "DataConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig",
+           "micro_batches", "parse_block_selection"]
 
 # The names each technique option takes, written once here (config imports nothing of refimpl but the
 # model's configuration, so the techniques, the planner and the trainer's flags all read them from here).

@@ -1,4 +1,5 @@
-"""The model's configuration: :class:`ModelConfig`, the forms it names (``LLAMA``, ``ARCHS``) and the
+"""The model's configuration: :class:`ModelConfig`, the forms it names (``LLAMA``, ``DEEPSEEK_V3``,
+``ARCHS``) and the
 class that builds it (``MODEL_CLASS``) (chapter 01; :mod:`refimpl.config` re-exports them with the data
 and run configurations). Names follow Megatron-LM (``hidden_size``, ``num_attention_heads``,
 ``ffn_hidden_size``); it validates itself on construction and imports nothing of refimpl but the error.
@@ -16,8 +17,9 @@ from refimpl.errors import ConfigError
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["ACTIVATIONS", "ARCHS", "LLAMA", "MODEL_CLASS", "MOE_ACTIVATIONS", "MOE_LOAD_BALANCE",
-           "MOE_SCORE_FUNCS", "NORMALIZATIONS", "POSITION_EMBEDDINGS", "ROPE_TYPES", "ModelConfig"]
+__all__ = ["ACTIVATIONS", "ARCHS", "ATTENTION_TYPES", "DEEPSEEK_V3", "LLAMA", "MODEL_CLASS",
+           "MOE_ACTIVATIONS", "MOE_LOAD_BALANCE", "MOE_SCORE_FUNCS", "NORMALIZATIONS", "POSITION_EMBEDDINGS",
+           "ROPE_TYPES", "ModelConfig"]
 
 MOE_SCORE_FUNCS: tuple[str, ...] = ("softmax", "sigmoid")  # chapter 09: Switch / Mixtral, DeepSeek-V3
 MOE_LOAD_BALANCE: tuple[str, ...] = ("aux", "bias")  # chapter 09: the balance loss, or DeepSeek-V3's bias
@@ -26,6 +28,9 @@ POSITION_EMBEDDINGS: tuple[str, ...] = ("learned", "rope")  # chapter 01: GPT-2'
 ROPE_TYPES: tuple[str, ...] = ("default", "llama3")  # RoFormer's frequencies, Llama 3.1's scaled ones
 NORMALIZATIONS: tuple[str, ...] = ("layernorm", "rmsnorm")
 ACTIVATIONS: tuple[str, ...] = ("gelu", "swiglu")  # the dense MLP's
+ATTENTION_TYPES: tuple[str, ...] = ("mha", "mla")  # multi-head (GQA, MQA), DeepSeek's multi-head latent
+MLA_DIMS: tuple[str, ...] = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+"""The dimensions multi-head latent attention needs (``q_lora_rank`` may stay None)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -58,8 +63,22 @@ class ModelConfig:
     one forward on one rank. ``moe_load_balance``: ``aux`` adds the sequence-wise balance loss
     ``aux_loss_coeff x E sum_i f_i P_i`` (DeepSeek-V3 eq. 17-20) to the loss; ``bias`` also adds it (0 for
     none) and steers the choice with DeepSeek-V3's expert bias, moved by ``moe_bias_update_rate`` before each
-    optimizer step. With ``num_experts = 0`` (dense, the default) the MoE fields are unused and left out of
-    :meth:`to_dict`, so a dense configuration reads as before. """
+    optimizer step. ``moe_shared_experts``: DeepSeekMoE's shared experts (Dai et al. 2024), an always-on
+    MLP of ``moe_shared_experts x`` the expert width in each MoE block, added to the routed output;
+    ``moe_first_dense``: the first blocks keep the dense MLP (DeepSeek-V3's ``first_k_dense_replace``, 3).
+    With ``num_experts = 0`` (dense, the default) the MoE fields are unused and left out of
+    ``to_dict``, so a dense configuration reads as before; the two DeepSeek fields are left out at 0
+    too.
+
+    **The DeepSeek-V3 form** (DeepSeek-AI 2024; chapters 01 and 09): ``attention_type="mla"``, multi-head
+    latent attention (DeepSeek-V2, 2024; ``refimpl.models.mla``): keys and values are projected up from a
+    per-token latent of ``kv_lora_rank`` dims, each head's query and key are ``qk_nope_head_dim`` dims
+    without position and ``qk_rope_head_dim`` rotated ones (the rotated key shared by all heads), values
+    ``v_head_dim``; ``q_lora_rank`` (None: queries projected straight from the hidden state, as
+    DeepSeek-V2-Lite) compresses the queries alike. MLA needs RoPE and has no key/value heads of its own
+    (``num_key_value_heads`` stays at the heads). ``ModelConfig(**DEEPSEEK_V3, kv_lora_rank=...,
+    ...)``; with ``attention_type="mha"`` (the default) the MLA fields are None and left out of
+    ``to_dict``. """
 
     vocab_size: int = 256
     num_layers: int = 4
@@ -91,6 +110,14 @@ class ModelConfig:
     moe_activation: str = "gelu"
     moe_bias_update_rate: float = 1e-3  # DeepSeek-V3's gamma
     moe_normalize_topk: bool | None = None  # None: renormalise the top-k weights when top_k > 1
+    moe_shared_experts: int = 0  # DeepSeekMoE's always-on experts, each of expert_hidden_size
+    moe_first_dense: int = 0  # the first blocks keep the dense MLP (DeepSeek-V3's first_k_dense_replace)
+    attention_type: str = "mha"  # "mha": multi-head (GQA, MQA); "mla": multi-head latent attention
+    q_lora_rank: int | None = None  # MLA: the queries' latent (None: projected from the hidden state)
+    kv_lora_rank: int | None = None  # MLA: the keys' and values' latent, what the KV cache keeps
+    qk_nope_head_dim: int | None = None  # MLA: each head's query/key dims without position
+    qk_rope_head_dim: int | None = None  # MLA: each head's rotated query dims, the one shared rotated key
+    v_head_dim: int | None = None  # MLA: each head's value dims
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "max_seq_len"):
@@ -110,6 +137,7 @@ class ModelConfig:
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         self._check_architecture()
+        self._check_attention()
         self._check_moe()
 
     def _check_architecture(self) -> None:
@@ -121,15 +149,56 @@ class ModelConfig:
                             ("normalization", NORMALIZATIONS), ("activation", ACTIVATIONS)):
             if getattr(self, name) not in known:
                 raise ConfigError(f"ModelConfig.{name} must be one of {known}, got {getattr(self, name)!r}")
-        if self.position_embedding == "rope" and self.head_dim % 2:
+        if self.position_embedding == "rope" and self.attention_type == "mha" and self.head_dim % 2:
             raise ConfigError(f"ModelConfig: RoPE rotates pairs of dimensions: head_dim = {self.head_dim} "
                               "must be even")
+
+    def _check_attention(self) -> None:
+        if self.attention_type not in ATTENTION_TYPES:
+            raise ConfigError(f"ModelConfig.attention_type must be one of {ATTENTION_TYPES}, got "
+                              f"{self.attention_type!r}")
+        dims = ("q_lora_rank", *MLA_DIMS)
+        if self.attention_type == "mha":
+            given = [name for name in dims if getattr(self, name) is not None]
+            if given:
+                raise ConfigError(f"ModelConfig: {', '.join(given)} given: the dimensions of multi-head "
+                                  "latent attention need attention_type='mla' (the trainer's --arch "
+                                  "deepseek); leave them None for multi-head attention")
+            return
+        missing = [name for name in MLA_DIMS if getattr(self, name) is None]
+        if missing:
+            raise ConfigError(f"ModelConfig: attention_type='mla' needs {', '.join(missing)} (multi-head "
+                              "latent attention's dimensions: the kv latent, each head's query/key dims "
+                              "without and with rotation, its value dims; the trainer's --kv-lora-rank, "
+                              "--qk-nope-head-dim, --qk-rope-head-dim, --v-head-dim)")
+        for name in dims:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"ModelConfig: RoPE rotates pairs of dimensions: qk_rope_head_dim = "
+                              f"{self.qk_rope_head_dim} must be even")
+        if self.position_embedding != "rope":
+            raise ConfigError(f"ModelConfig: attention_type='mla' rotates its qk_rope_head_dim dims: it "
+                              f"needs position_embedding='rope', got {self.position_embedding!r}")
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ConfigError(f"ModelConfig.num_key_value_heads={self.num_key_value_heads}: multi-head "
+                              "latent attention has no key/value heads of its own (every head's keys and "
+                              "values come from one latent per token); leave it at num_attention_heads = "
+                              f"{self.num_attention_heads}")
 
     def _check_moe(self) -> None:
         e = self.num_experts
         if isinstance(e, bool) or not isinstance(e, int) or e < 0:
             raise ConfigError(f"ModelConfig.num_experts must be 0 (dense) or a positive integer, got "
                               f"{self.num_experts!r}")
+        for name in ("moe_shared_experts", "moe_first_dense"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"ModelConfig.{name} must be an integer >= 0, got {value!r}")
+        if self.moe_first_dense > self.num_layers:
+            raise ConfigError(f"ModelConfig.moe_first_dense={self.moe_first_dense}: there are only "
+                              f"num_layers = {self.num_layers} blocks to keep dense")
         if self.num_experts == 0:
             return
         if not 1 <= self.top_k <= self.num_experts:
@@ -165,13 +234,21 @@ class ModelConfig:
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     @property
+    def qk_head_dim(self) -> int | None:
+        """MLA: each head's query/key width, ``qk_nope_head_dim + qk_rope_head_dim`` (None under mha)."""
+        if self.attention_type != "mla":
+            return None
+        return self.qk_nope_head_dim + self.qk_rope_head_dim  # type: ignore[operator]
+
+    @property
     def query_groups(self) -> int:
         """Key/value heads, each serving ``num_attention_heads / num_key_value_heads`` query heads."""
         return self.num_key_value_heads  # type: ignore[return-value]
 
     def is_moe_layer(self, index: int) -> bool:
-        """Whether block ``index`` has an MoE MLP: ``num_experts > 0`` and ``index % moe_every == 0``."""
-        return self.num_experts > 0 and index % self.moe_every == 0
+        """Whether block ``index`` has an MoE MLP: ``num_experts > 0``, ``index >= moe_first_dense`` (the
+        first blocks stay dense, DeepSeek-V3's ``first_k_dense_replace``) and ``index % moe_every == 0``."""
+        return self.num_experts > 0 and index >= self.moe_first_dense and index % self.moe_every == 0
 
     @property
     def moe_layers(self) -> list[int]:
@@ -189,11 +266,16 @@ class ModelConfig:
         return getattr(importlib.import_module(module), name)(self, seed=seed)
 
     def to_dict(self) -> dict:
-        """The fields as a dict; a dense configuration (``num_experts = 0``) without its unused MoE fields."""
+        """The fields as a dict; a dense configuration (``num_experts = 0``) without its unused MoE fields,
+        and without the fields still at their defaults that older configurations did not have (GPT-2's
+        architecture, multi-head attention, no shared experts, no dense first blocks)."""
         out = dataclasses.asdict(self)
         if self.num_experts == 0:
             for name in _MOE_FIELDS:
                 out.pop(name)
+        for name, default in _DEEPSEEK_MOE_DEFAULTS.items():
+            if out.get(name, default) == default:
+                out.pop(name, None)
         for name, default in _ARCHITECTURE_DEFAULTS.items():  # GPT-2's form reads as it always did
             if out[name] == default:
                 out.pop(name)
@@ -208,7 +290,9 @@ MODEL_CLASS = "refimpl.models.gpt.GPT"
 _ARCHITECTURE_DEFAULTS = {"position_embedding": "learned", "rope_theta": 10000.0, "rope_type": "default",
                           "rope_factor": 8.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
                           "rope_original_max_position": 8192, "normalization": "layernorm",
-                          "activation": "gelu", "add_bias": True}
+                          "activation": "gelu", "add_bias": True, "attention_type": "mha",
+                          "q_lora_rank": None, "kv_lora_rank": None, "qk_nope_head_dim": None,
+                          "qk_rope_head_dim": None, "v_head_dim": None}
 """The architecture fields at GPT-2's values: left out of ``ModelConfig.to_dict`` (the GPT-2 form's dict is
 the one it always was; ``ModelConfig(**d)`` restores them)."""
 
@@ -217,8 +301,22 @@ LLAMA = {"position_embedding": "rope", "normalization": "rmsnorm", "activation":
 """The Llama form (Touvron et al. 2023; Llama 3, Dubey et al. 2024): RoPE, RMSNorm, SwiGLU, no biases, an
 untied output layer: ``ModelConfig(**LLAMA, num_key_value_heads=..., ...)``. ``ARCHS`` names the forms."""
 
-ARCHS: dict[str, dict] = {"gpt2": {}, "llama": LLAMA}
+DEEPSEEK_V3 = {"attention_type": "mla", "position_embedding": "rope", "normalization": "rmsnorm",
+               "activation": "swiglu", "add_bias": False, "tie_word_embeddings": False, "layernorm_eps": 1e-6,
+               "score_func": "sigmoid", "moe_load_balance": "bias", "moe_activation": "swiglu",
+               "moe_normalize_topk": True}
+"""The DeepSeek-V3 form (DeepSeek-AI 2024): the Llama form's RMSNorm, RoPE, SwiGLU, no biases and untied
+output layer, with multi-head latent attention (DeepSeek-V2) and, when it has experts, sigmoid router
+scores, renormalised top-k weights, the auxiliary-loss-free expert bias and SwiGLU experts. Its shapes are
+the caller's: ``ModelConfig(**DEEPSEEK_V3, kv_lora_rank=..., qk_nope_head_dim=..., qk_rope_head_dim=...,
+v_head_dim=..., num_experts=..., moe_shared_experts=1, moe_first_dense=3, ...)``."""
+
+ARCHS: dict[str, dict] = {"gpt2": {}, "llama": LLAMA, "deepseek": DEEPSEEK_V3}
 
 _MOE_FIELDS = ("num_experts", "top_k", "moe_every", "capacity_factor", "aux_loss_coeff", "score_func",
                "moe_load_balance", "moe_ffn_hidden_size", "moe_activation", "moe_bias_update_rate",
-               "moe_normalize_topk")
+               "moe_normalize_topk", "moe_shared_experts", "moe_first_dense")
+
+_DEEPSEEK_MOE_DEFAULTS = {"moe_shared_experts": 0, "moe_first_dense": 0}
+"""MoE fields left out of ``ModelConfig.to_dict`` at these values (an MoE configuration of before reads as
+it did)."""

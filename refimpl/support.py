@@ -132,10 +132,19 @@ def shape_refusals(model: ModelConfig, config: ParallelConfig, *, seq_len: int) 
     each of its ``tp`` ranks ``1/tp`` of the heads, of the MLP width and of the vocabulary (chapter 06),
     sequence parallelism ``1/tp`` of the tokens; ring attention cuts a sequence into ``2 cp`` chunks,
     Ulysses into ``cp`` and gives each context-parallel rank whole heads of its tensor-parallel rank's
-    (chapter 07). The trainer's preflight (:func:`refimpl.train.preflight.check_shapes`) raises these
+    (chapter 07). Multi-head latent attention (the DeepSeek-V3 form, ``refimpl.models.mla``) is built for
+    neither. The trainer's preflight (:func:`refimpl.train.preflight.check_shapes`) raises these
     sentences, the planner's search skips the layouts they refuse: one rule set."""
     tp, cp, s, heads = config.tp, config.cp, seq_len, model.num_attention_heads
     out = []
+    if model.attention_type == "mla" and tp > 1:
+        out.append(f"--tp {tp}: multi-head latent attention under tensor parallelism is not built (its up "
+                   "projections would split by heads, its latent and shared rotated key be replicated): "
+                   "DeepSeek-V3 trains it at tp 1 with ep and pp; use --ep/--pp/--dp")
+    if model.attention_type == "mla" and cp > 1:
+        out.append(f"--cp {cp}: multi-head latent attention under context parallelism is not built (ring "
+                   "attention and Ulysses replace the course's multi-head attention only): use "
+                   "--ep/--pp/--dp, or --arch llama for --cp")
     if tp > 1:
         out += [f"--tp {tp} does not divide the {size} {what} (each tensor-parallel rank holds 1/{tp} of "
                 f"them); change {flag} or --tp"

@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from refimpl.config import ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from refimpl.config import DEEPSEEK_V3, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from refimpl.distributed import ParallelDims
 from refimpl.models import GPT
 from refimpl.parallel.parallelize import parallelize
@@ -168,3 +168,29 @@ def test_the_trainers_preflight_raises_the_shape_rules_sentences():
     assert str(refused.value) == "; and ".join(shape_refusals(model, bad, seq_len=36))
     assert "--tp 4 does not divide the 6 attention heads" in str(refused.value)
     check_shapes(train, ParallelConfig(tp=2, cp=3, sequence_parallel=True, cp_method="ring"))  # 36 = 6 x 6
+
+
+MLA = dict(**DEEPSEEK_V3, vocab_size=64, num_layers=2, hidden_size=32, num_attention_heads=4, max_seq_len=16,
+           kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+
+
+@pytest.mark.parametrize(("refused", "allowed"), [
+    (dict(tp=2), dict(tp=1, pp=2)),
+    (dict(cp=2), dict(cp=1, dp=2)),
+])
+def test_mla_under_tp_or_cp_is_refused_by_the_shape_rules_naming_the_flags(refused, allowed):
+    """Multi-head latent attention (the DeepSeek-V3 form) is built for neither tensor nor context
+    parallelism: refused at tp 2 and at cp 2 in a sentence naming the flags (the trainer's preflight raises
+    it), its nearest layouts (pp, dp) let through, and the same layouts with multi-head attention too."""
+    model = ModelConfig(**MLA)
+    why = shape_refusals(model, ParallelConfig(**refused), seq_len=16)
+    flag = "--tp 2" if "tp" in refused else "--cp 2"
+    assert len(why) == 1 and why[0].startswith(flag) and "--ep/--pp/--dp" in why[0], why
+    assert shape_refusals(model, ParallelConfig(**allowed), seq_len=16) == []
+    mha = ModelConfig(**{**MLA, **{k: None for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                                      "qk_rope_head_dim", "v_head_dim")},
+                         "attention_type": "mha"})
+    assert shape_refusals(mha, ParallelConfig(**refused), seq_len=16) == []  # the same layout, MHA: allowed
+    with pytest.raises(ConfigError, match=flag):
+        check_shapes(TrainConfig(model=model, data=DataConfig(seq_len=16, global_batch_size=4)),
+                     ParallelConfig(**refused))

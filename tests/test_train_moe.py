@@ -23,6 +23,9 @@ capacity is per rank's forward, :mod:`refimpl.models.moe`):
   ``dp x cp``; **negative control**: a mean over edp instead fails;
 * under pipeline parallelism (``--pp 2 --dp 2 --ep 2``, 1F1B and zbh1 with ZeRO-2) each stage's balance
   loss is backpropagated in that stage; **negative control**: stage 0's left out of its backward fails;
+* the DeepSeek-V3 form (``--arch deepseek``: multi-head latent attention, sigmoid routing with the expert
+  bias, a shared expert, the first block dense) at DeepSeek-V3's own ``--pp 2 --ep 2`` (dp 2), against its
+  own one-device runs;
 * **negative control**: the same ``--ep 2 --dp 4`` run with the experts' placement saying ``dp_cp`` instead
   of ``expert_dp`` (their gradients averaged over the dp x cp ranks, which hold other experts) fails the same
   comparison on the expert tensors, by far;
@@ -75,6 +78,11 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-l
         "--checkpoint-every", "0", "--no-report", "--moe-experts", "4", "--moe-top-k", "2",
         "--moe-aux-loss-coeff", "0.1"]
 BIAS = ["--moe-load-balance", "bias"]
+# the DeepSeek-V3 form, tiny: MLA latents of 16, rope 4 + nope 8 query/key dims, values 8; three blocks, the
+# first dense, two MoE blocks with a shared expert (its balancing: the expert bias, the form's default)
+DEEPSEEK = ["--arch", "deepseek", "--num-layers", "3", "--kv-lora-rank", "16", "--q-lora-rank", "16",
+            "--qk-rope-head-dim", "4", "--qk-nope-head-dim", "8", "--v-head-dim", "8",
+            "--moe-shared-experts", "1", "--moe-first-dense", "1"]
 SAVED = "dp4-ep2"  # saves at STEPS, runs STEPS + 2: resumed at ep 4 and ep 1
 # name -> (flags at world size 4, the one-device reference: "aux" or "bias")
 LAYOUTS = {
@@ -99,6 +107,9 @@ LAYOUTS = {
                              "--checkpoint-every", str(STEPS)], "aux"),  # saved: loaded at pp 2 below
     # ... and each pipeline stage sharded so, gathered once per step
     "pp2-dp2-ep2-zero3-bias": (["--pp", "2", "--ep", "2", "--zero-stage", "3", *BIAS], "bias"),
+    # the DeepSeek-V3 form at DeepSeek-V3's own pp x ep: stage 0 the dense block and an MoE block, stage 1
+    # the other; the shared experts are dense weights (averaged over dp), the experts split over ep
+    "pp2-dp2-ep2-deepseek": ([*DEEPSEEK, "--pp", "2", "--ep", "2"], "deepseek"),
 }
 PIPELINED = [name for name in LAYOUTS if name.startswith("pp")]
 EXPERT = ".mlp.moe.experts."
@@ -315,7 +326,8 @@ def one_device(files, runs) -> dict:
     # STEPS + 2 for bias too: on AVX2 kernels (an AMD EPYC here) its two orders gave the same bits for the
     # first STEPS steps (AdamW's first updates, about lr x sign(g), absorb the gradients' last-bit
     # differences), so there was no yardstick; at STEPS + 2 the orders part (one ulp of the loss)
-    out = {"aux": _one_device(files, [], steps=STEPS + 2), "bias": _one_device(files, BIAS, steps=STEPS + 2)}
+    out = {"aux": _one_device(files, [], steps=STEPS + 2), "bias": _one_device(files, BIAS, steps=STEPS + 2),
+           "deepseek": _one_device(files, DEEPSEEK, steps=STEPS + 2)}
     plain = GPT(config_from_args(_args(files, Path(files["root"]) / "x")).model, seed=7)
     _load(Path(files["root"]) / "ep2-checkpoint", plain)
     out["ep1 load"] = {k: v.clone() for k, v in plain.state_dict().items()}
@@ -348,10 +360,11 @@ def test_expert_parallel_layouts_hand_the_optimizer_one_devices_gradients(runs, 
     per_rank = [out[name, "grads"] for out in runs]
     worst = assert_gradients_like_one_device(per_rank, reference, "fp32", factor=FACTOR, name=name,
                                              control=2.0)
-    # rows of [E, ...], never all E (under pp a rank holds its stage's blocks' experts only)
+    # rows of [E, ...], never all E (under pp a rank holds its stage's blocks' experts only); DeepSeek: two
+    # MoE blocks after the dense one, three SwiGLU tensors each
     experts = {n for pieces in per_rank for n in pieces if EXPERT in n}
-    assert len(experts) == 4 and all(pieces[n][2].shape[0] < 4 for pieces in per_rank for n in experts
-                                     if n in pieces)
+    assert len(experts) == (6 if name.endswith("deepseek") else 4)
+    assert all(pieces[n][2].shape[0] < 4 for pieces in per_rank for n in experts if n in pieces)
     if name == "dp4-ep2-zero3-accum":  # E/ep = 2 rows per ep rank, sharded over edp 2: one row each
         assert all(pieces[n][2].shape[0] == 1 for pieces in per_rank for n in experts), name
     print(f"{name}: worst gradient difference {worst:.3f} x its tolerance")

@@ -1,5 +1,5 @@
 """Hugging Face's Llama <-> the course model in its Llama form (chapter 01): :func:`llama_from_hf`,
-:func:`llama_to_hf`.
+:func:`llama_to_hf`; Hugging Face's DeepSeek-V3 -> its DeepSeek-V3 form: ``deepseek_v3_from_hf`` (below).
 
 A ``transformers.LlamaForCausalLM`` and :class:`refimpl.models.GPT` built with ``ModelConfig(**LLAMA)``
 compute the same function; only the layout of three weights differs:
@@ -28,10 +28,11 @@ from collections.abc import Mapping
 
 import torch
 
-from refimpl.config import LLAMA, ModelConfig
+from refimpl.config import DEEPSEEK_V3, LLAMA, ModelConfig
 from refimpl.models.gpt import GPT
 
-__all__ = ["llama_config_from_hf", "llama_from_hf", "llama_to_hf"]
+__all__ = ["deepseek_v3_config_from_hf", "deepseek_v3_from_hf", "deepseek_v3_state_from_hf",
+           "llama_config_from_hf", "llama_from_hf", "llama_to_hf"]
 
 _RENAMES = {"input_layernorm.weight": "input_layernorm.weight",
             "post_attention_layernorm.weight": "post_attention_layernorm.weight",
@@ -154,3 +155,150 @@ def llama_to_hf(model: GPT) -> tuple[dict, dict[str, torch.Tensor]]:
         hf[f"model.layers.{i}.mlp.gate_proj.weight"] = gate
         hf[f"model.layers.{i}.mlp.up_proj.weight"] = up
     return hf_config, {k: t.contiguous() for k, t in hf.items()}
+
+
+# -- DeepSeek-V3 ------------------------------------------------------------------------------------------
+
+_DEEPSEEK_RENAMES = {"input_layernorm.weight": "input_layernorm.weight",
+                     "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+                     "self_attn.q_a_proj.weight": "self_attention.linear_q_down_proj.weight",
+                     "self_attn.q_a_layernorm.weight": "self_attention.q_layernorm.weight",
+                     "self_attn.kv_a_layernorm.weight": "self_attention.kv_layernorm.weight",
+                     "self_attn.kv_b_proj.weight": "self_attention.linear_kv_up_proj.weight",
+                     "self_attn.o_proj.weight": "self_attention.dense.weight",
+                     "mlp.gate.weight": "mlp.moe.router.gate.weight",
+                     "mlp.gate.e_score_correction_bias": "mlp.moe.router.expert_bias"}
+"""HF's DeepSeek-V3 names -> ours where only the name changes (the rest: ``deepseek_v3_state_from_hf``)."""
+
+
+def deepseek_v3_config_from_hf(hf: Mapping) -> ModelConfig:
+    """Our ``ModelConfig`` (the DeepSeek-V3 form) for a ``DeepseekV3Config(...).to_dict()``.
+
+    The DeepSeek-V3 form (``DEEPSEEK_V3``): multi-head latent attention with HF's ``q_lora_rank`` (None
+    too), ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``; the first
+    ``first_k_dense_replace`` blocks dense (all of them: our dense model), the others MoE blocks of
+    ``n_routed_experts`` SwiGLU experts of ``moe_intermediate_size``, ``num_experts_per_tok`` chosen by
+    sigmoid scores plus the expert bias (HF's ``e_score_correction_bias``), ``norm_topk_prob``, and
+    ``n_shared_experts`` shared experts. Refused with a ``ValueError`` naming the field: rope scaling
+    (``rope_parameters`` of a type other than ``default``: DeepSeek-V3's own YaRN is not built),
+    ``n_group`` / ``topk_group`` above 1 (group-limited routing), ``routed_scaling_factor`` other than 1,
+    ``attention_bias``, an ``hidden_act`` other than ``silu``, ``num_key_value_heads`` other than the heads
+    (HF repeats its keys by their ratio), and ``rms_norm_eps`` other than 1e-6 (HF's latent norms use
+    1e-6 whatever it says, ours ``layernorm_eps``)."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"rope_parameters.rope_type={kind!r}: only 'default' (no rope scaling) is "
+                         "supported; DeepSeek-V3's YaRN scaling (and its softmax mscale) is not built")
+    for field, ok in (("n_group", (None, 1)), ("topk_group", (None, 1)), ("routed_scaling_factor", (1, 1.0)),
+                      ("attention_bias", (None, False)), ("hidden_act", (None, "silu")),
+                      ("rms_norm_eps", (None, 1e-6))):
+        if hf.get(field) not in ok:
+            raise ValueError(f"{field}={hf[field]!r}: only {' or '.join(map(repr, ok[1:]))} is supported")
+    heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+    if hf.get("num_key_value_heads") not in (None, heads):
+        raise ValueError(f"num_key_value_heads={hf['num_key_value_heads']}: multi-head latent attention has "
+                         "no key/value heads of its own; HF's attention repeats the keys by "
+                         f"num_attention_heads / num_key_value_heads, so only {heads} (the heads) is "
+                         "supported")
+    first_dense = hf.get("first_k_dense_replace") or 0
+    moe = {}
+    if first_dense < layers:
+        moe = {"num_experts": hf["n_routed_experts"], "top_k": hf["num_experts_per_tok"],
+               "moe_ffn_hidden_size": hf["moe_intermediate_size"], "moe_first_dense": first_dense,
+               "moe_shared_experts": hf.get("n_shared_experts") or 0,
+               "moe_normalize_topk": bool(hf.get("norm_topk_prob", True))}
+    fields = {**DEEPSEEK_V3, "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+              "rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), **moe}
+    return ModelConfig(**fields, vocab_size=hf["vocab_size"], num_layers=layers,
+                       hidden_size=hf["hidden_size"], num_attention_heads=heads,
+                       ffn_hidden_size=hf["intermediate_size"],
+                       max_seq_len=hf["max_position_embeddings"], q_lora_rank=hf.get("q_lora_rank"),
+                       kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
+                       qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"])
+
+
+def _halves(rows: torch.Tensor, start: int, r: int) -> torch.Tensor:
+    """``rows`` with each block ``[start + j (n + r) ...]``'s last ``r`` rows, DeepSeek's interleaved rope
+    pairs ``(0, 1), (2, 3), ...``, reordered to rotate-half's halves ``0, 2, 4, ..., 1, 3, 5, ...``: the
+    rotation HF's ``rope_interleave`` applies to the interleaved dims is ours on the reordered ones (and the
+    scores, a dot product over the same permutation of the query's and the key's dims, are unchanged)."""
+    order = torch.cat((torch.arange(0, r, 2), torch.arange(1, r, 2)))  # [r]
+    out = rows.clone()
+    out[start:start + r] = rows[start:start + r][order]
+    return out
+
+
+def _rope_rows(weight: torch.Tensor, heads: int, nope: int, r: int) -> torch.Tensor:
+    """A query projection ``[a (n + r), ...]`` with every head's rope rows in halves (``_halves``)."""
+    per_head = weight.reshape(heads, nope + r, *weight.shape[1:])  # [a, n + r, ...]
+    return torch.stack([_halves(w, nope, r) for w in per_head]).reshape(weight.shape)
+
+
+def _interleaved_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """HF's ``gate_proj``, ``up_proj [f, h]`` -> our ``dense_h_to_4h [2f, h]``: row ``2i`` gate ``i``,
+    row ``2i + 1`` up ``i`` (``refimpl.models.MLP``)."""
+    return torch.stack((gate, up), dim=1).reshape(-1, gate.shape[1])
+
+
+def deepseek_v3_state_from_hf(hf_config: Mapping,
+                              hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF's DeepSeek-V3 tensors under our names and layout. Every step is a renaming, a transpose, an
+    interleave or a permutation of rows, so the same map takes HF's *gradients* to ours (the test's
+    comparison). The layout changes: with ``rope_interleave`` (HF's default, DeepSeek's checkpoints) the
+    rope rows of the query projection and of ``kv_a_proj_with_mqa`` reordered (``_halves``); the dense
+    and shared MLPs' gate and up rows interleaved into one ``dense_h_to_4h``; the experts' ``gate_up_proj
+    [E, 2f, h]`` and ``down_proj [E, h, f]`` as our ``w1, w3 [E, h, f]`` and ``w2 [E, f, h]``."""
+    config = deepseek_v3_config_from_hf(hf_config)
+    a, n, r, c = (config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim,
+                  config.kv_lora_rank)
+    interleaved = hf_config.get("rope_interleave", True)
+    embed = hf_state["model.embed_tokens.weight"]
+    out = {"embedding.word_embeddings.weight": embed, "final_layernorm.weight": hf_state["model.norm.weight"],
+           "output_layer.weight": hf_state.get("lm_head.weight", embed)}  # tied: the same table
+    for i in range(config.num_layers):
+        hf = {k.removeprefix(f"model.layers.{i}."): t for k, t in hf_state.items()
+              if k.startswith(f"model.layers.{i}.")}
+        ours = {f"layers.{i}.{mine}": hf[theirs] for theirs, mine in _DEEPSEEK_RENAMES.items()
+                if theirs in hf}
+        q_name, q_mine = (("self_attn.q_proj.weight", "linear_q_proj") if config.q_lora_rank is None
+                          else ("self_attn.q_b_proj.weight", "linear_q_up_proj"))
+        kv_down = hf["self_attn.kv_a_proj_with_mqa.weight"]  # [c + r, h]: the latent, then the rotated key
+        q = hf[q_name]  # [a (n + r), h or q_lora_rank]
+        if interleaved:
+            q, kv_down = _rope_rows(q, a, n, r), _halves(kv_down, c, r)
+        ours[f"layers.{i}.self_attention.{q_mine}.weight"] = q
+        ours[f"layers.{i}.self_attention.linear_kv_down_proj.weight"] = kv_down
+        if "mlp.gate_proj.weight" in hf:  # a dense block
+            ours[f"layers.{i}.mlp.dense_h_to_4h.weight"] = _interleaved_gate_up(hf["mlp.gate_proj.weight"],
+                                                                               hf["mlp.up_proj.weight"])
+            ours[f"layers.{i}.mlp.dense_4h_to_h.weight"] = hf["mlp.down_proj.weight"]
+        else:  # an MoE block
+            gate_up = hf["mlp.experts.gate_up_proj"]  # [E, 2f, h]: the gates, then the ups
+            down = hf["mlp.experts.down_proj"]  # [E, h, f]
+            gate, up = gate_up.chunk(2, dim=1)  # [E, f, h] each
+            ours[f"layers.{i}.mlp.moe.experts.w1"] = gate.transpose(1, 2)  # [E, h, f]
+            ours[f"layers.{i}.mlp.moe.experts.w3"] = up.transpose(1, 2)
+            ours[f"layers.{i}.mlp.moe.experts.w2"] = down.transpose(1, 2)  # [E, f, h]
+            if config.moe_shared_experts:
+                shared = f"layers.{i}.mlp.shared_experts"
+                ours[f"{shared}.dense_h_to_4h.weight"] = _interleaved_gate_up(
+                    hf["mlp.shared_experts.gate_proj.weight"], hf["mlp.shared_experts.up_proj.weight"])
+                ours[f"{shared}.dense_4h_to_h.weight"] = hf["mlp.shared_experts.down_proj.weight"]
+        out.update(ours)
+    return out
+
+
+def deepseek_v3_from_hf(hf_config: Mapping, hf_state_dict: Mapping[str, torch.Tensor]) -> GPT:
+    """Our model in its DeepSeek-V3 form with HF's weights loaded (the state dict's dtype kept):
+    ``model(input_ids [b, s]) -> logits [b, s, v]``, equal to ``DeepseekV3ForCausalLM``'s (tests/test_mla.py:
+    float64 logits and every gradient, dense and MoE blocks, with and without the query latent)."""
+    config = deepseek_v3_config_from_hf(hf_config)
+    embed = hf_state_dict["model.embed_tokens.weight"]
+    with torch.device("meta"):
+        model = GPT(config)
+    model = model.to_empty(device=embed.device).to(embed.dtype)
+    model.load_state_dict(deepseek_v3_state_from_hf(hf_config, hf_state_dict), strict=True)
+    if config.tie_word_embeddings:
+        model.output_layer.weight = model.embedding.word_embeddings.weight
+    return model

@@ -10,7 +10,9 @@ on it instead of patching it).
 
 With ``config.num_experts > 0`` the MLP of every ``moe_every``-th block is a mixture of experts
 (:class:`refimpl.models.moe.MoEMLP`, chapter 09); a dense configuration builds exactly the model it
-always did.
+always did. With ``config.attention_type == "mla"`` (the DeepSeek-V3 form) each block's attention is
+multi-head latent attention (``refimpl.models.mla.MultiLatentAttention``), under the same name
+``self_attention``.
 
 Shapes: b = micro-batch, s = sequence length, h = hidden size, a = attention heads, d = h / a, v = vocab.
 """
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from refimpl.config import ModelConfig
+from refimpl.models.mla import MultiLatentAttention
 from refimpl.models.rope import RotaryEmbedding, apply_rotary
 from refimpl.nn.linear import Linear
 from refimpl.nn.loss import lm_loss
@@ -123,12 +126,14 @@ class MLP(nn.Module):
 
 class TransformerBlock(nn.Module):
     """x + Attn(LN(x)), then + MLP(LN(.)): the pre-norm residual block. Block ``layer`` of an MoE
-    configuration (:meth:`ModelConfig.is_moe_layer`) has a mixture-of-experts MLP (chapter 09)."""
+    configuration (:meth:`ModelConfig.is_moe_layer`) has a mixture-of-experts MLP (chapter 09); the
+    attention is multi-head latent attention with ``attention_type="mla"`` (DeepSeek-V3)."""
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = norm(config)
-        self.self_attention = CausalSelfAttention(config)
+        self.self_attention: nn.Module = (MultiLatentAttention(config) if config.attention_type == "mla"
+                                          else CausalSelfAttention(config))
         self.post_attention_layernorm = norm(config)
         if config.is_moe_layer(layer):
             from refimpl.models.moe import MoEMLP  # the expert-parallel layer: only for MoE configurations
@@ -208,11 +213,21 @@ class GPT(nn.Module):
 
     def tensor_parallel_plan(self, *, tp_size: int, sequence_parallel: bool = False,
                              pad_vocab: bool = False) -> dict[str, object]:
-        """``{module-name pattern: style}`` for ``tp_size`` ranks (``refimpl/models/gpt_sharding.py``)."""
+        """``{module-name pattern: style}`` for ``tp_size`` ranks (``refimpl/models/gpt_sharding.py``).
+        Multi-head latent attention has no tensor-parallel plan (``refimpl.support.shape_refusals`` refuses
+        it at tp > 1, a ``ValueError`` here); at one rank its attention is left out of the plan."""
         from refimpl.models.gpt_sharding import gpt_tensor_parallel_plan
 
-        return gpt_tensor_parallel_plan(self, tp_size=tp_size, sequence_parallel=sequence_parallel,
+        mla = self.config.attention_type == "mla"
+        if mla and tp_size > 1:
+            raise ValueError(f"tensor parallelism: multi-head latent attention is not built under tensor "
+                             f"parallelism (tp_size={tp_size}); DeepSeek-V3 trains it at tp 1 with expert "
+                             "and pipeline parallelism")
+        plan = gpt_tensor_parallel_plan(self, tp_size=tp_size, sequence_parallel=sequence_parallel,
                                         pad_vocab=pad_vocab)
+        if mla:
+            plan = {k: v for k, v in plan.items() if not k.startswith("layers.*.self_attention")}
+        return plan
 
     def float8_filter(self, module: nn.Module, name: str) -> bool:
         """``--precision fp8`` converts the layers of the linear seam (its dense linears), not an MoE
@@ -228,7 +243,8 @@ class GPT(nn.Module):
     def context_parallel_modules(self) -> ContextParallelModules:
         """Context parallelism replaces each block's ``core_attention`` and the ``position_ids`` of the
         embedding and (RoPE) of each block's rotation; the heads are the query heads this rank's fused qkv
-        holds (``a/t`` under tp)."""
+        holds (``a/t`` under tp; multi-head latent attention: all ``a``, and it is refused at cp > 1 by
+        ``refimpl.support.shape_refusals``)."""
         attention = [block.self_attention for block in self.layers]
         heads = [a.held_query_heads() for a in attention]
         rotary = [a.rotary for a in attention if a.rotary is not None]  # RoPE: each block rotates its q, k

@@ -38,6 +38,15 @@ declares those rows as boxes of the global ``[E, ...]`` tensors (the checkpoint 
 :meth:`MoEMLP.expert_parallel_parameters` names them (their placement: split over ``ep``, gradient
 averaged over the expert-data-parallel group).
 
+**Shared experts** (DeepSeekMoE, Dai et al. 2024; DeepSeek-V3 eq. 12): with ``moe_shared_experts = N_s``
+the block also runs an always-on MLP of ``N_s x`` the expert width on every token and adds it,
+``y_t = S(x_t) + sum_j w_{t,j} E_{I_tj}(x_t)`` (``SharedExperts``, ``MoEMLP.shared_experts``). Its
+weights are dense ones, not under ``moe.experts.``: every rank holds them whole, expert parallelism leaves
+them alone and their gradients are averaged over ``dp x cp`` like the attention's (under sequence
+parallelism summed over tp too, as every parameter of the block: ``MoEMLP.sequence_parallel_parameters``).
+The first ``moe_first_dense`` blocks keep the dense MLP (DeepSeek-V3's ``first_k_dense_replace``:
+``ModelConfig.is_moe_layer``).
+
 The per-step bookkeeping (load per expert, dropped assignments, the aux loss, DeepSeek-V3's bias update)
 is :mod:`refimpl.moe_balance`.
 """
@@ -46,15 +55,17 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from refimpl.comm import ops
 from refimpl.config import ModelConfig
 from refimpl.distributed.group_info import group_rank_size
 from refimpl.distributed.placement import Box, LocalShard
+from refimpl.nn.linear import Linear
 from refimpl.parallel.expert_parallel import MoE
 
-__all__ = ["EXPERT_TENSORS", "MoEMLP", "moe_aux_loss", "moe_blocks", "sequence_balance_loss"]
+__all__ = ["EXPERT_TENSORS", "MoEMLP", "SharedExperts", "moe_aux_loss", "moe_blocks", "sequence_balance_loss"]
 
 EXPERT_TENSORS = ("w1", "w3", "w2")
 """The grouped experts' 3-D weights (``w3``: SwiGLU only); under expert parallelism each rank holds rows."""
@@ -103,11 +114,35 @@ def sequence_balance_loss(scores: torch.Tensor, expert_ids: torch.Tensor, *, seq
     return loss
 
 
+class SharedExperts(nn.Module):
+    """DeepSeekMoE's shared experts (module docstring): one bias-free MLP of width ``f_s =
+    moe_shared_experts x expert_hidden_size`` with the experts' activation, ``[b, s, h] -> [b, s, h]``:
+    SwiGLU ``(silu(x W_gate) * x W_up) W_2`` or GELU ``gelu(x W_1) W_2`` (exact GELU, as the routed
+    experts). The dense MLP's layout and names (``refimpl.models.gpt.MLP``): ``dense_h_to_4h`` (SwiGLU:
+    ``2 f_s`` rows, row ``2i`` gate ``i``, row ``2i + 1`` up ``i``) and ``dense_4h_to_h``, which
+    ``GPT.reset_parameters`` scales as a residual output projection. Linears of the one linear seam."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, f = config.hidden_size, config.moe_shared_experts * config.expert_hidden_size
+        self.swiglu = config.moe_activation == "swiglu"
+        self.dense_h_to_4h = Linear(h, 2 * f if self.swiglu else f, bias=False)
+        self.dense_4h_to_h = Linear(f, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.dense_h_to_4h(x)  # [b, s, f_s] (SwiGLU: [b, s, 2 f_s])
+        if self.swiglu:
+            gate, up = y.view(*y.shape[:-1], -1, 2).unbind(-1)  # [b, s, f_s] each: rows 2i and 2i + 1
+            return self.dense_4h_to_h(F.silu(gate) * up)
+        return self.dense_4h_to_h(F.gelu(y))
+
+
 class MoEMLP(nn.Module):
     """The MLP of an MoE block (module docstring): ``forward(x [b, s, h]) -> [b, s, h]``; after a forward
     ``aux_loss`` (the sequence-wise balance loss, in the graph) and ``moe`` the layer (its routing,
     ``tokens_per_expert``, ``kept_per_expert``, ``dropped_fraction``). ``layer``: the block's index (the
-    layer's seed; the GPT's ``reset_parameters`` draws the weights anyway)."""
+    layer's seed; the GPT's ``reset_parameters`` draws the weights anyway). ``shared_experts``: the
+    ``SharedExperts`` added to the routed output, None without (``moe_shared_experts = 0``)."""
 
     def __init__(self, config: ModelConfig, *, layer: int = 0) -> None:
         super().__init__()
@@ -120,6 +155,7 @@ class MoEMLP(nn.Module):
                         capacity_factor=config.capacity_factor, aux_loss_coeff=0.0,
                         expert_bias=config.moe_load_balance == "bias", seed=layer)
         self.moe = MoE(**self._kw)
+        self.shared_experts = SharedExperts(config) if config.moe_shared_experts else None
         self.aux_loss: torch.Tensor | None = None
         self.counters = None  # refimpl.moe_balance's per-step counters, set by its first record
         # context parallelism: the group whose ranks hold the other parts of each sequence (parallelize's
@@ -141,13 +177,15 @@ class MoEMLP(nn.Module):
                                               sequences=x.shape[0] if x.dim() == 3 else 1,
                                               coeff=self.aux_loss_coeff, score_func=self.score_func,
                                               cp_group=self.cp_group, sp_group=self.sp_group)
+        if self.shared_experts is not None:  # DeepSeekMoE: every token through the shared experts too
+            y = y + self.shared_experts(x)
         return y
 
     @torch.no_grad()
     def shard_experts(self, ep_group: torch.distributed.ProcessGroup | None) -> None:
         """Keep this rank's experts ``[r E/ep, (r+1) E/ep)`` of the whole layer (built with every expert),
         routing over ``ep_group`` (GShard's all-to-all); the router stays whole (every rank routes its own
-        tokens)."""
+        tokens), and so do the shared experts (dense weights, untouched)."""
         if self.moe.ep_size != 1:
             raise ValueError("shard_experts takes a layer that holds every expert (it is already sharded)")
         old = self.moe
@@ -165,9 +203,9 @@ class MoEMLP(nn.Module):
         self.moe = new
 
     def sequence_parallel_parameters(self) -> list[str]:
-        """Under sequence parallelism, the parameters applied to this tp rank's ``s/t`` tokens: the router's
-        and the experts' (their gradients summed over tp, :func:`refimpl.parallel.tensor_parallel.
-        sequence_parallel_names`); none otherwise."""
+        """Under sequence parallelism, the parameters applied to this tp rank's ``s/t`` tokens: the router's,
+        the experts' and the shared experts' (their gradients summed over tp, :func:`refimpl.parallel.
+        tensor_parallel.sequence_parallel_names`); none otherwise."""
         if self.sp_group is None:
             return []
         return [n for n, _ in self.named_parameters()]
@@ -181,7 +219,8 @@ class MoEMLP(nn.Module):
         return [f"moe.experts.{n}" for n in EXPERT_TENSORS if getattr(self.moe.experts, n) is not None]
 
     def local_shards(self) -> dict[str, LocalShard]:
-        """Every tensor whole but the experts': rows ``[first, first + E/ep)`` of the global ``[E, ...]``."""
+        """Every tensor whole (the router, the shared experts) but the experts': rows ``[first, first +
+        E/ep)`` of the global ``[E, ...]``."""
         experts = set(self.expert_parallel_parameters())
         own = [*self.named_parameters(), *((n, b) for n, b in self.named_buffers() if b is not None)]
         out = {}

@@ -33,10 +33,12 @@ from refimpl.config import ModelConfig
 __all__ = ["RotaryEmbedding", "apply_rotary", "rope_frequencies", "rotate_half"]
 
 
-def rope_frequencies(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
+def rope_frequencies(config: ModelConfig, device: torch.device | str | None = None, *,
+                     dim: int | None = None) -> torch.Tensor:
     """``w_i`` of the module docstring, ``[d/2]`` float64 on ``device`` (the llama3 scaling applied when
-    asked)."""
-    d = config.head_dim
+    asked); ``d`` is ``dim``, else ``config.head_dim`` (multi-head latent attention rotates only its
+    ``qk_rope_head_dim`` dims, ``refimpl.models.mla``)."""
+    d = dim or config.head_dim
     w = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d)  # [d/2]
     if config.rope_type == "default":
         return w
@@ -61,11 +63,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class RotaryEmbedding(nn.Module):
-    """cos and sin of the rotation angles of ``seq_len`` positions, ``[s, d]`` each (no parameters)."""
+    """cos and sin of the rotation angles of ``seq_len`` positions, ``[s, d]`` each (no parameters);
+    ``d`` is ``dim``, else ``config.head_dim``."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, *, dim: int | None = None) -> None:
         super().__init__()
         self.config = config
+        self.dim = dim or config.head_dim
 
     @staticmethod
     def position_ids(seq_len: int, device: torch.device) -> torch.Tensor:
@@ -75,6 +79,6 @@ class RotaryEmbedding(nn.Module):
     def forward(self, seq_len: int, *, device: torch.device,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         positions = self.position_ids(seq_len, device).to(torch.float64)  # [s]
-        angles = positions[:, None] * rope_frequencies(self.config, device)  # [s, d/2]
+        angles = positions[:, None] * rope_frequencies(self.config, device, dim=self.dim)  # [s, d/2]
         angles = torch.cat((angles, angles), dim=-1)  # [s, d]: pair i and i + d/2 share an angle
         return angles.cos().to(dtype), angles.sin().to(dtype)

@@ -115,12 +115,30 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--no-tie-embeddings", action="store_true", help="untie input and output embeddings")
     model.add_argument("--arch", choices=tuple(ARCHS), default="gpt2",
                        help="gpt2: LayerNorm, learned positions, GELU, biases, tied embeddings; llama: "
-                       "RMSNorm, RoPE, SwiGLU, no biases, an untied output layer (chapter 01)")
+                       "RMSNorm, RoPE, SwiGLU, no biases, an untied output layer (chapter 01); deepseek: the "
+                       "llama form with multi-head latent attention (give --kv-lora-rank, "
+                       "--qk-nope-head-dim, --qk-rope-head-dim, --v-head-dim) and, with --moe-experts, "
+                       "DeepSeek-V3's router: "
+                       "sigmoid scores, renormalised top-k, the expert bias, SwiGLU experts (chapter 09)")
     model.add_argument("--num-kv-heads", type=int, default=None, metavar="G",
                        help="key/value heads (grouped-query attention; 1: multi-query); must divide "
                        "--num-heads (default: --num-heads, multi-head attention)")
     model.add_argument("--ffn-hidden-size", type=int, default=None, metavar="F",
                        help="the MLP's width (default 4 x --hidden-size)")
+    mla = p.add_argument_group("multi-head latent attention (--arch deepseek; DeepSeek-V2 and V3)")
+    mla.add_argument("--kv-lora-rank", type=int, default=None, metavar="C",
+                     help="the per-token latent the keys and values are projected up from (what the KV "
+                     "cache keeps, with the rotated key); required with --arch deepseek")
+    mla.add_argument("--q-lora-rank", type=int, default=None, metavar="C",
+                     help="the queries' latent (default: none, the queries projected straight from the "
+                     "hidden state, as DeepSeek-V2-Lite)")
+    mla.add_argument("--qk-nope-head-dim", type=int, default=None, metavar="N",
+                     help="each head's query and key dims without position; required with --arch deepseek")
+    mla.add_argument("--qk-rope-head-dim", type=int, default=None, metavar="R",
+                     help="each head's rotated query dims and the one rotated key all heads share (even); "
+                     "required with --arch deepseek")
+    mla.add_argument("--v-head-dim", type=int, default=None, metavar="V",
+                     help="each head's value dims; required with --arch deepseek")
     moe = p.add_argument_group("mixture of experts (chapter 09)")
     moe.add_argument("--moe-experts", type=int, default=0, metavar="E",
                      help="experts per MoE block (0: a dense model); each an MLP of the dense MLP's width")
@@ -128,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     moe.add_argument("--moe-normalize-topk", action=argparse.BooleanOptionalAction, default=None,
                      help="divide each token's K combine weights by their sum (GShard, Mixtral, DeepSeek-V3) "
                      "or keep the raw router scores (Switch); default: renormalise when K > 1 (at K = 1 a "
-                     "renormalised weight is 1 and the router learns nothing from the task)")
+                     "renormalised weight is 1 and the router learns nothing from the task), always with "
+                     "--arch deepseek")
     moe.add_argument("--moe-every", type=int, default=1, metavar="N",
                      help="blocks 0, N, 2N, ... have an MoE MLP (1: every block)")
     moe.add_argument("--moe-capacity-factor", type=float, default=None, metavar="C",
@@ -137,9 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
     moe.add_argument("--moe-aux-loss-coeff", type=float, default=0.01, metavar="A",
                      help="the sequence-wise balance loss's coefficient (DeepSeek-V3's complementary loss "
                      "with --moe-load-balance bias; 0: none)")
-    moe.add_argument("--moe-load-balance", choices=MOE_LOAD_BALANCE, default="aux",
+    moe.add_argument("--moe-load-balance", choices=MOE_LOAD_BALANCE, default=None,
                      help="aux: the balance loss; bias: also DeepSeek-V3's expert bias, updated before each "
-                     "optimizer step from the load summed over the batch's ranks")
+                     "optimizer step from the load summed over the batch's ranks (default: bias with --arch "
+                     "deepseek, else aux)")
+    moe.add_argument("--moe-shared-experts", type=int, default=0, metavar="S",
+                     help="DeepSeekMoE's shared experts: an always-on MLP of S x the expert width in each "
+                     "MoE block, added to the routed output (DeepSeek-V3: 1)")
+    moe.add_argument("--moe-first-dense", type=int, default=0, metavar="D",
+                     help="the first D blocks keep the dense MLP (DeepSeek-V3's first_k_dense_replace: 3)")
     par = p.add_argument_group("parallelism and precision")
     par.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0,
                      help="0: data parallel; 1/2: sharded optimizer state (and gradients); 3: fully sharded")
@@ -223,26 +248,48 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _moe_fields(args: argparse.Namespace) -> dict:
-    """The MoE fields of :class:`~refimpl.config.ModelConfig` from the ``--moe-*`` flags (none: dense)."""
+    """The MoE fields of :class:`~refimpl.config.ModelConfig` from the ``--moe-*`` flags (none: dense; the
+    form's own where a flag is left at its default: ``--arch deepseek``'s bias balancing, its renormalised
+    top-k)."""
     if not args.moe_experts:
+        given = [flag for flag, value in (("--moe-shared-experts", args.moe_shared_experts),
+                                          ("--moe-first-dense", args.moe_first_dense)) if value]
+        if given:
+            raise ConfigError(f"{' and '.join(given)}: shared experts and dense first blocks shape the MoE "
+                              "blocks: give --moe-experts")
         return {}
+    form = ARCHS[args.arch]
+    load_balance = args.moe_load_balance or form.get("moe_load_balance", "aux")
+    normalize = form.get("moe_normalize_topk") if args.moe_normalize_topk is None else args.moe_normalize_topk
     return {"num_experts": args.moe_experts, "top_k": args.moe_top_k, "moe_every": args.moe_every,
-            "moe_activation": "swiglu" if args.arch == "llama" else "gelu",  # the experts as the dense MLP
+            # the experts as the dense MLP
+            "moe_activation": form.get("moe_activation", "swiglu" if args.arch == "llama" else "gelu"),
             "capacity_factor": args.moe_capacity_factor, "aux_loss_coeff": args.moe_aux_loss_coeff,
-            "moe_load_balance": args.moe_load_balance, "moe_normalize_topk": args.moe_normalize_topk}
+            "moe_load_balance": load_balance, "moe_normalize_topk": normalize,
+            "moe_shared_experts": args.moe_shared_experts, "moe_first_dense": args.moe_first_dense}
+
+
+def _mla_fields(args: argparse.Namespace) -> dict:
+    """Multi-head latent attention's dimensions from their flags, those given (a missing one with ``--arch
+    deepseek``, or one given to another form, is ``ConfigError``'s to name)."""
+    flags = {"kv_lora_rank": args.kv_lora_rank, "q_lora_rank": args.q_lora_rank,
+             "qk_nope_head_dim": args.qk_nope_head_dim, "qk_rope_head_dim": args.qk_rope_head_dim,
+             "v_head_dim": args.v_head_dim}
+    return {name: value for name, value in flags.items() if value is not None}
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    fields = {**ARCHS[args.arch], **({"tie_word_embeddings": False} if args.no_tie_embeddings else {}),
+              **_mla_fields(args), **_moe_fields(args)}
     return TrainConfig(
         model=ModelConfig(
-            **{**ARCHS[args.arch], **({"tie_word_embeddings": False} if args.no_tie_embeddings else {})},
+            **fields,
             num_layers=args.num_layers,
             hidden_size=args.hidden_size,
             num_attention_heads=args.num_heads,
             num_key_value_heads=args.num_kv_heads,
             ffn_hidden_size=args.ffn_hidden_size,
             max_seq_len=args.seq_len,
-            **_moe_fields(args),
         ),
         data=DataConfig(
             data=args.data,
