@@ -13,8 +13,14 @@ the assumptions printed under the table:
 * **shape**: from ``--params`` a GPT of ``L`` layers and width ``h`` with ``12 L h^2 ~ N`` and ``h = 128 L``
   (GPT-3's aspect), heads of 128 (or give ``--num-layers --hidden-size --num-heads``, and ``--arch llama``
   with ``--num-kv-heads --ffn-hidden-size`` for the Llama form, ``--tie`` to tie the output layer); or a
-  published model by name, ``--model llama3-8b|llama3-70b|llama3-405b``
-  (:data:`refimpl.planner.presets.MODEL_PRESETS`: its count printed beside the published one);
+  published model by name, ``--model llama3-8b|llama3-70b|llama3-405b|deepseek-v3|kimi-k2``
+  (``refimpl.planner.presets.MODEL_PRESETS``: its count printed beside the published one; the two MoE
+  models with the weights a token multiplies beside the activated size their cards print);
+* **mixture of experts** (the DeepSeek-V3 form): the routed experts split over ``ep`` of the ``dp x cp``
+  ranks (searched over the degrees that divide the experts and ``dp x cp``; ``--layout ...,ep=64``) and
+  replicated over tp, their state sharded by ZeRO over the ``dp x cp / ep`` ranks holding the same experts;
+  the FLOPs count the weights a token uses (``k`` routed and the shared experts); the all-to-all bytes
+  are what refimpl's expert parallelism sends for uniform routing;
 * **memory per GPU** (Rajbhandari et al. 2020; Korthikanti et al. 2022): the ZeRO table
   (:func:`~refimpl.planner.zero_state.zero_memory_paper`, bf16 weights and gradients, fp32 master weights
   and Adam moments, ``K = 12``) over a rank's ``N / (tp pp)`` parameters, sharded over the ``dp x cp``
@@ -39,7 +45,7 @@ cannot split: :func:`refimpl.planner.layout_plan.layout_refusals`, each combinat
 0-2 move the same bytes here) go to the lowest stage, then to no recomputation, then to no replication. So
 a layout runs at the lowest ZeRO stage that fits it (ZeRO-3 sends 1.5 times the bytes) and recomputes only
 when that is the cheaper way to fit (it costs a third more compute).
-``--layout dp=128,tp=8,pp=2[,cp=1][,zero=3][,mb=1][,hsdp=1]`` estimates one layout at each stage the
+``--layout dp=128,tp=8,pp=2[,cp=1][,zero=3][,mb=1][,hsdp=1][,ep=1]`` estimates one layout at each stage the
 trainer takes there instead (the others named, with the reason); exit status 0 when it fits at one (at
 ``zero=`` when given), 1 when not, 2 on bad input or a ``zero=`` the trainer refuses.
 
@@ -70,7 +76,7 @@ from refimpl.planner.presets import MODEL_PRESETS
 __all__ = ["BOUNDARY_BYTES_PER_ELEMENT", "GPUS", "LayoutPlan", "boundary_bytes", "evaluate_layout",
            "evaluate_stages", "main", "model_for", "plan_layouts"]
 
-LAYOUT_KEYS = {"dp": None, "tp": None, "pp": None, "cp": 1, "zero": None, "mb": None, "hsdp": 1}
+LAYOUT_KEYS = {"dp": None, "tp": None, "pp": None, "cp": 1, "zero": None, "mb": None, "hsdp": 1, "ep": 1}
 
 
 def model_for(params: float, *, vocab_size: int, seq_len: int) -> ModelConfig:
@@ -92,13 +98,20 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _expert_degrees(config: ModelConfig, ranks: int) -> list[int]:
+    """The expert-parallel degrees searched: those dividing both the routed experts and the ``dp x cp``
+    ranks (1 for a dense model)."""
+    return [e for e in _divisors(ranks) if config.num_experts % e == 0] if config.num_experts else [1]
+
+
 def plan_layouts(config: ModelConfig, *, gpus: int, gpu: str, gpus_per_node: int, seq_len: int,
                  global_batch: int, micro_batch: int = 1, mfu: float = 0.5, recompute: bool | None = False,
                  flash: bool = True, zero_stages: tuple[int, ...] = (1,), hsdp: bool = False
                  ) -> list[LayoutPlan]:
     """Every layout of ``gpus`` the model's sizes allow, each at the combination :func:`choose` keeps of
-    ``zero_stages``, recomputation (``recompute``: False none, True every block, None both) and, with
-    ``hsdp``, every HSDP degree dividing dp; fastest first among those that fit, then the rest. The
+    ``zero_stages``, recomputation (``recompute``: False none, True every block, None both), with ``hsdp``
+    every HSDP degree dividing dp and, for an MoE model, every expert-parallel degree dividing the experts
+    and ``dp x cp``; fastest first among those that fit, then the rest. The
     defaults are the planner before its search: ZeRO-1, no recomputation, no HSDP."""
     recomputes = (False, True) if recompute is None else (recompute,)
     s, b = seq_len, micro_batch
@@ -110,8 +123,9 @@ def plan_layouts(config: ModelConfig, *, gpus: int, gpu: str, gpus_per_node: int
                     continue
                 dp = gpus // (tp * pp * cp)
                 layout = dict(dp=dp, tp=tp, pp=pp, cp=cp, seq_len=s, global_batch=global_batch, micro_batch=b)
-                combos = [dict(zero_stage=z, recompute=r, dp_replicate=rep) for z in zero_stages
-                          for r in recomputes for rep in (_divisors(dp) if hsdp else (1,))]
+                combos = [dict(zero_stage=z, recompute=r, dp_replicate=rep, ep=ep) for z in zero_stages
+                          for r in recomputes for rep in (_divisors(dp) if hsdp else (1,))
+                          for ep in _expert_degrees(config, dp * cp)]
                 # what the trainer refuses is not searched: the support table's rows (HSDP is ZeRO-3's), the
                 # shapes tensor and context parallelism cannot split
                 combos = [c for c in combos if not layout_refusals(config, **layout, **c)]
@@ -125,13 +139,31 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.1f}"
 
 
+def _form(config: ModelConfig) -> str:
+    """The block's form in words, for the header."""
+    parts = []
+    if config.attention_type == "mla":
+        parts.append(f"multi-head latent attention (latents {config.q_lora_rank}/{config.kv_lora_rank})")
+    elif config.activation == "swiglu":
+        parts.append(f"Llama form, {config.num_key_value_heads} key/value heads")
+    if config.activation == "swiglu":
+        parts.append(f"SwiGLU of {config.ffn_hidden_size}")
+    if config.num_experts:
+        parts.append(f"{len(config.moe_layers)} MoE blocks of {config.num_experts} experts of "
+                     f"{config.expert_hidden_size}, top-{config.top_k}"
+                     + (f" + {config.moe_shared_experts} shared" if config.moe_shared_experts else ""))
+    return "".join(f"{p}, " for p in parts)
+
+
 def _header(config: ModelConfig, args: argparse.Namespace) -> str:
     preset = MODEL_PRESETS.get(args.model) if args.model else None
-    name = f"{args.model} (published: {preset.published:g}B), " if preset else ""
-    llama = config.activation == "swiglu"
-    form = (f"Llama form, {config.num_key_value_heads} key/value heads, SwiGLU of {config.ffn_hidden_size}, "
-            if llama else "")
-    return (f"model: {name}{param_count(config).total / 1e9:.3f}B parameters ({form}{config.num_layers} "
+    count = param_count(config)
+    name = f"{args.model} (published: {preset.published}), " if preset else ""
+    active = ""
+    if config.num_experts:
+        published = f" (published: {preset.published_active})" if preset and preset.published_active else ""
+        active = f", {count.matmul / 1e9:.1f}B multiplied per token{published}"
+    return (f"model: {name}{count.total / 1e9:.3f}B parameters{active} ({_form(config)}{config.num_layers} "
             f"layers, width {config.hidden_size}, {config.num_attention_heads} heads, vocabulary "
             f"{config.vocab_size}); "
             f"{args.gpus} x {args.gpu} in nodes of {args.gpus_per_node}; global batch {args.global_batch} x "
@@ -148,7 +180,10 @@ def _assumptions(args: argparse.Namespace) -> str:
             "stage boundaries "
             f"(what refimpl's pipeline sends); 1F1B; {args.mfu:.0%} of the "
             f"{PEAK_FLOPS[args.gpu]['bf16'] / 1e12:.0f} TFLOP/s bf16 peak, one more forward when "
-            f"recomputing; NVLink {spec['nvlink'] / 1e9:.0f} GB/s and network {spec['network'] / 1e9:.0f} "
+            f"recomputing; MoE: the routed experts split over ep of the dp x cp ranks (replicated over tp), "
+            "each token's k rows dispatched in fp32 and returned in bf16 by all-to-all (what refimpl's "
+            "expert parallelism sends); "
+            f"NVLink {spec['nvlink'] / 1e9:.0f} GB/s and network {spec['network'] / 1e9:.0f} "
             "GB/s per GPU and direction (data sheets); communication not overlapped (an upper bound); "
             "recomputation: "
             + {"search": "none or every block", "none": "none", "every": "every block"}[args.recompute]
@@ -162,27 +197,31 @@ def _report(config: ModelConfig, plans: list[LayoutPlan], args: argparse.Namespa
     if not fit:
         best = min(plans, key=lambda p: p.memory_bytes)
         lines.append(f"none fits: the smallest needs {_gb(best.memory_bytes)} GB per GPU (dp {best.dp} x tp "
-                     f"{best.tp} x pp {best.pp} x cp {best.cp}, ZeRO-{best.zero_stage}, recompute "
+                     f"{best.tp} x pp {best.pp} x cp {best.cp}, ep {best.ep}, ZeRO-{best.zero_stage}, "
+                     "recompute "
                      f"{'every block' if best.recompute else 'none'}); try more GPUs, a shorter --seq-len"
                      + ("" if args.zero_stages == STAGES and args.recompute == "search" else
                         ", or more of --zero-stages and --recompute"))
         return "\n".join(lines)
-    head = (f"{'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'m':>5} {'hsdp':>4} | {'ZeRO':>4} {'recompute':>9} | "
-            f"{'state':>6} {'gathr':>5} {'activ':>6} GB | {'tp':>7} {'dp':>7} {'pp':>7} {'cp':>7} GB sent | "
-            f"{'bubble':>6} | {'step s':>7} {'MFU':>5}")
+    axes = ("tp", "dp", "pp", "cp", "ep") if config.num_experts else ("tp", "dp", "pp", "cp")
+    ep = f" {'ep':>3}" if config.num_experts else ""
+    head = (f"{'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3}{ep} {'m':>5} {'hsdp':>4} | {'ZeRO':>4} "
+            f"{'recompute':>9} | {'state':>6} {'gathr':>5} {'activ':>6} GB | "
+            + " ".join(f"{k:>7}" for k in axes) + f" GB sent | {'bubble':>6} | {'step s':>7} {'MFU':>5}")
     lines += ["", head, "-" * len(head)]
     for p in fit[: args.top]:
         mfu = args.mfu * p.compute_s / p.step_s
-        lines.append(f"{p.dp:>5} {p.tp:>3} {p.pp:>3} {p.cp:>3} {p.microbatches:>5} {p.dp_replicate:>4} | "
+        ep = f" {p.ep:>3}" if config.num_experts else ""
+        lines.append(f"{p.dp:>5} {p.tp:>3} {p.pp:>3} {p.cp:>3}{ep} {p.microbatches:>5} {p.dp_replicate:>4} | "
                      f"{p.zero_label:>4} {'every' if p.recompute else 'none':>9} | {_gb(p.state_bytes):>6} "
                      f"{_gb(p.gathered_bytes):>5} {_gb(p.activation_bytes):>6} GB | "
-                     + " ".join(f"{_gb(p.sent[k]):>7}" for k in ("tp", "dp", "pp", "cp"))
+                     + " ".join(f"{_gb(p.sent[k]):>7}" for k in axes)
                      + f" GB sent | {p.bubble:>6.1%} | {p.step_s:>7.2f} {mfu:>5.0%}")
     return "\n".join([*lines, "", _assumptions(args)])
 
 
 def parse_layout(text: str, gpus: int) -> dict[str, int]:
-    """``dp=128,tp=8,pp=2[,cp=1][,zero=3][,mb=1][,hsdp=1]`` as a dict; a ConfigError on bad input."""
+    """``dp=128,tp=8,pp=2[,cp=1][,zero=3][,mb=1][,hsdp=1][,ep=1]`` as a dict; a ConfigError on bad input."""
     out: dict[str, int] = {}
     for item in text.split(","):
         key, sep, value = (part.strip() for part in item.partition("="))
@@ -210,7 +249,7 @@ def _evaluate_given(config: ModelConfig, args: argparse.Namespace) -> tuple[dict
     layout["mb"] = args.micro_batch if layout["mb"] is None else layout["mb"]
     stages = tuple(sorted({*args.zero_stages, *(() if layout["zero"] is None else (layout["zero"],))}))
     degrees = dict(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], cp=layout["cp"], seq_len=args.seq_len,
-                   global_batch=args.global_batch, micro_batch=layout["mb"])
+                   global_batch=args.global_batch, micro_batch=layout["mb"], ep=layout["ep"])
     rows = evaluate_stages(
         config, stages=stages, recompute={"search": None, "none": False, "every": True}[args.recompute],
         dp_replicate=layout["hsdp"], **degrees, gpu=args.gpu, gpus_per_node=args.gpus_per_node, mfu=args.mfu,
@@ -227,14 +266,17 @@ def _evaluate_given(config: ModelConfig, args: argparse.Namespace) -> tuple[dict
 
 def _layout_report(config: ModelConfig, layout: dict, rows: list[LayoutPlan], args: argparse.Namespace
                    ) -> str:
-    p, psi = rows[0], param_count(config).total / (layout["tp"] * layout["pp"])
+    p, count = rows[0], param_count(config)
+    psi = (count.total - count.experts) / (p.tp * p.pp) + count.experts / (p.ep * p.pp)
+    per_gpu = "dense / (tp pp) + experts / (ep pp)" if config.num_experts else "N / (tp pp)"
     limit, spec = p.limit_bytes, GPUS[args.gpu]
     hsdp = f" / hsdp {layout['hsdp']} replicas" if layout["hsdp"] > 1 else ""
+    ep = f" x ep {p.ep} (within dp x cp)" if config.num_experts else ""
     head = (f"{'ZeRO':>4} {'recompute':>9} | {'weights':>7} {'grads':>7} {'optim':>7} {'gathr':>5} "
             f"{'activ':>6} {'total':>7} GB | {'dp sent':>7} GB | {'step s':>7} | fits")
     lines = [_header(config, args),
-             f"layout dp {p.dp} x tp {p.tp} x pp {p.pp} x cp {p.cp}: {p.microbatches} micro-batches of "
-             f"{layout['mb']} sequence(s); {psi / 1e9:.2f}B parameters per GPU (N / (tp pp)), ZeRO "
+             f"layout dp {p.dp} x tp {p.tp} x pp {p.pp} x cp {p.cp}{ep}: {p.microbatches} micro-batches of "
+             f"{layout['mb']} sequence(s); {psi / 1e9:.2f}B parameters per GPU ({per_gpu}), ZeRO "
              f"shards over dp x cp = {p.dp * p.cp}{hsdp}",
              f"memory per GPU against {_gb(limit)} GB (90% of the {args.gpu}'s "
              f"{spec['memory'] / 1e9:.0f} GB):", "", head, "-" * len(head)]
@@ -252,8 +294,9 @@ def _layout_report(config: ModelConfig, layout: dict, rows: list[LayoutPlan], ar
         left_out, why = layout["refused"]
         verdict += (f"; ZeRO-{', '.join(map(str, left_out))} not shown: the trainer refuses "
                     f"{'it' if len(left_out) == 1 else 'them'} at this layout ({why})")
-    lines += ["", "bytes each GPU sends per step: " + ", ".join(f"{k} {_gb(p.sent[k])} GB" for k in
-                                                              ("tp", "pp", "cp")) + "; dp per stage above",
+    axes = ("tp", "pp", "cp", "ep") if config.num_experts else ("tp", "pp", "cp")
+    lines += ["", "bytes each GPU sends per step: " + ", ".join(f"{k} {_gb(p.sent[k])} GB" for k in axes)
+              + "; dp per stage above",
               f"bubble {p.bubble:.1%} (1F1B, pp {p.pp}, {p.microbatches} micro-batches)", verdict, "",
               _assumptions(args)]
     return "\n".join(lines)
@@ -288,7 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-hsdp", dest="hsdp", action="store_false", help="search no HSDP degree (replicas)")
     p.add_argument("--no-flash", dest="flash", action="store_false", help="keep the s^2 attention scores")
     p.add_argument("--layout", default=None, help="estimate one layout at each ZeRO stage instead: "
-                   "dp=128,tp=8,pp=2[,cp=1][,zero=3][,mb=1 (sequences per micro-batch)][,hsdp=1 (replicas)]")
+                   "dp=128,tp=8,pp=2[,cp=1][,zero=3][,mb=1 (sequences per micro-batch)][,hsdp=1 (replicas)]"
+                   "[,ep=1 (expert parallelism, within dp x cp)]")
     p.add_argument("--top", type=int, default=10, help="layouts shown")
     return p
 

@@ -314,7 +314,9 @@ def test_a_layout_with_hsdp_shows_the_stages_the_trainer_takes(capsys):
 @pytest.mark.parametrize("layout, message", [
     ("dp=128,tp=8,pp=1", "dp x tp x pp x cp = 1024, not --gpus 2048"),
     ("dp=128,tp=8", "--layout needs pp="),
-    ("dp=128,tp=8,pp=2,ep=2", "unknown key 'ep'"),
+    ("dp=128,tp=8,pp=2,ep=2", "ep 2 splits the routed experts: the model has 0"),
+    ("dp=128,tp=8,pp=2,ep=3", "ep 3 does not divide the 128 dp x cp ranks"),
+    ("dp=128,tp=8,pp=2,cores=2", "unknown key 'cores'"),
     ("dp=128,tp=8,pp=2,dp=128", "repeated key 'dp'"),
     ("dp=128,tp=eight,pp=2", "tp='eight' is not an integer"),
     ("dp=64,tp=16,pp=2", "tp 16 does not divide the 168 heads"),
@@ -383,3 +385,58 @@ def test_the_llama_shape_flags_build_the_llama_form_and_its_activations():
         mha = paper_bytes_per_layer(dataclasses.replace(llama, num_key_value_heads=8), **kw)
         assert mha - ours == 4 * s * b * d * (8 // t - max(2 // t, 1))  # K and V at 2 heads, not 8
         assert paper_bytes_per_layer(dataclasses.replace(llama, activation="gelu"), **kw) < ours  # SwiGLU
+
+
+# DeepSeek-V3 on 2048 H100s at its pre-training sequence length (DeepSeek-AI 2024: 4096 tokens)
+DEEPSEEK = ["--model", "deepseek-v3", "--gpus", "2048", "--seq-len", "4096", "--global-batch", "2048"]
+# dp tp pp cp ep m hsdp | ZeRO recompute | ...
+MOE_ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+) \|"
+                     r"\s+(\d)m?\s+(none|every) \|")
+
+
+def test_an_moe_preset_plans_an_expert_axis_and_no_tensor_parallelism(capsys):
+    """DeepSeek-V3 by name: the header gives the card's 671B total and 37B activated beside our 671.026B
+    and the 36.6B a token multiplies; every layout printed splits the experts (ep > 1 within dp x cp) and
+    none uses tensor parallelism, which the trainer refuses for multi-head latent attention (the support
+    table's shape rules: the search asks them)."""
+    assert main([*DEEPSEEK, "--gpus", "1952", "--global-batch", "1952", "--top", "5"]) == 0  # 61 x 32
+    out = capsys.readouterr().out
+    assert re.search(r"model: deepseek-v3 \(published: 671B\), 671\.026B parameters, 36\.6B multiplied per "
+                     r"token \(published: 37B\) \(multi-head latent attention", out), out
+    rows = [[int(r.group(i)) for i in range(1, 8)] for r in map(MOE_ROW.match, out.splitlines()) if r]
+    assert len(rows) >= 2 and {r[2] for r in rows} == {1, 61}, out  # equal stages of 61 blocks: 1 or 61
+    for dp, tp, pp, cp, ep, _, _ in rows:
+        assert tp == cp == 1 and ep > 1 and dp % ep == 0 and 256 % ep == 0 and dp * pp == 1952, rows
+    assert "MoE: the routed experts split over ep" in out
+
+
+def test_the_trainer_takes_every_moe_layout_the_planner_ranks():
+    """The planner's MoE layouts through the trainer's own checks (as for the dense ones above, with
+    ``--ep``): the experts split, the shapes, the support table's MoE rows."""
+    config = config_of(build_parser_plan().parse_args(DEEPSEEK))
+    plans = plan_layouts(config, gpus=1952, gpu="H100", gpus_per_node=8, seq_len=4096, global_batch=1952,
+                         zero_stages=STAGES, recompute=None, hsdp=True)
+    assert sum(p.fits for p in plans) >= 2 and {p.ep for p in plans} != {1}
+    for p in plans:
+        flags = _trainer_flags(p, seq_len=4096, global_batch=1952, micro_batch=1) + ["--ep", str(p.ep)]
+        assert options_from_args(build_parser().parse_args(flags)).parallel == p.parallel, flags
+        assert _trainer_checks(config, flags, 1952) == p.microbatches, flags
+
+
+def test_the_expert_axis_splits_the_experts_state_and_moves_their_tokens(capsys):
+    """One layout at ZeRO-1, without and with expert parallelism: each GPU holds 1/ep of the experts' bf16
+    weights and gradients, but the same optimizer state (ZeRO-1 already spread it over dp x cp; ep 64
+    shards 1/64 of it over the 32 ranks that hold the same experts: a bug that shards the experts over
+    dp x cp would show 1/64 of it); the all-to-all bytes appear; a degree that does not divide the experts
+    or dp x cp is one line, exit 2."""
+    config = config_of(build_parser_plan().parse_args(DEEPSEEK))
+    experts = param_count(config).experts
+    kw = dict(dp=2048, tp=1, pp=1, cp=1, gpu="H100", seq_len=4096, global_batch=2048, zero_stage=1)
+    one, split = evaluate_layout(config, **kw, ep=1), evaluate_layout(config, **kw, ep=64)
+    for term in ("weights", "grads"):
+        saved = getattr(one.state, term) - getattr(split.state, term)
+        assert saved == pytest.approx(2 * experts * (1 - 1 / 64)), term
+    assert split.state.optimizer == pytest.approx(one.state.optimizer)
+    assert one.sent["ep"] == 0 < split.sent["ep"]
+    assert main([*DEEPSEEK, "--layout", "dp=2048,tp=1,pp=1,ep=3"]) == 2
+    assert "ep 3 does not divide the 2048 dp x cp ranks" in capsys.readouterr().err

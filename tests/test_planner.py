@@ -198,3 +198,78 @@ def test_the_llama_form_counts_llama3s_published_parameters(size):
     digits = 2 if published < 10 else 1
     assert round(param_count(llama).total / 1e9, digits) == published
     assert round(param_count(ModelConfig(**shape)).total / 1e9, digits) != published
+
+
+# The DeepSeek-V3 form in miniature: multi-head latent attention (with and without the query latent), a
+# shared expert, a dense first block; dims chosen apart so that a swapped term changes the count
+def _deepseek_form(**fields) -> ModelConfig:
+    from refimpl.config import DEEPSEEK_V3
+
+    shape = dict(num_layers=3, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, vocab_size=64,
+                 max_seq_len=16, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                 v_head_dim=6, num_experts=4, top_k=2, moe_ffn_hidden_size=20, moe_shared_experts=1,
+                 moe_first_dense=1)
+    return ModelConfig(**{**DEEPSEEK_V3, **shape, **fields})
+
+
+@pytest.mark.parametrize("fields", [{}, {"q_lora_rank": None},
+                                    {"moe_shared_experts": 2, "moe_first_dense": 0}])
+def test_the_deepseek_form_counts_its_parameters_and_a_flop_counters_flops(fields):
+    """``param_count`` of the DeepSeek-V3 form is the model's ``numel`` (MLA's projections and two norms, the
+    shared experts, the dense first blocks), and its matmul FLOPs (``6 x`` the weights a token multiplies
+    plus ``6 L a (d_qk + d_v) s`` for the scores and the weighted sum) equal FlopCounterMode's in float64
+    (the experts' per-expert loop, plain matmuls)."""
+    config = _deepseek_form(**fields)
+    model = GPT(config, seed=1).double()
+    assert sum(p.numel() for p in model.parameters()) == param_count(config).total
+    ids = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    counter = FlopCounterMode(display=False)
+    with sdpa_kernel(SDPBackend.MATH), counter:
+        lm_loss(model(ids[:, :-1]), ids[:, 1:]).backward()
+    assert counter.get_total_flops() == flops_per_token(config, 16, matmul_only=True) * 2 * 16
+
+
+# DeepSeek-V3 (DeepSeek-AI 2024): 671B total, 37B activated; Kimi K2 (Moonshot AI 2025): 1T, 32B
+@pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2"])
+def test_the_deepseek_form_counts_the_published_sizes(name):
+    """The presets' count gives the model cards' totals and activated sizes to their last printed digit
+    (activated: the weights a token multiplies, ``ParamCount.matmul``); negative controls: no shared expert,
+    and for DeepSeek-V3 every block MoE (no dense first blocks), is another model (Kimi K2's one dense block
+    changes its count below the digits its card prints)."""
+    import dataclasses
+
+    from refimpl.planner.presets import MODEL_PRESETS, printed_like
+
+    preset = MODEL_PRESETS[name]
+    config = preset.config(max_seq_len=4096)
+    count = param_count(config)
+    assert printed_like(count.total, preset.published) == preset.published
+    assert printed_like(count.matmul, preset.published_active) == preset.published_active
+    assert count.experts == len(config.moe_layers) * config.num_experts * 3 * 7168 * 2048
+    for wrong in [{"moe_shared_experts": 0}] + [{"moe_first_dense": 0}] * (name == "deepseek-v3"):
+        other = param_count(dataclasses.replace(config, **wrong))
+        printed = (printed_like(other.total, preset.published),
+                   printed_like(other.matmul, preset.published_active))
+        assert printed != (preset.published, preset.published_active), wrong
+
+
+def test_the_exact_planner_refuses_multi_head_latent_attention():
+    """``predict_run`` and ``run_memory_of`` count the saved tensors of the course's attention, not MLA's:
+    they refuse the DeepSeek form (dense here) in one sentence instead of predicting wrong bytes, and the
+    same layout of the Llama form is predicted (the control)."""
+    from refimpl.config import LLAMA, ConfigError, ParallelConfig
+    from refimpl.planner import predict_run, run_memory_of
+
+    mla = _deepseek_form(num_experts=0, moe_shared_experts=0, moe_first_dense=0)
+    llama = ModelConfig(**LLAMA, num_layers=3, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                        max_seq_len=16)
+    parallel = ParallelConfig(dp=2)
+    for config in (mla, llama):
+        refused = config is mla
+        for call in (lambda: predict_run(config, parallel, seq_len=16, global_batch=4),
+                     lambda: run_memory_of(config, parallel, world_size=2, micro_batch=2, seq_len=16)):
+            if refused:
+                with pytest.raises(ConfigError, match="do not model multi-head latent attention"):
+                    call()
+            else:
+                call()

@@ -157,6 +157,9 @@ def test_what_the_planner_does_not_model_is_refused_in_one_line():
                      (ParallelDims(dp=2, cp=2), {}), (ParallelDims(dp=2, tp=2), {"sequence_parallel": True})):
         with pytest.raises(ConfigError, match="the planner models MoE blocks at pp = 1"):
             run_memory_per_rank(config, dims, micro_batch=1, seq_len=16, **kw)
+    shared = dataclasses.replace(config, moe_shared_experts=1)  # DeepSeekMoE's: saved tensors not counted
+    with pytest.raises(ConfigError, match="not shared experts"):
+        run_memory_per_rank(shared, ParallelDims(dp=1), micro_batch=1, seq_len=16)
 
 
 def test_the_memory_preflight_checks_an_moe_run(corpus, monkeypatch):

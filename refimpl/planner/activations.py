@@ -174,7 +174,7 @@ def korthikanti_bytes_per_layer(*, seq_len: int, micro_batch: int, hidden_size: 
 
 def paper_bytes_per_layer(config: ModelConfig, *, seq_len: int, micro_batch: int, tp: int = 1,
                           sequence_parallel: bool = False, flash: bool = False, dropout: bool = True,
-                          key_len: int | None = None) -> int:
+                          key_len: int | None = None, moe: bool = False) -> int:
     """Korthikanti et al.'s 16-bit count (:func:`korthikanti_bytes_per_layer`) for a layer of ``config``'s
     form, per rank of ``tp``: the same tensors, at the model's own sizes.
 
@@ -184,15 +184,33 @@ def paper_bytes_per_layer(config: ModelConfig, *, seq_len: int, micro_batch: int
     ``g/t`` of them, or one that ``t/g`` ranks share), the MLP's GELU input and output ``4 s b f`` or
     SwiGLU's gate, up and product ``6 s b f``; without ``flash`` the scores ``5 a s k b`` (softmax output,
     dropout mask and output; ``2 a s k b`` without dropout) over ``k = key_len`` keys. GPT-2's form at
-    ``f = 4h``, ``g = a`` with dropout is the paper's ``34 sbh + 5 a s^2 b``."""
+    ``f = 4h``, ``g = a`` with dropout is the paper's ``34 sbh + 5 a s^2 b``.
+
+    The same tensors, counted alike, for the forms the paper predates (an estimate: the byte-exact count of
+    the trainer's is :func:`activation_bytes_per_layer`): an MoE block (``moe``) keeps, instead of the
+    MLP's, each token's ``k`` routed and its shared experts' intermediates at ``f_e``, its ``k`` dispatched
+    rows and their outputs ``4 k sbh`` and the fp32 router scores ``4 s b E`` (every tp rank routes its own
+    ``s/t`` tokens); multi-head latent attention keeps its latents' inputs and the norms' ``4 sb (r_q +
+    r_kv)``, q and k ``4 s b a (d_n + d_r)``, v and the output ``4 s b a d_v`` instead of Q, K, V and the
+    output."""
     s, b, h, a, t = seq_len, micro_batch, config.hidden_size, config.num_attention_heads, tp
     g, d, f, k = config.num_key_value_heads, config.head_dim, config.ffn_hidden_size, key_len or seq_len
     if a % t or f % t:
         raise ValueError(f"tp={t} must divide num_heads={a} and the FFN width {f}")
     outside = (8 + 2 * dropout) * s * b * h // (t if sequence_parallel else 1)
     kv_heads = max(g // t, 1)
-    mlp = (6 if config.activation == "swiglu" else 4) * s * b * f // t
+    c = 6 if config.activation == "swiglu" else 4
+    mlp = c * s * b * f // t
+    if moe:
+        c = 6 if config.moe_activation == "swiglu" else 4
+        rows = config.top_k * s * b
+        mlp = (c * (rows + config.moe_shared_experts * s * b) * config.expert_hidden_size + 4 * rows * h
+               + 4 * s * b * config.num_experts) // t
     scores = 0 if flash else (5 if dropout else 2) * (a // t) * s * k * b
+    if config.attention_type == "mla":
+        latents = 4 * s * b * ((config.q_lora_rank or 0) + config.kv_lora_rank)
+        qk, v = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+        return outside + (latents + 4 * s * b * a * (qk + v)) // t + mlp + scores
     return outside + 4 * s * b * h // t + 4 * s * b * d * kv_heads + mlp + scores
 
 

@@ -276,12 +276,14 @@ def unmodelled_moe(config: ModelConfig, *, pp: int = 1, cp: int = 1, zero_stage:
     """What of an MoE layout the planner does not model (empty for a dense model): pipeline or context
     parallelism and sequence parallelism (the trainer runs them with MoE blocks; their stage split, the
     sequence's parts and the tp ranks' own tokens are not in these terms) and fp8 (its converted layers'
-    terms, :mod:`refimpl.planner.fp8`, are not counted for an MoE model). ``zero_stage`` is accepted for the
-    callers' uniformity: ZeRO 0-3 are modelled."""
+    terms, :mod:`refimpl.planner.fp8`, are not counted for an MoE model) and DeepSeekMoE's shared experts
+    (``moe_shared_experts``: their saved tensors are not among :func:`moe_mlp_saved_terms`; their state
+    is, as dense tensors). ``zero_stage`` is accepted for the callers' uniformity: ZeRO 0-3 are modelled."""
     if not config.num_experts:
         return []
     return [name for name, on in (("pp > 1", pp > 1), ("cp > 1", cp > 1),
-                                  ("sequence parallelism", sequence_parallel), ("fp8", precision == "fp8"))
+                                  ("sequence parallelism", sequence_parallel), ("fp8", precision == "fp8"),
+                                  ("shared experts", config.moe_shared_experts > 0))
             if on]
 
 
@@ -290,7 +292,7 @@ def check_moe_plan(config: ModelConfig, *, what: str, **layout) -> None:
     unmodelled = unmodelled_moe(config, **layout)
     if unmodelled:
         raise ConfigError(f"{what}: the planner models MoE blocks at pp = 1 without cp, sequence "
-                          f"parallelism or fp8; not {', '.join(unmodelled)}")
+                          f"parallelism, fp8 or shared experts; not {', '.join(unmodelled)}")
 
 
 def autocast_weight_elements(config: ModelConfig, *, tp: int = 1, ep: int = 1) -> int:

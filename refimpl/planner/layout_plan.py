@@ -30,6 +30,11 @@ and combination it searches, and what ``--layout`` prints; a chapter calls it di
   all-gather of the weights for forward and one for backward, a reduce-scatter of the gradients; each
   block gathered once per pass of the step, not per micro-batch); under HSDP these run within the shard
   group and the shards' all-reduce crosses the ``R`` replicas;
+* **mixture of experts** (``ep``, inside ``dp x cp``): the routed experts' state ``/ (ep pp)``, replicated
+  over tp, sharded by ZeRO over the ``dp x cp / ep`` ranks that hold the same experts (their gradients
+  reduced there), the MoE blocks' activations at ``k`` routed and the shared experts per token, and the
+  all-to-all bytes refimpl's expert parallelism sends for uniform routing
+  (:func:`~refimpl.planner.experts.all_to_all_bytes`), over the ``tp x ep`` ranks' link;
 * **time**: the model FLOPs ``(6 N + 12 L h s) x tokens`` at ``mfu`` of the bf16 peak, plus a third of it
   (one more forward) under recomputation, stretched by the 1F1B bubble ``(pp-1)/(m+pp-1)``, plus every
   axis' bytes at the link it crosses (NVLink inside a node, the network between), none overlapped.
@@ -63,6 +68,7 @@ from refimpl.measure.peaks import PEAK_FLOPS
 from refimpl.measure.state import StateMemory
 from refimpl.planner.activations import paper_bytes_per_layer
 from refimpl.planner.communication import context_parallel_bytes, tensor_parallel_collectives
+from refimpl.planner.experts import ExpertLoad, all_to_all_bytes
 from refimpl.planner.params_flops import flops_per_token, param_count
 from refimpl.planner.zero_state import STAGES, zero_memory_paper
 from refimpl.support import refusals, shape_refusals
@@ -120,6 +126,7 @@ class LayoutPlan:
     comm_s: float
     zero3_per_microbatch: bool = False  # ZeRO-3 under pp: each micro-batch gathers and reduces (the trainer's
     # --zero3-reshard-per-microbatch), chosen when the default (the stage kept gathered) does not fit
+    ep: int = 1  # expert parallelism: the routed experts split over ep of the dp x cp ranks
 
     @property
     def zero_label(self) -> str:
@@ -131,7 +138,8 @@ class LayoutPlan:
         """The trainer's configuration of this combination (:func:`trainer_config`)."""
         return trainer_config(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, zero_stage=self.zero_stage,
                               recompute=self.recompute, dp_replicate=self.dp_replicate,
-                              microbatches=self.microbatches, zero3_per_microbatch=self.zero3_per_microbatch)
+                              microbatches=self.microbatches, zero3_per_microbatch=self.zero3_per_microbatch,
+                              ep=self.ep)
 
     @property
     def state_bytes(self) -> float:
@@ -156,10 +164,10 @@ class LayoutPlan:
 
 
 def trainer_config(*, dp: int, tp: int, pp: int, cp: int, zero_stage: int, recompute: bool, dp_replicate: int,
-                   microbatches: int, zero3_per_microbatch: bool = False) -> ParallelConfig:
+                   microbatches: int, zero3_per_microbatch: bool = False, ep: int = 1) -> ParallelConfig:
     """The :class:`~refimpl.config.ParallelConfig` the trainer runs for one of the planner's combinations
     (``RunOptions.parallel`` of the flags that give it): the mapping of the module docstring."""
-    return ParallelConfig(dp=dp, cp=cp, tp=tp, pp=pp, dp_replicate=dp_replicate, zero_stage=zero_stage,
+    return ParallelConfig(dp=dp, cp=cp, tp=tp, pp=pp, ep=ep, dp_replicate=dp_replicate, zero_stage=zero_stage,
                           precision="bf16", sequence_parallel=tp > 1, cp_method="ring", pp_schedule="1f1b",
                           microbatches=microbatches if pp > 1 else None,
                           activation_checkpointing="all" if recompute else None,
@@ -168,103 +176,158 @@ def trainer_config(*, dp: int, tp: int, pp: int, cp: int, zero_stage: int, recom
 
 def layout_refusals(config: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, seq_len: int,
                     global_batch: int, micro_batch: int, zero_stage: int, recompute: bool = False,
-                    dp_replicate: int = 1) -> list[str]:
+                    dp_replicate: int = 1, ep: int = 1) -> list[str]:
     """Why the trainer would refuse this combination (its :func:`trainer_config`), one sentence per
     reason, none when it runs it: the support table's rows (:func:`refimpl.support.refusals`), then the
     shapes (:func:`refimpl.support.shape_refusals`). The degrees must be positive (:func:`check_layout`)."""
     microbatches = max(global_batch // (dp * micro_batch), 1)
     parallel = trainer_config(dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero_stage, recompute=recompute,
-                              dp_replicate=dp_replicate, microbatches=microbatches)
-    return [row.message() for row in refusals(parallel)] + shape_refusals(config, parallel, seq_len=seq_len)
+                              dp_replicate=dp_replicate, microbatches=microbatches, ep=ep)
+    return ([row.message() for row in refusals(parallel, moe=config.num_experts > 0)]
+            + shape_refusals(config, parallel, seq_len=seq_len))
 
 
 def check_layout(config: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, seq_len: int, global_batch: int,
-                 micro_batch: int, zero_stage: int, dp_replicate: int, recompute: bool = False) -> None:
+                 micro_batch: int, zero_stage: int, dp_replicate: int, recompute: bool = False, ep: int = 1
+                 ) -> None:
     """A ConfigError unless the degrees split the model, the sequence and the batch and the trainer runs the
     combination (:func:`layout_refusals`, in the support table's words)."""
     _check_degrees(config, dp=dp, tp=tp, pp=pp, cp=cp, seq_len=seq_len, global_batch=global_batch,
-                   micro_batch=micro_batch, zero_stage=zero_stage, dp_replicate=dp_replicate)
+                   micro_batch=micro_batch, zero_stage=zero_stage, dp_replicate=dp_replicate, ep=ep)
     why = layout_refusals(config, dp=dp, tp=tp, pp=pp, cp=cp, seq_len=seq_len, global_batch=global_batch,
                           micro_batch=micro_batch, zero_stage=zero_stage, recompute=recompute,
-                          dp_replicate=dp_replicate)
+                          dp_replicate=dp_replicate, ep=ep)
     if why:
         raise ConfigError("; and ".join(why))
 
 
 def _check_degrees(config: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, seq_len: int,
-                   global_batch: int, micro_batch: int, zero_stage: int, dp_replicate: int) -> None:
+                   global_batch: int, micro_batch: int, zero_stage: int, dp_replicate: int, ep: int = 1
+                   ) -> None:
     """The arithmetic of :func:`check_layout`: positive degrees, a ZeRO stage, splits that divide."""
     for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("micro_batch", micro_batch),
-                    ("dp_replicate", dp_replicate)):
+                    ("dp_replicate", dp_replicate), ("ep", ep)):
         if v < 1:
             raise ConfigError(f"{name} must be >= 1, got {v}")
     if zero_stage not in STAGES:
         raise ConfigError(f"ZeRO stage must be one of {STAGES}, got {zero_stage}")
     for name, d, what, n in (("tp", tp, "heads", config.num_attention_heads),
                              ("pp", pp, "layers", config.num_layers), ("hsdp", dp_replicate, "dp ranks", dp),
-                             ("dp x micro-batch", dp * micro_batch, "sequences per step", global_batch)):
+                             ("dp x micro-batch", dp * micro_batch, "sequences per step", global_batch),
+                             ("ep", ep, "dp x cp ranks", dp * cp)):
         if n % d:
             raise ConfigError(f"{name} {d} does not divide the {n} {what}")
     if cp > 1 and seq_len % (2 * cp):
         raise ConfigError(f"cp {cp}: the ring's 2 cp chunks do not split {seq_len} tokens")
+    if ep > 1 and (config.num_experts == 0 or config.num_experts % ep):
+        raise ConfigError(f"ep {ep} splits the routed experts: the model has {config.num_experts}")
+
+
+def _model_state(config: ModelConfig, *, tp: int, pp: int, ep: int, shard: int, edp: int, zero_stage: int
+                 ) -> tuple[StateMemory, float, float]:
+    """ZeRO's state per GPU and the rank's dense and expert parameters: the dense ones ``/ (tp pp)``
+    sharded over the ZeRO group, the routed experts ``/ (ep pp)`` (replicated over tp) over the
+    expert-data-parallel ``dp x cp / ep`` ranks that hold the same experts."""
+    count = param_count(config)
+    dense, experts = (count.total - count.experts) / (tp * pp), count.experts / (ep * pp)
+    parts = [zero_memory_paper(dense, shard, zero_stage)]
+    if experts:
+        parts.append(zero_memory_paper(experts, edp, zero_stage))
+    state = StateMemory(**{k: sum(getattr(x, k) for x in parts) for k in ("weights", "grads", "optimizer")})
+    return state, dense, experts
+
+
+def _held_activations(config: ModelConfig, *, tokens: int, keys: int, micro_batch: int, tp: int, pp: int,
+                      microbatches: int, recompute: bool, flash: bool) -> float:
+    """The activations the first 1F1B stage holds: ``min(pp, m)`` micro-batches of its ``L/pp`` blocks
+    (dense and MoE blocks at their own sizes, :func:`paper_bytes_per_layer`), or with recomputation each
+    block's input and one block recomputed."""
+    L, moe = config.num_layers, len(config.moe_layers)  # noqa: N806
+    per = {kind: paper_bytes_per_layer(config, seq_len=tokens, key_len=keys, micro_batch=micro_batch, tp=tp,
+                                       flash=flash, sequence_parallel=True, moe=kind,
+                                       dropout=config.activation == "gelu") for kind in {False, moe > 0}}
+    held = min(pp, microbatches) / pp
+    if recompute:
+        return 2 * tokens * micro_batch * config.hidden_size / tp * L * held + per[moe > 0]
+    return ((L - moe) * per[False] + moe * per[moe > 0]) * held
+
+
+def _expert_all_to_all(config: ModelConfig, *, tokens: int, micro_batch: int, tp: int, pp: int, ep: int,
+                       microbatches: int, recompute: bool) -> float:
+    """Bytes one GPU sends per step in the MoE blocks' all-to-alls: what refimpl's expert parallelism sends
+    for uniform routing (:func:`refimpl.planner.experts.all_to_all_bytes`, byte-exact against the trainer in
+    tests/test_planner_moe.py: fp32 rows dispatched, bf16 rows returned, the gradients back, the recomputed
+    forward's again) for each of the ``b s / (cp t)`` tokens this GPU routes (sequence parallelism: each tp
+    rank routes its own), per MoE block of its stage and micro-batch."""
+    if ep == 1:
+        return 0.0
+    load = ExpertLoad.uniform(config, micro_batch * tokens // tp, ep=ep)
+    per_block = sum(all_to_all_bytes(config, load, compute_dtype=torch.bfloat16,
+                                     recomputed=recompute).values())
+    return per_block * len(config.moe_layers) / pp * microbatches
 
 
 def evaluate_layout(config: ModelConfig, *, dp: int, tp: int, pp: int, cp: int = 1, gpu: str = "H100",
                     gpus_per_node: int = 8, seq_len: int, global_batch: int, micro_batch: int = 1,
                     mfu: float = 0.5, zero_stage: int = 1, recompute: bool = False, dp_replicate: int = 1,
-                    flash: bool = True) -> LayoutPlan:
+                    flash: bool = True, ep: int = 1) -> LayoutPlan:
     """The estimate of one layout at one ZeRO stage, recomputation and HSDP degree (module docstring)."""
     check_layout(config, dp=dp, tp=tp, pp=pp, cp=cp, seq_len=seq_len, global_batch=global_batch,
                  micro_batch=micro_batch, zero_stage=zero_stage, dp_replicate=dp_replicate,
-                 recompute=recompute)
+                 recompute=recompute, ep=ep)
     spec, peak = GPUS[gpu], PEAK_FLOPS[gpu]["bf16"]
-    count = param_count(config)
-    psi = count.total / (tp * pp)  # the parameters of a rank
     L, h, s, b = config.num_layers, config.hidden_size, seq_len, micro_batch  # noqa: N806
     m, sc = global_batch // (dp * b), s // cp  # micro-batches; tokens per GPU per sequence
     shard, replicas = dp // dp_replicate * cp, dp_replicate  # the ZeRO group; its replicas (HSDP)
-    state = zero_memory_paper(psi, shard, zero_stage)
-    gathered = 3 * 2 * count.layers / L / tp if zero_stage == 3 else 0.0
-    per_layer = paper_bytes_per_layer(config, seq_len=sc, key_len=s, micro_batch=b, tp=tp, flash=flash,
-                                      sequence_parallel=True, dropout=config.activation == "gelu")
-    kept = ((2 * sc * b * h / tp) * L / pp * min(pp, m) + per_layer if recompute
-            else per_layer * L / pp * min(pp, m))
+    state, dense, experts = _model_state(config, tp=tp, pp=pp, ep=ep, shard=shard, edp=dp * cp // ep,
+                                         zero_stage=zero_stage)
+    count = param_count(config)
+    moe = len(config.moe_layers)
+    block = (count.layers - count.experts) / L / tp + (count.experts / moe / ep if moe else 0)
+    gathered = 3 * 2 * block if zero_stage == 3 else 0.0
+    kept = _held_activations(config, tokens=sc, keys=s, micro_batch=b, tp=tp, pp=pp, microbatches=m,
+                             recompute=recompute, flash=flash)
     collectives = tensor_parallel_collectives(num_layers=L // pp, hidden_size=h, micro_batch=b, seq_len=sc,
                                               tp=tp, bytes_per_element=2, config=config)
     ring = context_parallel_bytes(config, micro_batch=b, seq_len=s, cp=cp, method="ring", tp=tp,
                                   compute_dtype=torch.bfloat16)
-    grads = 2 * psi  # bf16
-    in_shard = wire_bytes("all_reduce", grads, shard) * (1.5 if zero_stage == 3 else 1)
+    grads = 2 * (dense + experts)  # bf16
+    in_shard = (wire_bytes("all_reduce", 2 * dense, shard)  # the experts' over the edp ranks holding them
+                + wire_bytes("all_reduce", 2 * experts, dp * cp // ep)) * (1.5 if zero_stage == 3 else 1)
     per_micro = False
     if zero_stage == 3 and pp > 1:  # the trainer's two modes under pp: the stage kept gathered (bf16 weights
         # and full gradients through the step, collectives once), else gathered and reduced per micro-batch
         # (where the support table takes it)
         per_micro_config = replace(trainer_config(dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=3,
                                                   recompute=recompute, dp_replicate=dp_replicate,
-                                                  microbatches=m), zero3_reshard_per_microbatch=True)
-        if state.total + 2 * grads + kept <= MEMORY_FRACTION * spec["memory"] or refusals(per_micro_config):
+                                                  microbatches=m, ep=ep), zero3_reshard_per_microbatch=True)
+        if (state.total + 2 * grads + kept <= MEMORY_FRACTION * spec["memory"]
+                or refusals(per_micro_config, moe=moe > 0)):
             gathered = 2 * grads
         else:
             per_micro, in_shard = True, in_shard * m
-    across = wire_bytes("all_reduce", grads / shard, replicas)
+    across = wire_bytes("all_reduce", 2 * dense / shard, replicas)
     sent = {  # bytes one GPU sends per step, per axis
         "tp": sum(wire_bytes(op, payload, tp) for op, (_, payload) in collectives.items()) * m,
         "dp": in_shard + across,
         "pp": boundary_bytes(micro_batch=b, seq_len=s, hidden_size=h, tp=tp, cp=cp) * m * min(pp - 1, 2),
         "cp": (ring["forward"] + ring["backward"]) * (L // pp) * m,
+        "ep": _expert_all_to_all(config, tokens=sc, micro_batch=b, tp=tp, pp=pp, ep=ep, microbatches=m,
+                                 recompute=recompute),
     }
 
     def bandwidth(span: int) -> float:  # a group spanning `span` consecutive ranks
         return spec["nvlink"] if span <= gpus_per_node else spec["network"]
 
     comm = (sent["tp"] / bandwidth(tp) + in_shard / bandwidth(tp * shard) + across / bandwidth(tp * cp * dp)
-            + sent["pp"] / bandwidth(tp * cp * dp * pp) + sent["cp"] / bandwidth(tp * cp))
+            + sent["pp"] / bandwidth(tp * cp * dp * pp) + sent["cp"] / bandwidth(tp * cp)
+            + sent["ep"] / bandwidth(tp * ep))
     compute = flops_per_token(config, s) * global_batch * s / (dp * tp * pp * cp * peak * mfu)
     return LayoutPlan(dp=dp, tp=tp, pp=pp, cp=cp, microbatches=m, zero_stage=zero_stage, recompute=recompute,
                       dp_replicate=dp_replicate, state=state, gathered_bytes=gathered, activation_bytes=kept,
                       limit_bytes=MEMORY_FRACTION * spec["memory"], sent=sent, bubble=(pp - 1) / (m + pp - 1),
                       compute_s=compute, recompute_s=compute / 3 if recompute else 0.0, comm_s=comm,
-                      zero3_per_microbatch=per_micro)
+                      zero3_per_microbatch=per_micro, ep=ep)
 
 
 def evaluate_stages(config: ModelConfig, *, stages: tuple[int, ...] = STAGES, recompute: bool | None = None,
@@ -274,7 +337,8 @@ def evaluate_stages(config: ModelConfig, *, stages: tuple[int, ...] = STAGES, re
     ``dp_replicate``; the combinations the trainer refuses (:func:`layout_refusals`: HSDP is ZeRO-3's) are
     left out, a stage with none left too (none at all: :func:`check_layout`'s ConfigError)."""
     args = {k: layout[k] for k in ("dp", "tp", "pp", "seq_len", "global_batch")} | {
-        "cp": layout.get("cp", 1), "micro_batch": layout.get("micro_batch", 1), "dp_replicate": dp_replicate}
+        "cp": layout.get("cp", 1), "micro_batch": layout.get("micro_batch", 1), "dp_replicate": dp_replicate,
+        "ep": layout.get("ep", 1)}
     recomputes = (False, True) if recompute is None else (recompute,)
     for z in stages:
         _check_degrees(config, **args, zero_stage=z)
@@ -289,9 +353,10 @@ def evaluate_stages(config: ModelConfig, *, stages: tuple[int, ...] = STAGES, re
 
 def choose(candidates: list[LayoutPlan]) -> LayoutPlan:
     """The planner's rule for one layout: among the combinations that fit, the shortest step, ties (stages
-    0-2 move the same bytes) to the lowest ZeRO stage, then no recomputation, then no replication; when none
+    0-2 move the same bytes) to the lowest ZeRO stage, then no recomputation, no replication, the lowest
+    expert-parallel degree; when none
     fits, the one needing the least memory."""
     fit = [p for p in candidates if p.fits]
     if fit:
-        return min(fit, key=lambda p: (p.step_s, p.zero_stage, p.recompute, p.dp_replicate))
+        return min(fit, key=lambda p: (p.step_s, p.zero_stage, p.recompute, p.dp_replicate, p.ep))
     return min(candidates, key=lambda p: (p.memory_bytes, p.step_s))

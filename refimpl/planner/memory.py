@@ -70,6 +70,21 @@ def check_dense(config: ModelConfig, what: str, *, ep: int = 1) -> None:
                           "refimpl.planner.experts.all_to_all_bytes its all-to-alls")
 
 
+def unmodelled_attention(config: ModelConfig) -> list[str]:
+    """What of ``config``'s attention the exact terms do not count (empty: modelled): multi-head latent
+    attention (the DeepSeek-V3 form, ``refimpl.models.mla``), whose latents, norms and rotated parts save
+    other tensors than the activation terms here; its parameters and FLOPs are counted
+    (``refimpl.planner.params_flops.param_count``), its layouts estimated (``python -m refimpl.plan``)."""
+    return ["multi-head latent attention"] if config.attention_type == "mla" else []
+
+
+def check_attention_modelled(config: ModelConfig, what: str) -> None:
+    """A ConfigError naming what :func:`unmodelled_attention` lists."""
+    if unmodelled := unmodelled_attention(config):
+        raise ConfigError(f"{what}: the planner's exact terms do not model {', '.join(unmodelled)} yet "
+                          "(python -m refimpl.plan estimates its layouts)")
+
+
 def state_memory(
     config: ModelConfig,
     *,
@@ -252,8 +267,9 @@ def run_memory_of(config: ModelConfig, parallel: ParallelConfig, *, world_size: 
     ``parallel.dp`` is None; the checkpointed blocks are ``parallel.checkpointed_blocks``; under pipeline
     parallelism ``num_microbatches`` (default ``parallel.microbatches``, else ``pp``) micro-batches of
     ``micro_batch`` sequences per step."""
-    # what the trainer refuses is not planned
+    # what the trainer refuses is not planned, nor what the terms do not count
     check_supported(dataclasses.replace(parallel, dp=None), moe=bool(config.num_experts))
+    check_attention_modelled(config, "run_memory_of")
     dims = ParallelDims.from_world(world_size, **parallel.degrees)
     pipeline = {} if dims.pp == 1 else {
         "pp_schedule": parallel.pp_schedule, "virtual_stages": parallel.virtual_stages,

@@ -40,6 +40,7 @@ class ParamCount:
     output_layer: int  # 0 when tied to the word embedding
     matmul: int  # weights a token's matrix multiplies use (what costs FLOPs; MoE: the router, k experts)
     inactive: int = 0  # MoE: the weights of the E - k experts a token is not routed to, over the blocks
+    experts: int = 0  # MoE: the routed experts' weights, over the blocks (what expert parallelism splits)
 
     @property
     def total(self) -> int:
@@ -51,14 +52,37 @@ class ParamCount:
         return self.total - self.inactive
 
 
+def _attention_weights(config: ModelConfig) -> tuple[int, int]:
+    """(parameters, matmul weights) of one block's attention. Multi-head / GQA: ``query_key_value`` (the q
+    heads, then k and v at kv-head size) and ``dense``. Multi-head latent attention (DeepSeek-V2/V3,
+    ``refimpl.models.mla``): the query path ``h -> r_q`` (RMSNorm) ``-> a (d_n + d_r)`` (or ``h -> a (d_n
+    + d_r)`` without a query latent), the key/value down projection ``h -> r_kv + d_r`` (the latent and the
+    one shared rotary key), its RMSNorm, the up projection ``r_kv -> a (d_n + d_v)`` and ``dense`` ``a d_v
+    -> h``."""
+    h, a, bias = config.hidden_size, config.num_attention_heads, int(config.add_bias)
+    if config.attention_type != "mla":
+        qkv = h + 2 * config.num_key_value_heads * config.head_dim
+        shapes = [(h, qkv), (h, h)]
+        norms = 0
+    else:
+        rq, rkv, rope = config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim
+        q_out = a * (config.qk_nope_head_dim + rope)
+        query = [(h, rq), (rq, q_out)] if rq else [(h, q_out)]
+        shapes = [*query, (h, rkv + rope), (rkv, a * (config.qk_nope_head_dim + config.v_head_dim)),
+                  (a * config.v_head_dim, h)]
+        norms = (rq or 0) + rkv
+    matmul = sum(i * o for i, o in shapes)
+    return matmul + bias * sum(o for _, o in shapes) + norms, matmul
+
+
 def param_count(config: ModelConfig) -> ParamCount:
     """Count the parameters of :class:`refimpl.models.GPT` for ``config`` without building it (an MoE block:
-    a bias-free ``[E, h]`` router and ``E`` bias-free experts of 2 (GELU) or 3 (SwiGLU) ``h x f_e``
-    matrices; :class:`ParamCount`'s ``active`` and ``inactive``)."""
+    a bias-free ``[E, h]`` router, ``E`` bias-free experts of 2 (GELU) or 3 (SwiGLU) ``h x f_e`` matrices
+    and ``moe_shared_experts`` always-on experts of the same size; :class:`ParamCount`'s ``active`` and
+    ``inactive``; multi-head latent attention: :func:`_attention_weights`)."""
     h, f, v, n = config.hidden_size, config.ffn_hidden_size, config.vocab_size, config.num_layers
     bias = int(config.add_bias)
-    qkv = h + 2 * config.num_key_value_heads * config.head_dim  # q heads, then k and v at kv-head size
-    attention = (h * qkv + bias * qkv) + (h * h + bias * h)  # query_key_value and dense
+    attention, attention_matmul = _attention_weights(config)
     up = 2 * f if config.activation == "swiglu" else f  # SwiGLU: gate and up
     mlp = (h * up + bias * up) + (f * h + bias * h)  # dense_h_to_4h and dense_4h_to_h
     norm = h * (2 if config.normalization == "layernorm" and config.add_bias else 1)  # weight (+ bias)
@@ -66,17 +90,19 @@ def param_count(config: ModelConfig) -> ParamCount:
     moe_layers = len(config.moe_layers)
     matrices = 3 if config.moe_activation == "swiglu" else 2
     expert = matrices * h * config.expert_hidden_size if moe_layers else 0
-    e, k = config.num_experts, config.top_k
+    e, k, shared = config.num_experts, config.top_k, config.moe_shared_experts
     dense_layers = n - moe_layers
     return ParamCount(
         embedding=v * h + (config.max_seq_len * h if config.position_embedding == "learned" else 0),
         layers=dense_layers * (attention + mlp + layernorms)
-        + moe_layers * (attention + h * e + e * expert + layernorms),
+        + moe_layers * (attention + h * e + (e + shared) * expert + layernorms),
         final_layernorm=norm,
         output_layer=0 if config.tie_word_embeddings else h * v,
-        matmul=n * (h * qkv + h * h) + dense_layers * (h * up + f * h) + moe_layers * (h * e + k * expert)
+        matmul=n * attention_matmul + dense_layers * (h * up + f * h)
+        + moe_layers * (h * e + (k + shared) * expert)
         + h * v,  # the output layer multiplies, tied or not
         inactive=moe_layers * (e - k) * expert,
+        experts=moe_layers * e * expert,
     )
 
 
@@ -88,7 +114,9 @@ def num_param_tensors(config: ModelConfig) -> int:
 
 def flops_per_token(config: ModelConfig, seq_len: int, *, matmul_only: bool = False) -> float:
     """Training FLOPs per token, forward + backward: ``6 N + 12 L H Q T`` (PaLM appendix B); for an MoE
-    model ``N`` is the active parameters (the router and the ``k`` experts a token is routed to).
+    model ``N`` is the active parameters (the router and the ``k`` experts a token is routed to); under
+    multi-head latent attention the scores run over the query/key width ``d_n + d_r`` and the weighted sum
+    over ``d_v``: ``6 L H (d_n + d_r + d_v) T``.
 
     With ``matmul_only`` N counts only weights inside matrix multiplies (no position embedding,
     LayerNorm or bias); that is the number a FLOP counter measures. The attention term counts the full
@@ -96,7 +124,11 @@ def flops_per_token(config: ModelConfig, seq_len: int, *, matmul_only: bool = Fa
     """
     counts = param_count(config)
     n = counts.matmul if matmul_only else counts.active  # MoE: the parameters a token uses
-    attention = 12 * config.num_layers * config.num_attention_heads * config.head_dim * seq_len
+    # the scores (q k^T over the query/key width) and the weighted sum (over the value width), each 2 FLOPs
+    # per multiply-add forward and twice that backward: 12 L a d T when both widths are d
+    qk, v = ((config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim)
+             if config.attention_type == "mla" else (config.head_dim, config.head_dim))
+    attention = 6 * config.num_layers * config.num_attention_heads * (qk + v) * seq_len
     return 6.0 * n + attention
 
 

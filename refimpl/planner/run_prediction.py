@@ -115,7 +115,12 @@ from refimpl.parallel.pipeline_parallel.simulator import bubble_formula
 from refimpl.planner.activations import local_tokens
 from refimpl.planner.communication import context_parallel_bytes
 from refimpl.planner.fp8 import fp8_weights
-from refimpl.planner.memory import check_dense, run_memory_per_rank, state_memory_per_rank
+from refimpl.planner.memory import (
+    check_attention_modelled,
+    check_dense,
+    run_memory_per_rank,
+    state_memory_per_rank,
+)
 from refimpl.planner.param_table import param_table
 from refimpl.planner.params_flops import param_shapes
 from refimpl.planner.pipeline import _COMPUTE, PER_STEP, _walk, pipeline_memory_per_rank, stage_deferred_bytes
@@ -225,6 +230,7 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
         raise ValueError("predict_run needs parallel.dp or the world_size to derive it from")
     check_supported(parallel)  # what the trainer refuses is not predicted (refimpl/support.py)
     check_dense(config, "predict_run", ep=parallel.ep)  # MoE: not modelled (refimpl/planner/memory.py)
+    check_attention_modelled(config, "predict_run")  # nor multi-head latent attention
     dims = ParallelDims.from_world(world_size if world_size is not None else
                                    parallel.dp * parallel.cp * parallel.tp * parallel.pp, **parallel.degrees)
     zero_stage, precision, sequence_parallel = (parallel.zero_stage, parallel.precision,

@@ -211,11 +211,13 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
     :func:`refimpl.planner.run_memory_of` the run's ``options.parallel`` (model state by ZeRO stage and
     precision + one micro-batch's activations) against :func:`machine_memory_per_rank`. ``force``: warn
     and go on. Returns the estimate (None where the planner does not model the run: an MoE model with fp8
-    or a layout :func:`refimpl.planner.experts.unmodelled_moe` names; not checked, said on stderr). An MoE
+    or a layout :func:`refimpl.planner.experts.unmodelled_moe` names, multi-head latent attention; not
+    checked, said on stderr). An MoE
     model is planned at pp = 1 for uniform routing (chapter 09). First the device (``backend``:
     ``--backend``): :func:`run_device` and :func:`check_fp8_device`, which ``force`` does not override."""
     from refimpl.planner import run_memory_of
     from refimpl.planner.experts import unmodelled_moe
+    from refimpl.planner.memory import unmodelled_attention
 
     dims = options.parallel_dims(world_size)
     check_shapes(config, options.parallel)
@@ -226,10 +228,11 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
     micro = config.data.per_rank_batch(dims.dp) // accumulation
     moe = unmodelled_moe(config.model, pp=dims.pp, cp=dims.cp, zero_stage=options.zero_stage,
                          sequence_parallel=options.sequence_parallel, precision=options.precision)
-    if moe:  # refimpl/planner/experts.py
+    unmodelled = [f"MoE blocks with {', '.join(moe)}"] * bool(moe) + unmodelled_attention(config.model)
+    if unmodelled:  # refimpl/planner/experts.py, refimpl/planner/memory.py
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"note: no memory preflight for MoE blocks with {', '.join(moe)} (the planner does not "
-                  "model them yet)", file=sys.stderr, flush=True)
+            print(f"note: no memory preflight for {' and '.join(unmodelled)} (the planner does not model "
+                  "them yet)", file=sys.stderr, flush=True)
         return None
     need = run_memory_of(config.model, options.parallel, world_size=world_size, micro_batch=micro,
                          seq_len=config.data.seq_len, num_microbatches=accumulation)
