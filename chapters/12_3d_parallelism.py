@@ -905,14 +905,14 @@ assert [key for key, why in refused.items() if why] == [("zbh1", True)], "the te
 # K and V, SwiGLU's three $f$-wide tensors, no dropout; `paper_bytes_per_layer`).
 
 # %%
-from refimpl.planner.presets import MODEL_PRESETS
+from refimpl.planner.presets import MODEL_PRESETS, printed_like
 
 LLAMA_RUN = {"gpus": 16384, "tp": 8, "pp": 16, "dp": 128, "seq": 8192, "batch": 2048, "flops_per_gpu": 400e12}
 preset = MODEL_PRESETS["llama3-405b"]
 llama405 = preset.config(max_seq_len=LLAMA_RUN["seq"])
 n_llama = param_count(llama405).total
-print(f"llama3-405b: {n_llama / 1e9:.3f} B parameters by our count, {preset.published} B published")
-assert round(n_llama / 1e9, 1) == preset.published
+print(f"llama3-405b: {n_llama / 1e9:.3f} B parameters by our count, {preset.published} published")
+assert printed_like(n_llama, preset.published) == preset.published
 assert LLAMA_RUN["tp"] * LLAMA_RUN["pp"] * LLAMA_RUN["dp"] == LLAMA_RUN["gpus"]
 llama_mfu = LLAMA_RUN["flops_per_gpu"] / PEAK_FLOPS["H100"]["bf16"]
 step_flops = flops_per_token(llama405, LLAMA_RUN["seq"]) * LLAMA_RUN["batch"] * LLAMA_RUN["seq"]
@@ -953,6 +953,91 @@ assert fastest.step_s > llama_step  # the planner's schedule cannot reach the cl
 # communication (an upper bound). That gap is what the published run must have closed (a schedule with a
 # smaller bubble, less recomputation, communication behind compute) to reach its figure: the claim is
 # consistent with the arithmetic only if it did.
+
+# %% [markdown]
+# ### The trillion as a mixture of experts
+#
+# Section 4 read the seed's "trillion-parameter" model as a dense GPT, every weight used by every token.
+# The trillion-parameter models trained since are mixtures of experts (chapter 09): Kimi K2 (Moonshot AI
+# 2025: 1T parameters, 32B activated) is DeepSeek-V3's architecture (DeepSeek-AI 2024: 671B, 37B
+# activated) with more experts. Each block after the first dense ones routes a token to 8 of 256 (384)
+# experts plus one shared expert, and its attention is multi-head latent attention (MLA: keys and values
+# projected through a 512-wide latent; `refimpl.models.mla`). The planner knows both by name (`python -m
+# refimpl.plan --model deepseek-v3`, `--model kimi-k2`): first their counts against the model cards, the
+# activated size read as the weights a token multiplies; then DeepSeek-V3's published cost read as an MFU;
+# then the seed's cluster planned for the trillion as an MoE, beside the dense trillion of section 4.
+
+# %%
+moe_presets = {name: MODEL_PRESETS[name] for name in ("deepseek-v3", "kimi-k2")}
+for name, moe_preset in moe_presets.items():
+    moe_config = moe_preset.config(max_seq_len=4096)
+    moe_count = param_count(moe_config)
+    print(f"{name}: {moe_count.total / 1e9:,.1f} B parameters ({moe_preset.published} published), "
+          f"{moe_count.matmul / 1e9:.1f} B multiplied per token ({moe_preset.published_active} published): "
+          f"{len(moe_config.moe_layers)} MoE blocks of {moe_config.num_experts} experts, top-{moe_config.top_k} "
+          f"+ {moe_config.moe_shared_experts} shared; a token uses {moe_count.matmul / moe_count.total:.1%}")
+    assert printed_like(moe_count.total, moe_preset.published) == moe_preset.published
+    assert printed_like(moe_count.matmul, moe_preset.published_active) == moe_preset.published_active
+# DeepSeek-V3, section 1: "each trillion tokens requires only 180K H800 GPU hours"; 4096-token sequences; the
+# H800 computes like an H100 (its NVLink is cut, not its tensor cores)
+deepseek = moe_presets["deepseek-v3"].config(max_seq_len=4096)
+tokens_per_gpu_s = 1e12 / (180e3 * 3600)
+deepseek_mfu = flops_per_token(deepseek, 4096) * tokens_per_gpu_s / PEAK_FLOPS["H100"]["bf16"]
+deepseek_6n = 6 * param_count(deepseek).active * tokens_per_gpu_s / PEAK_FLOPS["H100"]["bf16"]
+print(f"DeepSeek-V3's 180K GPU hours per trillion tokens: {tokens_per_gpu_s:,.0f} tokens/s per GPU = MFU "
+      f"{deepseek_mfu:.0%} by 6 N_active + the attention's 6 L a (d_qk + d_v) s ({deepseek_6n:.0%} by 6 N_active "
+      f"alone)")
+# its published layout (section 3.2): PP16 x EP64 x DP128 with ZeRO-1, 15360 sequences per step at the end of
+# its batch ramp; 61 blocks do not split into 16 equal stages (its DualPipe balances them unevenly), so the
+# planner plans a stand-in of 64 blocks, as for Llama 3 405B above: a bound from above
+DEEPSEEK_RUN = {"gpus": 2048, "pp": 16, "ep": 64, "dp": 128, "seq": 4096, "batch": 15360}
+deepseek_64 = dataclasses.replace(deepseek, num_layers=64)
+deepseek_rows = evaluate_stages(deepseek_64, dp=DEEPSEEK_RUN["dp"], tp=1, pp=DEEPSEEK_RUN["pp"],
+                                ep=DEEPSEEK_RUN["ep"], gpu="H100", gpus_per_node=8, seq_len=DEEPSEEK_RUN["seq"],
+                                global_batch=DEEPSEEK_RUN["batch"], mfu=deepseek_mfu, stages=(1,))
+ds = deepseek_rows[0]
+published_step = DEEPSEEK_RUN["batch"] * DEEPSEEK_RUN["seq"] / (tokens_per_gpu_s * DEEPSEEK_RUN["gpus"])
+print(f"PP16 x EP64 x DP128, ZeRO-1, 64-block stand-in ({param_count(deepseek_64).total / 1e9:.0f} B): "
+      f"{ds.memory_bytes / 1e9:.1f} GB per GPU ({'fits' if ds.fits else 'does not fit'}"
+      f"{', recomputing every block' if ds.recompute else ''}); per step {ds.compute_s:.1f} s of compute at that "
+      f"MFU, bubble {ds.bubble:.0%}, and {ds.sent['ep'] / 1e9:,.0f} GB of all-to-all per GPU over the network "
+      f"({ds.comm_s:.1f} s of communication in all): a {ds.step_s:.0f} s step against the {published_step:.0f} s "
+      f"the published rate implies")
+assert ds.fits and ds.sent["ep"] > 10 * ds.sent["dp"] and ds.step_s > published_step
+# the seed's 2048 H100s, its sequence and batch, for the trillion as an MoE: the search of section 4
+kimi = moe_presets["kimi-k2"].config(max_seq_len=SEQ)
+kimi_plans = plan_layouts(kimi, gpus=SEED["gpus"], gpus_per_node=8, gpu="H100", seq_len=SEQ, global_batch=BATCH,
+                          zero_stages=(0, 1, 2, 3), recompute=None, hsdp=True)
+kimi_fit = [p for p in kimi_plans if p.fits]
+for label, p in (("kimi-k2 (1T MoE), the planner's first", kimi_fit[0]),
+                 ("model_for(1e12) (dense), the planner's first", searched_fit[0])):
+    print(f"  {label}: dp {p.dp} x tp {p.tp} x pp {p.pp} x cp {p.cp}, ep {p.ep}, ZeRO-{p.zero_label}"
+          f"{' + recompute' if p.recompute else ''}: {p.memory_bytes / 1e9:.1f} GB per GPU, step {p.step_s:.2f} s "
+          f"(compute {p.compute_s:.2f} s, communication {p.comm_s:.2f} s: " + ", ".join(
+              f"{k} {v / 1e9:.0f} GB" for k, v in p.sent.items() if v) + " sent per GPU)")
+speedup = searched_fit[0].step_s / kimi_fit[0].step_s
+print(f"the same {BATCH * SEQ / 1e6:.1f} M tokens per step: the MoE trillion's step is {speedup:.1f} x shorter; its "
+      f"FLOPs per token are {flops_per_token(big, SEQ) / flops_per_token(kimi, SEQ):.0f} x fewer")
+assert all(p.tp == 1 and p.cp == 1 for p in kimi_plans), "MLA is refused under tp and cp: the search keeps 1"
+assert kimi_fit[0].ep > 1 and speedup > 1
+
+# %% [markdown]
+# The counts give the cards' sizes: a token of Kimi K2 multiplies about 3% of its trillion parameters,
+# so its FLOPs per token are those of a ~32B dense model, and the published cost of DeepSeek-V3 reads as
+# the MFU printed above (the attention term counts the full causal square, as PaLM's formula does).
+# Its published layout fits an H100's memory in the planner's terms (with recomputation: the planner knows
+# only none or every block; DeepSeek-V3 recomputes its norms and MLA's up projections only), but its
+# all-to-all crosses the network at every MoE block, and the planner, which overlaps nothing, predicts a
+# step several times the published one. The claim holds only with what the planner leaves out: DualPipe
+# (computation of one micro-batch overlapping the all-to-all of another) and node-limited routing (each
+# token sent to at most 4 nodes) are how the paper closes that gap.
+#
+# On the seed's cluster the trillion as an MoE has few layouts in the planner's terms: the trainer refuses
+# MLA under tensor and context parallelism, and 61 blocks split into equal stages only as 1 or 61, so the
+# search is dp 2048 with the experts split over ep inside it. Its step is shorter than the dense
+# trillion's by the printed factor, far less than the FLOPs ratio: the all-to-alls and the gradients'
+# reduction over 2048 ranks, crossing the network, are what remains. "Trained a trillion parameters" says little until it says how many a token
+# uses and how the tokens reach their experts.
 
 # %% [markdown]
 # ## 5. An explorer: your model on your cluster
