@@ -4,17 +4,18 @@ the same model as one device at the layout families (chapters 04-08), with group
 One spawn of 4 ranks: ``--num-kv-heads 2`` (GQA: 4 query heads in 2 groups) at tp 2 x dp 2 with sequence
 parallelism on RMSNorm and ZeRO-1 (each tensor-parallel rank holds one whole query group), at tp 4 with
 sequence parallelism (two ranks share each key/value head), MQA at tp 2 x dp 2 with ZeRO-2 and at tp 4 (the
-ranks share the one key/value head), HSDP (ZeRO-3 over 2 ranks, 2 replicas), pp 2 x dp 2 under zbh1 as well as
-1F1B, dp 4 in fp8 (against one device in fp8, by the same rule), at dp 4 with ZeRO-3 and activation
-checkpointing, at pp 2 x dp 2 (1F1B) and at cp 2 x dp 2 with Ulysses (the key/value heads all-to-all'd at
-their own count); ``--num-kv-heads 1`` (MQA) at cp 2 x dp 2 with ring attention (zig-zag: the one key/value
-head travels the ring, and RoPE must take each chunk's global positions). Each against one device in fp32,
-losses and the first step's gradients before the optimizer (tests/one_device.py's rule: ``FACTOR x`` the
-spread of two one-device summation orders; negative controls: the gradients x 2 fail, and the cp run whose
-RoPE rotates by each rank's local positions fails the losses). The layouts the Llama form cannot take yet are
-refused by the trainer's shape rules, by name. An MoE block of SwiGLU experts at dp 4 with expert parallelism
-2 trains like one device too. The tp 2 run's checkpoint resumes at pp 2 and continues one device's losses; the
-cp group's bytes are the planner's formula at the key/value heads."""
+ranks share the one key/value head), HSDP (ZeRO-3 over 2 ranks, 2 replicas), pp 2 x dp 2 under each schedule
+(1F1B, zbh1, GPipe, and interleaved 1F1B at 2 chunks of a 4-block model), dp 4 in fp8 (against one device in
+fp8, by the same rule), at dp 4 with ZeRO-3 and activation checkpointing, and at cp 2 x dp 2 with Ulysses (the
+key/value heads all-to-all'd at their own count); ``--num-kv-heads 1`` (MQA) at cp 2 x dp 2 with ring
+attention (zig-zag: the one key/value head travels the ring, and RoPE must take each chunk's global
+positions). Each against one device in fp32, losses and the first step's gradients before the optimizer
+(tests/one_device.py's rule: ``FACTOR x`` the spread of two one-device summation orders; negative controls:
+the gradients x 2 fail, and the cp run whose RoPE rotates by each rank's local positions fails the losses).
+The layouts the Llama form cannot take yet are refused by the trainer's shape rules, by name. An MoE block of
+SwiGLU experts at dp 4 with expert parallelism 2 trains like one device too. The tp 2 run's checkpoint resumes
+at pp 2 and continues one device's losses; the cp group's bytes are the planner's formula at the key/value
+heads."""
 
 from __future__ import annotations
 
@@ -48,7 +49,9 @@ TINY = ["--arch", "llama", "--num-layers", "2", "--hidden-size", "32", "--num-he
         "--batch-size", "8", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
         "--checkpoint-every", "0", "--no-report", "--steps", str(STEPS)]
 MODELS = {"gqa": ["--num-kv-heads", "2"], "mqa": ["--num-kv-heads", "1"],
-          "moe": ["--num-kv-heads", "2", "--moe-experts", "4", "--moe-every", "2"]}
+          "moe": ["--num-kv-heads", "2", "--moe-experts", "4", "--moe-every", "2"],
+          # interleaved: 2 chunks of 1 block per pp rank (at width 32 its two summation orders agree bitwise)
+          "gqa-4": ["--num-kv-heads", "2", "--num-layers", "4", "--hidden-size", "48"]}
 LAYOUTS = {  # name -> (model, the trainer's flags at world size 4)
     "tp2-dp2-sp-zero1": ("gqa", ["--tp", "2", "--sequence-parallel", "--zero-stage", "1",
                                  "--checkpoint-every", str(STEPS // 2)]),  # resumed at pp 2 x dp 2 below
@@ -56,6 +59,9 @@ LAYOUTS = {  # name -> (model, the trainer's flags at world size 4)
     "hsdp2x2-zero3": ("gqa", ["--zero-stage", "3", "--dp-replicate", "2"]),  # shards over 2, 2 replicas
     "pp2-dp2-1f1b": ("gqa", ["--pp", "2", "--microbatches", "2"]),
     "pp2-dp2-zbh1": ("gqa", ["--pp", "2", "--microbatches", "2", "--pp-schedule", "zbh1"]),
+    "pp2-dp2-gpipe": ("gqa", ["--pp", "2", "--microbatches", "2", "--pp-schedule", "gpipe"]),
+    "pp2-dp2-interleaved": ("gqa-4", ["--pp", "2", "--microbatches", "2", "--pp-schedule", "interleaved",
+                                      "--virtual-stages", "2"]),
     "dp4-fp8": ("gqa", ["--precision", "fp8"]),  # the linears' three GEMMs in fp8 (chapter 10)
     "tp2-dp2-mqa-zero2": ("mqa", ["--tp", "2", "--zero-stage", "2"]),  # 2 ranks share the k/v head
     "tp4-gqa-sp": ("gqa", ["--tp", "4", "--sequence-parallel"]),  # 2 ranks share each of the 2 k/v heads
