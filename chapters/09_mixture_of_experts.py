@@ -60,15 +60,16 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from refimpl.config import ModelConfig
+from refimpl.config import DEEPSEEK_V3, ModelConfig
 from refimpl.data import make_corpus_file
 from refimpl.distributed import DistributedContext
 from refimpl.launch import start_ranks
 from refimpl.measure import order_tolerance
-from refimpl.models import GPT
+from refimpl.models import GPT, lm_loss
 from refimpl.parallel.expert_parallel import (
     ExpertMLP,
     GroupedExperts,
@@ -79,6 +80,7 @@ from refimpl.parallel.expert_parallel import (
     load_balancing_loss,
 )
 from refimpl.planner import PEAK_FLOPS, flops_per_token, param_count
+from refimpl.planner.presets import MODEL_PRESETS, printed_like
 from refimpl.train import build_parser, config_from_args, options_from_args, train
 
 torch.set_num_threads(1)  # tiny matrices: one thread is as fast, and leaves the other core to the ranks
@@ -94,11 +96,13 @@ print("torch", torch.__version__, "| work folder", WORK)
 # router and $k$ of the $E$ experts, so $N$ is the **active** parameters, $N_\text{active} = N_\text{total}
 # - \sum_\text{MoE blocks} (E - k) \cdot (\text{one expert})$ (`refimpl.planner.param_count(...).active`).
 #
-# DeepSeek-V3 in our `ModelConfig`: its width, depth, heads, vocabulary, 256 routed experts of width 2048
-# (SwiGLU), 8 per token. Our GPT is not DeepSeek-V3: its attention is plain multi-head attention (theirs
-# is the smaller multi-head latent attention), every block is an MoE block (their first few are dense)
-# and there is no shared expert, so the counts land near the published ones, not on them (printed below).
-# The dense model of the same size is the same configuration with every expert active ($k = E$). The
+# DeepSeek-V3 in our `ModelConfig` (`refimpl.planner.presets.MODEL_PRESETS["deepseek-v3"]`, the model
+# card's shape in the model's DeepSeek-V3 form, `refimpl.config.DEEPSEEK_V3`): its width, depth, heads,
+# vocabulary, multi-head latent attention (`refimpl.models.mla`: keys and values through a 512-wide
+# latent), the first 3 blocks dense, then 256 routed experts of width 2048 (SwiGLU), 8 per token, and one
+# shared expert every token passes through. The counts land on the published ones to the digits printed
+# (the activated size is the weights a token multiplies; counting the embedding table it would be
+# 37.6B). The dense model of the same size is the same configuration with every expert active ($k = E$). The
 # budget: chapter 00's cluster, 2048 H100s, at a realistic 40% MFU (about 810 PFLOP/s; not the 3.2 PFLOP/s
 # of the claim chapter 00 examined, which is 0.16% MFU and cannot stand beside its "82% utilisation"), for
 # three weeks. DeepSeek-V3's report gives a check of that rate: 14.8T tokens of pre-training in 2.664M
@@ -106,11 +110,9 @@ print("torch", torch.__version__, "| work folder", WORK)
 # ran in FP8, whose peak is twice that, so this is an MFU against the BF16 peak).
 
 # %%
-DSV3 = ModelConfig(vocab_size=129280, num_layers=61, hidden_size=7168, num_attention_heads=128,
-                   max_seq_len=4096, tie_word_embeddings=False, num_experts=256, top_k=8,
-                   moe_ffn_hidden_size=2048, moe_activation="swiglu")
+DSV3_PRESET = MODEL_PRESETS["deepseek-v3"]  # DeepSeek-V3 technical report: 671B total, 37B activated
+DSV3 = DSV3_PRESET.config(max_seq_len=4096)
 DENSE = dataclasses.replace(DSV3, top_k=DSV3.num_experts)  # every expert for every token
-PUBLISHED = {"total": 671e9, "active": 37e9}  # DeepSeek-V3 technical report
 GPUS, MFU, DAYS = 2048, 0.40, 21
 RATE = GPUS * MFU * PEAK_FLOPS["H100"]["bf16"]  # FLOP/s sustained: 810 PFLOP/s
 budget = RATE * DAYS * 86400
@@ -127,11 +129,13 @@ moe_row, dense_row = rows["MoE, top 8 of 256"], rows["dense, same parameters"]
 published_mfu = 14.8e12 * moe_row[2] / (2.664e6 * 3600 * PEAK_FLOPS["H100"]["bf16"])
 print(f"DeepSeek-V3's 14.8T tokens in 2.664M GPU hours at these FLOPs per token: {published_mfu:.0%} MFU "
       f"(the budget assumes {MFU:.0%})")
-print(f"published: {PUBLISHED['total'] / 1e9:.0f}B total, {PUBLISHED['active'] / 1e9:.0f}B active | "
+multiplied = param_count(DSV3).matmul  # the weights a token multiplies (no embedding lookup, no norms)
+print(f"published: {DSV3_PRESET.published} total, {DSV3_PRESET.published_active} activated; ours "
+      f"{printed_like(moe_row[0], DSV3_PRESET.published)}, {multiplied / 1e9:.1f}B multiplied per token | "
       f"the MoE trains {moe_row[3] / dense_row[3]:.1f} x the tokens of the dense model for the same FLOPs")
 assert moe_row[0] == dense_row[0] and dense_row[1] == dense_row[0], "same parameters; dense: all active"
-assert abs(moe_row[0] / PUBLISHED["total"] - 1) < 0.1 and abs(moe_row[1] / PUBLISHED["active"] - 1) < 0.1
-assert moe_row[2] == 6 * moe_row[1] + 12 * DSV3.num_layers * DSV3.num_attention_heads * DSV3.head_dim * 4096
+assert printed_like(moe_row[0], DSV3_PRESET.published) == DSV3_PRESET.published
+assert printed_like(multiplied, DSV3_PRESET.published_active) == DSV3_PRESET.published_active
 assert abs(published_mfu / MFU - 1) < 0.25, "the assumed MFU is of the order of a published MoE run's"
 
 # %% [markdown]
@@ -141,6 +145,10 @@ assert abs(published_mfu / MFU - 1) < 0.25, "the assumed MFU is of the order of 
 # `FlopCounterMode` counts the FLOPs of every matrix multiply in a forward and backward of one MoE layer
 # (the experts as plain `nn.Linear` modules, `MoE.from_modules`, so that the counter sees each one), and
 # they must equal $6T(hE + k \cdot \text{expert})$ for $T$ tokens: the router and $k$ experts per token.
+# Then the DeepSeek-V3 form in miniature (multi-head latent attention with both latents, a dense first
+# block, a shared expert): its count is the built model's, and a whole forward and backward costs what the
+# table's formula says, $6 N_\text{mult}$ for the weights a token multiplies plus the attention's
+# $6 L a (d_{qk} + d_v) s$ (the scores over the query/key width, the weighted sum over the value width).
 
 # %%
 tiny = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, max_seq_len=16, num_experts=8,
@@ -165,6 +173,21 @@ formula_flops = 6 * T1 * (H1 * E1 + K1 * 2 * H1 * F1)
 print(f"tiny GPT: {counts.total:,d} parameters, {counts.active:,d} active | one MoE layer, T = {T1}: "
       f"FlopCounterMode {measured_flops:,d} FLOPs, 6 T (hE + k expert) = {formula_flops:,d}")
 assert measured_flops == formula_flops
+
+tiny_ds = ModelConfig(**{**DEEPSEEK_V3, "num_layers": 3, "hidden_size": 32, "num_attention_heads": 4,
+                         "ffn_hidden_size": 48, "vocab_size": 64, "max_seq_len": 16, "q_lora_rank": 24,
+                         "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
+                         "num_experts": 4, "top_k": 2, "moe_ffn_hidden_size": 20, "moe_shared_experts": 1,
+                         "moe_first_dense": 1})
+model_ds = GPT(tiny_ds, seed=1).double()  # float64: the experts' per-expert loop, plain matmuls
+assert param_count(tiny_ds).total == sum(p.numel() for p in model_ds.parameters())
+ids_ds = torch.randint(0, tiny_ds.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+    lm_loss(model_ds(ids_ds[:, :-1]), ids_ds[:, 1:]).backward()
+ds_formula = flops_per_token(tiny_ds, 16, matmul_only=True) * 2 * 16
+print(f"tiny DeepSeek-V3 form: {param_count(tiny_ds).total:,d} parameters (the model's numel); a step of 2 x 16 "
+      f"tokens: FlopCounterMode {counter.get_total_flops():,d} FLOPs, the formula {ds_formula:,.0f}")
+assert counter.get_total_flops() == ds_formula
 
 # %% [markdown]
 # What MoE does **not** save: memory. Every expert's weights, gradients and optimizer state must live
