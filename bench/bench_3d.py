@@ -2,19 +2,19 @@
 
     python -m bench.bench_3d [--steps 6] [--warmup 2] [--repeats 3] [--quick]
 
-One set of 8 CPU ranks (gloo, one thread each, :func:`refimpl.launch.run_ranks`) trains the same GPT
-(:data:`MODEL`: 4 blocks, width 64, 4 heads, 64 tokens, global batch 16, AdamW, clipping at 1.0) through
-:func:`refimpl.train.train` at the ``dp x tp x pp`` layouts of :data:`LAYOUTS` (ZeRO-1 at one, bf16 at one,
+One set of 8 CPU ranks (gloo, one thread each, ``refimpl.launch.run_ranks``) trains the same GPT
+(``MODEL``: 4 blocks, width 64, 4 heads, 64 tokens, global batch 16, AdamW, clipping at 1.0) through
+``refimpl.train.train`` at the ``dp x tp x pp`` layouts of ``LAYOUTS`` (ZeRO-1 at one, bf16 at one,
 one with ``cp 2``), ``--steps`` steps each, no checkpoint. Per layout:
 
 1. **Step time**: per rank the median of the step durations after ``--warmup`` steps (from the records'
    ``elapsed_s``), the slowest rank's; as a ratio to ``8x1x1`` measured in the same run. 8 ranks share the
    machine's cores, so a CPU figure is a ratio, never an absolute time. ``--repeats`` rounds of all the
    layouts, one after the other: the ratio's median and its range over the rounds (a shared box's drift).
-2. **Planner vs measured**: :func:`refimpl.planner.predict_run` for every rank against ``metrics.jsonl``'s
+2. **Planner vs measured**: ``refimpl.planner.predict_run`` for every rank against ``metrics.jsonl``'s
    ``bytes_sent`` per process group (the tracer: point-to-point sends measured, collectives by the ring
    model), every step; the largest difference over ranks and steps per group (0: equal), and the bytes of
-   the rank that sends most. The schedule's bubble (:func:`bubble_formula`) against the measured
+   the rank that sends most. The schedule's bubble (``bubble_formula``) against the measured
    ``pipeline_idle`` (the idle share of the pp ranks from the executor's events, median of the timed
    steps): timing on a shared CPU (transfer delays, 8 processes on the cores), so reported, not asserted.
 

@@ -14,7 +14,7 @@ same CPU; on GPUs the rings would race NCCL's kernels, another benchmark.
 
 Printed: a markdown table with, per world size and size, the three medians and the ratios ring / torch
 and naive / torch, and the bytes the busiest rank sends in the ring and rank 0 in the naive version,
-**measured** by a :class:`~refimpl.comm.tracer.CommTracer` (the tensors handed to ``isend``/``send`` in one
+**measured** by a ``refimpl.comm.tracer.CommTracer`` (the tensors handed to ``isend``/``send`` in one
 extra traced call) and checked against the formulas (2(n-1)/n S when n divides the length, (n-1) S).
 What ``dist.all_reduce`` sends is not measured (the tracer could only book the ring model). Then, per
 world size, the alpha-beta model (``refimpl.planner.time_model``) fitted to a ping-pong between ranks 0 and

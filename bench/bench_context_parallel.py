@@ -7,11 +7,11 @@ Forward + backward of one causal attention layer's core (``q, k, v [b, a, s, d] 
 head dim of the course's default GPT, float32) over a sequence split across ``cp`` CPU ranks (gloo,
 world = cp), three ways, each on the same global tensors:
 
-* **ring** (Liu et al. 2023): :func:`refimpl.parallel.context_parallel.ring_attention.ring_attention`,
+* **ring** (Liu et al. 2023): ``refimpl.parallel.context_parallel.ring_attention.ring_attention``,
   zig-zag layout (Brandon et al. 2023), K/V blocks round the ring by ``isend``/``irecv``, lse-merged;
-* **Ulysses** (Jacobs et al. 2023): :func:`refimpl.parallel.context_parallel.ulysses_attention`, contiguous
+* **Ulysses** (Jacobs et al. 2023): ``refimpl.parallel.context_parallel.ulysses_attention``, contiguous
   layout, all-to-all to head shards and back (four each way);
-* **all-gather K/V**: the naive baseline written here (:func:`allgather_kv_attention`): all-gather K and V
+* **all-gather K/V**: the naive baseline written here (``allgather_kv_attention``): all-gather K and V
   over the group, the local (zig-zag) queries attend to the whole K/V with
   ``F.scaled_dot_product_attention`` under the causal mask of their global positions; backward is
   autograd's, the K/V gradients reduce-scattered back to their owners.
@@ -23,11 +23,11 @@ run; a negative control (the baseline's mask built from contiguous positions) mu
 Reported: the median forward + backward time over ``--repeats`` (after ``--warmup``), methods interleaved
 with a barrier before each, the slowest rank, **over** one-device SDPA on the whole sequence (rank 0, timed
 in the same loop while the others wait); bytes each rank sent per layer, forward and backward, traced by
-:class:`refimpl.comm.CommTracer` (the ring's ``isend`` bytes measured; Ulysses' all-to-alls and the
+``refimpl.comm.CommTracer`` (the ring's ``isend`` bytes measured; Ulysses' all-to-alls and the
 baseline's all-gathers / reduce-scatters booked by the tracer's ring model, as torch does not say what
-gloo sends) against :func:`refimpl.planner.context_parallel_bytes` (ring, Ulysses) and
-:func:`allgather_kv_bytes` (the baseline, stated here); the ring forward's exposed transfer
-(:meth:`RingTimeline.exposed_transfer_seconds`, the transfer time not hidden behind the step's compute)
+gloo sends) against ``refimpl.planner.context_parallel_bytes`` (ring, Ulysses) and
+``allgather_kv_bytes`` (the baseline, stated here); the ring forward's exposed transfer
+(``RingTimeline.exposed_transfer_seconds``, the transfer time not hidden behind the step's compute)
 as a share of its forward, per rank the median over the passes. Exposed time includes
 waiting for a neighbour that has not reached its send yet: with more ranks than free cores that is the
 scheduler's doing as much as the wire's. A rank waiting in a barrier or an ``irecv`` sleeps (gloo), so
@@ -84,7 +84,7 @@ def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
     ``q, k, v``: this rank's ``[b, a, s/cp, d]`` in ``layout``; returns its rows of
     ``softmax(Q K^T / sqrt(d) + M) V`` for the whole sequence, ``M`` the causal mask of the rank's global
-    query positions (:func:`sequence_positions`) against ``0..s-1``. ``positions_layout`` only for the
+    query positions (``sequence_positions``) against ``0..s-1``. ``positions_layout`` only for the
     negative control (a mask built from the wrong positions). Forward sends ``(cp-1)/cp`` of the whole K
     and V (ring model), backward as much in dK/dV, and every rank holds the whole ``[b, a, s, d]`` K/V.
     """

@@ -11,7 +11,7 @@ and the slowest rank's median is the step time (the ranks wait for each other at
 
 Printed: a markdown table with, per world size and bucket cap, both medians, their ratio (ours / DDP; the
 goal is <= 1.10), our bucket count, and the fraction of our communication left *exposed* after backward
-(:meth:`SyncTimeline.exposed_fraction`: the part of the time a bucket's all-reduce is in flight that
+(``SyncTimeline.exposed_fraction``: the part of the time a bucket's all-reduce is in flight that
 lies after the end of the autograd pass; median over the measured steps). DDP's exposure is not observable
 from outside its C++ reducer without changing it, so it is not reported. On CPU, compare ratios only;
 absolute times depend on the machine and its load.

@@ -3,7 +3,7 @@
     python -m bench.bench_expert_parallel [--ep 2 4] [--repeats 9] [--warmup 2] [--tokens 512] [--dim 128]
                                           [--hidden 256] [--experts 8] [--top-k 2] [--skew 0.1]
 
-Forward + backward of one mixture-of-experts layer (:class:`refimpl.parallel.expert_parallel.MoE`: a
+Forward + backward of one mixture-of-experts layer (``refimpl.parallel.expert_parallel.MoE``: a
 bias-free softmax top-k router, ``E`` SwiGLU experts in 3-D weights run by ``torch._grouped_mm``, dropless,
 the load-balancing loss in the loss, float32) with its experts spread over ``ep`` CPU ranks (gloo,
 world = ep, one thread each), rank ``r`` holding experts ``[r E/ep, (r+1) E/ep)`` and routing its own
@@ -24,7 +24,7 @@ most-loaded rank's experts received (``1/ep`` when perfectly balanced).
 **The PyTorch equivalent**: PyTorch core has no mixture-of-experts layer (torchtitan and Megatron-LM build
 theirs on ``torch._grouped_mm``); the references are the same layer on one device, all ``ep x tokens`` tokens
 on one process, with the grouped ``torch._grouped_mm`` experts (``MoE(..., ep_group=None)``) and with a
-per-expert loop (:meth:`MoE.from_modules` over :class:`ExpertMLP` s holding the same weights).
+per-expert loop (``MoE.from_modules`` over ``ExpertMLP`` s holding the same weights).
 
 Before anything is timed, each method's output, input gradient, router gradient (summed over ranks) and
 every expert's gradient (from its owner) must equal the one-device grouped layer's within ``FACTOR`` x a
@@ -32,7 +32,7 @@ spread measured in the same run: the largest distance from that run of (a) the s
 token chunks in reverse order (the same sums in another order) and (b) the float64 run (whose routing is
 checked to be the same). As in an expert-parallel run, each rank's router sees only its own chunk, so the
 one device routes chunk by chunk (the per-rank auxiliary losses) and runs all chunks through the experts at
-once (:func:`concat_routings`, :meth:`MoE.forward_routed`). The per-expert loop must pass the same check.
+once (``concat_routings``, ``MoE.forward_routed``). The per-expert loop must pass the same check.
 Negative controls that must fail it: an all-to-all that assumes uniform splits instead of exchanging the
 counts (tokens reach the wrong experts), and the all-to-all's expert gradients divided by ``ep`` (an
 expert averaged over the expert-parallel group: pytorch/pytorch#160285).
@@ -40,10 +40,10 @@ expert averaged over the expert-parallel group: pytorch/pytorch#160285).
 Reported: the median forward + backward time over ``--repeats`` (after ``--warmup``), methods interleaved
 with a barrier before each, the slowest rank, **over** the one-device grouped layer (rank 0, timed in the
 same loop while the other ranks wait in the barrier) and all-to-all **over** all-gather; bytes each rank
-sent per forward and per backward, traced by :class:`refimpl.comm.CommTracer` (the uneven all-to-alls'
+sent per forward and per backward, traced by ``refimpl.comm.CommTracer`` (the uneven all-to-alls'
 bytes are the rows that leave the rank, exact; the all-gathers, reduce-scatters and the even count
 exchange are the tracer's ring model of the payloads actually handed over, as torch does not say what
-gloo sends) against :func:`alltoall_bytes` (from the counts the run measured) and :func:`allgather_bytes`
+gloo sends) against ``alltoall_bytes`` (from the counts the run measured) and ``allgather_bytes``
 (stated here; the planner has no MoE byte formula yet). CPU: compare ratios only; with more ranks than
 free cores the ratios measure CPU time and the scheduler, not links.
 
@@ -116,7 +116,7 @@ def build_moe(s: Sizes, *, ep: int, routing: str, ep_group: dist.ProcessGroup | 
 
 
 def looped_copy(moe: MoE) -> MoE:
-    """``moe`` (one device, grouped) as :meth:`MoE.from_modules` over :class:`ExpertMLP` s: the same router
+    """``moe`` (one device, grouped) as ``MoE.from_modules`` over ``ExpertMLP`` s: the same router
     weight and expert bias, each expert's ``nn.Linear`` weights the transposed slices of the 3-D ones."""
     e, h, f = moe.num_experts, moe.dim, moe.experts.hidden
     gate = nn.Linear(h, e, bias=False)
@@ -293,7 +293,7 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def error_ratio(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
                 spread: dict[str, float]) -> float:
-    """The largest ``|got - reference| / (FACTOR x spread)`` over :data:`TENSORS` (an exact match counts 0,
+    """The largest ``|got - reference| / (FACTOR x spread)`` over ``TENSORS`` (an exact match counts 0,
     a difference where the spread is 0 counts infinite). ``<= 1`` passes."""
     worst = 0.0
     for name in TENSORS:
@@ -345,9 +345,9 @@ class Proof:
 
 
 def prove(per_rank: list[dict], s: Sizes, ep: int, routing: str) -> Proof:
-    """The parent's side of the proof for one routing of one :func:`worker` run: the references, the
-    error ratios (the per-expert loop's too) and the bytes against :func:`alltoall_bytes` /
-    :func:`allgather_bytes`."""
+    """The parent's side of the proof for one routing of one ``worker`` run: the references, the
+    error ratios (the per-expert loop's too) and the bytes against ``alltoall_bytes`` /
+    ``allgather_bytes``."""
     natural, spread, loop = references(s, ep, routing)
     errors = {**check(per_rank, natural, spread, ep), LOOP: error_ratio(loop, natural, spread)}
     kept = torch.stack([p["results"]["all-to-all"]["kept"] for p in per_rank])   # [src, E]

@@ -6,11 +6,11 @@
 One set of 4 CPU ranks (gloo) builds the course's GPT with an **untied** output layer (a tied head cannot
 be handed to ``parallelize_module`` twice) from the same seed, twice, in the same processes:
 
-* ours: :func:`refimpl.parallel.parallelize` at ``ParallelDims(dp=2, tp=2)`` with ZeRO-3: tensor
+* ours: ``refimpl.parallel.parallelize`` at ``ParallelDims(dp=2, tp=2)`` with ZeRO-3: tensor
   parallelism first (column/row-parallel attention and MLP, vocab-parallel embedding and head), then
-  :class:`~refimpl.parallel.zero.FullyShardedDataParallel` over the dp group, each rank holding the dp rows
+  ``refimpl.parallel.zero.FullyShardedDataParallel`` over the dp group, each rank holding the dp rows
   of its TP blocks (``inner.within(rows)``); the vocab-parallel loss;
-* PyTorch: :func:`bench.bench_tensor_parallel.dtensor_gpt` on the mesh's ``tp`` dimension
+* PyTorch: ``bench.bench_tensor_parallel.dtensor_gpt`` on the mesh's ``tp`` dimension
   (``parallelize_module``), then ``fully_shard`` on each block and the root over its ``dp`` dimension
   (FSDP2 over DTensor TP: torch's own 2-D composition), the loss under ``loss_parallel()``.
 
@@ -24,10 +24,10 @@ sequences ``[i B/2, (i+1) B/2)`` of the global batch, the two tp ranks of a repl
    same. Before that, the first step's reduced gradients, whole, before AdamW (which would hide a gradient
    off by a constant factor), against one device's, per tensor relative to its largest element. The ZeRO
    collectives per step (all-gather, reduce-scatter: count and payload) against
-   :func:`refimpl.planner.zero_collectives` of the rank's TP-local shapes over dp.
+   ``refimpl.planner.zero_collectives`` of the rank's TP-local shapes over dp.
 2. **Step time** (forward + loss + backward + AdamW), interleaved with a barrier before each, median over
    the measured steps, slowest rank; and the model state each rank holds at rest after a step (parameter
-   shards, gradient shards, AdamW state: ours :meth:`FullyShardedDataParallel.state_bytes`, PyTorch's the
+   shards, gradient shards, AdamW state: ours ``FullyShardedDataParallel.state_bytes``, PyTorch's the
    local tensors of its DTensors). On CPU compare ratios only.
 
 **Pinned to gloo on the CPU**, also on a GPU box (``run_ranks(..., backend="gloo")``; the models, batches and

@@ -5,24 +5,24 @@
 
 One set of CPU ranks per pipeline size ``p`` (gloo, world = p, one thread each) does two things.
 
-1. **Step time**: forward + backward of ``m`` micro-batches of a small untied GPT (:data:`CONFIG`) cut by
-   :func:`build_stages` into ``p`` stages (1F1B) or ``2 p`` (interleaved, stage ``s`` on rank ``s % p``):
-   ours (:func:`run_schedule` over refimpl's lists; Narayanan et al. 2021) against torch's
+1. **Step time**: forward + backward of ``m`` micro-batches of a small untied GPT (``CONFIG``) cut by
+   ``build_stages`` into ``p`` stages (1F1B) or ``2 p`` (interleaved, stage ``s`` on rank ``s % p``):
+   ours (``run_schedule`` over refimpl's lists; Narayanan et al. 2021) against torch's
    ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` over ``PipelineStage`` s wrapping copies of the same
-   :class:`GPTStage` modules (``scale_grads=False``: a micro-batch's loss is already its share of the
+   ``GPTStage`` modules (``scale_grads=False``: a micro-batch's loss is already its share of the
    step's mean). First both losses and all gradients must equal one device on the same micro-batch split,
    bitwise or within ``FACTOR`` x the spread of two one-device runs that add the micro-batches in opposite
    orders (measured here); torch with ``scale_grads=True`` (gradients divided by ``m`` again) is the
    negative control and must fail. Then steps interleaved (ours, torch, ...) with a barrier before each;
    per rank the median, the slowest rank's; reported as ratios ours / torch (CPU: no absolute times).
 2. **The bubble**: every schedule (gpipe, 1f1b, interleaved ``v = 2``, zbh1) on a tiny GPT whose stage
-   work is a sleep (:class:`StageCost`: ``t_F`` forward, ``t_B`` backward, ``t_W`` queued as zbh1's ``W``
+   work is a sleep (``StageCost``: ``t_F`` forward, ``t_B`` backward, ``t_W`` queued as zbh1's ``W``
    or slept inside ``B``; ``1/v`` of it per interleaved chunk). The sleep stands for a GPU kernel that does
-   not use the CPU, so four ranks on two cores still overlap. From the :class:`PipelineEvent` s: busy =
+   not use the CPU, so four ranks on two cores still overlap. From the ``PipelineEvent`` s: busy =
    sum of ``end - ready`` (after the input arrived), makespan = last ``end`` - first ``start`` over the
-   ranks, bubble = ``1 - busy / (p x makespan)``, median of the steps; against :func:`bubble_formula`
+   ranks, bubble = ``1 - busy / (p x makespan)``, median of the steps; against ``bubble_formula``
    (Huang et al. 2019; Narayanan et al. 2021; Qi et al. 2023) and the chapter's 3 percentage points.
-   Beside it the simulator (:func:`simulate`) replaying each action's measured duration with the median
+   Beside it the simulator (``simulate``) replaying each action's measured duration with the median
    measured transfer delay ``p2p`` (what is left between it and the measured bubble: the delays' tail),
    the delays' median and largest, and the slowest action over its kind's median.
 
@@ -233,7 +233,7 @@ def _error(per_rank: list[dict], key: str, ref: dict) -> tuple[float, bool]:
 
 
 class _Replay:
-    """Costs for :func:`simulate` that give each action its own measured duration (duck-typed ``Costs``)."""
+    """Costs for ``simulate`` that give each action its own measured duration (duck-typed ``Costs``)."""
 
     def __init__(self, durations: dict[tuple[str, int, int], float]) -> None:
         self.durations = durations

@@ -7,7 +7,7 @@ Forward + backward of one causal attention core with ``a`` query heads and ``g``
 et al. 2023; ``g = 1``: multi-query) over a sequence split across ``cp`` CPU ranks (gloo, world = cp,
 zig-zag layout), two ways on the same tensors:
 
-* **K/V at g heads**: :func:`refimpl.parallel.context_parallel.ring_attention.ring_attention` with
+* **K/V at g heads**: ``refimpl.parallel.context_parallel.ring_attention.ring_attention`` with
   ``k, v [b, g, s/cp, d]``: the blocks travel the ring at ``g`` heads and are expanded to ``a`` per block
   on arrival (what chapter 07 builds);
 * **K/V repeated**: ``k.repeat_interleave(a/g, dim=1)`` (and ``v``) before the same ring, as picotron's
@@ -18,8 +18,8 @@ Both must give the same output and dQ, dK, dV (gathered, against one-device SDPA
 float64, within ``FACTOR`` x SDPA's own float32 spread measured in the same run); a negative control, K/V
 *tiled* (``k.repeat(1, a/g, 1, 1)``: query head ``i`` reads key/value head ``i mod g`` instead of
 ``i // (a/g)``), must fail that check where ``g > 1``. Reported per layout:
-bytes each rank sent (the ring's ``isend`` bytes, measured by :class:`refimpl.comm.CommTracer`) forward
-and backward, against :func:`refimpl.planner.context_parallel_bytes` at ``g`` and at ``a`` heads, and the
+bytes each rank sent (the ring's ``isend`` bytes, measured by ``refimpl.comm.CommTracer``) forward
+and backward, against ``refimpl.planner.context_parallel_bytes`` at ``g`` and at ``a`` heads, and the
 median forward + backward time over ``--repeats`` (after ``--warmup``; the two interleaved with a barrier
 before each, the slowest rank): repeated / own heads. CPU: compare ratios only.
 """

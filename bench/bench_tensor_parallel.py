@@ -7,10 +7,10 @@ For each tensor-parallel size ``t`` one set of CPU ranks (gloo, world = t) build
 (4 layers, hidden 128, 4 heads) with an **untied** output layer (a tied head cannot be given to
 ``parallelize_module`` twice) three times from the same seed:
 
-* ours: :func:`refimpl.parallel.tensor_parallel.apply_tensor_parallel` (column/row-parallel attention and
-  MLP, vocab-parallel embedding and head) and :func:`~refimpl.parallel.tensor_parallel.tp_lm_loss`;
+* ours: ``refimpl.parallel.tensor_parallel.apply_tensor_parallel`` (column/row-parallel attention and
+  MLP, vocab-parallel embedding and head) and ``refimpl.parallel.tensor_parallel.tp_lm_loss``;
 * ours + SP: the same with ``sequence_parallel=True`` (Korthikanti et al. 2022), the replicated
-  parameters' gradients summed after backward (:func:`allreduce_sequence_parallel_grads`);
+  parameters' gradients summed after backward (``allreduce_sequence_parallel_grads``);
 * DTensor: ``torch.distributed.tensor.parallel.parallelize_module`` with ``ColwiseParallel`` on
   ``query_key_value`` and ``dense_h_to_4h``, ``RowwiseParallel`` on ``dense`` and ``dense_4h_to_h``
   (local outputs, so SDPA runs on plain tensors: it takes no DTensor on the CPU, and the attention
@@ -22,16 +22,16 @@ Each trains with AdamW on the same batches (every rank of the group sees the sam
 its fused qkv rows are grouped by key/value head and SwiGLU's gate/up rows interleaved, so DTensor's plain
 row split is right whenever ``t`` divides ``G``; with fewer key/value heads than ``t`` DTensor's split
 would cut a group (no plan of that form exists for it), so only ours runs
-(:class:`refimpl.models.gpt_sharding.SharedKeyValueQKV`) and the ratios are to ours.
+(``refimpl.models.gpt_sharding.SharedKeyValueQKV``) and the ratios are to ours.
 
 1. **Step time** (forward + loss + backward + AdamW), and the forward + backward part alone (up to the
    end of backward and, under SP, the gradient sums; AdamW on DTensor parameters dispatches per DTensor):
    steps interleaved (ours, ours + SP, DTensor, ours, ...) with a barrier before each; per rank the median
    over the measured steps, then the slowest rank's median. On CPU compare ratios only; gloo's
    reduce-scatter is built from an all-reduce, so CPU timings say nothing of NCCL.
-2. **Collectives per step and rank**: ours counted and sized by :class:`refimpl.comm.CommTracer` (payload
-   = the full tensor, ``nbytes``), beside the planner's :func:`refimpl.planner.tensor_parallel_collectives`
-   and the ring model's bytes sent (:func:`refimpl.planner.wire_bytes`: ``2(t-1)/t b s h`` floats per
+2. **Collectives per step and rank**: ours counted and sized by ``refimpl.comm.CommTracer`` (payload
+   = the full tensor, ``nbytes``), beside the planner's ``refimpl.planner.tensor_parallel_collectives``
+   and the ring model's bytes sent (``refimpl.planner.wire_bytes``: ``2(t-1)/t b s h`` floats per
    all-reduce of the blocks); DTensor's collectives counted by ``CommDebugMode`` (counts only).
 3. A sanity check: the first step's loss of ours and DTensor's, side by side.
 

@@ -9,7 +9,7 @@ same shards of the same batches.
 
 1. **Peak bytes per rank** of parameters + gradients + optimizer state, over one whole training step
    (forward, backward, optimizer), sampled after every tensor operation by
-   :class:`refimpl.measure.PeakStateBytes`. Counted from the tensors, each storage once:
+   ``refimpl.measure.PeakStateBytes``. Counted from the tensors, each storage once:
    parameters = shards + gathered full parameters + all-gather outputs in flight (a prefetch), gradients
    = shards + full gradients not yet reduced, and the optimizer state. Reduce-scatter buffers and
    activations are left out on both sides. For FSDP2 the tensors are read from its ``FSDPParam`` objects

@@ -128,9 +128,9 @@ def ring_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 def ring_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             out: torch.Tensor, lse: torch.Tensor, *, group,
                             causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of this rank's blocks under the attention of :func:`ring_attention_forward`.
+    """The gradients of this rank's blocks under the attention of ``ring_attention_forward``.
 
-    ``q, k, v, group, causal``: as in :func:`ring_attention_forward`; ``out, lse``: this rank's forward
+    ``q, k, v, group, causal``: as in ``ring_attention_forward``; ``out, lse``: this rank's forward
     result and the ``logsumexp`` of its rows' (masked) scores ``q k^T / sqrt(d)`` (``[b, a, c, d]``,
     ``[b, a, c]``), ``do``: the gradient of the loss with respect to ``out``.
     Return ``(dq, dk, dv)``, each the shape of its block: the gradients of the whole sequence's SDPA (with
@@ -160,7 +160,7 @@ def sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """The inverse of :func:`sequence_to_heads`: ``[b, a/n, s, d]`` -> ``[b, a, s/n, d]``.
+    """The inverse of ``sequence_to_heads``: ``[b, a/n, s, d]`` -> ``[b, a, s/n, d]``.
 
     Rank ``r`` holds heads ``[r a/n, (r + 1) a/n)`` of all ``s`` tokens; return all heads of its tokens
     ``[r s/n, (r + 1) s/n)``: ``y[:, j a/n + h, t] = x_j[:, h, r s/n + t]``. Contract: one

@@ -93,7 +93,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor | float, *, dtype: torch.dty
                ) -> torch.Tensor:
     """The values ``q`` stands for: ``fp32(q) * (1 / scale)``, returned in ``dtype``.
 
-    ``scale`` as given to :func:`quantize` (a number, a 0-d tensor, or broadcastable). The reciprocal is
+    ``scale`` as given to ``quantize`` (a number, a 0-d tensor, or broadcastable). The reciprocal is
     taken in fp32 and multiplies (it is the inverse scale ``torch._scaled_mm`` takes); the product is
     fp32, then rounded to ``dtype``.
     """
@@ -128,8 +128,8 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     With ``M`` tokens (``x`` flattened to ``[M, K]``) and ``g = dL/dy [M, N]``, each of the three GEMMs
     casts both its operands to fp8 with the **dynamic** scale of their current amax
-    (:func:`operand_amax`, :func:`amax_to_scale` with ``power_of_2=config.power_of_2_scales``, then
-    :func:`quantize`), then multiplies them with :func:`scaled_mm` (fp32 output):
+    (``operand_amax``, ``amax_to_scale`` with ``power_of_2=config.power_of_2_scales``, then
+    ``quantize``), then multiplies them with ``scaled_mm`` (fp32 output):
 
     =============  ==========================  ==========================================================
     GEMM           operands                    formats
@@ -147,7 +147,7 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     **Each GEMM as an H100 runs it.** A CPU's ``torch._scaled_mm`` takes any size and layout; sm90's does
     not (``refimpl.distributed.kernel_rules``), so the grader checks every fp8 GEMM the layer makes (the
-    three, each through :func:`scaled_mm` or ``torch._scaled_mm``) against sm90's rules:
+    three, each through ``scaled_mm`` or ``torch._scaled_mm``) against sm90's rules:
 
     * the contraction dim and the output's columns are multiples of 16. ``K`` and ``N`` are the layer's
       features (multiples of 16, as ``Float8Linear`` requires), but the weight gradient contracts over the

@@ -9,7 +9,7 @@ Replace each ``raise NotImplementedError`` with your implementation, then run ``
   a checkpoint that verifies, and the order of the durable steps is checked;
 * damages copies of a real checkpoint (a flipped bit late in a file larger than 1 MiB, a truncated file,
   a deleted file, an edited manifest) and expects your ``verify_checkpoint`` to reject each one with a
-  :class:`CheckpointError`, and to accept the intact one;
+  ``CheckpointError``, and to accept the intact one;
 * saves tensors at 4 ranks as boxes (uneven blocks of rows, blocks of columns, a 2 x 2 grid of blocks, a
   1-D tensor with an empty shard, a replicated matrix written in slabs, a 0-d tensor), reads them back at
   3 ranks as rows and as columns, and whole, through your ``plan_read``, and compares with the saved values
@@ -64,7 +64,7 @@ def commit(tmp: Path, manifest: dict, *, keep_last: int) -> Path:
 
 def verify_checkpoint(folder: str | Path) -> dict:
     """Return the manifest of the checkpoint folder ``folder`` if every file in it is what the manifest
-    says; otherwise raise :class:`CheckpointError` with a message that names the file and what is wrong.
+    says; otherwise raise ``CheckpointError`` with a message that names the file and what is wrong.
 
     ``read_manifest(folder)`` parses the manifest and checks the manifest's own checksum (it raises
     ``CheckpointError``); ``manifest["files"]`` maps each file name to ``{"sha256": hex digest, "bytes":
@@ -82,12 +82,12 @@ def plan_read(pieces: Sequence[Mapping[str, Any]], want: Box) -> list[tuple[int,
     """Which elements of which saved pieces a reader of the box ``want`` copies: resharding as box
     intersection.
 
-    ``want`` is a :class:`~refimpl.distributed.placement.Box` of a global tensor (``want.global_shape``):
+    ``want`` is a ``refimpl.distributed.placement.Box`` of a global tensor (``want.global_shape``):
     the elements ``[want.offsets[d], want.offsets[d] + want.shape[d])`` in every dimension ``d``. ``pieces``
     are that tensor's pieces from the manifest: piece ``i`` is the box with ``pieces[i]["offsets"]`` and
     ``pieces[i]["shape"]`` (and names its ``"file"``); together they tile the tensor, each element in
     exactly one piece. Return, in piece order, one ``(i, common)`` per piece that shares at least one
-    element with ``want``, ``common`` the :class:`Box` of the elements they share. The reader then copies
+    element with ``want``, ``common`` the ``Box`` of the elements they share. The reader then copies
     ``out[common.slices(want)] = piece_i[common.slices(box_i)]`` for every tuple, which must fill ``out``
     (the tensor holding ``want``) exactly once, whatever the layout that saved and the one that reads:
     rows into columns, blocks into rows, a 1-D range (the 1-D box) into another.

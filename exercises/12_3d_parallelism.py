@@ -13,7 +13,7 @@ Replace each ``raise NotImplementedError`` with your implementation, then run ``
    averaged, and which of the gradients a rank holds enter the global gradient norm once (Megatron-LM's
    ``get_grad_norm_fp32``; chapters 06, 08 and 10).
 
-Everything is integer or float arithmetic in one process. You may use :class:`StateMemory` (the data
+Everything is integer or float arithmetic in one process. You may use ``StateMemory`` (the data
 type of the answer of task 2); do not import ``refimpl.distributed.mesh`` or ``refimpl.planner`` (that is the
 answer).
 """

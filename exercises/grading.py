@@ -3,7 +3,7 @@
 A chapter's checks live in ``exercises/checks/chNN.py`` as ``TASKS: list[Task]``. A check receives the
 *path* of the module to grade (the learner's ``exercises/NN_topic.py``, or ``exercises/reference/chNN.py``
 that re-exports refimpl's implementations) and raises on a wrong answer. Paths, not modules, so that a
-check can load the module again inside the ranks it spawns (:func:`refimpl.launch.run_ranks`).
+check can load the module again inside the ranks it spawns (``refimpl.launch.run_ranks``).
 The test suite grades both: the reference must score full marks and the untouched stubs zero.
 """
 
@@ -140,7 +140,7 @@ def _own_failures(batch: Batch) -> None:
     of its parts run while its failure is being handled, so Python chains that failure (another call's, often
     another task's) to theirs as ``__context__``: a task's traceback would open with another task's failure
     ("During handling of the above exception, another exception occurred"). The failure a task reads is
-    that of its own call run alone (:mod:`exercises.rank_batch`): the chain is dropped."""
+    that of its own call run alone (``exercises.rank_batch``): the chain is dropped."""
     for outcome in batch.outcomes.values():
         if isinstance(outcome, BaseException):
             outcome.__context__ = None
@@ -148,7 +148,7 @@ def _own_failures(batch: Batch) -> None:
 
 
 def _run_task(task: Task, path: str) -> TaskResult:
-    """One task's verdict; :class:`~exercises.rank_batch.Deferred` passes through (its ranks have not run)."""
+    """One task's verdict; ``exercises.rank_batch.Deferred`` passes through (its ranks have not run)."""
     try:
         task.check(path)
         return TaskResult(name=task.name, points=task.points, earned=task.points, message="ok")

@@ -1,17 +1,17 @@
-"""One spawn for a chapter's rank checks: :func:`exercises.grading.grade` folds them (chapter 00: run_ranks).
+"""One spawn for a chapter's rank checks: ``exercises.grading.grade`` folds them (chapter 00: run_ranks).
 
 A graded file's tasks each start ranks for a fraction of a second of work; started one by one, the
-processes' start and their process group cost more than the checks. While :func:`folded` is active, a
-check's :func:`run_ranks` does not start ranks at once: the first time it raises :class:`Deferred` (the
+processes' start and their process group cost more than the checks. While ``folded`` is active, a
+check's ``run_ranks`` does not start ranks at once: the first time it raises ``Deferred`` (the
 grader sets the task aside), and the grader then runs every deferred call of the same world size and
-timeouts in **one** spawn (:func:`_calls_on_rank`: the calls one after the other on the same ranks) and
-grades the task again, whose :func:`run_ranks` now returns that call's per-rank results.
+timeouts in **one** spawn (``_calls_on_rank``: the calls one after the other on the same ranks) and
+grades the task again, whose ``run_ranks`` now returns that call's per-rank results.
 
 A failed call never borrows a verdict from the others: when a folded spawn fails, its calls are split (the
 one that failed, named by the failing rank's message, runs alone, the others fold again; with no call
 named, a spawn that hung or died, the calls are halved), so every failure a learner reads comes from a
-spawn of that call alone, exactly as :func:`refimpl.launch.run_ranks` reports it, and only calls that all
-passed share a spawn. Outside :func:`folded` (a check called on its own) :func:`run_ranks` is refimpl's.
+spawn of that call alone, exactly as ``refimpl.launch.run_ranks`` reports it, and only calls that all
+passed share a spawn. Outside ``folded`` (a check called on its own) ``run_ranks`` is refimpl's.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class Deferred(BaseException):
 
 @dataclass(frozen=True, kw_only=True)
 class Call:
-    """One :func:`run_ranks` call of a check, as refimpl's would run it."""
+    """One ``run_ranks`` call of a check, as refimpl's would run it."""
 
     fn: Callable[..., Any]
     world_size: int
@@ -62,7 +62,7 @@ class Batch:
     pending: dict[tuple, Call] = field(default_factory=dict)
 
     def run_pending(self) -> None:
-        """Run the waiting calls, one spawn per :attr:`Call.group` (fewer calls per spawn after a failure)."""
+        """Run the waiting calls, one spawn per ``Call.group`` (fewer calls per spawn after a failure)."""
         groups: dict[tuple, list[Call]] = {}
         for call in self.pending.values():
             groups.setdefault(call.group, []).append(call)
@@ -124,7 +124,7 @@ def _calls_on_rank(ctx, calls: list[tuple[Callable[..., Any], tuple]]) -> list[A
 
 @contextlib.contextmanager
 def folded() -> Iterator[Batch]:
-    """While active, :func:`run_ranks` defers to the yielded :class:`Batch` (see the module docstring)."""
+    """While active, ``run_ranks`` defers to the yielded ``Batch`` (see the module docstring)."""
     batch = Batch()
     token = _ACTIVE.set(batch)
     try:
@@ -136,7 +136,7 @@ def folded() -> Iterator[Batch]:
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
               collective_timeout_s: float | None = None, backend: str | None = None,
               env: dict[str, str] | None = None) -> list[Any]:
-    """:func:`refimpl.launch.run_ranks`, folded with other checks' calls while :func:`folded` is active."""
+    """``refimpl.launch.run_ranks``, folded with other checks' calls while ``folded`` is active."""
     from refimpl.launch import run_ranks as spawn
 
     batch = _ACTIVE.get()

@@ -3,8 +3,8 @@
 Every object the course builds takes one of these dataclasses, never loose keyword soup, and each
 validates itself on construction so a bad configuration fails early with a message that says what to
 change (chapter 01). Names follow Megatron-LM (``hidden_size``, ``num_attention_heads``,
-``ffn_hidden_size``). The model's own configuration lives in :mod:`refimpl.model_config` and is
-re-exported here, with :class:`ConfigError` (:mod:`refimpl.errors`).
+``ffn_hidden_size``). The model's own configuration lives in ``refimpl.model_config`` and is
+re-exported here, with ``ConfigError`` (``refimpl.errors``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ PP_BALANCES: tuple[str, ...] = ("layers", "parameters")  # chapter 08: how block
 def parse_block_selection(spec: str) -> str | list[int] | Callable[[int], bool]:
     """A command-line selection of blocks for activation checkpointing (chapter 05): ``all``, ``none``,
     ``every-N`` (blocks 0, N, 2N, ...) or comma-separated indices such as ``0,2,-1``; the result goes to
-    :func:`refimpl.parallel.activation_checkpoint.apply_activation_checkpointing`."""
+    ``refimpl.parallel.activation_checkpoint.apply_activation_checkpointing``."""
     spec = spec.strip().lower()
     if spec in ("all", "none"):
         return spec
@@ -73,7 +73,7 @@ def micro_batches(*, per_rank_batch: int, micro_batch_size: int | None, pp: int 
     (None: one forward of the whole batch). With one, the pipeline's micro-batches: ``microbatches`` if
     given, else the per-rank batch over ``micro_batch_size``, else ``pp`` (one per stage, the least that
     fills the pipeline). The callers check that the batch splits (the trainer's preflight says how to fix
-    it); the planner (:func:`refimpl.planner.predict_run`) counts with the same rule."""
+    it); the planner (``refimpl.planner.predict_run``) counts with the same rule."""
     if pp > 1 and microbatches is not None:
         return microbatches
     if micro_batch_size is not None:
@@ -171,15 +171,15 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         """The run as a dict (config.json, the checkpoint's signature); the model's as
-        :meth:`ModelConfig.to_dict` gives it (a dense model without the MoE fields)."""
+        ``ModelConfig.to_dict`` gives it (a dense model without the MoE fields)."""
         return dataclasses.asdict(self) | {"model": self.model.to_dict()}
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """The layout and every technique option of a run, in one object (chapter 12 assembles them): what the
-    trainer's options give (``RunOptions.parallel``), :func:`refimpl.parallel.parallelize` applies,
-    :func:`refimpl.planner.predict_run` predicts and the trainer's memory preflight plans.
+    trainer's options give (``RunOptions.parallel``), ``refimpl.parallel.parallelize`` applies,
+    ``refimpl.planner.predict_run`` predicts and the trainer's memory preflight plans.
 
     Degrees ``dp`` (None: the world size over ``cp x tp x pp``), ``cp``, ``tp``, ``pp``, and
     ``dp_replicate`` (HSDP: the ``dp`` ranks as ``dp_replicate x dp_shard``, ZeRO-3 sharding over a shard
@@ -202,7 +202,7 @@ class ParallelConfig:
     gathers and reduces per micro-batch (m times the collectives, the parameters never kept).
 
     Which combinations are refused, and why, is the support table's
-    (:func:`refimpl.support.check_supported`), not this class's: it checks only that each value is one it
+    (``refimpl.support.check_supported``), not this class's: it checks only that each value is one it
     knows.
     """
 

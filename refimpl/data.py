@@ -43,7 +43,7 @@ def encode(text: str) -> torch.Tensor:
 
 
 def decode(tokens: torch.Tensor | list[int]) -> str:
-    """Inverse of :func:`encode`; invalid UTF-8 (a cut multi-byte character) becomes U+FFFD."""
+    """Inverse of ``encode``; invalid UTF-8 (a cut multi-byte character) becomes U+FFFD."""
     values = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
     return bytes(int(t) for t in values).decode("utf-8", errors="replace")
 

@@ -1,4 +1,4 @@
-"""The one error a configuration raises (:mod:`refimpl.config`, :mod:`refimpl.model_config`)."""
+"""The one error a configuration raises (``refimpl.config``, ``refimpl.model_config``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The model's configuration: :class:`ModelConfig`, the forms it names (``LLAMA``, ``DEEPSEEK_V3``,
+"""The model's configuration: ``ModelConfig``, the forms it names (``LLAMA``, ``DEEPSEEK_V3``,
 ``ARCHS``) and the
-class that builds it (``MODEL_CLASS``) (chapter 01; :mod:`refimpl.config` re-exports them with the data
+class that builds it (``MODEL_CLASS``) (chapter 01; ``refimpl.config`` re-exports them with the data
 and run configurations). Names follow Megatron-LM (``hidden_size``, ``num_attention_heads``,
 ``ffn_hidden_size``); it validates itself on construction and imports nothing of refimpl but the error.
 """
@@ -49,7 +49,7 @@ class ModelConfig:
     2021, with ``rope_theta`` and ``rope_type="llama3"``'s frequency scaling), ``normalization="rmsnorm"``,
     ``activation="swiglu"`` (Shazeer 2020), ``add_bias=False`` and an untied output layer:
     ``ModelConfig(**LLAMA, ...)``. At their defaults these fields are GPT-2's and left out of
-    :meth:`to_dict`.
+    ``to_dict``.
 
     **Mixture of experts** (chapter 09; Shazeer et al. 2017, GShard, Switch, DeepSeek-V3): with ``num_experts
     = E > 0`` the MLP of every ``moe_every``-th block (blocks ``0, N, 2N, ...``, the rule of Megatron-LM's
@@ -256,7 +256,7 @@ class ModelConfig:
         return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
 
     def build(self, *, seed: int = 0) -> nn.Module:
-        """The model this configuration describes (the course GPT, :data:`MODEL_CLASS`), built on the
+        """The model this configuration describes (the course GPT, ``MODEL_CLASS``), built on the
         current default device (``with torch.device("meta"):`` for shapes only). The planner reads the
         model's declarations through it (its parameters and its tensor-parallel plan) without importing a
         model. The configuration names the class it builds and it is resolved when called (Hugging Face's
@@ -285,7 +285,7 @@ class ModelConfig:
 
 
 MODEL_CLASS = "refimpl.models.gpt.GPT"
-"""The class a :class:`ModelConfig` describes (``ModelConfig.build``), by name."""
+"""The class a ``ModelConfig`` describes (``ModelConfig.build``), by name."""
 
 _ARCHITECTURE_DEFAULTS = {"position_embedding": "learned", "rope_theta": 10000.0, "rope_type": "default",
                           "rope_factor": 8.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,

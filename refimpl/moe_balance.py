@@ -2,15 +2,15 @@
 expert, its dropped assignments and its balance loss, summed over the step's micro-batches and ranks, and
 DeepSeek-V3's auxiliary-loss-free bias update.
 
-* :func:`record_micro_batch` (called by the model's loss, once per micro-batch, after its forward): the
+* ``record_micro_batch`` (called by the model's loss, once per micro-batch, after its forward): the
   blocks' balance losses summed (what the loss adds, in the graph), and each block's counters: the
   assignments its router made per expert (``tokens_per_expert``, before capacity), the dropped ones and
   the balance loss (detached). Read here and not in the forward, because activation checkpointing runs a
   block's forward a second time in backward. The counters are device tensors, added to on the device:
   nothing here reads a value on the host (a ``.cpu()`` and a ``float()`` per block and micro-batch were
-  two device-to-host syncs each; :mod:`refimpl.distributed.host_syncs`), the step's one read
-  is :func:`finish_step`'s.
-* :func:`finish_step` (once per step, before the optimizer step): one all-reduce of every block's
+  two device-to-host syncs each; ``refimpl.distributed.host_syncs``), the step's one read
+  is ``finish_step``'s.
+* ``finish_step`` (once per step, before the optimizer step): one all-reduce of every block's
   counters over the ``dp x cp`` group (the ranks that saw different tokens; a tensor-parallel group saw the
   same ones), so every rank knows the global batch's load ``c_i``. With ``moe_load_balance = "bias"`` each
   router's expert bias moves by DeepSeek-V3's rule, ``b_i += u sign(mean_j c_j - c_i)`` (section 2.1.2),

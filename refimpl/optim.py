@@ -57,7 +57,7 @@ def _device_of(groups: list[dict]) -> torch.device:
 
 def build_optimizer(model: nn.Module, config: OptimConfig,
                     named: Iterable[tuple[str, nn.Parameter]] | None = None) -> torch.optim.AdamW:
-    """AdamW over :func:`param_groups`, ``foreach`` by the parameters' device (:func:`adamw_foreach`)."""
+    """AdamW over ``param_groups``, ``foreach`` by the parameters' device (``adamw_foreach``)."""
     groups = param_groups(model, config.weight_decay, named)
     return torch.optim.AdamW(
         groups,

@@ -6,8 +6,8 @@ estimated step time, with memory and communication per GPU broken down (chapter 
         --layout dp=128,tp=8,pp=2
     python -m refimpl.plan --model llama3-70b --gpus 512 --seq-len 8192 --global-batch 512
 
-Every figure is a formula of :mod:`refimpl.planner` (the chapters check them against measurement), one
-layout at a time :func:`refimpl.planner.layout_plan.evaluate_layout` (its docstring has each term), fed with
+Every figure is a formula of ``refimpl.planner`` (the chapters check them against measurement), one
+layout at a time ``refimpl.planner.layout_plan.evaluate_layout`` (its docstring has each term), fed with
 the assumptions printed under the table:
 
 * **shape**: from ``--params`` a GPT of ``L`` layers and width ``h`` with ``12 L h^2 ~ N`` and ``h = 128 L``
@@ -22,7 +22,7 @@ the assumptions printed under the table:
   the FLOPs count the weights a token uses (``k`` routed and the shared experts); the all-to-all bytes
   are what refimpl's expert parallelism sends for uniform routing;
 * **memory per GPU** (Rajbhandari et al. 2020; Korthikanti et al. 2022): the ZeRO table
-  (:func:`~refimpl.planner.zero_state.zero_memory_paper`, bf16 weights and gradients, fp32 master weights
+  (``refimpl.planner.zero_state.zero_memory_paper``, bf16 weights and gradients, fp32 master weights
   and Adam moments, ``K = 12``) over a rank's ``N / (tp pp)`` parameters, sharded over the ``dp x cp``
   ranks (``dp/R x cp`` under HSDP of ``R`` replicas): stage 1 the optimizer, 2 the gradients too, 3 the
   weights too, plus ZeRO-3's gathered blocks; activations of the ``pp`` micro-batches the first 1F1B stage
@@ -31,7 +31,7 @@ the assumptions printed under the table:
 * **time per step**: the FLOPs ``(6 N + 12 L h s) x tokens`` at ``--mfu`` of the dense bf16 peak (a third
   more when recomputing: one more forward), stretched by the 1F1B bubble ``(pp-1)/(m+pp-1)``, plus the
   bytes of TP's collectives, of dp's gradient all-reduce (1.5 times it at ZeRO-3: the weights all-gathered
-  for forward and for backward), of the pipeline's sends (:func:`boundary_bytes`, float32) and of CP's ring,
+  for forward and for backward), of the pipeline's sends (``boundary_bytes``, float32) and of CP's ring,
   each at the link it crosses (NVLink inside a node, the network between), none overlapped (an upper
   bound). Bytes are the ring algorithm's, ``2 (n-1)/n`` of an all-reduce's payload: a model, not what NCCL
   does on every box (inside an HGX H100 node it picks NVLS, NVLink SHARP, or a tree as well as rings).
@@ -40,7 +40,7 @@ the assumptions printed under the table:
 (``--recompute`` forces one) and each HSDP degree dividing dp (``--no-hsdp``: none), with
 ``--global-batch / (dp --micro-batch)`` micro-batches, skips what the trainer refuses (the combinations of
 refimpl/support.py's table, e.g. HSDP without ZeRO-3, and the shapes its tensor and context parallelism
-cannot split: :func:`refimpl.planner.layout_plan.layout_refusals`, each combination as the trainer's
+cannot split: ``refimpl.planner.layout_plan.layout_refusals``, each combination as the trainer's
 ``ParallelConfig``), and keeps per layout the combination that fits with the shortest step; ties (stages
 0-2 move the same bytes here) go to the lowest stage, then to no recomputation, then to no replication. So
 a layout runs at the lowest ZeRO stage that fits it (ZeRO-3 sends 1.5 times the bytes) and recomputes only
@@ -108,7 +108,7 @@ def plan_layouts(config: ModelConfig, *, gpus: int, gpu: str, gpus_per_node: int
                  global_batch: int, micro_batch: int = 1, mfu: float = 0.5, recompute: bool | None = False,
                  flash: bool = True, zero_stages: tuple[int, ...] = (1,), hsdp: bool = False
                  ) -> list[LayoutPlan]:
-    """Every layout of ``gpus`` the model's sizes allow, each at the combination :func:`choose` keeps of
+    """Every layout of ``gpus`` the model's sizes allow, each at the combination ``choose`` keeps of
     ``zero_stages``, recomputation (``recompute``: False none, True every block, None both), with ``hsdp``
     every HSDP degree dividing dp and, for an MoE model, every expert-parallel degree dividing the experts
     and ``dp x cp``; fastest first among those that fit, then the rest. The
@@ -242,7 +242,7 @@ def parse_layout(text: str, gpus: int) -> dict[str, int]:
 
 
 def _evaluate_given(config: ModelConfig, args: argparse.Namespace) -> tuple[dict, list[LayoutPlan]]:
-    """The --layout at each stage shown (:func:`evaluate_stages`: the stages the trainer refuses at this
+    """The --layout at each stage shown (``evaluate_stages``: the stages the trainer refuses at this
     layout are left out, ``layout["refused"]`` says which and why); a ConfigError on bad input, and when
     the trainer refuses the ``zero=`` given (the support table's words)."""
     layout = parse_layout(args.layout, args.gpus)

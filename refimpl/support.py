@@ -1,25 +1,25 @@
 """The support table: every combination of techniques refimpl refuses, written once, with its reason.
 
-The trainer's options (:class:`refimpl.train.RunOptions`), :func:`refimpl.parallel.parallelize` and the
-planner (:func:`refimpl.planner.run_memory_per_rank`, the pipeline's memory model) all ask
-:func:`check_supported`, so a combination is refused in the same words before a process starts, before a
+The trainer's options (``refimpl.train.RunOptions``), ``refimpl.parallel.parallelize`` and the
+planner (``refimpl.planner.run_memory_per_rank``, the pipeline's memory model) all ask
+``check_supported``, so a combination is refused in the same words before a process starts, before a
 model is touched and before a plan is made; ``python -m refimpl.train --list-layouts`` prints the table.
 A row leaves the table when the combination is built (docs/ARCHITECTURE.md: how a new technique plugs in).
 
-Each row is a predicate over a :class:`~refimpl.config.ParallelConfig` and the reason a learner needs:
+Each row is a predicate over a ``refimpl.config.ParallelConfig`` and the reason a learner needs:
 what the combination would do wrong, and what to use instead. tests/test_support.py holds, per row, a
 configuration it refuses and the nearest one it lets through.
 
 Mixture-of-experts models and expert parallelism (chapter 09) have their own rows,
-:data:`MOE_SUPPORT_TABLE`: each applies to a layout with ``ep > 1`` (expert parallelism implies MoE
+``MOE_SUPPORT_TABLE``: each applies to a layout with ``ep > 1`` (expert parallelism implies MoE
 blocks), or to any layout when the caller says the model has MoE blocks (``check_supported(config,
-moe=True)``: the trainer and :func:`refimpl.parallel.parallelize`, which know the model); their cases
+moe=True)``: the trainer and ``refimpl.parallel.parallelize``, which know the model); their cases
 are tests/test_moe_model.py's.
 
 What a layout needs of the model and the sequence (tensor parallelism splits the heads, the MLP width and
 the vocabulary; sequence parallelism and context parallelism split the sequence) is
-:func:`shape_refusals`, the one rule set: the trainer's preflight raises its sentences
-(:func:`refimpl.train.preflight.check_shapes`) and the planner's search asks it with the table
+``shape_refusals``, the one rule set: the trainer's preflight raises its sentences
+(``refimpl.train.preflight.check_shapes``) and the planner's search asks it with the table
 (``python -m refimpl.plan`` ranks no layout the trainer would refuse; tests/test_plan_cli.py runs its top
 layouts through the trainer's validation).
 """
@@ -111,7 +111,7 @@ MOE_SUPPORT_TABLE: tuple[Unsupported, ...] = (
 
 
 def refusals(config: ParallelConfig, *, moe: bool = False) -> list[Unsupported]:
-    """The rows of :data:`SUPPORT_TABLE`, then :data:`MOE_SUPPORT_TABLE`, that refuse ``config``, in the
+    """The rows of ``SUPPORT_TABLE``, then ``MOE_SUPPORT_TABLE``, that refuse ``config``, in the
     tables' order; an MoE row only when ``moe`` (the model has MoE blocks) or ``config.ep > 1``."""
     experts = moe or config.ep > 1
     return [row for row in (*SUPPORT_TABLE, *MOE_SUPPORT_TABLE)
@@ -119,7 +119,7 @@ def refusals(config: ParallelConfig, *, moe: bool = False) -> list[Unsupported]:
 
 
 def check_supported(config: ParallelConfig, *, moe: bool = False) -> None:
-    """Raise :class:`~refimpl.config.ConfigError` with the first refusing row's message (the others after
+    """Raise ``refimpl.config.ConfigError`` with the first refusing row's message (the others after
     it), or return: everything in ``config`` composes. ``moe``: the model has MoE blocks."""
     rows = refusals(config, moe=moe)
     if rows:
@@ -133,7 +133,7 @@ def shape_refusals(model: ModelConfig, config: ParallelConfig, *, seq_len: int) 
     sequence parallelism ``1/tp`` of the tokens; ring attention cuts a sequence into ``2 cp`` chunks,
     Ulysses into ``cp`` and gives each context-parallel rank whole heads of its tensor-parallel rank's
     (chapter 07). Multi-head latent attention (the DeepSeek-V3 form, ``refimpl.models.mla``) is built for
-    neither. The trainer's preflight (:func:`refimpl.train.preflight.check_shapes`) raises these
+    neither. The trainer's preflight (``refimpl.train.preflight.check_shapes``) raises these
     sentences, the planner's search skips the layouts they refuse: one rule set."""
     tp, cp, s, heads = config.tp, config.cp, seq_len, model.num_attention_heads
     out = []

@@ -18,8 +18,8 @@ import numpy as np
 
 
 class _Timings(Protocol):
-    """What :func:`plot_alpha_beta` reads of a measurement
-    (:class:`refimpl.measure.collective_timing.Timings`)."""
+    """What ``plot_alpha_beta`` reads of a measurement
+    (``refimpl.measure.collective_timing.Timings``)."""
 
     op: str
     world_size: int
@@ -28,7 +28,7 @@ class _Timings(Protocol):
 
 
 class _Fit(Protocol):
-    """What :func:`plot_alpha_beta` reads of a fit (:class:`refimpl.planner.time_model.AlphaBeta`)."""
+    """What ``plot_alpha_beta`` reads of a fit (``refimpl.planner.time_model.AlphaBeta``)."""
 
     alpha_s: float
     beta_bytes_per_s: float
@@ -99,8 +99,8 @@ def plot_alpha_beta(
     title: str = "time per message: measured (points) and alpha-beta model (lines)",
     path: str | os.PathLike | None = None,
 ):
-    """Log-log plot of each :class:`~refimpl.measure.collective_timing.Timings` (points) and its alpha-beta
-    fit in ``fits`` (solid line; the caller fits, e.g. :func:`refimpl.planner.fit_alpha_beta`; None: no
+    """Log-log plot of each ``refimpl.measure.collective_timing.Timings`` (points) and its alpha-beta
+    fit in ``fits`` (solid line; the caller fits, e.g. ``refimpl.planner.fit_alpha_beta``; None: no
     line), plus any ``models[label](sizes) -> seconds`` as dashed lines (e.g. a prediction from the p2p
     fit), chapter 02. Returns the figure; writes a PNG too when ``path`` is given. Draws only: nothing here
     measures or fits, and nothing of refimpl is imported (the package's modules import this one)."""

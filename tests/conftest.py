@@ -98,8 +98,8 @@ def gpu_tests_off() -> str | None:
 
 
 def _deselect_gpu_tests(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Remove the ``gpu``-marked items unless :func:`gpu_tests_off` says they run; the count and the reason
-    go to the collection report (:func:`pytest_report_collectionfinish`)."""
+    """Remove the ``gpu``-marked items unless ``gpu_tests_off`` says they run; the count and the reason
+    go to the collection report (``pytest_report_collectionfinish``)."""
     gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
     why = gpu_tests_off() if gpu else None
     if why is None:
@@ -148,8 +148,8 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.fixture(scope="session")
 def one_device_references(tmp_path_factory: pytest.TempPathFactory, corpus: dict) -> Callable[..., dict]:
-    """``get(flags, steps=n)``: :func:`tests.one_device.one_device_losses` for the trainer's ``flags`` on
-    :func:`corpus`, computed the first time a module asks for those flags and steps and handed to the next
+    """``get(flags, steps=n)``: ``tests.one_device.one_device_losses`` for the trainer's ``flags`` on
+    ``corpus``, computed the first time a module asks for those flags and steps and handed to the next
     (a read-only dict: a module that adds entries copies it first)."""
     from refimpl.train import build_parser
     from tests.one_device import one_device_losses

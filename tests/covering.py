@@ -1,15 +1,15 @@
 """A pairwise covering array of the trainer's options (tests/test_train_pairs.py runs it against one device).
 
-Each technique the trainer composes is a **factor** with its levels (:data:`FACTORS`); a **row** gives
-every factor a level and is a trainer layout at :data:`WORLD` ranks. A pair of levels of two factors is
+Each technique the trainer composes is a **factor** with its levels (``FACTORS``); a **row** gives
+every factor a level and is a trainer layout at ``WORLD`` ranks. A pair of levels of two factors is
 **allowed** when some row that holds it is a layout the trainer accepts: the support table
-(:func:`refimpl.support.refusals`, MoE rows included), the shapes (:func:`refimpl.support.shape_refusals`)
-and what :data:`WORLD` ranks can hold (a degree product of 4: at most two of tp, cp and pp at 2; HSDP
-needs 2 data-parallel ranks to replicate over, ``--ep 2`` two ``dp x cp`` ranks). :func:`covering_rows`
+(``refimpl.support.refusals``, MoE rows included), the shapes (``refimpl.support.shape_refusals``)
+and what ``WORLD`` ranks can hold (a degree product of 4: at most two of tp, cp and pp at 2; HSDP
+needs 2 data-parallel ranks to replicate over, ``--ep 2`` two ``dp x cp`` ranks). ``covering_rows``
 picks rows greedily (each the candidate that covers the most pairs not yet covered, ties to the first
 in the factors' order: deterministic) until every allowed pair is in some row: the AETG construction
-(Cohen et al. 1997). A new option is one more line in :data:`FACTORS` (and its flags in
-:func:`row_flags`): the array grows to cover its pairs with everything else.
+(Cohen et al. 1997). A new option is one more line in ``FACTORS`` (and its flags in
+``row_flags``): the array grows to cover its pairs with everything else.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ Row = dict[str, object]
 
 
 def degrees(row: Row) -> dict[str, int]:
-    """The row's degrees at :data:`WORLD` ranks (dp: what tp, cp and pp leave; 0 when they leave none)."""
+    """The row's degrees at ``WORLD`` ranks (dp: what tp, cp and pp leave; 0 when they leave none)."""
     tp, cp, pp = (1 if row[axis] == "off" else 2 for axis in ("tp", "cp", "pp"))
     return {"tp": tp, "cp": cp, "pp": pp, "dp": WORLD // (tp * cp * pp) if WORLD % (tp * cp * pp) == 0 else 0}
 
@@ -67,7 +67,7 @@ def parallel_config(row: Row) -> ParallelConfig:
 
 
 def why_not(row: Row) -> list[str]:
-    """Why the trainer would refuse ``row`` at :data:`WORLD` ranks (none: it runs it); what the 4 ranks
+    """Why the trainer would refuse ``row`` at ``WORLD`` ranks (none: it runs it); what the 4 ranks
     cannot hold comes first, alone, its sentence opening with "4 ranks:"."""
     d = degrees(row)
     if not d["dp"]:
@@ -87,7 +87,7 @@ def why_not(row: Row) -> list[str]:
 
 
 def row_flags(row: Row) -> list[str]:
-    """The trainer's flags of ``row`` (besides :data:`MODEL` and the data), at :data:`WORLD` ranks."""
+    """The trainer's flags of ``row`` (besides ``MODEL`` and the data), at ``WORLD`` ranks."""
     flags = list(PRECISIONS[str(row["precision"])]) + ["--zero-stage", str(row["zero"])]
     if row["pp"] != "off":
         flags += ["--pp", "2", "--pp-schedule", str(row["pp"])]
@@ -119,7 +119,7 @@ def _pairs(row: Row) -> set[tuple]:
 
 @cache
 def accepted_rows() -> tuple[tuple, ...]:
-    """Every row the trainer accepts at :data:`WORLD` ranks, as tuples of levels in :data:`FACTORS`' order."""
+    """Every row the trainer accepts at ``WORLD`` ranks, as tuples of levels in ``FACTORS``' order."""
     return tuple(levels for levels in itertools.product(*FACTORS.values())
                  if not why_not(dict(zip(FACTORS, levels, strict=True))))
 

@@ -1,8 +1,8 @@
 """Several rank functions in one spawn: a module's per-test spawns folded into one per world size.
 
 A spawn's fixed cost (processes, imports, the process group) is seconds on the 2-core machine; the work of
-a unit test's rank function is a fraction of one. :func:`run_folded` runs ``{key: (fn, args)}`` one after
-the other on the same ``world_size`` ranks (:func:`refimpl.launch.run_ranks`: one free port, the whole
+a unit test's rank function is a fraction of one. ``run_folded`` runs ``{key: (fn, args)}`` one after
+the other on the same ``world_size`` ranks (``refimpl.launch.run_ranks``: one free port, the whole
 spawn within ``timeout_s``, each collective within ``collective_timeout_s``) and returns ``{key: per-rank
 results}``: each test asserts on its key as it did on its own spawn's results. A call that raises ends the
 spawn, its rank's message naming the call's key, so the module's tests fail (that test's, and the others

@@ -9,10 +9,10 @@ where one device rounds once: a rounding no reordering of one device's arithmeti
 
 Losses alone hide a constant gradient factor (AdamW divides it out, clipping rescales it), so the layouts'
 **gradients before the optimizer** are compared too: those of the first step, which no clipping or update
-has touched yet, handed by :func:`refimpl.train.train`'s ``gradient_probe`` as boxes of the plain GPT's
+has touched yet, handed by ``refimpl.train.train``'s ``gradient_probe`` as boxes of the plain GPT's
 tensors (a tensor-parallel block, a ZeRO row shard, a replica). Every rank's every box is compared with
 the same box of one device's gradient, per parameter within ``factor x`` that parameter's order spread
-(:func:`refimpl.measure.order_tolerance` applied to its elements), and the boxes of all ranks must cover
+(``refimpl.measure.order_tolerance`` applied to its elements), and the boxes of all ranks must cover
 every element of every parameter. Negative control: the same gradients scaled by a factor (a pipeline's
 ``m`` micro-batches whose loss was not divided by ``m``, a sum instead of a mean over 2 replicas) fail.
 """
@@ -37,8 +37,8 @@ Pieces = dict[str, tuple[tuple[int, ...], tuple[int, ...], np.ndarray]]
 
 
 def first_step_gradients(into: dict) -> Callable[[int, dict[str, LocalShard]], None]:
-    """A ``gradient_probe`` for :func:`refimpl.train.train` that keeps step 0's gradients in ``into``
-    (:data:`Pieces`: numpy, since tensors would travel back from a rank as shared memory)."""
+    """A ``gradient_probe`` for ``refimpl.train.train`` that keeps step 0's gradients in ``into``
+    (``Pieces``: numpy, since tensors would travel back from a rank as shared memory)."""
     def probe(step: int, shards: dict[str, LocalShard]) -> None:
         if step == 0:
             into.update({name: (s.box.offsets, s.box.global_shape, s.tensor.detach().cpu().numpy().copy())
@@ -50,9 +50,9 @@ def one_device_losses(args_for: Callable[..., object], root: Path, *, steps: int
                       precisions: Mapping[str, Sequence[str]] | None = None) -> dict:
     """``{(precision, "batch" | "micro"): losses}`` of ``steps`` one-device steps in this process (one
     thread, as each rank runs; the caller's RNG states and thread count restored), and under
-    ``("grads", precision, order)`` the first step's gradients (:data:`Pieces`, whole tensors).
+    ``("grads", precision, order)`` the first step's gradients (``Pieces``, whole tensors).
     ``args_for(out, *flags)`` parses the trainer's flags for a run in ``out``; ``precisions``: name -> the
-    trainer's flags of each precision (default :data:`PRECISIONS` as ``--precision NAME``; "fp32" must be
+    trainer's flags of each precision (default ``PRECISIONS`` as ``--precision NAME``; "fp32" must be
     one of them: the 16-bit rule reads it)."""
     state = random.getstate(), np.random.get_state(), torch.random.get_rng_state(), torch.get_num_threads()
     torch.set_num_threads(1)
@@ -78,13 +78,13 @@ def one_device_losses(args_for: Callable[..., object], root: Path, *, steps: int
 
 def tolerance(one_device: dict, precision: str, *, factor: float) -> float:
     """``factor x`` the order spread of ``precision`` (16 bits: at least ``|16-bit - fp32|``): the package's
-    :func:`refimpl.measure.order_tolerance`, which chapter 12 uses too."""
+    ``refimpl.measure.order_tolerance``, which chapter 12 uses too."""
     return order_tolerance(one_device, precision, factor=factor)
 
 
 def assert_trains_like_one_device(per_rank: list[list[float]], one_device: dict, precision: str, *,
                                   factor: float, name: str) -> None:
-    """Every rank's losses within :func:`tolerance` of one device's; negative control: one device's losses
+    """Every rank's losses within ``tolerance`` of one device's; negative control: one device's losses
     move by more than the tolerance from step to step (so a run that did not train would fail)."""
     want = np.array(one_device[precision, "batch"][:len(per_rank[0])])
     tol = tolerance(one_device, precision, factor=factor)
@@ -99,7 +99,7 @@ def assert_trains_like_one_device(per_rank: list[list[float]], one_device: dict,
 def _gradient_tolerances(one_device: dict, precision: str, *, factor: float) -> dict[str, float]:
     """Per parameter ``p``: ``factor x r x max|g_p|``, ``r`` the largest spread of one tensor's one-device
     gradient over the two summation orders relative to that tensor's largest element (16 bits: at least
-    ``|16-bit - fp32|``), i.e. :func:`refimpl.measure.order_tolerance` on the gradients, each tensor divided
+    ``|16-bit - fp32|``), i.e. ``refimpl.measure.order_tolerance`` on the gradients, each tensor divided
     by its own scale ``max|g_p|`` (fp32). Relative because rounding scales with the magnitude, and the
     largest over the tensors because a tensor summed as a single reduction (a bias, the position
     embedding: one sum over the tokens) takes the same bits in both orders and has no spread of its own."""

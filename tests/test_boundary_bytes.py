@@ -1,12 +1,12 @@
 """The plan CLI's stage-boundary bytes against what the runtime sends (chapter 12).
 
-``python -m refimpl.plan`` counts the pipeline's traffic with :func:`refimpl.plan.boundary_bytes`: a
-``[b, s/(cp tp), h]`` tensor of :data:`refimpl.plan.BOUNDARY_BYTES_PER_ELEMENT` bytes per element. Here ONE
-spawn of 8 ranks trains a tiny untied GPT for one step through :func:`refimpl.train.train` at dp 1 x tp 4 x
+``python -m refimpl.plan`` counts the pipeline's traffic with ``refimpl.plan.boundary_bytes``: a
+``[b, s/(cp tp), h]`` tensor of ``refimpl.plan.BOUNDARY_BYTES_PER_ELEMENT`` bytes per element. Here ONE
+spawn of 8 ranks trains a tiny untied GPT for one step through ``refimpl.train.train`` at dp 1 x tp 4 x
 pp 2 with sequence parallelism in **bf16** (autocast, where a plan could believe the boundaries are bf16)
 and records every tensor the pipeline executor posts for sending (through ``post_group``), its dtype and
 bytes, and the dtype of every receive buffer. Each must be the plan's boundary tensor, dtype and bytes;
-the step's sends per rank the plan's ``sent["pp"]`` for that layout (:func:`refimpl.plan.plan_layouts`);
+the step's sends per rank the plan's ``sent["pp"]`` for that layout (``refimpl.plan.plan_layouts``);
 and the trainer's own tracer (``bytes_sent["pp"]`` in its records) must agree with the recorded sends.
 Negative control: the plan's former term, a bf16 ``[b, s/cp, h]`` boundary (2 bytes per element, the
 sequence-parallel split forgotten), is not what is sent (at tp 2 the two errors cancel: hence tp 4).

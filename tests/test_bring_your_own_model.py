@@ -2,7 +2,7 @@
 
 Two foreign models, each given only what a practitioner would write (a few lines of glue per technique):
 
-* :class:`UserLM`, a transformer of the user's own, with its own names (``tok``, ``blocks``, ``attn.qkv``,
+* ``UserLM``, a transformer of the user's own, with its own names (``tok``, ``blocks``, ``attn.qkv``,
   ``attn.out``, ``ffn.up``/``ffn.down``, ``norm1``/``norm2``, an untied ``lm_head``): its attention is one
   FUSED ``[q|k|v]`` linear in nanoGPT's ``[3, heads, d]`` row order and infers its heads from the width
   (``view(b, s, -1, d)``), so it runs unchanged on a tensor-parallel rank's ``heads / t`` heads;
@@ -11,7 +11,7 @@ Two foreign models, each given only what a practitioner would write (a few lines
   ``config.base_model_tp_plan`` (``layers.*.self_attn.q_proj: "colwise"``, ...) mapped to our styles.
 
 Neither declares anything: a technique asked without its declaration is refused by
-:class:`~refimpl.parallel.declarations.MissingDeclaration` (a ``TypeError``) naming what to declare, never
+``refimpl.parallel.declarations.MissingDeclaration`` (a ``TypeError``) naming what to declare, never
 an ``AttributeError``; with the declaration passed in (a plan, ``unit_types``, a ``pipeline_stages``
 method) each technique runs. One 2-rank spawn per model computes every case; the tests assert on it.
 
@@ -44,13 +44,13 @@ micro-batch loss is a mean instead of a share of the global batch (every gradien
 saves less than half of what autograd saves without it (so its bitwise check is not vacuous).
 
 **Checkpoints across layouts**: one AdamW step at 2 ranks (the Llama under TP=2 by Hugging Face's plan, the
-user model under ZeRO-3 by its block type), saved by :mod:`refimpl.checkpoint` (each rank its boxes); this
+user model under ZeRO-3 by its block type), saved by ``refimpl.checkpoint`` (each rank its boxes); this
 process loads it into the plain model and a plain AdamW: parameters and moments equal the 2-rank run's
 whole tensors, bit for bit.
 
 The user model under TP=2 is not checkpointed: its fused qkv as ``ColwiseParallel(chunks=3)`` holds 3 row
 blocks per rank, which one box cannot name, and the checkpoint refuses it by name (tested). A refimpl
-entry point that fails on a foreign model raises :class:`RefimplBug` with the refimpl error it hit.
+entry point that fails on a foreign model raises ``RefimplBug`` with the refimpl error it hit.
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ class UserSpec:
 
     def fused(self, model: nn.Module) -> list[str]:
         """The fused qkv tensors: torch's ColwiseParallel has no chunks, so its run gets their rows
-        reordered (:func:`qkv_rows_per_rank`) and gives gradients in that order."""
+        reordered (``qkv_rows_per_rank``) and gives gradients in that order."""
         return [n for n, _ in model.named_parameters() if ".attn.qkv." in n]
 
 
@@ -754,7 +754,7 @@ def test_activation_checkpointing_by_unit_types_is_bitwise(results):
 @pytest.mark.timeout(SPAWN_TIMEOUT + 30)
 def test_pipeline_1f1b_of_the_users_stages_equals_one_device(user):
     """PipelineModule (1F1B, 2 stages, 2 micro-batches) on the stages the user declares
-    (:func:`user_pipeline_stages`): the loss and every gradient (each on the rank of its stage) are the bits
+    (``user_pipeline_stages``): the loss and every gradient (each on the rank of its stage) are the bits
     of one device running the 2 micro-batches. Negative control: a micro-batch loss that is its own mean,
     not its share of the global batch's, doubles every gradient."""
     micro, tol = user[0]["micro"], _tolerances(user[0])

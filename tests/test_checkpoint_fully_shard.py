@@ -6,7 +6,7 @@ is padded to a multiple of ``W`` for the all-gather, and each rank's local tenso
 placements (``refimpl.distributed.placement.dtensor_box``), and that of the plain ``AdamW``'s DTensor
 moments alike; load writes the intersecting boxes into the local tensors in place.
 
-The model (:class:`TinyLM`: an embedding, two blocks of named Linear layers, a head) has tensors whose dim 0
+The model (``TinyLM``: an embedding, two blocks of named Linear layers, a head) has tensors whose dim 0
 neither 2 nor 3 ranks divide (11 and 7 rows: 6, 5 and 4, 4, 3 and 4, 3 and 3, 3, 1) and one with fewer rows
 than ranks (2 rows over 3: 1, 1, 0), so torch's padding matters. Two spawns and this process:
 
@@ -19,7 +19,7 @@ Saved and loaded state (parameters, ``exp_avg``, ``exp_avg_sq``, ``step``) is co
 saving model's full tensors (``DTensor.full_tensor()``), and so is the next step at the same world size (the
 same arithmetic). At 3 ranks and at 1 the next step sums the batch in another order: its loss, gradients and
 parameters must lie within ``FACTOR`` times the error of the one-process float32 step against the float64
-step from the same loaded state, measured in this run (see :func:`test_training_goes_on_from_the_checkpoint`).
+step from the same loaded state, measured in this run (see ``test_training_goes_on_from_the_checkpoint``).
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def _local_as_whole(t: torch.Tensor) -> Box:
 
 
 def _with_rule(rule, action) -> object:
-    """Run ``action()`` with ``rule`` in place of :func:`placement.dtensor_box` (this rank process only)."""
+    """Run ``action()`` with ``rule`` in place of ``placement.dtensor_box`` (this rank process only)."""
     right = placement.dtensor_box
     placement.dtensor_box = rule
     try:
@@ -335,7 +335,7 @@ def test_training_goes_on_from_the_checkpoint(at_2, at_3, at_1):
 
 
 def _wrong_at_3(shape: tuple[int, ...]) -> bool:
-    """Whether :func:`_rows_at_rank_times_own_rows` misplaces a rank's rows of a tensor of ``shape`` at 3
+    """Whether ``_rows_at_rank_times_own_rows`` misplaces a rank's rows of a tensor of ``shape`` at 3
     ranks: some rank holds rows and ``r x`` its row count is not its first row."""
     spans = [chunk_range(shape[0], r, 3) for r in range(3)]
     return any(end > start and r * (end - start) != start for r, (start, end) in enumerate(spans))

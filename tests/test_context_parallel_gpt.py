@@ -1,6 +1,6 @@
 """refimpl's whole GPT with its sequence split over cp ranks, against one device (chapter 07).
 
-:func:`apply_context_parallel` on a copy of a one-device GPT, fed :func:`split_for_context_parallel`'s part
+``apply_context_parallel`` on a copy of a one-device GPT, fed ``split_for_context_parallel``'s part
 of the tokens, at cp 2 and 4: ring attention (zig-zag and contiguous) and Ulysses, and at world 4 tensor x
 context parallel (tp 2 x cp 2, ring). The mean over the cp ranks of their losses and of their gradients
 (what the data-parallel wrapper over ``dp x cp`` computes) equals the one-device loss and gradients (each

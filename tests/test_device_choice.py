@@ -4,10 +4,10 @@
 ``get_device_name``, ``get_device_capability``), so every rule is checked on a CPU machine and in one
 process:
 
-* :func:`refimpl.distributed.choose_device`: an explicit backend decides (gloo -> CPU on a GPU box, nccl ->
+* ``refimpl.distributed.choose_device``: an explicit backend decides (gloo -> CPU on a GPU box, nccl ->
   a GPU, an error without CUDA); a GPU per local rank -> ``cuda:LOCAL_RANK``; one visible GPU per process
   -> ``cuda:0``; too few GPUs -> a RuntimeError naming the counts and the fix, never a silent CPU run;
-  :func:`~refimpl.distributed.init_distributed` follows it (``backend="gloo"`` on a GPU box is the CPU);
+  ``refimpl.distributed.init_distributed`` follows it (``backend="gloo"`` on a GPU box is the CPU);
 * the memory preflight on a GPU: the plan against ``0.9 x free - 1 GiB``, the rule printed in the refusal,
   and a run between that and the free memory refused (without the headroom it would pass);
 * ``--precision fp8`` below compute capability 8.9 refused by the preflight, exit status 2 from the

@@ -2,9 +2,9 @@
 
 On NCCL ``work.wait()`` returns at once: it only makes the current stream wait for the collective, and a
 kernel launch returns before the kernel ran. Here a fake device emulates that, without a GPU: a
-:class:`FakeStream` whose ``tail`` is when it finishes what is queued on it, works whose ``wait()`` returns
-at once and makes the stream wait, and stamps (:class:`FakeStamp`, a
-:class:`~refimpl.comm.device_clock.DeferredStamp` like a CUDA event) that complete when the stream gets
+``FakeStream`` whose ``tail`` is when it finishes what is queued on it, works whose ``wait()`` returns
+at once and makes the stream wait, and stamps (``FakeStamp``, a
+``refimpl.comm.device_clock.DeferredStamp`` like a CUDA event) that complete when the stream gets
 there. Each timing path (the tracer's events, the pipeline executor's, chapter 03's and chapter 07's
 timelines) records, on that device, the device's completion time; each negative control runs the same
 program on the CPU clock, the stamping these paths had before, and records about nothing. Stamps are not
@@ -40,7 +40,7 @@ CPU_BOUND = 10.0  # what the CPU clock may record for the same program, even on 
 
 
 class FakeStamp(DeferredStamp):
-    """An event recorded on a :class:`FakeStream`: it completes at the stream's tail when recorded."""
+    """An event recorded on a ``FakeStream``: it completes at the stream's tail when recorded."""
 
     __slots__ = ("at", "stream")
 
@@ -100,7 +100,7 @@ def comm(monkeypatch: pytest.MonkeyPatch) -> FakeStream:
 
 @pytest.fixture
 def device(comm: FakeStream, monkeypatch: pytest.MonkeyPatch) -> FakeStream:
-    """The fake device is also the tracer's clock (:func:`refimpl.comm.tracer.now`)."""
+    """The fake device is also the tracer's clock (``refimpl.comm.tracer.now``)."""
     monkeypatch.setattr(device_clock, "current_clock", lambda: comm)
     return comm
 
@@ -143,7 +143,7 @@ def test_cpu_stamps_are_perf_counter_floats_and_deferred_stamps_read_and_pickle_
 
 
 class FakeCuda:
-    """``torch.cuda`` as :class:`~refimpl.comm.device_clock.CudaStamp` uses it: events complete when the
+    """``torch.cuda`` as ``refimpl.comm.device_clock.CudaStamp`` uses it: events complete when the
     device is synchronized past them (this device makes progress only then); the syncs are counted."""
 
     def __init__(self) -> None:

@@ -243,7 +243,7 @@ def test_the_demo_fault_reads_as_planned_and_the_run_resumes_bitwise(data, refer
 
 
 def _sigterm_after_demo_step(data, step: int, rank: int) -> subprocess.CompletedProcess:
-    """A process that runs :meth:`FaultPlan.before_step` of ``step`` as ``rank`` of 2 under the demo's plan
+    """A process that runs ``FaultPlan.before_step`` of ``step`` as ``rank`` of 2 under the demo's plan
     (rank 1 killed in step 3), then sends itself SIGTERM."""
     code = ("import os, signal, time\n"
             "from refimpl.elastic import FaultPlan\n"

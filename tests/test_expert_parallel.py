@@ -5,7 +5,7 @@ Single process: top-k and renormalisation (by default above top-1 only: at top-1
 keeps the router's gradient; renormalised it is 1, the negative control), the load-balancing loss against
 a hand computation on dyadic numbers (bit for bit), the z-loss, the expert bias (changes the choice, not
 the combine weights; the sign of its update), capacity (``C``, which assignments drop, the dropped
-fraction, a fully dropped token gives 0), :class:`GroupedExperts` against its per-expert loop (an expert
+fraction, a fully dropped token gives 0), ``GroupedExperts`` against its per-expert loop (an expert
 with zero tokens included), the dispatch permutations (exact round trips) and the one-line errors.
 
 Multi-rank (gloo, one ``run_ranks`` per world size, every check in it): four layers (``from_modules`` with
@@ -18,7 +18,7 @@ checks the all-gather dispatcher's bytes as well.
 
 The one-device reference processes all ranks' tokens concatenated, with **capacity and the auxiliary losses
 per source rank's chunk** (each rank's router sees only its tokens): it routes each chunk on its own,
-concatenates the routings (:func:`concat_routings`) and runs :meth:`MoE.forward_routed` once, so every expert
+concatenates the routings (``concat_routings``) and runs ``MoE.forward_routed`` once, so every expert
 sees all its tokens in one matmul, in (rank, token) order as on its owner rank.
 
 Tolerances (docs/ARCHITECTURE.md, "Correctness and numerics"): ``FACTOR x spread``, ``FACTOR = 4``, per
@@ -42,9 +42,9 @@ x`` that loop's distance from float64, and every ``_grouped_mm`` they run, forwa
 bf16 operands and int32 offsets (autocast does not cast ``_grouped_mm``; before the experts cast for it,
 every expert GEMM of a bf16 run computed in fp32, which on CUDA is the per-expert fallback with a host sync).
 
-**Host syncs** per MoE layer and forward, counted by :class:`HostSyncCounter` (the calls that wait for the
+**Host syncs** per MoE layer and forward, counted by ``HostSyncCounter`` (the calls that wait for the
 device on a GPU: ``.tolist()``, ``.item()`` / ``int`` / ``bool``, ``.cpu()``, ``bincount``, boolean masks,
-``repeat_interleave`` without ``output_size``, and ``torch.tensor(list)`` copies), :data:`SYNC_BUDGET`. Before
+``repeat_interleave`` without ``output_size``, and ``torch.tensor(list)`` copies), ``SYNC_BUDGET``. Before
 this budget (same counter, same layers): 11 at ep 1 (the router's two ``bincount`` s and its dropped
 fraction's ``float``, ``sort_by_expert``'s id check, kept count, mask and ``bincount``, the counts'
 ``tolist``, the offsets' ``torch.tensor``, ``kept_per_expert``'s mask and ``bincount``), 16 with the
@@ -176,7 +176,7 @@ def _reference(case: str, x: torch.Tensor, g: torch.Tensor, order: str = "natura
     """One device, all ranks' tokens concatenated; routing, capacity and aux losses per rank's chunk.
     ``order``: ``natural``, ``ranks_reversed`` (chunks in reverse rank order), ``tokens_reversed`` (each
     chunk's tokens reversed): the same sums in other orders. ``dtype=torch.float64``: the exact maths
-    (:class:`GroupedExperts` then runs its loop)."""
+    (``GroupedExperts`` then runs its loop)."""
     moe = _build(case, None).to(dtype)
     world = x.shape[0]
     x, g = x.detach().to(dtype).clone().requires_grad_(), g.to(dtype)
@@ -666,7 +666,7 @@ def _loop_spread(fn, x: torch.Tensor, counts: list[int], gy: torch.Tensor) -> tu
 def test_grouped_experts_equal_the_per_expert_loop():
     """One ``_grouped_mm`` per projection against the per-expert loop on the same weights (an expert with
     zero tokens included), within FACTOR x the loop's own distance from float64; and against
-    :class:`LoopedExperts` over :class:`ExpertMLP` s with the same weights."""
+    ``LoopedExperts`` over ``ExpertMLP`` s with the same weights."""
     counts = [3, 0, 5, 4]
     x, gy = _randn((12, H), 8), _randn((12, H), 9)
     for activation in ("swiglu", "gelu"):
@@ -742,7 +742,7 @@ def _experts_run(module: nn.Module, call, x: torch.Tensor, counts: list[int], gy
 
 @pytest.mark.numerics
 def test_grouped_experts_compute_in_bf16_under_autocast():
-    """Autocast does not cast ``torch._grouped_mm``: :class:`GroupedExperts` casts the rows and the weights
+    """Autocast does not cast ``torch._grouped_mm``: ``GroupedExperts`` casts the rows and the weights
     to autocast's dtype itself (torchtitan's ``_run_experts_grouped_mm``). Under bf16 autocast every
     ``_grouped_mm`` call, forward and backward, gets bf16 operands and int32 offsets, the output is bf16,
     and outputs and gradients equal autocast's per-expert loop (its ``@`` is cast) within FACTOR x that

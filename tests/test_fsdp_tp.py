@@ -10,7 +10,7 @@ within ``FACTOR x spread``, ``spread`` the distance one device moves when only i
 (the batch in 2 and in 4 micro-batches), measured in the same run; and ours with PyTorch's within the same.
 Negative control: one device's parameters after the first step only (one AdamW step missing) lie far
 outside it. The ZeRO collectives of a step (all-gathers and reduce-scatters over dp) have the counts and
-payloads of :func:`refimpl.planner.zero_collectives` of the rank's TP-local shapes, to the byte; the state
+payloads of ``refimpl.planner.zero_collectives`` of the rank's TP-local shapes, to the byte; the state
 a rank holds at rest is no larger than PyTorch's.
 """
 

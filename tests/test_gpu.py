@@ -4,11 +4,11 @@ CUDA is there (tests/conftest.py). Run on a GPU box::
     REFIMPL_TEST_GPU=1 .venv/bin/python -m pytest -q -m gpu tests/test_gpu.py
 
 * ``torch._scaled_mm`` (cuBLASLt's fp8 GEMM) at the trainer's linear shapes, in the layouts and scales
-  :func:`refimpl.precision.fp8.scaled_mm` passes (``a`` row-major, ``b`` column-major, fp32 scales 0-d or
-  ``[M, 1]`` / ``[1, N]``), tensorwise and rowwise, and a :class:`~refimpl.precision.fp8.Float8Linear`'s
+  ``refimpl.precision.fp8.scaled_mm`` passes (``a`` row-major, ``b`` column-major, fp32 scales 0-d or
+  ``[M, 1]`` / ``[1, N]``), tensorwise and rowwise, and a ``refimpl.precision.fp8.Float8Linear``'s
   three GEMMs forward and backward (tokens not a multiple of 16: the padded weight gradient) against the
   same function on the CPU, whose kernel is the exact fp32 product of the dequantized operands;
-* ``torch._grouped_mm`` (:class:`~refimpl.parallel.expert_parallel.experts.GroupedExperts`) at the MoE
+* ``torch._grouped_mm`` (``refimpl.parallel.expert_parallel.experts.GroupedExperts``) at the MoE
   trainer's shapes, uneven and empty experts, forward and backward, against the per-expert loop;
 * the trainer at world size = the visible GPUs under NCCL (``run_ranks(..., backend="nccl")``: rank r on
   ``cuda:r``) for dp, tp, pp, cp and ep, whose losses and first-step gradients (before clipping and AdamW)

@@ -80,7 +80,7 @@ def test_the_cpu_optimizer_is_as_before_and_a_cuda_one_is_foreach(monkeypatch):
 @pytest.mark.parametrize("zero_stage", [0, 1])
 def test_the_parallelized_optimizer_takes_foreach_from_its_parameters_device(zero_stage, monkeypatch):
     """The trainer's path (``Parallelized.build_optimizer``): AdamW, or ZeRO-1's inner AdamW over the
-    shards, asks :func:`adamw_foreach` about the parameters' device and takes its answer."""
+    shards, asks ``adamw_foreach`` about the parameters' device and takes its answer."""
     import refimpl.optim
     import refimpl.parallel.optimizer_setup as setup
 

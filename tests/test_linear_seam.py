@@ -147,7 +147,7 @@ def _fp8_grads(y: torch.Tensor, dy: torch.Tensor, *tensors: torch.Tensor) -> lis
 def test_fp8s_split_matmul_keeps_all_three_gemms_fp8_under_a_gather_and_a_store(scaling):
     """The seam's own backward with ``Float8Matmul`` gives float8_linear's gradients: ``dX`` and ``dW`` bit
     for bit (the same casts, the same ``_scaled_mm`` calls), ``db`` within two fp32 orders of summation
-    (the seam sums ``[tokens, out]``, autograd ``[b, s, out]``: :func:`_sum_bound`). Negative control:
+    (the seam sums ``[tokens, out]``, autograd ``[b, s, out]``: ``_sum_bound``). Negative control:
     the fp8 product given as a plain callable (the seam then computes the backward GEMMs in high
     precision) is not fp8's."""
     config = Float8Config.recipe(scaling)

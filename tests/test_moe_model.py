@@ -8,7 +8,7 @@ balance loss and its scale, the per-step figures and the bias update, the planne
   ``[E, h, f]``; the parameter count (total and active) equals the model's, the matmul FLOPs per token a
   FLOP counter's (float64, where the experts run as plain matmuls), the TP plan keeps the experts whole.
 * **The balance loss** is DeepSeek-V3's sequence-wise one: for one sequence it is Switch's loss of the
-  layer (bit for bit against :func:`load_balancing_loss`), a uniform router gives ``alpha``, and it is the
+  layer (bit for bit against ``load_balancing_loss``), a uniform router gives ``alpha``, and it is the
   mean of the per-sequence losses. **Its scale**: the loss of a model is the LM loss plus the blocks' balance
   losses, and the trainer's step over 4 micro-batches hands the optimizer the gradient of the whole batch
   at once (every parameter within 1e-5 of its largest element; measured 5e-7); negative control: the
@@ -20,11 +20,11 @@ balance loss and its scale, the per-step figures and the bias update, the planne
 * **Figures and bias**: the step's tokens per expert (mean ``k T / E``), the dropped fraction under
   capacity (the layer's own figure), DeepSeek-V3's bias step ``u sign(mean - load)``, and a one-device
   trainer run writes them to metrics.jsonl.
-* **Host syncs**: a micro-batch (forward, loss, :func:`record_micro_batch`, backward) reads the device on
-  the host once per MoE block (the layer's counts; :class:`HostSyncCounter`), twice under activation
+* **Host syncs**: a micro-batch (forward, loss, ``record_micro_batch``, backward) reads the device on
+  the host once per MoE block (the layer's counts; ``HostSyncCounter``), twice under activation
   checkpointing (the recomputed forward reads them again). Before: 12 per block and micro-batch (the
   layer's 10 reads and its offsets' host copy, and the per-step counters' ``.cpu()`` and ``float()`` in
-  :func:`record_micro_batch`); the counters now stay on the device until :func:`finish_step`.
+  ``record_micro_batch``); the counters now stay on the device until ``finish_step``.
 * **Refusals**: each MoE row of the support table refuses its case and lets the nearest neighbour through;
   the trainer refuses bad flags in one line with exit status 2; the planner plans MoE memory, refuses MoE run
   predictions.

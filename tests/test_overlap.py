@@ -2,8 +2,8 @@
 data parallelism's bucketed all-reduce during backward (chapter 03), ZeRO-3's prefetch of the next unit
 (chapter 04) and ring attention's send-while-compute (chapter 07).
 
-The workers are :mod:`refimpl.parallel.overlap`'s. Two ranks train a stack of 4 bias-free ``Linear(1024,
-1024)`` on 1024 rows each, wrapped twice in :class:`~refimpl.parallel.data_parallel.DataParallelBucket` with
+The workers are ``refimpl.parallel.overlap``'s. Two ranks train a stack of 4 bias-free ``Linear(1024,
+1024)`` on 1024 rows each, wrapped twice in ``refimpl.parallel.data_parallel.DataParallelBucket`` with
 one bucket per layer (4 MiB): once as it is (each bucket's all-reduce launched from the gradient hook and
 waited for at the end), once with a comm hook that waits for each all-reduce before backward goes on (the same
 code, ``wait()`` before the rest of the compute: the serialized control). The two step kinds alternate, a
@@ -14,13 +14,13 @@ serialized one's (the bar). Measured on this 2-core container, three runs: 0.764
 the shaped link the two take the same time (0.99 in a probe: on loopback the bytes are nearly free). Skipped,
 with the reason, where the machine cannot shape a link.
 
-ZeRO-3 (:class:`~refimpl.parallel.zero.FullyShardedDataParallel`, one unit per layer of 6, sharded over the 2
+ZeRO-3 (``refimpl.parallel.zero.FullyShardedDataParallel``, one unit per layer of 6, sharded over the 2
 ranks): ``prefetch=True`` starts the next unit's all-gather as soon as the current one is gathered (the one
 before it, going backward), the control gathers each unit when it is needed (``prefetch=False``, the
 default). Same checks; measured 0.743-0.786 in three runs (about 1.0 s against 1.3 s; the reduce-scatters
 are not overlapped by either). With 4 layers it measured 0.83, and 0.96 unshaped.
 
-Ring attention (:func:`~refimpl.parallel.context_parallel.ring_attention.ring_attention`, cp 2, causal,
+Ring attention (``refimpl.parallel.context_parallel.ring_attention.ring_attention``, cp 2, causal,
 zig-zag, 8 heads of 64, 2 x 1024 tokens per rank, forward and backward): as built, each K/V block (and
 going backward each partial dK/dV) is posted before the block computed meanwhile and waited for after it;
 the control (``overlap=False``) waits as soon as it has posted. Output and dQ, dK, dV bitwise equal;
@@ -28,7 +28,7 @@ measured 0.723-0.826 in four runs (0.64-0.86 s against 0.88-1.04 s), 1.02 unshap
 
 Beside other work the claim weakens: with a test of 8 ranks running alongside (load average 3.5) and the
 ranks at the default priority, DP 0.874 then 0.996, ZeRO-3 0.879, the ring 0.865: gloo's communication
-thread needs a core while backward computes. :func:`~refimpl.parallel.overlap.time_overlap` therefore raises
+thread needs a core while backward computes. ``refimpl.parallel.overlap.time_overlap`` therefore raises
 the ranks' priority (``priority=10``, nice -10 where allowed; so measured at load average 6: DP 0.736,
 ZeRO-3 0.861, the ring 0.669) and measures again when a measurement misses the bar, up to 3 times in all.
 """

@@ -2,7 +2,7 @@
 
 NCCL runs a pair's point-to-point calls in order and completes an unbatched send or receive only once the
 peer has posted its match; gloo lets calls overtake each other, so code that hangs on GPUs passes on CPU.
-``REFIMPL_STRICT_P2P=1`` (:mod:`refimpl.comm.ops`) makes every plain ``isend``/``irecv`` wait for itself
+``REFIMPL_STRICT_P2P=1`` (``refimpl.comm.ops``) makes every plain ``isend``/``irecv`` wait for itself
 and every ``batch_isend_irecv`` group wait for its handles before returning: NCCL's rule, on gloo.
 
 * Under strict mode the ring collectives (2, 3, 4 ranks), ring attention at cp 2 and 4 (forward and
@@ -15,7 +15,7 @@ and every ``batch_isend_irecv`` group wait for its handles before returning: NCC
 * Negative control: the old ordering (``irecv`` then ``isend``, unbatched, on both ranks of a pair)
   completes on plain gloo and hangs under strict mode: each rank's receive fails after a 3 s group
   timeout, reported as its one-line timeout error.
-* Without processes: the executor's transfer plans (:mod:`refimpl.parallel.pipeline_parallel.p2p_plan`)
+* Without processes: the executor's transfer plans (``refimpl.parallel.pipeline_parallel.p2p_plan``)
   complete under NCCL's rule for every schedule over p <= 5, m <= 8, v <= 3; the local rule (the sends of
   an action with the next action's receives) does for GPipe, 1F1B, ZB-H1 and a hand-made list, and
   deadlocks interleaved 1F1B (why the executor uses the rounds there).

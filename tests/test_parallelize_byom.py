@@ -1,9 +1,9 @@
 """``parallelize`` on a model that is not refimpl's (chapter 12, "bring your own model"): the trainer's one
 entry point takes any model that declares its plans, not only the course GPT.
 
-:class:`DeclaredLM` is a user's own transformer (its own names: ``tok``, ``blocks``, ``attn.q/k/v/out``,
+``DeclaredLM`` is a user's own transformer (its own names: ``tok``, ``blocks``, ``attn.q/k/v/out``,
 ``ffn.up/down``, ``norm1/norm2``, an untied ``lm_head``; RMSNorm, RoPE, GELU MLP) that DECLARES, as methods
-of its class, what each technique reads (:mod:`refimpl.parallel.declarations`): ``tensor_parallel_plan``,
+of its class, what each technique reads (``refimpl.parallel.declarations``): ``tensor_parallel_plan``,
 ``shard_units``, ``pipeline_stages`` and ``context_parallel_modules`` (its attention's ``core_attention`` and
 its RoPE module's ``position_ids``). One 4-rank spawn runs it through ``parallelize`` +
 ``Parallelized.build_optimizer`` + the trainer's step (refimpl/train/step.py: the forward and
@@ -17,10 +17,10 @@ its RoPE module's ``position_ids``). One 4-rank spawn runs it through ``parallel
 4. ``cp 2 x dp 2``, ring attention (zig-zag), ZeRO-0 (RoPE at the tokens' global positions).
 
 **What is compared.** The gradients the optimizer receives, read as the trainer's gradient probe reads them
-(:func:`refimpl.train.gradients.gradient_shards`: ``parameter_shards(state_module)``, and under ZeRO-1/2 the
+(``refimpl.train.gradients.gradient_shards``: ``parameter_shards(state_module)``, and under ZeRO-1/2 the
 optimizer's ``local_state_shards()``) in the mixed-precision driver's ``after_unscale``, assembled to whole
 tensors from every rank's boxes; the global gradient norm the optimizer setup's placements give
-(:func:`refimpl.parallel.placements.clip_grad_norm_` over ``held_gradients()``); and the loss (the mean of
+(``refimpl.parallel.placements.clip_grad_norm_`` over ``held_gradients()``); and the loss (the mean of
 the ``dp x cp`` ranks' losses), against one device running the global batch at once.
 
 **Tolerances** (the numerics rule). None of the four layouts does one device's arithmetic (TP multiplies by

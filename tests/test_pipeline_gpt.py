@@ -2,8 +2,8 @@
 the same micro-batch split, at p = 2 and 4, tied and untied embeddings: bitwise, but for a tied
 embedding's gradient.
 
-Each rank builds the same GPT, keeps its stages (:func:`build_stages`) and runs its action list
-(:func:`run_schedule`); the gradients are gathered under the plain GPT's names. Every stage computes what
+Each rank builds the same GPT, keeps its stages (``build_stages``) and runs its action list
+(``run_schedule``); the gradients are gathered under the plain GPT's names. Every stage computes what
 one device computes, in the same order over the micro-batches (ZB-H1's deferred ``dW = dY^T X`` is the
 matmul autograd makes), so the losses and gradients are the same bits. The exception, a tied embedding:
 one rank's sum over the micro-batches plus the other's is another order of summation than one device's;

@@ -222,7 +222,7 @@ def test_zero_1_alone_does_not_fit_the_seed_layout(capsys):
 
 def _trainer_flags(p, *, seq_len: int, global_batch: int, micro_batch: int) -> list[str]:
     """The trainer's flags for one planned combination, written from the planner's fields (an independent
-    statement of :func:`refimpl.planner.layout_plan.trainer_config`'s mapping): bf16, sequence parallelism
+    statement of ``refimpl.planner.layout_plan.trainer_config``'s mapping): bf16, sequence parallelism
     at tp > 1, every block recomputed, ``m`` pipeline micro-batches under pp (without a pipeline they are
     gradient accumulation: the batch over --micro-batch-size)."""
     flags = ["--dp", str(p.dp), "--tp", str(p.tp), "--pp", str(p.pp), "--cp", str(p.cp), "--dp-replicate",

@@ -266,8 +266,8 @@ def test_the_exact_planner_refuses_multi_head_latent_attention():
     parallel = ParallelConfig(dp=2)
     for config in (mla, llama):
         refused = config is mla
-        for call in (lambda: predict_run(config, parallel, seq_len=16, global_batch=4),
-                     lambda: run_memory_of(config, parallel, world_size=2, micro_batch=2, seq_len=16)):
+        for call in (lambda c=config: predict_run(c, parallel, seq_len=16, global_batch=4),
+                     lambda c=config: run_memory_of(c, parallel, world_size=2, micro_batch=2, seq_len=16)):
             if refused:
                 with pytest.raises(ConfigError, match="do not model multi-head latent attention"):
                     call()

@@ -1,20 +1,20 @@
 """The planner's prediction of a 3D trainer run against the run itself (chapter 12).
 
 ONE spawn of 8 ranks trains a tiny GPT (4 blocks, width 32, 4 heads, 16 tokens, global batch 8, 2 steps)
-through :func:`refimpl.train.train` at ``dp x tp x pp`` layouts (ZeRO-1 at one, bf16 at one, sequence
+through ``refimpl.train.train`` at ``dp x tp x pp`` layouts (ZeRO-1 at one, bf16 at one, sequence
 parallelism at two, one of them with gradient accumulation; ZeRO-3 over the stages' TP blocks, with and
 without every block checkpointed; checkpointing under GPipe and interleaved 1F1B; HSDP under the pipeline;
 sequence parallelism with ZeRO 1-3 under the pipeline)
 and with ``cp 2`` (ring attention; with ZeRO-3, with checkpointing). Per rank,
-:func:`refimpl.planner.predict_run`'s figures equal, to the byte:
+``refimpl.planner.predict_run``'s figures equal, to the byte:
 
 * the bytes sent per step and process group that ``metrics.jsonl`` records (the tracer: point-to-point
   sends measured, collectives by the ring model), every key, both steps;
 * the model state counted from the live tensors just before the second optimizer step
-  (:func:`refimpl.measure.state_bytes` of the rank's parameters, gradients, optimizer state);
-* the saved activations held at the peak: :class:`SavedTensorMeter` over the step without pipeline
+  (``refimpl.measure.state_bytes`` of the rank's parameters, gradients, optimizer state);
+* the saved activations held at the peak: ``SavedTensorMeter`` over the step without pipeline
   parallelism, the bytes alive between the schedule's actions with it
-  (:class:`refimpl.measure.run_measurement.TrainerProbe`, a different source from the formulas).
+  (``refimpl.measure.run_measurement.TrainerProbe``, a different source from the formulas).
 
 Negative controls: the plausible wrong predictions (the tied embedding's gradient exchange forgotten, the
 gradient norm's scalar forgotten, the gradients' group named ``dp`` instead of ``dp x cp``, ZeRO-1 taken as

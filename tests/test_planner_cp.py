@@ -2,21 +2,21 @@
 
 At cp 2 and 4 (ring attention, zig-zag and contiguous, and Ulysses) and at tp 2 x cp 2 (with and without
 sequence parallelism), in float32, under bfloat16 autocast and with bfloat16 weights, on every rank of
-:func:`refimpl.parallel.context_parallel.apply_context_parallel`'s GPT fed its ``s/cp`` tokens:
+``refimpl.parallel.context_parallel.apply_context_parallel``'s GPT fed its ``s/cp`` tokens:
 
 * the bytes each block saves for backward (and a checkpointed block's) and what the model saves outside the
-  blocks, as :class:`refimpl.measure.SavedTensorMeter` measures them, equal
-  :func:`refimpl.planner.activation_bytes` / :func:`~refimpl.planner.outside_block_bytes` and
-  :func:`~refimpl.planner.run_memory_per_rank`'s terms to the byte (the terms and their reasons:
-  :mod:`refimpl.planner.activations`);
+  blocks, as ``refimpl.measure.SavedTensorMeter`` measures them, equal
+  ``refimpl.planner.activation_bytes`` / ``refimpl.planner.outside_block_bytes`` and
+  ``refimpl.planner.run_memory_per_rank``'s terms to the byte (the terms and their reasons:
+  ``refimpl.planner.activations``);
 * the bytes one rank sends per layer, forward and backward, equal
-  :func:`~refimpl.planner.context_parallel_bytes` x layers: the ring's ``isend`` bytes measured by
-  :class:`refimpl.comm.CommTracer`; Ulysses' all-to-alls by the tracer's ring model ``(n-1)/n`` of each
+  ``refimpl.planner.context_parallel_bytes`` x layers: the ring's ``isend`` bytes measured by
+  ``refimpl.comm.CommTracer``; Ulysses' all-to-alls by the tracer's ring model ``(n-1)/n`` of each
   measured payload, exact for an equal-split all-to-all (a rank keeps the one of its ``n`` equal blocks
   addressed to itself and sends the others), the payloads and the count (4 per layer each way) measured;
-* the trainer's preflight (:func:`refimpl.train.preflight.preflight_memory`) on ``--cp`` runs equals what
+* the trainer's preflight (``refimpl.train.preflight.preflight_memory``) on ``--cp`` runs equals what
   its own setup saves, and the model state it holds after a step under ZeRO 0-3 over ``dp x cp`` equals
-  :func:`~refimpl.planner.state_memory_per_rank` (sharded over ``dp * cp``, not ``dp``);
+  ``refimpl.planner.state_memory_per_rank`` (sharded over ``dp * cp``, not ``dp``);
 * negative controls: SDPA's terms at ``s/cp`` tokens are not the ring's (nor Ulysses') measured bytes,
   the ring's ``cp`` blocks instead of ``cp - 1`` and a backward without dK/dV are not its traffic, ZeRO
   over ``dp`` alone is not the state held; and the refusals (sizes the split cannot take).
@@ -129,11 +129,11 @@ def _train_config(dims: ParallelDims) -> TrainConfig:
 
 
 def _trainer_run(ctx, options: dict) -> dict:
-    """The trainer's own setup (:func:`refimpl.train.build_setup`) on ``options``: the activations one
+    """The trainer's own setup (``refimpl.train.build_setup``) on ``options``: the activations one
     forward of the rank's part of a batch saves, and the state held before the second step's update.
 
     The activations of a ZeRO-3 run are measured on its ZeRO-2 twin (the same saved tensors): on ZeRO-3
-    itself :class:`SavedTensorMeter` miscounts both ways. It de-duplicates by address, and ZeRO-3 frees each
+    itself ``SavedTensorMeter`` miscounts both ways. It de-duplicates by address, and ZeRO-3 frees each
     gathered weight with ``untyped_storage().resize_(0)``, so activations allocated at a freed address are
     skipped; and the gathered LayerNorm weights are not the module's parameters (those are the shards), so
     they count as activations (found: keyed by storage instead of address, the meter reads 4 x 128 bytes
@@ -269,7 +269,7 @@ def test_bytes_sent_per_layer_equal_the_traced_ones(ranks):
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_the_trainers_preflight_plans_what_its_cp_ranks_hold(ranks):
-    """The trainer's memory preflight (:func:`refimpl.train.preflight.preflight_memory`) on a ``--cp`` run
+    """The trainer's memory preflight (``refimpl.train.preflight.preflight_memory``) on a ``--cp`` run
     gives, per rank, what the trainer's own setup saves and holds: block activations and what is saved
     outside the blocks (one forward of the rank's ``s/cp`` tokens, measured), and weights, gradients and
     AdamW state after a step (ZeRO over dp x cp, measured)."""

@@ -1,25 +1,25 @@
 """The planner's MoE terms against measurements (chapter 09; refimpl/planner/experts.py).
 
 In this process (one rank, ``ep = 1``): every block's saved-for-backward bytes, as
-:class:`refimpl.measure.SavedTensorMeter` measures them in a forward + loss of a small MoE GPT, equal
-:func:`refimpl.planner.moe_activation_bytes` for the per-expert counts that forward produced, to the byte:
+``refimpl.measure.SavedTensorMeter`` measures them in a forward + loss of a small MoE GPT, equal
+``refimpl.planner.moe_activation_bytes`` for the per-expert counts that forward produced, to the byte:
 GELU and SwiGLU experts, softmax and sigmoid routers, dropless and with a capacity (drops), every block and
 every other block MoE, ``_grouped_mm`` and the per-expert loop (odd widths), a checkpointed block, fp32 and
-bf16 autocast; and :func:`refimpl.planner.run_memory_per_rank`'s saved terms equal the meter's total.
+bf16 autocast; and ``refimpl.planner.run_memory_per_rank``'s saved terms equal the meter's total.
 Dropless at ``ep = 1`` the bytes depend on the counts only through ``A = k T``, so uniform routing gives them
 too; with a capacity the measured drops are what counts.
 
-ONE ``run_ranks`` of 4 ranks trains the MoE GPT (8 experts, top 2) through :func:`refimpl.train.train` at
+ONE ``run_ranks`` of 4 ranks trains the MoE GPT (8 experts, top 2) through ``refimpl.train.train`` at
 ``--dp 4 --ep 2 --zero-stage 2`` (edp 2), fp32 and bf16, 2 steps, and per rank:
 
-* the model state before the second optimizer step (:func:`refimpl.measure.state_bytes`) equals
-  :func:`refimpl.planner.run_memory_per_rank`'s weights, gradients and AdamW state: the two experts of each
+* the model state before the second optimizer step (``refimpl.measure.state_bytes``) equals
+  ``refimpl.planner.run_memory_per_rank``'s weights, gradients and AdamW state: the two experts of each
   block sharded over edp 2, the dense tensors over dp 4 (ZeRO-1 then holds the reduced gradient shards
   too, ZeRO-2's gradients, reduce-scattered before the loss scaler reads them);
 * every block's saved bytes (the meter, second step) equal the planner's for the counts of that forward
-  (every ep rank's kept counts, :class:`refimpl.planner.ExpertLoad.from_counts`);
+  (every ep rank's kept counts, ``refimpl.planner.ExpertLoad.from_counts``);
 * the bytes the tracer books for the step's all-to-alls (the counts' exchange and the token all-to-alls on
-  the ep group, forward and backward) equal :func:`refimpl.planner.all_to_all_bytes` for those counts;
+  the ep group, forward and backward) equal ``refimpl.planner.all_to_all_bytes`` for those counts;
 
 and the same at ``--tp 2 --dp 2 --ep 2 --zero-stage 1`` (the experts whole on both tp ranks, which route
 the same tokens; the dense part tensor-parallel). Uniform routing's figure is printed beside the measured.

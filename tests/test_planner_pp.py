@@ -1,15 +1,15 @@
-"""The planner's pipeline terms (chapter 08, :mod:`refimpl.planner.pipeline`) against what the runtime holds.
+"""The planner's pipeline terms (chapter 08, ``refimpl.planner.pipeline``) against what the runtime holds.
 
-* Parameters per pipeline rank: the shapes of :func:`build_stages`' stages on every rank (pp 4; pp 2 with 3
+* Parameters per pipeline rank: the shapes of ``build_stages``' stages on every rank (pp 4; pp 2 with 3
   chunks per rank; 7 blocks, so uneven stages; split by layers and by parameters, tied and untied
   embeddings: the last stage's copy of a tied embedding counts there); the model state after an AdamW
-  step, counted from the tensors (:func:`refimpl.measure.state_bytes`), equals
-  :func:`pipeline_state_memory` to the byte.
-* One micro-batch's saved bytes per stage: :class:`SavedTensorMeter` on the stage's forward (and the loss on
-  the last stage) equals :func:`stage_saved_bytes` to the byte, in float32, under bfloat16 autocast and
+  step, counted from the tensors (``refimpl.measure.state_bytes``), equals
+  ``pipeline_state_memory`` to the byte.
+* One micro-batch's saved bytes per stage: ``SavedTensorMeter`` on the stage's forward (and the loss on
+  the last stage) equals ``stage_saved_bytes`` to the byte, in float32, under bfloat16 autocast and
   with checkpointed blocks; with zbh1's deferred weight gradients, the tensors the queued ``dW`` keep after
-  the backward (the seam declares them to the store's ``on_push``) equal :func:`stage_deferred_bytes`.
-* The peak of a real step: :class:`PipelineModule.step` at pp 2 and 4 over m = 4 micro-batches (gpipe,
+  the backward (the seam declares them to the store's ``on_push``) equal ``stage_deferred_bytes``.
+* The peak of a real step: ``PipelineModule.step`` at pp 2 and 4 over m = 4 micro-batches (gpipe,
   1f1b, interleaved v = 2, zbh1) with the bytes alive counted as they come and go (saved tensors through
   ``saved_tensors_hooks``, released when autograd frees them; the tensors sent, plain or batched, seen by
   the tracer's ``on_send`` and released when their storage is freed; those a queued ``dW`` keeps, released
@@ -20,7 +20,7 @@
   reverse), the plan without the sends the runtime keeps (outputs until their backward, an input gradient
   until the next action starts) is not what is held, nor is zbh1's plan with every micro-batch keeping all its
   activations until its W.
-* Inside the other axes (world 4, :func:`parallelize`'s own pipeline, 1F1B, m = 4, a tied embedding):
+* Inside the other axes (world 4, ``parallelize``'s own pipeline, 1F1B, m = 4, a tied embedding):
   pp 2 x tp 2 with and without sequence parallelism, pp 2 x cp 2 ring and Ulysses: each rank's held bytes
   between actions == the plan of its pipeline rank, and the stages' state after AdamW == the plan's (the
   tensor-parallel shards, the tied copy a vocab-parallel shard). Negative controls: the plan without tp,
@@ -101,7 +101,7 @@ def test_stage_parameters_and_state_per_rank_equal_the_built_stages(pp, v, balan
 def test_one_microbatch_saves_what_the_planner_counts_per_stage(precision, checkpointed, deferred):
     """Forward: the saved bytes; with zbh1's deferred weight gradients also what the backward leaves for
     W (the tensors the seam declares its queued weight gradients hold), against
-    :func:`stage_deferred_bytes`."""
+    ``stage_deferred_bytes``."""
     config, pp = _config(tied=False), 4
     model = GPT(config, seed=0)
     if checkpointed:
@@ -144,7 +144,7 @@ def test_one_microbatch_saves_what_the_planner_counts_per_stage(precision, check
 
 
 def _counted_step(pipe, inputs, labels, loss_fn, *, num_microbatches: int = M) -> dict:
-    """One :meth:`PipelineModule.step` with the bytes alive counted (saved tensors, sent tensors, queued
+    """One ``PipelineModule.step`` with the bytes alive counted (saved tensors, sent tensors, queued
     weight gradients): the most between actions, the most within, and what is left after."""
     live = LiveTensorBytes(pipe.parameters(), skip_weight_copies=False)
     pack = live.pack

@@ -1,18 +1,18 @@
 """The planner under tensor and sequence parallelism (chapter 06) against measurements of the TP GPT.
 
 At tp 2 and 4, with and without sequence parallelism, in float32 and under bfloat16 autocast, on every
-rank of :func:`refimpl.parallel.tensor_parallel.apply_tensor_parallel`'s GPT:
+rank of ``refimpl.parallel.tensor_parallel.apply_tensor_parallel``'s GPT:
 
 * the bytes each block saves for backward (and a checkpointed block's), and what the model saves outside
-  the blocks, term by term of dtype, equal :func:`refimpl.planner.activation_bytes` /
-  :func:`~refimpl.planner.outside_block_bytes` exactly, as :class:`refimpl.measure.SavedTensorMeter`
-  measures them (Korthikanti et al. 2022 adjusted to our block: see :mod:`refimpl.planner.activations`);
-* the model state the trainer's own setup (:func:`refimpl.train.build_setup`) holds after a step, weights,
-  gradients and AdamW state, equals :func:`~refimpl.planner.state_memory_per_rank` at tp 2 and 4 and at
+  the blocks, term by term of dtype, equal ``refimpl.planner.activation_bytes`` /
+  ``refimpl.planner.outside_block_bytes`` exactly, as ``refimpl.measure.SavedTensorMeter``
+  measures them (Korthikanti et al. 2022 adjusted to our block: see ``refimpl.planner.activations``);
+* the model state the trainer's own setup (``refimpl.train.build_setup``) holds after a step, weights,
+  gradients and AdamW state, equals ``refimpl.planner.state_memory_per_rank`` at tp 2 and 4 and at
   dp 2 x tp 2 under ZeRO 0, 1 and 2 (the TP shards, then ZeRO over dp), counted by
-  :func:`refimpl.measure.state_bytes`;
-* the collectives of one forward + backward, counted and sized by :class:`refimpl.comm.CommTracer`, equal
-  :func:`~refimpl.planner.tensor_parallel_collectives`;
+  ``refimpl.measure.state_bytes``;
+* the collectives of one forward + backward, counted and sized by ``refimpl.comm.CommTracer``, equal
+  ``refimpl.planner.tensor_parallel_collectives``;
 * negative controls: the formula without sequence parallelism does not match an SP run (nor the SP one a
   plain TP run), the one-device figure does not match a TP rank, and column layers that kept the
   all-gathered ``[b, s, h]`` input (autograd's default, not Megatron's ``s/t`` shard) are not our block.
@@ -236,7 +236,7 @@ def test_state_bytes_per_rank_equal_what_the_tp_model_holds(ranks):
 def test_param_shapes_per_rank_are_the_tp_models_parameters(ranks):
     """``param_shapes(config, tp=t)`` is the TP model's ``parameters()`` on every rank, in order (the
     padded vocabulary shard too), and the tensors whose shape it splits are exactly those
-    :func:`tensor_parallel_sharded` names (the rest are replicated, whole)."""
+    ``tensor_parallel_sharded`` names (the rest are replicated, whole)."""
     t, results = ranks
     full = param_shapes(CFG)
     for rank, r in enumerate(results):

@@ -2,7 +2,7 @@
 themselves (chapters 04, 05, 08 and 10).
 
 ONE spawn of 4 ranks trains tests/test_planner_3d.py's tiny GPT (4 blocks, width 32, 4 heads, 16 tokens,
-global batch 8, 2 steps) through :func:`refimpl.train.train` at eighteen layouts: ZeRO-3 over dp 4; ZeRO-3
+global batch 8, 2 steps) through ``refimpl.train.train`` at eighteen layouts: ZeRO-3 over dp 4; ZeRO-3
 of the tensor-parallel blocks (2-D) with checkpointing, and with sequence parallelism too; HSDP (dp 4 as
 2 replicas of 2) and HSDP with ring attention and checkpointing (a shard group of the 2 cp ranks); ZeRO-3
 in bf16 (FSDP2's mixed precision: 16-bit gathers and compute) with gradient accumulation; ZeRO-2 over
@@ -14,15 +14,15 @@ per micro-batch, interleaved 1F1B (2 virtual stages of one block), ZB-H1 (its he
 what the queued weight gradients keep until their W) and 1F1B in bf16 (16-bit gathers, a 16-bit residual
 stream in the stages) over 4 micro-batches; ZeRO-1 and ZeRO-3 under 1F1B with every block checkpointed.
 Per rank,
-:func:`refimpl.planner.predict_run`'s figures equal, to the byte:
+``refimpl.planner.predict_run``'s figures equal, to the byte:
 
 * the bytes sent per step and process group that ``metrics.jsonl`` records (``"dp x cp"``, under HSDP
   ``"dp_shard x cp"`` and ``"dp_replicate"``, ``"tp"``, ``"cp"``, ``"pp"``), every key, both steps;
 * the model state counted from the live tensors just before the second optimizer step
-  (:class:`~refimpl.measure.run_measurement.TrainerProbe`): under ZeRO-3 the shards, their gradients and
+  (``refimpl.measure.run_measurement.TrainerProbe``): under ZeRO-3 the shards, their gradients and
   the AdamW state; the full tensors ZeRO-3 gathers are all freed by then, with and without the pipeline
-  (measured from the wrapper's units, :class:`FullTensors`: none allocated before the step);
-* the saved activations held at the peak, :class:`~refimpl.measure.run_measurement.TrainerProbe`'s (one
+  (measured from the wrapper's units, ``FullTensors``: none allocated before the step);
+* the saved activations held at the peak, ``refimpl.measure.run_measurement.TrainerProbe``'s (one
   micro-batch's at its loss; under the pipeline the bytes alive between the schedule's actions). Its
   meters key a storage by identity and take ZeRO-3's gathered weights (``nn.Parameter`` objects outside
   ``model.parameters()``) for parameters; keyed by address they misread ZeRO-3 (tests/test_planner_cp.py
@@ -32,7 +32,7 @@ Per rank,
   probe reads on ZeRO-3 what it reads on the ZeRO-2 twin, at pp 1 and under the pipeline.
 
 Also measured against the memory preflight's ZeRO-3 terms, which are peaks, not the state at the step
-(:func:`~refimpl.planner.pipeline.pipeline_memory_per_rank`): under the pipeline, gathered once per step,
+(``refimpl.planner.pipeline.pipeline_memory_per_rank``): under the pipeline, gathered once per step,
 the most full bytes alive between the schedule's actions are the stage's weights and full gradients
 (the preflight's term, to the byte); gathered per micro-batch, the stage's root unit (the term adds one
 block, gathered within an action). At pp 1 at the first loss only the root unit is gathered (the blocks'
@@ -134,8 +134,8 @@ def _zero3_units(setup) -> list:
 
 
 class FullTensors:
-    """Trainer hooks (:mod:`refimpl.train.hooks`) over step ``step`` of a ZeRO-3 run: the full (gathered)
-    tensors the wrapper's units hold (:func:`~refimpl.parallel.zero.fsdp_unit.gathered_bytes`, weights and
+    """Trainer hooks (``refimpl.train.hooks``) over step ``step`` of a ZeRO-3 run: the full (gathered)
+    tensors the wrapper's units hold (``refimpl.parallel.zero.fsdp_unit.gathered_bytes``, weights and
     full gradients), ``measured``: ``"at_loss"`` at the first micro-batch's loss (pp 1), ``"at_step"``
     before the optimizer step (where the probe reads the state) and ``"between_actions"``, the most at the
     pipeline executor's clock reads (between the schedule's actions, where the probe samples)."""
@@ -235,7 +235,7 @@ def test_state_and_held_activations_per_rank_equal_the_measurement(runs, files, 
 @TIMEOUT
 def test_the_probe_reads_zero3_as_its_zero2_twin(runs):
     """ZeRO-3 saves the tensors ZeRO-2 saves (its gathered weights are parameters): the probe's meters read
-    the same bytes on both, at pp 1 (:class:`~refimpl.measure.activations.SavedTensorMeter`) and under 1F1B
+    the same bytes on both, at pp 1 (``refimpl.measure.activations.SavedTensorMeter``) and under 1F1B
     over 4 micro-batches (the bytes alive between the actions), every rank."""
     for rank, out in enumerate(runs):
         for zero3, zero2 in (("dp4-zero3", "dp4-zero2"), ("dp2-pp2-zero3", "dp2-pp2-zero2")):
@@ -244,8 +244,8 @@ def test_the_probe_reads_zero3_as_its_zero2_twin(runs):
 
 
 def _preflight(args, plan, rank: int):
-    """The memory preflight's :class:`~refimpl.planner.run_memory.RunMemory` of ``rank`` under the pipeline
-    (:func:`~refimpl.planner.pipeline.pipeline_memory_per_rank` at the layout, ZeRO-3 over the 2 dp ranks):
+    """The memory preflight's ``refimpl.planner.run_memory.RunMemory`` of ``rank`` under the pipeline
+    (``refimpl.planner.pipeline.pipeline_memory_per_rank`` at the layout, ZeRO-3 over the 2 dp ranks):
     its ZeRO-3 term is the gathered tensors' peak."""
     config, parallel = config_from_args(args).model, options_from_args(args).parallel
     c = plan.ranks[rank].coords

@@ -1,6 +1,8 @@
 """The project's text speaks for itself: no file refers to a tracker's issue by number ("issue 34",
 "Issue #12"), which a reader of the repository cannot look up; say what was asked instead. (A public
-project's own tracker, e.g. ``pytorch/pytorch#160285``, names its repository and stays.)"""
+project's own tracker, e.g. ``pytorch/pytorch#160285``, names its repository and stays.) Nor does it use
+Sphinx's roles (a colon, the role's name, a colon, then the target in single backticks): no Sphinx build
+renders them, so a docstring names what it points at in double backticks, as it reads in the source."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ISSUE = re.compile(r"\bissues?\s*#?\s*\d+", re.IGNORECASE)
+ROLE = re.compile(r":(?:py:)?(?:func|class|mod|meth|attr|data|exc|obj|const)" + ":`")
 SUFFIXES = {".py", ".md", ".txt", ".toml", ".yml", ".yaml", ".json", ".sh", ".cfg", ""}
 
 
@@ -35,9 +38,24 @@ def test_no_project_file_cites_an_issue_number():
     assert len(_project_files()) > 200  # control: the walk found the project
 
 
+def test_no_project_file_uses_a_sphinx_role():
+    found = []
+    for path in _project_files():
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        found += [f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"
+                  for m in ROLE.finditer(text)]
+    assert not found, found[:20]
+
+
 def test_the_pattern_finds_what_it_names():
     """Negative control: the forms the rule is about are matched, a project's own tracker is not."""
     for text in ("see issue 34", "Issue #12", "issues 33 and 34", "(issue 26)"):
         assert ISSUE.search(text), text
     for text in ("pytorch/pytorch#160285", "an issue with 2 ranks", "Megatron PR #5243"):
         assert not ISSUE.search(text), text
+    for role in ("func", "class", "meth", "py:func"):  # the roles' pattern, built so this file has none
+        assert ROLE.search(f"see :{role}:" + "`refimpl.plan`"), role
+    assert not ROLE.search("see ``refimpl.plan`` and a ratio 1:2")

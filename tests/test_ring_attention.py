@@ -1,8 +1,8 @@
 """Ring attention against one-device full-sequence SDPA, its bytes, its causal balance (chapter 07).
 
 At cp = 2 and 4, causal and not, zigzag and contiguous: each rank runs
-:func:`refimpl.parallel.context_parallel.ring_attention.ring_attention` forward and backward on its part of
-the sequence; the parts are gathered (:func:`gather_sequence`) and compared with
+``refimpl.parallel.context_parallel.ring_attention.ring_attention`` forward and backward on its part of
+the sequence; the parts are gathered (``gather_sequence``) and compared with
 ``scaled_dot_product_attention(is_causal=...)`` of the whole sequence on one device: the output and dQ, dK,
 dV, each within ``FACTOR x spread``, ``spread`` measured in the same run (one-device SDPA in float32 against
 float64, per tensor). Negative controls fail the same check: a merge that averages the block outputs
@@ -12,7 +12,7 @@ also runs on the groups {0, 2} and {1, 3} (peers are global ranks, not group ran
 Measured, not restated: the tracer's bytes (forward each rank ``isend`` s cp - 1 K/V blocks, (cp-1)/cp of
 the whole sequence's K and V; backward that plus as much in dK/dV) and the causal work (the block
 attentions each rank's forward actually computed, counted by wrapping the block function) against
-:func:`causal_work` and against the pairs of chunks the global causal mask leaves anything in. A rank that
+``causal_work`` and against the pairs of chunks the global causal mask leaves anything in. A rank that
 never sends makes its neighbour fail within the short collective timeout, with a message naming the peer.
 """
 

@@ -3,7 +3,7 @@
 Every row of the support table is checked here by a configuration it refuses and a neighbour (one option
 changed back) that no row refuses, so a row that never fires, or that fires too widely, fails; the three
 places that ask the table (the trainer's options, parallelize, the planner) refuse with the row's words.
-The shapes a layout needs (:func:`refimpl.support.shape_refusals`, which the planner's search and the
+The shapes a layout needs (``refimpl.support.shape_refusals``, which the planner's search and the
 trainer's preflight both ask) refuse exactly the layouts whose cuts torch's own split makes uneven.
 """
 

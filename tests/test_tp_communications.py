@@ -1,6 +1,6 @@
 """The conjugate collectives of tensor / sequence parallelism against their definitions (chapter 06).
 
-Each function of :mod:`refimpl.parallel.tensor_parallel.tp_communications` is run forward and backward at 2
+Each function of ``refimpl.parallel.tensor_parallel.tp_communications`` is run forward and backward at 2
 and 4 ranks (the whole world, and at 4 ranks also two groups of 2, so the group's rank is used, not the
 global one) and compared **bitwise** with its definition computed locally from every rank's tensors. The
 tensors hold small integers, so every sum is exact whatever order gloo adds in. A tracer checks that

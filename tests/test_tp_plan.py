@@ -1,16 +1,16 @@
-"""The GPT's declared tensor-parallel plan (``GPT.tensor_parallel_plan``, read by :func:`param_split`)
+"""The GPT's declared tensor-parallel plan (``GPT.tensor_parallel_plan``, read by ``param_split``)
 against the runtime (chapter 06).
 
-On 2 ranks, :func:`apply_tensor_parallel` with sequence parallelism on refimpl's GPT (tied, untied, and a
+On 2 ranks, ``apply_tensor_parallel`` with sequence parallelism on refimpl's GPT (tied, untied, and a
 tied odd vocabulary that is padded) and, for every parameter under the plain model's name:
 
-* the dim along which the rank's box (``local_shards``, :func:`module_shards`) is smaller than the whole
+* the dim along which the rank's box (``local_shards``, ``module_shards``) is smaller than the whole
   is the plan's ``split.dim``, and the rank's tensor holds ``n/t`` (or, ``split.padded``, ``ceil(n/t)``)
   there;
 * the parameters the runtime declares sequence-parallel (its modules' ``sequence_parallel_parameters()``
   or a parameter's ``sequence_parallel`` attribute) are exactly the plan's
   ``split.sequence_parallel_gradient`` ones;
-* the planner's :func:`~refimpl.planner.params_flops.param_shapes` (a meta-device GPT read through the
+* the planner's ``refimpl.planner.params_flops.param_shapes`` (a meta-device GPT read through the
   plan) are the rank's parameter shapes, in order.
 
 Negative controls: a flipped plan (the attention projection declared column-parallel, the final LayerNorm

@@ -1,6 +1,6 @@
 """refimpl's whole GPT under tensor (and sequence) parallelism against one device (chapter 06).
 
-:func:`apply_tensor_parallel` on a copy of a one-device GPT, at tp 2 and 4, with and without sequence
+``apply_tensor_parallel`` on a copy of a one-device GPT, at tp 2 and 4, with and without sequence
 parallelism, tied and untied output layer:
 
 * the loss (vocab-parallel, on the logits shard) and every gradient, in the box each parameter's module
@@ -13,12 +13,12 @@ parallelism, tied and untied output layer:
 * negative controls: the fused qkv weight split by plain rows in nanoGPT's ``[3, a, d]`` layout (the trap:
   rank 0 gets all of q and half of k) and sequence parallelism without summing the layer norms' gradients
   both fail the same check;
-* the gradient norm (:func:`clip_grad_norm_tensor_parallel_`) equals ``clip_grad_norm_``'s on one device;
+* the gradient norm (``clip_grad_norm_tensor_parallel_``) equals ``clip_grad_norm_``'s on one device;
   negative control: counting the replicated gradients on every rank;
-* :func:`full_state_dict` gives back the one-device weights bitwise; heads or widths that do not divide are
+* ``full_state_dict`` gives back the one-device weights bitwise; heads or widths that do not divide are
   one-line errors; an odd vocabulary is padded by the stated rule (tied) and equals one device too;
 * the Llama form (RMSNorm, RoPE, SwiGLU, untied) with 1 and 2 key/value heads, so at tp 4 (and MQA at tp 2)
-  fewer key/value heads than ranks (:class:`refimpl.models.gpt_sharding.SharedKeyValueQKV`): the same
+  fewer key/value heads than ranks (``refimpl.models.gpt_sharding.SharedKeyValueQKV``): the same
   checks; negative control: the shared k/v rows' gradients not summed over the ranks that read them
   (bigcode-project/Megatron-LM#35) fails on a ``query_key_value`` gradient.
 """

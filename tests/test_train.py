@@ -57,7 +57,7 @@ def _cli(args: list[str], cwd: Path, timeout: float = CLI_TIMEOUT_S) -> subproce
 
 def _cli_in_process(args: list[str], cwd: Path, env: dict[str, str] | None = None
                     ) -> subprocess.CompletedProcess:
-    """``python -m refimpl.train args`` as :func:`refimpl.train.cli.main` in this process (``env``: extra
+    """``python -m refimpl.train args`` as ``refimpl.train.cli.main`` in this process (``env``: extra
     variables), for refusals: they end before any process group, thread or seed is touched, and a fresh
     interpreter per case would cost seconds of torch import each. One case per path still runs as a real
     command (``IN_A_CHILD``), so the two are checked to agree."""

@@ -1,7 +1,7 @@
 """The 3D trainer (chapter 12): dp x tp x pp (x cp) at 8 ranks trains like one device, and its checkpoints
 move between layouts.
 
-* **Equivalence.** One spawn of 8 ranks runs :func:`refimpl.train.train` in process at ``2 x 2 x 2``
+* **Equivalence.** One spawn of 8 ranks runs ``refimpl.train.train`` in process at ``2 x 2 x 2``
   (fp32; ZeRO-1 + bf16; ZeRO-2 + sequence parallelism + the interleaved schedule; ZeRO-3, fp32 and bf16:
   each stage's TP blocks sharded again over dp, gathered once per step; ZeRO-3 on the Llama form, GQA
   with 2 key/value heads, against its own one-device runs) and at

@@ -147,7 +147,7 @@ def test_resume_never_and_another_configuration_are_refused(files, one_rank, tmp
 
 
 def _launcher_flags(files, out: Path, *extra: str) -> list[str]:
-    """``python -m refimpl.train --nproc-per-node 2`` on the 3-step run of :func:`_run_one`."""
+    """``python -m refimpl.train --nproc-per-node 2`` on the 3-step run of ``_run_one``."""
     return [*TINY, "--data", str(files["corpus"]), "--cache-dir", str(files["cache"]), "--out", str(out),
             "--steps", "3", "--num-layers", "1", "--nproc-per-node", "2", *extra]
 

@@ -4,7 +4,7 @@ with Ulysses, composes with ``--dp``, ZeRO-1/3, ``--tp --sequence-parallel``, gr
 ring), and a ``cp 2 x dp 2`` checkpoint resumes at ``dp 4`` (the parameters are replicated over cp, so the
 checkpoint holds no trace of the sequence split).
 
-One spawn of 4 ranks runs each layout through :func:`refimpl.train.train`; the one-device references run in
+One spawn of 4 ranks runs each layout through ``refimpl.train.train``; the one-device references run in
 this process. Tolerance (the numerics rule, as tests/test_train_tp.py): ``FACTOR x spread``, ``spread`` the
 largest difference between two one-device runs in two summation orders (the whole batch at once vs one
 sequence per micro-batch), and in 16 bits at least ``|16-bit - fp32|`` on one device: ring attention

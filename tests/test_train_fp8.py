@@ -2,7 +2,7 @@
 GEMMs in fp8 (refimpl.precision.fp8.apply_float8_training), composed with dp, ZeRO-2, tp and pp (ZeRO-3:
 tests/test_fp8_zero3.py).
 
-One spawn of 2 ranks runs each layout through :func:`refimpl.train.train` and, first, the tensor-parallel
+One spawn of 2 ranks runs each layout through ``refimpl.train.train`` and, first, the tensor-parallel
 layer check below; the one-device references run in this process (one thread, as each rank).
 
 * **dp 2 (ZeRO 0 and 2) is one device's arithmetic, bit for bit.** fp8's dynamic scales come from the
@@ -21,7 +21,7 @@ layer check below; the one-device references run in this process (one thread, as
   6.1e-2, of tp 2 rowwise 2.7e-2, of pp 2 3.9e-2 of each tensor's largest, against an fp8 order spread of
   6.5e-2 (tensorwise) and 4.9e-3 (rowwise; ``|fp8 - fp32|`` is the floor of the rule). Control: the same
   gradients x 2 fail.
-* **The tensor-parallel layers cast with one device's scales** (:class:`ShardedScales`), checked tightly on
+* **The tensor-parallel layers cast with one device's scales** (``ShardedScales``), checked tightly on
   one column -> GELU -> row pair in fp32 (no autocast, so no 16-bit partial sums): output, input gradient
   and weight-gradient blocks within ``FACTOR x`` the spread of the same pair in fp32 (TP against one
   device: the partial sums' order), for both recipes. Negative controls, each fails the same check: the
@@ -36,7 +36,7 @@ layer check below; the one-device references run in this process (one thread, as
 * **Refusals**: ZeRO-3 with rowwise scaling (ZeRO-3 with fp8 itself, under tp and pp too, its weights
   all-gathered in fp8, is tests/test_fp8_zero3.py's) and ``--fp8-scaling`` without fp8, one line each from
   refimpl/support.py and exit status 2. **Planner**: fp8's saved activations and bf16
-  weight copies to the byte against :class:`SavedTensorMeter`, its fp8 weights the trainer's;
+  weight copies to the byte against ``SavedTensorMeter``, its fp8 weights the trainer's;
   ``predict_run`` refuses fp8.
 """
 
@@ -242,7 +242,7 @@ def _one(files: dict, name: str, flags: list[str]) -> tuple[list[float], dict]:
 @pytest.fixture(scope="module")
 def one_device(files) -> dict:
     """tests/one_device.py's dict (``(label, order)`` losses, ``("grads", label, order)`` gradients) of
-    :data:`ONE_DEVICE`, plus ``("grads", "fp8", "halves, one more layer in bf16")``: the negative control."""
+    ``ONE_DEVICE``, plus ``("grads", "fp8", "halves, one more layer in bf16")``: the negative control."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -310,10 +310,10 @@ def test_tp2_pp2_cp2_and_zero3_train_like_one_device(runs, one_device, name):
 @pytest.mark.parametrize(("name", "plain"), [("tp2-sp", "tp2"), ("pp2-zbh1", "pp2")])
 def test_sequence_parallelism_and_zbh1_run_every_gemm_in_fp8(runs, name, plain):
     """Sequence parallelism (the seam gathers the column layers' input and computes their backward GEMMs
-    with fp8's :class:`Float8Matmul`) and zbh1 (the seam defers fp8's ``dW`` to the W actions) run as many
+    with fp8's ``Float8Matmul``) and zbh1 (the seam defers fp8's ``dW`` to the W actions) run as many
     fp8 GEMMs per rank as the same layout without them, three per converted layer and micro-batch (the
     seam computing those backward GEMMs in bf16, as it did before, makes fewer: 60 against 84 at tp 2 with
-    SP); that they train like one device is :func:`test_tp2_pp2_cp2_and_zero3_train_like_one_device`."""
+    SP); that they train like one device is ``test_tp2_pp2_cp2_and_zero3_train_like_one_device``."""
     for rank, out in enumerate(runs):
         assert out[name, "fp8 GEMMs"] == out[plain, "fp8 GEMMs"] > 0, (rank, out[name, "fp8 GEMMs"],
                                                                       out[plain, "fp8 GEMMs"])
@@ -346,7 +346,7 @@ def test_predict_run_equals_the_fp8_run_to_the_byte(runs, files, name):
     """predict_run at fp8 (dp 2, ZeRO 0, 2 and 3) against the trainer's step 1, per rank: the bytes sent
     per group (metrics.jsonl's tracer; ZeRO-3: the fp8 weights gathered as e4m3 bytes, the others in bf16,
     each gather after a MAX all-reduce of the unit's amaxes), the state from the live tensors and the held
-    activations (:class:`TrainerProbe`), as tests/test_planner_3d.py checks fp32 and bf16. Controls: bf16's
+    activations (``TrainerProbe``), as tests/test_planner_3d.py checks fp32 and bf16. Controls: bf16's
     prediction of the same layout holds other activation bytes at ZeRO 0-2 (fp8 saves the LayerNorm-fed
     inputs in fp32), and sends other bytes at ZeRO-3 (its gathers move 2 bytes per weight element). Under
     zbh1 the deferred linears keep their float32 inputs in bf16 too (counting fp8's extra again was the
@@ -383,7 +383,7 @@ def test_predict_run_equals_the_fp8_run_to_the_byte(runs, files, name):
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
 def test_the_planner_counts_fp8s_saved_bytes_under_tensor_and_sequence_parallelism(runs, sequence_parallel):
     """Per block, at tp 2 with and without sequence parallelism: the saved bytes of the fp8 GPT equal
-    :func:`activation_bytes` (bf16) plus :func:`fp8_extra_saved_bytes` (the LayerNorm-fed fp8 layers save
+    ``activation_bytes`` (bf16) plus ``fp8_extra_saved_bytes`` (the LayerNorm-fed fp8 layers save
     their input in fp32: whole under tp, the rank's s/t tokens under SP). Control: SP's extra counted on
     the whole sequence is wrong."""
     from refimpl.planner import activation_bytes

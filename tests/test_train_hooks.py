@@ -1,4 +1,4 @@
-"""The trainer's hook points (refimpl/train/hooks.py): their order within a step, :func:`compose`, and the
+"""The trainer's hook points (refimpl/train/hooks.py): their order within a step, ``compose``, and the
 run's own probes (refimpl/train/probes.py: faults, the test sleep, the heartbeat) composed like a caller's.
 
 Everything runs in this process (world size 1, a 1-layer GPT of width 32): the unit tier. The heartbeat is

@@ -165,7 +165,7 @@ def test_rope_with_each_ranks_local_positions_fails(runs, one_device):
 @pytest.mark.parametrize("name", ["cp2-dp2-ring", "cp2-dp2-ulysses"])
 def test_the_cp_bytes_are_the_formula_at_the_key_value_heads(runs, name):
     """metrics.jsonl's bytes on the cp group per step equal ``num_layers x`` the planner's
-    :func:`context_parallel_bytes` (forward + backward) of the model, its K/V at their own head count; the
+    ``context_parallel_bytes`` (forward + backward) of the model, its K/V at their own head count; the
     same formula at the query heads (K/V repeated, picotron's ring) is not what the ranks sent."""
     model, flags = LAYOUTS[name]
     config = config_from_args(build_parser().parse_args([*TINY, *MODELS[model], *flags])).model

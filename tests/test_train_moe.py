@@ -4,11 +4,11 @@ experts whole on both tp ranks), at ZeRO 0-2, with gradient accumulation, activa
 DeepSeek-V3's bias balancing, trains the model one device trains, and its checkpoints resume at another
 ``--ep``.
 
-One ``run_ranks`` of 4 ranks runs every layout through :func:`refimpl.train.train`; the one-device runs
+One ``run_ranks`` of 4 ranks runs every layout through ``refimpl.train.train``; the one-device runs
 (fp32, the whole batch at once and one sequence per micro-batch) run in this process. The balance loss is
 a mean over sequences (``refimpl.models.moe``), so both one-device orders and every layout minimise the same
 objective, and the numerics rule of tests/one_device.py applies unchanged (routing is dropless here:
-capacity is per rank's forward, :mod:`refimpl.models.moe`):
+capacity is per rank's forward, ``refimpl.models.moe``):
 
 * the losses within ``FACTOR x`` the one-device order spread, and the **first step's gradients before
   clipping and AdamW**, every rank's boxes of every parameter (experts: rows of the ``[E, ...]`` tensors)

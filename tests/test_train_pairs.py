@@ -4,7 +4,7 @@ sequence parallelism, the cp method, the pipeline schedule, MoE blocks and ``--e
 checkpointing and gradient accumulation, each row a layout of 4 ranks the trainer accepts, built from the
 support table so that a new option extends it.
 
-One spawn of 4 ranks runs every row through :func:`refimpl.train.train` for ``STEPS`` steps; the
+One spawn of 4 ranks runs every row through ``refimpl.train.train`` for ``STEPS`` steps; the
 one-device references run in this process, per precision and model (dense, MoE) in the two summation
 orders (tests/one_device.py). A ZeRO-3 row's reference is ZeRO-3 on one rank: in 16 bits ZeRO-3 computes
 each unit in the parameter dtype (FSDP2's ``MixedPrecisionPolicy``, chapter 04), a different arithmetic
@@ -14,7 +14,7 @@ tokens (measured: bf16 ZeRO-3 with MoE blocks against autocast's one device, fir
 
 * **the first step's loss** within ``FACTOR x`` the one-device order spread of its precision (16 bits and
   fp8: at least ``|p - fp32|``), and **the first step's gradients as the optimizer receives them** (after
-  the reductions and the loss scaler's unscaling, before clipping: :mod:`refimpl.train.gradients`) within
+  the reductions and the loss scaler's unscaling, before clipping: ``refimpl.train.gradients``) within
   the same rule per parameter, covering every element; negative control: the same gradients x 2 fail;
 * **the loss after the first update**: in fp32 within the same rule; in 16 and 8 bits within 1% of the
   change that update made. Why not the rule there: AdamW's first update is ``lr g / (|g| + eps)``, a
@@ -24,12 +24,12 @@ tokens (measured: bf16 ZeRO-3 with MoE blocks against autocast's one device, fir
   with tp + sp 1.8e-4 from one device (16 x one device's ``|fp16 - fp32|`` there; tp without sp 3.0e-5),
   while its first-step gradients lie within 0.25 x their tolerance. Longer runs
   of each technique are its own module's (tests/test_train_tp.py, _cp, _pp, _zero3, _moe, _fp8);
-* **the planner**: where :func:`refimpl.planner.predict_run` models the row, its bytes sent per group, its
+* **the planner**: where ``refimpl.planner.predict_run`` models the row, its bytes sent per group, its
   model state and its held activations per rank equal the run's to the byte (the recorded
-  ``bytes_sent``; :class:`~refimpl.measure.run_measurement.TrainerProbe`'s state and activations); where
+  ``bytes_sent``; ``refimpl.measure.run_measurement.TrainerProbe``'s state and activations); where
   it does not, it refuses in a ValueError that names what. The trainer's memory preflight
-  (:func:`refimpl.train.preflight.preflight_memory`, the same options) plans at least what every rank
-  surely held at once (:func:`_peak_floor`), where it plans.
+  (``refimpl.train.preflight.preflight_memory``, the same options) plans at least what every rank
+  surely held at once (``_peak_floor``), where it plans.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ with ``--dp`` (ZeRO-0 and ZeRO-1), ``--tp`` (with sequence parallelism; zbh1 wit
 ``--precision`` (fp16 with its loss scaler) and activation checkpointing, and a ``pp 2 x dp 2`` ZeRO-1
 checkpoint (written under the plain GPT's names) resumes at ``dp 4`` with ZeRO-0.
 
-One spawn of 4 ranks runs each layout through :func:`refimpl.train.train`; the one-device references run in
+One spawn of 4 ranks runs each layout through ``refimpl.train.train``; the one-device references run in
 this process. Tolerance (the numerics rule, as tests/test_train_tp.py): ``FACTOR x spread``, ``spread`` the
 largest difference between two one-device runs in two summation orders (the whole batch at once vs one
 sequence per micro-batch), in 16 bits at least ``|16-bit - fp32|`` on one device. picotron's DP x PP bug (a
@@ -116,9 +116,9 @@ def _replicas_agree(ctx, files: dict, *, average: bool) -> bool:
 
 
 def _gradient_norm(ctx, files: dict, flags: list[str]) -> tuple[float, dict]:
-    """One step's forwards and backwards at the layout ``flags`` as :func:`train_step` runs them, then the
+    """One step's forwards and backwards at the layout ``flags`` as ``train_step`` runs them, then the
     norm the trainer clips by (its ``clip_fn``: summed over pp, tp and dp, the tied embedding once) and the
-    gradients it was computed from (:data:`tests.one_device.Pieces`)."""
+    gradients it was computed from (``tests.one_device.Pieces``)."""
     args = _args(files, Path(files["root"]) / "norm", *flags)
     config, options = config_from_args(args), options_from_args(args)
     dims = options.parallel_dims(ctx.world_size)

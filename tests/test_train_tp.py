@@ -2,7 +2,7 @@
 ZeRO-1/2, ``--sequence-parallel``, ``--precision`` (fp16 with its loss scaler) and activation checkpointing
 (the recomputed forward repeats the collectives), and its checkpoints resume at another TP size.
 
-One spawn of 4 ranks runs each layout through :func:`refimpl.train.train`; the one-device references run in
+One spawn of 4 ranks runs each layout through ``refimpl.train.train``; the one-device references run in
 this process. Tolerance (the numerics rule): the layouts sum the same numbers in other orders, so their
 losses are compared within ``FACTOR x spread``, ``spread`` the largest difference between two one-device
 runs of the same arithmetic in two summation orders (the whole batch at once vs one sequence per

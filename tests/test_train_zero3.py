@@ -1,7 +1,7 @@
 """The trainer with ``--zero-stage 3`` composed (chapter 04; issue "ZeRO-3 everywhere"): with activation
 checkpointing, with hybrid sharding (``--dp-replicate``) and with tensor parallelism (2-D sharding).
 
-One spawn of 4 ranks runs each layout through :func:`refimpl.train.train`; the one-device references are
+One spawn of 4 ranks runs each layout through ``refimpl.train.train``; the one-device references are
 tests/conftest.py's (the same flags as test_train_tp and test_train_cp: computed once per session).
 
 * **Like one device** (the numerics rule, tests/one_device.py): the losses, and the first step's gradients
@@ -271,7 +271,7 @@ def _stage_units(pp_rank: int) -> list[list[tuple[int, ...]]]:
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
 def test_zero3_under_pp_gathers_once_per_step_or_per_microbatch(runs):
     """What each rank sent per step over "dp x cp" (metrics.jsonl), against the ZeRO-3 collectives of its
-    stage's units over the 2 dp ranks (:func:`refimpl.planner.zero_collectives`, the ring model): by default
+    stage's units over the 2 dp ranks (``refimpl.planner.zero_collectives``, the ring model): by default
     every unit is all-gathered once and reduce-scattered once per step, kept through the m = 2
     micro-batches; with ``--zero3-reshard-per-microbatch`` each micro-batch gathers (forward, and backward
     but the root unit) and reduces: m times the collectives. The rest is the step's float32 scalars (the

@@ -2,10 +2,10 @@
 
 At cp = 2 and 4 ranks (the whole world; at 4 also two groups of 2, so the group's rank is used):
 
-* the all-to-all pair :func:`sequence_to_heads` / :func:`heads_to_sequence`, forward and backward, equals its
+* the all-to-all pair ``sequence_to_heads`` / ``heads_to_sequence``, forward and backward, equals its
   definition computed locally from every rank's tensors, **bitwise** (integer-valued tensors), and the two
   are inverse to each other bitwise;
-* :func:`ulysses_attention`, causal and not: the output and dQ, dK, dV of each rank's sequence chunk equal
+* ``ulysses_attention``, causal and not: the output and dQ, dK, dV of each rank's sequence chunk equal
   one-device full-sequence ``scaled_dot_product_attention`` (float64) within ``FACTOR x spread``, the spread
   measured in the same run (one device in float32 against float64, on the same chunk; at least 1 ulp of the
   chunk's largest value); negative control: an all-to-all that concatenates the token chunks in reversed rank

@@ -5,7 +5,7 @@ followed in that lane by a share of the computing tests.
     python tools/run_tests.py --unit [-m EXPR] [pytest arguments ...]
 
 ``make test`` and ``.ci/run`` call this (docs/ARCHITECTURE.md, "Commands"); ``make test-unit`` calls it with
-``--unit`` (:func:`unit_command`).
+``--unit`` (``unit_command``).
 
 The ``serial`` tests (tests/conftest.py: a hang named within its timeout, a process gone within a bound,
 an elastic restart loop, chapter 08's bubble timed with sleeping stages, the browser) spend most of their
@@ -76,7 +76,7 @@ def combined_status(statuses: list[int]) -> int:
 
 
 class _Lane(threading.Thread):
-    """Runs its commands one after the other, output to ``log``; :meth:`stop` ends the one running."""
+    """Runs its commands one after the other, output to ``log``; ``stop`` ends the one running."""
 
     def __init__(self, commands: list[list[str]], log: IO[str]) -> None:
         super().__init__(daemon=True)

@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse first (a bad flag costs no torch import), then :func:`bench.gpu.runner.run_check`."""
+    """Parse first (a bad flag costs no torch import), then ``bench.gpu.runner.run_check``."""
     args = build_parser().parse_args(argv)  # bad flags: usage and exit status 2
     _import_from_checkout()
     from bench.gpu.runner import run_check

@@ -7,7 +7,7 @@ driver, torch, CUDA, cuDNN and NCCL versions) and which of the packages refimpl 
 * ``numpy``: imported at module level by refimpl (seeding, the data, checkpoints, the planner's fits):
   without it refimpl cannot be imported, and the parts that need refimpl fail with that reason;
 * ``tqdm``: the trainer's progress bar (refimpl/measure/throughput.py), nothing measured: without it a
-  do-nothing stand-in is put in ``sys.modules`` (:func:`stand_in_for_tqdm`), recorded under ``stand_ins``;
+  do-nothing stand-in is put in ``sys.modules`` (``stand_in_for_tqdm``), recorded under ``stand_ins``;
 * ``matplotlib``: only the trainer's end-of-run report draws with it (loss.png): without it the report is
   skipped (bench/gpu/trainer_rows.py), recorded the same way;
 * ``pytest``: runs the ``gpu``-marked tests if it is there (bench/gpu/gpu_tests.py).
@@ -122,7 +122,7 @@ def _gpu(device: torch.device) -> dict[str, object]:
 
 
 def describe(device: torch.device) -> dict[str, object]:
-    """Everything :mod:`this module <bench.gpu.environment>` records, as one JSON-ready dict."""
+    """Everything ``bench.gpu.environment`` records, as one JSON-ready dict."""
     cuda = torch.cuda.is_available()
     env: dict[str, object] = {
         "python": platform.python_version(), "executable": sys.executable, "platform": platform.platform(),

@@ -39,7 +39,7 @@ def _verdict(code: int) -> str:
 
 
 def run_gpu_tests(root: Path, *, timeout_s: float, collect_only: bool) -> dict[str, object]:
-    """``python -m pytest -m gpu -q`` over :func:`gpu_test_files` with ``REFIMPL_TEST_GPU=1`` (only
+    """``python -m pytest -m gpu -q`` over ``gpu_test_files`` with ``REFIMPL_TEST_GPU=1`` (only
     ``--collect-only`` when ``collect_only``): the verdict, the command and the end of its output."""
     if not has_module("pytest"):
         return {"status": "skip", "detail": "pytest not installed"}

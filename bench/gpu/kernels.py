@@ -108,7 +108,7 @@ def scaled_mm_width(tokens: int, hidden: int, device: torch.device) -> list[dict
 
 
 def scaled_mm_check(widths: list[tuple[int, int]], device: torch.device) -> dict[str, object]:
-    """Every case of :func:`scaled_mm_width` at each ``(tokens, hidden)``; passes when all do."""
+    """Every case of ``scaled_mm_width`` at each ``(tokens, hidden)``; passes when all do."""
     cases = [c for tokens, hidden in widths for c in scaled_mm_width(tokens, hidden, device)]
     worst = max(c["error_ratio"] for c in cases)
     return {"status": "pass" if all(c["ok"] for c in cases) else "fail", "cases": cases,

@@ -2,7 +2,7 @@
 sizes of the two modes (one GPU; ``--smoke`` on the CPU).
 
 A part is a function that returns its record (``status``: pass, fail or skip, and a ``detail``); an
-exception or its time cap (:func:`time_limit`) makes it a failure, recorded, and the next part runs. After
+exception or its time cap (``time_limit``) makes it a failure, recorded, and the next part runs. After
 every part the results are written again (bench/gpu/report.py), so a run that the device's own limit stops
 still leaves what it measured.
 """
@@ -69,7 +69,7 @@ class PartTimeout(Exception):
 
 @contextmanager
 def time_limit(seconds: float) -> Iterator[None]:
-    """Raise :class:`PartTimeout` in the block after ``seconds`` (POSIX; elsewhere no limit). Python code is
+    """Raise ``PartTimeout`` in the block after ``seconds`` (POSIX; elsewhere no limit). Python code is
     interrupted between bytecodes: a kernel or collective that never returns is the device run's timeout's."""
     if not hasattr(signal, "SIGALRM"):
         yield

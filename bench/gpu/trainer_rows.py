@@ -1,18 +1,18 @@
 """The process group and the trainer rows of bench/gpu/check.py.
 
-**One process, world size 1.** :func:`init_group` creates the default process group itself (NCCL on a GPU,
+**One process, world size 1.** ``init_group`` creates the default process group itself (NCCL on a GPU,
 eagerly, so a broken NCCL shows here and not inside a step; gloo in ``--smoke``) and checks an all-reduce, a
 broadcast, a barrier and refimpl's collective timing on the group's own device
-(:func:`refimpl.measure.collective_timing.group_device`). The trainer then runs in this process
-(:func:`refimpl.train.train`, the loop ``python -m refimpl.train`` runs) on that group, so every collective
+(``refimpl.measure.collective_timing.group_device``). The trainer then runs in this process
+(``refimpl.train.train``, the loop ``python -m refimpl.train`` runs) on that group, so every collective
 the trainer makes at world size 1 goes through NCCL too.
 
-**A row** (:func:`run_row`) is one model in one precision: the trainer's own flags, parsed by its own parser,
+**A row** (``run_row``) is one model in one precision: the trainer's own flags, parsed by its own parser,
 checkpoints off (a checkpoint of the wide model would write about 13 GB); per row the median tokens/s and MFU
 of the last ``timed`` steps from the trainer's records (MFU against the dense bf16 peak for bf16 and fp8
 alike: fp8 computes under bf16 autocast and its GEMMs are counted once, refimpl.measure.throughput), the
 peak allocated bytes of the steps (``peak_memory_bytes``) and the allocator's peak reserved bytes, against
-what the trainer's memory preflight plans (:func:`refimpl.train.preflight_memory`, the planner's
+what the trainer's memory preflight plans (``refimpl.train.preflight_memory``, the planner's
 ``run_memory_of``: model state plus one micro-batch's activations).
 
 Without matplotlib (a bare image) the trainer's end-of-run report (loss.png and a text sample) is skipped:
@@ -90,7 +90,7 @@ def init_group(device: torch.device, work: Path) -> dict[str, object]:
 
 
 def _timed_collective(device: torch.device) -> dict[str, object]:
-    """refimpl's :func:`measure_collective` with its default device: the group's (recorded)."""
+    """refimpl's ``measure_collective`` with its default device: the group's (recorded)."""
     try:
         from refimpl.comm import ops
         from refimpl.measure.collective_timing import group_device, measure_collective
@@ -137,7 +137,7 @@ def _parse(spec: RowSpec, precision: str, backend: str, work: Path):
 
 
 def _train(config, ctx, options, log: Path) -> list[dict]:
-    """:func:`refimpl.train.train`, its progress bar and log lines into ``log``."""
+    """``refimpl.train.train``, its progress bar and log lines into ``log``."""
     from refimpl.train import train
 
     with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):

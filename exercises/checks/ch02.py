@@ -1,12 +1,12 @@
 """Checks of chapter 02's exercises (the ring, ``exercises/02_collectives.py``); see exercises/grading.py.
 
-Each function runs on 2 and 3 ranks (:func:`refimpl.launch.run_ranks`; each rank loads the graded file
+Each function runs on 2 and 3 ranks (``refimpl.launch.run_ranks``; each rank loads the graded file
 again by path) on lengths 1, 2, 5, 64 and 1001, so some chunks are uneven and some empty, on integer-
 valued float32 and on int64, and is compared with ``torch.distributed`` (exact: integer sums do not depend
 on the order of the additions) and, for the all-reduce, on random floats within the rounding bound
-``gamma_(n-1) sum |x_i|``, ``gamma_k = k u / (1 - k u)``. A :class:`~refimpl.comm.tracer.CommTracer`
+``gamma_(n-1) sum |x_i|``, ``gamma_k = k u / (1 - k u)``. A ``refimpl.comm.tracer.CommTracer``
 checks the rules: only ``isend`` and ``irecv``, ``n - 1`` sends per phase, and exactly the ring's bytes
-(measured from the tensors handed to ``isend``, against :func:`refimpl.planner.ring_bytes_sent`).
+(measured from the tensors handed to ``isend``, against ``refimpl.planner.ring_bytes_sent``).
 
 Starting ranks costs seconds, so one run per world size checks all three functions and the three tasks
 read its verdicts (cached per file content); a function that fails on 3 ranks is not run again on 2. A

@@ -1,6 +1,6 @@
 """Checks of chapter 03's exercises (data parallelism); see exercises/grading.py for the contract.
 
-The two communicating tasks run on 2 ranks (:func:`refimpl.launch.run_ranks`); each rank loads the graded
+The two communicating tasks run on 2 ranks (``refimpl.launch.run_ranks``); each rank loads the graded
 file again by path. Results are compared with values computed here, and a tracer counts the collectives.
 ``MUTANTS`` holds one plausible wrong implementation per task: the test suite grades each and expects
 exactly that task to fail.

@@ -1,6 +1,6 @@
 """Checks of chapter 04's exercises (ZeRO); see exercises/grading.py for the contract.
 
-Tasks 1 and 6 run here. Tasks 2 to 5 run on 2 ranks (:func:`refimpl.launch.run_ranks`), each rank loading
+Tasks 1 and 6 run here. Tasks 2 to 5 run on 2 ranks (``refimpl.launch.run_ranks``), each rank loading
 the graded file again by path; the shapes are uneven on purpose (3 rows over 2 ranks: 2 and 1; 1 row: 1 and
 0), results are compared with a single-process computation of the same arithmetic, and a tracer checks
 that the traffic went through ``refimpl.comm.ops`` as a reduce-scatter and an all-gather. Tasks 4 and 5

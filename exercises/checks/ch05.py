@@ -4,7 +4,7 @@
   ``torch.amp.GradScaler`` (hysteresis 1, no minimum scale: GradScaler's rule), with growth and backoff
   factors that are not powers of two so that float32 rounding shows, and through a hand-computed trace
   of Megatron's hysteresis and minimum scale.
-* ``overflow_on_any_rank`` runs on 2 ranks (:func:`refimpl.launch.run_ranks`, each rank loads the graded
+* ``overflow_on_any_rank`` runs on 2 ranks (``refimpl.launch.run_ranks``, each rank loads the graded
   file by path): an inf, a -inf or a NaN on one rank only, a rank with no gradients, and finite gradients
   everywhere; every rank must give the same answer, with one small collective per call.
 * ``checkpoint_block`` is applied to one block of a small GPT: gradients bit-identical to the plain model,

@@ -1,8 +1,8 @@
 """Checks of chapter 06's exercises (``exercises/06_tensor_parallel.py``); see exercises/grading.py.
 
 Every task runs on a world of 4 ranks as two tensor-parallel pairs with their own data
-(:mod:`exercises.checks.ch06_harness`; each rank loads the graded file by path), the pair handed over as
-an explicit group object, and a :class:`refimpl.comm.CommTracer` counts the collectives in forward and in
+(``exercises.checks.ch06_harness``; each rank loads the graded file by path), the pair handed over as
+an explicit group object, and a ``refimpl.comm.CommTracer`` counts the collectives in forward and in
 backward separately.
 
 * ``f`` and ``g`` on integer-valued tensors that differ per rank: forward and backward bit for bit against
@@ -18,7 +18,7 @@ backward separately.
   within ``FACTOR`` x the spread measured in the same run (``F.cross_entropy`` in float32 against float64
   on the same inputs), on logits of ordinary size and of size +-200 (where ``exp`` overflows float32); the
   forward exchanges at most three float32 tensors of the target's size, the backward nothing.
-* sequence parallelism's three conjugates and the fused-qkv shard: :mod:`exercises.checks.ch06_sequence`.
+* sequence parallelism's three conjugates and the fused-qkv shard: ``exercises.checks.ch06_sequence``.
 
 ``MUTANTS`` holds plausible wrong implementations, several for some tasks (tests/test_exercises.py grades
 each and expects exactly its task to fail).

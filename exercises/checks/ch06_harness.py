@@ -1,8 +1,8 @@
 """What chapter 06's checks share (``exercises/checks/ch06.py``, ``ch06_sequence.py``): the 4-rank world
 split into two tensor-parallel pairs, integer-valued data, the collectives expected per pass.
 
-Every multi-rank task runs on ``WORLD = 4`` ranks (:func:`refimpl.launch.run_ranks`) as two groups of
-``T = 2``, ranks {0, 1} and {2, 3}, each pair with its own data (:func:`pair_seed`): an answer that takes
+Every multi-rank task runs on ``WORLD = 4`` ranks (``refimpl.launch.run_ranks``) as two groups of
+``T = 2``, ranks {0, 1} and {2, 3}, each pair with its own data (``pair_seed``): an answer that takes
 the world's rank or size, or makes its collectives over the world, computes with the wrong block or sums
 the other pair's numbers, and fails. A group of the rank alone checks that the identity of ``t = 1`` holds.
 """

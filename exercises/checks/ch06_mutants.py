@@ -4,7 +4,7 @@
 only its task, must fail) and every ``CORRECT`` source (its task must pass). Each source is a whole module
 that takes refimpl's answers (``exercises/reference/ch06.py``) for the other tasks and replaces one name.
 The right implementations are written here independently of refimpl (a learner's way), and most mutants
-are that same code with one line changed (:func:`_mutate` insists that the line is there).
+are that same code with one line changed (``_mutate`` insists that the line is there).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Chapter 06's checks of sequence parallelism's conjugates and of the fused-qkv shard (re-exported as
-tasks by ``exercises/checks/ch06.py``; the 4-rank world of two pairs: :mod:`exercises.checks.ch06_harness`).
+tasks by ``exercises/checks/ch06.py``; the 4-rank world of two pairs: ``exercises.checks.ch06_harness``).
 
 * ``scatter_to_sequence_parallel_region``, ``gather_from_sequence_parallel_region`` and
   ``reduce_scatter_to_sequence_parallel_region`` (Korthikanti et al. 2022) on integer-valued ``[b, s, h]``

@@ -20,7 +20,7 @@ All in one process (the ring is simulated by looping over the blocks each rank w
   an unknown position is a ``ValueError``. Also on scores of about ``1e4`` (every score shifted by
   ``HIGH``: the softmax unchanged, ``e^S`` overflows float32 unless each row's maximum is taken out).
 
-The ring forward and backward on real ranks and Ulysses' all-to-alls: :mod:`exercises.checks.ch07_ranks`.
+The ring forward and backward on real ranks and Ulysses' all-to-alls: ``exercises.checks.ch07_ranks``.
 
 ``FACTOR`` covers the worst ratio error / spread measured for refimpl's answers and for the independent
 right ones in ``ch07_mutants.CORRECT`` (stated beside it). ``MUTANTS`` holds plausible wrong

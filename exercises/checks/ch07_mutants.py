@@ -5,7 +5,7 @@ only its task, must fail) and every ``CORRECT`` source (its task must pass). Eac
 that takes refimpl's answers (``exercises/reference/ch07.py``) for the other tasks and replaces one name.
 The right implementations are written here independently of refimpl (a learner's way: the weights
 ``e^(lse_i - max)`` rather than refimpl's sigmoid, ``torch.softmax`` and ``torch.logsumexp`` for a block),
-and every mutant is that same code with one line changed (:func:`_mutate` insists that the line is there).
+and every mutant is that same code with one line changed (``_mutate`` insists that the line is there).
 """
 
 from __future__ import annotations

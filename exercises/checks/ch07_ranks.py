@@ -1,10 +1,10 @@
 """Chapter 07's checks that need ranks: the ring forward and backward, and Ulysses' all-to-alls.
 
-Each check runs on 4 ranks (:func:`refimpl.launch.run_ranks`; each rank loads the graded file by path):
+Each check runs on 4 ranks (``refimpl.launch.run_ranks``; each rank loads the graded file by path):
 rank 0 alone is a group of one (no transfer, plain attention), ranks 1-3 are a ring of 3 handed over as a
 group object that is not the world (its group ranks 0, 1, 2 are global ranks 1, 2, 3), so an answer must
 address peers by global rank, and a ring of 3 tells the direction of travel apart (a ring of 2 does not).
-A :class:`refimpl.comm.CommTracer` records every transfer: point-to-point sends are the events whose wire
+A ``refimpl.comm.CommTracer`` records every transfer: point-to-point sends are the events whose wire
 bytes are measured and non-zero, collectives the ones the tracer models.
 
 * ring forward: the whole sequence's q, k, v seeded alike on every rank of a group, rank ``r`` keeps the

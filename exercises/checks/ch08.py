@@ -3,16 +3,16 @@
 Tasks 1-3 in one process, without tensors (a schedule is data):
 
 * ``one_f_one_b``: at p = 1..5 and m = 1..8 (m < p included), every rank's list is checked for what a
-  schedule must be (refimpl's :func:`validate`: each ``F`` and ``B`` of the rank's stage once, ``F`` before
+  schedule must be (refimpl's ``validate``: each ``F`` and ``B`` of the rank's stage once, ``F`` before
   ``B``), for 1F1B's memory bound (at most ``p - rank`` micro-batches in flight), for running without a
-  deadlock together with the other ranks' lists (refimpl's :func:`simulate`), and then against refimpl's
+  deadlock together with the other ranks' lists (refimpl's ``simulate``), and then against refimpl's
   1F1B action for action.
 * ``stage_p2p``: over every action of gpipe, 1f1b, zbh1 (p = 2, 3, 4) and interleaved (v = 2, 3), each
   send must meet exactly one receive of the same tensor on its peer (the pairing, from the answer alone),
-  then every ``(before, after)`` must equal refimpl's :func:`p2p_actions`.
+  then every ``(before, after)`` must equal refimpl's ``p2p_actions``.
 * ``simulate_bubble``: two cases worked out by hand (GPipe at p = 2, m = 2, with and without a transfer
   cost); then the four schedules on a grid of p, m, v with p2p = 0 and 0.25, against refimpl's
-  :func:`simulate`. The costs are dyadic fractions (1, 2, 1.5, 0.5, 0.25), so every start and end time is
+  ``simulate``. The costs are dyadic fractions (1, 2, 1.5, 0.5, 0.25), so every start and end time is
   exact in float64 whatever the order of the additions: times must be equal, the bubble within 1e-12 (one
   rounding of the final division). A deadlocking schedule must raise ``ValueError`` within 10 s.
 

@@ -6,7 +6,7 @@ that takes refimpl's answers (``exercises/reference/ch08.py``) for the other tas
 The right implementations are written here independently of refimpl (a learner's way: counters instead of
 index arithmetic, the peer as ``stage % pp_size`` inline, a dictionary of finished actions and the rank
 that ran each, blocking receives with ``torch.distributed``, a closure per deferred weight gradient), and
-every mutant is that same code with a line or two changed (:func:`_mutate` insists that each is there).
+every mutant is that same code with a line or two changed (``_mutate`` insists that each is there).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Checks of chapter 08's tensor tasks: the executor over real stages and the split backward (see ch08.py).
 
-* ``run_pipeline_rank`` on 2 ranks (:func:`refimpl.launch.run_ranks`; each rank loads the graded file by
-  path): refimpl's GPT of 2 blocks (untied embedding) cut into 2 stages by :func:`build_stages`, this rank's
+* ``run_pipeline_rank`` on 2 ranks (``refimpl.launch.run_ranks``; each rank loads the graded file by
+  path): refimpl's GPT of 2 blocks (untied embedding) cut into 2 stages by ``build_stages``, this rank's
   stage handed over; 1F1B at m = 3 and m = 1 (fewer micro-batches than ranks) and GPipe at m = 2. Every
   gradient of the rank's stage is compared with one device running the same micro-batches through the whole
   model, accumulated in order; the tolerance is ``FACTOR`` x the spread between two one-device runs that

@@ -1,7 +1,7 @@
 """Checks of chapter 09's exercises (``exercises/09_mixture_of_experts.py``); see exercises/grading.py.
 
 Tasks 1-5 in one process, every reference computed here on its own (loops, Python's ``sorted``, float64),
-not by refimpl (tasks 6 and 7 run on ranks: :mod:`exercises.checks.ch09_ranks`):
+not by refimpl (tasks 6 and 7 run on ranks: ``exercises.checks.ch09_ranks``):
 
 * ``load_balancing_loss``: exact on scores that are binary fractions (every step of the formula is exact
   there, in any order) and on a uniform router (``coeff`` itself); on random softmax and sigmoid scores,

@@ -5,7 +5,7 @@ only its task, must fail) and every ``CORRECT`` source (its task must pass). Eac
 that takes refimpl's answers (``exercises/reference/ch09.py``) for the other tasks and replaces its task's
 names. The right implementations are written here independently of refimpl (a learner's way: loops over
 experts and over ``k``, ``nonzero`` and ``argsort`` instead of refimpl's scatter and ``bincount`` tricks),
-and every mutant is that same code with one line changed (:func:`_mutate` insists that the line is there).
+and every mutant is that same code with one line changed (``_mutate`` insists that the line is there).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Chapter 09's checks on ranks: the count exchange with the uneven all-to-all, and the experts' gradients.
 
-Both run on ``WORLD = 4`` gloo ranks (:func:`refimpl.launch.run_ranks`, folded into one spawn by
-:mod:`exercises.rank_batch`; each rank loads the graded file by path), in groups that are not the world,
+Both run on ``WORLD = 4`` gloo ranks (``refimpl.launch.run_ranks``, folded into one spawn by
+``exercises.rank_batch``; each rank loads the graded file by path), in groups that are not the world,
 so an answer that reads the world's rank or size, or makes its collectives over the world, computes the
 wrong thing. All data are exact (integers, or integers over a power of two): results are compared bit for
 bit, against answers every rank computes on its own from the seeds of every rank's data (no collective).

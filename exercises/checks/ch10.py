@@ -20,8 +20,8 @@ All in one process, every reference computed here from the definitions, not by r
   tensorwise with an e5m2 weight and e4m3 gradients), each GEMM's result against the float64 emulation of
   its operands cast as the configuration says, within ``FACTOR`` x the spread; the bias's gradient
   against a float64 sum. Then every fp8 GEMM of the forward and backward against sm90's rules
-  (:func:`refimpl.distributed.kernel_rules.scaled_mm_problems`): each ``torch._scaled_mm`` call as it is
-  made (a :class:`~torch.utils._python_dispatch.TorchDispatchMode`, which sees the backward's too), and
+  (``refimpl.distributed.kernel_rules.scaled_mm_problems``): each ``torch._scaled_mm`` call as it is
+  made (a ``torch.utils._python_dispatch.TorchDispatchMode``, which sees the backward's too), and
   each call of the module's ``scaled_mm`` that makes none (a CPU emulation) by its operands, in whatever
   layout they come (laying them out is ``scaled_mm``'s job): K and N multiples of 16 (the weight gradient
   contracts over the 40 tokens: padded or refused), not e5m2 x e5m2, fp32 scales of the tensorwise or
@@ -334,7 +334,7 @@ def _operands(a: torch.Tensor, b: torch.Tensor, fa: Float8Format, rowwise: bool,
 
 def _sm90_refusals(call) -> tuple[torch.Tensor, list[str]]:
     """``call()``'s result, and what an H100 would refuse in the ``torch._scaled_mm`` calls it made (a CPU
-    takes every layout: :mod:`refimpl.distributed.device_lint` checks sm90's rules)."""
+    takes every layout: ``refimpl.distributed.device_lint`` checks sm90's rules)."""
     with DeviceLint(raise_at_once=False) as lint:
         got = call()
     return got, [v.detail for v in lint.violations if v.rule == "scaled-mm"]

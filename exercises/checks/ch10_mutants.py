@@ -7,7 +7,7 @@ names. The right implementations are written here independently of refimpl (a le
 in float64 rounded once to fp32, ``frexp`` for the power of two, a dequantize-and-matmul GEMM in fp32 and
 one on ``torch._scaled_mm`` in the layouts a GPU takes, the layer's backward casting each operand through a
 helper), and every mutant is that same code with one line
-changed (:func:`_mutate` insists that the line is there).
+changed (``_mutate`` insists that the line is there).
 """
 
 from __future__ import annotations

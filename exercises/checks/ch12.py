@@ -7,20 +7,20 @@ All in one process, integer and float arithmetic:
   (the formula itself, not refimpl's code) and lie inside the grid; out-of-range ranks raise ``ValueError``.
   The groups along each single axis and along ``("dp", "cp")`` must partition the ranks, have the axes'
   product as size, and hold exactly the ranks that agree with the first member in the other coordinates
-  (checked from :class:`refimpl.distributed.ParallelDims`, a different implementation); bad axis names
+  (checked from ``refimpl.distributed.ParallelDims``, a different implementation); bad axis names
   raise ``ValueError``.
 * ``state_bytes_per_gpu``: worked by hand for 1.6e10 parameters at dp 4 x cp 2 x tp 2 x pp 2 (stages 0-3),
-  then on a grid of layouts and stages against :func:`refimpl.planner.zero_memory_paper` of the GPU's
+  then on a grid of layouts and stages against ``refimpl.planner.zero_memory_paper`` of the GPU's
   share, relative error 1e-12; ``zero_stage = 4`` raises ``ValueError``.
 
 * ``gradient_average_group`` / ``counted_in_grad_norm``: graded against refimpl's trainer code on 8 ranks
-  (:func:`refimpl.launch.run_ranks`, once per process): at dp 1 x cp 2 x tp 2 x pp 2 each rank runs
-  :func:`refimpl.parallel.parallelize.parallelize` and the trainer's optimizer setup
-  (:meth:`refimpl.parallel.parallelize.Parallelized.build_optimizer`) on a tied and an untied GPT, reports the
+  (``refimpl.launch.run_ranks``, once per process): at dp 1 x cp 2 x tp 2 x pp 2 each rank runs
+  ``refimpl.parallel.parallelize.parallelize`` and the trainer's optimizer setup
+  (``refimpl.parallel.parallelize.Parallelized.build_optimizer``) on a tied and an untied GPT, reports the
   ranks of the process group it averages gradients over, and fills every gradient it holds with random
   values of a random norm; the global norm the trainer's clipping computes must equal the one the learner's
   counting gives (relative 1e-5; one gradient counted twice or not at all moves it by about 1%). The average
-  group is also checked against :meth:`refimpl.distributed.ParallelDims.groups_of` over the grid of layouts.
+  group is also checked against ``refimpl.distributed.ParallelDims.groups_of`` over the grid of layouts.
 
 ``MUTANTS``: plausible wrong implementations, one per task or a list (tests/test_exercises.py grades each and
 expects its task alone to fail): tp taken as the outermost axis; ZeRO sharded over dp only (cp forgotten);

@@ -1,7 +1,7 @@
 """refimpl's answers to the exercises of chapter 07, under the exercise's names and signatures.
 
 The merge and the split are refimpl's own functions; one ring step is refimpl's block attention and merge,
-as :func:`refimpl.parallel.context_parallel.ring_attention.ring_attention` composes them for each (query
+as ``refimpl.parallel.context_parallel.ring_attention.ring_attention`` composes them for each (query
 chunk, key chunk) pair it does not skip. The ring forward and backward are refimpl's ``ring_attention``
 (contiguous layout) and its autograd backward ring; Ulysses' all-to-alls are refimpl's. The grader's
 self-test grades this module and expects full marks (tests/test_exercises.py).

@@ -1,10 +1,10 @@
 """refimpl's answers to the exercises of chapter 08, under the exercise's names and signatures.
 
-1F1B's list is refimpl's :func:`build_schedule`'s, the transfers its :func:`p2p_actions`, the simulator its
-:func:`simulate` (the micro-batch and stage counts read off the schedule; ``costs`` per kind mapped onto
-:class:`Costs`, where a ``B`` without ``W`` s costs ``backward + weight``), the executor its
-:func:`run_schedule` over the rank's one stage, the split linear :func:`linear_deferred_weight`, which
-:func:`defer_weight_gradients` puts into every ``nn.Linear`` of a stage. The grader's self-test grades
+1F1B's list is refimpl's ``build_schedule``'s, the transfers its ``p2p_actions``, the simulator its
+``simulate`` (the micro-batch and stage counts read off the schedule; ``costs`` per kind mapped onto
+``Costs``, where a ``B`` without ``W`` s costs ``backward + weight``), the executor its
+``run_schedule`` over the rank's one stage, the split linear ``linear_deferred_weight``, which
+``defer_weight_gradients`` puts into every ``nn.Linear`` of a stage. The grader's self-test grades
 this module and expects full marks (tests/test_exercises.py).
 """
 

@@ -4,7 +4,7 @@ All are refimpl's own code (``refimpl.parallel.expert_parallel``: the router, it
 the dispatch bookkeeping, the count exchange and the autograd all-to-all;
 ``refimpl.parallel.expert_parallel_gpt``: the experts' gradient reduction). Where the exercise's signature
 differs from refimpl's, a thin adapter calls refimpl's code: ``route`` and ``update_expert_bias`` run a
-:class:`~refimpl.parallel.expert_parallel.TopKRouter` on the given gate, ``reduce_expert_gradients`` hands
+``refimpl.parallel.expert_parallel.TopKRouter`` on the given gate, ``reduce_expert_gradients`` hands
 refimpl's the gradients with the placement of an expert's (reduced over ``expert_dp``) and
 ``N = edp x ep``. The grader's self-test grades this module and expects full marks
 (tests/test_exercises.py).

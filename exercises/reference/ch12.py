@@ -1,11 +1,11 @@
 """refimpl's answers to the exercises of chapter 12, under the exercise's names and signatures.
 
-The grid is :class:`refimpl.distributed.ParallelDims` (``coordinates``, ``groups_of``), the state per GPU
-the planner's :func:`refimpl.planner.zero_memory_paper` applied to the GPU's ``N / (tp pp)`` parameters and
+The grid is ``refimpl.distributed.ParallelDims`` (``coordinates``, ``groups_of``), the state per GPU
+the planner's ``refimpl.planner.zero_memory_paper`` applied to the GPU's ``N / (tp pp)`` parameters and
 the ``dp x cp`` ZeRO group; the gradient average over the ``dp x cp`` group
-(:data:`refimpl.distributed.mesh.LOSS_AXES`), the norm's counting by the rule of
-:mod:`refimpl.parallel.tensor_parallel.grad_norm` (a replicated parameter on tp rank 0, a sharded one on every
-rank) and :meth:`refimpl.parallel.pipeline_parallel.PipelineModule.is_tied_copy` (the last stage's copy of a
+(``refimpl.distributed.mesh.LOSS_AXES``), the norm's counting by the rule of
+``refimpl.parallel.tensor_parallel.grad_norm`` (a replicated parameter on tp rank 0, a sharded one on every
+rank) and ``refimpl.parallel.pipeline_parallel.PipelineModule.is_tied_copy`` (the last stage's copy of a
 tied embedding left out). The grader's self-test grades this module and expects full marks
 (tests/test_exercises.py).
 """

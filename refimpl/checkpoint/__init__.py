@@ -2,20 +2,20 @@
 
 Chapter 11.
 
-What a checkpoint holds (:func:`save_training_state`): the model's parameters and persistent buffers and
+What a checkpoint holds (``save_training_state``): the model's parameters and persistent buffers and
 the optimizer state *as each rank holds them* (full tensors, ZeRO-1/2 optimizer shards, FSDP parameter
 shards), the optimizer's hyperparameters, the loss scaler, the step (from which the learning-rate
 schedule and the data position follow: both are pure functions of the step in refimpl), the run's config,
 library versions, and each rank's RNG states. The format (version 2) is in
-:mod:`refimpl.checkpoint.format`: tensors are described by global name and shape, and every piece is a box
-of its tensor (:class:`refimpl.distributed.placement.Box`: offsets and shape), so a checkpoint written at
+``refimpl.checkpoint.format``: tensors are described by global name and shape, and every piece is a box
+of its tensor (``refimpl.distributed.placement.Box``: offsets and shape), so a checkpoint written at
 one data-parallel size, ZeRO stage or layout loads at another, by box intersection. The wrappers say
 themselves which boxes they hold (``local_shards()`` on a module, ``local_state_shards()`` on an
 optimizer), and so do torch's DTensors (FSDP2 ``fully_shard``'s parameters and their ``AdamW`` moments:
-the box of their placements, :func:`refimpl.distributed.placement.dtensor_box`); the checkpoint reads
+the box of their placements, ``refimpl.distributed.placement.dtensor_box``); the checkpoint reads
 only that.
 
-**The commit protocol** (:meth:`Checkpointer.save`, collective)::
+**The commit protocol** (``Checkpointer.save``, collective)::
 
     every rank   snapshot its pieces to CPU copies          (training may go on from here when async)
     every rank   write step_K.tmp-<id>/rank_R.pt, fsync it, hash it
@@ -27,16 +27,16 @@ only that.
 
 A crash before the rename leaves a ``*.tmp-*`` folder that no loader reads and the next save or load
 deletes; a crash after it leaves a complete checkpoint. ``latest`` is a pointer for people and tools; the
-loader trusts only what it verifies: :func:`find_latest_valid` walks the committed checkpoints newest
+loader trusts only what it verifies: ``find_latest_valid`` walks the committed checkpoints newest
 first, checks manifest, format version, expected shapes, sizes and sha256 (ranks hash files in parallel),
 says why each rejected one was rejected and returns the newest valid one.
 
-**Asynchronous save** (``async_save=True``): :meth:`Checkpointer.save` returns once the snapshot is taken;
+**Asynchronous save** (``async_save=True``): ``Checkpointer.save`` returns once the snapshot is taken;
 a background thread writes, hashes and commits. It talks to the other ranks on its own gloo process group,
 so its collectives never interleave with the training's. The next ``save``, ``wait``, ``close`` or load
 joins it and raises its error, if any.
 
-**Resume** (:meth:`Checkpointer.resume_point`): ``resume="auto"`` continues from the newest valid
+**Resume** (``Checkpointer.resume_point``): ``resume="auto"`` continues from the newest valid
 checkpoint (a fresh start when the folder holds none; an error when it holds some and none is valid);
 ``resume="never"`` refuses a folder that already holds checkpoints. Decide from the disk, not from the
 elastic agent's restart counter (it is per agent). A run stopped after step k and resumed gives the same

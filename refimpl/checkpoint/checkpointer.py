@@ -1,6 +1,6 @@
-"""The :class:`Checkpointer`: the collective save (synchronous or asynchronous), find and load (chapter 11).
+"""The ``Checkpointer``: the collective save (synchronous or asynchronous), find and load (chapter 11).
 
-The commit protocol, every rank and then rank 0, is in the package docstring (:mod:`refimpl.checkpoint`);
+The commit protocol, every rank and then rank 0, is in the package docstring (``refimpl.checkpoint``);
 an asynchronous save returns after the CPU snapshot and a background thread writes, hashes and commits,
 talking to the other ranks on its own gloo group so its collectives never interleave with the training's.
 """
@@ -50,7 +50,7 @@ from refimpl.distributed.placement import LocalShard
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """Where and how to checkpoint. ``every_steps``/``every_minutes``/``save_on_sigterm`` feed
-    :class:`SaveSchedule`; ``resume`` is ``"auto"`` or ``"never"``."""
+    ``SaveSchedule``; ``resume`` is ``"auto"`` or ``"never"``."""
 
     folder: str | os.PathLike
     keep_last: int = 3
@@ -126,7 +126,7 @@ class Checkpointer:
 
     def save(self, step: int, tensors: Mapping[str, LocalShard | torch.Tensor], *,
              state: Mapping[str, Any] | None = None, rank_state: Any = None, config: Any = None) -> None:
-        """Save ``tensors`` (global name -> this rank's :class:`LocalShard`, or a full tensor) at ``step``.
+        """Save ``tensors`` (global name -> this rank's ``LocalShard``, or a full tensor) at ``step``.
 
         ``state`` (JSON, rank 0's copy is kept) goes into the manifest; ``rank_state`` (tensors, numbers,
         strings, containers) into this rank's file. With ``async_save`` it returns after the snapshot.

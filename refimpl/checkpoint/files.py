@@ -1,10 +1,10 @@
 """The bytes on disk: fsync, sha256, a rank's file written and read back (chapter 11).
 
 A rank file is ``torch.save({"format_version", "pieces": {"<name>@<offsets>": tensor of the piece's box},
-"objects"})``, fsynced before its sha256 and size are reported (:func:`write_rank_file`).
-:class:`CheckpointReader` opens the files of a verified checkpoint (mmap, ``weights_only=True``: no code
+"objects"})``, fsynced before its sha256 and size are reported (``write_rank_file``).
+``CheckpointReader`` opens the files of a verified checkpoint (mmap, ``weights_only=True``: no code
 runs on load) and copies boxes of global tensors out of them by box intersection
-(:func:`~refimpl.checkpoint.plan.plan_read`), into any tensor that holds the box, strided ones included (a
+(``refimpl.checkpoint.plan.plan_read``), into any tensor that holds the box, strided ones included (a
 column block is a view with a row stride: the copy goes through ``tensor[slices]``, never ``.view(-1)``).
 """
 

@@ -1,10 +1,10 @@
 """The folder protocol: commit atomically, point ``latest``, list, clean, find the newest valid (ch. 09).
 
-A save writes ``step_K.tmp-<id>/``; :func:`commit` (rank 0) writes the manifest, fsyncs, renames the folder
+A save writes ``step_K.tmp-<id>/``; ``commit`` (rank 0) writes the manifest, fsyncs, renames the folder
 to ``step_K`` (the commit point), fsyncs the parent, writes ``latest`` atomically and prunes to the last K.
-A crash before the rename leaves a ``*.tmp-*`` folder that no loader reads and :func:`clean_leftovers`
+A crash before the rename leaves a ``*.tmp-*`` folder that no loader reads and ``clean_leftovers``
 deletes; a crash after it leaves a complete checkpoint. ``latest`` is for people and tools: the loader
-trusts only what it verifies (:func:`find_latest_valid`, newest first, saying why each was rejected).
+trusts only what it verifies (``find_latest_valid``, newest first, saying why each was rejected).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def find_latest_valid(folder: str | os.PathLike, *, expected: Mapping[str, Seque
                       share: tuple[int, int] = (0, 1), gather=_local_gather) -> CheckpointInfo | None:
     """The newest checkpoint in ``folder`` that verifies; None if there is none at all.
 
-    Raises :class:`CheckpointError` listing every rejection when checkpoints exist but none is valid.
+    Raises ``CheckpointError`` listing every rejection when checkpoints exist but none is valid.
     Rank 0 (``share[0] == 0``) deletes ``*.tmp-*`` leftovers. With ``share=(rank, world)`` and ``gather``
     (an all_gather of a Python object) the ranks split the hashing and agree on the outcome.
     """

@@ -10,12 +10,12 @@ A checkpoint is a folder ``step_00000042/``::
 
 **Tensors are described globally, pieces as boxes.** Every tensor has a global name
 (``model/blocks.0.mlp.fc.weight``), a global shape and a dtype. A rank that holds part of it passes a
-:class:`~refimpl.distributed.placement.LocalShard`: its local tensor holds the *box* ``global[o_0 : o_0 + s_0,
-..., o_{n-1} : o_{n-1} + s_{n-1}]`` (a :class:`~refimpl.distributed.placement.Box`, the one shard descriptor
+``refimpl.distributed.placement.LocalShard``: its local tensor holds the *box* ``global[o_0 : o_0 + s_0,
+..., o_{n-1} : o_{n-1} + s_{n-1}]`` (a ``refimpl.distributed.placement.Box``, the one shard descriptor
 of refimpl; a plain tensor is the full box, a ``DTensor`` the box of its placements). A ZeRO/FSDP row
 shard is a box of rows (torch's ``fully_shard`` too: its padding is not saved); a row-parallel
 tensor-parallel shard a box of *columns* (strided in memory, still one box); a 1-D range ``[a, b)`` is the
-1-D box. When several ranks hold the same elements (data-parallel replicas), :func:`plan_pieces` cuts every
+1-D box. When several ranks hold the same elements (data-parallel replicas), ``plan_pieces`` cuts every
 dimension at every box boundary and gives each cell of that grid to one holder, splitting large replicated
 cells among their holders so each element is written exactly once and the bytes to write are balanced:
 a replicated tensor of ``n`` elements is written as ``W`` slabs of about ``n / W`` in parallel.
@@ -23,11 +23,11 @@ a replicated tensor of ``n`` elements is written as ``W`` slabs of about ``n / W
 **Resharding is box intersection.** The manifest lists, for each tensor, its *pieces*: ``(file, offsets,
 shape)``, disjoint boxes covering the tensor exactly once. A rank that now needs box ``R`` (at any world
 size, for any sharding: rows, columns, a block) copies ``I = P ∩ R`` out of every piece ``P`` that meets it,
-``out[I - R.offsets] = piece[I - P.offsets]`` (:func:`~refimpl.checkpoint.plan.plan_read`). Nothing in the
+``out[I - R.offsets] = piece[I - P.offsets]`` (``refimpl.checkpoint.plan.plan_read``). Nothing in the
 format depends on the world size or the layout that wrote it.
 
 **Trust.** The manifest records each file's sha256 and size and carries its own checksum (the sha256 of
-its canonical JSON without that field). :func:`verify_checkpoint` rejects a missing manifest, a wrong
+its canonical JSON without that field). ``verify_checkpoint`` rejects a missing manifest, a wrong
 format version (a checkpoint of format version 1, flat ranges, is refused with one line naming both
 versions), a missing, truncated or altered file, and tensors whose shape differs from the expected,
 each with a message that names the file or tensor. Rank files are read with ``weights_only=True`` (no
@@ -64,8 +64,8 @@ class CheckpointError(Exception):
 
 
 def as_local_shard(value: LocalShard | torch.Tensor) -> LocalShard:
-    """A :class:`LocalShard` as given, a DTensor as the box of its placements, a plain tensor held whole
-    (:func:`~refimpl.distributed.placement.held_shard`)."""
+    """A ``LocalShard`` as given, a DTensor as the box of its placements, a plain tensor held whole
+    (``refimpl.distributed.placement.held_shard``)."""
     if isinstance(value, LocalShard):
         return value
     if isinstance(value, torch.Tensor):

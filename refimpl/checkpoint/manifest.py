@@ -3,7 +3,7 @@
 ``manifest.json`` records the format version, step, world size, config, library versions, the global
 state, every file's sha256 and size, and where every tensor's pieces lie (per piece its file and its box:
 offsets and shape); it carries its own checksum (the sha256 of its canonical JSON without that field).
-:func:`verify_checkpoint` rejects a missing manifest, a wrong format version (one line naming the
+``verify_checkpoint`` rejects a missing manifest, a wrong format version (one line naming the
 checkpoint's version and the one this reader reads), pieces that do not tile their tensor, a missing,
 truncated or altered file, and unexpected shapes, each with a message that names the file or tensor.
 """
@@ -118,7 +118,7 @@ def check_expected(manifest: Mapping[str, Any], expected: Mapping[str, Sequence[
 
 def verify_checkpoint(folder: str | os.PathLike, *, expected: Mapping[str, Sequence[int]] | None = None,
                       share: tuple[int, int] = (0, 1)) -> dict:
-    """Check a checkpoint folder; return its manifest or raise :class:`CheckpointError` saying why not.
+    """Check a checkpoint folder; return its manifest or raise ``CheckpointError`` saying why not.
 
     Checks the manifest (present, its checksum, format version), that the pieces tile every tensor,
     that the ``expected`` tensors exist with those shapes, that every file exists with its recorded size,

@@ -1,14 +1,14 @@
 """Who writes which box, and who reads which: the two plans of a checkpoint (chapter 11).
 
-:func:`plan_pieces` cuts every dimension of every tensor at every box boundary the ranks hold, so the
+``plan_pieces`` cuts every dimension of every tensor at every box boundary the ranks hold, so the
 tensor becomes a grid of cells each of which lies either wholly inside or wholly outside every rank's box;
 each cell goes to one of its holders (replicas split a large cell along its longest dimension, so the ranks
 write in parallel), and cells of one writer that follow each other along a dimension are merged.
-:func:`snapshot_pieces` copies this rank's pieces to CPU. :func:`plan_read` is resharding as box
+``snapshot_pieces`` copies this rank's pieces to CPU. ``plan_read`` is resharding as box
 intersection: a reader of box ``R`` copies ``I = P ∩ R`` out of every saved piece ``P`` that meets it,
 ``out[I.slices(R)] = piece[I.slices(P)]``, whatever world size or layout wrote it (a 1-D range is the 1-D
-box). The format they serve is in :mod:`refimpl.checkpoint.format`; :class:`Box` in
-:mod:`refimpl.distributed.placement`.
+box). The format they serve is in ``refimpl.checkpoint.format``; ``Box`` in
+``refimpl.distributed.placement``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ another.
 **Who holds what is said by the wrappers, never guessed here.** A module (at any depth) with
 ``local_shards() -> dict[str, LocalShard]`` claims its subtree (ZeRO-3's row shards, a data-parallel
 wrapper's replicas, later tensor-parallel column or row blocks); the rest of the model is held whole
-(:func:`refimpl.distributed.placement.module_shards`). torch's own ``DistributedDataParallel`` is unwrapped
+(``refimpl.distributed.placement.module_shards``). torch's own ``DistributedDataParallel`` is unwrapped
 (its ``.module``). An optimizer that steps something other than the model's local tensors (ZeRO-1/2) has
 ``local_state_shards()``: ``(parameter, the tensor its inner optimizer steps, that tensor's box inside the
 parameter's local tensor)`` triples, and ``inner_optimizer``, the optimizer that holds the state; the
@@ -19,7 +19,7 @@ shard is one more box, not one more branch.
 
 **torch's own sharding says it too.** A ``DTensor`` parameter (FSDP2's ``fully_shard``: ``Shard(0)`` on a
 1-D mesh, dim 0 padded to a multiple of the world size for the all-gather) holds the box of its placements
-(:func:`~refimpl.distributed.placement.dtensor_box`: chunks of ``ceil(N / W)`` rows, the padding never
+(``refimpl.distributed.placement.dtensor_box``: chunks of ``ceil(N / W)`` rows, the padding never
 saved); a plain ``torch.optim.AdamW`` on such parameters keeps DTensor moments of the same placements, saved
 as the same boxes, and a 0-d plain ``step``, saved whole. Load writes the intersecting boxes into the local
 tensors in place, and the moments come back as DTensors of the parameter's placements, so the same
@@ -82,8 +82,8 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
 def parameter_shards(model: nn.Module) -> dict[str, LocalShard]:
     """``{"model/<name>": LocalShard}`` of every parameter and persistent buffer, as this rank holds it.
 
-    What the modules declare (:func:`~refimpl.distributed.placement.module_shards`): a plain or data-
-    parallel model holds full tensors, a :class:`~refimpl.parallel.zero.FullyShardedDataParallel` the row
+    What the modules declare (``refimpl.distributed.placement.module_shards``): a plain or data-
+    parallel model holds full tensors, a ``refimpl.parallel.zero.FullyShardedDataParallel`` the row
     box ``[start, end) x ...`` of each parameter, torch's ``fully_shard`` the box of each DTensor's
     placements (its local tensor). A tensor-parallel layer of stacked projections split chunk by chunk
     (``ColwiseParallel(chunks=k)``, k > 1) holds ``k`` separate row blocks of its weight, which no single
@@ -110,8 +110,8 @@ def _optimizer_slots(model: nn.Module, optimizer: torch.optim.Optimizer,
                      ) -> tuple[torch.optim.Optimizer, list[tuple[torch.Tensor, str, Box]]]:
     """The optimizer that holds the state, and for each tensor it steps (in its order): the parameter's
     name and the box of the global parameter that tensor holds. Tensors are matched by the identity of
-    their local tensor (:func:`~refimpl.distributed.placement.local_tensor`: a DTensor parameter's
-    ``_local_tensor`` is what :func:`parameter_shards` holds)."""
+    their local tensor (``refimpl.distributed.placement.local_tensor``: a DTensor parameter's
+    ``_local_tensor`` is what ``parameter_shards`` holds)."""
     by_id = {id(s.tensor): (name.removeprefix("model/"), s.box)
              for name, s in parameter_shards(model).items()}
     declare = getattr(optimizer, "local_state_shards", None)
@@ -152,7 +152,7 @@ def _moment_shard(value: torch.Tensor, box: Box, what: str) -> LocalShard:
 def optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, LocalShard]:
     """``{"optimizer/<param>/<key>": LocalShard}``: per-element state (moments, the parameter's global
     shape) in the box of the tensor it belongs to, other tensors (the step count) as held
-    (:func:`~refimpl.distributed.placement.held_shard`: a plain one whole)."""
+    (``refimpl.distributed.placement.held_shard``: a plain one whole)."""
     inner, slots = _optimizer_slots(model, optimizer)
     out = {}
     for t, name, box in slots:
@@ -238,7 +238,7 @@ def _restored(t: torch.Tensor, key: str, value: torch.Tensor, *, per_element: bo
     """A state tensor read from the checkpoint, cast as ``Optimizer.load_state_dict`` would: the step count
     stays a CPU float unless capturable/fused, the rest goes to the parameter's device (floating point: to
     its dtype). The moments of a DTensor parameter become DTensors of its placements around this rank's box
-    (:func:`~refimpl.distributed.placement.dtensor_like`), as ``AdamW`` makes them."""
+    (``refimpl.distributed.placement.dtensor_like``), as ``AdamW`` makes them."""
     if key == "step":
         return value.to(t.device) if on_device else value
     local = local_tensor(t)
@@ -249,7 +249,7 @@ def _restored(t: torch.Tensor, key: str, value: torch.Tensor, *, per_element: bo
 def load_training_state(checkpointer: Checkpointer, info: CheckpointInfo, *, model: nn.Module,
                         optimizer: torch.optim.Optimizer | None = None, scaler: Any = None,
                         restore_rng: bool = True) -> dict:
-    """Load what :func:`save_training_state` saved into this rank's model/optimizer/scaler, at any world
+    """Load what ``save_training_state`` saved into this rank's model/optimizer/scaler, at any world
     size and sharding; restore this rank's RNG states; return the saved state (``state["step"]``, ...)."""
     reader = CheckpointReader(info.path, info.manifest)
     try:

@@ -1,14 +1,14 @@
 """Communication, made visible: traced ``torch.distributed`` calls and collectives built from point-to-point.
 
-* :mod:`refimpl.comm.ops`: the calls refimpl makes, recorded by a tracer when one is active;
-* :mod:`refimpl.comm.tracer`: :class:`CommTracer`, the record of every call (chapter 02): payload and
+* ``refimpl.comm.ops``: the calls refimpl makes, recorded by a tracer when one is active;
+* ``refimpl.comm.tracer``: ``CommTracer``, the record of every call (chapter 02): payload and
   point-to-point bytes measured, the wire bytes of ``torch.distributed`` collectives modelled (ring);
-* :mod:`refimpl.comm.ring`: ring reduce-scatter / all-gather / all-reduce from ``isend``/``irecv``, and the
+* ``refimpl.comm.ring``: ring reduce-scatter / all-gather / all-reduce from ``isend``/``irecv``, and the
   naive all-reduce through rank 0 they beat (chapter 02);
-* :mod:`refimpl.comm.pictures`: who holds what before/after a collective, and a timeline of traced events.
+* ``refimpl.comm.pictures``: who holds what before/after a collective, and a timeline of traced events.
 
-Measured latency and bandwidth are in :mod:`refimpl.measure.collective_timing`, the alpha-beta model fitted
-to them and the exact ring byte counts in :mod:`refimpl.planner` (chapter 02).
+Measured latency and bandwidth are in ``refimpl.measure.collective_timing``, the alpha-beta model fitted
+to them and the exact ring byte counts in ``refimpl.planner`` (chapter 02).
 """
 
 from refimpl.comm.pictures import plot_timeline, plot_who_holds_what

@@ -7,10 +7,10 @@ collective's stream, then returns at once. A CPU clock there reads launch times,
 duration comes out near zero. GPU timings come from CUDA events recorded on the current stream and read
 after a synchronize (docs: DESIGN.md, "GPUs").
 
-A **stamp** is what :meth:`DeviceClock.mark` returns:
+A **stamp** is what ``DeviceClock.mark`` returns:
 
 * on CPU, the ``time.perf_counter()`` float taken now, so every timing path holds what it held before;
-* on CUDA, a :class:`CudaStamp`: an event recorded on the current stream. It completes when the stream
+* on CUDA, a ``CudaStamp``: an event recorded on the current stream. It completes when the stream
   reaches it, after every kernel queued before it and after every collective the stream was made to wait
   for: a stamp taken right after ``work.wait()`` is the collective's completion.
 
@@ -19,13 +19,13 @@ calls ``torch.cuda.synchronize()`` once, after which every stamp taken before re
 seconds are its time since a reference event, placed on the ``perf_counter`` axis (the reference is
 recorded on an idle device as ``perf_counter`` is read), so device stamps and CPU stamps share one axis.
 
-The records that hold stamps read them as seconds: a :class:`StampField` (one stamp, a dataclass field)
-and a :class:`StampList` (a list of stamps) give floats to their readers, and the synchronize happens at
-the first read, at the step's end, not while the step runs. :func:`seconds` reads any stamp. A deferred
+The records that hold stamps read them as seconds: a ``StampField`` (one stamp, a dataclass field)
+and a ``StampList`` (a list of stamps) give floats to their readers, and the synchronize happens at
+the first read, at the step's end, not while the step runs. ``seconds`` reads any stamp. A deferred
 stamp compares and subtracts as its seconds, and pickles as them (a rank's events sent to the notebook
 arrive as floats).
 
-:func:`current_clock` is the clock of :func:`refimpl.comm.tracer.now`: CUDA's once this process has
+``current_clock`` is the clock of ``refimpl.comm.tracer.now``: CUDA's once this process has
 initialised CUDA (its work is then asynchronous), else the CPU's.
 """
 
@@ -45,7 +45,7 @@ __all__ = ["CudaStamp", "DeferredStamp", "DeviceClock", "Stamp", "StampField", "
 
 
 class DeferredStamp(ABC):
-    """A stamp whose seconds are known once the device has reached it (:meth:`seconds`). Compared,
+    """A stamp whose seconds are known once the device has reached it (``seconds``). Compared,
     subtracted or pickled it acts as its seconds, so code that holds a raw stamp keeps working."""
 
     __slots__ = ()
@@ -83,7 +83,7 @@ class DeferredStamp(ABC):
 
 
 Stamp: TypeAlias = float | DeferredStamp
-"""What a clock's ``mark()`` returns: a ``perf_counter`` float on CPU, a :class:`DeferredStamp` on a GPU."""
+"""What a clock's ``mark()`` returns: a ``perf_counter`` float on CPU, a ``DeferredStamp`` on a GPU."""
 
 
 def seconds(stamp: Stamp | None) -> float | None:
@@ -152,7 +152,7 @@ class CudaStamp(DeferredStamp):
 # ---------------------------------------------------------------------------------------------- the clock
 @dataclass(frozen=True)
 class DeviceClock:
-    """Stamps for the work of ``device``: ``perf_counter`` floats on CPU (taken now), :class:`CudaStamp` s
+    """Stamps for the work of ``device``: ``perf_counter`` floats on CPU (taken now), ``CudaStamp`` s
     on a GPU (taken when the current stream gets there)."""
 
     device: torch.device = torch.device("cpu")  # cpu on purpose: the default is the CPU's perf_counter
@@ -169,7 +169,7 @@ CPU_CLOCK = DeviceClock()
 
 def current_clock() -> DeviceClock:
     """CUDA's clock on the current device once this process has initialised CUDA, else the CPU's: the clock
-    of :func:`refimpl.comm.tracer.now` (a forked child of a CUDA process does not count as initialised)."""
+    of ``refimpl.comm.tracer.now`` (a forked child of a CUDA process does not count as initialised)."""
     if torch.cuda.is_initialized():
         return DeviceClock(torch.device("cuda", torch.cuda.current_device()))
     return CPU_CLOCK
@@ -182,7 +182,7 @@ _REQUIRED: Any = object()
 class StampField:
     """A dataclass field that holds a stamp and reads as its seconds (``start: float = StampField()``;
     ``StampField(default=None)`` for an optional one). It stores the stamp in the instance's ``__dict__``
-    under its own name: :func:`raw_stamp` gives it back unread."""
+    under its own name: ``raw_stamp`` gives it back unread."""
 
     def __init__(self, *, default: float | None = _REQUIRED) -> None:
         self.default = default
@@ -203,7 +203,7 @@ class StampField:
 
 
 def raw_stamp(obj: object, name: str) -> Stamp | None:
-    """The stamp a :class:`StampField` ``name`` of ``obj`` holds, not read (no synchronize)."""
+    """The stamp a ``StampField`` ``name`` of ``obj`` holds, not read (no synchronize)."""
     return obj.__dict__[name]
 
 

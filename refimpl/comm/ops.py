@@ -1,27 +1,27 @@
-"""``torch.distributed`` calls as refimpl makes them: the same signatures, recorded by :class:`CommTracer`.
+"""``torch.distributed`` calls as refimpl makes them: the same signatures, recorded by ``CommTracer``.
 
 Every collective and point-to-point call in refimpl goes through this module, so a tracer sees all of
 the library's calls (chapter 02). The payload of each call is measured from the tensors handed to it; the
 bytes a point-to-point call sends are measured too (the tensor itself), those of a collective are the ring
-model (:func:`refimpl.comm.tracer.wire_bytes`): the backend does not say what it sends. Without an
+model (``refimpl.comm.tracer.wire_bytes``): the backend does not say what it sends. Without an
 active tracer each function is the plain ``torch.distributed`` call. An async call (``async_op=True``,
-``isend``, ``irecv``, :func:`batch_isend_irecv`) returns :class:`TracedWork` s whose ``wait()`` stamps the end
-time of their events (device time on CUDA: :class:`TracedWork`).
+``isend``, ``irecv``, ``batch_isend_irecv``) returns ``TracedWork`` s whose ``wait()`` stamps the end
+time of their events (device time on CUDA: ``TracedWork``).
 
 Point-to-point and NCCL (chapters 02, 07, 08). NCCL runs a pair's point-to-point calls in order on one
 stream, and an unbatched send or receive completes only once the peer has posted its match. A pair of ranks
 that both post ``irecv`` then ``isend`` to each other therefore hangs on GPUs: each receive waits for a send
 queued behind the peer's own receive (gloo, which runs each call on its own, never shows it). The rule: a
-paired exchange is posted as **one** :func:`batch_isend_irecv` of :class:`P2POp` s (NCCL fuses the group,
+paired exchange is posted as **one** ``batch_isend_irecv`` of ``P2POp`` s (NCCL fuses the group,
 its sends and receives progress together; Megatron-LM and picotron do the same), and sends whose receive
 the peer posts at another time go out in an order both ranks' programs agree on (the pipeline executor's
 rounds). On gloo (torch 2.13) ``batch_isend_irecv`` runs each op as its own async call, which is fine.
 
 **Strict point-to-point mode** (``REFIMPL_STRICT_P2P=1`` in the environment, read at every call, so it
-reaches forked ranks and torchrun's children; :func:`strict_p2p` says whether it is on): every plain
+reaches forked ranks and torchrun's children; ``strict_p2p`` says whether it is on): every plain
 ``isend``/``irecv`` waits for its own completion before it returns, which is NCCL's unbatched behaviour
 made visible on gloo (a gloo send completes when the peer has posted the receive); a
-:func:`batch_isend_irecv` group is posted whole and then its handles are waited, before it returns, as
+``batch_isend_irecv`` group is posted whole and then its handles are waited, before it returns, as
 NCCL runs the fused group before anything queued behind it. Code that finishes under strict mode on gloo
 does not deadlock on NCCL for that reason; code that only works because gloo lets calls overtake each
 other hangs (tests/test_p2p_strict.py, a negative control included). Strict mode adds no state: the
@@ -54,7 +54,7 @@ class TracedWork:
     """A ``torch.distributed.Work`` whose ``wait()`` stamps the end of its events. Waiting twice returns
     at once the second time (a gloo send or receive waited twice would wait for another one).
 
-    The end is a stamp of :func:`~refimpl.comm.tracer.now` taken after ``work.wait()``: on gloo the CPU
+    The end is a stamp of ``refimpl.comm.tracer.now`` taken after ``work.wait()``: on gloo the CPU
     has waited, so ``perf_counter`` then is the completion; on NCCL ``wait()`` only makes the current
     stream wait for the collective and returns at once, and the stamp is a CUDA event recorded on that
     stream after the wait, which completes when the collective has (read after a synchronize)."""
@@ -208,7 +208,7 @@ def _strict_wait(works: list) -> list:
 
 
 def batch_isend_irecv(p2p_ops: list[P2POp]) -> list[TracedWork | dist.Work]:
-    """Post ``p2p_ops`` (:class:`P2POp` s of ``dist.isend`` / ``dist.irecv``, one process group) as one
+    """Post ``p2p_ops`` (``P2POp`` s of ``dist.isend`` / ``dist.irecv``, one process group) as one
     group, like ``dist.batch_isend_irecv``; returns its handles. The tracer books one ``isend`` / ``irecv``
     event per op (``batched=True``): a send's ``wire_bytes`` its tensor's bytes, measured, a receive's 0.
     On NCCL the group is one fused launch, so its sends and receives progress together: a paired exchange

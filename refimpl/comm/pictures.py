@@ -1,11 +1,11 @@
 """Pictures of communication: who holds what before and after a collective, and a timeline (chapter 02).
 
-:func:`plot_who_holds_what` draws, for each collective, every rank's tensor before and after as a row of
+``plot_who_holds_what`` draws, for each collective, every rank's tensor before and after as a row of
 cells. A cell is coloured by the rank whose input value it holds (so a broadcast paints every row in the
 root's colour, an all-to-all transposes the colours), and grey with a sigma when its value is none of the
 inputs: a reduction of several. Choose inputs whose values are distinct across ranks (e.g. ``10 (r + 1) +
-j``) for the colours to tell the truth. :func:`plot_timeline` draws the events of a
-:class:`~refimpl.comm.tracer.CommTracer` per rank as bars in time.
+j``) for the colours to tell the truth. ``plot_timeline`` draws the events of a
+``refimpl.comm.tracer.CommTracer`` per rank as bars in time.
 """
 
 from __future__ import annotations

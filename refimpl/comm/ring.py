@@ -2,7 +2,7 @@
 
 The ranks of a group of size ``n`` stand in a ring: rank ``r`` sends to ``r + 1`` and receives from
 ``r - 1`` (mod ``n``). The tensor, viewed flat with ``S`` elements, is cut into ``n`` contiguous chunks by
-:func:`torch.tensor_split` (sizes ``ceil(S/n)`` for the first ``S mod n`` chunks, ``floor(S/n)`` for the
+``torch.tensor_split`` (sizes ``ceil(S/n)`` for the first ``S mod n`` chunks, ``floor(S/n)`` for the
 rest, so any length works, even ``S < n``: some chunks are then empty).
 
 * **Reduce-scatter**, ``n - 1`` steps. At step ``s`` rank ``r`` sends its partial sum of chunk
@@ -19,15 +19,15 @@ Cost. Each step a rank sends one chunk, so over a reduce-scatter it sends every 
 link carries the same load at the same time, which makes the ring bandwidth-optimal (Patarasuk & Yuan,
 "Bandwidth optimal all-reduce algorithms for clusters of workstations", JPDC 2009; brought to deep
 learning by Baidu's "ring-allreduce", Gibiansky 2017, then Horovod and NCCL). Under the alpha-beta model
-(:mod:`refimpl.planner.time_model`) the time is ``2(n - 1) alpha + 2(n - 1)/n S / beta``: the latency term
-grows with ``n``, which is why small messages prefer trees. :func:`naive_all_reduce` is the lesson's
+(``refimpl.planner.time_model``) the time is ``2(n - 1) alpha + 2(n - 1)/n S / beta``: the latency term
+grows with ``n``, which is why small messages prefer trees. ``naive_all_reduce`` is the lesson's
 foil: everything through rank 0, which sends ``(n - 1) S`` bytes, growing with ``n``.
 
 Each step's send to the right and receive from the left are posted as **one**
-:func:`refimpl.comm.ops.batch_isend_irecv` group: at ``n = 2`` the right and the left neighbour are the same
+``refimpl.comm.ops.batch_isend_irecv`` group: at ``n = 2`` the right and the left neighbour are the same
 rank, and an unbatched ``irecv`` then ``isend`` on both would hang on NCCL, which runs a pair's calls in
 order (each receive waits for a send queued behind the peer's own receive; strict mode,
-:mod:`refimpl.comm.ops`, shows it on gloo). A :class:`CommTracer` books each op of the group as an ``isend``
+``refimpl.comm.ops``, shows it on gloo). A ``CommTracer`` books each op of the group as an ``isend``
 / ``irecv`` with its bytes measured from the tensors (chapter 02 compares that measurement with the formulas
 above).
 Only the sum is implemented; a mean is ``sum / n``. ``group`` is a process group (default: the world);
@@ -51,7 +51,7 @@ __all__ = [
 
 
 def chunk_sizes(numel: int, n: int) -> list[int]:
-    """Sizes of the ``n`` chunks :func:`torch.tensor_split` cuts ``numel`` elements into (longer first)."""
+    """Sizes of the ``n`` chunks ``torch.tensor_split`` cuts ``numel`` elements into (longer first)."""
     q, rem = divmod(numel, n)
     return [q + 1 if i < rem else q for i in range(n)]
 
@@ -136,7 +136,7 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
 
     Ring reduce-scatter then ring all-gather on the flattened tensor: ``2(n - 1)`` steps, and this rank
     sends ``2(n - 1)/n S`` elements when ``n`` divides ``S`` (exactly
-    :func:`refimpl.planner.ring_bytes_sent`). Equal to
+    ``refimpl.planner.ring_bytes_sent``). Equal to
     ``dist.all_reduce`` bit for bit on integer-valued data; on floats up to the order of the additions
     (each chunk is summed in ring order starting at a different rank). Chapter 02.
     """

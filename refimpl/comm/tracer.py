@@ -1,4 +1,4 @@
-"""A communication tracer: every collective and point-to-point call made through :mod:`refimpl.comm.ops`.
+"""A communication tracer: every collective and point-to-point call made through ``refimpl.comm.ops``.
 
 Chapter 02 introduces it; later chapters use it to *prove* their traffic (bytes per step against a
 formula, the overlap of communication with backward as a timeline).
@@ -9,14 +9,14 @@ formula, the overlap of communication with backward as a timeline).
             tracer.step()              # closes step 0, 1, 2
     tracer.summary()                   # {"all_reduce": OpTotal(count=..., nbytes=..., wire_bytes=...)}
 
-Each :class:`CommEvent` records the op, the payload bytes, the bytes this rank sends, the group size, the
+Each ``CommEvent`` records the op, the payload bytes, the bytes this rank sends, the group size, the
 peer of a point-to-point call, the start time (when the op was posted) and the end time (when the op
 returned, or for an async op when its handle was waited), and the step. The times are stamps of
-:func:`now`: on CPU ``time.perf_counter()`` floats; on CUDA events on the current stream, since NCCL's
+``now``: on CPU ``time.perf_counter()`` floats; on CUDA events on the current stream, since NCCL's
 ``work.wait()`` only makes the current stream wait for the collective and returns at once (an end stamp
 recorded after it completes when the stream has waited, the collective's completion). Read, ``start``
 and ``end`` are seconds on the ``perf_counter`` axis either way; CUDA stamps are read after one
-synchronize, at the first read (:mod:`refimpl.comm.device_clock`). What is **measured** and what is
+synchronize, at the first read (``refimpl.comm.device_clock``). What is **measured** and what is
 **modelled**:
 
 * ``nbytes`` (every op) is measured: ``numel * element_size`` of the tensors handed to the op (for
@@ -24,19 +24,19 @@ synchronize, at the first read (:mod:`refimpl.comm.device_clock`). What is **mea
 * ``wire_bytes`` of a point-to-point call is measured too: a ``send``/``isend`` puts exactly the tensor it
   was handed on the wire (``nbytes``), a ``recv``/``irecv`` sends nothing (``measured=True``);
 * ``wire_bytes`` of a ``torch.distributed`` collective is a **model**: the backend does not say what it
-  sends, so the tracer books what the bandwidth-optimal ring would send (:func:`wire_bytes`: all-reduce
+  sends, so the tracer books what the bandwidth-optimal ring would send (``wire_bytes``: all-reduce
   2(n-1)/n S, reduce-scatter and all-gather (n-1)/n S, broadcast and reduce S), the model NCCL's ring
   follows on large messages. gloo picks other algorithms and NCCL uses trees on small messages, so it is
   not what went on the wire (``measured=False``).
 
-Collectives built from point-to-point calls (:mod:`refimpl.comm.ring`) are therefore measured byte by
-byte: :meth:`CommTracer.measured_bytes_sent` counts only them, :meth:`CommTracer.modelled_bytes_sent`
-only the collectives' model, :meth:`CommTracer.bytes_sent` both (docs/ARCHITECTURE.md, chapter 02).
+Collectives built from point-to-point calls (``refimpl.comm.ring``) are therefore measured byte by
+byte: ``CommTracer.measured_bytes_sent`` counts only them, ``CommTracer.modelled_bytes_sent``
+only the collectives' model, ``CommTracer.bytes_sent`` both (docs/ARCHITECTURE.md, chapter 02).
 
 A point-to-point op posted in a ``batch_isend_irecv`` group is booked like a plain one (``isend`` or
 ``irecv``, its bytes measured), with ``batched=True``. ``on_send``, when given, is called with every tensor
 this rank hands to a send (plain or batched) as it is posted: how a memory measurement counts what is
-kept alive for sending (:class:`refimpl.measure.run_measurement.LiveTensorBytes`) without patching the
+kept alive for sending (``refimpl.measure.run_measurement.LiveTensorBytes``) without patching the
 ops.
 
 Active tracers are kept on a process-wide stack, the one piece of process state in refimpl, like
@@ -67,7 +67,7 @@ P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
 class CommEvent:
     """One call. ``nbytes``: payload, measured from the tensors. ``wire_bytes``: bytes this rank sends,
     measured for point-to-point calls (``measured=True``), the ring model for collectives (``False``).
-    ``start`` / ``end``: stamps of :func:`now`, read as seconds (:class:`~.device_clock.StampField`)."""
+    ``start`` / ``end``: stamps of ``now``, read as seconds (``.device_clock.StampField``)."""
 
     op: str
     nbytes: int
@@ -116,7 +116,7 @@ def wire_bytes(op: str, nbytes: int, group_size: int) -> float:
 
 @dataclass
 class CommTracer:
-    """Records :class:`CommEvent` s while active (``with CommTracer() as t:``); see the module docstring."""
+    """Records ``CommEvent`` s while active (``with CommTracer() as t:``); see the module docstring."""
 
     events: list[CommEvent] = field(default_factory=list)
     current_step: int = 0
@@ -156,7 +156,7 @@ class CommTracer:
 
     def bytes_sent_by_group(self, *, step: int | None = None) -> dict[int | None, float]:
         """Wire bytes this rank sent per process group (by ``id``; None: the default group), as
-        :meth:`bytes_sent` books them: measured for point-to-point calls, the ring model for collectives."""
+        ``bytes_sent`` books them: measured for point-to-point calls, the ring model for collectives."""
         out: dict[int | None, float] = {}
         for e in self.select(step=step):
             out[e.group_id] = out.get(e.group_id, 0.0) + e.wire_bytes
@@ -164,7 +164,7 @@ class CommTracer:
 
     def bytes_sent(self, *, step: int | None = None, op: str | None = None) -> float:
         """Wire bytes this rank sent: measured for point-to-point calls **plus the ring model** for
-        ``torch.distributed`` collectives (see :meth:`measured_bytes_sent`, :meth:`modelled_bytes_sent`)."""
+        ``torch.distributed`` collectives (see ``measured_bytes_sent``, ``modelled_bytes_sent``)."""
         return sum(e.wire_bytes for e in self.select(op=op, step=step))
 
     def measured_bytes_sent(self, *, step: int | None = None, op: str | None = None) -> int:
@@ -191,5 +191,5 @@ def now() -> Stamp:
     """A stamp of the tracer's clock, the one every timing path reads: on CPU ``time.perf_counter()`` taken
     now; once this process has initialised CUDA, an event on the current stream, which completes when the
     device gets there (NCCL's ``work.wait()`` and kernel launches return before the work is done). Read it
-    with :func:`~refimpl.comm.device_clock.seconds`; the records that hold stamps read them as seconds."""
+    with ``refimpl.comm.device_clock.seconds``; the records that hold stamps read them as seconds."""
     return device_clock.current_clock().mark()

@@ -1,14 +1,14 @@
 """Who the ranks are and how they are arranged (chapters 00 and 10).
 
-- :mod:`refimpl.distributed.env`: the process group from the torchrun environment, the device, seeding,
+- ``refimpl.distributed.env``: the process group from the torchrun environment, the device, seeding,
   teardown (chapter 00).
-- :mod:`refimpl.distributed.grid`: :class:`RankGrid`, the rank grid as data (named axes, row-major), its
+- ``refimpl.distributed.grid``: ``RankGrid``, the rank grid as data (named axes, row-major), its
   groups and a second factorization of the same ranks (``refactor``).
-- :mod:`refimpl.distributed.mesh`: :class:`ParallelDims`, the ``pp x dp x cp x tp`` layout of the ranks and
+- ``refimpl.distributed.mesh``: ``ParallelDims``, the ``pp x dp x cp x tp`` layout of the ranks and
   one process group per axis and per view (``loss`` = ``dp x cp``) (chapter 12, used from chapter 06 on).
-- :mod:`refimpl.distributed.group_info`: :func:`group_rank_size`, a rank's index in a group and its size.
-- :mod:`refimpl.distributed.placement`: :class:`Box` and :class:`LocalShard`, the one shard descriptor (an
-  N-D box of a global tensor) that ZeRO, tensor parallelism and the checkpoint share; :func:`chunk_range`.
+- ``refimpl.distributed.group_info``: ``group_rank_size``, a rank's index in a group and its size.
+- ``refimpl.distributed.placement``: ``Box`` and ``LocalShard``, the one shard descriptor (an
+  N-D box of a global tensor) that ZeRO, tensor parallelism and the checkpoint share; ``chunk_range``.
 
 ``from refimpl.distributed import init_distributed`` keeps working: env's public names are re-exported here.
 """

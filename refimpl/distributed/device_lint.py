@@ -5,33 +5,33 @@ GPU run passes every CPU test. The lint runs the code under two modes of torch's
 checks, on the CPU, the rules that CUDA and NCCL impose (docs/ARCHITECTURE.md, "GPUs"; README, "Running
 on GPUs"):
 
-- **host tensors** (:class:`torch.overrides.TorchFunctionMode`): a tensor made by a factory without
+- **host tensors** (``torch.overrides.TorchFunctionMode``): a tensor made by a factory without
   ``device=`` (``torch.tensor``, ``torch.zeros``, ``torch.from_numpy``, ...: on a GPU run it lands on the
   CPU), made with ``device="cpu"``, or moved by ``.cpu()`` / ``.to("cpu")`` is *tagged* with the place
   that made it; a result all of whose tensor inputs are tagged is tagged too (CPU in, CPU out), one with an
   untagged (device) input is not. ``device=<a torch.device>`` and ``.to(<a torch.device>)`` count as the
   run's device: on a CPU run ``ctx.device`` *is* the CPU, and the lint cannot tell it from ``cuda:0``;
-- **collectives** (:class:`torch.utils._python_dispatch.TorchDispatchMode`, which sees every ``c10d`` and
+- **collectives** (``torch.utils._python_dispatch.TorchDispatchMode``, which sees every ``c10d`` and
   ``_c10d_functional`` op whatever called it): a tagged tensor on a group other than a private one
-  (:data:`PRIVATE_GROUP_DESC`, e.g. the checkpointer's gloo group) is refused (NCCL: "No backend type
+  (``PRIVATE_GROUP_DESC``, e.g. the checkpointer's gloo group) is refused (NCCL: "No backend type
   associated with device type cpu"); so is a non-contiguous tensor, and a float8 tensor in a reduction;
 - **fp8 GEMMs**: ``torch._scaled_mm`` as sm90 takes it: ``a`` row-major, ``b`` column-major, K and N
   multiples of 16, float32 scales, both 0-d/one element (tensorwise) or ``[M, 1]`` and ``[1, N]``
   contiguous (rowwise), not e5m2 x e5m2;
-- **grouped GEMMs** (both rules in :mod:`refimpl.distributed.kernel_rules`): ``torch._grouped_mm`` as CUDA
+- **grouped GEMMs** (both rules in ``refimpl.distributed.kernel_rules``): ``torch._grouped_mm`` as CUDA
   takes it: operands in autocast's dtype under autocast
   (autocast does not cast it), 16-byte aligned data and strides, int32 offsets (outside autocast CUDA
   takes other dtypes on a per-group fallback that reads the offsets on the host; refimpl's experts loop
   over the experts themselves there, on a GPU only, so the lint does not count it);
 - **host syncs**: every call that makes the CPU wait for the device on a GPU (``item``, ``tolist``,
   ``bool``/``int``/``float`` of a tensor, ``.cpu()``, ``numpy``, ``nonzero``, a boolean-mask index, ...:
-  :func:`refimpl.distributed.host_syncs.sync_name`, forward and backward)
+  ``refimpl.distributed.host_syncs.sync_name``, forward and backward)
   on an untagged tensor is counted (not inside torch's object collectives: host pickles), per step when
-  the lint is the trainer's hooks (:meth:`DeviceLint.before_step`); host tensors cost no sync.
+  the lint is the trainer's hooks (``DeviceLint.before_step``); host tensors cost no sync.
 
 ``REFIMPL_DEVICE_LINT=1`` in the environment turns it on for ``python -m refimpl.train`` (the whole run,
 setup included) and for the notebooks' rank engines (every ``%%px`` cell); a violation raises
-:class:`DeviceLintError` at the call, as CUDA would, with the place that made the tensor. In code::
+``DeviceLintError`` at the call, as CUDA would, with the place that made the tensor. In code::
 
     with DeviceLint() as lint:          # raise_at_once=False: collect instead
         train(config, ctx, options, hooks=lint)
@@ -66,7 +66,7 @@ __all__ = ["DEVICE_LINT_ENV", "PRIVATE_GROUP_DESC", "DeviceLint", "DeviceLintErr
 
 DEVICE_LINT_ENV = "REFIMPL_DEVICE_LINT"
 PRIVATE_GROUP_DESC = "refimpl_private_gloo"
-"""The ``group_desc`` of a gloo group that takes host tensors on purpose (made by :func:`private_group`)."""
+"""The ``group_desc`` of a gloo group that takes host tensors on purpose (made by ``private_group``)."""
 
 _TAG = "_refimpl_host_origin"  # attribute a host tensor carries: where it was made
 _FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
@@ -270,7 +270,7 @@ class _Collectives(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _sync(self, func, args, kwargs) -> None:
-        """An op that waits for the device (:func:`refimpl.distributed.host_syncs.sync_name`: ``item``,
+        """An op that waits for the device (``refimpl.distributed.host_syncs.sync_name``: ``item``,
         ``bool``, ``nonzero``, a boolean mask, ...) on a device tensor: counted. Not here: a tensor made
         from Python data (a copy to the device, no read) and a copy to the CPU (``.cpu()`` and
         ``.to("cpu")`` are counted where they are called: on a CPU run ``to(ctx.device)`` copies "to the
@@ -311,7 +311,7 @@ def _arg(args, kwargs, index: int, name: str) -> Any:
 
 
 def _is_private(args) -> bool:
-    """Whether the op's process group is a private gloo group (:func:`private_group`)."""
+    """Whether the op's process group is a private gloo group (``private_group``)."""
     for a in args:
         group = None
         if type(a).__name__ == "ScriptObject":
@@ -332,9 +332,9 @@ def _is_private(args) -> bool:
 class DeviceLint:
     """The lint as a context manager (module docstring) and as the trainer's hooks (``before_step``).
 
-    ``raise_at_once``: raise :class:`DeviceLintError` at the first violation (as CUDA would), or collect
+    ``raise_at_once``: raise ``DeviceLintError`` at the first violation (as CUDA would), or collect
     them all in ``violations`` (each place once). ``syncs``: host syncs counted so far; ``steps_syncs``:
-    those of each trainer step when the lint is the trainer's hooks (:meth:`before_step`)."""
+    those of each trainer step when the lint is the trainer's hooks (``before_step``)."""
 
     def __init__(self, *, raise_at_once: bool = True) -> None:
         self.raise_at_once = raise_at_once

@@ -1,28 +1,28 @@
 """Process-group setup from the torchrun environment, device choice, seeding and teardown (chapter 00).
 
 ``torchrun`` (and our own launchers) describe a rank with environment variables: ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. From them :func:`init_distributed`
-builds a :class:`DistributedContext`: NCCL and ``cuda:LOCAL_RANK`` when CUDA is there (``cuda:0`` when each
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. From them ``init_distributed``
+builds a ``DistributedContext``: NCCL and ``cuda:LOCAL_RANK`` when CUDA is there (``cuda:0`` when each
 process is shown one GPU of its own), else gloo on the CPU with one thread per rank; an explicit backend
 decides the device, and too few GPUs for the local ranks is an error, never a silent CPU run
-(:func:`choose_device`). A missing environment means a single process (world size 1), so the same
+(``choose_device``). A missing environment means a single process (world size 1), so the same
 script runs under ``python`` and under ``torchrun``. Every collective gets an explicit timeout so a rank
 that dies or stalls turns into an error instead of a hang.
 
-**A rank never outlives its launcher** (:func:`exit_with_parent`). A launcher that is SIGKILLed (a job
+**A rank never outlives its launcher** (``exit_with_parent``). A launcher that is SIGKILLed (a job
 timeout, ``kill -9``, an OOM kill) cannot stop its ranks, and a rank blocked in a receive would wait there
 until killed by hand. So a rank started by ``torchrun`` (``TORCHELASTIC_RUN_ID`` in the environment) asks,
-when :func:`init_distributed` sets it up, to die with its parent: on
+when ``init_distributed`` sets it up, to die with its parent: on
 Linux the kernel sends it SIGKILL when the parent exits (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, through
 ctypes); elsewhere a daemon thread polls ``os.getppid()`` every half second and SIGKILLs the rank when it
 changes. Right after, the parent is compared with the one read before the request: a parent that died in
 between is not watched by the kernel any more, so the rank exits at once. What stays open is the time
-before :func:`init_distributed` runs (the interpreter's start and ``import torch``, a second or two): a
+before ``init_distributed`` runs (the interpreter's start and ``import torch``, a second or two): a
 launcher killed then leaves a rank whose parent is already the reaper; it fails at its first collective,
 within the timeout. Under ``PR_SET_PDEATHSIG`` "the parent" is the thread that forked the rank: torchrun
-forks from its main thread. The ranks of :func:`refimpl.launch.run_ranks` are not the caller's children
+forks from its main thread. The ranks of ``refimpl.launch.run_ranks`` are not the caller's children
 (a fork server's, which outlives the caller as long as they live): they watch the caller by its pid
-(:func:`exit_with_process`).
+(``exit_with_process``).
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def _wait_pidfd(fd: int) -> None:
 def exit_with_process(pid: int, *, poll_s: float = 0.5) -> str:
     """Make this process die when process ``pid`` (not its parent) exits; returns how: "pidfd" or "poll".
 
-    For a rank whose launcher is not its parent: :func:`refimpl.launch.run_ranks` forks ranks from a fork
+    For a rank whose launcher is not its parent: ``refimpl.launch.run_ranks`` forks ranks from a fork
     server, which lives as long as any of them does (each holds its "alive" pipe), so the ranks watch the
     caller itself. A daemon thread waits on a pidfd (Linux 5.3 and later: woken the moment ``pid`` exits);
     elsewhere it polls ``os.kill(pid, 0)`` every ``poll_s`` (a dead ``pid`` that nobody reaped stays a
@@ -219,7 +219,7 @@ def init_distributed(*, timeout_s: float = 300.0, backend: str | None = None,
     """Initialise the default process group from the environment (or a world of one without it).
 
     ``backend``: ``"gloo"`` (CPU ranks, also on a GPU box) or ``"nccl"`` (GPU ranks); None: the device and
-    backend :func:`choose_device` picks. ``watch_parent``: die with the launcher (:func:`exit_with_parent`);
+    backend ``choose_device`` picks. ``watch_parent``: die with the launcher (``exit_with_parent``);
     default: when ``torchrun`` started this process (``TORCHELASTIC_RUN_ID`` is set)."""
     if watch_parent if watch_parent is not None else "TORCHELASTIC_RUN_ID" in os.environ:
         exit_with_parent()  # first, before anything can block

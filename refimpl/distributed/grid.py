@@ -1,6 +1,6 @@
 """The rank grid as data: named axes ``((name, degree), ...)``, outermost first, in row-major order.
 
-:class:`ParallelDims <refimpl.distributed.mesh.ParallelDims>` is one such grid, ``(pp, dp, cp, tp)``; this
+``refimpl.distributed.mesh.ParallelDims`` is one such grid, ``(pp, dp, cp, tp)``; this
 module holds the arithmetic that does not depend on which axes there are. With axes ``a_0 .. a_{k-1}`` of
 degrees ``n_0 .. n_{k-1}`` (``a_0`` outermost) a rank's coordinates ``c_i`` satisfy
 
@@ -8,14 +8,14 @@ degrees ``n_0 .. n_{k-1}`` (``a_0`` outermost) a rank's coordinates ``c_i`` sati
 
 and the group of a set of axes is the ranks that agree on every other coordinate.
 
-**A second factorization of the same ranks** (:meth:`RankGrid.refactor`): a run of adjacent axes
+**A second factorization of the same ranks** (``RankGrid.refactor``): a run of adjacent axes
 ``a_i .. a_j`` can be replaced by other axes ``b_0 .. b_m`` of the same product. The row-major index of the
 run is the same number whichever way it is factored, so every rank keeps its number and the untouched axes
 keep their groups; only the new axes' groups are new. Splitting ``dp`` into ``dp_replicate x dp_shard``
 (HSDP: shard within a node, replicate across) is ``refactor(("dp",), (("dp_replicate", R),
 ("dp_shard", S)))`` with ``dp = r * S + s``; the expert view (torchtitan's ``efsdp x ep``, experts sharded
 over the ranks that see different tokens) is ``refactor(("dp", "cp"), (("efsdp", E), ("ep", P)))``.
-Nothing here creates a process group: :func:`refimpl.distributed.mesh.build_groups` does, for any grid.
+Nothing here creates a process group: ``refimpl.distributed.mesh.build_groups`` does, for any grid.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class RankGrid:
         return rank
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """The inverse of :meth:`rank_of`: peel the innermost axis off first."""
+        """The inverse of ``rank_of``: peel the innermost axis off first."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside 0..{self.world_size - 1}")
         coords: dict[str, int] = {}

@@ -6,7 +6,7 @@ On a GPU the host only enqueues kernels; it waits for the device when it needs a
 (it reads the ids' maximum to size its output), ``unique``, ``repeat_interleave`` without ``output_size``).
 Each one drains the stream: the host stops enqueueing, the GPU runs dry, and the next kernels start late.
 ``torch.cuda.set_sync_debug_mode("warn")`` reports them on CUDA; on CPU nothing synchronises, so
-:class:`HostSyncCounter` counts the calls that *would*: a ``TorchDispatchMode`` sees every aten operator
+``HostSyncCounter`` counts the calls that *would*: a ``TorchDispatchMode`` sees every aten operator
 (forward and backward) and names the data-dependent ones, and ``Tensor.tolist`` / ``.cpu`` / ``.numpy``
 (which do not go through the dispatcher on CPU) are wrapped while it is active.
 
@@ -15,8 +15,8 @@ apart as ``host tensor``: on a GPU it is a blocking host-to-device copy (ATen's 
 synchronises the stream), not a device-to-host read, but as costly in a hot loop.
 
 Used by tests/test_expert_parallel.py and tests/test_moe_model.py to hold an MoE layer to its budget of
-host syncs per micro-batch; :func:`sync_name` is also the device lint's definition of a sync
-(:mod:`refimpl.distributed.device_lint`: the trainer's syncs per step). For CPU runs: on CUDA a ``.cpu()``
+host syncs per micro-batch; ``sync_name`` is also the device lint's definition of a sync
+(``refimpl.distributed.device_lint``: the trainer's syncs per step). For CPU runs: on CUDA a ``.cpu()``
 is counted twice (the call and its copy).
 """
 
@@ -46,7 +46,7 @@ _DATA_DEPENDENT = {  # aten overload packet -> the name reported
 }
 MAY_SYNC = frozenset({*_DATA_DEPENDENT, aten.repeat_interleave, aten.index, aten.index_put, aten.index_put_,
                       aten._to_copy, aten.lift_fresh})
-"""The overload packets :func:`sync_name` may name (a cheap first test for a caller that sees every op)."""
+"""The overload packets ``sync_name`` may name (a cheap first test for a caller that sees every op)."""
 _WRAPPED = ("tolist", "cpu", "numpy")
 _HERE = str(Path(__file__).resolve())
 _ROOT = str(Path(__file__).resolve().parents[1])  # refimpl/
@@ -92,7 +92,7 @@ def _where() -> str:
 
 
 class HostSyncCounter(TorchDispatchMode):
-    """``with HostSyncCounter() as c: ...`` records :class:`SyncEvent` s in ``c.events`` (module
+    """``with HostSyncCounter() as c: ...`` records ``SyncEvent`` s in ``c.events`` (module
     docstring); ``c.count`` their number, ``c.by_place()`` a ``Counter`` of ``"what @ where"``.
     ``host_tensors=False`` leaves ``torch.tensor(...)`` out of the count (it is no device-to-host read)."""
 

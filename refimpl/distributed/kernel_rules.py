@@ -3,7 +3,7 @@
 A CPU runs ``torch._scaled_mm`` and ``torch._grouped_mm`` in any layout and dtype; a GPU does not. These
 rules, read from torch's CUDA kernels (``aten/src/ATen/native/cuda/ScaledBlas.cpp``,
 ``GroupMMCommon.cuh``) and the meta kernels that mirror them, are what the device lint
-(:mod:`refimpl.distributed.device_lint`) checks where the calls run, and what chapter 10's grader holds a
+(``refimpl.distributed.device_lint``) checks where the calls run, and what chapter 10's grader holds a
 learner's ``scaled_mm`` to.
 """
 
@@ -19,7 +19,7 @@ def scaled_mm_problems(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, 
     """What sm90's ``torch._scaled_mm`` would refuse in ``a @ b`` (empty: nothing). Also the chapter 10
     grader's layout check (a CPU ``_scaled_mm`` takes every layout). Not checked: the output dtype of
     rowwise scaling (bf16 or fp16 but on sm90 with cuBLAS 12.9 or later), which
-    :func:`refimpl.precision.fp8.float8_linear.scaled_mm` chooses by device itself."""
+    ``refimpl.precision.fp8.float8_linear.scaled_mm`` chooses by device itself."""
     problems = []
     M, K = a.shape
     N = b.shape[1]

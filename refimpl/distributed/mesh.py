@@ -14,18 +14,18 @@ run over NVLink: ``tp`` is innermost. Context parallelism passes key/value block
 overlapped with backward): across nodes is fine. Pipeline parallelism sends one activation per micro-batch
 between neighbouring stages, the least traffic of all: ``pp`` is outermost, spanning nodes.
 
-The axes are data: :data:`AXES` names them outermost first, :attr:`ParallelDims.axes` pairs them with
+The axes are data: ``AXES`` names them outermost first, ``ParallelDims.axes`` pairs them with
 their degrees, and the arithmetic (coordinates, ``rank_of``, ``groups_of``) is
-:class:`refimpl.distributed.grid.RankGrid`'s, the same for any list of axes. A **view** is a named tuple of
-axes whose group is built too (:data:`VIEWS`): ``loss`` = ``dp x cp``, ``batch`` = ``dp``.
-:meth:`ParallelDims.refactor` gives a second factorization of the same ranks (``dp -> dp_replicate x
-dp_shard``, the expert view ``ep`` inside ``dp x cp``) whose groups :func:`build_groups` creates the same way.
+``refimpl.distributed.grid.RankGrid``'s, the same for any list of axes. A **view** is a named tuple of
+axes whose group is built too (``VIEWS``): ``loss`` = ``dp x cp``, ``batch`` = ``dp``.
+``ParallelDims.refactor`` gives a second factorization of the same ranks (``dp -> dp_replicate x
+dp_shard``, the expert view ``ep`` inside ``dp x cp``) whose groups ``build_groups`` creates the same way.
 
-:class:`ParallelDims` holds the degrees only (pure arithmetic, no process group): its checks run before any
-process starts. :meth:`ParallelDims.build` creates the groups on an initialised default group and returns
-:class:`ParallelGroups`, built once per rank and passed explicitly (no global). The loss and the gradients of
+``ParallelDims`` holds the degrees only (pure arithmetic, no process group): its checks run before any
+process starts. ``ParallelDims.build`` creates the groups on an initialised default group and returns
+``ParallelGroups``, built once per rank and passed explicitly (no global). The loss and the gradients of
 data parallelism are averaged over the ``dp x cp`` group (the ranks that see different tokens of the same
-model shard). :meth:`ParallelDims.device_mesh` gives torch's ``DeviceMesh`` with the same axis names, to
+model shard). ``ParallelDims.device_mesh`` gives torch's ``DeviceMesh`` with the same axis names, to
 compare with DTensor (``parallelize_module``, ``fully_shard``).
 """
 
@@ -43,9 +43,9 @@ AXES = ("pp", "dp", "cp", "tp")  # outermost first: the row-major order of the r
 LOSS_AXES = ("dp", "cp")  # the loss and data-parallel gradients are averaged over these
 BATCH_AXES = ("dp",)  # the ranks that read different sequences (cp splits one sequence, tp and pp share it)
 VIEWS: tuple[tuple[str, tuple[str, ...]], ...] = (("loss", LOSS_AXES), ("batch", BATCH_AXES))
-"""The derived views, ``(name, axes)``: :meth:`ParallelDims.build` creates a group for each besides the
+"""The derived views, ``(name, axes)``: ``ParallelDims.build`` creates a group for each besides the
 single axes (one already built, like ``batch``, is not built twice)."""
-DESCRIBE_ORDER = ("dp", "cp", "tp", "pp")  # how :meth:`ParallelDims.describe` lists the degrees
+DESCRIBE_ORDER = ("dp", "cp", "tp", "pp")  # how ``ParallelDims.describe`` lists the degrees
 HSDP_AXES = ("dp_replicate", "dp_shard")  # dp refactored for hybrid sharding: replicas outside shards
 SHARD_AXES = ("dp_shard", "cp")  # HSDP's shard group: ZeRO-3 shards over these, replicates over dp_replicate
 EXPERT_AXES = ("edp", "ep")  # dp x cp refactored for expert parallelism: ep innermost (torchtitan's dp2ep)
@@ -70,14 +70,14 @@ class ParallelDims:
     ``dp_replicate`` (HSDP, hybrid sharding; chapter 04): the ``dp`` ranks as ``dp_replicate x dp_shard``,
     replicas outermost (torchtitan's ``[pp, dp_replicate, dp_shard, cp, tp]``), so a shard group is
     ``dp / dp_replicate`` adjacent ranks (inside a node) and a replica group spans the nodes. The rank
-    order is unchanged: the same ranks, a second factorization of ``dp`` (:meth:`refactor`).
+    order is unchanged: the same ranks, a second factorization of ``dp`` (``refactor``).
 
     ``ep`` (expert parallelism, chapter 09): a second view of the same ranks. The ``dp x cp`` ranks (the
     ones that see different tokens) refactored as ``edp x ep``, ``ep`` innermost: an expert-parallel group
     is ``ep`` consecutive ranks of the ``dp x cp`` view (torchtitan's dp2ep; Megatron-LM's MoE parallel
     folding), an expert-data-parallel group (``edp = dp cp / ep``) the ranks that hold the same experts.
     Expert weights are split over ``ep`` and averaged over ``edp``, dense ones averaged over ``dp x cp``
-    (:attr:`expert_grid`). ``ep`` must divide ``dp x cp``; every other group and the rank order are
+    (``expert_grid``). ``ep`` must divide ``dp x cp``; every other group and the rank order are
     unchanged."""
 
     dp: int
@@ -125,7 +125,7 @@ class ParallelDims:
 
     @property
     def axes(self) -> tuple[tuple[str, int], ...]:
-        """The grid as data: ``((name, degree), ...)`` in :data:`AXES` order, outermost first."""
+        """The grid as data: ``((name, degree), ...)`` in ``AXES`` order, outermost first."""
         return tuple((axis, getattr(self, axis)) for axis in AXES)
 
     @property
@@ -138,7 +138,7 @@ class ParallelDims:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        """The grid's shape in :data:`AXES` order ``(pp, dp, cp, tp)``."""
+        """The grid's shape in ``AXES`` order ``(pp, dp, cp, tp)``."""
         return self.grid.shape  # type: ignore[return-value]
 
     def describe(self) -> str:
@@ -148,8 +148,8 @@ class ParallelDims:
         return " x ".join(f"{axis} {getattr(self, axis)}" for axis in DESCRIBE_ORDER) + hsdp + experts
 
     def config(self, **options: object) -> ParallelConfig:
-        """The :class:`~refimpl.config.ParallelConfig` of this layout with the technique ``options``
-        (``dims.config(zero_stage=1)``): what :func:`refimpl.parallel.parallelize` takes."""
+        """The ``refimpl.config.ParallelConfig`` of this layout with the technique ``options``
+        (``dims.config(zero_stage=1)``): what ``refimpl.parallel.parallelize`` takes."""
         return ParallelConfig(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, dp_replicate=self.dp_replicate,
                               ep=self.ep, **options)
 
@@ -173,17 +173,17 @@ class ParallelDims:
         return self.grid.groups_of(*axes)
 
     def view(self, name: str) -> tuple[str, ...]:
-        """The axes of the derived view ``name`` (:data:`VIEWS`: ``"loss"`` is ``("dp", "cp")``)."""
+        """The axes of the derived view ``name`` (``VIEWS``: ``"loss"`` is ``("dp", "cp")``)."""
         views = dict(VIEWS)
         if name not in views:
             raise KeyError(f"no view {name!r}; there are {sorted(views)}")
         return views[name]
 
     def refactor(self, old: tuple[str, ...], new: tuple[tuple[str, int], ...]) -> RankGrid:
-        """A second factorization of the same ranks (:meth:`RankGrid.refactor`), e.g. ``("dp",)`` ->
+        """A second factorization of the same ranks (``RankGrid.refactor``), e.g. ``("dp",)`` ->
         ``(("dp_replicate", R), ("dp_shard", S))``; every rank keeps its number and the other axes their
-        groups. HSDP builds its groups from it (:attr:`hsdp_grid`), expert parallelism too
-        (:attr:`expert_grid`)."""
+        groups. HSDP builds its groups from it (``hsdp_grid``), expert parallelism too
+        (``expert_grid``)."""
         return self.grid.refactor(old, new)
 
     @property
@@ -232,7 +232,7 @@ def build_groups(grid: RankGrid, keys: list[tuple[str, ...]], *, rank: int, worl
                  backend: str | None = None) -> tuple[dict[tuple[str, ...], dist.ProcessGroup],
                                                       dict[tuple[str, ...], tuple[int, ...]]]:
     """Create every group of each axis tuple in ``keys`` (collective: all ranks, same order), keep this
-    rank's, and warm them up (:func:`warm_up`). A key is put in grid order; a repeated one is built once.
+    rank's, and warm them up (``warm_up``). A key is put in grid order; a repeated one is built once.
     Returns ``(groups, members)`` keyed by the axis tuple."""
     if not dist.is_initialized():
         raise RuntimeError("ParallelDims.build needs an initialised default process group "
@@ -271,7 +271,7 @@ def warm_up(groups: dict[tuple[str, ...], dist.ProcessGroup]) -> None:
 @dataclass(frozen=True, kw_only=True)
 class ParallelGroups:
     """This rank's process groups, one per axis and one per view (``dp x cp``), from
-    :meth:`ParallelDims.build`."""
+    ``ParallelDims.build``."""
 
     dims: ParallelDims
     rank: int
@@ -288,7 +288,7 @@ class ParallelGroups:
         return self.members[self._key(axes)]
 
     def view(self, name: str) -> dist.ProcessGroup:
-        """The group of the view ``name`` (:data:`VIEWS`): ``view("loss")`` is ``group("dp", "cp")``."""
+        """The group of the view ``name`` (``VIEWS``): ``view("loss")`` is ``group("dp", "cp")``."""
         return self.group(*self.dims.view(name))
 
     def _key(self, axes: tuple[str, ...]) -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""Where a rank's piece of a global tensor lies: :class:`Box`, the one shard descriptor of refimpl.
+"""Where a rank's piece of a global tensor lies: ``Box``, the one shard descriptor of refimpl.
 
 A parallel technique holds *part* of each global tensor. Every part refimpl holds is an axis-aligned box of
 the global tensor: ``local = global[o_0 : o_0 + s_0, ..., o_{n-1} : o_{n-1} + s_{n-1}]`` with per-dimension
@@ -9,10 +9,10 @@ offsets and sizes). The cases the course builds are all boxes:
 * ZeRO / FSDP row shards (chapter 04): rows ``[a, b)`` of dim 0, ``Box.full(shape).narrow(0, a, b - a)``;
 * Megatron tensor parallelism (chapter 06): a column-parallel ``[out, in]`` weight holds a block of rows
   (dim 0), a row-parallel one a block of *columns* (dim 1): strided in memory order, yet one box;
-* compositions, e.g. ZeRO-1 over a tensor-parallel shard: a box inside a box, :meth:`Box.narrow` of the
+* compositions, e.g. ZeRO-1 over a tensor-parallel shard: a box inside a box, ``Box.narrow`` of the
   outer one, still a box of the global tensor.
 
-The chunking rule of all of them is :func:`chunk_range` (``torch.chunk``'s and FSDP2's ``Shard(d)``): ``N``
+The chunking rule of all of them is ``chunk_range`` (``torch.chunk``'s and FSDP2's ``Shard(d)``): ``N``
 chunks of ``ceil(size / N)``, the last ones smaller or empty. The runtime shards with it and the planner
 counts bytes with it, so the two cannot disagree.
 
@@ -21,7 +21,7 @@ saved piece ``P`` that meets it, ``out[(P ∩ R) - R.offsets] = piece[(P ∩ R) 
 
 Who holds what is said by the tensors and wrappers themselves: a module with ``local_shards()`` declares
 its boxes, a ``DTensor`` (torch's FSDP2 ``fully_shard``, ``parallelize_module``) says its box by its
-placements (:func:`dtensor_box`), the rest of a model is held whole (:func:`module_shards`, what the
+placements (``dtensor_box``), the rest of a model is held whole (``module_shards``, what the
 checkpoint saves).
 """
 
@@ -79,7 +79,7 @@ class Box:
 
     @classmethod
     def chunk(cls, global_shape: Sequence[int], dim: int, index: int, chunks: int) -> Box:
-        """Chunk ``index`` of ``chunks`` along ``dim`` (:func:`chunk_range`): a row shard for ``dim=0``."""
+        """Chunk ``index`` of ``chunks`` along ``dim`` (``chunk_range``): a row shard for ``dim=0``."""
         whole = cls.full(global_shape)
         start, end = chunk_range(whole.global_shape[dim], index, chunks)
         return whole.narrow(dim, start, end - start)
@@ -199,7 +199,7 @@ def dtensor_box(t: torch.Tensor) -> Box:
 
     torch's own rule (``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``, what DCP
     saves): along the mesh axes in order, ``Shard(d)`` over an axis of ``n`` ranks cuts the current extent of
-    dim ``d`` into ``n`` chunks of ``ceil(size / n)`` rows (:func:`chunk_range`, the last ones smaller or
+    dim ``d`` into ``n`` chunks of ``ceil(size / n)`` rows (``chunk_range``, the last ones smaller or
     empty) and keeps chunk ``coordinate``; ``Replicate()`` keeps the whole extent (a replica is the full
     box). FSDP2's ``fully_shard`` pads dim 0 to a multiple of the world size ``W`` for its all-gather, but
     the DTensor's local tensor is the unpadded part: rank ``r`` of ``N`` rows holds
@@ -225,14 +225,14 @@ def dtensor_box(t: torch.Tensor) -> Box:
 
 
 def dtensor_shard(t: torch.Tensor) -> LocalShard:
-    """The DTensor ``t`` as a :class:`LocalShard`: its local tensor (written in place on load) and
-    :func:`dtensor_box`."""
+    """The DTensor ``t`` as a ``LocalShard``: its local tensor (written in place on load) and
+    ``dtensor_box``."""
     return LocalShard(t._local_tensor, dtensor_box(t))
 
 
 def dtensor_like(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """The DTensor on ``t``'s mesh and placements, of ``t``'s global shape and strides, whose local tensor
-    is ``local`` (this rank's box of it, :func:`dtensor_box` of ``t``): no communication."""
+    is ``local`` (this rank's box of it, ``dtensor_box`` of ``t``): no communication."""
     from torch.distributed.tensor import DTensor
 
     return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
@@ -240,8 +240,8 @@ def dtensor_like(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 def held_shard(t: torch.Tensor) -> LocalShard:
-    """What this rank holds of ``t``: a DTensor its box (:func:`dtensor_shard`), any other tensor the
-    whole of it (:meth:`LocalShard.full`)."""
+    """What this rank holds of ``t``: a DTensor its box (``dtensor_shard``), any other tensor the
+    whole of it (``LocalShard.full``)."""
     return dtensor_shard(t) if is_dtensor(t) else LocalShard.full(t)
 
 
@@ -251,8 +251,8 @@ def module_shards(module: nn.Module) -> dict[str, LocalShard]:
     The rule the checkpoint reads (chapter 11): a module, at any depth, that has a method
     ``local_shards() -> dict[str, LocalShard]`` claims its whole subtree and says itself which boxes it holds
     (names relative to that module, as the plain wrapped model names them: ZeRO-3 its row shards, a data-
-    parallel wrapper its replicas); every tensor of the rest is what :func:`held_shard` says: a DTensor
-    (torch's ``fully_shard``) the box of its placements (:func:`dtensor_box`), a plain tensor the whole.
+    parallel wrapper its replicas); every tensor of the rest is what ``held_shard`` says: a DTensor
+    (torch's ``fully_shard``) the box of its placements (``dtensor_box``), a plain tensor the whole.
     A tensor registered twice (tied weights) is listed once, under its first name (``named_parameters``).
     """
     declare = getattr(module, "local_shards", None)

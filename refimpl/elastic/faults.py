@@ -10,7 +10,7 @@ the same kill, told as planned: the killed rank says so in one line, and the oth
 with it, stop without a word (the trainer's report of a failure and a traceback would read as a bug there):
 from the start of that step a SIGTERM, which torchrun sends them to restart the group, ends them at once
 (status 143; the save it would otherwise promise cannot happen, its peer is dead), and their failure in the
-step is marked as planned (:func:`is_planned`), which ``python -m refimpl.train`` ends with status 1 and no
+step is marked as planned (``is_planned``), which ``python -m refimpl.train`` ends with status 1 and no
 traceback.
 """
 
@@ -103,7 +103,7 @@ class FaultPlan:
                     out: str | os.PathLike | None = None) -> None:
         """At the start of ``step``: a preemption (SIGTERM to this process) if planned here; in the step in
         which the demonstration kills another rank, a SIGTERM (torchrun stopping the group) ends this
-        rank at once and quietly (:func:`_stop_quietly_on_sigterm`)."""
+        rank at once and quietly (``_stop_quietly_on_sigterm``)."""
         if self.peer_killed_in(step, rank=rank, world_size=world_size):
             _stop_quietly_on_sigterm()
         if self._planned(self.preempt_at_step, step, rank, world_size, local_rank):
@@ -146,12 +146,12 @@ class FaultPlan:
 
 def is_planned(exc: BaseException) -> bool:
     """Whether ``exc`` ended a rank in the step in which the demonstration killed another rank (marked by
-    :func:`mark_planned`): the demonstration, not a failure to report."""
+    ``mark_planned``): the demonstration, not a failure to report."""
     return bool(getattr(exc, _PLANNED, False))
 
 
 def mark_planned(exc: BaseException) -> None:
-    """Mark ``exc`` as the demonstration's (:func:`is_planned`)."""
+    """Mark ``exc`` as the demonstration's (``is_planned``)."""
     setattr(exc, _PLANNED, True)
 
 
@@ -160,7 +160,7 @@ _PLANNED = "refimpl_planned_fault"
 
 def _stop_quietly_on_sigterm() -> None:
     """From now on a SIGTERM ends this process at once with status 143, without a word and without the
-    save that the trainer's own handler (:class:`refimpl.checkpoint.SaveSchedule`) would promise: in the
+    save that the trainer's own handler (``refimpl.checkpoint.SaveSchedule``) would promise: in the
     demonstration's step a peer is dead, so no collective save can happen, and the SIGTERM is torchrun
     stopping the group to restart it. Python runs signal handlers in the main thread only."""
     if threading.current_thread() is not threading.main_thread():

@@ -2,7 +2,7 @@
 
 A collective that times out says only that it timed out. Every rank therefore posts its position (step and
 phase) to the process group's key-value store as it goes; when a collective fails, each surviving rank
-reads all positions and names the rank that is behind (:func:`explain_positions`).
+reads all positions and names the rank that is behind (``explain_positions``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ class Heartbeat:
     """Each rank's position (step, phase) in the process group's store, to name a stuck rank.
 
     Positions are ordered ``(step, phase index)``; a collective that fails because some rank never came
-    (it stalled, or died) leaves that rank *behind* the others, which :func:`explain_positions` reports.
+    (it stalled, or died) leaves that rank *behind* the others, which ``explain_positions`` reports.
     One small store write per phase (a TCP round trip to the store on rank 0). Disabled (every method a
     no-op) in a world of one or when the store cannot be reached.
     """

@@ -2,8 +2,8 @@
 and the torchrun command line and environment that start (and restart) the workers.
 
 ``TORCHELASTIC_RESTART_COUNT`` counts the restarts *of this agent*: for reports only. Whether to resume is
-read from the checkpoints on disk and the job's ``TORCHELASTIC_RUN_ID`` (:func:`resume_mode`). Every
-launch sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (:func:`elastic_env`): with the rendezvous store
+read from the checkpoints on disk and the job's ``TORCHELASTIC_RUN_ID`` (``resume_mode``). Every
+launch sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (``elastic_env``): with the rendezvous store
 shared with the workers (torch's default), restarted gloo workers can read stale addresses and hang.
 """
 
@@ -28,7 +28,7 @@ def run_id() -> str | None:
 
 
 def resume_mode(requested: str, folder: str | os.PathLike, job: str | None) -> str:
-    """The resume mode to give the :class:`~refimpl.checkpoint.Checkpointer`, decided from the disk.
+    """The resume mode to give the ``refimpl.checkpoint.Checkpointer``, decided from the disk.
 
     ``auto`` stays ``auto``. ``never`` becomes ``auto`` when every checkpoint in ``folder`` was written by
     the job ``job`` (a restart of this job continues its own run) and stays ``never`` (which refuses the

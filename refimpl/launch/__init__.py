@@ -1,5 +1,5 @@
-"""Starting ranks: for tests and graders (:func:`run_ranks`), from a notebook (:func:`start_ranks`), and
-commands from a cell (:func:`run_command`); :mod:`refimpl.launch.reaper` makes sure notebook ranks die with
+"""Starting ranks: for tests and graders (``run_ranks``), from a notebook (``start_ranks``), and
+commands from a cell (``run_command``); ``refimpl.launch.reaper`` makes sure notebook ranks die with
 their kernel. Scripts use ``torchrun``. See docs/ARCHITECTURE.md, "Running many ranks".
 """
 

@@ -1,7 +1,7 @@
 """Run a command from a notebook cell: its output as it comes, and an exception when it fails (chapter 00).
 
-``!torchrun ...`` in a cell hides a failure (the cell goes on as if nothing happened); :func:`run_command`
-raises :class:`CommandFailed` with the exit code and the tail of the output, and kills the command's
+``!torchrun ...`` in a cell hides a failure (the cell goes on as if nothing happened); ``run_command``
+raises ``CommandFailed`` with the exit code and the tail of the output, and kills the command's
 whole process group on a timeout or an interrupt, so nothing it started outlives the call.
 See docs/ARCHITECTURE.md, "Running many ranks".
 """

@@ -1,5 +1,5 @@
-"""The engine side of notebook ranks (:mod:`refimpl.launch.notebook`): what runs on each ipyparallel engine
-(path, process group, device; teardown), and how a rank's failure comes back (:class:`RankError` with the
+"""The engine side of notebook ranks (``refimpl.launch.notebook``): what runs on each ipyparallel engine
+(path, process group, device; teardown), and how a rank's failure comes back (``RankError`` with the
 rank's traceback, ipyparallel's own frames dropped).
 
 The engine functions are shipped with ``ipyparallel.interactive``: their globals are the engine's
@@ -81,7 +81,7 @@ def _init_engine(
     It is self-contained (imports inside) because its globals are the engine's namespace, where it
     leaves ``rank``, ``world_size``, ``device``, ``dist`` and ``torch`` for the ``%%px`` cells. With
     ``REFIMPL_DEVICE_LINT=1`` the engine runs every later cell under the device lint
-    (:mod:`refimpl.distributed.device_lint`): a host tensor reaching a collective fails the cell.
+    (``refimpl.distributed.device_lint``): a host tensor reaching a collective fails the cell.
     """
     import datetime
     import os

@@ -11,8 +11,8 @@ registers with the controller named by the environment, exactly as a launched on
 ``import torch`` is what a ``DataLoader``'s workers do under the fork start method: nothing has started
 a thread pool, a CUDA context or a process group yet (each engine makes its own when it becomes a rank).
 
-No nanny: :class:`refimpl.launch.notebook.Ranks` stops its engines by PID and the reaper kills them with
-the kernel (:mod:`refimpl.launch.reaper`); nothing sends an engine a signal through ipyparallel. Each
+No nanny: ``refimpl.launch.notebook.Ranks`` stops its engines by PID and the reaper kills them with
+the kernel (``refimpl.launch.reaper``); nothing sends an engine a signal through ipyparallel. Each
 child dies with the zygote (``PR_SET_PDEATHSIG``), and the zygote ends when its children have, passing
 on a SIGTERM or SIGINT it gets: no engine outlives the process that started it. Chapter 00 shows the
 ranks; docs/ARCHITECTURE.md, "Running many ranks".

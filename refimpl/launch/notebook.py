@@ -24,9 +24,9 @@ notebook's: pass data as arguments. A function defined in a module is run with t
 the engine, by name; the engines get the notebook's ``sys.path`` plus the repository root, so
 ``refimpl`` and the notebook's own modules import there.
 
-:func:`refimpl.launch.run_command` runs a script (e.g. ``torchrun ...``) from a cell and raises when it
+``refimpl.launch.run_command`` runs a script (e.g. ``torchrun ...``) from a cell and raises when it
 fails, which ``!torchrun`` does not. What runs on the engines, and how their failures come back, is
-:mod:`refimpl.launch.engine`.
+``refimpl.launch.engine``.
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def _stop_cluster(cluster: Any, timeout_s: float) -> None:
 
 
 class _Zygote:
-    """The process that forks the engines (:mod:`refimpl.launch.engine_zygote`) and its log file."""
+    """The process that forks the engines (``refimpl.launch.engine_zygote``) and its log file."""
 
     def __init__(self, process: subprocess.Popen[bytes], log: Any) -> None:
         self.process = process

@@ -1,9 +1,9 @@
 """Nothing a notebook starts may outlive it: a small watchdog process that reaps the ranks' processes.
 
-A notebook's ranks are ipyparallel engines (forked by :mod:`refimpl.launch.engine_zygote`, or each with
+A notebook's ranks are ipyparallel engines (forked by ``refimpl.launch.engine_zygote``, or each with
 a "nanny" child where ipyparallel starts them) and a controller, started by the
 kernel but not in its process group: when the kernel exits, is restarted or is killed, nothing stops them,
-and each engine holds a few hundred MB. :func:`start_reaper` starts one watchdog per set of ranks, in a
+and each engine holds a few hundred MB. ``start_reaper`` starts one watchdog per set of ranks, in a
 session of its own (so whatever kills the kernel's group does not kill it). Every ``interval_s`` it
 checks whether the kernel (``watched_pid``) still lives; when it does not, it SIGKILLs the given processes
 and all their descendants, then exits. It also exits when every target is gone (``Ranks.stop()`` ends

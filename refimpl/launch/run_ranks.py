@@ -1,21 +1,21 @@
 """Run a function on N local ranks, for tests, graders and benchmarks (chapter 00).
 
-:func:`run_ranks` spawns ``world_size`` processes, gives each the torchrun environment (``RANK``,
+``run_ranks`` spawns ``world_size`` processes, gives each the torchrun environment (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), initialises a gloo (or NCCL) process
 group with an explicit timeout, calls ``fn(ctx, *args)`` and returns the results in rank order. The caller
-hosts the rendezvous store (:func:`host_store`), as torchrun's agent does, on a port the OS gives it and it
+hosts the rendezvous store (``host_store``), as torchrun's agent does, on a port the OS gives it and it
 keeps: a port merely found free and handed to rank 0 can be taken in between (CI saw ``EADDRINUSE`` once,
 two test lanes launching ranks side by side).
 It never hangs: the first rank that fails kills the others and is raised in the caller as
-:class:`RankFailed`, whose first line names the rank and the exception and whose traceback follows; a whole
+``RankFailed``, whose first line names the rank and the exception and whose traceback follows; a whole
 run longer than ``timeout_s`` is killed too. No rank outlives the caller, even one killed by SIGKILL (a
 test's timeout): each rank watches the caller's pid and kills itself when the caller exits
-(:func:`refimpl.distributed.env.exit_with_process`, a pidfd). Its parent, the fork server, is no help: it
+(``refimpl.distributed.env.exit_with_process``, a pidfd). Its parent, the fork server, is no help: it
 exits only when the caller and every rank have closed its "alive" pipe, so without the watch a rank blocked
 in a receive stays until its collective timeout, one in a loop for ever (``tests/test_rank_lifetime.py``).
 
 ``fn`` must be importable (defined at module level in an importable module): spawned processes cannot
-receive functions defined in a notebook; notebooks use :func:`refimpl.launch.start_ranks` instead.
+receive functions defined in a notebook; notebooks use ``refimpl.launch.start_ranks`` instead.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def free_port() -> int:
     It is drawn below the OS's ephemeral range, so that the OS hands it to no one in between: each of the
     many connections gloo opens takes an ephemeral port, and so does every ``bind(0)``. Only another
     caller of this function could take it, with odds of one in thousands. A launcher that can bind the port
-    itself should (:func:`host_store`): that leaves no window at all.
+    itself should (``host_store``): that leaves no window at all.
     """
     import random
 
@@ -115,7 +115,7 @@ def host_store(world_size: int, timeout_s: float) -> Any:
     """A rendezvous store served by this process on ``127.0.0.1`` and a port the OS picks; ``.port`` names it.
 
     The ranks connect as clients when their environment holds ``TORCHELASTIC_USE_AGENT_STORE=True`` (see
-    :data:`AGENT_STORE_ENV`), which is how torchrun's own workers reach the store its agent hosts. Bound
+    ``AGENT_STORE_ENV``), which is how torchrun's own workers reach the store its agent hosts. Bound
     before any rank starts, the port cannot be taken by another process in between. The store lives as
     long as the returned object: keep it until the ranks have finished their rendezvous (here: the run).
     """
@@ -203,7 +203,7 @@ def run_ranks(
     ``collective_timeout_s`` (default ``timeout_s / 2``) bounds each collective, so a rank stuck in one
     fails with a message; ``timeout_s`` bounds the whole run. Results must be picklable. ``link`` (e.g.
     ``"400mbit"``): the ranks talk over a loopback shaped to that rate, in a private network namespace
-    (:mod:`refimpl.launch.shaped_link`; a ``RuntimeError`` saying why where the machine cannot);
+    (``refimpl.launch.shaped_link``; a ``RuntimeError`` saying why where the machine cannot);
     ``priority``: with ``link``, raise the ranks' scheduling priority by that much where allowed.
     """
     if world_size < 1:

@@ -1,8 +1,8 @@
-"""The helper :mod:`refimpl.launch.shaped_link` starts inside its private network namespace (``unshare -rn
+"""The helper ``refimpl.launch.shaped_link`` starts inside its private network namespace (``unshare -rn
 python -m refimpl.launch.shaped_helper REQUEST REPLY RATE``): it shapes the namespace's loopback, runs
-:func:`refimpl.launch.run_ranks` there and pickles back ``("ok", results)`` or ``("error", rank, message)``.
-A module of its own so that :mod:`refimpl.launch.shaped_link`, which :func:`run_ranks` calls, does not
-import :func:`run_ranks` back.
+``refimpl.launch.run_ranks`` there and pickles back ``("ok", results)`` or ``("error", rank, message)``.
+A module of its own so that ``refimpl.launch.shaped_link``, which ``run_ranks`` calls, does not
+import ``run_ranks`` back.
 """
 
 from __future__ import annotations

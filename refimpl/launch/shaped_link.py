@@ -1,4 +1,4 @@
-"""Ranks behind a rate-limited link: :func:`run_ranks` inside a private network namespace whose loopback is
+"""Ranks behind a rate-limited link: ``run_ranks`` inside a private network namespace whose loopback is
 shaped to a given bandwidth, where communication, not the cores, sets the pace (for measuring overlap).
 
 On two CPU cores over raw loopback communication is nearly free: gloo's copy threads compete with the
@@ -9,9 +9,9 @@ link is the bottleneck and the cores are free, as between GPUs across a network.
 ``unshare -rn`` (a new user and network namespace, no privileges needed where the kernel allows unprivileged
 user namespaces), the helper brings the namespace's loopback up, attaches an ``htb`` queueing discipline to it
 (``tc qdisc add dev lo root handle 1: htb default 10``, one class at ``rate`` = ``ceil`` = the link), then
-calls :func:`refimpl.launch.run_ranks` there (:mod:`refimpl.launch.shaped_helper`), so every rank's traffic
+calls ``refimpl.launch.run_ranks`` there (``refimpl.launch.shaped_helper``), so every rank's traffic
 (the rendezvous store included) crosses the shaped loopback, and pickles the results back. The namespace
-disappears with the helper. :func:`shaped_link_unavailable` says why a machine cannot do it (no ``unshare`` or
+disappears with the helper. ``shaped_link_unavailable`` says why a machine cannot do it (no ``unshare`` or
 ``tc``, user namespaces refused); tests skip with that reason. The helper dies with its caller (a parent-death
 signal and a watch of the caller's pid), and the ranks with the helper, as always."""
 
@@ -65,8 +65,8 @@ def shaped_link_unavailable() -> str | None:
 
 def run_shaped(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, *,
                link: str, priority: int = 0) -> tuple:
-    """:func:`refimpl.launch.run_ranks` behind ``link`` (module docstring): ``("ok", results)``, or
-    ``("error", rank, message)`` for :func:`run_ranks` to raise as :class:`~refimpl.launch.RankFailed`.
+    """``refimpl.launch.run_ranks`` behind ``link`` (module docstring): ``("ok", results)``, or
+    ``("error", rank, message)`` for ``run_ranks`` to raise as ``refimpl.launch.RankFailed``.
     ``priority`` > 0 raises the helper's and so the
     ranks' scheduling priority by that much (``nice -priority``; where allowed, e.g. as root): timings on a
     machine busy with other work then see the cores the ranks need."""

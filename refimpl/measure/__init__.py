@@ -1,19 +1,19 @@
 """What is measured, never predicted: state bytes, peak bytes, saved activations, throughput and MFU, the
 device peaks, and the times of messages (chapters 01, 02, 04, 05 and 10).
 
-* :mod:`refimpl.measure.state`: :class:`StateMemory` (the one record of model-state bytes, which the
-  planner returns too) and :func:`state_bytes`, counted from the tensors (chapter 04);
-* :mod:`refimpl.measure.peak`: :class:`PeakStateBytes` through a step, the device's or process's peak
-  memory, :func:`format_bytes`;
-* :mod:`refimpl.measure.activations`: :class:`SavedTensorMeter`, the bytes autograd saves for backward, per
+* ``refimpl.measure.state``: ``StateMemory`` (the one record of model-state bytes, which the
+  planner returns too) and ``state_bytes``, counted from the tensors (chapter 04);
+* ``refimpl.measure.peak``: ``PeakStateBytes`` through a step, the device's or process's peak
+  memory, ``format_bytes``;
+* ``refimpl.measure.activations``: ``SavedTensorMeter``, the bytes autograd saves for backward, per
   block and dtype (chapter 05);
-* :mod:`refimpl.measure.throughput`: tokens/s and MFU (PaLM appendix B), :func:`peak_dtype`, the progress
-  bar; :mod:`refimpl.measure.peaks`: the table of dense device peaks, the one place it lives;
-* :mod:`refimpl.measure.collective_timing`: collectives and ping-pongs timed per message size (chapter 02);
-* :mod:`refimpl.measure.order_spread`: :func:`order_tolerance`, the numerics rule's yardstick (the spread
+* ``refimpl.measure.throughput``: tokens/s and MFU (PaLM appendix B), ``peak_dtype``, the progress
+  bar; ``refimpl.measure.peaks``: the table of dense device peaks, the one place it lives;
+* ``refimpl.measure.collective_timing``: collectives and ping-pongs timed per message size (chapter 02);
+* ``refimpl.measure.order_spread``: ``order_tolerance``, the numerics rule's yardstick (the spread
   of two one-device summation orders times a factor).
 
-The formulas these measurements are checked against are in :mod:`refimpl.planner`. Imports run
+The formulas these measurements are checked against are in ``refimpl.planner``. Imports run
 config/comm/distributed -> measure -> precision/parallel -> planner: nothing here imports the planner.
 """
 

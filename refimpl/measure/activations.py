@@ -3,14 +3,14 @@
 Backward needs tensors from the forward pass: a linear layer keeps its input, GELU its input, LayerNorm
 its input and statistics, attention Q, K, V and its output. Those *saved tensors* are the activation
 memory (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", which
-:func:`refimpl.planner.activation_bytes_per_layer` counts for our block). :class:`SavedTensorMeter` counts
+``refimpl.planner.activation_bytes_per_layer`` counts for our block). ``SavedTensorMeter`` counts
 what autograd keeps through ``torch.autograd.graph.saved_tensors_hooks``: every saved tensor is attributed
 to the block whose forward saved it, tensors sharing storage are counted once (Q, K and V are views of one
 QKV output), and parameters, as well as autocast's low-precision copies of them, are counted apart: they
 do not grow with the batch. A block checkpointed by
-:func:`refimpl.parallel.activation_checkpoint.apply_activation_checkpointing` saves only its input.
+``refimpl.parallel.activation_checkpoint.apply_activation_checkpointing`` saves only its input.
 
-A storage is known by its identity (:func:`storage_key`, the ``StorageImpl`` itself), not its address:
+A storage is known by its identity (``storage_key``, the ``StorageImpl`` itself), not its address:
 ZeRO-3 frees a gathered weight by shrinking its storage to 0 bytes (the tensors autograd saved stay valid)
 and the allocator hands the address to the next activation, which an address key would take for the weight
 seen before. A parameter is any ``nn.Parameter`` autograd saves, the model's or one a wrapper put in the
@@ -50,7 +50,7 @@ def _bytes_by_dtype() -> dict[str, int]:
 
 @dataclass
 class SavedTensorReport:
-    """Bytes saved for backward, by owner (``"block 0"``, ..., :data:`OUTSIDE`) and dtype.
+    """Bytes saved for backward, by owner (``"block 0"``, ..., ``OUTSIDE``) and dtype.
 
     ``activations[owner][dtype]`` counts each storage once; ``weights`` counts parameters and autocast's
     low-precision copies of them, which backward also keeps but which do not scale with the batch.
@@ -87,7 +87,7 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 def _is_parameter(t: torch.Tensor, param_storages: set[int]) -> bool:
-    """A parameter or a view of one: storage ``param_storages`` (:func:`storage_key`) holds, or any
+    """A parameter or a view of one: storage ``param_storages`` (``storage_key``) holds, or any
     ``nn.Parameter`` (ZeRO-3's gathered full weights, which the module's ``parameters()`` do not list)."""
     return isinstance(t, nn.Parameter) or storage_key(t) in param_storages
 
@@ -99,8 +99,8 @@ to add to the lookup, so the embedding's output reaches the first block through 
 
 
 def _is_weight(t: torch.Tensor, param_storages: set[int]) -> bool:
-    """A parameter (:func:`_is_parameter`), a view of one, or a chain of one-input ops (cast, transpose)
-    from one (autocast); an index lookup (:data:`_LOOKUPS`) ends the chain as an activation."""
+    """A parameter (``_is_parameter``), a view of one, or a chain of one-input ops (cast, transpose)
+    from one (autocast); an index lookup (``_LOOKUPS``) ends the chain as an activation."""
     if _is_parameter(t, param_storages):
         return True
     node = t.grad_fn
@@ -123,8 +123,8 @@ class SavedTensorMeter:
         meter.report.per_block()              # bytes per transformer block
 
     Tensors are attributed to the block whose forward is running (forward pre/post hooks on
-    ``model.layers``), de-duplicated by storage identity (:func:`storage_key`; the storages counted are
-    kept alive while measuring, so no identity is reused); see :class:`SavedTensorReport`. Parameters are
+    ``model.layers``), de-duplicated by storage identity (``storage_key``; the storages counted are
+    kept alive while measuring, so no identity is reused); see ``SavedTensorReport``. Parameters are
     those of ``model`` and any other ``nn.Parameter`` saved (module docstring: ZeRO-3's gathered weights).
     """
 
@@ -178,7 +178,7 @@ class SavedTensorMeter:
 
 
 def measure_saved_activations(model: nn.Module, forward: Callable[[], Any]) -> SavedTensorReport:
-    """Run ``forward()`` (a closure calling ``model``) under a :class:`SavedTensorMeter`; its report."""
+    """Run ``forward()`` (a closure calling ``model``) under a ``SavedTensorMeter``; its report."""
     with SavedTensorMeter(model) as meter:
         forward()
     return meter.report

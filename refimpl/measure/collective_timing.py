@@ -1,20 +1,20 @@
 """Latency and bandwidth measured: collectives and point-to-point messages timed per size (chapter 02).
 
 What the alpha-beta (Hockney) model ``T(S) = alpha + S / beta`` is fitted to
-(:func:`refimpl.planner.fit_alpha_beta`; Thakur, Rabenseifner & Gropp, IJHPCA 2005, price the collectives
+(``refimpl.planner.fit_alpha_beta``; Thakur, Rabenseifner & Gropp, IJHPCA 2005, price the collectives
 with it):
 
-* :func:`measure_p2p`: ping-pong between two ranks, one-way time = half the round trip;
-* :func:`measure_collective`: any collective, e.g. ``ops.all_reduce`` or ``ring_all_reduce``.
+* ``measure_p2p``: ping-pong between two ranks, one-way time = half the round trip;
+* ``measure_collective``: any collective, e.g. ``ops.all_reduce`` or ``ring_all_reduce``.
 
-Buffers are made on the process group's device (:func:`group_device`: ``cuda:<current>`` under NCCL, which
+Buffers are made on the process group's device (``group_device``: ``cuda:<current>`` under NCCL, which
 moves CUDA tensors only, the CPU under gloo) unless ``device`` names one; the GPU is synchronised around each
 timed call, since a collective on NCCL returns before it has run.
 
 Each size is run ``warmup`` times unmeasured (connection setup, allocator, caches), then ``repeats`` times;
 the time of one repeat is the slowest rank's, and the median over repeats is kept (robust to a stray
 slow run on a shared machine). Timings on an oversubscribed CPU are only illustrative: docs/ARCHITECTURE.md
-keeps absolute times out of assertions. :func:`refimpl.viz.plot_alpha_beta` draws them against the fit.
+keeps absolute times out of assertions. ``refimpl.viz.plot_alpha_beta`` draws them against the fit.
 """
 
 from __future__ import annotations
@@ -83,9 +83,9 @@ def measure_collective(
 ) -> Timings:
     """Median time of ``fn(buffer, group=group)`` on float32 buffers of each size. Call on every rank.
 
-    ``fn`` is e.g. :func:`refimpl.comm.ops.all_reduce` or :func:`refimpl.comm.ring.ring_all_reduce`.
+    ``fn`` is e.g. ``refimpl.comm.ops.all_reduce`` or ``refimpl.comm.ring.ring_all_reduce``.
     Buffers are zeros (sums stay finite however often they run) of ``max(1, size // 4)`` elements, on
-    ``device`` (None: the rank's device for ``group``, :func:`group_device`).
+    ``device`` (None: the rank's device for ``group``, ``group_device``).
     """
     device = group_device(group) if device is None else torch.device(device)
     n = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -119,9 +119,9 @@ def measure_p2p(
 ) -> Timings:
     """One-way time of a message between group ranks ``src`` and ``dst``: half a ping-pong's round trip.
 
-    Call on every rank of the group (the others wait); every rank gets the same :class:`Timings`. Uses
+    Call on every rank of the group (the others wait); every rank gets the same ``Timings``. Uses
     blocking ``ops.send``/``ops.recv``, so an active tracer sees each message (the pair is ordered, send
-    against receive, so NCCL's blocking unbatched calls meet). ``device``: as in :func:`measure_collective`.
+    against receive, so NCCL's blocking unbatched calls meet). ``device``: as in ``measure_collective``.
     """
     device = group_device(group) if device is None else torch.device(device)
     rank, n = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)

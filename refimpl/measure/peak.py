@@ -1,13 +1,13 @@
 """Peak bytes: of the model state through a step, and of the device or process (chapters 01 and 04).
 
-:class:`PeakStateBytes` follows :func:`refimpl.measure.state.state_bytes`'s count through a whole step: a
+``PeakStateBytes`` follows ``refimpl.measure.state.state_bytes``'s count through a whole step: a
 ``TorchDispatchMode`` that samples a caller-supplied count after every tensor operation (forward, backward,
 collectives, optimizer) and keeps the largest, so a briefly gathered ZeRO-3 unit is seen (Rajbhandari et
-al. 2020; what :func:`refimpl.planner.zero3_peak_gathered_bytes` bounds). :func:`peak_memory_bytes` is the
+al. 2020; what ``refimpl.planner.zero3_peak_gathered_bytes`` bounds). ``peak_memory_bytes`` is the
 allocator's peak on a GPU and the process's peak resident set on a CPU (which also counts the Python
-interpreter and libraries); :func:`peak_reserved_bytes` the GPU allocator's peak of reserved segments (what
+interpreter and libraries); ``peak_reserved_bytes`` the GPU allocator's peak of reserved segments (what
 the GPU really gave the process: the allocated bytes plus the allocator's rounding and unused cached blocks;
-None on a CPU). On a GPU both are peaks since :func:`reset_peak_memory`, which the trainer calls at the
+None on a CPU). On a GPU both are peaks since ``reset_peak_memory``, which the trainer calls at the
 start of every step, so that a step's record is that step's peak, not the run's so far.
 """
 
@@ -34,7 +34,7 @@ class _Peak:
 
 
 class PeakStateBytes(TorchDispatchMode):
-    """Peak of ``count()`` (a :class:`StateMemory`) sampled after every tensor operation while active.
+    """Peak of ``count()`` (a ``StateMemory``) sampled after every tensor operation while active.
 
         with PeakStateBytes(lambda: model.state_bytes(optimizer)) as peak:
             train_step()
@@ -88,7 +88,7 @@ class PeakStateBytes(TorchDispatchMode):
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak allocated bytes on a GPU (since :func:`reset_peak_memory`); peak resident set size of this
+    """Peak allocated bytes on a GPU (since ``reset_peak_memory``); peak resident set size of this
     process on a CPU (since it started: the kernel keeps no other)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
@@ -97,7 +97,7 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def peak_reserved_bytes(device: torch.device) -> int | None:
-    """Peak bytes the caching allocator reserved on a GPU (since :func:`reset_peak_memory`); None on a CPU,
+    """Peak bytes the caching allocator reserved on a GPU (since ``reset_peak_memory``); None on a CPU,
     where no allocator of torch's reserves memory apart from what tensors take."""
     return int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None
 

@@ -1,13 +1,13 @@
-"""What a trainer run holds, measured inside the run itself: :class:`TrainerProbe` (chapter 12).
+"""What a trainer run holds, measured inside the run itself: ``TrainerProbe`` (chapter 12).
 
-The planner's prediction of a run (:func:`refimpl.planner.run_prediction.predict_run`) is checked against
-three measurements of a different source, taken in one step of :func:`refimpl.train.train` (the
+The planner's prediction of a run (``refimpl.planner.run_prediction.predict_run``) is checked against
+three measurements of a different source, taken in one step of ``refimpl.train.train`` (the
 trainer's own setup, batch and schedule):
 
-* **state**: :func:`refimpl.measure.state.state_bytes` of the rank's parameters (its pipeline stages, its
+* **state**: ``refimpl.measure.state.state_bytes`` of the rank's parameters (its pipeline stages, its
   tensor-parallel shards), their ``.grad`` and the optimizer's state, read just before the optimizer
   step (the gradients reduced; the optimizer state from the step before);
-* **activations without pipeline parallelism**: :class:`~refimpl.measure.activations.SavedTensorMeter` on
+* **activations without pipeline parallelism**: ``refimpl.measure.activations.SavedTensorMeter`` on
   the model over the step's first micro-batch, read once its loss is computed (its backward frees them
   before the next micro-batch's forward);
 * **activations under pipeline parallelism**: the bytes saved for backward and kept for sends that are
@@ -15,11 +15,11 @@ trainer's own setup, batch and schedule):
   copies left out; a saved tensor counts until autograd frees it, a sent one until its storage is freed,
   whoever kept it: the runtime's send, or the stage output the backward needs), read whenever the executor
   reads its clock (an action's start, ready and end), as tests/test_planner_pp.py counts them for chapter
-  08. The sent tensors are seen through :class:`refimpl.comm.CommTracer`'s ``on_send`` (every send, plain
+  08. The sent tensors are seen through ``refimpl.comm.CommTracer``'s ``on_send`` (every send, plain
   or in a ``batch_isend_irecv`` group), not by patching the ops; under zbh1 what each queued weight
   gradient keeps until its ``W`` (the seam declares it) through its store's ``on_push``.
 
-Both activation meters know a storage by its identity (:func:`~refimpl.measure.activations.storage_key`),
+Both activation meters know a storage by its identity (``refimpl.measure.activations.storage_key``),
 not its address, and take every saved ``nn.Parameter`` for a parameter: under ZeRO-3 the weights a unit
 gathers for its forward are ``nn.Parameter`` objects the module's ``parameters()`` do not list (those are
 the shards), freed after the forward by shrinking their storage to 0 bytes, whose address the allocator
@@ -67,10 +67,10 @@ class _Held:
 
 
 class LiveTensorBytes:
-    """Bytes of the tensors handed to :meth:`hold` that are alive now (each storage once, by identity:
-    :func:`~refimpl.measure.activations.storage_key`; the parameters left out, ``params``' storages and any
+    """Bytes of the tensors handed to ``hold`` that are alive now (each storage once, by identity:
+    ``refimpl.measure.activations.storage_key``; the parameters left out, ``params``' storages and any
     ``nn.Parameter``, ZeRO-3's gathered weights too, and, with ``skip_weight_copies``, autocast's casts of
-    them), the most at any time (``peak``) and the most at a :meth:`sample` (``between``). :meth:`pack` is a
+    them), the most at any time (``peak``) and the most at a ``sample`` (``between``). ``pack`` is a
     ``saved_tensors_hooks`` pack hook (unpack: ``lambda held: held.t``): a saved tensor counts until
     autograd frees it. A counted storage stays alive until it is released (the held tensor, or the storage
     itself, keeps it), so its key is not reused meanwhile."""
@@ -113,13 +113,13 @@ class LiveTensorBytes:
         self.hold(t.untyped_storage(), t)
 
     def sends(self) -> CommTracer:
-        """A tracer that counts every tensor this rank sends (:meth:`hold_storage`) while it is active:
+        """A tracer that counts every tensor this rank sends (``hold_storage``) while it is active:
         ``with live.sends(): ...``."""
         return CommTracer(on_send=self.hold_storage)
 
     def hold_queued(self, fn: object, held: tuple[torch.Tensor, ...]) -> None:
         """Count what a queued weight gradient ``fn`` keeps until its ``W`` (a
-        :class:`~refimpl.parallel.pipeline_parallel.WeightGradStore`'s ``on_push``)."""
+        ``refimpl.parallel.pipeline_parallel.WeightGradStore``'s ``on_push``)."""
         for t in held:
             self.hold(fn, t)
 
@@ -131,8 +131,8 @@ class LiveTensorBytes:
 
 class TrainerProbe:
     """``probe = TrainerProbe(step=1); train(config, ctx, options, hooks=probe)``; then
-    ``probe.measured`` (a :class:`StepMeasurement` of step ``step`` of the run, counted from the run's first
-    step). The probe is a set of the trainer's hooks (:class:`refimpl.train.hooks.Hooks`): the
+    ``probe.measured`` (a ``StepMeasurement`` of step ``step`` of the run, counted from the run's first
+    step). The probe is a set of the trainer's hooks (``refimpl.train.hooks.Hooks``): the
     step's meters entered around it (``around_step``), the first micro-batch's saved bytes read once its
     loss is computed (``after_first_loss``), the state read before the optimizer step, and under pipeline
     parallelism the executor's clock reads (``clock``) as the sampling points."""

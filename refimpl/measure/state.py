@@ -1,14 +1,14 @@
 """Bytes of model state a rank holds, counted from the tensors themselves (chapters 01 and 04).
 
 Process memory (RSS) mixes the interpreter, libraries, activations and allocator slack; a ZeRO claim is
-about three things only: **parameters, gradients and optimizer state**. :func:`state_bytes` adds up the
+about three things only: **parameters, gradients and optimizer state**. ``state_bytes`` adds up the
 storages behind them, each storage once (tied weights, views of one flat buffer and optimizer shards that
 alias the parameters are not counted twice), and unwraps DTensors (FSDP2) to the local shard.
 
-:class:`StateMemory` is the one record of such bytes in refimpl: what is measured here and what the
-planner predicts (:func:`refimpl.planner.state_memory`, :func:`refimpl.planner.zero_memory`; Rajbhandari
+``StateMemory`` is the one record of such bytes in refimpl: what is measured here and what the
+planner predicts (``refimpl.planner.state_memory``, ``refimpl.planner.zero_memory``; Rajbhandari
 et al. 2020, "ZeRO", section 5) are the same class, so a chapter compares them with ``==``.
-:class:`refimpl.measure.peak.PeakStateBytes` follows the same count through a whole step.
+``refimpl.measure.peak.PeakStateBytes`` follows the same count through a whole step.
 """
 
 from __future__ import annotations

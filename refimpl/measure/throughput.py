@@ -2,11 +2,11 @@
 
 MFU (model FLOPs utilisation, Chowdhery et al. 2022, PaLM appendix B) = tokens/s x FLOPs per token /
 (devices x dense peak), where the peak is that of the dtype the run's matrix multiplies compute in
-(:func:`peak_dtype`: an fp32 run is measured against the fp32 peak, a bf16 run against the bf16 peak;
+(``peak_dtype``: an fp32 run is measured against the fp32 peak, a bf16 run against the bf16 peak;
 docs/ARCHITECTURE.md, "Performance"). It is reported only where a peak is known (a GPU of
-:data:`refimpl.measure.peaks.PEAK_FLOPS`); on a CPU it is "n/a", never a made-up number. The FLOPs per
-token come from the planner (:func:`refimpl.planner.flops_per_token`); the peak bytes of a step are in
-:mod:`refimpl.measure.peak`.
+``refimpl.measure.peaks.PEAK_FLOPS``); on a CPU it is "n/a", never a made-up number. The FLOPs per
+token come from the planner (``refimpl.planner.flops_per_token``); the peak bytes of a step are in
+``refimpl.measure.peak``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def model_flops_utilization(
 
 
 def peak_dtype(compute_dtype: torch.dtype) -> str:
-    """The :data:`~refimpl.measure.peaks.PEAK_FLOPS` key of a run whose matmuls compute in ``compute_dtype``.
+    """The ``refimpl.measure.peaks.PEAK_FLOPS`` key of a run whose matmuls compute in ``compute_dtype``.
 
     bfloat16 -> ``"bf16"``, float16 -> ``"fp16"``. float32 -> ``"fp32"`` (the CUDA-core peak) under
     PyTorch's default ``torch.get_float32_matmul_precision() == "highest"``, and ``"tf32"`` (the
@@ -50,7 +50,7 @@ def peak_dtype(compute_dtype: torch.dtype) -> str:
 
 def device_peak_flops(device: torch.device, *, dtype: str) -> float | None:
     """Dense peak FLOP/s of ``device`` for the compute ``dtype`` (a
-    :data:`~refimpl.measure.peaks.PEAK_DTYPES` key, see :func:`peak_dtype`), or None on a CPU or an unknown
+    ``refimpl.measure.peaks.PEAK_DTYPES`` key, see ``peak_dtype``), or None on a CPU or an unknown
     GPU."""
     if dtype not in PEAK_DTYPES:
         raise ValueError(f"unknown compute dtype {dtype!r} for a peak; expected one of {PEAK_DTYPES}")
@@ -65,10 +65,10 @@ def format_mfu(mfu: float | None) -> str:
 
 @dataclass(kw_only=True)
 class Throughput:
-    """Tokens per second over the steps since the last :meth:`step`, and MFU where a peak is known.
+    """Tokens per second over the steps since the last ``step``, and MFU where a peak is known.
 
     ``tokens_per_step`` counts the global batch (all ranks); MFU divides by ``num_devices``. ``dtype`` is
-    required (keyword-only, like every field): the :data:`~refimpl.measure.peaks.PEAK_DTYPES` key of the
+    required (keyword-only, like every field): the ``refimpl.measure.peaks.PEAK_DTYPES`` key of the
     dtype the run computes in, usually ``peak_dtype(policy.compute_dtype)``; there is no default, because a
     bf16 peak silently applied to an fp32 run under-reports its MFU 14.8 times on an H100.
     """

@@ -1,14 +1,14 @@
-"""Hugging Face's Llama <-> the course model in its Llama form (chapter 01): :func:`llama_from_hf`,
-:func:`llama_to_hf`; Hugging Face's DeepSeek-V3 -> its DeepSeek-V3 form: ``deepseek_v3_from_hf`` (below).
+"""Hugging Face's Llama <-> the course model in its Llama form (chapter 01): ``llama_from_hf``,
+``llama_to_hf``; Hugging Face's DeepSeek-V3 -> its DeepSeek-V3 form: ``deepseek_v3_from_hf`` (below).
 
-A ``transformers.LlamaForCausalLM`` and :class:`refimpl.models.GPT` built with ``ModelConfig(**LLAMA)``
+A ``transformers.LlamaForCausalLM`` and ``refimpl.models.GPT`` built with ``ModelConfig(**LLAMA)``
 compute the same function; only the layout of three weights differs:
 
 * HF's ``q_proj [a d, h]``, ``k_proj [g d, h]``, ``v_proj [g d, h]`` are our one ``query_key_value`` in
   Megatron's layout by query group: for each key/value head ``j``, the rows of its ``a/g`` query heads, then
-  its key, then its value (:class:`refimpl.models.CausalSelfAttention`);
+  its key, then its value (``refimpl.models.CausalSelfAttention``);
 * HF's ``gate_proj [f, h]`` and ``up_proj [f, h]`` are our ``dense_h_to_4h [2f, h]`` with the rows
-  interleaved (row ``2i`` gate ``i``, row ``2i + 1`` up ``i``: :class:`refimpl.models.MLP`);
+  interleaved (row ``2i`` gate ``i``, row ``2i + 1`` up ``i``: ``refimpl.models.MLP``);
 * the rest is renamed one for one (``embed_tokens`` -> ``embedding.word_embeddings``, ``input_layernorm``,
   ``o_proj`` -> ``self_attention.dense``, ``down_proj`` -> ``dense_4h_to_h``, ``norm`` -> ``final_layernorm``,
   ``lm_head`` -> ``output_layer``).
@@ -56,7 +56,7 @@ def _rope(hf: Mapping) -> dict:
 
 
 def llama_config_from_hf(hf: Mapping) -> ModelConfig:
-    """Our :class:`ModelConfig` (the Llama form) for a ``LlamaConfig(...).to_dict()``."""
+    """Our ``ModelConfig`` (the Llama form) for a ``LlamaConfig(...).to_dict()``."""
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise ValueError(f"{flag}=True: the Llama form has no biases")
@@ -81,7 +81,7 @@ def _fused_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelC
 
 
 def _split_qkv(fused: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inverse of :func:`_fused_qkv`."""
+    """The inverse of ``_fused_qkv``."""
     g, d = config.query_groups, config.head_dim
     per = fused.reshape(g, -1, d, fused.shape[-1])  # [g, a/g + 2, d, h]
     q, k, v = per[:, :-2], per[:, -2], per[:, -1]

@@ -4,12 +4,12 @@ Decoder-only, pre-LayerNorm blocks (GPT-2, Radford et al. 2019), causal self-att
 ``torch.nn.functional.scaled_dot_product_attention``, a GELU MLP, learned position embeddings and an
 optional tie between the input embedding and the output layer (Press & Wolf 2017). Module names follow
 Megatron-LM (``query_key_value``, ``dense``, ``dense_h_to_4h``, ``dense_4h_to_h``) so that the tensor
-parallel chapter can replace them one for one. Each is a :class:`refimpl.nn.Linear` (``nn.Linear`` through the
-one linear seam, :func:`refimpl.nn.linear.linear_with_grad`, so zero-bubble's deferred ``dW`` sets a store
+parallel chapter can replace them one for one. Each is a ``refimpl.nn.Linear`` (``nn.Linear`` through the
+one linear seam, ``refimpl.nn.linear.linear_with_grad``, so zero-bubble's deferred ``dW`` sets a store
 on it instead of patching it).
 
 With ``config.num_experts > 0`` the MLP of every ``moe_every``-th block is a mixture of experts
-(:class:`refimpl.models.moe.MoEMLP`, chapter 09); a dense configuration builds exactly the model it
+(``refimpl.models.moe.MoEMLP``, chapter 09); a dense configuration builds exactly the model it
 always did. With ``config.attention_type == "mla"`` (the DeepSeek-V3 form) each block's attention is
 multi-head latent attention (``refimpl.models.mla.MultiLatentAttention``), under the same name
 ``self_attention``.
@@ -126,7 +126,7 @@ class MLP(nn.Module):
 
 class TransformerBlock(nn.Module):
     """x + Attn(LN(x)), then + MLP(LN(.)): the pre-norm residual block. Block ``layer`` of an MoE
-    configuration (:meth:`ModelConfig.is_moe_layer`) has a mixture-of-experts MLP (chapter 09); the
+    configuration (``ModelConfig.is_moe_layer``) has a mixture-of-experts MLP (chapter 09); the
     attention is multi-head latent attention with ``attention_type="mla"`` (DeepSeek-V3)."""
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:

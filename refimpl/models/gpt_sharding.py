@@ -1,4 +1,4 @@
-"""The course GPT's tensor-parallel plan: what :meth:`refimpl.models.GPT.tensor_parallel_plan` declares
+"""The course GPT's tensor-parallel plan: what ``refimpl.models.GPT.tensor_parallel_plan`` declares
 (chapter 06; torchtitan's ``models/llama3/sharding.py`` is the pattern).
 
 Shoeybi et al. 2019, "Megatron-LM" (section 3, figure 3); Korthikanti et al. 2022 (sequence parallelism,
@@ -6,12 +6,12 @@ figure 5). On ``t`` ranks:
 
 * **attention, heads split**: ``query_key_value`` column-parallel, ``dense`` row-parallel; the block keeps its
   forward and sees ``a/t`` heads (it infers them from the width). The fused weight is in Megatron's per-head
-  layout (:class:`refimpl.models.CausalSelfAttention`: rows ``[3d i, 3d (i+1))`` are head ``i``'s q, k and v),
+  layout (``refimpl.models.CausalSelfAttention``: rows ``[3d i, 3d (i+1))`` are head ``i``'s q, k and v),
   so rank ``r``'s contiguous block of ``3h/t`` rows is q, k and v of heads ``[r a/t, (r+1) a/t)``: one chunk.
   With grouped-query attention the rows are grouped by key/value head (its ``a/g`` query heads, its k, its v),
   so the block is ``g/t`` whole groups when ``t`` divides ``g``. With fewer key/value heads than ranks
   (``g < t``, ``t`` a multiple of ``g``: MQA at any ``t``) the ``r = t/g`` ranks of each group share its
-  k/v head: :class:`SharedKeyValueAttentionParallel` keeps the contiguous split (rank ``p`` holds
+  k/v head: ``SharedKeyValueAttentionParallel`` keeps the contiguous split (rank ``p`` holds
   ``1/r`` of group ``p // r``'s rows: disjoint shards, so ZeRO, clipping and checkpoints see one copy of
   every weight), all-gathers the projections and gives rank ``p`` its ``a/t`` query heads with its group's
   k and v (Megatron's QKV sub-sharding of the activations). The backward of that gather is a
@@ -23,12 +23,12 @@ figure 5). On ``t`` ranks:
   interleave gate and up, so the block holds both halves of ``f/t`` features), ``dense_4h_to_h``
   row-parallel. An MoE block's MLP is left whole: every tp rank routes the same tokens to the same
   experts (chapter 09).
-* **vocabulary**: the word embedding vocab-parallel inside :class:`VocabParallelGPTEmbedding` (which adds
+* **vocabulary**: the word embedding vocab-parallel inside ``VocabParallelGPTEmbedding`` (which adds
   the replicated position embeddings); the output layer tied to it (the same shard) or, untied,
   column-parallel ``[V/t, h]``; both return the logits shard ``[b, s, V/t]``.
 * **sequence parallelism**: the column layers all-gather their ``[b, s/t, h]`` input, the row layers
   reduce-scatter their output, the embedding reduce-scatters its lookups into the sequence shard and the
-  LayerNorms run on ``s/t`` tokens (:class:`~refimpl.parallel.tensor_parallel.SequenceParallel`: their
+  LayerNorms run on ``s/t`` tokens (``refimpl.parallel.tensor_parallel.SequenceParallel``: their
   gradients summed over tp).
 
 Sizes that do not divide by ``t`` (heads, ``ffn_hidden_size``) are a one-line ``ValueError`` naming the
@@ -68,7 +68,7 @@ __all__ = ["GPTEmbeddingParallel", "SharedKeyValueAttentionParallel", "SharedKey
 class VocabParallelGPTEmbedding(nn.Module):
     """Token (vocab-parallel) plus position (replicated) embedding, ``[b, s] -> [b, s, h]``; under sequence
     parallelism the token lookups are reduce-scattered along the sequence and the shard's positions added,
-    ``[b, s] -> [b, s/t, h]`` (backward: one all-gather), as :class:`VocabParallelEmbedding` with
+    ``[b, s] -> [b, s/t, h]`` (backward: one all-gather), as ``VocabParallelEmbedding`` with
     ``reduce_scatter_embeddings`` does: the output is the shard itself, no view of a whole ``[b, s, h]``."""
 
     def __init__(self, word_embeddings: VocabParallelEmbedding, position_embeddings: nn.Embedding | None, *,
@@ -95,7 +95,7 @@ class VocabParallelGPTEmbedding(nn.Module):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GPTEmbeddingParallel:
     """The GPT's own style for its ``Embedding``: the word table vocab-parallel, the positions replicated
-    and added to the (sequence-parallel: reduce-scattered) lookups (:class:`VocabParallelGPTEmbedding`)."""
+    and added to the (sequence-parallel: reduce-scattered) lookups (``VocabParallelGPTEmbedding``)."""
 
     sequence_parallel: bool = False
     pad_vocab: bool = False
@@ -115,7 +115,7 @@ class GPTEmbeddingParallel:
 
 class SharedKeyValueQKV(ColumnParallelLinear):
     """The fused qkv of ``g`` query groups over ``t = r g`` ranks (module docstring): this rank's contiguous
-    ``1/t`` of the rows (a :class:`ColumnParallelLinear`, its box and gradient as any), then the whole
+    ``1/t`` of the rows (a ``ColumnParallelLinear``, its box and gradient as any), then the whole
     projection gathered and cut to one group: this rank's ``a/t`` query heads and its group's k and v.
 
     ``[b, s, h] -> [b, s, (a/t + 2) d]``, the layout by query group with one group. ``gather``: the
@@ -150,8 +150,8 @@ class SharedKeyValueQKV(ColumnParallelLinear):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SharedKeyValueAttentionParallel:
-    """The GPT's own style for a :class:`~refimpl.models.CausalSelfAttention` with fewer key/value heads
-    than ranks (module docstring): its ``query_key_value`` becomes a :class:`SharedKeyValueQKV` and the
+    """The GPT's own style for a ``refimpl.models.CausalSelfAttention`` with fewer key/value heads
+    than ranks (module docstring): its ``query_key_value`` becomes a ``SharedKeyValueQKV`` and the
     attention reads ``a/t`` query heads per group. ``dense`` takes its own ``RowwiseParallel``."""
 
     sequence_parallel: bool = False

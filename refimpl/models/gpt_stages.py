@@ -1,15 +1,15 @@
-"""The course GPT cut into pipeline stages: what :meth:`refimpl.models.GPT.pipeline_stages` declares
+"""The course GPT cut into pipeline stages: what ``refimpl.models.GPT.pipeline_stages`` declares
 (chapter 08).
 
-Stage ``s`` of ``S = pp x v`` holds a contiguous run of blocks (:func:`split_layers`, by
-:func:`refimpl.parallel.pipeline_parallel.split_blocks`); the first also the embedding, the last also the
+Stage ``s`` of ``S = pp x v`` holds a contiguous run of blocks (``split_layers``, by
+``refimpl.parallel.pipeline_parallel.split_blocks``); the first also the embedding, the last also the
 final LayerNorm and the output layer, so that stage ``s`` computes ``[b, s_len, h] -> [b, s_len, h]`` (the
 first takes token ids, the last returns logits). The embedding and the head count towards the first and
 the last stage under ``balance="parameters"``.
 
 Tied embeddings (the input embedding is the output layer's weight): with the first and the last stage on
 different ranks each holds its own copy, equal at the start; after every backward the two ranks add their
-gradients (:func:`~refimpl.parallel.pipeline_parallel.pipeline_communications.sync_tied_embeddings`), so
+gradients (``refimpl.parallel.pipeline_parallel.pipeline_communications.sync_tied_embeddings``), so
 the copies take the same optimizer step and stay equal (Megatron's embedding group; Shoeybi et al. 2019).
 """
 
@@ -91,7 +91,7 @@ class GPTStage(nn.Module):
         return name
 
     def full_names(self) -> dict[str, str]:
-        """This stage's parameter names -> the plain GPT's (:meth:`full_name`)."""
+        """This stage's parameter names -> the plain GPT's (``full_name``)."""
         return {name: self.full_name(name) for name, _ in self.named_parameters()}
 
 

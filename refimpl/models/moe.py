@@ -1,9 +1,9 @@
-"""The GPT's mixture-of-experts MLP: :class:`MoEMLP`, built on :class:`refimpl.parallel.expert_parallel.MoE`
+"""The GPT's mixture-of-experts MLP: ``MoEMLP``, built on ``refimpl.parallel.expert_parallel.MoE``
 (chapter 09).
 
 Shazeer et al. 2017 (the sparsely-gated MoE layer), Lepikhin et al. 2020 (GShard), Fedus et al. 2021
 (Switch), DeepSeek-AI 2024 (DeepSeek-V3). A block whose index is a multiple of ``moe_every``
-(:meth:`refimpl.config.ModelConfig.is_moe_layer`) replaces its dense MLP by ``E`` expert MLPs and a top-``k``
+(``refimpl.config.ModelConfig.is_moe_layer``) replaces its dense MLP by ``E`` expert MLPs and a top-``k``
 router (the grouped experts: 3-D weights ``[E, h, f]``, one ``torch._grouped_mm`` per projection); a token's
 output is ``y_t = sum_j w_{t,j} E_{I_tj}(x_t)``.
 
@@ -17,25 +17,25 @@ normalised per token), and
 Why per sequence and not per forward (Switch computes it over the tokens of one device's batch): a mean
 over sequences does not depend on how the global batch is cut into ranks and micro-batches, exactly like
 the language-model loss, a mean over tokens. The block keeps ``aux_loss`` of its last forward; the model's
-loss adds the blocks' (:func:`moe_aux_loss`, called by :meth:`refimpl.parallel.parallelized.Parallelized.
-loss`), so it is divided by the micro-batches ``A`` and its gradient averaged over the ``dp x cp`` ranks
+loss adds the blocks' (``moe_aux_loss``, called by ``refimpl.parallel.parallelized.Parallelized.
+loss``), so it is divided by the micro-batches ``A`` and its gradient averaged over the ``dp x cp`` ranks
 like the main loss: the trainer minimises ``1/(N A) sum_{ranks, micro-batches} (CE + sum_blocks L_aux)``,
 the global mean over sequences of both, at any ``dp``, ``ep`` and micro-batch size (under ``cp``
-:func:`sequence_balance_loss` sums each sequence's counts over the cp ranks). Under pipeline
+``sequence_balance_loss`` sums each sequence's counts over the cp ranks). Under pipeline
 parallelism each stage holds some blocks' losses: the executor adds the last stage's to the loss and
-backpropagates every other stage's in that stage's backward (:meth:`refimpl.parallel.parallelized.
-Parallelized.stage_balance_loss`), the same gradient. The layer's own per-forward
-loss (:class:`~refimpl.parallel.expert_parallel.RouterConfig`'s ``aux_loss_coeff``) is kept at 0.
+backpropagates every other stage's in that stage's backward (``refimpl.parallel.parallelized.
+Parallelized.stage_balance_loss``), the same gradient. The layer's own per-forward
+loss (``refimpl.parallel.expert_parallel.RouterConfig``'s ``aux_loss_coeff``) is kept at 0.
 
 **Capacity** (``capacity_factor``) is the layer's: ``C = ceil(k T / E cf)`` slots per expert for the ``T``
 tokens of one forward on one rank (GShard's group is a device's batch), so a run with capacity equals one
 device only at the same micro-batch per rank. Dropless (None) routes each token on its own.
 
-**Expert parallelism** (:meth:`MoEMLP.shard_experts`, applied by :func:`refimpl.parallel.expert_parallel_gpt.
-apply_expert_parallel`): the model is built whole (every expert, so every ``ep`` draws the same weights)
-and rank ``r`` of the ``ep`` group keeps experts ``[r E/ep, (r+1) E/ep)``. :meth:`MoEMLP.local_shards`
+**Expert parallelism** (``MoEMLP.shard_experts``, applied by ``refimpl.parallel.expert_parallel_gpt.
+apply_expert_parallel``): the model is built whole (every expert, so every ``ep`` draws the same weights)
+and rank ``r`` of the ``ep`` group keeps experts ``[r E/ep, (r+1) E/ep)``. ``MoEMLP.local_shards``
 declares those rows as boxes of the global ``[E, ...]`` tensors (the checkpoint reshards by them) and
-:meth:`MoEMLP.expert_parallel_parameters` names them (their placement: split over ``ep``, gradient
+``MoEMLP.expert_parallel_parameters`` names them (their placement: split over ``ep``, gradient
 averaged over the expert-data-parallel group).
 
 **Shared experts** (DeepSeekMoE, Dai et al. 2024; DeepSeek-V3 eq. 12): with ``moe_shared_experts = N_s``
@@ -48,7 +48,7 @@ The first ``moe_first_dense`` blocks keep the dense MLP (DeepSeek-V3's ``first_k
 ``ModelConfig.is_moe_layer``).
 
 The per-step bookkeeping (load per expert, dropped assignments, the aux loss, DeepSeek-V3's bias update)
-is :mod:`refimpl.moe_balance`.
+is ``refimpl.moe_balance``.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def sequence_balance_loss(scores: torch.Tensor, expert_ids: torch.Tensor, *, seq
                           sp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``coeff E mean_b sum_i f_{b,i} P_{b,i}`` (module docstring) over ``sequences`` equal sequences of the
     ``T`` tokens: ``scores [T, E]`` (fp32, in the graph), ``expert_ids [T, k]``. One sequence is Switch's
-    loss (:func:`refimpl.parallel.expert_parallel.load_balancing_loss`) over its tokens.
+    loss (``refimpl.parallel.expert_parallel.load_balancing_loss``) over its tokens.
 
     ``cp_group`` (context parallelism, chapter 07): this rank holds ``s / cp`` tokens of each sequence. The
     counts, which carry no gradient, are summed over the group, so ``f`` is the whole sequence's; ``P`` is
@@ -204,8 +204,8 @@ class MoEMLP(nn.Module):
 
     def sequence_parallel_parameters(self) -> list[str]:
         """Under sequence parallelism, the parameters applied to this tp rank's ``s/t`` tokens: the router's,
-        the experts' and the shared experts' (their gradients summed over tp, :func:`refimpl.parallel.
-        tensor_parallel.sequence_parallel_names`); none otherwise."""
+        the experts' and the shared experts' (their gradients summed over tp, ``refimpl.parallel.
+        tensor_parallel.sequence_parallel_names``); none otherwise."""
         if self.sp_group is None:
             return []
         return [n for n, _ in self.named_parameters()]

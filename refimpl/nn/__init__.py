@@ -1,4 +1,4 @@
-"""Layers below the parallel techniques: the one linear seam (:mod:`refimpl.nn.linear`)."""
+"""Layers below the parallel techniques: the one linear seam (``refimpl.nn.linear``)."""
 
 from refimpl.nn.linear import Linear, SequenceGather, linear_with_grad
 

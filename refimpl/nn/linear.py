@@ -1,4 +1,4 @@
-"""The one linear seam: every linear layer of the course goes through :func:`linear_with_grad` (chapters
+"""The one linear seam: every linear layer of the course goes through ``linear_with_grad`` (chapters
 06 and 08).
 
 ``Y = gather(X) W^T + b`` with ``W: [out, in]``. Its backward has three products:
@@ -14,10 +14,10 @@ that owns the linear's backward, so the three places that need to change it chan
 * **sequence parallelism** (Korthikanti et al. 2022, chapter 06): ``sequence_gather`` all-gathers the
   ``[b, s/t, in]`` input along the sequence for the forward; only the local ``X_r`` is saved and backward
   gathers it again (one more all-gather) and reduce-scatters ``dX``, so the activation saved is ``s/t`` of
-  the tokens, not ``s`` (:mod:`refimpl.parallel.tensor_parallel.sequence_parallel_linear`);
+  the tokens, not ``s`` (``refimpl.parallel.tensor_parallel.sequence_parallel_linear``);
 * **a deferred weight gradient** (Qi et al. 2023, zero-bubble's ``W``, chapter 08): with
   ``weight_grad_store`` the backward returns ``dX`` and ``db`` and queues ``dW`` in the store
-  (:class:`refimpl.parallel.pipeline_parallel.WeightGradStore`, anything with ``push(fn, held)``, ``held``
+  (``refimpl.parallel.pipeline_parallel.WeightGradStore``, anything with ``push(fn, held)``, ``held``
   the tensors ``dW`` keeps until then, which a memory meter counts), whose ``W`` action adds it to
   ``weight.grad`` later (with a sequence gather too, the queued ``dW`` keeps the gathered
   ``X`` until then: no collective runs in ``W``). The weight it adds to is held by reference, not read
@@ -27,7 +27,7 @@ that owns the linear's backward, so the three places that need to change it chan
   kernel (fp8, chapter 10) goes. With neither a gather nor a store it is called as it is and autograd (or
   the kernel's own autograd) differentiates it; with either, it is the forward product of this function,
   and a matmul that also has ``input_grad(dY, W) -> dX`` and ``weight_grad(dY, X) -> DeferredProduct``
-  (:class:`SplitMatmul`: the fp8 GEMMs of :class:`refimpl.precision.fp8.Float8Matmul`) computes the two
+  (``SplitMatmul``: the fp8 GEMMs of ``refimpl.precision.fp8.Float8Matmul``) computes the two
   backward products too, so a sequence-parallel or deferred layer stays the kernel's in all three GEMMs
   (``weight_grad`` prepares its operands in ``B``, casts and their collectives included, and the returned
   function multiplies, in ``W`` when deferred).
@@ -38,7 +38,7 @@ With none of the three the seam is ``F.linear`` itself (autograd's own backward,
 Under autocast the forward matmul runs in the autocast dtype; backward computes in the dtype of the output
 and returns each gradient in its input's dtype, as autograd does through autocast's casts.
 
-This module imports nothing from refimpl: the gather is passed in (:class:`SequenceGather`), so the model
+This module imports nothing from refimpl: the gather is passed in (``SequenceGather``), so the model
 (below the communication layer) can use the seam too.
 """
 
@@ -80,7 +80,7 @@ class SplitMatmul(Protocol):
     """A pluggable matmul that owns its backward products too (module docstring): ``__call__`` is the
     forward ``x W^T + b``; ``input_grad(dy [..., out], weight) -> dx [..., in]`` and
     ``weight_grad(dy [tokens, out], x [tokens, in])``, which prepares its operands now and returns the
-    :class:`DeferredProduct` computing ``dW [out, in]``; both results in ``dy``'s dtype."""
+    ``DeferredProduct`` computing ``dW [out, in]``; both results in ``dy``'s dtype."""
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
@@ -90,7 +90,7 @@ class SplitMatmul(Protocol):
 
 
 def _splits(matmul: Matmul) -> bool:
-    """Whether ``matmul`` computes its backward products itself (:class:`SplitMatmul`)."""
+    """Whether ``matmul`` computes its backward products itself (``SplitMatmul``)."""
     return callable(getattr(matmul, "input_grad", None)) and callable(getattr(matmul, "weight_grad", None))
 
 
@@ -114,7 +114,7 @@ class SequenceGather:
 @torch.no_grad()
 def _accumulate(weight: torch.Tensor, weight_grad: Callable[[], torch.Tensor]) -> torch.Tensor:
     """Add ``dW = weight_grad()`` to ``weight.grad`` (a deferred weight gradient); returns ``weight``, whose
-    gradient changed (its reduction, ZeRO-2's reduce-scatter, may follow: :class:`WeightGradQueue`)."""
+    gradient changed (its reduction, ZeRO-2's reduce-scatter, may follow: ``WeightGradQueue``)."""
     grad = weight_grad().to(weight.dtype)  # dW = dY^T X: [out, in]
     if weight.grad is None:
         weight.grad = grad
@@ -186,7 +186,7 @@ def linear_with_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, init and state-dict names) whose forward is :func:`linear_with_grad`;
+    """``nn.Linear`` (same parameters, init and state-dict names) whose forward is ``linear_with_grad``;
     ``weight_grad_store`` (None: ``dW`` in backward) and ``matmul`` (None: ``F.linear``) may be set on it."""
 
     weight_grad_store: WeightGradQueue | None = None

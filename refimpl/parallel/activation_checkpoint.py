@@ -8,12 +8,12 @@ for compute. We use ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False
 version stops recomputing as soon as the last tensor backward needs is rebuilt ("early stop"), so the
 block's last matrix multiply is not run again.
 
-:func:`apply_activation_checkpointing` turns it on per block without changing the module tree (parameter
+``apply_activation_checkpointing`` turns it on per block without changing the module tree (parameter
 names, ``state_dict`` and optimizer groups stay the same). The blocks are the modules of the types the
 model declares (``shard_units()``: the units ZeRO-3 gathers are the ones recomputed) or that the caller
 names (``unit_types=``): any model, not only ours. What a block then saves is measured by
-:class:`refimpl.measure.activations.SavedTensorMeter` and predicted by
-:func:`refimpl.planner.activation_bytes_per_layer`.
+``refimpl.measure.activations.SavedTensorMeter`` and predicted by
+``refimpl.planner.activation_bytes_per_layer``.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def apply_activation_checkpointing(
     model: nn.Module, blocks: str | Iterable[int] | Callable[[int], bool] = "all", *,
     unit_types: Units | None = None,
 ) -> list[int]:
-    """Checkpoint the blocks of ``model`` (:func:`checkpoint_units`: the modules of ``unit_types``, or of
+    """Checkpoint the blocks of ``model`` (``checkpoint_units``: the modules of ``unit_types``, or of
     the types the model declares) selected by ``blocks``; return their indices.
 
     ``blocks``: ``"all"``, ``"none"``, indices (negative ones count from the end), or ``fn(i) -> bool``
@@ -107,5 +107,5 @@ def apply_activation_checkpointing(
 
 
 def checkpointed_blocks(model: nn.Module, unit_types: Units | None = None) -> list[int]:
-    """The indices of the checkpointed blocks (:func:`checkpoint_units`)."""
+    """The indices of the checkpointed blocks (``checkpoint_units``)."""
     return [i for i, b in enumerate(checkpoint_units(model, unit_types)) if is_checkpointed(b)]

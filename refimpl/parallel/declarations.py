@@ -1,14 +1,14 @@
-"""What a model declares so that :func:`~refimpl.parallel.parallelize.parallelize` can apply each technique
+"""What a model declares so that ``refimpl.parallel.parallelize.parallelize`` can apply each technique
 (chapter 12, "bring your own model"; torchtitan's ``models/llama3/sharding.py`` is the pattern).
 
 The techniques never import a model: they take any ``nn.Module`` and read what it declares. A declaration is
 a method (or attribute) of the model; each is needed only by the technique that reads it, and a model
-without it gets that technique refused by name, saying what to declare (:class:`MissingDeclaration`),
+without it gets that technique refused by name, saying what to declare (``MissingDeclaration``),
 never an ``AttributeError`` from deep inside:
 
 * ``tensor_parallel_plan(*, tp_size, sequence_parallel, pad_vocab) -> dict[str, style]``: module-name
   patterns (fnmatch, one pattern atom per name atom: ``"layers.*.mlp.up"``) to the styles of
-  :mod:`refimpl.parallel.tensor_parallel.styles` (tensor parallelism, chapter 06). It may refuse sizes
+  ``refimpl.parallel.tensor_parallel.styles`` (tensor parallelism, chapter 06). It may refuse sizes
   that do not divide (heads, MLP width, vocabulary) with a ``ValueError`` naming them.
 * ``shard_units() -> tuple[type[nn.Module], ...]``: the module types ZeRO-3 shards and gathers as one
   unit and activation checkpointing recomputes as one (the transformer block; chapters 04 and 05).
@@ -16,7 +16,7 @@ never an ``AttributeError`` from deep inside:
   context parallelism replaces and the modules whose ``position_ids`` give the global positions (chapter 07).
 * ``pipeline_stages(*, pp_rank, pp_size, virtual_stages, balance) -> dict[int, nn.Module]``: the stage
   modules this pipeline rank runs (chapter 08).
-* MoE layers need no method: expert parallelism finds them by type (:class:`ExpertParallelLayer`: any
+* MoE layers need no method: expert parallelism finds them by type (``ExpertParallelLayer``: any
   module with ``shard_experts``, ``expert_parallel_parameters`` and ``expert_unit``; chapter 09).
 """
 
@@ -51,7 +51,7 @@ class MissingDeclaration(TypeError):
 
 
 def declared(model: nn.Module, name: str) -> Callable[..., Any]:
-    """The model's declaration ``name`` (a bound method), or :class:`MissingDeclaration` saying which
+    """The model's declaration ``name`` (a bound method), or ``MissingDeclaration`` saying which
     technique needs it and what to declare."""
     found = getattr(model, name, None)
     if callable(found):
@@ -77,7 +77,7 @@ class ContextParallelModules:
 
 @runtime_checkable
 class ExpertParallelLayer(Protocol):
-    """An MoE layer (chapter 09), found by this type in ``model.modules()`` (:func:`moe_layers`): expert
+    """An MoE layer (chapter 09), found by this type in ``model.modules()`` (``moe_layers``): expert
     parallelism keeps this rank's experts (``shard_experts``), the placements and the expert-data-parallel
     reduction read ``expert_parallel_parameters()`` (names relative to the layer), ZeRO-3 shards
     ``expert_unit()`` as a unit of its own over the expert-data-parallel group, and ``parallelize`` sets

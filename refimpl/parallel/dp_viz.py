@@ -1,6 +1,6 @@
 """The overlap of data parallelism, drawn: backward compute against the bucket all-reduces (chapter 03).
 
-:func:`plot_overlap` takes one :class:`~refimpl.parallel.data_parallel.SyncTimeline` per rank (and, if
+``plot_overlap`` takes one ``refimpl.parallel.data_parallel.SyncTimeline`` per rank (and, if
 given, the rank's traced ``all_reduce`` events of that step, whose ``start`` is the launch the tracer saw)
 and draws, per rank, two lanes on a common clock (``time.perf_counter`` is shared by the processes of one
 machine): **backward** from the first gradient at the output to the end of the autograd pass, with a tick

@@ -1,18 +1,18 @@
-"""Expert parallelism applied to the GPT (chapter 09): :func:`apply_expert_parallel`, the step of
-:func:`refimpl.parallel.parallelize` after tensor parallelism, and the experts' gradient reduction.
+"""Expert parallelism applied to the GPT (chapter 09): ``apply_expert_parallel``, the step of
+``refimpl.parallel.parallelize`` after tensor parallelism, and the experts' gradient reduction.
 
 **The layout** (torchtitan's dp2ep; Megatron-LM's MoE parallel folding, Liu et al. 2025): expert
 parallelism is a second view of the ``N = dp x cp`` ranks that see different tokens, ``N = edp x ep``
-(:attr:`refimpl.distributed.mesh.ParallelDims.expert_grid`, ``ep`` consecutive ranks of that view). Rank
+(``refimpl.distributed.mesh.ParallelDims.expert_grid``, ``ep`` consecutive ranks of that view). Rank
 ``r`` of an ``ep`` group keeps experts ``[r E/ep, (r+1) E/ep)`` of every MoE block
-(:meth:`refimpl.models.moe.MoEMLP.shard_experts`) and routes its own tokens to their owners with GShard's
+(``refimpl.models.moe.MoEMLP.shard_experts``) and routes its own tokens to their owners with GShard's
 all-to-all; the dense weights (attention, norms, embeddings, the routers) are replicated over all ``N``.
 Under tensor parallelism (without sequence parallelism) the MoE input is the whole ``[b, s, h]`` on every
 tp rank, so every tp rank routes the same tokens and runs the same experts: the experts are replicated over
 ``tp``, and their gradients are equal there (nothing to reduce over tp). With sequence parallelism the MoE
 input is the tp rank's ``[b, s/t, h]``: each tp rank routes its own tokens (no repeated expert compute), and
 the router's and experts' gradients, like the layer norms', are summed over ``tp``
-(:meth:`refimpl.models.moe.MoEMLP.sequence_parallel_parameters`); the balance loss counts over tp too.
+(``refimpl.models.moe.MoEMLP.sequence_parallel_parameters``); the balance loss counts over tp too.
 
 **Gradients.** After backward a local expert's gradient is ``sum_{q in my ep group} dL_q/dW``: the sum over
 every token it received (the all-to-all's backward brings each rank's share home), and ``L_q`` is rank
@@ -25,10 +25,10 @@ a **sum over ``edp`` divided by ``N = dp x cp``** (the global token count's norm
 gradients' ``1/N``), not a mean over ``edp`` (``1/edp = ep/N``: ``ep`` times too large, the bug of
 pytorch/pytorch#160285, hidden by AdamW; Megatron-LM's DDP scales expert gradients by ``1/(dp cp)`` too,
 and torchtitan sets FSDP's ``gradient_divide_factor`` to ``dp cp`` for the experts).
-:func:`reduce_expert_gradients` does it once per step (after the micro-batches, ZeRO-0); ZeRO-1/2
-reduce-scatter them over ``edp`` with the same divisor (:class:`refimpl.parallel.zero.ShardedOptimizer`'s
+``reduce_expert_gradients`` does it once per step (after the micro-batches, ZeRO-0); ZeRO-1/2
+reduce-scatter them over ``edp`` with the same divisor (``refimpl.parallel.zero.ShardedOptimizer``'s
 shard groups); ZeRO-3 makes each block's experts a unit of their own, sharded over ``edp`` and
-reduce-scattered there with the same divisor (:class:`refimpl.parallel.zero.FullyShardedDataParallel`'s
+reduce-scattered there with the same divisor (``refimpl.parallel.zero.FullyShardedDataParallel``'s
 ``own_groups``; torchtitan's ``fully_shard`` of the experts on its ``efsdp`` mesh). Which group is read
 from the placement (``reduce_over``: ``expert_dp``), so a placement that says ``dp_cp`` gives the wrong,
 averaged-over-``dp x cp`` gradient the tests' negative control plants.
@@ -66,7 +66,7 @@ def apply_expert_parallel(model: nn.Module, *, ep_group: dist.ProcessGroup | Non
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
     """The names, in ``model`` (a GPT), of the MoE blocks' expert tensors
-    (:meth:`refimpl.models.moe.MoEMLP.expert_parallel_parameters`)."""
+    (``refimpl.models.moe.MoEMLP.expert_parallel_parameters``)."""
     where = {id(m): name for name, m in model.named_modules()}
     return [f"{where[id(b)]}.{n}" for b in moe_layers(model) for n in b.expert_parallel_parameters()]
 

@@ -1,24 +1,24 @@
-"""The optimizer of a parallelized model (chapter 12): :func:`build_optimizer_setup`, which
+"""The optimizer of a parallelized model (chapter 12): ``build_optimizer_setup``, which
 ``Parallelized.build_optimizer`` calls, gives AdamW over this rank's parameters and what the checked step
-needs for the layout, as an :class:`OptimizerSetup`, all read from the parameters' placements
-(:mod:`refimpl.parallel.placements`):
+needs for the layout, as an ``OptimizerSetup``, all read from the parameters' placements
+(``refimpl.parallel.placements``):
 
 * one device, DP (ZeRO-0), tensor, context and pipeline parallelism, ZeRO-3: AdamW over the tensors this
   rank holds (ZeRO-3's are already shards);
-* ZeRO-1/2 (Rajbhandari et al. 2020, chapter 04): one :class:`~refimpl.parallel.zero.ShardedOptimizer` over
+* ZeRO-1/2 (Rajbhandari et al. 2020, chapter 04): one ``refimpl.parallel.zero.ShardedOptimizer`` over
   the ``dp x cp`` group; the gradients it steps are its row shards (placements narrowed over ``dp_cp``);
-* the gradient norm: one :func:`~refimpl.parallel.placements.clip_grad_norm_` over the held gradients,
+* the gradient norm: one ``refimpl.parallel.placements.clip_grad_norm_`` over the held gradients,
   each element of the model counted once (a tensor-parallel replica on tp rank 0, a tied embedding's
   last-stage copy not at all, a ZeRO shard on its rank);
-* after the data-parallel reduction (:attr:`OptimizerSetup.finish_gradients`): ZeRO-1's reduce-scatter
+* after the data-parallel reduction (``OptimizerSetup.finish_gradients``): ZeRO-1's reduce-scatter
   into the optimizer's shards (so that the loss scaler unscales and checks what AdamW steps); under
   pipeline parallelism at ZeRO-0 the ``dp x cp`` average once per step (chapter 08), then under sequence
   parallelism the sum over ``tp`` of the gradients placed so
-  (:func:`~refimpl.parallel.placements.reduce_gradients`);
+  (``refimpl.parallel.placements.reduce_gradients``);
 * expert parallelism (chapter 09): at ZeRO-0 the experts' gradients, left alone by the data-parallel
   wrapper, are summed over the group their placement reduces over (``expert_dp``, the mesh's ``edp``) and
   divided by ``dp x cp``
-  once per step (:func:`~refimpl.parallel.expert_parallel_gpt.reduce_expert_gradients`); at ZeRO-1/2 the
+  once per step (``refimpl.parallel.expert_parallel_gpt.reduce_expert_gradients``); at ZeRO-1/2 the
   sharded optimizer shards them over ``edp`` with the same divisor (its shard groups) and their optimizer
   shards are placed over ``expert_dp``, the dense ones over ``dp_cp``.
 """
@@ -54,7 +54,7 @@ class OptimizerSetup:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerInputs:
-    """What :func:`build_optimizer_setup` reads of a parallelized model: the module whose parameters are
+    """What ``build_optimizer_setup`` reads of a parallelized model: the module whose parameters are
     stepped, in the order of ``named`` (their weight decay by those names; None: the module's own), the
     tensors this rank holds under the plain GPT's names (``held``, in the order the checkpoint lists them)
     with their placements, the group of each axis, the ZeRO stage, the policy."""

@@ -1,16 +1,16 @@
 """Each overlap of communication with computation the course builds, timed against its serialized control
 (chapters 03, 04 and 07): run the workers here with ``run_ranks(worker, 2, link="1gbit")``
-(:mod:`refimpl.launch.shaped_link`), where the link and not the two cores sets the pace.
+(``refimpl.launch.shaped_link``), where the link and not the two cores sets the pace.
 
 A control is the same code with ``wait()`` before the compute the transfer could hide behind:
 
-* :func:`data_parallel_overlap`: :class:`~refimpl.parallel.data_parallel.DataParallelBucket` launching each
+* ``data_parallel_overlap``: ``refimpl.parallel.data_parallel.DataParallelBucket`` launching each
   bucket's all-reduce from the gradient hook and waiting at the end, against a comm hook that waits in the
-  gradient hook (:func:`serialized_hook`); 4 bias-free ``Linear(1024, 1024)``, one 4 MiB bucket each;
-* :func:`zero3_overlap`: :class:`~refimpl.parallel.zero.FullyShardedDataParallel` with ``prefetch=True``
+  gradient hook (``serialized_hook``); 4 bias-free ``Linear(1024, 1024)``, one 4 MiB bucket each;
+* ``zero3_overlap``: ``refimpl.parallel.zero.FullyShardedDataParallel`` with ``prefetch=True``
   (the next unit's all-gather started as soon as the current one is gathered) against ``prefetch=False``;
   6 such layers, one unit each;
-* :func:`ring_overlap`: :func:`~refimpl.parallel.context_parallel.ring_attention.ring_attention` against
+* ``ring_overlap``: ``refimpl.parallel.context_parallel.ring_attention.ring_attention`` against
   ``overlap=False`` (each exchange waited for as soon as it is posted); causal, 8 heads of 64, 2 x 1024
   tokens per rank, forward and backward.
 
@@ -83,7 +83,7 @@ def _train_step(model: nn.Module, x: torch.Tensor):
 
 
 def data_parallel_overlap(ctx: Any, layers: int = 4) -> dict:
-    """DP's bucketed all-reduce against :func:`serialized_hook` (module docstring)."""
+    """DP's bucketed all-reduce against ``serialized_hook`` (module docstring)."""
     torch.set_num_threads(1)
     x = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(ctx.rank))
     cap = WIDTH * WIDTH * 4 / 2**20  # one bucket per layer

@@ -1,4 +1,4 @@
-"""One function applies every parallel technique to a model, in one fixed order: :func:`parallelize`.
+"""One function applies every parallel technique to a model, in one fixed order: ``parallelize``.
 
 Chapter 12 (the 3D trainer) explains the order; each step is the technique of its chapter. The trainer
 (``refimpl.train.setup``) builds its run through this function only. As in torchtitan's
@@ -10,23 +10,23 @@ is built tensor- and pipeline-parallel first, then wrapped in its ``DistributedD
    2022). First, because it *replaces* modules (a ``Linear`` by a ``ColumnParallelLinear``) and parameters (by
    their shards): everything after it must see the final modules and the local shards, never the full ones.
 1b. **expert parallel** over the ``ep`` group (chapter 09; GShard, Lepikhin et al. 2020; torchtitan's
-   dp2ep): each MoE block keeps its rank's experts (:func:`~refimpl.parallel.expert_parallel_gpt.
-   apply_expert_parallel`). Like 1 it replaces parameters by shards (the experts' rows), inside the blocks,
+   dp2ep): each MoE block keeps its rank's experts (``refimpl.parallel.expert_parallel_gpt.
+   apply_expert_parallel``). Like 1 it replaces parameters by shards (the experts' rows), inside the blocks,
    and leaves the dense part as 1 made it: an MoE MLP is not tensor-split (the experts are replicated over
    ``tp``). The data-parallel step 6 then averages the dense gradients over ``dp x cp`` and leaves the
    experts to the expert-data-parallel reduction (sum over ``edp``, divided by ``dp x cp``).
 1c. **fp8 linears** (chapter 10; torchao's ``convert_to_float8_training``, ``--precision fp8``): the seam's
-   layers get fp8 GEMMs in place (:func:`~refimpl.precision.fp8.apply_float8_training`), the tensor-parallel
+   layers get fp8 GEMMs in place (``refimpl.precision.fp8.apply_float8_training``), the tensor-parallel
    ones with scales agreed over ``tp`` (one device's scales). After 1 and 1b, so that it sees the final
    layers (a column-parallel block, not the full linear it replaced), but with the first and last linear
    named on the plain model, before 1 replaced them; before 3 and 4, which wrap or move whole blocks.
    Under ZeRO-3 (step 6, and per pipeline stage) those layers' weights are all-gathered in fp8
-   (:mod:`refimpl.parallel.zero.fsdp_float8`). Rowwise scaling or tp > 1 with ZeRO-3 do not compose with
+   (``refimpl.parallel.zero.fsdp_float8``). Rowwise scaling or tp > 1 with ZeRO-3 do not compose with
    it yet (refimpl/support.py says why).
 2. **context parallel** over the ``cp`` group (chapter 07; ring attention, Liu et al. 2023; Ulysses, Jacobs
    et al. 2023). It swaps the attention inside each block and shards the sequence: like 1, a change inside
    the blocks, so it comes before the steps that wrap whole blocks. An MoE block's balance loss then sums
-   each sequence's counts over ``cp`` (:func:`refimpl.models.moe.sequence_balance_loss`).
+   each sequence's counts over ``cp`` (``refimpl.models.moe.sequence_balance_loss``).
 3. **pipeline split** over the ``pp`` group (chapter 08; GPipe, Huang et al. 2019; 1F1B, Narayanan et al.
    2021). It cuts the model *between* blocks, so it commutes with 1-2 (which act inside blocks); torchtitan
    splits first and then applies the rest to each stage. It must come before 4-6: checkpointing, precision
@@ -41,21 +41,21 @@ is built tensor- and pipeline-parallel first, then wrapped in its ``DistributedD
    policy must exist before the wrapper is built.
 6. **data parallel / ZeRO 0-3** over the ``dp x cp`` group (chapters 03-04; Li et al. 2020; Rajbhandari
    et al. 2020), **outermost**: it hooks every gradient the steps before produced and averages it over the
-   ranks that saw other tokens of the same shard (``dp x cp``, :data:`refimpl.distributed.mesh.LOSS_AXES`).
-   ZeRO-0 is :class:`~refimpl.parallel.data_parallel.DataParallelBucket`; ZeRO-1/2 a
-   :class:`~refimpl.parallel.zero.ShardedOptimizer` (the optimizer *is* the technique, so
-   :meth:`Parallelized.build_optimizer` makes it); ZeRO-3
-   :class:`~refimpl.parallel.zero.FullyShardedDataParallel` (with expert parallelism each MoE block's
+   ranks that saw other tokens of the same shard (``dp x cp``, ``refimpl.distributed.mesh.LOSS_AXES``).
+   ZeRO-0 is ``refimpl.parallel.data_parallel.DataParallelBucket``; ZeRO-1/2 a
+   ``refimpl.parallel.zero.ShardedOptimizer`` (the optimizer *is* the technique, so
+   ``Parallelized.build_optimizer`` makes it); ZeRO-3
+   ``refimpl.parallel.zero.FullyShardedDataParallel`` (with expert parallelism each MoE block's
    experts a unit of their own over the expert-data-parallel group, their gradients divided by ``dp x cp``).
 
 Step 1 with ``tp > 1`` composes with ZeRO 0-2 over ``dp``; ZeRO-3 would shard the tensor-parallel shards
 again over ``dp`` (FSDP2's 2-D layout): not built, refused.
 
 Under pipeline parallelism (step 3, ``pp > 1``) the model becomes this rank's stages, a
-:class:`~refimpl.parallel.pipeline_parallel.PipelineModule` (:attr:`Parallelized.pipeline`): a step is one
-:meth:`~refimpl.parallel.pipeline_parallel.PipelineModule.step` over the micro-batches, not a forward per
+``refimpl.parallel.pipeline_parallel.PipelineModule`` (``Parallelized.pipeline``): a step is one
+``refimpl.parallel.pipeline_parallel.PipelineModule.step`` over the micro-batches, not a forward per
 micro-batch; the gradients are averaged over ``dp x cp`` once, after the step's last backward
-(:attr:`OptimizerSetup.finish_gradients`; a rank that skipped it would drift from its replicas: picotron's DP
+(``OptimizerSetup.finish_gradients``; a rank that skipped it would drift from its replicas: picotron's DP
 x PP bug), and the gradient norm sums over the ``pp`` ranks (a tied embedding counted once). It composes with
 data parallelism (ZeRO 0-2; ZeRO-2 reduce-scatters every micro-batch's gradients), tensor and sequence
 parallelism and context parallelism (steps 1-2 come first: the stages hold the tensor- and context-parallel
@@ -63,15 +63,15 @@ blocks, and the stage boundaries carry each rank's part of the sequence), precis
 checkpointing; with ZeRO-3 it is refused (each micro-batch would gather its stage's weights again).
 
 Under context parallelism (step 2, ``cp > 1``) each rank runs the model on its part of the sequence:
-:meth:`Parallelized.split_batch` cuts the tokens (inputs and labels alike) by the layout the attention was
+``Parallelized.split_batch`` cuts the tokens (inputs and labels alike) by the layout the attention was
 built for, and the embedding gives those tokens their global positions. The parameters are replicated over
 ``cp`` like over ``dp``, so step 6 treats the ``dp x cp`` ranks as one data-parallel group: each rank's loss
 is the mean over its ``b s/cp`` tokens, and the mean of those over the group is the global batch's mean.
 
-Under tensor parallelism the model returns the logits shard ``[b, s, V/t]``: :meth:`Parallelized.loss`
+Under tensor parallelism the model returns the logits shard ``[b, s, V/t]``: ``Parallelized.loss``
 takes the vocab-parallel loss on it, the gradient norm counts every element once
-(:mod:`refimpl.parallel.tensor_parallel.grad_norm`) and, under sequence parallelism,
-:attr:`OptimizerSetup.finish_gradients` sums the gradients of the replicated parameters that saw ``s/t``
+(``refimpl.parallel.tensor_parallel.grad_norm``) and, under sequence parallelism,
+``OptimizerSetup.finish_gradients`` sums the gradients of the replicated parameters that saw ``s/t``
 tokens over the ``tp`` group, after the data-parallel reduction and before clipping.
 """
 
@@ -96,7 +96,7 @@ from refimpl.support import check_supported
 
 __all__ = ["ORDER", "OptimizerSetup", "Parallelized", "parallelize"]
 
-# the steps of :func:`parallelize`, in the order applied
+# the steps of ``parallelize``, in the order applied
 ORDER = ("tensor parallel", "expert parallel", "fp8 linears", "context parallel", "pipeline split",
          "activation checkpointing", "mixed precision", "data parallel")
 
@@ -104,7 +104,7 @@ ORDER = ("tensor parallel", "expert parallel", "fp8 linears", "context parallel"
 def _layout(groups_or_dims: ParallelGroups | ParallelDims, config: ParallelConfig, *,
             moe: bool = False) -> tuple[ParallelDims, ParallelGroups | None]:
     """The layout and its groups; refuses a config whose degrees are not the layout's, combinations that
-    are not built (saying why, :func:`refimpl.support.check_supported`) and a multi-rank layout given
+    are not built (saying why, ``refimpl.support.check_supported``) and a multi-rank layout given
     without its groups, before anything is touched (every rank alike)."""
     if isinstance(groups_or_dims, ParallelGroups):
         dims, groups = groups_or_dims.dims, groups_or_dims
@@ -130,13 +130,13 @@ def _layout(groups_or_dims: ParallelGroups | ParallelDims, config: ParallelConfi
 def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
                 config: ParallelConfig | None = None) -> Parallelized:
     """Apply the techniques of ``config`` to ``model`` over the groups of the layout, in the order of the
-    module docstring (:data:`ORDER`); return the pieces a training step needs (:class:`Parallelized`).
+    module docstring (``ORDER``); return the pieces a training step needs (``Parallelized``).
 
-    ``config``: a :class:`~refimpl.config.ParallelConfig` whose degrees are the layout's (``dp`` may be
+    ``config``: a ``refimpl.config.ParallelConfig`` whose degrees are the layout's (``dp`` may be
     None; None: ``dims.config()``, the layout's degrees with every technique option at its default).
 
-    ``groups_or_dims``: this rank's :class:`ParallelGroups` (``dims.build(...)``, built once per run), or a
-    one-rank :class:`ParallelDims` (no process group). The model must be identical on every rank (same
+    ``groups_or_dims``: this rank's ``ParallelGroups`` (``dims.build(...)``, built once per run), or a
+    one-rank ``ParallelDims`` (no process group). The model must be identical on every rank (same
     seed); it is changed in place (checkpointed blocks, ZeRO-3's shards). Collective under several ranks.
     """
     if config is None:
@@ -280,7 +280,7 @@ def _shard_stages(done: Parallelized, groups: ParallelGroups, dims: ParallelDims
     """ZeRO-3 under pipeline parallelism: each of this rank's stages sharded in place over ``dp x cp``
     (FSDP2's ``fully_shard`` per stage, as torchtitan applies it). By default a stage is gathered once per
     step and kept through its micro-batches, its gradients accumulated whole and reduce-scattered once
-    after the schedule's last backward (:meth:`PipelineModule.after_backward`); with
+    after the schedule's last backward (``PipelineModule.after_backward``); with
     ``zero3_reshard_per_microbatch`` every micro-batch gathers, frees and reduces (m times the
     collectives, the stage's full weights and gradients never held across micro-batches)."""
     from refimpl.parallel.zero import FullyShardedDataParallel

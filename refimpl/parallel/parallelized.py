@@ -1,7 +1,7 @@
-"""What :func:`~refimpl.parallel.parallelize.parallelize` gives (chapter 12): the parallelized model
-(:class:`Parallelized`; what it takes is a :class:`~refimpl.config.ParallelConfig`), which holds each
-parameter's placement (:mod:`refimpl.parallel.placements`, recorded by :func:`record_parallel_placements`)
-and builds the optimizer from them (:func:`refimpl.parallel.optimizer_setup.build_optimizer_setup`).
+"""What ``refimpl.parallel.parallelize.parallelize`` gives (chapter 12): the parallelized model
+(``Parallelized``; what it takes is a ``refimpl.config.ParallelConfig``), which holds each
+parameter's placement (``refimpl.parallel.placements``, recorded by ``record_parallel_placements``)
+and builds the optimizer from them (``refimpl.parallel.optimizer_setup.build_optimizer_setup``).
 """
 
 from __future__ import annotations
@@ -27,18 +27,18 @@ __all__ = ["Parallelized", "held_parameters", "record_parallel_placements"]
 
 @dataclass(kw_only=True)
 class Parallelized:
-    """What :func:`parallelize` made of a model.
+    """What ``parallelize`` made of a model.
 
     ``model`` is the plain model (under ZeRO-3 its parameters are shards), ``forward`` what a batch goes
-    through, ``config`` the :class:`~refimpl.config.ParallelConfig` it applied (its degrees those of the
+    through, ``config`` the ``refimpl.config.ParallelConfig`` it applied (its degrees those of the
     layout), ``state_module`` what a checkpoint saves (the ZeRO-3 wrapper), ``sync`` the wrapper whose
     ``no_sync()``/``finish_gradient_synchronization()`` the step calls (ZeRO-0 with several ranks, else
     None), ``group`` the ``dp x cp`` group gradients are averaged over (None: one process), ``applied``
-    the steps of :data:`ORDER` that did something, in order, ``tp_group`` the tensor-parallel group (None:
+    the steps of ``ORDER`` that did something, in order, ``tp_group`` the tensor-parallel group (None:
     no tensor parallelism), ``cp_group`` the context-parallel group (None: no context parallelism),
     ``pipeline`` this rank's stages (None: no pipeline parallelism; then ``model`` and ``state_module`` are
-    it too), ``placements`` each held parameter's :class:`~refimpl.parallel.placements.Placement` under the
-    plain GPT's name (:func:`record_parallel_placements`); under expert parallelism (chapter 09)
+    it too), ``placements`` each held parameter's ``refimpl.parallel.placements.Placement`` under the
+    plain GPT's name (``record_parallel_placements``); under expert parallelism (chapter 09)
     ``ep_group`` and ``edp_group`` (the expert-parallel and expert-data-parallel groups) and ``experts`` the
     names of the expert tensors (placed over the ``expert`` and ``expert_dp`` axes; empty without expert
     parallelism).
@@ -74,11 +74,11 @@ class Parallelized:
                                           layout=self.config.cp_layout)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The mean next-token loss of this rank's tokens: :func:`refimpl.models.lm_loss`, or under tensor
+        """The mean next-token loss of this rank's tokens: ``refimpl.models.lm_loss``, or under tensor
         parallelism the vocab-parallel loss on the logits shard (equal on the ranks of a TP group); an MoE
         model adds its blocks' balance losses of the forward that gave ``logits``, and counts their load
-        (:func:`refimpl.moe_balance.record_micro_batch`; call once per micro-batch). Under pipeline
-        parallelism the executor takes each stage's balance losses itself (:meth:`stage_balance_loss`)."""
+        (``refimpl.moe_balance.record_micro_batch``; call once per micro-batch). Under pipeline
+        parallelism the executor takes each stage's balance losses itself (``stage_balance_loss``)."""
         if self.tp_group is None:
             loss = lm_loss(logits, labels)
         else:
@@ -105,7 +105,7 @@ class Parallelized:
     @staticmethod
     def stage_balance_loss(stage: nn.Module, *, micro_batches: int) -> torch.Tensor | None:
         """Under pipeline parallelism, a stage's own loss after its forward: its MoE blocks' balance losses
-        (counted, :func:`refimpl.moe_balance.record_micro_batch`) divided by ``micro_batches`` like the
+        (counted, ``refimpl.moe_balance.record_micro_batch``) divided by ``micro_batches`` like the
         micro-batch's language-model loss; None for a stage without MoE blocks. The pipeline executor adds
         it to the last stage's loss and backpropagates it in the other stages' backward."""
         from refimpl.moe_balance import record_micro_batch
@@ -115,7 +115,7 @@ class Parallelized:
 
     def build_optimizer(self, config: OptimConfig) -> OptimizerSetup:
         """AdamW over this rank's parameters, with what the checked step needs for this layout
-        (:func:`refimpl.parallel.optimizer_setup.build_optimizer_setup`)."""
+        (``refimpl.parallel.optimizer_setup.build_optimizer_setup``)."""
         pipe, zero = self.pipeline, self.config.zero_stage
         if pipe is not None and self.group is None:
             zero = 0  # one data-parallel rank: nothing to shard the optimizer over
@@ -145,8 +145,8 @@ class Parallelized:
 
 def held_parameters(done: Parallelized) -> list[tuple[str, nn.Parameter]]:
     """The parameters this rank holds (and steps) under the plain GPT's names, a tied one once, in the
-    modules' order: the stages' (:meth:`~refimpl.parallel.pipeline_parallel.PipelineModule.
-    named_parameters_full`), ZeRO-3's row shards, or the model's own."""
+    modules' order: the stages' (``refimpl.parallel.pipeline_parallel.PipelineModule.
+    named_parameters_full``), ZeRO-3's row shards, or the model's own."""
     if done.pipeline is not None:
         return done.pipeline.named_parameters_full()
     if done.config.zero_stage == 3:
@@ -166,7 +166,7 @@ def _zero3_inner_boxes(done: Parallelized) -> dict[str, Box] | None:
 
 
 def record_parallel_placements(done: Parallelized, *, replicas: int) -> dict[str, Placement]:
-    """Each held parameter's placement, from the modules' declarations, composed in :data:`ORDER`: tensor
+    """Each held parameter's placement, from the modules' declarations, composed in ``ORDER``: tensor
     parallel (a shard's box is not the whole tensor; the sequence-parallel names are summed over tp),
     the pipeline split (a stage's tensors are its own; the last stage's copy of a tied embedding is not
     primary), then data parallelism over ``dp x cp`` (ZeRO-0-2: replicated, averaged over the ``replicas``

@@ -1,15 +1,15 @@
 """One placement per parameter: where each tensor a rank holds lies across the ranks, and the one gradient
 norm and the one gradient reduction that read it (chapter 12).
 
-Every technique of :func:`refimpl.parallel.parallelize` changes *where* a parameter lives, and the gradient
+Every technique of ``refimpl.parallel.parallelize`` changes *where* a parameter lives, and the gradient
 path must know it: which part of the global tensor this rank holds, over which ranks the others are, over
 which ranks its gradient is summed. Megatron-LM keeps that in tensor attributes
 (``param.sequence_parallel``, ``param.allreduce``); a wrapper that replaces parameters (ZeRO-3's shards)
-loses them. Here it is one record per parameter *name* (the plain GPT's), a :class:`Placement`, built by
-:func:`record_placements` from what the modules declare (their ``local_shards()`` boxes, their
+loses them. Here it is one record per parameter *name* (the plain GPT's), a ``Placement``, built by
+``record_placements`` from what the modules declare (their ``local_shards()`` boxes, their
 ``sequence_parallel_parameters()``) as each step of ``parallelize`` is applied, and held by its result:
 
-* ``box``: this rank's elements of the global tensor (:class:`~refimpl.distributed.placement.Box`);
+* ``box``: this rank's elements of the global tensor (``refimpl.distributed.placement.Box``);
 * ``sharded_over``: the axes whose ranks hold *disjoint* parts of it (``tp`` for a Megatron shard, ``dp_cp``
   for a ZeRO row shard, ``pp`` for a stage's tensor: the other pipeline ranks hold other tensors);
 * ``replicated_over``: the axes whose ranks hold the *same* elements (a LayerNorm over ``tp``, every ZeRO-0
@@ -22,12 +22,12 @@ loses them. Here it is one record per parameter *name* (the plain GPT's), a :cla
 Under expert parallelism (chapter 09) an expert tensor is sharded over ``expert`` (the ``ep`` group of
 the mesh: rows of its ``[E, ...]`` box), replicated over ``expert_dp`` (the mesh's ``edp`` group, the
 expert-data-parallel ranks, ``dp x cp / ep``) and its gradient reduced over ``expert_dp``; ``dp_cp`` is then
-the product ``expert x expert_dp`` of the same ranks (:data:`FACTORS`).
+the product ``expert x expert_dp`` of the same ranks (``FACTORS``).
 
-The global gradient norm (:func:`clip_grad_norm_`) counts every element of the model once:
+The global gradient norm (``clip_grad_norm_``) counts every element of the model once:
 ``||g||^2 = sum over ranks of sum_{counted} ||g_i||^2``, where a tensor is counted on a rank when it is
 primary and the rank is coordinate 0 of every replicated axis the sum is all-reduced over, and the sum is
-all-reduced over the axes anything is sharded over, in the order :data:`NORM_AXES` (Megatron's
+all-reduced over the axes anything is sharded over, in the order ``NORM_AXES`` (Megatron's
 ``get_grad_norm_fp32``). The rule needs independent axes: when some placement names ``expert`` or
 ``expert_dp``, a placement over ``dp_cp`` is read as over both (a dense replica is replicated over both, a
 ZeRO row shard of it sharded over both), so a dense element is counted once, not ``ep`` times. Then
@@ -151,7 +151,7 @@ def _counted(p: Placement, reduced: set[str], ranks: Mapping[str, int]) -> bool:
 
 
 def _factored(held: Sequence[HeldGradient]) -> list[HeldGradient]:
-    """``held`` with ``dp_cp`` read as its :data:`FACTORS` when some placement names one of them."""
+    """``held`` with ``dp_cp`` read as its ``FACTORS`` when some placement names one of them."""
     named = {a for h in held for a in (*h.placement.sharded_over, *h.placement.replicated_over)}
     parts = {axis: factors for axis, factors in FACTORS.items() if named & set(factors)}
     if not parts:

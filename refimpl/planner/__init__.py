@@ -1,32 +1,32 @@
 """Formulas only: what a training run needs and moves, before anything runs (chapters 00-10).
 
-* :mod:`~refimpl.planner.params_flops`: parameters, their shapes, FLOPs per token (PaLM appendix B);
-  :mod:`~refimpl.planner.param_table`: a rank's parameters by name, read from a meta-device model and the
+* ``refimpl.planner.params_flops``: parameters, their shapes, FLOPs per token (PaLM appendix B);
+  ``refimpl.planner.param_table``: a rank's parameters by name, read from a meta-device model and the
   tensor-parallel plan the model declares (``tensor_parallel_plan``);
-* :mod:`~refimpl.planner.memory`: model state of a replica and per rank, a run's memory per rank (the
-  trainer's preflight); :mod:`~refimpl.planner.zero_state`: ZeRO stages 0-3 (Rajbhandari et al. 2020);
-* :mod:`~refimpl.planner.experts`: MoE blocks and expert parallelism (chapter 09): the experts' state per
+* ``refimpl.planner.memory``: model state of a replica and per rank, a run's memory per rank (the
+  trainer's preflight); ``refimpl.planner.zero_state``: ZeRO stages 0-3 (Rajbhandari et al. 2020);
+* ``refimpl.planner.experts``: MoE blocks and expert parallelism (chapter 09): the experts' state per
   rank (over the expert-data-parallel group), an MoE block's saved bytes and its all-to-all bytes, from
   measured per-expert counts or uniform routing;
-* :mod:`~refimpl.planner.activations`: bytes saved for backward, per rank under tensor, sequence and
+* ``refimpl.planner.activations``: bytes saved for backward, per rank under tensor, sequence and
   context parallelism (Korthikanti et al. 2022; chapters 05-07);
-* :mod:`~refimpl.planner.communication`: bytes of the ring collectives, of ZeRO's and of tensor
+* ``refimpl.planner.communication``: bytes of the ring collectives, of ZeRO's and of tensor
   parallelism's collectives, and of context parallelism's ring and all-to-alls;
-* :mod:`~refimpl.planner.time_model`: the alpha-beta cost model fitted to measured times;
-* :mod:`~refimpl.planner.pipeline_stages`: the pipeline's stages and the parameters each holds;
-  :mod:`~refimpl.planner.pipeline`: per pipeline rank, the activations it holds at its peak under a
+* ``refimpl.planner.time_model``: the alpha-beta cost model fitted to measured times;
+* ``refimpl.planner.pipeline_stages``: the pipeline's stages and the parameters each holds;
+  ``refimpl.planner.pipeline``: per pipeline rank, the activations it holds at its peak under a
   schedule (chapter 08);
-* :mod:`~refimpl.planner.run_prediction`: one trainer run at a layout, per rank: state, held
-  activations, bytes per process group per step, the bubble (chapter 12); :mod:`~refimpl.planner.run_terms`:
+* ``refimpl.planner.run_prediction``: one trainer run at a layout, per rank: state, held
+  activations, bytes per process group per step, the bubble (chapter 12); ``refimpl.planner.run_terms``:
   its terms for ZeRO-2/3, HSDP, activation checkpointing and ZeRO-3's 16-bit weights;
-* :mod:`~refimpl.planner.layout`: the layout (``ParallelDims``-like degrees) that per-rank functions take.
+* ``refimpl.planner.layout``: the layout (``ParallelDims``-like degrees) that per-rank functions take.
 
-Each figure is checked in a chapter against a measurement from :mod:`refimpl.measure`, a different source.
-Re-exported here, not repeated: :class:`~refimpl.measure.state.StateMemory` (the one class formulas and
-measurements both return), the device peak table and MFU (:mod:`refimpl.measure.peaks`,
-:mod:`refimpl.measure.throughput`), the ring model of one op (:func:`refimpl.comm.tracer.wire_bytes`,
+Each figure is checked in a chapter against a measurement from ``refimpl.measure``, a different source.
+Re-exported here, not repeated: ``refimpl.measure.state.StateMemory`` (the one class formulas and
+measurements both return), the device peak table and MFU (``refimpl.measure.peaks``,
+``refimpl.measure.throughput``), the ring model of one op (``refimpl.comm.tracer.wire_bytes``,
 which the tracer books at run time). The runtime's sharding rule is reused:
-:func:`refimpl.distributed.placement.chunk_range`.
+``refimpl.distributed.placement.chunk_range``.
 """
 
 from refimpl.measure.peaks import PEAK_DTYPES, PEAK_FLOPS, peak_flops

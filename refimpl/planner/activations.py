@@ -17,8 +17,8 @@ QKV and of the first MLP linear, the two dropout masks) sits outside the paralle
 parallelism splits it along the sequence: Megatron's column layers save their ``s/t`` input shard and
 all-gather it again in backward.
 
-Our block (:class:`refimpl.models.TransformerBlock`, :func:`refimpl.parallel.tensor_parallel.
-apply_tensor_parallel`) differs, and :func:`activation_bytes_per_layer` counts it exactly, term by term,
+Our block (``refimpl.models.TransformerBlock``, ``refimpl.parallel.tensor_parallel.
+apply_tensor_parallel``) differs, and ``activation_bytes_per_layer`` counts it exactly, term by term,
 for a compute dtype (``p`` bytes), the residual stream's dtype (``r``), ``t`` ranks and ``u = t`` under
 sequence parallelism (else ``u = 1``):
 
@@ -30,7 +30,7 @@ sequence parallelism (else ``u = 1``):
 * the FFN width f is a config field (4h by default);
 * sequence parallelism as Megatron's: a column layer's input arrives as ``[b, s/t, h]``, is all-gathered for
   the matmul, and only the ``s/t`` shard is saved (gathered again in backward,
-  :mod:`refimpl.parallel.tensor_parallel.sequence_parallel_linear`): the QKV and MLP inputs cost
+  ``refimpl.parallel.tensor_parallel.sequence_parallel_linear``): the QKV and MLP inputs cost
   ``2 p s b h / u`` (autograd's default would keep the gathered ``[b, s, h]``, ``2 p s b h`` at every ``t``).
 
 Per layer and rank::
@@ -43,14 +43,14 @@ So in 16-bit (p = 2, r = 4, f = 4h): ``sbh (12 + 24/t) + 16 sb + 4 a sb/t`` with
 ``36 sbh/t + 16 sb/t + 4 a sb/t`` with sequence parallelism (``t = 1``: ``36 sbh + 16 sb + 4 a sb``), where
 Korthikanti et al. have ``10 + 24/t`` and ``34/t``: fp32 LayerNorm inputs (+4), no dropout masks (-2),
 flash attention (no ``5 a s/h`` term);
-a checkpointed layer keeps only its input, ``r s b h / u``. :func:`outside_block_bytes` counts what the
+a checkpointed layer keeps only its input, ``r s b h / u``. ``outside_block_bytes`` counts what the
 model saves outside the blocks.
 
 Context parallelism (``cp`` ranks, chapter 07): ``seq_len`` stays the whole sequence, each rank holds
 ``s_c = s/cp`` of its tokens, and everything but attention acts on each token alone, so every term above
 holds ``s_c`` tokens (SP then splits ``s_c`` over ``t``). Attention saves other tensors than SDPA's
-(measured with :class:`~refimpl.measure.activations.SavedTensorMeter` on a rank of
-:func:`refimpl.parallel.context_parallel.apply_context_parallel`'s GPT, tests/test_planner_cp.py):
+(measured with ``refimpl.measure.activations.SavedTensorMeter`` on a rank of
+``refimpl.parallel.context_parallel.apply_context_parallel``'s GPT, tests/test_planner_cp.py):
 
 * ring attention (Liu et al. 2023; the zig-zag layout, ``2 cp`` chunks with rank ``r`` holding chunks ``r``
   and ``2 cp - 1 - r``, as Megatron-LM's context parallelism balances causal work, or contiguous: the same
@@ -87,9 +87,9 @@ rank with ``a_t`` query and ``g_t`` key/value heads (``g/t``, or one that ``t/g`
 So in 16-bit under autocast (p = 2, q = r = 4, f = 4h): ring ``s_c bh (12 + 28/t) + 16 s_c b + 4 a s_c b/t``,
 Ulysses ``s_c bh (12 + 26/t) + 16 s_c b + 4 a s_c b/t``, against SDPA's ``12 + 24/t`` at ``s_c`` tokens:
 both pay ``2/t`` for the projection's copy, the ring ``2/t`` more for its float32 output.
-:class:`refimpl.measure.activations.SavedTensorMeter` measures the same numbers (tests/test_activations.py,
+``refimpl.measure.activations.SavedTensorMeter`` measures the same numbers (tests/test_activations.py,
 tests/test_planner_tp.py at tp 2 and 4, tests/test_planner_cp.py at cp 2 and 4 and tp 2 x cp 2);
-:func:`refimpl.planner.memory.run_memory_per_rank` adds them up per rank.
+``refimpl.planner.memory.run_memory_per_rank`` adds them up per rank.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def local_tokens(config: ModelConfig, *, seq_len: int, cp: int, cp_method: str, 
                   tp: int) -> int:
     """``s/cp``, the tokens of each sequence one rank holds, after the checks of the method: the ring's
     zig-zag layout cuts ``s`` into ``2 cp`` chunks (contiguous: ``cp``), Ulysses into ``cp`` parts and gives
-    each rank ``(a/t)/cp`` heads (:mod:`refimpl.parallel.context_parallel`)."""
+    each rank ``(a/t)/cp`` heads (``refimpl.parallel.context_parallel``)."""
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp must be a positive integer, got {cp!r}")
     if cp_method not in METHODS:
@@ -175,7 +175,7 @@ def korthikanti_bytes_per_layer(*, seq_len: int, micro_batch: int, hidden_size: 
 def paper_bytes_per_layer(config: ModelConfig, *, seq_len: int, micro_batch: int, tp: int = 1,
                           sequence_parallel: bool = False, flash: bool = False, dropout: bool = True,
                           key_len: int | None = None, moe: bool = False) -> int:
-    """Korthikanti et al.'s 16-bit count (:func:`korthikanti_bytes_per_layer`) for a layer of ``config``'s
+    """Korthikanti et al.'s 16-bit count (``korthikanti_bytes_per_layer``) for a layer of ``config``'s
     form, per rank of ``tp``: the same tensors, at the model's own sizes.
 
     Outside the tensor-parallel regions (``/t`` under sequence parallelism): the two norms' inputs ``4 sbh``,
@@ -187,7 +187,7 @@ def paper_bytes_per_layer(config: ModelConfig, *, seq_len: int, micro_batch: int
     ``f = 4h``, ``g = a`` with dropout is the paper's ``34 sbh + 5 a s^2 b``.
 
     The same tensors, counted alike, for the forms the paper predates (an estimate: the byte-exact count of
-    the trainer's is :func:`activation_bytes_per_layer`): an MoE block (``moe``) keeps, instead of the
+    the trainer's is ``activation_bytes_per_layer``): an MoE block (``moe``) keeps, instead of the
     MLP's, each token's ``k`` routed and its shared experts' intermediates at ``f_e``, its ``k`` dispatched
     rows and their outputs ``4 k sbh`` and the fp32 router scores ``4 s b E`` (every tp rank routes its own
     ``s/t`` tokens); multi-head latent attention keeps its latents' inputs and the norms' ``4 sb (r_q +
@@ -243,7 +243,7 @@ def activation_bytes_per_layer(
     cp_method: str = "ring",
     cp_layout: str | None = None,
 ) -> ActivationBreakdown:
-    """Saved-for-backward bytes of one :class:`refimpl.models.TransformerBlock` on one rank of ``tp``
+    """Saved-for-backward bytes of one ``refimpl.models.TransformerBlock`` on one rank of ``tp``
     tensor-parallel ranks (with ``sequence_parallel``: Korthikanti et al.'s sequence parallelism) and ``cp``
     context-parallel ranks (``cp_method`` ``"ring"`` or ``"ulysses"``, ``cp_layout`` the ring's
     ``"zigzag"``, its default, or ``"contiguous"``); see the module docstring for the terms.
@@ -254,7 +254,7 @@ def activation_bytes_per_layer(
     LayerNorm inputs (float32 under autocast; the weights' dtype when the model itself is 16-bit). LayerNorm
     keeps its mean and reciprocal std in the residual dtype (measured on the CPU); SDPA's log-sum-exp is
     float32 in every case, the ring's is in its block dtype. ``sequence_parallel`` at ``tp = 1`` is the
-    plain block (as :func:`apply_tensor_parallel` does).
+    plain block (as ``apply_tensor_parallel`` does).
     """
     b, h, d = micro_batch, config.hidden_size, config.head_dim
     f, t = config.ffn_hidden_size, tp
@@ -313,7 +313,7 @@ def activation_bytes(
     """Saved bytes of every block of the model on one rank, in order (checkpointed ones keep only their
     input).
 
-    ``per_layer``: the keyword arguments of :func:`activation_bytes_per_layer` (``micro_batch``,
+    ``per_layer``: the keyword arguments of ``activation_bytes_per_layer`` (``micro_batch``,
     ``seq_len``, ``compute_dtype``, ``residual_dtype``, ``tp``, ``sequence_parallel``, ``cp``,
     ``cp_method``, ``cp_layout``), the same for every block.
     """
@@ -331,17 +331,17 @@ def outside_block_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int,
     """What one rank saves for backward outside the blocks (embedding, final LayerNorm, output layer,
     loss), with the residual stream in float32, term by term, for the rank's ``s = seq_len / cp`` tokens
     (everything outside attention acts on each token alone; the embedding saves the int64 global positions
-    of those tokens; the same checks as :func:`activation_bytes_per_layer`).
+    of those tokens; the same checks as ``activation_bytes_per_layer``).
 
-    One device (``tp = 1``, :func:`refimpl.models.lm_loss`): the final LayerNorm's input ``4 s b h`` and
+    One device (``tp = 1``, ``refimpl.models.lm_loss``): the final LayerNorm's input ``4 s b h`` and
     statistics ``2 x 4 s b``, the output layer's input ``p s b h``, the float32 log-softmax ``4 s b V``, the
     int64 token ids, labels and positions ``8 (2 s b + s)`` and ``cross_entropy``'s float32 total weight.
 
-    Tensor parallel (``t > 1``, :func:`refimpl.parallel.tensor_parallel.tp_lm_loss`): the final LayerNorm
+    Tensor parallel (``t > 1``, ``refimpl.parallel.tensor_parallel.tp_lm_loss``): the final LayerNorm
     sees ``s/u`` tokens and the head saves its ``p s b h / u`` input (under SP the shard, gathered again in
     backward, as the blocks' column layers); the
     vocab-parallel loss saves its float32 softmax shard ``4 s b V_t`` (``V_t = ceil(V/t)`` columns, the
-    padding rule of :mod:`refimpl.parallel.tensor_parallel.vocab_parallel`), its int64 target index and two
+    padding rule of ``refimpl.parallel.tensor_parallel.vocab_parallel``), its int64 target index and two
     bool masks (owned, valid); the vocab-parallel embedding its int64 local ids and bool mask; int64
     positions. The full ``[b, s, V]`` logits are never built.
 

@@ -3,23 +3,23 @@
 
 * The bandwidth-optimal ring (Patarasuk & Yuan, JPDC 2009; Thakur, Rabenseifner & Gropp, IJHPCA 2005): a
   rank of ``n`` sends ``(n - 1)/n S`` in a reduce-scatter or an all-gather of ``S`` bytes and twice that
-  in an all-reduce. :func:`ring_bytes_sent` is that count made exact for uneven chunks (what
-  :mod:`refimpl.comm.ring` sends, measured byte by byte by :class:`refimpl.comm.CommTracer`);
-  :func:`wire_bytes` is the same model for one op on a payload. The tracer books it for every
-  ``torch.distributed`` collective, so its home is the runtime (:mod:`refimpl.comm.tracer`, below the
+  in an all-reduce. ``ring_bytes_sent`` is that count made exact for uneven chunks (what
+  ``refimpl.comm.ring`` sends, measured byte by byte by ``refimpl.comm.CommTracer``);
+  ``wire_bytes`` is the same model for one op on a payload. The tracer books it for every
+  ``torch.distributed`` collective, so its home is the runtime (``refimpl.comm.tracer``, below the
   planner in the import direction) and the planner re-exports it rather than repeat it.
 * ZeRO (Rajbhandari et al. 2020): which collectives a step issues, how many and with which payload (the
-  bytes of the tensors handed to each op, what :class:`refimpl.comm.tracer.CommTracer` records as
-  ``CommEvent.nbytes``) is :func:`zero_collectives`: that is what a chapter checks against the tracer.
-  Traffic on the wire is the ring *model* applied to those payloads (:func:`wire_bytes`),
-  :func:`zero_comm_bytes`, per step and rank, in elements: data parallelism all-reduces the gradients,
+  bytes of the tensors handed to each op, what ``refimpl.comm.tracer.CommTracer`` records as
+  ``CommEvent.nbytes``) is ``zero_collectives``: that is what a chapter checks against the tracer.
+  Traffic on the wire is the ring *model* applied to those payloads (``wire_bytes``),
+  ``zero_comm_bytes``, per step and rank, in elements: data parallelism all-reduces the gradients,
   2 (N-1)/N Psi; stages 1 and 2 reduce-scatter the gradients and all-gather the updated parameters,
   (N-1)/N Psi each, the same 2 (N-1)/N Psi; stage 3 also all-gathers every unit for its forward and again
   for its backward, 3 (N-1)/N Psi, 1.5x data parallelism (the root unit, needed again at once by the
   backward, is not freed after forward, as in FSDP2). Padding and the shard rule are
-  :mod:`refimpl.planner.zero_state`'s (:func:`~refimpl.planner.zero_state.padded_numel`).
+  ``refimpl.planner.zero_state``'s (``refimpl.planner.zero_state.padded_numel``).
 * Tensor parallelism (Shoeybi et al. 2019; sequence parallelism, Korthikanti et al. 2022; chapter 06):
-  :func:`tensor_parallel_collectives`, the collectives of one forward and backward of our TP GPT. Per
+  ``tensor_parallel_collectives``, the collectives of one forward and backward of our TP GPT. Per
   block two all-reduces of ``b s h`` forward (after each row layer, ``g``) and two backward (before each
   column layer, ``f``), each ``2 (t-1)/t b s h`` elements on the wire in the ring model; with SP each
   becomes an all-gather and a reduce-scatter of the same full tensor, ``(t-1)/t b s h`` each: the same
@@ -30,7 +30,7 @@
   are what the layers hand to each call, exact; the bytes on the wire are the ring *model* of them: NCCL
   picks ring, tree or, on NVSwitch boxes such as HGX H100, NVLS (in-switch reduction) by size and topology,
   and those send other amounts.
-* Context parallelism (chapter 07): :func:`context_parallel_bytes`, what one rank sends for one layer's
+* Context parallelism (chapter 07): ``context_parallel_bytes``, what one rank sends for one layer's
   attention. Ring attention (Liu et al. 2023) posts ``cp - 1`` exchanges of its K/V block forward, with
   ``x = b (a/t) (s/cp) d`` elements per tensor: ``2 (cp-1) p x`` bytes, ``(cp-1)/cp`` of the whole
   sequence's K and V, whatever ``cp``; backward sends the K/V blocks round again and the partial dK/dV
@@ -39,7 +39,7 @@
   2023) makes four all-to-alls of the local ``[b, a/t, s/cp, d]`` tensor forward (q, k, v to head shards,
   the output back) and four backward (dO in; dQ, dK, dV back), each sending ``(cp-1)/cp`` of it, ``4
   (cp-1)/cp p x`` per direction: for a fixed sequence it falls as ``1/cp``, the ring's stays. The all-to-all
-  figure is the ring model's (:func:`wire_bytes`), exact for an equal split: a rank keeps the one of its
+  figure is the ring model's (``wire_bytes``), exact for an equal split: a rank keeps the one of its
   ``cp`` equal blocks addressed to itself and sends each other rank one.
 """
 
@@ -124,11 +124,11 @@ def zero_comm_bytes(
     trainable: Sequence[Sequence[bool]] | None = None, bytes_per_element: int = 4, root_unit: int | None = 0,
 ) -> float:
     """Wire bytes one rank sends in one optimizer step at ZeRO ``zero_stage``: the ring *model* applied to the
-    payloads of :func:`zero_collectives` (all-reduce ``2 (N-1)/N``, the others ``(N-1)/N`` of the payload).
+    payloads of ``zero_collectives`` (all-reduce ``2 (N-1)/N``, the others ``(N-1)/N`` of the payload).
 
     ``unit_shapes[u]`` lists the parameter shapes of unit ``u`` and ``trainable[u]`` which of them get a
     gradient (default: all); stages 0-2 only use the trainable total. Stage 0 all-reduces the unpadded
-    gradients; stages 1-3 move padded tensors (:func:`padded_numel`): stages 1-2 reduce-scatter the
+    gradients; stages 1-3 move padded tensors (``padded_numel``): stages 1-2 reduce-scatter the
     gradients and all-gather the stepped parameters; stage 3 all-gathers every unit (all its parameters,
     frozen ones too) for forward, again for backward except ``root_unit`` (kept after forward, as FSDP2
     does; None: re-gather every unit), and reduce-scatters the trainable ones.
@@ -141,7 +141,7 @@ def zero_comm_bytes(
 def tensor_parallel_collectives(*, num_layers: int, hidden_size: int, micro_batch: int, seq_len: int, tp: int,
                                 sequence_parallel: bool = False, bytes_per_element: int = 4,
                                 config: ModelConfig | None = None) -> dict[str, tuple[int, int]]:
-    """The collectives one rank of :func:`refimpl.parallel.tensor_parallel.apply_tensor_parallel`'s GPT
+    """The collectives one rank of ``refimpl.parallel.tensor_parallel.apply_tensor_parallel``'s GPT
     issues in one forward + backward of a micro-batch ``[b, s]``, float32: ``{op: (count, payload)}``.
 
     Without SP (``L`` blocks, ``x = b s h`` elements): all-reduces of ``x`` forward: the vocab-parallel
@@ -153,15 +153,15 @@ def tensor_parallel_collectives(*, num_layers: int, hidden_size: int, micro_batc
     its backward a reduce-scatter) and a reduce-scatter (row output, forward; its backward an all-gather),
     the head's input is all-gathered (backward: reduce-scatter), and
     each of the ``2 L + 1`` column layers (the head too) all-gathers its saved ``s/t`` input again in
-    backward (:mod:`refimpl.parallel.tensor_parallel.sequence_parallel_linear`); after
+    backward (``refimpl.parallel.tensor_parallel.sequence_parallel_linear``); after
     backward one all-reduce of ``h`` per replicated parameter that saw ``s/t`` tokens (each block's two
     LayerNorms' weight and bias and two row biases, the final LayerNorm). The payload is the full tensor
-    (the tracer's ``nbytes``); :func:`wire_bytes` gives the ring model's bytes sent. ``{}`` at ``tp = 1``.
+    (the tracer's ``nbytes``); ``wire_bytes`` gives the ring model's bytes sent. ``{}`` at ``tp = 1``.
 
     ``config`` (None: GPT-2's form) gives the block's form: RMSNorm has one parameter to sum under SP and
     no biases mean no row biases (the Llama form: ``2 L + 1`` sums of ``h``); with fewer key/value heads
     ``g`` than ``t`` each block also all-gathers its qkv output, ``b s (a + 2 g) d``, forward, and
-    reduce-scatters its gradient backward (:class:`refimpl.models.gpt_sharding.SharedKeyValueQKV`).
+    reduce-scatters its gradient backward (``refimpl.models.gpt_sharding.SharedKeyValueQKV``).
     """
     if tp == 1:
         return {}

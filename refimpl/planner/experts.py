@@ -3,28 +3,28 @@ all-to-all bytes (chapter 09).
 
 Shazeer et al. 2017, GShard (Lepikhin et al. 2020), Switch (Fedus et al. 2021); the layout is torchtitan's
 dp2ep (Megatron-LM's MoE parallel folding): the ``N = dp x cp`` ranks are also ``edp x ep``, ``ep``
-innermost (:attr:`refimpl.distributed.mesh.ParallelDims.expert_grid`). Block ``i`` of an MoE config
-(:meth:`refimpl.config.ModelConfig.is_moe_layer`) has ``E`` experts and a top-``k`` router.
+innermost (``refimpl.distributed.mesh.ParallelDims.expert_grid``). Block ``i`` of an MoE config
+(``refimpl.config.ModelConfig.is_moe_layer``) has ``E`` experts and a top-``k`` router.
 
-**State per rank** (:func:`moe_state_memory_per_rank`): rank ``r`` of the ``dp x cp`` view is ep rank
+**State per rank** (``moe_state_memory_per_rank``): rank ``r`` of the ``dp x cp`` view is ep rank
 ``r mod ep`` and edp rank ``r div ep``; it holds ``E/ep`` experts of each block (rows ``[q E/ep, (q+1)
 E/ep)`` of the ``[E, ...]`` tensors) and every dense tensor (its tp shard). ZeRO stage ``z`` (1-2) shards the
 dense tensors over the ``N`` ranks and the expert tensors over the ``edp = N/ep`` ranks that hold the same
-experts (:class:`refimpl.parallel.zero.ShardedOptimizer`'s shard groups), each along dim 0 by the runtime's
-:func:`~refimpl.distributed.placement.chunk_range`: :func:`~refimpl.planner.zero_state.zero_memory` of each
-part, summed. The experts are replicated over tp (:mod:`refimpl.parallel.expert_parallel_gpt`).
+experts (``refimpl.parallel.zero.ShardedOptimizer``'s shard groups), each along dim 0 by the runtime's
+``refimpl.distributed.placement.chunk_range``: ``refimpl.planner.zero_state.zero_memory`` of each
+part, summed. The experts are replicated over tp (``refimpl.parallel.expert_parallel_gpt``).
 
-**The load** (:class:`ExpertLoad`): in one forward this rank keeps ``A = sum_e a_e`` assignments
+**The load** (``ExpertLoad``): in one forward this rank keeps ``A = sum_e a_e`` assignments
 (``a = Routing.kept_per_expert``: dropless ``A = k T`` for its ``T = b s`` tokens; with capacity each
 ``a_e <= C = ceil(k T / E cf)``), ``A_self`` of them for its own experts, and its local experts compute
 ``R = sum_j r_j`` rows, ``r_j`` summed over the ep group's ranks (``R = A`` at ep 1). Dropless routing
-makes them the router's choice: measured counts are an input, :meth:`ExpertLoad.uniform` the default
+makes them the router's choice: measured counts are an input, ``ExpertLoad.uniform`` the default
 (``k T / E`` per expert, capped at ``C``: ``A = min(k T, E C)``, ``A_self = A / ep``, ``R = A``).
 
-**Saved for backward** by one MoE MLP (:func:`moe_mlp_saved_terms`; fp32 router whatever the precision,
+**Saved for backward** by one MoE MLP (``moe_mlp_saved_terms``; fp32 router whatever the precision,
 ``x`` the MoE input, the post-attention LayerNorm's fp32 output, ``f`` the expert width, ``L = E/ep``,
 ``q`` the experts' bytes: the compute dtype's, for the grouped experts too (autocast does not cast
-``torch._grouped_mm``, so :class:`refimpl.parallel.expert_parallel.GroupedExperts` casts its rows and
+``torch._grouped_mm``, so ``refimpl.parallel.expert_parallel.GroupedExperts`` casts its rows and
 weights to autocast's dtype itself, as torchtitan does))::
 
     4 T h                  router input (x; the dense block's "MLP input")
@@ -44,15 +44,15 @@ weights to autocast's dtype itself, as torchtitan does))::
     + T k + 4 T k          the keep mask (bool) and the kept weights (fp32)
     + 4 T k h              the combine's fp32 unpermuted outputs, dropped assignments included
 
-(:class:`refimpl.measure.activations.SavedTensorMeter` measures these, to the byte, for the counts the
+(``refimpl.measure.activations.SavedTensorMeter`` measures these, to the byte, for the counts the
 forward produced; tests/test_planner_moe.py). The attention half of the block is the dense block's
-(:func:`~refimpl.planner.activations.activation_bytes_per_layer` without its MLP terms); under tp the MoE
+(``refimpl.planner.activations.activation_bytes_per_layer`` without its MLP terms); under tp the MoE
 MLP sees every token, ``T = b s`` on every tp rank. Autocast keeps 16-bit copies of the linears' weights
-and the experts' but not of the fp32 routers' (:func:`autocast_weight_elements`). At ep 1 dropless only
+and the experts' but not of the fp32 routers' (``autocast_weight_elements``). At ep 1 dropless only
 ``A = R = k T`` enters: uniform routing is exact there.
 
-**All-to-all bytes** (:func:`all_to_all_bytes`, as :class:`refimpl.comm.CommTracer` books them on the ep
-group, :func:`refimpl.comm.ops.all_to_all_single`): per block and forward the count exchange (no split
+**All-to-all bytes** (``all_to_all_bytes``, as ``refimpl.comm.CommTracer`` books them on the ep
+group, ``refimpl.comm.ops.all_to_all_single``): per block and forward the count exchange (no split
 sizes: the ring model, ``(ep - 1)/ep 8 E``), the dispatch ``(A - A_self) 4 h`` (fp32 rows: the experts
 cast them after the exchange) and the return ``(R - A_self) q h`` (the experts' output dtype); backward
 runs each the other way, in its forward tensor's dtype: the dispatch's gradient is the fp32 gradient of
@@ -89,8 +89,8 @@ ROUTER = ".mlp.moe.router."
 """What the name of an MoE block's router weight holds."""
 
 DENSE_MLP_TERMS = ("MLP input", "GELU input", "GELU output = second linear input")
-"""The dense block's MLP terms (:func:`~refimpl.planner.activations.activation_bytes_per_layer`), which an
-MoE block replaces by :func:`moe_mlp_saved_terms`."""
+"""The dense block's MLP terms (``refimpl.planner.activations.activation_bytes_per_layer``), which an
+MoE block replaces by ``moe_mlp_saved_terms``."""
 
 
 def is_expert_tensor(name: str) -> bool:
@@ -111,7 +111,7 @@ def moe_state_memory_per_rank(config: ModelConfig, dims: Layout, *, zero_stage: 
     """Weights, gradients and AdamW state of rank ``dp_rank`` of the ``dp x cp`` group (module docstring):
     the dense tensors (tp shards) by ZeRO ``zero_stage`` over ``dp x cp``, the ``E/ep`` local experts' rows
     over the expert-data-parallel group (``dp x cp / ep``): under ZeRO-3 each block's experts are a unit
-    of their own sharded there (:func:`refimpl.parallel.parallelize`'s ``_expert_units``), the same rows."""
+    of their own sharded there (``refimpl.parallel.parallelize``'s ``_expert_units``), the same rows."""
     n, ep = zero_shard_degree(dims), expert_parallel_degree(dims)
     if config.num_experts % ep:
         raise ValueError(f"{config.num_experts} experts do not split over ep={ep}")
@@ -127,7 +127,7 @@ def moe_state_memory_per_rank(config: ModelConfig, dims: Layout, *, zero_stage: 
 @dataclass(frozen=True, kw_only=True)
 class ExpertLoad:
     """One MoE block's rows on one rank in one forward (module docstring): ``kept[e]`` this rank's kept
-    assignments per expert (``[E]``, :attr:`refimpl.parallel.expert_parallel.Routing.kept_per_expert`),
+    assignments per expert (``[E]``, ``refimpl.parallel.expert_parallel.Routing.kept_per_expert``),
     ``received[j]`` the rows its local expert ``j`` computes, from every rank of the ep group (``[E/ep]``),
     ``ep_rank`` its rank there."""
 
@@ -184,11 +184,11 @@ def _bytes(dtype: torch.dtype) -> int:
 
 
 def _uses_grouped_mm(config: ModelConfig, compute_dtype: torch.dtype) -> bool:
-    """:meth:`refimpl.parallel.expert_parallel.GroupedExperts.uses_grouped_mm` for the layer's input (the
+    """``refimpl.parallel.expert_parallel.GroupedExperts.uses_grouped_mm`` for the layer's input (the
     LayerNorm's fp32 output) computed in ``compute_dtype`` (fp32, or autocast's, to which the grouped
     experts cast it): 16-byte strides in that dtype. As on CPU and on an sm90 / sm100 GPU in bf16; where
     CUDA would take ``_grouped_mm``'s fallback (fp32, fp16) the layer runs its loop, which saves the same
-    bytes but the ``4 L`` offsets (:func:`refimpl.parallel.expert_parallel.grouped_mm_runs_fused`)."""
+    bytes but the ``4 L`` offsets (``refimpl.parallel.expert_parallel.grouped_mm_runs_fused``)."""
     size = _bytes(compute_dtype)
     return (config.hidden_size * size) % 16 == 0 and (config.expert_hidden_size * size) % 16 == 0
 
@@ -234,9 +234,9 @@ def moe_activation_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int,
                          compute_dtype: torch.dtype = torch.float32, tp: int = 1, ep: int = 1,
                          checkpointed_blocks: set[int] | list[int] | tuple[int, ...] = (),
                          loads: Sequence[ExpertLoad] | None = None) -> list[int]:
-    """Saved bytes of every block on one rank (as :func:`~refimpl.planner.activations.activation_bytes`),
-    the MoE blocks by :func:`moe_mlp_saved_terms` in place of their dense MLP terms: ``loads`` one
-    :class:`ExpertLoad` per MoE block in order (measured), default :meth:`ExpertLoad.uniform` at ``ep``."""
+    """Saved bytes of every block on one rank (as ``refimpl.planner.activations.activation_bytes``),
+    the MoE blocks by ``moe_mlp_saved_terms`` in place of their dense MLP terms: ``loads`` one
+    ``ExpertLoad`` per MoE block in order (measured), default ``ExpertLoad.uniform`` at ``ep``."""
     moe = config.moe_layers
     if loads is None:
         loads = [ExpertLoad.uniform(config, micro_batch * seq_len, ep=ep)] * len(moe)
@@ -276,8 +276,8 @@ def unmodelled_moe(config: ModelConfig, *, pp: int = 1, cp: int = 1, zero_stage:
     """What of an MoE layout the planner does not model (empty for a dense model): pipeline or context
     parallelism and sequence parallelism (the trainer runs them with MoE blocks; their stage split, the
     sequence's parts and the tp ranks' own tokens are not in these terms) and fp8 (its converted layers'
-    terms, :mod:`refimpl.planner.fp8`, are not counted for an MoE model) and DeepSeekMoE's shared experts
-    (``moe_shared_experts``: their saved tensors are not among :func:`moe_mlp_saved_terms`; their state
+    terms, ``refimpl.planner.fp8``, are not counted for an MoE model) and DeepSeekMoE's shared experts
+    (``moe_shared_experts``: their saved tensors are not among ``moe_mlp_saved_terms``; their state
     is, as dense tensors). ``zero_stage`` is accepted for the callers' uniformity: ZeRO 0-3 are modelled."""
     if not config.num_experts:
         return []
@@ -288,7 +288,7 @@ def unmodelled_moe(config: ModelConfig, *, pp: int = 1, cp: int = 1, zero_stage:
 
 
 def check_moe_plan(config: ModelConfig, *, what: str, **layout) -> None:
-    """Refuse, in one line, what :func:`unmodelled_moe` names (``layout``: its keyword arguments)."""
+    """Refuse, in one line, what ``unmodelled_moe`` names (``layout``: its keyword arguments)."""
     unmodelled = unmodelled_moe(config, **layout)
     if unmodelled:
         raise ConfigError(f"{what}: the planner models MoE blocks at pp = 1 without cp, sequence "
@@ -297,8 +297,8 @@ def check_moe_plan(config: ModelConfig, *, what: str, **layout) -> None:
 
 def autocast_weight_elements(config: ModelConfig, *, tp: int = 1, ep: int = 1) -> int:
     """Elements of the weights autocast keeps a 16-bit copy of on one rank: the linear layers'
-    (:func:`~refimpl.planner.params_flops.matmul_weights_per_rank`) but the MoE routers', which compute in
-    fp32 with autocast off (:class:`refimpl.parallel.expert_parallel.TopKRouter`), and the rank's experts
+    (``refimpl.planner.params_flops.matmul_weights_per_rank``) but the MoE routers', which compute in
+    fp32 with autocast off (``refimpl.parallel.expert_parallel.TopKRouter``), and the rank's experts
     (their per-expert loop's matmuls are cast by autocast, the grouped experts cast their weights
     themselves)."""
     table = param_table(config, tp=tp)

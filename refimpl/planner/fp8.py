@@ -1,10 +1,10 @@
 """``--precision fp8`` in the planner: which weights run in fp8 and what that changes per rank (chapter 10).
 
-The trainer (:func:`refimpl.precision.fp8.apply_float8_training`) gives fp8 GEMMs to every linear of the
+The trainer (``refimpl.precision.fp8.apply_float8_training``) gives fp8 GEMMs to every linear of the
 plain GPT but the first (block 0's ``query_key_value``) and the last (the output layer: tied, the word
 embedding), and keeps any weight that is not a multiple of 16 in both dims in bf16. Around them the run is
 bf16 autocast over fp32 weights, so against ``--precision bf16`` two terms change, both measured with
-:class:`refimpl.measure.activations.SavedTensorMeter` (tests/test_train_fp8.py):
+``refimpl.measure.activations.SavedTensorMeter`` (tests/test_train_fp8.py):
 
 * **weight copies**: autocast keeps a bf16 copy of each weight it multiplies (``2`` bytes per element);
   an fp8 layer keeps none, it saves the fp32 Parameter itself and casts it to fp8 (``1`` byte per element)

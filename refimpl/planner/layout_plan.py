@@ -1,9 +1,9 @@
 """One layout of a cluster estimated: memory per GPU, bytes per axis, bubble and step time (chapter 12).
 
-:func:`evaluate_layout` is what ``python -m refimpl.plan`` (:mod:`refimpl.plan`) computes for every layout
+``evaluate_layout`` is what ``python -m refimpl.plan`` (``refimpl.plan``) computes for every layout
 and combination it searches, and what ``--layout`` prints; a chapter calls it directly. Its terms:
 
-* **model state** per GPU: :func:`~refimpl.planner.zero_state.zero_memory_paper` (Rajbhandari et al. 2020,
+* **model state** per GPU: ``refimpl.planner.zero_state.zero_memory_paper`` (Rajbhandari et al. 2020,
   ``K = 12``: bf16 weights and gradients, fp32 master weights and Adam moments) over the ``N / (tp pp)``
   parameters of a rank, sharded over the ``(dp / dp_replicate) x cp`` ranks of its ZeRO group: stage 1
   shards the optimizer, stage 2 the gradients too, stage 3 the weights too. HSDP (``dp_replicate`` R > 1,
@@ -14,18 +14,18 @@ and combination it searches, and what ``--layout`` prints; a chapter calls it di
   microbatch``: ``m`` times the dp bytes) and holds, as without a pipeline, one block's bf16 weights being
   used, the next one's prefetched and the
   block's full bf16 gradients before their reduce-scatter, ``3 x 2 x`` a block's parameters ``/ tp``
-  (:func:`~refimpl.planner.zero_state.zero3_peak_gathered_bytes` with prefetch, blocks as units);
+  (``refimpl.planner.zero_state.zero3_peak_gathered_bytes`` with prefetch, blocks as units);
 * **activations**: one micro-batch of ``s/cp`` tokens per layer with sequence parallelism, ``34 s b h / t``
   plus ``5 a s^2 b / t`` without flash attention (Korthikanti et al. 2022; the Llama form at its own sizes:
-  GQA's k/v, SwiGLU, no dropout, :func:`~refimpl.planner.activations.paper_bytes_per_layer`), times
+  GQA's k/v, SwiGLU, no dropout, ``refimpl.planner.activations.paper_bytes_per_layer``), times
   ``L/pp`` layers, times the
   ``min(pp, m)`` micro-batches the first 1F1B stage holds; with recomputation every block keeps only its
   input, ``2 s b h / t``, plus one block recomputed;
-* **bytes each GPU sends per step**, per axis, by the ring model (:func:`refimpl.comm.tracer.wire_bytes`):
-  TP's collectives (:func:`~refimpl.planner.communication.tensor_parallel_collectives`; with fewer key/value
+* **bytes each GPU sends per step**, per axis, by the ring model (``refimpl.comm.tracer.wire_bytes``):
+  TP's collectives (``refimpl.planner.communication.tensor_parallel_collectives``; with fewer key/value
   heads than ``t``, each block's qkv output all-gathered and reduce-scattered back), the pipeline's
-  boundary sends (:func:`boundary_bytes`), CP's ring
-  (:func:`~refimpl.planner.communication.context_parallel_bytes`) and dp: the bf16 gradient all-reduce
+  boundary sends (``boundary_bytes``), CP's ring
+  (``refimpl.planner.communication.context_parallel_bytes``) and dp: the bf16 gradient all-reduce
   (stages 0-2: a reduce-scatter and an all-gather move the same bytes), 1.5 times that at ZeRO-3 (an
   all-gather of the weights for forward and one for backward, a reduce-scatter of the gradients; each
   block gathered once per pass of the step, not per micro-batch); under HSDP these run within the shard
@@ -34,19 +34,19 @@ and combination it searches, and what ``--layout`` prints; a chapter calls it di
   over tp, sharded by ZeRO over the ``dp x cp / ep`` ranks that hold the same experts (their gradients
   reduced there), the MoE blocks' activations at ``k`` routed and the shared experts per token, and the
   all-to-all bytes refimpl's expert parallelism sends for uniform routing
-  (:func:`~refimpl.planner.experts.all_to_all_bytes`), over the ``tp x ep`` ranks' link;
+  (``refimpl.planner.experts.all_to_all_bytes``), over the ``tp x ep`` ranks' link;
 * **time**: the model FLOPs ``(6 N + 12 L h s) x tokens`` at ``mfu`` of the bf16 peak, plus a third of it
   (one more forward) under recomputation, stretched by the 1F1B bubble ``(pp-1)/(m+pp-1)``, plus every
   axis' bytes at the link it crosses (NVLink inside a node, the network between), none overlapped.
 
-Ranks are laid out ``[pp, dp_replicate, dp_shard, cp, tp]``, tp innermost (:mod:`refimpl.distributed.mesh`).
-An estimate from data-sheet figures (:data:`GPUS`), not a measurement.
+Ranks are laid out ``[pp, dp_replicate, dp_shard, cp, tp]``, tp innermost (``refimpl.distributed.mesh``).
+An estimate from data-sheet figures (``GPUS``), not a measurement.
 
-**What the trainer would run.** Each combination is the trainer's :class:`~refimpl.config.ParallelConfig`
-:func:`trainer_config` (:attr:`LayoutPlan.parallel`), and :func:`check_layout` refuses, in the same words,
-what the trainer refuses: the support table's rows (:func:`refimpl.support.check_supported`, e.g. HSDP is
+**What the trainer would run.** Each combination is the trainer's ``refimpl.config.ParallelConfig``
+``trainer_config`` (``LayoutPlan.parallel``), and ``check_layout`` refuses, in the same words,
+what the trainer refuses: the support table's rows (``refimpl.support.check_supported``, e.g. HSDP is
 ZeRO-3's) and the shapes its tensor and context parallelism cannot split
-(:func:`refimpl.support.shape_refusals`); :func:`layout_refusals` lists them for the search, which skips
+(``refimpl.support.shape_refusals``); ``layout_refusals`` lists them for the search, which skips
 them. The planner's fields map onto the trainer's options explicitly: ``recompute`` is
 ``activation_checkpointing="all"`` (every block), the ``m`` micro-batches are ``microbatches`` under a
 pipeline and, without one, gradient accumulation, which the trainer derives from the batch and
@@ -135,7 +135,7 @@ class LayoutPlan:
 
     @property
     def parallel(self) -> ParallelConfig:
-        """The trainer's configuration of this combination (:func:`trainer_config`)."""
+        """The trainer's configuration of this combination (``trainer_config``)."""
         return trainer_config(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, zero_stage=self.zero_stage,
                               recompute=self.recompute, dp_replicate=self.dp_replicate,
                               microbatches=self.microbatches, zero3_per_microbatch=self.zero3_per_microbatch,
@@ -165,7 +165,7 @@ class LayoutPlan:
 
 def trainer_config(*, dp: int, tp: int, pp: int, cp: int, zero_stage: int, recompute: bool, dp_replicate: int,
                    microbatches: int, zero3_per_microbatch: bool = False, ep: int = 1) -> ParallelConfig:
-    """The :class:`~refimpl.config.ParallelConfig` the trainer runs for one of the planner's combinations
+    """The ``refimpl.config.ParallelConfig`` the trainer runs for one of the planner's combinations
     (``RunOptions.parallel`` of the flags that give it): the mapping of the module docstring."""
     return ParallelConfig(dp=dp, cp=cp, tp=tp, pp=pp, ep=ep, dp_replicate=dp_replicate, zero_stage=zero_stage,
                           precision="bf16", sequence_parallel=tp > 1, cp_method="ring", pp_schedule="1f1b",
@@ -177,9 +177,9 @@ def trainer_config(*, dp: int, tp: int, pp: int, cp: int, zero_stage: int, recom
 def layout_refusals(config: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, seq_len: int,
                     global_batch: int, micro_batch: int, zero_stage: int, recompute: bool = False,
                     dp_replicate: int = 1, ep: int = 1) -> list[str]:
-    """Why the trainer would refuse this combination (its :func:`trainer_config`), one sentence per
-    reason, none when it runs it: the support table's rows (:func:`refimpl.support.refusals`), then the
-    shapes (:func:`refimpl.support.shape_refusals`). The degrees must be positive (:func:`check_layout`)."""
+    """Why the trainer would refuse this combination (its ``trainer_config``), one sentence per
+    reason, none when it runs it: the support table's rows (``refimpl.support.refusals``), then the
+    shapes (``refimpl.support.shape_refusals``). The degrees must be positive (``check_layout``)."""
     microbatches = max(global_batch // (dp * micro_batch), 1)
     parallel = trainer_config(dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero_stage, recompute=recompute,
                               dp_replicate=dp_replicate, microbatches=microbatches, ep=ep)
@@ -191,7 +191,7 @@ def check_layout(config: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, seq
                  micro_batch: int, zero_stage: int, dp_replicate: int, recompute: bool = False, ep: int = 1
                  ) -> None:
     """A ConfigError unless the degrees split the model, the sequence and the batch and the trainer runs the
-    combination (:func:`layout_refusals`, in the support table's words)."""
+    combination (``layout_refusals``, in the support table's words)."""
     _check_degrees(config, dp=dp, tp=tp, pp=pp, cp=cp, seq_len=seq_len, global_batch=global_batch,
                    micro_batch=micro_batch, zero_stage=zero_stage, dp_replicate=dp_replicate, ep=ep)
     why = layout_refusals(config, dp=dp, tp=tp, pp=pp, cp=cp, seq_len=seq_len, global_batch=global_batch,
@@ -204,7 +204,7 @@ def check_layout(config: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, seq
 def _check_degrees(config: ModelConfig, *, dp: int, tp: int, pp: int, cp: int, seq_len: int,
                    global_batch: int, micro_batch: int, zero_stage: int, dp_replicate: int, ep: int = 1
                    ) -> None:
-    """The arithmetic of :func:`check_layout`: positive degrees, a ZeRO stage, splits that divide."""
+    """The arithmetic of ``check_layout``: positive degrees, a ZeRO stage, splits that divide."""
     for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("micro_batch", micro_batch),
                     ("dp_replicate", dp_replicate), ("ep", ep)):
         if v < 1:
@@ -240,7 +240,7 @@ def _model_state(config: ModelConfig, *, tp: int, pp: int, ep: int, shard: int, 
 def _held_activations(config: ModelConfig, *, tokens: int, keys: int, micro_batch: int, tp: int, pp: int,
                       microbatches: int, recompute: bool, flash: bool) -> float:
     """The activations the first 1F1B stage holds: ``min(pp, m)`` micro-batches of its ``L/pp`` blocks
-    (dense and MoE blocks at their own sizes, :func:`paper_bytes_per_layer`), or with recomputation each
+    (dense and MoE blocks at their own sizes, ``paper_bytes_per_layer``), or with recomputation each
     block's input and one block recomputed."""
     L, moe = config.num_layers, len(config.moe_layers)  # noqa: N806
     per = {kind: paper_bytes_per_layer(config, seq_len=tokens, key_len=keys, micro_batch=micro_batch, tp=tp,
@@ -255,7 +255,7 @@ def _held_activations(config: ModelConfig, *, tokens: int, keys: int, micro_batc
 def _expert_all_to_all(config: ModelConfig, *, tokens: int, micro_batch: int, tp: int, pp: int, ep: int,
                        microbatches: int, recompute: bool) -> float:
     """Bytes one GPU sends per step in the MoE blocks' all-to-alls: what refimpl's expert parallelism sends
-    for uniform routing (:func:`refimpl.planner.experts.all_to_all_bytes`, byte-exact against the trainer in
+    for uniform routing (``refimpl.planner.experts.all_to_all_bytes``, byte-exact against the trainer in
     tests/test_planner_moe.py: fp32 rows dispatched, bf16 rows returned, the gradients back, the recomputed
     forward's again) for each of the ``b s / (cp t)`` tokens this GPU routes (sequence parallelism: each tp
     rank routes its own), per MoE block of its stage and micro-batch."""
@@ -332,10 +332,10 @@ def evaluate_layout(config: ModelConfig, *, dp: int, tp: int, pp: int, cp: int =
 
 def evaluate_stages(config: ModelConfig, *, stages: tuple[int, ...] = STAGES, recompute: bool | None = None,
                     dp_replicate: int = 1, **layout) -> list[LayoutPlan]:
-    """:func:`evaluate_layout` at each ZeRO stage of ``stages`` (``layout``: its other arguments), without
+    """``evaluate_layout`` at each ZeRO stage of ``stages`` (``layout``: its other arguments), without
     recomputation when that fits, else with it (``recompute`` None; True or False: only that), at HSDP's
-    ``dp_replicate``; the combinations the trainer refuses (:func:`layout_refusals`: HSDP is ZeRO-3's) are
-    left out, a stage with none left too (none at all: :func:`check_layout`'s ConfigError)."""
+    ``dp_replicate``; the combinations the trainer refuses (``layout_refusals``: HSDP is ZeRO-3's) are
+    left out, a stage with none left too (none at all: ``check_layout``'s ConfigError)."""
     args = {k: layout[k] for k in ("dp", "tp", "pp", "seq_len", "global_batch")} | {
         "cp": layout.get("cp", 1), "micro_batch": layout.get("micro_batch", 1), "dp_replicate": dp_replicate,
         "ep": layout.get("ep", 1)}

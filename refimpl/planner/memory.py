@@ -1,20 +1,20 @@
 """The memory of a training run per rank, before anything runs: model state and activations (chapters 01,
 04, 05, 06, 07 and 10).
 
-* :func:`state_memory`: weights, gradients and optimizer state of one unsharded replica (chapter 01;
+* ``state_memory``: weights, gradients and optimizer state of one unsharded replica (chapter 01;
   Kingma & Ba 2015 for Adam's two moments);
-* :func:`state_memory_per_rank`: the same per rank of a layout: the tensor-parallel shards of the rank
-  (Shoeybi et al. 2019, chapter 06; :func:`~refimpl.planner.params_flops.param_shapes` with ``tp``), then
+* ``state_memory_per_rank``: the same per rank of a layout: the tensor-parallel shards of the rank
+  (Shoeybi et al. 2019, chapter 06; ``refimpl.planner.params_flops.param_shapes`` with ``tp``), then
   sharded by ZeRO stage over the ``dp x cp`` ranks that replicate them (Rajbhandari et al. 2020,
-  :mod:`refimpl.planner.zero_state`; chapter 04; context parallelism replicates the parameters as data
+  ``refimpl.planner.zero_state``; chapter 04; context parallelism replicates the parameters as data
   parallelism does, chapter 07);
-* :func:`run_memory_per_rank`: state plus one micro-batch's activations (Korthikanti et al. 2022,
-  :mod:`refimpl.planner.activations`; chapter 05), term by term: what the trainer's preflight compares
+* ``run_memory_per_rank``: state plus one micro-batch's activations (Korthikanti et al. 2022,
+  ``refimpl.planner.activations``; chapter 05), term by term: what the trainer's preflight compares
   with the machine's memory before any process starts.
 
-Every function that answers per rank takes the layout ``dims`` (:mod:`refimpl.planner.layout`): tensor,
-context and pipeline parallelism (chapter 08, :mod:`refimpl.planner.pipeline`) join here. The
-:class:`~refimpl.measure.state.StateMemory` returned is the one :func:`refimpl.measure.state_bytes`
+Every function that answers per rank takes the layout ``dims`` (``refimpl.planner.layout``): tensor,
+context and pipeline parallelism (chapter 08, ``refimpl.planner.pipeline``) join here. The
+``refimpl.measure.state.StateMemory`` returned is the one ``refimpl.measure.state_bytes``
 measures.
 """
 
@@ -61,9 +61,9 @@ _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8: bf16 autocast
 
 def check_dense(config: ModelConfig, what: str, *, ep: int = 1) -> None:
     """Refuse an MoE model or ``ep > 1`` (chapter 09) where the planner's terms would be a dense run's:
-    :func:`~refimpl.planner.run_prediction.predict_run` does not model the MoE run's bytes per group (the
+    ``refimpl.planner.run_prediction.predict_run`` does not model the MoE run's bytes per group (the
     expert gradients' collectives on edp, the norm's on ep, the routing-dependent all-to-alls); their memory
-    (:func:`run_memory_per_rank`) and all-to-all bytes are :mod:`refimpl.planner.experts`'."""
+    (``run_memory_per_rank``) and all-to-all bytes are ``refimpl.planner.experts``'."""
     if config.num_experts or ep > 1:
         raise ConfigError(f"{what}: the planner does not model an MoE run's bytes per process group yet (the "
                           "expert gradients on edp, the all-to-alls on ep); run_memory_of plans its memory, "
@@ -79,7 +79,7 @@ def unmodelled_attention(config: ModelConfig) -> list[str]:
 
 
 def check_attention_modelled(config: ModelConfig, what: str) -> None:
-    """A ConfigError naming what :func:`unmodelled_attention` lists."""
+    """A ConfigError naming what ``unmodelled_attention`` lists."""
     if unmodelled := unmodelled_attention(config):
         raise ConfigError(f"{what}: the planner's exact terms do not model {', '.join(unmodelled)} yet "
                           "(python -m refimpl.plan estimates its layouts)")
@@ -116,19 +116,19 @@ def state_memory_per_rank(config: ModelConfig, dims: Layout, *, zero_stage: int 
 
     fp32 weights and gradients, two fp32 moments and a ``step`` scalar per tensor of the rank's parameters:
     under tensor parallelism (``dims.tp = t > 1``, chapter 06) the sharded tensors' ``1/t`` blocks and the
-    replicated ones whole (:func:`~refimpl.planner.params_flops.param_shapes` with ``tp``), then sharded
+    replicated ones whole (``refimpl.planner.params_flops.param_shapes`` with ``tp``), then sharded
     over the ``N = dp * cp`` ranks that replicate them (context parallelism replicates the parameters as
-    data parallelism does; :func:`refimpl.parallel.parallelize` shards over the ``dp x cp`` group) by ZeRO
+    data parallelism does; ``refimpl.parallel.parallelize`` shards over the ``dp x cp`` group) by ZeRO
     ``zero_stage`` with the runtime's shard rule, dim 0 of each local tensor
-    (:func:`~refimpl.planner.zero_state.zero_memory`). ``dp_rank``: the rank's index in that group,
+    (``refimpl.planner.zero_state.zero_memory``). ``dp_rank``: the rank's index in that group,
     ``dp_i * cp + cp_i`` (the group's ranks ascending; ``dp_i`` when ``cp = 1``). Stage 0 at ``tp = 1`` is
-    :func:`state_memory`, the full replica. ZeRO-3 over tensor-parallel shards (2-D sharding) shards each
+    ``state_memory``, the full replica. ZeRO-3 over tensor-parallel shards (2-D sharding) shards each
     rank's blocks again, dim 0 of the local tensor, as the runtime does. An MoE model (chapter 09, ZeRO
     0-2, pp = 1): the rank's ``E/ep`` experts sharded over the expert-data-parallel group, the rest over
-    ``dp x cp`` (:func:`~refimpl.planner.experts.moe_state_memory_per_rank`). Pipeline parallelism
+    ``dp x cp`` (``refimpl.planner.experts.moe_state_memory_per_rank``). Pipeline parallelism
     (``dims.pp > 1``,
     chapter 08, ZeRO 0-2): the parameters of pipeline rank ``pp_rank``'s stages (``virtual_stages`` per
-    rank, split by ``pp_balance``; :func:`~refimpl.planner.pipeline.stage_param_shapes`), whole.
+    rank, split by ``pp_balance``; ``refimpl.planner.pipeline.stage_param_shapes``), whole.
     """
     shards, tp, pp = zero_shard_degree(dims), tensor_parallel_degree(dims), pipeline_parallel_degree(dims)
     if config.num_experts:  # experts split over ep, their state sharded over edp (refimpl/planner/experts.py)
@@ -163,41 +163,41 @@ def run_memory_per_rank(
     """The peak bytes one rank of a training run laid out as ``dims`` needs, before anything runs (chapters
     01, 04 and 05; the trainer's preflight).
 
-    ``dims``: the layout (:class:`refimpl.distributed.ParallelDims` or any object with ``dp, cp, tp, pp``).
+    ``dims``: the layout (``refimpl.distributed.ParallelDims`` or any object with ``dp, cp, tp, pp``).
     Pipeline parallelism (``dims.pp = p > 1``, chapter 08; with ``tp`` (and ``sequence_parallel``), ``cp``
     (``cp_method``, ``cp_layout``) inside the stages and ZeRO 0 or 1 over ``dp x cp``, as
-    :func:`refimpl.parallel.parallelize` builds it; ZeRO-3 refused
+    ``refimpl.parallel.parallelize`` builds it; ZeRO-3 refused
     as parallelize refuses them): the WORST pipeline rank's figures
-    (:func:`~refimpl.planner.pipeline.pipeline_memory_per_rank`: its stages' state, the activations of
+    (``refimpl.planner.pipeline.pipeline_memory_per_rank``: its stages' state, the activations of
     the micro-batches it holds at its peak under ``pp_schedule`` with ``virtual_stages`` chunks per rank,
     ``num_microbatches`` per step, default ``p``; ``pp_balance`` the stage split);
-    ``micro_batch`` is then the pipeline micro-batch; :meth:`RunMemory.describe` names the rank.
+    ``micro_batch`` is then the pipeline micro-batch; ``RunMemory.describe`` names the rank.
 
-    Otherwise: model state (:func:`state_memory_per_rank`,
+    Otherwise: model state (``state_memory_per_rank``,
     Rajbhandari et al. 2020): fp32 weights, fp32 gradients and AdamW's two fp32 moments of the rank's
     tensor-parallel shards, each full or sharded over the ``dims.dp x dims.cp`` ranks by ZeRO
     ``zero_stage``; ZeRO-3 adds the gathered root unit and the largest block (its forward/backward peak,
-    :func:`~refimpl.planner.zero_state.zero3_peak_gathered_bytes`). ``precision`` bf16/fp16 computes under
+    ``refimpl.planner.zero_state.zero3_peak_gathered_bytes``). ``precision`` bf16/fp16 computes under
     autocast over fp32 weights and so adds autocast's cached 16-bit copies of the rank's matmul weights;
-    fp8 (pp = 1) is bf16 with the fp8 layers' terms of :mod:`refimpl.planner.fp8` (no bf16 copy of their
+    fp8 (pp = 1) is bf16 with the fp8 layers' terms of ``refimpl.planner.fp8`` (no bf16 copy of their
     weights, a transient fp8 cast, their fp32 LayerNorm-fed inputs saved).
 
     Activations of one micro-batch ``b`` of sequences of ``s`` tokens on one rank (Korthikanti et al. 2022,
-    as :func:`refimpl.planner.activations.activation_bytes` counts our block exactly, with ``dims.tp`` and
+    as ``refimpl.planner.activations.activation_bytes`` counts our block exactly, with ``dims.tp`` and
     ``sequence_parallel``, and with ``dims.cp``: the rank's ``s/cp`` tokens by the terms of ``cp_method``,
     ring attention or Ulysses, ``cp_layout`` the ring's zigzag or contiguous split): the saved tensors of
     every block (a checkpointed block keeps only its input and
     recomputes the largest block's tensors in backward), plus what the model saves outside the blocks
-    (:func:`~refimpl.planner.activations.outside_block_bytes`: final LayerNorm, head input, the log-softmax
+    (``refimpl.planner.activations.outside_block_bytes``: final LayerNorm, head input, the log-softmax
     or, tensor-parallel, the vocab-parallel loss's softmax shard, ids and masks). All of that is what
-    :class:`refimpl.measure.activations.SavedTensorMeter` measures, to the byte. The logits and their
+    ``refimpl.measure.activations.SavedTensorMeter`` measures, to the byte. The logits and their
     float32 gradient, ``(p + 4) (s/cp) b V_t`` (``V_t = ceil(V/t)``), are transient buffers on top (not
     saved tensors: an estimate of the loss's peak, not a measured figure).
 
     MoE blocks (chapter 09; pp = 1, ZeRO 0-2, no cp or sequence parallelism, ``dims.ep`` the expert-parallel
     degree): the rank's experts' state over the expert-data-parallel group, each MoE block's saved tensors
-    for ``expert_loads`` (one :class:`~refimpl.planner.experts.ExpertLoad` per MoE block, measured counts;
-    default uniform routing) and no autocast copy of the fp32 routers (:mod:`refimpl.planner.experts`).
+    for ``expert_loads`` (one ``refimpl.planner.experts.ExpertLoad`` per MoE block, measured counts;
+    default uniform routing) and no autocast copy of the fp32 routers (``refimpl.planner.experts``).
     """
     check_moe_plan(config, what="run_memory_per_rank", pp=pipeline_parallel_degree(dims),
                    cp=context_parallel_degree(dims), zero_stage=zero_stage,
@@ -262,7 +262,7 @@ def run_memory_per_rank(
 
 def run_memory_of(config: ModelConfig, parallel: ParallelConfig, *, world_size: int, micro_batch: int,
                   seq_len: int, num_microbatches: int | None = None) -> RunMemory:
-    """:func:`run_memory_per_rank` at the layout and options of one :class:`~refimpl.config.ParallelConfig`
+    """``run_memory_per_rank`` at the layout and options of one ``refimpl.config.ParallelConfig``
     (what the trainer's memory preflight plans: ``RunOptions.parallel``): ``world_size`` gives ``dp`` when
     ``parallel.dp`` is None; the checkpointed blocks are ``parallel.checkpointed_blocks``; under pipeline
     parallelism ``num_microbatches`` (default ``parallel.microbatches``, else ``pp``) micro-batches of

@@ -1,14 +1,14 @@
 """The parameters one tensor-parallel rank holds, by name, read from the model and the runtime's plan
 (chapters 01, 06 and 08).
 
-:func:`param_table` builds the model a configuration describes on the meta device (``ModelConfig.build``:
+``param_table`` builds the model a configuration describes on the meta device (``ModelConfig.build``:
 shapes only, nothing allocated; read once per configuration), takes its ``named_parameters()`` (a tied weight
 once, under its first name) and applies the tensor-parallel plan the model declares (``tensor_parallel_plan``,
-read by :func:`refimpl.parallel.tensor_parallel.param_split`): a parameter split along dim ``d`` holds ``n/t``
+read by ``refimpl.parallel.tensor_parallel.param_split``): a parameter split along dim ``d`` holds ``n/t``
 there (the vocab-parallel table ``ceil(V/t)`` rows, its padding rows included), a replicated one is whole. No
 position in a list is assumed:
 
-* the groups the pipeline cuts at (:func:`refimpl.parallel.pipeline_parallel.split_blocks`) are the
+* the groups the pipeline cuts at (``refimpl.parallel.pipeline_parallel.split_blocks``) are the
   model's own submodules by name: ``embedding.*``, ``layers.{i}.*``, ``final_layernorm.*``,
   ``output_layer.*`` (none when tied);
 * the weights that enter a matrix multiply (``matmul``: what costs FLOPs and what autocast casts) are those
@@ -86,7 +86,7 @@ def _model_params(config: ModelConfig) -> tuple[tuple[tuple[str, Shape, bool], .
 @functools.lru_cache(maxsize=64)
 def _splits(config: ModelConfig, t: int) -> dict[str, ParamSplit]:
     """What the model's declared tensor-parallel plan (``tensor_parallel_plan``, sequence parallelism on,
-    the vocabulary padded) does to each parameter on ``t`` ranks (:func:`param_split`)."""
+    the vocabulary padded) does to each parameter on ``t`` ranks (``param_split``)."""
     model = _meta_model(config)
     if t == 1:
         return {n: ParamSplit() for n, _ in model.named_parameters()}
@@ -122,8 +122,8 @@ def _local(name: str, shape: Shape, split: ParamSplit, *, t: int) -> Shape:
 
 
 def param_table(config: ModelConfig, *, tp: int = 1) -> ParamTable:
-    """The parameters of :class:`refimpl.models.GPT` for ``config`` as one of ``tp`` tensor-parallel ranks
-    holds them after :func:`~refimpl.parallel.tensor_parallel.apply_tensor_parallel` (module docstring).
+    """The parameters of ``refimpl.models.GPT`` for ``config`` as one of ``tp`` tensor-parallel ranks
+    holds them after ``refimpl.parallel.tensor_parallel.apply_tensor_parallel`` (module docstring).
     Heads or ``ffn_hidden_size`` that do not divide by ``tp``, or an untied output layer's vocabulary, are a
     ``ValueError``."""
     _check_tp(config, tp)

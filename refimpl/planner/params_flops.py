@@ -2,18 +2,18 @@
 
 Every figure here is a formula that a chapter checks against a measurement:
 
-* parameters: counted from the architecture, equal to ``sum(p.numel())`` of :class:`refimpl.models.GPT`
-  (:func:`param_count`), and their shapes in ``named_parameters()`` order (:func:`param_shapes`, read from
+* parameters: counted from the architecture, equal to ``sum(p.numel())`` of ``refimpl.models.GPT``
+  (``param_count``), and their shapes in ``named_parameters()`` order (``param_shapes``, read from
   a meta-device model and the tensor-parallel plan; what the ZeRO formulas of
-  :mod:`refimpl.planner.zero_state` shard);
+  ``refimpl.planner.zero_state`` shard);
 * FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B): ``6 N + 12 L H Q T`` with N parameters,
   L layers, H heads, Q head dim, T sequence length. The ``6 N`` counts forward (2N) and backward (4N)
   matrix multiplies; ``12 L H Q T`` the attention scores and the weighted sum. Only weights that sit in a
-  matrix multiply cost FLOPs, so :func:`flops_per_token` can count exactly those (``matmul_only=True``)
+  matrix multiply cost FLOPs, so ``flops_per_token`` can count exactly those (``matmul_only=True``)
   and then equals what ``torch.utils.flop_counter.FlopCounterMode`` measures.
 
-MFU divides these FLOPs by the device peaks of :mod:`refimpl.measure.peaks`
-(:func:`refimpl.measure.throughput.model_flops_utilization`, re-exported by :mod:`refimpl.planner`).
+MFU divides these FLOPs by the device peaks of ``refimpl.measure.peaks``
+(``refimpl.measure.throughput.model_flops_utilization``, re-exported by ``refimpl.planner``).
 """
 
 from __future__ import annotations
@@ -76,10 +76,10 @@ def _attention_weights(config: ModelConfig) -> tuple[int, int]:
 
 
 def param_count(config: ModelConfig) -> ParamCount:
-    """Count the parameters of :class:`refimpl.models.GPT` for ``config`` without building it (an MoE block:
+    """Count the parameters of ``refimpl.models.GPT`` for ``config`` without building it (an MoE block:
     a bias-free ``[E, h]`` router, ``E`` bias-free experts of 2 (GELU) or 3 (SwiGLU) ``h x f_e`` matrices
-    and ``moe_shared_experts`` always-on experts of the same size; :class:`ParamCount`'s ``active`` and
-    ``inactive``; multi-head latent attention: :func:`_attention_weights`)."""
+    and ``moe_shared_experts`` always-on experts of the same size; ``ParamCount``'s ``active`` and
+    ``inactive``; multi-head latent attention: ``_attention_weights``)."""
     h, f, v, n = config.hidden_size, config.ffn_hidden_size, config.vocab_size, config.num_layers
     bias = int(config.add_bias)
     attention, attention_matmul = _attention_weights(config)
@@ -108,7 +108,7 @@ def param_count(config: ModelConfig) -> ParamCount:
 
 def num_param_tensors(config: ModelConfig) -> int:
     """How many parameter tensors the model has (Adam keeps one ``step`` scalar per tensor; a tied weight
-    is one tensor): those of its ``named_parameters()`` (:func:`~refimpl.planner.param_table.param_table`)."""
+    is one tensor): those of its ``named_parameters()`` (``refimpl.planner.param_table.param_table``)."""
     return len(param_table(config).params)
 
 
@@ -133,9 +133,9 @@ def flops_per_token(config: ModelConfig, seq_len: int, *, matmul_only: bool = Fa
 
 
 def param_shapes(config: ModelConfig, *, tp: int = 1) -> list[tuple[int, ...]]:
-    """The shapes of :class:`refimpl.models.GPT`'s parameters in ``named_parameters()`` order (read from a
-    meta-device model, :func:`~refimpl.planner.param_table.param_table`); with ``tp > 1`` those one rank
-    holds after :func:`refimpl.parallel.tensor_parallel.apply_tensor_parallel` (Shoeybi et al. 2019;
+    """The shapes of ``refimpl.models.GPT``'s parameters in ``named_parameters()`` order (read from a
+    meta-device model, ``refimpl.planner.param_table.param_table``); with ``tp > 1`` those one rank
+    holds after ``refimpl.parallel.tensor_parallel.apply_tensor_parallel`` (Shoeybi et al. 2019;
     chapter 06), split as the model's ``tensor_parallel_plan`` declares.
 
     Sharded by ``t``: ``query_key_value`` and ``dense_h_to_4h`` by rows (weight and bias, column-parallel),

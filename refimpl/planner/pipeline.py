@@ -3,47 +3,47 @@
 zero bubble).
 
 The model is cut into ``S = p v`` stages as the runtime cuts it, and a rank holds the parameters of its
-stages (:mod:`refimpl.planner.pipeline_stages`: :func:`stage_layers`, :func:`stage_param_shapes`,
-:func:`pipeline_state_memory`, re-exported here); stage ``s`` lives on rank ``s mod p``.
+stages (``refimpl.planner.pipeline_stages``: ``stage_layers``, ``stage_param_shapes``,
+``pipeline_state_memory``, re-exported here); stage ``s`` lives on rank ``s mod p``.
 
 One micro-batch of ``b`` sequences of ``s`` tokens saves ``A(s)`` bytes for backward in stage ``s``: the
-blocks' terms of :func:`~refimpl.planner.activations.activation_bytes_per_layer` for its blocks (a
+blocks' terms of ``refimpl.planner.activations.activation_bytes_per_layer`` for its blocks (a
 checkpointed block keeps its input), on the first stage the int64 positions ``8 s``, on the last the
 final LayerNorm, the output layer's input, the float32 log-softmax ``4 s b V`` and the loss's 4-byte total
-weight (:func:`~refimpl.planner.activations.outside_block_bytes` split by stage). The token ids and the
+weight (``refimpl.planner.activations.outside_block_bytes`` split by stage). The token ids and the
 labels are views of the step's batch: ``8 m b s`` each, once, on the first and the last stage.
 
-The runtime (:func:`refimpl.parallel.pipeline_parallel.run_schedule`) also keeps what it sends: every
+The runtime (``refimpl.parallel.pipeline_parallel.run_schedule``) also keeps what it sends: every
 forward's ``[b, s, h]`` float32 output, ``O = 4 s b h`` (stage ``s < S - 1``), until that micro-batch's
 backward (``autograd.backward`` needs it), and a backward's input gradient, ``G = 4 s b h`` (stage
 ``s > 0``), until its send is waited, at the start of the rank's next action (each boundary's transfers
 go out as one group, waited before the next action computes). Walking the rank's action list
-(:func:`~refimpl.parallel.pipeline_parallel.build_schedule`) in order::
+(``refimpl.parallel.pipeline_parallel.build_schedule``) in order::
 
     F(s, i): + A(s) + O(s)        B(s, i): - A(s) - O(s) + G(s) (+ D(s))        W(s, i): - D(s)
 
 (the ``G`` of a ``B`` gone again after the next action's start), the rank's bytes after each action;
 the peak is the largest. With one stage per rank that is ``k (A + O)`` plus at most one ``G``, ``k`` the
-micro-batches in flight (:attr:`refimpl.parallel.pipeline_parallel.Simulation.peak_in_flight`): GPipe
+micro-batches in flight (``refimpl.parallel.pipeline_parallel.Simulation.peak_in_flight``): GPipe
 ``m``, 1F1B ``min(p - r, m)`` on rank ``r``, whatever ``m``; interleaved adds its chunks' ``A``
 separately, each chunk its own size. ZB-H1 (``zbh1``): between its ``B`` and its ``W`` a micro-batch holds
 ``D(s)``, the linear layers' inputs and output gradients that ``W`` multiplies
-(:func:`stage_deferred_bytes`), not ``A(s)``; it is in flight until its ``W`` (the simulator's rule).
+(``stage_deferred_bytes``), not ``A(s)``; it is in flight until its ``W`` (the simulator's rule).
 Transient on top (not held between actions): the last stage's logits and their gradient,
-``(p + 4) s b V`` (an estimate of the loss's peak, as in :mod:`refimpl.planner.memory`), the received
+``(p + 4) s b V`` (an estimate of the loss's peak, as in ``refimpl.planner.memory``), the received
 output gradient of a backward ``4 s b h`` (stage ``s < S - 1``), and the largest checkpointed block's
 recomputation.
 
-Inside the other axes (chapter 12, as :func:`refimpl.parallel.parallelize` builds it: tensor and context
+Inside the other axes (chapter 12, as ``refimpl.parallel.parallelize`` builds it: tensor and context
 parallelism first, then the split): the stages hold the tensor-parallel shards of ``t`` ranks (the tied
 copy a vocab-parallel shard, ``ceil(V/t)`` rows), and every term above is the rank's: the blocks' and the
-embedding's and loss's at ``s_c = s/cp`` tokens by ``cp_method`` (:mod:`refimpl.planner.activations`;
+embedding's and loss's at ``s_c = s/cp`` tokens by ``cp_method`` (``refimpl.planner.activations``;
 under tp the vocab-parallel embedding's local ids and mask, the loss's softmax shard ``4 s_c b V/t``,
 target index and masks, per micro-batch), the boundaries ``O = G = 4 (s_c/u) b h`` (``u = t`` under
 sequence parallelism, else 1), the logits ``(p + 4) s_c b ceil(V/t)``. ZeRO-1 (a ShardedOptimizer over
-the stages) shards the AdamW state over the ``dp x cp`` ranks (:func:`pipeline_state_memory`), ZeRO-2 the
+the stages) shards the AdamW state over the ``dp x cp`` ranks (``pipeline_state_memory``), ZeRO-2 the
 gradients too (its hooks keep a shard of each micro-batch's gradients), ZeRO-3 the weights too, at rest,
-with its gathered stages on top at the peak (:func:`_zero3_gathered`: the whole stages kept through the
+with its gathered stages on top at the peak (``_zero3_gathered``: the whole stages kept through the
 step by default, one unit at a time with ``zero3_reshard_per_microbatch``).
 """
 
@@ -89,19 +89,19 @@ def stage_saved_bytes(config: ModelConfig, *, stage: int, num_stages: int, block
                       deferred_weights: bool = False, residual_dtype: torch.dtype | None = None,
                       **split: Any) -> dict[str, int]:
     """What one micro-batch saves for backward in stage ``stage`` (module docstring), term by term, plus
-    the :data:`PER_STEP` terms (the batch's token ids on the first stage, labels on the last: ``8 m b s``
+    the ``PER_STEP`` terms (the batch's token ids on the first stage, labels on the last: ``8 m b s``
     each, held once per step). ``deferred_weights`` (zbh1's linear layers,
-    :func:`~refimpl.parallel.pipeline_parallel.defer_weight_gradients`): under autocast they keep the
+    ``refimpl.parallel.pipeline_parallel.defer_weight_gradients``): under autocast they keep the
     float32 LayerNorm outputs they are given (QKV and MLP inputs, the output layer's), ``4 s b h`` each
     instead of autocast's ``p s b h`` copy (measured). ``split``: ``tp``, ``sequence_parallel``, ``cp``,
-    ``cp_method``, ``cp_layout`` of :func:`~refimpl.planner.activations.activation_bytes_per_layer`: the
+    ``cp_method``, ``cp_layout`` of ``refimpl.planner.activations.activation_bytes_per_layer``: the
     blocks' terms at the rank's ``s_c = s/cp`` tokens, and under tp the first and the last stage's shares
-    of :func:`~refimpl.planner.activations.outside_block_bytes` (the vocab-parallel embedding's int64
+    of ``refimpl.planner.activations.outside_block_bytes`` (the vocab-parallel embedding's int64
     local ids and bool mask, the loss's softmax shard, target index and two masks: per micro-batch, no
     view of the step's batch). ``residual_dtype`` (None: float32): the residual stream's, 16-bit where the
     model computes in 16-bit weights (ZeRO-3's mixed precision: the blocks' terms and the last stage's
     final LayerNorm and head inputs in that dtype, as
-    :func:`~refimpl.planner.run_terms.sixteen_bit_weight_activations` counts them at pp 1)."""
+    ``refimpl.planner.run_terms.sixteen_bit_weight_activations`` counts them at pp 1)."""
     b, v, tp = micro_batch, config.vocab_size, split.get("tp", 1)
     p, chosen = torch.empty((), dtype=compute_dtype).element_size(), set(checkpointed_blocks)
     kw = {"micro_batch": b, "seq_len": seq_len, "compute_dtype": compute_dtype, **split}
@@ -139,10 +139,10 @@ def stage_saved_bytes(config: ModelConfig, *, stage: int, num_stages: int, block
 @dataclass(frozen=True, kw_only=True)
 class PipelineRankMemory:
     """One pipeline rank: its ``stages`` and their ``blocks``; ``params`` (elements) and ``param_shapes``;
-    ``saved`` (per stage, one micro-batch's bytes, :func:`stage_saved_bytes`); ``in_flight``: the
+    ``saved`` (per stage, one micro-batch's bytes, ``stage_saved_bytes``); ``in_flight``: the
     micro-batches held at the peak, ``peak_in_flight`` the simulator's most at once; ``peak_terms``: the
     held bytes at the peak by term; ``transient``: on top, within one action; ``memory``: the rank's
-    :class:`~refimpl.planner.memory.RunMemory` (fp32 weights, gradients, AdamW state of its parameters,
+    ``refimpl.planner.memory.RunMemory`` (fp32 weights, gradients, AdamW state of its parameters,
     autocast's 16-bit copies of its matmul weights; the activations at the peak and the transients)."""
 
     rank: int
@@ -206,14 +206,14 @@ def _walk(actions, *, saved: dict[int, dict[str, int]], deferred: dict[int, int]
 def _zero3_gathered(config: ModelConfig, *, mine: list[int], ranges, shapes, tp: int, p: int, shards: int,
                     per_microbatch: bool) -> dict[str, int]:
     """ZeRO-3's full tensors a pipeline rank holds at its peak during a step (see
-    :func:`pipeline_memory_per_rank`): a peak, on top of the sharded state, for the memory preflight
-    (:func:`~refimpl.planner.memory.run_memory_per_rank`), not the state the rank holds where the trainer
+    ``pipeline_memory_per_rank``): a peak, on top of the sharded state, for the memory preflight
+    (``refimpl.planner.memory.run_memory_per_rank``), not the state the rank holds where the trainer
     steps. By default the rank's stages gathered with their full gradients, ``2 p numel``, reached once the
     last backward has accumulated them, before ``finish_gradient_sync``; per micro-batch the stage's root
     unit beside its largest block, within a block's forward or backward. tests/test_planner_zero3.py
     measures the full tensors between the schedule's actions: the first term to the byte; per micro-batch
     the root alone (the block is gathered within an action). By the optimizer step every full tensor is
-    freed: :func:`~refimpl.planner.run_prediction.predict_run`'s state is the shards alone."""
+    freed: ``refimpl.planner.run_prediction.predict_run``'s state is the shards alone."""
     numel = sum(math.prod(s) for s in shapes)
     if not per_microbatch:  # the stages gathered once and kept, their gradients accumulated whole
         return {"ZeRO-3 gathered stages and their full gradients (kept through the step)": 2 * p * numel}
@@ -235,15 +235,15 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
     """Every pipeline rank of ``pp`` ranks running ``schedule`` over ``num_microbatches`` micro-batches of
     ``micro_batch`` sequences of ``seq_len`` tokens (module docstring), in rank order. ``precision``
     ``fp32`` or ``bf16``/``fp16`` under autocast; ``checkpointed_blocks``: global block indices.
-    Inside the stages (chapter 12's composition, as :func:`refimpl.parallel.parallelize` builds it): ``tp``
+    Inside the stages (chapter 12's composition, as ``refimpl.parallel.parallelize`` builds it): ``tp``
     tensor-parallel ranks (``sequence_parallel``: the boundaries carry ``[b, s_c/t, h]``), ``cp``
     context-parallel ranks (``cp_method``, ``cp_layout``; ``s_c = s/cp`` tokens), ZeRO ``zero_stage`` 0-3
-    over ``zero_shards`` ranks (:func:`pipeline_state_memory`, group rank ``dp_rank``). ZeRO-3 adds what the
+    over ``zero_shards`` ranks (``pipeline_state_memory``, group rank ``dp_rank``). ZeRO-3 adds what the
     runtime holds gathered during a step: by default the rank's whole stages, weights and full gradients
     in the compute dtype, kept through the micro-batches (gathered once, reduced once); with
     ``zero3_reshard_per_microbatch`` one unit at a time beside the stage's root unit
-    (:func:`~refimpl.planner.zero_state.zero3_peak_gathered_bytes`). ``residual_dtype``: as
-    :func:`stage_saved_bytes` (ZeRO-3 in 16 bits computes in 16-bit weights)."""
+    (``refimpl.planner.zero_state.zero3_peak_gathered_bytes``). ``residual_dtype``: as
+    ``stage_saved_bytes`` (ZeRO-3 in 16 bits computes in 16-bit weights)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {SCHEDULES}")
     if precision not in _COMPUTE:

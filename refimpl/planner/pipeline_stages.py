@@ -1,14 +1,14 @@
 """Pipeline parallelism in the planner: the stages' cut and the parameters each stage holds (chapter 08).
 
 The model is cut into ``S = p v`` stages as the runtime cuts it
-(:func:`refimpl.parallel.pipeline_parallel.split_blocks`, by blocks or by parameters), here on the
-parameters of :func:`~refimpl.planner.param_table.param_table` (a meta-device model read by name, the
+(``refimpl.parallel.pipeline_parallel.split_blocks``, by blocks or by parameters), here on the
+parameters of ``refimpl.planner.param_table.param_table`` (a meta-device model read by name, the
 tensor-parallel shards of ``t`` ranks; no model built); stage ``s`` lives on rank ``s mod p``. A stage holds
 its blocks' parameters (``layers.{i}.*``), the first also the embedding's, the last the final LayerNorm's
 and the output layer's; a tied embedding's copy there too (its own tensor, another rank holds the
 original; under tp a vocab-parallel shard, ``ceil(V/t)`` rows). The weights a stage multiplies (autocast's
 16-bit copies) are its blocks' linear weights and, on the last stage, the output layer's. Under ZB-H1 a
-stage's ``B`` leaves its linears' weight-gradient operands to its ``W`` (:func:`stage_deferred_bytes`).
+stage's ``B`` leaves its linears' weight-gradient operands to its ``W`` (``stage_deferred_bytes``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _numel(specs: tuple[ParamSpec, ...]) -> int:
 
 def stage_layers(config: ModelConfig, *, num_stages: int, balance: str = "layers",
                  tp: int = 1) -> list[range]:
-    """The blocks of each stage, by the runtime's rule (:func:`split_blocks`, ``balance`` ``"layers"`` or
+    """The blocks of each stage, by the runtime's rule (``split_blocks``, ``balance`` ``"layers"`` or
     ``"parameters"``, on the tensor-parallel shards' sizes: the embedding counts towards the first stage,
     the final LayerNorm and the head, tied or not, towards the last)."""
     table = param_table(config, tp=tp)
@@ -60,8 +60,8 @@ def stage_params(config: ModelConfig, *, stage: int, num_stages: int, blocks: ra
 
 def stage_param_shapes(config: ModelConfig, *, stage: int, num_stages: int, blocks: range,
                        tp: int = 1) -> list[tuple[int, ...]]:
-    """The shapes of :func:`stage_params`, in the model's order
-    (:func:`~refimpl.planner.params_flops.param_shapes`)."""
+    """The shapes of ``stage_params``, in the model's order
+    (``refimpl.planner.params_flops.param_shapes``)."""
     return [p.shape for p in stage_params(config, stage=stage, num_stages=num_stages, blocks=blocks, tp=tp)]
 
 
@@ -85,11 +85,11 @@ def pipeline_state_memory(config: ModelConfig, *, pp: int, pp_rank: int, virtual
                           balance: str = "layers", tp: int = 1, zero_stage: int = 0, zero_shards: int = 1,
                           dp_rank: int = 0) -> StateMemory:
     """fp32 weights, gradients and AdamW state(two moments, a ``step`` per tensor) of the parameters of
-    pipeline rank ``pp_rank``'s stages (:func:`stage_param_shapes`, the tensor-parallel shards of ``tp``
+    pipeline rank ``pp_rank``'s stages (``stage_param_shapes``, the tensor-parallel shards of ``tp``
     ranks), whole, or with ``zero_stage`` 1 (Rajbhandari et al. 2020; the runtime's ShardedOptimizer over the
     stages; 2: the gradients too; 3: the weights too, at rest) the AdamW state sharded over the
     ``zero_shards`` (``dp x cp``) ranks, dim 0 of each tensor, as held by the group's rank ``dp_rank``
-    (:func:`~refimpl.planner.zero_state.zero_memory`)."""
+    (``refimpl.planner.zero_state.zero_memory``)."""
     ranges = stage_layers(config, num_stages=pp * virtual_stages, balance=balance, tp=tp)
     shapes = rank_param_shapes(config, pp=pp, rank=pp_rank, ranges=ranges, tp=tp)
     return zero_memory(shapes, zero_shards, zero_stage, rank=dp_rank)
@@ -104,17 +104,17 @@ def stage_deferred_bytes(config: ModelConfig, *, stage: int, num_stages: int, bl
                          seq_len: int, compute_dtype: torch.dtype = torch.float32,
                          fp8_layers: Collection[str] = (), tp: int = 1) -> int:
     """What a ``B`` of ZB-H1 leaves for its ``W`` in stage ``stage``
-    (:func:`~refimpl.parallel.pipeline_parallel.defer_weight_gradients`): every linear layer's input ``X``
+    (``refimpl.parallel.pipeline_parallel.defer_weight_gradients``): every linear layer's input ``X``
     and output gradient ``dY`` for ``dW = dY^T X``, in the compute dtype (``p`` bytes, measured: also the
     inputs that come from a float32 LayerNorm under autocast): per block ``p s b (8 h + 2 f)`` (QKV ``h``
     in, ``3 h`` out; the projection ``h``, ``h``; the MLP ``h``, ``f`` and ``f``, ``h``), on the last stage
     the output layer's ``p s b (h + V)``. A tensorwise fp8 layer (its weight named in ``fp8_layers``,
     ``--precision fp8``) keeps the two fp8 operands of its weight-gradient GEMM instead, one byte per
-    element, and their two fp32 scales (:class:`~refimpl.precision.fp8.Float8Matmul`'s ``weight_grad``).
+    element, and their two fp32 scales (``refimpl.precision.fp8.Float8Matmul``'s ``weight_grad``).
     Under tensor parallelism (``tp`` ranks, without sequence parallelism) each rank's layers are its
     shards: the column layers' outputs (QKV's ``3h/t``, the MLP's ``f/t``, an untied head's ``V/t``) and the
     row layers' inputs (``h/t``, ``f/t``) split over tp, the rest whole; a tied vocab-parallel head
-    (:class:`~refimpl.parallel.tensor_parallel.TiedVocabParallelHead`, not a seam layer) computes its weight
+    (``refimpl.parallel.tensor_parallel.TiedVocabParallelHead``, not a seam layer) computes its weight
     gradient in ``B`` and leaves nothing (measured)."""
     p, h, f = compute_dtype.itemsize, config.hidden_size, config.ffn_hidden_size
     v = -(-config.vocab_size // tp)

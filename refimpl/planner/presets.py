@@ -13,7 +13,7 @@ dense), 61 blocks. Their multi-token-prediction module (DeepSeek-V3's 14B of its
 part of the 671B, nor of our model.
 
 ``published`` is the total the model card prints and ``published_active`` the parameters it says a token
-activates, as printed ("8.03B", "1T"). :func:`refimpl.planner.param_count` of the preset gives the total to
+activates, as printed ("8.03B", "1T"). ``refimpl.planner.param_count`` of the preset gives the total to
 its last printed digit (tests/test_planner.py); the activated count is the weights a token multiplies
 (``ParamCount.matmul``: attention, the router, the ``k`` routed and the shared experts, the output layer;
 the embedding is a lookup): DeepSeek-V3's 36.6B prints as its 37B (with the embedding table it would be
@@ -33,7 +33,7 @@ UNITS = {"B": 1e9, "T": 1e12}
 
 @dataclass(frozen=True, kw_only=True)
 class ModelPreset:
-    """A published model: its shape as :class:`~refimpl.config.ModelConfig` fields and its published size."""
+    """A published model: its shape as ``refimpl.config.ModelConfig`` fields and its published size."""
 
     fields: dict
     published: str  # the total parameters as printed by the model card: "70.6B", "1T"

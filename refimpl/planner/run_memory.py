@@ -1,8 +1,8 @@
-"""The planner's answer for one rank's memory, term by term: :class:`RunMemory` (chapters 01, 05, 08 and 10).
+"""The planner's answer for one rank's memory, term by term: ``RunMemory`` (chapters 01, 05, 08 and 10).
 
-:func:`refimpl.planner.memory.run_memory_per_rank` (data, tensor and context parallelism) and
-:func:`refimpl.planner.pipeline.pipeline_memory_per_rank` (one per pipeline rank) both return it; the
-trainer's preflight prints :meth:`RunMemory.describe` when a run would not fit.
+``refimpl.planner.memory.run_memory_per_rank`` (data, tensor and context parallelism) and
+``refimpl.planner.pipeline.pipeline_memory_per_rank`` (one per pipeline rank) both return it; the
+trainer's preflight prints ``RunMemory.describe`` when a run would not fit.
 """
 
 from __future__ import annotations

@@ -1,58 +1,58 @@
-"""One trainer run at a layout, predicted per rank before it runs: :func:`predict_run` (chapter 12).
+"""One trainer run at a layout, predicted per rank before it runs: ``predict_run`` (chapter 12).
 
 The composition of the planner's terms for ``python -m refimpl.train --dp D --tp T --pp P --cp C ...``
-(the mesh ``pp x dp x cp x tp``, :mod:`refimpl.distributed.mesh`; Narayanan et al. 2021, "Efficient
+(the mesh ``pp x dp x cp x tp``, ``refimpl.distributed.mesh``; Narayanan et al. 2021, "Efficient
 large-scale language model training on GPU clusters using Megatron-LM", section 3), per rank:
 
-* **state** (:class:`~refimpl.measure.state.StateMemory`), read where the trainer steps (the gradients
+* **state** (``refimpl.measure.state.StateMemory``), read where the trainer steps (the gradients
   reduced): fp32 weights, gradients and AdamW state of the rank's tensor-parallel shards of its pipeline
   stages, sharded by ZeRO stage (Rajbhandari et al. 2020; 1: the AdamW state, 2: and the gradients, 3: and
   the weights) over the ``dp x cp`` ranks, under HSDP over the rank's shard group:
-  :func:`~refimpl.planner.memory.state_memory_per_rank`,
-  :func:`~refimpl.planner.pipeline.pipeline_state_memory`, the rank's index in the group
-  :func:`~refimpl.planner.run_terms.shard_group_rank`. ZeRO-1 also holds its reduced gradient shards
+  ``refimpl.planner.memory.state_memory_per_rank``,
+  ``refimpl.planner.pipeline.pipeline_state_memory``, the rank's index in the group
+  ``refimpl.planner.run_terms.shard_group_rank``. ZeRO-1 also holds its reduced gradient shards
   then (``finish_gradients`` reduce-scatters into them before the loss scaler and the step read them). ZeRO-3:
   the shards only, with or without pp: the full weights and gradients a unit gathers are freed once its
   gradients are reduce-scattered (pp: once per step after the schedule, ``finish_gradient_sync``, or in
   every backward with ``--zero3-reshard-per-microbatch``), before the step (measured: no full tensor is
   allocated there, tests/test_planner_zero3.py). That is not the peak a step reaches: the gathered units
   or stages that the memory preflight adds on top of the state
-  (:func:`~refimpl.planner.memory.run_memory_per_rank`, under pp
-  :func:`~refimpl.planner.pipeline.pipeline_memory_per_rank`'s ZeRO-3 term) are not predicted here;
+  (``refimpl.planner.memory.run_memory_per_rank``, under pp
+  ``refimpl.planner.pipeline.pipeline_memory_per_rank``'s ZeRO-3 term) are not predicted here;
 * **activations**: the bytes saved for backward that the rank holds at its peak: one micro-batch's
-  (:func:`~refimpl.planner.memory.run_memory_per_rank`'s saved terms, Korthikanti et al. 2022; a backward
+  (``refimpl.planner.memory.run_memory_per_rank``'s saved terms, Korthikanti et al. 2022; a backward
   frees them before the next forward; a checkpointed block keeps its input only) or, under pipeline
   parallelism, the schedule's held bytes
-  (:attr:`~refimpl.planner.pipeline.PipelineRankMemory.peak_held`: the micro-batches in flight and the
+  (``refimpl.planner.pipeline.PipelineRankMemory.peak_held``: the micro-batches in flight and the
   sends kept). Where the trainer saves the token ids and labels themselves (no tp, no cp), they are
   views of the step's batch window ``[B/dp, s+1]`` (``refimpl.data``'s ``batch``): its whole int64
   storage, ``8 (B/dp) (s+1)``, is held once, not the ids' and labels' ``8 b s`` each; at ``b > 1`` the
   labels' ``[b, s]`` view is strided, and ``lm_loss``'s ``labels.flatten()`` saves a copy, ``8 b s`` (under
   pipeline parallelism the last stage then holds that copy per micro-batch in flight and no window:
-  :func:`_held_with_label_copies`).
+  ``_held_with_label_copies``).
   Under sequence parallelism the embedding's output is the reduce-scatter's ``[b, s_c/t, h]`` shard
   itself (no view of a whole ``[b, s_c, h]``), so the planner's per-layer terms hold at every micro-batch
   size, ``b = 1`` too. ZeRO-3 saves the gathered weights, whose storage it frees after each unit's forward
   (under pp, by default, after the step's last backward): weights, not activations, so in fp32 it holds
   what ZeRO-2 holds (measured, tests/test_planner_zero3.py, with and without pp); in bf16 it computes in
   16-bit weights, a 16-bit residual stream
-  (:func:`~refimpl.planner.run_terms.sixteen_bit_weight_activations`);
+  (``refimpl.planner.run_terms.sixteen_bit_weight_activations``);
 * **bytes sent per step** by process group, under the keys of the trainer's ``metrics.jsonl``
   (``refimpl.train.loop``: ``"tp"``, ``"cp"``, ``"pp"``, ``"dp x cp"``, under HSDP also ``"dp_shard x
-  cp"`` and ``"dp_replicate"``; the ring model for collectives, :func:`~refimpl.comm.tracer.wire_bytes`,
+  cp"`` and ``"dp_replicate"``; the ring model for collectives, ``refimpl.comm.tracer.wire_bytes``,
   the tensors' bytes for point-to-point sends). Read from the trainer's code, per step with ``A``
   micro-batches of ``b`` sequences, ``s_c = s/cp`` tokens each:
 
   - ``tp``: every micro-batch's tensor-parallel collectives of the rank's blocks, on the first stage the
     vocab-parallel embedding's (under sequence parallelism a reduce-scatter forward and an all-gather
     backward instead of one all-reduce), on the last the head's and the vocab-parallel loss's three ``b s_c``
-    all-reduces (:func:`~refimpl.planner.communication.tensor_parallel_collectives`, split by stage);
+    all-reduces (``refimpl.planner.communication.tensor_parallel_collectives``, split by stage);
     per micro-batch and checkpointed block the collectives its recomputed forward repeats before
-    checkpoint's early stop (:func:`~refimpl.planner.run_terms.recompute_tp_payloads`); under sequence
+    checkpoint's early stop (``refimpl.planner.run_terms.recompute_tp_payloads``); under sequence
     parallelism once per step the ``s/t``-token gradients' all-reduce (under ZeRO the rank's row shards
     of them); the gradient norm's float32 scalar (clipping on);
   - ``cp``: every micro-batch's attention traffic of the rank's blocks
-    (:func:`~refimpl.planner.communication.context_parallel_bytes`), and a checkpointed block's forward
+    (``refimpl.planner.communication.context_parallel_bytes``), and a checkpointed block's forward
     exchanges again in its recomputation;
   - ``pp``: per micro-batch each stage's ``[b, s_c/u, h]`` float32 output (not the last stage) and input
     gradient (not the first), ``u = t`` under sequence parallelism; the tied embedding's gradient between
@@ -61,7 +61,7 @@ large-scale language model training on GPU clusters using Megatron-LM", section 
     the exchange runs, after the gradients' reduce-scatter, and its ``.grad`` the shard's); the step loss's
     and the norm's float32 scalars (``PipelineModule.step``'s all-reduce, the pipeline clip);
   - ``dp x cp`` (under HSDP ``dp_shard x cp`` and ``dp_replicate``): data parallelism's gradients and
-    parameters (:func:`~refimpl.planner.run_terms.data_parallel_bytes`: ZeRO-0's all-reduce once per
+    parameters (``refimpl.planner.run_terms.data_parallel_bytes``: ZeRO-0's all-reduce once per
     step; ZeRO-1's reduce-scatter and all-gather of padded shards; ZeRO-2's reduce-scatter per micro-batch;
     ZeRO-3's per micro-batch gathers of every unit, again before its backward but the root, and its
     reduce-scatters, HSDP's all-reduce of each unit's shard over the replicas; under pp each stage's units,
@@ -71,7 +71,7 @@ large-scale language model training on GPU clusters using Megatron-LM", section 
     group; under HSDP over the shard group only, the replicas hold the same shard);
 
 * **bubble**: the schedule's textbook idle share
-  (:func:`~refimpl.parallel.pipeline_parallel.simulator.bubble_formula`), None without pipeline parallelism.
+  (``refimpl.parallel.pipeline_parallel.simulator.bubble_formula``), None without pipeline parallelism.
 
 Modelled: fp32 or bf16 (autocast; ZeRO-3: FSDP2's mixed precision, bf16 gathers and compute, fp32 reductions),
 ZeRO 0-3, HSDP, activation checkpointing (any block selection), tensor, sequence and context parallelism, and
@@ -81,10 +81,10 @@ HSDP; checkpointing under every schedule in fp32 (the recomputed blocks' tp and 
 stage); sequence parallelism with ZeRO 1-3; ZB-H1's deferred weight-gradient operands, the rank's tp shards
 of them (a tied vocab-parallel head defers nothing). fp8 (bf16 autocast, the linears' GEMMs in fp8:
 refimpl/planner/fp8.py's terms) at tp = 1: ZeRO 0-3 at pp = 1 (ZeRO-3: the fp8 weights gathered as e4m3
-bytes, :func:`~refimpl.planner.run_terms.data_parallel_bytes`), with cp, and ZeRO 0-2 under the pipeline
-(each stage's fp8 layers' float32 inputs, :func:`~refimpl.planner.pipeline.pipeline_memory_per_rank`; under
+bytes, ``refimpl.planner.run_terms.data_parallel_bytes``), with cp, and ZeRO 0-2 under the pipeline
+(each stage's fp8 layers' float32 inputs, ``refimpl.planner.pipeline.pipeline_memory_per_rank``; under
 ZB-H1 the tensorwise fp8 layers' deferred dW operands at one byte,
-:func:`~refimpl.planner.pipeline.stage_deferred_bytes`).
+``refimpl.planner.pipeline.stage_deferred_bytes``).
 Refused, each with its reason: fp16 (not run); tensor-parallel traffic in bf16 or fp8 (under autocast the
 activations it moves are 16-bit); fp8 under pp with ZeRO-3, or rowwise with ZB-H1 (not measured); ZB-H1 with
 sequence parallelism, activation checkpointing under pp in bf16 (not measured); ZeRO-3 without
@@ -184,13 +184,13 @@ def _add(out: dict[str, float], key: str, op: str, payload: float, n: int) -> No
 def _held_with_label_copies(config: ModelConfig, rank_memory, parallel: ParallelConfig, *, actions,
                             ranges: list[range], micro_batch: int, seq_len: int) -> dict[str, int]:
     """The held bytes at the peak of the pipeline rank holding the last stage (``rank_memory``, its
-    :class:`~refimpl.planner.pipeline.PipelineRankMemory`) where the labels are not held as a view of the
+    ``refimpl.planner.pipeline.PipelineRankMemory``) where the labels are not held as a view of the
     step's window: at ``b > 1`` (tp = cp = 1) a micro-batch's labels, rows ``[b, s]`` of the window
     ``[B/dp, s+1]``, are strided, and ``lm_loss``'s ``labels.flatten()`` saves a copy, ``8 b s`` per
     micro-batch in flight, in place of the planner's per-step labels term (measured, both 1F1B and GPipe:
-    tests/test_planner_zero3.py). The rank's actions walked again (:func:`~refimpl.planner.pipeline._walk`)
+    tests/test_planner_zero3.py). The rank's actions walked again (``refimpl.planner.pipeline._walk``)
     with that term moved into the last stage's micro-batch bytes; ``actions``: the rank's of
-    :func:`~refimpl.parallel.pipeline_parallel.build_schedule`."""
+    ``refimpl.parallel.pipeline_parallel.build_schedule``."""
     num_stages, b, h = len(ranges), micro_batch, config.hidden_size
     saved = {st: dict(terms) for st, terms in rank_memory.saved.items()}
     del saved[num_stages - 1][PER_STEP[1]]
@@ -210,8 +210,8 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
                 world_size: int | None = None, micro_batch: int | None = None,
                 grad_clip: float | None = 1.0) -> RunPrediction:
     """Predict one optimizer step of the trainer at the layout and options of ``parallel`` for every rank
-    (module docstring): the same :class:`~refimpl.config.ParallelConfig` the trainer's options give
-    (``RunOptions.parallel``) and :func:`refimpl.parallel.parallelize` applies.
+    (module docstring): the same ``refimpl.config.ParallelConfig`` the trainer's options give
+    (``RunOptions.parallel``) and ``refimpl.parallel.parallelize`` applies.
 
     ``world_size``: needed when ``parallel.dp`` is None (then ``dp = world_size / (cp tp pp)``, as the
     trainer derives it). ``global_batch`` sequences of ``seq_len`` tokens per step, split over ``dp``;
@@ -222,7 +222,7 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     Every ZeRO stage (``parallel.zero_stage``), HSDP (``parallel.dp_replicate``), the blocks
     ``parallel.activation_checkpointing`` selects, fp32 or bf16 are modelled, and fp8 (ZeRO 0-3 at pp = 1,
     with cp too; under pp ZeRO 0-2, zbh1 tensorwise); a combination the trainer refuses
-    (:func:`refimpl.support.check_supported`) or that is not modelled raises a ValueError naming it: fp16;
+    (``refimpl.support.check_supported``) or that is not modelled raises a ValueError naming it: fp16;
     tp > 1 with bf16 or fp8; zbh1 with sequence parallelism; activation checkpointing with pp > 1 in bf16;
     ZeRO-3 with ``reshard_after_forward`` off; an MoE model.
     """

@@ -1,8 +1,8 @@
-"""The terms :func:`~refimpl.planner.run_prediction.predict_run` adds for ZeRO-2/3, HSDP, activation
+"""The terms ``refimpl.planner.run_prediction.predict_run`` adds for ZeRO-2/3, HSDP, activation
 checkpointing and ZeRO-3's 16-bit weights (chapters 04, 05 and 10), each read from the runtime's code and
 proven against the trainer to the byte in tests/test_planner_zero3.py.
 
-* :func:`data_parallel_bytes`: the bytes one rank sends per step for the gradients and parameters of data
+* ``data_parallel_bytes``: the bytes one rank sends per step for the gradients and parameters of data
   parallelism, by ``metrics.jsonl`` group key. ZeRO-0: one all-reduce of the gradients over ``dp x cp``
   per step (``DataParallelBucket`` under ``no_sync`` but the last micro-batch; ``reduce_gradients_`` after
   the pipeline's last backward). ZeRO-1: one reduce-scatter of the padded gradients and one all-gather of
@@ -13,7 +13,7 @@ proven against the trainer to the byte in tests/test_planner_zero3.py.
   for forward and every unit but the root again before its backward (the root is kept from forward to the
   end of backward; a checkpointed block's recomputation runs after its pre-backward gather and gathers
   nothing), and one reduce-scatter per unit with trainable parameters
-  (:func:`~refimpl.planner.communication.zero_collectives`); the gathers in ``param_dtype`` (bf16 under
+  (``refimpl.planner.communication.zero_collectives``); the gathers in ``param_dtype`` (bf16 under
   ZeRO-3's mixed precision: 2 bytes), the reductions in ``reduce_dtype`` (fp32). HSDP (``dp_replicate``
   R > 1): the same over the shard group ``"dp_shard x cp"`` of ``dp/R cp`` ranks, and each unit's reduced
   padded shard all-reduced over the R replicas (``"dp_replicate"``; ``fsdp_communications.
@@ -29,20 +29,20 @@ proven against the trainer to the byte in tests/test_planner_zero3.py.
   root's, and reduce-scatters it. The root is gathered ``m`` times whatever the schedule: every backward
   ends by freeing all units (``_finish_backward``), and the next action (a forward, or a backward's
   pre-backward hook) gathers it again, so it is gathered once per backward.
-* :func:`recompute_tp_payloads`, the tensor-parallel collectives a checkpointed block's recomputed forward
+* ``recompute_tp_payloads``, the tensor-parallel collectives a checkpointed block's recomputed forward
   repeats in backward: ``torch.utils.checkpoint``'s non-reentrant early stop ends the recomputation once
   the block's last saved tensor (the second MLP linear's input) is rebuilt, so the attention's row layer
   reduces again (``g``: one all-reduce of ``b s_c h``; under sequence parallelism the QKV and first MLP
   column inputs' two all-gathers and the attention's reduce-scatter) and the MLP's row layer does not.
   Context parallelism's attention runs again too: its forward exchanges, once per checkpointed block and
-  micro-batch (:func:`~refimpl.planner.communication.context_parallel_bytes`' ``"forward"``).
-* :func:`sixteen_bit_weight_activations`: ZeRO-3 in bf16 computes in the gathered 16-bit weights (FSDP2's
+  micro-batch (``refimpl.planner.communication.context_parallel_bytes``' ``"forward"``).
+* ``sixteen_bit_weight_activations``: ZeRO-3 in bf16 computes in the gathered 16-bit weights (FSDP2's
   ``MixedPrecisionPolicy``, no autocast), so the residual stream, the LayerNorms' inputs and statistics
-  and a checkpointed block's input are 16-bit too (:func:`~refimpl.planner.activations.
-  activation_bytes_per_layer` with ``residual_dtype``), and outside the blocks the final LayerNorm's input
+  and a checkpointed block's input are 16-bit too (``refimpl.planner.activations.
+  activation_bytes_per_layer`` with ``residual_dtype``), and outside the blocks the final LayerNorm's input
   and statistics and the head's input; the loss's log-softmax stays float32 (``lm_loss`` casts the logits).
-* :func:`shard_group_rank`: a rank's index in the group ZeRO shards over (``dp x cp``, or HSDP's shard
-  group), the ``dp_rank`` of :func:`~refimpl.planner.memory.state_memory_per_rank`.
+* ``shard_group_rank``: a rank's index in the group ZeRO shards over (``dp x cp``, or HSDP's shard
+  group), the ``dp_rank`` of ``refimpl.planner.memory.state_memory_per_rank``.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _add(out: dict[str, float], key: str, op: str, payload: float, n: int) -> No
 def shard_group_rank(dims: ParallelDims, rank: int) -> int:
     """``rank``'s index in the group ZeRO shards over, ranks ascending: ``dp_i cp + cp_i`` in ``dp x cp``;
     under HSDP (``dims.dp_replicate`` > 1) ``dp_shard_i cp + cp_i`` in its shard group (the refactored
-    grid, :attr:`~refimpl.distributed.mesh.ParallelDims.hsdp_grid`)."""
+    grid, ``refimpl.distributed.mesh.ParallelDims.hsdp_grid``)."""
     c = dims.coordinates(rank)
     if dims.dp_replicate == 1:
         return c.dp * dims.cp + c.cp
@@ -94,7 +94,7 @@ def data_parallel_bytes(unit_shapes: Sequence[Sequence[Shape]], *, zero_stage: i
     each unit gathered once per step and kept, its accumulated gradients reduced once (module docstring);
     ``fp8`` (ZeRO-3 at pp = 1 under ``--precision fp8``): per unit, which tensors are gathered as e4m3, one
     byte per element beside the others' ``gather_bytes``, each gather preceded by the MAX all-reduce of the
-    unit's fp32 amaxes (:mod:`refimpl.parallel.zero.fsdp_float8`)."""
+    unit's fp32 amaxes (``refimpl.parallel.zero.fsdp_float8``)."""
     out: dict[str, float] = {}
     shapes = [s for unit in unit_shapes for s in unit]
     m, n = microbatches, dp_cp
@@ -138,7 +138,7 @@ def sp_gradient_payload(shapes: Sequence[Shape], *, zero_stage: int, n: int, gro
     """Float32 bytes of the sequence-parallel gradients (``shapes``: the replicated parameters that saw
     ``s/t`` tokens) a rank all-reduces over tp once per step, after the data-parallel reduction
     (``OptimizerSetup.finish_gradients``): whole at ZeRO-0, else the rank's row shards of them (ZeRO-1/2:
-    the optimizer's shards' gradients; ZeRO-3: the wrapper's), :func:`sharded_numel` of ``n`` ranks."""
+    the optimizer's shards' gradients; ZeRO-3: the wrapper's), ``sharded_numel`` of ``n`` ranks."""
     if zero_stage == 0:
         return 4 * sum(math.prod(s) for s in shapes)
     return 4 * sharded_numel(shapes, group_rank, n)
@@ -149,7 +149,7 @@ def recompute_tp_payloads(*, checkpointed: int, x: int, sequence_parallel: bool,
     """Float32 payloads (bytes) of the tensor-parallel collectives the recomputed forwards of
     ``checkpointed`` blocks repeat in one micro-batch's backward, ``x = b s_c h`` (module docstring);
     ``shared_qkv``: the elements of a block's qkv output all-gathered when fewer key/value heads than
-    ranks share them (:func:`shared_qkv_elements`), gathered again too."""
+    ranks share them (``shared_qkv_elements``), gathered again too."""
     gather = {"all_gather": 4 * checkpointed * shared_qkv} if shared_qkv else {}
     if not sequence_parallel:
         return {"all_reduce": 4 * checkpointed * x} | gather
@@ -157,7 +157,7 @@ def recompute_tp_payloads(*, checkpointed: int, x: int, sequence_parallel: bool,
 
 
 def shared_qkv_elements(config: ModelConfig, *, tp: int, tokens: int) -> int:
-    """Elements of one block's qkv output that :class:`refimpl.models.gpt_sharding.SharedKeyValueQKV`
+    """Elements of one block's qkv output that ``refimpl.models.gpt_sharding.SharedKeyValueQKV``
     all-gathers (and reduce-scatters back) when ``t/g`` ranks share each key/value head, ``tokens (a + 2g)
     d``; 0 when each rank holds whole query groups."""
     if config.num_key_value_heads >= tp:
@@ -173,7 +173,7 @@ def sixteen_bit_weight_activations(config: ModelConfig, *, checkpointed_blocks: 
     precision, ``tp = 1``): ``"block activations"`` with a 16-bit residual stream, and ``"final layernorm
     + output layer inputs"`` (input and mean/rstd of the final LayerNorm and the head's input, all in
     ``compute_dtype``), for the rank's ``s/cp`` tokens; the other outside terms are
-    :func:`~refimpl.planner.activations.outside_block_bytes`' (the float32 log-softmax, the ids)."""
+    ``refimpl.planner.activations.outside_block_bytes``' (the float32 log-softmax, the ids)."""
     kw = {"micro_batch": micro_batch, "seq_len": seq_len, "compute_dtype": compute_dtype,
           "residual_dtype": compute_dtype, "cp": cp, "cp_method": cp_method, "cp_layout": cp_layout}
     blocks = sum(activation_bytes(config, checkpointed_blocks=set(checkpointed_blocks), **kw))
@@ -198,7 +198,7 @@ def tp_stage_payloads(config: ModelConfig, *, layers: int, first: bool, last: bo
                       sequence_parallel: bool, tp: int = 1) -> dict[str, int]:
     """One micro-batch's tensor-parallel payloads (float32 bytes) on a stage holding ``layers`` blocks
     (first / last stage: the embedding / the head and loss), ``x = b s_c h``, ``tokens = b s_c``: the
-    stage's part of :func:`~refimpl.planner.communication.tensor_parallel_collectives` (the parts of all
+    stage's part of ``refimpl.planner.communication.tensor_parallel_collectives`` (the parts of all
     stages add up to it)."""
     f, la = int(first), int(last)
     # fewer key/value heads than tp: each block's qkv output gathered (backward: reduced-scattered)
@@ -216,7 +216,7 @@ def stage_zero3_units(table, *, stage: int, num_stages: int, blocks: range) -> l
     """ZeRO-3's units of pipeline stage ``stage`` as ``FullyShardedDataParallel(stage)`` cuts it
     (``shard_into_units``): the root, the stage's tensors outside its blocks (the embedding on the first
     stage, the final LayerNorm and the output layer, or the tied copy of the embedding, on the last; none
-    on a middle stage), then each block (``table``: :func:`~refimpl.planner.param_table.param_table`)."""
+    on a middle stage), then each block (``table``: ``refimpl.planner.param_table.param_table``)."""
     root = list(table.embedding) if stage == 0 else []
     if stage == num_stages - 1:
         root += [*table.final_layernorm, *(table.output_layer or (table.head,))]

@@ -6,13 +6,13 @@ latency ``alpha`` (software overhead, the handshake, the wire's delay) plus the 
 ``S = alpha * beta``. Composed step by step it prices the collectives (Thakur, Rabenseifner & Gropp,
 "Optimization of collective communication operations in MPICH", IJHPCA 2005): the ring all-reduce takes
 ``2(n - 1)`` steps of ``S/n`` bytes, ``T = 2(n - 1) alpha + 2(n - 1)/n S / beta``
-(:meth:`AlphaBeta.ring_all_reduce`).
+(``AlphaBeta.ring_all_reduce``).
 
-:func:`fit_alpha_beta` is least squares on the *relative* error, so a 4-byte and a 4-MB message count
+``fit_alpha_beta`` is least squares on the *relative* error, so a 4-byte and a 4-MB message count
 alike (a plain fit would only see the largest messages); the times come from
-:mod:`refimpl.measure.collective_timing`.
+``refimpl.measure.collective_timing``.
 
-How well the model explains a measurement is :attr:`AlphaBeta.r2`, the coefficient of determination of
+How well the model explains a measurement is ``AlphaBeta.r2``, the coefficient of determination of
 ``log T`` over the measured sizes: the fraction of the spread of the measured (log) times that the fitted
 line accounts for. Near 1: the times are a latency plus a bandwidth term, and ``alpha``, ``beta`` mean what
 they say. Near 0 (or below: worse than one constant time for all sizes): the times follow something else

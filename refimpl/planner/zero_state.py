@@ -10,21 +10,21 @@ model state held by one device is
     stage 2 (P_os+g, + gradients sharded)    2 Psi + (2 + K) Psi / N
     stage 3 (P_os+g+p, + parameters)         (4 + K) Psi / N
 
-:func:`zero_memory_paper` is that table. The course trains in fp32 on a CPU with ``torch.optim.AdamW`` and no
+``zero_memory_paper`` is that table. The course trains in fp32 on a CPU with ``torch.optim.AdamW`` and no
 master copy, so the same table with the dtypes actually used is ``weights 4, gradients 4, K = 8`` (two fp32
 moments) plus PyTorch's ``step`` counter, one fp32 scalar tensor per parameter tensor (as
-:func:`refimpl.planner.memory.state_memory` counts it). :func:`zero_memory` is that table made *exact*: a
+``refimpl.planner.memory.state_memory`` counts it). ``zero_memory`` is that table made *exact*: a
 parameter is split along dim 0 into chunks of ``ceil(rows / N)`` rows (torch.chunk and FSDP2's rule, the
-runtime's own :func:`refimpl.distributed.placement.chunk_range`), so the last ranks may hold fewer rows (or
-none); ``Psi / N`` becomes the rank's true shard size :func:`sharded_numel`. For shapes whose first dim
+runtime's own ``refimpl.distributed.placement.chunk_range``), so the last ranks may hold fewer rows (or
+none); ``Psi / N`` becomes the rank's true shard size ``sharded_numel``. For shapes whose first dim
 divides by N the two agree to the byte.
 
-Which collectives a step issues and the bytes they move are in :mod:`refimpl.planner.communication`.
-The :class:`~refimpl.measure.state.StateMemory` returned is the class :func:`refimpl.measure.state_bytes`
+Which collectives a step issues and the bytes they move are in ``refimpl.planner.communication``.
+The ``refimpl.measure.state.StateMemory`` returned is the class ``refimpl.measure.state_bytes``
 measures, so a chapter compares formula and measurement with ``==``. ``world_size`` is the number ``N`` of
 ranks the state is sharded over: the ``dp x cp`` ranks of the layout, which hold the same parameters and
 see other tokens (context parallelism replicates the parameters as data parallelism does, chapter 07;
-:func:`refimpl.planner.memory.state_memory_per_rank` takes the layout).
+``refimpl.planner.memory.state_memory_per_rank`` takes the layout).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def zero_memory_paper(
 
 def shard_rows(dim0: int, rank: int, world_size: int) -> tuple[int, int]:
     """Rows ``[start, end)`` of a tensor's dim 0 that ``rank`` owns: the runtime's own rule,
-    :func:`refimpl.distributed.placement.chunk_range` (chunks of ``ceil(dim0 / N)`` rows, the last ranks
+    ``refimpl.distributed.placement.chunk_range`` (chunks of ``ceil(dim0 / N)`` rows, the last ranks
     fewer or none: 9 rows over 4 ranks are 3, 3, 3, 0, as ``torch.chunk`` and FSDP2 split)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside a world of size {world_size}")

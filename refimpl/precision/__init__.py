@@ -2,18 +2,18 @@
 
 One concept per file:
 
-* :mod:`.policy`: :class:`MixedPrecisionPolicy` (``param_dtype``, ``compute_dtype``, ``reduce_dtype``, the
-  three dtypes of FSDP2's policy), the ``--precision`` names and :func:`dtype_from_name`;
-* :mod:`.master_weights`: :class:`MasterWeights`, the fp32 copy a 16-bit model steps through
+* ``.policy``: ``MixedPrecisionPolicy`` (``param_dtype``, ``compute_dtype``, ``reduce_dtype``, the
+  three dtypes of FSDP2's policy), the ``--precision`` names and ``dtype_from_name``;
+* ``.master_weights``: ``MasterWeights``, the fp32 copy a 16-bit model steps through
   (Micikevicius et al. 2018, "Mixed Precision Training", section 3.1);
-* :mod:`.loss_scaler`: :class:`DynamicLossScaler`, decision for decision ``torch.amp.GradScaler`` plus
+* ``.loss_scaler``: ``DynamicLossScaler``, decision for decision ``torch.amp.GradScaler`` plus
   Megatron-LM's hysteresis and minimum scale (section 3.2), the overflow flag agreed across ranks;
-* :mod:`.mixed_precision`: :class:`MixedPrecision`, what the trainer calls (autocast, scaled backward, the
+* ``.mixed_precision``: ``MixedPrecision``, what the trainer calls (autocast, scaled backward, the
   checked step).
 
 Gradients in 16 bits on the wire are data parallelism's business: the reduction and its hooks
-(:func:`reduce_gradients_`, :func:`low_precision_all_reduce_`, :func:`fp32_accumulating_comm_hook`,
-:func:`ddp_comm_hook`) live in :mod:`refimpl.parallel.data_parallel.data_parallel_communications`, beside
+(``reduce_gradients_``, ``low_precision_all_reduce_``, ``fp32_accumulating_comm_hook``,
+``ddp_comm_hook``) live in ``refimpl.parallel.data_parallel.data_parallel_communications``, beside
 chapter 03's hooks; import them from there (``parallel`` imports ``precision``, ZeRO-3's ``mp_policy``,
 never the other way).
 """

@@ -39,7 +39,7 @@ def _f32(x: float) -> float:
 
 @dataclass(frozen=True, kw_only=True)
 class LossScalerConfig:
-    """The knobs of :class:`DynamicLossScaler` (defaults: GradScaler's, plus Megatron's min scale).
+    """The knobs of ``DynamicLossScaler`` (defaults: GradScaler's, plus Megatron's min scale).
 
     ``hysteresis``: how many overflows are tolerated before the scale shrinks (Megatron-LM); the count
     refills when the scale grows. 1 (shrink on every overflow) is GradScaler's rule. The run aborts after
@@ -155,12 +155,12 @@ class DynamicLossScaler:
         if not found_inf:
             clip_grad_norm_(...)                 # on the true (unscaled) gradients
         scaler.step(optimizer)                   # skipped when found_inf
-        scaler.update()                          # the rule of :func:`update_scale`
+        scaler.update()                          # the rule of ``update_scale``
 
     ``unscale_`` takes an optimizer or the parameters whose gradients this rank owns (a ZeRO shard). The
     overflow flag is all-reduced (MAX) over ``group`` (default: the world when a process group exists),
     so every rank skips the same steps and keeps the same scale; ``agree_across_ranks=False`` turns that
-    off (the negative control of chapter 05). Raises :class:`LossScaleError` after
+    off (the negative control of chapter 05). Raises ``LossScaleError`` after
     ``config.max_consecutive_skips`` skipped steps in a row.
     """
 
@@ -201,7 +201,7 @@ class DynamicLossScaler:
         The test looks at the scaled gradients (as GradScaler does); the division multiplies by the
         float32 reciprocal of S computed in float64, so the unscaled gradients are bit-identical to
         GradScaler's. fp16 gradients are refused: unscaling them in place would underflow again (keep
-        fp32 gradients: autocast, or :class:`MasterWeights`).
+        fp32 gradients: autocast, or ``MasterWeights``).
         """
         if self._found_inf is not None:
             raise RuntimeError("unscale_() was already called this step; call update() first")
@@ -230,7 +230,7 @@ class DynamicLossScaler:
         return self._stepped
 
     def update(self) -> None:
-        """Apply :func:`update_scale` with this step's overflow flag; abort after too many skips."""
+        """Apply ``update_scale`` with this step's overflow flag; abort after too many skips."""
         if self._found_inf is None:
             raise RuntimeError("update() needs unscale_() or step() first in this step")
         found_inf, self._found_inf = self._found_inf, None
@@ -266,7 +266,7 @@ class DynamicLossScaler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (the saved config wins, as with GradScaler)."""
+        """Restore ``state_dict`` (the saved config wins, as with GradScaler)."""
         self.config = LossScalerConfig(**state["config"])
         self._state = ScalerState(float(state["scale"]), int(state["growth_tracker"]),
                                   int(state["hysteresis_tracker"]))

@@ -12,9 +12,9 @@ from torch import nn
 class MasterWeights:
     """An fp32 master copy of a model whose own weights are cast to ``dtype`` (Micikevicius et al. 2018).
 
-    The model computes forward and backward in 16 bits; build the optimizer on :attr:`master` (an fp32
-    twin of the model, tied weights kept tied); per step call :meth:`copy_grads_to_master` after backward
-    and :meth:`copy_master_to_model` after the optimizer step. Updates too small for 16 bits (lr x grad
+    The model computes forward and backward in 16 bits; build the optimizer on ``master`` (an fp32
+    twin of the model, tied weights kept tied); per step call ``copy_grads_to_master`` after backward
+    and ``copy_master_to_model`` after the optimizer step. Updates too small for 16 bits (lr x grad
     below half a unit in the last place of the weight) accumulate in the master copy instead of vanishing.
     """
 

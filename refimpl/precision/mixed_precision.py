@@ -1,8 +1,8 @@
 """The mixed-precision driver the trainer calls: autocast, scaled backward, checked and maybe skipped step.
 
-Chapter 05. A :class:`~refimpl.precision.policy.MixedPrecisionPolicy` put to work: fp32 master weights
-(:class:`~refimpl.precision.master_weights.MasterWeights`) when the model itself is 16-bit, a
-:class:`~refimpl.precision.loss_scaler.DynamicLossScaler` for fp16 (Micikevicius et al. 2018, sections 3.1
+Chapter 05. A ``refimpl.precision.policy.MixedPrecisionPolicy`` put to work: fp32 master weights
+(``refimpl.precision.master_weights.MasterWeights``) when the model itself is 16-bit, a
+``refimpl.precision.loss_scaler.DynamicLossScaler`` for fp16 (Micikevicius et al. 2018, sections 3.1
 and 3.2). Under data parallelism or ZeRO each rank may see only part of the gradients (its shard), so the
 scaler all-reduces the overflow flag (MAX) and every rank skips the same steps.
 """
@@ -32,11 +32,11 @@ class MixedPrecision:
         stepped = mp.step(optimizer, grad_clip=1.0)   # False: skipped (fp16 overflow), nothing changed
 
     With ``policy.master_weights`` the model is cast to 16 bits here and the optimizer must own the fp32
-    :attr:`optimizer_module`; otherwise that is the model itself. ``scaler_kwargs`` configure the
-    :class:`DynamicLossScaler` (fp16 only); ``group`` is the process group the overflow flag is agreed on.
+    ``optimizer_module``; otherwise that is the model itself. ``scaler_kwargs`` configure the
+    ``DynamicLossScaler`` (fp16 only); ``group`` is the process group the overflow flag is agreed on.
     ``wrapper_keeps_master``: a wrapper built with this policy keeps the fp32 master weights itself (ZeRO-3's
-    :class:`~refimpl.parallel.zero.FullyShardedDataParallel` with ``mp_policy``, as FSDP2): no
-    :class:`MasterWeights` here, and no autocast (the wrapper hands the model 16-bit weights).
+    ``refimpl.parallel.zero.FullyShardedDataParallel`` with ``mp_policy``, as FSDP2): no
+    ``MasterWeights`` here, and no autocast (the wrapper hands the model 16-bit weights).
     """
 
     def __init__(

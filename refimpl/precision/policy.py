@@ -6,18 +6,18 @@ Three dtypes describe a mixed-precision run (the same three as FSDP2's ``MixedPr
   path (the weights stay fp32 and ``torch.autocast`` makes a low-precision copy of each for its matmul);
   ``float16``/``bfloat16`` means the master-weights path of Micikevicius et al. 2018 ("Mixed Precision
   Training", section 3.1): the model holds 16-bit copies, the optimizer an fp32 master copy
-  (:class:`~refimpl.precision.master_weights.MasterWeights`);
+  (``refimpl.precision.master_weights.MasterWeights``);
 * ``compute_dtype``: the dtype of the matrix multiplies (what autocast casts to);
 * ``reduce_dtype``: the dtype gradients travel in during the data-parallel all-reduce. A 16-bit
   ``reduce_dtype`` halves the bytes;
-  :func:`~refimpl.parallel.data_parallel.data_parallel_communications.reduce_gradients_` still sums in fp32.
+  ``refimpl.parallel.data_parallel.data_parallel_communications.reduce_gradients_`` still sums in fp32.
 
-fp16 needs loss scaling (section 3.2; :mod:`refimpl.precision.loss_scaler`), bf16 (fp32's exponent range)
+fp16 needs loss scaling (section 3.2; ``refimpl.precision.loss_scaler``), bf16 (fp32's exponent range)
 does not.
 
 ``--precision fp8`` (chapter 10) is the bf16 policy here (autocast to bf16 over fp32 weights, gradients
 reduced in fp32): the fp8 part lives in the linear layers themselves, whose three GEMMs cast their operands
-to fp8 with their own scales (:mod:`refimpl.precision.fp8.training`, applied by ``parallelize``); what is
+to fp8 with their own scales (``refimpl.precision.fp8.training``, applied by ``parallelize``); what is
 not a linear (attention, LayerNorm, the loss, the first and last linear) computes as under bf16.
 """
 
@@ -109,5 +109,5 @@ class MixedPrecisionPolicy:
         return torch.autocast(device_type=torch.device(device).type, dtype=self.compute_dtype)
 
     def make_scaler(self, **kwargs: Any) -> DynamicLossScaler | None:
-        """A :class:`DynamicLossScaler` for fp16, None otherwise (``kwargs`` go to the scaler)."""
+        """A ``DynamicLossScaler`` for fp16, None otherwise (``kwargs`` go to the scaler)."""
         return DynamicLossScaler(**kwargs) if self.loss_scaling else None

@@ -1,8 +1,8 @@
 """The trainer's command line: ``python -m refimpl.train`` (under torchrun for several ranks).
 
 One process per device. Every rank builds the same model from the same seed, reads its own shard of each
-global batch (:class:`refimpl.data.ShardedBatches`), and the gradients are averaged across ranks before
-the AdamW step: by data parallelism (:class:`refimpl.parallel.data_parallel.DataParallelBucket`, chapter
+global batch (``refimpl.data.ShardedBatches``), and the gradients are averaged across ranks before
+the AdamW step: by data parallelism (``refimpl.parallel.data_parallel.DataParallelBucket``, chapter
 03: bucketed all-reduces overlapped with backward), or by ZeRO (``--zero-stage 1/2``: a sharded optimizer;
 ``3``: a fully sharded module; chapter 04). ``--precision bf16/fp16`` computes under autocast (fp16 with a
 dynamic loss scaler; with ``--zero-stage 3`` as FSDP2 instead: 16-bit all-gathered weights over fp32 master
@@ -14,11 +14,11 @@ shards, gradients reduced in fp32) and ``--activation-checkpointing`` recomputes
 ``--checkpoint-minutes`` minutes, on SIGTERM (then it stops: exit status 143) and at the end. A run
 pointed at a folder that holds checkpoints resumes from the newest one that verifies (``--resume auto``)
 and gives, bit for bit, the losses of an uninterrupted run; ``--resume never`` refuses such a folder
-(except the checkpoints of its own job after an elastic restart: :func:`refimpl.elastic.resume_mode`).
+(except the checkpoints of its own job after an elastic restart: ``refimpl.elastic.resume_mode``).
 Under ``torchrun --max-restarts R`` a failed rank restarts the whole group, which resumes from the disk
 (never from the restart counter, which is per agent and read for the report only); at a smaller world
 size the checkpoint is resharded. ``--fail-at-step``, ``--hang-at-step`` and ``--preempt-at-step``
-inject faults (:class:`refimpl.elastic.FaultPlan`). Each step appends a JSON line to
+inject faults (``refimpl.elastic.FaultPlan``). Each step appends a JSON line to
 ``<out>/metrics.jsonl`` (a resumed run first drops the lines of the steps it replays); the end of the run
 writes ``loss.png``, ``config.json``, ``summary.json`` (restarts, resume point) and a text sample.
 
@@ -37,10 +37,10 @@ Bad input (an unknown flag, a missing data path, an empty corpus, heads that do 
 ranks than the data can feed, a checkpoint folder of another run) stops with one line on stderr and exit
 status 2, before any process starts.
 
-The package, one concept a file, imports one way: ``args`` (flags, :class:`RunOptions`) -> ``preflight``
+The package, one concept a file, imports one way: ``args`` (flags, ``RunOptions``) -> ``preflight``
 (refusals before any process starts) -> ``setup`` (the model through
-:func:`refimpl.parallel.parallelize.parallelize` on the layout's groups, then the optimizer) -> ``step``
-(one optimizer step) -> ``loop`` (:func:`train`: builds the groups once) -> ``cli`` (:func:`main`, the
+``refimpl.parallel.parallelize.parallelize`` on the layout's groups, then the optimizer) -> ``step``
+(one optimizer step) -> ``loop`` (``train``: builds the groups once) -> ``cli`` (``main``, the
 self-launch, the failure report).
 """
 

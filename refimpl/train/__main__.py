@@ -1,4 +1,4 @@
-"""``python -m refimpl.train``: the trainer's command line (:func:`refimpl.train.cli.main`)."""
+"""``python -m refimpl.train``: the trainer's command line (``refimpl.train.cli.main``)."""
 
 import sys
 

@@ -1,5 +1,5 @@
-"""The trainer's flags and what they become: :func:`build_parser`, :func:`config_from_args` (a
-:class:`refimpl.config.TrainConfig`) and :func:`options_from_args` (a :class:`RunOptions`: parallelism,
+"""The trainer's flags and what they become: ``build_parser``, ``config_from_args`` (a
+``refimpl.config.TrainConfig``) and ``options_from_args`` (a ``RunOptions``: parallelism,
 precision, checkpoints and faults, chapters 03-05 and 09)."""
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _moe_fields(args: argparse.Namespace) -> dict:
-    """The MoE fields of :class:`~refimpl.config.ModelConfig` from the ``--moe-*`` flags (none: dense; the
+    """The MoE fields of ``refimpl.config.ModelConfig`` from the ``--moe-*`` flags (none: dense; the
     form's own where a flag is left at its default: ``--arch deepseek``'s bias balancing, its renormalised
     top-k)."""
     if not args.moe_experts:
@@ -309,9 +309,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RunOptions:
-    """What the trainer does beyond :class:`TrainConfig`: parallelism, precision, checkpoints, faults.
+    """What the trainer does beyond ``TrainConfig``: parallelism, precision, checkpoints, faults.
 
-    The defaults (no checkpoint folder, no fault) are those of :func:`train` called from Python.
+    The defaults (no checkpoint folder, no fault) are those of ``train`` called from Python.
     """
 
     zero_stage: int = 0
@@ -359,7 +359,7 @@ class RunOptions:
 
     @property
     def parallel(self) -> ParallelConfig:
-        """The layout and the technique options as one :class:`~refimpl.config.ParallelConfig`."""
+        """The layout and the technique options as one ``refimpl.config.ParallelConfig``."""
         return ParallelConfig(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, dp_replicate=self.dp_replicate,
                               ep=self.ep, zero_stage=self.zero_stage,
                               precision=self.precision, fp8_scaling=self.fp8_scaling,

@@ -1,16 +1,16 @@
-"""The command line: :func:`main` (``python -m refimpl.train``), the self-launch under torchrun with
-``--nproc-per-node`` (:func:`_launch`, with the demonstration fault of the default run), and the report of a
-failed launch (:func:`failure_report`: the failures the ranks recorded, where a rerun resumes; chapter 11).
+"""The command line: ``main`` (``python -m refimpl.train``), the self-launch under torchrun with
+``--nproc-per-node`` (``_launch``, with the demonstration fault of the default run), and the report of a
+failed launch (``failure_report``: the failures the ranks recorded, where a rerun resumes; chapter 11).
 
 No process of a run outlives the one that started it: each rank dies with its torchrun agent
-(``init_distributed`` under ``TORCHELASTIC_RUN_ID``: :func:`refimpl.distributed.env.exit_with_parent`), and
+(``init_distributed`` under ``TORCHELASTIC_RUN_ID``: ``refimpl.distributed.env.exit_with_parent``), and
 the torchrun of the self-launch dies with the trainer that started it (``preexec_exit_with_parent``, Linux),
 so a self-launcher killed by a job's timeout takes torchrun and then the ranks with it.
 
-The demonstration of the default run (``make train``: :func:`demo_fault_flags`) is said once before the
-launch (:func:`_demo_announcement`); the ranks get ``--demo-fault`` with its fault, so that the killed
+The demonstration of the default run (``make train``: ``demo_fault_flags``) is said once before the
+launch (``_demo_announcement``); the ranks get ``--demo-fault`` with its fault, so that the killed
 rank says in one line that the fault was planned and the others, whose step fails with it, stop quietly
-(:mod:`refimpl.elastic.faults`; :func:`main` ends them with status 1 and no traceback).
+(``refimpl.elastic.faults``; ``main`` ends them with status 1 and no traceback).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def failure_report(config: TrainConfig, options: RunOptions, code: int, max_rest
 
 
 def _train(config: TrainConfig, ctx, options: RunOptions) -> None:
-    """:func:`train`, under the device lint when ``REFIMPL_DEVICE_LINT=1`` (the whole run, setup included:
+    """``train``, under the device lint when ``REFIMPL_DEVICE_LINT=1`` (the whole run, setup included:
     a call CUDA or NCCL would refuse raises there; rank 0 prints the host syncs per step at the end)."""
     if not device_lint_enabled():
         train(config, ctx, options)

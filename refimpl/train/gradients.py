@@ -1,5 +1,5 @@
 """The gradients the optimizer receives, as boxes of the plain GPT's tensors: what a probe passed to
-:func:`refimpl.train.train` (``gradient_probe``) reads after the step's reductions and the loss scaler's
+``refimpl.train.train`` (``gradient_probe``) reads after the step's reductions and the loss scaler's
 unscaling and check, before clipping and AdamW (``MixedPrecision.step``'s ``after_unscale``).
 
 Why a probe: AdamW divides each gradient by the root of its second moment and clipping rescales the whole

@@ -1,15 +1,15 @@
-"""What runs inside the loop of :func:`refimpl.train.train`, at documented points: :class:`TrainHooks`,
-and :func:`compose`, which makes one hooks object of several.
+"""What runs inside the loop of ``refimpl.train.train``, at documented points: ``TrainHooks``,
+and ``compose``, which makes one hooks object of several.
 
 The trainer calls each hook at one point of a step, so that a measurement (chapter 12's
-:class:`refimpl.measure.run_measurement.TrainerProbe`), an equivalence test or the run's own probes
-(:class:`refimpl.train.probes.RunProbes`: fault injection, the test sleep, the heartbeat) read or do what
+``refimpl.measure.run_measurement.TrainerProbe``), an equivalence test or the run's own probes
+(``refimpl.train.probes.RunProbes``: fault injection, the test sleep, the heartbeat) read or do what
 they need without replacing the trainer's functions, the ops or the pipeline executor's clock. For step
 ``step``, in order:
 
 1. ``before_step(step, setup)``: the step begins, before its learning rate, its batch and ``around_step``;
 2. ``around_step(step, setup)``: a context manager entered before the step's forward and exited after its
-   optimizer step (around :func:`refimpl.train.step.train_step` only: not the loss all-reduce, the record or
+   optimizer step (around ``refimpl.train.step.train_step`` only: not the loss all-reduce, the record or
    the checkpoint);
 3. ``after_first_forward(step, setup)``: inside the first micro-batch, between its forward and its loss
    (before any backward); under pipeline parallelism once the schedule's forwards and backwards are done,
@@ -21,7 +21,7 @@ they need without replacing the trainer's functions, the ops or the pipeline exe
    and AdamW;
 6. ``gradient_probe(step, shards)``: the gradients the optimizer receives, once the loss scaler has
    unscaled and checked them (fp16), as boxes of the plain GPT's tensors
-   (:func:`refimpl.train.gradients.gradient_shards`, computed only when some hook has this point; read
+   (``refimpl.train.gradients.gradient_shards``, computed only when some hook has this point; read
    them there, clipping and the step change them after);
 7. ``after_gradient_probe(step, setup)``: the last point before clipping and AdamW (called with or without
    a ``gradient_probe``); then ``around_step`` exits, the loss is averaged over the ranks and the step's
@@ -31,27 +31,27 @@ they need without replacing the trainer's functions, the ops or the pipeline exe
 
 Besides the steps:
 
-- ``on_failure(step, setup, exc)``: an exception (not :class:`refimpl.train.Preempted`: a preemption saved
+- ``on_failure(step, setup, exc)``: an exception (not ``refimpl.train.Preempted``: a preemption saved
   and stops) leaves the steps during step ``step``; it propagates once every hook has run;
 - ``clock()``: the pipeline executor's clock (seconds), read at every action's start, ready and end
-  (default :func:`refimpl.comm.tracer.now`); a hook that samples something at those points returns the
+  (default ``refimpl.comm.tracer.now``); a hook that samples something at those points returns the
   same clock after sampling.
 
 **Composition.** The trainer calls one object, ``compose(RunProbes(...), hooks)``: at each point the run's
-own probes, then the caller's hooks, in the same way. :func:`compose` calls its members in order at every
+own probes, then the caller's hooks, in the same way. ``compose`` calls its members in order at every
 point; ``around_step`` nests them (the first outermost: entered first, exited last); ``clock`` reads every
 member's clock in order and returns the last one's reading (each sampler samples; with one clock, that
 clock). The members' attributes are read once, when composed (the trainer: when the steps begin); an
 attribute a member lacks reads as None (``getattr(member, name, None)``), so an object that has only the
 five points the trainer offered first (``around_step``, ``after_first_loss``, ``before_optimizer_step``,
-``gradient_probe``, ``clock``: :class:`~refimpl.measure.run_measurement.TrainerProbe`) still works.
+``gradient_probe``, ``clock``: ``refimpl.measure.run_measurement.TrainerProbe``) still works.
 
 So, within a step: the heartbeat's "forward" and a planned preemption come before the caller's
 ``before_step``; a planned kill or hang, the test sleep and the heartbeat's "backward and gradient
 reduction" before the caller's ``after_first_forward``; the heartbeat's "optimizer step" after the caller's
 ``gradient_probe`` (it is the run's ``after_gradient_probe``), its "checkpoint" before the caller's
 ``before_checkpoint``, and the failure report (naming the rank behind, in ``failures.jsonl``) before the
-caller's ``on_failure``. The per-step :class:`~refimpl.comm.CommTracer` (the bytes in ``metrics.jsonl``)
+caller's ``on_failure``. The per-step ``refimpl.comm.CommTracer`` (the bytes in ``metrics.jsonl``)
 stays the trainer's, around the whole step (a hook's own tracer nests inside it).
 """
 
@@ -70,10 +70,10 @@ __all__ = ["POINTS", "Hooks", "TrainHooks", "compose"]
 
 
 class Hooks(Protocol):
-    """What :func:`refimpl.train.train` reads of its ``hooks``: the attributes of :class:`TrainHooks`, each
+    """What ``refimpl.train.train`` reads of its ``hooks``: the attributes of ``TrainHooks``, each
     a callable or None. Any object with them will do (a measurement such as
-    :class:`refimpl.measure.run_measurement.TrainerProbe` is one, without importing the trainer); an
-    attribute it lacks reads as None (:func:`compose` reads each with ``getattr(hooks, name, None)``): every
+    ``refimpl.measure.run_measurement.TrainerProbe`` is one, without importing the trainer); an
+    attribute it lacks reads as None (``compose`` reads each with ``getattr(hooks, name, None)``): every
     point is optional in practice, though a type checker would ask for all of them."""
 
     @property
@@ -110,7 +110,7 @@ class Hooks(Protocol):
 @dataclass(frozen=True, kw_only=True)
 class TrainHooks:
     """Optional callables the trainer calls (module docstring for when); ``setup`` is the run's built
-    setup (:func:`refimpl.train.setup.build_setup`), ``step`` the step's index in the run."""
+    setup (``refimpl.train.setup.build_setup``), ``step`` the step's index in the run."""
 
     before_step: Callable[[int, Any], None] | None = None
     around_step: Callable[[int, Any], AbstractContextManager[object]] | None = None
@@ -128,7 +128,7 @@ POINTS = tuple(f.name for f in fields(TrainHooks))  # the points, in the order o
 
 
 def compose(*hooks: Hooks | None) -> TrainHooks:
-    """One :class:`TrainHooks` that runs ``hooks`` (None entries skipped) in order at every point; nested
+    """One ``TrainHooks`` that runs ``hooks`` (None entries skipped) in order at every point; nested
     ``around_step``, the last clock's reading (module docstring). A point no member has stays None."""
     members = [h for h in hooks if h is not None]
     chosen = {}

@@ -1,7 +1,7 @@
-"""The training loop, :func:`train`: resume from the newest valid checkpoint (chapter 11), run the steps
-(:func:`refimpl.train.step.train_step`), append a record per step to ``metrics.jsonl`` (loss, throughput,
+"""The training loop, ``train``: resume from the newest valid checkpoint (chapter 11), run the steps
+(``refimpl.train.step.train_step``), append a record per step to ``metrics.jsonl`` (loss, throughput,
 memory, the bytes this rank sent per process group, and under pipeline parallelism the measured idle share),
-save on the schedule and on SIGTERM (then raise :class:`Preempted`), and report at the end (``loss.png``,
+save on the schedule and on SIGTERM (then raise ``Preempted``), and report at the end (``loss.png``,
 ``summary.json``, a text sample).
 """
 
@@ -57,13 +57,13 @@ class Preempted(Exception):
 
 
 def _call(point: Callable[..., None] | None, *args) -> None:
-    """A hook point (:mod:`refimpl.train.hooks`) called with ``args``, when some hook has it."""
+    """A hook point (``refimpl.train.hooks``) called with ``args``, when some hook has it."""
     if point is not None:
         point(*args)
 
 
 def _bound(point: Callable[..., None] | None, *args) -> Callable[..., None] | None:
-    """A hook point bound to ``args`` (``step, setup``), a callback of :func:`train_step`; or None."""
+    """A hook point bound to ``args`` (``step, setup``), a callback of ``train_step``; or None."""
     return None if point is None else partial(point, *args)
 
 
@@ -71,7 +71,7 @@ def _pipeline_idle(setup) -> float:
     """The idle share of the pipeline ranks in the last step, measured from the executor's events (per
     rank ``1 - sum(action time after its input arrived) / (last end - first start)``, averaged over the pp
     group: the bubble and the waits for transfers, chapter 08). The events' times are device time on CUDA
-    (their reads synchronize once: :mod:`refimpl.comm.device_clock`), and the share is all-reduced from the
+    (their reads synchronize once: ``refimpl.comm.device_clock``), and the share is all-reduced from the
     stages' device, the run's: NCCL takes no CPU tensor."""
     events = setup.pipeline.last_events
     span = max(e.end for e in events) - min(e.start for e in events)
@@ -87,11 +87,11 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
           gradient_probe: Callable[[int, dict[str, LocalShard]], None] | None = None) -> list[dict]:
     """Run the optimizer steps of ``config`` (resuming from ``options.checkpoint`` when it holds a valid
     checkpoint); return the per-step records (also in metrics.jsonl; on rank 0 they include the steps of
-    earlier attempts). Raises :class:`Preempted` after the save that follows a SIGTERM.
+    earlier attempts). Raises ``Preempted`` after the save that follows a SIGTERM.
 
-    ``hooks``: what the caller runs inside the loop, at the points :mod:`refimpl.train.hooks` documents (a
-    :class:`~refimpl.train.hooks.TrainHooks`, or a measurement such as
-    :class:`~refimpl.measure.run_measurement.TrainerProbe`). ``gradient_probe`` is short for
+    ``hooks``: what the caller runs inside the loop, at the points ``refimpl.train.hooks`` documents (a
+    ``refimpl.train.hooks.TrainHooks``, or a measurement such as
+    ``refimpl.measure.run_measurement.TrainerProbe``). ``gradient_probe`` is short for
     ``hooks=TrainHooks(gradient_probe=...)``: on every rank and step, the gradients the step hands to the
     optimizer, reduced, as boxes of the plain GPT's tensors (the equivalence tests compare them with one
     device's)."""
@@ -131,9 +131,9 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
 def _run_steps(config: TrainConfig, ctx: DistributedContext, options: RunOptions, setup, *, dims, groups,
                batches, resumed: Resumed, hooks: Hooks, out: Path, begin: float) -> list[dict]:
     """Steps ``resumed.start`` to ``config.steps - 1``: a record per step (metrics.jsonl on rank 0), the
-    saves on the schedule and on SIGTERM (then :class:`Preempted`). The run's own probes
-    (:class:`~refimpl.train.probes.RunProbes`: faults, the heartbeat and its report of a failure) are hooks,
-    composed before the caller's ``hooks`` and called at the points :mod:`refimpl.train.hooks` lists."""
+    saves on the schedule and on SIGTERM (then ``Preempted``). The run's own probes
+    (``refimpl.train.probes.RunProbes``: faults, the heartbeat and its report of a failure) are hooks,
+    composed before the caller's ``hooks`` and called at the points ``refimpl.train.hooks`` lists."""
     coords = dims.coordinates(ctx.rank)
     start, attempt = resumed.start, resumed.attempt
     checkpointer, schedule = resumed.checkpointer, resumed.schedule

@@ -1,8 +1,8 @@
-"""What is refused before any process starts: the batch split and the data (:func:`check_fits`), the
-device (:func:`run_device`: too few GPUs for the ranks; :func:`check_fp8_device`: fp8 on a GPU without fp8
-tensor cores), the planned memory per rank against the machine's (:func:`preflight_memory`, the planner of
-chapter 12; on a GPU less the headroom of :func:`usable_cuda_bytes`), and a checkpoint folder that the ranks
-could not resume: another run's, or one whose checkpoints are all damaged (:func:`preflight_resume`,
+"""What is refused before any process starts: the batch split and the data (``check_fits``), the
+device (``run_device``: too few GPUs for the ranks; ``check_fp8_device``: fp8 on a GPU without fp8
+tensor cores), the planned memory per rank against the machine's (``preflight_memory``, the planner of
+chapter 12; on a GPU less the headroom of ``usable_cuda_bytes``), and a checkpoint folder that the ranks
+could not resume: another run's, or one whose checkpoints are all damaged (``preflight_resume``,
 chapter 11)."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def check_fits(config: TrainConfig, world_size: int) -> ShardedBatches:
 
 def check_shapes(config: TrainConfig, parallel: ParallelConfig) -> None:
     """Refuse a ``--tp`` or ``--cp`` the model or the sequence cannot take (chapters 06 and 07): the
-    sentences of :func:`refimpl.support.shape_refusals`, the rule set the planner's search asks too."""
+    sentences of ``refimpl.support.shape_refusals``, the rule set the planner's search asks too."""
     why = shape_refusals(config.model, parallel, seq_len=config.data.seq_len)
     if why:
         raise ConfigError("; and ".join(why))
@@ -41,7 +41,7 @@ def check_shapes(config: TrainConfig, parallel: ParallelConfig) -> None:
 
 def check_experts(config: TrainConfig, options: RunOptions) -> None:
     """Refuse what an MoE model or ``--ep`` cannot take (chapter 09): ``--ep`` without MoE blocks, experts
-    that do not split over ``--ep``, and the combinations :data:`refimpl.support.MOE_SUPPORT_TABLE` refuses
+    that do not split over ``--ep``, and the combinations ``refimpl.support.MOE_SUPPORT_TABLE`` refuses
     for a model with MoE blocks (ZeRO-3)."""
     experts, ep = config.model.num_experts, options.ep
     if ep > 1 and experts == 0:
@@ -55,8 +55,8 @@ def check_experts(config: TrainConfig, options: RunOptions) -> None:
 
 def forwards_per_step(config: TrainConfig, options: RunOptions, dp: int) -> int:
     """The forwards a data-parallel rank runs per optimizer step: gradient accumulation's micro-batches
-    without a pipeline, the pipeline's (:func:`pipeline_microbatches`) with one; refused (one line) when
-    the per-rank batch does not split (:func:`refimpl.config.micro_batches` is the rule)."""
+    without a pipeline, the pipeline's (``pipeline_microbatches``) with one; refused (one line) when
+    the per-rank batch does not split (``refimpl.config.micro_batches`` is the rule)."""
     if options.pp == 1:
         return config.data.accumulation_steps(dp)
     return pipeline_microbatches(config, options, dp)
@@ -104,7 +104,7 @@ def survivor_layout(options: RunOptions, world_size: int, *,
     hold the same way) and sets ``dp = world / (tp pp cp)``; the checkpoint reshards by its boxes and the
     global batch stays (more accumulation per rank). Returns the options to run and the sentence that says
     so (None when nothing changed). A first attempt is never changed: a layout that does not match the ranks
-    started is the user's mistake and :meth:`RunOptions.parallel_dims` refuses it."""
+    started is the user's mistake and ``RunOptions.parallel_dims`` refuses it."""
     if options.dp is None or restart_count == 0:
         return options, None
     asked = options.parallel_dims(options.dp * options.tp * options.pp * options.cp)
@@ -127,8 +127,8 @@ def survivor_layout(options: RunOptions, world_size: int, *,
 
 def run_device(ranks_per_node: int, *, local_rank: int = 0, backend: str | None = None,
                launching: bool = False) -> torch.device:
-    """A rank's device by :func:`refimpl.distributed.choose_device`'s rule, its refusal a
-    :class:`ConfigError` (exit status 2). ``launching``: the self-launcher, whose ranks see its GPUs."""
+    """A rank's device by ``refimpl.distributed.choose_device``'s rule, its refusal a
+    ``ConfigError`` (exit status 2). ``launching``: the self-launcher, whose ranks see its GPUs."""
     from refimpl.distributed import choose_device
 
     try:
@@ -138,7 +138,7 @@ def run_device(ranks_per_node: int, *, local_rank: int = 0, backend: str | None 
 
 
 def check_fp8_device(precision: str, device: torch.device) -> None:
-    """Refuse ``--precision fp8`` on a GPU below compute capability 8.9 (:data:`FP8_MIN_CAPABILITY`): the
+    """Refuse ``--precision fp8`` on a GPU below compute capability 8.9 (``FP8_MIN_CAPABILITY``): the
     fp8 kernels of ``torch._scaled_mm`` need fp8 tensor cores (Ada 8.9, Hopper 9.0 and later); on an A100
     the first fp8 GEMM would fail inside step 0, once every rank has set up. A CPU keeps fp8 (dequantized)."""
     if precision != "fp8" or device.type != "cuda":
@@ -153,7 +153,7 @@ def check_fp8_device(precision: str, device: torch.device) -> None:
 
 def usable_cuda_bytes(measured: int) -> int:
     """What a GPU rank may plan for out of ``measured`` bytes (free; the self-launcher's: total):
-    ``0.9 x measured - 1 GiB`` (:data:`CUDA_USABLE_SHARE`, :data:`CUDA_ALLOWANCE_BYTES`), at least 0.
+    ``0.9 x measured - 1 GiB`` (``CUDA_USABLE_SHARE``, ``CUDA_ALLOWANCE_BYTES``), at least 0.
 
     The planner counts the step's tensors. The 10%: the caching allocator rounds blocks up (512 bytes, large
     ones cut from 2 or 20 MiB segments) and cannot always reuse a freed segment for a larger block, so it
@@ -166,7 +166,7 @@ def usable_cuda_bytes(measured: int) -> int:
 
 
 def _cuda_memory(device: torch.device, *, launching: bool) -> tuple[int, str]:
-    """:func:`usable_cuda_bytes` of the GPU's free memory (launching: total), and how (the refusal says)."""
+    """``usable_cuda_bytes`` of the GPU's free memory (launching: total), and how (the refusal says)."""
     name = torch.cuda.get_device_name(device)
     if launching:
         measured, what = torch.cuda.get_device_properties(device).total_memory, f"total memory of the {name}"
@@ -179,7 +179,7 @@ def _cuda_memory(device: torch.device, *, launching: bool) -> tuple[int, str]:
 
 def machine_memory_per_rank(ranks_per_node: int, *, local_rank: int = 0, launching: bool = False,
                             backend: str | None = None) -> tuple[int, str]:
-    """The bytes one rank may use and where the figure comes from: on a GPU :func:`usable_cuda_bytes` of
+    """The bytes one rank may use and where the figure comes from: on a GPU ``usable_cuda_bytes`` of
     its free memory (``torch.cuda.mem_get_info``; the self-launcher reads the total instead, to create no
     CUDA context in itself), on a CPU the node's available memory (psutil, else /proc/meminfo) over its
     ranks; ``REFIMPL_MEMORY_BYTES`` (tests) replaces the measured node's figure."""
@@ -208,13 +208,13 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
                      force: bool = False, local_rank: int = 0, launching: bool = False,
                      backend: str | None = None):
     """Refuse, before any process starts, a run whose planned bytes per rank exceed the machine's:
-    :func:`refimpl.planner.run_memory_of` the run's ``options.parallel`` (model state by ZeRO stage and
-    precision + one micro-batch's activations) against :func:`machine_memory_per_rank`. ``force``: warn
+    ``refimpl.planner.run_memory_of`` the run's ``options.parallel`` (model state by ZeRO stage and
+    precision + one micro-batch's activations) against ``machine_memory_per_rank``. ``force``: warn
     and go on. Returns the estimate (None where the planner does not model the run: an MoE model with fp8
-    or a layout :func:`refimpl.planner.experts.unmodelled_moe` names, multi-head latent attention; not
+    or a layout ``refimpl.planner.experts.unmodelled_moe`` names, multi-head latent attention; not
     checked, said on stderr). An MoE
     model is planned at pp = 1 for uniform routing (chapter 09). First the device (``backend``:
-    ``--backend``): :func:`run_device` and :func:`check_fp8_device`, which ``force`` does not override."""
+    ``--backend``): ``run_device`` and ``check_fp8_device``, which ``force`` does not override."""
     from refimpl.planner import run_memory_of
     from refimpl.planner.experts import unmodelled_moe
     from refimpl.planner.memory import unmodelled_attention
@@ -300,8 +300,8 @@ def preflight_resume(config: TrainConfig, options: RunOptions) -> int | None:
     """Before launching, what the ranks would refuse (exit status 2, in one line, before torchrun would
     restart them to refuse again): a folder that holds checkpoints under ``--resume never``; one whose
     checkpoints are all damaged (each verified as the ranks do, newest first, down to the first valid one:
-    its manifest, files, sizes and sha256, :func:`refimpl.checkpoint.verify_checkpoint`); a valid checkpoint
-    of another run configuration (:func:`check_same_run`). Returns the step the run resumes from (None:
+    its manifest, files, sizes and sha256, ``refimpl.checkpoint.verify_checkpoint``); a valid checkpoint
+    of another run configuration (``check_same_run``). Returns the step the run resumes from (None:
     a fresh start). Nothing in the folder is changed."""
     if options.checkpoint is None:
         return None

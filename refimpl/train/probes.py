@@ -1,10 +1,10 @@
-"""The run's own probes, :class:`RunProbes`: hooks (:mod:`refimpl.train.hooks`) that the trainer composes
+"""The run's own probes, ``RunProbes``: hooks (``refimpl.train.hooks``) that the trainer composes
 before the caller's, ``compose(RunProbes(options, ctx, out), hooks)``.
 
 They are fault injection (``options.faults``, chapter 11: a preemption before the step; a kill, a lost
 machine or a hang after the first forward, while the other ranks go on into the collectives), the tests'
 sleep in a step (``--test-sleep-in-step``: a step too long for a SIGTERM to wait for) and the heartbeat
-(:class:`refimpl.elastic.Heartbeat`: this rank's position in the store at four places of a step, read back
+(``refimpl.elastic.Heartbeat``: this rank's position in the store at four places of a step, read back
 on a failure to name the rank that stopped behind the others).
 """
 
@@ -35,10 +35,10 @@ class RunProbes:
     - ``after_gradient_probe``: heartbeat 2, "optimizer step";
     - ``before_checkpoint``: heartbeat 3, "checkpoint";
     - ``on_failure``: in a world of more than one, unless the error is the user's (a bad configuration or
-      data): a line on stderr with the heartbeat's report (:meth:`refimpl.elastic.Heartbeat.explain`) and an
+      data): a line on stderr with the heartbeat's report (``refimpl.elastic.Heartbeat.explain``) and an
       ``error`` record in ``<out>/failures.jsonl``; in the step in which the demonstration (``--demo-fault``)
       killed another rank only the record, and the error is marked planned
-      (:func:`refimpl.elastic.faults.is_planned`: no traceback follows).
+      (``refimpl.elastic.faults.is_planned``: no traceback follows).
     """
 
     around_step = after_first_loss = before_optimizer_step = gradient_probe = clock = None  # not the run's

@@ -1,6 +1,6 @@
-"""Where a run starts (chapter 11): :func:`resume` loads the newest valid checkpoint into the built setup
-and keeps the records of the earlier attempts; the trainer (:func:`refimpl.train.train`) then runs the
-steps from :attr:`Resumed.start`.
+"""Where a run starts (chapter 11): ``resume`` loads the newest valid checkpoint into the built setup
+and keeps the records of the earlier attempts; the trainer (``refimpl.train.train``) then runs the
+steps from ``Resumed.start``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""A run's pieces, built through :func:`refimpl.parallel.parallelize.parallelize` (chapter 12): the model,
+"""A run's pieces, built through ``refimpl.parallel.parallelize.parallelize`` (chapter 12): the model,
 its data-parallel or ZeRO wrapper on the ``dp x cp`` group (chapters 03-04), the optimizer and the
-mixed-precision policy (chapter 05), as :func:`build_setup` puts them together."""
+mixed-precision policy (chapter 05), as ``build_setup`` puts them together."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ def train_step(setup: _Setup, inputs: torch.Tensor, labels: torch.Tensor, *, acc
     trainer's fault injection and heartbeat); ``after_first_loss(loss)`` once the first micro-batch's loss is
     computed (not under pipeline parallelism); ``before_optimizer_step`` once the gradients are reduced,
     ``after_unscale`` once they are unscaled (fp16), before clipping and AdamW;
-    ``clock``: the pipeline executor's clock (:class:`refimpl.train.hooks.TrainHooks`)."""
+    ``clock``: the pipeline executor's clock (``refimpl.train.hooks.TrainHooks``)."""
     mp, dp = setup.mp, setup.dp
     loss_sum = torch.zeros((), device=device)
     if setup.pipeline is not None:  # chapter 08: the schedule runs every micro-batch's forward and backward

@@ -4,20 +4,20 @@ Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite C
 (load-balanced) split of Megatron-LM's context parallelism and Llama 3 for the causal balance; Jacobs et al.
 2023, "DeepSpeed Ulysses" (all-to-all sequence parallelism). One concept per file:
 
-* :mod:`~refimpl.parallel.context_parallel.context_parallel_communications`: the ring's K/V exchange with
-  plain ``isend`` / ``irecv`` (through :mod:`refimpl.comm.ops`, so the tracer sees them);
-* :mod:`~refimpl.parallel.context_parallel.sequence_layout`: which chunks of the sequence a rank holds, the
+* ``refimpl.parallel.context_parallel.context_parallel_communications``: the ring's K/V exchange with
+  plain ``isend`` / ``irecv`` (through ``refimpl.comm.ops``, so the tracer sees them);
+* ``refimpl.parallel.context_parallel.sequence_layout``: which chunks of the sequence a rank holds, the
   contiguous and the zig-zag (causal balance) layouts, and the causal work per rank;
-* :mod:`~refimpl.parallel.context_parallel.ring_attention`: ring attention as an autograd Function, partial
+* ``refimpl.parallel.context_parallel.ring_attention``: ring attention as an autograd Function, partial
   outputs merged by their log-sum-exp, backward a ring too;
-* :mod:`~refimpl.parallel.context_parallel.ring_timeline`: the compute and transfer spans of each ring step
+* ``refimpl.parallel.context_parallel.ring_timeline``: the compute and transfer spans of each ring step
   (the overlap, drawn in the chapter);
-* :mod:`~refimpl.parallel.context_parallel.ulysses`: the all-to-all that turns sequence shards into head
+* ``refimpl.parallel.context_parallel.ulysses``: the all-to-all that turns sequence shards into head
   shards and back;
-* :mod:`~refimpl.parallel.context_parallel.context_parallel`: :func:`apply_context_parallel` for refimpl's
+* ``refimpl.parallel.context_parallel.context_parallel``: ``apply_context_parallel`` for refimpl's
   GPT (attention across the ranks, positions and tokens following the split).
 
-:func:`refimpl.parallel.parallelize.parallelize` applies it as its step 2 (after tensor parallelism, before
+``refimpl.parallel.parallelize.parallelize`` applies it as its step 2 (after tensor parallelism, before
 the ``dp x cp`` data-parallel wrapper); the trainer's ``--cp N --cp-method {ring,ulysses}`` runs it.
 """
 

@@ -1,25 +1,25 @@
-"""A model with its sequence split across the ``cp`` ranks: :func:`apply_context_parallel` (chapter 07).
+"""A model with its sequence split across the ``cp`` ranks: ``apply_context_parallel`` (chapter 07).
 
 Everything in the model but attention acts on each token alone, so under context parallelism each rank
 runs the whole model on its part of the sequence, ``[b, s/cp]`` tokens, and only attention looks across the
-ranks: :func:`~refimpl.parallel.context_parallel.ring_attention.ring_attention` (Liu et al. 2023; K/V blocks
-round a ring) or :func:`~refimpl.parallel.context_parallel.ulysses.ulysses_attention` (Jacobs et al. 2023;
+ranks: ``refimpl.parallel.context_parallel.ring_attention.ring_attention`` (Liu et al. 2023; K/V blocks
+round a ring) or ``refimpl.parallel.context_parallel.ulysses.ulysses_attention`` (Jacobs et al. 2023;
 all-to-alls from sequence shards to head shards and back). Two things must follow the split:
 
-* the **tokens**: :func:`split_for_context_parallel` gives each rank its part of the inputs and the labels
+* the **tokens**: ``split_for_context_parallel`` gives each rank its part of the inputs and the labels
   (``layout`` ``"zigzag"``, rank ``i`` holding chunks ``i`` and ``2cp-1-i`` of ``2cp`` for causal balance,
   or ``"contiguous"``; Ulysses needs contiguous, its all-to-all concatenates the ranks' parts in order);
 * the **positions**: the embedding's ``position_ids`` returns the global positions of the rank's tokens
-  (:func:`~refimpl.parallel.context_parallel.sequence_layout.sequence_positions`), not ``[0, s/cp)``.
+  (``refimpl.parallel.context_parallel.sequence_layout.sequence_positions``), not ``[0, s/cp)``.
 
 Which modules those are, the model declares (``context_parallel_modules()``,
-:class:`~refimpl.parallel.declarations.ContextParallelModules`): the attention modules whose
+``refimpl.parallel.declarations.ContextParallelModules``): the attention modules whose
 ``core_attention(q, k, v)`` is replaced, the modules whose ``position_ids(seq_len, device)`` is replaced,
 and, for Ulysses' check before any step, each attention's heads on this rank.
 
 The loss of a rank is the mean over its ``b s/cp`` tokens; every rank holds as many, so the mean of those
 means over the ``dp x cp`` group, the group the data-parallel wrapper averages gradients over
-(:data:`refimpl.distributed.mesh.LOSS_AXES`), is the mean over the global batch (chapter 03's rule).
+(``refimpl.distributed.mesh.LOSS_AXES``), is the mean over the global batch (chapter 03's rule).
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def apply_context_parallel(model: nn.Module, *, cp_group: Group, method: Method 
     Each declared attention module's ``core_attention`` becomes ring attention (``layout`` ``"zigzag"`` by
     default, or ``"contiguous"``) or Ulysses (contiguous; the heads, after tensor parallelism the local
     ones, must divide by cp); each declared position module's ``position_ids`` the global positions. Feed
-    it the tokens of :func:`split_for_context_parallel`. Composes with :func:`~refimpl.parallel.
-    tensor_parallel.apply_tensor_parallel` (applied before it: attention then runs on the local heads).
+    it the tokens of ``split_for_context_parallel``. Composes with ``refimpl.parallel.
+    tensor_parallel.apply_tensor_parallel`` (applied before it: attention then runs on the local heads).
     """
     layout = _layout_of(method, layout)
     n, r = cp_size(cp_group), cp_rank(cp_group)
@@ -90,7 +90,7 @@ def apply_context_parallel(model: nn.Module, *, cp_group: Group, method: Method 
 def split_for_context_parallel(tokens: torch.Tensor, *, cp_group: Group, method: Method = "ring",
                                layout: str | None = None) -> torch.Tensor:
     """This rank's part of ``tokens`` ``[b, s]`` (inputs or labels): ``[b, s/cp]`` by the layout of
-    :func:`apply_context_parallel` with the same ``method`` and ``layout``."""
+    ``apply_context_parallel`` with the same ``method`` and ``layout``."""
     layout = _layout_of(method, layout)
     n = cp_size(cp_group)
     if n == 1:

@@ -3,25 +3,25 @@
 Ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context")
 stands the ``n`` ranks of a context-parallel group in a ring: at each step rank ``r`` sends the block it
 holds to ``r + 1`` and receives the next one from ``r - 1`` (mod ``n``), while it computes with the block it
-already has. After ``n - 1`` steps every rank has seen every block. :func:`ring_exchange` is one such step:
-it posts the transfers and returns at once, with a :class:`RingTransfer` whose :meth:`~RingTransfer.wait`
+already has. After ``n - 1`` steps every rank has seen every block. ``ring_exchange`` is one such step:
+it posts the transfers and returns at once, with a ``RingTransfer`` whose ``RingTransfer.wait``
 hands back the received tensors; the caller computes between the two, which is the overlap of compute and
 transfer the paper relies on (a block's attention costs ``O(c^2 d)``, its transfer ``O(c d)``).
 
 Bytes. One exchange of tensors of ``B`` bytes in all makes this rank send exactly ``B`` bytes (and receive
 ``B``); ``n - 1`` exchanges of a K/V block of ``s/n`` tokens send ``(n - 1)/n`` of the whole sequence's K and
-V. One step's sends and receives are posted as **one** :func:`refimpl.comm.ops.batch_isend_irecv` group
+V. One step's sends and receives are posted as **one** ``refimpl.comm.ops.batch_isend_irecv`` group
 (the tracer still books, and measures, each ``isend`` / ``irecv`` of it): at ``cp = 2`` the right and the
 left neighbour are the same rank, and an unbatched ``irecv`` then ``isend`` on both ranks hangs on NCCL,
 which runs a pair's calls in order (each receive waits for a send queued behind the peer's own receive;
 Megatron-LM and picotron batch the ring's exchange for this reason). Point-to-point calls address peers by
-their **global** rank: the group's ranks are mapped with :func:`torch.distributed.get_global_rank`. Every
+their **global** rank: the group's ranks are mapped with ``torch.distributed.get_global_rank``. Every
 rank posts its groups in the same order, so the ``k``-th message one rank sends to its right is the
 ``k``-th its right neighbour receives from its left (two groups in flight, the backward's K/V and its
 dK/dV, are posted in the same order on every rank).
 
 A rank that never sends does not hang its neighbour: the wait fails after the process group's timeout, and
-:meth:`RingTransfer.wait` re-raises it as a one-line ``RuntimeError`` naming the peer and the step.
+``RingTransfer.wait`` re-raises it as a one-line ``RuntimeError`` naming the peer and the step.
 """
 
 from __future__ import annotations

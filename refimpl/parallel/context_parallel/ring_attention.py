@@ -2,7 +2,7 @@
 
 Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context". Each of the ``n``
 ranks of the context-parallel group holds ``s/n`` tokens of the queries, keys and values, ``[b, a, s/n, d]``.
-The K/V blocks travel round the ring (:mod:`.context_parallel_communications`); at each of the ``n`` steps a
+The K/V blocks travel round the ring (``.context_parallel_communications``); at each of the ``n`` steps a
 rank attends its queries to the block it holds while the next one is on the wire. Softmax over the whole
 row is recovered exactly from partial results, as FlashAttention merges tiles (the online softmax): a
 block gives ``o_j = softmax(S_j) V_j`` and ``lse_j = log sum_k exp(S_j)_k`` (``S = q k^T / sqrt(d)``),
@@ -10,7 +10,7 @@ and two partial results merge as
 
     lse = logaddexp(lse_1, lse_2),    o = e^(lse_1 - lse) o_1 + e^(lse_2 - lse) o_2,
 
-which is associative, so the order the blocks arrive in does not matter (:func:`merge_partial_attention`).
+which is associative, so the order the blocks arrive in does not matter (``merge_partial_attention``).
 Blocks are computed in float32 (or the inputs' wider dtype), scores explicitly, with autocast off inside
 (under the caller's bf16/fp16 autocast too): on CPU the sizes are tiny. The output returns in the inputs'
 dtype; the saved output and log-sum-exp and the travelling dK/dV are float32.
@@ -25,11 +25,11 @@ V; backward the same again plus as much in dK/dV.
 
 Grouped-query attention (``g`` key/value heads for ``a`` query heads): K/V travel the ring at their own
 ``g`` heads, ``g/a`` of multi-head attention's bytes, and each block expands them to the query heads it
-meets (:func:`expand_groups`), its dK/dV summed back over each group (:func:`reduce_groups`) before they
+meets (``expand_groups``), its dK/dV summed back over each group (``reduce_groups``) before they
 travel: picotron repeats K/V before its ring and moves ``a/g`` times the bytes.
 
 Layouts and the causal mask: which chunks of the sequence a rank holds (contiguous or zig-zag) and which
-(query chunk, key chunk) pairs a causal mask skips or masks are :mod:`.sequence_layout`'s.
+(query chunk, key chunk) pairs a causal mask skips or masks are ``.sequence_layout``'s.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def expand_groups(kv: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def reduce_groups(grad: torch.Tensor, groups: int) -> torch.Tensor:
-    """The adjoint of :func:`expand_groups`: ``[b, heads, c, d]`` summed over each group's query heads."""
+    """The adjoint of ``expand_groups``: ``[b, heads, c, d]`` summed over each group's query heads."""
     b, heads, c, d = grad.shape
     return grad if groups == heads else grad.view(b, groups, heads // groups, c, d).sum(2)
 
@@ -129,7 +129,7 @@ def block_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 
 class _RingAttention(torch.autograd.Function):
-    """Forward and backward rings of :func:`ring_attention` (see the module docstring)."""
+    """Forward and backward rings of ``ring_attention`` (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, q, k, v, group: Group, causal: bool, layout: Layout, scale: float,
@@ -236,10 +236,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_grou
 
     ``q, k, v``: this rank's ``[b, a, s/n, d]`` blocks (``v`` may have another head dim; grouped-query
     attention: k and v ``[b, g, s/n, d]``, moved round the ring at that size and expanded per block), the
-    sequence split by ``layout`` (:func:`split_sequence`); returns this rank's ``[b, a, s/n, d_v]`` of
+    sequence split by ``layout`` (``split_sequence``); returns this rank's ``[b, a, s/n, d_v]`` of
     ``scaled_dot_product_attention(Q, K, V, is_causal=causal, scale=scale)`` on the whole sequence. A group
     of one is plain SDPA. ``timeline``: records the forward's compute and transfer spans per ring step
-    (:class:`~refimpl.parallel.context_parallel.ring_timeline.RingTimeline`). ``overlap=False`` is the
+    (``refimpl.parallel.context_parallel.ring_timeline.RingTimeline``). ``overlap=False`` is the
     serialized control: each exchange is waited for as soon as it is posted, before the block it could
     have hidden behind (the same arithmetic, bitwise; tests/test_overlap.py times the two on a shaped
     link). Liu et al. 2023; chapter 07.

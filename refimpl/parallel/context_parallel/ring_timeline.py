@@ -1,18 +1,18 @@
 """What one rank of ring attention did when (chapter 07): compute and transfer spans of each ring step.
 
 Ring attention (Liu et al. 2023) hides the K/V transfer of step ``k + 1`` behind the attention of the block
-of step ``k``: at each step a rank posts the exchange (:func:`~refimpl.parallel.context_parallel.
-context_parallel_communications.ring_exchange`), computes with the block it holds, then waits. Pass a
-:class:`RingTimeline` to :func:`~refimpl.parallel.context_parallel.ring_attention.ring_attention`
+of step ``k``: at each step a rank posts the exchange (``refimpl.parallel.context_parallel.
+context_parallel_communications.ring_exchange``), computes with the block it holds, then waits. Pass a
+``RingTimeline`` to ``refimpl.parallel.context_parallel.ring_attention.ring_attention``
 (``timeline=``) and its forward records, per step, the compute span (the blocks' attention and merge) and the
 transfer span (from posting the exchange to the end of its ``wait``), in seconds of the clock of
-:class:`refimpl.comm.CommTracer` (:func:`refimpl.comm.tracer.now`). The exposed transfer of a step is the part
+``refimpl.comm.CommTracer`` (``refimpl.comm.tracer.now``). The exposed transfer of a step is the part
 of its span after its compute ended: what the overlap did not hide.
 
 On CUDA a span's ends are events on the current stream, not CPU times: the attention's kernels are launched
 and return before they ran, and NCCL's ``wait()`` only makes the stream wait for the exchange, so the
 transfer's end completes when both the exchange and the step's compute are done. A span holds the stamps
-and reads them as seconds (:class:`~refimpl.comm.device_clock.StampField`), after one synchronize at the
+and reads them as seconds (``refimpl.comm.device_clock.StampField``), after one synchronize at the
 first read (after the forward).
 """
 

@@ -1,13 +1,13 @@
 """Which chunks of the sequence a rank holds: the contiguous and the zig-zag layouts (chapter 07).
 
-The sequence is cut into equal chunks; ``layout`` says which chunks a rank holds (:func:`chunk_ids`).
+The sequence is cut into equal chunks; ``layout`` says which chunks a rank holds (``chunk_ids``).
 ``"contiguous"``: ``n`` chunks, rank ``i`` holds chunk ``i``; under a causal mask rank ``i`` attends to
 ``i + 1`` blocks, so the last rank works ``n`` times as much as the first. ``"zigzag"`` (the load-balanced
 split of Megatron-LM's context parallelism and Llama 3): ``2n`` chunks, rank ``i`` holds chunks ``i`` and
-``2n - 1 - i`` (an early and a late one), and every rank does the same causal work (:func:`causal_work`).
+``2n - 1 - i`` (an early and a late one), and every rank does the same causal work (``causal_work``).
 A (query chunk, key chunk) pair with the key chunk later than the query chunk is skipped, not computed;
-equal chunks get the triangular mask; earlier ones none (:func:`block_pairs`). Both layouts are exactly full
-attention: :func:`~refimpl.parallel.context_parallel.ring_attention.ring_attention` on the split tensors
+equal chunks get the triangular mask; earlier ones none (``block_pairs``). Both layouts are exactly full
+attention: ``refimpl.parallel.context_parallel.ring_attention.ring_attention`` on the split tensors
 equals ``scaled_dot_product_attention`` on the whole sequence, split the same way.
 """
 
@@ -47,7 +47,7 @@ def _check_length(seq: int, cp_size: int, layout: Layout) -> int:
 
 
 def split_sequence(x: torch.Tensor, *, dim: int, cp_rank: int, cp_size: int, layout: Layout) -> torch.Tensor:
-    """Rank ``cp_rank``'s part of the sequence ``dim`` of ``x``: its chunks (:func:`chunk_ids`), in order."""
+    """Rank ``cp_rank``'s part of the sequence ``dim`` of ``x``: its chunks (``chunk_ids``), in order."""
     ids = chunk_ids(cp_rank=cp_rank, cp_size=cp_size, layout=layout)
     c = _check_length(x.shape[dim], cp_size, layout)
     return torch.cat([x.narrow(dim, i * c, c) for i in ids], dim=dim)  # [..., len(ids) * c, ...]
@@ -59,7 +59,7 @@ def zigzag_split(x: torch.Tensor, *, dim: int, cp_rank: int, cp_size: int) -> to
 
 
 def gather_sequence(parts: list[torch.Tensor], *, dim: int, layout: Layout) -> torch.Tensor:
-    """The inverse of :func:`split_sequence`: the whole sequence from every rank's part, in rank order."""
+    """The inverse of ``split_sequence``: the whole sequence from every rank's part, in rank order."""
     n = len(parts)
     chunks: dict[int, torch.Tensor] = {}
     for r, part in enumerate(parts):
@@ -69,7 +69,7 @@ def gather_sequence(parts: list[torch.Tensor], *, dim: int, layout: Layout) -> t
 
 
 def zigzag_gather(parts: list[torch.Tensor], *, dim: int) -> torch.Tensor:
-    """The inverse of :func:`zigzag_split` (tests, figures): the whole sequence from every rank's part."""
+    """The inverse of ``zigzag_split`` (tests, figures): the whole sequence from every rank's part."""
     return gather_sequence(parts, dim=dim, layout="zigzag")
 
 

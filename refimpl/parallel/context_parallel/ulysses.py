@@ -11,11 +11,11 @@ so one all-to-all regroups the work: afterwards each rank holds ``a/cp`` heads (
 ``[r a/cp, (r+1) a/cp)``) of the **whole** sequence, computes ordinary attention for them (the causal mask
 ``M`` of the full sequence, unchanged), and a second all-to-all sends the output back to the sequence split.
 
-* :func:`sequence_to_heads`: ``[b, a, s/cp, d] -> [b, a/cp, s, d]``; backward is its inverse (the all-to-all
-  is a permutation of blocks, so its adjoint is the inverse permutation: :func:`heads_to_sequence`);
-* :func:`heads_to_sequence`: ``[b, a/cp, s, d] -> [b, a, s/cp, d]``; backward :func:`sequence_to_heads`;
-* :func:`ulysses_attention`: :func:`sequence_to_heads` of q, k and v, local
-  :func:`torch.nn.functional.scaled_dot_product_attention`, :func:`heads_to_sequence` of the output.
+* ``sequence_to_heads``: ``[b, a, s/cp, d] -> [b, a/cp, s, d]``; backward is its inverse (the all-to-all
+  is a permutation of blocks, so its adjoint is the inverse permutation: ``heads_to_sequence``);
+* ``heads_to_sequence``: ``[b, a/cp, s, d] -> [b, a, s/cp, d]``; backward ``sequence_to_heads``;
+* ``ulysses_attention``: ``sequence_to_heads`` of q, k and v, local
+  ``torch.nn.functional.scaled_dot_product_attention``, ``heads_to_sequence`` of the output.
 
 Traffic: an all-to-all keeps ``1/cp`` of its input (the block addressed to itself) and sends each other rank
 one block, so each rank sends ``(cp-1)/cp`` of its local tensor, ``(cp-1)/cp * b a (s/cp) d`` elements.
@@ -26,9 +26,9 @@ whatever ``cp``. The price: the heads must divide by ``cp`` (a one-line ``ValueE
 ``cp`` at the number of heads.
 
 Every rank must hold the same local shape (the all-to-all's blocks are equal); a sequence that does not
-divide by ``cp`` is a one-line ``ValueError`` where the whole sequence is seen (:func:`heads_to_sequence`).
+divide by ``cp`` is a one-line ``ValueError`` where the whole sequence is seen (``heads_to_sequence``).
 A group of size 1 (or ``None`` without a process group) is plain SDPA with no collective. Collectives go
-through :mod:`refimpl.comm.ops`, so a :class:`refimpl.comm.CommTracer` sees each all-to-all.
+through ``refimpl.comm.ops``, so a ``refimpl.comm.CommTracer`` sees each all-to-all.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def sequence_to_heads(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Ulysses' first all-to-all (Jacobs et al. 2023): ``[b, a, s/cp, d] -> [b, a/cp, s, d]``.
 
     ``y[:, h, j s/cp + t] = x_j[:, r a/cp + h, t]`` on rank ``r``: my ``a/cp`` heads, the token chunks of
-    ranks ``0..cp-1`` concatenated in rank order. Backward: :func:`heads_to_sequence` of the gradient. The
+    ranks ``0..cp-1`` concatenated in rank order. Backward: ``heads_to_sequence`` of the gradient. The
     heads ``a`` must divide by ``cp``; a group of one returns ``x`` itself.
     """
     _check_4d(x, "sequence_to_heads")
@@ -141,11 +141,11 @@ def sequence_to_heads(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def heads_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Ulysses' second all-to-all, the inverse of :func:`sequence_to_heads`: ``[b, a/cp, s, d] -> [b, a,
+    """Ulysses' second all-to-all, the inverse of ``sequence_to_heads``: ``[b, a/cp, s, d] -> [b, a,
     s/cp, d]``.
 
     ``y[:, j a/cp + h, t] = x_j[:, h, r s/cp + t]`` on rank ``r``: all heads (rank ``j``'s block at ``j``) of
-    my token chunk. Backward: :func:`sequence_to_heads` of the gradient. The sequence ``s`` must divide by
+    my token chunk. Backward: ``sequence_to_heads`` of the gradient. The sequence ``s`` must divide by
     ``cp``; a group of one returns ``x`` itself.
     """
     _check_4d(x, "heads_to_sequence")

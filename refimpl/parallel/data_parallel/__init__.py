@@ -25,21 +25,21 @@ parallelism all-reduces every gradient once: ``G = 4 x parameters`` bytes in fp3
 Two implementations, the naive one beside the real one (Li et al. 2020, "PyTorch Distributed: Experiences
 on Accelerating Data Parallel Training", VLDB):
 
-* :class:`DataParallelNaive`: after ``backward()`` one blocking all-reduce per parameter tensor. Correct,
+* ``DataParallelNaive``: after ``backward()`` one blocking all-reduce per parameter tensor. Correct,
   but it pays the latency of one collective per tensor and communicates only once compute has stopped.
-* :class:`DataParallelBucket`: gradients are packed into buckets of about ``bucket_cap_mb``, in reverse
+* ``DataParallelBucket``: gradients are packed into buckets of about ``bucket_cap_mb``, in reverse
   order of registration (the order backward produces them), and each bucket's all-reduce is launched
   asynchronously by a gradient hook as soon as its last gradient is final, so communication overlaps the
   rest of backward. ``finish_gradient_synchronization()`` waits for them before ``optimizer.step()``.
 
-Every collective goes through :mod:`refimpl.comm.ops`, so a :class:`~refimpl.comm.tracer.CommTracer`
-sees the traffic, and every synchronised backward leaves a :class:`SyncTimeline` to draw the overlap.
+Every collective goes through ``refimpl.comm.ops``, so a ``refimpl.comm.tracer.CommTracer``
+sees the traffic, and every synchronised backward leaves a ``SyncTimeline`` to draw the overlap.
 
-The files, one concept each: :mod:`.data_parallel_naive` (the naive wrapper and its sync),
-:mod:`.data_parallel` (the bucketed wrapper: hooks, overlap, ``no_sync``), :mod:`.bucket` (the cut into
-buckets), :mod:`.data_parallel_communications` (equal start, the one average ``all_reduce_mean_`` and
+The files, one concept each: ``.data_parallel_naive`` (the naive wrapper and its sync),
+``.data_parallel`` (the bucketed wrapper: hooks, overlap, ``no_sync``), ``.bucket`` (the cut into
+buckets), ``.data_parallel_communications`` (equal start, the one average ``all_reduce_mean_`` and
 ``sync_bucket``, the async reduction and the communication hooks: fp16/bf16 on the wire, and 16 bits on the
-wire summed in fp32 as chapter 05 does), :mod:`.timeline` (:class:`SyncTimeline`).
+wire summed in fp32 as chapter 05 does), ``.timeline`` (``SyncTimeline``).
 """
 
 from refimpl.parallel.data_parallel.bucket import assign_buckets, num_buckets

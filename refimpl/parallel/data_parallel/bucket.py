@@ -5,11 +5,11 @@ Accelerating Data Parallel Training"): tensors in **reverse** registration order
 produces their gradients, so the first bucket is ready first), a bucket closed as soon as it holds ``cap``
 elements. Data parallelism lays its gradients out in one flat buffer and may split a tensor across the
 cut, so each bucket but the last holds exactly ``cap`` elements and there are ``ceil(gradient bytes / cap)``
-of them (:func:`num_buckets`), a formula of the cap alone; ZeRO packs whole tensors' shards
+of them (``num_buckets``), a formula of the cap alone; ZeRO packs whole tensors' shards
 (``whole_tensors=True``): a tensor is never split, so a bucket overshoots the cap by less than one tensor,
-as DDP's own buckets do. :func:`cut_into_buckets` is the rule, :func:`assign_buckets` its answer on sizes
-(the exercise of chapter 03), :func:`build_buckets` the buffers and pieces that
-:class:`~refimpl.parallel.data_parallel.data_parallel.DataParallelBucket` fills and reduces.
+as DDP's own buckets do. ``cut_into_buckets`` is the rule, ``assign_buckets`` its answer on sizes
+(the exercise of chapter 03), ``build_buckets`` the buffers and pieces that
+``refimpl.parallel.data_parallel.data_parallel.DataParallelBucket`` fills and reduces.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def cut_into_buckets(
 
 
 def assign_buckets(numels: Sequence[int], cap_numel: int, *, whole_tensors: bool = False) -> list[list[int]]:
-    """Which parameters each bucket holds (a part of), buckets in launch order (:func:`cut_into_buckets`).
+    """Which parameters each bucket holds (a part of), buckets in launch order (``cut_into_buckets``).
 
     The gradients are laid out in one flat buffer in **reverse** registration order (the last parameter
     first: backward produces it first) and the buffer is cut every ``cap_numel`` elements. A parameter that
@@ -106,7 +106,7 @@ class _Bucket:
 
 
 def build_buckets(params: Sequence[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
-    """The buckets of ``params`` (registration order), in launch order: :func:`cut_into_buckets`'s cut.
+    """The buckets of ``params`` (registration order), in launch order: ``cut_into_buckets``'s cut.
 
     One flat zero buffer per run of consecutive (reverse-order) parameters of one dtype and device, cut
     every ``cap_bytes // element_size`` elements; each bucket's ``buffer`` is a slice of it, its

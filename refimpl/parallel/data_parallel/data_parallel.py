@@ -1,12 +1,12 @@
 """Bucketed, overlapped data parallelism (chapter 03): DDP's design, the real one beside the naive one.
 
-Gradients are packed into buckets of about ``bucket_cap_mb`` (:mod:`.bucket`), in reverse order of
+Gradients are packed into buckets of about ``bucket_cap_mb`` (``.bucket``), in reverse order of
 registration (the order backward produces them), and each bucket's all-reduce is launched asynchronously by
 a gradient hook as soon as its last gradient is final, so communication overlaps the rest of backward;
 ``no_sync()`` skips it for gradient accumulation, ``finish_gradient_synchronization()`` waits for every
 bucket before ``optimizer.step()``. Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data
 Parallel Training" (VLDB). The maths (why the mean of the per-rank gradients is the global gradient) is in
-the package docstring, :mod:`refimpl.parallel.data_parallel`.
+the package docstring, ``refimpl.parallel.data_parallel``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class DataParallelBucket(nn.Module):
     that they wrap the same trainable parameters and rank 0's parameters and buffers are broadcast. The
     trainable parameters (``module.parameters()``, so a tied weight appears once) are laid out in reverse
     registration order in flat gradient buffers (one per dtype/device), cut every ``bucket_cap_mb``
-    megabytes (:func:`assign_buckets`: exactly ``ceil(gradient bytes / cap)`` buckets; a cap smaller than
+    megabytes (``assign_buckets``: exactly ``ceil(gradient bytes / cap)`` buckets; a cap smaller than
     a tensor splits the tensor over several buckets).
 
     During a synchronised backward a ``register_post_accumulate_grad_hook`` on each parameter marks its
@@ -52,7 +52,7 @@ class DataParallelBucket(nn.Module):
     so that every rank issues the same collectives in the same order (gloo and NCCL match collectives by
     order). At the end of the autograd pass the buckets still waiting (their parameters were unused in
     this step) are launched too, with the gradient the parameter has (e.g. from earlier micro-batches) or
-    zeros. :meth:`finish_gradient_synchronization` waits for every bucket and writes the averaged
+    zeros. ``finish_gradient_synchronization`` waits for every bucket and writes the averaged
     gradients back into ``.grad``; call it before clipping and ``optimizer.step()``.
 
     Choices, and why:
@@ -83,9 +83,9 @@ class DataParallelBucket(nn.Module):
     replicas over the group and whose gradients another reduction averages (chapter 09).
 
     ``average_gradients=False`` sums instead of averaging (for losses normalised by the global token
-    count); ``comm_hook`` replaces the all-reduce (:func:`low_precision_hook`). ``.module`` is the wrapped
+    count); ``comm_hook`` replaces the all-reduce (``low_precision_hook``). ``.module`` is the wrapped
     model and ``parameters()`` yields its parameters in its order. ``last_timeline`` is the
-    :class:`SyncTimeline` of the last synchronisation.
+    ``SyncTimeline`` of the last synchronisation.
     """
 
     def __init__(
@@ -180,7 +180,7 @@ class DataParallelBucket(nn.Module):
     def finish_gradient_synchronization(self) -> None:
         """Launch the buckets not launched yet, wait for all, write the reduced gradients into ``.grad``.
 
-        A no-op when the last forward ran inside :meth:`no_sync` (nothing to synchronise).
+        A no-op when the last forward ran inside ``no_sync`` (nothing to synchronise).
         """
         if not self._armed:
             return

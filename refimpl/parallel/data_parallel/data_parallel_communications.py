@@ -1,21 +1,21 @@
 """The collectives of data parallelism (chapter 03): equal start, the gradient average, communication hooks.
 
-* :func:`broadcast_module` makes every replica equal to the first rank's at construction;
-  :func:`_check_same_parameters` fails loudly, not with a hang, when the ranks wrap different models.
-* :func:`all_reduce_mean_`: **the** average over ranks, ``x <- sum_r (x_r / W)``, divided by ``W`` before
+* ``broadcast_module`` makes every replica equal to the first rank's at construction;
+  ``_check_same_parameters`` fails loudly, not with a hang, when the ranks wrap different models.
+* ``all_reduce_mean_``: **the** average over ranks, ``x <- sum_r (x_r / W)``, divided by ``W`` before
   the sum as DDP does (the values on the wire keep the size of one gradient, so fp16 does not overflow; for
   ``W`` a power of two the division is exact and dividing before or after gives the same bits). Every
-  gradient average in refimpl calls it: the naive sync per tensor, :func:`sync_bucket` on a flat buffer
-  (ZeRO stage 0's ``allreduce_gradients``, :func:`reduce_gradients_`), each bucket of
-  :class:`~refimpl.parallel.data_parallel.data_parallel.DataParallelBucket`, :func:`ddp_comm_hook`.
-* :class:`PendingReduce` and :data:`CommHook`: the asynchronous reduction a bucket launches from a gradient
+  gradient average in refimpl calls it: the naive sync per tensor, ``sync_bucket`` on a flat buffer
+  (ZeRO stage 0's ``allreduce_gradients``, ``reduce_gradients_``), each bucket of
+  ``refimpl.parallel.data_parallel.data_parallel.DataParallelBucket``, ``ddp_comm_hook``.
+* ``PendingReduce`` and ``CommHook``: the asynchronous reduction a bucket launches from a gradient
   hook, and the hook that replaces the all-reduce (DDP's ``register_comm_hook``). Two behaviours in low
-  precision: :func:`low_precision_hook` casts to fp16/bf16 and all-reduces in it (the additions too, like
-  DDP's ``bf16_compress_hook``); :func:`fp32_accumulating_comm_hook` sends 16 bits but adds in fp32
-  (:func:`start_low_precision_all_reduce_`: all-to-all, fp32 sum, one rounding, all-gather; chapter 05).
-  :func:`ddp_comm_hook` runs the latter inside torch's ``DistributedDataParallel``.
+  precision: ``low_precision_hook`` casts to fp16/bf16 and all-reduces in it (the additions too, like
+  DDP's ``bf16_compress_hook``); ``fp32_accumulating_comm_hook`` sends 16 bits but adds in fp32
+  (``start_low_precision_all_reduce_``: all-to-all, fp32 sum, one rounding, all-gather; chapter 05).
+  ``ddp_comm_hook`` runs the latter inside torch's ``DistributedDataParallel``.
 
-Every collective goes through :mod:`refimpl.comm.ops`, so a :class:`~refimpl.comm.tracer.CommTracer` sees
+Every collective goes through ``refimpl.comm.ops``, so a ``refimpl.comm.tracer.CommTracer`` sees
 the traffic. Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training";
 Micikevicius et al. 2018, "Mixed Precision Training".
 """
@@ -110,7 +110,7 @@ class PendingReduce:
 
 CommHook = Callable[[torch.Tensor, Any], PendingReduce]
 """``hook(buffer, group) -> PendingReduce``: launch the *sum* over ranks of a buffer (already divided by
-the world size when averaging, by :func:`all_reduce_mean_`), asynchronously; the result must end up in
+the world size when averaging, by ``all_reduce_mean_``), asynchronously; the result must end up in
 ``buffer``. The counterpart of DDP's ``register_comm_hook``."""
 
 
@@ -213,11 +213,11 @@ def start_low_precision_all_reduce_(
 
 
 def fp32_accumulating_comm_hook(comm_dtype: torch.dtype = torch.bfloat16) -> CommHook:
-    """A :data:`CommHook`, 16 bits on the wire, fp32 additions (:func:`start_low_precision_all_reduce_`).
+    """A ``CommHook``, 16 bits on the wire, fp32 additions (``start_low_precision_all_reduce_``).
 
     ``DataParallelBucket(model, comm_hook=fp32_accumulating_comm_hook(torch.bfloat16))``: each bucket,
     already divided by the world size, is summed over the ranks; the all-to-all overlaps backward, the rest
-    runs when the bucket is waited on. Against :func:`low_precision_hook`: one rounding instead of ``~W``.
+    runs when the bucket is waited on. Against ``low_precision_hook``: one rounding instead of ``~W``.
     """
 
     def hook(buffer: torch.Tensor, group: Any) -> PendingReduce:
@@ -233,7 +233,7 @@ def low_precision_all_reduce_(
 ) -> torch.Tensor:
     """All-reduce ``tensor`` in place, ``comm_dtype`` on the wire, fp32 additions (chapter 05).
 
-    :func:`all_reduce_mean_` with :func:`fp32_accumulating_comm_hook`: ``round(sum_r round(x_r / n))``
+    ``all_reduce_mean_`` with ``fp32_accumulating_comm_hook``: ``round(sum_r round(x_r / n))``
     (``average=False``: ``round(sum_r round(x_r))``); the error is one rounding of the inputs and one of
     the sum, against about ``n`` roundings for a plain all-reduce in 16 bits.
     """
@@ -244,7 +244,7 @@ def low_precision_all_reduce_(
 
 
 def ddp_comm_hook(comm_dtype: torch.dtype) -> Callable[[Any, Any], torch.futures.Future]:
-    """A torch ``DistributedDataParallel`` comm hook running :func:`low_precision_all_reduce_` on each bucket.
+    """A torch ``DistributedDataParallel`` comm hook running ``low_precision_all_reduce_`` on each bucket.
 
     ``ddp.register_comm_hook(state=group_or_None, hook=ddp_comm_hook(torch.bfloat16))``; the hook averages
     (DDP hands a comm hook the undivided bucket).
@@ -265,7 +265,7 @@ def reduce_gradients_(
 ) -> None:
     """Average the gradients of ``params`` over ``group`` in ``policy.reduce_dtype``, one fp32 flat buffer.
 
-    fp32: :func:`sync_bucket`; 16 bits: the same with :func:`fp32_accumulating_comm_hook` (chapter 05).
+    fp32: ``sync_bucket``; 16 bits: the same with ``fp32_accumulating_comm_hook`` (chapter 05).
     """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads or not dist.is_initialized() or dist.get_world_size(group) == 1:

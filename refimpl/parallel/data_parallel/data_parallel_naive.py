@@ -1,7 +1,7 @@
 """Data parallelism in its simplest form (chapter 03): equal start, then one all-reduce per gradient.
 
 The naive version, kept beside the bucketed one
-(:class:`~refimpl.parallel.data_parallel.data_parallel.DataParallelBucket`) because the step between them is
+(``refimpl.parallel.data_parallel.data_parallel.DataParallelBucket``) because the step between them is
 the lesson: one blocking collective per parameter tensor, after backward has ended, pays ``P`` latencies
 for ``P`` tensors and overlaps nothing (Li et al. 2020, "PyTorch Distributed", the naive solution).
 """
@@ -42,7 +42,7 @@ class DataParallelNaive(nn.Module):
     """Data parallelism in its simplest form: equal start, then one all-reduce per gradient (chapter 03).
 
     At construction rank 0's parameters and buffers are broadcast. After ``loss.backward()`` call
-    :meth:`finish_gradient_synchronization`: every trainable parameter's gradient (zeros where a parameter
+    ``finish_gradient_synchronization``: every trainable parameter's gradient (zeros where a parameter
     got none, so that every rank issues the same collectives) is divided by the world size and summed over
     the ranks, one blocking all-reduce per tensor. Nothing overlaps: communication starts when backward
     has ended, and a model of ``P`` tensors pays ``P`` collective latencies per step.
@@ -65,6 +65,6 @@ class DataParallelNaive(nn.Module):
         return module_shards(self.module)
 
     def finish_gradient_synchronization(self) -> None:
-        """After ``loss.backward()``: each gradient becomes the rank mean (:func:`sync_gradients_naive`)."""
+        """After ``loss.backward()``: each gradient becomes the rank mean (``sync_gradients_naive``)."""
         sync_gradients_naive(self.module, self.group, average=self.average_gradients)
 

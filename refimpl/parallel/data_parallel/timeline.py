@@ -1,11 +1,11 @@
 """What one synchronised backward did when (chapter 03): the overlap of backward and bucket all-reduces.
 
-:class:`~refimpl.parallel.data_parallel.data_parallel.DataParallelBucket` leaves one :class:`SyncTimeline`
-per synchronisation (``last_timeline``); :mod:`refimpl.parallel.dp_viz` draws it, and
-:meth:`SyncTimeline.exposed_fraction` is the share of communication that backward did not hide.
+``refimpl.parallel.data_parallel.data_parallel.DataParallelBucket`` leaves one ``SyncTimeline``
+per synchronisation (``last_timeline``); ``refimpl.parallel.dp_viz`` draws it, and
+``SyncTimeline.exposed_fraction`` is the share of communication that backward did not hide.
 
-Its times are stamps of :func:`refimpl.comm.tracer.now`, held as they were taken and read as seconds
-(:mod:`refimpl.comm.device_clock`): on CPU ``time.perf_counter`` floats; on CUDA events on the current
+Its times are stamps of ``refimpl.comm.tracer.now``, held as they were taken and read as seconds
+(``refimpl.comm.device_clock``): on CPU ``time.perf_counter`` floats; on CUDA events on the current
 stream, because a gradient hook runs when its kernels are launched, not done, and NCCL's ``work.wait()``
 only makes the stream wait for the all-reduce. A bucket's ``done`` is stamped in a callback on the
 collective's future, which on NCCL runs on a stream made to wait for the collective: its event completes
@@ -30,8 +30,8 @@ class SyncTimeline:
     on the collective's future, so it is the completion, not the later ``wait()``); ``grad_ready``: the
     time of every gradient hook; ``backward_start`` / ``backward_end``: the first gradient reaching the
     model's output and the end of the autograd pass; ``wait_start`` / ``wait_end``: the call to
-    ``finish_gradient_synchronization``. The lists are :class:`~refimpl.comm.device_clock.StampList` s and
-    the single times :class:`~refimpl.comm.device_clock.StampField` s: stamps in, seconds out.
+    ``finish_gradient_synchronization``. The lists are ``refimpl.comm.device_clock.StampList`` s and
+    the single times ``refimpl.comm.device_clock.StampField`` s: stamps in, seconds out.
     """
 
     launch: list[float | None]
@@ -62,7 +62,7 @@ class SyncTimeline:
         return sum(b - a for a, b in self._intervals())
 
     def exposed_seconds(self) -> float:
-        """The part of :meth:`comm_seconds` after backward ended: communication that nothing hides."""
+        """The part of ``comm_seconds`` after backward ended: communication that nothing hides."""
         end = self.backward_end if self.backward_end is not None else -math.inf
         return sum(b - a for a, b in self._intervals(not_before=end))
 

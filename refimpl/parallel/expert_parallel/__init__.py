@@ -5,18 +5,18 @@ experts over devices with all-to-all), Fedus et al. 2021 (Switch: the load-balan
 (ST-MoE: router z-loss), DeepSeek-AI 2024 (DeepSeek-V3: sigmoid scores, the aux-loss-free expert bias).
 One concept per file:
 
-* :mod:`~refimpl.parallel.expert_parallel.router`: :class:`TopKRouter` (fp32 logits, softmax or sigmoid
-  scores, top-k, renormalisation, the expert bias and its update), :class:`RouterConfig`, :class:`Routing`,
+* ``refimpl.parallel.expert_parallel.router``: ``TopKRouter`` (fp32 logits, softmax or sigmoid
+  scores, top-k, renormalisation, the expert bias and its update), ``RouterConfig``, ``Routing``,
   the load-balancing loss, the z-loss and capacity;
-* :mod:`~refimpl.parallel.expert_parallel.experts`: :class:`ExpertMLP` (SwiGLU or GELU),
-  :class:`LoopedExperts` (any modules, one by one) and :class:`GroupedExperts` (3-D weights,
+* ``refimpl.parallel.expert_parallel.experts``: ``ExpertMLP`` (SwiGLU or GELU),
+  ``LoopedExperts`` (any modules, one by one) and ``GroupedExperts`` (3-D weights,
   ``torch._grouped_mm``);
-* :mod:`~refimpl.parallel.expert_parallel.dispatch`: the bookkeeping (counts, sort by expert, split sizes
+* ``refimpl.parallel.expert_parallel.dispatch``: the bookkeeping (counts, sort by expert, split sizes
   in one host read, rank-major to expert-major, combine);
-* :mod:`~refimpl.parallel.expert_parallel.expert_parallel_communications`: the uneven autograd all-to-all,
+* ``refimpl.parallel.expert_parallel.expert_parallel_communications``: the uneven autograd all-to-all,
   the count exchange, the all-gather dispatcher's all-gather / reduce-scatter pair;
-* :mod:`~refimpl.parallel.expert_parallel.expert_parallel`: :class:`MoE` (``MoE(dim=..., ...)`` with grouped
-  experts, :meth:`MoE.from_modules` with any modules), the all-to-all and all-gather dispatchers;
+* ``refimpl.parallel.expert_parallel.expert_parallel``: ``MoE`` (``MoE(dim=..., ...)`` with grouped
+  experts, ``MoE.from_modules`` with any modules), the all-to-all and all-gather dispatchers;
 """
 
 from __future__ import annotations

@@ -1,21 +1,21 @@
 """The bookkeeping of token dispatch: sort by expert, counts to split sizes, permutations (chapter 09).
 
-Pure index arithmetic, no communication (the collectives are in :mod:`.expert_parallel_communications`).
+Pure index arithmetic, no communication (the collectives are in ``.expert_parallel_communications``).
 The ``T k`` assignments of ``T`` tokens to their ``k`` experts are numbered ``a = t k + j`` (token ``t``'s
 ``j``-th choice). With ``E`` experts spread over the ``N`` ranks of an expert-parallel group, rank ``r``
 owning experts ``[r E/N, (r+1) E/N)`` (contiguous blocks, as Megatron-LM and torchtitan place them):
 
-1. :func:`sort_by_expert`: a stable sort of the kept assignments by expert id, giving ``order`` (the
+1. ``sort_by_expert``: a stable sort of the kept assignments by expert id, giving ``order`` (the
    assignment at each sorted position) and ``counts[i]`` (assignments for expert ``i``). Sorted by expert,
    the rows bound for rank ``q`` are one contiguous block, so the all-to-all's **input split sizes** are
-   :func:`rank_splits` ``(counts)[q] = sum_{i owned by q} counts[i]``;
+   ``rank_splits`` ``(counts)[q] = sum_{i owned by q} counts[i]``;
 2. exchanging ``counts`` (an all-to-all of ``[N, E/N]``) tells every rank ``recv[q, j]``: how many rows rank
    ``q`` sends for its local expert ``j``; the **output split sizes** are ``recv.sum(1)``;
 3. what arrives is **rank-major** (rank 0's rows for local experts 0, 1, ..., then rank 1's); the experts
    want **expert-major** (all of expert 0's rows from ranks 0, 1, ..., then expert 1's):
-   :func:`expert_major_order` is that permutation, :func:`inverse_permutation` its inverse for the way back;
-4. :func:`unpermute` puts the expert outputs back at their assignments (dropped ones zero) and
-   :func:`combine` sums each token's ``k`` outputs weighted in fp32: ``y_t = sum_j w_{t,j} E_{I_tj}(x_t)``,
+   ``expert_major_order`` is that permutation, ``inverse_permutation`` its inverse for the way back;
+4. ``unpermute`` puts the expert outputs back at their assignments (dropped ones zero) and
+   ``combine`` sums each token's ``k`` outputs weighted in fp32: ``y_t = sum_j w_{t,j} E_{I_tj}(x_t)``,
    always in the order ``j = 0 .. k-1`` whatever the sort, so a layout's rounding does not depend on it.
 
 Stability makes the result reproducible: after the sort, an expert sees its tokens in token order, and after
@@ -25,10 +25,10 @@ the ranks' tokens concatenated. The matmuls then get identical operands, and the
 **Host syncs.** On a GPU the host waits for the device whenever it reads a value (``.tolist()``,
 ``int(t)``) or runs an operator whose output shape depends on the data (``bincount``, a boolean mask,
 ``repeat_interleave`` without ``output_size``). The shapes here depend on the routing, so the host must
-learn the counts once per dispatch; everything else is sized from that one read: :func:`expert_counts`
-(a ``scatter_add_``, not ``bincount``), :func:`split_sizes` (input splits, output splits and local counts
+learn the counts once per dispatch; everything else is sized from that one read: ``expert_counts``
+(a ``scatter_add_``, not ``bincount``), ``split_sizes`` (input splits, output splits and local counts
 in one ``.tolist()``), ``sort_by_expert(..., counts=, kept=)`` and ``expert_major_order(recv, total)``
-(:mod:`refimpl.distributed.host_syncs` counts them; the budget is in tests/test_expert_parallel.py).
+(``refimpl.distributed.host_syncs`` counts them; the budget is in tests/test_expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int, *, counts: torch.
     rank's expert) are left out.
 
     Standalone, it checks the ids and reads how many are kept (two host syncs on a GPU). The layer, which
-    already read the counts once (:func:`split_sizes`), passes ``counts`` (:func:`expert_counts`) and
+    already read the counts once (``split_sizes``), passes ``counts`` (``expert_counts``) and
     ``kept`` (their sum, a host int): then nothing waits for the device (an id >= ``num_experts`` fails
-    :func:`expert_counts`' index check instead)."""
+    ``expert_counts``' index check instead)."""
     if expert_ids.dim() != 2:
         raise ValueError(f"expert_ids must be [tokens, top_k], got shape {tuple(expert_ids.shape)}")
     flat = expert_ids.flatten()
@@ -118,8 +118,8 @@ def _exclusive_cumsum(c: torch.Tensor) -> torch.Tensor:
 
 def split_sizes(counts: torch.Tensor, recv: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
     """What the host must know to run the uneven all-to-all and the experts, read in **one** transfer:
-    the input splits (:func:`rank_splits` of my ``counts [E]``), the output splits ``recv.sum(1)`` and the
-    rows per local expert ``recv.sum(0)`` (``recv [N, L]``, :func:`.exchange_counts`). Three ``.tolist()``
+    the input splits (``rank_splits`` of my ``counts [E]``), the output splits ``recv.sum(1)`` and the
+    rows per local expert ``recv.sum(0)`` (``recv [N, L]``, ``.exchange_counts``). Three ``.tolist()``
     would be three device-to-host syncs; ``all_to_all_single`` needs its split sizes as Python ints, so
     one is inherent (torchtitan's dispatcher pays it too: its output splits' blocking copy, "this would
     incur a device-to-host sync", torchtitan/models/common/token_dispatcher.py)."""
@@ -133,7 +133,7 @@ def split_sizes(counts: torch.Tensor, recv: torch.Tensor) -> tuple[list[int], li
 def expert_major_order(recv: torch.Tensor, total: int | None = None) -> torch.Tensor:
     """``recv [N, L]`` (rows from rank ``q`` for local expert ``j``) -> ``idx [R]`` with
     ``expert_major = rank_major[idx]``: rank-major blocks ``(q, j)`` reordered to ``(j, q)``. ``total``:
-    ``R`` when the host knows it (:func:`split_sizes`); otherwise it is read from the device, and each
+    ``R`` when the host knows it (``split_sizes``); otherwise it is read from the device, and each
     ``repeat_interleave`` without ``output_size`` would read it again."""
     n, local = recv.shape
     starts = _exclusive_cumsum(recv.flatten()).view(n, local)  # where block (q, j) starts, rank-major

@@ -3,16 +3,16 @@
 Shazeer et al. 2017, "Outrageously Large Neural Networks: The Sparsely-Gated Mixture-of-Experts Layer";
 Lepikhin et al. 2020, "GShard" (top-2 routing, capacity, experts spread over devices with all-to-all);
 Fedus et al. 2021, "Switch Transformers"; DeepSeek-AI 2024, "DeepSeek-V3 Technical Report". For each token
-``x_t`` the router (:mod:`.router`) picks ``k`` of ``E`` experts ``I_t`` with weights ``w_t``, and
+``x_t`` the router (``.router``) picks ``k`` of ``E`` experts ``I_t`` with weights ``w_t``, and
 
     y_t = sum_{j < k} w_{t,j} E_{I_tj}(x_t)          (combined in fp32; a dropped assignment adds 0).
 
 **Expert parallelism** (GShard section 3): the ``N`` ranks of ``ep_group`` each keep ``E/N`` experts (rank
 ``r`` the experts ``[r E/N, (r+1) E/N)``) and each routes its **own** tokens. The all-to-all dispatcher
-(:func:`dispatch_all_to_all`, :func:`undispatch_all_to_all`): sort this rank's kept assignments by expert,
+(``dispatch_all_to_all``, ``undispatch_all_to_all``): sort this rank's kept assignments by expert,
 exchange the per-expert counts, send each expert's rows to its owner (uneven splits), regroup rank-major to
-expert-major, run the local experts, and the reverse; then combine (:mod:`.dispatch` for the bookkeeping,
-:mod:`.expert_parallel_communications` for the collectives). The ``allgather`` dispatcher (Megatron-LM's
+expert-major, run the local experts, and the reverse; then combine (``.dispatch`` for the bookkeeping,
+``.expert_parallel_communications`` for the collectives). The ``allgather`` dispatcher (Megatron-LM's
 default) gathers every rank's tokens and routing instead, computes the local experts' share of every token
 and reduce-scatters the partial outputs; both give the same result.
 
@@ -23,22 +23,22 @@ over the expert-data-parallel group (``dp x cp / ep``), by the global token coun
 expert gradient divided by ``ep`` as well would be wrong by that factor, and AdamW would hide it
 (pytorch/pytorch#160285); the tests compare gradients, not losses.
 
-**Capacity** is per source rank (``C`` from this rank's ``T``, :mod:`.router`): one device reproduces an
-expert-parallel run by routing each rank's chunk on its own and concatenating (:func:`.concat_routings`, then
-:meth:`MoE.forward_routed`).
+**Capacity** is per source rank (``C`` from this rank's ``T``, ``.router``): one device reproduces an
+expert-parallel run by routing each rank's chunk on its own and concatenating (``.concat_routings``, then
+``MoE.forward_routed``).
 
 **Host syncs** (what stalls a GPU: the host waiting for a value the device computes;
-:mod:`refimpl.distributed.host_syncs` counts them on CPU): the shapes of the dispatch depend on the routing,
+``refimpl.distributed.host_syncs`` counts them on CPU): the shapes of the dispatch depend on the routing,
 so the host reads the counts once per forward: ep 1 one ``.tolist()`` of the ``[E]`` counts, the all-to-all
 dispatcher one of the exchanged counts (input splits, output splits and local counts together,
-:func:`.split_sizes`), the all-gather dispatcher two (its equal-token check, then its counts); backward none.
+``.split_sizes``), the all-gather dispatcher two (its equal-token check, then its counts); backward none.
 Everything else stays on the device: counts by ``scatter_add_`` (not ``bincount``), the kept count and
 ``repeat_interleave`` sizes from the host read, ``_grouped_mm``'s offsets from the device counts, the dropped
-count and ``kept_per_expert`` read only when asked for (:attr:`MoE.dropped_fraction` is a host read). Before:
+count and ``kept_per_expert`` read only when asked for (``MoE.dropped_fraction`` is a host read). Before:
 11 per forward at ep 1, 16 with the all-to-all dispatcher (tests/test_expert_parallel.py).
 
 Two constructors: ``MoE(dim=..., hidden=..., num_experts=..., top_k=..., ep_group=...)`` holds the local
-slice of :class:`.GroupedExperts`' 3-D weights (the efficient path); :meth:`MoE.from_modules` takes any
+slice of ``.GroupedExperts``' 3-D weights (the efficient path); ``MoE.from_modules`` takes any
 router ``nn.Linear`` and any expert modules and runs them one by one (the general path).
 """
 
@@ -83,7 +83,7 @@ Group = dist.ProcessGroup | None
 
 @dataclass(frozen=True, kw_only=True)
 class Dispatched:
-    """What :func:`dispatch_all_to_all` hands the local experts, and what the way back needs.
+    """What ``dispatch_all_to_all`` hands the local experts, and what the way back needs.
     ``tokens [R, h]``: expert-major rows; ``counts``: rows per local expert (host ints) and
     ``device_counts`` the same on the device (the grouped experts' offsets, no host-to-device copy);
     ``plan``: this rank's sort; ``order``: rank-major -> expert-major; ``input_splits`` /
@@ -101,7 +101,7 @@ class Dispatched:
 def dispatch_all_to_all(x: torch.Tensor, routing: Routing, *, num_experts: int, group: Group,
                         traffic: AllToAllTraffic | None = None) -> Dispatched:
     """Send the tokens ``x [T, h]`` of this rank's kept assignments to their experts' ranks (module
-    docstring). One device-to-host read: the exchanged counts (:func:`.split_sizes`)."""
+    docstring). One device-to-host read: the exchanged counts (``.split_sizes``)."""
     ids = routing.kept_ids
     counts = expert_counts(ids, num_experts)                    # [E] on the device
     recv = exchange_counts(counts, group)                       # [N, E/N]: rank q's rows for my expert j
@@ -116,7 +116,7 @@ def dispatch_all_to_all(x: torch.Tensor, routing: Routing, *, num_experts: int, 
 def undispatch_all_to_all(y: torch.Tensor, d: Dispatched, group: Group,
                           traffic: AllToAllTraffic | None = None) -> torch.Tensor:
     """Expert outputs ``y [R, h]`` (expert-major) back to their source ranks: ``[A, h]`` in this rank's
-    sorted order (``d.plan``), ready for :func:`.combine`."""
+    sorted order (``d.plan``), ready for ``.combine``."""
     back = y.index_select(0, inverse_permutation(d.order))     # rank-major again
     return all_to_all_tokens(back, d.input_splits, d.output_splits, group, traffic)
 
@@ -152,9 +152,9 @@ class MoE(nn.Module):
     bytes the all-to-alls sent to other ranks, forward and, once backward ran, backward).
 
     This constructor builds the efficient layer: a bias-free ``nn.Linear(dim, num_experts)`` router and the
-    local slice of :class:`.GroupedExperts`, all drawn from ``torch.Generator().manual_seed(seed)``, so
+    local slice of ``.GroupedExperts``, all drawn from ``torch.Generator().manual_seed(seed)``, so
     every ``ep`` holds the same experts as one device. ``normalize_topk`` (None: ``top_k > 1``) is the
-    router's (:class:`.RouterConfig`): at ``top_k = 1`` the combine weight is the raw score, Switch's."""
+    router's (``.RouterConfig``): at ``top_k = 1`` the combine weight is the raw score, Switch's."""
 
     def __init__(self, *, dim: int, hidden: int, num_experts: int, top_k: int, activation: str = "swiglu",
                  score_func: str = "softmax", normalize_topk: bool | None = None,
@@ -272,7 +272,7 @@ class MoE(nn.Module):
 
     def update_expert_bias(self, rate: float, *, load: torch.Tensor | None = None,
                            group: Group = None) -> torch.Tensor:
-        """DeepSeek-V3's bias update (:meth:`.TopKRouter.update_expert_bias`) from ``load`` (default: the
+        """DeepSeek-V3's bias update (``.TopKRouter.update_expert_bias``) from ``load`` (default: the
         last forward's ``tokens_per_expert``), summed over ``group`` when given."""
         load = self.tokens_per_expert if load is None else load
         if load is None:

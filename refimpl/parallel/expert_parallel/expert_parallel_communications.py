@@ -5,31 +5,31 @@ Lepikhin et al. 2020, "GShard: Scaling Giant Models with Conditional Computation
 expert-parallel group, every rank routes its own tokens, and two **all-to-alls** move each token to the
 rank of its expert and its output back. The number of rows a rank sends to each peer depends on the
 routing, so the splits are **uneven** (zero included) and must be agreed first: every rank tells every
-other how many rows it will send (:func:`exchange_counts`, an all-to-all of ``N x E/N`` counts), then
+other how many rows it will send (``exchange_counts``, an all-to-all of ``N x E/N`` counts), then
 
-* :func:`all_to_all_tokens` ``(x, output_splits, input_splits)``: forward sends rows
+* ``all_to_all_tokens`` ``(x, output_splits, input_splits)``: forward sends rows
   ``x[sum(input_splits[:q]) : sum(input_splits[:q+1])]`` to rank ``q`` and receives ``output_splits[q]`` rows
   from it; backward is the same collective with the splits swapped (the all-to-all is a permutation of
   rows across ranks, its adjoint the inverse permutation): the conjugate pair is the function itself.
 
 gloo's ``all_to_all_single`` takes uneven and zero split sizes (torch 2.13); the list form
 ``dist.all_to_all`` refuses uneven ones. A rank sends its own block to itself too; only the other blocks go
-on the wire. :class:`AllToAllTraffic` records those bytes, forward and backward, measured from the tensors
+on the wire. ``AllToAllTraffic`` records those bytes, forward and backward, measured from the tensors
 handed to the collective.
 
 Megatron-LM's default "allgather" token dispatcher (Korthikanti et al. 2022's sequence-parallel pair, along
 the token dim 0) needs no counts: every rank gathers every rank's tokens and routing, computes its local
 experts on the tokens routed to them, and the partial outputs are summed back to their owners:
 
-* :func:`gather_tokens`: forward all-gathers dim 0 (rank order), backward reduce-scatters dim 0 (each
+* ``gather_tokens``: forward all-gathers dim 0 (rank order), backward reduce-scatters dim 0 (each
   rank's experts contributed to every token's gradient);
-* :func:`reduce_scatter_tokens`: forward reduce-scatters dim 0, backward all-gathers dim 0.
+* ``reduce_scatter_tokens``: forward reduce-scatters dim 0, backward all-gathers dim 0.
 
 It moves ``N - 1`` ranks' tokens to every rank whatever the routing (``(N-1) T h`` elements in, and as
 many out) where the all-to-all moves only the ``~(N-1)/N k T h`` that leave the rank: simpler, and better
 only when ``k`` is close to ``N``. All ranks must hold the same number of tokens (checked, one small
 all-gather). A group of size 1 (or ``None`` without a process group) is the identity with no collective.
-Every collective goes through :mod:`refimpl.comm.ops`, so a :class:`refimpl.comm.CommTracer` sees it.
+Every collective goes through ``refimpl.comm.ops``, so a ``refimpl.comm.CommTracer`` sees it.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ Group = dist.ProcessGroup | None
 
 @dataclass(kw_only=True)
 class AllToAllTraffic:
-    """Token bytes this rank sent to **other** ranks in :func:`all_to_all_tokens` calls: the rows handed to
+    """Token bytes this rank sent to **other** ranks in ``all_to_all_tokens`` calls: the rows handed to
     the collective minus the block addressed to itself, times the row's bytes. Forward and backward apart."""
 
     forward_bytes: int = 0

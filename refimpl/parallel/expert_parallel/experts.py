@@ -9,9 +9,9 @@ An expert is an MLP ``[n, h] -> [n, h]``:
 The layer hands its local experts their tokens **sorted by expert**: ``x [R, h]`` whose first ``counts[0]``
 rows are expert 0's, the next ``counts[1]`` expert 1's, and so on. Two ways to run them:
 
-* :class:`LoopedExperts`: any modules, one call each on its block of rows (the general path, and the
-  readable one); :class:`ExpertMLP` is the module this course uses;
-* :class:`GroupedExperts`: the ``L`` local experts' weights stacked into 3-D tensors ``w1, w3: [L, h, f]``,
+* ``LoopedExperts``: any modules, one call each on its block of rows (the general path, and the
+  readable one); ``ExpertMLP`` is the module this course uses;
+* ``GroupedExperts``: the ``L`` local experts' weights stacked into 3-D tensors ``w1, w3: [L, h, f]``,
   ``w2: [L, f, h]``, and one ``torch._grouped_mm`` per projection over all blocks at once (the efficient
   path; torchtitan's and Megatron-LM's "grouped GEMM"). ``torch._grouped_mm(x, w, offs=offs)`` with ``x
   [R, h]``, ``w [L, h, f]`` and ``offs`` the int32 **cumulative end rows** ``offs[i] = sum_{j<=i}
@@ -19,11 +19,11 @@ rows are expert 0's, the next ``counts[1]`` expert 1's, and so on. Two ways to r
   previous offset and gets a zero gradient); rows past ``offs[-1]`` are left uninitialised, so ``offs[-1]``
   must be ``R``. Measured on torch 2.13 CPU: it takes fp32 / bf16 / fp16 only, needs strides that are a
   multiple of 16 bytes (``h`` and ``f`` multiples of 4 in fp32, of 8 in bf16), and its backward fails on a
-  stride-0 incoming gradient (``y.sum().backward()``): :func:`contiguous_grad` makes it contiguous. With
+  stride-0 incoming gradient (``y.sum().backward()``): ``contiguous_grad`` makes it contiguous. With
   AVX-512 kernels one expert's result can depend, in the last bit, on the other experts in the same call
   (an expert-parallel rank's 2-expert call against one device's 8-expert call). Where
   ``_grouped_mm`` does not apply (fp64, odd widths), or would not run its fused kernel on CUDA (below),
-  :class:`GroupedExperts` runs its own per-expert loop, :meth:`GroupedExperts.forward_loop`, which is also
+  ``GroupedExperts`` runs its own per-expert loop, ``GroupedExperts.forward_loop``, which is also
   the reference the tests compare it with.
 
 **Autocast does not cast ``torch._grouped_mm``** (it is on none of autocast's op lists): under
@@ -32,14 +32,14 @@ they are, and every expert GEMM of a "bf16" run would compute in fp32. On CUDA t
 ``_grouped_mm_cuda`` runs its fused CUTLASS kernel (sm90 / sm100) only for bf16 operands and output, and
 otherwise ``_grouped_mm_fallback``, one matmul per expert after ``offs.cpu()`` (a host sync). So, as
 torchtitan's ``_run_experts_grouped_mm`` does (``x.bfloat16()``, ``w.bfloat16()``; torchtitan
-``torchtitan/models/moe/moe.py``), :meth:`GroupedExperts.forward` casts the rows (once, shared by ``w1``
+``torchtitan/models/moe/moe.py``), ``GroupedExperts.forward`` casts the rows (once, shared by ``w1``
 and ``w3``) and the weights to ``torch.get_autocast_dtype(device)`` itself when autocast is on, and the
 result comes out in that dtype, as a linear's would; outside autocast nothing is cast (the fp32 path is
 unchanged, bit for bit). The per-expert loop needs no such care: its ``@`` is on autocast's list. Where
 CUDA would take the fallback anyway (fp32 or fp16 operands, a GPU other than sm90 / sm100, ROCm) the
 layer runs its per-expert loop instead: the same matmuls, without the fallback's ``offs.cpu()`` per call
 (nine per SwiGLU layer and micro-batch, forward and backward), since the loop's counts are host ints
-already (:func:`grouped_mm_runs_fused`). On CPU ``_grouped_mm`` runs whatever the dtype.
+already (``grouped_mm_runs_fused``). On CPU ``_grouped_mm`` runs whatever the dtype.
 
 The kernel's other rules (``aten/src/ATen/native/cuda/GroupMMCommon.cuh``, the checks of
 ``torch/_meta_registrations.py``): ``offs`` int32 (a cumulative sum on the device, no host copy), operand
@@ -129,7 +129,7 @@ class LoopedExperts(nn.ModuleDict):
 
     def forward(self, x: torch.Tensor, counts: Sequence[int],
                 device_counts: torch.Tensor | None = None) -> torch.Tensor:
-        """``device_counts`` (the counts on the device) is accepted for :class:`GroupedExperts`' signature;
+        """``device_counts`` (the counts on the device) is accepted for ``GroupedExperts``' signature;
         the loop needs the host ints only."""
         _check_counts(x, counts, len(self))
         outs = [expert(rows) for expert, rows in zip(self.values(), x.split(list(counts)), strict=True)]
@@ -164,7 +164,7 @@ class GroupedExperts(nn.Module):
 
     The full ``[E, ...]`` tensors are drawn from ``generator`` (``nn.Linear``'s init, fan-in ``h`` and
     ``f``) and sliced, so every expert-parallel layout holds the same experts as one device.
-    ``forward(x, counts)``: one ``_grouped_mm`` per projection; :meth:`forward_loop`: the same maths expert
+    ``forward(x, counts)``: one ``_grouped_mm`` per projection; ``forward_loop``: the same maths expert
     by expert."""
 
     def __init__(self, *, dim: int, hidden: int, num_experts: int, activation: str = "swiglu", first: int = 0,
@@ -192,7 +192,7 @@ class GroupedExperts(nn.Module):
     @classmethod
     def from_modules(cls, experts: Sequence[ExpertMLP], *, first: int = 0,
                      num_experts: int | None = None) -> GroupedExperts:
-        """The given :class:`ExpertMLP` s (experts ``first, first+1, ...``) stacked:
+        """The given ``ExpertMLP`` s (experts ``first, first+1, ...``) stacked:
         ``w[e] = linear.weight.T``."""
         e0 = experts[0]
         layer = cls(dim=e0.w1.in_features, hidden=e0.w1.out_features, activation=e0.activation,
@@ -210,9 +210,9 @@ class GroupedExperts(nn.Module):
         return _autocast_dtype(x) or x.dtype
 
     def uses_grouped_mm(self, x: torch.Tensor) -> bool:
-        """Whether ``forward`` runs ``_grouped_mm`` for ``x``: a dtype it takes (:meth:`compute_dtype`; the
+        """Whether ``forward`` runs ``_grouped_mm`` for ``x``: a dtype it takes (``compute_dtype``; the
         weights' too, outside autocast), 16-byte strides in it, and no host sync for it on ``x``'s device
-        (:func:`grouped_mm_runs_fused`)."""
+        (``grouped_mm_runs_fused``)."""
         dtype = self.compute_dtype(x)
         size = dtype.itemsize
         same = _autocast_dtype(x) is not None or self.w1.dtype == x.dtype

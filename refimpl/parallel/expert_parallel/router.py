@@ -18,7 +18,7 @@ gradient norm 6.8e-10 at ``k = 1`` renormalised, 4.8e-3 with the raw score, 1.0e
 ``normalize_topk=None`` (the default) means ``k > 1``: Switch at ``k = 1``, GShard / Mixtral / DeepSeek-V3
 above; ``True`` or ``False`` forces it. ``b`` is DeepSeek-V3's **auxiliary-loss-free expert bias**
 (``expert_bias=True``; zero until updated): it only steers the choice, never the combine weights, and
-:meth:`TopKRouter.update_expert_bias` moves it before each optimizer step by
+``TopKRouter.update_expert_bias`` moves it before each optimizer step by
 ``b_i += u * sign(mean_j load_j - load_i)``: an overloaded expert becomes less attractive.
 
 Auxiliary losses, both on this rank's tokens only (a data-parallel wrapper averages later):
@@ -96,7 +96,7 @@ class Routing:
     weights, in the graph), ``keep [T, k]`` (False: dropped by capacity), ``scores [T, E]`` (fp32),
     ``tokens_per_expert [E]`` (assignments routed, before dropping), the auxiliary losses (scalars in the
     graph) and ``dropped`` (0-d int64: the assignments dropped by capacity). Every field stays on the
-    device: :attr:`dropped_fraction` and :attr:`kept_per_expert` are read when asked for, not in the
+    device: ``dropped_fraction`` and ``kept_per_expert`` are read when asked for, not in the
     forward (a host read there would stall a GPU once per layer and micro-batch)."""
 
     expert_ids: torch.Tensor

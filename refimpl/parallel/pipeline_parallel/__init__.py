@@ -3,23 +3,23 @@
 Huang et al. 2019 (GPipe); Narayanan et al. 2021 (1F1B and interleaved 1F1B, Megatron-LM); Qi et al. 2023
 (zero-bubble ZB-H1). One concept per file:
 
-* :mod:`~refimpl.parallel.pipeline_parallel.schedules`: schedules as data, one ordered action list per
+* ``refimpl.parallel.pipeline_parallel.schedules``: schedules as data, one ordered action list per
   rank (``F``, ``B``, ``W`` of a stage and a micro-batch); the sends and receives derived from them;
-* :mod:`~refimpl.parallel.pipeline_parallel.simulator`: a schedule checked (every action once, forward
+* ``refimpl.parallel.pipeline_parallel.simulator``: a schedule checked (every action once, forward
   before backward, no deadlock) and timed without processes: bubble, in-flight micro-batches;
-* :mod:`~refimpl.parallel.pipeline_parallel.stage`: blocks cut into stages (by layers or parameters,
-  :func:`split_blocks`), a tied embedding's copy (:func:`with_own_parameters`) and what a stage module
+* ``refimpl.parallel.pipeline_parallel.stage``: blocks cut into stages (by layers or parameters,
+  ``split_blocks``), a tied embedding's copy (``with_own_parameters``) and what a stage module
   carries; the model builds its stages (``pipeline_stages``: the GPT's in ``refimpl/models/gpt_stages.py``);
-* :mod:`~refimpl.parallel.pipeline_parallel.pipeline_communications`: activations and gradients between
+* ``refimpl.parallel.pipeline_parallel.pipeline_communications``: activations and gradients between
   stages over ``isend`` / ``irecv``, shapes agreed up front; the tied-embedding gradient exchange;
-* :mod:`~refimpl.parallel.pipeline_parallel.weight_grad`: the weight gradient split off the backward
+* ``refimpl.parallel.pipeline_parallel.weight_grad``: the weight gradient split off the backward
   (zero-bubble's ``W``);
-* :mod:`~refimpl.parallel.pipeline_parallel.executor`: one rank's action list run, each action timed;
-* :mod:`~refimpl.parallel.pipeline_parallel.pipeline_parallel`: :class:`PipelineModule`, a rank's stages
+* ``refimpl.parallel.pipeline_parallel.executor``: one rank's action list run, each action timed;
+* ``refimpl.parallel.pipeline_parallel.pipeline_parallel``: ``PipelineModule``, a rank's stages
   as one module (``parallelize``'s step 3): a whole step per call, checkpoints under the GPT's names.
 
 The trainer's ``--pp`` composes the pipeline with data, tensor and context parallelism and ZeRO 0-2
-(:mod:`refimpl.parallel.parallelize`, chapter 12).
+(``refimpl.parallel.parallelize``, chapter 12).
 """
 
 from __future__ import annotations

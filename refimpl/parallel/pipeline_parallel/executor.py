@@ -1,6 +1,6 @@
-"""Run one rank's action list of a pipeline schedule (chapter 08): :func:`run_schedule`.
+"""Run one rank's action list of a pipeline schedule (chapter 08): ``run_schedule``.
 
-The rank walks its list (:func:`~refimpl.parallel.pipeline_parallel.schedules.build_schedule`) in order:
+The rank walks its list (``refimpl.parallel.pipeline_parallel.schedules.build_schedule``) in order:
 
 * ``F`` (stage ``s``, micro-batch ``i``): the input is the micro-batch's token ids on the first stage, else
   the activation received from stage ``s - 1``; the output is sent to stage ``s + 1``, or on the last stage
@@ -10,14 +10,14 @@ The rank walks its list (:func:`~refimpl.parallel.pipeline_parallel.schedules.bu
 * ``B``: backward from the received output gradient (or from the loss), then the input's gradient is sent
   to stage ``s - 1``. Parameter gradients accumulate over the micro-batches, as one device's would.
   When the schedule has ``W`` actions the linear layers' weight gradients are queued instead
-  (:mod:`.weight_grad`), and ``W`` computes them.
+  (``.weight_grad``), and ``W`` computes them.
 * An MoE stage (chapter 09) also has a loss of its own, its blocks' balance losses (``aux_loss(stage)``
   after each ``F``, scaled like the micro-batch's loss): the last stage adds it to the loss; any other
   stage backpropagates it in its ``B`` together with the received gradient, one
   ``autograd.backward([output, aux], [grad, None])`` (Megatron-LM attaches it to the activation with its
   ``MoEAuxLossAutoScaler`` instead: the same gradient). It counts in the returned loss sum.
 
-Transfers (:mod:`.p2p_plan`, :mod:`.pipeline_communications`): at each boundary of the list (before the
+Transfers (``.p2p_plan``, ``.pipeline_communications``): at each boundary of the list (before the
 first action, after each) the rank posts one group, the sends of the action just done with the receives
 the plan puts there, and waits for it at the start of its next action (at the end of the step after the
 last). No schedule deadlocks on NCCL this way (the plan's rounds), and a sent tensor is released one action
@@ -26,13 +26,13 @@ of the next action; a stage output lives until its backward anyway (``autograd.b
 1F1B's rank ``r`` holds ``min(p - r, m)`` micro-batches' activations and outputs whatever ``m``
 (tests/test_pipeline_memory.py).
 
-Every action is timed (:class:`PipelineEvent`), including the wait for its input: the chapter's Gantt
+Every action is timed (``PipelineEvent``), including the wait for its input: the chapter's Gantt
 chart and the measured bubble come from these events. The stamps are the stages' device's
-(:class:`~refimpl.comm.device_clock.DeviceClock`): ``time.perf_counter`` on CPU; on CUDA events on the
+(``refimpl.comm.device_clock.DeviceClock``): ``time.perf_counter`` on CPU; on CUDA events on the
 current stream, since a launch returns before its kernels ran and NCCL's ``work.wait()`` only makes the
 stream wait for the transfer: ``ready`` completes when the input has arrived, ``end`` when the action's
 kernels are done. The events read them as seconds (on CUDA after one synchronize, at the first read, after
-the step), on the ``perf_counter`` axis of :class:`refimpl.comm.CommTracer`'s events.
+the step), on the ``perf_counter`` axis of ``refimpl.comm.CommTracer``'s events.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ __all__ = ["PipelineEvent", "run_schedule"]
 class PipelineEvent:
     """One action of one rank: ``kind`` ``F``/``B``/``W``; ``ready`` when its input had arrived (after the
     receive), ``start`` when it was called, ``end`` when it finished: stamps of the executor's clock, read
-    as seconds (:class:`~refimpl.comm.device_clock.StampField`: device time on CUDA)."""
+    as seconds (``refimpl.comm.device_clock.StampField``: device time on CUDA)."""
 
     kind: str
     stage: int
@@ -89,9 +89,9 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, nn.Module],
     deferred weight gradients when ``actions`` has ``W`` s; ``scale_loss``: applied to a micro-batch's loss
     before its backward (the fp16 loss scaler; the returned sum is unscaled); ``events``: appended one per
     action; ``table``: every rank's list, for the transfer plan (default: the named schedule whose list
-    ``actions`` is, else the plan from ``actions`` alone; :func:`~.p2p_plan.p2p_plan`); ``clock``: the clock
-    the events read (default: the stages' device's, :class:`~refimpl.comm.device_clock.DeviceClock`; a
-    measurement samples at its reads and returns a stamp, e.g. :func:`refimpl.comm.tracer.now`'s);
+    ``actions`` is, else the plan from ``actions`` alone; ``.p2p_plan.p2p_plan``); ``clock``: the clock
+    the events read (default: the stages' device's, ``refimpl.comm.device_clock.DeviceClock``; a
+    measurement samples at its reads and returns a stamp, e.g. ``refimpl.comm.tracer.now``'s);
     ``aux_loss(stage)``: the stage's own loss of the forward just run, in the graph (None: none; an MoE
     stage's balance losses, module docstring).
     """

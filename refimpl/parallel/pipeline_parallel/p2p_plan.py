@@ -1,8 +1,8 @@
 """When a pipeline rank posts its sends and receives, so that the schedule cannot deadlock on NCCL
-(chapter 08): :func:`p2p_plan`, and :func:`strict_deadlock`, which checks a plan without processes.
+(chapter 08): ``p2p_plan``, and ``strict_deadlock``, which checks a plan without processes.
 
 NCCL runs a pair's point-to-point calls in order, and a send completes only once the peer has posted the
-matching receive (strict mode of :mod:`refimpl.comm.ops` shows it on gloo). So a rank that sends an
+matching receive (strict mode of ``refimpl.comm.ops`` shows it on gloo). So a rank that sends an
 activation, unbatched, while its peer sends it a gradient, both waiting for the other to receive, hangs:
 1F1B at ``p = 2`` does exactly that in its steady state. The cure is to post transfers in **groups**
 (``batch_isend_irecv``, one fused NCCL launch whose sends and receives progress together) at points both
@@ -11,8 +11,8 @@ first action, between two actions, after the last) and waits for it before its n
 ``plan[b]`` is the group of boundary ``b``: the sends of action ``b - 1`` and the receives posted there.
 
 * **Rounds** (when the whole table is known: passed in, or inferred for interleaved 1F1B by
-  :func:`find_table`; ``torch.distributed.pipelining``'s rule): the table is run in simulated time with
-  every action lasting one unit (:func:`~.simulator.simulate`), so each action ends at an integer round
+  ``find_table``; ``torch.distributed.pipelining``'s rule): the table is run in simulated time with
+  every action lasting one unit (``.simulator.simulate``), so each action ends at an integer round
   ``T``. A message is sent in the round its producer ends, at the producer's boundary, and received **in
   the same round**, at the boundary the receiver stands at then (after its actions that end by ``T``; the
   consumer starts at ``T`` or later). Every op of a round-``T`` group has its partner in a round-``T``
@@ -20,7 +20,7 @@ first action, between two actions, after the last) and waits for it before its n
 * **Local rule** (one stage per rank and no table: only this rank's list is known): the sends of each
   action with the receives of the next action (Megatron-LM's ``send_forward_recv_backward`` /
   ``send_backward_recv_forward``). Deadlock-free for GPipe, 1F1B, ZB-H1 and one-chunk interleaving
-  (checked by :func:`strict_deadlock` in tests/test_p2p_strict.py), **not** for interleaved 1F1B with
+  (checked by ``strict_deadlock`` in tests/test_p2p_strict.py), **not** for interleaved 1F1B with
   several chunks: there a rank sends a gradient in the same group as it receives an activation while its
   peer first needs to send it something else, hence the rounds for multi-stage lists.
 
@@ -65,7 +65,7 @@ def find_table(actions: Sequence[Action], *, pp_size: int) -> list[list[Action]]
 
 
 def _receive(send: P2PAction, *, sender: int) -> P2PAction:
-    """The receiver's side of ``send`` (the consumer's ``before`` entry of :func:`p2p_actions`)."""
+    """The receiver's side of ``send`` (the consumer's ``before`` entry of ``p2p_actions``)."""
     return P2PAction("recv_" + send.kind.split("_")[1], send.stage, send.microbatch, sender)
 
 
@@ -104,7 +104,7 @@ def p2p_plan(actions: Sequence[Action], *, num_stages: int, pp_size: int,
              table: Sequence[Sequence[Action]] | None = None) -> Plan:
     """The group this rank posts at each boundary of ``actions`` (module docstring): ``plan[b]``, ``b`` in
     ``0 .. len(actions)``, its sends (of action ``b - 1``) first. ``table``: every rank's list (default:
-    :func:`find_table`); with it the rounds, without it the local rule. Every rank of a pipeline must
+    ``find_table``); with it the rounds, without it the local rule. Every rank of a pipeline must
     decide alike: pass the table to all of them or to none."""
     table = [list(t) for t in table] if table is not None else find_table(actions, pp_size=pp_size)
     if table is None:

@@ -1,17 +1,17 @@
 """What pipeline stages send each other (chapter 08): activations forward, their gradients backward, posted
-in groups (:func:`refimpl.comm.ops.batch_isend_irecv`, so :class:`refimpl.comm.CommTracer` still books and
-measures each ``isend`` / ``irecv``), at the boundaries :mod:`.p2p_plan` chooses so that no schedule can
+in groups (``refimpl.comm.ops.batch_isend_irecv``, so ``refimpl.comm.CommTracer`` still books and
+measures each ``isend`` / ``irecv``), at the boundaries ``.p2p_plan`` chooses so that no schedule can
 deadlock on NCCL (which runs a pair's calls in order and completes a send only once its receive is posted).
 
 Shapes are agreed up front: every stage boundary carries a ``[b, s, h]`` tensor of the activation dtype, so a
 receiver allocates its buffer without asking. Messages between two ranks in one direction are matched in
-order; the plan posts them, per pair, in the order they are sent. :class:`PostedGroup` is one posted group:
-its :meth:`~PostedGroup.wait` (the executor calls it before its next action computes) hands the received
+order; the plan posts them, per pair, in the order they are sent. ``PostedGroup`` is one posted group:
+its ``PostedGroup.wait`` (the executor calls it before its next action computes) hands the received
 tensors over and drops the sent ones, so a sent tensor is kept no longer than the action after its send
 (a stage output lives on anyway until its backward, which needs it). A peer that never sends fails after
 the process group's timeout with a one-line error naming the boundary.
 
-Tied embeddings: :func:`sync_tied_embeddings` adds the gradients of the first stage's embedding and of the
+Tied embeddings: ``sync_tied_embeddings`` adds the gradients of the first stage's embedding and of the
 last stage's copy with one exchange between their two ranks (``a + b`` on one, ``b + a`` on the other: the
 same bits, since floating-point addition commutes), posted as one group.
 """
@@ -50,7 +50,7 @@ def _wait(work, what: str) -> None:
 
 
 class PostedGroup:
-    """One posted group of a boundary: the handles, the tensors sent (alive until :meth:`wait`) and the
+    """One posted group of a boundary: the handles, the tensors sent (alive until ``wait``) and the
     buffers being received, by message."""
 
     def __init__(self, works: list, sent: list[torch.Tensor], received: dict[Message, torch.Tensor],

@@ -1,16 +1,16 @@
-"""A rank's part of a pipeline-parallel model, as one module: :class:`PipelineModule` (chapter 08).
+"""A rank's part of a pipeline-parallel model, as one module: ``PipelineModule`` (chapter 08).
 
-:func:`refimpl.parallel.parallelize.parallelize` cuts the model (its step 3) into ``pp x v`` stages and
+``refimpl.parallel.parallelize.parallelize`` cuts the model (its step 3) into ``pp x v`` stages and
 keeps this rank's (the model's ``pipeline_stages`` declaration; the GPT's: ``refimpl/models/gpt_stages.py``)
-in a :class:`PipelineModule`. One call of :meth:`PipelineModule.step` is a whole step's forward and backward:
-the rank's action list of the schedule (:func:`~refimpl.parallel.pipeline_parallel.schedules.
-build_schedule`) over ``m`` micro-batches (:func:`~refimpl.parallel.pipeline_parallel.executor.
-run_schedule`), then the tied-embedding gradient exchange, then the step loss sent from the last stage to
+in a ``PipelineModule``. One call of ``PipelineModule.step`` is a whole step's forward and backward:
+the rank's action list of the schedule (``refimpl.parallel.pipeline_parallel.schedules.
+build_schedule``) over ``m`` micro-batches (``refimpl.parallel.pipeline_parallel.executor.
+run_schedule``), then the tied-embedding gradient exchange, then the step loss sent from the last stage to
 every rank of the pipeline. What the data-parallel ranks do next (the gradient average over ``dp``, after
 the last backward of the step) is the caller's: chapter 12's rule that every technique reduces over its own
 group.
 
-Checkpoints see the whole model's names: :meth:`PipelineModule.local_shards` declares each stage parameter
+Checkpoints see the whole model's names: ``PipelineModule.local_shards`` declares each stage parameter
 under its name in the model (the stage's ``full_name``: ``layers.5.mlp...``), so a checkpoint written at ``pp
 = 2`` loads at ``pp = 1`` or ``4`` (chapter 11's boxes; a tied embedding's two copies are two replicas of one
 tensor).
@@ -120,7 +120,7 @@ class PipelineModule(nn.Module):
         ``num_microbatches`` micro-batches; returns the step's loss (the sum of the micro-batch losses) on
         every pipeline rank. Gradients accumulate in the stages' parameters (the tied copies summed).
         ``clock``: the executor's clock; ``aux_loss(stage)``: a stage's own loss after its forward (an MoE
-        stage's balance losses; :func:`~.executor.run_schedule`)."""
+        stage's balance losses; ``.executor.run_schedule``)."""
         m = num_microbatches
         actions = build_schedule(self.schedule, pp_size=self.pp_size, num_microbatches=m,
                                  virtual_stages=self.virtual_stages)[self.pp_rank]

@@ -2,7 +2,7 @@
 
 The model is cut into ``S = pp x v`` stages (``v`` = ``virtual_stages`` model chunks per rank; stage ``s``
 lives on rank ``s % pp``, Megatron's interleaved placement). A step runs ``m`` micro-batches through them.
-A schedule says, per rank, in which order that rank runs its stages' work; :func:`build_schedule` returns it
+A schedule says, per rank, in which order that rank runs its stages' work; ``build_schedule`` returns it
 as ``schedule[rank] = [Action, ...]`` with ``Action(kind, stage, microbatch)``:
 
 * ``"F"``: forward of ``microbatch`` through ``stage``;
@@ -32,9 +32,9 @@ chapter 08; ZB-H1 as ``ScheduleInterleavedZeroBubble``'s table at one stage per 
 it ZB1P). The paper's ZB-1p is another schedule, searched for from measured ``t_F``, ``t_B``, ``t_W`` and a
 memory limit: not built here, and the name ``zb1p`` is refused.
 
-The sends and receives are not part of the data: :func:`p2p_actions` derives them from the compute actions
+The sends and receives are not part of the data: ``p2p_actions`` derives them from the compute actions
 (a forward of stage ``s < S-1`` sends its output to stage ``s+1``, a backward of stage ``s > 0`` sends the
-input gradient to stage ``s-1``). :mod:`.simulator` checks and times a schedule.
+input gradient to stage ``s-1``). ``.simulator`` checks and times a schedule.
 """
 
 from __future__ import annotations

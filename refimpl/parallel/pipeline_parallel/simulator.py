@@ -1,21 +1,21 @@
 """A pipeline schedule checked and timed without processes (chapter 08).
 
-:func:`validate` checks a schedule (:func:`~refimpl.parallel.pipeline_parallel.schedules.build_schedule` or
+``validate`` checks a schedule (``refimpl.parallel.pipeline_parallel.schedules.build_schedule`` or
 anyone's lists): every ``(kind, stage, microbatch)`` exactly once, on the rank that holds the stage, each
 micro-batch forwarded on a stage before it is backwarded there (and ``B`` before ``W``), and between any two
 ranks the messages awaited in the order they are sent (sends match receives, first in, first out).
-:func:`simulate` then runs the lists as the ranks would: each rank takes its actions in order, an action
+``simulate`` then runs the lists as the ranks would: each rank takes its actions in order, an action
 starts when its rank is free and what it needs is done (``F`` of stage ``s`` needs ``F`` of ``s - 1``; ``B``
 of ``s`` needs ``F`` of ``s`` and ``B`` of ``s + 1``; ``W`` needs ``B`` of the same stage), plus ``p2p``
 seconds for a dependency on another rank. If no rank can go on before all are done the schedule deadlocks, and
-:class:`ScheduleError` names the action each rank waits at.
+``ScheduleError`` names the action each rank waits at.
 
 Bubble: the idle share of the ranks' time, ``1 - sum(busy) / (p x makespan)``. With equal stages and
 ``p2p = 0`` it is ``(p-1)/(m+p-1)`` for GPipe and 1F1B (Huang et al. 2019; Narayanan et al. 2021),
 ``(p-1)/(v m + p - 1)`` for interleaved 1F1B with stages ``v`` times smaller, and for ZB-H1 (Qi et al. 2023)
-``(p-1)(t_F + t_B - t_W) / (m (t_F + t_B + t_W) + (p-1)(t_F + t_B - t_W))``: :func:`bubble_formula`.
+``(p-1)(t_F + t_B - t_W) / (m (t_F + t_B + t_W) + (p-1)(t_F + t_B - t_W))``: ``bubble_formula``.
 In flight: a micro-batch is in flight on a rank from the start of its forward to the end of its backward
-(of its ``W`` when split); :attr:`Simulation.peak_in_flight` is the most at once per rank, the micro-batches
+(of its ``W`` when split); ``Simulation.peak_in_flight`` is the most at once per rank, the micro-batches
 whose activations the rank holds.
 """
 
@@ -51,7 +51,7 @@ class Costs:
 
 @dataclass
 class Simulation:
-    """What :func:`simulate` found: per rank the ``(action, start, end)`` it ran, the makespan, the busy
+    """What ``simulate`` found: per rank the ``(action, start, end)`` it ran, the makespan, the busy
     time per rank and the peak number of micro-batches in flight per rank."""
 
     timeline: list[list[tuple[Action, float, float]]]
@@ -66,7 +66,7 @@ class Simulation:
 
 
 def validate(schedule: list[list[Action]], *, num_microbatches: int, virtual_stages: int = 1) -> bool:
-    """Raise :class:`ScheduleError` unless every action is on its stage's rank, present once, and in an order
+    """Raise ``ScheduleError`` unless every action is on its stage's rank, present once, and in an order
     its rank can run (F before B before W of the same stage and micro-batch); returns whether ``B`` is
     split (the schedule has ``W`` s)."""
     p = len(schedule)
@@ -134,7 +134,7 @@ def _needs(a: Action, *, stages: int) -> list[tuple[str, int, int]]:
 
 def simulate(schedule: list[list[Action]], *, num_microbatches: int, virtual_stages: int = 1,
              costs: Costs | None = None, p2p: float = 0.0) -> Simulation:
-    """Run ``schedule`` in simulated time (see the module docstring); raises :class:`ScheduleError` if it is
+    """Run ``schedule`` in simulated time (see the module docstring); raises ``ScheduleError`` if it is
     not valid or deadlocks."""
     split = validate(schedule, num_microbatches=num_microbatches, virtual_stages=virtual_stages)
     costs = costs or Costs()

@@ -1,19 +1,19 @@
 """Pipeline stages, generically (chapter 08): how blocks are cut into stages, and what a stage declares.
 
 Stage ``s`` of ``S = pp x v`` holds a contiguous run of blocks (the first also what comes before them, the
-last also what comes after). :func:`split_blocks` cuts ``n`` blocks either into equal counts
+last also what comes after). ``split_blocks`` cuts ``n`` blocks either into equal counts
 (``balance="layers"``, the earlier stages taking the remainder) or so that the largest stage holds the
 fewest parameters (``balance="parameters"``: ``first_extra`` and ``last_extra``, e.g. the embedding and the
 head, count towards the first and the last stage; an exact min-max partition over contiguous runs, by
 dynamic programming). A model declares its stages (``pipeline_stages``,
-:mod:`refimpl.parallel.declarations`); each stage module is ``[b, s, h] -> [b, s, h]`` (the first takes
+``refimpl.parallel.declarations``); each stage module is ``[b, s, h] -> [b, s, h]`` (the first takes
 token ids, the last returns logits) and carries:
 
 * ``is_first`` / ``is_last``, and ``hidden_size``, the ``h`` of the activations it sends and receives;
 * ``full_name(name)``: a tensor's name in the stage -> in the whole model (checkpoints and placements see
   the whole model's names, so a checkpoint written at one ``pp`` loads at another);
 * ``tied_weight()``: its end of a weight another stage also holds (a tied embedding: the first stage's
-  table and the last stage's own copy, :func:`with_own_parameters`, equal at the start; after every
+  table and the last stage's own copy, ``with_own_parameters``, equal at the start; after every
   backward the two ranks add their gradients, Megatron's embedding group), None when it holds none, and
   ``tied_copy``: whether that end is the copy (the first stage's counts the tensor once).
 """

@@ -4,14 +4,14 @@ Parallelism").
 A linear layer ``Y = X W^T + b`` has two gradients: ``dX = dY W``, which the previous stage waits for, and
 ``dW = dY^T X``, which no one needs before the optimizer step. Zero-bubble schedules run them as two
 actions, ``B`` (input gradient) and ``W`` (weight gradient), and place the ``W`` s in the bubble.
-:func:`defer_weight_gradients` makes every linear layer of a stage compute ``dX`` (and the cheap bias
-gradient) in backward and queue ``dW`` in a :class:`WeightGradStore` under the key the executor is running
-(``(stage, microbatch)``); :meth:`WeightGradStore.flush` of that key, the ``W`` action, adds them to the
+``defer_weight_gradients`` makes every linear layer of a stage compute ``dX`` (and the cheap bias
+gradient) in backward and queue ``dW`` in a ``WeightGradStore`` under the key the executor is running
+(``(stage, microbatch)``); ``WeightGradStore.flush`` of that key, the ``W`` action, adds them to the
 weights' ``.grad``. The LayerNorm and embedding gradients (``O(h)`` per token, no matmul) stay in ``B``.
 
 A gradient added in a ``W`` action is added outside autograd, so no gradient hook sees it: what must
 follow it (ZeRO-2's reduce-scatter of the weights' gradients, which its hooks do in backward) is
-:attr:`WeightGradStore.after_flush`, called with the weights each ``W`` action updated.
+``WeightGradStore.after_flush``, called with the weights each ``W`` action updated.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ __all__ = ["WeightGradStore", "defer_weight_gradients", "linear_deferred_weight"
 
 
 class WeightGradStore:
-    """Queued weight-gradient computations by key; :meth:`capture` sets the key of a backward."""
+    """Queued weight-gradient computations by key; ``capture`` sets the key of a backward."""
 
     def __init__(self) -> None:
         self._pending: dict[object, list[Callable[[], torch.Tensor]]] = {}
@@ -49,7 +49,7 @@ class WeightGradStore:
 
     def push(self, fn: Callable[[], torch.Tensor], held: tuple[torch.Tensor, ...] = ()) -> None:
         """Queue ``fn`` under the captured key (outside a capture: run it now); ``held``: the tensors it
-        keeps until its ``W``, handed to :attr:`on_push`."""
+        keeps until its ``W``, handed to ``on_push``."""
         if self._key is None:  # outside a captured backward: the plain backward, at once
             fn()
         else:
@@ -58,7 +58,7 @@ class WeightGradStore:
                 self.on_push(fn, held)
 
     def flush(self, key: object) -> int:
-        """Run the weight gradients queued under ``key`` (then :attr:`after_flush` on their weights, each
+        """Run the weight gradients queued under ``key`` (then ``after_flush`` on their weights, each
         once, in the order they were queued); returns how many."""
         fns = self._pending.pop(key, [])
         updated = list({id(w): w for w in (fn() for fn in fns)}.values())
@@ -73,16 +73,16 @@ class WeightGradStore:
 def linear_deferred_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                            store: WeightGradStore) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose backward gives ``dX = dY W`` and the bias gradient and queues
-    ``dW = dY^T X`` in ``store`` (under the key of the running :meth:`WeightGradStore.capture`): the one
-    linear seam, :func:`refimpl.nn.linear.linear_with_grad`, with a store."""
+    ``dW = dY^T X`` in ``store`` (under the key of the running ``WeightGradStore.capture``): the one
+    linear seam, ``refimpl.nn.linear.linear_with_grad``, with a store."""
     return linear_with_grad(x, weight, bias, weight_grad_store=store)
 
 
 def defer_weight_gradients(module: nn.Module, store: WeightGradStore) -> nn.Module:
     """Make every linear layer in ``module`` queue its weight gradient in ``store`` (in place): the seam's
-    layers (:class:`refimpl.nn.Linear`, the tensor-parallel ``ColumnParallelLinear`` and
+    layers (``refimpl.nn.Linear``, the tensor-parallel ``ColumnParallelLinear`` and
     ``RowParallelLinear``: anything with a ``weight_grad_store`` attribute) are given the store, and a plain
-    ``nn.Linear`` has its forward replaced by :func:`linear_deferred_weight`."""
+    ``nn.Linear`` has its forward replaced by ``linear_deferred_weight``."""
     for linear in module.modules():
         if hasattr(linear, "weight_grad_store"):
             linear.weight_grad_store = store

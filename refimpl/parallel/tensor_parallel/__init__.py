@@ -4,20 +4,20 @@ Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Mod
 Parallelism"; Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
 (sequence parallelism). One concept per file:
 
-* :mod:`~refimpl.parallel.tensor_parallel.tp_communications`: the conjugate autograd collectives (``f``,
+* ``refimpl.parallel.tensor_parallel.tp_communications``: the conjugate autograd collectives (``f``,
   ``g``, scatter / gather along the last dim, and along the sequence for sequence parallelism);
-* :mod:`~refimpl.parallel.tensor_parallel.layers`: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`
-  (each with ``from_linear`` and ``local_shards``) and :func:`allreduce_sequence_parallel_grads`;
-* :mod:`~refimpl.parallel.tensor_parallel.vocab_parallel`: :class:`VocabParallelEmbedding` (with its tied
-  head ``lm_logits``) and :func:`vocab_parallel_cross_entropy`, which never builds the full logits.
+* ``refimpl.parallel.tensor_parallel.layers``: ``ColumnParallelLinear``, ``RowParallelLinear``
+  (each with ``from_linear`` and ``local_shards``) and ``allreduce_sequence_parallel_grads``;
+* ``refimpl.parallel.tensor_parallel.vocab_parallel``: ``VocabParallelEmbedding`` (with its tied
+  head ``lm_logits``) and ``vocab_parallel_cross_entropy``, which never builds the full logits.
 
-* :mod:`~refimpl.parallel.tensor_parallel.styles`: the styles a plan maps module names to
-  (:class:`ColwiseParallel`, :class:`RowwiseParallel`, :class:`SequenceParallel`, :class:`VocabParallel`,
-  :class:`TiedVocabParallelOutput`), torch's semantics with local tensors;
-* :mod:`~refimpl.parallel.tensor_parallel.apply`: :func:`apply_tensor_parallel` applies a plan (the
-  model's declared one by default) to any module, :func:`tp_lm_loss`, :func:`full_state_dict`,
-  :func:`fused_qkv_per_head` (nanoGPT's fused qkv rows in the per-head order);
-* :mod:`~refimpl.parallel.tensor_parallel.grad_norm`: the gradient norm that counts each element once.
+* ``refimpl.parallel.tensor_parallel.styles``: the styles a plan maps module names to
+  (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``, ``VocabParallel``,
+  ``TiedVocabParallelOutput``), torch's semantics with local tensors;
+* ``refimpl.parallel.tensor_parallel.apply``: ``apply_tensor_parallel`` applies a plan (the
+  model's declared one by default) to any module, ``tp_lm_loss``, ``full_state_dict``,
+  ``fused_qkv_per_head`` (nanoGPT's fused qkv rows in the per-head order);
+* ``refimpl.parallel.tensor_parallel.grad_norm``: the gradient norm that counts each element once.
 """
 
 from __future__ import annotations

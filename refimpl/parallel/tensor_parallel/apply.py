@@ -1,17 +1,17 @@
-"""Tensor parallelism applied by plan: :func:`apply_tensor_parallel` (chapters 06 and 12).
+"""Tensor parallelism applied by plan: ``apply_tensor_parallel`` (chapters 06 and 12).
 
 Shoeybi et al. 2019, "Megatron-LM" (section 3, figure 3); Korthikanti et al. 2022 (sequence parallelism,
 figure 5). ``apply_tensor_parallel(module, plan, tp_group=...)`` replaces, in place, every submodule whose
-name matches a pattern of ``plan`` by its style's parallel form (:mod:`.styles`), as torch's
+name matches a pattern of ``plan`` by its style's parallel form (``.styles``), as torch's
 ``parallelize_module`` does. Every rank of ``tp_group`` must hold the same full module before the call
 (same seed or checkpoint): each keeps its block of every sharded weight. The replaced module keeps its
 name and holds its shard as ``weight`` (and ``bias``), so optimizers, state dicts and the user's code find
 it where they did, and it declares its box (``local_shards``) under the plain module's names, so a
-checkpoint saved at one tensor-parallel size loads at another (chapter 11) and :func:`full_state_dict`
+checkpoint saved at one tensor-parallel size loads at another (chapter 11) and ``full_state_dict``
 assembles the plain state.
 
 Without a plan the module's own declaration is used (``tensor_parallel_plan``,
-:mod:`refimpl.parallel.declarations`): the course GPT declares its plan in
+``refimpl.parallel.declarations``): the course GPT declares its plan in
 ``refimpl/models/gpt_sharding.py`` (heads split by Megatron's per-head fused qkv, parallel MLP,
 vocabulary-parallel embedding and head, sequence parallelism on the norms).
 
@@ -19,7 +19,7 @@ Matching is torch's: a pattern and a name are split at the dots and matched atom
 ``"layers.*.mlp.up"`` matches ``layers.0.mlp.up`` and not ``layers.0.moe.mlp.up``. A pattern that matches
 nothing is a ``ValueError`` (a misspelt plan would silently leave layers whole); a matched module of the
 wrong type a ``TypeError``. The styles apply in the plan's order, each to its matches in module order.
-Under tensor parallelism the model returns logits shards ``[b, s, V/t]``: :func:`tp_lm_loss` takes the
+Under tensor parallelism the model returns logits shards ``[b, s, V/t]``: ``tp_lm_loss`` takes the
 loss on them without building ``[b, s, V]``.
 """
 
@@ -102,7 +102,7 @@ def apply_tensor_parallel(module: nn.Module, plan: Mapping[str, ParallelStyle] |
 
 def param_split(plan: Mapping[str, ParallelStyle], name: str) -> ParamSplit:
     """What ``plan`` does to the parameter ``name`` of the plain module (``"layers.0.mlp.up.weight"``):
-    the style of the longest matched module prefix says (:meth:`ParallelStyle.split`); replicated when
+    the style of the longest matched module prefix says (``ParallelStyle.split``); replicated when
     none matches. Reads names only: the planner uses it on a meta-device model."""
     parts = name.split(".")
     for cut in range(len(parts) - 1, 0, -1):
@@ -115,9 +115,9 @@ def param_split(plan: Mapping[str, ParallelStyle], name: str) -> ParamSplit:
 
 def fused_qkv_per_head(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
     """The rows of a fused qkv weight ``[3h, h]`` or bias ``[3h]`` from nanoGPT's order ``[3, a, d]`` (all q,
-    all k, all v) to Megatron's per-head ``[a, 3, d]`` (:class:`refimpl.models.CausalSelfAttention`), a copy:
+    all k, all v) to Megatron's per-head ``[a, 3, d]`` (``refimpl.models.CausalSelfAttention``), a copy:
     after it a contiguous row block of ``3h/t`` rows is q, k and v of ``a/t`` whole heads, the shard a
-    :class:`ColumnParallelLinear` takes (the fused-qkv trap of chapter 06)."""
+    ``ColumnParallelLinear`` takes (the fused-qkv trap of chapter 06)."""
     three_h = tensor.shape[0]
     if three_h % (3 * num_heads):
         raise ValueError(f"a fused qkv of {three_h} rows is not 3 x {num_heads} heads x head_dim")
@@ -129,8 +129,8 @@ def fused_qkv_per_head(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def tp_lm_loss(logits_shard: torch.Tensor, labels: torch.Tensor, *, tp_group: Group, vocab_size: int,
                num_tokens: int | None = None) -> torch.Tensor:
-    """:func:`refimpl.models.lm_loss` on the logits shard ``[b, s, V/t]`` (padded columns masked): the sum
-    of the per-token losses of :func:`vocab_parallel_cross_entropy`, divided by ``num_tokens``."""
+    """``refimpl.models.lm_loss`` on the logits shard ``[b, s, V/t]`` (padded columns masked): the sum
+    of the per-token losses of ``vocab_parallel_cross_entropy``, divided by ``num_tokens``."""
     if group_size(tp_group) == 1 and logits_shard.shape[-1] == vocab_size:
         return lm_loss(logits_shard, labels, num_tokens=num_tokens)
     per_token = vocab_parallel_cross_entropy(logits_shard.float(), labels, tp_group=tp_group,
@@ -143,7 +143,7 @@ def full_state_dict(model: nn.Module, tp_group: Group) -> dict[str, torch.Tensor
     """The plain model's state (every tensor whole, in the plain model's names and shapes) on every rank
     of ``tp_group``.
 
-    Each rank writes the boxes it declares (:func:`refimpl.distributed.placement.module_shards`) into a
+    Each rank writes the boxes it declares (``refimpl.distributed.placement.module_shards``) into a
     zero tensor of the global shape; one all-reduce (sum) per sharded tensor assembles them (the boxes of
     a tensor are disjoint over the group), replicated tensors are taken as they are. A box declared over
     a view of the parameter (``ColwiseParallel(chunks=k)``: ``[k, n, ...]`` of the plain ``[k n, ...]``)

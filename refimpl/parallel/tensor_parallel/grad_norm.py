@@ -11,7 +11,7 @@ over that group (the shards are disjoint there too). Then every gradient is scal
 ``min(1, max_norm / (||g|| + 1e-6))``, ``torch.nn.utils.clip_grad_norm_``'s rule.
 
 Which parameters are sharded the modules say themselves: a box (``local_shards()``) that is not the whole
-tensor. The norm is refimpl's one norm over placements (:func:`refimpl.parallel.placements.clip_grad_norm_`).
+tensor. The norm is refimpl's one norm over placements (``refimpl.parallel.placements.clip_grad_norm_``).
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
-"""Megatron's two parallel linears: :class:`ColumnParallelLinear` and :class:`RowParallelLinear` (chapter 06).
+"""Megatron's two parallel linears: ``ColumnParallelLinear`` and ``RowParallelLinear`` (chapter 06).
 
 Shoeybi et al. 2019, "Megatron-LM" (section 3): a linear ``Y = X A^T + b`` with ``A`` of shape
 ``[out, in]`` is split across the ``t`` ranks of a tensor-parallel group in one of two ways.
 
 * **Column parallel** (split the output features): rank ``r`` holds rows ``A_r = A[r*out/t:(r+1)*out/t]``
   and ``b_r``, and computes ``Y_r = X A_r^T + b_r``, its block of the output features. The input must be
-  whole on every rank: ``f`` (:func:`copy_to_tensor_parallel_region`, all-reduce in backward) in front, or
+  whole on every rank: ``f`` (``copy_to_tensor_parallel_region``, all-reduce in backward) in front, or
   under sequence parallelism (Korthikanti et al. 2022) an all-gather of the sequence (dim 1) in front and a
   reduce-scatter in backward; then only the ``s/t`` input chunk is saved and backward all-gathers it again
-  (:mod:`.sequence_parallel_linear`, Megatron's way). ``gather_output=True`` all-gathers ``Y`` along the
+  (``.sequence_parallel_linear``, Megatron's way). ``gather_output=True`` all-gathers ``Y`` along the
   last dim.
 * **Row parallel** (split the input features): rank ``r`` holds columns ``A[:, r*in/t:(r+1)*in/t]`` and
-  computes the partial sum ``X_r A_r^T``; ``g`` (:func:`reduce_from_tensor_parallel_region`, all-reduce)
+  computes the partial sum ``X_r A_r^T``; ``g`` (``reduce_from_tensor_parallel_region``, all-reduce)
   sums them, or under sequence parallelism a reduce-scatter along the sequence (dim 1). The bias is whole
   on every rank and added once, after the reduction. ``input_is_parallel=False`` first keeps this rank's
   chunk of the last dim of a whole input.
@@ -24,21 +24,21 @@ Under sequence parallelism the row layer's bias sees only this rank's ``s/t`` to
 partial sum. Megatron marks such a parameter with a tensor attribute (``sequence_parallel = True``); a
 tensor attribute does not survive a wrapper that replaces parameters (ZeRO-3's shards), so here the
 *module* declares them: ``sequence_parallel_parameters()`` names the parameters whose gradients cover
-``s/t`` tokens (the row layer's bias; :class:`SequenceParallelLayerNorm`'s weight and bias), and
-:func:`allreduce_sequence_parallel_grads` sums those gradients over the group (one all-reduce each).
+``s/t`` tokens (the row layer's bias; ``SequenceParallelLayerNorm``'s weight and bias), and
+``allreduce_sequence_parallel_grads`` sums those gradients over the group (one all-reduce each).
 
 Rank ``r`` holds the ``r``-th contiguous block in ``.weight`` / ``.bias`` (equal blocks: a size that does not
-divide by ``t`` is a ``ValueError``); :meth:`from_linear` shards a full ``nn.Linear`` that way, and
-``local_shards()`` declares the boxes for the checkpoint (:mod:`refimpl.distributed.placement`), under the
+divide by ``t`` is a ``ValueError``); ``from_linear`` shards a full ``nn.Linear`` that way, and
+``local_shards()`` declares the boxes for the checkpoint (``refimpl.distributed.placement``), under the
 names a plain ``nn.Linear`` has, so a checkpoint saved at one TP size loads at another or into a dense layer.
 
-Both matmuls go through the one linear seam (:func:`refimpl.nn.linear.linear_with_grad`):
+Both matmuls go through the one linear seam (``refimpl.nn.linear.linear_with_grad``):
 ``weight_grad_store`` (None by default; set by
-:func:`~refimpl.parallel.pipeline_parallel.defer_weight_gradients`) queues this rank's ``dW_r = dY_r^T X``
+``refimpl.parallel.pipeline_parallel.defer_weight_gradients``) queues this rank's ``dW_r = dY_r^T X``
 (column) or ``dY^T X_r`` (row) for zero-bubble's ``W`` action, so zbh1 composes with tensor parallelism:
 each rank defers the gradient of the block it holds. ``matmul`` (None: ``F.linear``) is the seam's pluggable
 product of this rank's block: ``--precision fp8`` sets it to the fp8 GEMMs
-(:func:`refimpl.precision.fp8.apply_float8_training`, chapter 10), which read ``split_features`` (``"out"``
+(``refimpl.precision.fp8.apply_float8_training``, chapter 10), which read ``split_features`` (``"out"``
 column, ``"in"`` row) and ``tp_group`` to agree the fp8 scales over the group.
 """
 
@@ -238,7 +238,7 @@ class RowParallelLinear(nn.Module):
 class SequenceParallelLayerNorm(nn.LayerNorm):
     """A LayerNorm between the tensor-parallel regions under sequence parallelism: it normalizes this
     rank's ``s/t`` tokens, so the gradients of its (replicated) weight and bias are partial sums over the
-    group. The same parameters as the ``nn.LayerNorm`` it replaces (:meth:`from_layernorm` shares them)."""
+    group. The same parameters as the ``nn.LayerNorm`` it replaces (``from_layernorm`` shares them)."""
 
     @classmethod
     def from_layernorm(cls, norm: nn.LayerNorm) -> SequenceParallelLayerNorm:
@@ -265,7 +265,7 @@ def sequence_parallel_names(module: nn.Module) -> list[str]:
 
 def allreduce_sequence_parallel_grads(module: nn.Module, group: Group) -> int:
     """Sum over ``group`` the gradients of ``module``'s sequence-parallel parameters
-    (:func:`sequence_parallel_names`): one all-reduce each, after backward. Returns how many were
+    (``sequence_parallel_names``): one all-reduce each, after backward. Returns how many were
     reduced."""
     if group_size(group) == 1:
         return 0

@@ -17,7 +17,7 @@ The extra all-gather moves ``(t-1)/t b s h`` elements per rank per backward: act
 communication (Megatron overlaps it with the ``dX`` matmul; gloo on CPU cannot show that). Under autocast
 the forward matmul runs in the autocast dtype; backward computes in the dtype of ``dY`` and returns the
 parameters' gradients in their own dtype, as autocast's own ``linear`` does. The autograd function is the
-one linear seam, :func:`refimpl.nn.linear.linear_with_grad`; this module names its group.
+one linear seam, ``refimpl.nn.linear.linear_with_grad``; this module names its group.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def linear_with_sequence_parallel_gather(x_local: torch.Tensor, weight: torch.Te
     """``all_gather_seq(x_local) @ weight.T + bias`` saving only ``x_local`` (module docstring);
     ``[b, s/t, in] -> [b, s, out/t]``. A group of one is the plain linear. ``weight_grad_store``: ``dW``
     queued there (zero-bubble's ``W``), not returned; ``matmul``: the seam's product (fp8's
-    :class:`~refimpl.precision.fp8.Float8Matmul` computes the backward GEMMs too)."""
+    ``refimpl.precision.fp8.Float8Matmul`` computes the backward GEMMs too)."""
     if group_size(group) == 1:
         return linear_with_grad(x_local, weight, bias, weight_grad_store=weight_grad_store, matmul=matmul)
     return linear_with_grad(x_local, weight, bias, sequence_gather=sequence_gather(group),

@@ -1,30 +1,30 @@
 """Tensor-parallel styles: what a plan maps a module name to (chapters 06 and 12).
 
 A model (ours or the user's) declares its tensor-parallel plan as ``{module-name pattern: style}`` and
-:func:`~refimpl.parallel.tensor_parallel.apply.apply_tensor_parallel` replaces each matched module by the
+``refimpl.parallel.tensor_parallel.apply.apply_tensor_parallel`` replaces each matched module by the
 style's parallel form, as torch's ``parallelize_module`` does with ``ColwiseParallel()`` /
 ``RowwiseParallel()`` (same semantics, local tensors instead of DTensors; Shoeybi et al. 2019, Korthikanti
 et al. 2022 for sequence parallelism). On the ``t`` ranks of the group, rank ``r``:
 
-* :class:`ColwiseParallel` (an ``nn.Linear`` ``[out, in]``): keeps output rows ``[r out/t, (r+1) out/t)``
+* ``ColwiseParallel`` (an ``nn.Linear`` ``[out, in]``): keeps output rows ``[r out/t, (r+1) out/t)``
   of the weight and bias; the input is whole (``f``: identity forward, all-reduce of its gradient), the
   output ``[..., out/t]``. ``chunks = k``: the output is ``k`` stacked projections (a fused ``q|k|v``:
   ``k = 3``), each split that way, so rank ``r`` holds rows ``[j out/k + r out/(k t), ...)`` of every chunk
   ``j``. ``sequence_parallel``: the input is this rank's ``[b, s/t, in]``, all-gathered in front.
-* :class:`RowwiseParallel` (an ``nn.Linear``): keeps input columns ``[r in/t, (r+1) in/t)``; the input is
+* ``RowwiseParallel`` (an ``nn.Linear``): keeps input columns ``[r in/t, (r+1) in/t)``; the input is
   sharded on its last dim, the output all-reduced (``g``; under ``sequence_parallel`` reduce-scattered to
   ``[b, s/t, out]``) and the bias, whole, added once.
-* :class:`SequenceParallel` (any module, e.g. a LayerNorm or RMSNorm): the module runs on this rank's
+* ``SequenceParallel`` (any module, e.g. a LayerNorm or RMSNorm): the module runs on this rank's
   ``s/t`` tokens, so the gradients of its replicated parameters are partial sums over the group: the
   module declares them (``sequence_parallel_parameters()``), and the optimizer setup sums them.
-* :class:`VocabParallel` (an ``nn.Embedding`` ``[V, h]``): rows ``[r V/t, (r+1) V/t)`` (``pad_vocab``: of
+* ``VocabParallel`` (an ``nn.Embedding`` ``[V, h]``): rows ``[r V/t, (r+1) V/t)`` (``pad_vocab``: of
   the table padded to ``t ceil(V/t)`` rows); the partial lookups all-reduced (``sequence_parallel``:
   reduce-scattered along the sequence).
-* :class:`TiedVocabParallelOutput` (the output layer of a tied embedding): the logits shard ``[b, s, V/t]``
+* ``TiedVocabParallelOutput`` (the output layer of a tied embedding): the logits shard ``[b, s, V/t]``
   on the embedding's own shard, named by ``embedding``.
 
-Each style also says what it does to each parameter without building anything (:meth:`split`:
-:class:`ParamSplit`), which the planner reads on a meta-device model. A model's own style (a module of
+Each style also says what it does to each parameter without building anything (``split``:
+``ParamSplit``), which the planner reads on a meta-device model. A model's own style (a module of
 its own that needs a parallel form) implements the same two methods.
 """
 
@@ -113,13 +113,13 @@ class RowwiseParallel:
 
 
 def _declare_all(self: nn.Module) -> tuple[str, ...]:
-    """Every parameter of the module: it runs on this rank's ``s/t`` tokens (:class:`SequenceParallel`)."""
+    """Every parameter of the module: it runs on this rank's ``s/t`` tokens (``SequenceParallel``)."""
     return tuple(n for n, _ in self.named_parameters())
 
 
 @functools.cache
 def _sequence_parallel_class(cls: type[nn.Module]) -> type[nn.Module]:
-    """``cls`` with ``sequence_parallel_parameters()``: the module's class after :class:`SequenceParallel`
+    """``cls`` with ``sequence_parallel_parameters()``: the module's class after ``SequenceParallel``
     (its name, forward and parameters unchanged; the way FSDP2 gives a module its own subclass)."""
     return type(f"SequenceParallel{cls.__name__}", (cls,), {"sequence_parallel_parameters": _declare_all})
 
@@ -156,7 +156,7 @@ class VocabParallel:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TiedVocabParallelOutput:
-    """The output layer tied to the :class:`VocabParallel` embedding named ``embedding`` (the name in the
+    """The output layer tied to the ``VocabParallel`` embedding named ``embedding`` (the name in the
     module the plan is applied to, after the embedding's own style)."""
 
     embedding: str

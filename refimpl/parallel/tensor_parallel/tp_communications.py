@@ -4,16 +4,16 @@ Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Mod
 Parallelism" (section 3): a layer split across the ``t`` ranks of a tensor-parallel group needs only two
 operators, conjugate to each other, around each pair of matrix multiplies:
 
-* ``f`` = :func:`copy_to_tensor_parallel_region`: forward ``y = x`` (every rank already holds ``x``),
+* ``f`` = ``copy_to_tensor_parallel_region``: forward ``y = x`` (every rank already holds ``x``),
   backward ``dx = sum_r dy_r`` (all-reduce: each rank's branch contributed a part of the gradient);
-* ``g`` = :func:`reduce_from_tensor_parallel_region`: forward ``y = sum_r x_r`` (all-reduce of the partial
+* ``g`` = ``reduce_from_tensor_parallel_region``: forward ``y = sum_r x_r`` (all-reduce of the partial
   sums of a row-parallel matmul), backward ``dx = dy`` (identity: the sum's gradient reaches every term).
 
 and their split / gather forms along the **last dim** (the hidden features of a column-parallel output):
 
-* :func:`scatter_to_tensor_parallel_region`: forward keeps my chunk ``x[..., r*h/t:(r+1)*h/t]``,
+* ``scatter_to_tensor_parallel_region``: forward keeps my chunk ``x[..., r*h/t:(r+1)*h/t]``,
   backward all-gathers the chunks of the gradient along the last dim;
-* :func:`gather_from_tensor_parallel_region`: forward all-gathers along the last dim, backward keeps my
+* ``gather_from_tensor_parallel_region``: forward all-gathers along the last dim, backward keeps my
   chunk of the gradient.
 
 Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (sequence
@@ -21,22 +21,22 @@ parallelism): outside the tensor-parallel matmuls (layer norms, dropout) each ra
 sequence. Our activations are ``[batch, seq, hidden]``, so the **sequence is dim 1** (Megatron's layout is
 ``[seq, batch, hidden]``, dim 0; we move dim 1 to the front for the collective and back, a copy):
 
-* :func:`scatter_to_sequence_parallel_region`: forward keeps my chunk of dim 1, backward all-gathers dim 1;
-* :func:`gather_from_sequence_parallel_region` (``g-bar`` of the paper's figure 5): forward all-gathers
+* ``scatter_to_sequence_parallel_region``: forward keeps my chunk of dim 1, backward all-gathers dim 1;
+* ``gather_from_sequence_parallel_region`` (``g-bar`` of the paper's figure 5): forward all-gathers
   dim 1, backward reduce-scatters dim 1 (each rank's branch saw the whole sequence);
-* :func:`reduce_scatter_to_sequence_parallel_region` (``g`` of SP): forward reduce-scatters dim 1 (the
+* ``reduce_scatter_to_sequence_parallel_region`` (``g`` of SP): forward reduce-scatters dim 1 (the
   row-parallel partial sums, each rank receiving its chunk of the sum), backward all-gathers dim 1.
 
 An all-gather and a reduce-scatter together move what one all-reduce moves, ``2(t-1)/t`` of the tensor per
 rank: sequence parallelism replaces each all-reduce by such a pair at the same bytes; what it adds is one
 all-gather per column layer in backward, which re-gathers the ``s/t`` input chunk it saved instead of the
-whole sequence (:mod:`.sequence_parallel_linear`).
+whole sequence (``.sequence_parallel_linear``).
 
 Each wrapper is ``fn(x, group)``; ``group`` is the tensor-parallel process group (``None`` means the default
 group, or no-op when no process group is initialised). A group of size 1 is the identity, forward and
 backward, with no collective. Chunks are equal: a dim that does not divide by ``t`` is a one-line
-``ValueError``. Every collective goes through :mod:`refimpl.comm.ops`, so a
-:class:`refimpl.comm.CommTracer` sees exactly the collective each docstring names. Forward inputs are never
+``ValueError``. Every collective goes through ``refimpl.comm.ops``, so a
+``refimpl.comm.CommTracer`` sees exactly the collective each docstring names. Forward inputs are never
 modified in place (the all-reduce works on a copy): autograd may have saved them.
 """
 

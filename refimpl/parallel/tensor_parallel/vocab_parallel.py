@@ -5,9 +5,9 @@ Parallelism" (section 3, "the input embedding weight matrix ... is parallelized 
 dimension"). With ``t`` ranks and a vocabulary of ``V`` rows, rank ``r`` holds the contiguous row block
 ``[r V/t, (r+1) V/t)`` of the ``[V, h]`` table (Megatron's ``vocab_start_index`` / ``vocab_end_index``):
 
-* :class:`VocabParallelEmbedding`: ``y = sum_r E_r[x]``, where ``E_r[x]`` is row ``x - r V/t`` of my block
+* ``VocabParallelEmbedding``: ``y = sum_r E_r[x]``, where ``E_r[x]`` is row ``x - r V/t`` of my block
   when I own token ``x`` and zeros otherwise; the sum is ``g`` =
-  :func:`~refimpl.parallel.tensor_parallel.tp_communications.reduce_from_tensor_parallel_region` (one
+  ``refimpl.parallel.tensor_parallel.tp_communications.reduce_from_tensor_parallel_region`` (one
   all-reduce of ``[..., h]`` forward, none backward). Exactly one term is non-zero, so the output equals
   the one-device lookup bitwise.
   Under sequence parallelism (``reduce_scatter_embeddings=True``, Megatron-Core's name and switch) the
@@ -19,10 +19,10 @@ dimension"). With ``t`` ranks and a vocabulary of ``V`` rows, rank ``r`` holds t
   batch (the same ``sum_to_size`` as one device's broadcast): Megatron-Core reduce-scatters only without
   learned absolute positions (it all-reduces, adds them, then scatters); added after the collective, the
   sum ``E[x] + P`` is the same element by element, bitwise.
-* :meth:`VocabParallelEmbedding.lm_logits`: the tied output layer, ``z_r = f(h) E_r^T`` of shape
+* ``VocabParallelEmbedding.lm_logits``: the tied output layer, ``z_r = f(h) E_r^T`` of shape
   ``[..., V/t]`` on the **same** Parameter (``f`` = copy-to-region: identity forward, all-reduce of
   ``dh`` backward), so the embedding's and the head's gradients accumulate into one shard.
-* :func:`vocab_parallel_cross_entropy`: ``loss = log sum_v exp(z_v - m) - (z_y - m)`` with
+* ``vocab_parallel_cross_entropy``: ``loss = log sum_v exp(z_v - m) - (z_y - m)`` with
   ``m = max_v z_v``, from the shards without ever building ``[..., V]``: three all-reduces of ``[...]``
   (``m`` with MAX; the target logit ``z_y - m``, picked by the one rank that owns ``y``, with SUM; the
   local ``sum exp(z - m)`` with SUM), none backward. Backward is ``dz_r = (softmax_r - onehot_r) dloss``
@@ -32,13 +32,13 @@ dimension"). With ``t`` ranks and a vocabulary of ``V`` rows, rank ``r`` holds t
 with ``pad_vocab=True`` the table is padded to ``V_pad = t ceil(V/t)`` rows, rank ``r`` holds rows
 ``[r V_pad/t, (r+1) V_pad/t)`` of the padded table, the padded rows (``>= V``, on the last ranks) are zeros,
 never looked up (a token's owner is decided against ``V``, not ``V_pad``) and never saved: the real rows
-of rank ``r`` are exactly :func:`refimpl.distributed.placement.chunk_range` ``(V, r, t)``, the box
+of rank ``r`` are exactly ``refimpl.distributed.placement.chunk_range`` ``(V, r, t)``, the box
 ``local_shards()`` declares. Their logits are masked to ``-inf`` in the loss (``vocab_size=V``), so their
 softmax and gradient are exactly 0.
 
 A group of size 1 (or ``None`` with no process group) is the plain ``nn.Embedding`` / ``F.cross_entropy``
-arithmetic with no collective. Every collective goes through :mod:`refimpl.comm.ops` (a
-:class:`refimpl.comm.CommTracer` sees them).
+arithmetic with no collective. Every collective goes through ``refimpl.comm.ops`` (a
+``refimpl.comm.CommTracer`` sees them).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.vocab_end_index - self.vocab_start_index
 
     def reset_parameters(self) -> None:
-        """``nn.Embedding``'s N(0, 1) on my rows (not the one-device draw: use :meth:`from_embedding`),
+        """``nn.Embedding``'s N(0, 1) on my rows (not the one-device draw: use ``from_embedding``),
         padding rows zero."""
         with torch.no_grad():
             nn.init.normal_(self.weight)
@@ -246,9 +246,9 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
 
 class TiedVocabParallelHead(nn.Module):
     """The output layer tied to the vocab-parallel embedding: ``[b, s, h] -> [b, s, V/t]`` on the same
-    shard. Without SP the input goes through ``f`` (:meth:`VocabParallelEmbedding.lm_logits`); with SP it is
+    shard. Without SP the input goes through ``f`` (``VocabParallelEmbedding.lm_logits``); with SP it is
     all-gathered along the sequence instead (its backward, a reduce-scatter, already sums the ranks), saving
-    only this rank's ``s/t`` tokens (:func:`linear_with_sequence_parallel_gather`)."""
+    only this rank's ``s/t`` tokens (``linear_with_sequence_parallel_gather``)."""
 
     def __init__(self, embedding: VocabParallelEmbedding, *, sequence_parallel: bool) -> None:
         super().__init__()

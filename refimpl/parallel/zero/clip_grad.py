@@ -1,9 +1,9 @@
 """Clipping by the global gradient norm when each rank holds a disjoint shard of the gradients (chapter 04).
 
-Used by ZeRO-1/2 (:class:`~refimpl.parallel.zero.ShardedOptimizer`) and ZeRO-3
-(:class:`~refimpl.parallel.zero.FullyShardedDataParallel`): the same rule as
+Used by ZeRO-1/2 (``refimpl.parallel.zero.ShardedOptimizer``) and ZeRO-3
+(``refimpl.parallel.zero.FullyShardedDataParallel``): the same rule as
 ``torch.nn.utils.clip_grad_norm_``, from the shards, with one all-reduce. It is the one norm of refimpl
-(:func:`refimpl.parallel.placements.clip_grad_norm_`) with every shard placed over one axis, the group.
+(``refimpl.parallel.placements.clip_grad_norm_``) with every shard placed over one axis, the group.
 """
 
 from __future__ import annotations

@@ -2,29 +2,29 @@
 
 Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models" (stage 3,
 ``P_os+g+p``); the dtypes are FSDP2's ``fully_shard(mp_policy=MixedPrecisionPolicy(...))`` (Zhao et al. 2023).
-A unit's parameters ``W_1 .. W_k`` are split along dim 0 over the ``N`` ranks (:class:`ShardSpec`), rank
+A unit's parameters ``W_1 .. W_k`` are split along dim 0 over the ``N`` ranks (``ShardSpec``), rank
 ``r`` keeping the fp32 rows ``W_i[r]`` (the master weights the optimizer steps). Each collective serves
-a whole unit, its tensors packed side by side (:mod:`refimpl.parallel.zero.sharding`):
+a whole unit, its tensors packed side by side (``refimpl.parallel.zero.sharding``):
 
-* **shard** (:func:`shard_into_units`, once, no traffic: every rank starts from the same weights): cut the
+* **shard** (``shard_into_units``, once, no traffic: every rank starts from the same weights): cut the
   module into units (each submodule of ``unit_types``, the rest in the root), replace each parameter by
   its rows ``W_i[r]`` and give it a full tensor in ``param_dtype`` whose storage is freed;
-* **all-gather** (:func:`start_all_gather`, then :func:`finish_all_gather`): ``W_i = concat_r W_i[r]``,
+* **all-gather** (``start_all_gather``, then ``finish_all_gather``): ``W_i = concat_r W_i[r]``,
   each shard cast to ``param_dtype`` *before* the collective (half the bytes in bf16/fp16), written into
   the unit's full tensors, whose storage is allocated only while the unit is gathered
-  (:func:`free_full_params` gives it back). Started asynchronously, so a prefetch overlaps compute.
+  (``free_full_params`` gives it back). Started asynchronously, so a prefetch overlaps compute.
   Under ``--precision fp8`` the fp8 linears' weights are cast to e4m3 before it instead, the unit's
-  parameters gathered as bytes (:mod:`refimpl.parallel.zero.fsdp_float8`, chapter 10);
-* **reduce-scatter** (:func:`reduce_scatter_grads`): the full gradients ``g`` (in ``param_dtype``) are cast
+  parameters gathered as bytes (``refimpl.parallel.zero.fsdp_float8``, chapter 10);
+* **reduce-scatter** (``reduce_scatter_grads``): the full gradients ``g`` (in ``param_dtype``) are cast
   to ``reduce_dtype`` and each rank receives the mean of its rows, ``sum_r g_r[rank] / N`` (fp16:
-  ``sum_r (g_r / pre) / post`` with ``pre * post = N``, :func:`fp16_divide_factors`), cast to fp32 and
+  ``sum_r (g_r / pre) / post`` with ``pre * post = N``, ``fp16_divide_factors``), cast to fp32 and
   added to the shard's ``.grad``;
-* :func:`all_gather_full`: the full parameters in the shards' dtype, for a state dict.
+* ``all_gather_full``: the full parameters in the shards' dtype, for a state dict.
 
 A unit of ``Psi_u`` elements, freed after its forward, moves ``(N - 1) / N * Psi_u`` elements per rank in
 each of two all-gathers (forward, backward) and one reduce-scatter: 1.5x data parallelism's all-reduce.
-Every call goes through :mod:`refimpl.comm.ops`, so :class:`refimpl.comm.tracer.CommTracer` sees it. The
-schedule (when a unit is gathered, freed, reduced) is :class:`FullyShardedDataParallel`'s.
+Every call goes through ``refimpl.comm.ops``, so ``refimpl.comm.tracer.CommTracer`` sees it. The
+schedule (when a unit is gathered, freed, reduced) is ``FullyShardedDataParallel``'s.
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def all_gather_full(unit: FSDPUnit, group: dist.ProcessGroup | None) -> list[tor
 def full_parameters(units: list[FSDPUnit], module: nn.Module,
                     group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
     """Every parameter of ``module`` in full, by its name, on every rank: each unit all-gathered once
-    (:func:`all_gather_full`). Collective."""
+    (``all_gather_full``). Collective."""
     full: dict[int, torch.Tensor] = {}
     for unit in units:
         if unit.params:

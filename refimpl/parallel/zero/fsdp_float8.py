@@ -18,15 +18,15 @@ cast one device makes of the full fp32 ``W`` (and ZeRO 0-2 make: they cast the f
 never the cast of a bf16 copy (a second rounding; what gathering in ``param_dtype`` hands the layer). A
 shard cast with its own ``a_r`` would give other bytes (tests/test_fp8_zero3.py's negative control).
 
-**Wiring** (:func:`enable_float8_all_gather`, called by :func:`refimpl.parallel.parallelize` under
+**Wiring** (``enable_float8_all_gather``, called by ``refimpl.parallel.parallelize`` under
 ``--precision fp8 --zero-stage 3``): every weight registered only in tensorwise fp8 layers
-(:class:`~refimpl.precision.fp8.Float8Linear`, or tensor-parallel blocks: below) gets a
-:class:`Float8Gather`, a full fp8 tensor (its storage freed between gathers, like the unit's full
+(``refimpl.precision.fp8.Float8Linear``, or tensor-parallel blocks: below) gets a
+``Float8Gather``, a full fp8 tensor (its storage freed between gathers, like the unit's full
 parameters) and its scale. A unit holding such a
 weight gathers all its parameters in **one** collective of bytes (FSDP2 packs mixed all-gather dtypes
 into a ``uint8`` buffer alike; gloo refuses float8 dtypes anyway): the other parameters (LayerNorms,
 biases, the layers kept in bf16) in ``param_dtype`` as before, each as ``itemsize`` bytes per element
-(:func:`byte_spec`), the fp8 weights as one byte. While the unit is gathered its layers hold the fp8
+(``byte_spec``), the fp8 weights as one byte. While the unit is gathered its layers hold the fp8
 weight as ``weight_fp8``; their ``weight`` (the bf16 full parameter) is never allocated: it only
 receives the gradient, which is reduce-scattered in ``reduce_dtype`` (fp32) as for every parameter.
 
@@ -34,10 +34,10 @@ Per unit and gather, with ``c_p = ceil(rows_p / N) * row_numel_p`` the padded ch
 the collective moves ``N * (sum_{p not fp8} 2 c_p + sum_{p fp8} c_p)`` bytes, plus one all-reduce of
 ``4 k`` bytes: the fp8 weights' part is exactly half of their bf16 gather.
 
-**2-D (tp > 1)**: a tensor-parallel block (its seam matmul :class:`~refimpl.precision.fp8.Float8Matmul`,
+**2-D (tp > 1)**: a tensor-parallel block (its seam matmul ``refimpl.precision.fp8.Float8Matmul``,
 chapter 06) is sharded again over dp; its shard's amax is agreed over the dp group and then over the tp
 group (a second MAX all-reduce of the same ``4 k`` bytes), so the block is cast with its whole layer's
-scale, one device's, as :class:`~refimpl.precision.fp8.ShardedScales` casts it without ZeRO-3; the
+scale, one device's, as ``refimpl.precision.fp8.ShardedScales`` casts it without ZeRO-3; the
 gathered block goes to the layer as its matmul's ``weight_fp8``. (torchao's fp8 all-gather under DTensor
 TP takes the amax of the whole DTensor the same way.)
 
@@ -90,7 +90,7 @@ class Float8Gather:
 
 def _float8_config(module: nn.Module) -> Float8Config | None:
     """The tensorwise fp8 recipe ``module``'s weight is multiplied with: a ``Float8Linear``'s, or a
-    tensor-parallel block's whose seam matmul is fp8 (:class:`~refimpl.precision.fp8.Float8Matmul`)."""
+    tensor-parallel block's whose seam matmul is fp8 (``refimpl.precision.fp8.Float8Matmul``)."""
     if isinstance(module, Float8Linear):
         config = module.config
     elif isinstance(getattr(module, "matmul", None), Float8Matmul):
@@ -101,7 +101,7 @@ def _float8_config(module: nn.Module) -> Float8Config | None:
 
 
 def enable_float8_all_gather(fsdp: nn.Module) -> list[str]:
-    """Give every weight of ``fsdp`` (a :class:`~refimpl.parallel.zero.FullyShardedDataParallel`, before
+    """Give every weight of ``fsdp`` (a ``refimpl.parallel.zero.FullyShardedDataParallel``, before
     its first forward) that only tensorwise fp8 layers read (``Float8Linear``, or tensor-parallel blocks
     with the fp8 seam matmul) an fp8 all-gather (module docstring). Returns the layers' names in the
     wrapped module."""

@@ -1,8 +1,8 @@
 """ZeRO-3's units: a parameter's shard beside its full tensor, whose storage comes and goes (chapter 04).
 
 A full tensor is freed by shrinking its storage to 0 bytes and re-allocated in place, so the tensor
-objects autograd saved in forward stay valid (:func:`_free`, :func:`_alloc`). Used by the synchronous
-lesson (:mod:`refimpl.parallel.zero.unit_hooks`) and by :class:`FullyShardedDataParallel`.
+objects autograd saved in forward stay valid (``_free``, ``_alloc``). Used by the synchronous
+lesson (``refimpl.parallel.zero.unit_hooks``) and by ``FullyShardedDataParallel``.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def _full_tensors(sps: list[_ShardedParam]) -> list[torch.Tensor]:
 def gathered_bytes(units: list[FSDPUnit]) -> StateMemory:
     """Bytes of *full* tensors a ZeRO-3 rank holds now: gathered parameters and all-gathers in flight
     (weights) and full gradients not yet reduce-scattered (grads); the shards are not counted.
-    :func:`refimpl.planner.zero3_peak_gathered_bytes` bounds its peak over a step."""
+    ``refimpl.planner.zero3_peak_gathered_bytes`` bounds its peak over a step."""
     sps = [sp for u in units for sp in u.params]
     in_flight = [u.pending[1] for u in units if u.pending is not None]
     seen: set = set()
@@ -112,7 +112,7 @@ def held_bytes(units: list[FSDPUnit], optimizer: torch.optim.Optimizer | None = 
 def units_local_shards(module: nn.Module, units: list[FSDPUnit],
                        inner_boxes: dict[str, Box]) -> dict[str, LocalShard]:
     """What a ZeRO-3 rank holds of ``module``, by name (the checkpoint reads it, chapter 11): each
-    parameter's rows (:attr:`ShardSpec.box`, under its first name when tied) and every persistent buffer
+    parameter's rows (``ShardSpec.box``, under its first name when tied) and every persistent buffer
     whole. A parameter that was itself a block of a larger tensor (a tensor-parallel shard: its box in
     ``inner_boxes``) gets the rows inside that block, ``inner.within(rows)``: the 2-D box of FSDP2 over TP
     (torch's ``_StridedShard`` places the same elements for a DTensor)."""

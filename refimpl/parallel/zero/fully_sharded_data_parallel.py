@@ -3,9 +3,9 @@
 Parameters are sharded too. The module is cut into *units* (a transformer block each, the rest in the root
 unit); a unit is all-gathered just before its forward, freed after it, all-gathered again before its
 backward, and its gradients reduce-scattered. One extra all-gather per unit: 1.5x the traffic of data
-parallelism. :func:`refimpl.parallel.zero.unit_hooks.install_unit_hooks` is the same schedule in its
+parallelism. ``refimpl.parallel.zero.unit_hooks.install_unit_hooks`` is the same schedule in its
 simplest form (synchronous, no reduction), the lesson and exercise 04.4-04.5. This file is the schedule
-(hooks, prefetch order, accounting); :mod:`refimpl.parallel.zero.fsdp_communications` shards the units
+(hooks, prefetch order, accounting); ``refimpl.parallel.zero.fsdp_communications`` shards the units
 and runs each unit's collectives.
 """
 
@@ -44,7 +44,7 @@ class FullyShardedDataParallel(nn.Module):
 
     ``FullyShardedDataParallel(model, unit_types=(Block,))`` makes every submodule of a type in
     ``unit_types`` a unit and puts the remaining parameters in the root unit. ``unit_types`` None: the
-    types the model declares (``shard_units()``, :mod:`refimpl.parallel.declarations`); a model that
+    types the model declares (``shard_units()``, ``refimpl.parallel.declarations``); a model that
     declares none is refused (there is no silent default: ``()`` makes the whole model one unit). Each
     parameter is replaced by this rank's rows (``model.parameters()`` yields the shards: build a plain
     optimizer on them and its state is sharded too). Around each unit:
@@ -75,14 +75,14 @@ class FullyShardedDataParallel(nn.Module):
     it sits (inside a block unit too), sharded over its own group, its gradients reduce-scattered there and
     divided by ``divide_factor`` (None: that group's size). An expert-parallel rank's experts are sharded
     over the expert-data-parallel group and their gradients divided by ``dp x cp``, not averaged over it
-    (:mod:`refimpl.parallel.expert_parallel_gpt`). Not with HSDP.
+    (``refimpl.parallel.expert_parallel_gpt``). Not with HSDP.
 
-    **Mixed precision** (``mp_policy``, a :class:`refimpl.precision.MixedPrecisionPolicy`; chapter 05),
+    **Mixed precision** (``mp_policy``, a ``refimpl.precision.MixedPrecisionPolicy``; chapter 05),
     as FSDP2's ``fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype))`` does it: the
     shards stay fp32 (the master weights; the optimizer and its state see only them), the all-gather and
     the unit's compute run in ``param_dtype`` (floating-point inputs cast to it, ``output_dtype`` the
     output's when given), the reduce-scatter in ``reduce_dtype``
-    (:mod:`~refimpl.parallel.zero.fsdp_communications` has the casts). Buffers are left alone.
+    (``refimpl.parallel.zero.fsdp_communications`` has the casts). Buffers are left alone.
     """
 
     def __init__(
@@ -233,7 +233,7 @@ class FullyShardedDataParallel(nn.Module):
     def set_requires_gradient_sync(self, requires: bool) -> None:
         """FSDP2's switch for micro-batches: with ``False`` a backward keeps each unit's full gradients
         (accumulating over the micro-batches; the units are freed after it only if
-        ``reshard_after_forward``) and reduce-scatters nothing; :meth:`finish_gradient_sync` then reduces
+        ``reshard_after_forward``) and reduce-scatters nothing; ``finish_gradient_sync`` then reduces
         them once. Pipeline parallelism under ZeRO-3 runs its schedule so (chapter 08)."""
         self.requires_gradient_sync = requires
 
@@ -302,12 +302,12 @@ class FullyShardedDataParallel(nn.Module):
 
     def local_shards(self) -> dict[str, LocalShard]:
         """What this rank holds, by name in the wrapped module: the row shards, 2-D inside a tensor-parallel
-        block (:func:`~refimpl.parallel.zero.fsdp_unit.units_local_shards`), the buffers whole."""
+        block (``refimpl.parallel.zero.fsdp_unit.units_local_shards``), the buffers whole."""
         return units_local_shards(self.module, self.units, self.inner_boxes)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (from the shards, one all-reduce); return the norm before. Not
-        with units of their own group (experts: :func:`refimpl.parallel.placements.clip_grad_norm_`)."""
+        with units of their own group (experts: ``refimpl.parallel.placements.clip_grad_norm_``)."""
         if any(unit.group is not self.group for unit in self.units):
             raise ValueError("units sharded over other groups (experts): clip by their placements "
                              "(refimpl.parallel.placements.clip_grad_norm_)")
@@ -321,11 +321,11 @@ class FullyShardedDataParallel(nn.Module):
 
     def gathered_bytes(self) -> StateMemory:
         """Bytes of *full* tensors this rank holds now (gathered weights and all-gathers in flight, full
-        gradients not yet reduced; :func:`~refimpl.parallel.zero.fsdp_unit.gathered_bytes`)."""
+        gradients not yet reduced; ``refimpl.parallel.zero.fsdp_unit.gathered_bytes``)."""
         return gathered_bytes(self.units)
 
     def state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> StateMemory:
         """Bytes this rank holds now in parameters, gradients and optimizer state, gathered tensors included
-        (:func:`~refimpl.parallel.zero.fsdp_unit.held_bytes`)."""
+        (``refimpl.parallel.zero.fsdp_unit.held_bytes``)."""
         return held_bytes(self.units, optimizer)
 

@@ -1,6 +1,6 @@
 """ZeRO stages 1 and 2: the sharded optimizer (Rajbhandari et al. 2020; chapter 04).
 
-* **stage 1** (:class:`ShardedOptimizer`, ``zero_stage=1``): each rank keeps optimizer state for its shard
+* **stage 1** (``ShardedOptimizer``, ``zero_stage=1``): each rank keeps optimizer state for its shard
   only. After backward the gradients are *reduce-scattered* (each rank receives the mean of its shard),
   the rank steps its shard, and the updated shards are *all-gathered* into every rank's full parameters.
   Reduce-scatter + all-gather move exactly what one all-reduce moves: no extra traffic.
@@ -9,12 +9,12 @@
 
 Assumption, as for DDP without ``find_unused_parameters``: every rank uses the same parameters in a step
 (collectives are issued in the order gradients arrive, which must be the same everywhere). The same step
-tensor by tensor, without buckets, is :func:`refimpl.parallel.zero.sharded_step.sharded_step`.
+tensor by tensor, without buckets, is ``refimpl.parallel.zero.sharded_step.sharded_step``.
 
-**Shard groups** (chapter 09): a parameter given a :class:`ShardGroup` is sharded over that group instead,
+**Shard groups** (chapter 09): a parameter given a ``ShardGroup`` is sharded over that group instead,
 and its gradient's sum divided by the group's ``divide_factor``: under expert parallelism an expert tensor
 is sharded over the expert-data-parallel group (the ranks that hold the same experts) and its gradient
-summed there and divided by ``dp x cp`` (:mod:`refimpl.parallel.expert_parallel_gpt`), as torchtitan shards
+summed there and divided by ``dp x cp`` (``refimpl.parallel.expert_parallel_gpt``), as torchtitan shards
 the experts with a second ``fully_shard`` over its ``efsdp`` mesh and Megatron-LM's distributed optimizer
 over the expert-data-parallel group. Each group's collectives are issued in the parameters' order.
 """
@@ -39,7 +39,7 @@ from refimpl.parallel.zero.zero_communications import _world, all_gather_into, r
 def _buckets(items: Sequence, sizes: Sequence[int], limit: int) -> list[list]:
     """``items`` in buckets of about ``limit`` elements: refimpl's one bucketing rule, DDP's (reverse order,
     a bucket closed once it holds ``limit``; whole tensors, since a packed shard is not split), from
-    :func:`refimpl.parallel.data_parallel.bucket.assign_buckets`."""
+    ``refimpl.parallel.data_parallel.bucket.assign_buckets``."""
     return [[items[i] for i in bucket] for bucket in assign_buckets(sizes, limit, whole_tensors=True)]
 
 
@@ -140,12 +140,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def reduction(self, param: torch.Tensor) -> tuple[dist.ProcessGroup | None, int | None]:
         """``(the group param is sharded over, what its gradient's sum is divided by; None: the group's
-        size)`` (:class:`ShardGroup`; default: the optimizer's group, a mean)."""
+        size)`` (``ShardGroup``; default: the optimizer's group, a mean)."""
         shard_group = self._shard_groups.get(param)
         return (self.group, None) if shard_group is None else (shard_group.group, shard_group.divide_factor)
 
     def _by_group(self, params: Sequence[torch.Tensor]) -> list[tuple[tuple, list[torch.Tensor]]]:
-        """``params`` split by their reduction (:meth:`reduction`), each in the given order."""
+        """``params`` split by their reduction (``reduction``), each in the given order."""
         out: dict[tuple, list[torch.Tensor]] = {}
         for p in params:
             group, divide = self.reduction(p)
@@ -163,7 +163,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def local_state_shards(self) -> list[tuple[torch.Tensor, torch.Tensor, Box]]:
         """Per parameter: ``(param, the tensor the inner optimizer steps, its Box inside param)``, the
-        rows :class:`ShardSpec` gives this rank (the checkpoint composes it with param's own box)."""
+        rows ``ShardSpec`` gives this rank (the checkpoint composes it with param's own box)."""
         return [(p, self._shards[p], self._specs[p].box) for p in self.params]
 
     # -- gradients -------------------------------------------------------------------------------------
@@ -204,7 +204,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def reduce_gradients_now(self, params: Sequence[torch.Tensor]) -> None:
         """Stage 2, outside backward: reduce-scatter ``params``' gradients into the shards now and free
         them, as the hooks do in backward (zero-bubble's ``W`` actions add weight gradients after their
-        backward: :attr:`refimpl.parallel.pipeline_parallel.WeightGradStore.after_flush`)."""
+        backward: ``refimpl.parallel.pipeline_parallel.WeightGradStore.after_flush``)."""
         ready = [p for p in params if p.grad is not None]
         if self.zero_stage == 2 and ready:
             self._reduce(ready)
@@ -291,7 +291,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a consolidated state (:meth:`state_dict`, or a plain optimizer's); keep this rank's rows."""
+        """Load a consolidated state (``state_dict``, or a plain optimizer's); keep this rank's rows."""
         params = self.params
         groups = state_dict["param_groups"]
         if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
@@ -310,5 +310,5 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict({"state": inner_state, "param_groups": [dict(g) for g in groups]})
 
     def state_bytes(self, module: nn.Module | None = None) -> StateMemory:
-        """Parameter, gradient and optimizer-state bytes this rank holds (:mod:`refimpl.measure.state`)."""
+        """Parameter, gradient and optimizer-state bytes this rank holds (``refimpl.measure.state``)."""
         return state_bytes(module if module is not None else self.params, self)

@@ -1,6 +1,6 @@
 """One ZeRO step tensor by tensor: the lesson (exercise 04.2) that ``ShardedOptimizer`` does in buckets.
 
-The naive version, kept beside :mod:`refimpl.parallel.zero.sharded_optimizer`: the step between them
+The naive version, kept beside ``refimpl.parallel.zero.sharded_optimizer``: the step between them
 (buckets, a hook during backward for stage 2, consolidated state dicts) is chapter 04's lesson.
 """
 
@@ -19,9 +19,9 @@ def sharded_step(
     params: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
     group: dist.ProcessGroup | None = None,
 ) -> None:
-    """One ZeRO step, tensor by tensor: the lesson that :class:`ShardedOptimizer` does in buckets.
+    """One ZeRO step, tensor by tensor: the lesson that ``ShardedOptimizer`` does in buckets.
 
-    ``shards[i]`` is this rank's rows of ``params[i]`` (a view, see :func:`shard_of`) and ``optimizer``
+    ``shards[i]`` is this rank's rows of ``params[i]`` (a view, see ``shard_of``) and ``optimizer``
     steps the shards. Each local gradient ``params[i].grad`` is reduce-scattered: the shard receives the
     mean over ranks of its rows. The optimizer steps the shards, and each parameter's rows are all-gathered
     back into the full parameter on every rank. Parameters without a gradient are skipped.

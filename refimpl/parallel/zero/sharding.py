@@ -1,14 +1,14 @@
 """How ZeRO cuts a tensor into N shards, and packs many tensors into one collective (chapter 04).
 
 Every parameter is split along dim 0 into chunks of ``ceil(rows / N)`` rows, rank ``r`` owning chunk ``r``
-(FSDP2's ``Shard(0)``; the last ranks may own fewer rows or none): :class:`ShardSpec`, with the row
-ranges of :func:`refimpl.distributed.placement.chunk_range`, the rule the planner counts bytes with too.
+(FSDP2's ``Shard(0)``; the last ranks may own fewer rows or none): ``ShardSpec``, with the row
+ranges of ``refimpl.distributed.placement.chunk_range``, the rule the planner counts bytes with too.
 
 A collective over several tensors packs them side by side: the input of a reduce-scatter is an ``[N, S]``
 matrix whose row ``r`` holds chunk ``r`` of every tensor, each padded to ``ceil(rows / N)`` rows, so one
-collective serves many tensors of uneven sizes (:func:`pack_for_reduce_scatter`,
-:func:`unpack_reduce_scatter`, :func:`pack_for_all_gather`, :func:`copy_out_all_gather`). The padding lives
-only in these transient buffers: what a rank keeps is its exact shard (:func:`shard_of`).
+collective serves many tensors of uneven sizes (``pack_for_reduce_scatter``,
+``unpack_reduce_scatter``, ``pack_for_all_gather``, ``copy_out_all_gather``). The padding lives
+only in these transient buffers: what a rank keeps is its exact shard (``shard_of``).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class ShardSpec:
 
     @property
     def box(self) -> Box:
-        """This rank's rows as a :class:`~refimpl.distributed.placement.Box` of the full tensor."""
+        """This rank's rows as a ``refimpl.distributed.placement.Box`` of the full tensor."""
         return Box.full(self.shape).narrow(0, self.start, self.end - self.start)
 
     def rows_of(self, rank: int) -> tuple[int, int]:

@@ -1,7 +1,7 @@
 """ZeRO-3's schedule in its simplest form: gather a unit before it runs, free it after (exercises 04.3-04.5).
 
-The naive version, kept beside :mod:`refimpl.parallel.zero.fully_sharded_data_parallel`: synchronous
-all-gathers and no gradient reduction. The step from here to :class:`FullyShardedDataParallel` (one
+The naive version, kept beside ``refimpl.parallel.zero.fully_sharded_data_parallel``: synchronous
+all-gathers and no gradient reduction. The step from here to ``FullyShardedDataParallel`` (one
 collective per unit, prefetch, reduce-scatter when a unit's gradients are ready) is chapter 04's lesson.
 """
 
@@ -47,13 +47,13 @@ def install_unit_hooks(
     prefetch: bool = False,
 ) -> list:
     """ZeRO-3's schedule around units that run one after the other: the lesson behind
-    :class:`FullyShardedDataParallel`, synchronous and without the gradient reduction.
+    ``FullyShardedDataParallel``, synchronous and without the gradient reduction.
 
     ``units[u]`` runs ``u``-th in forward; ``fulls[u]`` are its full parameters (registered in its modules,
     storage freed) and ``shards[u]`` this rank's rows of them. Hooks make each step:
 
-    * before unit ``u``'s forward: gather it (:func:`unshard_`), and with ``prefetch`` unit ``u + 1`` too;
-    * after its forward: free it (:func:`reshard_`), and register a hook on its output for the backward;
+    * before unit ``u``'s forward: gather it (``unshard_``), and with ``prefetch`` unit ``u + 1`` too;
+    * after its forward: free it (``reshard_``), and register a hook on its output for the backward;
     * before its backward (the gradient of its output has arrived): gather it again, with ``prefetch``
       unit ``u - 1`` too;
     * when every parameter of the unit has its gradient accumulated: free it (the full ``.grad`` stays).

@@ -1,11 +1,11 @@
 """ZeRO's collectives over packed shards: the mean reduce-scatter, the all-gather, stage 0's all-reduce.
 
-One reduce-scatter (:func:`reduce_scatter_mean`) or all-gather (:func:`all_gather_into`) serves many
-tensors at once, packed as :mod:`refimpl.parallel.zero.sharding` describes. Reduce-scatter + all-gather
-move exactly what one all-reduce (:func:`allreduce_gradients`, stage 0) moves (Rajbhandari et al. 2020).
+One reduce-scatter (``reduce_scatter_mean``) or all-gather (``all_gather_into``) serves many
+tensors at once, packed as ``refimpl.parallel.zero.sharding`` describes. Reduce-scatter + all-gather
+move exactly what one all-reduce (``allreduce_gradients``, stage 0) moves (Rajbhandari et al. 2020).
 Gradients are averaged over the ranks (sum, then divide by N), as ``DistributedDataParallel`` does; in
-fp16 the division is split around the sum, as FSDP2 does (:func:`fp16_divide_factors`). Every call goes
-through :mod:`refimpl.comm.ops`, so :class:`refimpl.comm.tracer.CommTracer` sees it (chapter 04).
+fp16 the division is split around the sum, as FSDP2 does (``fp16_divide_factors``). Every call goes
+through ``refimpl.comm.ops``, so ``refimpl.comm.tracer.CommTracer`` sees it (chapter 04).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def reduce_scatter_mean(
     """Mean over the ranks of this rank's shard of each gradient: one reduce-scatter for all of them.
 
     The collective runs in the gradients' dtype: sum, then divide by N (exact at N = 2, 4 in fp32 and
-    bf16). In fp16 the division is split around the sum (:func:`fp16_divide_factors`), as FSDP2 does.
+    bf16). In fp16 the division is split around the sum (``fp16_divide_factors``), as FSDP2 does.
     ``divide_factor``: divide the sum by it instead of N (FSDP2's ``set_gradient_divide_factor``: expert
     gradients, summed over the expert-data-parallel group and divided by ``dp x cp``; chapter 09).
     """
@@ -61,7 +61,7 @@ def reduce_scatter_mean_packed(
     grads: Sequence[torch.Tensor], specs: Sequence[ShardSpec], group: dist.ProcessGroup | None, *,
     divide_factor: int | None = None,
 ) -> torch.Tensor:
-    """:func:`reduce_scatter_mean` before unpacking: this rank's padded shard of all the gradients, flat
+    """``reduce_scatter_mean`` before unpacking: this rank's padded shard of all the gradients, flat
     ``[S]`` (what HSDP all-reduces over the replicas, padding included, as FSDP2 does)."""
     n = specs[0].world_size
     d = n if divide_factor is None else divide_factor
@@ -85,7 +85,7 @@ def all_reduce_mean_(flat: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     """Mean over the ranks of ``group``, in place, of a flat tensor (HSDP's second reduction: a padded
     gradient shard over its replicas, after the reduce-scatter, FSDP2's order). Sum, then divide by R
     (exact for R a power of two in fp32 and bf16); in fp16 the division is split around the sum as in
-    :func:`reduce_scatter_mean`."""
+    ``reduce_scatter_mean``."""
     _, r = _world(group)
     pre, post = fp16_divide_factors(r) if flat.dtype == torch.float16 else (1, r)
     if pre != 1:
@@ -116,7 +116,7 @@ def allreduce_gradients(
 ) -> None:
     """Stage 0, plain data parallelism: average every ``.grad`` over the ranks with one flat all-reduce.
 
-    Chapter 03's :func:`~refimpl.parallel.data_parallel.sync_bucket` over all gradients: divided by N
+    Chapter 03's ``refimpl.parallel.data_parallel.sync_bucket`` over all gradients: divided by N
     before the sum, as DDP does (stages 1-3 divide after the reduce-scatter, as FSDP2; for N a power of two
     both orders give the same bits, since dividing by 2^k is exact).
     """

@@ -5,20 +5,20 @@ Micikevicius et al. 2022, "FP8 Formats for Deep Learning"; PyTorch's reference i
 (``convert_to_float8_training``, ``Float8LinearConfig``), which the tests compare against. One concept per
 file:
 
-* :mod:`.formats`: e4m3fn and e5m2 (:class:`Float8Format`: bits, largest value, smallest normal and
-  subnormal), the saturating round-to-nearest-even cast :func:`quantize` and :func:`dequantize`;
-* :mod:`.scaling`: ``scale = fmax / amax`` (:func:`amax_to_scale`), tensorwise and rowwise casts
-  (:func:`cast_to_float8` -> :class:`Float8Tensor`), and :class:`DelayedScaling` (an amax history);
-* :mod:`.float8_linear`: :class:`Float8Linear` (three separately scaled fp8 GEMMs, forward and backward),
-  :class:`Float8Matmul` (the same GEMMs as the linear seam's matmul), :class:`Float8Config` (torchao's
-  ``tensorwise`` and ``rowwise`` recipes), :func:`scaled_mm`;
-* :mod:`.sharded_scales`: :class:`ShardedScales`, a tensor-parallel shard cast with its whole layer's
+* ``.formats``: e4m3fn and e5m2 (``Float8Format``: bits, largest value, smallest normal and
+  subnormal), the saturating round-to-nearest-even cast ``quantize`` and ``dequantize``;
+* ``.scaling``: ``scale = fmax / amax`` (``amax_to_scale``), tensorwise and rowwise casts
+  (``cast_to_float8`` -> ``Float8Tensor``), and ``DelayedScaling`` (an amax history);
+* ``.float8_linear``: ``Float8Linear`` (three separately scaled fp8 GEMMs, forward and backward),
+  ``Float8Matmul`` (the same GEMMs as the linear seam's matmul), ``Float8Config`` (torchao's
+  ``tensorwise`` and ``rowwise`` recipes), ``scaled_mm``;
+* ``.sharded_scales``: ``ShardedScales``, a tensor-parallel shard cast with its whole layer's
   scales;
-* :mod:`.convert`: :func:`convert_to_float8`, the in-place swap of a model's ``nn.Linear`` layers;
-* :mod:`.training`: :func:`apply_float8_training`, what ``--precision fp8`` does to the trainer's model
+* ``.convert``: ``convert_to_float8``, the in-place swap of a model's ``nn.Linear`` layers;
+* ``.training``: ``apply_float8_training``, what ``--precision fp8`` does to the trainer's model
   (the seam's layers, tensor-parallel shards included, with one device's scales);
-* :mod:`.float8_communication`: ZeRO-3's weight all-gather in fp8 (:func:`all_gather_float8`) and the
-  error of an fp8 gradient all-reduce (:func:`gradient_all_reduce_errors`).
+* ``.float8_communication``: ZeRO-3's weight all-gather in fp8 (``all_gather_float8``) and the
+  error of an fp8 gradient all-reduce (``gradient_all_reduce_errors``).
 """
 
 from __future__ import annotations

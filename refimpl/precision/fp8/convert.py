@@ -7,19 +7,19 @@ tied to a weight (the GPT's output layer and word embedding) are untouched.
 
 What stays in high precision by default, and why:
 
-* the **first and last** linear layers in the model's order (:func:`first_and_last_linear`). The input
+* the **first and last** linear layers in the model's order (``first_and_last_linear``). The input
   projection sees the raw embeddings and the last one the logits, whose softmax turns small relative
   errors into large probability errors; both are small parts of the FLOPs of a deep model. torchao's
   examples filter the last layer out (``module_filter_fn``), torchtitan keeps ``output`` in bf16
   (``filter_fqns=["output"]``), Micikevicius et al. 2022 (section 4) keep the first and last layers in
   higher precision;
 * layers whose ``in_features`` or ``out_features`` is not a multiple of 16, which ``torch._scaled_mm``
-  refuses on CUDA (:func:`refimpl.precision.fp8.float8_linear.check_float8_shape`; torchao's
+  refuses on CUDA (``refimpl.precision.fp8.float8_linear.check_float8_shape``; torchao's
   ``_auto_filter_for_recipe`` skips them too);
 * ``nn.MultiheadAttention``'s ``out_proj`` (``NonDynamicallyQuantizableLinear``): its parent reads
   ``out_proj.weight`` directly and never calls its ``forward``, so a swap would change nothing.
 
-Each skip is reported with its reason (:class:`Float8Conversion`). ``module_filter_fn(module, name)``
+Each skip is reported with its reason (``Float8Conversion``). ``module_filter_fn(module, name)``
 (torchao's name), when given, is asked about the layers that pass these checks (name as in
 ``named_modules``); ``keep_first_last=False`` converts the first and last layers too.
 """
@@ -39,7 +39,7 @@ __all__ = ["Float8Conversion", "convert_to_float8", "first_and_last_linear"]
 
 @dataclass(kw_only=True)
 class Float8Conversion:
-    """What :func:`convert_to_float8` did: the converted layers' names and each skipped layer's reason."""
+    """What ``convert_to_float8`` did: the converted layers' names and each skipped layer's reason."""
 
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
@@ -71,7 +71,7 @@ def convert_to_float8(model: nn.Module, *, scaling: Scaling = "tensorwise",
                       config: Float8Config | None = None,
                       module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
                       keep_first_last: bool = True) -> Float8Conversion:
-    """Swap ``model``'s ``nn.Linear`` layers for :class:`Float8Linear` in place (module docstring for what
+    """Swap ``model``'s ``nn.Linear`` layers for ``Float8Linear`` in place (module docstring for what
     is skipped); ``config`` defaults to torchao's recipe named ``scaling``."""
     if _is_linear(model):
         raise ValueError("the model itself is an nn.Linear: nothing holds it to swap it in place; "

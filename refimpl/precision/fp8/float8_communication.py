@@ -15,19 +15,19 @@ The bytes are exactly those of casting the unsharded ``W`` with its own amax (ma
 is the amax), so nothing changes numerically (tests/test_fp8_communication.py checks it bitwise). gloo
 refuses float8 dtypes in collectives (torch 2.13: "Invalid scalar type"), so the bytes travel as a
 **uint8 view** of the fp8 tensor and are viewed back after the gather; NCCL would take them either way.
-The shards follow ZeRO's cut (:func:`refimpl.distributed.placement.chunk_range`: ``ceil(rows / N)`` rows
+The shards follow ZeRO's cut (``refimpl.distributed.placement.chunk_range``: ``ceil(rows / N)`` rows
 per rank, the last ones shorter or empty), padded to the chunk for the collective. The trainer's ZeRO-3
 makes the same cast inside its units, all of a unit's parameters in one collective of bytes
-(:mod:`refimpl.parallel.zero.fsdp_float8`, ``--precision fp8 --zero-stage 3``). Only tensorwise scaling
+(``refimpl.parallel.zero.fsdp_float8``, ``--precision fp8 --zero-stage 3``). Only tensorwise scaling
 can do this: a rowwise weight scale (per row of ``W``, along ``K``) would work too, but torchao supports
 only tensorwise, and a per-column scale would need the whole tensor.
 
-**Gradients stay in bf16/fp32** (:func:`gradient_all_reduce_errors`). A reduction adds N contributions:
+**Gradients stay in bf16/fp32** (``gradient_all_reduce_errors``). A reduction adds N contributions:
 casting each to fp8 before the sum costs 2^-4 (e4m3) or 2^-3 (e5m2) relative per element, against
 bf16's 2^-9, and one scale shared by the group flushes the gradient's small entries to zero (gradients
 span many decades). The function measures it against a float64 sum of the same gradients, as a lower
 bound for fp8: each contribution is rounded once and the sum is fp32 (a ring that re-casts its partial
-sums at every hop only adds error). Every collective goes through :mod:`refimpl.comm.ops` (the tracer
+sums at every hop only adds error). Every collective goes through ``refimpl.comm.ops`` (the tracer
 sees it).
 """
 
@@ -99,8 +99,8 @@ def all_gather_float8(shard: torch.Tensor, group: dist.ProcessGroup | None, *, r
 
 
 def float8_tensor(gathered: tuple[torch.Tensor, torch.Tensor]) -> Float8Tensor:
-    """The ``(W8, scale)`` of :func:`all_gather_float8` as the :class:`Float8Tensor` that
-    :class:`~refimpl.precision.fp8.float8_linear.Float8Linear` takes as ``weight_fp8``."""
+    """The ``(W8, scale)`` of ``all_gather_float8`` as the ``Float8Tensor`` that
+    ``refimpl.precision.fp8.float8_linear.Float8Linear`` takes as ``weight_fp8``."""
     return Float8Tensor(*gathered)
 
 
@@ -118,7 +118,7 @@ class GatherBytes:
 
 def float8_all_gather_bytes(shape: tuple[int, ...] | torch.Size, world_size: int, *,
                             dtype: torch.dtype = torch.float8_e4m3fn) -> GatherBytes:
-    """The bytes of :func:`all_gather_float8` (``dtype`` fp8), or of a plain gather in ``dtype``."""
+    """The bytes of ``all_gather_float8`` (``dtype`` fp8), or of a plain gather in ``dtype``."""
     rows, row_numel = shape[0], int(torch.Size(shape[1:]).numel())
     payload = world_size * -(-rows // world_size) * row_numel * torch.empty((), dtype=dtype).element_size()
     fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)

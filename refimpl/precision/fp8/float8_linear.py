@@ -2,7 +2,7 @@
 
 ``y = x W^T (+ b)`` has three matrix products, and fp8 training (Micikevicius et al. 2022, "FP8 Formats
 for Deep Learning"; torchao's ``Float8Linear``, the reference here) casts the operands of each to fp8 with
-their own dynamic scales (:mod:`refimpl.precision.fp8.scaling`) and lets the GEMM undo the scales on its
+their own dynamic scales (``refimpl.precision.fp8.scaling``) and lets the GEMM undo the scales on its
 fp32 accumulator::
 
     output       y  = x  W^T    [M, K] @ [K, N]    e4m3 x e4m3     scales: x per row, W^T per column
@@ -24,11 +24,11 @@ conventions, as measured on torch 2.13 and as CUDA requires them:
   bias is added after the GEMM on every device (as torchao adds it);
 * **sizes**: on CUDA ``a``'s columns and both dimensions of ``b`` must be multiples of 16. For the three
   GEMMs above that is ``K`` and ``N`` (the layer's features) and, in the weight gradient, the token count
-  ``M``. We **refuse** a layer whose features are not multiples of 16 (:func:`check_float8_shape`, naming
-  the shape; :func:`refimpl.precision.fp8.convert.convert_to_float8` skips such layers) and **pad** the
+  ``M``. We **refuse** a layer whose features are not multiples of 16 (``check_float8_shape``, naming
+  the shape; ``refimpl.precision.fp8.convert.convert_to_float8`` skips such layers) and **pad** the
   tokens of the weight gradient with zero rows, which is exact (a zero row adds nothing to ``g^T x``).
 
-Recipes (:class:`Float8Config`): ``tensorwise`` is torchao's default (dynamic per-tensor amax, e4m3 for
+Recipes (``Float8Config``): ``tensorwise`` is torchao's default (dynamic per-tensor amax, e4m3 for
 inputs and weights, e5m2 for output gradients); ``rowwise`` is torchao's ``rowwise`` recipe (per-row
 scales rounded down to powers of two, e4m3 for the gradients too: a per-row scale already covers the
 gradients' range, the extra mantissa bit is worth more). The output GEMM may use fast accumulation
@@ -39,13 +39,13 @@ Under ``torch.autocast`` the casts read the tensors as they are (the fp32 master
 once, not through bf16 first) and the GEMMs write the autocast dtype; gradients come back in their
 inputs' dtypes. The high-precision input and weight are saved for backward, where they are cast again
 along the other dimension (rowwise needs that; tensorwise's second cast gives the same bytes). The layer
-is a :class:`refimpl.nn.Linear` (same ``weight`` / ``bias`` Parameters and state-dict names) whose
-forward goes through the linear seam with the fp8 product as its ``matmul`` (:class:`Float8Matmul`, which
+is a ``refimpl.nn.Linear`` (same ``weight`` / ``bias`` Parameters and state-dict names) whose
+forward goes through the linear seam with the fp8 product as its ``matmul`` (``Float8Matmul``, which
 hands the seam the two backward GEMMs too): under sequence parallelism (the seam gathers the input) and
 with a deferred weight gradient (zero-bubble's ``weight_grad_store``: the casts of ``dW``'s operands run
 in ``B``, the fp8 GEMM in ``W``) all three GEMMs stay fp8, cast as here.
 
-**Tensor-parallel shards** cast with the whole layer's scales: :mod:`refimpl.precision.fp8.sharded_scales`.
+**Tensor-parallel shards** cast with the whole layer's scales: ``refimpl.precision.fp8.sharded_scales``.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def _pad_rows(t: Float8Tensor, dim: int) -> Float8Tensor:
 def _cast(c: Float8Config, sharded: ShardedScales | None, t: torch.Tensor, operand: str, fmt: Float8Format,
           dim: int) -> Float8Tensor:
     """``t`` (the operand named ``operand``) cast along ``dim`` with the recipe ``c``; a tensor-parallel
-    shard's amax made the whole tensor's first (:class:`ShardedScales`)."""
+    shard's amax made the whole tensor's first (``ShardedScales``)."""
     reduce = None if sharded is None else sharded.reducer(operand, dim, c.scaling)
     return cast_to_float8(t, fmt, scaling=c.scaling, contraction_dim=dim, power_of_2=c.power_of_2_scales,
                           amax_reduce=reduce)
@@ -205,7 +205,7 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     the layer is a tensor-parallel shard whose scales must be the whole layer's (module docstring).
 
     ``weight_fp8``: the weight already cast (tensorwise), e.g. by an fp8 all-gather
-    (:func:`refimpl.precision.fp8.float8_communication.all_gather_float8`); it replaces the cast of
+    (``refimpl.precision.fp8.float8_communication.all_gather_float8``); it replaces the cast of
     ``weight`` in both GEMMs that read the weight, and ``weight`` then only receives the gradient."""
     if weight_fp8 is not None and (config.scaling != "tensorwise" or weight_fp8.scale.dim() != 0):
         raise ValueError("a pre-cast fp8 weight must be tensorwise-scaled (as torchao's fp8 all-gather is)")
@@ -219,10 +219,10 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 @dataclass(frozen=True, kw_only=True)
 class Float8Matmul:
-    """The fp8 product as the linear seam's matmul (:class:`refimpl.nn.linear.SplitMatmul`): called, it is
-    :func:`float8_linear`; ``input_grad`` and ``weight_grad`` are the same backward GEMMs, for the seam's
+    """The fp8 product as the linear seam's matmul (``refimpl.nn.linear.SplitMatmul``): called, it is
+    ``float8_linear``; ``input_grad`` and ``weight_grad`` are the same backward GEMMs, for the seam's
     own backward (a sequence gather, a deferred ``dW``), so such a layer stays fp8 in all three GEMMs, with
-    the same casts as :func:`float8_linear`'s backward (bitwise: tests/test_linear_seam.py)."""
+    the same casts as ``float8_linear``'s backward (bitwise: tests/test_linear_seam.py)."""
 
     config: Float8Config
     sharded: ShardedScales | None = None
@@ -247,7 +247,7 @@ class Float8Matmul:
 
 
 class Float8Linear(Linear):
-    """:class:`refimpl.nn.Linear` with fp8 GEMMs (module docstring). ``weight_fp8``, when a caller sets it
+    """``refimpl.nn.Linear`` with fp8 GEMMs (module docstring). ``weight_fp8``, when a caller sets it
     (an fp8 all-gather), is used instead of casting ``weight``; the caller clears it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,

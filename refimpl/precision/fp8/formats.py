@@ -19,12 +19,12 @@ numbers and keeps only ``S.1111.111`` for NaN, which buys 448 instead of 240. e4
 largest value instead of 2^17.8): forward tensors (activations, weights) are cast to e4m3, gradients to
 e5m2 (the paper's recipe, NVIDIA Transformer Engine's ``HYBRID`` format and torchao's default).
 
-**The cast** (:func:`quantize`) multiplies by a scale first (:mod:`refimpl.precision.fp8.scaling` picks it
+**The cast** (``quantize``) multiplies by a scale first (``refimpl.precision.fp8.scaling`` picks it
 so that the largest magnitude lands on the format's maximum), in fp32, then **saturates**: a magnitude
 beyond the largest finite value becomes that value (and ``+-inf`` too), never inf or NaN. Rounding is
 round-to-nearest-even. torch 2.13's eager ``.to(float8_e4m3fn)`` already saturates, ``.to(float8_e5m2)``
 does not (``1e6`` becomes ``inf``), so the clamp is explicit, as torchao's ``to_fp8_saturated`` is. NaN stays
-NaN. :func:`dequantize` multiplies by the fp32 **inverse** scale, which is what ``torch._scaled_mm`` does
+NaN. ``dequantize`` multiplies by the fp32 **inverse** scale, which is what ``torch._scaled_mm`` does
 with the ``scale_a`` / ``scale_b`` it is given.
 """
 
@@ -86,7 +86,7 @@ FORMATS: dict[torch.dtype, Float8Format] = {E4M3.dtype: E4M3, E5M2.dtype: E5M2}
 
 
 def format_of(fmt: Float8Format | torch.dtype) -> Float8Format:
-    """The :class:`Float8Format` of a dtype (a format passes through)."""
+    """The ``Float8Format`` of a dtype (a format passes through)."""
     if isinstance(fmt, Float8Format):
         return fmt
     if fmt not in FORMATS:
@@ -107,6 +107,6 @@ def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: Float8Format | t
 def dequantize(q: torch.Tensor, scale: torch.Tensor | float, *, dtype: torch.dtype = torch.float32
                ) -> torch.Tensor:
     """``fp32(q) * (1 / scale)`` in ``dtype``: the value ``q`` stands for (``scale`` as given to
-    :func:`quantize`; the reciprocal taken in fp32, as ``torch._scaled_mm``'s inverse scales are)."""
+    ``quantize``; the reciprocal taken in fp32, as ``torch._scaled_mm``'s inverse scales are)."""
     inverse = torch.as_tensor(scale, dtype=torch.float32, device=q.device).reciprocal()
     return (q.to(torch.float32) * inverse).to(dtype)

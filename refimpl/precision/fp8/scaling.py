@@ -22,7 +22,7 @@ scale puts ``amax * scale`` above ``fmax``, and amax saturates. ``exp2(floor(log
 fp32's spacing near ``k`` is coarser than the distance), and the scale rounds **up**. The exponent ``frexp``
 gives is exact (tests/test_fp8.py plants such amaxes).
 
-**Granularity** (:func:`cast_to_float8`): *tensorwise* is one scale for the whole tensor (torchao's
+**Granularity** (``cast_to_float8``): *tensorwise* is one scale for the whole tensor (torchao's
 default); one outlier then pushes every other value toward the subnormals. *Rowwise* is one scale per
 row of the left operand of ``C = A @ B`` and one per column of the right operand, i.e. one per slice along
 the contraction dimension ``k``: ``C_ij = sum_k A_ik B_kj`` becomes ``(1/sa_i)(1/sb_j) sum_k qA_ik qB_kj``,
@@ -30,11 +30,11 @@ so the scales factor out of the sum and the GEMM applies them to its output (``s
 ``scale_b [1, N]`` in ``torch._scaled_mm``). A scale along any other dimension would not factor out.
 DeepSeek-V3 (2024) goes finer (1 x 128 tiles and 128 x 128 blocks) for the same reason.
 
-**Delayed scaling** (:class:`DelayedScaling`): Transformer Engine's original recipe (and torchao's, before
+**Delayed scaling** (``DelayedScaling``): Transformer Engine's original recipe (and torchao's, before
 it removed it) uses the maximum of the last ``history_len`` steps' amaxes, so the scale is known before
 the tensor is (no reduction over the tensor on the critical path). It is right while amax drifts slowly;
 on the step where amax jumps the stale scale is too large and the new values **saturate**. The class
-measures that (:attr:`DelayedCast.saturated`): the chapter's cost of not looking.
+measures that (``DelayedCast.saturated``): the chapter's cost of not looking.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class DelayedCast:
 class DelayedScaling:
     """Tensorwise scales from an amax history (Transformer Engine's ``DelayedScaling``; module docstring).
 
-    Each :meth:`cast` uses ``amax_to_scale(max(history))`` (``margin`` halvings below it, TE's margin),
+    Each ``cast`` uses ``amax_to_scale(max(history))`` (``margin`` halvings below it, TE's margin),
     then appends the tensor's own amax, so the scale of step ``t`` reflects steps
     ``t - history_len .. t - 1``. The first cast has no history and uses its own amax (TE starts from
     scale 1 instead)."""

@@ -3,13 +3,13 @@
 Tensor-parallel shards (chapter 06; torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel``,
 whose DTensor amax is the whole tensor's): a column layer holds ``W[N/t, K]`` and sees ``g[M, N/t]``, a row
 layer ``W[N, K/t]`` and ``x[M, K/t]``. A scale taken from the shard alone would differ from one device's,
-so :class:`ShardedScales` all-reduces (MAX, over the tensor-parallel group) the amax of every operand that
+so ``ShardedScales`` all-reduces (MAX, over the tensor-parallel group) the amax of every operand that
 is split along a dimension its amax runs over: tensorwise, any operand holding the split dimension;
 rowwise, only where the split dimension is the contraction dimension (a per-row amax of whole rows is
 already the whole row's, and the ranks hold other rows). Then every rank casts with one device's scales.
 
 Under sequence parallelism the column layer's input is the gathered ``x[M, K]`` (whole), so only its
-weight and gradient amaxes are agreed, as without it. Used by :mod:`refimpl.precision.fp8.float8_linear`.
+weight and gradient amaxes are agreed, as without it. Used by ``refimpl.precision.fp8.float8_linear``.
 """
 
 from __future__ import annotations

@@ -2,28 +2,28 @@
 
 torchao's ``convert_to_float8_training`` as torchtitan applies it (its ``Float8Converter``, then
 ``Float8ColwiseParallel`` / ``Float8RowwiseParallel`` under tensor parallelism): the run keeps bf16
-autocast for everything else (:class:`refimpl.precision.MixedPrecisionPolicy` ``from_name("fp8")`` is
+autocast for everything else (``refimpl.precision.MixedPrecisionPolicy`` ``from_name("fp8")`` is
 bf16's), and each converted linear runs its three GEMMs in fp8 with dynamic scales
-(:mod:`refimpl.precision.fp8.float8_linear`: ``x W^T`` e4m3 x e4m3, ``g W`` and ``g^T x`` e5m2 x e4m3 under
+(``refimpl.precision.fp8.float8_linear``: ``x W^T`` e4m3 x e4m3, ``g W`` and ``g^T x`` e5m2 x e4m3 under
 the tensorwise recipe; e4m3 and power-of-two per-row scales under rowwise).
 
 What is converted: every linear layer that ``module_filter_fn`` accepts (torchao's ``module_filter_fn``:
 visible and changeable; by default the model's declared ``float8_filter``, else every ``nn.Linear``). The
-course GPT declares :func:`seam_layers`, the layers that go through the one linear seam
-(:mod:`refimpl.nn.linear`), i.e. its dense linears:
+course GPT declares ``seam_layers``, the layers that go through the one linear seam
+(``refimpl.nn.linear``), i.e. its dense linears:
 
-* a :class:`refimpl.nn.Linear` becomes a :class:`~refimpl.precision.fp8.Float8Linear` holding the same
+* a ``refimpl.nn.Linear`` becomes a ``refimpl.precision.fp8.Float8Linear`` holding the same
   ``weight`` and ``bias`` Parameters (optimizer, state dict and placements see no change);
 * a tensor-parallel layer (``ColumnParallelLinear`` / ``RowParallelLinear``: it has ``matmul``,
   ``split_features`` and ``tp_group``) keeps its class and gets the fp8 product as its seam ``matmul``
-  (:class:`~refimpl.precision.fp8.Float8Matmul`, all three GEMMs, under sequence parallelism and zbh1
-  too), with :class:`~refimpl.precision.fp8.sharded_scales.ShardedScales` over ``tp_group``, so its
+  (``refimpl.precision.fp8.Float8Matmul``, all three GEMMs, under sequence parallelism and zbh1
+  too), with ``refimpl.precision.fp8.sharded_scales.ShardedScales`` over ``tp_group``, so its
   shard is cast with the whole layer's scales, those of one device.
 
-What stays in bf16, each with its reason in the returned :class:`Float8Conversion`:
+What stays in bf16, each with its reason in the returned ``Float8Conversion``:
 
 * the first and last linear of the plain model (``keep``: the caller takes
-  :func:`~refimpl.precision.fp8.convert.first_and_last_linear` before tensor parallelism replaced the
+  ``refimpl.precision.fp8.convert.first_and_last_linear`` before tensor parallelism replaced the
   modules; Micikevicius et al. 2022, section 4; torchtitan keeps ``output`` in bf16);
 * a layer whose weight ``[out, in]`` is not a multiple of 16 in both dims (``torch._scaled_mm`` on CUDA);
   a tensor-parallel shard that is not while its whole layer is, is refused (``ValueError``): skipping it
@@ -63,7 +63,7 @@ def _aligned(out_features: int, in_features: int) -> bool:
 
 
 def seam_layers(module: nn.Module, name: str) -> bool:
-    """The default filter: the layers of the linear seam (a :class:`refimpl.nn.Linear` or a tensor-parallel
+    """The default filter: the layers of the linear seam (a ``refimpl.nn.Linear`` or a tensor-parallel
     layer); torch's own ``nn.Linear`` (an MoE router's gate) stays in bf16."""
     return _is_tensor_parallel(module) or isinstance(module, Linear)
 
@@ -124,7 +124,7 @@ def _parent(model: nn.Module, name: str) -> nn.Module:
 
 def float8_layers(model: nn.Module) -> list[str]:
     """The names of ``model``'s layers whose GEMMs run in fp8 (a Float8Linear, or a seam layer whose
-    ``matmul`` is the fp8 product): what a test or a log checks after :func:`apply_float8_training`."""
+    ``matmul`` is the fp8 product): what a test or a log checks after ``apply_float8_training``."""
     def fp8(module: nn.Module) -> bool:
         return isinstance(module, Float8Linear) or isinstance(getattr(module, "matmul", None), Float8Matmul)
     return [name for name, module in model.named_modules() if fp8(module)]
