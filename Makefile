@@ -20,7 +20,7 @@ help:
 	@echo "make grade CH=NN      grade your solution of exercises/NN_*.py"
 	@echo "make test-fast        the suite without the notebooks"
 	@echo "make test-unit        the tests that start no process (about 23 s on 2 idle cores: the edit loop)"
-	@echo "make lint             ruff check"
+	@echo "make lint             ruff check, mypy over refimpl/"
 	@echo "make bench            run every benchmark (tables to record in bench/RESULTS.md)"
 
 $(STAMP): pyproject.toml lab/overrides.json
@@ -45,6 +45,7 @@ train: $(STAMP)
 # then the slowest chapters (marked lane2)
 test: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 	$(PY) tools/run_tests.py --durations=15 $(ARGS)
 
 test-fast: $(STAMP)
@@ -72,6 +73,7 @@ grade: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 bench: $(STAMP)
 	@set -e; for b in bench/bench_*.py; do m=$${b%.py}; echo "== $$m"; $(PY) -m $${m//\//.}; done

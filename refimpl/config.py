@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from refimpl.errors import ConfigError
 from refimpl.model_config import (
@@ -175,6 +176,18 @@ class TrainConfig:
         return dataclasses.asdict(self) | {"model": self.model.to_dict()}
 
 
+class Degrees(TypedDict):
+    """``ParallelConfig.degrees``: the keyword arguments of ``refimpl.distributed.ParallelDims.from_world``
+    (``dp`` None: derived from the world size)."""
+
+    dp: int | None
+    cp: int
+    tp: int
+    pp: int
+    dp_replicate: int
+    ep: int
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """The layout and every technique option of a run, in one object (chapter 12 assembles them): what the
@@ -260,14 +273,14 @@ class ParallelConfig:
         if self.activation_checkpointing is None:
             return []
         n, sel = num_layers, parse_block_selection(self.activation_checkpointing)
-        if sel in ("all", "none"):
+        if isinstance(sel, str):  # "all" or "none"
             return list(range(n)) if sel == "all" else []
         if callable(sel):
             return [i for i in range(n) if sel(i)]
         return sorted({i % n for i in sel if -n <= i < n})
 
     @property
-    def degrees(self) -> dict[str, int | None]:
+    def degrees(self) -> Degrees:
         """``{"dp": ..., "cp": ..., "tp": ..., "pp": ..., "dp_replicate": ..., "ep": ...}`` (dp None: derived
         from the world size)."""
         return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "pp": self.pp, "dp_replicate": self.dp_replicate,

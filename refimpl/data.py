@@ -140,7 +140,7 @@ def prepare_corpus(data: str | None = None, cache_dir: str | os.PathLike | None 
 
 
 def _sha256(tokens: np.ndarray) -> str:
-    return hashlib.sha256(memoryview(np.ascontiguousarray(tokens))).hexdigest()
+    return hashlib.sha256(np.ascontiguousarray(tokens).data).hexdigest()
 
 
 class ShardedBatches:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ACTIVATIONS", "ARCHS", "ATTENTION_TYPES", "DEEPSEEK_V3", "LLAMA", "MODEL_CLASS",
            "MOE_ACTIVATIONS", "MOE_LOAD_BALANCE", "MOE_SCORE_FUNCS", "NORMALIZATIONS", "POSITION_EMBEDDINGS",
-           "ROPE_TYPES", "ModelConfig"]
+           "ROPE_TYPES", "MLAShape", "ModelConfig"]
 
 MOE_SCORE_FUNCS: tuple[str, ...] = ("softmax", "sigmoid")  # chapter 09: Switch / Mixtral, DeepSeek-V3
 MOE_LOAD_BALANCE: tuple[str, ...] = ("aux", "bias")  # chapter 09: the balance loss, or DeepSeek-V3's bias
@@ -35,6 +35,23 @@ MLA_DIMS: tuple[str, ...] = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_d
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """Multi-head latent attention's dimensions, validated: ``ModelConfig.mla`` of a configuration with
+    ``attention_type="mla"`` (``q_lora_rank`` None: queries projected straight from the hidden state)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Each head's query/key width, ``qk_nope_head_dim + qk_rope_head_dim``."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,7 +192,7 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
-        if self.qk_rope_head_dim % 2:
+        if self.mla.qk_rope_head_dim % 2:
             raise ConfigError(f"ModelConfig: RoPE rotates pairs of dimensions: qk_rope_head_dim = "
                               f"{self.qk_rope_head_dim} must be even")
         if self.position_embedding != "rope":
@@ -229,21 +246,45 @@ class ModelConfig:
         return self.hidden_size // self.num_attention_heads
 
     @property
+    def ffn_size(self) -> int:
+        """The dense MLP's width: ``ffn_hidden_size`` as ``__post_init__`` set it (``4 * hidden_size`` when
+        None was given), never None."""
+        f = self.ffn_hidden_size
+        assert f is not None, "ModelConfig.__post_init__ sets ffn_hidden_size"
+        return f
+
+    @property
     def expert_hidden_size(self) -> int:
         """The width of one expert's MLP: ``moe_ffn_hidden_size``, else the dense MLP's."""
-        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    @property
+    def mla(self) -> MLAShape:
+        """Multi-head latent attention's dimensions (validated ints, ``q_lora_rank`` may be None); a
+        ConfigError under ``attention_type="mha"``, which has none."""
+        if self.attention_type != "mla":
+            raise ConfigError(f"ModelConfig.mla: attention_type={self.attention_type!r} has no multi-head "
+                              "latent attention dimensions (they need attention_type='mla')")
+        kv, nope, rope, v = self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        assert kv is not None and nope is not None and rope is not None and v is not None, \
+            "ModelConfig._check_attention requires the MLA dimensions under attention_type='mla'"
+        return MLAShape(q_lora_rank=self.q_lora_rank, kv_lora_rank=kv, qk_nope_head_dim=nope,
+                        qk_rope_head_dim=rope, v_head_dim=v)
 
     @property
     def qk_head_dim(self) -> int | None:
         """MLA: each head's query/key width, ``qk_nope_head_dim + qk_rope_head_dim`` (None under mha)."""
         if self.attention_type != "mla":
             return None
-        return self.qk_nope_head_dim + self.qk_rope_head_dim  # type: ignore[operator]
+        return self.mla.qk_head_dim
 
     @property
     def query_groups(self) -> int:
-        """Key/value heads, each serving ``num_attention_heads / num_key_value_heads`` query heads."""
-        return self.num_key_value_heads  # type: ignore[return-value]
+        """Key/value heads, each serving ``num_attention_heads / num_key_value_heads`` query heads:
+        ``num_key_value_heads`` as ``__post_init__`` set it (the heads when None was given), never None."""
+        g = self.num_key_value_heads
+        assert g is not None, "ModelConfig.__post_init__ sets num_key_value_heads"
+        return g
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether block ``index`` has an MoE MLP: ``num_experts > 0``, ``index >= moe_first_dense`` (the
@@ -287,12 +328,12 @@ class ModelConfig:
 MODEL_CLASS = "refimpl.models.gpt.GPT"
 """The class a ``ModelConfig`` describes (``ModelConfig.build``), by name."""
 
-_ARCHITECTURE_DEFAULTS = {"position_embedding": "learned", "rope_theta": 10000.0, "rope_type": "default",
-                          "rope_factor": 8.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
-                          "rope_original_max_position": 8192, "normalization": "layernorm",
-                          "activation": "gelu", "add_bias": True, "attention_type": "mha",
-                          "q_lora_rank": None, "kv_lora_rank": None, "qk_nope_head_dim": None,
-                          "qk_rope_head_dim": None, "v_head_dim": None}
+_ARCHITECTURE_DEFAULTS: dict[str, object] = {
+    "position_embedding": "learned", "rope_theta": 10000.0, "rope_type": "default", "rope_factor": 8.0,
+    "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0, "rope_original_max_position": 8192,
+    "normalization": "layernorm", "activation": "gelu", "add_bias": True, "attention_type": "mha",
+    "q_lora_rank": None, "kv_lora_rank": None, "qk_nope_head_dim": None, "qk_rope_head_dim": None,
+    "v_head_dim": None}
 """The architecture fields at GPT-2's values: left out of ``ModelConfig.to_dict`` (the GPT-2 form's dict is
 the one it always was; ``ModelConfig(**d)`` restores them)."""
 
@@ -317,6 +358,6 @@ _MOE_FIELDS = ("num_experts", "top_k", "moe_every", "capacity_factor", "aux_loss
                "moe_load_balance", "moe_ffn_hidden_size", "moe_activation", "moe_bias_update_rate",
                "moe_normalize_topk", "moe_shared_experts", "moe_first_dense")
 
-_DEEPSEEK_MOE_DEFAULTS = {"moe_shared_experts": 0, "moe_first_dense": 0}
+_DEEPSEEK_MOE_DEFAULTS: dict[str, object] = {"moe_shared_experts": 0, "moe_first_dense": 0}
 """MoE fields left out of ``ModelConfig.to_dict`` at these values (an MoE configuration of before reads as
 it did)."""

@@ -25,6 +25,7 @@ DeepSeek-V3's auxiliary-loss-free bias update.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,9 @@ from torch import nn
 from refimpl.comm import ops
 from refimpl.distributed.group_info import group_rank_size
 from refimpl.parallel.declarations import moe_layers
+
+if TYPE_CHECKING:
+    from refimpl.parallel.expert_parallel import MoE
 
 __all__ = ["MoECounters", "finish_step", "record_micro_batch"]
 
@@ -60,18 +64,35 @@ class MoECounters:
         self.scalars[2] += aux.detach()
 
 
+class _BalancedLayer(Protocol):
+    """What this module reads and sets of an MoE layer (``refimpl.models.moe.MoEMLP``): its ``moe`` (the
+    routing of the last forward), balance loss, counters and bias update rate (None: no bias update)."""
+
+    moe: MoE
+    aux_loss: torch.Tensor | None
+    counters: MoECounters | None
+    bias_update_rate: float | None
+
+
+def _blocks(model: nn.Module) -> list[_BalancedLayer]:
+    """The MoE layers of ``model`` (``moe_layers``), read as the GPT's ``MoEMLP`` s are."""
+    return cast("list[_BalancedLayer]", moe_layers(model))
+
+
 def record_micro_batch(model: nn.Module) -> torch.Tensor | None:
     """The sum of the blocks' balance losses of the last forward (None: a dense model), each block's
     counters advanced by it (module docstring)."""
-    blocks = moe_layers(model)
+    blocks = _blocks(model)
     losses = []
     for block in blocks:
         moe = block.moe
         if block.aux_loss is None or moe.tokens_per_expert is None:
             continue
+        routing = moe.routing
+        assert routing is not None  # the forward sets it with tokens_per_expert
         if block.counters is None:
             block.counters = MoECounters.zeros(moe.num_experts, moe.tokens_per_expert.device)
-        block.counters.add(moe.tokens_per_expert, moe.routing.dropped, moe.routing.expert_ids.numel(),
+        block.counters.add(moe.tokens_per_expert, routing.dropped, routing.expert_ids.numel(),
                            block.aux_loss)
         losses.append(block.aux_loss)
     return torch.stack(losses).sum() if losses else None
@@ -87,7 +108,7 @@ def finish_step(model: nn.Module, group: dist.ProcessGroup | None, *, micro_batc
     stage's over ``pp_group`` (each rank joins, with or without MoE blocks of its own). Under sequence
     parallelism (``sp_group``, the tp group) each tp rank routed other tokens: the load is summed over it
     too (the balance loss, the same on the tp ranks, is not)."""
-    blocks = [b for b in moe_layers(model) if b.counters is not None]
+    blocks = [b for b in _blocks(model) if b.counters is not None]
     pp = group_rank_size(pp_group)[1] if pp_group is not None else 1
     if not blocks and pp == 1:
         return None
@@ -96,8 +117,9 @@ def finish_step(model: nn.Module, group: dist.ProcessGroup | None, *, micro_batc
     sums = torch.zeros(5, dtype=torch.float64)
     most = torch.zeros(1, dtype=torch.float64)  # the largest load of an expert of a block here
     if blocks:
-        loads = torch.stack([b.counters.load for b in blocks])  # [L, E]
-        scalars = torch.stack([b.counters.scalars for b in blocks])  # [L, 3]: dropped, assignments, aux
+        counters = [b.counters for b in blocks if b.counters is not None]  # every block's (blocks: counted)
+        loads = torch.stack([c.load for c in counters])  # [L, E]
+        scalars = torch.stack([c.scalars for c in counters])  # [L, 3]: dropped, assignments, aux
         packed = torch.cat([loads.flatten(), scalars.flatten()]).to(device)
         if n > 1:
             ops.all_reduce(packed, group=group)  # the global batch's load: one collective for every block

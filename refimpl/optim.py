@@ -26,7 +26,8 @@ def param_groups(model: nn.Module, weight_decay: float,
     ``output_layer.weight`` but is the embedding)."""
     tables = {id(p) for m in model.modules() if type(m).__name__.endswith("Embedding")
               for p in m.parameters(recurse=False)}
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, p in (model.named_parameters() if named is None else named):
         if not p.requires_grad:
             continue

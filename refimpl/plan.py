@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any, TypedDict
 
 from refimpl.config import ARCHS, ConfigError, ModelConfig
 from refimpl.planner import PEAK_FLOPS, STAGES, param_count
@@ -104,6 +105,28 @@ def _expert_degrees(config: ModelConfig, ranks: int) -> list[int]:
     return [e for e in _divisors(ranks) if config.num_experts % e == 0] if config.num_experts else [1]
 
 
+class _Degrees(TypedDict):
+    """One layout of ``plan_layouts``: the keyword arguments ``evaluate_layout`` and ``layout_refusals``
+    share."""
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    seq_len: int
+    global_batch: int
+    micro_batch: int
+
+
+class _Combination(TypedDict):
+    """One combination ``plan_layouts`` searches at a layout (ZeRO stage, recomputation, HSDP, ep)."""
+
+    zero_stage: int
+    recompute: bool
+    dp_replicate: int
+    ep: int
+
+
 def plan_layouts(config: ModelConfig, *, gpus: int, gpu: str, gpus_per_node: int, seq_len: int,
                  global_batch: int, micro_batch: int = 1, mfu: float = 0.5, recompute: bool | None = False,
                  flash: bool = True, zero_stages: tuple[int, ...] = (1,), hsdp: bool = False
@@ -122,9 +145,11 @@ def plan_layouts(config: ModelConfig, *, gpus: int, gpu: str, gpus_per_node: int
                 if gpus % (tp * pp * cp) or global_batch % (gpus // (tp * pp * cp) * b):
                     continue
                 dp = gpus // (tp * pp * cp)
-                layout = dict(dp=dp, tp=tp, pp=pp, cp=cp, seq_len=s, global_batch=global_batch, micro_batch=b)
-                combos = [dict(zero_stage=z, recompute=r, dp_replicate=rep, ep=ep) for z in zero_stages
-                          for r in recomputes for rep in (_divisors(dp) if hsdp else (1,))
+                layout = _Degrees(dp=dp, tp=tp, pp=pp, cp=cp, seq_len=s, global_batch=global_batch,
+                                  micro_batch=b)
+                combos = [_Combination(zero_stage=z, recompute=r, dp_replicate=rep, ep=ep)
+                          for z in zero_stages for r in recomputes
+                          for rep in (_divisors(dp) if hsdp else (1,))
                           for ep in _expert_degrees(config, dp * cp)]
                 # what the trainer refuses is not searched: the support table's rows (HSDP is ZeRO-3's), the
                 # shapes tensor and context parallelism cannot split
@@ -220,7 +245,7 @@ def _report(config: ModelConfig, plans: list[LayoutPlan], args: argparse.Namespa
     return "\n".join([*lines, "", _assumptions(args)])
 
 
-def parse_layout(text: str, gpus: int) -> dict[str, int]:
+def parse_layout(text: str, gpus: int) -> dict[str, int | None]:
     """``dp=128,tp=8,pp=2[,cp=1][,zero=3][,mb=1][,hsdp=1][,ep=1]`` as a dict; a ConfigError on bad input."""
     out: dict[str, int] = {}
     for item in text.split(","):
@@ -235,7 +260,7 @@ def parse_layout(text: str, gpus: int) -> dict[str, int]:
     if missing := [k for k in ("dp", "tp", "pp") if k not in out]:
         raise ConfigError(f"--layout needs {', '.join(k + '=' for k in missing)} (got {text!r})")
     layout = {k: out.get(k, default) for k, default in LAYOUT_KEYS.items()}
-    product = layout["dp"] * layout["tp"] * layout["pp"] * layout["cp"]
+    product = out["dp"] * out["tp"] * out["pp"] * out.get("cp", 1)  # LAYOUT_KEYS' default cp
     if product != gpus:
         raise ConfigError(f"--layout dp x tp x pp x cp = {product}, not --gpus {gpus}")
     return layout
@@ -245,7 +270,7 @@ def _evaluate_given(config: ModelConfig, args: argparse.Namespace) -> tuple[dict
     """The --layout at each stage shown (``evaluate_stages``: the stages the trainer refuses at this
     layout are left out, ``layout["refused"]`` says which and why); a ConfigError on bad input, and when
     the trainer refuses the ``zero=`` given (the support table's words)."""
-    layout = parse_layout(args.layout, args.gpus)
+    layout: dict[str, Any] = parse_layout(args.layout, args.gpus)  # and the stages refused, below
     layout["mb"] = args.micro_batch if layout["mb"] is None else layout["mb"]
     stages = tuple(sorted({*args.zero_stages, *(() if layout["zero"] is None else (layout["zero"],))}))
     degrees = dict(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], cp=layout["cp"], seq_len=args.seq_len,

@@ -149,10 +149,10 @@ def shape_refusals(model: ModelConfig, config: ParallelConfig, *, seq_len: int) 
         out += [f"--tp {tp} does not divide the {size} {what} (each tensor-parallel rank holds 1/{tp} of "
                 f"them); change {flag} or --tp"
                 for what, size, flag in (("attention heads", heads, "--num-heads"),
-                                         ("MLP width", model.ffn_hidden_size, "--hidden-size"),
+                                         ("MLP width", model.ffn_size, "--hidden-size"),
                                          ("vocabulary entries", model.vocab_size, "the vocabulary"))
                 if size % tp]
-        kv = model.num_key_value_heads
+        kv = model.query_groups
         if kv != heads and kv % tp and tp % kv:  # (multi-head: the heads rule says it)
             out.append(f"--tp {tp} and the {kv} key/value heads (--num-kv-heads): one must divide the "
                        "other (each tensor-parallel rank holds whole query groups, or tp/kv ranks share "
@@ -169,7 +169,7 @@ def shape_refusals(model: ModelConfig, config: ParallelConfig, *, seq_len: int) 
             out.append(f"--cp-method ulysses gives each of the {cp} context-parallel ranks whole heads: the "
                        f"heads per tensor-parallel rank ({heads} / --tp {tp} = {heads // tp}) do not "
                        f"divide by {cp}; use --cp-method ring or change --num-heads")
-        kv = model.num_key_value_heads
+        kv = model.query_groups
         held = max(kv // tp, 1)  # tp/kv ranks share one key/value head when kv < tp
         if config.cp_method == "ulysses" and kv != heads and held % cp:
             out.append(f"--cp-method ulysses gives each of the {cp} context-parallel ranks whole key/value "

@@ -158,7 +158,8 @@ class Checkpointer:
             if self.rank == 0:
                 clean_leftovers(self.folder, keep=job.tmp.name)
             job.tmp.mkdir(parents=True, exist_ok=True)
-            status = {"ok": write_rank_file(job.tmp / rank_file_name(self.rank), job.pieces, job.objects)}
+            written = write_rank_file(job.tmp / rank_file_name(self.rank), job.pieces, job.objects)
+            status: dict[str, object] = {"ok": written}
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             status = {"error": f"rank {self.rank}: {type(exc).__name__}: {exc}"}
         statuses = self._gather(status)

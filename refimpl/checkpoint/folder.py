@@ -98,7 +98,7 @@ def commit(tmp: Path, manifest: dict, *, keep_last: int) -> Path:
     _write_latest(folder, final.name)
     # Keep the newest K at or below this step. Newer ones were rejected at resume (this run continues
     # from an older step); they are left alone and replaced when the run reaches their step.
-    older = [p for p in list_checkpoints(folder) if int(STEP_DIR.match(p.name).group(1)) <= step]
+    older = [p for p in list_checkpoints(folder) if (m := STEP_DIR.match(p.name)) and int(m.group(1)) <= step]
     for p in older[keep_last:]:
         _delete(p)
     return final
@@ -131,6 +131,7 @@ def find_latest_valid(folder: str | os.PathLike, *, expected: Mapping[str, Seque
             reason = str(exc)
         reasons = [r for r in gather(reason) if r]
         if not reasons:
+            assert manifest is not None  # no rank rejected it, this one included
             return CheckpointInfo(path=folder / name, step=manifest["step"], manifest=manifest,
                                   skipped=tuple(skipped))
         skipped.append(f"{name} rejected: {reasons[0]}")

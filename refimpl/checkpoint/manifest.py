@@ -31,6 +31,7 @@ from refimpl.checkpoint.format import (
     piece_box,
     rank_file_name,
 )
+from refimpl.distributed.placement import Box
 
 
 def _canonical(manifest: Mapping[str, Any]) -> bytes:
@@ -87,7 +88,7 @@ def _check_entries(manifest: Mapping[str, Any], where: Path) -> None:
     """Every tensor's pieces are boxes of it in known files, pairwise disjoint, covering every element."""
     files = manifest["files"]
     for name, e in manifest["entries"].items():
-        boxes = []
+        boxes: list[Box] = []
         for p in e["pieces"]:
             try:
                 box = piece_box(e["shape"], p)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, TypeGuard
 
 import numpy as np
 import torch
@@ -55,9 +55,27 @@ from refimpl.distributed.placement import (
 log = logging.getLogger(__name__)
 
 
+class _ShardedOptimizer(Protocol):
+    """An optimizer that steps a box of each parameter (e.g. ZeRO-1/2's): ``local_state_shards()`` gives
+    ``(parameter, stepped tensor, box of the parameter's local tensor)`` triples, ``inner_optimizer`` the
+    optimizer that holds the state."""
+
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer: ...
+
+    def local_state_shards(self) -> list[tuple[torch.Tensor, torch.Tensor, Box]]: ...
+
+
+def _declares_shards(optimizer: object) -> TypeGuard[_ShardedOptimizer]:
+    """Whether ``optimizer`` says which box of each parameter it steps (``_ShardedOptimizer``)."""
+    return callable(getattr(optimizer, "local_state_shards", None))
+
+
 def capture_rng_state() -> dict:
     """Python ``random``, NumPy's global generator, torch CPU and (when initialised) every CUDA device."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state(legacy=True)  # numpy's default: the tuple of the global MT19937
+    assert isinstance(legacy, tuple)  # (its stubs also allow the dict a non-legacy call returns)
+    kind, keys, pos, has_gauss, cached = legacy
     version, internal, gauss = random.getstate()
     numpy_keys = torch.from_numpy(keys.astype(np.int64))
     state = {"python": [version, list(internal), gauss],
@@ -114,11 +132,10 @@ def _optimizer_slots(model: nn.Module, optimizer: torch.optim.Optimizer,
     ``_local_tensor`` is what ``parameter_shards`` holds)."""
     by_id = {id(s.tensor): (name.removeprefix("model/"), s.box)
              for name, s in parameter_shards(model).items()}
-    declare = getattr(optimizer, "local_state_shards", None)
     inner, where = optimizer, by_id
-    if callable(declare):  # e.g. ZeRO-1/2: the inner optimizer steps a box of each parameter's local tensor
+    if _declares_shards(optimizer):  # e.g. ZeRO-1/2: the inner optimizer steps a box of each local tensor
         inner, where = optimizer.inner_optimizer, {}
-        for param, stepped, box in declare():
+        for param, stepped, box in optimizer.local_state_shards():
             if id(local_tensor(param)) not in by_id:
                 raise CheckpointError("the optimizer holds a parameter that is not a parameter of the model")
             name, param_box = by_id[id(local_tensor(param))]

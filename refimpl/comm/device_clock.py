@@ -36,7 +36,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, SupportsIndex, TypeAlias
+from typing import Any, Generic, SupportsIndex, TypeAlias, TypeVar, cast
 
 import torch
 
@@ -177,12 +177,15 @@ def current_clock() -> DeviceClock:
 
 # ------------------------------------------------------------------------------------ records of stamps
 _REQUIRED: Any = object()
+_Read = TypeVar("_Read", bound="float | None")
 
 
-class StampField:
-    """A dataclass field that holds a stamp and reads as its seconds (``start: float = StampField()``;
-    ``StampField(default=None)`` for an optional one). It stores the stamp in the instance's ``__dict__``
-    under its own name: ``raw_stamp`` gives it back unread."""
+class StampField(Generic[_Read]):
+    """A dataclass field that holds a stamp and reads as its seconds (``start: StampField[float] =
+    StampField()``; ``StampField[float | None]`` for one that may hold None, ``StampField(default=None)``
+    for an optional one). Its type argument is what a read gives; the dataclass's ``__init__`` and an
+    assignment take any stamp. It stores the stamp in the instance's ``__dict__`` under its own name:
+    ``raw_stamp`` gives it back unread."""
 
     def __init__(self, *, default: float | None = _REQUIRED) -> None:
         self.default = default
@@ -191,12 +194,13 @@ class StampField:
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, obj: object, owner: type | None = None) -> float | None:
+    def __get__(self, obj: object, owner: type | None = None) -> _Read:
+        # the casts: a field holds None only where its annotation says ``float | None``
         if obj is None:  # the class's view: the dataclass default (none: a required field)
             if self.default is _REQUIRED:
                 raise AttributeError(self.name)
-            return self.default
-        return seconds(obj.__dict__[self.name])
+            return cast(_Read, self.default)
+        return cast(_Read, seconds(obj.__dict__[self.name]))
 
     def __set__(self, obj: object, value: Stamp | None) -> None:
         obj.__dict__[self.name] = value
@@ -212,8 +216,9 @@ class StampList(list):
     in is kept as it is. ``raw(i)`` is item ``i`` unread."""
 
     def __getitem__(self, index: SupportsIndex | slice) -> Any:
-        got = super().__getitem__(index)
-        return [seconds(x) for x in got] if isinstance(index, slice) else seconds(got)
+        if isinstance(index, slice):
+            return [seconds(x) for x in super().__getitem__(index)]
+        return seconds(super().__getitem__(index))
 
     def __iter__(self) -> Iterator[float | None]:
         return (seconds(x) for x in super().__iter__())

@@ -228,15 +228,16 @@ def batch_isend_irecv(p2p_ops: list[P2POp]) -> list[TracedWork | dist.Work]:
         events.append(_events(tracers, op, _nbytes(p.tensor), group, p.peer, True, batched=True)
                       if tracers else [])
     works = dist.batch_isend_irecv(p2p_ops)
-    if tracers:
-        for t, evs in zip(tracers, zip(*events, strict=True), strict=True):
-            for e in evs:
-                t.record(e)
-        if len(works) == len(p2p_ops):  # one handle per op (gloo)
-            works = [TracedWork(w, evs) for w, evs in zip(works, events, strict=True)]
-        else:                           # one coalesced handle for the group (NCCL)
-            works = [TracedWork(w, [e for evs in events for e in evs]) for w in works]
-    return _strict_wait(works)
+    if not tracers:
+        return _strict_wait(works)
+    for t, evs in zip(tracers, zip(*events, strict=True), strict=True):
+        for e in evs:
+            t.record(e)
+    if len(works) == len(p2p_ops):  # one handle per op (gloo)
+        traced = [TracedWork(w, evs) for w, evs in zip(works, events, strict=True)]
+    else:                           # one coalesced handle for the group (NCCL)
+        traced = [TracedWork(w, [e for evs in events for e in evs]) for w in works]
+    return _strict_wait(traced)
 
 
 def barrier(group=None) -> None:

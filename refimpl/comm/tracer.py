@@ -74,8 +74,8 @@ class CommEvent:
     wire_bytes: float
     group_size: int
     peer: int | None
-    start: float = StampField()
-    end: float | None = StampField()  # None until the op returned (an async op: until it was waited)
+    start: StampField[float] = StampField()
+    end: StampField[float | None] = StampField()  # None until the op returned (async: until it was waited)
     step: int
     async_op: bool
     measured: bool = True
@@ -94,7 +94,7 @@ class OpTotal:
     measured: bool = True
 
 
-def wire_bytes(op: str, nbytes: int, group_size: int) -> float:
+def wire_bytes(op: str, nbytes: float, group_size: int) -> float:
     """Bytes one rank sends for ``op`` on ``nbytes`` of payload: the ring **model** for collectives.
 
     A model, not a measurement: what the bandwidth-optimal ring sends (NCCL's ring on large messages);

@@ -48,9 +48,10 @@ from __future__ import annotations
 import os
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -112,7 +113,7 @@ class Violation:
 
 def _caller() -> str:
     """file:line of the first frame outside torch and this module (where the user's code made the call)."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
         if "/torch/" not in name and name != __file__ and "contextlib" not in name:
@@ -124,7 +125,7 @@ def _caller() -> str:
 def _in_object_collective() -> bool:
     """Whether torch's object collectives (``all_gather_object``, ...) are making the tensor: they pickle into
     a host tensor and move it to the group's device themselves (``torch.cuda.current_device()`` on NCCL)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and (frame.f_code.co_filename == __file__
                                  or frame.f_code.co_filename.endswith("overrides.py")):
         frame = frame.f_back
@@ -321,7 +322,7 @@ def _is_private(args) -> bool:
                 continue
         elif isinstance(a, str):  # _c10d_functional's group name (its reduce op, "sum", resolves to none)
             try:
-                group = dist.distributed_c10d._resolve_process_group(a)
+                group = dist.distributed_c10d._resolve_process_group(dist.distributed_c10d.GroupName(a))
             except (ValueError, RuntimeError, KeyError):
                 continue
         if group is not None:
@@ -335,6 +336,10 @@ class DeviceLint:
     ``raise_at_once``: raise ``DeviceLintError`` at the first violation (as CUDA would), or collect
     them all in ``violations`` (each place once). ``syncs``: host syncs counted so far; ``steps_syncs``:
     those of each trainer step when the lint is the trainer's hooks (``before_step``)."""
+
+    # the trainer's other points (refimpl.train.hooks.Hooks): not the lint's
+    around_step = after_first_forward = after_first_loss = before_optimizer_step = gradient_probe = None
+    after_gradient_probe = before_checkpoint = on_failure = clock = None
 
     def __init__(self, *, raise_at_once: bool = True) -> None:
         self.raise_at_once = raise_at_once
@@ -372,7 +377,7 @@ class DeviceLint:
         self._stack = None
 
     @property
-    def before_step(self):
+    def before_step(self) -> Callable[[int, Any], None]:
         """The trainer's ``before_step`` hook: closes the previous step's count of host syncs (a step runs
         from one ``before_step`` to the next: its forwards, backwards, optimizer step, loss and record, and
         a checkpoint when one is due; the last step is closed when the lint exits)."""

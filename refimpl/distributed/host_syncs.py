@@ -65,7 +65,8 @@ def _bool_index(indices) -> bool:
     return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices)
 
 
-def sync_name(func, args, kwargs) -> str | None:
+# a dispatch over the ops that synchronise: one return per kind
+def sync_name(func, args, kwargs) -> str | None:  # noqa: PLR0911
     """The reported name when ``func(*args, **kwargs)`` would synchronise on a GPU, else None."""
     packet = func.overloadpacket
     if packet in _DATA_DEPENDENT:

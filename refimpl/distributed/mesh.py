@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -147,7 +148,7 @@ class ParallelDims:
         experts = f" (experts: ep {self.ep} x edp {self.edp})" if self.ep > 1 else ""
         return " x ".join(f"{axis} {getattr(self, axis)}" for axis in DESCRIBE_ORDER) + hsdp + experts
 
-    def config(self, **options: object) -> ParallelConfig:
+    def config(self, **options: Any) -> ParallelConfig:
         """The ``refimpl.config.ParallelConfig`` of this layout with the technique ``options``
         (``dims.config(zero_stage=1)``): what ``refimpl.parallel.parallelize`` takes."""
         return ParallelConfig(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, dp_replicate=self.dp_replicate,

@@ -31,9 +31,13 @@ import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def chunk_range(size: int, index: int, chunks: int) -> tuple[int, int]:
@@ -178,7 +182,7 @@ def _dtensor_class() -> type | None:
     return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
 
-def is_dtensor(t: object) -> bool:
+def is_dtensor(t: object) -> TypeGuard[DTensor]:
     """``t`` is a ``torch.distributed.tensor.DTensor`` (as ``fully_shard``'s and ``parallelize_module``'s
     parameters are)."""
     cls = _dtensor_class()
@@ -194,7 +198,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if is_dtensor(t) else t
 
 
-def dtensor_box(t: torch.Tensor) -> Box:
+def dtensor_box(t: DTensor) -> Box:
     """The box of the global tensor that this rank's local tensor of the DTensor ``t`` holds (chapter 11).
 
     torch's own rule (``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``, what DCP
@@ -224,13 +228,13 @@ def dtensor_box(t: torch.Tensor) -> Box:
     return box
 
 
-def dtensor_shard(t: torch.Tensor) -> LocalShard:
+def dtensor_shard(t: DTensor) -> LocalShard:
     """The DTensor ``t`` as a ``LocalShard``: its local tensor (written in place on load) and
     ``dtensor_box``."""
     return LocalShard(t._local_tensor, dtensor_box(t))
 
 
-def dtensor_like(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+def dtensor_like(t: DTensor, local: torch.Tensor) -> torch.Tensor:
     """The DTensor on ``t``'s mesh and placements, of ``t``'s global shape and strides, whose local tensor
     is ``local`` (this rank's box of it, ``dtensor_box`` of ``t``): no communication."""
     from torch.distributed.tensor import DTensor

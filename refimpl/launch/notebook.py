@@ -292,7 +292,7 @@ def start_ranks(
         try:
             from IPython import get_ipython
         except ImportError:
-            get_ipython = None  # type: ignore[assignment]
+            get_ipython = None
         ip = get_ipython() if get_ipython is not None else None
         if ip is not None:
             ranks.view.activate()

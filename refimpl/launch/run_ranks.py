@@ -27,9 +27,13 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+    from multiprocessing.queues import Queue
 
 
 class RankFailed(RuntimeError):
@@ -131,7 +135,7 @@ def host_store(world_size: int, timeout_s: float) -> Any:
 AGENT_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
-def _context() -> mp.context.BaseContext:
+def _context() -> mp.context.ForkServerContext | mp.context.SpawnContext:
     """A fork server that has imported torch once, so each rank starts in milliseconds, not seconds.
 
     Ranks are forked from a clean server process (not from the caller, whose threads and CUDA state must
@@ -148,7 +152,8 @@ def _context() -> mp.context.BaseContext:
     return ctx
 
 
-def _worker(
+# a process target: multiprocessing passes its arguments positionally
+def _worker(  # noqa: PLR0917
     caller: int,
     fn: Callable[..., Any],
     args: tuple,
@@ -209,14 +214,9 @@ def run_ranks(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if link is not None:
-        from refimpl.launch.shaped_link import run_shaped
-
         kwargs = {"timeout_s": timeout_s, "collective_timeout_s": collective_timeout_s, "backend": backend,
                   "env": env}
-        status, *value = run_shaped(fn, world_size, args, kwargs, link=link, priority=priority)
-        if status == "error":
-            raise RankFailed(*value)
-        return value[0]
+        return _run_on_shaped_link(fn, world_size, args, kwargs, link=link, priority=priority)
     ctx = _context()
     results = ctx.Queue()
     store = host_store(world_size, timeout_s)
@@ -235,46 +235,79 @@ def run_ranks(
     deadline = time.monotonic() + timeout_s
     try:
         while len(out) < world_size:
-            try:
-                rank, status, value = results.get(timeout=0.2)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
-                if dead:
-                    # The rank may have put its report just before exiting: drain once more.
-                    try:
-                        rank, status, value = results.get(timeout=1.0)
-                    except queue.Empty:
-                        r = dead[0]
-                        raise RankFailed(r, f"rank {r} died with exit code {procs[r].exitcode} "
-                                            "without a Python traceback") from None
-                elif time.monotonic() > deadline:
-                    missing = [r for r in range(world_size) if r not in out]
-                    message = f"ranks {missing} did not finish within {timeout_s:.0f} s"
-                    raise RankFailed(None, message) from None
-                else:
-                    continue
+            report = _next_report(results, procs, out, deadline=deadline, timeout_s=timeout_s)
+            if report is None:
+                continue
+            rank, status, value = report
             if status == "error":
-                errors = [(rank, value)]
-                # the others fail a moment later in their next collective: wait briefly so the report
-                # names the rank that caused it, not the first peer that noticed
-                settle = time.monotonic() + 1.0
-                while len(errors) + len(out) < world_size and (left := settle - time.monotonic()) > 0:
-                    try:
-                        r, st, v = results.get(timeout=left)
-                    except queue.Empty:
-                        break
-                    if st == "error":
-                        errors.append((r, v))
-                rank, tb = _first_cause(errors)
-                raise RankFailed(rank, f"rank {rank}: {_exception_line(tb)}\n\n{tb}")
+                _raise_first_cause(results, [(rank, value)], reported=len(out), world_size=world_size)
             out[rank] = pickle.loads(value)
     finally:
-        for p in procs:
-            p.join(timeout=5 if len(out) == world_size else 0.1)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        results.close()
+        _stop(procs, results, all_reported=len(out) == world_size)
         del store  # the ranks are gone: nothing connects to it any more
     return [out[r] for r in range(world_size)]
+
+
+def _run_on_shaped_link(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict[str, Any], *,
+                        link: str, priority: int) -> list[Any]:
+    """``run_ranks`` with its ``kwargs``, over a loopback shaped to ``link``
+    (``refimpl.launch.shaped_link``)."""
+    from refimpl.launch.shaped_link import run_shaped
+
+    status, *value = run_shaped(fn, world_size, args, kwargs, link=link, priority=priority)
+    if status == "error":
+        raise RankFailed(*value)
+    return value[0]
+
+
+def _next_report(results: Queue[Any], procs: Sequence[BaseProcess], out: dict[int, Any], *, deadline: float,
+                 timeout_s: float) -> tuple[int, str, Any] | None:
+    """The next ``(rank, status, value)`` a rank put in ``results``; None when none came within 0.2 s and
+    every rank that has not reported (``out``: those that have) still runs. Raises ``RankFailed`` when a
+    rank died without a report, or once ``deadline`` has passed."""
+    try:
+        return results.get(timeout=0.2)
+    except queue.Empty:
+        dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+        if dead:
+            # The rank may have put its report just before exiting: drain once more.
+            try:
+                return results.get(timeout=1.0)
+            except queue.Empty:
+                r = dead[0]
+                raise RankFailed(r, f"rank {r} died with exit code {procs[r].exitcode} "
+                                    "without a Python traceback") from None
+        elif time.monotonic() > deadline:
+            missing = [r for r in range(len(procs)) if r not in out]
+            message = f"ranks {missing} did not finish within {timeout_s:.0f} s"
+            raise RankFailed(None, message) from None
+        return None
+
+
+def _raise_first_cause(results: Queue[Any], errors: list[tuple[int, str]], *, reported: int,
+                       world_size: int) -> NoReturn:
+    """Raise ``RankFailed`` for the rank whose error looks like the cause (``_first_cause``) among
+    ``errors`` and those that follow within a second (``reported``: the ranks that returned)."""
+    # the others fail a moment later in their next collective: wait briefly so the report
+    # names the rank that caused it, not the first peer that noticed
+    settle = time.monotonic() + 1.0
+    while len(errors) + reported < world_size and (left := settle - time.monotonic()) > 0:
+        try:
+            r, st, v = results.get(timeout=left)
+        except queue.Empty:
+            break
+        if st == "error":
+            errors.append((r, v))
+    rank, tb = _first_cause(errors)
+    raise RankFailed(rank, f"rank {rank}: {_exception_line(tb)}\n\n{tb}")
+
+
+def _stop(procs: Sequence[BaseProcess], results: Queue[Any], *, all_reported: bool) -> None:
+    """Join the ranks (5 s each once all reported, else 0.1 s), kill those still alive, close ``results``."""
+    for p in procs:
+        p.join(timeout=5 if all_reported else 0.1)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+    results.close()

@@ -103,7 +103,8 @@ def measure_collective(
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
         medians.append(statistics.median(_slowest(times, device, group)))
-    return Timings(op=name or getattr(fn, "__name__", "collective"), world_size=n,
+    own_name: str = getattr(fn, "__name__", "collective")
+    return Timings(op=name or own_name, world_size=n,
                    sizes_bytes=tuple(int(s) for s in sizes_bytes), seconds=tuple(medians), repeats=repeats)
 
 

@@ -40,10 +40,15 @@ import contextlib
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
+from refimpl.comm.device_clock import Stamp
 from refimpl.comm.tracer import CommTracer, now
+
+if TYPE_CHECKING:
+    from refimpl.measure.activations import SavedTensorMeter
 
 __all__ = ["LiveTensorBytes", "StepMeasurement", "TrainerProbe"]
 
@@ -52,6 +57,13 @@ __all__ = ["LiveTensorBytes", "StepMeasurement", "TrainerProbe"]
 class StepMeasurement:
     """One measured step of one rank: ``state`` (weights, grads, optimizer bytes) and ``activations``
     (saved bytes held at the peak, see the module docstring)."""
+
+    state: tuple[int, int, int]
+    activations: int
+
+
+class _Seen(TypedDict, total=False):
+    """What the measured step has read so far: the ``StepMeasurement`` fields."""
 
     state: tuple[int, int, int]
     activations: int
@@ -142,8 +154,8 @@ class TrainerProbe:
         self.measured: StepMeasurement | None = None
         self._first: int | None = None  # the run's first step
         self._params: list | None = None  # set while the measured step runs
-        self._seen: dict[str, object] = {}
-        self._meter = None  # the SavedTensorMeter of the measured step (no pipeline)
+        self._seen: _Seen = {}
+        self._meter: SavedTensorMeter | None = None  # the SavedTensorMeter of the measured step (no pipeline)
         self._live: LiveTensorBytes | None = None  # the live bytes of the measured step (pipeline)
         self.gradient_probe = None  # the trainer's hooks: around_step, after_first_loss,
         # before_optimizer_step and clock below (refimpl.train.hooks.Hooks)
@@ -191,7 +203,7 @@ class TrainerProbe:
             st = state_bytes(self._params, setup.optimizer)
             self._seen["state"] = (st.weights, st.grads, st.optimizer)
 
-    def clock(self) -> float:
+    def clock(self) -> Stamp:
         if self._live is not None:  # the executor's clock reads are the sampling points
             self._live.sample()
         return now()

@@ -250,8 +250,8 @@ def deepseek_v3_state_from_hf(hf_config: Mapping,
     and shared MLPs' gate and up rows interleaved into one ``dense_h_to_4h``; the experts' ``gate_up_proj
     [E, 2f, h]`` and ``down_proj [E, h, f]`` as our ``w1, w3 [E, h, f]`` and ``w2 [E, f, h]``."""
     config = deepseek_v3_config_from_hf(hf_config)
-    a, n, r, c = (config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim,
-                  config.kv_lora_rank)
+    mla = config.mla
+    a, n, r, c = config.num_attention_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank
     interleaved = hf_config.get("rope_interleave", True)
     embed = hf_state["model.embed_tokens.weight"]
     out = {"embedding.word_embeddings.weight": embed, "final_layernorm.weight": hf_state["model.norm.weight"],

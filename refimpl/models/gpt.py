@@ -20,6 +20,8 @@ Shapes: b = micro-batch, s = sequence length, h = hidden size, a = attention hea
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,11 @@ from refimpl.models.rope import RotaryEmbedding, apply_rotary
 from refimpl.nn.linear import Linear
 from refimpl.nn.loss import lm_loss
 from refimpl.parallel.declarations import ContextParallelModules
+
+if TYPE_CHECKING:
+    from refimpl.models.gpt_stages import GPTStage
+    from refimpl.models.moe import MoEMLP
+    from refimpl.parallel.pipeline_parallel import Balance
 
 __all__ = ["GPT", "MLP", "CausalSelfAttention", "Embedding", "TransformerBlock", "generate", "lm_loss"]
 
@@ -111,7 +118,7 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        f, h, bias = config.ffn_hidden_size, config.hidden_size, config.add_bias
+        f, h, bias = config.ffn_size, config.hidden_size, config.add_bias
         self.swiglu = config.activation == "swiglu"
         self.dense_h_to_4h = Linear(h, 2 * f if self.swiglu else f, bias=bias)
         self.dense_4h_to_h = Linear(f, h, bias=bias)
@@ -132,9 +139,10 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = norm(config)
-        self.self_attention: nn.Module = (MultiLatentAttention(config) if config.attention_type == "mla"
-                                          else CausalSelfAttention(config))
+        self.self_attention: MultiLatentAttention | CausalSelfAttention = (
+            MultiLatentAttention(config) if config.attention_type == "mla" else CausalSelfAttention(config))
         self.post_attention_layernorm = norm(config)
+        self.mlp: MoEMLP | MLP
         if config.is_moe_layer(layer):
             from refimpl.models.moe import MoEMLP  # the expert-parallel layer: only for MoE configurations
 
@@ -245,18 +253,19 @@ class GPT(nn.Module):
         embedding and (RoPE) of each block's rotation; the heads are the query heads this rank's fused qkv
         holds (``a/t`` under tp; multi-head latent attention: all ``a``, and it is refused at cp > 1 by
         ``refimpl.support.shape_refusals``)."""
-        attention = [block.self_attention for block in self.layers]
+        blocks = cast("Iterable[TransformerBlock]", self.layers)  # an nn.ModuleList of them
+        attention = [block.self_attention for block in blocks]
         heads = [a.held_query_heads() for a in attention]
         rotary = [a.rotary for a in attention if a.rotary is not None]  # RoPE: each block rotates its q, k
         return ContextParallelModules(attention=attention, positions=[self.embedding, *rotary], heads=heads)
 
     def pipeline_stages(self, *, pp_rank: int, pp_size: int, virtual_stages: int = 1,
-                        balance: str = "layers") -> dict[int, nn.Module]:
+                        balance: str = "layers") -> dict[int, GPTStage]:
         """The stages pipeline rank ``pp_rank`` holds, by index (``refimpl/models/gpt_stages.py``)."""
         from refimpl.models.gpt_stages import build_stages
 
         return build_stages(self, pp_rank=pp_rank, pp_size=pp_size, virtual_stages=virtual_stages,
-                            balance=balance)  # type: ignore[arg-type]
+                            balance=cast("Balance", balance))  # split_blocks refuses another value
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embedding(input_ids)  # [b, s, h]

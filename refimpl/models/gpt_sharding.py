@@ -38,7 +38,7 @@ size; a vocabulary that does not divide is one too unless ``pad_vocab=True`` wit
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -59,7 +59,7 @@ from refimpl.parallel.tensor_parallel.tp_communications import (
 )
 
 if TYPE_CHECKING:
-    from refimpl.models.gpt import GPT
+    from refimpl.models.gpt import GPT, CausalSelfAttention, Embedding
 
 __all__ = ["GPTEmbeddingParallel", "SharedKeyValueAttentionParallel", "SharedKeyValueQKV",
            "VocabParallelGPTEmbedding", "gpt_tensor_parallel_plan"]
@@ -101,12 +101,13 @@ class GPTEmbeddingParallel:
     pad_vocab: bool = False
 
     def apply(self, module: nn.Module, *, tp_group: Group, root: nn.Module) -> nn.Module:
+        embedding = cast("Embedding", module)  # the plan names the GPT's embedding
         sp = self.sequence_parallel and group_size(tp_group) > 1
-        word = VocabParallelEmbedding.from_embedding(module.word_embeddings, tp_group=tp_group,
+        word = VocabParallelEmbedding.from_embedding(embedding.word_embeddings, tp_group=tp_group,
                                                      pad_vocab=self.pad_vocab, reduce_scatter_embeddings=sp)
-        new = VocabParallelGPTEmbedding(word, module.position_embeddings, sequence_parallel=sp)
+        new = VocabParallelGPTEmbedding(word, embedding.position_embeddings, sequence_parallel=sp)
         if "position_ids" in vars(module):  # positions already set on the instance (context parallelism)
-            new.position_ids = module.position_ids
+            new.position_ids = embedding.position_ids  # type: ignore[method-assign]  # replaced on the instance
         return new
 
     def split(self, name: str) -> ParamSplit:
@@ -157,11 +158,13 @@ class SharedKeyValueAttentionParallel:
     sequence_parallel: bool = False
 
     def apply(self, module: nn.Module, *, tp_group: Group, root: nn.Module) -> nn.Module:
-        linear = module.query_key_value
-        module.query_key_value = SharedKeyValueQKV.from_linear(
-            linear, tp_group=tp_group, query_groups=module.query_groups, head_dim=module.head_dim,
-            sequence_parallel=self.sequence_parallel and group_size(tp_group) > 1)
-        module.q_per_group = module.query_key_value.q_per_rank
+        attention = cast("CausalSelfAttention", module)  # the plan names the GPT's multi-head attention
+        linear = attention.query_key_value
+        qkv = cast(SharedKeyValueQKV, SharedKeyValueQKV.from_linear(  # from_linear builds its cls
+            linear, tp_group=tp_group, query_groups=attention.query_groups, head_dim=attention.head_dim,
+            sequence_parallel=self.sequence_parallel and group_size(tp_group) > 1))
+        module.query_key_value = qkv  # a module of another type in place of the Linear
+        attention.q_per_group = qkv.q_per_rank
         return module
 
     def split(self, name: str) -> ParamSplit:
@@ -171,11 +174,11 @@ class SharedKeyValueAttentionParallel:
 def _check_divides(model: GPT, t: int, pad_vocab: bool) -> None:
     c = model.config
     for what, size in (("num_attention_heads", c.num_attention_heads),
-                       ("ffn_hidden_size", c.ffn_hidden_size)):
+                       ("ffn_hidden_size", c.ffn_size)):
         if size % t:
             raise ValueError(f"tensor parallelism: {what}={size} does not divide by the tensor-parallel size "
                              f"{t} (each rank holds {what} / {t})")
-    g = c.num_key_value_heads
+    g = c.query_groups
     if g % t and t % g:
         raise ValueError(f"tensor parallelism: num_key_value_heads={g} and the tensor-parallel size {t}: one "
                          "must divide the other (each rank holds whole query groups, or t/g ranks share one)")
@@ -197,7 +200,7 @@ def gpt_tensor_parallel_plan(model: GPT, *, tp_size: int, sequence_parallel: boo
     _check_divides(model, tp_size, pad_vocab)
     sp = sequence_parallel and tp_size > 1
     plan: dict[str, object] = {"embedding": GPTEmbeddingParallel(sequence_parallel=sp, pad_vocab=pad_vocab)}
-    if model.config.num_key_value_heads < tp_size:  # t/g ranks share each key/value head
+    if model.config.query_groups < tp_size:  # t/g ranks share each key/value head
         plan["layers.*.self_attention"] = SharedKeyValueAttentionParallel(sequence_parallel=sp)
     else:
         plan["layers.*.self_attention.query_key_value"] = ColwiseParallel(sequence_parallel=sp)

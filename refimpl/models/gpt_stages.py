@@ -15,7 +15,7 @@ the copies take the same optimizer step and stay equal (Megatron's embedding gro
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -55,7 +55,7 @@ class GPTStage(nn.Module):
         self.embedding = model.embedding if self.is_first else None
         self.layers = nn.ModuleList(model.layers[i] for i in layers)
         self.final_layernorm = model.final_layernorm if self.is_last else None
-        self.output_layer = None
+        self.output_layer: nn.Module | None = None  # the model's Linear, or the last stage's copy of it
         self.tied_copy = False
         if self.is_last:
             self.output_layer = model.output_layer
@@ -68,7 +68,11 @@ class GPTStage(nn.Module):
         word table, the last stage's copy of it."""
         if not self.tied:
             return None
-        return self.embedding.word_embeddings.weight if self.is_first else self.output_layer.weight
+        if self.is_first:
+            assert self.embedding is not None  # the first stage holds the embedding
+            return self.embedding.word_embeddings.weight
+        assert self.output_layer is not None  # a tied stage that is not the first is the last
+        return cast(torch.Tensor, self.output_layer.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embedding is not None:
@@ -76,6 +80,7 @@ class GPTStage(nn.Module):
         for layer in self.layers:
             x = layer(x)  # [b, s, h]
         if self.is_last:
+            assert self.output_layer is not None and self.final_layernorm is not None  # the last stage's
             x = self.output_layer(self.final_layernorm(x))  # [b, s, v]
         return x
 

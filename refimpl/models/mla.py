@@ -66,12 +66,12 @@ class MultiLatentAttention(nn.Module):
         if config.attention_type != "mla":
             raise ValueError(f"MultiLatentAttention needs attention_type='mla', got "
                              f"{config.attention_type!r}")
-        h, a, bias = config.hidden_size, config.num_attention_heads, config.add_bias
+        h, a, bias, mla = config.hidden_size, config.num_attention_heads, config.add_bias, config.mla
         self.num_heads = a
-        self.q_lora_rank, self.kv_lora_rank = config.q_lora_rank, config.kv_lora_rank
-        self.qk_nope_head_dim, self.qk_rope_head_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
-        self.v_head_dim = config.v_head_dim
-        self.qk_head_dim = config.qk_head_dim
+        self.q_lora_rank, self.kv_lora_rank = mla.q_lora_rank, mla.kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim
+        self.v_head_dim = mla.v_head_dim
+        self.qk_head_dim = mla.qk_head_dim
         q_rows = a * self.qk_head_dim  # a (n + r)
         if self.q_lora_rank is None:
             self.linear_q_proj = Linear(h, q_rows, bias=bias)

@@ -53,6 +53,8 @@ is ``refimpl.moe_balance``.
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -137,6 +139,22 @@ class SharedExperts(nn.Module):
         return self.dense_4h_to_h(F.gelu(y))
 
 
+class _MoEArgs(TypedDict):
+    """The keyword arguments ``MoEMLP`` builds its ``MoE`` with (again, sharded, by ``shard_experts``)."""
+
+    dim: int
+    hidden: int
+    num_experts: int
+    top_k: int
+    activation: str
+    score_func: str
+    normalize_topk: bool | None
+    capacity_factor: float | None
+    aux_loss_coeff: float
+    expert_bias: bool
+    seed: int
+
+
 class MoEMLP(nn.Module):
     """The MLP of an MoE block (module docstring): ``forward(x [b, s, h]) -> [b, s, h]``; after a forward
     ``aux_loss`` (the sequence-wise balance loss, in the graph) and ``moe`` the layer (its routing,
@@ -149,11 +167,11 @@ class MoEMLP(nn.Module):
         self.aux_loss_coeff = config.aux_loss_coeff
         self.score_func = config.score_func
         self.bias_update_rate = config.moe_bias_update_rate if config.moe_load_balance == "bias" else None
-        self._kw = dict(dim=config.hidden_size, hidden=config.expert_hidden_size,
-                        num_experts=config.num_experts, top_k=config.top_k, activation=config.moe_activation,
-                        score_func=config.score_func, normalize_topk=config.moe_normalize_topk,
-                        capacity_factor=config.capacity_factor, aux_loss_coeff=0.0,
-                        expert_bias=config.moe_load_balance == "bias", seed=layer)
+        self._kw = _MoEArgs(dim=config.hidden_size, hidden=config.expert_hidden_size,
+                            num_experts=config.num_experts, top_k=config.top_k,
+                            activation=config.moe_activation, score_func=config.score_func,
+                            normalize_topk=config.moe_normalize_topk, capacity_factor=config.capacity_factor,
+                            aux_loss_coeff=0.0, expert_bias=config.moe_load_balance == "bias", seed=layer)
         self.moe = MoE(**self._kw)
         self.shared_experts = SharedExperts(config) if config.moe_shared_experts else None
         self.aux_loss: torch.Tensor | None = None
@@ -173,6 +191,7 @@ class MoEMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.moe(x)
         routing = self.moe.routing
+        assert routing is not None  # the forward just set it
         self.aux_loss = sequence_balance_loss(routing.scores, routing.expert_ids,
                                               sequences=x.shape[0] if x.dim() == 3 else 1,
                                               coeff=self.aux_loss_coeff, score_func=self.score_func,

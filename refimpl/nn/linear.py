@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -89,7 +89,7 @@ class SplitMatmul(Protocol):
     def weight_grad(self, dy: torch.Tensor, x: torch.Tensor) -> DeferredProduct: ...
 
 
-def _splits(matmul: Matmul) -> bool:
+def _splits(matmul: Matmul) -> TypeGuard[SplitMatmul]:
     """Whether ``matmul`` computes its backward products itself (``SplitMatmul``)."""
     return callable(getattr(matmul, "input_grad", None)) and callable(getattr(matmul, "weight_grad", None))
 
@@ -124,8 +124,8 @@ def _accumulate(weight: torch.Tensor, weight_grad: Callable[[], torch.Tensor]) -
 
 
 class _LinearWithGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, gather, store, matmul):
+    @staticmethod  # autograd.Function.apply passes the inputs positionally
+    def forward(ctx, x, weight, bias, gather, store, matmul):  # noqa: PLR0917
         ctx.save_for_backward(x, weight)                              # x: [..., in] (SP: [b, s/t, in])
         full = x if gather is None else gather.all_gather(x)          # [..., in] (SP: [b, s, in])
         y = matmul(full, weight, bias)                                # autocast (if on) picks the dtype

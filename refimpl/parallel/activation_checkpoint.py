@@ -95,6 +95,8 @@ def apply_activation_checkpointing(
         chosen = set()
     elif callable(blocks):
         chosen = {i for i in range(n) if blocks(i)}
+    elif isinstance(blocks, str):  # no other name: its characters are no block indices
+        raise TypeError(f"blocks: 'all', 'none', indices or a function, got {blocks!r}")
     else:
         chosen = set()
         for i in blocks:

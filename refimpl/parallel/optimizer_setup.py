@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,9 @@ from refimpl.config import OptimConfig
 from refimpl.optim import adamw_foreach, build_optimizer, param_groups
 from refimpl.parallel.placements import HeldGradient, Placement, clip_grad_norm_, reduce_gradients
 from refimpl.precision import MixedPrecisionPolicy
+
+if TYPE_CHECKING:
+    from refimpl.parallel.zero import ShardedOptimizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,11 +76,12 @@ class OptimizerInputs:
     num_replicas: int = 1  # dp x cp: what the experts' gradient sums are divided by
 
 
-def _sharded_optimizer(inputs: OptimizerInputs, config: OptimConfig) -> torch.optim.Optimizer:
+def _sharded_optimizer(inputs: OptimizerInputs, config: OptimConfig) -> ShardedOptimizer:
     from refimpl.parallel.zero import ShardedOptimizer, ShardGroup
 
     experts = ShardGroup(group=inputs.groups.get("expert_dp"), divide_factor=inputs.num_replicas)
-    shard_groups = {p: experts for n, p in inputs.held if n in set(inputs.experts)}
+    shard_groups: dict[torch.Tensor, ShardGroup] = {p: experts for n, p in inputs.held
+                                                    if n in set(inputs.experts)}
     device = inputs.held[0][1].device if inputs.held else torch.device("cpu")
     return ShardedOptimizer(param_groups(inputs.module, config.weight_decay, inputs.named), torch.optim.AdamW,
                             inputs.groups.get("dp_cp"), zero_stage=inputs.zero_stage,
@@ -91,16 +96,20 @@ def build_optimizer_setup(inputs: OptimizerInputs, config: OptimConfig) -> Optim
     zero, placements, groups = inputs.zero_stage, inputs.placements, inputs.groups
     held_params = [(n, p) for n, p in inputs.held if p.requires_grad]
     device = held_params[0][1].device
+    optimizer: torch.optim.Optimizer
+    reduce_shards: Callable[[], None] | None = None  # ZeRO-1's once-per-step reduce-scatter (finish)
     if zero in (1, 2):
-        optimizer = _sharded_optimizer(inputs, config)
-        name_of = {p: n for n, p in reversed(inputs.held)}
-        specs = {p: box for p, _, box in optimizer.local_state_shards()}
+        optimizer = sharded = _sharded_optimizer(inputs, config)
+        if zero == 1:
+            reduce_shards = sharded.reduce_gradients
+        name_of: dict[torch.Tensor, str] = {p: n for n, p in reversed(inputs.held)}
+        specs = {p: box for p, _, box in sharded.local_state_shards()}
 
         def held() -> list[HeldGradient]:  # the row shards, after ZeRO-1's once-per-step reduce-scatter
-            optimizer.reduce_gradients()
+            sharded.reduce_gradients()
             out = []
-            for p in optimizer.params:
-                g = optimizer.shard(p).grad
+            for p in sharded.params:
+                g = sharded.shard(p).grad
                 if g is not None:
                     name = name_of[p]
                     axis = "expert_dp" if name in inputs.experts else "dp_cp"  # the rows' group
@@ -109,7 +118,7 @@ def build_optimizer_setup(inputs: OptimizerInputs, config: OptimConfig) -> Optim
 
         # the shards the inner optimizer steps: the loss scaler unscales and checks them, clipping scales
         # them (stage 1 reduce-scatters into them in finish_gradients, before the scaler; stage 2 in backward)
-        grad_params = [optimizer.shard(p) for p in optimizer.params]
+        grad_params = [sharded.shard(p) for p in sharded.params]
     else:
         optimizer = build_optimizer(inputs.module, config, named=inputs.named)
 
@@ -118,15 +127,12 @@ def build_optimizer_setup(inputs: OptimizerInputs, config: OptimConfig) -> Optim
 
         grad_params = [p for _, p in held_params]
 
-    def clip_fn(_: object) -> torch.Tensor:
-        return clip_grad_norm_(held(), config.grad_clip, groups=groups, device=device)
-
     sp = any("tp" in p.reduce_over for p in placements.values())
     experts = inputs.experts if zero == 0 else ()  # ZeRO-1/2 reduce them in the optimizer
 
     def finish() -> None:
-        if zero == 1:  # ZeRO-1's once-per-step reduce-scatter, before the loss scaler reads the shards
-            optimizer.reduce_gradients()
+        if reduce_shards is not None:  # ZeRO-1: before the loss scaler reads the shards
+            reduce_shards()
         if inputs.average_in_finish:  # every stage's gradients, once per step, over the replicas
             from refimpl.parallel.data_parallel.data_parallel_communications import reduce_gradients_
 
@@ -140,9 +146,15 @@ def build_optimizer_setup(inputs: OptimizerInputs, config: OptimConfig) -> Optim
         if sp:  # the s/t-token gradients (whole, or the same rows of a ZeRO shard on every tp rank)
             reduce_gradients(held(), "tp", groups.get("tp"))
 
-    needs_clip = config.grad_clip is not None and (zero != 0 or _sharded(placements))
-    return OptimizerSetup(optimizer=optimizer, grad_params=grad_params,
-                          clip_fn=clip_fn if needs_clip else None,
+    clip_fn: Callable[[object], torch.Tensor] | None = None
+    if config.grad_clip is not None and (zero != 0 or _sharded(placements)):
+        max_norm = config.grad_clip
+
+        def clip(_: object) -> torch.Tensor:
+            return clip_grad_norm_(held(), max_norm, groups=groups, device=device)
+
+        clip_fn = clip
+    return OptimizerSetup(optimizer=optimizer, grad_params=grad_params, clip_fn=clip_fn,
                           finish_gradients=finish if (inputs.average_in_finish or sp or experts or zero == 1)
                           else None,
                           held_gradients=held)

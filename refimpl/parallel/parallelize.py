@@ -78,6 +78,7 @@ tokens over the ``tp`` group, after the data-parallel reduction and before clipp
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -90,9 +91,13 @@ from refimpl.parallel.data_parallel.data_parallel_communications import broadcas
 from refimpl.parallel.declarations import declared, moe_layers
 from refimpl.parallel.expert_parallel_gpt import apply_expert_parallel, expert_parameter_names
 from refimpl.parallel.optimizer_setup import OptimizerSetup
-from refimpl.parallel.parallelized import Parallelized, record_parallel_placements
+from refimpl.parallel.parallelized import Parallelized, context_parallel_options, record_parallel_placements
 from refimpl.precision import MixedPrecision, MixedPrecisionPolicy
 from refimpl.support import check_supported
+
+if TYPE_CHECKING:
+    from refimpl.parallel.pipeline_parallel import PipelineModule
+    from refimpl.precision.fp8.scaling import Scaling
 
 __all__ = ["ORDER", "OptimizerSetup", "Parallelized", "parallelize"]
 
@@ -145,45 +150,13 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
     experts = expert_parameter_names(model)  # [] for a dense model
     dims, groups = _layout(groups_or_dims, config, moe=bool(experts))
     applied: list[str] = []
-    fp8 = config.precision == "fp8"
-    if fp8:  # the first and last linear of the plain model, named before tensor parallelism replaces them
-        from refimpl.precision.fp8 import apply_float8_training, first_and_last_linear
-
-        keep_bf16 = first_and_last_linear(model)
-    tp_group = cp_group = pipeline = ep_group = None
-    # 1. tensor / sequence parallel over tp: replaces the linears and the embedding by their shards
-    if dims.tp > 1:
-        from refimpl.parallel.tensor_parallel import apply_tensor_parallel
-
-        tp_group = groups.group("tp")
-        apply_tensor_parallel(model, tp_group=tp_group, sequence_parallel=config.sequence_parallel)
-        if config.sequence_parallel:  # an MoE block routes this tp rank's s/t tokens (refimpl.models.moe)
-            for block in moe_layers(model):
-                block.sp_group = tp_group
-        applied.append("tensor parallel")
-    # 1b. expert parallel over ep: each MoE block keeps its rank's experts (the rest replicated)
-    if dims.ep > 1:
-        ep_group = groups.group("ep")
-        apply_expert_parallel(model, ep_group=ep_group)
-        applied.append("expert parallel")
-    # 1c. fp8 linears: the seam's layers (tensor-parallel blocks too) get fp8 GEMMs; first and last kept
-    if fp8:
-        apply_float8_training(model, scaling=config.fp8_scaling, keep=keep_bf16)
-        applied.append("fp8 linears")
-    # 2. context parallel over cp: attention across the ranks' parts of the sequence, global positions
-    if dims.cp > 1:
-        from refimpl.parallel.context_parallel import apply_context_parallel
-
-        cp_group = groups.group("cp")
-        apply_context_parallel(model, cp_group=cp_group, method=config.cp_method, layout=config.cp_layout)
-        for block in moe_layers(model):  # the balance loss counts each whole sequence's assignments
-            block.cp_group = cp_group
-        applied.append("context parallel")
+    tp_group, ep_group, cp_group = _inside_blocks(model, dims, groups, config, applied)  # steps 1-2
+    pipeline = None
     # 3. pipeline split over pp: this rank keeps its stages (and runs them by the schedule)
     if dims.pp > 1:
         from refimpl.parallel.pipeline_parallel import PipelineModule
 
-        pp_group = groups.group("pp")
+        pp_group = _group(groups, "pp")
         pipeline = PipelineModule(model, pp_group=pp_group, pp_rank=dist.get_rank(pp_group), pp_size=dims.pp,
                                   schedule=config.pp_schedule, virtual_stages=config.virtual_stages,
                                   balance=config.pp_balance,
@@ -209,33 +182,102 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
         applied.append("mixed precision")
     # 6. data parallel / ZeRO over dp x cp, outermost
     group = None if groups is None else groups.group(*LOSS_AXES)
-    replicas = dims.dp * dims.cp
     done = Parallelized(model=model, forward=model, state_module=model, mp=mp, config=config, group=group,
                         applied=applied, tp_group=tp_group, cp_group=cp_group, ep_group=ep_group,
-                        edp_group=None if ep_group is None else groups.group("edp"),
+                        edp_group=None if ep_group is None else _group(groups, "edp"),
                         experts=experts if ep_group is not None else [])
     if pipeline is not None:  # the dp x cp average comes once per step (OptimizerSetup.finish_gradients)
-        done.model = done.forward = done.state_module = done.pipeline = pipeline
-        held = dict(pipeline.named_parameters_full())
-        done.experts = [n for n in done.experts if n in held]  # this rank's stages' experts
-        if replicas > 1:  # the replicas start equal, as DataParallelBucket makes them (an ep rank's experts
-            expert_ids = {id(held[n]) for n in done.experts}  # are its own: not the first rank's)
-            broadcast_module(pipeline, group, exclude=[n for n, p in pipeline.named_parameters()
-                                                       if id(p) in expert_ids])
-            applied.append("data parallel")
-            if config.zero_stage == 3:
-                _shard_stages(done, groups, dims, unit_types=tuple(declared(model, "shard_units")()))
-        else:
-            done.group = None
-        done.placements = record_parallel_placements(done, replicas=replicas)
-        return done
+        _data_parallel_stages(done, model, pipeline, groups, dims)
+    else:
+        _data_parallel(done, model, groups, dims)
+    done.placements = record_parallel_placements(done, replicas=dims.dp * dims.cp)
+    return done
+
+
+def _group(groups: ParallelGroups | None, *axes: str) -> dist.ProcessGroup:
+    """The group of ``axes`` in a layout of several ranks, whose groups ``_layout`` made sure were given."""
+    assert groups is not None, "a layout of several ranks comes with its groups (_layout)"
+    return groups.group(*axes)
+
+
+def _inside_blocks(
+    model: nn.Module, dims: ParallelDims, groups: ParallelGroups | None, config: ParallelConfig,
+    applied: list[str],
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """Steps 1 to 2, which change the inside of the blocks: tensor, expert and context parallelism and the
+    fp8 linears (module docstring), each recorded in ``applied``; returns the ``tp``, ``ep`` and ``cp``
+    groups (None: not applied)."""
+    tp_group = cp_group = ep_group = None
+    fp8 = config.precision == "fp8"
+    if fp8:  # the first and last linear of the plain model, named before tensor parallelism replaces them
+        from refimpl.precision.fp8 import apply_float8_training, first_and_last_linear
+
+        keep_bf16 = first_and_last_linear(model)
+    # 1. tensor / sequence parallel over tp: replaces the linears and the embedding by their shards
+    if dims.tp > 1:
+        from refimpl.parallel.tensor_parallel import apply_tensor_parallel
+
+        tp_group = _group(groups, "tp")
+        apply_tensor_parallel(model, tp_group=tp_group, sequence_parallel=config.sequence_parallel)
+        if config.sequence_parallel:  # an MoE block routes this tp rank's s/t tokens (refimpl.models.moe)
+            for block in moe_layers(model):
+                block.sp_group = tp_group
+        applied.append("tensor parallel")
+    # 1b. expert parallel over ep: each MoE block keeps its rank's experts (the rest replicated)
+    if dims.ep > 1:
+        ep_group = _group(groups, "ep")
+        apply_expert_parallel(model, ep_group=ep_group)
+        applied.append("expert parallel")
+    # 1c. fp8 linears: the seam's layers (tensor-parallel blocks too) get fp8 GEMMs; first and last kept
+    if fp8:
+        scaling = cast("Scaling", config.fp8_scaling)  # one of FP8_SCALINGS: ParallelConfig refuses others
+        apply_float8_training(model, scaling=scaling, keep=keep_bf16)
+        applied.append("fp8 linears")
+    # 2. context parallel over cp: attention across the ranks' parts of the sequence, global positions
+    if dims.cp > 1:
+        from refimpl.parallel.context_parallel import apply_context_parallel
+
+        cp_group = _group(groups, "cp")
+        method, layout = context_parallel_options(config)
+        apply_context_parallel(model, cp_group=cp_group, method=method, layout=layout)
+        for block in moe_layers(model):  # the balance loss counts each whole sequence's assignments
+            block.cp_group = cp_group
+        applied.append("context parallel")
+    return tp_group, ep_group, cp_group
+
+
+def _data_parallel_stages(done: Parallelized, model: nn.Module, pipeline: PipelineModule,
+                          groups: ParallelGroups | None, dims: ParallelDims) -> None:
+    """Step 6 under pipeline parallelism: ``done`` runs this rank's stages (``pipeline``), whose replicas
+    start equal (the first rank's weights broadcast over ``dp x cp``) and, at ZeRO-3, are sharded stage by
+    stage (``_shard_stages``); the gradients' average is ``OptimizerSetup.finish_gradients``'."""
+    done.model = done.forward = done.state_module = done.pipeline = pipeline
+    held = dict(pipeline.named_parameters_full())
+    done.experts = [n for n in done.experts if n in held]  # this rank's stages' experts
+    replicas = dims.dp * dims.cp
+    if replicas > 1:  # the replicas start equal, as DataParallelBucket makes them (an ep rank's experts
+        expert_ids = {id(held[n]) for n in done.experts}  # are its own: not the first rank's)
+        broadcast_module(pipeline, done.group, exclude=[n for n, p in pipeline.named_parameters()
+                                                        if id(p) in expert_ids])
+        done.applied.append("data parallel")
+        if done.config.zero_stage == 3:
+            _shard_stages(done, pipeline, groups, dims, unit_types=tuple(declared(model, "shard_units")()))
+    else:
+        done.group = None
+
+
+def _data_parallel(done: Parallelized, model: nn.Module, groups: ParallelGroups | None,
+                   dims: ParallelDims) -> None:
+    """Step 6 without a pipeline: ZeRO-0's ``DataParallelBucket`` (several replicas), ZeRO-1/2's sharded
+    optimizer (built later, ``Parallelized.build_optimizer``) or ZeRO-3's ``FullyShardedDataParallel``."""
+    config, replicas = done.config, dims.dp * dims.cp
     if config.zero_stage == 0:
         if replicas > 1:  # broadcasts the first rank's weights over the group (not an ep rank's experts)
-            done.sync = DataParallelBucket(model, config.bucket_cap_mb, group, ignore=done.experts)
+            done.sync = DataParallelBucket(model, config.bucket_cap_mb, done.group, ignore=done.experts)
             done.forward = done.sync
-            applied.append("data parallel")
+            done.applied.append("data parallel")
     elif config.zero_stage in (1, 2):  # every rank built the same weights: the optimizer shards them
-        applied.append("data parallel")
+        done.applied.append("data parallel")
     else:
         from refimpl.parallel.zero import FullyShardedDataParallel
 
@@ -243,20 +285,19 @@ def parallelize(model: nn.Module, groups_or_dims: ParallelGroups | ParallelDims,
                                         unit_types=tuple(declared(model, "shard_units")()),
                                         replicate_group=done.replicate_group, prefetch=config.prefetch,
                                         reshard_after_forward=config.reshard_after_forward,
-                                        mp_policy=mp.policy if fsdp_mp else None,
+                                        mp_policy=done.mp.policy if config.fsdp_mixed_precision else None,
                                         own_groups=_expert_units(done, model, replicas))
-        if fp8:  # the fp8 linears' weights gathered in fp8 (torchao's enable_fsdp_float8_all_gather)
+        # the fp8 linears' weights gathered in fp8 (torchao's enable_fsdp_float8_all_gather)
+        if config.precision == "fp8":
             from refimpl.parallel.zero.fsdp_float8 import enable_float8_all_gather
 
             enable_float8_all_gather(fsdp)
         done.forward = done.state_module = fsdp
-        applied.append("data parallel")
-    done.placements = record_parallel_placements(done, replicas=replicas)
-    return done
+        done.applied.append("data parallel")
 
 
 def _expert_units(done: Parallelized, module: nn.Module,
-                  replicas: int) -> dict[nn.Module, tuple[dist.ProcessGroup | None, int]] | None:
+                  replicas: int) -> dict[nn.Module, tuple[dist.ProcessGroup | None, int | None]] | None:
     """ZeRO-3 with expert parallelism: each MoE block's experts a unit of their own, sharded over the
     expert-data-parallel group and their gradients summed there and divided by ``dp x cp`` (torchtitan's
     ``fully_shard`` on its ``efsdp`` mesh with ``gradient_divide_factor``); None without ``ep``."""
@@ -265,18 +306,19 @@ def _expert_units(done: Parallelized, module: nn.Module,
     return {block.expert_unit(): (done.edp_group, replicas) for block in moe_layers(module)}
 
 
-def _zero3_groups(done: Parallelized, groups: ParallelGroups, dims: ParallelDims) -> dist.ProcessGroup:
+def _zero3_groups(done: Parallelized, groups: ParallelGroups | None,
+                  dims: ParallelDims) -> dist.ProcessGroup | None:
     """The group ZeRO-3 shards over: ``dp x cp``, or under HSDP a shard group (``dp_shard x cp``), the
     shards then all-reduced across the ``dp_replicate`` groups (both recorded on ``done``)."""
     if dims.dp_replicate == 1:
         return done.group
-    done.shard_group = groups.group(*SHARD_AXES)
-    done.replicate_group = groups.group("dp_replicate")
+    done.shard_group = _group(groups, *SHARD_AXES)
+    done.replicate_group = _group(groups, "dp_replicate")
     return done.shard_group
 
 
-def _shard_stages(done: Parallelized, groups: ParallelGroups, dims: ParallelDims, *,
-                  unit_types: tuple[type[nn.Module], ...]) -> None:
+def _shard_stages(done: Parallelized, pipeline: PipelineModule, groups: ParallelGroups | None,
+                  dims: ParallelDims, *, unit_types: tuple[type[nn.Module], ...]) -> None:
     """ZeRO-3 under pipeline parallelism: each of this rank's stages sharded in place over ``dp x cp``
     (FSDP2's ``fully_shard`` per stage, as torchtitan applies it). By default a stage is gathered once per
     step and kept through its micro-batches, its gradients accumulated whole and reduce-scattered once
@@ -285,7 +327,7 @@ def _shard_stages(done: Parallelized, groups: ParallelGroups, dims: ParallelDims
     collectives, the stage's full weights and gradients never held across micro-batches)."""
     from refimpl.parallel.zero import FullyShardedDataParallel
 
-    config, pipeline = done.config, done.pipeline
+    config = done.config
     shard_group = _zero3_groups(done, groups, dims)
     per_micro = config.zero3_reshard_per_microbatch
     policy = done.mp.policy if config.fsdp_mixed_precision else None
@@ -305,4 +347,9 @@ def _shard_stages(done: Parallelized, groups: ParallelGroups, dims: ParallelDims
     if not per_micro:
         for fsdp in done.fsdp_stages:
             fsdp.set_requires_gradient_sync(False)
-        pipeline.after_backward = lambda: [fsdp.finish_gradient_sync() for fsdp in done.fsdp_stages]
+
+        def finish_gradient_sync() -> None:  # the stages' reduce-scatter, once after the last backward
+            for fsdp in done.fsdp_stages:
+                fsdp.finish_gradient_sync()
+
+        pipeline.after_backward = finish_gradient_sync

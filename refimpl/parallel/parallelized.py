@@ -7,6 +7,7 @@ and builds the optimizer from them (``refimpl.parallel.optimizer_setup.build_opt
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,12 @@ from refimpl.parallel.declarations import moe_layers
 from refimpl.parallel.optimizer_setup import OptimizerInputs, OptimizerSetup, build_optimizer_setup
 from refimpl.parallel.placements import Placement, record_placements
 from refimpl.precision import MixedPrecision
+
+if TYPE_CHECKING:
+    from refimpl.parallel.context_parallel.context_parallel import Method
+    from refimpl.parallel.context_parallel.sequence_layout import Layout
+    from refimpl.parallel.pipeline_parallel import PipelineModule
+    from refimpl.parallel.zero import FullyShardedDataParallel
 
 __all__ = ["Parallelized", "held_parameters", "record_parallel_placements"]
 
@@ -56,8 +63,8 @@ class Parallelized:
     cp_group: dist.ProcessGroup | None = None
     shard_group: dist.ProcessGroup | None = None
     replicate_group: dist.ProcessGroup | None = None
-    pipeline: nn.Module | None = None
-    fsdp_stages: list[nn.Module] = field(default_factory=list)  # ZeRO-3 under pp: each stage's wrapper
+    pipeline: PipelineModule | None = None
+    fsdp_stages: list[FullyShardedDataParallel] = field(default_factory=list)  # ZeRO-3 under pp: per stage
     placements: dict[str, Placement] = field(default_factory=dict)
     ep_group: dist.ProcessGroup | None = None
     edp_group: dist.ProcessGroup | None = None
@@ -70,8 +77,8 @@ class Parallelized:
             return tokens
         from refimpl.parallel.context_parallel import split_for_context_parallel
 
-        return split_for_context_parallel(tokens, cp_group=self.cp_group, method=self.config.cp_method,
-                                          layout=self.config.cp_layout)
+        method, layout = context_parallel_options(self.config)
+        return split_for_context_parallel(tokens, cp_group=self.cp_group, method=method, layout=layout)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean next-token loss of this rank's tokens: ``refimpl.models.lm_loss``, or under tensor
@@ -119,6 +126,7 @@ class Parallelized:
         pipe, zero = self.pipeline, self.config.zero_stage
         if pipe is not None and self.group is None:
             zero = 0  # one data-parallel rank: nothing to shard the optimizer over
+        named: list[tuple[str, nn.Parameter]] | None
         if pipe is not None:
             named = pipe.named_parameters_full()  # weight decay by the GPT's names (a tied copy: embedding)
         else:
@@ -131,9 +139,13 @@ class Parallelized:
             experts=tuple(self.experts),
             num_replicas=1 if self.group is None else group_rank_size(self.group)[1]), config)
         if pipe is not None and zero == 2:  # ZeRO-2's hooks keep only each gradient's shard: the tied
-            pipe.gradient_holder = setup.optimizer.shard  # embedding's two ends are summed as shards
+            from refimpl.parallel.zero import ShardedOptimizer
+
+            optimizer = setup.optimizer
+            assert isinstance(optimizer, ShardedOptimizer)  # build_optimizer_setup's at ZeRO-1/2
+            pipe.gradient_holder = optimizer.shard  # embedding's two ends are summed as shards
             if pipe.store is not None:  # zbh1: a weight's gradient is complete after its W action
-                pipe.store.after_flush = setup.optimizer.reduce_gradients_now
+                pipe.store.after_flush = optimizer.reduce_gradients_now
         return setup
 
     def groups(self) -> dict[str, dist.ProcessGroup | None]:
@@ -141,6 +153,12 @@ class Parallelized:
         return {"pp": None if self.pipeline is None else self.pipeline.pp_group, "tp": self.tp_group,
                 "dp_cp": self.group, "dp_shard": self.shard_group, "dp_replicate": self.replicate_group,
                 "expert": self.ep_group, "expert_dp": self.edp_group}
+
+
+def context_parallel_options(config: ParallelConfig) -> tuple[Method, Layout | None]:
+    """The config's context-parallel method and layout, as the names they are (``ParallelConfig``
+    refuses any other)."""
+    return cast("Method", config.cp_method), cast("Layout | None", config.cp_layout)
 
 
 def held_parameters(done: Parallelized) -> list[tuple[str, nn.Parameter]]:
@@ -159,9 +177,16 @@ def _zero3_inner_boxes(done: Parallelized) -> dict[str, Box] | None:
     """Under ZeRO-3 the box each held tensor had before the wrapper sharded its rows (a tensor-parallel
     block, else the whole tensor), by the plain GPT's name; None without ZeRO-3."""
     if done.fsdp_stages:  # pipeline stages, each sharded in place
-        return {f.module.full_name(n): b for f in done.fsdp_stages for n, b in f.inner_boxes.items()}
+        from refimpl.parallel.pipeline_parallel.stage import as_stage
+
+        return {as_stage(f.module).full_name(n): b for f in done.fsdp_stages
+                for n, b in f.inner_boxes.items()}
     if done.config.zero_stage == 3 and done.pipeline is None:
-        return done.state_module.inner_boxes
+        from refimpl.parallel.zero import FullyShardedDataParallel
+
+        fsdp = done.state_module
+        assert isinstance(fsdp, FullyShardedDataParallel)  # parallelize's wrapper at ZeRO-3
+        return fsdp.inner_boxes
     return None
 
 
@@ -185,7 +210,10 @@ def record_parallel_placements(done: Parallelized, *, replicas: int) -> dict[str
         sp = sequence_parallel_names(done.model)
         tied = None
     else:
-        sp = [stage.full_name(n) for stage in pipe.stages.values() for n in sequence_parallel_names(stage)]
+        from refimpl.parallel.pipeline_parallel.stage import as_stage
+
+        sp = [as_stage(stage).full_name(n) for stage in pipe.stages.values()
+              for n in sequence_parallel_names(stage)]
         tied = pipe.tied_copy_name()
     inner = _zero3_inner_boxes(done)
     if inner is None:

@@ -95,16 +95,28 @@ tests/test_planner_tp.py at tp 2 and 4, tests/test_planner_cp.py at cp 2 and 4 a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
 from refimpl.config import CP_METHODS, ModelConfig
 
-__all__ = ["METHODS", "ActivationBreakdown", "activation_bytes", "activation_bytes_per_layer",
+__all__ = ["METHODS", "ActivationBreakdown", "BlockSplit", "activation_bytes", "activation_bytes_per_layer",
            "korthikanti_bytes_per_layer", "local_tokens", "outside_block_bytes"]
 
 METHODS = CP_METHODS  # the context-parallel methods, named in refimpl.config
+
+
+class BlockSplit(TypedDict):
+    """How a rank's blocks are split: over ``tp`` tensor-parallel ranks (``sequence_parallel``: their
+    token-wise regions too) and ``cp`` context-parallel ranks (``cp_method``, ``cp_layout``); keyword
+    arguments of ``activation_bytes_per_layer``, ``outside_block_bytes`` and the pipeline's terms."""
+
+    tp: int
+    sequence_parallel: bool
+    cp: int
+    cp_method: str
+    cp_layout: str | None
 
 
 def _attention_layout(config: ModelConfig, tp: int) -> tuple[int, int, bool]:
@@ -114,7 +126,7 @@ def _attention_layout(config: ModelConfig, tp: int) -> tuple[int, int, bool]:
     group dim with the heads-per-group dim: a view when either is 1 (MHA, MQA, one group per rank), else a
     contiguous copy, after which SDPA's output is contiguous too and the projection's input a second
     copy."""
-    a, g = config.num_attention_heads, config.num_key_value_heads
+    a, g = config.num_attention_heads, config.query_groups
     a_t, g_t = a // tp, max(g // tp, 1)
     return a_t, g_t, g_t > 1 and a_t // g_t > 1
 
@@ -125,7 +137,7 @@ def _check_tp(config: ModelConfig, *, tp: int, sequence_parallel: bool, seq_len:
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be a positive integer, got {tp!r}")
     for what, size in (("num_attention_heads", config.num_attention_heads),
-                       ("ffn_hidden_size", config.ffn_hidden_size)):
+                       ("ffn_hidden_size", config.ffn_size)):
         if size % tp:
             raise ValueError(f"tensor parallelism: {what}={size} does not divide by tp={tp}")
     if sequence_parallel and seq_len % tp:
@@ -194,7 +206,7 @@ def paper_bytes_per_layer(config: ModelConfig, *, seq_len: int, micro_batch: int
     r_kv)``, q and k ``4 s b a (d_n + d_r)``, v and the output ``4 s b a d_v`` instead of Q, K, V and the
     output."""
     s, b, h, a, t = seq_len, micro_batch, config.hidden_size, config.num_attention_heads, tp
-    g, d, f, k = config.num_key_value_heads, config.head_dim, config.ffn_hidden_size, key_len or seq_len
+    g, d, f, k = config.query_groups, config.head_dim, config.ffn_size, key_len or seq_len
     if a % t or f % t:
         raise ValueError(f"tp={t} must divide num_heads={a} and the FFN width {f}")
     outside = (8 + 2 * dropout) * s * b * h // (t if sequence_parallel else 1)
@@ -208,8 +220,9 @@ def paper_bytes_per_layer(config: ModelConfig, *, seq_len: int, micro_batch: int
                + 4 * s * b * config.num_experts) // t
     scores = 0 if flash else (5 if dropout else 2) * (a // t) * s * k * b
     if config.attention_type == "mla":
-        latents = 4 * s * b * ((config.q_lora_rank or 0) + config.kv_lora_rank)
-        qk, v = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+        mla = config.mla
+        latents = 4 * s * b * ((mla.q_lora_rank or 0) + mla.kv_lora_rank)
+        qk, v = mla.qk_head_dim, mla.v_head_dim
         return outside + (latents + 4 * s * b * a * (qk + v)) // t + mlp + scores
     return outside + 4 * s * b * h // t + 4 * s * b * d * kv_heads + mlp + scores
 
@@ -257,7 +270,7 @@ def activation_bytes_per_layer(
     plain block (as ``apply_tensor_parallel`` does).
     """
     b, h, d = micro_batch, config.hidden_size, config.head_dim
-    f, t = config.ffn_hidden_size, tp
+    f, t = config.ffn_size, tp
     s = local_tokens(config, seq_len=seq_len, cp=cp, cp_method=cp_method, cp_layout=cp_layout, tp=tp)
     u = _check_tp(config, tp=tp, sequence_parallel=sequence_parallel, seq_len=s, cp=cp)
     p, r = _nbytes(compute_dtype), _nbytes(residual_dtype)

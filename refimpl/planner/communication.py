@@ -168,8 +168,8 @@ def tensor_parallel_collectives(*, num_layers: int, hidden_size: int, micro_batc
     L, e = num_layers, bytes_per_element  # noqa: N806 (the paper's L)
     x, loss = micro_batch * seq_len * hidden_size, 3 * micro_batch * seq_len
     shared: dict[str, tuple[int, int]] = {}
-    if config is not None and config.num_key_value_heads < tp:
-        qkv = micro_batch * seq_len * (config.num_attention_heads + 2 * config.num_key_value_heads) \
+    if config is not None and config.query_groups < tp:
+        qkv = micro_batch * seq_len * (config.num_attention_heads + 2 * config.query_groups) \
             * config.head_dim
         shared = {"all_gather": (L, e * L * qkv), "reduce_scatter": (L, e * L * qkv)}
     if not sequence_parallel:
@@ -184,8 +184,11 @@ def tensor_parallel_collectives(*, num_layers: int, hidden_size: int, micro_batc
 
 def _summed(a: dict[str, tuple[int, int]], b: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
     """``{op: (count, payload)}`` of both, counts and payloads added."""
-    return {op: tuple(u + v for u, v in zip(a.get(op, (0, 0)), b.get(op, (0, 0)), strict=True))
-            for op in {**a, **b}}
+    out = {}
+    for op in {**a, **b}:
+        (count_a, payload_a), (count_b, payload_b) = a.get(op, (0, 0)), b.get(op, (0, 0))
+        out[op] = (count_a + count_b, payload_a + payload_b)
+    return out
 
 
 def context_parallel_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int, cp: int, method: str,
@@ -212,7 +215,7 @@ def context_parallel_bytes(config: ModelConfig, *, micro_batch: int, seq_len: in
         return {"forward": 0, "backward": 0}
     p = torch.empty((), dtype=compute_dtype).element_size()
     x = micro_batch * (config.num_attention_heads // tp) * s * config.head_dim  # one rank's q
-    x_kv = micro_batch * (config.num_key_value_heads // tp) * s * config.head_dim  # its k or v
+    x_kv = micro_batch * (config.query_groups // tp) * s * config.head_dim  # its k or v
     if method == "ring":
         return {"forward": 2 * (cp - 1) * p * x_kv, "backward": 2 * (cp - 1) * (p + 4) * x_kv}
     per_direction = (cp - 1) * p * (2 * x + 2 * x_kv) // cp  # exact: each holds cp equal blocks

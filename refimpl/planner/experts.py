@@ -244,10 +244,10 @@ def moe_activation_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int,
         raise ValueError(f"{len(loads)} expert loads for {len(moe)} MoE blocks")
     by_block = dict(zip(moe, loads, strict=True))
     chosen = set(checkpointed_blocks)
-    kw = {"micro_batch": micro_batch, "seq_len": seq_len, "compute_dtype": compute_dtype, "tp": tp}
     out = []
     for i in range(config.num_layers):
-        terms = activation_bytes_per_layer(config, checkpointed=i in chosen, **kw).terms
+        terms = activation_bytes_per_layer(config, checkpointed=i in chosen, micro_batch=micro_batch,
+                                           seq_len=seq_len, compute_dtype=compute_dtype, tp=tp).terms
         if i in by_block and i not in chosen:
             terms = {n: v for n, v in terms.items() if n not in DENSE_MLP_TERMS}
             terms |= moe_mlp_saved_terms(config, by_block[i], micro_batch=micro_batch, seq_len=seq_len,

@@ -29,12 +29,20 @@ AXES = ("dp", "cp", "tp", "pp")
 
 
 class Layout(Protocol):
-    """The degrees of the parallel axes; their product is the world size (``ParallelDims`` has them)."""
+    """The degrees of the parallel axes; their product is the world size (``ParallelDims`` has them).
+    Read-only members, so that a frozen dataclass (``ParallelDims``) is one."""
 
-    dp: int
-    cp: int
-    tp: int
-    pp: int
+    @property
+    def dp(self) -> int: ...
+
+    @property
+    def cp(self) -> int: ...
+
+    @property
+    def tp(self) -> int: ...
+
+    @property
+    def pp(self) -> int: ...
 
 
 def _check(dims: Layout) -> None:

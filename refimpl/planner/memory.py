@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TypedDict
 
 import torch
 
 from refimpl.config import ConfigError, ModelConfig, ParallelConfig
 from refimpl.distributed.mesh import ParallelDims
 from refimpl.measure.state import StateMemory
-from refimpl.planner.activations import activation_bytes, outside_block_bytes
+from refimpl.planner.activations import BlockSplit, activation_bytes, outside_block_bytes
 from refimpl.planner.experts import (
     ExpertLoad,
     autocast_weight_elements,
@@ -57,6 +58,36 @@ __all__ = ["RunMemory", "check_dense", "run_memory_of", "run_memory_per_rank", "
            "state_memory_per_rank"]
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8: bf16 autocast around the fp8 linears
+
+
+class _ActivationArgs(BlockSplit):
+    """The keyword arguments ``activation_bytes`` and ``outside_block_bytes`` share: one micro-batch on a
+    rank split as ``BlockSplit`` says."""
+
+    micro_batch: int
+    seq_len: int
+    compute_dtype: torch.dtype
+
+
+class _MoEActivationArgs(TypedDict):
+    """The keyword arguments of ``moe_activation_bytes`` but the checkpointed blocks."""
+
+    micro_batch: int
+    seq_len: int
+    compute_dtype: torch.dtype
+    tp: int
+    ep: int
+    loads: Sequence[ExpertLoad] | None
+
+
+class _PipelineOptions(TypedDict, total=False):
+    """The pipeline options ``run_memory_of`` passes to ``run_memory_per_rank`` (none at pp = 1)."""
+
+    pp_schedule: str
+    virtual_stages: int
+    pp_balance: str
+    num_microbatches: int | None
+    zero3_reshard_per_microbatch: bool
 
 
 def check_dense(config: ModelConfig, what: str, *, ep: int = 1) -> None:
@@ -141,25 +172,14 @@ def state_memory_per_rank(config: ModelConfig, dims: Layout, *, zero_stage: int 
     return zero_memory(param_shapes(config, tp=tp), shards, zero_stage, rank=dp_rank)
 
 
-def run_memory_per_rank(
-    config: ModelConfig,
-    dims: Layout,
-    *,
-    micro_batch: int,
-    seq_len: int,
-    zero_stage: int = 0,
-    precision: str = "fp32",
-    checkpointed_blocks: set[int] | list[int] | tuple[int, ...] = (),
-    sequence_parallel: bool = False,
-    cp_method: str = "ring",
-    cp_layout: str | None = None,
-    pp_schedule: str = "1f1b",
-    virtual_stages: int = 1,
-    num_microbatches: int | None = None,
-    pp_balance: str = "layers",
-    zero3_reshard_per_microbatch: bool = False,
-    expert_loads: Sequence[ExpertLoad] | None = None,
-) -> RunMemory:
+def run_memory_per_rank(config: ModelConfig, dims: Layout, *, micro_batch: int, seq_len: int,
+                        zero_stage: int = 0, precision: str = "fp32",
+                        checkpointed_blocks: set[int] | list[int] | tuple[int, ...] = (),
+                        sequence_parallel: bool = False, cp_method: str = "ring",
+                        cp_layout: str | None = None, pp_schedule: str = "1f1b", virtual_stages: int = 1,
+                        num_microbatches: int | None = None, pp_balance: str = "layers",
+                        zero3_reshard_per_microbatch: bool = False,
+                        expert_loads: Sequence[ExpertLoad] | None = None) -> RunMemory:
     """The peak bytes one rank of a training run laid out as ``dims`` needs, before anything runs (chapters
     01, 04 and 05; the trainer's preflight).
 
@@ -215,10 +235,21 @@ def run_memory_per_rank(
                                          cp_layout=cp_layout, zero_stage=zero_stage, zero_shards=shards,
                                          zero3_reshard_per_microbatch=zero3_reshard_per_microbatch)
         return max((r.memory for r in ranks), key=lambda mem: mem.total)
-    p = _DTYPE_BYTES[precision]
-    compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-               "fp8": torch.bfloat16}[precision]
-    b, v, ep = micro_batch, config.vocab_size, expert_parallel_degree(dims)
+    state = _state_terms(config, dims, zero_stage=zero_stage, precision=precision)
+    split = BlockSplit(tp=tp, sequence_parallel=sequence_parallel, cp=cp, cp_method=cp_method,
+                       cp_layout=cp_layout)
+    activations = _activation_terms(config, dims, micro_batch=micro_batch, seq_len=seq_len,
+                                    precision=precision, checkpointed_blocks=checkpointed_blocks,
+                                    expert_loads=expert_loads, split=split)
+    return RunMemory(state=state, activations=activations)
+
+
+def _state_terms(config: ModelConfig, dims: Layout, *, zero_stage: int, precision: str) -> dict[str, int]:
+    """``run_memory_per_rank``'s model state of one rank at pp = 1, by term: the weights, gradients and
+    AdamW state of ZeRO ``zero_stage``, ZeRO-3's gathered units, autocast's 16-bit weight copies (fp8: but
+    the fp8 layers', and their transient cast)."""
+    p, tp, ep = _DTYPE_BYTES[precision], tensor_parallel_degree(dims), expert_parallel_degree(dims)
+    shards = zero_shard_degree(dims)
     zero = state_memory_per_rank(config, dims, zero_stage=zero_stage)
     state = {"weights": zero.weights, "grads": zero.grads, "AdamW state": zero.optimizer}
     if zero_stage == 3:  # FSDP's units: each block, and the root (embedding, final LayerNorm, output layer)
@@ -235,12 +266,24 @@ def run_memory_per_rank(
         state["autocast weight copies"] = p * bf16_weights
         if fp8:
             state["fp8 weight cast (transient, largest layer)"] = max(q.numel for q in fp8)
+    return state
+
+
+def _activation_terms(config: ModelConfig, dims: Layout, *, micro_batch: int, seq_len: int, precision: str,
+                      checkpointed_blocks: set[int] | list[int] | tuple[int, ...],
+                      expert_loads: Sequence[ExpertLoad] | None, split: BlockSplit) -> dict[str, int]:
+    """``run_memory_per_rank``'s activations of one rank at pp = 1, by term: the blocks' saved tensors
+    (MoE blocks': for the routed rows; fp8: and the fp8 layers' float32 inputs), the recomputed block's in
+    backward, what the model saves outside the blocks, the logits and their gradient."""
+    p, b, v, ep = _DTYPE_BYTES[precision], micro_batch, config.vocab_size, expert_parallel_degree(dims)
+    tp, cp = split["tp"], split["cp"]
+    compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+               "fp8": torch.bfloat16}[precision]
     chosen = set(checkpointed_blocks)
-    kw = {"micro_batch": b, "seq_len": seq_len, "compute_dtype": compute, "tp": tp,
-          "sequence_parallel": sequence_parallel, "cp": cp, "cp_method": cp_method, "cp_layout": cp_layout}
+    kw = _ActivationArgs(micro_batch=b, seq_len=seq_len, compute_dtype=compute, **split)
     if config.num_experts:  # MoE blocks: their saved tensors for the routed rows (refimpl/planner/experts.py)
-        moe = {"micro_batch": b, "seq_len": seq_len, "compute_dtype": compute, "tp": tp, "ep": ep,
-               "loads": expert_loads}
+        moe = _MoEActivationArgs(micro_batch=b, seq_len=seq_len, compute_dtype=compute, tp=tp, ep=ep,
+                                 loads=expert_loads)
         saved = moe_activation_bytes(config, checkpointed_blocks=chosen, **moe)
         full = moe_activation_bytes(config, **moe)
     else:
@@ -248,16 +291,15 @@ def run_memory_per_rank(
         full = activation_bytes(config, **kw)
     if precision == "fp8":  # fp8 layers save their fp32 LayerNorm-fed inputs (refimpl/planner/fp8.py)
         extra = fp8_extra_saved_bytes(config, micro_batch=b, tokens=seq_len // cp, tp=tp,
-                                      sequence_parallel=sequence_parallel)
+                                      sequence_parallel=split["sequence_parallel"])
         saved = [n + (0 if i in chosen else e) for i, (n, e) in enumerate(zip(saved, extra, strict=True))]
         full = [n + e for n, e in zip(full, extra, strict=True)]
-    activations = {
+    return {
         "block activations": sum(saved),
         "recomputed block (backward)": max(full) if chosen and full else 0,
         **outside_block_bytes(config, **kw),
         "logits + their gradient (transient)": (p + 4) * (seq_len // cp) * b * -(-v // tp),
     }
-    return RunMemory(state=state, activations=activations)
 
 
 def run_memory_of(config: ModelConfig, parallel: ParallelConfig, *, world_size: int, micro_batch: int,
@@ -271,7 +313,7 @@ def run_memory_of(config: ModelConfig, parallel: ParallelConfig, *, world_size: 
     check_supported(dataclasses.replace(parallel, dp=None), moe=bool(config.num_experts))
     check_attention_modelled(config, "run_memory_of")
     dims = ParallelDims.from_world(world_size, **parallel.degrees)
-    pipeline = {} if dims.pp == 1 else {
+    pipeline: _PipelineOptions = {} if dims.pp == 1 else {
         "pp_schedule": parallel.pp_schedule, "virtual_stages": parallel.virtual_stages,
         "pp_balance": parallel.pp_balance, "num_microbatches": num_microbatches or parallel.microbatches,
         "zero3_reshard_per_microbatch": parallel.zero3_reshard_per_microbatch}

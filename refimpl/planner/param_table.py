@@ -79,7 +79,7 @@ def _model_params(config: ModelConfig) -> tuple[tuple[tuple[str, Shape, bool], .
     model = _meta_model(config)
     linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     named = list(model.named_parameters())
-    head = next(n for n, p in named if p is model.output_layer.weight)
+    head = next(n for n, p in named if p is model.get_submodule("output_layer").weight)
     return tuple((n, tuple(p.shape), id(p) in linear) for n, p in named), head
 
 
@@ -98,7 +98,7 @@ def _check_tp(config: ModelConfig, t: int) -> None:
     if isinstance(t, bool) or not isinstance(t, int) or t < 1:
         raise ValueError(f"tp must be a positive integer, got {t!r}")
     for what, size in (("num_attention_heads", config.num_attention_heads),
-                       ("ffn_hidden_size", config.ffn_hidden_size)):
+                       ("ffn_hidden_size", config.ffn_size)):
         if size % t:
             raise ValueError(f"tensor parallelism: {what}={size} does not divide by tp={t}")
     v = config.vocab_size

@@ -61,15 +61,16 @@ def _attention_weights(config: ModelConfig) -> tuple[int, int]:
     -> h``."""
     h, a, bias = config.hidden_size, config.num_attention_heads, int(config.add_bias)
     if config.attention_type != "mla":
-        qkv = h + 2 * config.num_key_value_heads * config.head_dim
+        qkv = h + 2 * config.query_groups * config.head_dim
         shapes = [(h, qkv), (h, h)]
         norms = 0
     else:
-        rq, rkv, rope = config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim
-        q_out = a * (config.qk_nope_head_dim + rope)
+        mla = config.mla
+        rq, rkv, rope = mla.q_lora_rank, mla.kv_lora_rank, mla.qk_rope_head_dim
+        q_out = a * (mla.qk_nope_head_dim + rope)
         query = [(h, rq), (rq, q_out)] if rq else [(h, q_out)]
-        shapes = [*query, (h, rkv + rope), (rkv, a * (config.qk_nope_head_dim + config.v_head_dim)),
-                  (a * config.v_head_dim, h)]
+        shapes = [*query, (h, rkv + rope), (rkv, a * (mla.qk_nope_head_dim + mla.v_head_dim)),
+                  (a * mla.v_head_dim, h)]
         norms = (rq or 0) + rkv
     matmul = sum(i * o for i, o in shapes)
     return matmul + bias * sum(o for _, o in shapes) + norms, matmul
@@ -80,7 +81,7 @@ def param_count(config: ModelConfig) -> ParamCount:
     a bias-free ``[E, h]`` router, ``E`` bias-free experts of 2 (GELU) or 3 (SwiGLU) ``h x f_e`` matrices
     and ``moe_shared_experts`` always-on experts of the same size; ``ParamCount``'s ``active`` and
     ``inactive``; multi-head latent attention: ``_attention_weights``)."""
-    h, f, v, n = config.hidden_size, config.ffn_hidden_size, config.vocab_size, config.num_layers
+    h, f, v, n = config.hidden_size, config.ffn_size, config.vocab_size, config.num_layers
     bias = int(config.add_bias)
     attention, attention_matmul = _attention_weights(config)
     up = 2 * f if config.activation == "swiglu" else f  # SwiGLU: gate and up
@@ -126,7 +127,7 @@ def flops_per_token(config: ModelConfig, seq_len: int, *, matmul_only: bool = Fa
     n = counts.matmul if matmul_only else counts.active  # MoE: the parameters a token uses
     # the scores (q k^T over the query/key width) and the weighted sum (over the value width), each 2 FLOPs
     # per multiply-add forward and twice that backward: 12 L a d T when both widths are d
-    qk, v = ((config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim)
+    qk, v = ((config.mla.qk_head_dim, config.mla.v_head_dim)
              if config.attention_type == "mla" else (config.head_dim, config.head_dim))
     attention = 6 * config.num_layers * config.num_attention_heads * (qk + v) * seq_len
     return 6.0 * n + attention

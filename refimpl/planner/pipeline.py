@@ -57,7 +57,12 @@ import torch
 
 from refimpl.config import ModelConfig, ParallelConfig
 from refimpl.parallel.pipeline_parallel import SCHEDULES, build_schedule, simulate, stage_rank
-from refimpl.planner.activations import activation_bytes_per_layer, local_tokens, outside_block_bytes
+from refimpl.planner.activations import (
+    BlockSplit,
+    activation_bytes_per_layer,
+    local_tokens,
+    outside_block_bytes,
+)
 from refimpl.planner.fp8 import fp8_extra_saved_bytes, fp8_weights
 from refimpl.planner.param_table import param_table
 from refimpl.planner.pipeline_stages import (
@@ -224,6 +229,54 @@ def _zero3_gathered(config: ModelConfig, *, mine: list[int], ranges, shapes, tp:
     return {"ZeRO-3 gathered units (per micro-batch)": gathered.weights}
 
 
+def _transient_terms(config: ModelConfig, *, mine: list[int], ranges: list[range], boundary: int,
+                     micro_batch: int, seq_len: int, tokens: int, compute: torch.dtype,
+                     checkpointed_blocks: set[int] | list[int] | tuple[int, ...],
+                     split: BlockSplit) -> dict[str, int]:
+    """``pipeline_memory_per_rank``'s transients on top of a pipeline rank's held bytes (its stages
+    ``mine``; ``tokens``: a sequence's on the rank): the output gradient received for a backward (``boundary``
+    bytes, but on the last stage), the logits and their gradient (on the last stage), the saved tensors of a
+    checkpointed block recomputed in backward."""
+    num_stages, b, p, tp = len(ranges), micro_batch, compute.itemsize, split["tp"]
+    transient = {}
+    if any(st < num_stages - 1 for st in mine):  # received for a backward, alive until the next action
+        transient["output gradient received for a backward (transient)"] = boundary
+    if num_stages - 1 in mine:
+        transient["logits + their gradient (transient)"] = (p + 4) * tokens * b * -(-config.vocab_size // tp)
+    chosen = [i for st in mine for i in ranges[st] if i in set(checkpointed_blocks)]
+    if chosen:
+        full = activation_bytes_per_layer(config, micro_batch=b, seq_len=seq_len, compute_dtype=compute,
+                                          **split)
+        transient["recomputed block (backward, transient)"] = full.total
+    return transient
+
+
+def _rank_state(config: ModelConfig, *, rank: int, mine: list[int], ranges: list[range],
+                shapes: list[tuple[int, ...]], pp: int, virtual_stages: int, balance: str, tp: int,
+                precision: str, zero_stage: int, zero_shards: int, dp_rank: int,
+                zero3_reshard_per_microbatch: bool) -> dict[str, int]:
+    """``pipeline_memory_per_rank``'s model state of pipeline rank ``rank`` (its stages ``mine``, their
+    parameters' ``shapes``), by term: weights, gradients and AdamW state under ZeRO ``zero_stage`` over
+    ``zero_shards`` ranks, ZeRO-3's gathered tensors, autocast's 16-bit weight copies (fp8: but the fp8
+    layers', and their transient cast)."""
+    p, num_stages = _COMPUTE[precision].itemsize, len(ranges)
+    zero = pipeline_state_memory(config, pp=pp, pp_rank=rank, virtual_stages=virtual_stages, balance=balance,
+                                 tp=tp, zero_stage=zero_stage, zero_shards=zero_shards, dp_rank=dp_rank)
+    state = {"weights": zero.weights, "grads": zero.grads, "AdamW state": zero.optimizer}
+    if zero_stage == 3 and zero_shards > 1:
+        state.update(_zero3_gathered(config, mine=mine, ranges=ranges, shapes=shapes, tp=tp, p=p,
+                                     shards=zero_shards, per_microbatch=zero3_reshard_per_microbatch))
+    if p != 4:  # fp8: no bf16 copy of an fp8 weight, a transient 1-byte cast (refimpl/planner/fp8.py)
+        fp8 = [q for q in fp8_weights(config, tp=tp) if block_of(q.name) in
+               {i for st in mine for i in ranges[st]}] if precision == "fp8" else []
+        state["autocast weight copies"] = p * (sum(
+            stage_matmul_weights(config, stage=st, num_stages=num_stages, blocks=ranges[st], tp=tp)
+            for st in mine) - sum(q.numel for q in fp8))
+        if fp8:
+            state["fp8 weight cast (transient, largest layer)"] = max(q.numel for q in fp8)
+    return state
+
+
 def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: int, schedule: str = "1f1b",
                              virtual_stages: int = 1, micro_batch: int, seq_len: int, precision: str = "fp32",
                              checkpointed_blocks: set[int] | list[int] | tuple[int, ...] = (),
@@ -256,9 +309,9 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
     sim = simulate(table, num_microbatches=m, virtual_stages=v)  # refuses an invalid or deadlocking table
     num_stages, split = pp * v, schedule == "zbh1"
     ranges = stage_layers(config, num_stages=num_stages, balance=balance, tp=tp)
-    sp = {"tp": tp, "sequence_parallel": sequence_parallel, "cp": cp, "cp_method": cp_method,
-          "cp_layout": cp_layout}
-    b, h, p = micro_batch, config.hidden_size, compute.itemsize
+    sp = BlockSplit(tp=tp, sequence_parallel=sequence_parallel, cp=cp, cp_method=cp_method,
+                    cp_layout=cp_layout)
+    b, h = micro_batch, config.hidden_size
     s = local_tokens(config, seq_len=seq_len, cp=cp, cp_method=cp_method, cp_layout=cp_layout, tp=tp)
     boundary = 4 * (s // (tp if sequence_parallel else 1)) * b * h  # float32 [b, s_c/u, h]
     fp8_names = {q.name for q in fp8_weights(config, tp=tp)} if precision == "fp8" else set()
@@ -285,30 +338,13 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
                                      fp8_layers=fp8_names, tp=tp) for st in mine}
         terms, flying = _walk(table[r], saved=saved, deferred=deferred, num_stages=num_stages,
                               outputs=boundary)
-        transient = {}
-        if any(st < num_stages - 1 for st in mine):  # received for a backward, alive until the next action
-            transient["output gradient received for a backward (transient)"] = boundary
-        if num_stages - 1 in mine:
-            transient["logits + their gradient (transient)"] = (p + 4) * s * b * -(-config.vocab_size // tp)
-        chosen = [i for st in mine for i in ranges[st] if i in set(checkpointed_blocks)]
-        if chosen:
-            full = activation_bytes_per_layer(config, micro_batch=b, seq_len=seq_len, compute_dtype=compute,
-                                              **sp)
-            transient["recomputed block (backward, transient)"] = full.total
-        zero = pipeline_state_memory(config, pp=pp, pp_rank=r, virtual_stages=v, balance=balance, tp=tp,
-                                     zero_stage=zero_stage, zero_shards=zero_shards, dp_rank=dp_rank)
-        state = {"weights": zero.weights, "grads": zero.grads, "AdamW state": zero.optimizer}
-        if zero_stage == 3 and zero_shards > 1:
-            state.update(_zero3_gathered(config, mine=mine, ranges=ranges, shapes=shapes, tp=tp, p=p,
-                                         shards=zero_shards, per_microbatch=zero3_reshard_per_microbatch))
-        if p != 4:  # fp8: no bf16 copy of an fp8 weight, a transient 1-byte cast (refimpl/planner/fp8.py)
-            fp8 = [q for q in fp8_weights(config, tp=tp) if block_of(q.name) in
-                   {i for st in mine for i in ranges[st]}] if precision == "fp8" else []
-            state["autocast weight copies"] = p * (sum(
-                stage_matmul_weights(config, stage=st, num_stages=num_stages, blocks=ranges[st], tp=tp)
-                for st in mine) - sum(q.numel for q in fp8))
-            if fp8:
-                state["fp8 weight cast (transient, largest layer)"] = max(q.numel for q in fp8)
+        transient = _transient_terms(config, mine=mine, ranges=ranges, boundary=boundary, micro_batch=b,
+                                     seq_len=seq_len, tokens=s, compute=compute,
+                                     checkpointed_blocks=checkpointed_blocks, split=sp)
+        state = _rank_state(config, rank=r, mine=mine, ranges=ranges, shapes=shapes, pp=pp, virtual_stages=v,
+                            balance=balance, tp=tp, precision=precision, zero_stage=zero_stage,
+                            zero_shards=zero_shards, dp_rank=dp_rank,
+                            zero3_reshard_per_microbatch=zero3_reshard_per_microbatch)
         out.append(PipelineRankMemory(rank=r, stages=tuple(mine), blocks=tuple(ranges[st] for st in mine),
                                       param_shapes=shapes, saved=saved, in_flight=flying,
                                       peak_in_flight=sim.peak_in_flight[r], peak_terms=terms,

@@ -14,12 +14,13 @@ stage's ``B`` leaves its linears' weight-gradient operands to its ``W`` (``stage
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import cast
 
 import torch
 
 from refimpl.config import ModelConfig
 from refimpl.measure.state import StateMemory
-from refimpl.parallel.pipeline_parallel import split_blocks, stage_rank
+from refimpl.parallel.pipeline_parallel import Balance, split_blocks, stage_rank
 from refimpl.planner.param_table import ParamSpec, param_table
 from refimpl.planner.zero_state import zero_memory
 
@@ -38,7 +39,7 @@ def stage_layers(config: ModelConfig, *, num_stages: int, balance: str = "layers
     the final LayerNorm and the head, tied or not, towards the last)."""
     table = param_table(config, tp=tp)
     return split_blocks([_numel(block) for block in table.blocks], num_stages,
-                        balance=balance,  # type: ignore[arg-type]
+                        balance=cast(Balance, balance),  # split_blocks refuses another value
                         first_extra=_numel(table.embedding),
                         last_extra=_numel(table.final_layernorm) + table.head.numel)
 
@@ -116,9 +117,9 @@ def stage_deferred_bytes(config: ModelConfig, *, stage: int, num_stages: int, bl
     row layers' inputs (``h/t``, ``f/t``) split over tp, the rest whole; a tied vocab-parallel head
     (``refimpl.parallel.tensor_parallel.TiedVocabParallelHead``, not a seam layer) computes its weight
     gradient in ``B`` and leaves nothing (measured)."""
-    p, h, f = compute_dtype.itemsize, config.hidden_size, config.ffn_hidden_size
+    p, h, f = compute_dtype.itemsize, config.hidden_size, config.ffn_size
     v = -(-config.vocab_size // tp)
-    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim  # 3h without GQA
+    qkv = (config.num_attention_heads + 2 * config.query_groups) * config.head_dim  # 3h without GQA
     up = (2 if config.activation == "swiglu" else 1) * f  # SwiGLU's gate and up rows
     linears = (("self_attention.query_key_value", h, qkv // tp), ("self_attention.dense", h // tp, h),
                ("mlp.dense_h_to_4h", h, up // tp), ("mlp.dense_4h_to_h", f // tp, h))  # (name, in, out)

@@ -104,15 +104,16 @@ Ulysses goes through the same terms but is not run there.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from refimpl.comm.tracer import wire_bytes
 from refimpl.config import ModelConfig, ParallelConfig, micro_batches
 from refimpl.distributed.mesh import Coordinates, ParallelDims
 from refimpl.measure.state import StateMemory
-from refimpl.parallel.pipeline_parallel import build_schedule, stage_rank
+from refimpl.parallel.pipeline_parallel import Action, build_schedule, stage_rank
 from refimpl.parallel.pipeline_parallel.simulator import bubble_formula
-from refimpl.planner.activations import local_tokens
+from refimpl.planner.activations import BlockSplit, local_tokens
 from refimpl.planner.communication import context_parallel_bytes
 from refimpl.planner.fp8 import fp8_weights
 from refimpl.planner.memory import (
@@ -121,10 +122,18 @@ from refimpl.planner.memory import (
     run_memory_per_rank,
     state_memory_per_rank,
 )
-from refimpl.planner.param_table import param_table
+from refimpl.planner.param_table import ParamSpec, ParamTable, param_table
 from refimpl.planner.params_flops import param_shapes
-from refimpl.planner.pipeline import _COMPUTE, PER_STEP, _walk, pipeline_memory_per_rank, stage_deferred_bytes
+from refimpl.planner.pipeline import (
+    _COMPUTE,
+    PER_STEP,
+    PipelineRankMemory,
+    _walk,
+    pipeline_memory_per_rank,
+    stage_deferred_bytes,
+)
 from refimpl.planner.pipeline_stages import pipeline_state_memory, stage_layers, stage_params
+from refimpl.planner.run_memory import RunMemory
 from refimpl.planner.run_terms import (
     DP_KEY,
     SHARD_KEY,
@@ -137,7 +146,7 @@ from refimpl.planner.run_terms import (
     stage_zero3_units,
     tp_stage_payloads,
 )
-from refimpl.planner.zero_state import sharded_numel
+from refimpl.planner.zero_state import Shape, sharded_numel
 from refimpl.support import check_supported
 
 __all__ = ["RankPrediction", "RunPrediction", "predict_run"]
@@ -226,19 +235,30 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     tp > 1 with bf16 or fp8; zbh1 with sequence parallelism; activation checkpointing with pp > 1 in bf16;
     ZeRO-3 with ``reshard_after_forward`` off; an MoE model.
     """
-    if parallel.dp is None and world_size is None:
-        raise ValueError("predict_run needs parallel.dp or the world_size to derive it from")
+    if world_size is None:
+        if parallel.dp is None:
+            raise ValueError("predict_run needs parallel.dp or the world_size to derive it from")
+        world_size = parallel.dp * parallel.cp * parallel.tp * parallel.pp
     check_supported(parallel)  # what the trainer refuses is not predicted (refimpl/support.py)
     check_dense(config, "predict_run", ep=parallel.ep)  # MoE: not modelled (refimpl/planner/memory.py)
     check_attention_modelled(config, "predict_run")  # nor multi-head latent attention
-    dims = ParallelDims.from_world(world_size if world_size is not None else
-                                   parallel.dp * parallel.cp * parallel.tp * parallel.pp, **parallel.degrees)
+    dims = ParallelDims.from_world(world_size, **parallel.degrees)
+    checkpointed = parallel.checkpointed_blocks(config.num_layers)
+    _check_modelled(parallel, dims, checkpointed)
+    run = _run_of(config, parallel, dims, seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
+                  grad_clip=grad_clip, checkpointed=checkpointed)
+    ranks = [_predict_rank(run, rank) for rank in range(dims.world_size)]
+    pp, m, v = dims.pp, run.m, parallel.virtual_stages
+    bubble = (bubble_formula(parallel.pp_schedule, pp_size=pp, num_microbatches=m, virtual_stages=v) if pp > 1
+              else None)
+    return RunPrediction(dims=dims, microbatches=m, micro_batch=run.b, bubble=bubble, ranks=ranks)
+
+
+def _check_modelled(parallel: ParallelConfig, dims: ParallelDims, checkpointed: list[int]) -> None:
+    """A ValueError naming what of ``parallel`` at ``dims`` (``checkpointed``: its checkpointed blocks)
+    ``predict_run`` does not model (its docstring)."""
     zero_stage, precision, sequence_parallel = (parallel.zero_stage, parallel.precision,
                                                 parallel.sequence_parallel)
-    cp_method, cp_layout, pp_schedule = parallel.cp_method, parallel.cp_layout, parallel.pp_schedule
-    virtual_stages, pp_balance, microbatches = (parallel.virtual_stages, parallel.pp_balance,
-                                                parallel.microbatches)
-    checkpointed = parallel.checkpointed_blocks(config.num_layers)
     if precision not in ("fp32", "bf16", "fp8"):
         raise ValueError(f"predict_run models fp32, bf16 and fp8, got {precision!r}")
     if precision == "fp8" and parallel.pp > 1 and parallel.pp_schedule == "zbh1" \
@@ -265,25 +285,65 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     if zero_stage == 3 and not parallel.reshard_after_forward:
         raise ValueError("predict_run models ZeRO-3 with reshard_after_forward (the trainer's setting): "
                          "without it no unit is gathered again for backward")
-    pp, tp, cp, dp, v = dims.pp, dims.tp, dims.cp, dims.dp, virtual_stages
-    zero3_kept = pp > 1 and not parallel.zero3_reshard_per_microbatch  # the stages gathered once per step
-    replicas, fsdp16 = dims.dp_replicate, parallel.fsdp_mixed_precision
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Run:
+    """What every rank's prediction reads, computed once by ``_run_of``: the run's options; ``m``
+    micro-batches per step of ``b`` sequences (``per_rank`` per data-parallel rank) of ``s_c`` tokens on
+    each rank, ``x = b s_c h`` and ``tokens = b s_c``; ``n = dp x cp`` ranks, ``shard_n`` of them in a ZeRO
+    shard group; the stages' blocks (``ranges``), the parameters (``table``), ZeRO-3's units (and which of
+    their tensors fp8 gathers); one layer's context-parallel bytes; under pipeline parallelism the pipeline
+    ranks' memory (``pipe``) and actions (``schedule``), else the one rank's (``flat``)."""
+
+    config: ModelConfig
+    parallel: ParallelConfig
+    dims: ParallelDims
+    seq_len: int
+    grad_clip: float | None
+    checkpointed: list[int]
+    m: int
+    b: int
+    per_rank: int
+    s_c: int
+    x: int
+    tokens: int
+    n: int
+    shard_n: int
+    num_stages: int
+    ranges: list[range]
+    table: ParamTable
+    units: Sequence[Sequence[Shape]]
+    fp8_units: list[list[bool]] | None
+    cp_layer: dict[str, int] | None
+    pipe: list[PipelineRankMemory] | None
+    schedule: list[list[Action]] | None
+    flat: RunMemory | None
+
+
+def _run_of(config: ModelConfig, parallel: ParallelConfig, dims: ParallelDims, *, seq_len: int,
+            global_batch: int, micro_batch: int | None, grad_clip: float | None,
+            checkpointed: list[int]) -> _Run:
+    """``predict_run``'s ``_Run``: the batch split as the trainer splits it, the stages, the parameters and
+    the memory terms of the run's ranks."""
+    precision, sequence_parallel = parallel.precision, parallel.sequence_parallel
+    cp_method, cp_layout, pp_schedule = parallel.cp_method, parallel.cp_layout, parallel.pp_schedule
+    pp, tp, cp, dp, v = dims.pp, dims.tp, dims.cp, dims.dp, parallel.virtual_stages
     per_rank = global_batch // dp
     m = micro_batches(per_rank_batch=per_rank, micro_batch_size=micro_batch, pp=pp,
-                      microbatches=microbatches)  # the trainer's rule (refimpl.config.micro_batches)
+                      microbatches=parallel.microbatches)  # the trainer's rule (refimpl.config.micro_batches)
     b, h, n = per_rank // m, config.hidden_size, dp * cp
     s_c = local_tokens(config, seq_len=seq_len, cp=cp, cp_method=cp_method, cp_layout=cp_layout, tp=tp)
-    x, tokens = b * s_c * h, b * s_c
     num_stages = pp * v
-    ranges = stage_layers(config, num_stages=num_stages, balance=pp_balance, tp=tp)
-    split = {"tp": tp, "sequence_parallel": sequence_parallel, "cp": cp, "cp_method": cp_method,
-             "cp_layout": cp_layout}
+    ranges = stage_layers(config, num_stages=num_stages, balance=parallel.pp_balance, tp=tp)
+    split = BlockSplit(tp=tp, sequence_parallel=sequence_parallel, cp=cp, cp_method=cp_method,
+                       cp_layout=cp_layout)
     schedule = (build_schedule(pp_schedule, pp_size=pp, num_microbatches=m, virtual_stages=v)
                 if pp > 1 else None)
-    residual = _COMPUTE[precision] if fsdp16 else None  # ZeRO-3 in 16 bits: a 16-bit residual stream
-    pipe = (pipeline_memory_per_rank(config, pp=pp, num_microbatches=m, schedule=pp_schedule,
+    residual = _COMPUTE[precision] if parallel.fsdp_mixed_precision else None  # ZeRO-3 in 16 bits: a 16-bit
+    pipe = (pipeline_memory_per_rank(config, pp=pp, num_microbatches=m, schedule=pp_schedule,  # residual
                                      virtual_stages=v, micro_batch=b, seq_len=seq_len, precision=precision,
-                                     balance=pp_balance, residual_dtype=residual,
+                                     balance=parallel.pp_balance, residual_dtype=residual,
                                      checkpointed_blocks=checkpointed, **split)
             if pp > 1 else None)
     flat = None if pp > 1 else run_memory_per_rank(config, dims, micro_batch=b, seq_len=seq_len,
@@ -297,100 +357,139 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     if precision == "fp8":
         gathered_fp8 = {q.name for q in fp8_weights(config, tp=tp)}
         fp8_units = [[q.name in gathered_fp8 for q in unit] for unit in (root, *table.blocks)]
-    shard_n = n // replicas  # the ranks ZeRO shards over: dp x cp, or HSDP's shard group
+    shard_n = n // dims.dp_replicate  # the ranks ZeRO shards over: dp x cp, or HSDP's shard group
     cp_layer = context_parallel_bytes(config, micro_batch=b, seq_len=seq_len, cp=cp, method=cp_method, tp=tp,
                                       compute_dtype=_COMPUTE[precision]) if cp > 1 else None
-    ranks = []
-    for rank in range(dims.world_size):
-        c = dims.coordinates(rank)
-        group_rank = shard_group_rank(dims, rank)  # the rank's index in the group ZeRO shards over
-        stages = [st for st in range(num_stages) if stage_rank(st, pp_size=pp) == c.pp]
-        held_params = [q for st in stages for q in stage_params(config, stage=st, num_stages=num_stages,
-                                                                blocks=ranges[st], tp=tp)]
-        shapes = [q.shape for q in held_params]
-        if pp == 1:
-            shapes = param_shapes(config, tp=tp)
-        sent: dict[str, float] = {}
-        for st in stages:  # per micro-batch: tp collectives, cp attention, pipeline boundaries
-            first, last = st == 0, st == num_stages - 1
-            if tp > 1:
-                for op, payload in tp_stage_payloads(config, layers=len(ranges[st]), first=first, last=last,
-                                                     x=x, tokens=tokens, tp=tp,
-                                                     sequence_parallel=sequence_parallel).items():
-                    _add(sent, "tp", op, m * payload, tp)
-            if cp_layer is not None:
-                per_layer = cp_layer["forward"] + cp_layer["backward"]
-                sent["cp"] = sent.get("cp", 0.0) + m * len(ranges[st]) * per_layer
-            if pp > 1:
-                boundary = 4 * b * (s_c // (tp if sequence_parallel else 1)) * h  # float32 [b, s_c/u, h]
-                sent["pp"] = sent.get("pp", 0.0) + m * boundary * ((not last) + (not first))
-        recomputed = [i for st in stages for i in ranges[st] if i in checkpointed]  # this rank's blocks
-        if recomputed:  # the recomputed forwards of the rank's checkpointed blocks, in every backward
-            if tp > 1:
-                shared = shared_qkv_elements(config, tp=tp, tokens=tokens)
-                for op, payload in recompute_tp_payloads(checkpointed=len(recomputed), x=x, shared_qkv=shared,
-                                                         sequence_parallel=sequence_parallel).items():
-                    _add(sent, "tp", op, m * payload, tp)
-            if cp_layer is not None:
-                sent["cp"] = sent.get("cp", 0.0) + m * len(recomputed) * cp_layer["forward"]
-        if sequence_parallel:  # once per step: the s/t-token parameters' gradients (LayerNorms, row biases)
-            replicated = [q.shape for q in held_params if q.sequence_parallel_gradient]
-            _add(sent, "tp", "all_reduce", sp_gradient_payload(replicated, zero_stage=zero_stage, n=shard_n,
-                                                               group_rank=group_rank), tp)
-        if pp > 1:
-            if config.tie_word_embeddings and c.pp in (stage_rank(0, pp_size=pp),
-                                                       stage_rank(num_stages - 1, pp_size=pp)):
-                tied = (sharded_numel([table.head.shape], group_rank, shard_n)
-                        if zero_stage in (2, 3) and shard_n > 1
-                        else table.head.numel)  # ZeRO-2/3 keep (and exchange) only their gradient shard
-                sent["pp"] = sent.get("pp", 0.0) + 4 * tied  # the embedding's gradient, both ways
-            _add(sent, "pp", "all_reduce", _SCALAR, pp)  # the step loss, from the last stage
-        if grad_clip is not None:  # the norm's sum of squares over the groups its gradients are split over
-            _add(sent, "pp", "all_reduce", _SCALAR, pp)
-            _add(sent, "tp", "all_reduce", _SCALAR, tp)
-            if zero_stage:  # the ZeRO shards: over dp x cp, under HSDP the shard group (dp_shard placements)
-                _add(sent, DP_KEY if replicas == 1 else SHARD_KEY, "all_reduce", _SCALAR, shard_n)
-        if zero_stage == 3 and pp > 1:  # each stage its own wrapper (parallelize's _shard_stages)
-            unit_lists = [stage_zero3_units(table, stage=st, num_stages=num_stages, blocks=ranges[st])
-                          for st in stages]
-        else:
-            unit_lists = [units if zero_stage == 3 else [shapes]]
-        for unit_shapes in unit_lists:
-            for key, sent_bytes in data_parallel_bytes(unit_shapes, zero_stage=zero_stage, dp_cp=n,
-                                                       replicas=replicas, microbatches=m,
-                                                       gather_bytes=2 if fsdp16 else 4,
-                                                       zero3_kept=zero3_kept,
-                                                       fp8=fp8_units if zero_stage == 3 else None).items():
-                sent[key] = sent.get(key, 0.0) + sent_bytes
-        _add(sent, DP_KEY, "all_reduce", _SCALAR, n)  # the loss's mean over dp x cp
-        if pp > 1:
-            held = dict(pipe[c.pp].peak_terms)
-            if tp == 1 and cp == 1 and b > 1 and num_stages - 1 in stages:  # labels copied per micro-batch
-                held = _held_with_label_copies(config, pipe[c.pp], parallel, actions=schedule[c.pp],
-                                               ranges=ranges, micro_batch=b, seq_len=seq_len)
-            if tp == 1 and cp == 1 and any([held.pop(k, 0) for k in PER_STEP]):
-                held[WINDOW] = 8 * per_rank * (seq_len + 1)  # ids on the first stage, labels on the last
-            state = pipeline_state_memory(config, pp=pp, pp_rank=c.pp, virtual_stages=v, balance=pp_balance,
-                                          tp=tp, zero_stage=zero_stage, zero_shards=shard_n,
-                                          dp_rank=group_rank)  # HSDP: over the rank's shard group
-        else:
-            held = {k: val for k, val in flat.activations.items() if k not in _TRANSIENT}
-            if fsdp16:  # ZeRO-3 in 16 bits computes in the gathered 16-bit weights: a 16-bit residual stream
-                held |= sixteen_bit_weight_activations(config, checkpointed_blocks=checkpointed,
-                                                       compute_dtype=_COMPUTE[precision], micro_batch=b,
-                                                       seq_len=seq_len, cp=cp, cp_method=cp_method,
-                                                       cp_layout=cp_layout)
-            if tp == 1 and cp == 1:  # the ids and labels of every micro-batch: views of the window
-                held["token ids, labels, positions"] -= 2 * 8 * tokens
-                held[WINDOW] = 8 * per_rank * (seq_len + 1)
-                if b > 1:  # lm_loss's labels.flatten() copies the strided [b, s] view of the [b, s+1] rows
-                    held[LABELS_COPY] = 8 * tokens
-            state = state_memory_per_rank(config, dims, zero_stage=zero_stage, dp_rank=group_rank)
-        if zero_stage == 1:  # the shards' gradients, reduced before the step (finish_gradients)
-            shard_grads = 4 * sharded_numel(shapes, group_rank, n)
-            state = dataclasses.replace(state, grads=state.grads + shard_grads)
-        ranks.append(RankPrediction(rank=rank, coords=c, state=state, activations=held, bytes_sent=sent))
-    bubble = (bubble_formula(pp_schedule, pp_size=pp, num_microbatches=m, virtual_stages=v) if pp > 1
-              else None)
-    return RunPrediction(dims=dims, microbatches=m, micro_batch=b, bubble=bubble, ranks=ranks)
+    return _Run(config=config, parallel=parallel, dims=dims, seq_len=seq_len, grad_clip=grad_clip,
+                checkpointed=checkpointed, m=m, b=b, per_rank=per_rank, s_c=s_c, x=b * s_c * h,
+                tokens=b * s_c, n=n, shard_n=shard_n, num_stages=num_stages, ranges=ranges, table=table,
+                units=units, fp8_units=fp8_units, cp_layer=cp_layer, pipe=pipe, schedule=schedule, flat=flat)
 
+
+def _predict_rank(run: _Run, rank: int) -> RankPrediction:
+    """Rank ``rank``'s prediction (module docstring): the bytes it sends per step, the activations it holds
+    at its peak and its state at rest."""
+    config, dims, pp, tp = run.config, run.dims, run.dims.pp, run.dims.tp
+    c = dims.coordinates(rank)
+    group_rank = shard_group_rank(dims, rank)  # the rank's index in the group ZeRO shards over
+    stages = [st for st in range(run.num_stages) if stage_rank(st, pp_size=pp) == c.pp]
+    held_params = [q for st in stages for q in stage_params(config, stage=st, num_stages=run.num_stages,
+                                                            blocks=run.ranges[st], tp=tp)]
+    shapes = [q.shape for q in held_params]
+    if pp == 1:
+        shapes = param_shapes(config, tp=tp)
+    sent: dict[str, float] = {}
+    _add_microbatch_bytes(run, sent, stages=stages)
+    _add_step_bytes(run, sent, c=c, stages=stages, held_params=held_params, shapes=shapes,
+                    group_rank=group_rank)
+    held, state = _held_and_state(run, c=c, stages=stages, group_rank=group_rank)
+    if run.parallel.zero_stage == 1:  # the shards' gradients, reduced before the step (finish_gradients)
+        shard_grads = 4 * sharded_numel(shapes, group_rank, run.n)
+        state = dataclasses.replace(state, grads=state.grads + shard_grads)
+    return RankPrediction(rank=rank, coords=c, state=state, activations=held, bytes_sent=sent)
+
+
+def _add_microbatch_bytes(run: _Run, sent: dict[str, float], *, stages: list[int]) -> None:
+    """Add to ``sent`` what the rank sends per micro-batch: each of its ``stages``' tp collectives, cp
+    attention traffic and pipeline boundaries, then what the recomputed forwards of its checkpointed blocks
+    send again in every backward."""
+    config, pp, tp, m = run.config, run.dims.pp, run.dims.tp, run.m
+    sequence_parallel, cp_layer = run.parallel.sequence_parallel, run.cp_layer
+    for st in stages:  # per micro-batch: tp collectives, cp attention, pipeline boundaries
+        first, last = st == 0, st == run.num_stages - 1
+        if tp > 1:
+            for op, payload in tp_stage_payloads(config, layers=len(run.ranges[st]), first=first, last=last,
+                                                 x=run.x, tokens=run.tokens, tp=tp,
+                                                 sequence_parallel=sequence_parallel).items():
+                _add(sent, "tp", op, m * payload, tp)
+        if cp_layer is not None:
+            per_layer = cp_layer["forward"] + cp_layer["backward"]
+            sent["cp"] = sent.get("cp", 0.0) + m * len(run.ranges[st]) * per_layer
+        if pp > 1:  # float32 [b, s_c/u, h]
+            boundary = 4 * run.b * (run.s_c // (tp if sequence_parallel else 1)) * config.hidden_size
+            sent["pp"] = sent.get("pp", 0.0) + m * boundary * ((not last) + (not first))
+    recomputed = [i for st in stages for i in run.ranges[st] if i in run.checkpointed]  # this rank's blocks
+    if recomputed:  # the recomputed forwards of the rank's checkpointed blocks, in every backward
+        if tp > 1:
+            shared = shared_qkv_elements(config, tp=tp, tokens=run.tokens)
+            for op, payload in recompute_tp_payloads(checkpointed=len(recomputed), x=run.x, shared_qkv=shared,
+                                                     sequence_parallel=sequence_parallel).items():
+                _add(sent, "tp", op, m * payload, tp)
+        if cp_layer is not None:
+            sent["cp"] = sent.get("cp", 0.0) + m * len(recomputed) * cp_layer["forward"]
+
+
+def _add_step_bytes(run: _Run, sent: dict[str, float], *, c: Coordinates, stages: list[int],
+                    held_params: list[ParamSpec], shapes: Sequence[Shape], group_rank: int) -> None:
+    """Add to ``sent`` what the rank (``c``, holding ``stages`` and their ``held_params``, ``shapes`` the
+    tensors its ZeRO 0-2 shards) sends once per step: the sequence-parallel gradients' all-reduce, the tied
+    embedding's gradient and the step loss over the pipeline, the gradient norm's scalars, data
+    parallelism's gradients and parameters, the loss's mean."""
+    config, parallel, pp, tp, n = run.config, run.parallel, run.dims.pp, run.dims.tp, run.n
+    zero_stage, shard_n, replicas = parallel.zero_stage, run.shard_n, run.dims.dp_replicate
+    if parallel.sequence_parallel:  # the s/t-token parameters' gradients (LayerNorms, row biases)
+        replicated = [q.shape for q in held_params if q.sequence_parallel_gradient]
+        _add(sent, "tp", "all_reduce", sp_gradient_payload(replicated, zero_stage=zero_stage, n=shard_n,
+                                                           group_rank=group_rank), tp)
+    if pp > 1:
+        if config.tie_word_embeddings and c.pp in (stage_rank(0, pp_size=pp),
+                                                   stage_rank(run.num_stages - 1, pp_size=pp)):
+            tied = (sharded_numel([run.table.head.shape], group_rank, shard_n)
+                    if zero_stage in (2, 3) and shard_n > 1
+                    else run.table.head.numel)  # ZeRO-2/3 keep (and exchange) only their gradient shard
+            sent["pp"] = sent.get("pp", 0.0) + 4 * tied  # the embedding's gradient, both ways
+        _add(sent, "pp", "all_reduce", _SCALAR, pp)  # the step loss, from the last stage
+    if run.grad_clip is not None:  # the norm's sum of squares over the groups its gradients are split over
+        _add(sent, "pp", "all_reduce", _SCALAR, pp)
+        _add(sent, "tp", "all_reduce", _SCALAR, tp)
+        if zero_stage:  # the ZeRO shards: over dp x cp, under HSDP the shard group (dp_shard placements)
+            _add(sent, DP_KEY if replicas == 1 else SHARD_KEY, "all_reduce", _SCALAR, shard_n)
+    unit_lists: list[Sequence[Sequence[Shape]]]
+    if zero_stage == 3 and pp > 1:  # each stage its own wrapper (parallelize's _shard_stages)
+        unit_lists = [stage_zero3_units(run.table, stage=st, num_stages=run.num_stages, blocks=run.ranges[st])
+                      for st in stages]
+    else:
+        unit_lists = [run.units if zero_stage == 3 else [shapes]]
+    zero3_kept = pp > 1 and not parallel.zero3_reshard_per_microbatch  # the stages gathered once per step
+    for unit_shapes in unit_lists:
+        for key, sent_bytes in data_parallel_bytes(unit_shapes, zero_stage=zero_stage, dp_cp=n,
+                                                   replicas=replicas, microbatches=run.m,
+                                                   gather_bytes=2 if parallel.fsdp_mixed_precision else 4,
+                                                   zero3_kept=zero3_kept,
+                                                   fp8=run.fp8_units if zero_stage == 3 else None).items():
+            sent[key] = sent.get(key, 0.0) + sent_bytes
+    _add(sent, DP_KEY, "all_reduce", _SCALAR, n)  # the loss's mean over dp x cp
+
+
+def _held_and_state(run: _Run, *, c: Coordinates, stages: list[int],
+                    group_rank: int) -> tuple[dict[str, int], StateMemory]:
+    """The activations the rank (``c``, holding ``stages``) holds at its peak, by term, and its state at
+    rest, sharded over its ZeRO group (``group_rank``: its index there)."""
+    config, parallel, dims, b, seq_len = run.config, run.parallel, run.dims, run.b, run.seq_len
+    tp, cp, window = dims.tp, dims.cp, 8 * run.per_rank * (seq_len + 1)
+    if dims.pp > 1:
+        assert run.pipe is not None and run.schedule is not None  # built for pp > 1 (_run_of)
+        held = dict(run.pipe[c.pp].peak_terms)
+        if tp == 1 and cp == 1 and b > 1 and run.num_stages - 1 in stages:  # labels copied per micro-batch
+            held = _held_with_label_copies(config, run.pipe[c.pp], parallel, actions=run.schedule[c.pp],
+                                           ranges=run.ranges, micro_batch=b, seq_len=seq_len)
+        if tp == 1 and cp == 1 and any([held.pop(k, 0) for k in PER_STEP]):
+            held[WINDOW] = window  # ids on the first stage, labels on the last
+        state = pipeline_state_memory(config, pp=dims.pp, pp_rank=c.pp,
+                                      virtual_stages=parallel.virtual_stages, balance=parallel.pp_balance,
+                                      tp=tp, zero_stage=parallel.zero_stage, zero_shards=run.shard_n,
+                                      dp_rank=group_rank)  # HSDP: over the rank's shard group
+        return held, state
+    assert run.flat is not None  # built for pp = 1 (_run_of)
+    held = {k: val for k, val in run.flat.activations.items() if k not in _TRANSIENT}
+    if parallel.fsdp_mixed_precision:  # ZeRO-3 in 16 bits computes in the gathered 16-bit weights: a 16-bit
+        held |= sixteen_bit_weight_activations(config, checkpointed_blocks=run.checkpointed,  # residual
+                                               compute_dtype=_COMPUTE[parallel.precision], micro_batch=b,
+                                               seq_len=seq_len, cp=cp, cp_method=parallel.cp_method,
+                                               cp_layout=parallel.cp_layout)
+    if tp == 1 and cp == 1:  # the ids and labels of every micro-batch: views of the window
+        held["token ids, labels, positions"] -= 2 * 8 * run.tokens
+        held[WINDOW] = window
+        if b > 1:  # lm_loss's labels.flatten() copies the strided [b, s] view of the [b, s+1] rows
+            held[LABELS_COPY] = 8 * run.tokens
+    return held, state_memory_per_rank(config, dims, zero_stage=parallel.zero_stage, dp_rank=group_rank)

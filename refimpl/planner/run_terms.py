@@ -160,9 +160,9 @@ def shared_qkv_elements(config: ModelConfig, *, tp: int, tokens: int) -> int:
     """Elements of one block's qkv output that ``refimpl.models.gpt_sharding.SharedKeyValueQKV``
     all-gathers (and reduce-scatters back) when ``t/g`` ranks share each key/value head, ``tokens (a + 2g)
     d``; 0 when each rank holds whole query groups."""
-    if config.num_key_value_heads >= tp:
+    if config.query_groups >= tp:
         return 0
-    return tokens * (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+    return tokens * (config.num_attention_heads + 2 * config.query_groups) * config.head_dim
 
 
 def sixteen_bit_weight_activations(config: ModelConfig, *, checkpointed_blocks: Sequence[int],

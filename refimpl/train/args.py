@@ -67,6 +67,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The trainer's command line, its flags in ``--help``'s groups (one helper per group, in that order)."""
     p = argparse.ArgumentParser(
         prog="python -m refimpl.train",
         description="Train the course's byte-level GPT with data parallelism or ZeRO, tensor, context and "
@@ -76,6 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--list-layouts", action=_ListLayouts,
                    help="print the combinations of techniques that are refused, with the reasons, and exit")
+    _add_run_flags(p)
+    _add_model_flags(p)
+    _add_moe_flags(p)
+    _add_parallel_flags(p)
+    _add_checkpoint_flags(p)
+    _add_fault_flags(p)
+    return p
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """The ``run`` flags: steps, batch, learning rate, data, the run folder, the launch."""
     run = p.add_argument_group("run")
     run.add_argument("--steps", type=int, default=200, help="optimizer steps")
     run.add_argument("--batch-size", type=int, default=16, help="global batch in sequences (all ranks)")
@@ -108,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --nproc-per-node: kill the last rank once after the first checkpoint, to "
                      "demonstrate the restart and the resume (default: only when no other flag is given, "
                      "as in `make train`)")
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The ``model`` flags and those of multi-head latent attention (``--arch deepseek``)."""
     model = p.add_argument_group("model")
     model.add_argument("--num-layers", type=int, default=4)
     model.add_argument("--hidden-size", type=int, default=128)
@@ -139,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "required with --arch deepseek")
     mla.add_argument("--v-head-dim", type=int, default=None, metavar="V",
                      help="each head's value dims; required with --arch deepseek")
+
+
+def _add_moe_flags(p: argparse.ArgumentParser) -> None:
+    """The mixture-of-experts flags (chapter 09)."""
     moe = p.add_argument_group("mixture of experts (chapter 09)")
     moe.add_argument("--moe-experts", type=int, default=0, metavar="E",
                      help="experts per MoE block (0: a dense model); each an MLP of the dense MLP's width")
@@ -165,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
                      "MoE block, added to the routed output (DeepSeek-V3: 1)")
     moe.add_argument("--moe-first-dense", type=int, default=0, metavar="D",
                      help="the first D blocks keep the dense MLP (DeepSeek-V3's first_k_dense_replace: 3)")
+
+
+def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
+    """The parallelism and precision flags: ZeRO, the layout's degrees, pipeline and context
+    parallelism."""
     par = p.add_argument_group("parallelism and precision")
     par.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0,
                      help="0: data parallel; 1/2: sharded optimizer state (and gradients); 3: fully sharded")
@@ -216,6 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --cp > 1: ring attention (K/V blocks round a ring, zig-zag split for "
                      "causal balance) or Ulysses (all-to-alls to head shards; the heads per tp rank must "
                      "divide by cp)")
+
+
+def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    """The checkpoint flags: folder, schedule, SIGTERM grace, resume."""
     ck = p.add_argument_group("checkpoints")
     ck.add_argument("--checkpoint-dir", default=None, help="default: <out>/checkpoints")
     ck.add_argument("--checkpoint-every", type=int, default=50, help="save every N steps (0: only at the "
@@ -230,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "folder that holds checkpoints")
     ck.add_argument("--async-checkpoint", action="store_true",
                     help="write checkpoints in a background thread (training goes on after the snapshot)")
+
+
+def _add_fault_flags(p: argparse.ArgumentParser) -> None:
+    """The fault-injection flags (teaching and tests)."""
     fault = p.add_argument_group("fault injection (teaching and tests); STEPS: one step per attempt, "
                                  "e.g. 3 (the first attempt only) or 1,2,2 (the first three)")
     fault.add_argument("--fail-at-step", type=_steps, default=(), metavar="STEPS",
@@ -244,7 +277,6 @@ def build_parser() -> argparse.ArgumentParser:
     fault.add_argument("--fail-node", action="store_true",
                        help="--fail-at-step kills this machine's torchrun agent and its rank (a lost node; "
                        "give it to one agent's command only)")
-    return p
 
 
 def _moe_fields(args: argparse.Namespace) -> dict:

@@ -65,6 +65,7 @@ def _demo_announcement(demo: list[str], options: RunOptions, start: int | None) 
     """The line the self-launch prints before a demonstration: what will happen, and where the restarted
     ranks will resume (the newest checkpoint saved before the fault, as far as the schedule tells)."""
     step, rank = int(demo[1]), demo[3]
+    assert options.checkpoint is not None  # demo_fault_flags plans a demonstration only with checkpoints
     every = options.checkpoint.every_steps
     saved = max(start or 0, step // every * every if every else 0)
     if options.checkpoint.every_minutes is not None:

@@ -64,6 +64,7 @@ from typing import Any, Protocol
 
 import torch
 
+from refimpl.comm.device_clock import Stamp
 from refimpl.distributed.placement import LocalShard
 
 __all__ = ["POINTS", "Hooks", "TrainHooks", "compose"]
@@ -104,7 +105,7 @@ class Hooks(Protocol):
     def on_failure(self) -> Callable[[int, Any, BaseException], None] | None: ...
 
     @property
-    def clock(self) -> Callable[[], float] | None: ...
+    def clock(self) -> Callable[[], Stamp] | None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,7 +122,7 @@ class TrainHooks:
     after_gradient_probe: Callable[[int, Any], None] | None = None
     before_checkpoint: Callable[[int, Any], None] | None = None
     on_failure: Callable[[int, Any, BaseException], None] | None = None
-    clock: Callable[[], float] | None = None
+    clock: Callable[[], Stamp] | None = None
 
 
 POINTS = tuple(f.name for f in fields(TrainHooks))  # the points, in the order of a step; then the others
@@ -164,8 +165,8 @@ def _nested(managers: list[Callable[[int, Any], AbstractContextManager[object]]]
     return around_step
 
 
-def _last_reading(clocks: list[Callable[[], float]]) -> Callable[[], float]:
-    def clock() -> float:
+def _last_reading(clocks: list[Callable[[], Stamp]]) -> Callable[[], Stamp]:
+    def clock() -> Stamp:
         for read in clocks[:-1]:
             read()
         return clocks[-1]()

@@ -14,15 +14,18 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from refimpl import elastic
 from refimpl.checkpoint import save_training_state
 from refimpl.comm import CommTracer, ops
 from refimpl.config import TrainConfig
-from refimpl.data import decode, encode, to_device
+from refimpl.data import ShardedBatches, decode, encode, to_device
 from refimpl.distributed import DistributedContext, log0, seed_everything
+from refimpl.distributed.mesh import ParallelDims, ParallelGroups
 from refimpl.distributed.placement import LocalShard
 from refimpl.measure import Throughput, format_bytes, format_mfu, peak_dtype, peak_memory_bytes, progress
 from refimpl.measure.peak import peak_reserved_bytes, reset_peak_memory
@@ -41,7 +44,7 @@ from refimpl.train.preflight import (
 )
 from refimpl.train.probes import RunProbes
 from refimpl.train.resume import Resumed, resume
-from refimpl.train.setup import _sampling_model, build_setup
+from refimpl.train.setup import _sampling_model, _Setup, build_setup
 from refimpl.train.step import train_step
 
 SIGTERM_EXIT = 143  # 128 + SIGTERM: "stopped, not finished" for schedulers and torchrun
@@ -128,43 +131,21 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
     return all_records
 
 
-def _run_steps(config: TrainConfig, ctx: DistributedContext, options: RunOptions, setup, *, dims, groups,
-               batches, resumed: Resumed, hooks: Hooks, out: Path, begin: float) -> list[dict]:
+def _run_steps(config: TrainConfig, ctx: DistributedContext, options: RunOptions, setup: _Setup, *,
+               dims: ParallelDims, groups: ParallelGroups | None, batches: ShardedBatches, resumed: Resumed,
+               hooks: Hooks, out: Path, begin: float) -> list[dict]:
     """Steps ``resumed.start`` to ``config.steps - 1``: a record per step (metrics.jsonl on rank 0), the
     saves on the schedule and on SIGTERM (then ``Preempted``). The run's own probes
     (``refimpl.train.probes.RunProbes``: faults, the heartbeat and its report of a failure) are hooks,
     composed before the caller's ``hooks`` and called at the points ``refimpl.train.hooks`` lists."""
     coords = dims.coordinates(ctx.rank)
-    start, attempt = resumed.start, resumed.attempt
-    checkpointer, schedule = resumed.checkpointer, resumed.schedule
+    start, schedule = resumed.start, resumed.schedule
     # per data-parallel rank (TP ranks share a batch); under pipeline parallelism the pipeline's micro-batches
     accumulation = forwards_per_step(config, options, dims.dp)
     micro = config.data.per_rank_batch(dims.dp) // accumulation
-    # dp ranks x accumulation x micro sequences of seq_len tokens (under cp each of the cp ranks holds
-    # seq_len / cp of them): the global batch x seq_len; the tp (and pp) ranks of a replica share them
-    tokens_per_step = dims.dp * accumulation * micro * config.data.seq_len
-    # MFU divides by every device of the run (all of them compute), not by the data-parallel ranks
-    meter = Throughput(tokens_per_step=tokens_per_step, num_devices=dims.world_size, device=ctx.device,
-                       flops_per_token=flops_per_token(config.model, config.data.seq_len),
-                       dtype=peak_dtype(setup.mp.policy.compute_dtype))  # MFU against this dtype's peak
-    log0(ctx, f"model: {param_count(config.model).total:,} parameters | world size {ctx.world_size} on "
-              f"{ctx.device.type} ({ctx.backend}) | ZeRO stage {options.zero_stage} | {options.precision} | "
-              f"global batch {config.data.global_batch_size} x {config.data.seq_len} tokens = {micro} per "
-              f"micro-batch x {accumulation} accumulation x {dims.dp} data-parallel ranks | layout "
-              f"{dims.describe()}{' with sequence parallelism' if options.sequence_parallel else ''}"
-              + (f" | context parallel: {options.cp_method} attention" if dims.cp > 1 else "")
-              + (f" | pipeline: {options.pp_schedule}, {accumulation} micro-batches"
-                 + (f", {options.virtual_stages} stages per rank" if options.virtual_stages > 1 else "")
-                 if dims.pp > 1 else ""))
-
+    meter = _throughput(config, ctx, setup, dims, accumulation=accumulation, micro=micro)
+    log0(ctx, _describe_run(config, ctx, options, dims, accumulation=accumulation, micro=micro))
     hooks = compose(RunProbes(options, ctx, out), hooks)  # the run's own probes first, at every point
-    mp = setup.mp
-
-    def gradients_unscaled() -> None:  # what the optimizer receives, before clipping; the update follows
-        if hooks.gradient_probe is not None:
-            hooks.gradient_probe(step, gradient_shards(setup))
-        _call(hooks.after_gradient_probe, step, setup)
-
     records: list[dict] = []
     bar = progress(config.steps, enabled=ctx.is_main, initial=start)
     step = start
@@ -178,66 +159,22 @@ def _run_steps(config: TrainConfig, ctx: DistributedContext, options: RunOptions
             _call(hooks.before_step, step, setup)
             lr = lr_at(step, config.optim, config.steps)
             set_lr(setup.optimizer, lr)
-            inputs, labels = batches.batch(step, coords.dp, dims.dp)  # [B/dp, s] each: this dp rank's shard
-            # context parallelism: this cp rank's part of each sequence, [B/dp, s/cp] (the layout of its
-            # attention); the tp ranks of a replica take the same part; on the device once, pinned
-            inputs, labels = (to_device(setup.split_batch(t), ctx.device) for t in (inputs, labels))
-            with hooks.around_step(step, setup) if hooks.around_step is not None else nullcontext():
-                loss_sum = train_step(setup, inputs, labels, accumulation=accumulation, micro=micro,
-                                      device=ctx.device, grad_clip=config.optim.grad_clip,
-                                      after_first_forward=_bound(hooks.after_first_forward, step, setup),
-                                      after_first_loss=_bound(hooks.after_first_loss, step, setup),
-                                      before_optimizer_step=_bound(hooks.before_optimizer_step, step, setup),
-                                      after_unscale=gradients_unscaled, clock=hooks.clock)
-
+            inputs, labels = _step_batch(step, ctx, setup, batches, dp=coords.dp, dp_size=dims.dp)
+            loss_sum = _train_step_at(step, config, ctx, setup, inputs, labels, hooks=hooks,
+                                      accumulation=accumulation, micro=micro)
             if setup.group is not None and dims.dp * dims.cp > 1:
                 # The mean over the dp x cp ranks (equal token counts), the group the gradients were
                 # averaged over; the ranks of one tp group hold the same loss already.
                 ops.all_reduce(loss_sum, group=setup.group)
                 loss_sum /= dims.dp * dims.cp
             sent = {axis_of.get(g, "other"): b for g, b in tracer.bytes_sent_by_group().items()}
-            bubble = _pipeline_idle(setup) if setup.pipeline is not None else None
-            loss_value = loss_sum.item()
-            if not math.isfinite(loss_value):
-                raise FloatingPointError(f"loss became {loss_value} at step {step}; try a lower --lr")
-            tokens_per_s, mfu = meter.step()
-            record = {"step": step, "loss": loss_value, "lr": lr, "tokens_per_s": tokens_per_s,
-                      "mfu": mfu, "peak_memory_bytes": peak_memory_bytes(ctx.device),
-                      "peak_reserved_bytes": peak_reserved_bytes(ctx.device),  # GPU only, else None
-                      "elapsed_s": time.perf_counter() - begin, "attempt": attempt,
-                      "world_size": ctx.world_size}
-            record["bytes_sent"] = sent  # this rank, per process group (ring model for collectives)
-            if bubble is not None:
-                record["pipeline_idle"] = bubble  # measured: the idle share of the pp ranks in this step
-            if mp.scaler is not None:
-                record["loss_scale"] = mp.scale
-            if setup.moe_metrics is not None:  # MoE: the balance loss (in "loss"), load, drops (chapter 09)
-                record |= setup.moe_metrics
-                record["lm_loss"] = loss_value - setup.moe_metrics["moe_aux_loss"]
+            record = _step_record(step, loss_sum, lr, meter, ctx, setup, sent=sent, begin=begin,
+                                  attempt=resumed.attempt)
             records.append(record)
             if ctx.is_main:
-                with open(out / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(record) + "\n")
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss_value:.3f}")
-                if step % config.log_every == 0 or step == config.steps - 1:
-                    bar.write(f"step {step:5d} | loss {loss_value:.4f} | lr {lr:.2e} | "
-                              f"{tokens_per_s:,.0f} tok/s | MFU {format_mfu(mfu)} | "
-                              f"peak mem {format_bytes(record['peak_memory_bytes'])}")
-
+                _write_record(record, config, out=out, bar=bar)
             if schedule is not None:
-                done = step + 1
-                if schedule.due(done) or done == config.steps:  # due() is collective: always call it
-                    _call(hooks.before_checkpoint, step, setup)
-                    save_training_state(checkpointer, done, model=setup.state_module,
-                                        optimizer=setup.optimizer, scaler=mp.scaler,
-                                        extra={"run_id": resumed.job, "attempt": attempt},
-                                        config={"train": config.to_dict(), "run": options.to_dict()})
-                    if schedule.stop_requested:
-                        path = checkpointer.wait()
-                        bar.close()
-                        log0(ctx, f"SIGTERM: saved step {done} in {path}; stopping")
-                        raise Preempted(done, path)
+                _save_if_due(step, config, ctx, options, setup, resumed=resumed, hooks=hooks, bar=bar)
     except Preempted:
         raise  # saved on SIGTERM: a stop, not a failure
     except Exception as exc:
@@ -248,9 +185,124 @@ def _run_steps(config: TrainConfig, ctx: DistributedContext, options: RunOptions
         if schedule is not None:
             schedule.close()
     bar.close()
-    if checkpointer is not None:
-        checkpointer.close()  # an asynchronous save commits before the run ends
+    if resumed.checkpointer is not None:
+        resumed.checkpointer.close()  # an asynchronous save commits before the run ends
     return records
+
+
+def _throughput(config: TrainConfig, ctx: DistributedContext, setup: _Setup, dims: ParallelDims, *,
+                accumulation: int, micro: int) -> Throughput:
+    """The run's tokens per second and MFU meter."""
+    # dp ranks x accumulation x micro sequences of seq_len tokens (under cp each of the cp ranks holds
+    # seq_len / cp of them): the global batch x seq_len; the tp (and pp) ranks of a replica share them
+    tokens_per_step = dims.dp * accumulation * micro * config.data.seq_len
+    # MFU divides by every device of the run (all of them compute), not by the data-parallel ranks
+    return Throughput(tokens_per_step=tokens_per_step, num_devices=dims.world_size, device=ctx.device,
+                      flops_per_token=flops_per_token(config.model, config.data.seq_len),
+                      dtype=peak_dtype(setup.mp.policy.compute_dtype))  # MFU against this dtype's peak
+
+
+def _describe_run(config: TrainConfig, ctx: DistributedContext, options: RunOptions, dims: ParallelDims, *,
+                  accumulation: int, micro: int) -> str:
+    """The run's first line: the model, the world, ZeRO, precision, the batch and the layout."""
+    return (f"model: {param_count(config.model).total:,} parameters | world size {ctx.world_size} on "
+            f"{ctx.device.type} ({ctx.backend}) | ZeRO stage {options.zero_stage} | {options.precision} | "
+            f"global batch {config.data.global_batch_size} x {config.data.seq_len} tokens = {micro} per "
+            f"micro-batch x {accumulation} accumulation x {dims.dp} data-parallel ranks | layout "
+            f"{dims.describe()}{' with sequence parallelism' if options.sequence_parallel else ''}"
+            + (f" | context parallel: {options.cp_method} attention" if dims.cp > 1 else "")
+            + (f" | pipeline: {options.pp_schedule}, {accumulation} micro-batches"
+               + (f", {options.virtual_stages} stages per rank" if options.virtual_stages > 1 else "")
+               if dims.pp > 1 else ""))
+
+
+def _step_batch(step: int, ctx: DistributedContext, setup: _Setup, batches: ShardedBatches, *, dp: int,
+                dp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``(inputs, labels)`` of step ``step`` (``dp``: its data-parallel index), on its device."""
+    inputs, labels = batches.batch(step, dp, dp_size)  # [B/dp, s] each: this dp rank's shard
+    # context parallelism: this cp rank's part of each sequence, [B/dp, s/cp] (the layout of its
+    # attention); the tp ranks of a replica take the same part; on the device once, pinned
+    inputs, labels = (to_device(setup.split_batch(t), ctx.device) for t in (inputs, labels))
+    return inputs, labels
+
+
+def _train_step_at(step: int, config: TrainConfig, ctx: DistributedContext, setup: _Setup,
+                   inputs: torch.Tensor, labels: torch.Tensor, *, hooks: Hooks, accumulation: int,
+                   micro: int) -> torch.Tensor:
+    """``train_step`` of step ``step`` inside the hooks' ``around_step``, their points its callbacks;
+    returns this rank's loss (not reduced)."""
+
+    def gradients_unscaled() -> None:  # what the optimizer receives, before clipping; the update follows
+        if hooks.gradient_probe is not None:
+            hooks.gradient_probe(step, gradient_shards(setup))
+        _call(hooks.after_gradient_probe, step, setup)
+
+    with hooks.around_step(step, setup) if hooks.around_step is not None else nullcontext():
+        return train_step(setup, inputs, labels, accumulation=accumulation, micro=micro,
+                          device=ctx.device, grad_clip=config.optim.grad_clip,
+                          after_first_forward=_bound(hooks.after_first_forward, step, setup),
+                          after_first_loss=_bound(hooks.after_first_loss, step, setup),
+                          before_optimizer_step=_bound(hooks.before_optimizer_step, step, setup),
+                          after_unscale=gradients_unscaled, clock=hooks.clock)
+
+
+def _step_record(step: int, loss_sum: torch.Tensor, lr: float, meter: Throughput, ctx: DistributedContext,
+                 setup: _Setup, *, sent: dict[str, float], begin: float, attempt: int) -> dict[str, Any]:
+    """Step ``step``'s record (a line of metrics.jsonl); refuses a loss that is not finite."""
+    bubble = _pipeline_idle(setup) if setup.pipeline is not None else None
+    loss_value = loss_sum.item()
+    if not math.isfinite(loss_value):
+        raise FloatingPointError(f"loss became {loss_value} at step {step}; try a lower --lr")
+    tokens_per_s, mfu = meter.step()
+    record: dict[str, Any] = {
+        "step": step, "loss": loss_value, "lr": lr, "tokens_per_s": tokens_per_s,
+        "mfu": mfu, "peak_memory_bytes": peak_memory_bytes(ctx.device),
+        "peak_reserved_bytes": peak_reserved_bytes(ctx.device),  # GPU only, else None
+        "elapsed_s": time.perf_counter() - begin, "attempt": attempt,
+        "world_size": ctx.world_size}
+    record["bytes_sent"] = sent  # this rank, per process group (ring model for collectives)
+    if bubble is not None:
+        record["pipeline_idle"] = bubble  # measured: the idle share of the pp ranks in this step
+    if setup.mp.scaler is not None:
+        record["loss_scale"] = setup.mp.scale
+    if setup.moe_metrics is not None:  # MoE: the balance loss (in "loss"), load, drops (chapter 09)
+        record |= setup.moe_metrics
+        record["lm_loss"] = loss_value - setup.moe_metrics["moe_aux_loss"]
+    return record
+
+
+def _write_record(record: dict[str, Any], config: TrainConfig, *, out: Path, bar: tqdm) -> None:
+    """Rank 0: the record's line in metrics.jsonl, the progress bar, and a line every ``log_every`` steps."""
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    bar.update(1)
+    bar.set_postfix(loss=f"{record['loss']:.3f}")
+    step = record["step"]
+    if step % config.log_every == 0 or step == config.steps - 1:
+        bar.write(f"step {step:5d} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+                  f"{record['tokens_per_s']:,.0f} tok/s | MFU {format_mfu(record['mfu'])} | "
+                  f"peak mem {format_bytes(record['peak_memory_bytes'])}")
+
+
+def _save_if_due(step: int, config: TrainConfig, ctx: DistributedContext, options: RunOptions,
+                 setup: _Setup, *, resumed: Resumed, hooks: Hooks, bar: tqdm) -> None:
+    """After step ``step``: a save when the schedule says so and at the end; after a SIGTERM, once it is
+    committed, ``Preempted``."""
+    checkpointer, schedule = resumed.checkpointer, resumed.schedule
+    assert checkpointer is not None and schedule is not None  # a save schedule comes with its checkpointer
+    done = step + 1
+    if not (schedule.due(done) or done == config.steps):  # due() is collective: always call it
+        return
+    _call(hooks.before_checkpoint, step, setup)
+    save_training_state(checkpointer, done, model=setup.state_module,
+                        optimizer=setup.optimizer, scaler=setup.mp.scaler,
+                        extra={"run_id": resumed.job, "attempt": resumed.attempt},
+                        config={"train": config.to_dict(), "run": options.to_dict()})
+    if schedule.stop_requested:
+        path = checkpointer.wait()
+        bar.close()
+        log0(ctx, f"SIGTERM: saved step {done} in {path}; stopping")
+        raise Preempted(done, path)
 
 
 def _report(config: TrainConfig, ctx: DistributedContext, options: RunOptions, setup, *, resumed: Resumed,
@@ -260,6 +312,7 @@ def _report(config: TrainConfig, ctx: DistributedContext, options: RunOptions, s
     start, info, attempt = resumed.start, resumed.info, resumed.attempt
     if not (ctx.is_main and all_records):
         return
+    assert sampler is not None  # rank 0 gets the full model
     import matplotlib.pyplot as plt
 
     from refimpl.viz import plot_loss

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from refimpl import elastic
 from refimpl.config import ConfigError
@@ -23,6 +23,15 @@ from refimpl.elastic.faults import mark_planned
 from refimpl.train.args import RunOptions
 
 __all__ = ["RunProbes"]
+
+
+class _Where(TypedDict):
+    """Where this rank is, as ``refimpl.elastic.faults.FaultPlan``'s points take it (keywords)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    out: Path
 
 
 class RunProbes:
@@ -47,7 +56,7 @@ class RunProbes:
         self.faults, self.sleep_s = options.faults, options.sleep_in_step_s
         self.rank, self.world_size, self.out = ctx.rank, ctx.world_size, out
         self.heartbeat = elastic.Heartbeat(ctx.rank, ctx.world_size)
-        self._where = {"rank": ctx.rank, "world_size": ctx.world_size, "local_rank": ctx.local_rank,
+        self._where: _Where = {"rank": ctx.rank, "world_size": ctx.world_size, "local_rank": ctx.local_rank,
                        "out": out}  # what FaultPlan's points take
 
     def before_step(self, step: int, setup: Any) -> None:

@@ -10,7 +10,13 @@ import json
 from pathlib import Path
 
 from refimpl import elastic
-from refimpl.checkpoint import Checkpointer, SaveSchedule, expected_shapes, load_training_state
+from refimpl.checkpoint import (
+    Checkpointer,
+    CheckpointInfo,
+    SaveSchedule,
+    expected_shapes,
+    load_training_state,
+)
 from refimpl.config import TrainConfig
 from refimpl.distributed import DistributedContext, log0
 from refimpl.train.args import RunOptions
@@ -34,7 +40,7 @@ class Resumed:
     records of earlier attempts (rank 0) and this attempt's ``attempt`` and ``job`` ids."""
 
     start: int
-    info: object | None
+    info: CheckpointInfo | None
     checkpointer: Checkpointer | None
     schedule: SaveSchedule | None
     earlier: list[dict]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +19,9 @@ from refimpl.parallel.parallelize import parallelize
 from refimpl.precision import MixedPrecision
 from refimpl.train.args import RunOptions
 
+if TYPE_CHECKING:
+    from refimpl.parallel.pipeline_parallel import PipelineModule
+
 
 @dataclass(kw_only=True)
 class _Setup:
@@ -28,14 +32,14 @@ class _Setup:
     mp: MixedPrecision
     dp: DataParallelBucket | None = None
     grad_params: list = field(default_factory=list)
-    clip_fn: object = None
+    clip_fn: Callable[[list[torch.Tensor]], object] | None = None  # replaces clip_grad_norm_ (a sharded norm)
     group: torch.distributed.ProcessGroup | None = None  # dp x cp: gradients and the loss are averaged here
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss  # (logits, labels) -> mean loss
     finish_gradients: Callable[[], None] | None = None  # after the dp reduction (sequence parallelism)
     tp_group: torch.distributed.ProcessGroup | None = None
     split_batch: Callable[[torch.Tensor], torch.Tensor] = lambda tokens: tokens  # [b, s] -> [b, s/cp]
     cp_group: torch.distributed.ProcessGroup | None = None
-    pipeline: torch.nn.Module | None = None  # this rank's pipeline stages (PipelineModule): a step per call
+    pipeline: PipelineModule | None = None  # this rank's pipeline stages (PipelineModule): a step per call
     placements: dict = field(default_factory=dict)  # each held parameter's Placement (refimpl.parallel)
     # MoE models: once per step, before the optimizer step: the load summed over dp x cp, the expert bias
     # update, the step's figures (refimpl.moe_balance.finish_step); None for a dense model
@@ -76,8 +80,9 @@ def build_setup(config: TrainConfig, ctx: DistributedContext, options: RunOption
                   else None)
 
 
-def _sampling_model(setup: _Setup, config: TrainConfig, options: RunOptions,
-                    ctx: DistributedContext) -> torch.nn.Module | None:
+# one return per layout kind, and None on the ranks that do not sample
+def _sampling_model(setup: _Setup, config: TrainConfig, options: RunOptions,  # noqa: PLR0911
+                    ctx: DistributedContext) -> GPT | None:
     """A full model to sample from on rank 0 (ZeRO-3 and tensor parallelism gather it: collective); None on
     other ranks. Under context parallelism the trained model's attention is collective, so rank 0 samples
     from a plain GPT holding the same weights."""
@@ -91,9 +96,9 @@ def _sampling_model(setup: _Setup, config: TrainConfig, options: RunOptions,
 
         mine = [(name, shard.box, shard.tensor.detach().cpu())
                 for name, shard in module_shards(boxed).items()]
-        parts = [None] * ctx.world_size if ctx.is_main else None
+        parts: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
         dist.gather_object(mine, parts, dst=0)
-        if not ctx.is_main:
+        if parts is None:  # not rank 0
             return None
         full: dict[str, torch.Tensor] = {}
         for name, box, tensor in (item for part in parts for item in part):  # dp replicas write alike
@@ -112,11 +117,17 @@ def _sampling_model(setup: _Setup, config: TrainConfig, options: RunOptions,
         model.load_state_dict(full, strict=False)  # a tied output weight is the embedding's
         return model
     if options.zero_stage != 3:
-        if not ctx.is_main or setup.cp_group is None:
-            return setup.model if ctx.is_main else None
+        if not ctx.is_main:
+            return None
+        if setup.cp_group is None:
+            assert isinstance(setup.model, GPT)  # no boxes: the plain GPT build_setup made
+            return setup.model
         model = GPT(config.model, seed=config.data.seed).to(ctx.device)
         model.load_state_dict(setup.model.state_dict())
         return model
+    from refimpl.parallel.zero import FullyShardedDataParallel
+
+    assert isinstance(setup.state_module, FullyShardedDataParallel)  # ZeRO-3 without boxes: the wrapper
     full = setup.state_module.full_state_dict()
     if not ctx.is_main:
         return None

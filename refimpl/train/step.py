@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from refimpl.comm.device_clock import Stamp
 from refimpl.train.setup import _Setup
 
 
@@ -28,7 +29,7 @@ def train_step(setup: _Setup, inputs: torch.Tensor, labels: torch.Tensor, *, acc
                before_optimizer_step: Callable[[], None] | None = None,
                after_unscale: Callable[[], None] | None = None,
                after_first_loss: Callable[[torch.Tensor], None] | None = None,
-               clock: Callable[[], float] | None = None) -> torch.Tensor:
+               clock: Callable[[], Stamp] | None = None) -> torch.Tensor:
     """Forward, backward and step over ``inputs``/``labels`` (``[accumulation x micro, s]``: this rank's
     shard). Returns this rank's loss (the sum of the scaled micro-batch losses, detached, not reduced).
     ``after_first_forward`` runs inside the first micro-batch, between its forward and its backward (the
@@ -42,10 +43,12 @@ def train_step(setup: _Setup, inputs: torch.Tensor, labels: torch.Tensor, *, acc
         def share(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return setup.loss(logits, y) / accumulation
 
-        def balance(stage: torch.nn.Module) -> torch.Tensor | None:  # an MoE stage's own loss, / accumulation
-            return setup.stage_loss(stage, micro_batches=accumulation)
+        aux_loss: Callable[[torch.nn.Module], torch.Tensor | None] | None = None
+        if (stage_loss := setup.stage_loss) is not None:
+            def balance(stage: torch.nn.Module) -> torch.Tensor | None:  # an MoE stage's loss, / accumulation
+                return stage_loss(stage, micro_batches=accumulation)
 
-        aux_loss = None if setup.stage_loss is None else balance
+            aux_loss = balance
 
         with mp.autocast():
             loss_sum = setup.pipeline.step(inputs.to(device), labels.to(device),

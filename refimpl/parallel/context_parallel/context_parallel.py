@@ -33,7 +33,7 @@ from torch import nn
 from refimpl.config import CP_METHODS
 from refimpl.parallel.context_parallel.context_parallel_communications import Group, cp_rank, cp_size
 from refimpl.parallel.context_parallel.ring_attention import ring_attention
-from refimpl.parallel.context_parallel.sequence_layout import sequence_positions, split_sequence
+from refimpl.parallel.context_parallel.sequence_layout import Layout, sequence_positions, split_sequence
 from refimpl.parallel.context_parallel.ulysses import ulysses_attention
 from refimpl.parallel.declarations import declared
 
@@ -43,7 +43,7 @@ Method = Literal["ring", "ulysses"]
 METHODS = CP_METHODS
 
 
-def _layout_of(method: Method, layout: str | None) -> str:
+def _layout_of(method: Method, layout: Layout | None) -> Layout:
     if method not in METHODS:
         raise ValueError(f"context-parallel method must be one of {METHODS}, got {method!r}")
     if method == "ulysses":
@@ -53,13 +53,13 @@ def _layout_of(method: Method, layout: str | None) -> str:
     return layout or "zigzag"
 
 
-def _positions(seq_len: int, device: torch.device, *, rank: int, size: int, layout: str) -> torch.Tensor:
+def _positions(seq_len: int, device: torch.device, *, rank: int, size: int, layout: Layout) -> torch.Tensor:
     """The global positions of this rank's ``seq_len`` tokens (``seq_len = s/cp``)."""
     return sequence_positions(seq_len=seq_len * size, cp_rank=rank, cp_size=size, layout=layout).to(device)
 
 
 def apply_context_parallel(model: nn.Module, *, cp_group: Group, method: Method = "ring",
-                           layout: str | None = None) -> nn.Module:
+                           layout: Layout | None = None) -> nn.Module:
     """Make ``model`` run on this rank's part of the sequence over ``cp_group``, in place; returns it.
 
     Each declared attention module's ``core_attention`` becomes ring attention (``layout`` ``"zigzag"`` by
@@ -88,7 +88,7 @@ def apply_context_parallel(model: nn.Module, *, cp_group: Group, method: Method 
 
 
 def split_for_context_parallel(tokens: torch.Tensor, *, cp_group: Group, method: Method = "ring",
-                               layout: str | None = None) -> torch.Tensor:
+                               layout: Layout | None = None) -> torch.Tensor:
     """This rank's part of ``tokens`` ``[b, s]`` (inputs or labels): ``[b, s/cp]`` by the layout of
     ``apply_context_parallel`` with the same ``method`` and ``layout``."""
     layout = _layout_of(method, layout)

@@ -131,15 +131,15 @@ def block_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 class _RingAttention(torch.autograd.Function):
     """Forward and backward rings of ``ring_attention`` (see the module docstring)."""
 
-    @staticmethod
-    def forward(ctx, q, k, v, group: Group, causal: bool, layout: Layout, scale: float,
+    @staticmethod  # autograd.Function.apply passes the inputs positionally
+    def forward(ctx, q, k, v, group: Group, causal: bool, layout: Layout, scale: float,  # noqa: PLR0917
                 timeline: RingTimeline | None, overlap: bool):
         # the blocks in float32 under the caller's autocast too (its matmuls would round them to 16 bits)
         with torch.autocast(q.device.type, enabled=False):
             return _RingAttention._forward(ctx, q, k, v, group, causal, layout, scale, timeline, overlap)
 
-    @staticmethod
-    def _forward(ctx, q, k, v, group: Group, causal: bool, layout: Layout, scale: float,
+    @staticmethod  # forward's body, called with forward's positional inputs
+    def _forward(ctx, q, k, v, group: Group, causal: bool, layout: Layout, scale: float,  # noqa: PLR0917
                  timeline: RingTimeline | None, overlap: bool):
         n, r = cp_size(group), cp_rank(group)
         owned = [chunk_ids(cp_rank=i, cp_size=n, layout=layout) for i in range(n)]
@@ -147,7 +147,7 @@ class _RingAttention(torch.autograd.Function):
         qs = q.to(cdt).chunk(m, dim=SEQ_DIM)                   # m x [b, a, c, d]
         outs: list = [None] * m
         lses: list = [None] * m
-        kv = (k, v)
+        kv: tuple[torch.Tensor, ...] = (k, v)
         for step in range(n):
             posted = now()
             transfer = ring_exchange(kv, group=group, step=step) if step < n - 1 else None

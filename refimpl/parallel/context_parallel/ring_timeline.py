@@ -32,8 +32,8 @@ class RingSpan:
 
     kind: str
     step: int
-    start: float = StampField()
-    end: float = StampField()
+    start: StampField[float] = StampField()
+    end: StampField[float] = StampField()
 
 
 @dataclass

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from refimpl.comm import ops
+from refimpl.comm.device_clock import StampList
 from refimpl.comm.tracer import now
 from refimpl.distributed.placement import LocalShard, module_shards
 from refimpl.parallel.data_parallel.bucket import _Bucket, build_buckets
@@ -233,7 +234,7 @@ class DataParallelBucket(nn.Module):
             bucket.missing = len(bucket.params)
             bucket.pending = None
         n = len(self._buckets)
-        self.timeline = SyncTimeline(launch=[None] * n, done=[None] * n)
+        self.timeline = SyncTimeline(launch=StampList([None] * n), done=StampList([None] * n))
 
     def _stamp_backward_start(self, grad: torch.Tensor) -> None:
         if self.timeline is not None and self.timeline.backward_start is None:

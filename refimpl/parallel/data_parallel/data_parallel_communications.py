@@ -253,7 +253,7 @@ def ddp_comm_hook(comm_dtype: torch.dtype) -> Callable[[Any, Any], torch.futures
     def fp32_accumulating_hook(group, bucket):  # no annotations: DDP checks them against dist.GradBucket
         buffer = bucket.buffer()
         low_precision_all_reduce_(buffer, comm_dtype=comm_dtype, group=group)
-        future: torch.futures.Future = torch.futures.Future()
+        future = torch.futures.Future()
         future.set_result(buffer)
         return future
 

@@ -34,13 +34,13 @@ class SyncTimeline:
     the single times ``refimpl.comm.device_clock.StampField`` s: stamps in, seconds out.
     """
 
-    launch: list[float | None]
-    done: list[float | None]
-    grad_ready: list[float] = field(default_factory=list)
-    backward_start: float | None = StampField(default=None)
-    backward_end: float | None = StampField(default=None)
-    wait_start: float | None = StampField(default=None)
-    wait_end: float | None = StampField(default=None)
+    launch: StampList
+    done: StampList
+    grad_ready: StampList = field(default_factory=StampList)
+    backward_start: StampField[float | None] = StampField(default=None)
+    backward_end: StampField[float | None] = StampField(default=None)
+    wait_start: StampField[float | None] = StampField(default=None)
+    wait_end: StampField[float | None] = StampField(default=None)
 
     def __post_init__(self) -> None:
         self.launch, self.done = StampList(self.launch), StampList(self.done)

@@ -113,6 +113,7 @@ class ExpertMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":
+            assert self.w3 is not None  # made for swiglu
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
         return self.w2(F.gelu(self.w1(x)))
 
@@ -249,6 +250,7 @@ class GroupedExperts(nn.Module):
         outs = []
         for e, rows in enumerate(x.split(list(counts))):
             if self.activation == "swiglu":
+                assert self.w3 is not None  # made for swiglu
                 h = F.silu(rows @ self.w1[e]) * (rows @ self.w3[e])
             else:
                 h = F.gelu(rows @ self.w1[e])

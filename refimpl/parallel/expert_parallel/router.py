@@ -47,7 +47,7 @@ counts the assignments before dropping.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -134,6 +134,13 @@ class Routing:
         return expert_counts(self.kept_ids, self.scores.shape[-1])
 
 
+def _sum(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``sum(tensors)`` of one tensor or more (``0 + t0 + t1 + ...``), a tensor."""
+    total = sum(tensors)
+    assert isinstance(total, torch.Tensor)  # not the empty sum 0: concat_routings refuses no routings
+    return total
+
+
 def concat_routings(routings: Sequence[Routing]) -> Routing:
     """The routings of consecutive token chunks as one (tokens concatenated, counts summed, losses summed,
     dropped fraction over all assignments): how one device replays N ranks that each routed their own
@@ -145,10 +152,10 @@ def concat_routings(routings: Sequence[Routing]) -> Routing:
         weights=torch.cat([r.weights for r in routings]),
         keep=torch.cat([r.keep for r in routings]),
         scores=torch.cat([r.scores for r in routings]),
-        tokens_per_expert=sum(r.tokens_per_expert for r in routings),
-        balance_loss=sum(r.balance_loss for r in routings),
-        z_loss=sum(r.z_loss for r in routings),
-        dropped=sum(r.dropped for r in routings),
+        tokens_per_expert=_sum(r.tokens_per_expert for r in routings),
+        balance_loss=_sum(r.balance_loss for r in routings),
+        z_loss=_sum(r.z_loss for r in routings),
+        dropped=_sum(r.dropped for r in routings),
     )
 
 

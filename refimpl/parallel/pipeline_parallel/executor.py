@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -47,8 +48,14 @@ from torch import nn
 
 from refimpl.comm.device_clock import DeviceClock, Stamp, StampField
 from refimpl.parallel.pipeline_parallel.p2p_plan import p2p_plan
-from refimpl.parallel.pipeline_parallel.pipeline_communications import message, post_group
-from refimpl.parallel.pipeline_parallel.schedules import Action, p2p_actions
+from refimpl.parallel.pipeline_parallel.pipeline_communications import (
+    Message,
+    PostedGroup,
+    message,
+    post_group,
+)
+from refimpl.parallel.pipeline_parallel.schedules import Action, P2PAction, p2p_actions
+from refimpl.parallel.pipeline_parallel.stage import as_stage
 from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore
 
 __all__ = ["PipelineEvent", "run_schedule"]
@@ -63,9 +70,9 @@ class PipelineEvent:
     kind: str
     stage: int
     microbatch: int
-    start: float = StampField()
-    ready: float = StampField()
-    end: float = StampField()
+    start: StampField[float] = StampField()
+    ready: StampField[float] = StampField()
+    end: StampField[float] = StampField()
 
 
 def run_schedule(actions: Sequence[Action], *, stages: dict[int, nn.Module],
@@ -96,23 +103,22 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, nn.Module],
     stage's balance losses, module docstring).
     """
     if num_stages is None:  # the stages' own count (the course GPT's stages carry it)
-        num_stages = next(iter(stages.values())).num_stages
+        num_stages = cast(int, next(iter(stages.values())).num_stages)  # a stage's attribute, not declared
     device = next(next(iter(stages.values())).parameters()).device
     now = clock if clock is not None else DeviceClock(device).mark
     if any(a.kind == "W" for a in actions) and store is None:
         raise ValueError("a schedule with W actions needs the WeightGradStore its stages defer into")
-    # (stage, micro-batch) -> the input, the output (or loss) and the stage's own loss (or None)
-    saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+    run = _Run(stages=stages, inputs=inputs, labels=labels, loss_fn=loss_fn, store=store,
+               scale_loss=scale_loss, aux_loss=aux_loss, device=device, total=torch.zeros((), device=device))
     plan = p2p_plan(actions, num_stages=num_stages, pp_size=pp_size, table=table)
-    outbox: dict = {}  # what the action just done sends, by message
 
-    def post(b: int):
-        return post_group(plan[b], outgoing=outbox.pop, shape=activation_shape, dtype=activation_dtype,
+    def post(b: int) -> PostedGroup | None:
+        return post_group(plan[b], outgoing=run.outbox.pop, shape=activation_shape, dtype=activation_dtype,
                           device=device, group=pp_group,
                           what=f"transfers {plan[b]} after {actions[b - 1]!r}" if b else "first receives")
 
-    pending, inbox = post(0), {}
-    total = torch.zeros((), device=device)
+    pending = post(0)
+    inbox: dict[Message, torch.Tensor] = {}
     for k, a in enumerate(actions):
         start = now()
         if pending is not None:  # the last boundary's group: its sends released, its receives in
@@ -121,44 +127,85 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, nn.Module],
         before, after = p2p_actions(a, num_stages=num_stages, pp_size=pp_size)
         received = inbox.pop(message(before[0])) if before else None  # the activation (F) or output grad (B)
         ready = now()
-        stage, key = stages[a.stage], (a.stage, a.microbatch)
         if a.kind == "F":
-            x = inputs[a.microbatch].to(device) if stage.is_first else received.requires_grad_()
-            y = stage(x)
-            aux = None if aux_loss is None else aux_loss(stage)
-            if stage.is_last:
-                y = loss_fn(y, labels[a.microbatch].to(device))
-                y = y if aux is None else y + aux
-                aux = None
-                total += y.detach()
-                y = y if scale_loss is None else scale_loss(y)
-            elif aux is not None:  # backpropagated in this stage's B, beside the received gradient
-                total += aux.detach()
-                aux = aux if scale_loss is None else scale_loss(aux)
-            saved[key] = (x, y, aux)
-            for t in after:
-                outbox[message(t)] = y
+            run.forward(a, received, after)
         elif a.kind == "B":
-            x, y, aux = saved.pop(key)
-            roots, grads = [y], [None if stage.is_last else received]
-            if aux is not None:
-                roots, grads = [y, aux], [received, None]
-            with store.capture(key) if store is not None else contextlib.nullcontext():
-                torch.autograd.backward(roots, grads)
-            roots = grads = None  # they hold the output and its gradient: released with this action
-            for t in after:
-                outbox[message(t)] = x.grad
+            run.backward(a, received, after)
         else:
-            store.flush(key)
-        x = y = aux = received = None  # drop this action's tensors: what stays alive is saved, sent or queued
+            run.weights(a)
+        received = None  # drop this action's tensors: what stays alive is saved, sent or queued
         pending = post(k + 1)
         if events is not None:
             events.append(PipelineEvent(kind=a.kind, stage=a.stage, microbatch=a.microbatch, start=start,
                                         ready=ready, end=now()))
     if pending is not None:
         pending.wait()
-    if saved:
-        raise RuntimeError(f"the schedule left {len(saved)} forwards without their backward: "
-                           f"{sorted(saved)[:4]}")
-    return total
+    if run.saved:
+        raise RuntimeError(f"the schedule left {len(run.saved)} forwards without their backward: "
+                           f"{sorted(run.saved)[:4]}")
+    return run.total
 
+
+@dataclass(kw_only=True, eq=False)
+class _Run:
+    """One ``run_schedule`` call: what its actions read, and what it keeps between them: ``saved``, each
+    (stage, micro-batch)'s input, output (or loss) and own loss (or None) until its ``B``; ``outbox``, what
+    the action just done sends, by message; ``total``, the sum of the losses (module docstring)."""
+
+    stages: dict[int, nn.Module]
+    inputs: Sequence[torch.Tensor] | None
+    labels: Sequence[torch.Tensor] | None
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    store: WeightGradStore | None
+    scale_loss: Callable[[torch.Tensor], torch.Tensor] | None
+    aux_loss: Callable[[nn.Module], torch.Tensor | None] | None
+    device: torch.device
+    total: torch.Tensor
+    saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(
+        default_factory=dict)
+    outbox: dict[Message, torch.Tensor] = field(default_factory=dict)
+
+    def forward(self, a: Action, received: torch.Tensor | None, after: list[P2PAction]) -> None:
+        """``F``: the stage on the micro-batch's tokens or the received activation; its output (on the last
+        stage the loss) is kept for the ``B`` and sent on; the stage's own loss kept or added."""
+        stage = self.stages[a.stage]
+        if as_stage(stage).is_first:
+            assert self.inputs is not None, "the first stage's rank needs the micro-batches' inputs"
+            x = self.inputs[a.microbatch].to(self.device)
+        else:
+            assert received is not None  # p2p_actions: every stage but the first receives its input
+            x = received.requires_grad_()
+        y = stage(x)
+        aux = None if self.aux_loss is None else self.aux_loss(stage)
+        if as_stage(stage).is_last:
+            assert self.labels is not None, "the last stage's rank needs the micro-batches' labels"
+            y = self.loss_fn(y, self.labels[a.microbatch].to(self.device))
+            y = y if aux is None else y + aux
+            aux = None
+            self.total += y.detach()
+            y = y if self.scale_loss is None else self.scale_loss(y)
+        elif aux is not None:  # backpropagated in this stage's B, beside the received gradient
+            self.total += aux.detach()
+            aux = aux if self.scale_loss is None else self.scale_loss(aux)
+        self.saved[(a.stage, a.microbatch)] = (x, y, aux)
+        for t in after:
+            self.outbox[message(t)] = y
+
+    def backward(self, a: Action, received: torch.Tensor | None, after: list[P2PAction]) -> None:
+        """``B``: backward from the received output gradient (the last stage: from the loss), with the
+        stage's own loss; the input's gradient is sent on. The tensors it held go with its return."""
+        key = (a.stage, a.microbatch)
+        x, y, aux = self.saved.pop(key)
+        roots, grads = [y], [None if as_stage(self.stages[a.stage]).is_last else received]
+        if aux is not None:
+            roots, grads = [y, aux], [received, None]
+        with self.store.capture(key) if self.store is not None else contextlib.nullcontext():
+            torch.autograd.backward(roots, grads)
+        for t in after:
+            assert x.grad is not None  # the input of a stage that sends a gradient is a received activation
+            self.outbox[message(t)] = x.grad
+
+    def weights(self, a: Action) -> None:
+        """``W``: the weight gradients queued under the action's (stage, micro-batch)."""
+        assert self.store is not None  # run_schedule refuses W actions without a store
+        self.store.flush((a.stage, a.microbatch))

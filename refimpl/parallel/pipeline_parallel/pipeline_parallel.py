@@ -25,11 +25,13 @@ import torch.distributed as dist
 from torch import nn
 
 from refimpl.comm import ops
+from refimpl.comm.device_clock import Stamp
 from refimpl.distributed.placement import LocalShard, module_shards
 from refimpl.parallel.declarations import declared
 from refimpl.parallel.pipeline_parallel.executor import PipelineEvent, run_schedule
 from refimpl.parallel.pipeline_parallel.pipeline_communications import sync_tied_embeddings
 from refimpl.parallel.pipeline_parallel.schedules import build_schedule, stage_rank
+from refimpl.parallel.pipeline_parallel.stage import as_stage
 from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, defer_weight_gradients
 
 __all__ = ["PipelineModule"]
@@ -57,14 +59,14 @@ class PipelineModule(nn.Module):
                 defer_weight_gradients(stage, self.store)
         self.num_stages = pp_size * virtual_stages
         first, last = stage_rank(0, pp_size=pp_size), stage_rank(self.num_stages - 1, pp_size=pp_size)
-        self.tied_peer = None  # the rank at the other end of a tied embedding
+        self.tied_peer: int | None = None  # the rank at the other end of a tied embedding
         ends = [s for s in (0, self.num_stages - 1) if s in found and found[s].tied_weight() is not None]
         if ends and first != last:
             self.tied_peer = last if pp_rank == first else first
         self.last_events: list[PipelineEvent] = []
         # where a parameter's gradient lives after backward: itself, or under ZeRO-2 (whose hooks cut each
         # gradient into its dp shard inside backward) the optimizer's shard (parallelize sets it)
-        self.gradient_holder: Callable[[nn.Parameter], torch.Tensor] = lambda param: param
+        self.gradient_holder: Callable[[torch.Tensor], torch.Tensor] = lambda param: param
         # what runs once the schedule's backwards are done, before the tied-embedding sum: under ZeRO-3 the
         # stages' gradient reduce-scatter, once per step (parallelize sets it)
         self.after_backward: Callable[[], None] | None = None
@@ -74,11 +76,12 @@ class PipelineModule(nn.Module):
         if self.tied_peer is None:
             return None
         end = "0" if 0 in self.stage_ids else str(self.num_stages - 1)
-        return self.stages[end].tied_weight()
+        return as_stage(self.stages[end]).tied_weight()
 
     def is_tied_copy(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is the last stage's copy of the tied embedding (the first stage counts it)."""
-        last = self.stages[str(self.num_stages - 1)] if str(self.num_stages - 1) in self.stages else None
+        end = str(self.num_stages - 1)
+        last = as_stage(self.stages[end]) if end in self.stages else None
         return last is not None and last.tied_copy and param is last.tied_weight()
 
     def tied_copy_name(self) -> str | None:
@@ -88,14 +91,14 @@ class PipelineModule(nn.Module):
         if weight is None or 0 in self.stage_ids:
             return None
         last = self.stages[str(self.num_stages - 1)]
-        return next(last.full_name(n) for n, p in last.named_parameters() if p is weight)
+        return next(as_stage(last).full_name(n) for n, p in last.named_parameters() if p is weight)
 
     def named_parameters_full(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters under their names in the whole model (the tied copy as the original)."""
         out = []
         for stage in self.stages.values():
             params = dict(stage.named_parameters())
-            out += [(stage.full_name(local), p) for local, p in params.items()]
+            out += [(as_stage(stage).full_name(local), p) for local, p in params.items()]
         return out
 
     def local_shards(self) -> dict[str, LocalShard]:
@@ -104,7 +107,7 @@ class PipelineModule(nn.Module):
         out: dict[str, LocalShard] = {}
         for stage in self.stages.values():
             for name, shard in module_shards(stage).items():
-                out.setdefault(stage.full_name(name), shard)
+                out.setdefault(as_stage(stage).full_name(name), shard)
         return out
 
     def forward(self, *args: object) -> None:
@@ -114,7 +117,7 @@ class PipelineModule(nn.Module):
     def step(self, inputs: torch.Tensor, labels: torch.Tensor, *, num_microbatches: int,
              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
              scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
-             clock: Callable[[], float] | None = None,
+             clock: Callable[[], Stamp] | None = None,
              aux_loss: Callable[[nn.Module], torch.Tensor | None] | None = None) -> torch.Tensor:
         """Forward and backward of ``inputs``/``labels`` (``[B, s]``, this data-parallel rank's batch) in
         ``num_microbatches`` micro-batches; returns the step's loss (the sum of the micro-batch losses) on
@@ -128,7 +131,7 @@ class PipelineModule(nn.Module):
             raise ValueError(f"{inputs.shape[0]} sequences do not split into {m} micro-batches")
         micro = inputs.shape[0] // m
         # [b, s, h] at every stage boundary ([b, s/t, h] under sequence parallelism)
-        hidden = self.stages[str(self.stage_ids[0])].hidden_size
+        hidden = as_stage(self.stages[str(self.stage_ids[0])]).hidden_size
         shape = (micro, inputs.shape[1] // self.sequence_split, hidden)
         self.last_events = []
         loss = run_schedule(actions, stages={s: self.stages[str(s)] for s in self.stage_ids},
@@ -141,6 +144,7 @@ class PipelineModule(nn.Module):
             self.after_backward()
         weight = self.tied_weight()
         if weight is not None:
+            assert self.tied_peer is not None  # tied_weight: None without a peer
             # the two ends hold the same rows of their gradients (whole, or the same ZeRO-2 shard)
             sync_tied_embeddings(self.gradient_holder(weight), peer=self.tied_peer, group=self.pp_group)
         ops.all_reduce(loss, group=self.pp_group)  # only the last stage's rank holds it: a sum with zeros

@@ -22,13 +22,33 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, Protocol, cast
 
+import torch
 from torch import nn
 
-__all__ = ["Balance", "split_blocks", "with_own_parameters"]
+__all__ = ["Balance", "PipelineStage", "as_stage", "split_blocks", "with_own_parameters"]
 
 Balance = Literal["layers", "parameters"]
+
+
+class PipelineStage(Protocol):
+    """What a stage module carries besides being an ``nn.Module`` (module docstring)."""
+
+    is_first: bool
+    is_last: bool
+    hidden_size: int
+    tied_copy: bool
+
+    def tied_weight(self) -> torch.Tensor | None: ...
+
+    def full_name(self, name: str) -> str: ...
+
+
+def as_stage(module: nn.Module) -> PipelineStage:
+    """``module``, a stage, read through what a stage carries (not checked: a stage without a member fails
+    where the member is read)."""
+    return cast(PipelineStage, module)
 
 
 def split_blocks(block_numels: Sequence[int], num_stages: int, *, balance: Balance = "layers",
@@ -59,7 +79,8 @@ def _min_max_partition(block: list[int], num_stages: int, first: int, head: int)
     def cost(s: int, a: int, b: int) -> float:  # stage s holding blocks a .. b-1
         return sum(block[a:b]) + (first if s == 0 else 0) + (head if s == num_stages - 1 else 0)
 
-    best = {(0, 0): (0.0, [])}  # (stages filled, blocks used) -> (max so far, sizes)
+    # (stages filled, blocks used) -> (max so far, sizes)
+    best: dict[tuple[int, int], tuple[float, list[int]]] = {(0, 0): (0.0, [])}
     for s in range(num_stages):
         nxt: dict[tuple[int, int], tuple[float, list[int]]] = {}
         for (_, used), (worst, sizes) in best.items():

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from refimpl.nn.linear import linear_with_grad
+from refimpl.nn.linear import WeightGradQueue, linear_with_grad
 
 __all__ = ["WeightGradStore", "defer_weight_gradients", "linear_deferred_weight"]
 
@@ -78,17 +79,26 @@ def linear_deferred_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return linear_with_grad(x, weight, bias, weight_grad_store=store)
 
 
+@runtime_checkable
+class _DefersWeightGradients(Protocol):
+    """A linear layer of the seam that takes a store for its weight gradients (``refimpl.nn.Linear``, the
+    tensor-parallel ``ColumnParallelLinear`` and ``RowParallelLinear``): any module with the attribute."""
+
+    weight_grad_store: WeightGradQueue | None
+
+
 def defer_weight_gradients(module: nn.Module, store: WeightGradStore) -> nn.Module:
     """Make every linear layer in ``module`` queue its weight gradient in ``store`` (in place): the seam's
     layers (``refimpl.nn.Linear``, the tensor-parallel ``ColumnParallelLinear`` and
     ``RowParallelLinear``: anything with a ``weight_grad_store`` attribute) are given the store, and a plain
     ``nn.Linear`` has its forward replaced by ``linear_deferred_weight``."""
     for linear in module.modules():
-        if hasattr(linear, "weight_grad_store"):
+        if isinstance(linear, _DefersWeightGradients):
             linear.weight_grad_store = store
         elif isinstance(linear, nn.Linear):
             def forward(x: torch.Tensor, _lin: nn.Linear = linear) -> torch.Tensor:
                 return linear_deferred_weight(x, _lin.weight, _lin.bias, store)
 
-            linear.forward = forward
+            # the ignore: the instance's forward replaces the class's on purpose (torch calls self.forward)
+            linear.forward = forward  # type: ignore[method-assign,assignment]
     return module

@@ -45,6 +45,7 @@ column, ``"in"`` row) and ``tp_group`` to agree the fp8 scales over the group.
 from __future__ import annotations
 
 import math
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -78,7 +79,10 @@ def _init_uniform_(t: torch.Tensor, fan_in: int) -> None:
 
 
 
-def _sharded_from(cls: type, linear: nn.Linear, *, tp_group: Group, **kw) -> nn.Module:
+_ParallelLinear = TypeVar("_ParallelLinear", "ColumnParallelLinear", "RowParallelLinear")
+
+
+def _sharded_from(cls: type[_ParallelLinear], linear: nn.Linear, *, tp_group: Group, **kw) -> _ParallelLinear:
     """A ``cls`` layer of ``linear``'s sizes whose tensors are copied from the boxes it declares."""
     layer = cls(linear.in_features, linear.out_features, tp_group=tp_group, bias=linear.bias is not None,
                 device=linear.weight.device, dtype=linear.weight.dtype, **kw)
@@ -120,9 +124,8 @@ class ColumnParallelLinear(nn.Module):
                                              type(self).__name__)
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.weight_grad_store: WeightGradQueue | None = None  # zero-bubble's deferred dW (module docstring)
-        kw = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, **kw))
-        self.bias = nn.Parameter(torch.empty(self.out_per_rank, **kw)) if bias else None
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(self.out_per_rank, device=device, dtype=dtype)) if bias else None
         with torch.no_grad():
             _init_uniform_(self.weight, in_features)
             if self.bias is not None:
@@ -192,9 +195,8 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = _divide(in_features, self.tp_size, "in_features", type(self).__name__)
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.weight_grad_store: WeightGradQueue | None = None  # zero-bubble's deferred dW (module docstring)
-        kw = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, **kw))
-        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         with torch.no_grad():
             _init_uniform_(self.weight, in_features)
             if self.bias is not None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 from torch import nn
 
@@ -42,6 +42,8 @@ from refimpl.parallel.tensor_parallel.vocab_parallel import TiedVocabParallelHea
 
 __all__ = ["ColwiseParallel", "ParallelStyle", "ParamSplit", "RowwiseParallel", "SequenceParallel",
            "TiedVocabParallelOutput", "VocabParallel"]
+
+_M = TypeVar("_M", bound=nn.Module)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,9 +76,11 @@ def _sp(style: object, tp_group: Group) -> bool:
     return bool(getattr(style, "sequence_parallel", False)) and group_size(tp_group) > 1
 
 
-def _expect(module: nn.Module, kind: type, style: object) -> None:
-    if type(module) is not kind and not isinstance(module, kind):
+def _expect(module: nn.Module, kind: type[_M], style: object) -> _M:
+    """``module``, which ``style`` takes only as a ``kind`` (else a ``TypeError``)."""
+    if not isinstance(module, kind):
         raise TypeError(f"{type(style).__name__} takes an nn.{kind.__name__}, got {type(module).__name__}")
+    return module
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,8 +91,8 @@ class ColwiseParallel:
     sequence_parallel: bool = False
 
     def apply(self, module: nn.Module, *, tp_group: Group, root: nn.Module) -> nn.Module:
-        _expect(module, nn.Linear, self)
-        return ColumnParallelLinear.from_linear(module, tp_group=tp_group, chunks=self.chunks,
+        linear = _expect(module, nn.Linear, self)
+        return ColumnParallelLinear.from_linear(linear, tp_group=tp_group, chunks=self.chunks,
                                                 sequence_parallel=_sp(self, tp_group))
 
     def split(self, name: str) -> ParamSplit:
@@ -102,8 +106,8 @@ class RowwiseParallel:
     sequence_parallel: bool = False
 
     def apply(self, module: nn.Module, *, tp_group: Group, root: nn.Module) -> nn.Module:
-        _expect(module, nn.Linear, self)
-        return RowParallelLinear.from_linear(module, tp_group=tp_group,
+        linear = _expect(module, nn.Linear, self)
+        return RowParallelLinear.from_linear(linear, tp_group=tp_group,
                                              sequence_parallel=_sp(self, tp_group))
 
     def split(self, name: str) -> ParamSplit:
@@ -130,7 +134,8 @@ class SequenceParallel:
 
     def apply(self, module: nn.Module, *, tp_group: Group, root: nn.Module) -> nn.Module:
         if group_size(tp_group) > 1 and not hasattr(module, "sequence_parallel_parameters"):
-            module.__class__ = _sequence_parallel_class(type(module))
+            # the ignore: mypy checks type[Module] as Hashable against Module's unbound __hash__
+            module.__class__ = _sequence_parallel_class(type(module))  # type: ignore[arg-type]
         return module
 
     def split(self, name: str) -> ParamSplit:
@@ -145,9 +150,9 @@ class VocabParallel:
     pad_vocab: bool = False
 
     def apply(self, module: nn.Module, *, tp_group: Group, root: nn.Module) -> nn.Module:
-        _expect(module, nn.Embedding, self)
+        embedding = _expect(module, nn.Embedding, self)
         return VocabParallelEmbedding.from_embedding(
-            module, tp_group=tp_group, pad_vocab=self.pad_vocab,
+            embedding, tp_group=tp_group, pad_vocab=self.pad_vocab,
             reduce_scatter_embeddings=_sp(self, tp_group))
 
     def split(self, name: str) -> ParamSplit:

@@ -197,7 +197,7 @@ def reduce_scatter_grads(
     if not with_grad:
         return
     specs = [sp.spec for sp in with_grad]
-    grads = [sp.unsharded.grad for sp in with_grad]
+    grads = [g for sp in with_grad if (g := sp.unsharded.grad) is not None]  # all of them
     if reduce_dtype is not None:
         grads = [g.to(reduce_dtype) for g in grads]
     # [S]: this rank's padded shard, the mean (an expert unit: the sum over edp divided by dp x cp)

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,9 @@ from refimpl.precision.fp8 import (
     operand_amax,
     quantize,
 )
+
+if TYPE_CHECKING:
+    from refimpl.parallel.zero.fully_sharded_data_parallel import FullyShardedDataParallel
 
 __all__ = ["Float8Gather", "agree_amaxes", "byte_spec", "enable_float8_all_gather", "float8_gather_inputs",
            "float8_gather_outputs", "float8_unit", "release_float8", "use_float8"]
@@ -93,14 +96,14 @@ def _float8_config(module: nn.Module) -> Float8Config | None:
     tensor-parallel block's whose seam matmul is fp8 (``refimpl.precision.fp8.Float8Matmul``)."""
     if isinstance(module, Float8Linear):
         config = module.config
-    elif isinstance(getattr(module, "matmul", None), Float8Matmul):
-        config = module.matmul.config
+    elif isinstance(matmul := getattr(module, "matmul", None), Float8Matmul):
+        config = matmul.config
     else:
         return None
     return config if config.scaling == "tensorwise" else None
 
 
-def enable_float8_all_gather(fsdp: nn.Module) -> list[str]:
+def enable_float8_all_gather(fsdp: FullyShardedDataParallel) -> list[str]:
     """Give every weight of ``fsdp`` (a ``refimpl.parallel.zero.FullyShardedDataParallel``, before
     its first forward) that only tensorwise fp8 layers read (``Float8Linear``, or tensor-parallel blocks
     with the fp8 seam matmul) an fp8 all-gather (module docstring). Returns the layers' names in the
@@ -109,13 +112,15 @@ def enable_float8_all_gather(fsdp: nn.Module) -> list[str]:
     enabled = []
     for unit in fsdp.units:
         for sp in unit.params:
-            layers = [m for m, attr in sp.registrations if attr == "weight" and _float8_config(m) is not None]
+            found = [(m, c) for m, attr in sp.registrations
+                     if attr == "weight" and (c := _float8_config(m)) is not None]
+            layers = [m for m, _ in found]
             if not layers or len(layers) != len(sp.registrations):  # read elsewhere too: keep param_dtype
                 continue
-            fmt = _float8_config(layers[0]).weight_format
-            if any(_float8_config(m).weight_format != fmt for m in layers):
+            fmt = found[0][1].weight_format
+            if any(c.weight_format != fmt for _, c in found):
                 continue
-            matmuls = [m.matmul for m in layers if isinstance(getattr(m, "matmul", None), Float8Matmul)]
+            matmuls = [mm for m in layers if isinstance(mm := getattr(m, "matmul", None), Float8Matmul)]
             sharded = [mm.sharded for mm in matmuls if mm.sharded is not None]
             data = torch.empty(sp.spec.shape, dtype=fmt.dtype, device=sp.sharded.device)
             _free(data)
@@ -195,7 +200,9 @@ def _hand(layer: nn.Module, weight_fp8: Float8Tensor | None) -> None:
     if isinstance(layer, Float8Linear):
         layer.weight_fp8 = weight_fp8
     else:
-        layer.matmul = dataclasses.replace(layer.matmul, weight_fp8=weight_fp8)
+        matmul = layer.matmul
+        assert isinstance(matmul, Float8Matmul)  # the other fp8 layer (_float8_config)
+        layer.matmul = dataclasses.replace(matmul, weight_fp8=weight_fp8)
 
 
 def use_float8(unit: FSDPUnit) -> None:

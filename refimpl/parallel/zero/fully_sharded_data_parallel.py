@@ -130,7 +130,8 @@ class FullyShardedDataParallel(nn.Module):
         root.hooks.append(module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
         root.hooks.append(module.register_forward_hook(self._root_post_forward))
         if declare_on_module:  # FSDP2's in-place shape: the module itself now says what this rank holds
-            module.local_shards = self.local_shards
+            # the ignore: torch types Module.__setattr__'s value as Tensor | Module, not a method
+            module.local_shards = self.local_shards  # type: ignore[assignment]
         for unit in self.units[1:]:
             unit.hooks.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
             unit.hooks.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
@@ -284,7 +285,8 @@ class FullyShardedDataParallel(nn.Module):
         self._unshard_for_forward(self._root)
         if self.param_dtype is None:
             return None
-        return _cast_floats(args, self.param_dtype), kwargs  # FSDP2's cast_forward_inputs (token ids stay)
+        # FSDP2's cast_forward_inputs (token ids stay)
+        return tuple(_cast_floats(a, self.param_dtype) for a in args), kwargs
 
     def _root_post_forward(self, module: nn.Module, args: tuple, output: object) -> object:
         self._use(self._root, "sharded")

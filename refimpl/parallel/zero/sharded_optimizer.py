@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -86,7 +87,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         zero_stage: int = 1,
         bucket_numel: int = 2**20,
         shard_groups: Mapping[torch.Tensor, ShardGroup] | None = None,
-        **optimizer_kwargs: object,
+        **optimizer_kwargs: Any,
     ) -> None:
         if zero_stage not in (1, 2):
             raise ValueError(f"ShardedOptimizer is ZeRO stages 1 and 2, got zero_stage={zero_stage!r}; "
@@ -107,10 +108,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(params, dict(optimizer_kwargs))
         self.optimizer = optimizer_cls(self._inner_groups, **optimizer_kwargs)
         self.state = self.optimizer.state  # keyed by the shard views
-        for group, inner in zip(self.param_groups, self.optimizer.param_groups, strict=True):
+        for outer, inner in zip(self.param_groups, self.optimizer.param_groups, strict=True):
             for key, value in inner.items():
                 if key != "params":
-                    group.setdefault(key, value)
+                    outer.setdefault(key, value)
 
     # -- construction ----------------------------------------------------------------------------------
 
@@ -231,6 +232,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                        group=self.group, world_size=self.world_size)
 
     # -- the step --------------------------------------------------------------------------------------
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

@@ -161,8 +161,8 @@ def _weight_grad(c: Float8Config, sharded: ShardedScales | None, g: torch.Tensor
     """``dW = g^T x`` (``[N, M] @ [M, K]``) in ``g``'s dtype, in two steps: the casts now (with their
     scales' all-reduces, if any), the GEMM when the returned function is called (zero-bubble's ``W``: no
     collective runs there, and what waits is the fp8 bytes)."""
-    reuse = c.scaling == "tensorwise" and g_rows is not None                           # the same bytes
-    g_cols = g_rows if reuse else _cast(c, sharded, g, "grad", c.grad_format, 0)       # per column [1, N]
+    g_cols = (g_rows if c.scaling == "tensorwise" and g_rows is not None               # the same bytes
+              else _cast(c, sharded, g, "grad", c.grad_format, 0))                     # per column [1, N]
     x_cols = _cast(c, sharded, x, "x", c.input_format, 0)                              # per column [1, K]
     def gemm() -> torch.Tensor:
         return scaled_mm(_pad_rows(g_cols, 0).t(), _pad_rows(x_cols, 0), out_dtype=g.dtype)
@@ -172,8 +172,8 @@ def _weight_grad(c: Float8Config, sharded: ShardedScales | None, g: torch.Tensor
 class _Float8LinearFunction(torch.autograd.Function):
     """``x [M, K] @ W[N, K]^T`` with the three fp8 GEMMs of the module docstring."""
 
-    @staticmethod
-    def forward(ctx, x, weight, config: Float8Config, out_dtype: torch.dtype,
+    @staticmethod  # autograd.Function.apply passes the inputs positionally
+    def forward(ctx, x, weight, config: Float8Config, out_dtype: torch.dtype,  # noqa: PLR0917
                 weight_fp8: Float8Tensor | None, sharded: ShardedScales | None):
         c = config
         ctx.config, ctx.weight_fp8, ctx.sharded = config, weight_fp8, sharded
