@@ -35,6 +35,7 @@ transformers = pytest.importorskip("transformers")
 from refimpl.models import rope as rope_module  # noqa: E402
 from refimpl.models.convert import llama_config_from_hf, llama_from_hf, llama_to_hf  # noqa: E402
 from refimpl.models.rope import rope_frequencies  # noqa: E402
+from tests.hf_compare import EPS64_OVER_EPS32, distances, scales  # noqa: E402
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
@@ -44,7 +45,6 @@ CASES = {
                               rope_parameters=LLAMA3),
     "mqa untied": dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False),
 }
-EPS64_OVER_EPS32 = 2.0 ** -29
 
 
 def _hf_config(**kw) -> transformers.LlamaConfig:
@@ -105,20 +105,6 @@ def _run(case: str, dtype: torch.dtype, *, qkv_in_hf_order: bool = False, interl
     return out
 
 
-def _distances(run: dict) -> dict[str, float]:
-    hf, ours = run["hf"], run["ours"]
-    out = {"logits": (hf["logits"] - ours["logits"]).abs().max().item()}
-    for name, g in hf["grads"].items():
-        out[name] = (g - ours["grads"][name]).abs().max().item()
-    return out
-
-
-def _scales(run: dict) -> dict[str, float]:
-    hf = run["hf"]
-    grads = {n: g.abs().max().item() for n, g in hf["grads"].items()}
-    return {"logits": hf["logits"].abs().max().item(), **grads}
-
-
 @pytest.mark.parametrize("rope_parameters", [{"rope_type": "default", "rope_theta": 10000.0}, LLAMA3])
 def test_rope_frequencies_are_hugging_faces(rope_parameters):
     config = _hf_config(num_attention_heads=4, num_key_value_heads=2, rope_parameters=rope_parameters)
@@ -134,9 +120,9 @@ def test_rope_frequencies_are_hugging_faces(rope_parameters):
 @pytest.mark.numerics
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_llama_form_equals_hugging_faces_llama_in_float64(case):
-    d32, d64 = _distances(_run(case, torch.float32)), _distances(_run(case, torch.float64))
+    d32, d64 = distances(_run(case, torch.float32)), distances(_run(case, torch.float64))
     run64 = _run(case, torch.float64)
-    scale = _scales(run64)
+    scale = scales(run64)
     ratios = {}
     for name, dist in d64.items():
         ulp_floor = 4 * torch.finfo(torch.float64).eps * scale[name]
@@ -151,8 +137,8 @@ def test_the_llama_form_equals_hugging_faces_llama_in_float64(case):
 @pytest.mark.parametrize(("control", "kw"), [("qkv rows in HF's order", {"qkv_in_hf_order": True})])
 def test_a_wrong_conversion_misses_by_orders_of_magnitude(control, kw):
     case = "gqa untied llama3"
-    d32 = _distances(_run(case, torch.float32))
-    wrong = _distances(_run(case, torch.float64, **kw))
+    d32 = distances(_run(case, torch.float32))
+    wrong = distances(_run(case, torch.float64, **kw))
     tol = max(16 * d32["logits"] * EPS64_OVER_EPS32, 1e-15)
     assert wrong["logits"] > 1e6 * tol, control
 

@@ -41,10 +41,10 @@ from refimpl.models.mla import MultiLatentAttention
 from refimpl.models.moe import MoEMLP, SharedExperts
 from refimpl.models.rope import rope_frequencies
 from refimpl.train import build_parser, config_from_args
+from tests.hf_compare import EPS64_OVER_EPS32, distances, scales
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # built from configs: never download
 
-EPS64_OVER_EPS32 = 2.0 ** -29
 HF_BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
                num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8,
                qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=4, num_experts_per_tok=2,
@@ -153,20 +153,6 @@ def _run(case: str, dtype: torch.dtype, *, rope_interleave: bool | None = None, 
     return out
 
 
-def _distances(run: dict) -> dict[str, float]:
-    hf, ours = run["hf"], run["ours"]
-    out = {"logits": (hf["logits"] - ours["logits"]).abs().max().item()}
-    for name, g in hf["grads"].items():
-        out[name] = (g - ours["grads"][name]).abs().max().item()
-    return out
-
-
-def _scales(run: dict) -> dict[str, float]:
-    hf = run["hf"]
-    grads = {n: g.abs().max().item() for n, g in hf["grads"].items()}
-    return {"logits": hf["logits"].abs().max().item(), **grads}
-
-
 def _tolerances(d32: dict[str, float], scale: dict[str, float]) -> dict[str, float]:
     ulp = torch.finfo(torch.float64).eps
     return {n: max(16 * d32[n] * EPS64_OVER_EPS32, 4 * ulp * scale[n]) for n in d32}
@@ -177,7 +163,7 @@ def _tolerances(d32: dict[str, float], scale: dict[str, float]) -> dict[str, flo
 def test_the_deepseek_form_equals_hugging_faces_deepseek_v3_in_float64(case):
     start = time.perf_counter()
     run32, run64 = _run(case, torch.float32), _run(case, torch.float64)
-    d32, d64, scale = _distances(run32), _distances(run64), _scales(run64)
+    d32, d64, scale = distances(run32), distances(run64), scales(run64)
     # the yardstick is float32 rounding (HF's own code, unpatched): no routing flip, no hidden difference
     assert all(d32[n] <= 1e-4 * max(scale[n], 1e-3) for n in d32), d32
     tol = _tolerances(d32, scale)
@@ -201,10 +187,10 @@ def test_the_deepseek_form_equals_hugging_faces_deepseek_v3_in_float64(case):
     ("shared expert left out", "moe, shared expert, first block dense", {"drop_shared": True}),
 ])
 def test_a_wrong_conversion_misses_by_orders_of_magnitude(control, case, kw):
-    d32 = _distances(_run(case, torch.float32))
+    d32 = distances(_run(case, torch.float32))
     wrong = _run(case, torch.float64, **kw)
-    tol = _tolerances(d32, _scales(wrong))["logits"]
-    off = _distances(wrong)["logits"]
+    tol = _tolerances(d32, scales(wrong))["logits"]
+    off = distances(wrong)["logits"]
     print(f"{control}: logits off by {off:.1e}, {off / tol:.1e} x the tolerance")
     assert off > 1e6 * tol, control
 

@@ -25,7 +25,8 @@ def _project_files() -> list[Path]:
     return [p for p in files if p.suffix in SUFFIXES and p != Path(__file__).resolve()]
 
 
-def test_no_project_file_cites_an_issue_number():
+def _found(pattern: re.Pattern) -> list[str]:
+    """``file:line`` of each match of ``pattern`` in the project's text files."""
     found = []
     for path in _project_files():
         try:
@@ -33,20 +34,17 @@ def test_no_project_file_cites_an_issue_number():
         except UnicodeDecodeError:
             continue
         found += [f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group()}"
-                  for m in ISSUE.finditer(text)]
-    assert not found, found
+                  for m in pattern.finditer(text)]
+    return found
+
+
+def test_no_project_file_cites_an_issue_number():
+    assert not _found(ISSUE), _found(ISSUE)
     assert len(_project_files()) > 200  # control: the walk found the project
 
 
 def test_no_project_file_uses_a_sphinx_role():
-    found = []
-    for path in _project_files():
-        try:
-            text = path.read_text()
-        except UnicodeDecodeError:
-            continue
-        found += [f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"
-                  for m in ROLE.finditer(text)]
+    found = _found(ROLE)
     assert not found, found[:20]
 
 

@@ -88,13 +88,25 @@ def _split_qkv(fused: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, 
     return q.reshape(-1, fused.shape[-1]), k.reshape(-1, fused.shape[-1]), v.reshape(-1, fused.shape[-1])
 
 
-def _ours(hf_state: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+def _outer_states(hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our embedding, final norm and output layer from a Hugging Face decoder's state (tied: the same
+    table)."""
     embed = hf_state["model.embed_tokens.weight"]
-    out = {"embedding.word_embeddings.weight": embed, "final_layernorm.weight": hf_state["model.norm.weight"],
-           "output_layer.weight": hf_state.get("lm_head.weight", embed)}  # tied: the same table
+    return {"embedding.word_embeddings.weight": embed,
+            "final_layernorm.weight": hf_state["model.norm.weight"],
+            "output_layer.weight": hf_state.get("lm_head.weight", embed)}
+
+
+def _layer_states(hf_state: Mapping[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+    """Block ``i``'s tensors of a Hugging Face decoder's state, by their names inside the block."""
+    return {k.removeprefix(f"model.layers.{i}."): t for k, t in hf_state.items()
+            if k.startswith(f"model.layers.{i}.")}
+
+
+def _ours(hf_state: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    out = _outer_states(hf_state)
     for i in range(config.num_layers):
-        hf = {k.removeprefix(f"model.layers.{i}."): t for k, t in hf_state.items()
-              if k.startswith(f"model.layers.{i}.")}
+        hf = _layer_states(hf_state, i)
         ours = {f"layers.{i}.{mine}": hf[theirs] for theirs, mine in _RENAMES.items()}
         q, k, v = (hf[f"self_attn.{n}_proj.weight"] for n in "qkv")
         ours[f"layers.{i}.self_attention.query_key_value.weight"] = _fused_qkv(q, k, v, config)
@@ -253,12 +265,9 @@ def deepseek_v3_state_from_hf(hf_config: Mapping,
     mla = config.mla
     a, n, r, c = config.num_attention_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank
     interleaved = hf_config.get("rope_interleave", True)
-    embed = hf_state["model.embed_tokens.weight"]
-    out = {"embedding.word_embeddings.weight": embed, "final_layernorm.weight": hf_state["model.norm.weight"],
-           "output_layer.weight": hf_state.get("lm_head.weight", embed)}  # tied: the same table
+    out = _outer_states(hf_state)
     for i in range(config.num_layers):
-        hf = {k.removeprefix(f"model.layers.{i}."): t for k, t in hf_state.items()
-              if k.startswith(f"model.layers.{i}.")}
+        hf = _layer_states(hf_state, i)
         ours = {f"layers.{i}.{mine}": hf[theirs] for theirs, mine in _DEEPSEEK_RENAMES.items()
                 if theirs in hf}
         q_name, q_mine = (("self_attn.q_proj.weight", "linear_q_proj") if config.q_lora_rank is None
