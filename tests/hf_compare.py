@@ -21,3 +21,24 @@ def scales(run: dict) -> dict[str, float]:
     hf = run["hf"]
     grads = {n: g.abs().max().item() for n, g in hf["grads"].items()}
     return {"logits": hf["logits"].abs().max().item(), **grads}
+
+
+def rms_norm_in_input_dtype(norm, x):
+    """Hugging Face's RMSNorm without its float32 cast (``norm.weight``, ``norm.variance_epsilon``): a float64
+    model then normalises in float64, as ours does."""
+    import torch
+
+    return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+
+
+def rotary_in_float64(freqs):
+    """A rotary embedding's ``forward(x, position_ids) -> (cos, sin)`` whose angles are float64 (``freqs``:
+    our inverse frequencies), in place of Hugging Face's float32 ones (rotate-half layout)."""
+    import torch
+
+    def forward(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = position_ids[..., None].double() * freqs
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+    return forward

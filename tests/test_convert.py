@@ -35,7 +35,13 @@ transformers = pytest.importorskip("transformers")
 from refimpl.models import rope as rope_module  # noqa: E402
 from refimpl.models.convert import llama_config_from_hf, llama_from_hf, llama_to_hf  # noqa: E402
 from refimpl.models.rope import rope_frequencies  # noqa: E402
-from tests.hf_compare import EPS64_OVER_EPS32, distances, scales  # noqa: E402
+from tests.hf_compare import (  # noqa: E402
+    EPS64_OVER_EPS32,
+    distances,
+    rms_norm_in_input_dtype,
+    rotary_in_float64,
+    scales,
+)
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
@@ -59,19 +65,10 @@ def _float64_throughout(hf_model: torch.nn.Module, ours_config) -> None:
     float64 angles of our (checked) frequencies."""
     freqs = rope_frequencies(ours_config)
 
-    def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
-
     for module in hf_model.modules():
         if type(module).__name__ == "LlamaRMSNorm":
-            module.forward = functools.partial(rms_norm, module)
-
-    def forward(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = position_ids[..., None].double() * freqs
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-
-    hf_model.model.rotary_emb.forward = forward
+            module.forward = functools.partial(rms_norm_in_input_dtype, module)
+    hf_model.model.rotary_emb.forward = rotary_in_float64(freqs)
 
 
 def _run(case: str, dtype: torch.dtype, *, qkv_in_hf_order: bool = False, interleaved_rope: bool = False):

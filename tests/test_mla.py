@@ -41,7 +41,7 @@ from refimpl.models.mla import MultiLatentAttention
 from refimpl.models.moe import MoEMLP, SharedExperts
 from refimpl.models.rope import rope_frequencies
 from refimpl.train import build_parser, config_from_args
-from tests.hf_compare import EPS64_OVER_EPS32, distances, scales
+from tests.hf_compare import EPS64_OVER_EPS32, distances, rms_norm_in_input_dtype, rotary_in_float64, scales
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # built from configs: never download
 
@@ -71,10 +71,6 @@ def _hf_config(case: str):
     return _transformers().DeepseekV3Config(**{**HF_BASE, **CASES[case]})
 
 
-def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
-
-
 def _router(gate: torch.nn.Module, hidden_states: torch.Tensor):
     """HF's ``DeepseekV3TopkRouter.forward`` in the input's dtype (it casts to float32), ``n_group = 1``."""
     hidden_states = hidden_states.view(-1, gate.hidden_dim)
@@ -95,17 +91,12 @@ def _float64_throughout(hf_model: torch.nn.Module, ours_config: ModelConfig) -> 
     for module in hf_model.modules():
         name = type(module).__name__
         if name == "DeepseekV3RMSNorm":
-            module.forward = functools.partial(_rms_norm, module)
+            module.forward = functools.partial(rms_norm_in_input_dtype, module)
         elif name == "DeepseekV3TopkRouter":
             assert module.num_group == 1
             module.forward = functools.partial(_router, module)
 
-    def rotary(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = position_ids[..., None].double() * freqs
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-
-    hf_model.model.rotary_emb.forward = rotary
+    hf_model.model.rotary_emb.forward = rotary_in_float64(freqs)
 
 
 def _hf_model(case: str, dtype: torch.dtype):
