@@ -9,11 +9,20 @@ sets it) while the plain one fails that check (the control), and the result is t
 raises behind the link is reported as from plain ``run_ranks``, by rank; a rate that ``tc`` would not take is
 refused before anything starts. Where the kernel refuses an unprivileged network namespace, or ``tc`` is
 missing, the timing tests are skipped with the reason (``.ci/run`` installs iproute2).
+
+The trainer's ``--link`` (``python -m refimpl.train --nproc-per-node 2 --link 20mbit``): its torchrun and
+ranks run behind the shaped loopback, so each step lasts at least half the time its bytes (the tracer's,
+both ranks') take at the link's rate; the same run without ``--link`` fails that check (the control). A bad
+rate, or ``--link`` without ``--nproc-per-node``, is one line and exit status 2.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,3 +93,49 @@ def test_a_rate_tc_would_not_take_is_refused_before_anything_starts(link):
 def test_rates_tc_takes_are_kept():
     assert [check_link(r) for r in ("400mbit", "1GBIT", " 2.5gbit ", "800kbit")] == \
         ["400mbit", "1gbit", "2.5gbit", "800kbit"]
+
+
+TRAINER = ["--arch", "gpt2", "--num-layers", "2", "--hidden-size", "64", "--num-heads", "4",
+           "--seq-len", "32", "--batch-size", "4", "--steps", "3", "--warmup-steps", "1", "--log-every", "1",
+           "--checkpoint-every", "0", "--no-report", "--no-demo-fault"]
+TRAINER_RATE, TRAINER_RATE_BYTES_PER_S = "20mbit", 20e6 / 8
+
+
+def _train(corpus: dict, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "refimpl.train", *TRAINER, "--data", str(corpus["corpus"]), "--cache-dir",
+           str(corpus["cache"]), "--out", str(out), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def _steps_against_the_link(out: Path) -> list[tuple[float, float]]:
+    """Per step after the first: (its seconds, the seconds its bytes take at the link's rate), from
+    metrics.jsonl (both ranks' bytes cross the one shaped loopback)."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    tokens = 4 * 32  # --batch-size x --seq-len
+    return [(tokens / r["tokens_per_s"], 2 * sum(r["bytes_sent"].values()) / TRAINER_RATE_BYTES_PER_S)
+            for r in records[1:]]
+
+
+@needs_link
+@pytest.mark.timeout(3 * TIMEOUT_S)
+def test_the_trainer_runs_its_ranks_behind_the_link(corpus, tmp_path):
+    shaped = _train(corpus, tmp_path / "shaped", "--nproc-per-node", "2", "--link", TRAINER_RATE)
+    assert shaped.returncode == 0, shaped.stderr[-3000:]
+    steps = _steps_against_the_link(tmp_path / "shaped")
+    assert steps and all(seconds >= 0.5 * link for seconds, link in steps), steps
+    plain = _train(corpus, tmp_path / "plain", "--nproc-per-node", "2")  # the control: no link
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert not any(seconds >= 0.5 * link for seconds, link in _steps_against_the_link(tmp_path / "plain"))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--nproc-per-node", "2", "--link", "fast"], "--link: link='fast': give a rate such as"),
+    (["--link", "20mbit"], "--link shapes the link between the ranks the trainer launches"),
+])
+def test_a_bad_link_is_one_line_and_exit_2(corpus, tmp_path, capsys, extra, message):
+    from refimpl.train.cli import main
+
+    argv = [*TRAINER, "--data", str(corpus["corpus"]), "--out", str(tmp_path / "bad"), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err

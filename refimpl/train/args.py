@@ -114,6 +114,10 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     run.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                      help="gloo: CPU ranks, also on a GPU box; nccl: a GPU per rank (default: nccl when each "
                      "rank gets a GPU, gloo without CUDA; too few GPUs for the ranks is refused)")
+    run.add_argument("--link", default=None, metavar="RATE",
+                     help="with --nproc-per-node: the ranks' traffic crosses a loopback shaped to RATE (e.g. "
+                     "400mbit, 1gbit) in a private network namespace (Linux: unshare and tc, iproute2), so "
+                     "communication sets the pace as on a cluster's network")
     run.add_argument("--max-restarts", type=int, default=3,
                      help="with --nproc-per-node: torchrun restarts the ranks this often after a failure")
     run.add_argument("--demo-fault", action=argparse.BooleanOptionalAction, default=None,

@@ -33,6 +33,8 @@ from refimpl.distributed import init_distributed, teardown
 from refimpl.distributed.device_lint import DeviceLint, device_lint_enabled
 from refimpl.distributed.env import preexec_exit_with_parent
 from refimpl.elastic.faults import is_planned
+from refimpl.launch.shaped_exec import shaped_command
+from refimpl.launch.shaped_link import check_link, shaped_link_unavailable
 from refimpl.train.args import RunOptions, build_parser, config_from_args, options_from_args
 from refimpl.train.loop import SIGTERM_EXIT, Preempted, train
 from refimpl.train.preflight import check_fits, preflight_memory, preflight_resume, survivor_layout
@@ -79,6 +81,33 @@ def _demo_announcement(demo: list[str], options: RunOptions, start: int | None) 
             "run (--no-demo-fault turns this off)")
 
 
+def _without(argv: list[str], *flags: str) -> list[str]:
+    """``argv`` without ``flags`` and their values (``--flag V`` or ``--flag=V``)."""
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif not a.startswith(tuple(f"{f}=" for f in flags)):
+            rest.append(a)
+    return rest
+
+
+def _shaped_link(link: str | None) -> str | None:
+    """``--link``'s rate as ``tc`` takes it, None without; a ConfigError for a bad rate or a machine that
+    cannot shape a link (``refimpl.launch.shaped_link``), before anything starts."""
+    if link is None:
+        return None
+    try:
+        rate = check_link(link)
+    except ValueError as exc:
+        raise ConfigError(f"--link: {exc}") from None
+    if (why := shaped_link_unavailable()) is not None:
+        raise ConfigError(f"--link {rate}: {why}")
+    return rate
+
+
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Re-run this command under torchrun with ``--nproc-per-node`` ranks (our flag removed)."""
     n = args.nproc_per_node
@@ -87,14 +116,8 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     if not n.isdigit() or int(n) < 1:
         print(f"error: --nproc-per-node must be a positive integer or 'auto', got {n!r}", file=sys.stderr)
         return 2
-    rest, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc-per-node":
-            skip = True
-        elif not a.startswith("--nproc-per-node="):
-            rest.append(a)
+    rest = _without(argv, "--nproc-per-node", "--link")  # the launcher's flags, not the ranks'
+    link = _shaped_link(args.link)
     config, options = config_from_args(args), options_from_args(args)
     dims = options.parallel_dims(int(n))  # a layout that does not fit the ranks is refused before torchrun
     preflight_memory(config, options, world_size=int(n), ranks_per_node=int(n), force=args.force,
@@ -108,6 +131,8 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
         rest += ["--demo-fault", *demo]
         print(_demo_announcement(demo, options, start), flush=True)
     cmd = elastic.torchrun_command(rest, nproc_per_node=int(n), max_restarts=args.max_restarts)
+    if link is not None:  # torchrun and its ranks inside a namespace behind the shaped loopback
+        cmd = shaped_command(cmd, rate=link, caller=os.getpid())
     print("launching:", " ".join(cmd[1:]), flush=True)
     started = time.time()
     code = subprocess.call(cmd, env=elastic.elastic_env(), preexec_fn=preexec_exit_with_parent())
@@ -155,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.nproc_per_node is not None and not under_launcher:
             return _launch(args, argv)
+        if args.link is not None and not under_launcher:
+            raise ConfigError("--link shapes the link between the ranks the trainer launches: give "
+                              "--nproc-per-node N too")
         config, options = config_from_args(args), options_from_args(args)
         if args.demo_fault and options.faults.any:  # the self-launch's demonstration: told as planned
             options = replace(options, faults=replace(options.faults, demo=True))
