@@ -235,7 +235,7 @@ def _halves(rows: torch.Tensor, start: int, r: int) -> torch.Tensor:
     pairs ``(0, 1), (2, 3), ...``, reordered to rotate-half's halves ``0, 2, 4, ..., 1, 3, 5, ...``: the
     rotation HF's ``rope_interleave`` applies to the interleaved dims is ours on the reordered ones (and the
     scores, a dot product over the same permutation of the query's and the key's dims, are unchanged)."""
-    order = torch.cat((torch.arange(0, r, 2), torch.arange(1, r, 2)))  # [r]
+    order = torch.cat((torch.arange(0, r, 2, device=rows.device), torch.arange(1, r, 2, device=rows.device)))
     out = rows.clone()
     out[start:start + r] = rows[start:start + r][order]
     return out
