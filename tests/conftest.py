@@ -62,7 +62,7 @@ SUBPROCESS = {
     "test_browser", "test_chapters", "test_deploy", "test_elastic", "test_exercises", "test_notebook",
     "test_p2p_strict", "test_plan_cli", "test_planner_layout", "test_pp_schedules", "test_rank_lifetime",
     "test_train", "test_train_fp8", "test_device_lint", "test_bench_gpu", "test_readme", "test_shaped_link",
-    "test_overlap",
+    "test_overlap", "test_history",
 }
 CHAPTER = {"test_chapters"}
 BROWSER = {"test_browser"}
