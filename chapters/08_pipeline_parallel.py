@@ -27,7 +27,10 @@
 # * **1F1B** (Narayanan et al. 2021, PipeDream-Flush): after a warm-up, one forward, one backward;
 # * **interleaved 1F1B** (Narayanan et al. 2021, Megatron-LM): $v$ smaller stages per rank;
 # * **ZB-H1** (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward split into the input
-#   gradient `B` and the weight gradient `W`, the `W`s moved into the bubble.
+#   gradient `B` and the weight gradient `W`, the `W`s moved into the bubble;
+# * **ZB-V** (Qi et al. 2023, section 6; the V shapes of Qi et al. 2024, "Pipeline Parallelism with
+#   Controllable Memory"): two chunks per rank placed in a V, `B` and `W` split (DeepSeek-V3's DualPipe
+#   places its chunks so too).
 #
 # Everything here lives in `refimpl.parallel.pipeline_parallel`: the schedules as data (`schedules`), a
 # simulator that checks and times them (`simulator`), the GPT cut into stages (`stage`), the sends and
@@ -40,7 +43,7 @@
 # 2. every schedule's loss and gradients equal one device's on the same micro-batch split, at p = 2 and 4
 #    (bitwise; a tied embedding within the measured order spread), and so do PyTorch's own schedules
 #    (`torch.distributed.pipelining`) run over the same stage modules; our action lists are compared with
-#    PyTorch's tables, one of which is wrong;
+#    PyTorch's tables, one of which is wrong; ZB-V too, against `ScheduleZBVZeroBubble`;
 # 3. the bubble measured from the recorded events of real runs is within 3 percentage points of
 #    $\frac{p-1}{m+p-1}$ for GPipe and 1F1B over a sweep of $m$, smaller for interleaved, smaller still
 #    for ZB-H1;
@@ -64,7 +67,10 @@ from refimpl.parallel.pipeline_parallel import (
     ScheduleError,
     bubble_formula,
     build_schedule,
+    schedule_placement,
     simulate,
+    stage_rank,
+    validate,
 )
 from refimpl.planner import param_count, state_memory
 
@@ -152,10 +158,10 @@ def draw_timeline(ax, per_rank, *, title, unit=1.0, label_stage=False):
 
 
 def simulated(name, *, p, m, v=1):
-    """The simulated run of `name` with unit stage costs (interleaved stages 1/v of a stage)."""
+    """The simulated run of `name` with unit stage costs (interleaved and ZB-V stages 1/v of a stage)."""
     costs = Costs(forward=1 / v, backward=1 / v, weight=1 / v)
     return simulate(build_schedule(name, pp_size=p, num_microbatches=m, virtual_stages=v),
-                    num_microbatches=m, virtual_stages=v, costs=costs)
+                    num_microbatches=m, virtual_stages=v, costs=costs, placement=schedule_placement(name))
 
 
 def as_rows(sim):
@@ -163,7 +169,7 @@ def as_rows(sim):
 
 
 fig, axes = plt.subplots(4, 1, figsize=(10, 7.5), sharex=True)
-for ax, name in zip(axes, SCHEDULES, strict=True):
+for ax, name in zip(axes, ("gpipe", "1f1b", "interleaved", "zbh1"), strict=True):  # ZB-V: end of section 3
     v = V_SHOW if name == "interleaved" else 1
     sim = simulated(name, p=P, m=M_SHOW, v=v)
     formula = bubble_formula(name, pp_size=P, num_microbatches=M_SHOW, virtual_stages=v)
@@ -530,6 +536,105 @@ assert whole == ours_zb.peak_in_flight and all(whole[r] < ours_inter.peak_in_fli
 # interleaved 1F1B on the first ones: zero bubble and interleaving combine, for interleaving's price, twice
 # the transfers of a one-chunk schedule (which the next section measures).
 #
+# ### ZB-V: two chunks per rank in a V
+#
+# DeepSeek-V3 trains with DualPipe (DeepSeek-AI 2024): each rank holds two chunks, stage $r$ and stage
+# $2p-1-r$, so the model goes down the ranks and comes back up, a **V**. ZB-V (Qi et al. 2023, section 6;
+# Qi et al. 2024 generalise the V shapes) is the zero-bubble schedule for that placement (DualPipeV, its
+# DeepSeek form, adds overlapped forward-backward pairs: not built here). The V does three things: the
+# first and the last stage share rank 0 (the loss is computed where the token ids are, and a tied embedding
+# is one tensor: nothing to exchange); the turn, stage $p-1$ to stage $p$, is on rank $p-1$, a hand-over in
+# place, no send; and each rank's warm-up down the V overlaps its drain back up, so the `W`s of both
+# chunks fill what is left. `stage_rank(s, pp_size=p, placement="v")`
+# says where a stage lives, and every user of the placement (the transfers, the simulator, the stages, the
+# executor) takes it. Below: the placement at p = 4, our lists against PyTorch's `ScheduleZBVZeroBubble`
+# tables (its `I` is our `B`), and the simulated bubble against 1F1B and ZB-H1 at the same p = 4, m = 8,
+# unit costs per whole stage (a ZB-V chunk costs half). The closed form (`bubble_formula`), found with the
+# simulator and checked on a grid of costs in `tests/test_pp_schedules.py`: each rank idles
+# $I = (p-1)\max(t_B, 2(t_B - t_W))$ in chunk costs, bubble $\frac{I}{2m(t_F+t_B+t_W) + I}$, exactly for
+# $m \ge 2p$ and $t_F, t_W \le t_B$, a lower bound otherwise; at equal costs $\frac{p-1}{6m+p-1}$ against
+# ZB-H1's $\frac{p-1}{3m+p-1}$: half the idle time.
+
+# %%
+from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble as TorchZBV
+
+P_V = 4
+for placement in ("loop", "v"):
+    held = {r: [s for s in range(2 * P_V) if stage_rank(s, pp_size=P_V, placement=placement) == r]
+            for r in range(P_V)}
+    print(f"{placement:4s} placement, 8 stages on 4 ranks: {held}")
+for p_, m_ in ((2, 2), (2, 4), (4, 4), (4, 8)):
+    order = TorchZBV([stand_in(p_, 2, s) for s in (0, 2 * p_ - 1)], m_).pipeline_order
+    theirs = [[Action(KIND[a.computation_type.value], a.stage_index, a.microbatch_index) for a in order[r]
+               if a is not None and a.computation_type.value in KIND] for r in range(p_)]
+    same = theirs == build_schedule("zbv", pp_size=p_, num_microbatches=m_, virtual_stages=2)
+    print(f"p = {p_}, m = {m_}: PyTorch's ZB-V table == ours: {same}")
+    assert same
+zbv = build_schedule("zbv", pp_size=P_V, num_microbatches=8, virtual_stages=2)
+print("zbv rank 0:", " ".join(map(repr, zbv[0][:14])), "...")
+try:  # the negative control: the V's lists under the loop placement put stage 7 on rank 3, not 0
+    validate(zbv, num_microbatches=8, virtual_stages=2)
+    raise AssertionError("the V's lists passed under the loop placement")
+except ScheduleError as e:
+    print("under the loop placement:", e)
+sims = {name: simulated(name, p=P_V, m=8, v=2 if name == "zbv" else 1) for name in ("1f1b", "zbh1", "zbv")}
+for name, sim in sims.items():
+    formula = bubble_formula(name, pp_size=P_V, num_microbatches=8, virtual_stages=2 if name == "zbv" else 1)
+    assert abs(sim.bubble - formula) < 1e-12, (name, sim.bubble, formula)
+    print(f"{name:5s} p = 4, m = 8: simulated bubble {sim.bubble:.4f}, formula {formula:.4f}, in flight per "
+          f"rank {sim.peak_in_flight}{' (half-size chunks)' if name == 'zbv' else ''}")
+assert sims["zbv"].bubble < sims["zbh1"].bubble < sims["1f1b"].bubble
+assert [k / 2 for k in sims["zbv"].peak_in_flight] == [P_V] * P_V  # 1F1B's rank 0 (p), on every rank
+fig, axes = plt.subplots(2, 1, figsize=(10, 3.6), sharex=True)
+for ax, name in zip(axes, ("zbh1", "zbv"), strict=True):
+    draw_timeline(ax, as_rows(sims[name]), label_stage=True,
+                  title=f"{name}, p = 4, m = 8: simulated bubble {sims[name].bubble:.3f}")
+axes[-1].set_xlabel("time (units of one forward of a whole stage; pale = the chunk on the way back up)")
+fig.tight_layout()
+
+# %% [markdown]
+# ZB-V idles half as long as ZB-H1 here (bubble 0.059 against 0.111, printed), at the activation memory of
+# 1F1B's rank 0 on every rank ($2p$ chunk-micro-batches of half a stage). The proof that it computes what one device computes, on the ranks:
+# each pipeline builds its stages in the V (`build_stages(..., placement="v")`), runs its ZB-V list with
+# the deferred weight gradients, and compares loss and every gradient with one device as above (the tied
+# embedding: one tensor on rank 0 whose two uses add in the pipeline's order, within the order spread).
+
+# %%
+# %%px
+def ours_v(tied, group):
+    """ZB-V on this pipeline; the gradients under the GPT's names (a tensor two stages share, once)."""
+    pp, me = dist.get_world_size(group), dist.get_rank(group)
+    stages = build_stages(GPT(config(tied), seed=0).to(device), pp_rank=me, pp_size=pp, virtual_stages=2,
+                          placement="v")
+    store = WeightGradStore()
+    for stage in stages.values():
+        defer_weight_gradients(stage, store)
+    x, y = batch(M)
+    loss = run_schedule(build_schedule("zbv", pp_size=pp, num_microbatches=M, virtual_stages=2)[me],
+                        stages=stages, pp_group=group, pp_size=pp, inputs=x.chunk(M), labels=y.chunk(M),
+                        loss_fn=loss_fn, activation_shape=(B, S, H), activation_dtype=torch.float32,
+                        store=store, placement="v")
+    dist.all_reduce(loss, group=group)  # only rank 0, the last stage's, holds it
+    grads, seen = {}, set()
+    for stage in stages.values():
+        params = dict(stage.named_parameters())
+        for local, full in stage.full_names().items():
+            if id(params[local]) not in seen:
+                grads[full] = params[local].grad.detach().clone()
+            seen.add(id(params[local]))
+    return loss.item(), grads
+
+
+zbv_equal = {(pp, tied): compare(ours_v(tied, group), tied) for pp, group in pp_groups.items()
+             for tied in (False, True)}
+assert all(ok and exact and (r is None or r <= 1) for ok, exact, r in zbv_equal.values()), zbv_equal
+
+# %%
+for (pp, tied), (ok, exact, ratio) in ranks.run(lambda: zbv_equal)[0].items():
+    print(f"zbv p = {pp} {'tied  ' if tied else 'untied'}: loss equal {ok}, other gradients bitwise {exact}"
+          + (f", tied embedding |diff| / tolerance {ratio:.2f}" if ratio is not None else ""))
+
+# %% [markdown]
 # ## 4. The bubble, measured
 #
 # Now the bubble of real runs, from the events `run_schedule` records (`PipelineEvent`: when an action
@@ -926,7 +1031,7 @@ fig.tight_layout()
 
 # %%
 def draw_schedule(schedule="interleaved", p=4, m=8, v=2):
-    v = v if schedule == "interleaved" else 1
+    v = {"interleaved": v, "zbv": 2}.get(schedule, 1)  # ZB-V: two chunks, always
     try:
         sim = simulated(schedule, p=p, m=m, v=v)
     except ValueError as e:  # e.g. interleaved with m not a multiple of p
@@ -963,7 +1068,8 @@ ranks.stop()
 #   schedule gives one device's bits.
 # * GPipe and 1F1B share the bubble $\frac{p-1}{m+p-1}$; 1F1B holds $p - r$ micro-batches instead of $m$.
 #   Interleaving divides the ramp by $v$ for $v$ times the transfers; zero bubble fills it with weight
-#   gradients at 1F1B's memory.
+#   gradients at 1F1B's memory; ZB-V's two chunks in a V halve ZB-H1's idle time, the loss and a tied
+#   embedding on rank 0 and the turn a hand-over in place.
 # * More micro-batches shrink the bubble, but they are a larger global batch or smaller kernels.
 #
 # ## Exercise

@@ -43,7 +43,7 @@ PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8")  # chapter 05 (fp8
 FP8_SCALINGS: tuple[str, ...] = ("tensorwise", "rowwise")  # chapter 10: torchao's two dynamic recipes
 CP_METHODS: tuple[str, ...] = ("ring", "ulysses")  # chapter 07: ring attention, DeepSpeed-Ulysses
 CP_LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")  # chapter 07: how the ring splits the sequence
-PP_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zbh1")  # chapter 08
+PP_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")  # chapter 08
 PP_BALANCES: tuple[str, ...] = ("layers", "parameters")  # chapter 08: how blocks are cut into stages
 
 

@@ -63,7 +63,7 @@ SUPPORT_TABLE: tuple[Unsupported, ...] = (
                "when the unit's backward ends, and zbh1 adds the weight gradients later, in its W actions; "
                "use ZeRO-3's default under pp (each stage gathered once and reduced once per step, after the "
                "last W), or 1f1b",
-        applies=lambda c: (c.zero_stage == 3 and c.pp > 1 and c.pp_schedule == "zbh1"
+        applies=lambda c: (c.zero_stage == 3 and c.pp > 1 and c.pp_schedule in ("zbh1", "zbv")
                            and c.zero3_reshard_per_microbatch)),
     Unsupported(
         name="zero3-reshard-without-zero3-pp",
@@ -94,8 +94,19 @@ SUPPORT_TABLE: tuple[Unsupported, ...] = (
     Unsupported(
         name="virtual-stages-without-interleaving",
         when="virtual stages > 1 without the interleaved schedule",
-        reason="only interleaved 1F1B runs several model chunks per rank; use --pp-schedule interleaved",
-        applies=lambda c: c.virtual_stages > 1 and c.pp_schedule != "interleaved"),
+        reason="only interleaved 1F1B and ZB-V run several model chunks per rank; use --pp-schedule "
+               "interleaved",
+        applies=lambda c: c.virtual_stages > 1 and c.pp_schedule not in ("interleaved", "zbv")),
+    Unsupported(
+        name="zbv-two-chunks", when="the zbv schedule without --virtual-stages 2",
+        reason="ZB-V runs exactly two model chunks per rank, placed in a V (rank r holds stages r and "
+               "2 pp - 1 - r); pass --virtual-stages 2",
+        applies=lambda c: c.pp > 1 and c.pp_schedule == "zbv" and c.virtual_stages != 2),
+    Unsupported(
+        name="zbv-fp8", when="the zbv schedule with --precision fp8",
+        reason="fp8's deferred weight gradients are measured against one device under zbh1 only (its W "
+               "actions read the fp8 casts kept since B); use --pp-schedule zbh1 with fp8",
+        applies=lambda c: c.pp > 1 and c.pp_schedule == "zbv" and c.precision == "fp8"),
 )
 
 

@@ -184,6 +184,7 @@ LAYOUTS = {
     "pp2-1f1b": PP, "pp2-gpipe": [*PP, "--pp-schedule", "gpipe"],
     "pp2-interleaved": [*PP, "--pp-schedule", "interleaved", "--virtual-stages", "2"],
     "pp2-zbh1": [*PP, "--pp-schedule", "zbh1"],
+    "pp2-zbv": [*PP, "--pp-schedule", "zbv", "--virtual-stages", "2"],
     "ep2": MOE, "ep2-bf16": [*MOE, "--precision", "bf16"],
     "fp16": ["--precision", "fp16"], "bf16": ["--precision", "bf16"],
     "fp8-tensorwise": FP8, "fp8-rowwise": [*FP8, "--fp8-scaling", "rowwise"],

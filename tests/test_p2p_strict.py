@@ -46,7 +46,7 @@ from refimpl.planner import ring_bytes_sent
 
 ROOT = Path(__file__).resolve().parents[1]
 SPAWN_TIMEOUT_S = 240
-CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1)]
+CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zbv", 2)]
 M, B, S = 4, 2, 8
 
 

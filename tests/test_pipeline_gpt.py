@@ -24,7 +24,7 @@ from refimpl.config import ModelConfig
 from refimpl.launch import RankFailed, run_ranks
 from refimpl.models import GPT, lm_loss
 from refimpl.models.gpt_stages import build_stages
-from refimpl.parallel.pipeline_parallel import build_schedule
+from refimpl.parallel.pipeline_parallel import SPLIT_BACKWARD, build_schedule, schedule_placement
 from refimpl.parallel.pipeline_parallel.executor import run_schedule
 from refimpl.parallel.pipeline_parallel.pipeline_communications import sync_tied_embeddings
 from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, defer_weight_gradients
@@ -32,7 +32,7 @@ from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, defe
 SPAWN_TIMEOUT_S = 240
 FACTOR = 4.0
 M, B, S = 4, 2, 8  # micro-batches, sequences per micro-batch, tokens per sequence
-CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1)]
+CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zbv", 2)]
 
 
 def _config(tied: bool) -> ModelConfig:
@@ -52,8 +52,9 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def _pipeline(pp: int, rank: int, name: str, v: int, tied: bool, *, sync_tied: bool = True) -> dict:
     model = GPT(_config(tied), seed=0)
-    stages = build_stages(model, pp_rank=rank, pp_size=pp, virtual_stages=v)
-    store = WeightGradStore() if name == "zbh1" else None
+    placement = schedule_placement(name)  # ZB-V's V: stages r and 2 pp - 1 - r on rank r
+    stages = build_stages(model, pp_rank=rank, pp_size=pp, virtual_stages=v, placement=placement)
+    store = WeightGradStore() if name in SPLIT_BACKWARD else None
     if store is not None:
         for stage in stages.values():
             defer_weight_gradients(stage, store)
@@ -61,16 +62,18 @@ def _pipeline(pp: int, rank: int, name: str, v: int, tied: bool, *, sync_tied: b
     loss = run_schedule(build_schedule(name, pp_size=pp, num_microbatches=M, virtual_stages=v)[rank],
                         stages=stages, pp_group=None, pp_size=pp, inputs=inputs.chunk(M),
                         labels=labels.chunk(M), loss_fn=_loss, activation_shape=(B, S, 16),
-                        activation_dtype=torch.float32, store=store)
+                        activation_dtype=torch.float32, store=store, placement=placement)
     first, last = stages.get(0), stages.get(pp * v - 1)
-    if sync_tied and tied and pp > 1 and (first is not None or last is not None):
+    if sync_tied and tied and pp > 1 and (first is None) != (last is None):  # the V: both ends on rank 0
         weight = first.embedding.word_embeddings.weight if first is not None else last.output_layer.weight
         sync_tied_embeddings(weight, peer=pp - 1 if first is not None else 0, group=None)
-    grads = {}
+    grads, seen = {}, set()
     for stage in stages.values():
         for local, full in stage.full_names().items():
             p = dict(stage.named_parameters())[local]
-            grads[full] = p.grad.numpy().copy()  # numpy: tensors would travel as shared memory
+            if id(p) not in seen:  # the V's tied embedding: one tensor in two stages, under its first name
+                grads[full] = p.grad.numpy().copy()  # numpy: tensors would travel as shared memory
+            seen.add(id(p))
     dist.all_reduce(loss)  # only the last stage's rank holds it
     return {"loss": loss.item(), "grads": grads}
 

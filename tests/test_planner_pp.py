@@ -443,3 +443,22 @@ def test_pipeline_with_zero_3_is_planned_with_its_gathered_stages_and_zbh1_with_
     zbh1 = run_memory_per_rank(config, ParallelDims(dp=1, tp=2, pp=2), micro_batch=1, seq_len=S,
                                pp_schedule="zbh1")  # the TP layers defer their dW: no longer refused
     assert zbh1.activations and zbh1.total > 0
+
+
+def test_the_planner_refuses_zbv_by_name_and_plans_zbh1():
+    """ZB-V's V placement and its deferred weight gradients are not modelled: the pipeline memory model and
+    ``predict_run`` refuse ``zbv`` in one sentence naming it, where the same call with zbh1 plans."""
+    from refimpl.config import ParallelConfig
+    from refimpl.planner.pipeline import ZBV_NOT_MODELLED
+    from refimpl.planner.run_prediction import predict_run
+
+    kwargs = dict(pp=2, num_microbatches=4, micro_batch=B, seq_len=S)
+    with pytest.raises(ValueError, match="does not model the zbv schedule") as info:
+        pipeline_memory_per_rank(_config(), schedule="zbv", virtual_stages=2, **kwargs)
+    assert str(info.value) == ZBV_NOT_MODELLED and "\n" not in ZBV_NOT_MODELLED
+    assert pipeline_memory_per_rank(_config(), schedule="zbh1", **kwargs)  # the control plans
+    with pytest.raises(ValueError, match="predict_run: the planner does not model the zbv schedule"):
+        predict_run(_config(), ParallelConfig(dp=1, pp=2, pp_schedule="zbv", virtual_stages=2,
+                                              microbatches=4), seq_len=S, global_batch=4 * B, micro_batch=B)
+    assert predict_run(_config(), ParallelConfig(dp=1, pp=2, pp_schedule="zbh1", microbatches=4), seq_len=S,
+                       global_batch=4 * B, micro_batch=B).bubble is not None

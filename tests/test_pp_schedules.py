@@ -1,7 +1,11 @@
 """Pipeline schedules as data (chapter 08): every schedule on a grid of ``p``, ``m``, ``v`` is valid, runs
 without deadlock in the simulator, and its simulated bubble is the textbook formula; 1F1B holds at most
 ``p - r`` micro-batches on rank ``r`` where GPipe holds ``m``; our interleaved lists are torch's
-``ScheduleInterleaved1F1B.pipeline_order``, action for action. Negative controls: a backward before its
+``ScheduleInterleaved1F1B.pipeline_order``, action for action, and our ZB-V lists torch's
+``ScheduleZBVZeroBubble.pipeline_order`` (its ``I``, the input gradient, is our ``B``). ZB-V's bubble is
+``bubble_formula``'s closed form for ``m >= 2p`` with ``t_F, t_W <= t_B`` and never below it (a grid of
+costs), its plan passes the strict NCCL rule, and it holds ``2p`` half-size chunk-micro-batches on every
+rank (1F1B's rank 0: ``p`` whole ones). Negative controls: a backward before its
 forward, a missing or misplaced action, and an order that deadlocks are each refused with one clear line.
 The old name ``zb1p`` (the paper's ZB-1p is its searched schedule, not our handcrafted ZB-H1) is refused by
 ``build_schedule`` and by the trainer's command line, with the right name.
@@ -29,15 +33,19 @@ from refimpl.parallel.pipeline_parallel import (
     bubble_formula,
     build_schedule,
     p2p_actions,
+    schedule_placement,
     simulate,
+    stage_rank,
     validate,
 )
+from refimpl.parallel.pipeline_parallel.p2p_plan import p2p_plan, strict_deadlock
 from refimpl.parallel.pipeline_parallel.schedules import ZB1P_HINT
 
 ROOT = Path(__file__).resolve().parents[1]
 
 GRID = [(name, p, m, 1) for name in ("gpipe", "1f1b", "zbh1") for p in (1, 2, 3, 4) for m in (1, 2, 3, 5, 8)]
 GRID += [("interleaved", p, m, v) for p in (1, 2, 4) for v in (1, 2, 3) for m in (p, 2 * p, 4 * p)]
+GRID += [("zbv", p, m, 2) for p in (1, 2, 3, 4) for m in sorted({1, 3, p, 2 * p - 1, 2 * p, 3 * p})]
 
 
 @pytest.mark.parametrize("name, p, m, v", GRID, ids=[f"{n}-p{p}-m{m}-v{v}" for n, p, m, v in GRID])
@@ -45,14 +53,16 @@ def test_every_schedule_is_valid_and_its_simulated_bubble_is_the_formula(name, p
     schedule = build_schedule(name, pp_size=p, num_microbatches=m, virtual_stages=v)
     assert len(schedule) == p
     costs = Costs(forward=1.0, backward=1.3, weight=0.7)  # unequal F, B, W: the formulas must still hold
-    if name == "interleaved":  # v chunks per rank, each 1/v of the layers
+    if name in ("interleaved", "zbv"):  # v chunks per rank, each 1/v of the layers
         costs = Costs(forward=1.0 / v, backward=1.3 / v, weight=0.7 / v)
-    sim = simulate(schedule, num_microbatches=m, virtual_stages=v, costs=costs)
+    sim = simulate(schedule, num_microbatches=m, virtual_stages=v, costs=costs,
+                   placement=schedule_placement(name))
     formula = bubble_formula(name, pp_size=p, num_microbatches=m, virtual_stages=v,
                              costs=Costs(forward=1.0, backward=1.3, weight=0.7))
-    if name in ("gpipe", "1f1b", "interleaved") or (name == "zbh1" and m >= p):
+    steady = {"zbh1": m >= p, "zbv": m >= 2 * p}.get(name, True)  # the zero-bubble ones need a steady state
+    if steady:
         assert sim.bubble == pytest.approx(formula, abs=1e-12), (sim.bubble, formula)
-    else:  # ZB-H1 with fewer micro-batches than stages: no steady state, the W s cannot fill the drain
+    else:  # ZB-H1 (ZB-V) with fewer micro-batches than stages (2p): no steady state to fill the drain
         assert sim.bubble >= formula - 1e-12
     if name == "1f1b":
         assert sim.peak_in_flight == [min(p - r, m) for r in range(p)]
@@ -60,6 +70,72 @@ def test_every_schedule_is_valid_and_its_simulated_bubble_is_the_formula(name, p
         assert sim.peak_in_flight == [m] * p
     if name == "zbh1":
         assert max(sim.peak_in_flight) <= p  # 1F1B's memory bound (the deferred W s ride within it)
+    if name == "zbv":  # 2p chunk-micro-batches of half a stage each: 1F1B's rank-0 bytes, on every rank
+        assert max(sim.peak_in_flight) <= 2 * p
+        assert m < 2 * p or sim.peak_in_flight == [2 * p] * p
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_the_zbv_bubble_is_the_closed_form_on_a_grid_of_costs_and_never_below_it(p):
+    """``I = (p-1) max(t_B, 2 (t_B - t_W))`` idle per rank (chunk costs): equal for ``m >= 2p`` and
+    ``t_F, t_W <= t_B``, a lower bound everywhere on the grid (``t_F > t_B``: the forwards, not the
+    backwards, set the pace and the formula does not hold)."""
+    values = (0.25, 0.5, 1.0, 2.0)
+    grid = itertools.product(values, values, (0.0, *values))
+    for (f, b, w), m in itertools.product(grid, (2, 2 * p, 3 * p)):
+        chunk = Costs(forward=f, backward=b, weight=w)
+        sim = simulate(build_schedule("zbv", pp_size=p, num_microbatches=m, virtual_stages=2),
+                       num_microbatches=m, virtual_stages=2, costs=chunk, placement="v")
+        formula = bubble_formula("zbv", pp_size=p, num_microbatches=m, virtual_stages=2,
+                                 costs=Costs(forward=2 * f, backward=2 * b, weight=2 * w))  # whole stages
+        if m >= 2 * p and f <= b and w <= b:
+            assert sim.bubble == pytest.approx(formula, abs=1e-12), (f, b, w, m)
+        else:
+            assert sim.bubble >= formula - 1e-12, (f, b, w, m)
+    assert bubble_formula("zbv", pp_size=p, num_microbatches=2 * p, virtual_stages=2) == pytest.approx(
+        (p - 1) / (6 * 2 * p + p - 1))  # equal costs: (p-1)/(6m + p - 1), half of ZB-H1's (p-1)/(3m + p - 1)
+
+
+@pytest.mark.parametrize("p, m", [(2, 1), (2, 2), (2, 3), (2, 4), (3, 6), (4, 4), (4, 5), (4, 8)])
+def test_zbv_is_torch_schedule_zbv_zero_bubble_action_for_action(p, m):
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble, _ComputationType
+
+    stages = [_fake_stage(0, p, 2, index) for index in (0, 2 * p - 1)]  # rank 0's V (the table: every rank's)
+    table = ScheduleZBVZeroBubble(stages, m).pipeline_order
+    kinds = {_ComputationType.FORWARD: "F", _ComputationType.BACKWARD_INPUT: "B",
+             _ComputationType.BACKWARD_WEIGHT: "W"}
+    ours = build_schedule("zbv", pp_size=p, num_microbatches=m, virtual_stages=2)
+    for rank in range(p):
+        theirs = [Action(kinds[a.computation_type], a.stage_index, a.microbatch_index)
+                  for a in table[rank] if a is not None]
+        assert ours[rank] == theirs, rank
+        assert {a.stage for a in ours[rank]} == {rank, 2 * p - 1 - rank}  # the V
+
+
+def test_the_v_placement_hands_the_turn_over_in_place_and_its_plan_cannot_deadlock():
+    p = 4
+    assert [stage_rank(s, pp_size=p, placement="v") for s in range(2 * p)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert [stage_rank(s, pp_size=p) for s in range(2 * p)] == [0, 1, 2, 3, 0, 1, 2, 3]  # the loop, as before
+
+    def moves(kind: str, stage: int) -> tuple[list, list]:
+        before, after = p2p_actions(Action(kind, stage, 0), num_stages=2 * p, pp_size=p, placement="v")
+        return [(t.kind, t.peer) for t in before], [(t.kind, t.peer) for t in after]
+
+    assert moves("F", 3) == ([("recv_activation", 2)], [])  # in from rank 2, nothing out: the turn
+    assert moves("F", 4) == ([], [("send_activation", 2)])  # stage 4 takes stage 3's output on rank 3
+    assert moves("B", 4) == ([("recv_grad", 2)], [])  # its input gradient stays on rank 3 too
+    assert moves("B", 3) == ([], [("send_grad", 2)])
+    assert moves("F", 7) == ([("recv_activation", 1)], [])  # the last stage, on rank 0: the loss there
+    for p, m in [(2, 2), (2, 5), (3, 6), (4, 8)]:
+        table = build_schedule("zbv", pp_size=p, num_microbatches=m, virtual_stages=2)
+        plans = [p2p_plan(table[r], num_stages=2 * p, pp_size=p, placement="v") for r in range(p)]
+        assert strict_deadlock(plans) is None, (p, m)
+    # negative controls: the V's table under the loop placement is refused, and so is zbv with 1 chunk
+    with pytest.raises(ScheduleError, match="which rank"):
+        validate(build_schedule("zbv", pp_size=2, num_microbatches=4, virtual_stages=2), num_microbatches=4,
+                 virtual_stages=2)
+    with pytest.raises(ValueError, match="virtual_stages must be 2"):
+        build_schedule("zbv", pp_size=2, num_microbatches=4)
 
 
 def test_the_bubble_shrinks_as_the_papers_say():

@@ -45,6 +45,9 @@ def test_every_row_has_a_case_and_names_are_unique():
     names = [row.name for row in SUPPORT_TABLE]
     assert len(set(names)) == len(names) and set(names) == set(CASES)
 
+    "zbv-two-chunks": (dict(pp=2, pp_schedule="zbv"), dict(pp=2, pp_schedule="zbv", virtual_stages=2)),
+    "zbv-fp8": (dict(pp=2, pp_schedule="zbv", virtual_stages=2, precision="fp8"),
+                dict(pp=2, pp_schedule="zbh1", precision="fp8")),
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_each_row_refuses_its_case_and_lets_the_neighbour_through(name):

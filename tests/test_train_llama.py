@@ -62,6 +62,9 @@ LAYOUTS = {  # name -> (model, the trainer's flags at world size 4)
     "pp2-dp2-gpipe": ("gqa", ["--pp", "2", "--microbatches", "2", "--pp-schedule", "gpipe"]),
     "pp2-dp2-interleaved": ("gqa-4", ["--pp", "2", "--microbatches", "2", "--pp-schedule", "interleaved",
                                       "--virtual-stages", "2"]),
+    # ZB-V: stages 0 and 3 on pp rank 0 (the loss there), 1 and 2 on pp rank 1 (a local turn), B and W split
+    "pp2-dp2-zbv": ("gqa-4", ["--pp", "2", "--microbatches", "2", "--pp-schedule", "zbv",
+                              "--virtual-stages", "2"]),
     "dp4-fp8": ("gqa", ["--precision", "fp8"]),  # the linears' three GEMMs in fp8 (chapter 10)
     "tp2-dp2-mqa-zero2": ("mqa", ["--tp", "2", "--zero-stage", "2"]),  # 2 ranks share the k/v head
     "tp4-gqa-sp": ("gqa", ["--tp", "4", "--sequence-parallel"]),  # 2 ranks share each of the 2 k/v heads

@@ -77,6 +77,10 @@ LAYOUTS = {
     # checkpoint's saved-tensor hooks as another tensor object; each deferred dW must reach the Parameter
     "pp2-dp2-zbh1-actckpt": (["--pp", "2", "--microbatches", "2", "--pp-schedule", "zbh1",
                               "--activation-checkpointing"], "fp32"),
+    # ZB-V with ZeRO-1: the tied embedding's two ends are one tensor on pp rank 0 (stages 0 and 3), handed
+    # to the optimizer once; stages 1 and 2 on pp rank 1 hand the turn over in place
+    "pp2-dp2-zbv-zero1": (["--pp", "2", "--microbatches", "2", "--pp-schedule", "zbv", "--virtual-stages",
+                           "2", "--zero-stage", "1"], "fp32"),
 }
 # the layouts whose gradient norm is computed directly: ZeRO-1 (the norm summed over the dp shards), tensor
 # parallelism (a vocab-parallel tied embedding, replicas counted on tp rank 0)

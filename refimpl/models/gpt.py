@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from refimpl.models.gpt_stages import GPTStage
     from refimpl.models.moe import MoEMLP
     from refimpl.parallel.pipeline_parallel import Balance
+    from refimpl.parallel.pipeline_parallel.schedules import Placement
 
 __all__ = ["GPT", "MLP", "CausalSelfAttention", "Embedding", "TransformerBlock", "generate", "lm_loss"]
 
@@ -260,12 +261,14 @@ class GPT(nn.Module):
         return ContextParallelModules(attention=attention, positions=[self.embedding, *rotary], heads=heads)
 
     def pipeline_stages(self, *, pp_rank: int, pp_size: int, virtual_stages: int = 1,
-                        balance: str = "layers") -> dict[int, GPTStage]:
-        """The stages pipeline rank ``pp_rank`` holds, by index (``refimpl/models/gpt_stages.py``)."""
+                        balance: str = "layers", placement: str = "loop") -> dict[int, GPTStage]:
+        """The stages pipeline rank ``pp_rank`` holds, by index (``refimpl/models/gpt_stages.py``;
+        ``placement`` ``"v"``: ZB-V's)."""
         from refimpl.models.gpt_stages import build_stages
 
         return build_stages(self, pp_rank=pp_rank, pp_size=pp_size, virtual_stages=virtual_stages,
-                            balance=cast("Balance", balance))  # split_blocks refuses another value
+                            balance=cast("Balance", balance),  # split_blocks refuses another value
+                            placement=cast("Placement", placement))  # stage_rank refuses another value
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embedding(input_ids)  # [b, s, h]

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from refimpl.parallel.pipeline_parallel import Balance, split_blocks, stage_rank, with_own_parameters
+from refimpl.parallel.pipeline_parallel.schedules import Placement
 
 if TYPE_CHECKING:
     from refimpl.models.gpt import GPT
@@ -101,10 +102,16 @@ class GPTStage(nn.Module):
 
 
 def build_stages(model: GPT, *, pp_rank: int, pp_size: int, virtual_stages: int = 1,
-                 balance: Balance = "layers") -> dict[int, GPTStage]:
-    """The stages pipeline rank ``pp_rank`` holds (stage ``s`` lives on rank ``s % pp_size``), by index."""
+                 balance: Balance = "layers", placement: Placement = "loop") -> dict[int, GPTStage]:
+    """The stages pipeline rank ``pp_rank`` holds (stage ``s`` lives on rank ``s % pp_size``, or under
+    ZB-V's ``placement="v"`` on ``stage_rank(s, pp_size=pp_size, placement="v")``), by index. A tied
+    embedding whose two ends share a rank (the V's rank 0) is the model's one tensor, no copy."""
     num_stages = pp_size * virtual_stages
+
+    def rank(s: int) -> int:
+        return stage_rank(s, pp_size=pp_size, placement=placement)
+
     ranges = split_layers(model, num_stages, balance=balance)
-    last_elsewhere = stage_rank(num_stages - 1, pp_size=pp_size) != stage_rank(0, pp_size=pp_size)
+    last_elsewhere = rank(num_stages - 1) != rank(0)
     return {s: GPTStage(model, stage=s, num_stages=num_stages, layers=ranges[s], copy_tied=last_elsewhere)
-            for s in range(num_stages) if stage_rank(s, pp_size=pp_size) == pp_rank}
+            for s in range(num_stages) if rank(s) == pp_rank}

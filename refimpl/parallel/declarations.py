@@ -15,7 +15,8 @@ never an ``AttributeError`` from deep inside:
 * ``context_parallel_modules() -> ContextParallelModules``: the attention modules whose ``core_attention``
   context parallelism replaces and the modules whose ``position_ids`` give the global positions (chapter 07).
 * ``pipeline_stages(*, pp_rank, pp_size, virtual_stages, balance) -> dict[int, nn.Module]``: the stage
-  modules this pipeline rank runs (chapter 08).
+  modules this pipeline rank runs (chapter 08); for ZB-V also ``placement="v"`` (rank ``r`` holds stages
+  ``r`` and ``2 pp - 1 - r``: ``refimpl.parallel.pipeline_parallel.stage_rank``).
 * MoE layers need no method: expert parallelism finds them by type (``ExpertParallelLayer``: any
   module with ``shard_experts``, ``expert_parallel_parameters`` and ``expert_unit``; chapter 09).
 """

@@ -79,8 +79,13 @@ from refimpl.planner.run_terms import final_norm_16
 from refimpl.planner.zero_state import zero3_peak_gathered_bytes
 from refimpl.support import check_supported
 
-__all__ = ["PER_STEP", "PipelineRankMemory", "pipeline_memory_per_rank", "pipeline_state_memory",
-           "stage_deferred_bytes", "stage_layers", "stage_param_shapes", "stage_saved_bytes"]
+__all__ = ["PER_STEP", "ZBV_NOT_MODELLED", "PipelineRankMemory", "pipeline_memory_per_rank",
+           "pipeline_state_memory", "stage_deferred_bytes", "stage_layers", "stage_param_shapes",
+           "stage_saved_bytes"]
+
+ZBV_NOT_MODELLED = ("the planner does not model the zbv schedule (ZB-V's V placement: two chunks per rank, "
+                    "the first and the last stage on rank 0, its deferred weight gradients in flight): plan "
+                    "with zbh1, whose memory the planner models, or measure zbv with the trainer")
 
 _COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
             "fp8": torch.bfloat16}  # fp8: bf16 autocast around the fp8 GEMMs
@@ -299,6 +304,8 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
     ``stage_saved_bytes`` (ZeRO-3 in 16 bits computes in 16-bit weights)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {SCHEDULES}")
+    if schedule == "zbv":
+        raise ValueError(ZBV_NOT_MODELLED)
     if precision not in _COMPUTE:
         raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(_COMPUTE)}")
     check_supported(ParallelConfig(pp=pp, tp=tp, zero_stage=zero_stage, pp_schedule=schedule,

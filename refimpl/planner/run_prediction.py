@@ -127,6 +127,7 @@ from refimpl.planner.params_flops import param_shapes
 from refimpl.planner.pipeline import (
     _COMPUTE,
     PER_STEP,
+    ZBV_NOT_MODELLED,
     PipelineRankMemory,
     _walk,
     pipeline_memory_per_rank,
@@ -232,8 +233,8 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     ``parallel.activation_checkpointing`` selects, fp32 or bf16 are modelled, and fp8 (ZeRO 0-3 at pp = 1,
     with cp too; under pp ZeRO 0-2, zbh1 tensorwise); a combination the trainer refuses
     (``refimpl.support.check_supported``) or that is not modelled raises a ValueError naming it: fp16;
-    tp > 1 with bf16 or fp8; zbh1 with sequence parallelism; activation checkpointing with pp > 1 in bf16;
-    ZeRO-3 with ``reshard_after_forward`` off; an MoE model.
+    tp > 1 with bf16 or fp8; zbh1 with sequence parallelism; the zbv schedule; activation checkpointing
+    with pp > 1 in bf16; ZeRO-3 with ``reshard_after_forward`` off; ``tp_comm_overlap``; an MoE model.
     """
     if world_size is None:
         if parallel.dp is None:
@@ -261,6 +262,8 @@ def _check_modelled(parallel: ParallelConfig, dims: ParallelDims, checkpointed: 
                                                 parallel.sequence_parallel)
     if precision not in ("fp32", "bf16", "fp8"):
         raise ValueError(f"predict_run models fp32, bf16 and fp8, got {precision!r}")
+    if parallel.pp_schedule == "zbv" and dims.pp > 1:
+        raise ValueError(f"predict_run: {ZBV_NOT_MODELLED}")
     if precision == "fp8" and parallel.pp > 1 and parallel.pp_schedule == "zbh1" \
             and parallel.fp8_scaling == "rowwise":
         raise ValueError("predict_run models zbh1's deferred fp8 weight gradients with tensorwise scaling "
@@ -282,6 +285,10 @@ def _check_modelled(parallel: ParallelConfig, dims: ParallelDims, checkpointed: 
     if parallel.pp_schedule == "zbh1" and dims.pp > 1 and sequence_parallel:
         raise ValueError("predict_run models zbh1 without sequence parallelism (the deferred column layers' "
                          "gathered inputs under SP are not measured)")
+    if parallel.tp_comm_overlap:
+        raise ValueError("predict_run models the sequence-parallel linears' all-gathers and reduce-scatters; "
+                         "--tp-comm-overlap's rings (the same bytes as point-to-point steps, other transient "
+                         "buffers) are not measured against it")
     if zero_stage == 3 and not parallel.reshard_after_forward:
         raise ValueError("predict_run models ZeRO-3 with reshard_after_forward (the trainer's setting): "
                          "without it no unit is gathered again for backward")

@@ -229,13 +229,14 @@ def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
                      "per-rank batch / --micro-batch-size, else pp)")
     par.add_argument("--pp-schedule", type=_schedule, choices=PP_SCHEDULES,
                      default="1f1b", help="with --pp > 1: the pipeline schedule (zbh1: the handcrafted "
-                     "zero-bubble schedule ZB-H1 of Qi et al. 2023)")
+                     "zero-bubble schedule ZB-H1 of Qi et al. 2023; zbv: its ZB-V, two chunks per rank in a "
+                     "V, with --virtual-stages 2)")
     par.add_argument("--zero3-reshard-per-microbatch", action="store_true",
                      help="with --pp > 1 and --zero-stage 3: gather each stage's weights and reduce its "
                      "gradients per micro-batch (m times the collectives, less memory) instead of once per "
                      "step")
     par.add_argument("--virtual-stages", type=int, default=1, metavar="V",
-                     help="with --pp-schedule interleaved: model chunks per pipeline rank")
+                     help="with --pp-schedule interleaved: model chunks per pipeline rank (zbv: 2)")
     par.add_argument("--pp-balance", choices=PP_BALANCES, default="layers",
                      help="with --pp > 1: cut the blocks into equal counts or equal parameters per stage")
     par.add_argument("--cp", type=int, default=1,
@@ -380,7 +381,7 @@ class RunOptions:
             raise ConfigError(f"--ep must be a positive integer, got {self.ep!r}")
         if self.virtual_stages < 1:
             raise ConfigError(f"--virtual-stages {self.virtual_stages}: a positive number, above 1 only with "
-                              "--pp-schedule interleaved")
+                              "--pp-schedule interleaved (or 2 with zbv)")
         if self.microbatches is not None and self.microbatches < 1:
             raise ConfigError(f"--microbatches must be >= 1, got {self.microbatches}")
         if self.cp_method not in ("ring", "ulysses"):

@@ -1,7 +1,7 @@
 """Pipeline parallelism: the model cut into stages across ranks, micro-batches flowing through (chapter 08).
 
 Huang et al. 2019 (GPipe); Narayanan et al. 2021 (1F1B and interleaved 1F1B, Megatron-LM); Qi et al. 2023
-(zero-bubble ZB-H1). One concept per file:
+(zero-bubble ZB-H1, and ZB-V: two chunks per rank in a V). One concept per file:
 
 * ``refimpl.parallel.pipeline_parallel.schedules``: schedules as data, one ordered action list per
   rank (``F``, ``B``, ``W`` of a stage and a micro-batch); the sends and receives derived from them;
@@ -29,11 +29,15 @@ from refimpl.parallel.pipeline_parallel.pipeline_communications import sync_tied
 from refimpl.parallel.pipeline_parallel.pipeline_parallel import PipelineModule
 from refimpl.parallel.pipeline_parallel.schedules import (
     KINDS,
+    PLACEMENTS,
     SCHEDULES,
+    SPLIT_BACKWARD,
     Action,
     P2PAction,
+    Placement,
     build_schedule,
     p2p_actions,
+    schedule_placement,
     stage_rank,
 )
 from refimpl.parallel.pipeline_parallel.simulator import (
@@ -49,11 +53,14 @@ from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, defe
 
 __all__ = [
     "KINDS",
+    "PLACEMENTS",
     "SCHEDULES",
+    "SPLIT_BACKWARD",
     "Action",
     "Costs",
     "Balance",
     "P2PAction",
+    "Placement",
     "PipelineEvent",
     "PipelineModule",
     "ScheduleError",
@@ -64,6 +71,7 @@ __all__ = [
     "defer_weight_gradients",
     "p2p_actions",
     "run_schedule",
+    "schedule_placement",
     "simulate",
     "split_blocks",
     "stage_rank",

@@ -8,7 +8,10 @@ The rank walks its list (``refimpl.parallel.pipeline_parallel.schedules.build_sc
   the whole step, so that the losses of the ``m`` micro-batches add up to the step's mean: chapter 03's
   rule). The stage's input and output are kept for the backward.
 * ``B``: backward from the received output gradient (or from the loss), then the input's gradient is sent
-  to stage ``s - 1``. Parameter gradients accumulate over the micro-batches, as one device's would.
+  to stage ``s - 1``. Two neighbouring stages on one rank (ZB-V's turn, stages ``p - 1`` and ``p`` on rank
+  ``p - 1``) send nothing: the output (or the input's gradient) is handed over in place, the next stage's
+  input a detached leaf as a received one is, so that each stage's ``B`` stops at its own input.
+  Parameter gradients accumulate over the micro-batches, as one device's would.
   When the schedule has ``W`` actions the linear layers' weight gradients are queued instead
   (``.weight_grad``), and ``W`` computes them.
 * An MoE stage (chapter 09) also has a loss of its own, its blocks' balance losses (``aux_loss(stage)``
@@ -54,7 +57,7 @@ from refimpl.parallel.pipeline_parallel.pipeline_communications import (
     message,
     post_group,
 )
-from refimpl.parallel.pipeline_parallel.schedules import Action, P2PAction, p2p_actions
+from refimpl.parallel.pipeline_parallel.schedules import Action, P2PAction, Placement, p2p_actions
 from refimpl.parallel.pipeline_parallel.stage import as_stage
 from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore
 
@@ -86,7 +89,7 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, nn.Module],
                  table: Sequence[Sequence[Action]] | None = None,
                  clock: Callable[[], Stamp] | None = None,
                  aux_loss: Callable[[nn.Module], torch.Tensor | None] | None = None,
-                 num_stages: int | None = None) -> torch.Tensor:
+                 num_stages: int | None = None, placement: Placement = "loop") -> torch.Tensor:
     """Run ``actions`` (this rank's list) over ``stages`` (this rank's, by index); returns the sum of the
     micro-batch losses this rank computed (the last stage's rank; zero elsewhere), detached.
 
@@ -100,7 +103,8 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, nn.Module],
     the events read (default: the stages' device's, ``refimpl.comm.device_clock.DeviceClock``; a
     measurement samples at its reads and returns a stamp, e.g. ``refimpl.comm.tracer.now``'s);
     ``aux_loss(stage)``: the stage's own loss of the forward just run, in the graph (None: none; an MoE
-    stage's balance losses, module docstring).
+    stage's balance losses, module docstring); ``placement``: where the stages live
+    (``.schedules.stage_rank``: ``"v"`` for ZB-V).
     """
     if num_stages is None:  # the stages' own count (the course GPT's stages carry it)
         num_stages = cast(int, next(iter(stages.values())).num_stages)  # a stage's attribute, not declared
@@ -110,7 +114,7 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, nn.Module],
         raise ValueError("a schedule with W actions needs the WeightGradStore its stages defer into")
     run = _Run(stages=stages, inputs=inputs, labels=labels, loss_fn=loss_fn, store=store,
                scale_loss=scale_loss, aux_loss=aux_loss, device=device, total=torch.zeros((), device=device))
-    plan = p2p_plan(actions, num_stages=num_stages, pp_size=pp_size, table=table)
+    plan = p2p_plan(actions, num_stages=num_stages, pp_size=pp_size, table=table, placement=placement)
 
     def post(b: int) -> PostedGroup | None:
         return post_group(plan[b], outgoing=run.outbox.pop, shape=activation_shape, dtype=activation_dtype,
@@ -124,8 +128,10 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, nn.Module],
         if pending is not None:  # the last boundary's group: its sends released, its receives in
             inbox |= pending.wait()
             pending = None
-        before, after = p2p_actions(a, num_stages=num_stages, pp_size=pp_size)
-        received = inbox.pop(message(before[0])) if before else None  # the activation (F) or output grad (B)
+        before, after = p2p_actions(a, num_stages=num_stages, pp_size=pp_size, placement=placement)
+        # the activation (F) or output grad (B): received, or handed over by this rank's neighbouring stage
+        key = (a.kind, a.stage, a.microbatch)
+        received = inbox.pop(message(before[0])) if before else run.handed.pop(key, None)
         ready = now()
         if a.kind == "F":
             run.forward(a, received, after)
@@ -140,9 +146,9 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, nn.Module],
                                         ready=ready, end=now()))
     if pending is not None:
         pending.wait()
-    if run.saved:
+    if run.saved or run.handed:
         raise RuntimeError(f"the schedule left {len(run.saved)} forwards without their backward: "
-                           f"{sorted(run.saved)[:4]}")
+                           f"{sorted(run.saved)[:4]} (and {sorted(run.handed)[:4]} handed over, not taken)")
     return run.total
 
 
@@ -150,7 +156,9 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, nn.Module],
 class _Run:
     """One ``run_schedule`` call: what its actions read, and what it keeps between them: ``saved``, each
     (stage, micro-batch)'s input, output (or loss) and own loss (or None) until its ``B``; ``outbox``, what
-    the action just done sends, by message; ``total``, the sum of the losses (module docstring)."""
+    the action just done sends, by message; ``handed``, what a stage hands the neighbouring stage on this
+    rank (ZB-V's turn), by the consuming action ``(kind, stage, microbatch)``; ``total``, the sum of the
+    losses (module docstring)."""
 
     stages: dict[int, nn.Module]
     inputs: Sequence[torch.Tensor] | None
@@ -164,6 +172,7 @@ class _Run:
     saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(
         default_factory=dict)
     outbox: dict[Message, torch.Tensor] = field(default_factory=dict)
+    handed: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
 
     def forward(self, a: Action, received: torch.Tensor | None, after: list[P2PAction]) -> None:
         """``F``: the stage on the micro-batch's tokens or the received activation; its output (on the last
@@ -190,6 +199,8 @@ class _Run:
         self.saved[(a.stage, a.microbatch)] = (x, y, aux)
         for t in after:
             self.outbox[message(t)] = y
+        if not as_stage(stage).is_last and a.stage + 1 in self.stages:  # a leaf, as a received one is
+            self.handed[("F", a.stage + 1, a.microbatch)] = y.detach()
 
     def backward(self, a: Action, received: torch.Tensor | None, after: list[P2PAction]) -> None:
         """``B``: backward from the received output gradient (the last stage: from the loss), with the
@@ -204,6 +215,9 @@ class _Run:
         for t in after:
             assert x.grad is not None  # the input of a stage that sends a gradient is a received activation
             self.outbox[message(t)] = x.grad
+        if a.stage > 0 and a.stage - 1 in self.stages:
+            assert x.grad is not None  # the input of a stage after the first is a leaf requiring grad
+            self.handed[("B", a.stage - 1, a.microbatch)] = x.grad
 
     def weights(self, a: Action) -> None:
         """``W``: the weight gradients queued under the action's (stage, micro-batch)."""

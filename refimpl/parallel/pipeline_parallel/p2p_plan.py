@@ -35,8 +35,10 @@ from collections.abc import Sequence
 from refimpl.parallel.pipeline_parallel.schedules import (
     Action,
     P2PAction,
+    Placement,
     build_schedule,
     p2p_actions,
+    stage_rank,
 )
 from refimpl.parallel.pipeline_parallel.simulator import Costs, simulate
 
@@ -45,20 +47,23 @@ __all__ = ["find_table", "p2p_plan", "strict_deadlock"]
 Plan = list[list[P2PAction]]
 
 
-def find_table(actions: Sequence[Action], *, pp_size: int) -> list[list[Action]] | None:
-    """The interleaved 1F1B table whose list for this rank is ``actions`` when the list holds several
-    stages (only interleaved 1F1B builds such lists, so every rank of the pipeline infers the same table),
-    else None. One-stage lists are not looked up: GPipe and 1F1B give rank 0 the same list at ``m = 2``
-    while rank 1's differ, so two ranks could infer two tables."""
+def find_table(actions: Sequence[Action], *, pp_size: int,
+               placement: Placement = "loop") -> list[list[Action]] | None:
+    """The table whose list for this rank is ``actions`` when the list holds several stages: interleaved
+    1F1B's under the ``"loop"`` placement, ZB-V's under ``"v"`` (only these build such lists, so every
+    rank of the pipeline infers the same table), else None. One-stage lists are not looked up: GPipe and
+    1F1B give rank 0 the same list at ``m = 2`` while rank 1's differ, so two ranks could infer two
+    tables."""
     if not actions:
         return None
-    rank, v = actions[0].stage % pp_size, len({a.stage for a in actions})
+    rank = stage_rank(actions[0].stage, pp_size=pp_size, placement=placement)
+    v = len({a.stage for a in actions})
     forwards = sum(a.kind == "F" for a in actions)
     if v == 1 or forwards % v:
         return None
     try:
-        table = build_schedule("interleaved", pp_size=pp_size, num_microbatches=forwards // v,
-                               virtual_stages=v)
+        table = build_schedule("zbv" if placement == "v" else "interleaved", pp_size=pp_size,
+                               num_microbatches=forwards // v, virtual_stages=v)
     except ValueError:
         return None
     return table if table[rank] == list(actions) else None
@@ -69,21 +74,21 @@ def _receive(send: P2PAction, *, sender: int) -> P2PAction:
     return P2PAction("recv_" + send.kind.split("_")[1], send.stage, send.microbatch, sender)
 
 
-def _round_plan(table: list[list[Action]], rank: int, *, num_stages: int) -> Plan:
+def _round_plan(table: list[list[Action]], rank: int, *, num_stages: int, placement: Placement) -> Plan:
     p = len(table)
     split = any(a.kind == "W" for ops in table for a in ops)
     m = sum(a.kind == "F" for a in table[0]) * p // num_stages
     unit = Costs(forward=1.0, backward=1.0, weight=1.0 if split else 0.0)  # every action one round long
-    sim = simulate(table, num_microbatches=m, virtual_stages=num_stages // p, costs=unit)
+    sim = simulate(table, num_microbatches=m, virtual_stages=num_stages // p, costs=unit, placement=placement)
     ends = [[end for _, _, end in ops] for ops in sim.timeline]
     mine = table[rank]
     plan: Plan = [[] for _ in range(len(mine) + 1)]
     for k, a in enumerate(mine):
-        plan[k + 1] += p2p_actions(a, num_stages=num_stages, pp_size=p)[1]
+        plan[k + 1] += p2p_actions(a, num_stages=num_stages, pp_size=p, placement=placement)[1]
     arriving: list[list[tuple[float, P2PAction]]] = [[] for _ in range(len(mine) + 1)]
     for q in range(p):
         for a, end in zip(table[q], ends[q], strict=True):
-            for s in p2p_actions(a, num_stages=num_stages, pp_size=p)[1]:
+            for s in p2p_actions(a, num_stages=num_stages, pp_size=p, placement=placement)[1]:
                 if s.peer == rank:  # sent in round `end`: received at my boundary of that round
                     boundary = sum(e <= end for e in ends[rank])
                     arriving[boundary].append((end, _receive(s, sender=q)))
@@ -93,7 +98,7 @@ def _round_plan(table: list[list[Action]], rank: int, *, num_stages: int) -> Pla
 
 
 def _local_plan(actions: Sequence[Action], *, num_stages: int, pp_size: int) -> Plan:
-    pa = [p2p_actions(a, num_stages=num_stages, pp_size=pp_size) for a in actions]
+    pa = [p2p_actions(a, num_stages=num_stages, pp_size=pp_size) for a in actions]  # one stage per rank
     plan: Plan = [list(pa[0][0]) if pa else []]
     for k in range(len(actions)):
         plan.append(list(pa[k][1]) + (list(pa[k + 1][0]) if k + 1 < len(actions) else []))
@@ -101,18 +106,20 @@ def _local_plan(actions: Sequence[Action], *, num_stages: int, pp_size: int) -> 
 
 
 def p2p_plan(actions: Sequence[Action], *, num_stages: int, pp_size: int,
-             table: Sequence[Sequence[Action]] | None = None) -> Plan:
+             table: Sequence[Sequence[Action]] | None = None, placement: Placement = "loop") -> Plan:
     """The group this rank posts at each boundary of ``actions`` (module docstring): ``plan[b]``, ``b`` in
     ``0 .. len(actions)``, its sends (of action ``b - 1``) first. ``table``: every rank's list (default:
     ``find_table``); with it the rounds, without it the local rule. Every rank of a pipeline must
-    decide alike: pass the table to all of them or to none."""
-    table = [list(t) for t in table] if table is not None else find_table(actions, pp_size=pp_size)
+    decide alike: pass the table to all of them or to none. ``placement``: where the stages live
+    (``.schedules.stage_rank``; ``"v"``: ZB-V, whose lists of two stages always find their table)."""
+    table = ([list(t) for t in table] if table is not None
+             else find_table(actions, pp_size=pp_size, placement=placement))
     if table is None:
         return _local_plan(actions, num_stages=num_stages, pp_size=pp_size)
-    rank = actions[0].stage % pp_size if actions else 0
+    rank = stage_rank(actions[0].stage, pp_size=pp_size, placement=placement) if actions else 0
     if table[rank] != list(actions):
         raise ValueError("the table's list for this rank is not the actions run")
-    return _round_plan(table, rank, num_stages=num_stages)
+    return _round_plan(table, rank, num_stages=num_stages, placement=placement)
 
 
 def strict_deadlock(plans: Sequence[Plan]) -> str | None:

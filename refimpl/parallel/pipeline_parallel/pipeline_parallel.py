@@ -30,7 +30,12 @@ from refimpl.distributed.placement import LocalShard, module_shards
 from refimpl.parallel.declarations import declared
 from refimpl.parallel.pipeline_parallel.executor import PipelineEvent, run_schedule
 from refimpl.parallel.pipeline_parallel.pipeline_communications import sync_tied_embeddings
-from refimpl.parallel.pipeline_parallel.schedules import build_schedule, stage_rank
+from refimpl.parallel.pipeline_parallel.schedules import (
+    SPLIT_BACKWARD,
+    build_schedule,
+    schedule_placement,
+    stage_rank,
+)
 from refimpl.parallel.pipeline_parallel.stage import as_stage
 from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, defer_weight_gradients
 
@@ -49,16 +54,21 @@ class PipelineModule(nn.Module):
         self.config = getattr(model, "config", None)  # the model's own, when it has one
         self.pp_group, self.pp_rank, self.pp_size = pp_group, pp_rank, pp_size
         build_schedule(schedule, pp_size=pp_size, num_microbatches=pp_size, virtual_stages=virtual_stages)
+        self.placement = schedule_placement(schedule)
+        # ZB-V's V: the model is asked for the stages of rank r and 2 pp - 1 - r (a declaration that
+        # takes placement=; the loop placement is asked as before, so models without it keep working)
+        where = {"placement": self.placement} if self.placement != "loop" else {}
         found = declared(model, "pipeline_stages")(pp_rank=pp_rank, pp_size=pp_size,
-                                                   virtual_stages=virtual_stages, balance=balance)
+                                                   virtual_stages=virtual_stages, balance=balance, **where)
         self.stage_ids = sorted(found)
         self.stages = nn.ModuleDict({str(s): found[s] for s in self.stage_ids})
-        self.store = WeightGradStore() if schedule == "zbh1" else None
+        self.store = WeightGradStore() if schedule in SPLIT_BACKWARD else None
         if self.store is not None:
             for stage in found.values():
                 defer_weight_gradients(stage, self.store)
         self.num_stages = pp_size * virtual_stages
-        first, last = stage_rank(0, pp_size=pp_size), stage_rank(self.num_stages - 1, pp_size=pp_size)
+        first, last = (stage_rank(s, pp_size=pp_size, placement=self.placement)
+                       for s in (0, self.num_stages - 1))  # one rank under ZB-V's V: nothing to exchange
         self.tied_peer: int | None = None  # the rank at the other end of a tied embedding
         ends = [s for s in (0, self.num_stages - 1) if s in found and found[s].tied_weight() is not None]
         if ends and first != last:
@@ -94,20 +104,25 @@ class PipelineModule(nn.Module):
         return next(as_stage(last).full_name(n) for n, p in last.named_parameters() if p is weight)
 
     def named_parameters_full(self) -> list[tuple[str, nn.Parameter]]:
-        """This rank's parameters under their names in the whole model (the tied copy as the original)."""
-        out = []
+        """This rank's parameters under their names in the whole model (the tied copy as the original; a
+        tensor two of its stages share, ZB-V's tied embedding on rank 0, once, under its first name)."""
+        out, seen = [], set()
         for stage in self.stages.values():
             params = dict(stage.named_parameters())
-            out += [(as_stage(stage).full_name(local), p) for local, p in params.items()]
+            out += [(as_stage(stage).full_name(local), p) for local, p in params.items() if id(p) not in seen]
+            seen |= {id(p) for p in params.values()}
         return out
 
     def local_shards(self) -> dict[str, LocalShard]:
         """What this rank holds of each tensor of its stages (whole, or the box a tensor-parallel layer
         declares), under its name in the whole model."""
         out: dict[str, LocalShard] = {}
+        seen: set[int] = set()  # a tensor two stages share (ZB-V's tied embedding) once: module_shards' rule
         for stage in self.stages.values():
             for name, shard in module_shards(stage).items():
-                out.setdefault(as_stage(stage).full_name(name), shard)
+                if id(shard.tensor) not in seen:
+                    out.setdefault(as_stage(stage).full_name(name), shard)
+                seen.add(id(shard.tensor))
         return out
 
     def forward(self, *args: object) -> None:
@@ -139,7 +154,8 @@ class PipelineModule(nn.Module):
                             pp_group=self.pp_group, pp_size=self.pp_size, inputs=inputs.chunk(m),
                             labels=labels.chunk(m), loss_fn=loss_fn, activation_shape=shape,
                             activation_dtype=torch.float32, store=self.store, scale_loss=scale_loss,
-                            events=self.last_events, clock=clock, aux_loss=aux_loss)
+                            events=self.last_events, clock=clock, aux_loss=aux_loss,
+                            placement=self.placement)
         if self.after_backward is not None:
             self.after_backward()
         weight = self.tied_weight()

@@ -2,8 +2,12 @@
 
 ``validate`` checks a schedule (``refimpl.parallel.pipeline_parallel.schedules.build_schedule`` or
 anyone's lists): every ``(kind, stage, microbatch)`` exactly once, on the rank that holds the stage, each
-micro-batch forwarded on a stage before it is backwarded there (and ``B`` before ``W``), and between any two
-ranks the messages awaited in the order they are sent (sends match receives, first in, first out).
+micro-batch forwarded on a stage before it is backwarded there (and ``B`` before ``W``), and, for one stage
+per rank, between any two ranks the messages awaited in the order they are sent (sends match receives,
+first in, first out: ``.p2p_plan``'s local rule posts a receive just before the action that needs it).
+Lists of several stages per rank are run with ``.p2p_plan``'s rounds, which post each receive in the round
+of its send, in the order of the sends, whatever order the receiver's actions take them in: ZB-V's rank
+``1`` takes stage ``2p-1``'s gradient of micro-batch 0 before the activation rank 0 sent it earlier.
 ``simulate`` then runs the lists as the ranks would: each rank takes its actions in order, an action
 starts when its rank is free and what it needs is done (``F`` of stage ``s`` needs ``F`` of ``s - 1``; ``B``
 of ``s`` needs ``F`` of ``s`` and ``B`` of ``s + 1``; ``W`` needs ``B`` of the same stage), plus ``p2p``
@@ -13,7 +17,12 @@ seconds for a dependency on another rank. If no rank can go on before all are do
 Bubble: the idle share of the ranks' time, ``1 - sum(busy) / (p x makespan)``. With equal stages and
 ``p2p = 0`` it is ``(p-1)/(m+p-1)`` for GPipe and 1F1B (Huang et al. 2019; Narayanan et al. 2021),
 ``(p-1)/(v m + p - 1)`` for interleaved 1F1B with stages ``v`` times smaller, and for ZB-H1 (Qi et al. 2023)
-``(p-1)(t_F + t_B - t_W) / (m (t_F + t_B + t_W) + (p-1)(t_F + t_B - t_W))``: ``bubble_formula``.
+``(p-1)(t_F + t_B - t_W) / (m (t_F + t_B + t_W) + (p-1)(t_F + t_B - t_W))``: ``bubble_formula``. ZB-V
+(Qi et al. 2023, section 6) with chunk costs ``t_F``, ``t_B``, ``t_W`` (half a stage's) idles each rank
+``I = (p-1) max(t_B, 2 (t_B - t_W))``: bubble ``I / (2 m (t_F + t_B + t_W) + I)``, exactly for ``m >= 2p``
+with ``t_F <= t_B`` and ``t_W <= t_B`` (the regime the paper's V is built for), a lower bound otherwise
+(tests/test_pp_schedules.py checks both on a grid); at equal costs ``(p-1)/(6m + p - 1)`` against ZB-H1's
+``(p-1)/(3m + p - 1)``, half its idle time (found with this simulator, chapter 08).
 In flight: a micro-batch is in flight on a rank from the start of its forward to the end of its backward
 (of its ``W`` when split); ``Simulation.peak_in_flight`` is the most at once per rank, the micro-batches
 whose activations the rank holds.
@@ -23,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from refimpl.parallel.pipeline_parallel.schedules import Action, p2p_actions, stage_rank
+from refimpl.parallel.pipeline_parallel.schedules import Action, Placement, p2p_actions, stage_rank
 
 __all__ = ["Costs", "ScheduleError", "Simulation", "bubble_formula", "simulate", "validate"]
 
@@ -65,11 +74,16 @@ class Simulation:
         return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan)
 
 
-def validate(schedule: list[list[Action]], *, num_microbatches: int, virtual_stages: int = 1) -> bool:
-    """Raise ``ScheduleError`` unless every action is on its stage's rank, present once, and in an order
-    its rank can run (F before B before W of the same stage and micro-batch); returns whether ``B`` is
-    split (the schedule has ``W`` s)."""
+def validate(schedule: list[list[Action]], *, num_microbatches: int, virtual_stages: int = 1,
+             placement: Placement = "loop") -> bool:
+    """Raise ``ScheduleError`` unless every action is on its stage's rank (``placement``:
+    ``schedules.stage_rank``), present once, and in an order its rank can run (F before B before W of the
+    same stage and micro-batch); returns whether ``B`` is split (the schedule has ``W`` s)."""
     p = len(schedule)
+
+    def stage_rank_(s: int) -> int:
+        return stage_rank(s, pp_size=p, placement=placement)
+
     stages, m = p * virtual_stages, num_microbatches
     split = any(a.kind == "W" for ops in schedule for a in ops)
     kinds = ("F", "B", "W") if split else ("F", "B")
@@ -81,9 +95,9 @@ def validate(schedule: list[list[Action]], *, num_microbatches: int, virtual_sta
             if key not in want:
                 raise ScheduleError(f"rank {rank}: {a!r} is not an action of {stages} stages x {m} "
                                     f"micro-batches{' with split backward' if split else ''}")
-            if stage_rank(a.stage, pp_size=p) != rank:
+            if stage_rank_(a.stage) != rank:
                 raise ScheduleError(f"rank {rank}: {a!r} is on stage {a.stage}, which rank "
-                                    f"{stage_rank(a.stage, pp_size=p)} holds")
+                                    f"{stage_rank_(a.stage)} holds")
             if key in seen:
                 raise ScheduleError(f"rank {rank}: {a!r} appears twice")
             before = {"B": "F", "W": "B"}.get(a.kind)
@@ -95,12 +109,13 @@ def validate(schedule: list[list[Action]], *, num_microbatches: int, virtual_sta
     if missing:
         k, s, i = missing[0]
         raise ScheduleError(f"{len(missing)} actions are missing, e.g. {k}{s}.{i} (rank "
-                            f"{stage_rank(s, pp_size=p)})")
-    _check_message_order(schedule, num_stages=stages)
+                            f"{stage_rank_(s)})")
+    if virtual_stages == 1:  # several stages per rank run with the rounds, which receive in send order
+        _check_message_order(schedule, num_stages=stages, placement=placement)
     return split
 
 
-def _check_message_order(schedule: list[list[Action]], *, num_stages: int) -> None:
+def _check_message_order(schedule: list[list[Action]], *, num_stages: int, placement: Placement) -> None:
     """Sends match receives: between two ranks, messages arrive in the order they were sent (gloo and NCCL
     match them first in, first out), so the receiver's list must wait for them in the sender's order."""
     p = len(schedule)
@@ -108,7 +123,7 @@ def _check_message_order(schedule: list[list[Action]], *, num_stages: int) -> No
     awaited: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
     for rank, ops in enumerate(schedule):
         for a in ops:
-            before, after = p2p_actions(a, num_stages=num_stages, pp_size=p)
+            before, after = p2p_actions(a, num_stages=num_stages, pp_size=p, placement=placement)
             for r in before:  # what this message carries: (activation|grad, producing stage, micro-batch)
                 awaited.setdefault((r.peer, rank), []).append((r.kind.split("_")[1], r.stage, r.microbatch))
             for t in after:
@@ -133,10 +148,11 @@ def _needs(a: Action, *, stages: int) -> list[tuple[str, int, int]]:
 
 
 def simulate(schedule: list[list[Action]], *, num_microbatches: int, virtual_stages: int = 1,
-             costs: Costs | None = None, p2p: float = 0.0) -> Simulation:
-    """Run ``schedule`` in simulated time (see the module docstring); raises ``ScheduleError`` if it is
-    not valid or deadlocks."""
-    split = validate(schedule, num_microbatches=num_microbatches, virtual_stages=virtual_stages)
+             costs: Costs | None = None, p2p: float = 0.0, placement: Placement = "loop") -> Simulation:
+    """Run ``schedule`` in simulated time (see the module docstring; ``placement``: where the stages live,
+    ``schedules.stage_rank``); raises ``ScheduleError`` if it is not valid or deadlocks."""
+    split = validate(schedule, num_microbatches=num_microbatches, virtual_stages=virtual_stages,
+                     placement=placement)
     costs = costs or Costs()
     p, stages = len(schedule), len(schedule) * virtual_stages
     done: dict[tuple[str, int, int], float] = {}
@@ -150,8 +166,8 @@ def simulate(schedule: list[list[Action]], *, num_microbatches: int, virtual_sta
                 needs = _needs(a, stages=stages)
                 if any(n not in done for n in needs):
                     break  # this rank waits; another rank must move first
-                ready = max([free[r]] + [done[n] + (p2p if stage_rank(n[1], pp_size=p) != r else 0.0)
-                                         for n in needs])
+                ready = max([free[r]] + [done[n] + (p2p if stage_rank(n[1], pp_size=p, placement=placement)
+                                                     != r else 0.0) for n in needs])
                 end = ready + costs.of(a, split=split)
                 timeline[r].append((a, ready, end))
                 done[(a.kind, a.stage, a.microbatch)] = end
@@ -183,7 +199,8 @@ def _peak_in_flight(ops: list[tuple[Action, float, float]], *, split: bool) -> i
 def bubble_formula(name: str, *, pp_size: int, num_microbatches: int, virtual_stages: int = 1,
                    costs: Costs | None = None) -> float:
     """The textbook bubble of ``name`` for equal stages (module docstring); ``costs`` of one stage of a
-    non-interleaved split (interleaved stages cost ``1/v`` of it: ``v`` chunks per rank)."""
+    non-interleaved split (interleaved and ZB-V stages cost ``1/v`` of it: ``v`` chunks per rank). For
+    ``zbv`` a lower bound, reached for ``m >= 2p`` with ``t_F <= t_B`` and ``t_W <= t_B``."""
     p, m, v = pp_size, num_microbatches, virtual_stages
     c = costs or Costs()
     if name in ("gpipe", "1f1b"):
@@ -192,5 +209,8 @@ def bubble_formula(name: str, *, pp_size: int, num_microbatches: int, virtual_st
         return (p - 1) / (v * m + p - 1)
     if name == "zbh1":
         idle = (p - 1) * (c.forward + c.backward - c.weight)
+        return idle / (m * (c.forward + c.backward + c.weight) + idle)
+    if name == "zbv":  # chunks of half a stage: I = (p-1) max(t_B, 2 (t_B - t_W)) / 2, busy m (t_F+t_B+t_W)
+        idle = (p - 1) * max(c.backward, 2 * (c.backward - c.weight)) / 2
         return idle / (m * (c.forward + c.backward + c.weight) + idle)
     raise ValueError(f"no bubble formula for schedule {name!r}")
