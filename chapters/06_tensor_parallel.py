@@ -42,7 +42,9 @@
 # 4. the vocabulary-parallel loss equals `F.cross_entropy` without any rank holding the full logits;
 # 5. the activation bytes per rank fall with $t$ and with sequence parallelism, measured equal to the
 #    planner's count byte for byte;
-# 6. a training run at tp = 2 has the one-device losses.
+# 6. a training run at tp = 2 has the one-device losses;
+# 7. the collective matmul (the sequence-parallel all-gather and reduce-scatter as rings hidden behind the
+#    chunks' matmuls) gives the same layer.
 
 # %%
 import matplotlib.pyplot as plt
@@ -902,6 +904,105 @@ ax.legend(fontsize=7)
 bx.legend(fontsize=6, loc="center right")
 fig.tight_layout()
 
+# %% [markdown]
+# ## 9. Collective matmul: the all-gather hidden behind the matmul
+#
+# Under sequence parallelism the column layer cannot start before the all-gather of the sequence has
+# finished, and the row layer's reduce-scatter cannot start before its matmul has: the communication
+# sits on the critical path, twice per block each way. But a matmul of a gathered sequence is a matmul
+# of each sequence chunk, so the collective can be cut into the $t$ steps of a ring and each step's
+# transfer hidden behind the matmul of the chunk already there (Wang et al. 2023, "Overlap
+# Communication with Dependent Computation via Decomposition in Large Deep Learning Models"; the
+# "collective matmul" of *How to Scale Your Model*; Megatron's `--tp-comm-overlap`, torchtitan's async
+# TP, `torch.distributed._symmetric_memory.fused_all_gather_matmul` on GPUs).
+#
+# `refimpl.parallel.tensor_parallel.collective_matmul`: rank $r$ sends to $r+1$ and receives from $r-1$,
+# one `batch_isend_irecv` per step. **All-gather-matmul** (the column layer): at step $i$ rank $r$
+# multiplies chunk $(r - i) \bmod t$, $Y_r[:, c] = X_c A_r^\top + b_r$, while passing it on.
+# **Matmul-reduce-scatter** (the row layer): at step $i$ rank $r$ computes its term for destination
+# $d = (r - 1 - i) \bmod t$, $X[:, d] B_r^\top$, while the running sum for $d$ arrives from $r - 1$;
+# it adds the two and passes the sum on, which ends at $d$ after $t$ steps. Backward, each is the
+# other: the input gradient of an all-gather-matmul is a matmul-reduce-scatter, and the reverse. The
+# same bytes as the collectives, $t-1$ chunks of $s/t$ tokens per rank each way.
+#
+# The table below is recorded from the ring functions on the 4 ranks (which chunk each one multiplies at
+# each step), not typed. Then the MLP of section 3 with `tp_comm_overlap` on: the same output and
+# gradients as one device within the chapter's tolerance, and as the unfused layers up to the order of
+# the sums (the ring adds the row layer's partial sums in ring order, so that side is not bitwise;
+# tests/test_collective_matmul.py derives the bound).
+
+# %%
+# %%px
+from refimpl.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from refimpl.parallel.tensor_parallel import collective_matmul as cm
+
+seen = {"all-gather": [], "reduce-scatter": []}  # the chunk this rank multiplies at each step
+probe = torch.zeros(1, 1, 1, device=device)
+cm.ring_all_gather(probe, lambda c, x: seen["all-gather"].append(c) or x, group=dist.group.WORLD)
+cm.ring_reduce_scatter(lambda d: seen["reduce-scatter"].append(d) or probe, group=dist.group.WORLD)
+
+
+def cm_mlp(t, *, overlap, dtype=torch.float32):
+    """Section 3's column -> GeLU -> row under SP over tp_groups[t] (t = 1: one device): output and grads."""
+    torch.manual_seed(0)
+    fc1, fc2 = nn.Linear(16, 32).to(device, dtype), nn.Linear(32, 16).to(device, dtype)
+    g = torch.Generator().manual_seed(1)
+    x_full, c_full = (torch.randn(2, 8, 16, generator=g).to(device, dtype) for _ in range(2))
+    group = tp_groups.get(t)
+    r = dist.get_rank(group) if t > 1 else 0
+    if t > 1:
+        fc1 = ColumnParallelLinear.from_linear(fc1, tp_group=group, sequence_parallel=True)
+        fc2 = RowParallelLinear.from_linear(fc2, tp_group=group, sequence_parallel=True)
+        fc1.tp_comm_overlap = fc2.tp_comm_overlap = overlap
+    x = x_full.chunk(t, 1)[r].clone().requires_grad_()  # [2, 8/t, 16]: this rank's tokens
+    y = fc2(F.gelu(fc1(x)))
+    (y * c_full.chunk(t, 1)[r]).sum().backward()
+    if t > 1:
+        allreduce_sequence_parallel_grads(fc2, group)  # the row bias saw s/t tokens
+    return {"y": y.detach(), "x": x.grad, "fc1.weight": fc1.weight.grad, "fc2.weight": fc2.weight.grad,
+            "fc2.bias": fc2.bias.grad}
+
+
+def box(name, ref, t, r):
+    """This rank's box of the one-device quantity ``name``."""
+    dim = {"y": 1, "x": 1, "fc1.weight": 0, "fc2.weight": 1}.get(name)
+    return ref[name] if dim is None else ref[name].chunk(t, dim)[r]
+
+
+one32, one64 = cm_mlp(1, overlap=False), cm_mlp(1, overlap=False, dtype=torch.float64)
+cm_spread = spread_of(one32, one64)
+cm_results = {}
+for t in (2, 4):
+    r = dist.get_rank(tp_groups[t])
+    ring, unfused = cm_mlp(t, overlap=True), cm_mlp(t, overlap=False)
+    ref = {k: box(k, one32, t, r) for k in one32}
+    name, ratio = worst(ring, ref, cm_spread)
+    assert ratio <= 1.0 and worst(ring, unfused, cm_spread)[1] <= 1.0, (t, name, ratio)
+    cm_results[t] = {"worst vs one device": (name, ratio),
+                     "max |ring - unfused|": max(float((ring[k] - unfused[k]).abs().max()) for k in ring)}
+
+# %%
+cm_out = ranks.run(lambda: (seen, cm_results))
+for kind in ("all-gather", "reduce-scatter"):
+    print(f"{kind}: the chunk each rank multiplies at steps 0..3")
+    for r, (order, _) in enumerate(cm_out):
+        print(f"  rank {r}: {order[kind]}")
+for t in (2, 4):
+    for r, (_, res) in enumerate(cm_out):
+        name, ratio = res[t]["worst vs one device"]
+        print(f"tp {t} rank {r}: worst |ring - one device| = {ratio:.2f} x tolerance ({name}); "
+              f"max |ring - unfused| = {res[t]['max |ring - unfused|']:.1e}")
+
+# %% [markdown]
+# The ring pays off only when a transfer takes about as long as a chunk's matmul, and only if the
+# machine can send while it computes: on a GPU the copy engines and NVLink do it; on this laptop's CPU
+# over plain loopback the bytes are nearly free and the two cores are busy computing, so there is
+# nothing to hide. Behind a rate-limited loopback (`refimpl.launch.shaped_link`, 1 Gbit/s) the
+# communication sets the pace, and there tests/test_overlap.py measures the ring against its serialized
+# control (`serialized=True`: the same code, each transfer waited for before the chunk's matmul, bitwise
+# the same results), and `python -m bench.bench_collective_matmul` against the unfused layers and
+# DTensor's (bench/RESULTS.md). In the trainer: `--tp 2 --sequence-parallel --tp-comm-overlap`.
+
 # %%
 ranks.stop()
 
@@ -918,6 +1019,8 @@ ranks.stop()
 #   NVLS instead.
 # * A fused weight is split by what its rows *mean*: q, k and v of whole heads, not a plain row block.
 # * The loss never needs the full logits: three all-reduces of one number per token.
+# * Sequence parallelism's collectives can hide behind the matmuls they feed: cut into ring steps along the
+#   sequence, each transfer travels while the chunk already there is multiplied (collective matmul).
 #
 # In the trainer: `python -m refimpl.train --nproc-per-node 4 --tp 2 --sequence-parallel` (with `--dp`
 # given by the rest of the ranks, ZeRO-1/2 via `--zero-stage`).

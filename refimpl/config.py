@@ -202,7 +202,9 @@ class ParallelConfig:
     ``fp8_scaling`` tensorwise or rowwise (torchao's recipes); ``sequence_parallel`` (the activations
     between the tensor-parallel regions split along the sequence); ``cp_method`` ring/ulysses and
     ``cp_layout`` how the sequence is split for it (ring: ``zigzag``, the default, or ``contiguous``;
-    Ulysses: contiguous) (chapter 07); the pipeline's
+    Ulysses: contiguous) (chapter 07); ``tp_comm_overlap`` (Megatron's ``--tp-comm-overlap``) the
+    sequence-parallel linears' all-gather and reduce-scatter as rings overlapped with their matmuls
+    (collective matmul, chapter 06); the pipeline's
     ``pp_schedule``, ``virtual_stages`` (model chunks per rank), ``pp_balance`` (``layers`` or
     ``parameters``) and ``microbatches`` (None: the trainer's default) (chapter 08);
     ``ep`` the expert-parallel degree (chapter 09): the experts of each MoE block split over ``ep``
@@ -229,6 +231,7 @@ class ParallelConfig:
     precision: str = "fp32"
     fp8_scaling: str = "tensorwise"
     sequence_parallel: bool = False
+    tp_comm_overlap: bool = False
     cp_method: str = "ring"
     cp_layout: str | None = None
     pp_schedule: str = "1f1b"

@@ -58,7 +58,24 @@ SUPPORT_TABLE: tuple[Unsupported, ...] = (
                "ranks: it needs tp > 1",
         applies=lambda c: c.sequence_parallel and c.tp == 1),
     Unsupported(
-        name="zero3-reshard-zbh1", when="--zero3-reshard-per-microbatch with the zbh1 schedule",
+        name="tp-comm-overlap-without-sp", when="--tp-comm-overlap without sequence parallelism over tp > 1",
+        reason="the collective matmul splits the sequence-parallel all-gather and reduce-scatter of the "
+               "tensor-parallel linears into ring steps along the sequence: it needs --sequence-parallel "
+               "and tp > 1 (without sequence parallelism the linears all-reduce, which it does not split)",
+        applies=lambda c: c.tp_comm_overlap and not (c.sequence_parallel and c.tp > 1)),
+    Unsupported(
+        name="tp-comm-overlap-fp8", when="--tp-comm-overlap with --precision fp8",
+        reason="the ring multiplies each sequence chunk with its own plain matmul, not through the linear "
+               "seam the fp8 GEMMs plug into: not built; use bf16 with --tp-comm-overlap, or fp8 without it",
+        applies=lambda c: c.tp_comm_overlap and c.precision == "fp8"),
+    Unsupported(
+        name="tp-comm-overlap-zero-bubble", when="--tp-comm-overlap with a zero-bubble schedule (zbh1, zbv)",
+        reason="a zero-bubble schedule defers each linear's weight gradient to its W action, and the ring "
+               "computes it inside backward, chunk by chunk along the all-gather: not built; use 1f1b or "
+               "interleaved with --tp-comm-overlap, or the zero-bubble schedule without it",
+        applies=lambda c: c.tp_comm_overlap and c.pp > 1 and c.pp_schedule in ("zbh1", "zbv")),
+    Unsupported(
+        name="zero3-reshard-zbh1", when="--zero3-reshard-per-microbatch with the zbh1 schedule (or zbv)",
         reason="resharding per micro-batch reduce-scatters a unit's gradients and frees its gathered weights "
                "when the unit's backward ends, and zbh1 adds the weight gradients later, in its W actions; "
                "use ZeRO-3's default under pp (each stage gathered once and reduced once per step, after the "

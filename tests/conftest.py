@@ -56,7 +56,7 @@ SPAWN = {
     "test_vocab_parallel", "test_zero", "test_chapters", "test_expert_parallel", "test_fp8_communication",
     "test_moe_model", "test_train_moe", "test_train_fp8", "test_planner_moe", "test_fp8_zero3", "test_gpu",
     "test_device_lint", "test_train_pairs", "test_readme", "test_bring_your_own_model",
-    "test_parallelize_byom", "test_shaped_link", "test_overlap",
+    "test_parallelize_byom", "test_shaped_link", "test_overlap", "test_collective_matmul",
 }
 SUBPROCESS = {
     "test_browser", "test_chapters", "test_deploy", "test_elastic", "test_exercises", "test_notebook",

@@ -26,6 +26,13 @@ from refimpl.train.preflight import check_shapes
 # row name -> (a configuration it refuses, the nearest one that passes)
 CASES = {
     "sp-without-tp": (dict(sequence_parallel=True), dict(sequence_parallel=True, tp=2)),
+    "tp-comm-overlap-without-sp": (dict(tp=2, tp_comm_overlap=True),
+                                   dict(tp=2, sequence_parallel=True, tp_comm_overlap=True)),
+    "tp-comm-overlap-fp8": (dict(tp=2, sequence_parallel=True, tp_comm_overlap=True, precision="fp8"),
+                            dict(tp=2, sequence_parallel=True, tp_comm_overlap=True, precision="bf16")),
+    "tp-comm-overlap-zero-bubble": (dict(tp=2, sequence_parallel=True, tp_comm_overlap=True, pp=2,
+                                         pp_schedule="zbh1"),
+                                    dict(tp=2, sequence_parallel=True, tp_comm_overlap=True, pp=2)),
     "zero3-reshard-zbh1": (dict(pp=2, zero_stage=3, pp_schedule="zbh1", zero3_reshard_per_microbatch=True),
                            dict(pp=2, zero_stage=3, pp_schedule="zbh1")),
     "zero3-reshard-without-zero3-pp": (dict(zero_stage=3, zero3_reshard_per_microbatch=True),
@@ -38,6 +45,9 @@ CASES = {
     "pipeline-options-without-pp": (dict(microbatches=4), dict(microbatches=4, pp=2)),
     "virtual-stages-without-interleaving": (dict(pp=2, virtual_stages=2),
                                             dict(pp=2, virtual_stages=2, pp_schedule="interleaved")),
+    "zbv-two-chunks": (dict(pp=2, pp_schedule="zbv"), dict(pp=2, pp_schedule="zbv", virtual_stages=2)),
+    "zbv-fp8": (dict(pp=2, pp_schedule="zbv", virtual_stages=2, precision="fp8"),
+                dict(pp=2, pp_schedule="zbh1", precision="fp8")),
 }
 
 
@@ -45,9 +55,6 @@ def test_every_row_has_a_case_and_names_are_unique():
     names = [row.name for row in SUPPORT_TABLE]
     assert len(set(names)) == len(names) and set(names) == set(CASES)
 
-    "zbv-two-chunks": (dict(pp=2, pp_schedule="zbv"), dict(pp=2, pp_schedule="zbv", virtual_stages=2)),
-    "zbv-fp8": (dict(pp=2, pp_schedule="zbv", virtual_stages=2, precision="fp8"),
-                dict(pp=2, pp_schedule="zbh1", precision="fp8")),
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_each_row_refuses_its_case_and_lets_the_neighbour_through(name):

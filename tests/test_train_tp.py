@@ -1,5 +1,6 @@
 """The trainer with ``--tp`` (chapter 06): it trains the same model as one device, composes with ``--dp``,
-ZeRO-1/2, ``--sequence-parallel``, ``--precision`` (fp16 with its loss scaler) and activation checkpointing
+ZeRO-1/2, ``--sequence-parallel`` (and ``--tp-comm-overlap``, the collective matmul: the same losses and
+bytes as without it), ``--precision`` (fp16 with its loss scaler) and activation checkpointing
 (the recomputed forward repeats the collectives), and its checkpoints resume at another TP size.
 
 One spawn of 4 ranks runs each layout through ``refimpl.train.train``; the one-device references run in
@@ -44,6 +45,8 @@ LAYOUTS = {
                        str(STEPS)], "fp32"),  # saves at STEPS: resumed at tp 4 below
     "tp2-dp2-zero0-sp-accum": (["--tp", "2", "--sequence-parallel", "--micro-batch-size", "1"], "fp32"),
     "tp4-sp": (["--tp", "4", "--sequence-parallel"], "fp32"),
+    # the same run with the collective matmul (refimpl/parallel/tensor_parallel/collective_matmul.py)
+    "tp4-sp-overlap": (["--tp", "4", "--sequence-parallel", "--tp-comm-overlap"], "fp32"),
     # ZeRO-1 sums the s/t-token gradients' shards over tp before the step (the probe reads those shards)
     "tp2-dp2-zero1-sp": (["--tp", "2", "--sequence-parallel", "--zero-stage", "1"], "fp32"),
     "tp2-dp2-zero2-sp-bf16": (["--tp", "2", "--zero-stage", "2", "--sequence-parallel",
@@ -174,3 +177,16 @@ def test_a_tp2_checkpoint_loads_bitwise_at_tp1_and_tp4_and_resumes_at_tp4(runs, 
     tol = _tolerance(one_device, "fp32")
     assert float(np.abs(np.array(resumed) - np.array(tp2[STEPS:])).max()) <= tol
     assert float(np.abs(np.array(resumed) - np.array(one_device["fp32", "batch"][STEPS:])).max()) <= tol
+
+
+@pytest.mark.numerics
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
+def test_tp_comm_overlap_trains_like_the_same_run_without_it_and_sends_the_same_bytes(runs, one_device):
+    """``--tp-comm-overlap`` against the same tp 4 SP run without it: the losses within the tolerance (the
+    rings add the row layers' partial sums in ring order, not bitwise), and on the tp group the same bytes
+    per step (a ring's ``t - 1`` chunk transfers are the all-gather's and the reduce-scatter's bytes)."""
+    tol = _tolerance(one_device, "fp32")
+    for out in runs:
+        overlap, plain = np.array(out["tp4-sp-overlap"]), np.array(out["tp4-sp"])
+        assert len(overlap) == STEPS and float(np.abs(overlap - plain).max()) <= tol, (overlap, plain, tol)
+        assert [s["tp"] for s in out["tp4-sp-overlap", "bytes"]] == [s["tp"] for s in out["tp4-sp", "bytes"]]

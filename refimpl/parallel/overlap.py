@@ -1,5 +1,5 @@
 """Each overlap of communication with computation the course builds, timed against its serialized control
-(chapters 03, 04 and 07): run the workers here with ``run_ranks(worker, 2, link="1gbit")``
+(chapters 03, 04, 06 and 07): run the workers here with ``run_ranks(worker, 2, link="1gbit")``
 (``refimpl.launch.shaped_link``), where the link and not the two cores sets the pace.
 
 A control is the same code with ``wait()`` before the compute the transfer could hide behind:
@@ -12,7 +12,11 @@ A control is the same code with ``wait()`` before the compute the transfer could
   6 such layers, one unit each;
 * ``ring_overlap``: ``refimpl.parallel.context_parallel.ring_attention.ring_attention`` against
   ``overlap=False`` (each exchange waited for as soon as it is posted); causal, 8 heads of 64, 2 x 1024
-  tokens per rank, forward and backward.
+  tokens per rank, forward and backward;
+* ``collective_matmul_overlap``: a sequence-parallel MLP (column -> GeLU -> row, tp 2) through
+  ``refimpl.parallel.tensor_parallel.collective_matmul`` against ``serialized=True`` (each ring transfer
+  waited for before the chunk's matmul); 512 tokens per rank, hidden 512, 1024 MLP columns per rank,
+  forward and backward (chapter 06).
 
 Each worker alternates the two kinds of step (a barrier before each, the first of each a warm-up) and
 returns per rank the median seconds of each, ``{"median": {"overlapped": s, "serialized": s}, "equal":
@@ -33,10 +37,11 @@ from torch import nn
 from refimpl.parallel.context_parallel.ring_attention import ring_attention
 from refimpl.parallel.data_parallel import DataParallelBucket
 from refimpl.parallel.data_parallel.data_parallel_communications import PendingReduce, allreduce_hook
+from refimpl.parallel.tensor_parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from refimpl.parallel.zero.fully_sharded_data_parallel import FullyShardedDataParallel
 
-__all__ = ["data_parallel_overlap", "overlap_ratio", "ring_overlap", "serialized_hook", "time_overlap",
-           "zero3_overlap"]
+__all__ = ["collective_matmul_overlap", "data_parallel_overlap", "overlap_ratio", "ring_overlap",
+           "serialized_hook", "time_overlap", "zero3_overlap"]
 
 WIDTH, ROWS, REPEATS = 1024, 1024, 5
 
@@ -124,6 +129,28 @@ def ring_overlap(ctx: Any) -> dict:
         return run
 
     return _interleaved({"overlapped": step(True), "serialized": step(False)})
+
+
+def collective_matmul_overlap(ctx: Any, *, tokens: int = 512, hidden: int = 512, ffn: int = 1024) -> dict:
+    """The collective-matmul MLP against ``serialized=True`` (module docstring); ``ffn``: the MLP columns
+    per rank."""
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(ctx.rank)
+    x, grad = (torch.randn(1, tokens, hidden, generator=gen) for _ in range(2))  # [b, s/t, h]
+    w1 = torch.randn(ffn, hidden, generator=gen) / hidden**0.5                   # [ffn/t, h]: column
+    w2 = torch.randn(hidden, ffn, generator=gen) / ffn**0.5                      # [h, ffn/t]: row
+
+    def step(serialized: bool):
+        def run() -> list[torch.Tensor]:
+            xx, a, b = (t.clone().requires_grad_() for t in (x, w1, w2))
+            h = all_gather_matmul(xx, a, group=None, serialized=serialized)       # [1, s, ffn/t]
+            out = matmul_reduce_scatter(torch.nn.functional.gelu(h), b, group=None,
+                                        serialized=serialized)                    # [1, s/t, h]
+            (out * grad).sum().backward()
+            return [out.detach(), _grad(xx), _grad(a), _grad(b)]
+        return run
+
+    return _interleaved({"overlapped": step(False), "serialized": step(True)})
 
 
 def overlap_ratio(per_rank: list[dict]) -> float:

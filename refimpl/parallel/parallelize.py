@@ -218,7 +218,8 @@ def _inside_blocks(
         from refimpl.parallel.tensor_parallel import apply_tensor_parallel
 
         tp_group = _group(groups, "tp")
-        apply_tensor_parallel(model, tp_group=tp_group, sequence_parallel=config.sequence_parallel)
+        apply_tensor_parallel(model, tp_group=tp_group, sequence_parallel=config.sequence_parallel,
+                              tp_comm_overlap=config.tp_comm_overlap)
         if config.sequence_parallel:  # an MoE block routes this tp rank's s/t tokens (refimpl.models.moe)
             for block in moe_layers(model):
                 block.sp_group = tp_group

@@ -221,6 +221,10 @@ def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
     par.add_argument("--sequence-parallel", action="store_true",
                      help="with --tp > 1: split the activations outside the tensor-parallel regions along "
                      "the sequence (Korthikanti et al. 2022); --seq-len must divide by --tp")
+    par.add_argument("--tp-comm-overlap", action="store_true",
+                     help="with --sequence-parallel: each linear's all-gather / reduce-scatter as a ring "
+                     "whose transfers hide behind the matmul of a sequence chunk (collective matmul, Wang "
+                     "et al. 2023; Megatron's --tp-comm-overlap)")
     par.add_argument("--pp", type=int, default=1,
                      help="pipeline-parallel degree (chapter 08): the blocks cut into pp stages, the batch "
                      "run through them in micro-batches; composes with --dp, --tp, --cp and --zero-stage 0-3")
@@ -366,6 +370,7 @@ class RunOptions:
     dp_replicate: int = 1  # HSDP: the dp ranks as dp_replicate x dp_shard (ZeRO-3 within a shard group)
     ep: int = 1  # expert parallelism: each MoE block's experts over ep ranks of dp x cp (chapter 09)
     sequence_parallel: bool = False
+    tp_comm_overlap: bool = False  # the sequence-parallel linears' collectives as rings (collective matmul)
     cp_method: str = "ring"
     microbatches: int | None = None  # pipeline micro-batches per step and dp rank (None: see --microbatches)
     pp_schedule: str = "1f1b"
@@ -400,7 +405,7 @@ class RunOptions:
         return ParallelConfig(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, dp_replicate=self.dp_replicate,
                               ep=self.ep, zero_stage=self.zero_stage,
                               precision=self.precision, fp8_scaling=self.fp8_scaling,
-                              sequence_parallel=self.sequence_parallel,
+                              sequence_parallel=self.sequence_parallel, tp_comm_overlap=self.tp_comm_overlap,
                               cp_method=self.cp_method, pp_schedule=self.pp_schedule,
                               virtual_stages=self.virtual_stages, pp_balance=self.pp_balance,
                               microbatches=self.microbatches,
@@ -420,6 +425,7 @@ class RunOptions:
                 "microbatches": self.microbatches, "dp_replicate": self.dp_replicate,
                 "zero3_reshard_per_microbatch": self.zero3_reshard_per_microbatch} | (
                     {"ep": self.ep} if self.ep > 1 else {}) | (
+                    {"tp_comm_overlap": True} if self.tp_comm_overlap else {}) | (
                     {"fp8_scaling": self.fp8_scaling} if self.precision == "fp8" else {})
 
 
@@ -451,7 +457,8 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
                       sleep_in_step_s=args.test_sleep_in_step,
                       dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp, dp_replicate=args.dp_replicate,
                       ep=args.ep,
-                      sequence_parallel=args.sequence_parallel, cp_method=args.cp_method,
+                      sequence_parallel=args.sequence_parallel, tp_comm_overlap=args.tp_comm_overlap,
+                      cp_method=args.cp_method,
                       microbatches=args.microbatches, pp_schedule=args.pp_schedule,
                       virtual_stages=args.virtual_stages, pp_balance=args.pp_balance,
                       zero3_reshard_per_microbatch=args.zero3_reshard_per_microbatch, report=args.report)

@@ -8,6 +8,9 @@ Parallelism"; Korthikanti et al. 2022, "Reducing Activation Recomputation in Lar
   ``g``, scatter / gather along the last dim, and along the sequence for sequence parallelism);
 * ``refimpl.parallel.tensor_parallel.layers``: ``ColumnParallelLinear``, ``RowParallelLinear``
   (each with ``from_linear`` and ``local_shards``) and ``allreduce_sequence_parallel_grads``;
+* ``refimpl.parallel.tensor_parallel.collective_matmul``: ``all_gather_matmul`` and
+  ``matmul_reduce_scatter``, sequence parallelism's collectives as rings hidden behind the chunks' matmuls
+  (Wang et al. 2023; the layers' ``tp_comm_overlap``, the trainer's ``--tp-comm-overlap``);
 * ``refimpl.parallel.tensor_parallel.vocab_parallel``: ``VocabParallelEmbedding`` (with its tied
   head ``lm_logits``) and ``vocab_parallel_cross_entropy``, which never builds the full logits.
 
@@ -30,6 +33,7 @@ from refimpl.parallel.tensor_parallel.apply import (
     param_split,
     tp_lm_loss,
 )
+from refimpl.parallel.tensor_parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from refimpl.parallel.tensor_parallel.grad_norm import (
     clip_grad_norm_tensor_parallel_,
     tensor_parallel_sharded,
@@ -80,6 +84,7 @@ __all__ = [
     "TiedVocabParallelOutput",
     "VocabParallel",
     "VocabParallelEmbedding",
+    "all_gather_matmul",
     "allreduce_sequence_parallel_grads",
     "apply_tensor_parallel",
     "clip_grad_norm_tensor_parallel_",
@@ -89,6 +94,7 @@ __all__ = [
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_parallel_region",
     "match_plan",
+    "matmul_reduce_scatter",
     "param_split",
     "reduce_from_tensor_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",

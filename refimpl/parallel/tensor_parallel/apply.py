@@ -35,6 +35,7 @@ from refimpl.comm import ops
 from refimpl.distributed.placement import module_shards
 from refimpl.nn.loss import lm_loss
 from refimpl.parallel.declarations import declared
+from refimpl.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from refimpl.parallel.tensor_parallel.styles import ParallelStyle, ParamSplit
 from refimpl.parallel.tensor_parallel.tp_communications import Group, group_size
 from refimpl.parallel.tensor_parallel.vocab_parallel import vocab_parallel_cross_entropy
@@ -79,9 +80,10 @@ def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
 @torch.no_grad()
 def apply_tensor_parallel(module: nn.Module, plan: Mapping[str, ParallelStyle] | None = None, *,
                           tp_group: Group, sequence_parallel: bool = False,
-                          pad_vocab: bool = False) -> nn.Module:
+                          pad_vocab: bool = False, tp_comm_overlap: bool = False) -> nn.Module:
     """Replace ``module``'s submodules matched by ``plan`` by their parallel forms over ``tp_group``, in
-    place (module docstring); returns ``module``.
+    place (module docstring); returns ``module``. ``tp_comm_overlap``: every sequence-parallel column and
+    row layer then runs its collective as a ring overlapped with its matmul (``.collective_matmul``).
 
     ``plan`` None: the module's declaration ``tensor_parallel_plan(tp_size=t, sequence_parallel=...,
     pad_vocab=...)``; a plan given says sequence parallelism and padding in its styles' own options.
@@ -97,7 +99,21 @@ def apply_tensor_parallel(module: nn.Module, plan: Mapping[str, ParallelStyle] |
         for name in names:
             _set_submodule(module, name, plan[pattern].apply(module.get_submodule(name), tp_group=tp_group,
                                                              root=module))
+    if tp_comm_overlap:
+        _overlap_sequence_parallel_linears(module)
     return module
+
+
+def _overlap_sequence_parallel_linears(module: nn.Module) -> None:
+    """Turn on ``tp_comm_overlap`` in every sequence-parallel column and row layer of ``module``; none is a
+    ``ValueError`` (the flag would change nothing)."""
+    found = [m for m in module.modules()
+             if isinstance(m, ColumnParallelLinear | RowParallelLinear) and m.sequence_parallel]
+    if not found:
+        raise ValueError("tp_comm_overlap overlaps the sequence-parallel linears' collectives: it needs "
+                         "sequence parallelism over tp > 1 (no sequence-parallel column or row layer here)")
+    for layer in found:
+        layer.tp_comm_overlap = True
 
 
 def param_split(plan: Mapping[str, ParallelStyle], name: str) -> ParamSplit:

@@ -40,6 +40,13 @@ each rank defers the gradient of the block it holds. ``matmul`` (None: ``F.linea
 product of this rank's block: ``--precision fp8`` sets it to the fp8 GEMMs
 (``refimpl.precision.fp8.apply_float8_training``, chapter 10), which read ``split_features`` (``"out"``
 column, ``"in"`` row) and ``tp_group`` to agree the fp8 scales over the group.
+
+``tp_comm_overlap`` (Megatron's ``--tp-comm-overlap``; False by default, set by
+``apply_tensor_parallel(..., tp_comm_overlap=True)``): under sequence parallelism the column layer's
+all-gather and the row layer's reduce-scatter become rings that hide each transfer behind the matmul of a
+sequence chunk (``.collective_matmul``, Wang et al. 2023). The ring's products are ``F.linear``'s, so such a
+layer takes neither a pluggable ``matmul`` nor a ``weight_grad_store`` (a ``ValueError`` in forward; the
+support table refuses the flag with fp8 and the zero-bubble schedules).
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ from torch import nn
 from refimpl.comm import ops
 from refimpl.distributed.placement import Box, LocalShard
 from refimpl.nn.linear import Matmul, WeightGradQueue, linear_with_grad
+from refimpl.parallel.tensor_parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from refimpl.parallel.tensor_parallel.sequence_parallel_linear import linear_with_sequence_parallel_gather
 from refimpl.parallel.tensor_parallel.tp_communications import (
     Group,
@@ -77,6 +85,14 @@ def _init_uniform_(t: torch.Tensor, fan_in: int) -> None:
     bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
     nn.init.uniform_(t, -bound, bound)
 
+
+
+def _check_overlap(layer: ColumnParallelLinear | RowParallelLinear) -> None:
+    """A collective-matmul layer computes its products itself (module docstring): no seam to plug."""
+    if layer.matmul is not None or layer.weight_grad_store is not None:
+        raise ValueError(f"{type(layer).__name__}: tp_comm_overlap runs the collective matmul's own "
+                         "products; it takes no pluggable matmul (fp8) and no deferred weight gradient "
+                         "(zero-bubble schedules)")
 
 
 _ParallelLinear = TypeVar("_ParallelLinear", "ColumnParallelLinear", "RowParallelLinear")
@@ -106,6 +122,7 @@ class ColumnParallelLinear(nn.Module):
 
     split_features = "out"  # the dim of [out, in] split over the group (fp8's scales read it)
     matmul: Matmul | None = None  # the seam's product of this rank's block (module docstring)
+    tp_comm_overlap = False  # under sequence parallelism: the ring all-gather-matmul (module docstring)
 
     def __init__(self, in_features: int, out_features: int, *, tp_group: Group, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False, chunks: int = 1,
@@ -154,6 +171,9 @@ class ColumnParallelLinear(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel and self.tp_comm_overlap:  # [b, s/t, in] -> [b, s, out/t], a ring
+            _check_overlap(self)
+            return all_gather_matmul(x, self.weight, self.bias, group=self.tp_group)
         if self.sequence_parallel:  # [b, s/t, in] all-gathered to [b, s, in]; only [b, s/t, in] is saved
             return linear_with_sequence_parallel_gather(x, self.weight, self.bias, self.tp_group,
                                                         weight_grad_store=self.weight_grad_store,
@@ -182,6 +202,7 @@ class RowParallelLinear(nn.Module):
 
     split_features = "in"  # the dim of [out, in] split over the group (fp8's scales read it)
     matmul: Matmul | None = None  # the seam's product of this rank's block (module docstring)
+    tp_comm_overlap = False  # under sequence parallelism: the ring matmul-reduce-scatter (module docstring)
 
     def __init__(self, in_features: int, out_features: int, *, tp_group: Group, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
@@ -223,6 +244,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)         # [..., in] -> [..., in/t]
+        if self.sequence_parallel and self.tp_comm_overlap:
+            _check_overlap(self)
+            y = matmul_reduce_scatter(x, self.weight, group=self.tp_group)  # [b, s, in/t] -> [b, s/t, out]
+            return y if self.bias is None else y + self.bias
         y = linear_with_grad(x, self.weight,                                # [..., out], a partial sum
                              weight_grad_store=self.weight_grad_store, matmul=self.matmul)
         if self.sequence_parallel:
