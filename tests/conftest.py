@@ -8,8 +8,10 @@
 - ``browser``: drives JupyterLab in Debian's chromium;
 - ``serial``: it mostly waits, and its verdict reads a clock; tools/run_tests.py (``make test``) runs these
   one after the other, beside the rest of the suite.
-- ``lane2`` (given per chapter in tests/test_chapters.py): a computing test that tools/run_tests.py runs
-  in the serial tests' lane once they are done, so that both lanes end together.
+- ``lane2`` (``LANE2`` here, and per chapter in tests/test_chapters.py): a computing test that
+  tools/run_tests.py runs in the serial tests' lane once they are done, so that both lanes end together;
+  CI's numerics rerun has no serial test, so there its ``lane2`` tests run beside the others from the start
+  (the two 8-rank trainer modules: about 40% of the rerun).
 
 ``make test-unit`` runs what carries none of them (one process, about 23 s: the edit loop); ``make test``
 runs everything. A module that starts processes in some tests only carries the marker as a whole: the
@@ -71,7 +73,11 @@ BROWSER = {"test_browser"}
 # the other, beside the computing tests. test_chapters marks its own (08's bubble, timed) per parameter.
 SERIAL = {"test_elastic", "test_elastic_3d", "test_p2p_strict", "test_rank_lifetime",
           "test_notebook_lifetime", "test_browser", "test_shaped_link"}
-TIERS = {"spawn": SPAWN, "subprocess": SUBPROCESS, "chapter": CHAPTER, "browser": BROWSER, "serial": SERIAL}
+# Computing tests for the second lane (above): the README's runs and the device lint (no numerics), the
+# 8-rank trainer equivalence modules (numerics: half of what CI's rerun would otherwise run in one lane).
+LANE2 = {"test_readme", "test_device_lint", "test_train_pairs", "test_train_3d"}
+TIERS = {"spawn": SPAWN, "subprocess": SUBPROCESS, "chapter": CHAPTER, "browser": BROWSER, "serial": SERIAL,
+         "lane2": LANE2}
 
 
 def timeout_scale() -> float:

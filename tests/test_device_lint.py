@@ -26,9 +26,6 @@ from refimpl.distributed.device_lint import DeviceLint, DeviceLintError, origin_
 from refimpl.distributed.kernel_rules import grouped_mm_problems, scaled_mm_problems
 from refimpl.launch import run_ranks
 
-# the second lane of tools/run_tests.py (after its serial tests, beside the computing ones): the lanes end
-# closer together (CI: first lane 1,229 s, second 1,092 s with this module in the first)
-pytestmark = pytest.mark.lane2
 ROOT = Path(__file__).resolve().parents[1]
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 

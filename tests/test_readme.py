@@ -26,8 +26,6 @@ from refimpl.train import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300  # one command; make train measured 67 s on this 2-core machine at load 2
-# tools/run_tests.py: in the second lane, after the serial tests (the first lane holds more computing work)
-pytestmark = pytest.mark.lane2
 
 
 def _readme_commands() -> list[list[str]]:

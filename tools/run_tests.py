@@ -15,9 +15,10 @@ messages too, so one such test keeps the two cores about two-thirds busy (sample
 CI's numerics rerun). So two lanes run at the same time, each a pytest process after another:
 
 1. **the first lane**: every computing test not marked ``lane2``; its output streams as it runs;
-2. **the second lane**: the ``serial`` tests, in order, then the computing tests marked ``lane2`` (the
-   slowest chapters, tests/test_chapters.py: chosen so that both lanes end together); its output is
-   printed when it ends.
+2. **the second lane**: the ``serial`` tests, in order, then the computing tests marked ``lane2`` (some
+   of the slowest chapters, tests/test_chapters.py, and the modules of tests/conftest.py's ``LANE2``:
+   chosen so that both lanes end together); its output is printed when it ends. CI's numerics rerun
+   selects no serial test, so there the second lane computes from the start.
 
 The serial tests therefore run beside one busy pytest process, never beside several: their bounds were
 measured with load on the machine (their modules say how) and must hold under it (the design's rule:
