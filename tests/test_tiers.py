@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SPAWN, SUBPROCESS, scaled_timeout, timeout_scale
+from tests.conftest import LANE2, SERIAL, SPAWN, SUBPROCESS, scaled_timeout, timeout_scale
 
 TESTS = Path(__file__).resolve().parent
 # what starts a process: the rank launcher, a child Python, torchrun, ipyparallel's engines
@@ -61,17 +61,25 @@ def test_the_two_lanes_split_the_selection_and_an_empty_lane_is_no_failure():
         "-m (numerics) and not serial and not lane2 tests/test_zero.py",
         "-m (numerics) and serial tests/test_zero.py",
         "-m (numerics) and not serial and lane2 tests/test_zero.py"]
-    assert [" ".join(c[3:]) for c in run_tests.lane_commands(None, [])[1]] == [
-        "-q -m serial", "-q -m not serial and lane2"]
+    serial, lane2 = run_tests.lane_commands(None, [])[1]
+    assert serial[3:6] == ["-q", "-m", "serial"] and lane2[3:6] == ["-q", "-m", "not serial and lane2"]
+    assert {Path(f).stem for f in serial[6:]} == SERIAL | {"test_chapters"}  # only their files collected
+    assert {Path(f).stem for f in lane2[6:]} == LANE2 | {"test_chapters"}
     assert run_tests.combined_status([0, 5]) == 0 and run_tests.combined_status([5, 0]) == 0
     assert run_tests.combined_status([5, 5]) == 5  # nothing selected anywhere is not a pass
     assert run_tests.combined_status([1, 0]) == 1 and run_tests.combined_status([0, 2]) == 2
 
 
 def test_every_serial_module_exists():
-    from tests.conftest import SERIAL
+    assert SERIAL | LANE2 <= {p.stem for p in TESTS.glob("test_*.py")}
 
-    assert SERIAL <= {p.stem for p in TESTS.glob("test_*.py")}
+
+def test_only_conftest_and_the_chapters_give_the_lane_markers():
+    """The second lane collects only its tiers' files (tools/run_tests.py, ``tier_files``): a module that
+    marked its own tests ``serial`` or ``lane2`` would not be collected there, nor run in the first lane."""
+    own = [p.name for p in TESTS.glob("test_*.py") if p.name not in ("test_chapters.py", "test_tiers.py")
+           and re.search(r"mark\.(serial|lane2)\b", p.read_text())]
+    assert not own, f"give the lane marker in tests/conftest.py (SERIAL, LANE2), not in {own}"
 
 
 def test_the_lanes_cover_every_test_once():
