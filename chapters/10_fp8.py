@@ -471,7 +471,7 @@ for recipe in ("tensorwise", "rowwise"):
 # fp8, everything else (LayerNorm, attention, the kept layers) under bf16 autocast, the weights and
 # optimizer in fp32.
 #
-# Runs of the same 2-layer GPT, the same data, 200 AdamW steps: fp32, bf16 autocast, fp8 tensorwise
+# Runs of the same 2-layer GPT, the same data, 60 AdamW steps: fp32, bf16 autocast, fp8 tensorwise
 # and fp8 rowwise (both under bf16 autocast), and fp32 again from four other initialisation seeds. Two
 # kinds of evidence come out of them, of very different strength:
 #
@@ -485,7 +485,7 @@ for recipe in ("tensorwise", "rowwise"):
 # %%
 corpus = prepare_corpus(None)
 config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, max_seq_len=64)
-BATCH, SEQ, STEPS = 8, 64, 200
+BATCH, SEQ, STEPS = 8, 64, 60
 batches = ShardedBatches(corpus.tokens, seq_len=SEQ, global_batch_size=BATCH, seed=0)
 optim_cfg = OptimConfig(lr=3e-3, warmup_steps=5)
 report = convert_to_float8(GPT(config))
@@ -702,7 +702,7 @@ assert all(getattr(float8_linear_module, n) is f for n, f in originals.items()),
 # fp8 from a broken one; the final loss could not be trusted to: (a) is a factor per tensor, the kind
 # AdamW absorbs. What the band cannot see is a bug that costs less at the first step than a correct fp8
 # varies between seeds, or one that shows only later in training (a scale that goes stale, an outlier that
-# grows): the loss curves are the coarse net for those. And all of this is one small model over 200
+# grows): the loss curves are the coarse net for those. And all of this is one small model over 60
 # steps; the evidence that fp8 holds over long runs of large models is the runs cited at the top.
 #
 # ## 5. fp8 on the wire: ZeRO-3's all-gather in fp8
