@@ -35,7 +35,7 @@ __all__ = ["ACTIVATIONS", "ARCHS", "ATTENTION_TYPES", "CP_LAYOUTS", "CP_METHODS"
            "FP8_SCALINGS", "LLAMA", "MODEL_CLASS", "MOE_ACTIVATIONS", "MOE_LOAD_BALANCE", "MOE_SCORE_FUNCS",
            "NORMALIZATIONS", "POSITION_EMBEDDINGS", "PP_BALANCES", "PP_SCHEDULES", "PRECISIONS", "ROPE_TYPES",
            "ConfigError", "DataConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig",
-           "micro_batches", "parse_block_selection"]
+           "flag_of", "micro_batches", "parse_block_selection"]
 
 # The names each technique option takes, written once here (config imports nothing of refimpl but the
 # model's configuration, so the techniques, the planner and the trainer's flags all read them from here).
@@ -188,10 +188,22 @@ class Degrees(TypedDict):
     ep: int
 
 
+def _flag(text: str, **argparse_keywords: object) -> dict:
+    """A ``ParallelConfig`` field's command-line flag, ``--`` and the name with dashes: its help ``text``
+    and argparse's keywords (``type``, ``choices``, ``metavar``, ...). ``refimpl.train.args`` adds one
+    flag per field that has one, so the layout is described once, here."""
+    return {"flag": {"help": text, **argparse_keywords}}
+
+
+def flag_of(name: str) -> str:
+    """The trainer's flag of the ``ParallelConfig`` field ``name`` (``pp_schedule`` -> ``--pp-schedule``)."""
+    return "--" + name.replace("_", "-")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """The layout and every technique option of a run, in one object (chapter 12 assembles them): what the
-    trainer's options give (``RunOptions.parallel``), ``refimpl.parallel.parallelize`` applies,
+    trainer's options hold (``RunOptions.parallel``), ``refimpl.parallel.parallelize`` applies,
     ``refimpl.planner.predict_run`` predicts and the trainer's memory preflight plans.
 
     Degrees ``dp`` (None: the world size over ``cp x tp x pp``), ``cp``, ``tp``, ``pp``, and
@@ -216,48 +228,89 @@ class ParallelConfig:
     gradients once after the last backward (torchtitan's default), or with ``zero3_reshard_per_microbatch``
     gathers and reduces per micro-batch (m times the collectives, the parameters never kept).
 
-    Which combinations are refused, and why, is the support table's
-    (``refimpl.support.check_supported``), not this class's: it checks only that each value is one it
-    knows.
+    Each field with a ``flag`` in its metadata is one of the trainer's flags (``--`` and its name with
+    dashes; its help and argparse keywords there): ``python -m refimpl.train --help`` lists them in the
+    group "parallelism and precision", in this order. The wrappers' tuning and ``cp_layout`` have none.
+
+    Every value is checked here, once (its error names the flag); which combinations are refused, and why,
+    is the support table's (``refimpl.support.check_supported``), not this class's.
     """
 
-    dp: int | None = None
-    cp: int = 1
-    tp: int = 1
-    pp: int = 1
-    dp_replicate: int = 1
-    ep: int = 1
-    zero_stage: int = 0
-    precision: str = "fp32"
-    fp8_scaling: str = "tensorwise"
-    sequence_parallel: bool = False
-    tp_comm_overlap: bool = False
-    cp_method: str = "ring"
+    dp: int | None = field(default=None, metadata=_flag(
+        "data-parallel degree (default: world size / (tp x pp x cp)); dp x cp x tp x pp must be the world "
+        "size", type=int))
+    cp: int = field(default=1, metadata=_flag(
+        "context-parallel degree (chapter 07): each sequence split over cp ranks, attention across them; "
+        "--seq-len must divide by 2 x cp (ring) or cp (ulysses)", type=int))
+    tp: int = field(default=1, metadata=_flag(
+        "tensor-parallel degree (chapter 06): heads, MLP and vocabulary split over tp ranks that see the "
+        "same batch; must divide --num-heads, 4 x --hidden-size and 256", type=int))
+    pp: int = field(default=1, metadata=_flag(
+        "pipeline-parallel degree (chapter 08): the blocks cut into pp stages, the batch run through them in "
+        "micro-batches; composes with --dp, --tp, --cp and --zero-stage 0-3", type=int))
+    dp_replicate: int = field(default=1, metadata=_flag(
+        "with --zero-stage 3: hybrid sharding (HSDP), the dp ranks as R replicas of dp/R adjacent ranks that "
+        "shard the model (inside a node); R must divide dp", type=int, metavar="R"))
+    ep: int = field(default=1, metadata=_flag(
+        "expert-parallel degree (chapter 09): each MoE block's experts split over ep consecutive ranks of "
+        "the dp x cp ranks (torchtitan's dp2ep); must divide dp x cp and --moe-experts", type=int))
+    zero_stage: int = field(default=0, metadata=_flag(
+        "0: data parallel; 1/2: sharded optimizer state (and gradients); 3: fully sharded",
+        type=int, choices=(0, 1, 2, 3)))
+    precision: str = field(default="fp32", metadata=_flag(
+        "compute dtype (autocast over fp32 weights; fp16 adds a dynamic loss scaler; fp8: bf16 autocast with "
+        "the linears' GEMMs in fp8, the first and last linear kept in bf16)", choices=PRECISIONS))
+    fp8_scaling: str = field(default="tensorwise", metadata=_flag(
+        "with --precision fp8: torchao's recipe, one dynamic scale per tensor (tensorwise) or per row, "
+        "power-of-two scales and e4m3 gradients (rowwise)", choices=FP8_SCALINGS))
+    sequence_parallel: bool = field(default=False, metadata=_flag(
+        "with --tp > 1: split the activations outside the tensor-parallel regions along the sequence "
+        "(Korthikanti et al. 2022); --seq-len must divide by --tp", action="store_true"))
+    tp_comm_overlap: bool = field(default=False, metadata=_flag(
+        "with --sequence-parallel: each linear's all-gather / reduce-scatter as a ring whose transfers hide "
+        "behind the matmul of a sequence chunk (collective matmul, Wang et al. 2023; Megatron's "
+        "--tp-comm-overlap)", action="store_true"))
+    cp_method: str = field(default="ring", metadata=_flag(
+        "with --cp > 1: ring attention (K/V blocks round a ring, zig-zag split for causal balance) or "
+        "Ulysses (all-to-alls to head shards; the heads per tp rank must divide by cp)", choices=CP_METHODS))
     cp_layout: str | None = None
-    pp_schedule: str = "1f1b"
-    virtual_stages: int = 1
-    pp_balance: str = "layers"
-    microbatches: int | None = None
-    activation_checkpointing: str | None = None
+    pp_schedule: str = field(default="1f1b", metadata=_flag(
+        "with --pp > 1: the pipeline schedule (zbh1: the handcrafted zero-bubble schedule ZB-H1 of Qi et al. "
+        "2023; zbv: its ZB-V, two chunks per rank in a V, with --virtual-stages 2)", choices=PP_SCHEDULES))
+    virtual_stages: int = field(default=1, metadata=_flag(
+        "with --pp-schedule interleaved: model chunks per pipeline rank (zbv: 2)", type=int, metavar="V"))
+    pp_balance: str = field(default="layers", metadata=_flag(
+        "with --pp > 1: cut the blocks into equal counts or equal parameters per stage", choices=PP_BALANCES))
+    microbatches: int | None = field(default=None, metadata=_flag(
+        "with --pp > 1: pipeline micro-batches per step and data-parallel rank (default: per-rank batch / "
+        "--micro-batch-size, else pp)", type=int, metavar="M"))
+    activation_checkpointing: str | None = field(default=None, metadata=_flag(
+        "recompute blocks in backward: all (the default when given), every-N, or 0,2,-1",
+        nargs="?", const="all", metavar="BLOCKS"))
     bucket_cap_mb: float = 25.0
     zero_bucket_numel: int = 2**20
     prefetch: bool = False
     reshard_after_forward: bool = True
-    zero3_reshard_per_microbatch: bool = False
+    zero3_reshard_per_microbatch: bool = field(default=False, metadata=_flag(
+        "with --pp > 1 and --zero-stage 3: gather each stage's weights and reduce its gradients per "
+        "micro-batch (m times the collectives, less memory) instead of once per step", action="store_true"))
 
     def __post_init__(self) -> None:
         degrees = ("cp", "tp", "pp", "dp_replicate", "ep", "virtual_stages")
         for name in degrees + (("dp",) if self.dp is not None else ()):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
+                raise ConfigError(f"{flag_of(name)}: {name} must be a positive integer, got {value!r}")
+        if self.dp is not None and self.dp % self.dp_replicate:
+            raise ConfigError(f"--dp-replicate: dp_replicate {self.dp_replicate} must divide dp {self.dp} "
+                              "(HSDP: dp = dp_replicate x dp_shard)")
         if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+            raise ConfigError(f"--zero-stage: zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         for name, known in (("precision", PRECISIONS), ("fp8_scaling", FP8_SCALINGS),
                             ("cp_method", CP_METHODS), ("pp_schedule", PP_SCHEDULES),
                             ("pp_balance", PP_BALANCES)):
-            if getattr(self, name) not in known:
-                raise ConfigError(f"{name} must be one of {known}, got {getattr(self, name)!r}")
+            if (value := getattr(self, name)) not in known:
+                raise ConfigError(f"{flag_of(name)}: {name} must be one of {known}, got {value!r}")
         if self.cp_layout not in (None, *CP_LAYOUTS) or (self.cp_method == "ulysses"
                                                          and self.cp_layout not in (None, "contiguous")):
             raise ConfigError(f"cp_layout must be None or one of {CP_LAYOUTS} (Ulysses: contiguous), got "
@@ -268,7 +321,10 @@ class ParallelConfig:
         if self.microbatches is not None and self.microbatches < 1:
             raise ConfigError(f"--microbatches must be >= 1, got {self.microbatches}")
         if self.activation_checkpointing is not None:
-            parse_block_selection(self.activation_checkpointing)  # a bad selection fails here
+            try:
+                parse_block_selection(self.activation_checkpointing)  # a bad selection fails here
+            except ConfigError as exc:
+                raise ConfigError(f"--activation-checkpointing: {exc}") from None
 
     def checkpointed_blocks(self, num_layers: int) -> list[int]:
         """The indices of the blocks ``activation_checkpointing`` recomputes in a model of ``num_layers``

@@ -100,7 +100,7 @@ def test_the_gpu_rows_parse_and_the_planner_fits_them_on_an_h100(tmp_path):
     for spec in GPU_ROWS:
         for precision in PRECISIONS:
             config, options = _parse(spec, precision, "nccl", tmp_path)
-            assert options.precision == precision and options.checkpoint is None
+            assert options.parallel.precision == precision and options.checkpoint is None
             plan = run_memory_of(config.model, options.parallel, world_size=1, seq_len=config.data.seq_len,
                                  micro_batch=config.data.global_batch_size, num_microbatches=1)
             assert plan.total < 40 * 2**30, (spec.name, precision, plan.describe())

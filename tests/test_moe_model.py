@@ -342,12 +342,14 @@ def test_parallelize_and_the_trainer_refuse_an_moe_model_in_the_rows_words():
                     ParallelConfig(dp=4, dp_replicate=2, zero_stage=3))
     config = config_from_args(build_parser().parse_args(["--moe-experts", "4"]))
     with pytest.raises(ConfigError) as trainer:
-        check_experts(config, RunOptions(dp=4, dp_replicate=2, zero_stage=3))
+        check_experts(config, RunOptions(parallel=ParallelConfig(dp=4, dp_replicate=2, zero_stage=3)))
     assert str(parallel.value) == str(trainer.value) == message
     with pytest.raises(ConfigError, match="give --moe-experts"):
-        check_experts(config_from_args(build_parser().parse_args([])), RunOptions(ep=2, dp=2))
+        check_experts(config_from_args(build_parser().parse_args([])),
+                      RunOptions(parallel=ParallelConfig(ep=2, dp=2)))
     with pytest.raises(ConfigError, match="do not split over --ep 4"):
-        check_experts(config_from_args(build_parser().parse_args(["--moe-experts", "6"])), RunOptions(ep=4))
+        check_experts(config_from_args(build_parser().parse_args(["--moe-experts", "6"])),
+                      RunOptions(parallel=ParallelConfig(ep=4)))
     with pytest.raises(ConfigError, match="must divide dp x cp"):
         ParallelDims(dp=3, ep=2)
 

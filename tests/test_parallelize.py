@@ -163,7 +163,7 @@ def _worker(ctx) -> dict:
     config = TrainConfig(model=CONFIG, data=DataConfig(seq_len=16, global_batch_size=4))
     result["setup"] = {}
     for stage in (0, 1, 3):
-        setup = build_setup(config, ctx, RunOptions(zero_stage=stage), groups)
+        setup = build_setup(config, ctx, RunOptions(parallel=ParallelConfig(zero_stage=stage)), groups)
         holder = setup.dp if stage == 0 else setup.optimizer if stage == 1 else setup.state_module
         result["setup"][stage] = (type(holder).__name__, holder.group is dp_cp and setup.group is dp_cp)
     return result

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from refimpl.comm import CommTracer
-from refimpl.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
+from refimpl.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from refimpl.distributed import ParallelDims
 from refimpl.launch import run_ranks
 from refimpl.measure import OUTSIDE, SavedTensorMeter, measure_saved_activations, state_bytes
@@ -138,13 +138,13 @@ def _trainer_run(ctx, options: dict) -> dict:
     skipped; and the gathered LayerNorm weights are not the module's parameters (those are the shards), so
     they count as activations (found: keyed by storage instead of address, the meter reads 4 x 128 bytes
     more per block, the two LayerNorms' weights and biases, and 256 outside, the final one's)."""
-    run = RunOptions(**options)
+    run = RunOptions(parallel=ParallelConfig(**options))
     dims = run.parallel_dims(ctx.world_size)
     groups = dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
     config = _train_config(dims)
     g = torch.Generator().manual_seed(dims.coordinates(ctx.rank).dp)
     ids = torch.randint(0, 256, (B, S + 1), generator=g)
-    twin = RunOptions(**{**options, "zero_stage": min(run.zero_stage, 2)})
+    twin = RunOptions(parallel=ParallelConfig(**{**options, "zero_stage": min(run.parallel.zero_stage, 2)}))
     setup = build_setup(config, ctx, twin, groups)
     x, y = setup.split_batch(ids[:, :-1]), setup.split_batch(ids[:, 1:])
 
@@ -275,22 +275,22 @@ def test_the_trainers_preflight_plans_what_its_cp_ranks_hold(ranks):
     AdamW state after a step (ZeRO over dp x cp, measured)."""
     world = len(ranks)
     for i, options in enumerate(TRAINER_RUNS[world]):
-        run = RunOptions(**options)
-        dims = run.parallel_dims(world)
+        run = RunOptions(parallel=ParallelConfig(**options))
+        dims, stage = run.parallel_dims(world), run.parallel.zero_stage
         plan = preflight_memory(_train_config(dims), run, world_size=world, ranks_per_node=world)
         planned = (plan.activations["block activations"], _outside(plan))
         for rank, r in enumerate(ranks):
             got = r["trainer"][i]
             assert (got["blocks"], got["outside"]) == planned, (rank, options)
             index = dims.coordinates(rank).dp * dims.cp + dims.coordinates(rank).cp
-            state = state_memory_per_rank(CFG_DIVIDES, dims, zero_stage=run.zero_stage, dp_rank=index)
+            state = state_memory_per_rank(CFG_DIVIDES, dims, zero_stage=stage, dp_rank=index)
             # ZeRO-1 before its step holds the reduced gradient shards (ZeRO-2's gradients) beside the full
             shards = (state_memory_per_rank(CFG_DIVIDES, dims, zero_stage=2, dp_rank=index).grads
-                      if run.zero_stage == 1 else 0)
+                      if stage == 1 else 0)
             assert got["state"] == (state.weights, state.grads + shards, state.optimizer), (rank, options)
-            if run.zero_stage:  # negative control: ZeRO over dp alone holds more
+            if stage:  # negative control: ZeRO over dp alone holds more
                 alone = state_memory_per_rank(CFG_DIVIDES, ParallelDims(dp=dims.dp, tp=dims.tp),
-                                              zero_stage=run.zero_stage, dp_rank=dims.coordinates(rank).dp)
+                                              zero_stage=stage, dp_rank=dims.coordinates(rank).dp)
                 assert got["state"] != (alone.weights, alone.grads, alone.optimizer), (rank, options)
             if index == 0:  # the preflight plans the first rank of the group (the largest ZeRO shard)
                 assert got["state"] == (plan.state["weights"], plan.state["grads"] + shards,

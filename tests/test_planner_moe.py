@@ -173,7 +173,7 @@ def test_the_memory_preflight_checks_an_moe_run(corpus, monkeypatch):
     monkeypatch.setenv(MEMORY_ENV, str(WORLD * need.total - WORLD))
     with pytest.raises(ConfigError, match="the run needs about"):
         preflight_memory(config, options, world_size=WORLD, ranks_per_node=WORLD)
-    fp8 = dataclasses.replace(options, precision="fp8")
+    fp8 = dataclasses.replace(options, parallel=dataclasses.replace(options.parallel, precision="fp8"))
     assert preflight_memory(config, fp8, world_size=WORLD, ranks_per_node=WORLD) is None
 
 
@@ -251,14 +251,14 @@ def _run(corpus: dict, name: str) -> tuple[ModelConfig, ParallelDims, str, int]:
     args = _args(corpus, Path("unused"), name)
     options = options_from_args(args)
     dims = options.parallel_dims(WORLD)
-    return config_from_args(args).model, dims, options.precision, 8 // dims.dp
+    return config_from_args(args).model, dims, options.parallel.precision, 8 // dims.dp
 
 
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
 @pytest.mark.parametrize("name", list(RUNS))
 def test_trainer_state_per_rank_is_the_experts_over_edp_and_the_rest_over_dp(runs, corpus, name):
     config, dims, precision, micro = _run(corpus, name)
-    zero = options_from_args(_args(corpus, Path("unused"), name)).zero_stage
+    zero = options_from_args(_args(corpus, Path("unused"), name)).parallel.zero_stage
     table = param_table(config, tp=dims.tp)
     dense = [p.shape for p in table.params if not is_expert_tensor(p.name)]
     experts = [p.shape for p in table.params if is_expert_tensor(p.name)]

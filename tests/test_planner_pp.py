@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from refimpl.comm.tracer import now
-from refimpl.config import ModelConfig
+from refimpl.config import ModelConfig, ParallelConfig
 from refimpl.distributed import ParallelDims
 from refimpl.launch import run_ranks
 from refimpl.measure import SavedTensorMeter, state_bytes
@@ -328,7 +328,7 @@ def _composed_worker(ctx) -> dict:
         st = state_bytes(params, optimizer)
         out[key] = {**got, "pp_rank": dims.coordinates(ctx.rank).pp,
                     "state": (st.weights, st.grads, st.optimizer)}
-    run = RunOptions(dp=2, pp=2, zero_stage=1, microbatches=2)
+    run = RunOptions(parallel=ParallelConfig(dp=2, pp=2, zero_stage=1, microbatches=2))
     dims = run.parallel_dims(ctx.world_size)
     train = TrainConfig(model=config, data=DataConfig(seq_len=S, global_batch_size=2 * B * dims.dp),
                         optim=OptimConfig(grad_clip=1.0))
@@ -403,7 +403,8 @@ def test_the_preflight_of_pp2_dp2_zero1_is_what_its_setup_holds(composed):
     from refimpl.train import RunOptions
     from refimpl.train.preflight import preflight_memory
 
-    config, run = _composed_config(), RunOptions(dp=2, pp=2, zero_stage=1, microbatches=2)
+    config = _composed_config()
+    run = RunOptions(parallel=ParallelConfig(dp=2, pp=2, zero_stage=1, microbatches=2))
     train = TrainConfig(model=config, data=DataConfig(seq_len=S, global_batch_size=4 * B),
                         optim=OptimConfig(grad_clip=1.0))
     plan = preflight_memory(train, run, world_size=4, ranks_per_node=4)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from refimpl.comm import CommTracer
-from refimpl.config import LLAMA, DataConfig, ModelConfig, OptimConfig, TrainConfig
+from refimpl.config import LLAMA, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from refimpl.distributed import ParallelDims
 from refimpl.launch import run_ranks
 from refimpl.measure import OUTSIDE, measure_saved_activations, state_bytes
@@ -97,7 +97,8 @@ def _state_after_a_step(ctx, dims: ParallelDims, zero_stage: int) -> tuple[int, 
     groups = dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
     config = TrainConfig(model=CFG_DIVIDES, data=DataConfig(seq_len=S, global_batch_size=2 * dims.dp),
                          optim=OptimConfig(grad_clip=1.0))
-    setup = build_setup(config, ctx, RunOptions(zero_stage=zero_stage, dp=dims.dp, tp=dims.tp), groups)
+    options = RunOptions(parallel=ParallelConfig(zero_stage=zero_stage, dp=dims.dp, tp=dims.tp))
+    setup = build_setup(config, ctx, options, groups)
     ids = torch.randint(0, 256, (2, S + 1), generator=torch.Generator().manual_seed(ctx.rank // dims.tp))
     held = []
 
@@ -299,7 +300,7 @@ def test_the_trainers_preflight_plans_a_tp_run():
                          data=DataConfig(seq_len=32, global_batch_size=4))
     one = preflight_memory(config, RunOptions(), world_size=1, ranks_per_node=1)
     for sp in (False, True):
-        options = RunOptions(tp=2, sequence_parallel=sp)
+        options = RunOptions(parallel=ParallelConfig(tp=2, sequence_parallel=sp))
         plan = preflight_memory(config, options, world_size=2, ranks_per_node=2)
         assert plan.total < one.total, (sp, plan.describe(), one.describe())
         assert plan == run_memory_per_rank(config.model, ParallelDims(dp=1, tp=2), micro_batch=4, seq_len=32,

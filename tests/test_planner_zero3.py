@@ -186,10 +186,10 @@ def _worker(ctx, files: dict) -> dict:
         args = _args(files, name)
         options = dataclasses.replace(options_from_args(args), checkpoint=None)  # no save at the end
         probe, full = TrainerProbe(step=1), FullTensors(step=1)
-        hooks = compose(probe, full) if options.zero_stage == 3 else probe
+        hooks = compose(probe, full) if options.parallel.zero_stage == 3 else probe
         records = train(config_from_args(args), ctx, options, hooks=hooks)
         measured = dataclasses.asdict(probe.measured)
-        if options.zero_stage == 3:
+        if options.parallel.zero_stage == 3:
             measured["full"] = full.measured
         out[name] = {"bytes": [r["bytes_sent"] for r in records], "measured": measured}
     return out
@@ -273,7 +273,7 @@ def test_zero3_full_tensors_are_freed_before_the_step_and_the_preflight_peaks_ho
     stage's weights and full gradients when gathered once per step (the preflight's term, to the byte, in
     fp32 and in bf16), the
     stage's root unit when gathered per micro-batch (the preflight's term adds its largest block)."""
-    names = [n for n in LAYOUTS if options_from_args(_args(files, n)).zero_stage == 3]
+    names = [n for n in LAYOUTS if options_from_args(_args(files, n)).parallel.zero_stage == 3]
     assert len(names) == 14
     for name in names:
         args = _args(files, name)

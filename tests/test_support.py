@@ -78,7 +78,8 @@ def test_several_refusals_are_all_said():
 def test_the_trainer_parallelize_and_the_planner_refuse_in_the_rows_words():
     message = next(r for r in SUPPORT_TABLE if r.name == "zero3-reshard-zbh1").message()
     with pytest.raises(ConfigError) as trainer:
-        RunOptions(pp=2, zero_stage=3, pp_schedule="zbh1", zero3_reshard_per_microbatch=True)
+        RunOptions(parallel=ParallelConfig(pp=2, zero_stage=3, pp_schedule="zbh1",
+                                           zero3_reshard_per_microbatch=True))
     config = ModelConfig(vocab_size=64, max_seq_len=8, num_layers=2, hidden_size=16, num_attention_heads=2)
     with pytest.raises(ConfigError) as parallel:
         parallelize(GPT(config, seed=0), ParallelDims(dp=1, pp=2),

@@ -18,30 +18,33 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refimpl.config import ConfigError
+from refimpl.config import ConfigError, ParallelConfig
 from refimpl.train.args import RunOptions
 from refimpl.train.preflight import survivor_layout
 
 
 def _cp_forgotten(options: RunOptions, world_size: int, *, restart_count: int):
     """Wrong on purpose: survivor_layout with dp = world / (tp x pp), as if cp did not take ranks."""
-    if options.dp is None or restart_count == 0:
+    par = options.parallel
+    if par.dp is None or restart_count == 0:
         return options, None
-    if world_size == options.dp * options.tp * options.pp * options.cp:
+    if world_size == par.dp * par.tp * par.pp * par.cp:
         return options, None
-    others = options.tp * options.pp
+    others = par.tp * par.pp
     if world_size % others:
         raise ConfigError(f"{world_size} ranks survived; tp x pp = {others} does not divide it")
-    return replace(options, dp=world_size // others), f"resuming at dp {world_size // others}"
+    return (replace(options, parallel=replace(par, dp=world_size // others)),
+            f"resuming at dp {world_size // others}")
 
 
 def violations(impl, *, tp: int, pp: int, cp: int, dp: int | None, survivors: int, restart: int) -> list[str]:
     """What ``impl`` (survivor_layout's signature) gets wrong for this case; [] when nothing."""
-    options = RunOptions(dp=dp, tp=tp, pp=pp, cp=cp)
+    options = RunOptions(parallel=ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp))
     case = f"tp {tp} pp {pp} cp {cp} dp {dp}, {survivors} survivors, restart {restart}"
     per_copy = tp * pp * cp
     try:
-        layout, said = impl(options, survivors, restart_count=restart)
+        chosen, said = impl(options, survivors, restart_count=restart)
+        layout = chosen.parallel
     except ConfigError as exc:
         message = str(exc)
         if dp is not None and restart > 0 and survivors % per_copy:
@@ -53,7 +56,7 @@ def violations(impl, *, tp: int, pp: int, cp: int, dp: int | None, survivors: in
             return wrong
         return [f"{case}: refused a count that tp x pp x cp = {per_copy} divides: {message}"]
     if dp is None or restart == 0:
-        return [] if layout == options and said is None else [f"{case}: changed a layout it must keep"]
+        return [] if chosen == options and said is None else [f"{case}: changed a layout it must keep"]
     if survivors % per_copy:
         return [f"{case}: accepted {survivors} survivors, which tp x pp x cp = {per_copy} does not divide"]
     wrong = []
@@ -62,7 +65,7 @@ def violations(impl, *, tp: int, pp: int, cp: int, dp: int | None, survivors: in
     if layout.dp * layout.tp * layout.pp * layout.cp != survivors:
         wrong.append(f"{case}: dp {layout.dp} x tp x pp x cp != {survivors} survivors")
     else:
-        layout.parallel_dims(survivors)  # builds (raises otherwise)
+        chosen.parallel_dims(survivors)  # builds (raises otherwise)
     if (said is None) != (survivors == dp * per_copy):
         wrong.append(f"{case}: said {said!r}")
     elif said is not None and "\n" in said:
@@ -100,6 +103,7 @@ def test_survivor_layout_property(tp, pp, cp, dp, survivors, restart):
        cp=st.integers(1, 8), restart=st.integers(1, 5))
 def test_survivors_that_divide_keep_the_split(tp, pp, k, dp, cp, restart):
     """Survivor counts that are a multiple of tp pp cp (a random draw rarely is): dp = k, always."""
-    layout, _ = survivor_layout(RunOptions(dp=dp, tp=tp, pp=pp, cp=cp), k * tp * pp * cp,
-                                restart_count=restart)
+    chosen, _ = survivor_layout(RunOptions(parallel=ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp)),
+                                k * tp * pp * cp, restart_count=restart)
+    layout = chosen.parallel
     assert (layout.dp, layout.tp, layout.pp, layout.cp) == (k, tp, pp, cp)

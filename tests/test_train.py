@@ -469,19 +469,22 @@ def test_pp2_one_f_one_b_runs_from_the_command_line(files, tmp_path):
 
 
 def test_pipeline_micro_batches_are_checked_before_anything_starts():
-    from refimpl.config import ConfigError
+    from refimpl.config import ConfigError, ParallelConfig
     from refimpl.train import RunOptions
     from refimpl.train.preflight import pipeline_microbatches
 
+    def layout(**fields) -> RunOptions:
+        return RunOptions(parallel=ParallelConfig(**fields))
+
     config = config_from_args(build_parser().parse_args([*TINY, "--num-layers", "4", "--batch-size", "8"]))
-    assert pipeline_microbatches(config, RunOptions(pp=2), 2) == 2  # the default: pp micro-batches
-    assert pipeline_microbatches(config, RunOptions(pp=2, microbatches=4), 2) == 4
+    assert pipeline_microbatches(config, layout(pp=2), 2) == 2  # the default: pp micro-batches
+    assert pipeline_microbatches(config, layout(pp=2, microbatches=4), 2) == 4
     with_micro = config_from_args(build_parser().parse_args([*TINY, "--num-layers", "4", "--batch-size", "8",
                                                              "--micro-batch-size", "1"]))
-    assert pipeline_microbatches(with_micro, RunOptions(pp=2), 2) == 4  # per-rank batch / micro-batch
-    for options, dp, match in ((RunOptions(pp=2, microbatches=3), 2, "does not split into 3"),
-                               (RunOptions(pp=2, microbatches=2), 2, None),
-                               (RunOptions(pp=8), 1, "cannot fill 8 pipeline stages")):
+    assert pipeline_microbatches(with_micro, layout(pp=2), 2) == 4  # per-rank batch / micro-batch
+    for options, dp, match in ((layout(pp=2, microbatches=3), 2, "does not split into 3"),
+                               (layout(pp=2, microbatches=2), 2, None),
+                               (layout(pp=8), 1, "cannot fill 8 pipeline stages")):
         if match is None:
             with pytest.raises(ConfigError, match="is not the per-rank batch"):
                 pipeline_microbatches(with_micro, options, dp)  # 2 x 1 != 4: the two flags disagree
@@ -493,10 +496,10 @@ def test_pipeline_micro_batches_are_checked_before_anything_starts():
                        (dict(microbatches=2), "need pp > 1"),
                        (dict(pp=2, virtual_stages=2), "without the interleaved schedule")):
         with pytest.raises(ConfigError, match=match):
-            RunOptions(**bad)
-    RunOptions(pp=2, tp=2, pp_schedule="zbh1")  # built: the tensor-parallel layers defer their dW too
-    RunOptions(pp=2, zero_stage=2, pp_schedule="zbh1")  # built: ZeRO-2 reduce-scatters after each W action
-    RunOptions(pp=2, zero_stage=3, pp_schedule="zbh1")  # built: the stage is reduced after the last W
+            layout(**bad)
+    layout(pp=2, tp=2, pp_schedule="zbh1")  # built: the tensor-parallel layers defer their dW too
+    layout(pp=2, zero_stage=2, pp_schedule="zbh1")  # built: ZeRO-2 reduce-scatters after each W action
+    layout(pp=2, zero_stage=3, pp_schedule="zbh1")  # built: the stage is reduced after the last W
 
 
 def test_context_parallel_sizes_are_checked_before_anything_starts():
@@ -587,6 +590,29 @@ def test_layout_flags_default_dp_to_the_world_over_the_other_axes():
     args = build_parser().parse_args([*TINY, "--dp", "2"])
     with pytest.raises(ValueError, match="does not match the world size 4"):
         options_from_args(args).parallel_dims(4)
+
+
+def test_the_layout_flags_are_parallel_configs_fields():
+    """The "parallelism and precision" flags are ``ParallelConfig``'s fields that declare one, in its order,
+    each defaulting to the field's; ``options_from_args`` gives them to ``ParallelConfig`` and config.json's
+    "run" is its ``dataclasses.asdict`` (``pp_balance`` too, which the hand-written dict dropped)."""
+    import dataclasses
+
+    from refimpl.config import ParallelConfig, flag_of
+    from refimpl.train import options_from_args
+
+    parser = build_parser()
+    group = next(g for g in parser._action_groups if g.title == "parallelism and precision")
+    flagged = [f.name for f in dataclasses.fields(ParallelConfig) if "flag" in f.metadata]
+    assert [a.option_strings for a in group._group_actions] == [[flag_of(name)] for name in flagged]
+    assert options_from_args(parser.parse_args([])).parallel == ParallelConfig()
+    options = options_from_args(parser.parse_args([
+        "--tp", "2", "--sequence-parallel", "--pp", "2", "--pp-balance", "parameters", "--zero-stage", "1",
+        "--precision", "bf16", "--microbatches", "4", "--activation-checkpointing"]))
+    want = ParallelConfig(tp=2, sequence_parallel=True, pp=2, pp_balance="parameters", zero_stage=1,
+                          precision="bf16", microbatches=4, activation_checkpointing="all")
+    assert options.parallel == want and options.to_dict() == dataclasses.asdict(want)
+    assert options.to_dict()["pp_balance"] == "parameters"
 
 
 # ---------------------------------------------------------------- memory preflight and SIGTERM

@@ -19,7 +19,7 @@ import torch
 
 from refimpl import elastic
 from refimpl.checkpoint import list_checkpoints, rank_file_name
-from refimpl.config import ConfigError
+from refimpl.config import ConfigError, ParallelConfig
 from refimpl.data import make_corpus_file
 from refimpl.distributed import DistributedContext
 from refimpl.launch import run_ranks
@@ -68,9 +68,9 @@ def _modes_worker(ctx, files: dict, root: str) -> dict:
     for name, flags in MODES:
         def run(out: str, *extra: str, checkpoints: bool = True, name=name, flags=flags):
             args = _args(files, Path(root) / name / out, *flags, *extra)
-            options = options_from_args(args) if checkpoints else RunOptions(
+            options = options_from_args(args) if checkpoints else RunOptions(parallel=ParallelConfig(
                 zero_stage=args.zero_stage, precision=args.precision,
-                activation_checkpointing=args.activation_checkpointing)
+                activation_checkpointing=args.activation_checkpointing))
             return train(config_from_args(args), ctx, options)
 
         clean = [r["loss"] for r in run("clean", checkpoints=False)]

@@ -127,7 +127,7 @@ def _gradient_norm(ctx, files: dict, flags: list[str]) -> tuple[float, dict]:
     config, options = config_from_args(args), options_from_args(args)
     dims = options.parallel_dims(ctx.world_size)
     setup = build_setup(config, ctx, options)
-    m = options.microbatches
+    m = options.parallel.microbatches
     g = torch.Generator().manual_seed(1 + dims.coordinates(ctx.rank).dp)  # each dp rank its own batch
     tokens = torch.randint(0, 256, (2 * m, 17), generator=g)
     setup.pipeline.step(tokens[:, :-1], tokens[:, 1:], num_microbatches=m,

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from refimpl.comm.tracer import CommTracer
-from refimpl.config import ModelConfig
+from refimpl.config import ModelConfig, ParallelConfig
 from refimpl.launch import run_ranks
 from refimpl.measure import PeakStateBytes, StateMemory, state_bytes
 from refimpl.models import GPT, lm_loss
@@ -855,7 +855,8 @@ def _trainer_worker(ctx, root: str) -> dict:
         args = build_parser().parse_args([*TRAIN_FLAGS, "--precision", precision, "--data", str(corpus),
                                           "--cache-dir", str(root_path / "cache"),
                                           "--out", str(root_path / precision)])
-        config, options = config_from_args(args), RunOptions(zero_stage=3, precision=precision)
+        config = config_from_args(args)
+        options = RunOptions(parallel=ParallelConfig(zero_stage=3, precision=precision))
         setup = build_setup(config, ctx, options)
         fsdp = setup.forward
         out[precision] = {"param_dtype": fsdp.param_dtype, "reduce_dtype": fsdp.reduce_dtype,

@@ -1,10 +1,12 @@
 """The trainer's flags and what they become: ``build_parser``, ``config_from_args`` (a
-``refimpl.config.TrainConfig``) and ``options_from_args`` (a ``RunOptions``: parallelism,
-precision, checkpoints and faults, chapters 03-05 and 09)."""
+``refimpl.config.TrainConfig``) and ``options_from_args`` (a ``RunOptions``: the layout and its
+techniques as one ``refimpl.config.ParallelConfig``, whose fields give the parallelism flags, then
+checkpoints and faults, chapters 03-05 and 09)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,18 +14,14 @@ from refimpl import elastic
 from refimpl.checkpoint import CheckpointConfig
 from refimpl.config import (
     ARCHS,
-    CP_METHODS,
-    FP8_SCALINGS,
     MOE_LOAD_BALANCE,
-    PP_BALANCES,
-    PP_SCHEDULES,
-    PRECISIONS,
     ConfigError,
     DataConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
     TrainConfig,
+    flag_of,
 )
 from refimpl.distributed import ParallelDims
 from refimpl.support import check_supported, describe_support_table
@@ -192,64 +190,17 @@ def _add_moe_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
-    """The parallelism and precision flags: ZeRO, the layout's degrees, pipeline and context
-    parallelism."""
+    """The parallelism and precision flags: one per field of ``refimpl.config.ParallelConfig`` that
+    declares one (its help, choices and metavar are the field's metadata), its default the field's."""
     par = p.add_argument_group("parallelism and precision")
-    par.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0,
-                     help="0: data parallel; 1/2: sharded optimizer state (and gradients); 3: fully sharded")
-    par.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                     help="compute dtype (autocast over fp32 weights; fp16 adds a dynamic loss scaler; fp8: "
-                     "bf16 autocast with the linears' GEMMs in fp8, the first and last linear kept in bf16)")
-    par.add_argument("--fp8-scaling", choices=FP8_SCALINGS, default="tensorwise",
-                     help="with --precision fp8: torchao's recipe, one dynamic scale per tensor (tensorwise) "
-                     "or per row, power-of-two scales and e4m3 gradients (rowwise)")
-    par.add_argument("--activation-checkpointing", nargs="?", const="all", default=None, metavar="BLOCKS",
-                     help="recompute blocks in backward: all (the default when given), every-N, or 0,2,-1")
-    par.add_argument("--dp", type=int, default=None,
-                     help="data-parallel degree (default: world size / (tp x pp x cp)); dp x cp x tp x pp "
-                     "must be the world size")
-    par.add_argument("--dp-replicate", type=int, default=1, metavar="R",
-                     help="with --zero-stage 3: hybrid sharding (HSDP), the dp ranks as R replicas of dp/R "
-                     "adjacent ranks that shard the model (inside a node); R must divide dp")
-    par.add_argument("--ep", type=int, default=1,
-                     help="expert-parallel degree (chapter 09): each MoE block's experts split over ep "
-                     "consecutive ranks of the dp x cp ranks (torchtitan's dp2ep); must divide dp x cp and "
-                     "--moe-experts")
-    par.add_argument("--tp", type=int, default=1,
-                     help="tensor-parallel degree (chapter 06): heads, MLP and vocabulary split over tp "
-                     "ranks that see the same batch; must divide --num-heads, 4 x --hidden-size and 256")
-    par.add_argument("--sequence-parallel", action="store_true",
-                     help="with --tp > 1: split the activations outside the tensor-parallel regions along "
-                     "the sequence (Korthikanti et al. 2022); --seq-len must divide by --tp")
-    par.add_argument("--tp-comm-overlap", action="store_true",
-                     help="with --sequence-parallel: each linear's all-gather / reduce-scatter as a ring "
-                     "whose transfers hide behind the matmul of a sequence chunk (collective matmul, Wang "
-                     "et al. 2023; Megatron's --tp-comm-overlap)")
-    par.add_argument("--pp", type=int, default=1,
-                     help="pipeline-parallel degree (chapter 08): the blocks cut into pp stages, the batch "
-                     "run through them in micro-batches; composes with --dp, --tp, --cp and --zero-stage 0-3")
-    par.add_argument("--microbatches", type=int, default=None, metavar="M",
-                     help="with --pp > 1: pipeline micro-batches per step and data-parallel rank (default: "
-                     "per-rank batch / --micro-batch-size, else pp)")
-    par.add_argument("--pp-schedule", type=_schedule, choices=PP_SCHEDULES,
-                     default="1f1b", help="with --pp > 1: the pipeline schedule (zbh1: the handcrafted "
-                     "zero-bubble schedule ZB-H1 of Qi et al. 2023; zbv: its ZB-V, two chunks per rank in a "
-                     "V, with --virtual-stages 2)")
-    par.add_argument("--zero3-reshard-per-microbatch", action="store_true",
-                     help="with --pp > 1 and --zero-stage 3: gather each stage's weights and reduce its "
-                     "gradients per micro-batch (m times the collectives, less memory) instead of once per "
-                     "step")
-    par.add_argument("--virtual-stages", type=int, default=1, metavar="V",
-                     help="with --pp-schedule interleaved: model chunks per pipeline rank (zbv: 2)")
-    par.add_argument("--pp-balance", choices=PP_BALANCES, default="layers",
-                     help="with --pp > 1: cut the blocks into equal counts or equal parameters per stage")
-    par.add_argument("--cp", type=int, default=1,
-                     help="context-parallel degree (chapter 07): each sequence split over cp ranks, "
-                     "attention across them; --seq-len must divide by 2 x cp (ring) or cp (ulysses)")
-    par.add_argument("--cp-method", choices=CP_METHODS, default="ring",
-                     help="with --cp > 1: ring attention (K/V blocks round a ring, zig-zag split for "
-                     "causal balance) or Ulysses (all-to-alls to head shards; the heads per tp rank must "
-                     "divide by cp)")
+    for f in _layout_fields():
+        keywords = f.metadata["flag"] | ({"type": _schedule} if f.name == "pp_schedule" else {})
+        par.add_argument(flag_of(f.name), dest=f.name, default=f.default, **keywords)
+
+
+def _layout_fields() -> list[dataclasses.Field]:
+    """The fields of ``refimpl.config.ParallelConfig`` that are flags, in its order."""
+    return [f for f in dataclasses.fields(ParallelConfig) if "flag" in f.metadata]
 
 
 def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
@@ -350,83 +301,32 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RunOptions:
-    """What the trainer does beyond ``TrainConfig``: parallelism, precision, checkpoints, faults.
+    """What the trainer does beyond ``TrainConfig``: the layout and its techniques (``parallel``, one
+    ``refimpl.config.ParallelConfig``, which checks its own values), checkpoints, faults, the report.
 
-    The defaults (no checkpoint folder, no fault) are those of ``train`` called from Python.
+    The defaults (one data-parallel layout, no checkpoint folder, no fault) are those of ``train`` called
+    from Python: ``RunOptions(parallel=ParallelConfig(tp=2, sequence_parallel=True))``.
     """
 
-    zero_stage: int = 0
-    precision: str = "fp32"
-    fp8_scaling: str = "tensorwise"  # with precision fp8: torchao's tensorwise or rowwise recipe
-    activation_checkpointing: str | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig | None = None
     faults: elastic.FaultPlan = field(default_factory=elastic.FaultPlan)
     sigterm_grace_s: float | None = 60.0  # SaveSchedule: after a SIGTERM, exit at once past this
     sleep_in_step_s: float = 0.0  # tests only: each step sleeps this long after its first forward
-    dp: int | None = None  # the layout (refimpl.distributed.ParallelDims); None: world / (tp x pp x cp)
-    cp: int = 1
-    tp: int = 1
-    pp: int = 1
-    dp_replicate: int = 1  # HSDP: the dp ranks as dp_replicate x dp_shard (ZeRO-3 within a shard group)
-    ep: int = 1  # expert parallelism: each MoE block's experts over ep ranks of dp x cp (chapter 09)
-    sequence_parallel: bool = False
-    tp_comm_overlap: bool = False  # the sequence-parallel linears' collectives as rings (collective matmul)
-    cp_method: str = "ring"
-    microbatches: int | None = None  # pipeline micro-batches per step and dp rank (None: see --microbatches)
-    pp_schedule: str = "1f1b"
-    virtual_stages: int = 1
-    pp_balance: str = "layers"
-    zero3_reshard_per_microbatch: bool = False  # ZeRO-3 with pp: gather and reduce per micro-batch
     report: bool = True  # at the end, rank 0: loss.png, a text sample, summary.json (--no-report: none)
 
     def __post_init__(self) -> None:
-        ParallelDims(dp=self.dp_replicate if self.dp is None else self.dp, cp=self.cp, tp=self.tp, pp=self.pp,
-                     dp_replicate=self.dp_replicate)  # degrees >= 1, dp_replicate divides dp
-        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
-            raise ConfigError(f"--ep must be a positive integer, got {self.ep!r}")
-        if self.virtual_stages < 1:
-            raise ConfigError(f"--virtual-stages {self.virtual_stages}: a positive number, above 1 only with "
-                              "--pp-schedule interleaved (or 2 with zbv)")
-        if self.microbatches is not None and self.microbatches < 1:
-            raise ConfigError(f"--microbatches must be >= 1, got {self.microbatches}")
-        if self.cp_method not in ("ring", "ulysses"):
-            raise ConfigError(f"--cp-method must be ring or ulysses, got {self.cp_method!r}")
         if self.sigterm_grace_s is not None and not self.sigterm_grace_s >= 0:
             raise ConfigError(f"--sigterm-grace must be >= 0 seconds, got {self.sigterm_grace_s}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         check_supported(self.parallel)  # the combinations refused: refimpl/support.py, written once
-
-    @property
-    def parallel(self) -> ParallelConfig:
-        """The layout and the technique options as one ``refimpl.config.ParallelConfig``."""
-        return ParallelConfig(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, dp_replicate=self.dp_replicate,
-                              ep=self.ep, zero_stage=self.zero_stage,
-                              precision=self.precision, fp8_scaling=self.fp8_scaling,
-                              sequence_parallel=self.sequence_parallel, tp_comm_overlap=self.tp_comm_overlap,
-                              cp_method=self.cp_method, pp_schedule=self.pp_schedule,
-                              virtual_stages=self.virtual_stages, pp_balance=self.pp_balance,
-                              microbatches=self.microbatches,
-                              activation_checkpointing=self.activation_checkpointing,
-                              zero3_reshard_per_microbatch=self.zero3_reshard_per_microbatch)
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
         """The layout of ``world_size`` ranks (checked: the degrees' product is the world size)."""
-        return ParallelDims.from_world(world_size, dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp,
-                                       dp_replicate=self.dp_replicate, ep=self.ep)
+        return ParallelDims.from_world(world_size, **self.parallel.degrees)
 
     def to_dict(self) -> dict:
-        return {"zero_stage": self.zero_stage, "precision": self.precision,
-                "activation_checkpointing": self.activation_checkpointing, "dp": self.dp, "cp": self.cp,
-                "cp_method": self.cp_method, "tp": self.tp, "sequence_parallel": self.sequence_parallel,
-                "pp": self.pp, "pp_schedule": self.pp_schedule, "virtual_stages": self.virtual_stages,
-                "microbatches": self.microbatches, "dp_replicate": self.dp_replicate,
-                "zero3_reshard_per_microbatch": self.zero3_reshard_per_microbatch} | (
-                    {"ep": self.ep} if self.ep > 1 else {}) | (
-                    {"tp_comm_overlap": True} if self.tp_comm_overlap else {}) | (
-                    {"fp8_scaling": self.fp8_scaling} if self.precision == "fp8" else {})
+        """The layout and its techniques as config.json's ``run`` (every field of ``ParallelConfig``)."""
+        return dataclasses.asdict(self.parallel)
 
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:
@@ -434,13 +334,6 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         raise ConfigError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    if args.activation_checkpointing is not None:
-        from refimpl.parallel.activation_checkpoint import parse_block_selection
-
-        try:
-            parse_block_selection(args.activation_checkpointing)
-        except ValueError as exc:
-            raise ConfigError(f"--activation-checkpointing: {exc}") from None
     checkpoint = CheckpointConfig(
         folder=args.checkpoint_dir or str(Path(args.out) / "checkpoints"),
         keep_last=args.keep_last,
@@ -451,14 +344,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
     )
     faults = elastic.FaultPlan(fail_at_step=args.fail_at_step, hang_at_step=args.hang_at_step,
                                preempt_at_step=args.preempt_at_step, rank=args.fail_rank, node=args.fail_node)
-    return RunOptions(zero_stage=args.zero_stage, precision=args.precision, fp8_scaling=args.fp8_scaling,
-                      activation_checkpointing=args.activation_checkpointing, checkpoint=checkpoint,
-                      faults=faults, sigterm_grace_s=args.sigterm_grace,
-                      sleep_in_step_s=args.test_sleep_in_step,
-                      dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp, dp_replicate=args.dp_replicate,
-                      ep=args.ep,
-                      sequence_parallel=args.sequence_parallel, tp_comm_overlap=args.tp_comm_overlap,
-                      cp_method=args.cp_method,
-                      microbatches=args.microbatches, pp_schedule=args.pp_schedule,
-                      virtual_stages=args.virtual_stages, pp_balance=args.pp_balance,
-                      zero3_reshard_per_microbatch=args.zero3_reshard_per_microbatch, report=args.report)
+    parallel = ParallelConfig(**{f.name: getattr(args, f.name) for f in _layout_fields()})
+    return RunOptions(parallel=parallel, checkpoint=checkpoint, faults=faults,
+                      sigterm_grace_s=args.sigterm_grace, sleep_in_step_s=args.test_sleep_in_step,
+                      report=args.report)

@@ -205,14 +205,15 @@ def _throughput(config: TrainConfig, ctx: DistributedContext, setup: _Setup, dim
 def _describe_run(config: TrainConfig, ctx: DistributedContext, options: RunOptions, dims: ParallelDims, *,
                   accumulation: int, micro: int) -> str:
     """The run's first line: the model, the world, ZeRO, precision, the batch and the layout."""
+    par = options.parallel
     return (f"model: {param_count(config.model).total:,} parameters | world size {ctx.world_size} on "
-            f"{ctx.device.type} ({ctx.backend}) | ZeRO stage {options.zero_stage} | {options.precision} | "
+            f"{ctx.device.type} ({ctx.backend}) | ZeRO stage {par.zero_stage} | {par.precision} | "
             f"global batch {config.data.global_batch_size} x {config.data.seq_len} tokens = {micro} per "
             f"micro-batch x {accumulation} accumulation x {dims.dp} data-parallel ranks | layout "
-            f"{dims.describe()}{' with sequence parallelism' if options.sequence_parallel else ''}"
-            + (f" | context parallel: {options.cp_method} attention" if dims.cp > 1 else "")
-            + (f" | pipeline: {options.pp_schedule}, {accumulation} micro-batches"
-               + (f", {options.virtual_stages} stages per rank" if options.virtual_stages > 1 else "")
+            f"{dims.describe()}{' with sequence parallelism' if par.sequence_parallel else ''}"
+            + (f" | context parallel: {par.cp_method} attention" if dims.cp > 1 else "")
+            + (f" | pipeline: {par.pp_schedule}, {accumulation} micro-batches"
+               + (f", {par.virtual_stages} stages per rank" if par.virtual_stages > 1 else "")
                if dims.pp > 1 else ""))
 
 

@@ -43,7 +43,7 @@ def check_experts(config: TrainConfig, options: RunOptions) -> None:
     """Refuse what an MoE model or ``--ep`` cannot take (chapter 09): ``--ep`` without MoE blocks, experts
     that do not split over ``--ep``, and the combinations ``refimpl.support.MOE_SUPPORT_TABLE`` refuses
     for a model with MoE blocks (ZeRO-3)."""
-    experts, ep = config.model.num_experts, options.ep
+    experts, ep = config.model.num_experts, options.parallel.ep
     if ep > 1 and experts == 0:
         raise ConfigError(f"--ep {ep} splits the experts of MoE blocks over {ep} ranks: give --moe-experts")
     if experts and experts % ep:
@@ -57,7 +57,7 @@ def forwards_per_step(config: TrainConfig, options: RunOptions, dp: int) -> int:
     """The forwards a data-parallel rank runs per optimizer step: gradient accumulation's micro-batches
     without a pipeline, the pipeline's (``pipeline_microbatches``) with one; refused (one line) when
     the per-rank batch does not split (``refimpl.config.micro_batches`` is the rule)."""
-    if options.pp == 1:
+    if options.parallel.pp == 1:
         return config.data.accumulation_steps(dp)
     return pipeline_microbatches(config, options, dp)
 
@@ -67,25 +67,25 @@ def pipeline_microbatches(config: TrainConfig, options: RunOptions, dp: int) -> 
     the per-rank batch over ``--micro-batch-size``, else ``pp``; refused (one line) when the per-rank batch
     does not split into them, they disagree with ``--micro-batch-size``, the interleaved schedule cannot
     take them or the blocks do not fill the stages."""
-    per_rank, micro = config.data.per_rank_batch(dp), config.data.micro_batch_size
-    m = micro_batches(per_rank_batch=per_rank, micro_batch_size=micro, pp=options.pp,
-                      microbatches=options.microbatches)
-    if options.microbatches is not None and micro is not None and micro * m != per_rank:
+    par, per_rank, micro = options.parallel, config.data.per_rank_batch(dp), config.data.micro_batch_size
+    m = micro_batches(per_rank_batch=per_rank, micro_batch_size=micro, pp=par.pp,
+                      microbatches=par.microbatches)
+    if par.microbatches is not None and micro is not None and micro * m != per_rank:
         raise ConfigError(f"--microbatches {m} x --micro-batch-size {micro} is not the per-rank batch "
                           f"{per_rank} (= --batch-size / dp {dp}); give one of the two")
-    if options.microbatches is None and micro is not None:
+    if par.microbatches is None and micro is not None:
         config.data.accumulation_steps(dp)  # micro must divide the per-rank batch: refused in its words
     if per_rank % m:
         raise ConfigError(f"the per-rank batch {per_rank} (= --batch-size / dp {dp}) does not split into {m} "
                           "pipeline micro-batches; set --microbatches to a divisor of it")
-    stages = options.pp * options.virtual_stages
+    stages = par.pp * par.virtual_stages
     if config.model.num_layers < stages:
         raise ConfigError(f"--num-layers {config.model.num_layers} cannot fill {stages} pipeline stages "
-                          f"(--pp {options.pp} x --virtual-stages {options.virtual_stages}): each needs a "
+                          f"(--pp {par.pp} x --virtual-stages {par.virtual_stages}): each needs a "
                           "block")
-    if options.pp_schedule == "interleaved" and m % options.pp:
-        raise ConfigError(f"--pp-schedule interleaved sends micro-batches in rounds of --pp {options.pp}: "
-                          f"{m} micro-batches do not divide by {options.pp}")
+    if par.pp_schedule == "interleaved" and m % par.pp:
+        raise ConfigError(f"--pp-schedule interleaved sends micro-batches in rounds of --pp {par.pp}: "
+                          f"{m} micro-batches do not divide by {par.pp}")
     return m
 
 
@@ -105,20 +105,21 @@ def survivor_layout(options: RunOptions, world_size: int, *,
     global batch stays (more accumulation per rank). Returns the options to run and the sentence that says
     so (None when nothing changed). A first attempt is never changed: a layout that does not match the ranks
     started is the user's mistake and ``RunOptions.parallel_dims`` refuses it."""
-    if options.dp is None or restart_count == 0:
+    par = options.parallel
+    if par.dp is None or restart_count == 0:
         return options, None
-    asked = options.parallel_dims(options.dp * options.tp * options.pp * options.cp)
+    asked = options.parallel_dims(par.dp * par.tp * par.pp * par.cp)
     if asked.world_size == world_size:
         return options, None
-    others = options.tp * options.pp * options.cp
+    others = par.tp * par.pp * par.cp
     if world_size % others:
         raise ConfigError(f"restart {restart_count}: {world_size} ranks survived; the layout "
                           f"{asked.describe()} keeps tp x pp x cp = {others} ranks per model copy, which "
                           f"{world_size} does not divide: no layout to resume at")
     dp = world_size // others
-    hsdp = ("" if dp % options.dp_replicate == 0 else
-            f"; dp_replicate {options.dp_replicate} does not divide dp {dp}: no hybrid sharding")
-    chosen = replace(options, dp=dp, dp_replicate=options.dp_replicate if not hsdp else 1)
+    hsdp = ("" if dp % par.dp_replicate == 0 else
+            f"; dp_replicate {par.dp_replicate} does not divide dp {dp}: no hybrid sharding")
+    chosen = replace(options, parallel=replace(par, dp=dp, dp_replicate=par.dp_replicate if not hsdp else 1))
     now = chosen.parallel_dims(world_size).describe()
     return chosen, (f"restart {restart_count}: the layout {asked.describe()} needs {asked.world_size} "
                     f"ranks, {world_size} are here: resuming at {now} (tp, pp and cp kept, dp from the "
@@ -222,12 +223,13 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
     dims = options.parallel_dims(world_size)
     check_shapes(config, options.parallel)
     check_experts(config, options)
-    check_fp8_device(options.precision, run_device(ranks_per_node, local_rank=local_rank, backend=backend,
-                                                   launching=launching))
+    par = options.parallel
+    check_fp8_device(par.precision, run_device(ranks_per_node, local_rank=local_rank, backend=backend,
+                                               launching=launching))
     accumulation = forwards_per_step(config, options, dims.dp)  # a bad split: refused here
     micro = config.data.per_rank_batch(dims.dp) // accumulation
-    moe = unmodelled_moe(config.model, pp=dims.pp, cp=dims.cp, zero_stage=options.zero_stage,
-                         sequence_parallel=options.sequence_parallel, precision=options.precision)
+    moe = unmodelled_moe(config.model, pp=dims.pp, cp=dims.cp, zero_stage=par.zero_stage,
+                         sequence_parallel=par.sequence_parallel, precision=par.precision)
     unmodelled = [f"MoE blocks with {', '.join(moe)}"] * bool(moe) + unmodelled_attention(config.model)
     if unmodelled:  # refimpl/planner/experts.py, refimpl/planner/memory.py
         if int(os.environ.get("RANK", "0")) == 0:

@@ -69,7 +69,7 @@ def build_setup(config: TrainConfig, ctx: DistributedContext, options: RunOption
         def moe_step(micro_batches: int) -> dict | None:
             return finish_step(par.model, par.group, micro_batches=micro_batches, device=ctx.device,
                                pp_group=None if par.pipeline is None else par.pipeline.pp_group,
-                               sp_group=par.tp_group if options.sequence_parallel else None)
+                               sp_group=par.tp_group if options.parallel.sequence_parallel else None)
 
     return _Setup(model=par.model, forward=par.forward, state_module=par.state_module, mp=par.mp,
                   optimizer=opt.optimizer, dp=par.sync, grad_params=opt.grad_params, clip_fn=opt.clip_fn,
@@ -87,7 +87,8 @@ def _sampling_model(setup: _Setup, config: TrainConfig, options: RunOptions,  # 
     other ranks. Under context parallelism the trained model's attention is collective, so rank 0 samples
     from a plain GPT holding the same weights."""
     boxed = setup.pipeline if setup.pipeline is not None else (
-        setup.state_module if (setup.tp_group is not None and options.zero_stage == 3) or setup.ep > 1
+        setup.state_module if (setup.tp_group is not None and options.parallel.zero_stage == 3)
+        or setup.ep > 1
         else None)  # expert parallelism: each rank holds its experts' rows
     if boxed is not None:  # each rank holds boxes (its stages, tp blocks, ZeRO-3 rows of them): on rank 0
         import torch.distributed as dist
@@ -116,7 +117,7 @@ def _sampling_model(setup: _Setup, config: TrainConfig, options: RunOptions,  # 
         model = GPT(config.model, seed=config.data.seed).to(ctx.device)
         model.load_state_dict(full, strict=False)  # a tied output weight is the embedding's
         return model
-    if options.zero_stage != 3:
+    if options.parallel.zero_stage != 3:
         if not ctx.is_main:
             return None
         if setup.cp_group is None:
