@@ -9,11 +9,12 @@ The test suite grades both: the reference must score full marks and the untouche
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -109,7 +110,7 @@ def grade(chapter: str, module_path: str | Path | None = None, *, verbose: bool 
     path = str(module_path or exercise_path(chapter))
     report = Report(chapter=chapter, module_path=path)
     results: dict[int, TaskResult] = {}
-    with folded() as batch:  # the tasks' rank checks share spawns (exercises/rank_batch.py)
+    with folded() as batch, _one_thread():  # the rank checks share spawns (exercises/rank_batch.py)
         for _ in range(_MAX_ROUNDS):
             if len(results) == len(checks.TASKS):
                 break
@@ -133,6 +134,21 @@ def grade(chapter: str, module_path: str | Path | None = None, *, verbose: bool 
             if r.detail:
                 print(f"\n--- {r.name}: {r.message}\n{r.detail.rstrip()}", flush=True)
     return report
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """The checks that run here on one torch thread, as each rank runs (``init_distributed``): their
+    tensors are tiny, and on a busy machine two threads make each small op wait for the other (a [24, 8]
+    x [8, 48] matmul took 8 ms on two threads of 2 loaded cores, 77 us on one)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _own_failures(batch: Batch) -> None:

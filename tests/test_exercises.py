@@ -180,3 +180,50 @@ def test_cli_unknown_chapter_is_a_clear_error():
     assert proc.returncode != 0
     assert "no exercise for chapter 99" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def _ok(ctx, x: int) -> int:
+    return x * 10 + ctx.rank
+
+
+def _wrong(ctx, x: int) -> int:
+    raise AssertionError(f"wrong answer {x}")
+
+
+def test_a_failed_fold_keeps_the_calls_before_the_failure(monkeypatch: pytest.MonkeyPatch):
+    """``exercises.rank_batch``: of calls A, B, C folded where B fails, A keeps its results from the folded
+    spawn (it completed on every rank), B runs alone (its failure is that spawn's) and only C folds again.
+    The ranks are played in this process by a stand-in for refimpl's run_ranks that records each spawn."""
+    import traceback
+    from types import SimpleNamespace
+
+    import refimpl.launch
+    from exercises import rank_batch
+    from refimpl.launch import RankFailed
+
+    spawns: list[list[str]] = []
+
+    def spawn(fn, world_size, *args, **_):
+        calls = args[0] if fn is rank_batch._calls_on_rank else [(fn, args)]
+        spawns.append([f"{f.__name__}({a[0]})" for f, a in calls])
+        out, failed = [], []
+        for r in range(world_size):  # each rank runs until its own failure, as the processes would
+            try:
+                out.append(fn(SimpleNamespace(rank=r), *args))
+            except Exception as exc:  # noqa: BLE001 - as a rank's failure reads
+                failed.append(f"rank {r}: {traceback.format_exception_only(exc)[-1].strip()}")
+        if failed:
+            raise RankFailed(0, failed[0])
+        return out
+
+    monkeypatch.setattr(refimpl.launch, "run_ranks", spawn)
+    with rank_batch.folded() as batch:
+        for fn, x in ((_ok, 1), (_wrong, 2), (_ok, 3)):
+            with pytest.raises(rank_batch.Deferred):
+                rank_batch.run_ranks(fn, 2, x)
+        batch.run_pending()
+        assert rank_batch.run_ranks(_ok, 2, 1) == [10, 11]
+        assert rank_batch.run_ranks(_ok, 2, 3) == [30, 31]
+        with pytest.raises(RankFailed, match=r"^rank 0: AssertionError: wrong answer 2$"):
+            rank_batch.run_ranks(_wrong, 2, 2)
+    assert sorted(spawns) == sorted([["_ok(1)", "_wrong(2)", "_ok(3)"], ["_wrong(2)"], ["_ok(3)"]]), spawns
