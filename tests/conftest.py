@@ -11,7 +11,7 @@
 - ``lane2`` (``LANE2`` here, and per chapter in tests/test_chapters.py): a computing test that
   tools/run_tests.py runs in the serial tests' lane once they are done, so that both lanes end together;
   CI's numerics rerun has no serial test, so there its ``lane2`` tests run beside the others from the start
-  (the two 8-rank trainer modules: about 40% of the rerun).
+  (the trainer equivalence modules with the heaviest fixtures: about half of the rerun).
 
 ``make test-unit`` runs what carries none of them (one process, about 23 s: the edit loop); ``make test``
 runs everything. A module that starts processes in some tests only carries the marker as a whole: the
@@ -74,8 +74,10 @@ BROWSER = {"test_browser"}
 SERIAL = {"test_elastic", "test_elastic_3d", "test_p2p_strict", "test_rank_lifetime",
           "test_notebook_lifetime", "test_browser", "test_shaped_link"}
 # Computing tests for the second lane (above): the README's runs and the device lint (no numerics), the
-# 8-rank trainer equivalence modules (numerics: half of what CI's rerun would otherwise run in one lane).
-LANE2 = {"test_readme", "test_device_lint", "test_train_pairs", "test_train_3d"}
+# trainer equivalence modules with the heaviest fixtures (numerics: about half of CI's rerun, which
+# would otherwise run in one lane).
+LANE2 = {"test_readme", "test_device_lint", "test_train_pairs", "test_train_3d", "test_train_zero3",
+         "test_zero"}
 TIERS = {"spawn": SPAWN, "subprocess": SUBPROCESS, "chapter": CHAPTER, "browser": BROWSER, "serial": SERIAL,
          "lane2": LANE2}
 
