@@ -77,7 +77,7 @@ SERIAL = {"test_elastic", "test_elastic_3d", "test_p2p_strict", "test_rank_lifet
 # trainer equivalence modules with the heaviest fixtures (numerics: about half of CI's rerun, which
 # would otherwise run in one lane).
 LANE2 = {"test_readme", "test_device_lint", "test_train_pairs", "test_train_3d", "test_train_zero3",
-         "test_zero"}
+         "test_zero", "test_train_moe", "test_train_llama"}
 TIERS = {"spawn": SPAWN, "subprocess": SUBPROCESS, "chapter": CHAPTER, "browser": BROWSER, "serial": SERIAL,
          "lane2": LANE2}
 
