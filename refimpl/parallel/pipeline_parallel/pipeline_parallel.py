@@ -19,6 +19,7 @@ tensor).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ from refimpl.parallel.pipeline_parallel.executor import PipelineEvent, run_sched
 from refimpl.parallel.pipeline_parallel.pipeline_communications import sync_tied_embeddings
 from refimpl.parallel.pipeline_parallel.schedules import (
     SPLIT_BACKWARD,
+    Placement,
     build_schedule,
     schedule_placement,
     stage_rank,
@@ -57,9 +59,8 @@ class PipelineModule(nn.Module):
         self.placement = schedule_placement(schedule)
         # ZB-V's V: the model is asked for the stages of rank r and 2 pp - 1 - r (a declaration that
         # takes placement=; the loop placement is asked as before, so models without it keep working)
-        where = {"placement": self.placement} if self.placement != "loop" else {}
-        found = declared(model, "pipeline_stages")(pp_rank=pp_rank, pp_size=pp_size,
-                                                   virtual_stages=virtual_stages, balance=balance, **where)
+        found = _declared_stages(model, pp_rank=pp_rank, pp_size=pp_size, virtual_stages=virtual_stages,
+                                 balance=balance, placement=self.placement)
         self.stage_ids = sorted(found)
         self.stages = nn.ModuleDict({str(s): found[s] for s in self.stage_ids})
         self.store = WeightGradStore() if schedule in SPLIT_BACKWARD else None
@@ -165,3 +166,29 @@ class PipelineModule(nn.Module):
             sync_tied_embeddings(self.gradient_holder(weight), peer=self.tied_peer, group=self.pp_group)
         ops.all_reduce(loss, group=self.pp_group)  # only the last stage's rank holds it: a sum with zeros
         return loss
+
+
+def _declared_stages(model: nn.Module, *, pp_rank: int, pp_size: int, virtual_stages: int, balance: str,
+                     placement: Placement) -> dict[int, Any]:
+    """The model's declared ``pipeline_stages`` for this rank. Under the V (ZB-V) the declaration must take
+    ``placement=`` and return stages ``r`` and ``2 pp - 1 - r``: a user's model that does not is refused by
+    name, not left to a TypeError or to stages on the wrong ranks."""
+    declare = declared(model, "pipeline_stages")
+    if placement == "loop":
+        return declare(pp_rank=pp_rank, pp_size=pp_size, virtual_stages=virtual_stages, balance=balance)
+    name = type(model).__name__
+    try:
+        found = declare(pp_rank=pp_rank, pp_size=pp_size, virtual_stages=virtual_stages, balance=balance,
+                        placement=placement)
+    except TypeError as exc:
+        if "placement" not in str(exc):
+            raise
+        raise ValueError(f"{name}.pipeline_stages takes no placement=: the {placement!r} placement of "
+                         "--pp-schedule zbv needs it (rank r holds stages r and 2 pp - 1 - r); use another "
+                         "schedule or declare it") from exc
+    want = sorted(s for s in range(pp_size * virtual_stages)
+                  if stage_rank(s, pp_size=pp_size, placement=placement) == pp_rank)
+    if sorted(found) != want:
+        raise ValueError(f"{name}.pipeline_stages gave pp rank {pp_rank} the stages {sorted(found)}; the "
+                         f"{placement!r} placement puts {want} there")
+    return found
