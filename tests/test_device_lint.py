@@ -192,6 +192,11 @@ LAYOUTS = {
 # with experts the step's one read of the MoE figures and, per MoE block and micro-batch, the one read of
 # the exchanged counts that sizes the uneven all-to-all (TINY's 4 blocks, every one MoE, 1 micro-batch).
 SYNC_BUDGET = 2
+# The end's report (a full model gathered on rank 0 to sample from: collective) at one layout of each way
+# it is gathered (refimpl/train/setup.py, _sampling_model): a plain model, ZeRO-3's shards, tensor-parallel
+# shards, a copy beside context-parallel attention, pipeline stages' and experts' boxes. Elsewhere
+# --no-report: about 1 s of rank 0 per layout (pyplot, a PNG, 120 sampled tokens under the lint).
+REPORTED = {"dp4", "dp4-zero3", "tp2-sp", "cp2-ring", "pp2-1f1b", "ep2"}
 MOE_BLOCKS = 4
 EXTRA_SYNCS = {"pp": 1, "fp16": 1, "ep": 1 + MOE_BLOCKS}
 
@@ -201,7 +206,8 @@ def _trainer_under_lint(ctx, root: Path) -> dict:
 
     out = {}
     for name, flags in LAYOUTS.items():
-        args = build_parser().parse_args([*TINY, *flags, "--data", str(root / "corpus.txt"),
+        report = [] if name in REPORTED else ["--no-report"]
+        args = build_parser().parse_args([*TINY, *flags, *report, "--data", str(root / "corpus.txt"),
                                           "--cache-dir", str(root / "cache"), "--out", str(root / name)])
         with DeviceLint(raise_at_once=False) as lint:
             train(config_from_args(args), ctx, options_from_args(args), hooks=lint)
