@@ -19,7 +19,7 @@ are tests/test_moe_model.py's.
 What a layout needs of the model and the sequence (tensor parallelism splits the heads, the MLP width and
 the vocabulary; sequence parallelism and context parallelism split the sequence) is
 ``shape_refusals``, the one rule set: the trainer's preflight raises its sentences
-(``refimpl.train.preflight.check_shapes``) and the planner's search asks it with the table
+(``refimpl.train.layout.check_shapes``) and the planner's search asks it with the table
 (``python -m refimpl.plan`` ranks no layout the trainer would refuse; tests/test_plan_cli.py runs its top
 layouts through the trainer's validation).
 """
@@ -161,7 +161,7 @@ def shape_refusals(model: ModelConfig, config: ParallelConfig, *, seq_len: int) 
     sequence parallelism ``1/tp`` of the tokens; ring attention cuts a sequence into ``2 cp`` chunks,
     Ulysses into ``cp`` and gives each context-parallel rank whole heads of its tensor-parallel rank's
     (chapter 07). Multi-head latent attention (the DeepSeek-V3 form, ``refimpl.models.mla``) is built for
-    neither. The trainer's preflight (``refimpl.train.preflight.check_shapes``) raises these
+    neither. The trainer's preflight (``refimpl.train.layout.check_shapes``) raises these
     sentences, the planner's search skips the layouts they refuse: one rule set."""
     tp, cp, s, heads = config.tp, config.cp, seq_len, model.num_attention_heads
     out = []

@@ -13,7 +13,7 @@ import pytest
 
 from refimpl.config import ConfigError
 from refimpl.train import build_parser, check_shapes, config_from_args, options_from_args
-from refimpl.train.preflight import check_experts, forwards_per_step
+from refimpl.train.layout import check_experts, forwards_per_step
 from tests.covering import (
     FACTORS,
     MODEL,

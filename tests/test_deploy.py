@@ -15,7 +15,7 @@ import yaml
 
 from refimpl.config import ConfigError
 from refimpl.train import build_parser, check_shapes, config_from_args, options_from_args
-from refimpl.train.preflight import pipeline_microbatches
+from refimpl.train.layout import pipeline_microbatches
 
 ROOT = Path(__file__).resolve().parents[1]
 

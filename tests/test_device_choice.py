@@ -25,6 +25,7 @@ from refimpl.distributed import choose_device, init_distributed
 from refimpl.measure import peak_flops
 from refimpl.measure.peak import peak_reserved_bytes, reset_peak_memory
 from refimpl.train import build_parser, config_from_args, options_from_args
+from refimpl.train.layout import resolve
 from refimpl.train.preflight import (
     CUDA_ALLOWANCE_BYTES,
     MEMORY_ENV,
@@ -148,12 +149,12 @@ def test_the_preflight_keeps_the_headroom_and_says_so(gpus):
     the bare free memory, as before, would pass.)"""
     config, options = _run("--seq-len", "4096", "--batch-size", "8")
     gpus(1, free=80 * GIB)
-    need = preflight_memory(config, options, world_size=1, ranks_per_node=1).total
+    need = preflight_memory(config, resolve(config, options, 1), ranks_per_node=1).total
     free = need + GIB // 2  # the plan fits this, not the headroom rule
     assert usable_cuda_bytes(free) < need < free
     gpus(1, free=free)
     with pytest.raises(ConfigError) as refused:
-        preflight_memory(config, options, world_size=1, ranks_per_node=1)
+        preflight_memory(config, resolve(config, options, 1), ranks_per_node=1)
     message = str(refused.value)
     for words in ("the run needs about", "usable: 0.9 x", "free memory of the NVIDIA H100 80GB HBM3",
                   "- 1.0 GiB for the CUDA context, NCCL and cuBLAS"):
@@ -161,18 +162,18 @@ def test_the_preflight_keeps_the_headroom_and_says_so(gpus):
     roomy = int((need + GIB) / 0.9) + 1
     gpus(1, free=roomy)
     assert usable_cuda_bytes(roomy) >= need
-    assert preflight_memory(config, options, world_size=1, ranks_per_node=1).total == need
+    assert preflight_memory(config, resolve(config, options, 1), ranks_per_node=1).total == need
 
 
 def test_the_preflight_refuses_too_few_gpus_as_a_config_error(gpus):
     config, options = _run()
     gpus(2)
     with pytest.raises(ConfigError, match="4 ranks on this node but 2 visible GPU"):
-        preflight_memory(config, options, world_size=4, ranks_per_node=4)
+        preflight_memory(config, resolve(config, options, 4), ranks_per_node=4)
     gpus(1)  # the self-launcher: its 2 ranks would both see this one GPU
     with pytest.raises(ConfigError, match="2 ranks on this node but 1 visible GPU"):
-        preflight_memory(config, options, world_size=2, ranks_per_node=2, launching=True)
-    assert preflight_memory(config, options, world_size=2, ranks_per_node=2, backend="gloo") is not None
+        preflight_memory(config, resolve(config, options, 2), ranks_per_node=2, launching=True)
+    assert preflight_memory(config, resolve(config, options, 2), ranks_per_node=2, backend="gloo") is not None
 
 
 # ---------------------------------------------------------------- fp8 below sm89
@@ -182,7 +183,8 @@ def test_fp8_below_sm89_is_refused_by_the_preflight(gpus, capability):
     gpus(1, capability=capability, name="NVIDIA A100-SXM4-80GB")
     config, options = _run("--precision", "fp8")
     with pytest.raises(ConfigError) as refused:
-        preflight_memory(config, options, world_size=1, ranks_per_node=1, force=True)  # force: memory only
+        # force: memory only
+        preflight_memory(config, resolve(config, options, 1), ranks_per_node=1, force=True)
     major, minor = capability
     for words in ("--precision fp8 needs a GPU of compute capability 8.9", "NVIDIA A100-SXM4-80GB",
                   f"compute capability {major}.{minor}", "--precision bf16"):

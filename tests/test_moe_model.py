@@ -334,7 +334,7 @@ def test_each_moe_row_refuses_its_case_and_lets_the_neighbour_through(name):
 
 def test_parallelize_and_the_trainer_refuse_an_moe_model_in_the_rows_words():
     from refimpl.train import RunOptions, build_parser, config_from_args
-    from refimpl.train.preflight import check_experts
+    from refimpl.train.layout import check_experts
 
     message = next(r for r in MOE_SUPPORT_TABLE if r.name == "moe-hsdp").message()
     with pytest.raises(ConfigError) as parallel:

@@ -29,6 +29,7 @@ from refimpl.distributed import ParallelDims
 from refimpl.launch import run_ranks
 from refimpl.models import GPT, lm_loss
 from refimpl.parallel.parallelize import ORDER, parallelize
+from refimpl.train.layout import resolve
 
 WORLD = 4
 TIMEOUT_S = 240
@@ -163,7 +164,8 @@ def _worker(ctx) -> dict:
     config = TrainConfig(model=CONFIG, data=DataConfig(seq_len=16, global_batch_size=4))
     result["setup"] = {}
     for stage in (0, 1, 3):
-        setup = build_setup(config, ctx, RunOptions(parallel=ParallelConfig(zero_stage=stage)), groups)
+        options = RunOptions(parallel=ParallelConfig(zero_stage=stage))
+        setup = build_setup(config, ctx, resolve(config, options, ctx.world_size), groups)
         holder = setup.dp if stage == 0 else setup.optimizer if stage == 1 else setup.state_module
         result["setup"][stage] = (type(holder).__name__, holder.group is dp_cp and setup.group is dp_cp)
     return result

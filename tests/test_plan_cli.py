@@ -23,7 +23,7 @@ from refimpl.plan import build_parser as build_parser_plan
 from refimpl.planner import STAGES, param_count, zero_memory_paper
 from refimpl.support import check_supported
 from refimpl.train import build_parser, options_from_args
-from refimpl.train.preflight import check_experts, check_shapes, forwards_per_step
+from refimpl.train.layout import check_experts, check_shapes, forwards_per_step
 
 # dp tp pp cp m hsdp | ZeRO recompute | state gathered activations GB | ... | step s MFU
 ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+) \|\s+(\d)m?\s+(none|every) \|"

@@ -47,6 +47,7 @@ from refimpl.planner import (
     state_memory_per_rank,
 )
 from refimpl.train import RunOptions, build_setup
+from refimpl.train.layout import resolve
 from refimpl.train.preflight import preflight_memory
 from refimpl.train.step import train_step
 
@@ -145,7 +146,7 @@ def _trainer_run(ctx, options: dict) -> dict:
     g = torch.Generator().manual_seed(dims.coordinates(ctx.rank).dp)
     ids = torch.randint(0, 256, (B, S + 1), generator=g)
     twin = RunOptions(parallel=ParallelConfig(**{**options, "zero_stage": min(run.parallel.zero_stage, 2)}))
-    setup = build_setup(config, ctx, twin, groups)
+    setup = build_setup(config, ctx, resolve(config, twin, ctx.world_size), groups)
     x, y = setup.split_batch(ids[:, :-1]), setup.split_batch(ids[:, 1:])
 
     def forward() -> torch.Tensor:
@@ -154,7 +155,8 @@ def _trainer_run(ctx, options: dict) -> dict:
         return setup.loss(logits, y)
 
     report = measure_saved_activations(setup.model, forward)
-    setup = build_setup(config, ctx, run, groups)  # a fresh one for the steps
+    layout = resolve(config, run, ctx.world_size)
+    setup = build_setup(config, ctx, layout, groups)  # a fresh one for the steps
     held = []
     for _ in range(2):
         train_step(setup, x, y, accumulation=1, micro=B, device=ctx.device, grad_clip=1.0,  # as the loop
@@ -277,7 +279,8 @@ def test_the_trainers_preflight_plans_what_its_cp_ranks_hold(ranks):
     for i, options in enumerate(TRAINER_RUNS[world]):
         run = RunOptions(parallel=ParallelConfig(**options))
         dims, stage = run.parallel_dims(world), run.parallel.zero_stage
-        plan = preflight_memory(_train_config(dims), run, world_size=world, ranks_per_node=world)
+        config = _train_config(dims)
+        plan = preflight_memory(config, resolve(config, run, world), ranks_per_node=world)
         planned = (plan.activations["block activations"], _outside(plan))
         for rank, r in enumerate(ranks):
             got = r["trainer"][i]

@@ -62,6 +62,7 @@ from refimpl.planner import (
 from refimpl.planner.experts import is_expert_tensor
 from refimpl.planner.param_table import param_table
 from refimpl.train import build_parser, config_from_args, options_from_args, train
+from refimpl.train.layout import resolve
 from refimpl.train.preflight import MEMORY_ENV, preflight_memory
 
 ONE = ParallelDims(dp=1)
@@ -169,12 +170,12 @@ def test_the_memory_preflight_checks_an_moe_run(corpus, monkeypatch):
     config, options = config_from_args(args), options_from_args(args)
     need = run_memory_of(config.model, options.parallel, world_size=WORLD, micro_batch=2, seq_len=16)
     monkeypatch.setenv(MEMORY_ENV, str(WORLD * need.total))
-    assert preflight_memory(config, options, world_size=WORLD, ranks_per_node=WORLD) == need
+    assert preflight_memory(config, resolve(config, options, WORLD), ranks_per_node=WORLD) == need
     monkeypatch.setenv(MEMORY_ENV, str(WORLD * need.total - WORLD))
     with pytest.raises(ConfigError, match="the run needs about"):
-        preflight_memory(config, options, world_size=WORLD, ranks_per_node=WORLD)
+        preflight_memory(config, resolve(config, options, WORLD), ranks_per_node=WORLD)
     fp8 = dataclasses.replace(options, parallel=dataclasses.replace(options.parallel, precision="fp8"))
-    assert preflight_memory(config, fp8, world_size=WORLD, ranks_per_node=WORLD) is None
+    assert preflight_memory(config, resolve(config, fp8, WORLD), ranks_per_node=WORLD) is None
 
 
 # ---- the trainer: dp 4 x ep 2 (edp 2) at ZeRO-2 in fp32 and bf16, tp 2 x dp 2 x ep 2 at ZeRO-1 -------------

@@ -54,6 +54,7 @@ from refimpl.planner.pipeline import (
     stage_layers,
     stage_saved_bytes,
 )
+from refimpl.train.layout import resolve
 
 SPAWN_TIMEOUT_S = 120
 M, B, S = 4, 2, 8  # micro-batches, sequences per micro-batch, tokens
@@ -332,8 +333,8 @@ def _composed_worker(ctx) -> dict:
     dims = run.parallel_dims(ctx.world_size)
     train = TrainConfig(model=config, data=DataConfig(seq_len=S, global_batch_size=2 * B * dims.dp),
                         optim=OptimConfig(grad_clip=1.0))
-    setup = build_setup(train, ctx, run, dims.build(rank=ctx.rank, world_size=ctx.world_size,
-                                                    timeout_s=ctx.timeout_s))
+    setup = build_setup(train, ctx, resolve(train, run, ctx.world_size),
+                        dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s))
     held = []
     ids = torch.randint(0, VOCAB, (2 * B, S + 1), generator=torch.Generator().manual_seed(ctx.rank))
     for _ in range(2):  # AdamW's state exists from the first update on: the second step's is held
@@ -407,7 +408,7 @@ def test_the_preflight_of_pp2_dp2_zero1_is_what_its_setup_holds(composed):
     run = RunOptions(parallel=ParallelConfig(dp=2, pp=2, zero_stage=1, microbatches=2))
     train = TrainConfig(model=config, data=DataConfig(seq_len=S, global_batch_size=4 * B),
                         optim=OptimConfig(grad_clip=1.0))
-    plan = preflight_memory(train, run, world_size=4, ranks_per_node=4)
+    plan = preflight_memory(train, resolve(train, run, 4), ranks_per_node=4)
     assert plan is not None and plan.rank in (0, 1)
     dims, worst = run.parallel_dims(4), 0
     for rank, r in enumerate(composed):

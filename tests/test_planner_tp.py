@@ -48,6 +48,7 @@ from refimpl.planner import (
     tensor_parallel_collectives,
     wire_bytes,
 )
+from refimpl.train.layout import resolve
 
 TIMEOUT_S = 240
 B, S = 3, 8  # S divides by 2 and 4 (sequence parallelism)
@@ -98,7 +99,7 @@ def _state_after_a_step(ctx, dims: ParallelDims, zero_stage: int) -> tuple[int, 
     config = TrainConfig(model=CFG_DIVIDES, data=DataConfig(seq_len=S, global_batch_size=2 * dims.dp),
                          optim=OptimConfig(grad_clip=1.0))
     options = RunOptions(parallel=ParallelConfig(zero_stage=zero_stage, dp=dims.dp, tp=dims.tp))
-    setup = build_setup(config, ctx, options, groups)
+    setup = build_setup(config, ctx, resolve(config, options, ctx.world_size), groups)
     ids = torch.randint(0, 256, (2, S + 1), generator=torch.Generator().manual_seed(ctx.rank // dims.tp))
     held = []
 
@@ -298,10 +299,10 @@ def test_the_trainers_preflight_plans_a_tp_run():
 
     config = TrainConfig(model=ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2),
                          data=DataConfig(seq_len=32, global_batch_size=4))
-    one = preflight_memory(config, RunOptions(), world_size=1, ranks_per_node=1)
+    one = preflight_memory(config, resolve(config, RunOptions(), 1), ranks_per_node=1)
     for sp in (False, True):
         options = RunOptions(parallel=ParallelConfig(tp=2, sequence_parallel=sp))
-        plan = preflight_memory(config, options, world_size=2, ranks_per_node=2)
+        plan = preflight_memory(config, resolve(config, options, 2), ranks_per_node=2)
         assert plan.total < one.total, (sp, plan.describe(), one.describe())
         assert plan == run_memory_per_rank(config.model, ParallelDims(dp=1, tp=2), micro_batch=4, seq_len=32,
                                            sequence_parallel=sp)

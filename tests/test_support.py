@@ -21,7 +21,7 @@ from refimpl.parallel.parallelize import parallelize
 from refimpl.planner import evaluate_layout, run_memory_per_rank
 from refimpl.support import SUPPORT_TABLE, check_supported, describe_support_table, refusals, shape_refusals
 from refimpl.train import RunOptions
-from refimpl.train.preflight import check_shapes
+from refimpl.train.layout import check_shapes
 
 # row name -> (a configuration it refuses, the nearest one that passes)
 CASES = {

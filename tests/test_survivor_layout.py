@@ -1,4 +1,4 @@
-"""``survivor_layout`` (refimpl.train.preflight; chapters 11-12) as a property over tp, pp, cp and survivors.
+"""``survivor_layout`` (refimpl.train.layout; chapters 11-12) as a property over tp, pp, cp and survivors.
 
 An elastic restart with another number of ranks keeps the model split: for every ``tp, pp, cp``, first
 ``dp`` and survivor count, the layout it returns keeps ``tp``, ``pp`` and ``cp``, its product is the
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from refimpl.config import ConfigError, ParallelConfig
 from refimpl.train.args import RunOptions
-from refimpl.train.preflight import survivor_layout
+from refimpl.train.layout import survivor_layout
 
 
 def _cp_forgotten(options: RunOptions, world_size: int, *, restart_count: int):

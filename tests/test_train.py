@@ -30,6 +30,7 @@ from refimpl.data import make_corpus_file
 from refimpl.distributed import DistributedContext
 from refimpl.launch import run_ranks
 from refimpl.train import RunOptions, build_parser, config_from_args, train
+from refimpl.train.layout import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI_TIMEOUT_S = 120
@@ -471,7 +472,7 @@ def test_pp2_one_f_one_b_runs_from_the_command_line(files, tmp_path):
 def test_pipeline_micro_batches_are_checked_before_anything_starts():
     from refimpl.config import ConfigError, ParallelConfig
     from refimpl.train import RunOptions
-    from refimpl.train.preflight import pipeline_microbatches
+    from refimpl.train.layout import pipeline_microbatches
 
     def layout(**fields) -> RunOptions:
         return RunOptions(parallel=ParallelConfig(**fields))
@@ -661,12 +662,12 @@ def test_the_default_config_is_not_refused_on_this_machine():
     args = build_parser().parse_args([])
     config, options = config_from_args(args), options_from_args(args)
     for ranks in (1, 2):
-        need = preflight_memory(config, options, world_size=ranks, ranks_per_node=ranks)
+        need = preflight_memory(config, resolve(config, options, ranks), ranks_per_node=ranks)
         have, _ = machine_memory_per_rank(ranks)
         assert need.total < min(have, GIB), (need.describe(), have)
     big = build_parser().parse_args(["--seq-len", "100000"])
-    need = preflight_memory(config_from_args(big), options_from_args(big), world_size=1, ranks_per_node=1,
-                            force=True)
+    config = config_from_args(big)
+    need = preflight_memory(config, resolve(config, options_from_args(big), 1), ranks_per_node=1, force=True)
     assert 55 * GIB < need.total < 56 * GIB
 
 

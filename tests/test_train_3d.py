@@ -40,6 +40,7 @@ from refimpl.data import make_corpus_file
 from refimpl.distributed import DistributedContext
 from refimpl.launch import run_ranks
 from refimpl.train import build_parser, build_setup, config_from_args, main, options_from_args, train
+from refimpl.train.layout import resolve
 from tests.one_device import (
     assert_gradients_like_one_device,
     assert_trains_like_one_device,
@@ -96,7 +97,7 @@ def _resave(ctx, files: dict, name: str, flags: list[str]) -> None:
     root = Path(files["root"])
     args = _args(files, root / "unused", *flags, "--precision", "bf16")
     config, options = config_from_args(args), options_from_args(args)
-    setup = build_setup(config, ctx, options)
+    setup = build_setup(config, ctx, resolve(config, options, ctx.world_size))
     source = Checkpointer(CheckpointConfig(folder=str(root / "saved-checkpoint")))
     load_training_state(source, source.find_latest_valid(), model=setup.state_module,
                         optimizer=setup.optimizer, restore_rng=False)

@@ -62,6 +62,7 @@ from refimpl.launch import run_ranks
 from refimpl.models import GPT
 from refimpl.train import build_parser, build_setup, config_from_args, options_from_args, train
 from refimpl.train.hooks import TrainHooks
+from refimpl.train.layout import resolve
 from tests.one_device import (
     assert_gradients_like_one_device,
     assert_trains_like_one_device,
@@ -273,12 +274,14 @@ def _worker(ctx, files: dict) -> dict:
     dist.barrier()
     # that checkpoint loaded into an ep 4 run's model: each rank's boxes
     args = _args(files, root / "unused", "--ep", "4")
-    setup = build_setup(config_from_args(args), ctx, options_from_args(args))
+    config = config_from_args(args)
+    setup = build_setup(config, ctx, resolve(config, options_from_args(args), ctx.world_size))
     _load(root / "ep2-checkpoint", setup.state_module)
     out["ep4 load"] = _pieces(setup.state_module)
     # the ZeRO-3 run's checkpoint (experts' rows over edp inside their ep boxes) at pp 2 x dp 2 x ep 2, ZeRO-3
     args = _args(files, root / "unused", "--pp", "2", "--ep", "2", "--zero-stage", "3")
-    setup = build_setup(config_from_args(args), ctx, options_from_args(args))
+    config = config_from_args(args)
+    setup = build_setup(config, ctx, resolve(config, options_from_args(args), ctx.world_size))
     _load(root / "dp4-ep2-zero3-accum" / "ckpt", setup.state_module)
     out["zero3 at pp2 load"] = _pieces(setup.state_module)
     out["norms"] = _norms(ctx, config_from_args(args).model)

@@ -48,6 +48,7 @@ from refimpl.measure.run_measurement import TrainerProbe
 from refimpl.planner import predict_run
 from refimpl.train import build_parser, config_from_args, options_from_args, train
 from refimpl.train.hooks import TrainHooks, compose
+from refimpl.train.layout import resolve
 from refimpl.train.preflight import MEMORY_ENV, preflight_memory
 from tests.covering import MODEL, MOE, PRECISIONS, WORLD, covering_rows, row_flags, row_name
 from tests.one_device import (
@@ -258,7 +259,7 @@ def test_the_planner_and_the_preflight_against_every_pair(runs, files, monkeypat
                 assert state == (want.state.weights, want.state.grads, want.state.optimizer), (name, rank)
                 assert got["measured"]["activations"] == want.activation_bytes, (name, rank)
         monkeypatch.setenv(MEMORY_ENV, str(2**50))  # a machine it fits: the estimate, not a refusal
-        need = preflight_memory(config, options, world_size=WORLD, ranks_per_node=WORLD)
+        need = preflight_memory(config, resolve(config, options, WORLD), ranks_per_node=WORLD)
         if need is None:  # not planned (said on stderr)
             continue
         planned.append(name)

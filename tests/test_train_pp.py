@@ -26,6 +26,7 @@ from refimpl.launch import run_ranks
 from refimpl.models import GPT
 from refimpl.train import build_parser, build_setup, config_from_args, options_from_args, train
 from refimpl.train.gradients import gradient_shards
+from refimpl.train.layout import resolve
 from refimpl.train.step import train_step
 from tests.one_device import (
     _gradient_tolerances,
@@ -106,7 +107,7 @@ def _replicas_agree(ctx, files: dict, *, average: bool) -> bool:
     config, options = config_from_args(args), options_from_args(args)
     dims = options.parallel_dims(ctx.world_size)
     groups = dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
-    setup = build_setup(config, ctx, options, groups)
+    setup = build_setup(config, ctx, resolve(config, options, ctx.world_size), groups)
     if not average:
         setup.finish_gradients = None  # the bug: this rank never averages over dp
     g = torch.Generator().manual_seed(1 + dims.coordinates(ctx.rank).dp)  # each dp rank its own batch
@@ -126,7 +127,7 @@ def _gradient_norm(ctx, files: dict, flags: list[str]) -> tuple[float, dict]:
     args = _args(files, Path(files["root"]) / "norm", *flags)
     config, options = config_from_args(args), options_from_args(args)
     dims = options.parallel_dims(ctx.world_size)
-    setup = build_setup(config, ctx, options)
+    setup = build_setup(config, ctx, resolve(config, options, ctx.world_size))
     m = options.parallel.microbatches
     g = torch.Generator().manual_seed(1 + dims.coordinates(ctx.rank).dp)  # each dp rank its own batch
     tokens = torch.randint(0, 256, (2 * m, 17), generator=g)

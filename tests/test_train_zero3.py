@@ -43,6 +43,7 @@ from refimpl.distributed import DistributedContext
 from refimpl.launch import run_ranks
 from refimpl.models import GPT
 from refimpl.train import build_parser, build_setup, config_from_args, options_from_args, train
+from refimpl.train.layout import resolve
 from tests.one_device import (
     assert_gradients_like_one_device,
     assert_trains_like_one_device,
@@ -135,7 +136,8 @@ def _move(ctx, files: dict, world: int) -> None:
         if size != world:
             continue
         args = _args(files, root / "unused", *flags)
-        setup = build_setup(config_from_args(args), ctx, options_from_args(args))
+        config = config_from_args(args)
+        setup = build_setup(config, ctx, resolve(config, options_from_args(args), ctx.world_size))
         load_training_state(source, source.find_latest_valid(), model=setup.state_module,
                             optimizer=setup.optimizer, restore_rng=False)
         with Checkpointer(CheckpointConfig(folder=str(root / f"moved {name}"))) as target:

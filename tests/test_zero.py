@@ -63,6 +63,7 @@ from refimpl.planner import (
     zero_memory,
     zero_memory_paper,
 )
+from refimpl.train.layout import resolve
 
 STEPS = 5
 LR = 1e-3
@@ -857,7 +858,7 @@ def _trainer_worker(ctx, root: str) -> dict:
                                           "--out", str(root_path / precision)])
         config = config_from_args(args)
         options = RunOptions(parallel=ParallelConfig(zero_stage=3, precision=precision))
-        setup = build_setup(config, ctx, options)
+        setup = build_setup(config, ctx, resolve(config, options, ctx.world_size))
         fsdp = setup.forward
         out[precision] = {"param_dtype": fsdp.param_dtype, "reduce_dtype": fsdp.reduce_dtype,
                           "own_master": setup.mp.master is not None,

@@ -37,21 +37,22 @@ Bad input (an unknown flag, a missing data path, an empty corpus, heads that do 
 ranks than the data can feed, a checkpoint folder of another run) stops with one line on stderr and exit
 status 2, before any process starts.
 
-The package, one concept a file, imports one way: ``args`` (flags, ``RunOptions``) -> ``preflight``
-(refusals before any process starts) -> ``setup`` (the model through
-``refimpl.parallel.parallelize.parallelize`` on the layout's groups, then the optimizer) -> ``step``
-(one optimizer step) -> ``loop`` (``train``: builds the groups once) -> ``cli`` (``main``, the
+The package, one concept a file, imports one way: ``args`` (flags, ``RunOptions``) -> ``layout``
+(``resolve``: every rule of the layout, checked once, into a ``Layout``) -> ``preflight`` (the data, the
+device, the memory and the checkpoint folder, refused before any process starts) -> ``setup`` (the model
+through ``refimpl.parallel.parallelize.parallelize`` on the layout's groups, then the optimizer) ->
+``step`` (one optimizer step) -> ``loop`` (``train``: builds the groups once) -> ``cli`` (``main``, the
 self-launch, the failure report).
 """
 
 from refimpl.train.args import RunOptions, build_parser, config_from_args, options_from_args
 from refimpl.train.cli import demo_fault_flags, failure_report, main
+from refimpl.train.layout import Layout, check_shapes, resolve
 from refimpl.train.loop import SIGTERM_EXIT, Preempted, train
 from refimpl.train.preflight import (
     MEMORY_ENV,
     check_fits,
     check_same_run,
-    check_shapes,
     machine_memory_per_rank,
     preflight_memory,
     preflight_resume,
@@ -62,6 +63,7 @@ from refimpl.train.step import train_step
 __all__ = [
     "MEMORY_ENV",
     "SIGTERM_EXIT",
+    "Layout",
     "Preempted",
     "RunOptions",
     "build_parser",
@@ -77,6 +79,7 @@ __all__ = [
     "options_from_args",
     "preflight_memory",
     "preflight_resume",
+    "resolve",
     "train",
     "train_step",
 ]

@@ -36,8 +36,9 @@ from refimpl.elastic.faults import is_planned
 from refimpl.launch.shaped_exec import shaped_command
 from refimpl.launch.shaped_link import check_link, shaped_link_unavailable
 from refimpl.train.args import RunOptions, build_parser, config_from_args, options_from_args
+from refimpl.train.layout import Layout, resolve
 from refimpl.train.loop import SIGTERM_EXIT, Preempted, train
-from refimpl.train.preflight import check_fits, preflight_memory, preflight_resume, survivor_layout
+from refimpl.train.preflight import check_fits, preflight_memory, preflight_resume
 
 
 def _demo_fault_step(config: TrainConfig, options: RunOptions) -> int:
@@ -119,10 +120,10 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     rest = _without(argv, "--nproc-per-node", "--link")  # the launcher's flags, not the ranks'
     link = _shaped_link(args.link)
     config, options = config_from_args(args), options_from_args(args)
-    dims = options.parallel_dims(int(n))  # a layout that does not fit the ranks is refused before torchrun
-    preflight_memory(config, options, world_size=int(n), ranks_per_node=int(n), force=args.force,
-                     launching=True, backend=args.backend)
-    check_fits(config, dims.dp)
+    layout = resolve(config, options, int(n))  # a layout that cannot run is refused before torchrun
+    preflight_memory(config, layout, ranks_per_node=int(n), force=args.force, launching=True,
+                     backend=args.backend)
+    check_fits(config)
     start = preflight_resume(config, options)  # another run's folder, or one without a valid checkpoint
     demo = demo_fault_flags(args, rest, int(n), start=start)
     # --demo-fault is the launcher's: the ranks get it only with the demonstration's fault, which it marks
@@ -161,14 +162,14 @@ def failure_report(config: TrainConfig, options: RunOptions, code: int, max_rest
     return "\n".join(lines)
 
 
-def _train(config: TrainConfig, ctx, options: RunOptions) -> None:
+def _train(config: TrainConfig, ctx, layout: Layout) -> None:
     """``train``, under the device lint when ``REFIMPL_DEVICE_LINT=1`` (the whole run, setup included:
     a call CUDA or NCCL would refuse raises there; rank 0 prints the host syncs per step at the end)."""
     if not device_lint_enabled():
-        train(config, ctx, options)
+        train(config, ctx, layout=layout)
         return
     with DeviceLint() as lint:
-        train(config, ctx, options, hooks=lint)
+        train(config, ctx, layout=layout, hooks=lint)
     if ctx.is_main:
         print(lint.report(), flush=True)
 
@@ -186,16 +187,15 @@ def main(argv: list[str] | None = None) -> int:
         config, options = config_from_args(args), options_from_args(args)
         if args.demo_fault and options.faults.any:  # the self-launch's demonstration: told as planned
             options = replace(options, faults=replace(options.faults, demo=True))
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        # an elastic restart with fewer ranks keeps tp, pp and cp and shrinks dp (train() does it again
-        # and says so)
-        layout, _ = survivor_layout(options, world, restart_count=elastic.restart_count())
-        layout.parallel_dims(world)  # refused before init_process_group
-        preflight_memory(config, layout, world_size=world,
-                         ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), force=args.force,
-                         local_rank=int(os.environ.get("LOCAL_RANK", "0")), backend=args.backend)
+        # refused before init_process_group; an elastic restart with fewer ranks keeps tp, pp and cp and
+        # shrinks dp (train() says so)
+        layout = resolve(config, options, int(os.environ.get("WORLD_SIZE", "1")),
+                         restart_count=elastic.restart_count())
+        preflight_memory(config, layout, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                         force=args.force, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                         backend=args.backend)
         ctx = init_distributed(timeout_s=config.timeout_s, backend=args.backend)
-        _train(config, ctx, options)
+        _train(config, ctx, layout)
         # Only after success: after a failure a peer may be gone or stuck, and teardown's barrier would
         # wait for it a whole --timeout more before the agent learns of the failure. Exiting frees all.
         teardown()

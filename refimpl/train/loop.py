@@ -35,13 +35,8 @@ from refimpl.planner import flops_per_token, param_count
 from refimpl.train.args import RunOptions
 from refimpl.train.gradients import gradient_shards
 from refimpl.train.hooks import Hooks, TrainHooks, compose
-from refimpl.train.preflight import (
-    check_experts,
-    check_fits,
-    check_shapes,
-    forwards_per_step,
-    survivor_layout,
-)
+from refimpl.train.layout import Layout, resolve
+from refimpl.train.preflight import check_fits
 from refimpl.train.probes import RunProbes
 from refimpl.train.resume import Resumed, resume
 from refimpl.train.setup import _sampling_model, _Setup, build_setup
@@ -86,11 +81,14 @@ def _pipeline_idle(setup) -> float:
 
 
 def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | None = None, *,
-          hooks: Hooks | None = None,
+          layout: Layout | None = None, hooks: Hooks | None = None,
           gradient_probe: Callable[[int, dict[str, LocalShard]], None] | None = None) -> list[dict]:
     """Run the optimizer steps of ``config`` (resuming from ``options.checkpoint`` when it holds a valid
     checkpoint); return the per-step records (also in metrics.jsonl; on rank 0 they include the steps of
     earlier attempts). Raises ``Preempted`` after the save that follows a SIGTERM.
+
+    ``options`` are resolved here (``refimpl.train.layout.resolve``: every rule of the layout, once);
+    ``layout``: already resolved instead (the command line resolves before it starts the process group).
 
     ``hooks``: what the caller runs inside the loop, at the points ``refimpl.train.hooks`` documents (a
     ``refimpl.train.hooks.TrainHooks``, or a measurement such as
@@ -100,15 +98,16 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
     device's)."""
     if gradient_probe is not None and hooks is not None:
         raise TypeError("give gradient_probe in hooks (TrainHooks(gradient_probe=...)), or hooks=None")
+    if layout is not None and options is not None:
+        raise TypeError("give the options or their resolved layout, not both")
     hooks = hooks if hooks is not None else TrainHooks(gradient_probe=gradient_probe)
-    options, shrunk = survivor_layout(options or RunOptions(), ctx.world_size,
-                                      restart_count=elastic.restart_count())
-    if shrunk:
-        log0(ctx, shrunk)
-    dims = options.parallel_dims(ctx.world_size)  # pp x dp x cp x tp, tp innermost (refimpl.distributed.mesh)
-    check_shapes(config, options.parallel)
-    check_experts(config, options)
-    batches = check_fits(config, dims.dp)  # the global batch is split over the data-parallel axis
+    if layout is None:
+        layout = resolve(config, options or RunOptions(), ctx.world_size,
+                         restart_count=elastic.restart_count())
+    if layout.shrunk:
+        log0(ctx, layout.shrunk)
+    options, dims = layout.options, layout.dims  # pp x dp x cp x tp, tp innermost (refimpl.distributed.mesh)
+    batches = check_fits(config)  # the global batch is split over the data-parallel axis (batches.batch)
     seed_everything(config.data.seed, rank=ctx.rank)
     out = Path(config.out)
     if ctx.is_main:
@@ -117,11 +116,11 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
     # the process groups of the layout, built once here (collective) and passed down: no global
     groups = (dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
               if torch.distributed.is_initialized() else None)
-    setup = build_setup(config, ctx, options, groups)
+    setup = build_setup(config, ctx, layout, groups)
     resumed = resume(config, ctx, options, setup, out)
     begin = time.perf_counter()
-    records = _run_steps(config, ctx, options, setup, dims=dims, groups=groups, batches=batches,
-                         resumed=resumed, hooks=hooks, out=out, begin=begin)
+    records = _run_steps(config, ctx, layout, setup, groups=groups, batches=batches, resumed=resumed,
+                         hooks=hooks, out=out, begin=begin)
     all_records = resumed.earlier + records
     if options.report:
         _report(config, ctx, options, setup, resumed=resumed, all_records=all_records, out=out, begin=begin)
@@ -131,18 +130,18 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
     return all_records
 
 
-def _run_steps(config: TrainConfig, ctx: DistributedContext, options: RunOptions, setup: _Setup, *,
-               dims: ParallelDims, groups: ParallelGroups | None, batches: ShardedBatches, resumed: Resumed,
-               hooks: Hooks, out: Path, begin: float) -> list[dict]:
+def _run_steps(config: TrainConfig, ctx: DistributedContext, layout: Layout, setup: _Setup, *,
+               groups: ParallelGroups | None, batches: ShardedBatches, resumed: Resumed, hooks: Hooks,
+               out: Path, begin: float) -> list[dict]:
     """Steps ``resumed.start`` to ``config.steps - 1``: a record per step (metrics.jsonl on rank 0), the
     saves on the schedule and on SIGTERM (then ``Preempted``). The run's own probes
     (``refimpl.train.probes.RunProbes``: faults, the heartbeat and its report of a failure) are hooks,
     composed before the caller's ``hooks`` and called at the points ``refimpl.train.hooks`` lists."""
+    options, dims = layout.options, layout.dims
     coords = dims.coordinates(ctx.rank)
     start, schedule = resumed.start, resumed.schedule
     # per data-parallel rank (TP ranks share a batch); under pipeline parallelism the pipeline's micro-batches
-    accumulation = forwards_per_step(config, options, dims.dp)
-    micro = config.data.per_rank_batch(dims.dp) // accumulation
+    accumulation, micro = layout.accumulation, layout.micro_batch
     meter = _throughput(config, ctx, setup, dims, accumulation=accumulation, micro=micro)
     log0(ctx, _describe_run(config, ctx, options, dims, accumulation=accumulation, micro=micro))
     hooks = compose(RunProbes(options, ctx, out), hooks)  # the run's own probes first, at every point

@@ -1,129 +1,39 @@
-"""What is refused before any process starts: the batch split and the data (``check_fits``), the
-device (``run_device``: too few GPUs for the ranks; ``check_fp8_device``: fp8 on a GPU without fp8
-tensor cores), the planned memory per rank against the machine's (``preflight_memory``, the planner of
-chapter 12; on a GPU less the headroom of ``usable_cuda_bytes``), and a checkpoint folder that the ranks
-could not resume: another run's, or one whose checkpoints are all damaged (``preflight_resume``,
-chapter 11)."""
+"""What is refused before any process starts, beside the layout's rules (``refimpl.train.layout``):
+the data (``check_fits``), the device (``run_device``: too few GPUs for the ranks; ``check_fp8_device``:
+fp8 on a GPU without fp8 tensor cores), the planned memory per rank against the machine's
+(``preflight_memory``, the planner of chapter 12; on a GPU less the headroom of ``usable_cuda_bytes``),
+and a checkpoint folder that the ranks could not resume: another run's, or one whose checkpoints are all
+damaged (``preflight_resume``, chapter 11)."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from refimpl.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
-from refimpl.config import ConfigError, ParallelConfig, TrainConfig, micro_batches
+from refimpl.config import ConfigError, TrainConfig
 from refimpl.data import ShardedBatches, prepare_corpus
 from refimpl.measure import format_bytes
-from refimpl.support import check_supported, shape_refusals
 from refimpl.train.args import RunOptions
+from refimpl.train.layout import Layout
 
 
-def check_fits(config: TrainConfig, world_size: int) -> ShardedBatches:
-    """Everything that can be refused before a process group exists: batch split and data size."""
-    config.data.accumulation_steps(world_size)
+def check_fits(config: TrainConfig) -> ShardedBatches:
+    """The data: a corpus that exists, is not empty and can feed the global batch (``DataError``
+    otherwise); the batch split over the ranks is the layout's (``refimpl.train.layout.resolve``)."""
     corpus = prepare_corpus(config.data.data, config.data.cache_dir)
     return ShardedBatches(corpus.tokens, seq_len=config.data.seq_len,
                           global_batch_size=config.data.global_batch_size, seed=config.data.seed)
-
-
-def check_shapes(config: TrainConfig, parallel: ParallelConfig) -> None:
-    """Refuse a ``--tp`` or ``--cp`` the model or the sequence cannot take (chapters 06 and 07): the
-    sentences of ``refimpl.support.shape_refusals``, the rule set the planner's search asks too."""
-    why = shape_refusals(config.model, parallel, seq_len=config.data.seq_len)
-    if why:
-        raise ConfigError("; and ".join(why))
-
-
-def check_experts(config: TrainConfig, options: RunOptions) -> None:
-    """Refuse what an MoE model or ``--ep`` cannot take (chapter 09): ``--ep`` without MoE blocks, experts
-    that do not split over ``--ep``, and the combinations ``refimpl.support.MOE_SUPPORT_TABLE`` refuses
-    for a model with MoE blocks (ZeRO-3)."""
-    experts, ep = config.model.num_experts, options.parallel.ep
-    if ep > 1 and experts == 0:
-        raise ConfigError(f"--ep {ep} splits the experts of MoE blocks over {ep} ranks: give --moe-experts")
-    if experts and experts % ep:
-        raise ConfigError(f"--moe-experts {experts} do not split over --ep {ep} (each expert-parallel rank "
-                          f"holds experts / ep of them); use a multiple of {ep}")
-    if experts:
-        check_supported(options.parallel, moe=True)
-
-
-def forwards_per_step(config: TrainConfig, options: RunOptions, dp: int) -> int:
-    """The forwards a data-parallel rank runs per optimizer step: gradient accumulation's micro-batches
-    without a pipeline, the pipeline's (``pipeline_microbatches``) with one; refused (one line) when
-    the per-rank batch does not split (``refimpl.config.micro_batches`` is the rule)."""
-    if options.parallel.pp == 1:
-        return config.data.accumulation_steps(dp)
-    return pipeline_microbatches(config, options, dp)
-
-
-def pipeline_microbatches(config: TrainConfig, options: RunOptions, dp: int) -> int:
-    """The pipeline micro-batches per step and data-parallel rank (chapter 08): ``--microbatches``, else
-    the per-rank batch over ``--micro-batch-size``, else ``pp``; refused (one line) when the per-rank batch
-    does not split into them, they disagree with ``--micro-batch-size``, the interleaved schedule cannot
-    take them or the blocks do not fill the stages."""
-    par, per_rank, micro = options.parallel, config.data.per_rank_batch(dp), config.data.micro_batch_size
-    m = micro_batches(per_rank_batch=per_rank, micro_batch_size=micro, pp=par.pp,
-                      microbatches=par.microbatches)
-    if par.microbatches is not None and micro is not None and micro * m != per_rank:
-        raise ConfigError(f"--microbatches {m} x --micro-batch-size {micro} is not the per-rank batch "
-                          f"{per_rank} (= --batch-size / dp {dp}); give one of the two")
-    if par.microbatches is None and micro is not None:
-        config.data.accumulation_steps(dp)  # micro must divide the per-rank batch: refused in its words
-    if per_rank % m:
-        raise ConfigError(f"the per-rank batch {per_rank} (= --batch-size / dp {dp}) does not split into {m} "
-                          "pipeline micro-batches; set --microbatches to a divisor of it")
-    stages = par.pp * par.virtual_stages
-    if config.model.num_layers < stages:
-        raise ConfigError(f"--num-layers {config.model.num_layers} cannot fill {stages} pipeline stages "
-                          f"(--pp {par.pp} x --virtual-stages {par.virtual_stages}): each needs a "
-                          "block")
-    if par.pp_schedule == "interleaved" and m % par.pp:
-        raise ConfigError(f"--pp-schedule interleaved sends micro-batches in rounds of --pp {par.pp}: "
-                          f"{m} micro-batches do not divide by {par.pp}")
-    return m
 
 
 MEMORY_ENV = "REFIMPL_MEMORY_BYTES"  # tests: this node's memory in bytes, instead of the measured figure
 CUDA_USABLE_SHARE = 0.9  # of a GPU's free (or, launching, total) memory: the caching allocator's rounding
 CUDA_ALLOWANCE_BYTES = 2**30  # what a GPU rank holds outside the planned tensors: see usable_cuda_bytes
 FP8_MIN_CAPABILITY = (8, 9)  # the first CUDA compute capability with fp8 tensor cores (Ada; Hopper is 9.0)
-
-
-def survivor_layout(options: RunOptions, world_size: int, *,
-                    restart_count: int) -> tuple[RunOptions, str | None]:
-    """The layout of a run that an elastic agent restarted with another number of ranks (chapters 11-12).
-
-    A ``--dp`` given for the first attempt no longer multiplies out when a machine is lost (``torchrun
-    --nnodes=1:2``): the trainer keeps ``tp``, ``pp`` and ``cp`` (a model split that the survivors can still
-    hold the same way) and sets ``dp = world / (tp pp cp)``; the checkpoint reshards by its boxes and the
-    global batch stays (more accumulation per rank). Returns the options to run and the sentence that says
-    so (None when nothing changed). A first attempt is never changed: a layout that does not match the ranks
-    started is the user's mistake and ``RunOptions.parallel_dims`` refuses it."""
-    par = options.parallel
-    if par.dp is None or restart_count == 0:
-        return options, None
-    asked = options.parallel_dims(par.dp * par.tp * par.pp * par.cp)
-    if asked.world_size == world_size:
-        return options, None
-    others = par.tp * par.pp * par.cp
-    if world_size % others:
-        raise ConfigError(f"restart {restart_count}: {world_size} ranks survived; the layout "
-                          f"{asked.describe()} keeps tp x pp x cp = {others} ranks per model copy, which "
-                          f"{world_size} does not divide: no layout to resume at")
-    dp = world_size // others
-    hsdp = ("" if dp % par.dp_replicate == 0 else
-            f"; dp_replicate {par.dp_replicate} does not divide dp {dp}: no hybrid sharding")
-    chosen = replace(options, parallel=replace(par, dp=dp, dp_replicate=par.dp_replicate if not hsdp else 1))
-    now = chosen.parallel_dims(world_size).describe()
-    return chosen, (f"restart {restart_count}: the layout {asked.describe()} needs {asked.world_size} "
-                    f"ranks, {world_size} are here: resuming at {now} (tp, pp and cp kept, dp from the "
-                    f"survivors{hsdp})")
 
 
 def run_device(ranks_per_node: int, *, local_rank: int = 0, backend: str | None = None,
@@ -205,29 +115,23 @@ def machine_memory_per_rank(ranks_per_node: int, *, local_rank: int = 0, launchi
     return node // per, f"available memory {format_bytes(node)} / {per} rank(s) on this node"
 
 
-def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: int, ranks_per_node: int,
-                     force: bool = False, local_rank: int = 0, launching: bool = False,
-                     backend: str | None = None):
+def preflight_memory(config: TrainConfig, layout: Layout, *, ranks_per_node: int, force: bool = False,
+                     local_rank: int = 0, launching: bool = False, backend: str | None = None):
     """Refuse, before any process starts, a run whose planned bytes per rank exceed the machine's:
-    ``refimpl.planner.run_memory_of`` the run's ``options.parallel`` (model state by ZeRO stage and
-    precision + one micro-batch's activations) against ``machine_memory_per_rank``. ``force``: warn
-    and go on. Returns the estimate (None where the planner does not model the run: an MoE model with fp8
-    or a layout ``refimpl.planner.experts.unmodelled_moe`` names, multi-head latent attention; not
-    checked, said on stderr). An MoE
-    model is planned at pp = 1 for uniform routing (chapter 09). First the device (``backend``:
-    ``--backend``): ``run_device`` and ``check_fp8_device``, which ``force`` does not override."""
+    ``refimpl.planner.run_memory_of`` the resolved ``layout`` (``refimpl.train.layout.resolve``: model
+    state by ZeRO stage and precision + one micro-batch's activations) against
+    ``machine_memory_per_rank``. ``force``: warn and go on. Returns the estimate (None where the planner
+    does not model the run: an MoE model with fp8 or a layout ``refimpl.planner.experts.unmodelled_moe``
+    names, multi-head latent attention; not checked, said on stderr). An MoE model is planned at pp = 1
+    for uniform routing (chapter 09). First the device (``backend``: ``--backend``): ``run_device`` and
+    ``check_fp8_device``, which ``force`` does not override."""
     from refimpl.planner import run_memory_of
     from refimpl.planner.experts import unmodelled_moe
     from refimpl.planner.memory import unmodelled_attention
 
-    dims = options.parallel_dims(world_size)
-    check_shapes(config, options.parallel)
-    check_experts(config, options)
-    par = options.parallel
+    dims, par, micro = layout.dims, layout.parallel, layout.micro_batch
     check_fp8_device(par.precision, run_device(ranks_per_node, local_rank=local_rank, backend=backend,
                                                launching=launching))
-    accumulation = forwards_per_step(config, options, dims.dp)  # a bad split: refused here
-    micro = config.data.per_rank_batch(dims.dp) // accumulation
     moe = unmodelled_moe(config.model, pp=dims.pp, cp=dims.cp, zero_stage=par.zero_stage,
                          sequence_parallel=par.sequence_parallel, precision=par.precision)
     unmodelled = [f"MoE blocks with {', '.join(moe)}"] * bool(moe) + unmodelled_attention(config.model)
@@ -236,8 +140,8 @@ def preflight_memory(config: TrainConfig, options: RunOptions, *, world_size: in
             print(f"note: no memory preflight for {' and '.join(unmodelled)} (the planner does not model "
                   "them yet)", file=sys.stderr, flush=True)
         return None
-    need = run_memory_of(config.model, options.parallel, world_size=world_size, micro_batch=micro,
-                         seq_len=config.data.seq_len, num_microbatches=accumulation)
+    need = run_memory_of(config.model, par, world_size=dims.world_size, micro_batch=micro,
+                         seq_len=config.data.seq_len, num_microbatches=layout.accumulation)
     have, source = machine_memory_per_rank(ranks_per_node, local_rank=local_rank, launching=launching,
                                            backend=backend)
     if need.total > have:

@@ -18,6 +18,7 @@ from refimpl.parallel.data_parallel import DataParallelBucket
 from refimpl.parallel.parallelize import parallelize
 from refimpl.precision import MixedPrecision
 from refimpl.train.args import RunOptions
+from refimpl.train.layout import Layout
 
 if TYPE_CHECKING:
     from refimpl.parallel.pipeline_parallel import PipelineModule
@@ -51,12 +52,13 @@ class _Setup:
     ep: int = 1
 
 
-def build_setup(config: TrainConfig, ctx: DistributedContext, options: RunOptions,
+def build_setup(config: TrainConfig, ctx: DistributedContext, layout: Layout,
                 groups: ParallelGroups | None = None) -> _Setup:
     """Model, data-parallel or ZeRO wrapper, optimizer and mixed-precision policy of a run, over the groups
-    of ``options``' layout (``groups``: from ``dims.build``, built once by the trainer; None: built here, a
-    collective, when a process group exists, else a one-process run)."""
-    dims = options.parallel_dims(ctx.world_size)
+    of the resolved ``layout`` (``refimpl.train.layout.resolve``; ``groups``: from ``dims.build``, built
+    once by the trainer; None: built here, a collective, when a process group exists, else a one-process
+    run)."""
+    dims, options = layout.dims, layout.options
     if groups is None and torch.distributed.is_initialized():
         groups = dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
     model = GPT(config.model, seed=config.data.seed).to(ctx.device)
