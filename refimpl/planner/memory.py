@@ -52,12 +52,12 @@ from refimpl.planner.params_flops import num_param_tensors, param_count, param_s
 from refimpl.planner.pipeline import pipeline_memory_per_rank, pipeline_state_memory
 from refimpl.planner.run_memory import RunMemory
 from refimpl.planner.zero_state import zero3_peak_gathered_bytes, zero_memory
+from refimpl.precision.policy import compute_dtype_of
 from refimpl.support import check_supported
 
 __all__ = ["RunMemory", "check_dense", "run_memory_of", "run_memory_per_rank", "state_memory",
            "state_memory_per_rank"]
 
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8: bf16 autocast around the fp8 linears
 
 
 class _ActivationArgs(BlockSplit):
@@ -222,8 +222,7 @@ def run_memory_per_rank(config: ModelConfig, dims: Layout, *, micro_batch: int, 
     check_moe_plan(config, what="run_memory_per_rank", pp=pipeline_parallel_degree(dims),
                    cp=context_parallel_degree(dims), zero_stage=zero_stage,
                    sequence_parallel=sequence_parallel, precision=precision)
-    if precision not in _DTYPE_BYTES:
-        raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(_DTYPE_BYTES)}")
+    compute_dtype_of(precision)  # an unknown name: ValueError
     shards, tp, cp = zero_shard_degree(dims), tensor_parallel_degree(dims), context_parallel_degree(dims)
     pp = pipeline_parallel_degree(dims)
     if pp > 1:
@@ -248,7 +247,8 @@ def _state_terms(config: ModelConfig, dims: Layout, *, zero_stage: int, precisio
     """``run_memory_per_rank``'s model state of one rank at pp = 1, by term: the weights, gradients and
     AdamW state of ZeRO ``zero_stage``, ZeRO-3's gathered units, autocast's 16-bit weight copies (fp8: but
     the fp8 layers', and their transient cast)."""
-    p, tp, ep = _DTYPE_BYTES[precision], tensor_parallel_degree(dims), expert_parallel_degree(dims)
+    p = compute_dtype_of(precision).itemsize  # fp8: bf16 autocast around the fp8 linears
+    tp, ep = tensor_parallel_degree(dims), expert_parallel_degree(dims)
     shards = zero_shard_degree(dims)
     zero = state_memory_per_rank(config, dims, zero_stage=zero_stage)
     state = {"weights": zero.weights, "grads": zero.grads, "AdamW state": zero.optimizer}
@@ -275,10 +275,9 @@ def _activation_terms(config: ModelConfig, dims: Layout, *, micro_batch: int, se
     """``run_memory_per_rank``'s activations of one rank at pp = 1, by term: the blocks' saved tensors
     (MoE blocks': for the routed rows; fp8: and the fp8 layers' float32 inputs), the recomputed block's in
     backward, what the model saves outside the blocks, the logits and their gradient."""
-    p, b, v, ep = _DTYPE_BYTES[precision], micro_batch, config.vocab_size, expert_parallel_degree(dims)
+    compute = compute_dtype_of(precision)  # fp8: bf16 autocast around the fp8 linears
+    p, b, v, ep = compute.itemsize, micro_batch, config.vocab_size, expert_parallel_degree(dims)
     tp, cp = split["tp"], split["cp"]
-    compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-               "fp8": torch.bfloat16}[precision]
     chosen = set(checkpointed_blocks)
     kw = _ActivationArgs(micro_batch=b, seq_len=seq_len, compute_dtype=compute, **split)
     if config.num_experts:  # MoE blocks: their saved tensors for the routed rows (refimpl/planner/experts.py)

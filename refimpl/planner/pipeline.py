@@ -77,6 +77,7 @@ from refimpl.planner.pipeline_stages import (
 from refimpl.planner.run_memory import RunMemory
 from refimpl.planner.run_terms import final_norm_16
 from refimpl.planner.zero_state import zero3_peak_gathered_bytes
+from refimpl.precision.policy import compute_dtype_of
 from refimpl.support import check_supported
 
 __all__ = ["PER_STEP", "ZBV_NOT_MODELLED", "PipelineRankMemory", "pipeline_memory_per_rank",
@@ -87,8 +88,6 @@ ZBV_NOT_MODELLED = ("the planner does not model the zbv schedule (ZB-V's V place
                     "the first and the last stage on rank 0, its deferred weight gradients in flight): plan "
                     "with zbh1, whose memory the planner models, or measure zbv with the trainer")
 
-_COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-            "fp8": torch.bfloat16}  # fp8: bf16 autocast around the fp8 GEMMs
 PER_STEP = ("token ids (the step's batch, int64)", "labels (the step's batch, int64)")
 FP8_INPUTS = "fp8 layers' float32 LayerNorm-fed inputs"  # --precision fp8 (refimpl/planner/fp8.py)
 
@@ -264,7 +263,7 @@ def _rank_state(config: ModelConfig, *, rank: int, mine: list[int], ranges: list
     parameters' ``shapes``), by term: weights, gradients and AdamW state under ZeRO ``zero_stage`` over
     ``zero_shards`` ranks, ZeRO-3's gathered tensors, autocast's 16-bit weight copies (fp8: but the fp8
     layers', and their transient cast)."""
-    p, num_stages = _COMPUTE[precision].itemsize, len(ranges)
+    p, num_stages = compute_dtype_of(precision).itemsize, len(ranges)
     zero = pipeline_state_memory(config, pp=pp, pp_rank=rank, virtual_stages=virtual_stages, balance=balance,
                                  tp=tp, zero_stage=zero_stage, zero_shards=zero_shards, dp_rank=dp_rank)
     state = {"weights": zero.weights, "grads": zero.grads, "AdamW state": zero.optimizer}
@@ -306,12 +305,11 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
         raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {SCHEDULES}")
     if schedule == "zbv":
         raise ValueError(ZBV_NOT_MODELLED)
-    if precision not in _COMPUTE:
-        raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(_COMPUTE)}")
+    compute = compute_dtype_of(precision)  # fp8: bf16 autocast around the fp8 GEMMs; unknown: ValueError
     check_supported(ParallelConfig(pp=pp, tp=tp, zero_stage=zero_stage, pp_schedule=schedule,
                                    sequence_parallel=sequence_parallel,
                                    zero3_reshard_per_microbatch=zero3_reshard_per_microbatch))
-    m, v, compute = num_microbatches, virtual_stages, _COMPUTE[precision]
+    m, v = num_microbatches, virtual_stages
     table = build_schedule(schedule, pp_size=pp, num_microbatches=m, virtual_stages=v)
     sim = simulate(table, num_microbatches=m, virtual_stages=v)  # refuses an invalid or deadlocking table
     num_stages, split = pp * v, schedule == "zbh1"

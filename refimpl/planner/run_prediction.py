@@ -125,7 +125,6 @@ from refimpl.planner.memory import (
 from refimpl.planner.param_table import ParamSpec, ParamTable, param_table
 from refimpl.planner.params_flops import param_shapes
 from refimpl.planner.pipeline import (
-    _COMPUTE,
     PER_STEP,
     ZBV_NOT_MODELLED,
     PipelineRankMemory,
@@ -148,6 +147,7 @@ from refimpl.planner.run_terms import (
     tp_stage_payloads,
 )
 from refimpl.planner.zero_state import Shape, sharded_numel
+from refimpl.precision.policy import compute_dtype_of
 from refimpl.support import check_supported
 
 __all__ = ["RankPrediction", "RunPrediction", "predict_run"]
@@ -205,7 +205,7 @@ def _held_with_label_copies(config: ModelConfig, rank_memory, parallel: Parallel
     saved = {st: dict(terms) for st, terms in rank_memory.saved.items()}
     del saved[num_stages - 1][PER_STEP[1]]
     saved[num_stages - 1][LABELS_COPY] = 8 * b * seq_len
-    compute = _COMPUTE[parallel.precision]
+    compute = compute_dtype_of(parallel.precision)
     deferred = None if parallel.pp_schedule != "zbh1" else {
         st: stage_deferred_bytes(config, stage=st, num_stages=num_stages, blocks=ranges[st], micro_batch=b,
                                  seq_len=seq_len, compute_dtype=compute,
@@ -347,8 +347,9 @@ def _run_of(config: ModelConfig, parallel: ParallelConfig, dims: ParallelDims, *
                        cp_layout=cp_layout)
     schedule = (build_schedule(pp_schedule, pp_size=pp, num_microbatches=m, virtual_stages=v)
                 if pp > 1 else None)
-    residual = _COMPUTE[precision] if parallel.fsdp_mixed_precision else None  # ZeRO-3 in 16 bits: a 16-bit
-    pipe = (pipeline_memory_per_rank(config, pp=pp, num_microbatches=m, schedule=pp_schedule,  # residual
+    # ZeRO-3 in 16 bits: a 16-bit residual
+    residual = compute_dtype_of(precision) if parallel.fsdp_mixed_precision else None
+    pipe = (pipeline_memory_per_rank(config, pp=pp, num_microbatches=m, schedule=pp_schedule,
                                      virtual_stages=v, micro_batch=b, seq_len=seq_len, precision=precision,
                                      balance=parallel.pp_balance, residual_dtype=residual,
                                      checkpointed_blocks=checkpointed, **split)
@@ -366,7 +367,7 @@ def _run_of(config: ModelConfig, parallel: ParallelConfig, dims: ParallelDims, *
         fp8_units = [[q.name in gathered_fp8 for q in unit] for unit in (root, *table.blocks)]
     shard_n = n // dims.dp_replicate  # the ranks ZeRO shards over: dp x cp, or HSDP's shard group
     cp_layer = context_parallel_bytes(config, micro_batch=b, seq_len=seq_len, cp=cp, method=cp_method, tp=tp,
-                                      compute_dtype=_COMPUTE[precision]) if cp > 1 else None
+                                      compute_dtype=compute_dtype_of(precision)) if cp > 1 else None
     return _Run(config=config, parallel=parallel, dims=dims, seq_len=seq_len, grad_clip=grad_clip,
                 checkpointed=checkpointed, m=m, b=b, per_rank=per_rank, s_c=s_c, x=b * s_c * h,
                 tokens=b * s_c, n=n, shard_n=shard_n, num_stages=num_stages, ranges=ranges, table=table,
@@ -491,9 +492,9 @@ def _held_and_state(run: _Run, *, c: Coordinates, stages: list[int],
     held = {k: val for k, val in run.flat.activations.items() if k not in _TRANSIENT}
     if parallel.fsdp_mixed_precision:  # ZeRO-3 in 16 bits computes in the gathered 16-bit weights: a 16-bit
         held |= sixteen_bit_weight_activations(config, checkpointed_blocks=run.checkpointed,  # residual
-                                               compute_dtype=_COMPUTE[parallel.precision], micro_batch=b,
-                                               seq_len=seq_len, cp=cp, cp_method=parallel.cp_method,
-                                               cp_layout=parallel.cp_layout)
+                                               compute_dtype=compute_dtype_of(parallel.precision),
+                                               micro_batch=b, seq_len=seq_len, cp=cp,
+                                               cp_method=parallel.cp_method, cp_layout=parallel.cp_layout)
     if tp == 1 and cp == 1:  # the ids and labels of every micro-batch: views of the window
         held["token ids, labels, positions"] -= 2 * 8 * run.tokens
         held[WINDOW] = window

@@ -30,7 +30,13 @@ from refimpl.precision.loss_scaler import (
 )
 from refimpl.precision.master_weights import MasterWeights
 from refimpl.precision.mixed_precision import MixedPrecision
-from refimpl.precision.policy import DTYPES, PRECISIONS, MixedPrecisionPolicy, dtype_from_name
+from refimpl.precision.policy import (
+    DTYPES,
+    PRECISIONS,
+    MixedPrecisionPolicy,
+    compute_dtype_of,
+    dtype_from_name,
+)
 
 __all__ = [
     "DTYPES",
@@ -42,6 +48,7 @@ __all__ = [
     "MixedPrecision",
     "MixedPrecisionPolicy",
     "ScalerState",
+    "compute_dtype_of",
     "dtype_from_name",
     "overflow_on_any_rank",
     "update_scale",

@@ -37,6 +37,13 @@ _NAMES = {v: k for k, v in DTYPES.items()}
 AUTOCAST_OF: dict[str, str] = {"fp8": "bf16"}  # fp8's policy: bf16 autocast, the fp8 GEMMs in the linears
 
 
+def compute_dtype_of(precision: str) -> torch.dtype:
+    """The dtype a ``--precision`` run computes its activations in (what the planner counts them at):
+    fp8's is bf16, the autocast around its fp8 GEMMs (``AUTOCAST_OF``); ``ValueError`` for an unknown
+    name."""
+    return dtype_from_name(AUTOCAST_OF.get(precision, precision))
+
+
 def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
     """``"bf16"`` -> ``torch.bfloat16`` (a dtype passes through)."""
     if isinstance(name, torch.dtype):
