@@ -310,6 +310,77 @@ bx.legend(fontsize=7)
 fig.tight_layout()
 
 # %% [markdown]
+# ### The step they ran, read top to bottom
+#
+# Every run above went through one function, `refimpl.train.step.train_step`: the optimizer step of any
+# layout, as nanoGPT's `train.py` writes it for one device. It branches once, for the pipeline, and calls
+# four things in order; what a layout changes lives inside `setup` (`build_setup`: the wrapper the batch
+# goes through, the vocabulary-parallel loss, the reductions, the clipping norm over shards, the sharded
+# optimizer), and the layout itself was resolved once, before the process group existed
+# (`refimpl.train.layout.resolve`: the degrees against the world size, the shapes, the batch split).
+
+# %%
+import inspect  # noqa: E402
+
+from refimpl.train.step import train_step  # noqa: E402
+
+print(inspect.getsource(train_step))
+
+# %% [markdown]
+# Below, each rank walks that step by hand at the 2x2x2 layout: the pipeline branch
+# (`pipeline_forward_backward`: 1F1B over the 2 micro-batches of its stage), then `reduce_gradients`, then
+# `optimizer_step`, and after each one asks its data-parallel partner (the rank with the same stage and tp
+# index, which saw the other half of the batch) whether they hold the same gradients and weights. They must
+# not after the backwards (each replica learnt from its own half: this is what makes the check able to
+# fail) and must after the reduction, and so after the step.
+
+# %%
+# %%px
+import torch.distributed as dist  # noqa: E402
+
+from refimpl.data import to_device  # noqa: E402
+from refimpl.train import build_setup, check_fits, resolve  # noqa: E402
+from refimpl.train.step import NO_POINTS, optimizer_step, pipeline_forward_backward, reduce_gradients  # noqa: E402
+
+args = build_parser().parse_args([*TINY, *LAYOUT_3D, "--out", f"{WORK}/walk"])
+config, options = config_from_args(args), options_from_args(args)
+layout = resolve(config, options, ctx.world_size)  # every rule of the layout, once
+setup = build_setup(config, ctx, layout)  # the model parallelized on the layout's groups (collective)
+dp_rank = layout.dims.coordinates(ctx.rank).dp
+inputs, labels = (to_device(t, ctx.device) for t in check_fits(config).batch(0, dp_rank, layout.dims.dp))
+held = list(setup.pipeline.parameters())  # this rank's stage: its tp shards of its blocks
+
+
+def replicas_agree(tensors):
+    """Whether this rank's tensors equal its data-parallel partner's, bit for bit."""
+    flat = torch.cat([t.detach().flatten() for t in tensors])
+    gathered = [torch.empty_like(flat) for _ in range(layout.dims.dp)]
+    dist.all_gather(gathered, flat, group=setup.group)
+    return all(torch.equal(gathered[0], g) for g in gathered[1:])
+
+
+def grads():
+    return [p.grad if p.grad is not None else torch.zeros_like(p) for p in held]
+
+
+walk = {"branch": "pipeline" if setup.pipeline is not None else "micro-batches", "accumulation": layout.accumulation}
+loss = pipeline_forward_backward(setup, inputs, labels, accumulation=layout.accumulation, points=NO_POINTS)
+walk["1. forward_backward: gradients agree"] = replicas_agree(grads())
+reduce_gradients(setup, accumulation=layout.accumulation)
+walk["2. reduce_gradients: gradients agree"] = replicas_agree(grads())
+optimizer_step(setup, grad_clip=config.optim.grad_clip, after_unscale=NO_POINTS.after_unscale)
+walk["4. optimizer_step: weights agree"] = replicas_agree(held)
+walk["loss (this rank's share)"] = round(float(loss), 4)
+
+# %%
+walks = ranks.run(lambda: walk)
+for key in walks[0]:
+    print(f"{key:40s}", [w[key] for w in walks])
+assert all(w["branch"] == "pipeline" and w["accumulation"] == 2 for w in walks)
+assert not any(w["1. forward_backward: gradients agree"] for w in walks), "each replica saw its own half"
+assert all(w["2. reduce_gradients: gradients agree"] and w["4. optimizer_step: weights agree"] for w in walks)
+
+# %% [markdown]
 # ## 3. The planner against the runs it predicts
 #
 # Before a run starts, the planner tells what each rank will hold and send.

@@ -153,7 +153,7 @@ def _step_gradients(micro: int, *, broken: str | None = None) -> dict[str, torch
     ``micro``; ``broken``: ``"undivided"`` adds the balance loss without dividing it by the micro-batches,
     ``"per-forward"`` computes Switch's loss over each forward's tokens instead of per sequence."""
     from refimpl.train.setup import _Setup
-    from refimpl.train.step import train_step
+    from refimpl.train.step import StepPoints, train_step
 
     torch.manual_seed(0)
     model = GPT(MOE, seed=5)
@@ -178,9 +178,11 @@ def _step_gradients(micro: int, *, broken: str | None = None) -> dict[str, torch
     setup = _Setup(model=model, forward=par.forward, state_module=model, optimizer=opt.optimizer, mp=par.mp,
                    loss=loss, moe_step=lambda m: finish_step(model, None, micro_batches=m, device=CPU))
     ids = _ids(4, 16, seed=6)
-    train_step(setup, ids[:, :-1], ids[:, 1:], accumulation=accumulation, micro=micro, device=CPU,
-               grad_clip=None, before_optimizer_step=lambda: got.update(
-                   {n: p.grad.clone() for n, p in model.named_parameters()}))
+    def keep_gradients() -> None:
+        got.update({n: p.grad.clone() for n, p in model.named_parameters()})
+
+    train_step(setup, ids[:, :-1], ids[:, 1:], accumulation=accumulation, micro=micro, grad_clip=None,
+               points=StepPoints(before_optimizer_step=keep_gradients))
     got["figures"] = setup.moe_metrics
     return got
 

@@ -49,7 +49,7 @@ from refimpl.planner import (
 from refimpl.train import RunOptions, build_setup
 from refimpl.train.layout import resolve
 from refimpl.train.preflight import preflight_memory
-from refimpl.train.step import train_step
+from refimpl.train.step import StepPoints, train_step
 
 TIMEOUT_S = 240
 B, S = 3, 16  # S cuts into 2 cp = 8 zig-zag chunks at cp 4; s/cp = 8 divides by tp 2 (SP)
@@ -159,9 +159,11 @@ def _trainer_run(ctx, options: dict) -> dict:
     setup = build_setup(config, ctx, layout, groups)  # a fresh one for the steps
     held = []
     for _ in range(2):
-        train_step(setup, x, y, accumulation=1, micro=B, device=ctx.device, grad_clip=1.0,  # as the loop
-                   before_optimizer_step=lambda: held.append(state_bytes(setup.state_module,
-                                                                         setup.optimizer)))
+        def measure() -> None:
+            held.append(state_bytes(setup.state_module, setup.optimizer))
+
+        train_step(setup, x, y, accumulation=1, micro=B, grad_clip=1.0,  # as the loop
+                   points=StepPoints(before_optimizer_step=measure))
     return {"blocks": sum(report.per_block()), "outside": sum(report.activations.get(OUTSIDE, {}).values()),
             "state": (held[-1].weights, held[-1].grads, held[-1].optimizer)}
 

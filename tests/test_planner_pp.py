@@ -311,7 +311,7 @@ def _composed_worker(ctx) -> dict:
     from refimpl.config import DataConfig, OptimConfig, TrainConfig
     from refimpl.parallel.parallelize import parallelize
     from refimpl.train import RunOptions, build_setup
-    from refimpl.train.step import train_step
+    from refimpl.train.step import StepPoints, train_step
 
     out: dict = {}
     config = _composed_config()
@@ -338,9 +338,9 @@ def _composed_worker(ctx) -> dict:
     held = []
     ids = torch.randint(0, VOCAB, (2 * B, S + 1), generator=torch.Generator().manual_seed(ctx.rank))
     for _ in range(2):  # AdamW's state exists from the first update on: the second step's is held
-        train_step(setup, ids[:, :-1], ids[:, 1:], accumulation=2, micro=B, device=ctx.device, grad_clip=1.0,
-                   before_optimizer_step=lambda: held.append(state_bytes(setup.state_module,
-                                                                         setup.optimizer)))
+        train_step(setup, ids[:, :-1], ids[:, 1:], accumulation=2, micro=B, grad_clip=1.0,
+                   points=StepPoints(before_optimizer_step=lambda: held.append(
+                       state_bytes(setup.state_module, setup.optimizer))))
     out["zero1"] = {"pp_rank": dims.coordinates(ctx.rank).pp, "dp_rank": dims.coordinates(ctx.rank).dp,
                     "state": (held[-1].weights, held[-1].grads, held[-1].optimizer)}
     return out

@@ -93,7 +93,7 @@ def _trace_collectives(group, *, sp: bool, config: ModelConfig = CFG) -> dict[st
 def _state_after_a_step(ctx, dims: ParallelDims, zero_stage: int) -> tuple[int, int, int]:
     """The trainer's setup on ``dims``, two steps; the state held after the second (grads in place)."""
     from refimpl.train import RunOptions, build_setup
-    from refimpl.train.step import train_step
+    from refimpl.train.step import StepPoints, train_step
 
     groups = dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
     config = TrainConfig(model=CFG_DIVIDES, data=DataConfig(seq_len=S, global_batch_size=2 * dims.dp),
@@ -107,8 +107,8 @@ def _state_after_a_step(ctx, dims: ParallelDims, zero_stage: int) -> tuple[int, 
         held.append(state_bytes(setup.state_module, setup.optimizer))
 
     for _ in range(2):  # the second step's measurement sees the AdamW state the first one made
-        train_step(setup, ids[:, :-1], ids[:, 1:], accumulation=1, micro=2, device=ctx.device,
-                   grad_clip=1.0, before_optimizer_step=measure)
+        train_step(setup, ids[:, :-1], ids[:, 1:], accumulation=1, micro=2, grad_clip=1.0,
+                   points=StepPoints(before_optimizer_step=measure))
     state = held[-1]
     return state.weights, state.grads, state.optimizer
 

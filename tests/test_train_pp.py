@@ -112,7 +112,7 @@ def _replicas_agree(ctx, files: dict, *, average: bool) -> bool:
         setup.finish_gradients = None  # the bug: this rank never averages over dp
     g = torch.Generator().manual_seed(1 + dims.coordinates(ctx.rank).dp)  # each dp rank its own batch
     tokens = torch.randint(0, 256, (2, 17), generator=g)
-    train_step(setup, tokens[:, :-1], tokens[:, 1:], accumulation=2, micro=1, device=ctx.device,
+    train_step(setup, tokens[:, :-1], tokens[:, 1:], accumulation=2, micro=1,
                grad_clip=config.optim.grad_clip)
     flat = torch.cat([p.detach().flatten() for p in setup.pipeline.parameters()])
     other = [torch.empty_like(flat) for _ in range(2)]

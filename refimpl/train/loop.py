@@ -40,7 +40,7 @@ from refimpl.train.preflight import check_fits
 from refimpl.train.probes import RunProbes
 from refimpl.train.resume import Resumed, resume
 from refimpl.train.setup import _sampling_model, _Setup, build_setup
-from refimpl.train.step import train_step
+from refimpl.train.step import StepPoints, _nothing, train_step
 
 SIGTERM_EXIT = 143  # 128 + SIGTERM: "stopped, not finished" for schedulers and torchrun
 
@@ -60,9 +60,9 @@ def _call(point: Callable[..., None] | None, *args) -> None:
         point(*args)
 
 
-def _bound(point: Callable[..., None] | None, *args) -> Callable[..., None] | None:
-    """A hook point bound to ``args`` (``step, setup``), a callback of ``train_step``; or None."""
-    return None if point is None else partial(point, *args)
+def _bound(point: Callable[..., None] | None, *args) -> Callable[..., None]:
+    """A hook point bound to ``args`` (``step, setup``), a point of ``train_step``; a no-op without it."""
+    return _nothing if point is None else partial(point, *args)
 
 
 def _pipeline_idle(setup) -> float:
@@ -159,7 +159,7 @@ def _run_steps(config: TrainConfig, ctx: DistributedContext, layout: Layout, set
             lr = lr_at(step, config.optim, config.steps)
             set_lr(setup.optimizer, lr)
             inputs, labels = _step_batch(step, ctx, setup, batches, dp=coords.dp, dp_size=dims.dp)
-            loss_sum = _train_step_at(step, config, ctx, setup, inputs, labels, hooks=hooks,
+            loss_sum = _train_step_at(step, config, setup, inputs, labels, hooks=hooks,
                                       accumulation=accumulation, micro=micro)
             if setup.group is not None and dims.dp * dims.cp > 1:
                 # The mean over the dp x cp ranks (equal token counts), the group the gradients were
@@ -226,24 +226,23 @@ def _step_batch(step: int, ctx: DistributedContext, setup: _Setup, batches: Shar
     return inputs, labels
 
 
-def _train_step_at(step: int, config: TrainConfig, ctx: DistributedContext, setup: _Setup,
-                   inputs: torch.Tensor, labels: torch.Tensor, *, hooks: Hooks, accumulation: int,
-                   micro: int) -> torch.Tensor:
-    """``train_step`` of step ``step`` inside the hooks' ``around_step``, their points its callbacks;
-    returns this rank's loss (not reduced)."""
+def _train_step_at(step: int, config: TrainConfig, setup: _Setup, inputs: torch.Tensor, labels: torch.Tensor,
+                   *, hooks: Hooks, accumulation: int, micro: int) -> torch.Tensor:
+    """``train_step`` of step ``step`` inside the hooks' ``around_step``, their points bound to the step
+    (``StepPoints``); returns this rank's loss (not reduced)."""
 
     def gradients_unscaled() -> None:  # what the optimizer receives, before clipping; the update follows
         if hooks.gradient_probe is not None:
             hooks.gradient_probe(step, gradient_shards(setup))
         _call(hooks.after_gradient_probe, step, setup)
 
+    points = StepPoints(after_first_forward=_bound(hooks.after_first_forward, step, setup),
+                        after_first_loss=_bound(hooks.after_first_loss, step, setup),
+                        before_optimizer_step=_bound(hooks.before_optimizer_step, step, setup),
+                        after_unscale=gradients_unscaled, clock=hooks.clock)
     with hooks.around_step(step, setup) if hooks.around_step is not None else nullcontext():
         return train_step(setup, inputs, labels, accumulation=accumulation, micro=micro,
-                          device=ctx.device, grad_clip=config.optim.grad_clip,
-                          after_first_forward=_bound(hooks.after_first_forward, step, setup),
-                          after_first_loss=_bound(hooks.after_first_loss, step, setup),
-                          before_optimizer_step=_bound(hooks.before_optimizer_step, step, setup),
-                          after_unscale=gradients_unscaled, clock=hooks.clock)
+                          grad_clip=config.optim.grad_clip, points=points)
 
 
 def _step_record(step: int, loss_sum: torch.Tensor, lr: float, meter: Throughput, ctx: DistributedContext,

@@ -1,21 +1,29 @@
-"""One optimizer step, read top to bottom (as in nanoGPT's ``train.py``): the rank's shard of the global
-batch in micro-batches, each forward and backward under ``no_sync`` but the last (chapter 03: the last
-backward launches the bucketed all-reduces), the wait for those reductions, then the checked step of the
-mixed-precision driver (chapter 05: unscale, skip on inf/NaN under fp16, clip, AdamW) and ``zero_grad``.
+"""One optimizer step, read top to bottom (as in nanoGPT's ``train.py``): ``train_step`` branches once,
+for the pipeline, and calls four functions in order (chapter 12 walks them for one layout):
+
+1. ``forward_backward``: the rank's shard of the global batch in micro-batches, each forward and backward
+   under ``no_sync`` but the last (chapter 03: the last backward launches the bucketed all-reduces); or,
+   under pipeline parallelism (chapter 08), ``pipeline_forward_backward``: one call of the stages' ``step``
+   runs the schedule's forwards and backwards of every micro-batch;
+2. ``reduce_gradients``: the wait for those reductions, sequence parallelism's sum over the tp group, an
+   MoE model's expert load (chapter 09);
+3. the caller's ``before_optimizer_step`` (``StepPoints``);
+4. ``optimizer_step``: the checked step of the mixed-precision driver (chapter 05: unscale, skip on
+   inf/NaN under fp16, clip, AdamW) and ``zero_grad``.
 
 With ``A`` micro-batches of ``b`` sequences each loss is the micro-batch mean divided by ``A``; summed over
 the micro-batches and averaged over equal-sized data-parallel ranks it is the mean over the global batch.
-Under pipeline parallelism (chapter 08) the ``A`` micro-batches are the pipeline's: one call of the stages'
-``step`` runs the schedule's forwards and backwards, and the data-parallel average follows once. An MoE
-model's loss includes its blocks' balance losses (scaled alike; under pipeline parallelism each stage's,
-backpropagated in that stage), and once the gradients are reduced the
-step's expert load is summed over the ranks and DeepSeek-V3's expert bias updated (chapter 09).
+An MoE model's loss includes its blocks' balance losses (scaled alike; under pipeline parallelism each
+stage's, backpropagated in that stage). What a layout changes is inside ``setup``
+(``refimpl.train.setup.build_setup``): the wrapper the batch goes through, the loss (vocab-parallel under
+tp), the reductions, the clipping norm (over shards), the optimizer (sharded under ZeRO).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -23,69 +31,111 @@ from refimpl.comm.device_clock import Stamp
 from refimpl.train.setup import _Setup
 
 
+def _nothing(*_: object) -> None:
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepPoints:
+    """Where one step lets its caller in (the trainer binds its hooks here, ``refimpl.train.hooks``; each
+    does nothing by default): ``after_first_forward()`` inside the first micro-batch, between its forward
+    and its backward (under pipeline parallelism once the schedule's forwards and backwards are done);
+    ``after_first_loss(loss)`` once the first micro-batch's loss is computed (not under pipeline
+    parallelism); ``before_optimizer_step()`` once the gradients are reduced; ``after_unscale()`` once
+    they are unscaled (fp16), before clipping and AdamW; ``clock``: the pipeline executor's clock."""
+
+    after_first_forward: Callable[[], None] = _nothing
+    after_first_loss: Callable[[torch.Tensor], None] = _nothing
+    before_optimizer_step: Callable[[], None] = _nothing
+    after_unscale: Callable[[], None] = _nothing
+    clock: Callable[[], Stamp] | None = None
+
+
+NO_POINTS = StepPoints()
+
+
 def train_step(setup: _Setup, inputs: torch.Tensor, labels: torch.Tensor, *, accumulation: int, micro: int,
-               device: torch.device, grad_clip: float | None,
-               after_first_forward: Callable[[], None] | None = None,
-               before_optimizer_step: Callable[[], None] | None = None,
-               after_unscale: Callable[[], None] | None = None,
-               after_first_loss: Callable[[torch.Tensor], None] | None = None,
-               clock: Callable[[], Stamp] | None = None) -> torch.Tensor:
-    """Forward, backward and step over ``inputs``/``labels`` (``[accumulation x micro, s]``: this rank's
-    shard). Returns this rank's loss (the sum of the scaled micro-batch losses, detached, not reduced).
-    ``after_first_forward`` runs inside the first micro-batch, between its forward and its backward (the
-    trainer's fault injection and heartbeat); ``after_first_loss(loss)`` once the first micro-batch's loss is
-    computed (not under pipeline parallelism); ``before_optimizer_step`` once the gradients are reduced,
-    ``after_unscale`` once they are unscaled (fp16), before clipping and AdamW;
-    ``clock``: the pipeline executor's clock (``refimpl.train.hooks.TrainHooks``)."""
-    mp, dp = setup.mp, setup.dp
-    loss_sum = torch.zeros((), device=device)
+               grad_clip: float | None, points: StepPoints = NO_POINTS) -> torch.Tensor:
+    """One optimizer step over ``inputs``/``labels`` (``[accumulation x micro, s]``: this rank's shard, on
+    its device); returns this rank's loss (the sum of the scaled micro-batch losses, detached, not
+    reduced). The module docstring walks it; ``points``: where the caller comes in (``StepPoints``)."""
     if setup.pipeline is not None:  # chapter 08: the schedule runs every micro-batch's forward and backward
-        def share(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return setup.loss(logits, y) / accumulation
+        loss = pipeline_forward_backward(setup, inputs, labels, accumulation=accumulation, points=points)
+    else:  # chapter 03: the micro-batches one after the other, each backward accumulating into .grad
+        loss = forward_backward(setup, inputs, labels, accumulation=accumulation, micro=micro, points=points)
+    reduce_gradients(setup, accumulation=accumulation)  # data parallelism's wait, SP's sum, MoE's load
+    points.before_optimizer_step()
+    optimizer_step(setup, grad_clip=grad_clip, after_unscale=points.after_unscale)  # unscale, clip, AdamW
+    return loss
 
-        aux_loss: Callable[[torch.nn.Module], torch.Tensor | None] | None = None
-        if (stage_loss := setup.stage_loss) is not None:
-            def balance(stage: torch.nn.Module) -> torch.Tensor | None:  # an MoE stage's loss, / accumulation
-                return stage_loss(stage, micro_batches=accumulation)
 
-            aux_loss = balance
-
-        with mp.autocast():
-            loss_sum = setup.pipeline.step(inputs.to(device), labels.to(device),
-                                           num_microbatches=accumulation, loss_fn=share,
-                                           scale_loss=None if mp.scaler is None else mp.scaler.scale,
-                                           clock=clock, aux_loss=aux_loss)
-        if after_first_forward is not None:
-            after_first_forward()  # the step's forwards and backwards are done; the reduction is not
-    for i in range(0 if setup.pipeline is not None else accumulation):
-        x = inputs[i * micro : (i + 1) * micro].to(device)
-        y = labels[i * micro : (i + 1) * micro].to(device)
+def forward_backward(setup: _Setup, inputs: torch.Tensor, labels: torch.Tensor, *, accumulation: int,
+                     micro: int, points: StepPoints) -> torch.Tensor:
+    """Each micro-batch's forward, loss and backward, under ``no_sync`` but the last (chapter 03: the last
+    backward launches the bucketed all-reduces); the loss of each is its mean / ``accumulation``."""
+    loss_sum = torch.zeros((), device=inputs.device)
+    for i in range(accumulation):
+        x, y = inputs[i * micro : (i + 1) * micro], labels[i * micro : (i + 1) * micro]  # [micro, s] each
         last = i == accumulation - 1
         # no_sync must wrap the forward too: the wrapper (like DDP) reads the flag in forward
         # (chapter 03's trap). The last micro-batch's backward launches the bucket all-reduces.
-        sync = contextlib.nullcontext() if dp is None or last else dp.no_sync()
-        with sync:
-            with mp.autocast():
+        with contextlib.nullcontext() if setup.dp is None or last else setup.dp.no_sync():
+            with setup.mp.autocast():
                 logits = setup.forward(x)
-            if i == 0 and after_first_forward is not None:
-                after_first_forward()
+            if i == 0:
+                points.after_first_forward()
             # The per-rank mean over the rank's micro-batch, / accumulation; the gradients are then
             # averaged over equal-sized ranks, which gives the mean over the global batch.
             loss = setup.loss(logits, y)  # under TP: the vocab-parallel loss
-            if i == 0 and after_first_loss is not None:
-                after_first_loss(loss)
+            if i == 0:
+                points.after_first_loss(loss)
             loss = loss / accumulation
-            mp.backward(loss)
+            setup.mp.backward(loss)
         loss_sum += loss.detach()
-    if dp is not None:
-        dp.finish_gradient_synchronization()  # wait for the buckets before clipping and stepping
-    if setup.finish_gradients is not None:
-        setup.finish_gradients()  # sequence parallelism: sum the s/t-token gradients over the tp group
-    if setup.moe_step is not None:  # MoE: the step's load over dp x cp, DeepSeek-V3's bias update, figures
-        setup.moe_metrics = setup.moe_step(accumulation)
-    if before_optimizer_step is not None:
-        before_optimizer_step()
-    mp.step(setup.optimizer, grad_clip=grad_clip, params=setup.grad_params, clip_fn=setup.clip_fn,
-            after_unscale=after_unscale)
-    setup.optimizer.zero_grad(set_to_none=True)
     return loss_sum
+
+
+def pipeline_forward_backward(setup: _Setup, inputs: torch.Tensor, labels: torch.Tensor, *, accumulation: int,
+                              points: StepPoints) -> torch.Tensor:
+    """The pipeline's ``accumulation`` micro-batches through its schedule (chapter 08): one call of the
+    stages' ``step`` runs every forward and backward; an MoE stage adds its balance losses (chapter 09)."""
+    assert setup.pipeline is not None  # train_step's branch
+
+    def share(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return setup.loss(logits, y) / accumulation
+
+    aux_loss: Callable[[torch.nn.Module], torch.Tensor | None] | None = None
+    if (stage_loss := setup.stage_loss) is not None:
+        def balance(stage: torch.nn.Module) -> torch.Tensor | None:  # an MoE stage's loss, / accumulation
+            return stage_loss(stage, micro_batches=accumulation)
+
+        aux_loss = balance
+
+    mp = setup.mp
+    with mp.autocast():
+        loss_sum = setup.pipeline.step(inputs, labels, num_microbatches=accumulation, loss_fn=share,
+                                       scale_loss=None if mp.scaler is None else mp.scaler.scale,
+                                       clock=points.clock, aux_loss=aux_loss)
+    points.after_first_forward()  # the step's forwards and backwards are done; the reduction is not
+    return loss_sum
+
+
+def reduce_gradients(setup: _Setup, *, accumulation: int) -> None:
+    """What completes the gradients after the backwards: the wait for data parallelism's bucketed
+    all-reduces (chapter 03; ZeRO's reductions are its optimizer's), sequence parallelism's sum of the
+    replicated weights' ``s/t``-token gradients over the tp group (chapter 06), and for an MoE model the
+    step's expert load summed over dp x cp with DeepSeek-V3's bias update (chapter 09)."""
+    if setup.dp is not None:
+        setup.dp.finish_gradient_synchronization()
+    if setup.finish_gradients is not None:
+        setup.finish_gradients()
+    if setup.moe_step is not None:
+        setup.moe_metrics = setup.moe_step(accumulation)
+
+
+def optimizer_step(setup: _Setup, *, grad_clip: float | None, after_unscale: Callable[[], None]) -> None:
+    """The mixed-precision driver's checked step (chapter 05: unscale, skip on inf/NaN under fp16, clip the
+    global norm, AdamW), then ``zero_grad``."""
+    setup.mp.step(setup.optimizer, grad_clip=grad_clip, params=setup.grad_params, clip_fn=setup.clip_fn,
+                  after_unscale=after_unscale)
+    setup.optimizer.zero_grad(set_to_none=True)
