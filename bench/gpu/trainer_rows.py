@@ -168,13 +168,13 @@ def run_row(spec: RowSpec, precision: str, device: torch.device, work: Path) -> 
     """One trainer row (module docstring); a failure is recorded with the end of the trainer's log."""
     from refimpl.measure.throughput import device_peak_flops
     from refimpl.planner import flops_per_token
-    from refimpl.train import preflight_memory
+    from refimpl.train import preflight_memory, resolve
 
     ctx, log = _context(device), work / f"{spec.key}-{precision}.log"
     rec: dict[str, object] = {"model": spec.name, "precision": precision, "flags": " ".join(spec.flags)}
     try:
         config, options = _parse(spec, precision, ctx.backend, work)
-        plan = preflight_memory(config, options, world_size=1, ranks_per_node=1, backend=ctx.backend)
+        plan = preflight_memory(config, resolve(config, options, 1), ranks_per_node=1, backend=ctx.backend)
         rec |= {"planned_bytes": plan.total if plan else None, "plan": plan.describe() if plan else None,
                 "flops_per_token": flops_per_token(config.model, config.data.seq_len),
                 "peak_flops_bf16": device_peak_flops(device, dtype="bf16")}
