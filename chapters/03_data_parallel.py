@@ -455,9 +455,8 @@ fig = plot_overlap([t for t, _ in pulled], events_per_rank=[e for _, e in pulled
 # control changes when the bytes move, not what they add up to: the gradients must be bitwise equal.
 
 # %%
-import matplotlib.pyplot as plt  # noqa: E402
-
 from refimpl.parallel.overlap import data_parallel_overlap, time_overlap  # noqa: E402
+from refimpl.viz import plot_timed_overlap  # noqa: E402
 
 timed = time_overlap(data_parallel_overlap)  # asserts bitwise-equal gradients and a ratio <= 0.9
 if isinstance(timed, str):
@@ -465,12 +464,8 @@ if isinstance(timed, str):
 else:
     print(f"1 Gbit/s link: overlapped {timed['overlapped']:.2f} s, serialized {timed['serialized']:.2f} s "
           f"per step: {timed['ratio']:.2f} of it; gradients bitwise equal")
-    fig, ax = plt.subplots(figsize=(5, 1.8))
-    ax.barh(["serialized", "overlapped"], [timed["serialized"], timed["overlapped"]],
-            color=["tab:grey", "tab:blue"])
-    ax.set_xlabel("seconds per step (median of 5, slowest rank)")
-    ax.set_title("bucketed all-reduce vs its serialized control, 1 Gbit/s")
-    fig.tight_layout()
+    fig = plot_timed_overlap(timed, xlabel="seconds per step (median of 5, slowest rank)",
+                             title="bucketed all-reduce vs its serialized control, 1 Gbit/s")
 
 # %% [markdown]
 # ## 5. Gradient accumulation and its two traps

@@ -662,6 +662,7 @@ print("transfer time not hidden behind the same step's compute, per rank (ms):",
 
 # %%
 from refimpl.parallel.overlap import ring_overlap, time_overlap  # noqa: E402
+from refimpl.viz import plot_timed_overlap  # noqa: E402
 
 timed = time_overlap(ring_overlap)  # asserts bitwise-equal outputs and gradients and a ratio <= 0.9
 if isinstance(timed, str):
@@ -670,12 +671,8 @@ else:
     print(f"1 Gbit/s link: ring attention overlapped {timed['overlapped']:.2f} s, serialized "
           f"{timed['serialized']:.2f} s per forward and backward: {timed['ratio']:.2f} of it; outputs and "
           "gradients bitwise equal")
-    fig, ax = plt.subplots(figsize=(5, 1.8))
-    ax.barh(["serialized", "overlapped"], [timed["serialized"], timed["overlapped"]],
-            color=["tab:grey", "tab:blue"])
-    ax.set_xlabel("seconds per forward + backward (median of 5, slowest rank)")
-    ax.set_title("ring attention vs its serialized control, 1 Gbit/s")
-    fig.tight_layout()
+    fig = plot_timed_overlap(timed, xlabel="seconds per forward + backward (median of 5, slowest rank)",
+                             title="ring attention vs its serialized control, 1 Gbit/s")
 
 # %% [markdown]
 # ## 9. Training at cp = 2

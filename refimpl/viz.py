@@ -67,6 +67,18 @@ def plot_loss(
     return save_figure(fig, path)
 
 
+def plot_timed_overlap(timed: Mapping[str, float], *, title: str, xlabel: str,
+                       path: str | os.PathLike | None = None):
+    """One overlap measurement as two bars, its serialized control above the overlapped run
+    (``timed``: ``refimpl.parallel.overlap.time_overlap``'s result; chapters 03 and 07)."""
+    fig, ax = plt.subplots(figsize=(5, 1.8))
+    ax.barh(["serialized", "overlapped"], [timed["serialized"], timed["overlapped"]],
+            color=["tab:grey", "tab:blue"])
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    return save_figure(fig, path)
+
+
 def plot_bars(
     groups: dict[str, dict[str, float]],
     *,
