@@ -853,10 +853,9 @@ def train(dims_or_groups, *, sp=False, micro=1, sum_sp_grads=True):
             loss_sum += loss.detach()
         if par.sync is not None:
             par.sync.finish_gradient_synchronization()  # the data-parallel average
-        if opt.finish_gradients is not None and sum_sp_grads:
+        if sum_sp_grads:
             opt.finish_gradients()  # SP: the layer norms' gradients summed over the tp pair
-        par.mp.step(opt.optimizer, grad_clip=optim_cfg.grad_clip, params=opt.grad_params, clip_fn=opt.clip_fn)
-        opt.optimizer.zero_grad(set_to_none=True)
+        opt.step(par.mp, grad_clip=optim_cfg.grad_clip)  # clip by the layout's norm, AdamW, zero_grad
         if par.group is not None:
             ops.all_reduce(loss_sum, group=par.group)  # the mean over the replicas' halves
             loss_sum /= dp_size

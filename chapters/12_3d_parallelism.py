@@ -251,7 +251,7 @@ def run_3d(name, *flags, skip_dp_average=False):
     if skip_dp_average:  # the bug: no rank averages its gradients over dp (ZeRO-0 and ZeRO-1 alike)
         def build_without_average(*a, **k):
             setup = build(*a, **k)
-            setup.finish_gradients = None
+            setup.optim = dataclasses.replace(setup.optim, finish=None)
             return setup
         loop.build_setup = build_without_average
         sharded_optimizer.reduce_scatter_mean = own_rows_unreduced
@@ -314,9 +314,11 @@ fig.tight_layout()
 #
 # Every run above went through one function, `refimpl.train.step.train_step`: the optimizer step of any
 # layout, as nanoGPT's `train.py` writes it for one device. It branches once, for the pipeline, and calls
-# four things in order; what a layout changes lives inside `setup` (`build_setup`: the wrapper the batch
-# goes through, the vocabulary-parallel loss, the reductions, the clipping norm over shards, the sharded
-# optimizer), and the layout itself was resolved once, before the process group existed
+# four things in order; what a layout changes lives inside `setup`'s three owners (`build_setup`:
+# `setup.parallel`, what `parallelize` made: the wrapper the batch goes through, the vocabulary-parallel
+# loss, the batch split; `setup.optim`, the optimizer built for the layout: the reductions that complete
+# the gradients, the clipping norm over shards, the sharded optimizer; `setup.experts` for an MoE model),
+# and the layout itself was resolved once, before the process group existed
 # (`refimpl.train.layout.resolve`: the degrees against the world size, the shapes, the batch split).
 
 # %%
@@ -355,7 +357,7 @@ def replicas_agree(tensors):
     """Whether this rank's tensors equal its data-parallel partner's, bit for bit."""
     flat = torch.cat([t.detach().flatten() for t in tensors])
     gathered = [torch.empty_like(flat) for _ in range(layout.dims.dp)]
-    dist.all_gather(gathered, flat, group=setup.group)
+    dist.all_gather(gathered, flat, group=setup.parallel.group)
     return all(torch.equal(gathered[0], g) for g in gathered[1:])
 
 

@@ -38,7 +38,7 @@ from refimpl.parallel.declarations import moe_layers
 if TYPE_CHECKING:
     from refimpl.parallel.expert_parallel import MoE
 
-__all__ = ["MoECounters", "finish_step", "record_micro_batch"]
+__all__ = ["ExpertLoad", "MoECounters", "finish_step", "record_micro_batch"]
 
 
 @dataclass(kw_only=True)
@@ -149,3 +149,24 @@ def finish_step(model: nn.Module, group: dist.ProcessGroup | None, *, micro_batc
             "moe_tokens_per_expert_max": float(most),
             "moe_tokens_per_expert_mean": load / elements,
             "moe_dropped_fraction": dropped / assignments}
+
+
+@dataclass(kw_only=True)
+class ExpertLoad:
+    """An MoE run's once-per-step balance (chapter 09), what ``finish_step`` needs bound once: the model
+    (under pipeline parallelism this rank's stages), the ``dp x cp`` group, the device, the ``pp`` group
+    and sequence parallelism's tp group (None: none). ``figures``: the last step's (metrics.jsonl)."""
+
+    model: nn.Module
+    group: dist.ProcessGroup | None
+    device: torch.device
+    pp_group: dist.ProcessGroup | None = None
+    sp_group: dist.ProcessGroup | None = None
+    figures: dict[str, float] | None = None
+
+    def finish_step(self, micro_batches: int) -> dict[str, float] | None:
+        """``finish_step`` over the step's ``micro_batches``: the load summed, the biases moved, the
+        figures kept in ``figures`` and returned."""
+        self.figures = finish_step(self.model, self.group, micro_batches=micro_batches, device=self.device,
+                                   pp_group=self.pp_group, sp_group=self.sp_group)
+        return self.figures

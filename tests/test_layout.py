@@ -6,7 +6,8 @@
   survivors and the micro-batches twice each (the preflight, then ``train``, then the setup): the counts
   below fail there;
 - what ``resolve`` returns at a 3-D layout and after an elastic restart with fewer ranks;
-- ``train`` takes the options or their resolved layout, not both.
+- ``train`` takes the options or their resolved layout, not both, and refuses a layout resolved for
+  another world size.
 """
 
 from __future__ import annotations
@@ -82,3 +83,10 @@ def test_train_takes_the_options_or_the_layout_not_both():
     ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     with pytest.raises(TypeError, match="not both"):
         train(config, ctx, options, layout=resolve(config, options, 1))
+
+
+def test_train_refuses_a_layout_resolved_for_another_world():
+    config = _config()
+    ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    with pytest.raises(ValueError, match="for 2 ranks, this run has 1"):
+        train(config, ctx, layout=resolve(config, RunOptions(), 2))

@@ -44,7 +44,7 @@ from refimpl.distributed.host_syncs import HostSyncCounter
 from refimpl.distributed.placement import Box
 from refimpl.models import GPT, MLP, lm_loss
 from refimpl.models.moe import MoEMLP, moe_aux_loss, moe_blocks, sequence_balance_loss
-from refimpl.moe_balance import finish_step, record_micro_batch
+from refimpl.moe_balance import ExpertLoad, finish_step, record_micro_batch
 from refimpl.parallel.activation_checkpoint import apply_activation_checkpointing
 from refimpl.parallel.expert_parallel import load_balancing_loss
 from refimpl.parallel.parallelize import parallelize
@@ -166,8 +166,10 @@ def _step_gradients(micro: int, *, broken: str | None = None) -> dict[str, torch
     opt = par.build_optimizer(OptimConfig(grad_clip=None))
     got: dict = {}
 
+    plain = par.loss
+
     def loss(logits, labels):
-        out = par.loss(logits, labels)
+        out = plain(logits, labels)
         if broken == "undivided":
             out = out + (accumulation - 1) * moe_aux_loss(model)  # / accumulation afterwards: undivided
         elif broken == "per-forward":
@@ -175,15 +177,15 @@ def _step_gradients(micro: int, *, broken: str | None = None) -> dict[str, torch
         return out
 
     accumulation = 4 // micro
-    setup = _Setup(model=model, forward=par.forward, state_module=model, optimizer=opt.optimizer, mp=par.mp,
-                   loss=loss, moe_step=lambda m: finish_step(model, None, micro_batches=m, device=CPU))
+    par.loss = loss  # the variant under test
+    setup = _Setup(parallel=par, optim=opt, experts=ExpertLoad(model=model, group=None, device=CPU))
     ids = _ids(4, 16, seed=6)
     def keep_gradients() -> None:
         got.update({n: p.grad.clone() for n, p in model.named_parameters()})
 
     train_step(setup, ids[:, :-1], ids[:, 1:], accumulation=accumulation, micro=micro, grad_clip=None,
                points=StepPoints(before_optimizer_step=keep_gradients))
-    got["figures"] = setup.moe_metrics
+    got["figures"] = setup.experts.figures
     return got
 
 

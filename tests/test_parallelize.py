@@ -136,7 +136,7 @@ def _worker(ctx) -> dict:
     opt = par.build_optimizer(OptimConfig())
     result["pp"] = {"applied": par.applied, "group_ranks": _ranks(par.group),
                     "model": type(par.model).__name__, "stages": par.pipeline.stage_ids,
-                    "sync": par.sync, "finish": opt.finish_gradients is not None,
+                    "sync": par.sync, "finish": opt.finish is not None,
                     "params": sorted(par.pipeline.local_shards())}
     # refusals: pp with tp or cp, before the model is touched (no block checkpointed)
     result["refused"] = {}
@@ -166,8 +166,9 @@ def _worker(ctx) -> dict:
     for stage in (0, 1, 3):
         options = RunOptions(parallel=ParallelConfig(zero_stage=stage))
         setup = build_setup(config, ctx, resolve(config, options, ctx.world_size), groups)
-        holder = setup.dp if stage == 0 else setup.optimizer if stage == 1 else setup.state_module
-        result["setup"][stage] = (type(holder).__name__, holder.group is dp_cp and setup.group is dp_cp)
+        holder = setup.parallel.sync if stage == 0 else setup.optimizer if stage == 1 else setup.state_module
+        result["setup"][stage] = (type(holder).__name__,
+                                  holder.group is dp_cp and setup.parallel.group is dp_cp)
     return result
 
 

@@ -264,8 +264,7 @@ def _step(ctx, degrees: dict, options: dict, model_cls: type[DeclaredLM]) -> dic
         loss = loss.detach()
     if par.sync is not None:
         par.sync.finish_gradient_synchronization()
-    if opt.finish_gradients is not None:
-        opt.finish_gradients()
+    opt.finish_gradients()
     seen: dict = {}
 
     def probe() -> None:  # the trainer's gradient probe (refimpl.train.gradients), copied before clipping
@@ -278,9 +277,7 @@ def _step(ctx, degrees: dict, options: dict, model_cls: type[DeclaredLM]) -> dic
             norm = torch.nn.utils.get_total_norm([p.grad for p in opt.grad_params if p.grad is not None])
         seen["norm"] = float(norm)  # max_norm inf: the gradients x 1, unchanged
 
-    mp.step(opt.optimizer, grad_clip=OPTIM.grad_clip, params=opt.grad_params, clip_fn=opt.clip_fn,
-            after_unscale=probe)
-    opt.optimizer.zero_grad(set_to_none=True)
+    opt.step(mp, grad_clip=OPTIM.grad_clip, after_unscale=probe)  # unscale, clip, AdamW, zero_grad
     mean = loss.detach().clone()
     if par.group is not None:  # the dp x cp ranks' equal shares of the global batch
         dist.all_reduce(mean, group=par.group)

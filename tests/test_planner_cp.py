@@ -147,12 +147,12 @@ def _trainer_run(ctx, options: dict) -> dict:
     ids = torch.randint(0, 256, (B, S + 1), generator=g)
     twin = RunOptions(parallel=ParallelConfig(**{**options, "zero_stage": min(run.parallel.zero_stage, 2)}))
     setup = build_setup(config, ctx, resolve(config, twin, ctx.world_size), groups)
-    x, y = setup.split_batch(ids[:, :-1]), setup.split_batch(ids[:, 1:])
+    x, y = setup.parallel.split_batch(ids[:, :-1]), setup.parallel.split_batch(ids[:, 1:])
 
     def forward() -> torch.Tensor:
         with setup.mp.autocast():
             logits = setup.forward(x)
-        return setup.loss(logits, y)
+        return setup.parallel.loss(logits, y)
 
     report = measure_saved_activations(setup.model, forward)
     layout = resolve(config, run, ctx.world_size)

@@ -140,22 +140,22 @@ def _dp_cp_for_experts(step: int, setup) -> None:
     """The negative control: the experts' placements say dp_cp, so their gradients are averaged over the dp
     x cp ranks (which hold other experts) instead of summed over edp and divided by dp x cp."""
     if step == 0:
-        for name, p in setup.placements.items():
+        for name, p in setup.parallel.placements.items():
             if "expert_dp" in p.reduce_over:
-                setup.placements[name] = replace(p, reduce_over=("dp_cp",))
+                setup.parallel.placements[name] = replace(p, reduce_over=("dp_cp",))
 
 
 def _first_stage_loss_dropped(step: int, setup) -> None:
     """The pipeline's negative control: stage 0's balance loss counted but not backpropagated (as if only
     the last stage's loss reached backward)."""
     if step == 0:
-        full = setup.stage_loss
+        full = setup.parallel.stage_balance_loss
 
         def last_only(stage, *, micro_batches):
             aux = full(stage, micro_batches=micro_batches)
             return aux if aux is None or stage.is_last else aux.detach().requires_grad_()
 
-        setup.stage_loss = last_only
+        setup.parallel.stage_balance_loss = last_only
 
 
 def _counts_not_summed_over_cp(step: int, setup) -> None:

@@ -78,18 +78,18 @@ def files(tmp_path_factory, corpus) -> dict:
 
 
 def _record_first_norm(norms: list) -> Callable:
-    """A ``before_step`` hook: wraps the run's sharded clipping (``setup.clip_fn``, None where every
+    """A ``before_step`` hook: wraps the run's sharded clipping (``setup.optim.clip_fn``, None where every
     gradient is whole on its rank and torch's ``clip_grad_norm_`` runs) so that the norm it clips the
     first step by lands in ``norms``."""
     def before_step(step: int, setup) -> None:
-        clip = setup.clip_fn
-        if step == 0 and clip is not None:
+        optim = setup.optim
+        if step == 0 and optim.clip_fn is not None:
             def recording(params):
-                norm = clip(params)
+                norm = optim.clip_fn(params)
                 norms.append(float(norm))
-                setup.clip_fn = clip  # once
+                setup.optim = optim  # once
                 return norm
-            setup.clip_fn = recording
+            setup.optim = dataclasses.replace(optim, clip_fn=recording)
     return before_step
 
 

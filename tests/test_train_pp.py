@@ -14,6 +14,7 @@ stage hold the same bits, and without the average (the negative control) they do
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -109,7 +110,7 @@ def _replicas_agree(ctx, files: dict, *, average: bool) -> bool:
     groups = dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
     setup = build_setup(config, ctx, resolve(config, options, ctx.world_size), groups)
     if not average:
-        setup.finish_gradients = None  # the bug: this rank never averages over dp
+        setup.optim = replace(setup.optim, finish=None)  # the bug: this rank never averages over dp
     g = torch.Generator().manual_seed(1 + dims.coordinates(ctx.rank).dp)  # each dp rank its own batch
     tokens = torch.randint(0, 256, (2, 17), generator=g)
     train_step(setup, tokens[:, :-1], tokens[:, 1:], accumulation=2, micro=1,
@@ -132,12 +133,11 @@ def _gradient_norm(ctx, files: dict, flags: list[str]) -> tuple[float, dict]:
     g = torch.Generator().manual_seed(1 + dims.coordinates(ctx.rank).dp)  # each dp rank its own batch
     tokens = torch.randint(0, 256, (2 * m, 17), generator=g)
     setup.pipeline.step(tokens[:, :-1], tokens[:, 1:], num_microbatches=m,
-                        loss_fn=lambda logits, y: setup.loss(logits, y) / m)
-    if setup.finish_gradients is not None:
-        setup.finish_gradients()
+                        loss_fn=lambda logits, y: setup.parallel.loss(logits, y) / m)
+    setup.optim.finish_gradients()
     grads: dict = {}
     first_step_gradients(grads)(0, gradient_shards(setup))
-    return float(setup.clip_fn(setup.grad_params)), grads
+    return float(setup.optim.clip_fn(setup.optim.grad_params)), grads
 
 
 def _worker(ctx, files: dict) -> dict:

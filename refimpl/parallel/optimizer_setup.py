@@ -36,7 +36,7 @@ from torch import nn
 from refimpl.config import OptimConfig
 from refimpl.optim import adamw_foreach, build_optimizer, param_groups
 from refimpl.parallel.placements import HeldGradient, Placement, clip_grad_norm_, reduce_gradients
-from refimpl.precision import MixedPrecisionPolicy
+from refimpl.precision import MixedPrecision, MixedPrecisionPolicy
 
 if TYPE_CHECKING:
     from refimpl.parallel.zero import ShardedOptimizer
@@ -44,16 +44,33 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerSetup:
-    """The optimizer and what the checked step needs: the gradients this rank checks (``grad_params``,
-    e.g. its ZeRO shards), a clipping function over them (None: ``clip_grad_norm_``), what runs after the
-    data-parallel reduction (``finish_gradients``) and the held gradients with their placements
-    (``held_gradients()``, after the step's reductions)."""
+    """The optimizer and what the checked step needs, built for one layout: the gradients this rank checks
+    (``grad_params``, e.g. its ZeRO shards), a clipping function over them (``clip_fn``; None:
+    ``torch.nn.utils.clip_grad_norm_``), what completes the gradients after the data-parallel reduction
+    (``finish``; None: nothing) and the held gradients with their placements (``held_gradients()``, after
+    the step's reductions). A step calls ``finish_gradients()`` then ``step(mp, grad_clip=...)``."""
 
     optimizer: torch.optim.Optimizer
     grad_params: list[torch.Tensor]
     clip_fn: Callable[[list[torch.Tensor]], object] | None = None
-    finish_gradients: Callable[[], None] | None = None
+    finish: Callable[[], None] | None = None
     held_gradients: Callable[[], list[HeldGradient]] | None = None
+
+    def finish_gradients(self) -> None:
+        """What completes the gradients after the data-parallel reduction (ZeRO-1's reduce-scatter, the
+        pipeline's once-per-step average, the experts' sum, sequence parallelism's sum over tp; the module
+        docstring); nothing where the layout needs none."""
+        if self.finish is not None:
+            self.finish()
+
+    def step(self, mp: MixedPrecision, *, grad_clip: float | None,
+             after_unscale: Callable[[], None] | None = None) -> bool:
+        """The mixed-precision driver's checked step over ``grad_params`` (chapter 05: unscale, skip on
+        inf/NaN under fp16, clip by this layout's norm, AdamW), then ``zero_grad``; False when skipped."""
+        stepped = mp.step(self.optimizer, grad_clip=grad_clip, params=self.grad_params, clip_fn=self.clip_fn,
+                          after_unscale=after_unscale)
+        self.optimizer.zero_grad(set_to_none=True)
+        return stepped
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,7 +172,7 @@ def build_optimizer_setup(inputs: OptimizerInputs, config: OptimConfig) -> Optim
 
         clip_fn = clip
     return OptimizerSetup(optimizer=optimizer, grad_params=grad_params, clip_fn=clip_fn,
-                          finish_gradients=finish if (inputs.average_in_finish or sp or experts or zero == 1)
+                          finish=finish if (inputs.average_in_finish or sp or experts or zero == 1)
                           else None,
                           held_gradients=held)
 

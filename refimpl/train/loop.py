@@ -40,7 +40,7 @@ from refimpl.train.preflight import check_fits
 from refimpl.train.probes import RunProbes
 from refimpl.train.resume import Resumed, resume
 from refimpl.train.setup import _sampling_model, _Setup, build_setup
-from refimpl.train.step import StepPoints, _nothing, train_step
+from refimpl.train.step import StepPoints, train_step
 
 SIGTERM_EXIT = 143  # 128 + SIGTERM: "stopped, not finished" for schedulers and torchrun
 
@@ -58,11 +58,6 @@ def _call(point: Callable[..., None] | None, *args) -> None:
     """A hook point (``refimpl.train.hooks``) called with ``args``, when some hook has it."""
     if point is not None:
         point(*args)
-
-
-def _bound(point: Callable[..., None] | None, *args) -> Callable[..., None]:
-    """A hook point bound to ``args`` (``step, setup``), a point of ``train_step``; a no-op without it."""
-    return _nothing if point is None else partial(point, *args)
 
 
 def _pipeline_idle(setup) -> float:
@@ -104,6 +99,10 @@ def train(config: TrainConfig, ctx: DistributedContext, options: RunOptions | No
     if layout is None:
         layout = resolve(config, options or RunOptions(), ctx.world_size,
                          restart_count=elastic.restart_count())
+    elif layout.dims.world_size != ctx.world_size:
+        raise ValueError(f"the layout {layout.dims.describe()} is for {layout.dims.world_size} ranks, "
+                         f"this run has {ctx.world_size}: resolve it for this world "
+                         "(refimpl.train.layout.resolve)")
     if layout.shrunk:
         log0(ctx, layout.shrunk)
     options, dims = layout.options, layout.dims  # pp x dp x cp x tp, tp innermost (refimpl.distributed.mesh)
@@ -161,10 +160,10 @@ def _run_steps(config: TrainConfig, ctx: DistributedContext, layout: Layout, set
             inputs, labels = _step_batch(step, ctx, setup, batches, dp=coords.dp, dp_size=dims.dp)
             loss_sum = _train_step_at(step, config, setup, inputs, labels, hooks=hooks,
                                       accumulation=accumulation, micro=micro)
-            if setup.group is not None and dims.dp * dims.cp > 1:
+            if setup.parallel.group is not None and dims.dp * dims.cp > 1:
                 # The mean over the dp x cp ranks (equal token counts), the group the gradients were
                 # averaged over; the ranks of one tp group hold the same loss already.
-                ops.all_reduce(loss_sum, group=setup.group)
+                ops.all_reduce(loss_sum, group=setup.parallel.group)
                 loss_sum /= dims.dp * dims.cp
             sent = {axis_of.get(g, "other"): b for g, b in tracer.bytes_sent_by_group().items()}
             record = _step_record(step, loss_sum, lr, meter, ctx, setup, sent=sent, begin=begin,
@@ -222,7 +221,7 @@ def _step_batch(step: int, ctx: DistributedContext, setup: _Setup, batches: Shar
     inputs, labels = batches.batch(step, dp, dp_size)  # [B/dp, s] each: this dp rank's shard
     # context parallelism: this cp rank's part of each sequence, [B/dp, s/cp] (the layout of its
     # attention); the tp ranks of a replica take the same part; on the device once, pinned
-    inputs, labels = (to_device(setup.split_batch(t), ctx.device) for t in (inputs, labels))
+    inputs, labels = (to_device(setup.parallel.split_batch(t), ctx.device) for t in (inputs, labels))
     return inputs, labels
 
 
@@ -236,10 +235,10 @@ def _train_step_at(step: int, config: TrainConfig, setup: _Setup, inputs: torch.
             hooks.gradient_probe(step, gradient_shards(setup))
         _call(hooks.after_gradient_probe, step, setup)
 
-    points = StepPoints(after_first_forward=_bound(hooks.after_first_forward, step, setup),
-                        after_first_loss=_bound(hooks.after_first_loss, step, setup),
-                        before_optimizer_step=_bound(hooks.before_optimizer_step, step, setup),
-                        after_unscale=gradients_unscaled, clock=hooks.clock)
+    bound = {name: partial(point, step, setup)  # the hooks' points of train_step, bound to the step
+             for name in ("after_first_forward", "after_first_loss", "before_optimizer_step")
+             if (point := getattr(hooks, name)) is not None}
+    points = StepPoints(**bound, after_unscale=gradients_unscaled, clock=hooks.clock)
     with hooks.around_step(step, setup) if hooks.around_step is not None else nullcontext():
         return train_step(setup, inputs, labels, accumulation=accumulation, micro=micro,
                           grad_clip=config.optim.grad_clip, points=points)
@@ -264,9 +263,10 @@ def _step_record(step: int, loss_sum: torch.Tensor, lr: float, meter: Throughput
         record["pipeline_idle"] = bubble  # measured: the idle share of the pp ranks in this step
     if setup.mp.scaler is not None:
         record["loss_scale"] = setup.mp.scale
-    if setup.moe_metrics is not None:  # MoE: the balance loss (in "loss"), load, drops (chapter 09)
-        record |= setup.moe_metrics
-        record["lm_loss"] = loss_value - setup.moe_metrics["moe_aux_loss"]
+    figures = None if setup.experts is None else setup.experts.figures
+    if figures is not None:  # MoE: the balance loss (in "loss"), load, drops (chapter 09)
+        record |= figures
+        record["lm_loss"] = loss_value - figures["moe_aux_loss"]
     return record
 
 

@@ -79,14 +79,15 @@ def forward_backward(setup: _Setup, inputs: torch.Tensor, labels: torch.Tensor, 
         last = i == accumulation - 1
         # no_sync must wrap the forward too: the wrapper (like DDP) reads the flag in forward
         # (chapter 03's trap). The last micro-batch's backward launches the bucket all-reduces.
-        with contextlib.nullcontext() if setup.dp is None or last else setup.dp.no_sync():
+        sync = setup.parallel.sync  # ZeRO-0 over several ranks: the bucketed wrapper, else None
+        with contextlib.nullcontext() if sync is None or last else sync.no_sync():
             with setup.mp.autocast():
                 logits = setup.forward(x)
             if i == 0:
                 points.after_first_forward()
             # The per-rank mean over the rank's micro-batch, / accumulation; the gradients are then
             # averaged over equal-sized ranks, which gives the mean over the global batch.
-            loss = setup.loss(logits, y)  # under TP: the vocab-parallel loss
+            loss = setup.parallel.loss(logits, y)  # under TP: the vocab-parallel loss
             if i == 0:
                 points.after_first_loss(loss)
             loss = loss / accumulation
@@ -102,20 +103,17 @@ def pipeline_forward_backward(setup: _Setup, inputs: torch.Tensor, labels: torch
     assert setup.pipeline is not None  # train_step's branch
 
     def share(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return setup.loss(logits, y) / accumulation
+        return setup.parallel.loss(logits, y) / accumulation
 
-    aux_loss: Callable[[torch.nn.Module], torch.Tensor | None] | None = None
-    if (stage_loss := setup.stage_loss) is not None:
-        def balance(stage: torch.nn.Module) -> torch.Tensor | None:  # an MoE stage's loss, / accumulation
-            return stage_loss(stage, micro_batches=accumulation)
-
-        aux_loss = balance
+    def balance(stage: torch.nn.Module) -> torch.Tensor | None:  # an MoE stage's own loss, / accumulation
+        return setup.parallel.stage_balance_loss(stage, micro_batches=accumulation)
 
     mp = setup.mp
     with mp.autocast():
         loss_sum = setup.pipeline.step(inputs, labels, num_microbatches=accumulation, loss_fn=share,
                                        scale_loss=None if mp.scaler is None else mp.scaler.scale,
-                                       clock=points.clock, aux_loss=aux_loss)
+                                       clock=points.clock,
+                                       aux_loss=None if setup.experts is None else balance)
     points.after_first_forward()  # the step's forwards and backwards are done; the reduction is not
     return loss_sum
 
@@ -125,17 +123,14 @@ def reduce_gradients(setup: _Setup, *, accumulation: int) -> None:
     all-reduces (chapter 03; ZeRO's reductions are its optimizer's), sequence parallelism's sum of the
     replicated weights' ``s/t``-token gradients over the tp group (chapter 06), and for an MoE model the
     step's expert load summed over dp x cp with DeepSeek-V3's bias update (chapter 09)."""
-    if setup.dp is not None:
-        setup.dp.finish_gradient_synchronization()
-    if setup.finish_gradients is not None:
-        setup.finish_gradients()
-    if setup.moe_step is not None:
-        setup.moe_metrics = setup.moe_step(accumulation)
+    if setup.parallel.sync is not None:
+        setup.parallel.sync.finish_gradient_synchronization()
+    setup.optim.finish_gradients()  # nothing where the layout needs nothing more
+    if setup.experts is not None:
+        setup.experts.finish_step(accumulation)  # its figures: setup.experts.figures
 
 
 def optimizer_step(setup: _Setup, *, grad_clip: float | None, after_unscale: Callable[[], None]) -> None:
     """The mixed-precision driver's checked step (chapter 05: unscale, skip on inf/NaN under fp16, clip the
     global norm, AdamW), then ``zero_grad``."""
-    setup.mp.step(setup.optimizer, grad_clip=grad_clip, params=setup.grad_params, clip_fn=setup.clip_fn,
-                  after_unscale=after_unscale)
-    setup.optimizer.zero_grad(set_to_none=True)
+    setup.optim.step(setup.mp, grad_clip=grad_clip, after_unscale=after_unscale)
