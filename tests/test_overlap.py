@@ -66,7 +66,7 @@ from refimpl.parallel.overlap import (
     time_overlap,
     zero3_overlap,
 )
-from refimpl.planner.step_time import layer_stack_step
+from refimpl.planner.step_time import layer_stack_step, prediction_error
 
 WHY = shaped_link_unavailable()
 
@@ -99,8 +99,7 @@ def _predict(layout: tuple[str, int], timed: dict) -> dict:
 
 def _prediction_missed(layout: tuple[str, int], timed: dict) -> str | None:
     """Why the prediction of ``timed`` misses (a variant more than ``TOLERANCE`` off its median), or None."""
-    predicted = _predict(layout, timed)
-    error = {k: round(predicted[k].seconds / timed[k] - 1, 3) for k in ("overlapped", "serialized")}
+    error = prediction_error(_predict(layout, timed), timed)
     return None if all(abs(e) <= TOLERANCE for e in error.values()) else f"predicted off by {error}"
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from refimpl.comm.tracer import wire_bytes
 
 __all__ = ["WIRE_OP", "Collective", "Compute", "StepTime", "data_parallel_program", "layer_stack_step",
-           "link_seconds", "schedule", "zero3_program"]
+           "link_seconds", "prediction_error", "schedule", "zero3_program"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,3 +188,8 @@ def layer_stack_step(layout: str, *, layers: int, width: int, compute_s: float, 
         return {"overlapped": schedule(zero3_program(**terms, prefetch=True)),
                 "serialized": schedule(zero3_program(**terms, prefetch=False))}
     raise ValueError(f"layout {layout!r}: 'dp' or 'zero3'")
+
+
+def prediction_error(predicted: dict[str, StepTime], measured: dict[str, float]) -> dict[str, float]:
+    """Each predicted variant's relative error against its measured seconds: ``predicted / measured - 1``."""
+    return {k: predicted[k].seconds / measured[k] - 1 for k in predicted}
