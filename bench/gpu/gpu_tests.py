@@ -22,9 +22,10 @@ TIER = re.compile(r"^GPU\s*=\s*\{([^}]*)\}", re.M)
 
 
 def gpu_test_files(root: Path) -> list[str]:
-    """The test modules that carry the ``gpu`` marker (module docstring), relative to ``root``."""
+    """The test modules under tests/ (at any depth) that carry the ``gpu`` marker (module docstring),
+    relative to ``root``."""
     tests = root / "tests"
-    found = {p for p in tests.glob("test_*.py") if MARK.search(p.read_text(encoding="utf-8"))}
+    found = {p for p in tests.rglob("test_*.py") if MARK.search(p.read_text(encoding="utf-8"))}
     conftest = tests / "conftest.py"
     tier = TIER.search(conftest.read_text(encoding="utf-8")) if conftest.exists() else None
     if tier:

@@ -1,0 +1,125 @@
+"""tests/conftest.py: the tiers' markers, given by folder, cover every module that starts a process; the
+timeout scale; tools/run_tests.py's lanes."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FOLDER_MARKERS, TIERS, folder_markers, scaled_timeout, tier_folders, timeout_scale
+
+TESTS = Path(__file__).resolve().parents[1]
+MODULES = sorted(TESTS.rglob("test_*.py"))
+# what starts a process: the rank launcher, a child Python, torchrun, ipyparallel's engines
+STARTS = re.compile(r"run_ranks|subprocess|Popen|sys\.executable|torchrun|ipyparallel|start_ranks")
+
+
+def unmarked_starters(sources: dict[Path, str]) -> list[str]:
+    """The modules whose source can start a process but which lie in no ``spawn`` or ``subprocess`` folder."""
+    return sorted(p.name for p, text in sources.items()
+                  if STARTS.search(text) and not folder_markers(p) & {"spawn", "subprocess"})
+
+
+def test_every_module_that_starts_a_process_is_out_of_the_unit_tier():
+    sources = {p: p.read_text() for p in MODULES if p != Path(__file__).resolve()}
+    assert len(sources) > 80  # control: the walk found the suite
+    assert unmarked_starters(sources) == []
+    # negative control: a new module that calls run_ranks outside a ranks/ folder is caught
+    assert unmarked_starters({TESTS / "unit" / "test_new.py": "from refimpl.launch import run_ranks"}) == [
+        "test_new.py"]
+
+
+def test_the_folders_give_the_markers():
+    assert folder_markers(TESTS / "unit" / "parallel" / "test_new.py") == set()
+    assert folder_markers(TESTS / "ranks" / "test_new.py") == {"spawn"}
+    assert folder_markers(TESTS / "trainer" / "ranks" / "cli" / "lane2" / "test_new.py") == {
+        "spawn", "subprocess", "lane2"}
+    assert folder_markers(TESTS / "course" / "browser" / "serial" / "test_new.py") == {
+        "browser", "subprocess", "serial"}
+    assert folder_markers(TESTS.parent / "chapters" / "ranks" / "x.py") == set()  # outside tests/: none
+    assert set(TIERS) == {m for markers in FOLDER_MARKERS.values() for m in markers}
+
+
+def test_every_tier_folder_holds_a_module_and_every_folder_is_a_package():
+    """A tier folder left empty (its modules moved away) would go unnoticed; a folder without
+    ``__init__.py`` would make its modules' names (``tests.ranks.test_comm``) unimportable by others."""
+    for tier in TIERS:
+        for folder in tier_folders(tier):
+            assert any(folder.rglob("test_*.py")), folder
+    folders = {p.parent for p in TESTS.rglob("*.py")}
+    assert all((folder / "__init__.py").exists() for folder in folders), sorted(
+        str(f) for f in folders if not (f / "__init__.py").exists())
+
+
+def test_timeout_scale(monkeypatch):
+    monkeypatch.delenv("REFIMPL_TEST_TIMEOUT_SCALE", raising=False)
+    assert timeout_scale() == 1
+    monkeypatch.setenv("REFIMPL_TEST_TIMEOUT_SCALE", "2.5")
+    assert timeout_scale() == 2.5
+    for bad in ("0", "-1", "fast", "nan"):
+        monkeypatch.setenv("REFIMPL_TEST_TIMEOUT_SCALE", bad)
+        with pytest.raises(pytest.UsageError, match="positive number"):
+            timeout_scale()
+
+
+def test_scaled_timeout_takes_the_tests_own_limit_else_the_default():
+    assert scaled_timeout(pytest.mark.timeout(120).mark, 300, 2) == 240
+    assert scaled_timeout(pytest.mark.timeout(timeout=10).mark, 300, 3) == 30
+    assert scaled_timeout(None, 300, 2) == 600
+    assert scaled_timeout(None, 0, 2) == 0  # no limit stays no limit
+
+
+def _run_tests_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_tests", TESTS.parent / "tools" / "run_tests.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_two_lanes_split_the_selection_and_an_empty_lane_is_no_failure():
+    run_tests = _run_tests_module()
+    first, second = run_tests.lane_commands("numerics", ["tests/ranks/lane2/test_zero.py"])
+    selections = [" ".join(c) for c in (*first, *second)]
+    assert [s.split(" -m pytest -q ")[1] for s in selections] == [
+        "-m (numerics) and not serial and not lane2 tests/ranks/lane2/test_zero.py",
+        "-m (numerics) and serial tests/ranks/lane2/test_zero.py",
+        "-m (numerics) and not serial and lane2 tests/ranks/lane2/test_zero.py"]
+    serial, lane2 = run_tests.lane_commands(None, [])[1]
+    assert serial[3:6] == ["-q", "-m", "serial"] and lane2[3:6] == ["-q", "-m", "not serial and lane2"]
+    chapters = str(TESTS / "course" / "chapters" / "test_chapters.py")  # only their folders collected
+    assert serial[6:] == [*map(str, tier_folders("serial")), chapters]
+    assert lane2[6:] == [*map(str, tier_folders("lane2")), chapters]
+    assert all(Path(f).exists() for f in serial[6:] + lane2[6:])
+    assert run_tests.combined_status([0, 5]) == 0 and run_tests.combined_status([5, 0]) == 0
+    assert run_tests.combined_status([5, 5]) == 5  # nothing selected anywhere is not a pass
+    assert run_tests.combined_status([1, 0]) == 1 and run_tests.combined_status([0, 2]) == 2
+
+
+def test_only_the_folders_and_the_chapters_give_the_lane_markers():
+    """The second lane collects only its tiers' folders (tools/run_tests.py, ``tier_files``): a module that
+    marked its own tests ``serial`` or ``lane2`` would not be collected there, nor run in the first lane."""
+    own = [p.name for p in MODULES if p.name not in ("test_chapters.py", "test_tiers.py")
+           and re.search(r"mark\.(serial|lane2)\b", p.read_text())]
+    assert not own, f"move the module to a serial/ or lane2/ folder (tests/conftest.py), not {own}"
+
+
+def test_the_lanes_cover_every_test_once():
+    """Each test falls in exactly one of the three selections, whatever its markers."""
+    run_tests = _run_tests_module()
+    selections = [c[c.index("-q") + 2] for lane in run_tests.lane_commands(None, []) for c in lane]
+    for serial in (False, True):
+        for lane2 in (False, True):
+            env = {"serial": serial, "lane2": lane2}
+            chosen = [s for s in selections if eval(s, {}, env)]
+            assert len(chosen) == 1, (env, chosen)
+
+
+def test_lane2_names_chapters_that_exist_and_none_is_serial():
+    from tests.course.chapters.test_chapters import CHAPTERS, LANE2
+    from tests.course.chapters.test_chapters import SERIAL as SERIAL_CHAPTERS
+
+    assert LANE2 <= {p.stem for p in CHAPTERS} and not LANE2 & SERIAL_CHAPTERS
