@@ -28,6 +28,10 @@ unit tier is what surely starts nothing.
 limits were measured on. Limits inside a test (a rank's collective timeout, ``run_ranks``' own bound) are
 the test's measured design and stay as written.
 
+**One spawn timeout**: ``tests.support.timeouts.SPAWN_TIMEOUT_S`` bounds one spawn of a module's ranks
+(``run_ranks``' ``timeout_s``) and the pytest limits built on it; a module that needs more says so with an
+explicit multiple of it (tests/unit/test_tiers.py fails a module that sets a spawn timeout of its own).
+
 **GPUs only when asked**: unless ``REFIMPL_TEST_GPU=1``, this module hides the GPUs at import
 (``CUDA_VISIBLE_DEVICES=""``, before torch initialises CUDA; the ranks and child Pythons inherit it), so the
 suite runs on CPU and gloo on a GPU box too, as its bitwise references were measured. Tests marked ``gpu``

@@ -24,8 +24,8 @@ from refimpl.data import make_corpus_file
 from refimpl.launch import run_ranks
 from refimpl.plan import BOUNDARY_BYTES_PER_ELEMENT, boundary_bytes, plan_layouts
 from refimpl.train import build_parser, config_from_args, options_from_args, train
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
-SPAWN_TIMEOUT_S = 240
 FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
          "--batch-size", "4", "--steps", "1", "--lr", "1e-2", "--warmup-steps", "1", "--log-every", "100",
          "--checkpoint-every", "0",

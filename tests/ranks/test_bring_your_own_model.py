@@ -91,8 +91,8 @@ from refimpl.parallel.tensor_parallel import (
     tp_lm_loss,
 )
 from refimpl.parallel.zero import FullyShardedDataParallel, ShardedOptimizer
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
-SPAWN_TIMEOUT = 240
 FACTOR = 4.0  # x the one-device float32-vs-float64 distance (module docstring)
 VOCAB, HIDDEN, HEADS, LAYERS, FFN = 64, 32, 4, 2, 64
 BATCH, SEQ = 4, 8  # the global batch: 2 sequences per data-parallel rank, or 2 micro-batches of 2
@@ -610,7 +610,7 @@ def _worker(ctx, name: str, folder: str) -> dict:
 
 
 def _spawn(name: str, folder) -> list[dict]:
-    return run_ranks(_worker, WORLD, name, str(folder), timeout_s=SPAWN_TIMEOUT)
+    return run_ranks(_worker, WORLD, name, str(folder), timeout_s=SPAWN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -668,7 +668,7 @@ def results(request) -> list[dict]:
     return request.getfixturevalue(request.param)
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_a_technique_without_its_declaration_is_refused_by_name(results):
     """A bare foreign model: every technique that reads a declaration raises MissingDeclaration (a
     TypeError) naming the declaration, the model's class and what to write; never an AttributeError."""
@@ -682,7 +682,7 @@ def test_a_technique_without_its_declaration_is_refused_by_name(results):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_tensor_parallel_by_plan_equals_one_device_and_torch(results):
     """Our apply_tensor_parallel with the model's plan (the user's; Hugging Face's base_model_tp_plan) at
     TP=2: the loss on the logits shard and every gradient, whole, within the tolerance of one device's;
@@ -699,7 +699,7 @@ def test_tensor_parallel_by_plan_equals_one_device_and_torch(results):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_a_fused_qkv_split_by_rows_is_the_wrong_plan(user):
     """Negative control: ColwiseParallel() on the fused [q|k|v] (rank 0 keeps all of q and half of k) gives
     a loss and gradients off one device's by orders of magnitude more than the tolerance that
@@ -716,7 +716,7 @@ DATA_PARALLEL = ["bucket", "ddp", "zero1", "zero2", "zero3", "fsdp2"]
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_data_parallel_and_zero_equal_one_device_and_torch_bitwise(results):
     """DataParallelBucket, ShardedOptimizer ZeRO-1/2, FullyShardedDataParallel (ZeRO-3, unit_types = the
     block class) at 2 ranks, DDP and fully_shard beside them: the loss, the gradients entering the
@@ -738,7 +738,7 @@ def test_data_parallel_and_zero_equal_one_device_and_torch_bitwise(results):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_activation_checkpointing_by_unit_types_is_bitwise(results):
     """apply_activation_checkpointing(model, "all", unit_types=(Block,)) (and torch's checkpoint_wrapper
     alike): the same loss and gradients, bit for bit, as without; and it is on: autograd saves less than
@@ -751,7 +751,7 @@ def test_activation_checkpointing_by_unit_types_is_bitwise(results):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_pipeline_1f1b_of_the_users_stages_equals_one_device(user):
     """PipelineModule (1F1B, 2 stages, 2 micro-batches) on the stages the user declares
     (``user_pipeline_stages``): the loss and every gradient (each on the rank of its stage) are the bits
@@ -768,7 +768,7 @@ def test_pipeline_1f1b_of_the_users_stages_equals_one_device(user):
     assert _ratio(control, micro, tol)[0] > 1e4
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 @pytest.mark.parametrize(("name", "layout"), [("llama", "tp"), ("user", "zero3")])
 def test_a_checkpoint_saved_on_two_ranks_loads_at_one_rank_bitwise(name, layout, request):
     """One AdamW step at 2 ranks (TP=2 with the model's plan; ZeRO-3 with unit_types), saved with
@@ -795,7 +795,7 @@ def test_a_checkpoint_saved_on_two_ranks_loads_at_one_rank_bitwise(name, layout,
     assert all(float(optimizer.state[p]["step"]) == 1 for p in model.parameters())
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_the_checkpoint_refuses_a_chunked_fused_qkv_by_name(user):
     """The user model under TP=2 holds its fused qkv as ColwiseParallel(chunks=3): 3 separate row blocks
     of the weight per rank, which one box cannot name. save_training_state refuses it before writing

@@ -56,8 +56,8 @@ from refimpl.distributed.placement import Box, LocalShard
 from refimpl.launch import run_ranks
 from refimpl.models import GPT, lm_loss
 from refimpl.optim import build_optimizer, lr_at, param_groups, set_lr
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
-SPAWN_TIMEOUT = 240
 OPTIM = OptimConfig(lr=1e-2, warmup_steps=2)
 # Global tensors saved as boxes of rows at 4 ranks: 10, 7 and 40 rows are not multiples of 4 (nor 10, 7,
 # 40 of 3). [start, end) of dim 0 per rank; "a" leaves rank 2 empty, "c" is replicated.
@@ -348,11 +348,11 @@ def _read_blocks_at_3(ctx, folder: str) -> dict[str, bool]:
 @pytest.fixture(scope="module")
 def column_blocks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("columns")
-    run_ranks(_save_column_blocks, 2, str(folder), timeout_s=SPAWN_TIMEOUT)
+    run_ranks(_save_column_blocks, 2, str(folder), timeout_s=SPAWN_TIMEOUT_S)
     return folder
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_column_blocks_saved_by_2_ranks_read_bitwise_at_1_rank_and_a_swapped_box_fails(column_blocks):
     for kind in ("columns", "swapped"):
         info = find_latest_valid(column_blocks / kind, expected=COLUMN_SHAPES)
@@ -366,9 +366,9 @@ def test_column_blocks_saved_by_2_ranks_read_bitwise_at_1_rank_and_a_swapped_box
             assert torch.equal(whole, _column_reference(name)) == expected, (kind, name)
 
 
-@pytest.mark.timeout(2 * SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S + 30)
 def test_column_blocks_read_bitwise_at_3_ranks_as_rows_and_as_columns(column_blocks):
-    results = run_ranks(_read_blocks_at_3, 3, str(column_blocks), timeout_s=SPAWN_TIMEOUT)
+    results = run_ranks(_read_blocks_at_3, 3, str(column_blocks), timeout_s=SPAWN_TIMEOUT_S)
     for rank, checks in enumerate(results):
         assert len(checks) == 2 * len(COLUMN_SHAPES) + 2 and all(checks.values()), (rank, checks)
 
@@ -404,11 +404,11 @@ def _zero1_over_column_blocks(ctx, folder: str) -> dict:
             "exp_avg": _portable(optimizer.inner_optimizer.state[stepped]["exp_avg"])}
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_zero1_over_column_blocks_saves_composed_boxes_read_back_whole(tmp_path):
     """ZeRO-1's row shard of a tensor-parallel column block is the box ``tp_box.within(zero_box)``: 4
     ranks save it, one process reads the whole moment and weight and finds every rank's values in place."""
-    results = run_ranks(_zero1_over_column_blocks, 4, str(tmp_path), timeout_s=SPAWN_TIMEOUT)
+    results = run_ranks(_zero1_over_column_blocks, 4, str(tmp_path), timeout_s=SPAWN_TIMEOUT_S)
     info = find_latest_valid(tmp_path)
     shape = COLUMN_SHAPES["w"]
     expected_boxes = {}
@@ -433,7 +433,7 @@ def test_zero1_over_column_blocks_saves_composed_boxes_read_back_whole(tmp_path)
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("ckpt")
-    out = run_ranks(_save_at_4, 4, str(folder), timeout_s=SPAWN_TIMEOUT)
+    out = run_ranks(_save_at_4, 4, str(folder), timeout_s=SPAWN_TIMEOUT_S)
     return {"folder": folder, "rank0": out[0]}
 
 
@@ -451,7 +451,7 @@ def plain_ref(saved) -> dict:
     return _portable({"model": model.state_dict(), "optimizer": _by_name(model, optimizer.state_dict())})
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_save_at_4_ranks_parallel_dedup_and_crash_before_commit(saved):
     r0 = saved["rank0"]
     assert r0["c_files"] == [f"rank_{r:05d}.pt" for r in range(4)]  # replicated: written in 4 parallel slices
@@ -466,7 +466,7 @@ def test_save_at_4_ranks_parallel_dedup_and_crash_before_commit(saved):
 @pytest.fixture(scope="module")
 def at_2_ranks(saved, plain_ref, tmp_path_factory) -> list[dict]:
     return run_ranks(_at_2_ranks, 2, str(saved["folder"]), saved["rank0"], plain_ref,
-                     str(tmp_path_factory.mktemp("resume")), timeout_s=SPAWN_TIMEOUT)
+                     str(tmp_path_factory.mktemp("resume")), timeout_s=SPAWN_TIMEOUT_S)
 
 
 def _check_moments(results: list[dict]) -> None:
@@ -474,17 +474,17 @@ def _check_moments(results: list[dict]) -> None:
     assert sum(r["moments_checked"] for r in results) == total  # the FSDP shards tile every moment
 
 
-@pytest.mark.timeout(2 * SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S + 60)
 def test_reshard_4_to_2_ranks_row_boxes_zero_stages_and_1_to_2(at_2_ranks):
     _check_moments([r["load"] for r in at_2_ranks])
 
 
-@pytest.mark.timeout(2 * SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S + 60)
 def test_reshard_4_to_3_ranks_row_boxes_and_zero_stages(saved):
-    _check_moments(run_ranks(_load, 3, str(saved["folder"]), saved["rank0"], None, timeout_s=SPAWN_TIMEOUT))
+    _check_moments(run_ranks(_load, 3, str(saved["folder"]), saved["rank0"], None, timeout_s=SPAWN_TIMEOUT_S))
 
 
-@pytest.mark.timeout(2 * SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S + 60)
 def test_roundtrip_async_save_and_bitwise_resume_at_2_ranks(at_2_ranks):
     uninterrupted, resumed = at_2_ranks[0]["resume"]
     assert resumed == uninterrupted[2:]  # exactly, not approximately

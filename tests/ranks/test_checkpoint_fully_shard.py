@@ -41,8 +41,8 @@ from refimpl.checkpoint import (
 from refimpl.distributed import placement
 from refimpl.distributed.placement import Box, chunk_range, is_dtensor
 from refimpl.launch import run_ranks
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
-SPAWN_TIMEOUT = 120
 VOCAB, DIM, HIDDEN, GATES = 11, 6, 7, 2
 BATCH, SEQ = 6, 5  # 6 sequences: 3 per rank at 2 ranks, 2 at 3, 6 in one process
 ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
@@ -248,13 +248,13 @@ def _at_3_ranks(ctx, folder: str) -> dict:
 @pytest.fixture(scope="module")
 def at_2(tmp_path_factory) -> dict:
     folder = str(tmp_path_factory.mktemp("fully_shard") / "ckpt")
-    results = run_ranks(_at_2_ranks, 2, folder, timeout_s=SPAWN_TIMEOUT)
+    results = run_ranks(_at_2_ranks, 2, folder, timeout_s=SPAWN_TIMEOUT_S)
     return {"folder": folder, "ranks": results, **results[0]}
 
 
 @pytest.fixture(scope="module")
 def at_3(at_2) -> list[dict]:
-    return run_ranks(_at_3_ranks, 3, at_2["folder"], timeout_s=SPAWN_TIMEOUT)
+    return run_ranks(_at_3_ranks, 3, at_2["folder"], timeout_s=SPAWN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +280,7 @@ def _max_error(a: dict, b: dict) -> float:
 
 # -- tests ------------------------------------------------------------------------------------------------
 
-@pytest.mark.timeout(2 * SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S + 30)
 def test_fully_shard_boxes_are_torchs_chunks_of_the_unpadded_rows(at_2, at_3):
     """Each DTensor's box is chunk ``r`` of ``ceil(N / W)`` rows (never the padded layout), 11 rows over 3
     ranks 4, 4, 3, 2 rows 1, 1, 0; a replica is the full box; a Partial is no box."""
@@ -294,7 +294,7 @@ def test_fully_shard_boxes_are_torchs_chunks_of_the_unpadded_rows(at_2, at_3):
     assert "holds no box" in at_2["partial"] and "Partial" in at_2["partial"]
 
 
-@pytest.mark.timeout(2 * SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S + 30)
 def test_fully_shard_checkpoint_loads_bitwise_at_2_and_3_ranks_and_in_a_plain_model(at_2, at_3, at_1):
     """Parameters and AdamW ``exp_avg``, ``exp_avg_sq``, ``step`` equal the saving model's full tensors."""
     saved = at_2["saved"]
@@ -308,7 +308,7 @@ def test_fully_shard_checkpoint_loads_bitwise_at_2_and_3_ranks_and_in_a_plain_mo
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(2 * SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S + 30)
 def test_training_goes_on_from_the_checkpoint(at_2, at_3, at_1):
     """The next step: bit for bit at the saving world size; within a measured tolerance at 3 ranks and 1.
 
@@ -341,7 +341,7 @@ def _wrong_at_3(shape: tuple[int, ...]) -> bool:
     return any(end > start and r * (end - start) != start for r, (start, end) in enumerate(spans))
 
 
-@pytest.mark.timeout(2 * SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S + 30)
 def test_without_the_box_rule_the_checkpoint_fails(at_2, at_3):
     """Negative controls. Saving at 2 ranks with a rank's rows placed at ``r x`` its own row count leaves
     rows no rank holds; taking each local tensor for the whole tensor gives ranks that disagree on the

@@ -48,8 +48,8 @@ from refimpl.parallel.tensor_parallel import (
     RowParallelLinear,
     allreduce_sequence_parallel_grads,
 )
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
-SPAWN_TIMEOUT = 120
 B, S, H, FF = 2, 8, 8, 16  # S, FF divide by 2 and 4
 U = 2.0**-24  # float32's unit roundoff
 QUANTITIES = ("y", "x.grad", "weight.grad", "bias.grad")
@@ -193,7 +193,7 @@ def _worker(ctx) -> dict:
 @pytest.fixture(scope="module")
 def spawned() -> list[dict]:
     """One spawn of 4 ranks: the tp 4 and tp 2 cases (``_worker``)."""
-    return run_ranks(_worker, 4, timeout_s=SPAWN_TIMEOUT)
+    return run_ranks(_worker, 4, timeout_s=SPAWN_TIMEOUT_S)
 
 
 @pytest.fixture(params=[2, 4], ids=["tp2", "tp4"])
@@ -220,7 +220,7 @@ def _exact(kind: str, references: dict, rank: int, t: int) -> dict[str, np.ndarr
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("kind", ["column", "row"])
 def test_the_ring_equals_the_unfused_layer_dtensor_and_one_device_within_the_derived_bound(runs, references,
                                                                                           kind):
@@ -237,7 +237,7 @@ def test_the_ring_equals_the_unfused_layer_dtensor_and_one_device_within_the_der
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("kind", ["column", "row"])
 def test_negative_controls_a_wrong_destination_or_rotation_fails_the_bound(runs, references, kind):
     t, per_rank = runs

@@ -28,8 +28,8 @@ from refimpl.models import GPT, Embedding, lm_loss
 from refimpl.parallel.context_parallel import apply_context_parallel, split_for_context_parallel
 from refimpl.parallel.tensor_parallel import apply_tensor_parallel, tp_lm_loss
 from tests.ranks.test_tp_layers import _error
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
-SPAWN_TIMEOUT = 240
 B, S = 2, 16  # S divides into 2 cp = 8 zig-zag chunks
 FACTOR = 4.0
 CFG = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, max_seq_len=S)
@@ -110,11 +110,11 @@ def _worker(ctx) -> dict:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
 def results(request):
-    return request.param, run_ranks(_worker, request.param, timeout_s=SPAWN_TIMEOUT)
+    return request.param, run_ranks(_worker, request.param, timeout_s=SPAWN_TIMEOUT_S)
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_the_gpt_under_context_parallelism_equals_one_device(results):
     cp, per_rank = results
     for rank, out in enumerate(per_rank):
@@ -128,7 +128,7 @@ def test_the_gpt_under_context_parallelism_equals_one_device(results):
                 assert worst <= 1.0, f"cp={cp} rank {rank} {name}: {where} at {worst:.2f} x tolerance"
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_ulysses_refuses_heads_that_do_not_divide(results):
     cp, per_rank = results
     message = per_rank[0]["error"]

@@ -51,6 +51,7 @@ from refimpl.parallel.data_parallel import (
     low_precision_hook,
     num_buckets,
 )
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
 STEPS = 6
 LR = 1e-3
@@ -58,10 +59,6 @@ FACTOR = 4  # x the summation-order spread measured in the same run (module docs
 GLOBAL_BATCH = 8
 SEQ = 16
 MB = 2**20
-SPAWN_TIMEOUT = 240
-
-
-# --------------------------------------------------------------------------------------- models and loops
 def _gpt() -> nn.Module:
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, max_seq_len=SEQ)
     return GPT(cfg, seed=0)  # tied embeddings: the output layer *is* the word embedding
@@ -463,12 +460,12 @@ def _worker(ctx, full: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> dict:
-    return run_ranks(_worker, 2, True, timeout_s=SPAWN_TIMEOUT)[0]
+    return run_ranks(_worker, 2, True, timeout_s=SPAWN_TIMEOUT_S)[0]
 
 
 @pytest.fixture(scope="module")
 def four_ranks() -> dict:
-    return run_ranks(_worker, 4, False, timeout_s=SPAWN_TIMEOUT)[0]
+    return run_ranks(_worker, 4, False, timeout_s=SPAWN_TIMEOUT_S)[0]
 
 
 # ------------------------------------------------------------------------------------ single-process tests
@@ -510,7 +507,7 @@ def _tol(spread: float) -> float:
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(2 * SPAWN_TIMEOUT + 60)  # the first one sets up both fixtures, each up to SPAWN_TIMEOUT
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S + 60)  # the first sets up both fixtures, each <= SPAWN_TIMEOUT_S
 @pytest.mark.parametrize("world", [2, 4])
 def test_gradients_before_the_step_equal_one_device(two_ranks, four_ranks, world):
     r = {2: two_ranks, 4: four_ranks}[world]
@@ -526,7 +523,7 @@ def test_gradients_before_the_step_equal_one_device(two_ranks, four_ranks, world
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 @pytest.mark.parametrize("cap", [25 * MB, 16 * 1024, 4 * 1024])
 def test_gpt_two_ranks_equals_single_device_and_ddp_bitwise(two_ranks, cap):
     r = two_ranks[f"gpt cap={cap}"]
@@ -535,7 +532,7 @@ def test_gpt_two_ranks_equals_single_device_and_ddp_bitwise(two_ranks, cap):
     assert r["bitwise_ddp"], f"not bit-identical to DDP at 2 ranks: max diff {r['vs_ddp']:.3g}"
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 @pytest.mark.parametrize("cap", [25 * MB, 16 * 1024, 4 * 1024])
 def test_all_reduces_and_bytes_per_step_follow_the_formula(two_ranks, cap):
     r = two_ranks[f"gpt cap={cap}"]
@@ -547,7 +544,7 @@ def test_all_reduces_and_bytes_per_step_follow_the_formula(two_ranks, cap):
     assert r["per_step"] == [(expected, r["grad_bytes"])] * STEPS
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_timeline_records_every_bucket(two_ranks):
     r = two_ranks[f"gpt cap={4 * 1024}"]
     assert r["timeline_complete"]
@@ -568,7 +565,7 @@ def test_timeline_records_every_bucket(two_ranks):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 @pytest.mark.parametrize("cap", [25 * MB, 100])
 def test_frozen_tied_unused_parameters_two_ranks(two_ranks, cap):
     r = two_ranks[f"ugly cap={cap}"]
@@ -583,7 +580,7 @@ def test_frozen_tied_unused_parameters_two_ranks(two_ranks, cap):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_unused_parameters_get_zero_gradients_without_find_unused(two_ranks):
     r = two_ranks["ugly zero-fill"]
     assert r["bitwise_split"], r
@@ -591,21 +588,21 @@ def test_unused_parameters_get_zero_gradients_without_find_unused(two_ranks):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_naive_equals_single_device_with_one_all_reduce_per_tensor(two_ranks):
     r = two_ranks["naive"]
     assert r["bitwise_split"] and r["vs_single"] <= _tol(two_ranks["spread"]), r
     assert r["per_step"] == [(r["tensors"], r["grad_bytes"])] * STEPS
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_negative_control_without_sync_fails_the_equivalence_check(two_ranks):
     diff, tol = two_ranks["skip_sync"]["vs_single"], _tol(two_ranks["spread"])
     assert diff > 1000 * tol, f"a wrapper that never synchronises passed the check (diff {diff:.3g})"
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_accumulation_with_no_sync_equals_single_device_and_ddp(two_ranks):
     r = two_ranks["accumulation"]
     assert r["vs_single"] <= _tol(two_ranks["spread_acc"]), r
@@ -614,7 +611,7 @@ def test_accumulation_with_no_sync_equals_single_device_and_ddp(two_ranks):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_trap_no_sync_around_backward_only_syncs_every_micro_batch(two_ranks):
     r = two_ranks["trap_backward_only"]
     assert r["vs_single"] <= _tol(two_ranks["spread_acc"]), r  # still right, but twice the traffic
@@ -626,7 +623,7 @@ def test_trap_no_sync_around_backward_only_syncs_every_micro_batch(two_ranks):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_trap_forgetting_to_divide_by_accumulation_doubles_the_gradient(two_ranks):
     r = two_ranks["trap_no_division"]
     tol = _tol(r["spread"])
@@ -635,7 +632,7 @@ def test_trap_forgetting_to_divide_by_accumulation_doubles_the_gradient(two_rank
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_bf16_hook_halves_the_bytes_and_keeps_the_loss(two_ranks):
     r = two_ranks["bf16"]
     assert all(nbytes * 2 == r["grad_bytes"] for _, nbytes in r["per_step"])
@@ -646,19 +643,19 @@ def test_bf16_hook_halves_the_bytes_and_keeps_the_loss(two_ranks):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_activation_checkpointing_keeps_the_gradients(two_ranks):
     assert two_ranks["checkpointing"] == {False: True, True: True}
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_two_backwards_after_one_forward_raise(two_ranks):
     assert "accumulated twice" in two_ranks["double_backward_error"]
 
 
 # ---------------------------------------------------------------------------------------- four ranks
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_four_ranks_equal_single_device_and_ddp(four_ranks):
     for key, spread in ((f"gpt cap={16 * 1024}", "spread"), ("ugly cap=100", "spread_ugly")):
         r, tol = four_ranks[key], _tol(four_ranks[spread])

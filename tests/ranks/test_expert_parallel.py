@@ -92,13 +92,13 @@ from refimpl.parallel.expert_parallel import (
     undispatch_all_to_all,
     unpermute,
 )
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
 H, FFN, E, K = 8, 16, 8, 2   # width, expert hidden, experts, top-k (h and f multiples of 4: _grouped_mm)
 B, S = 2, 6                  # each rank's tokens: [B, S, H], T = 12
 T = B * S
 DEAD = (6, 7)                # experts that never receive a token
 FACTOR = 4
-SPAWN_TIMEOUT = 120
 CASES = ("modules_dropless", "modules_capacity", "grouped_sigmoid", "grouped_capacity")
 DISPATCH = ("alltoall", "allgather")
 SYNC_BUDGET = {"alltoall": 1, "allgather": 2}  # host syncs per layer and forward at ep > 1 (docstring)
@@ -278,7 +278,7 @@ def _ranks(ctx, world: int) -> dict:
 @pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
 def ranks(request):
     world = request.param
-    return world, run_ranks(_ranks, world, world, timeout_s=SPAWN_TIMEOUT)
+    return world, run_ranks(_ranks, world, world, timeout_s=SPAWN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -347,7 +347,7 @@ def _worst(got: dict[str, torch.Tensor], natural: dict, spread: dict) -> tuple[f
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_expert_parallel_equals_one_device_outputs_and_every_gradient(ranks, references):
     world, per_rank = ranks
     for case in CASES:
@@ -361,7 +361,7 @@ def test_expert_parallel_equals_one_device_outputs_and_every_gradient(ranks, ref
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_the_two_dispatchers_agree(ranks, references):
     world, per_rank = ranks
     for case in CASES:
@@ -373,7 +373,7 @@ def test_the_two_dispatchers_agree(ranks, references):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_negative_controls_fail_the_same_check(ranks, references):
     """Counts not exchanged (uniform splits assumed), and expert gradients divided by ep."""
     world, per_rank = ranks
@@ -388,7 +388,7 @@ def test_negative_controls_fail_the_same_check(ranks, references):
         assert worst > 1.0, f"{case}: expert gradients divided by ep={world} passed the check"
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_round_trip_with_identity_experts_is_exact(ranks):
     """dispatch + undispatch returns each kept assignment's token and its gradient bit for bit, and each
     owner receives exactly the tokens routed to its experts, in (source rank, token) order."""
@@ -410,7 +410,7 @@ def test_round_trip_with_identity_experts_is_exact(ranks):
         assert trip["counts"] == counts, (owner, trip["counts"], counts)
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_zero_token_experts_zero_and_uneven_splits(ranks, references):
     world, per_rank = ranks
     local = E // world
@@ -427,7 +427,7 @@ def test_zero_token_experts_zero_and_uneven_splits(ranks, references):
             assert runs[3]["a2a"][0][2] == 0  # its combine all-to-all hands over no rows
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_all_to_all_bytes_equal_the_formula_from_the_counts(ranks):
     """Bytes sent to other ranks per forward and per backward = (my rows for other ranks' experts + rows
     other ranks sent my experts, returned) x h x 4, from the kept counts; the tracer sees the count
@@ -450,7 +450,7 @@ def test_all_to_all_bytes_equal_the_formula_from_the_counts(ranks):
         assert all(run["a2a"] == [[], []] and run["traffic"] == (0, 0) for run in gathered)
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_expert_bias_update_uses_the_load_of_every_rank(ranks):
     """``update_expert_bias(u, group=ep)`` sums the ranks' loads first: every rank makes the same update."""
     world, per_rank = ranks
@@ -460,7 +460,7 @@ def test_expert_bias_update_uses_the_load_of_every_rank(ranks):
         assert torch.equal(after, before + 0.5 * torch.sign(load.mean() - load)), (before, after, load)
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_capacity_is_per_rank_and_sizes_that_do_not_divide_are_errors(ranks):
     world, per_rank = ranks
     for case, cf in (("modules_capacity", 1.0), ("grouped_capacity", 1.25)):
@@ -474,7 +474,7 @@ def test_capacity_is_per_rank_and_sizes_that_do_not_divide_are_errors(ranks):
         assert "do not divide over the expert-parallel size" in message and "\n" not in message, message
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_a_dispatch_reads_the_host_once_and_backward_never(ranks):
     """Per layer and forward: one ``tolist`` (the split sizes and local counts in one read) with the
     all-to-all dispatcher, two with the all-gather one (module docstring); backward none."""
@@ -489,7 +489,7 @@ def test_a_dispatch_reads_the_host_once_and_backward_never(ranks):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_the_benchmark_proof_passes_both_dispatchers_and_fails_its_controls():
     """bench/bench_expert_parallel.py's proof at ep 2 on tiny sizes, without timing (its ``worker`` with no
     repeats, its ``prove``): both dispatchers and the per-expert loop within its tolerance of one device,
@@ -498,7 +498,7 @@ def test_the_benchmark_proof_passes_both_dispatchers_and_fails_its_controls():
     from bench.bench_expert_parallel import CONTROLS, LOOP, METHODS, ROUTINGS, Sizes, prove, worker
 
     s = Sizes(tokens=16, dim=8, hidden=16, experts=4, top_k=2, skew=0.1)
-    by_routing = run_ranks(worker, 2, s, 0, 0, timeout_s=SPAWN_TIMEOUT)
+    by_routing = run_ranks(worker, 2, s, 0, 0, timeout_s=SPAWN_TIMEOUT_S)
     for routing in ROUTINGS:
         proof = prove([p[routing] for p in by_routing], s, 2, routing)
         assert all(proof.errors[m] <= 1.0 for m in [*METHODS, LOOP]), (routing, proof.errors)

@@ -35,6 +35,7 @@ from refimpl.precision.fp8 import (
     operand_amax,
     quantize,
 )
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
 SHAPES = [(48, 64), (37, 24), (1, 16)]  # even; 19 + 18 rows; rank 1 holds no row
 
@@ -116,11 +117,11 @@ def _worker(ctx) -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    return run_ranks(_worker, 2, timeout_s=60)
+    return run_ranks(_worker, 2, timeout_s=SPAWN_TIMEOUT_S)
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_fp8_all_gather_is_bitwise_the_one_device_cast(results):
     for r in results:
         for shape in SHAPES:
@@ -131,19 +132,19 @@ def test_fp8_all_gather_is_bitwise_the_one_device_cast(results):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_the_gathered_fp8_weight_feeds_the_fp8_gemms_bitwise(results):
     for r in results:
         assert r["linear"] == [True, True, True], r["rank"]  # y, dx, dW
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_gloo_refuses_float8_so_the_bytes_travel_as_uint8(results):
     for r in results:
         assert r["gloo float8"] != "accepted" and "Invalid scalar type" in r["gloo float8"]
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_fp8_all_gather_moves_half_the_bytes_of_zero3s_bf16_all_gather(results):
     for r in results:
         for shape in SHAPES:
@@ -156,7 +157,7 @@ def test_fp8_all_gather_moves_half_the_bytes_of_zero3s_bf16_all_gather(results):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_an_fp8_gradient_all_reduce_is_far_less_accurate_than_bf16(results):
     errors = results[0]["errors"]
     print(f"\ngradient all-reduce, relative error vs float64: {errors}")

@@ -50,8 +50,8 @@ from refimpl.precision.fp8 import E4M3, cast_to_float8, float8_layers
 from refimpl.train import build_parser, config_from_args, options_from_args, train
 from refimpl.train.hooks import TrainHooks
 from tests.support.one_device import first_step_gradients
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
-SPAWN_TIMEOUT_S = 240
 FACTOR = 4.0
 STEPS = 4
 N = 2

@@ -21,9 +21,9 @@ import pytest
 from bench.bench_fsdp_tp import FACTOR, proof_worker
 from refimpl.launch import run_ranks
 from refimpl.planner import zero_collectives
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
 STEPS, MICRO_BATCH, SEQ = 3, 4, 16
-SPAWN_TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")

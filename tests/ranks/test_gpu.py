@@ -35,6 +35,7 @@ import torch
 from refimpl.launch import run_ranks
 from refimpl.measure import order_tolerance
 from refimpl.train import build_parser, config_from_args, options_from_args, train
+from tests.support import timeouts
 from tests.support.one_device import (
     assert_gradients_like_one_device,
     assert_trains_like_one_device,
@@ -43,7 +44,8 @@ from tests.support.one_device import (
 
 pytestmark = pytest.mark.gpu
 
-SPAWN_TIMEOUT_S = 600
+# the one spawn timeout x 3: NCCL's start and CUDA's kernels compiled in every rank; it was 600 s
+SPAWN_TIMEOUT_S = 3 * timeouts.SPAWN_TIMEOUT_S
 FACTOR = 4.0
 STEPS = 4
 ACCUMULATOR_U = 2.0**-14  # DeepSeek-V3 3.3.2: Hopper's fp8 MMA keeps about 14 bits while accumulating

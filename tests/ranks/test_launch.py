@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from refimpl.launch import RankFailed, free_port, run_ranks
 from refimpl.launch.run_ranks import _ephemeral_ports, _exception_line, _first_cause
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
 
 def _rank_and_sum(ctx, offset):
@@ -61,12 +62,12 @@ def _who_listens_on_the_rendezvous_port(ctx, caller):
     return listens(caller), listens(os.getpid())
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_the_caller_holds_the_rendezvous_port_so_no_other_process_can_take_it():
     """CI once failed with EADDRINUSE: the port was found free by the caller and bound by rank 0 a moment
     later, and in between another lane's process took it. Now the caller binds it before any rank starts
     (torchrun's agent store). Negative control: under the old scheme rank 0 listened, not the caller."""
-    results = run_ranks(_who_listens_on_the_rendezvous_port, 2, os.getpid(), timeout_s=60)
+    results = run_ranks(_who_listens_on_the_rendezvous_port, 2, os.getpid(), timeout_s=SPAWN_TIMEOUT_S)
     assert results == [(True, False), (True, False)]
 
 
@@ -81,9 +82,9 @@ def test_free_port_is_bindable_and_outside_the_ephemeral_range():
             s.bind(("127.0.0.1", port))
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_results_in_rank_order_with_an_all_reduce():
-    results = run_ranks(_rank_and_sum, 2, 10, timeout_s=60)
+    results = run_ranks(_rank_and_sum, 2, 10, timeout_s=SPAWN_TIMEOUT_S)
     # ranks 0 and 1 contribute 10 and 11: the all_reduce sum is 21 on both
     assert results == [(0, 2, 21.0, "0", 1), (1, 2, 21.0, "1", 1)]
 

@@ -14,6 +14,7 @@ from refimpl.distributed import ParallelDims
 from refimpl.distributed.group_info import group_rank_size
 from refimpl.distributed.mesh import AXES, LOSS_AXES, VIEWS, Coordinates, build_groups
 from refimpl.launch import run_ranks
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
 WORLD = 8
 LAYOUTS = {  # name -> degrees
@@ -172,9 +173,9 @@ def _measure_groups(ctx, layouts: dict[str, dict]) -> dict:
     return out, sums
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_groups_measured_through_real_collectives_on_8_ranks():
-    ranks = run_ranks(_measure_groups, WORLD, LAYOUTS, timeout_s=200)
+    ranks = run_ranks(_measure_groups, WORLD, LAYOUTS, timeout_s=SPAWN_TIMEOUT_S)
     hsdp = ParallelDims(dp=4, tp=2).refactor(("dp",), (("dp_replicate", 2), ("dp_shard", 2)))
     for rank, (_, sums) in enumerate(ranks):  # the second factorization's groups, built on the same ranks
         assert sorted(sums) == [("dp_replicate",), ("dp_shard",)]
@@ -364,12 +365,12 @@ def _record_warm_up(ctx) -> tuple[list[tuple[int, ...]], dict]:
     return seen, {axes: groups.ranks(*axes) for axes in ALL_AXES}
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_build_runs_one_collective_on_each_group_before_any_send():
     """NCCL's rule for ``batch_isend_irecv``: when it is a group's first call, every rank of the group must
     take part. A pipeline's first exchange involves two ranks of the pp group only, so ``build`` runs one
     barrier on each of this rank's groups, in the same order everywhere
     (remove ``warm_up`` and this fails)."""
-    for rank, (seen, mine) in enumerate(run_ranks(_record_warm_up, 4, timeout_s=90)):
+    for rank, (seen, mine) in enumerate(run_ranks(_record_warm_up, 4, timeout_s=SPAWN_TIMEOUT_S)):
         assert sorted(seen) == sorted(mine.values()), (rank, seen, mine)
         assert seen == [mine[axes] for axes in sorted(mine)], (rank, seen)  # one order on every rank

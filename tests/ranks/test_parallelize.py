@@ -30,9 +30,9 @@ from refimpl.launch import run_ranks
 from refimpl.models import GPT, lm_loss
 from refimpl.parallel.parallelize import ORDER, parallelize
 from refimpl.train.layout import resolve
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
 WORLD = 4
-TIMEOUT_S = 240
 FACTOR = 2  # x the largest spread of the mean over the 24 orders of summation of 4 ranks
 CONFIG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, max_seq_len=16)
 CASES = {  # name -> the technique options at dp 4
@@ -173,10 +173,10 @@ def _worker(ctx) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    return run_ranks(_worker, WORLD, timeout_s=TIMEOUT_S)
+    return run_ranks(_worker, WORLD, timeout_s=SPAWN_TIMEOUT_S)
 
 
-@pytest.mark.timeout(TIMEOUT_S + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_each_zero_stage_wraps_the_model_on_the_dp_cp_group(ranks):
     for rank, r in enumerate(ranks):
         for name, case in r["cases"].items():
@@ -195,14 +195,14 @@ def test_each_zero_stage_wraps_the_model_on_the_dp_cp_group(ranks):
                 "FullyShardedDataParallel", "FullyShardedDataParallel", None, "AdamW"), case
 
 
-@pytest.mark.timeout(TIMEOUT_S + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_the_trainer_setup_wraps_on_the_groups_it_is_given(ranks):
     for r in ranks:
         assert r["setup"] == {0: ("DataParallelBucket", True), 1: ("ShardedOptimizer", True),
                               3: ("FullyShardedDataParallel", True)}, r["setup"]
 
 
-@pytest.mark.timeout(TIMEOUT_S + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_precision_and_checkpointing_come_before_the_wrapper(ranks):
     c = ranks[0]["cases"]
     # ZeRO-3 + bf16: FSDP2's path, the wrapper was handed the policy (gathers bf16, keeps fp32 masters)
@@ -223,7 +223,7 @@ def test_precision_and_checkpointing_come_before_the_wrapper(ranks):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(TIMEOUT_S + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_zero0_gradients_are_the_mean_over_the_dp_cp_group(ranks):
     own = ranks[0]["own"]
     mean = sum(g / WORLD for g in own)  # DataParallelBucket: g / W on each rank, then the all-reduce's sum
@@ -240,7 +240,7 @@ def test_zero0_gradients_are_the_mean_over_the_dp_cp_group(ranks):
     assert float((own[0] - mean).norm() / mean.norm()) > 1e3 * FACTOR * spread
 
 
-@pytest.mark.timeout(TIMEOUT_S + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_context_parallel_comes_before_the_wrapper_which_reduces_over_dp_x_cp(ranks):
     for rank, r in enumerate(ranks):
         cp = r["cp"]
@@ -253,7 +253,7 @@ def test_context_parallel_comes_before_the_wrapper_which_reduces_over_dp_x_cp(ra
         assert cp["part"] == list(range(4 * i, 4 * i + 4)) + list(range(4 * (3 - i), 4 * (4 - i))), cp
 
 
-@pytest.mark.timeout(TIMEOUT_S + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_pipeline_split_keeps_this_ranks_stages_and_averages_over_dp_once_per_step(ranks):
     for rank, r in enumerate(ranks):
         pp = r["pp"]
@@ -268,14 +268,14 @@ def test_pipeline_split_keeps_this_ranks_stages_and_averages_over_dp_once_per_st
         assert ("final_layernorm.weight" in pp["params"]) == (rank // 2 == 1)
 
 
-@pytest.mark.timeout(TIMEOUT_S + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_a_wrapper_on_another_group_fails_the_group_check(ranks):
     for rank, r in enumerate(ranks):
         assert r["other_group_ranks"] == ((0, 1) if rank < 2 else (2, 3))
         assert r["other_group_ranks"] != r["cases"]["zero0"]["dp_cp_ranks"]
 
 
-@pytest.mark.timeout(TIMEOUT_S + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_unbuilt_combinations_are_refused_before_the_model_is_touched(ranks, name):
     for r in ranks:

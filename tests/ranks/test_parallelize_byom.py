@@ -73,8 +73,8 @@ from refimpl.parallel.placements import clip_grad_norm_
 from refimpl.parallel.tensor_parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, VocabParallel
 from refimpl.train.gradients import gradient_shards
 from tests.ranks.test_bring_your_own_model import user_pipeline_stages
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
-SPAWN_TIMEOUT = 240
 FACTOR = 4.0  # x the one-device float32-vs-float64 distance (module docstring)
 VOCAB, HIDDEN, HEADS, LAYERS, FFN = 64, 32, 4, 2, 64
 BATCH, SEQ = 4, 8  # the global batch; ring attention cuts a sequence into 2 cp = 4 chunks
@@ -333,7 +333,7 @@ def _assemble(ranks: list[dict], layout: str) -> tuple[dict[str, np.ndarray], li
 
 @pytest.fixture(scope="module")
 def runs() -> list[dict]:
-    return run_ranks(_worker, WORLD, timeout_s=SPAWN_TIMEOUT)
+    return run_ranks(_worker, WORLD, timeout_s=SPAWN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -366,7 +366,7 @@ def _ratios(whole: dict[str, np.ndarray], loss: float, norm: float, ref: dict) -
     return out
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_parallelize_applies_each_technique_to_the_users_model(runs):
     """Each layout applied what its config asks, through the model's declarations: the steps of ORDER,
     every block checkpointed under "all", ring attention in the declared attention modules."""
@@ -380,7 +380,7 @@ def test_parallelize_applies_each_technique_to_the_users_model(runs):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_step_under_parallelize_equals_one_device(runs, reference, layout):
     """The loss, the gradient norm and every gradient the optimizer receives, whole, within ``FACTOR`` x
@@ -396,7 +396,7 @@ def test_the_step_under_parallelize_equals_one_device(runs, reference, layout):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_activation_checkpointing_under_zero3_is_bitwise(runs):
     """ZeRO-3 with every block checkpointed gives the loss and the gradients' bits of ZeRO-3 without: the
     recomputation repeats the same kernels on the same inputs (the gathers included)."""
@@ -408,7 +408,7 @@ def test_activation_checkpointing_under_zero3_is_bitwise(runs):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_a_plan_without_sequence_parallel_on_a_norm_fails(runs, reference):
     """Negative control: ``SequenceParallel()`` left off ``blocks.*.norm1`` under sequence parallelism.
     Each tp rank's norm1 gradient is the partial sum over its ``s/t`` tokens: the tp ranks disagree on it,
@@ -423,7 +423,7 @@ def test_a_plan_without_sequence_parallel_on_a_norm_fails(runs, reference):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_context_parallel_without_the_declared_positions_fails(runs, reference):
     """Negative control: ``context_parallel_modules()`` without the RoPE module. Ring attention still
     runs, but each cp rank rotates its zig-zag chunks as if they started the sequence: the loss and the

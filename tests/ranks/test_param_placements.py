@@ -28,8 +28,8 @@ import torch
 from refimpl.distributed.placement import Box
 from refimpl.launch import run_ranks
 from refimpl.parallel.placements import HeldGradient, Placement, clip_grad_norm_, record_placements
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
-SPAWN_TIMEOUT = 180
 LAYOUTS = {  # name: (ParallelDims keywords, ParallelConfig technique keywords)
     "tp2-dp2-sp": ({"dp": 2, "tp": 2}, {"sequence_parallel": True}),
     "tp2-dp2-zero1": ({"dp": 2, "tp": 2}, {"zero_stage": 1}),
@@ -159,10 +159,10 @@ def _held(par) -> list:
 
 @pytest.fixture(scope="module")
 def norms() -> list[dict]:
-    return run_ranks(_norms_on_rank, 4, timeout_s=SPAWN_TIMEOUT)
+    return run_ranks(_norms_on_rank, 4, timeout_s=SPAWN_TIMEOUT_S)
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_trainers_norm_counts_every_element_once(norms, layout):
     """Within float32 rounding: the ranks sum ~1e4 float32 squares in their own order (relative error

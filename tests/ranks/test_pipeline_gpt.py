@@ -28,8 +28,8 @@ from refimpl.parallel.pipeline_parallel import SPLIT_BACKWARD, build_schedule, s
 from refimpl.parallel.pipeline_parallel.executor import run_schedule
 from refimpl.parallel.pipeline_parallel.pipeline_communications import sync_tied_embeddings
 from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, defer_weight_gradients
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
-SPAWN_TIMEOUT_S = 240
 FACTOR = 4.0
 M, B, S = 4, 2, 8  # micro-batches, sequences per micro-batch, tokens per sequence
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zbv", 2)]

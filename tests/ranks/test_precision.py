@@ -21,6 +21,7 @@ from refimpl.precision import (
     ScalerState,
     update_scale,
 )
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
 # Steps whose gradients hold an inf or a NaN; 3-5 overflow three times in a row, 30-31 twice.
 OVERFLOWS = {3: "inf", 4: "nan", 5: "-inf", 17: "nan", 30: "inf", 31: "inf", 44: "nan"}
@@ -375,9 +376,9 @@ def _two_rank_worker(ctx) -> dict:
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_two_ranks_agree_on_overflow_and_reduce_in_low_precision():
-    r0, r1 = run_ranks(_two_rank_worker, 2, timeout_s=150)
+    r0, r1 = run_ranks(_two_rank_worker, 2, timeout_s=SPAWN_TIMEOUT_S)
     assert r0["found_inf agree=True"] and r1["found_inf agree=True"]
     assert r0["scale agree=True"] == r1["scale agree=True"] == 2.0**7
     # negative control: without the all-reduce of the flag the ranks part ways

@@ -32,8 +32,8 @@ from refimpl.launch import RankFailed, run_ranks
 from refimpl.parallel.context_parallel import RingTimeline
 from refimpl.parallel.context_parallel import ring_attention as ra
 from refimpl.parallel.context_parallel import sequence_layout as sl
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
-SPAWN_TIMEOUT = 120
 FACTOR = 4.0  # float32 attention in another order errs up to ~2.5x SDPA's own spread (measured): x1.6 margin
 B, A, D, DV, CHUNK = 2, 2, 8, 6, 3  # batch, heads, head dims of q/k and v, tokens per zigzag chunk
 CASES = [(causal, layout) for causal in (False, True) for layout in sl.LAYOUTS]
@@ -152,11 +152,11 @@ def _errors(per_rank: list[dict], causal: bool, layout: str, cp: int,
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
 def results(request):
-    return request.param, run_ranks(_worker, request.param, timeout_s=SPAWN_TIMEOUT)
+    return request.param, run_ranks(_worker, request.param, timeout_s=SPAWN_TIMEOUT_S)
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_output_and_gradients_equal_full_sequence_sdpa_within_the_measured_spread(results):
     cp, per_rank = results
     for causal, layout in CASES:
@@ -165,7 +165,7 @@ def test_output_and_gradients_equal_full_sequence_sdpa_within_the_measured_sprea
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_negative_controls_an_averaging_merge_and_a_missing_causal_mask_fail_the_same_check(results):
     cp, per_rank = results
     for key in ("average_merge", "no_mask"):
@@ -174,7 +174,7 @@ def test_negative_controls_an_averaging_merge_and_a_missing_causal_mask_fail_the
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("results", [4], indirect=True, ids=["cp4"])  # groups {0, 2}, {1, 3} need 4 ranks
 def test_a_ring_on_non_adjacent_ranks_sends_to_global_ranks_and_is_exact(results):
     cp, per_rank = results
@@ -186,7 +186,7 @@ def test_a_ring_on_non_adjacent_ranks_sends_to_global_ranks_and_is_exact(results
             assert part["peers"] == [m for m in members if m != me], (members, me, part["peers"])
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_bytes_each_rank_sends_cp_minus_one_kv_blocks_forward_and_as_much_again_in_dk_dv(results):
     cp, per_rank = results
     t = _globals(cp)
@@ -201,7 +201,7 @@ def test_bytes_each_rank_sends_cp_minus_one_kv_blocks_forward_and_as_much_again_
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_grouped_query_attention_equals_sdpa_and_moves_kv_at_their_own_head_count(results):
     """4 query heads, 2 key/value heads (zig-zag, causal): output, dQ, dK, dV within the measured spread of
     SDPA's ``enable_gqa`` (query head i reads key/value head i // 2); the ring sends the k/v blocks at 2
@@ -243,7 +243,7 @@ def _mask_pairs(cp: int, layout: str) -> list[int]:
     return [int(blocks[[i for i, o in enumerate(owner) if o == r]].sum()) for r in range(cp)]
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_causal_work_contiguous_is_unbalanced_and_zigzag_is_equal(results):
     cp, per_rank = results
     for layout in sl.LAYOUTS:
@@ -256,7 +256,7 @@ def test_causal_work_contiguous_is_unbalanced_and_zigzag_is_equal(results):
     assert [out["False/zigzag"]["work"] for out in per_rank] == [4 * cp] * cp  # no mask: every pair
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_lengths_that_do_not_divide_and_unknown_layouts_are_one_line_errors(results):
     _, per_rank = results
     for out in per_rank:

@@ -20,8 +20,7 @@ import torch.distributed as dist
 from refimpl.comm import CommTracer, ops
 from refimpl.launch import run_ranks
 from refimpl.parallel.tensor_parallel import tp_communications as tpc
-
-SPAWN_TIMEOUT = 120
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
 
 def _sum(ts):
@@ -143,10 +142,10 @@ def _worker(ctx) -> dict:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
 def results(request):
-    return request.param, run_ranks(_worker, request.param, timeout_s=SPAWN_TIMEOUT)
+    return request.param, run_ranks(_worker, request.param, timeout_s=SPAWN_TIMEOUT_S)
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_each_function_forward_and_backward_equal_the_definition_bitwise(results):
     world, per_rank = results
     groups = ["world", "pair"] if world == 4 else ["world"]
@@ -157,7 +156,7 @@ def test_each_function_forward_and_backward_equal_the_definition_bitwise(results
                 assert checks["y"] and checks["dx"], (world, rank, g, name, checks)
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_the_tracer_sees_exactly_the_named_collective_forward_and_backward(results):
     world, per_rank = results
     for rank, out in enumerate(per_rank):
@@ -167,7 +166,7 @@ def test_the_tracer_sees_exactly_the_named_collective_forward_and_backward(resul
                 assert checks["bytes"] and checks["group_size"], (world, rank, key, checks)
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_negative_control_an_f_that_all_reduces_in_forward_fails_the_same_check(results):
     world, per_rank = results
     for rank, out in enumerate(per_rank):
@@ -176,7 +175,7 @@ def test_negative_control_an_f_that_all_reduces_in_forward_fails_the_same_check(
         assert broken["ops_bwd"] and broken["dx"], (world, rank, broken)  # its backward is f's
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_a_group_of_one_is_the_identity_and_sizes_that_do_not_divide_are_one_line_errors(results):
     world, per_rank = results
     for rank, out in enumerate(per_rank):

@@ -44,8 +44,8 @@ from tests.ranks.test_tp_communications import (
     _AllReducingCopy,  # the negative control: f that all-reduces forward
 )
 from tests.support.folded import run_folded
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
-SPAWN_TIMEOUT = 180
 B, S, H, FF = 2, 4, 8, 16  # S and FF divide by 2 and 4
 FACTOR = 4.0  # TP's error against float64 is at most about twice one device's; x2 margin
 NAMES = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
@@ -190,7 +190,7 @@ def folds(request, tmp_path_factory):
     checkpoint save (``"save"``, its folder under ``"folder"``)."""
     t, folder = request.param, tmp_path_factory.mktemp(f"tp_layers_{request.param}")
     calls = {"mlp": (_worker, ()), "saved": (_saved_worker, ()), "save": (_save_at_tp, (str(folder),))}
-    return t, run_folded(t, calls, timeout_s=SPAWN_TIMEOUT) | {"folder": folder}
+    return t, run_folded(t, calls, timeout_s=SPAWN_TIMEOUT_S) | {"folder": folder}
 
 
 @pytest.fixture
@@ -204,7 +204,7 @@ def _diffs(a: dict, b: dict) -> dict[str, float]:
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sp"])
 def test_column_row_mlp_equals_one_device_and_dtensor_within_the_measured_spread(results, sp):
     t, per_rank = results
@@ -223,7 +223,7 @@ def test_column_row_mlp_equals_one_device_and_dtensor_within_the_measured_spread
             assert all(v <= tol[k] for k, v in gathered.items()), (t, rank, gathered, tol)
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_one_all_reduce_each_way_without_sp_and_all_gather_plus_reduce_scatter_with_sp(results):
     t, per_rank = results
     act = B * S * H * 4  # bytes of the whole [b, s, h] float32 activation
@@ -237,7 +237,7 @@ def test_one_all_reduce_each_way_without_sp_and_all_gather_plus_reduce_scatter_w
         assert after == [("all_reduce", H * 4)], (t, rank, after)  # the row bias's partial gradient
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_negative_control_an_f_that_all_reduces_in_forward_fails_counts_and_values(results):
     t, per_rank = results
     for rank, out in enumerate(per_rank):
@@ -247,7 +247,7 @@ def test_negative_control_an_f_that_all_reduces_in_forward_fails_counts_and_valu
         assert d["y"] > FACTOR * out["spread"]["y"], (t, rank, d)
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_sizes_that_do_not_divide_by_tp_are_one_line_value_errors(results):
     t, per_rank = results
     for out in per_rank:
@@ -262,7 +262,7 @@ def _save_at_tp(ctx, folder: str) -> None:
     Checkpointer(CheckpointConfig(folder=folder)).save(1, module_shards(model))
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_checkpoint_saved_at_tp_loads_bitwise_into_plain_linears(folds):
     t, out = folds
     tmp_path = out["folder"]
@@ -317,7 +317,7 @@ def _saved_worker(ctx) -> dict:
     return {"ours": _saved_shapes(layer, x), "gather then linear": _saved_shapes(naive, x)}
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_the_sequence_parallel_column_layer_saves_only_its_sequence_chunk(folds):
     t, per_call = folds
     for out in per_call["saved"]:

@@ -39,8 +39,8 @@ from refimpl.parallel.tensor_parallel import (
 )
 from refimpl.planner import param_table as param_table_module
 from refimpl.planner.params_flops import param_shapes
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
-SPAWN_TIMEOUT = 120
 T = 2
 CFG = {"num_layers": 2, "hidden_size": 16, "num_attention_heads": 4, "max_seq_len": 8}
 CASES = {"tied": {"vocab_size": 50}, "untied": {"vocab_size": 50, "tie_word_embeddings": False},
@@ -74,7 +74,7 @@ def _worker(ctx) -> dict:
 
 @pytest.fixture(scope="module")
 def observed() -> list[dict]:
-    return run_ranks(_worker, T, timeout_s=SPAWN_TIMEOUT)
+    return run_ranks(_worker, T, timeout_s=SPAWN_TIMEOUT_S)
 
 
 def _plan(case: str) -> dict:

@@ -47,8 +47,8 @@ from refimpl.parallel.tensor_parallel import (
     tp_lm_loss,
 )
 from tests.ranks.test_tp_layers import _error  # ValueError's message, "" when none is raised
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
-SPAWN_TIMEOUT = 240
 B, S = 2, 8
 FACTOR = 4.0  # TP error vs float64 is about one device's (another summation order); x2 margin
 CFG = {"num_layers": 2, "hidden_size": 16, "num_attention_heads": 4, "max_seq_len": S}
@@ -182,7 +182,7 @@ def _worker(ctx) -> dict:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
 def results(request):
-    return request.param, run_ranks(_worker, request.param, timeout_s=SPAWN_TIMEOUT)
+    return request.param, run_ranks(_worker, request.param, timeout_s=SPAWN_TIMEOUT_S)
 
 
 def _off(run: dict, case: dict, name: str) -> float:
@@ -204,7 +204,7 @@ def _worst(run: dict, case: dict) -> tuple[float, str]:
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_whole_gpt_equals_one_device_within_the_measured_spread(results):
     t, per_rank = results
     for rank, out in enumerate(per_rank):
@@ -222,7 +222,7 @@ def test_whole_gpt_equals_one_device_within_the_measured_spread(results):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_the_gradient_norm_counts_every_element_once(results):
     t, per_rank = results
     for out in per_rank:
@@ -235,7 +235,7 @@ def test_the_gradient_norm_counts_every_element_once(results):
                     assert run["overcounted norm"] - case["norm"] > 100 * tol, (t, key, name)
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_per_block_collectives_are_two_all_reduces_each_way_or_their_sp_pairs(results):
     t, per_rank = results
     n_layers, h = CFG["num_layers"], CFG["hidden_size"]
@@ -257,7 +257,7 @@ def test_per_block_collectives_are_two_all_reduces_each_way_or_their_sp_pairs(re
         assert fwd[0] == ("reduce_scatter", act) and bwd[-1] == ("all_gather", act), (fwd, bwd)
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_sizes_that_do_not_divide_are_one_line_errors(results):
     t, per_rank = results
     heads, ffn, vocab = per_rank[0]["errors"]

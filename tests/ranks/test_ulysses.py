@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from refimpl.comm import CommTracer
 from refimpl.launch import run_ranks
 from refimpl.parallel.context_parallel import ulysses as uly
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
-SPAWN_TIMEOUT = 120
 FACTOR = 4.0  # Ulysses runs the same per-head SDPA as one device (another blocking at most); x2 margin
 B, HEADS, SEQ, HEAD_DIM = 2, 8, 12, 8  # 8 heads, 12 tokens: divide by cp = 2 and 4 (2+ heads per rank)
 NAMES = ("out", "dq", "dk", "dv")
@@ -170,10 +170,10 @@ def _worker(ctx) -> dict:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
 def results(request):
-    return request.param, run_ranks(_worker, request.param, timeout_s=SPAWN_TIMEOUT)
+    return request.param, run_ranks(_worker, request.param, timeout_s=SPAWN_TIMEOUT_S)
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_the_all_to_all_pair_equals_its_definition_and_is_its_own_inverse_bitwise(results):
     cp, per_rank = results
     for rank, out in enumerate(per_rank):
@@ -182,7 +182,7 @@ def test_the_all_to_all_pair_equals_its_definition_and_is_its_own_inverse_bitwis
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_ulysses_output_and_grads_equal_one_device_sdpa_within_the_measured_spread(results):
     cp, per_rank = results
     for rank, out in enumerate(per_rank):
@@ -193,7 +193,7 @@ def test_ulysses_output_and_grads_equal_one_device_sdpa_within_the_measured_spre
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_negative_control_chunks_concatenated_in_the_wrong_order_fail_the_same_check(results):
     cp, per_rank = results
     for rank, out in enumerate(per_rank):
@@ -202,7 +202,7 @@ def test_negative_control_chunks_concatenated_in_the_wrong_order_fail_the_same_c
             assert "out" in failed, (cp, rank, causal, case["broken_err"], case["scale"])
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_four_all_to_alls_each_way_each_sending_cp_minus_1_over_cp_of_the_local_tensor(results):
     cp, per_rank = results
     for rank, out in enumerate(per_rank):
@@ -215,7 +215,7 @@ def test_four_all_to_alls_each_way_each_sending_cp_minus_1_over_cp_of_the_local_
                 assert t["sent"][step] == 4 * t["formula_per_call"], (cp, rank, causal, step, t["sent"])
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 30)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 30)
 def test_a_group_of_one_is_plain_sdpa_and_sizes_that_do_not_divide_are_one_line_errors(results):
     cp, per_rank = results
     for rank, out in enumerate(per_rank):

@@ -25,11 +25,12 @@ from refimpl.parallel.tensor_parallel.vocab_parallel import (
     vocab_parallel_cross_entropy,
 )
 from tests.support.folded import run_folded
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
 FACTOR = 4.0  # stated: our error from float64 may be this many times F.cross_entropy's own float32 error
-TIMEOUT = 120  # a rank function alone (the collectives: TIMEOUT / 2)
-SPAWN_TIMEOUT = 2 * TIMEOUT  # one spawn of a tp size's 7 or 11 rank functions (tests/support/folded.py)
-FOLD_TIMEOUT = 2 * SPAWN_TIMEOUT + 30  # a test: the module's two spawns run in the first test's setup
+TIMEOUT = SPAWN_TIMEOUT_S // 2  # a rank function alone (the collectives: TIMEOUT / 2)
+# one spawn of a tp size's 7 or 11 rank functions (tests/support/folded.py): SPAWN_TIMEOUT_S
+FOLD_TIMEOUT = 2 * SPAWN_TIMEOUT_S + 30  # a test: the module's two spawns run in the first test's setup
 LEAD = (3, 7)  # odd leading dims
 IGNORE = -100
 EMBEDDING_DIM, SEQ = 6, 8
@@ -375,6 +376,6 @@ def _calls(t: int, folder: str) -> dict:
 def folds(tmp_path_factory) -> dict:
     """``{t: {key: per-rank results}}`` for t = 2 and 4, and ``"saved"``: the folder of the tp 2 save."""
     folder = tmp_path_factory.mktemp("vocab_saved")
-    out: dict = {t: run_folded(t, _calls(t, str(folder)), timeout_s=SPAWN_TIMEOUT) for t in (2, 4)}
+    out: dict = {t: run_folded(t, _calls(t, str(folder)), timeout_s=SPAWN_TIMEOUT_S) for t in (2, 4)}
     out["saved"] = folder
     return out

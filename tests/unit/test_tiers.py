@@ -53,6 +53,27 @@ def test_every_tier_folder_holds_a_module_and_every_folder_is_a_package():
         str(f) for f in folders if not (f / "__init__.py").exists())
 
 
+SPAWN_CONSTANT = re.compile(r"^([A-Z_][A-Z0-9_, ]*)=(.*)$", re.M)
+
+
+def own_spawn_timeouts(sources: dict[Path, str]) -> list[str]:
+    """The modules that set a spawn timeout of their own: a ``SPAWN_TIMEOUT...`` constant that is not
+    built on tests/support/timeouts.py's ``SPAWN_TIMEOUT_S`` (a multiple of it says why, beside it)."""
+    return sorted(p.name for p, text in sources.items() for lhs, rhs in SPAWN_CONSTANT.findall(text)
+                  if "SPAWN_TIMEOUT" in lhs and "timeouts.SPAWN_TIMEOUT_S" not in rhs)
+
+
+def test_one_spawn_timeout():
+    sources = {p: p.read_text() for p in MODULES}
+    assert own_spawn_timeouts(sources) == []
+    assert sum("SPAWN_TIMEOUT_S" in text for text in sources.values()) > 40  # control: the modules use it
+    # negative controls: a number of its own, alone or in a tuple, is caught; a multiple of the one is not
+    for own in ("SPAWN_TIMEOUT = 120\n", "WORLD, SPAWN_TIMEOUT_S = 4, 300\n"):
+        assert own_spawn_timeouts({TESTS / "ranks" / "test_new.py": own}) == ["test_new.py"], own
+    multiple = "SPAWN_TIMEOUT_S = 2 * timeouts.SPAWN_TIMEOUT_S  # why\n"
+    assert own_spawn_timeouts({TESTS / "ranks" / "test_new.py": multiple}) == []
+
+
 def test_timeout_scale(monkeypatch):
     monkeypatch.delenv("REFIMPL_TEST_TIMEOUT_SCALE", raising=False)
     assert timeout_scale() == 1

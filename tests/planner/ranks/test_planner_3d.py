@@ -39,8 +39,11 @@ from refimpl.launch import run_ranks
 from refimpl.measure.run_measurement import TrainerProbe
 from refimpl.planner import predict_run
 from refimpl.train import build_parser, config_from_args, options_from_args, train
+from tests.support import timeouts
 
-WORLD, STEPS, SPAWN_TIMEOUT_S = 8, 2, 300
+WORLD, STEPS = 8, 2
+# the one spawn timeout x 2: 8 ranks train and measure every layout of the table; it was 300 s
+SPAWN_TIMEOUT_S = 2 * timeouts.SPAWN_TIMEOUT_S
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
         "--batch-size", "8", "--steps", str(STEPS), "--lr", "1e-2", "--warmup-steps", "1",
         "--log-every", "100", "--checkpoint-every", "0", "--no-report"]

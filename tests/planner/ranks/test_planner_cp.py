@@ -50,8 +50,8 @@ from refimpl.train import RunOptions, build_setup
 from refimpl.train.layout import resolve
 from refimpl.train.preflight import preflight_memory
 from refimpl.train.step import StepPoints, train_step
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
-TIMEOUT_S = 240
 B, S = 3, 16  # S cuts into 2 cp = 8 zig-zag chunks at cp 4; s/cp = 8 divides by tp 2 (SP)
 CFG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, max_seq_len=S, ffn_hidden_size=48,
                   vocab_size=254)  # 254: the padded vocab-parallel shard under tp 2 (ceil(V/t))
@@ -192,7 +192,7 @@ def _worker(ctx) -> dict:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
 def ranks(request) -> list[dict]:
-    return run_ranks(_worker, request.param, timeout_s=TIMEOUT_S)
+    return run_ranks(_worker, request.param, timeout_s=SPAWN_TIMEOUT_S)
 
 
 def _planned(cp: int, tp: int, method: str, layout: str | None, sp: bool, precision: str,
@@ -210,7 +210,7 @@ def _outside(plan) -> int:
     return sum(v for k, v in plan.activations.items() if k not in inside)
 
 
-@pytest.mark.timeout(TIMEOUT_S + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_activation_bytes_per_rank_equal_the_measured_ones(ranks):
     for rank, r in enumerate(ranks):
         for (cp, tp, method, layout, sp, precision, ckpt), got in r["runs"].items():
@@ -237,7 +237,7 @@ def test_activation_bytes_per_rank_equal_the_measured_ones(ranks):
             assert got["per_block"] != _planned(1, tp, "ring", None, sp, precision)[0], where  # nor s tokens
 
 
-@pytest.mark.timeout(TIMEOUT_S + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_bytes_sent_per_layer_equal_the_traced_ones(ranks):
     L = CFG.num_layers  # noqa: N806
     for rank, r in enumerate(ranks):
@@ -271,7 +271,7 @@ def test_bytes_sent_per_layer_equal_the_traced_ones(ranks):
                     assert got["backward"]["isend"] != L * 4 * (cp - 1) * p * x, where
 
 
-@pytest.mark.timeout(TIMEOUT_S + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_the_trainers_preflight_plans_what_its_cp_ranks_hold(ranks):
     """The trainer's memory preflight (``refimpl.train.preflight.preflight_memory``) on a ``--cp`` run
     gives, per rank, what the trainer's own setup saves and holds: block activations and what is saved

@@ -64,6 +64,7 @@ from refimpl.planner.param_table import param_table
 from refimpl.train import build_parser, config_from_args, options_from_args, train
 from refimpl.train.layout import resolve
 from refimpl.train.preflight import MEMORY_ENV, preflight_memory
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
 ONE = ParallelDims(dp=1)
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, max_seq_len=16, num_experts=4, top_k=2)
@@ -180,7 +181,7 @@ def test_the_memory_preflight_checks_an_moe_run(corpus, monkeypatch):
 
 # ---- the trainer: dp 4 x ep 2 (edp 2) at ZeRO-2 in fp32 and bf16, tp 2 x dp 2 x ep 2 at ZeRO-1 -------------
 
-WORLD, SPAWN_TIMEOUT_S = 4, 120
+WORLD = 4
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
         "--batch-size", "8", "--steps", "2", "--lr", "1e-2", "--warmup-steps", "1", "--log-every", "100",
         "--checkpoint-every", "0", "--no-report", "--moe-experts", "8", "--moe-top-k", "2",

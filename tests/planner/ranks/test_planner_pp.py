@@ -55,8 +55,8 @@ from refimpl.planner.pipeline import (
     stage_saved_bytes,
 )
 from refimpl.train.layout import resolve
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
-SPAWN_TIMEOUT_S = 120
 M, B, S = 4, 2, 8  # micro-batches, sequences per micro-batch, tokens
 LIVE = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1)]
 

@@ -49,8 +49,8 @@ from refimpl.planner import (
     wire_bytes,
 )
 from refimpl.train.layout import resolve
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
-TIMEOUT_S = 240
 B, S = 3, 8  # S divides by 2 and 4 (sequence parallelism)
 CFG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, max_seq_len=S, ffn_hidden_size=48,
                   vocab_size=254)  # 254 does not divide by 4: the padded vocab-parallel shard (ceil(V/t))
@@ -136,7 +136,7 @@ def _worker(ctx) -> dict:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
 def ranks(request) -> tuple[int, list[dict]]:
-    return request.param, run_ranks(_worker, request.param, timeout_s=TIMEOUT_S)
+    return request.param, run_ranks(_worker, request.param, timeout_s=SPAWN_TIMEOUT_S)
 
 
 def _planned(sp: bool, name: str, ckpt: tuple[int, ...], t: int) -> tuple[list[int], int]:
@@ -148,7 +148,7 @@ def _planned(sp: bool, name: str, ckpt: tuple[int, ...], t: int) -> tuple[list[i
     return blocks, sum(outside.values())
 
 
-@pytest.mark.timeout(2 * TIMEOUT_S + 60)
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S + 60)
 def test_activation_bytes_per_rank_equal_the_measured_ones(ranks):
     t, results = ranks
     for rank, r in enumerate(results):
@@ -173,7 +173,7 @@ def test_activation_bytes_per_rank_equal_the_measured_ones(ranks):
                 assert outside != other_outside, where  # the final LayerNorm sees s/t tokens
 
 
-@pytest.mark.timeout(2 * TIMEOUT_S + 60)
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S + 60)
 def test_collectives_per_micro_batch_equal_the_traced_ones(ranks):
     t, results = ranks
     x = B * S * CFG.hidden_size
@@ -198,7 +198,7 @@ def _llama(kv: int) -> ModelConfig:
     return ModelConfig(**{**CFG_DIVIDES.to_dict(), **LLAMA, "num_key_value_heads": kv})
 
 
-@pytest.mark.timeout(2 * TIMEOUT_S + 60)
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S + 60)
 def test_the_llama_forms_collectives_equal_the_traced_ones(ranks):
     """The Llama form (RMSNorm: one parameter per norm to sum under SP, no biases) with 1 and 2 key/value
     heads: at ``g < t`` each block adds an all-gather of its qkv output and a reduce-scatter of its gradient
@@ -222,7 +222,7 @@ def _state(config: ModelConfig, dims: ParallelDims, zero_stage: int, dp_rank: in
     return s.weights, s.grads + (shards if zero_stage == 1 else 0), s.optimizer
 
 
-@pytest.mark.timeout(2 * TIMEOUT_S + 60)
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S + 60)
 def test_state_bytes_per_rank_equal_what_the_tp_model_holds(ranks):
     t, results = ranks
     for rank, r in enumerate(results):
@@ -234,7 +234,7 @@ def test_state_bytes_per_rank_equal_what_the_tp_model_holds(ranks):
             assert got != _state(CFG_DIVIDES, ParallelDims(dp=dp), zero_stage, dp_rank), (rank, dims)
 
 
-@pytest.mark.timeout(2 * TIMEOUT_S + 60)
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S + 60)
 def test_param_shapes_per_rank_are_the_tp_models_parameters(ranks):
     """``param_shapes(config, tp=t)`` is the TP model's ``parameters()`` on every rank, in order (the
     padded vocabulary shard too), and the tensors whose shape it splits are exactly those

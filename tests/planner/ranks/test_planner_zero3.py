@@ -71,8 +71,11 @@ from refimpl.planner.param_table import param_table
 from refimpl.planner.pipeline import pipeline_memory_per_rank
 from refimpl.train import build_parser, config_from_args, options_from_args, train
 from refimpl.train.hooks import compose
+from tests.support import timeouts
 
-WORLD, STEPS, SPAWN_TIMEOUT_S = 4, 2, 300
+WORLD, STEPS = 4, 2
+# the one spawn timeout x 2: 4 ranks train and measure each ZeRO-3 layout; it was 300 s
+SPAWN_TIMEOUT_S = 2 * timeouts.SPAWN_TIMEOUT_S
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
         "--batch-size", "8", "--steps", str(STEPS), "--lr", "1e-2", "--warmup-steps", "1",
         "--log-every", "100", "--checkpoint-every", "0", "--no-report"]

@@ -64,6 +64,7 @@ from refimpl.planner import (
     zero_memory_paper,
 )
 from refimpl.train.layout import resolve
+from tests.support import timeouts
 
 STEPS = 5
 LR = 1e-3
@@ -71,7 +72,8 @@ FACTOR = 4  # tolerance = FACTOR x the spread of one device over micro-batch spl
 MICRO_SPLITS = (2, 4)
 GLOBAL_BATCH = 4
 SEQ = 8
-SPAWN_TIMEOUT = 300
+# the one spawn timeout x 2: a spawn steps ZeRO 0-3 at two micro-batch splits; it was 300 s
+SPAWN_TIMEOUT_S = 2 * timeouts.SPAWN_TIMEOUT_S
 CFG = ModelConfig(num_layers=2, hidden_size=18, num_attention_heads=3, ffn_hidden_size=37,
                   max_seq_len=SEQ + 1, vocab_size=259)
 SOMETIMES_STEPS = (1, STEPS - 1)  # the "sometimes" layer is used on these steps only
@@ -191,7 +193,7 @@ def _hsdp_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     from refimpl.distributed import ParallelDims
 
     groups = ParallelDims(dp=dist.get_world_size(), dp_replicate=2).build(
-        rank=dist.get_rank(), world_size=dist.get_world_size(), timeout_s=SPAWN_TIMEOUT)
+        rank=dist.get_rank(), world_size=dist.get_world_size(), timeout_s=SPAWN_TIMEOUT_S)
     return groups.group("dp_shard", "cp"), groups.group("dp_replicate")
 
 
@@ -453,12 +455,12 @@ def _worker(ctx, full: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    return run_ranks(_worker, 2, True, timeout_s=SPAWN_TIMEOUT)
+    return run_ranks(_worker, 2, True, timeout_s=SPAWN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict]:
-    return run_ranks(_worker, 4, False, timeout_s=SPAWN_TIMEOUT)
+    return run_ranks(_worker, 4, False, timeout_s=SPAWN_TIMEOUT_S)
 
 
 # ------------------------------------------------------------------------------------ single-process tests
@@ -572,7 +574,7 @@ def _check_collectives(rank: int, kind: str, r: dict) -> None:
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_tolerance_is_measured_and_the_negative_control_fails_it(two_ranks, four_ranks):
     for r in [*two_ranks, *four_ranks]:
         assert 0 < r["spread"], "one device gave the same bits for every micro-batch split"
@@ -580,7 +582,7 @@ def test_tolerance_is_measured_and_the_negative_control_fails_it(two_ranks, four
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 @pytest.mark.parametrize("kind", ZERO)
 def test_two_ranks_equal_data_parallelism_bitwise_and_one_device(two_ranks, kind):
     for rank, r in enumerate(two_ranks):
@@ -590,7 +592,7 @@ def test_two_ranks_equal_data_parallelism_bitwise_and_one_device(two_ranks, kind
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_two_ranks_equal_torch_ddp_and_fsdp2_bitwise(two_ranks):
     for r in two_ranks:
         assert r["ddp"]["vs_dp"] == 0.0, r["ddp"]
@@ -599,7 +601,7 @@ def test_two_ranks_equal_torch_ddp_and_fsdp2_bitwise(two_ranks):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_zero3_with_checkpointing_recomputes_on_the_gathered_weights(two_ranks):
     """ZeRO-3 with every block checkpointed trains bit for bit like ZeRO-3 without (the recomputed forward
     repeats the same products on the same gathered weights), hence like data parallelism and one device
@@ -612,7 +614,7 @@ def test_zero3_with_checkpointing_recomputes_on_the_gathered_weights(two_ranks):
             r["on_shards"]
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 @pytest.mark.parametrize("kind", ["dp", *ZERO])
 def test_two_ranks_bytes_and_collectives_equal_the_formulas(two_ranks, kind):
     for rank, r in enumerate(two_ranks):
@@ -620,7 +622,7 @@ def test_two_ranks_bytes_and_collectives_equal_the_formulas(two_ranks, kind):
         _check_collectives(rank, kind, r)
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_negative_control_unsharded_optimizer_fails_the_sharded_check(two_ranks):
     for r in two_ranks:
         assert not r["dp"]["state_is_sharded"], "plain AdamW passed the 'state is sharded' check"
@@ -628,7 +630,7 @@ def test_negative_control_unsharded_optimizer_fails_the_sharded_check(two_ranks)
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_clipping_uses_the_global_norm(two_ranks):
     for r in two_ranks:
         for kind in ("zero1", "zero2", "zero3"):
@@ -639,20 +641,20 @@ def test_clipping_uses_the_global_norm(two_ranks):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_gradient_accumulation_over_micro_batches(two_ranks):
     for r in two_ranks:
         for kind, (vs_single, vs_dp, spread) in r["accumulation"].items():
             assert vs_single < FACTOR * spread and vs_dp < FACTOR * spread, (kind, vs_single, vs_dp, spread)
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_state_dict_round_trip(two_ranks):
     for r in two_ranks:
         assert r["roundtrip"] == {"same_layout": True, "exact_restore": True, "continued_bitwise": True}
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_stage3_frees_units_and_peaks_at_one_or_two_gathered_units(two_ranks):
     """The full parameters a rank holds reach the root plus one block, never more (plus one block in
     flight with prefetch): a unit freed late exceeds the bound, and a prefetch that does nothing stays at
@@ -676,7 +678,7 @@ def test_stage3_frees_units_and_peaks_at_one_or_two_gathered_units(two_ranks):
 
 # ---------------------------------------------------------------------------------------- four ranks
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 @pytest.mark.parametrize("kind", ["dp", *ZERO])
 def test_four_ranks_uneven_shards(four_ranks, kind):
     for rank, r in enumerate(four_ranks):
@@ -689,7 +691,7 @@ def test_four_ranks_uneven_shards(four_ranks, kind):
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_hsdp_equals_fsdp2_hsdp_bitwise_and_one_device(four_ranks):
     """HSDP at 2 replicas x 2-rank shard groups (ParallelDims(dp=4, dp_replicate=2)'s groups): bit for bit
     FSDP2's ``fully_shard`` on a (replicate, shard) mesh (both reduce-scatter the mean over the pair, then
@@ -708,7 +710,7 @@ def test_hsdp_equals_fsdp2_hsdp_bitwise_and_one_device(four_ranks):
         assert "all_reduce" in r["hsdp"]["ops"]  # the replicas' reduction ran
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_consolidated_state_loads_at_another_world_size(four_ranks):
     for rank in (0, 1):  # 259 rows over 2 ranks: 130 and 129
         assert four_ranks[rank]["reshard_to_2"] == {"exact": True, "shard_rows": 130 - rank}
@@ -797,11 +799,11 @@ def _mp_worker(ctx) -> dict:
 
 @pytest.fixture(scope="module")
 def mp_runs() -> dict[int, list[dict]]:
-    return {w: run_ranks(_mp_worker, w, timeout_s=SPAWN_TIMEOUT) for w in (2, 4)}
+    return {w: run_ranks(_mp_worker, w, timeout_s=SPAWN_TIMEOUT_S) for w in (2, 4)}
 
 
 @pytest.mark.numerics
-@pytest.mark.timeout(2 * SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S + 60)
 @pytest.mark.parametrize("name", list(MP_CASES))
 def test_zero3_mixed_precision_equals_fsdp2_bitwise(mp_runs, name):
     for world, ranks in mp_runs.items():
@@ -815,7 +817,7 @@ def test_zero3_mixed_precision_equals_fsdp2_bitwise(mp_runs, name):
                                    "state": {torch.float32}, "gathered": {pd}}, c["dtypes"]
 
 
-@pytest.mark.timeout(2 * SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S + 60)
 def test_zero3_mixed_precision_negative_controls_differ(mp_runs):
     for world, ranks in mp_runs.items():
         for r in ranks:
@@ -823,7 +825,7 @@ def test_zero3_mixed_precision_negative_controls_differ(mp_runs):
             assert r["controls"]["reduce_bf16"] > 0, f"{world} ranks: reduce_dtype had no effect: {r}"
 
 
-@pytest.mark.timeout(2 * SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S + 60)
 def test_zero3_bf16_all_gather_moves_half_the_bytes(mp_runs):
     for world, ranks in mp_runs.items():
         for rank, r in enumerate(ranks):
@@ -868,9 +870,9 @@ def _trainer_worker(ctx, root: str) -> dict:
     return out
 
 
-@pytest.mark.timeout(SPAWN_TIMEOUT + 60)
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 def test_trainer_zero3_bf16_uses_the_mixed_precision_path_and_trains(tmp_path):
-    for r in run_ranks(_trainer_worker, 2, str(tmp_path), timeout_s=SPAWN_TIMEOUT):
+    for r in run_ranks(_trainer_worker, 2, str(tmp_path), timeout_s=SPAWN_TIMEOUT_S):
         bf16, fp32 = r["bf16"], r["fp32"]
         assert (bf16["param_dtype"], bf16["reduce_dtype"]) == (torch.bfloat16, torch.float32), bf16
         assert not bf16["own_master"] and bf16["optimizer_dtypes"] == {torch.float32}, bf16

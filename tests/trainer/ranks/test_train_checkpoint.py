@@ -34,8 +34,10 @@ from refimpl.train import (
     preflight_resume,
     train,
 )
+from tests.support import timeouts
 
-SPAWN_TIMEOUT_S = 420
+# the one spawn timeout x 2: the trainer saves, stops and resumes in each mode; it was 420 s
+SPAWN_TIMEOUT_S = 2 * timeouts.SPAWN_TIMEOUT_S
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "2", "--seq-len", "32",
         "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100", "--steps", "6",
         "--checkpoint-every", "2"]

@@ -28,6 +28,7 @@ from refimpl.train import build_parser, build_setup, config_from_args, options_f
 from refimpl.train.gradients import gradient_shards
 from refimpl.train.layout import resolve
 from refimpl.train.step import train_step
+from tests.support import timeouts
 from tests.support.one_device import (
     _gradient_tolerances,
     assert_gradients_like_one_device,
@@ -37,7 +38,8 @@ from tests.support.one_device import (
     tolerance,
 )
 
-SPAWN_TIMEOUT_S = 420
+# the one spawn timeout x 2: 4 ranks train the GPT under each schedule; it was 420 s
+SPAWN_TIMEOUT_S = 2 * timeouts.SPAWN_TIMEOUT_S
 FACTOR = 4.0
 STEPS = 4
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",

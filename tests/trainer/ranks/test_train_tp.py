@@ -26,6 +26,7 @@ from refimpl.launch import run_ranks
 from refimpl.models import GPT
 from refimpl.parallel.tensor_parallel import apply_tensor_parallel, full_state_dict
 from refimpl.train import build_parser, config_from_args, options_from_args, train
+from tests.support import timeouts
 from tests.support.one_device import (
     assert_gradients_like_one_device,
     assert_trains_like_one_device,
@@ -33,7 +34,8 @@ from tests.support.one_device import (
     tolerance,
 )
 
-SPAWN_TIMEOUT_S = 420
+# the one spawn timeout x 2: 4 ranks train the GPT at each of the module's layouts; it was 420 s
+SPAWN_TIMEOUT_S = 2 * timeouts.SPAWN_TIMEOUT_S
 FACTOR = 4.0
 STEPS = 4
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",

@@ -25,6 +25,7 @@ from refimpl.data import make_corpus_file
 from refimpl.distributed.device_lint import DeviceLint, DeviceLintError, origin_of, private_group
 from refimpl.distributed.kernel_rules import grouped_mm_problems, scaled_mm_problems
 from refimpl.launch import run_ranks
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[4]
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -155,7 +156,7 @@ def _collectives(ctx) -> dict:
 
 
 def test_each_collective_rule_fails_its_planted_call():
-    out = run_ranks(_collectives, 2, timeout_s=60)[0]
+    out = run_ranks(_collectives, 2, timeout_s=SPAWN_TIMEOUT_S)[0]
     assert "host-tensor" in out["host"] and "test_device_lint.py" in out["host"]
     assert "host-tensor" in out["moved"]
     assert "contiguity" in out["contiguous"]
@@ -220,7 +221,8 @@ def _trainer_under_lint(ctx, root: Path) -> dict:
 def linted(tmp_path_factory) -> list[dict]:
     root = tmp_path_factory.mktemp("lint")
     make_corpus_file(root / "corpus.txt", num_bytes=20_000)
-    return run_ranks(_trainer_under_lint, 4, root, timeout_s=600)
+    # the one spawn timeout x 2: 4 ranks train under the lint at each layout; it was 600 s
+    return run_ranks(_trainer_under_lint, 4, root, timeout_s=2 * SPAWN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

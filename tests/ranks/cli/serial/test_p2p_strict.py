@@ -43,9 +43,9 @@ from refimpl.parallel.pipeline_parallel import PipelineModule, build_schedule
 from refimpl.parallel.pipeline_parallel.p2p_plan import _local_plan, find_table, p2p_plan, strict_deadlock
 from refimpl.parallel.pipeline_parallel.schedules import Action, P2PAction
 from refimpl.planner import ring_bytes_sent
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[4]
-SPAWN_TIMEOUT_S = 240
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zbv", 2)]
 M, B, S = 4, 2, 8
 

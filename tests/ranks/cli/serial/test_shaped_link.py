@@ -30,11 +30,11 @@ import torch.distributed as dist
 
 from refimpl.launch import RankFailed, run_ranks
 from refimpl.launch.shaped_link import check_link, shaped_link_unavailable
+from tests.support.timeouts import SPAWN_TIMEOUT_S
 
 MIB = 1 << 20
 ELEMENTS = MIB  # float32: 4 MiB
 RATE, RATE_BYTES_PER_S = "200mbit", 200e6 / 8
-TIMEOUT_S = 120
 
 WHY = shaped_link_unavailable()
 needs_link = pytest.mark.skipif(WHY is not None, reason=f"no shaped link on this machine: {WHY}")
@@ -61,11 +61,11 @@ def _raises(ctx) -> None:
 
 @pytest.fixture(scope="module")
 def timed() -> dict:
-    return {link: run_ranks(_all_reduce, 2, link=link, timeout_s=TIMEOUT_S) for link in (None, RATE)}
+    return {link: run_ranks(_all_reduce, 2, link=link, timeout_s=SPAWN_TIMEOUT_S) for link in (None, RATE)}
 
 
 @needs_link
-@pytest.mark.timeout(3 * TIMEOUT_S)
+@pytest.mark.timeout(3 * SPAWN_TIMEOUT_S)
 def test_the_shaped_link_is_the_bottleneck_and_the_sum_is_the_same(timed):
     nominal = 2 * 4 * ELEMENTS / RATE_BYTES_PER_S  # both ranks' 4 MiB cross the one shaped loopback
     plain, shaped = max(t for t, _ in timed[None]), min(t for t, _ in timed[RATE])
@@ -75,10 +75,10 @@ def test_the_shaped_link_is_the_bottleneck_and_the_sum_is_the_same(timed):
 
 
 @needs_link
-@pytest.mark.timeout(2 * TIMEOUT_S)
+@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
 def test_a_rank_that_raises_behind_the_link_is_named():
     with pytest.raises(RankFailed) as failed:
-        run_ranks(_raises, 2, link=RATE, timeout_s=TIMEOUT_S)
+        run_ranks(_raises, 2, link=RATE, timeout_s=SPAWN_TIMEOUT_S)
     assert failed.value.rank == 1 and "planted on rank 1" in failed.value.summary
 
 
@@ -104,7 +104,7 @@ TRAINER_RATE, TRAINER_RATE_BYTES_PER_S = "20mbit", 20e6 / 8
 def _train(corpus: dict, out: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "refimpl.train", *TRAINER, "--data", str(corpus["corpus"]), "--cache-dir",
            str(corpus["cache"]), "--out", str(out), *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=SPAWN_TIMEOUT_S)
 
 
 def _steps_against_the_link(out: Path) -> list[tuple[float, float]]:
@@ -117,7 +117,7 @@ def _steps_against_the_link(out: Path) -> list[tuple[float, float]]:
 
 
 @needs_link
-@pytest.mark.timeout(3 * TIMEOUT_S)
+@pytest.mark.timeout(3 * SPAWN_TIMEOUT_S)
 def test_the_trainer_runs_its_ranks_behind_the_link(corpus, tmp_path):
     shaped = _train(corpus, tmp_path / "shaped", "--nproc-per-node", "2", "--link", TRAINER_RATE)
     assert shaped.returncode == 0, shaped.stderr[-3000:]

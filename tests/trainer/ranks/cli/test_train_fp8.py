@@ -80,13 +80,15 @@ from refimpl.precision.fp8 import (
 from refimpl.support import SUPPORT_TABLE
 from refimpl.train import build_parser, config_from_args, options_from_args, train
 from refimpl.train.hooks import TrainHooks
+from tests.support import timeouts
 from tests.support.one_device import (
     assert_gradients_like_one_device,
     assert_trains_like_one_device,
     first_step_gradients,
 )
 
-SPAWN_TIMEOUT_S = 300
+# the one spawn timeout x 2: 2 ranks train in fp8 at each recipe and layout; it was 300 s
+SPAWN_TIMEOUT_S = 2 * timeouts.SPAWN_TIMEOUT_S
 FACTOR = 4.0
 STEPS = 4
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",

@@ -41,6 +41,7 @@ from refimpl.distributed import DistributedContext
 from refimpl.launch import run_ranks
 from refimpl.train import build_parser, build_setup, config_from_args, main, options_from_args, train
 from refimpl.train.layout import resolve
+from tests.support import timeouts
 from tests.support.one_device import (
     assert_gradients_like_one_device,
     assert_trains_like_one_device,
@@ -49,7 +50,8 @@ from tests.support.one_device import (
     tolerance,
 )
 
-SPAWN_TIMEOUT_S = 420
+# the one spawn timeout x 2: 8 ranks then 4 train, save and resume the GPT; it was 420 s
+SPAWN_TIMEOUT_S = 2 * timeouts.SPAWN_TIMEOUT_S
 FACTOR = 4.0
 STEPS = 4  # the checkpoint's step; the runs go 2 steps further
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",

@@ -34,6 +34,7 @@ from refimpl.parallel.declarations import ContextParallelModules
 from refimpl.planner import context_parallel_bytes
 from refimpl.support import shape_refusals
 from refimpl.train import build_parser, config_from_args, options_from_args, train
+from tests.support import timeouts
 from tests.support.one_device import (
     assert_gradients_like_one_device,
     assert_trains_like_one_device,
@@ -42,7 +43,8 @@ from tests.support.one_device import (
     tolerance,
 )
 
-SPAWN_TIMEOUT_S = 300
+# the one spawn timeout x 2: 4 ranks train the Llama form at each layout; it was 300 s
+SPAWN_TIMEOUT_S = 2 * timeouts.SPAWN_TIMEOUT_S
 FACTOR = 4.0
 STEPS = 4
 TINY = ["--arch", "llama", "--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",

@@ -50,6 +50,7 @@ from refimpl.train import build_parser, config_from_args, options_from_args, tra
 from refimpl.train.hooks import TrainHooks, compose
 from refimpl.train.layout import resolve
 from refimpl.train.preflight import MEMORY_ENV, preflight_memory
+from tests.support import timeouts
 from tests.support.covering import MODEL, MOE, PRECISIONS, WORLD, covering_rows, row_flags, row_name
 from tests.support.one_device import (
     assert_gradients_like_one_device,
@@ -58,7 +59,8 @@ from tests.support.one_device import (
     tolerance,
 )
 
-SPAWN_TIMEOUT_S = 600
+# the one spawn timeout x 3: 4 ranks train every row of the covering array; it was 600 s
+SPAWN_TIMEOUT_S = 3 * timeouts.SPAWN_TIMEOUT_S
 FACTOR = 4.0
 STEPS = 2
 # 16 and 8 bits, the loss after the first update: within 1% of what that update changed (measured worst:

@@ -45,6 +45,7 @@ from refimpl.launch import run_ranks
 from refimpl.models import GPT
 from refimpl.train import build_parser, build_setup, config_from_args, options_from_args, train
 from refimpl.train.layout import resolve
+from tests.support import timeouts
 from tests.support.one_device import (
     assert_gradients_like_one_device,
     assert_trains_like_one_device,
@@ -52,7 +53,8 @@ from tests.support.one_device import (
     tolerance,
 )
 
-SPAWN_TIMEOUT_S = 300
+# the one spawn timeout x 2: 4 ranks train the GPT at each ZeRO-3 layout; it was 300 s
+SPAWN_TIMEOUT_S = 2 * timeouts.SPAWN_TIMEOUT_S
 FACTOR = 4.0
 STEPS = 4
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
