@@ -39,7 +39,8 @@ suite runs on CPU and gloo on a GPU box too, as its bitwise references were meas
 unless ``REFIMPL_TEST_GPU=1`` and CUDA is there: ``REFIMPL_TEST_GPU=1 pytest -m gpu tests/ranks/test_gpu.py``.
 
 **Session fixtures** for work several modules repeat: ``corpus`` (the trainer tests' 20 kB pseudo-text and
-its token cache) and ``one_device_references`` (tests/support/one_device.py's one-device runs, computed once
+its token cache: every module that trains on it takes this one, tests/unit/test_tiers.py checks that none
+writes its own) and ``one_device_references`` (tests/support/one_device.py's one-device runs, computed once
 per set of trainer flags and step count: test_train_tp and test_train_cp compare their layouts with the same
 runs).
 """

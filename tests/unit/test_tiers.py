@@ -74,6 +74,19 @@ def test_one_spawn_timeout():
     assert own_spawn_timeouts({TESTS / "ranks" / "test_new.py": multiple}) == []
 
 
+OWN_CORPUS = re.compile(r"make_corpus_file\([^)]*num_bytes=20_000")
+
+
+def test_the_trainer_tests_share_one_corpus():
+    """tests/conftest.py's ``corpus`` is the 20 kB pseudo-text: a module that made its own would prepare its
+    tokens again (a smaller or larger text of a test's own design is not this one)."""
+    own = [p.name for p in MODULES if OWN_CORPUS.search(p.read_text())]
+    assert not own, f"take tests/conftest.py's corpus fixture in {own}"
+    assert OWN_CORPUS.search((TESTS / "conftest.py").read_text())  # control: the fixture's own call matches
+    users = [p for p in MODULES if re.search(r"def \w+\([^)]*\bcorpus\b", p.read_text())]
+    assert len(users) > 15, len(users)
+
+
 def test_timeout_scale(monkeypatch):
     monkeypatch.delenv("REFIMPL_TEST_TIMEOUT_SCALE", raising=False)
     assert timeout_scale() == 1

@@ -34,7 +34,6 @@ from pathlib import Path
 
 import pytest
 
-from refimpl.data import make_corpus_file
 from refimpl.launch import run_ranks
 from refimpl.measure.run_measurement import TrainerProbe
 from refimpl.planner import predict_run
@@ -108,10 +107,9 @@ def predict(args, **change):
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("planner_3d")
-    return {"root": root, "corpus": make_corpus_file(root / "corpus.txt", num_bytes=20_000),
-            "cache": root / "cache"}
+def files(tmp_path_factory, corpus: dict) -> dict:
+    """The shared corpus and its token cache (tests/conftest.py), and this module's folder for its runs."""
+    return {"root": tmp_path_factory.mktemp("planner_3d"), **corpus}
 
 
 def _worker(ctx, files: dict) -> dict:

@@ -842,21 +842,16 @@ TRAIN_FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "2", "
                "--steps", "8", "--zero-stage", "3"]
 
 
-def _trainer_worker(ctx, root: str) -> dict:
+def _trainer_worker(ctx, root: str, corpus: dict) -> dict:
     from pathlib import Path
 
-    from refimpl.data import make_corpus_file
     from refimpl.train import RunOptions, build_parser, build_setup, config_from_args, train
 
     root_path = Path(root)
-    corpus = root_path / "corpus.txt"
-    if ctx.rank == 0:
-        make_corpus_file(corpus, num_bytes=20_000)
-    dist.barrier()
     out: dict = {}
     for precision in ("bf16", "fp32"):
-        args = build_parser().parse_args([*TRAIN_FLAGS, "--precision", precision, "--data", str(corpus),
-                                          "--cache-dir", str(root_path / "cache"),
+        data = ["--data", str(corpus["corpus"]), "--cache-dir", str(corpus["cache"])]
+        args = build_parser().parse_args([*TRAIN_FLAGS, "--precision", precision, *data,
                                           "--out", str(root_path / precision)])
         config = config_from_args(args)
         options = RunOptions(parallel=ParallelConfig(zero_stage=3, precision=precision))
@@ -871,8 +866,8 @@ def _trainer_worker(ctx, root: str) -> dict:
 
 
 @pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
-def test_trainer_zero3_bf16_uses_the_mixed_precision_path_and_trains(tmp_path):
-    for r in run_ranks(_trainer_worker, 2, str(tmp_path), timeout_s=SPAWN_TIMEOUT_S):
+def test_trainer_zero3_bf16_uses_the_mixed_precision_path_and_trains(corpus, tmp_path):
+    for r in run_ranks(_trainer_worker, 2, str(tmp_path), corpus, timeout_s=SPAWN_TIMEOUT_S):
         bf16, fp32 = r["bf16"], r["fp32"]
         assert (bf16["param_dtype"], bf16["reduce_dtype"]) == (torch.bfloat16, torch.float32), bf16
         assert not bf16["own_master"] and bf16["optimizer_dtypes"] == {torch.float32}, bf16

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from refimpl import elastic
-from refimpl.data import make_corpus_file
 from refimpl.launch import run_ranks
 from tests.ranks.cli.serial.test_elastic import _metrics, _report, _run, two_agents_one_lost
 
@@ -30,10 +29,9 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "2", "--seq-l
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("elastic_3d")
-    return {"root": root, "corpus": make_corpus_file(root / "corpus.txt", num_bytes=20_000),
-            "cache": root / "cache"}
+def data(tmp_path_factory, corpus: dict) -> dict[str, Path]:
+    """The shared corpus and its token cache (tests/conftest.py), and this module's folder for its runs."""
+    return {"root": tmp_path_factory.mktemp("elastic_3d"), **corpus}
 
 
 def _flags(data, out: Path, *extra: str) -> list[str]:

@@ -20,7 +20,6 @@ import torch
 from refimpl import elastic
 from refimpl.checkpoint import list_checkpoints, rank_file_name
 from refimpl.config import ConfigError, ParallelConfig
-from refimpl.data import make_corpus_file
 from refimpl.distributed import DistributedContext
 from refimpl.launch import run_ranks
 from refimpl.train import (
@@ -54,10 +53,9 @@ MODES = [
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("train_ckpt")
-    return {"root": root, "corpus": make_corpus_file(root / "corpus.txt", num_bytes=20_000),
-            "cache": root / "cache"}
+def files(tmp_path_factory, corpus: dict) -> dict[str, Path]:
+    """The shared corpus and its token cache (tests/conftest.py), and this module's folder for its runs."""
+    return {"root": tmp_path_factory.mktemp("train_ckpt"), **corpus}
 
 
 def _args(files, out: Path, *extra: str):

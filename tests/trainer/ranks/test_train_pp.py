@@ -21,7 +21,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from refimpl.data import make_corpus_file
 from refimpl.launch import run_ranks
 from refimpl.models import GPT
 from refimpl.train import build_parser, build_setup, config_from_args, options_from_args, train
@@ -97,10 +96,9 @@ def _args(files: dict, out: Path, *extra: str):
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("train_pp")
-    return {"root": root, "corpus": make_corpus_file(root / "corpus.txt", num_bytes=20_000),
-            "cache": root / "cache"}
+def files(tmp_path_factory, corpus: dict) -> dict:
+    """The shared corpus and its token cache (tests/conftest.py), and this module's folder for its runs."""
+    return {"root": tmp_path_factory.mktemp("train_pp"), **corpus}
 
 
 def _replicas_agree(ctx, files: dict, *, average: bool) -> bool:

@@ -21,7 +21,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from refimpl.data import make_corpus_file
 from refimpl.distributed.device_lint import DeviceLint, DeviceLintError, origin_of, private_group
 from refimpl.distributed.kernel_rules import grouped_mm_problems, scaled_mm_problems
 from refimpl.launch import run_ranks
@@ -202,14 +201,14 @@ MOE_BLOCKS = 4
 EXTRA_SYNCS = {"pp": 1, "fp16": 1, "ep": 1 + MOE_BLOCKS}
 
 
-def _trainer_under_lint(ctx, root: Path) -> dict:
+def _trainer_under_lint(ctx, root: Path, corpus: dict) -> dict:
     from refimpl.train import build_parser, config_from_args, options_from_args, train
 
     out = {}
     for name, flags in LAYOUTS.items():
         report = [] if name in REPORTED else ["--no-report"]
-        args = build_parser().parse_args([*TINY, *flags, *report, "--data", str(root / "corpus.txt"),
-                                          "--cache-dir", str(root / "cache"), "--out", str(root / name)])
+        args = build_parser().parse_args([*TINY, *flags, *report, "--data", str(corpus["corpus"]),
+                                          "--cache-dir", str(corpus["cache"]), "--out", str(root / name)])
         with DeviceLint(raise_at_once=False) as lint:
             train(config_from_args(args), ctx, options_from_args(args), hooks=lint)
         out[name] = {"violations": [str(v) for v in lint.violations], "steps": lint.steps_syncs,
@@ -218,11 +217,10 @@ def _trainer_under_lint(ctx, root: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def linted(tmp_path_factory) -> list[dict]:
+def linted(tmp_path_factory, corpus) -> list[dict]:
     root = tmp_path_factory.mktemp("lint")
-    make_corpus_file(root / "corpus.txt", num_bytes=20_000)
     # the one spawn timeout x 2: 4 ranks train under the lint at each layout; it was 600 s
-    return run_ranks(_trainer_under_lint, 4, root, timeout_s=2 * SPAWN_TIMEOUT_S)
+    return run_ranks(_trainer_under_lint, 4, root, corpus, timeout_s=2 * SPAWN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -239,11 +237,10 @@ def test_the_trainer_stays_within_its_host_sync_budget(linted, layout):
         assert len(steps) == 2 and max(steps) <= budget, (rank, steps, out[layout]["sites"])
 
 
-def test_the_command_line_runs_under_the_lint(tmp_path):
+def test_the_command_line_runs_under_the_lint(corpus, tmp_path):
     """``REFIMPL_DEVICE_LINT=1`` on a self-launched pp 2 run: clean, and rank 0 prints the syncs."""
-    make_corpus_file(tmp_path / "corpus.txt", num_bytes=20_000)
     env = {**os.environ, "REFIMPL_DEVICE_LINT": "1", "PYTHONPATH": str(ROOT)}
-    args = [*TINY, *PP, "--data", str(tmp_path / "corpus.txt"), "--cache-dir", str(tmp_path / "cache"),
+    args = [*TINY, *PP, "--data", str(corpus["corpus"]), "--cache-dir", str(corpus["cache"]),
             "--out", str(tmp_path / "run"), "--nproc-per-node", "2", "--timeout", "60", "--no-demo-fault"]
     proc = subprocess.run([sys.executable, "-m", "refimpl.train", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=240)

@@ -31,7 +31,6 @@ import numpy as np
 import pytest
 
 from refimpl import elastic
-from refimpl.data import make_corpus_file
 from refimpl.launch import free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -48,10 +47,11 @@ def _env(cache: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> dict[str, Path]:
+def data(tmp_path_factory, corpus: dict) -> dict[str, Path]:
+    """The shared corpus (tests/conftest.py); the token cache is this module's: it is also the runs'
+    ``REFIMPL_CACHE``."""
     root = tmp_path_factory.mktemp("elastic")
-    return {"root": root, "corpus": make_corpus_file(root / "corpus.txt", num_bytes=20_000),
-            "cache": root / "cache"}
+    return {"root": root, "corpus": corpus["corpus"], "cache": root / "cache"}
 
 
 def _flags(data, out: Path, *extra: str) -> list[str]:

@@ -34,7 +34,6 @@ import torch.distributed as dist
 
 from refimpl.comm import CommTracer, chunk_sizes, ops, ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from refimpl.config import ModelConfig
-from refimpl.data import make_corpus_file
 from refimpl.launch import run_ranks
 from refimpl.models import GPT, lm_loss
 from refimpl.parallel.context_parallel import ring_attention as ra
@@ -188,12 +187,11 @@ def test_negative_control_the_old_ordering_hangs_under_strict_mode_only():
     assert any("timed out" in got["strict"].lower() for got in ranks), [got["strict"] for got in ranks]
 
 
-def _trainer(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
+def _trainer(corpus: Path, tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env |= {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p),
             ops.STRICT_P2P_ENV: "1", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1",
             "REFIMPL_CACHE": str(tmp_path / "cache")}
-    corpus = make_corpus_file(tmp_path / "corpus.txt", num_bytes=20_000)
     args = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "2", "--seq-len", "32", "--steps", "2",
             "--batch-size", "4", "--log-every", "1", "--data", str(corpus), "--out", str(tmp_path / "run"),
             "--cache-dir", str(tmp_path / "cache"), "--nproc-per-node", "2", "--timeout", "120", *flags]
@@ -205,8 +203,8 @@ def _trainer(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("flags", [("--cp", "2", "--cp-method", "ring"),
                                    ("--pp", "2", "--pp-schedule", "1f1b", "--microbatches", "2")],
                          ids=["cp2-ring", "pp2-1f1b"])
-def test_the_trainer_finishes_under_strict_mode(tmp_path, flags):
-    proc = _trainer(tmp_path, *flags)
+def test_the_trainer_finishes_under_strict_mode(corpus, tmp_path, flags):
+    proc = _trainer(corpus["corpus"], tmp_path, *flags)
     report = f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, report  # 124: timeout killed a hang
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

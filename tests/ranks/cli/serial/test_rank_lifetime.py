@@ -36,7 +36,6 @@ from pathlib import Path
 import pytest
 
 from refimpl import elastic
-from refimpl.data import make_corpus_file
 from refimpl.launch.shaped_link import shaped_link_unavailable
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -173,11 +172,6 @@ def test_a_child_that_watches_its_parent_dies_with_it_and_one_that_does_not_surv
 
 
 # --------------------------------------------------------------------------------- torchrun ranks
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return make_corpus_file(tmp_path_factory.mktemp("lifetime") / "corpus.txt", num_bytes=20_000)
-
-
 def _trainer_flags(corpus: Path, out: Path) -> list[str]:
     # rank 0 stalls in step 2; rank 1 waits for it in the gradient all-reduce, under a 300 s timeout
     return [*TINY, "--data", str(corpus), "--cache-dir", str(out.parent / "cache"), "--out", str(out),
@@ -196,7 +190,7 @@ def _ranks_of(agent: int) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("launch", ["torchrun", "self-launch"])
 def test_killing_the_launcher_of_a_hung_run_leaves_no_rank(corpus, tmp_path, launch):
     out, log = tmp_path / "run", tmp_path / "launcher.log"
-    flags = _trainer_flags(corpus, out)
+    flags = _trainer_flags(corpus["corpus"], out)
     if launch == "torchrun":
         cmd = elastic.torchrun_command(flags, nproc_per_node=2)
     else:

@@ -85,13 +85,13 @@ def _cli_in_process(args: list[str], cwd: Path, env: dict[str, str] | None = Non
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory) -> dict[str, Path]:
+def files(tmp_path_factory, corpus: dict) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("train")
     empty = root / "empty.txt"
     empty.write_text("")
     return {
         "root": root,
-        "corpus": make_corpus_file(root / "corpus.txt", num_bytes=20_000),
+        "corpus": corpus["corpus"],  # the shared corpus (tests/conftest.py); its token cache is the module's
         "small": make_corpus_file(root / "small.txt", num_bytes=200),  # 6 windows of 33 tokens
         "empty": empty,
     }

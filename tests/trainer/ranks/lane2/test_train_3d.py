@@ -36,7 +36,6 @@ from refimpl.checkpoint import (
     save_training_state,
 )
 from refimpl.checkpoint.checkpointer import CheckpointConfig
-from refimpl.data import make_corpus_file
 from refimpl.distributed import DistributedContext
 from refimpl.launch import run_ranks
 from refimpl.train import build_parser, build_setup, config_from_args, main, options_from_args, train
@@ -88,10 +87,9 @@ def _args(files: dict, out: Path, *extra: str):
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("train_3d")
-    return {"root": root, "corpus": make_corpus_file(root / "corpus.txt", num_bytes=20_000),
-            "cache": root / "cache"}
+def files(tmp_path_factory, corpus: dict) -> dict:
+    """The shared corpus and its token cache (tests/conftest.py), and this module's folder for its runs."""
+    return {"root": tmp_path_factory.mktemp("train_3d"), **corpus}
 
 
 def _resave(ctx, files: dict, name: str, flags: list[str]) -> None:
