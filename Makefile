@@ -49,16 +49,16 @@ test: $(STAMP)
 	$(PY) tools/run_tests.py --durations=15 $(ARGS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q --ignore=tests/test_chapters.py $(ARGS)
+	$(PY) -m pytest -q --ignore=tests/course/chapters/test_chapters.py $(ARGS)
 
-# tests/conftest.py gives the markers, per module: pytest -m "not spawn and not subprocess and not chapter
+# tests/conftest.py gives the markers, by folder: pytest -m "not spawn and not subprocess and not chapter
 # and not browser", the modules of those tiers not even collected (tools/run_tests.py, unit_command)
 test-unit: $(STAMP)
 	$(PY) tools/run_tests.py --unit $(ARGS)
 
 # At the repository root (refimpl/ and exercises/ one click away), the first chapter open: with a file
 # alone, Lab would serve the file's folder. JupyterLab refuses to run as root without --allow-root: in a
-# container we are root. ARGS go to Lab: tests/test_browser.py starts Lab through this target (make lab
+# container we are root. ARGS go to Lab: tests/course/browser/serial/test_browser.py starts Lab through this target (make lab
 # ARGS="--no-browser --ServerApp.port=..."), so that the command tested is this one.
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab --ServerApp.root_dir=. $(if $(filter 0,$(shell id -u)),--allow-root,) $(ARGS) \

@@ -18,7 +18,8 @@ one with ``cp 2``), ``--steps`` steps each, no checkpoint. Per layout:
    ``pipeline_idle`` (the idle share of the pp ranks from the executor's events, median of the timed
    steps): timing on a shared CPU (transfer delays, 8 processes on the cores), so reported, not asserted.
 
-``--quick``: the tiny model of tests/test_planner_3d.py, 3 steps, 1 warm-up, one round (a smoke run).
+``--quick``: the tiny model of tests/planner/ranks/test_planner_3d.py, 3 steps, 1 warm-up, one round (a smoke
+run).
 
 **Pinned to gloo on the CPU**, also on a GPU box: ``run_ranks(..., backend="gloo")`` gives every rank the
 CPU as ``ctx.device``, which the trainer builds on. Eight ranks would not find eight GPUs on most boxes, and

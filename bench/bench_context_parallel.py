@@ -54,7 +54,7 @@ from refimpl.comm import ops
 from refimpl.parallel.context_parallel import gather_sequence, sequence_positions
 
 KiB = 1024
-FACTOR = 4.0  # stated, as in tests/test_ring_attention.py: error <= 4 x SDPA's own float32 spread
+FACTOR = 4.0  # stated, as in tests/ranks/test_ring_attention.py: error <= 4 x SDPA's own float32 spread
 METHODS = {"ring": "zigzag", "ulysses": "contiguous", "all-gather K/V": "zigzag"}  # method -> layout
 
 

@@ -80,7 +80,7 @@ from refimpl.parallel.expert_parallel import (
 )
 
 KiB = 1024
-FACTOR = 4.0  # stated, as in tests/test_expert_parallel.py: error <= 4 x the spread measured in the run
+FACTOR = 4.0  # stated, as in tests/ranks/test_expert_parallel.py: error <= 4 x the spread measured in the run
 METHODS = {"all-to-all": "alltoall", "all-gather": "allgather"}  # method -> MoE dispatcher
 GROUPED, LOOP = "one device, grouped experts", "one device, per-expert loop"
 ROUTINGS = ("uniform", "skewed")
@@ -239,7 +239,7 @@ def allgather_bytes(*, tokens: int, dim: int, top_k: int, ep: int, element_size:
 
 def worker(ctx, s: Sizes, repeats: int, warmup: int) -> dict:
     """One rank: per routing, the check passes (traced) and the negative control, then ``warmup + repeats``
-    interleaved timed passes (none with ``repeats=0``: the proof alone, as tests/test_expert_parallel.py
+    interleaved timed passes (none with ``repeats=0``: the proof alone, as tests/ranks/test_expert_parallel.py
     runs it)."""
     from refimpl.comm import CommTracer
 

@@ -32,7 +32,7 @@ sequences ``[i B/2, (i+1) B/2)`` of the global batch, the two tp ranks of a repl
 
 **Pinned to gloo on the CPU**, also on a GPU box (``run_ranks(..., backend="gloo")``; the models, batches and
 the (dp, tp) mesh on ``ctx.device``, the CPU under gloo): the proof's one-device references run in the same
-CPU processes, and tests/test_fsdp_tp.py runs ``proof_worker`` on CPU ranks too.
+CPU processes, and tests/ranks/test_fsdp_tp.py runs ``proof_worker`` on CPU ranks too.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import time
 
 import torch
 
-FACTOR = 4.0  # x the one-device summation-order spread (tests/test_zero.py's rule)
+FACTOR = 4.0  # x the one-device summation-order spread (tests/ranks/lane2/test_zero.py's rule)
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=False)
 
 

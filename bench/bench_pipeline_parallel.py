@@ -51,7 +51,7 @@ from refimpl.parallel.pipeline_parallel.executor import run_schedule
 from refimpl.parallel.pipeline_parallel.simulator import Costs, bubble_formula, simulate
 from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, defer_weight_gradients
 
-FACTOR = 4.0  # stated, as in tests/test_pipeline_gpt.py: within 4 x the one-device order spread
+FACTOR = 4.0  # stated, as in tests/ranks/test_pipeline_gpt.py: within 4 x the one-device order spread
 MARGIN = 0.03  # the chapter's margin for a measured bubble against its formula
 TIMED = {"1f1b": 1, "interleaved": 2}  # schedule -> virtual stages
 BUBBLE = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zbh1": 1}

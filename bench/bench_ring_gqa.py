@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 KiB = 1024
-FACTOR = 4.0  # as tests/test_ring_attention.py: error <= 4 x SDPA's own float32 spread
+FACTOR = 4.0  # as tests/ranks/test_ring_attention.py: error <= 4 x SDPA's own float32 spread
 HEAD_DIM = 32
 
 

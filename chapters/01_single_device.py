@@ -526,7 +526,7 @@ if transformers is not None:
         after = (hf_llama(input_ids=ids).logits - ours(ids)).abs().max().item()
     print(f"max |logits HF - ours| in float64: {before:.1e} with HF's float32 angles and norms, "
           f"{after:.1e} with both float64 throughout")
-    assert after < 1e-12 < before  # tests/test_convert.py: every gradient too, with a measured tolerance
+    assert after < 1e-12 < before  # tests/unit/models/test_convert.py: every gradient too, with a measured tolerance
 
 # %% [markdown]
 # ## What to take away

@@ -666,7 +666,7 @@ plt.close(fig)
 # %% [markdown]
 # Rows $[0, 96)$ are tp rank 0's block and $[96, 192)$ tp rank 1's; the dp ranks split each block, not
 # the whole weight (exercise 04.6 asks for these rows at any sizes, uneven ones included).
-# `tests/test_fsdp_tp.py` trains this layout against PyTorch's own 2-D sharding, `fully_shard` on the dp
+# `tests/ranks/test_fsdp_tp.py` trains this layout against PyTorch's own 2-D sharding, `fully_shard` on the dp
 # dimension of a `(dp, tp)` mesh over DTensor TP (`parallelize_module` on its tp dimension; its
 # `_StridedShard` placements hold the same elements as our boxes): the two, and one device, agree within 4
 # times one device's summation-order spread (a tolerance, not bits: the two compute the tensor-parallel

@@ -928,7 +928,7 @@ fig.tight_layout()
 # each step), not typed. Then the MLP of section 3 with `tp_comm_overlap` on: the same output and
 # gradients as one device within the chapter's tolerance, and as the unfused layers up to the order of
 # the sums (the ring adds the row layer's partial sums in ring order, so that side is not bitwise;
-# tests/test_collective_matmul.py derives the bound).
+# tests/ranks/test_collective_matmul.py derives the bound).
 
 # %%
 # %%px
@@ -997,7 +997,7 @@ for t in (2, 4):
 # machine can send while it computes: on a GPU the copy engines and NVLink do it; on this laptop's CPU
 # over plain loopback the bytes are nearly free and the two cores are busy computing, so there is
 # nothing to hide. Behind a rate-limited loopback (`refimpl.launch.shaped_link`, 1 Gbit/s) the
-# communication sets the pace, and there tests/test_overlap.py measures the ring against its serialized
+# communication sets the pace, and there tests/ranks/cli/test_overlap.py measures the ring against its serialized
 # control (`serialized=True`: the same code, each transfer waited for before the chunk's matmul, bitwise
 # the same results), and `python -m bench.bench_collective_matmul` against the unfused layers and
 # DTensor's (bench/RESULTS.md). In the trainer: `--tp 2 --sequence-parallel --tp-comm-overlap`.

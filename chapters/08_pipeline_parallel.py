@@ -550,7 +550,7 @@ assert whole == ours_zb.peak_in_flight and all(whole[r] < ours_inter.peak_in_fli
 # executor) takes it. Below: the placement at p = 4, our lists against PyTorch's `ScheduleZBVZeroBubble`
 # tables (its `I` is our `B`), and the simulated bubble against 1F1B and ZB-H1 at the same p = 4, m = 8,
 # unit costs per whole stage (a ZB-V chunk costs half). The closed form (`bubble_formula`), found with the
-# simulator and checked on a grid of costs in `tests/test_pp_schedules.py`: each rank idles
+# simulator and checked on a grid of costs in `tests/cli/test_pp_schedules.py`: each rank idles
 # $I = (p-1)\max(t_B, 2(t_B - t_W))$ in chunk costs, bubble $\frac{I}{2m(t_F+t_B+t_W) + I}$, exactly for
 # $m \ge 2p$ and $t_F, t_W \le t_B$, a lower bound otherwise; at equal costs $\frac{p-1}{6m+p-1}$ against
 # ZB-H1's $\frac{p-1}{3m+p-1}$: half the idle time.
@@ -963,7 +963,7 @@ fig.tight_layout()
 #
 # These are the saved activations. A rank also holds what it sends until the send completes: the executor
 # releases each sent tensor one action after posting it (a stage's output stays alive anyway, its backward
-# needs it), so the sends do not grow with $m$ either. `tests/test_planner_pp.py` counts saved and sent
+# needs it), so the sends do not grow with $m$ either. `tests/planner/ranks/test_planner_pp.py` counts saved and sent
 # tensors together and asserts it: at p = 2 and m = 4, 8, 16, 1F1B's peak per rank grows only by the step's
 # own token ids, GPipe's by a micro-batch's activations for every extra micro-batch.
 #

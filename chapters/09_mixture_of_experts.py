@@ -878,7 +878,7 @@ for name in more[0]:
 
 # %% [markdown]
 # Every layout gives one device's losses within the tolerance. The losses alone would not catch a
-# gradient off by a constant factor: tests/test_train_moe.py compares each layout's first-step gradients
+# gradient off by a constant factor: tests/trainer/ranks/lane2/test_train_moe.py compares each layout's first-step gradients
 # with one device's too, and plants the mistakes (a stage's balance loss left out of its backward, the
 # counts not summed over cp, each tp rank's balance loss whole), each of which fails by far.
 

@@ -926,8 +926,8 @@ print(f"fp8 gathers: the weight traffic halves again, the step's traffic falls t
 # the fp8 layers are all-gathered in fp8 as section 5 built it, tensorwise (each pipeline stage's
 # wrapper too, and each tensor-parallel block with its whole layer's scale); with sequence parallelism
 # and the zbh1 schedule the linear seam runs the two backward GEMMs through the same fp8 product; what
-# does not compose is refused with the reason, `--list-layouts` prints it; tests/test_train_fp8.py and
-# tests/test_fp8_zero3.py compare the layouts with one device).
+# does not compose is refused with the reason, `--list-layouts` prints it; tests/trainer/ranks/cli/test_train_fp8.py and
+# tests/ranks/test_fp8_zero3.py compare the layouts with one device).
 
 # %%
 ranks.stop()

@@ -535,7 +535,7 @@ assert verify_checkpoint(info.path)["step"] == info.step  # the one we fall back
 # ```
 #
 # and exits; the agent stops the stalled rank and restarts the group, which resumes from the disk
-# (`tests/test_elastic.py` runs it). The timeout is a trade: too short and a slow checkpoint or a long
+# (`tests/ranks/cli/serial/test_elastic.py` runs it). The timeout is a trade: too short and a slow checkpoint or a long
 # first step looks like a hang; too long and a dead job burns its allocation.
 #
 # **A lost machine (scale-down).** With `torchrun --nnodes=1:2 --rdzv-backend=c10d
@@ -543,7 +543,7 @@ assert verify_checkpoint(info.path)["step"] == info.step  # the one we fall back
 # make one group. If a machine dies, the survivor's rank fails in its next collective, its agent restarts
 # it, the rendezvous closes with the agents that are left (at least `MIN` = 1) and the new, smaller group
 # loads the checkpoint resharded (section 3). `--fail-at-step N --fail-node` on one agent's command line
-# simulates it: its rank kills its own agent. `tests/test_elastic.py` does this with two agents on one
+# simulates it: its rank kills its own agent. `tests/ranks/cli/serial/test_elastic.py` does this with two agents on one
 # machine; the survivor finishes at world size 1. The commands:
 
 # %%

@@ -949,8 +949,8 @@ assert [key for key, why in refused.items() if why] == [("zbh1", True)], "the te
 #
 # The planner's ZeRO-3 row under a pipeline is what this course's trainer runs (ZeRO-3 with pipeline
 # parallelism under 1F1B, GPipe and interleaved 1F1B, proven equal to one device at 2 x 2 x 2 in
-# tests/test_train_3d.py; zbh1 too when the stage is kept gathered, its W actions adding the weight
-# gradients before the one reduce-scatter, tests/test_train_zero3.py; zbh1 with the per-micro-batch mode
+# tests/trainer/ranks/lane2/test_train_3d.py; zbh1 too when the stage is kept gathered, its W actions adding the weight
+# gradients before the one reduce-scatter, tests/trainer/ranks/lane2/test_train_zero3.py; zbh1 with the per-micro-batch mode
 # is refused with the reason printed, and `python -m refimpl.train --list-layouts` prints every refused
 # combination). A 1F1B stage runs the forwards and backwards of
 # different micro-batches in turn, each through all of its blocks, so the trainer either keeps the whole
@@ -960,7 +960,7 @@ assert [key for key, why in refused.items() if why] == [("zbh1", True)], "the te
 # ZeRO-1 layouts'. ZeRO-3 makes DP128 x TP8 x PP2 *fit*; it does not make it a good layout, and the
 # search's fastest layouts are elsewhere. The seed's exact layout is planned here, not run (a trillion
 # parameters); the pieces it combines run in the course: ZeRO-3 over tp x dp (chapter 04, section 7),
-# HSDP (chapter 04), ZeRO-3 with pipeline parallelism (tests/test_train_3d.py, tests/test_train_zero3.py).
+# HSDP (chapter 04), ZeRO-3 with pipeline parallelism (tests/trainer/ranks/lane2/test_train_3d.py, tests/trainer/ranks/lane2/test_train_zero3.py).
 
 # %% [markdown]
 # ### A published run: Llama 3 405B
@@ -1229,7 +1229,7 @@ _ = widgets.interact_manual(  # draws when its button is pressed: nothing runs h
 # about that far from exact arithmetic, 2x for the two, 2x for the reduction's other order); the same
 # model with the plain `ColwiseParallel()` on the fused qkv is the negative control. Then ZeRO-3 and
 # activation checkpointing by `unit_types` over the same pairs, each rank half the batch, against one
-# device running the two halves as micro-batches: bit for bit. `tests/test_bring_your_own_model.py`
+# device running the two halves as micro-batches: bit for bit. `tests/ranks/test_bring_your_own_model.py`
 # proves the same on Hugging Face's `LlamaForCausalLM` with its own `base_model_tp_plan`, against torch's
 # `parallelize_module`, DDP, `fully_shard` and `checkpoint_wrapper`, plus the user's own pipeline stages
 # and checkpoints that resume at another layout.

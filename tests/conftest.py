@@ -1,14 +1,20 @@
 """The suite's tiers and its one timeout scale (docs/ARCHITECTURE.md: tests).
 
-**Markers**, given here per module so that no test file has to remember them:
+**Markers by folder**, so that no test file and no list of names has to remember them: a module carries
+the markers of every folder it lies in below tests/ (``FOLDER_MARKERS``; tests/ranks/cli/serial/x.py is
+``spawn``, ``subprocess`` and ``serial``). The folders above them say what is tested: unit/ (one module of
+the package, in one process), ranks/, trainer/ (the trainer at a layout), planner/, course/ (chapters,
+exercises, the README, the project's text), cli/; support/ holds helpers, not tests.
 
-- ``spawn``: starts rank processes (``refimpl.launch.run_ranks``, torchrun, ipyparallel engines);
-- ``subprocess``: runs a child Python (the trainer's command line, the grader, the planner's CLI);
-- ``chapter``: executes a chapter as a notebook under nbval;
-- ``browser``: drives JupyterLab in Debian's chromium;
-- ``serial``: it mostly waits, and its verdict reads a clock; tools/run_tests.py (``make test``) runs these
-  one after the other, beside the rest of the suite.
-- ``lane2`` (``LANE2`` here, and per chapter in tests/test_chapters.py): a computing test that
+- ``spawn`` (``ranks/``): starts rank processes (``refimpl.launch.run_ranks``, torchrun, ipyparallel
+  engines);
+- ``subprocess`` (``cli/``): runs a child Python (the trainer's command line, the grader, the planner's CLI);
+- ``chapter`` (``chapters/``, with ``spawn`` and ``subprocess``): executes a chapter as a notebook under
+  nbval;
+- ``browser`` (``browser/``, with ``subprocess``): drives JupyterLab in Debian's chromium;
+- ``serial`` (``serial/``): it mostly waits, and its verdict reads a clock; tools/run_tests.py
+  (``make test``) runs these one after the other, beside the rest of the suite.
+- ``lane2`` (``lane2/``, and per chapter in tests/course/chapters/test_chapters.py): a computing test that
   tools/run_tests.py runs in the serial tests' lane once they are done, so that both lanes end together;
   CI's numerics rerun has no serial test, so there its ``lane2`` tests run beside the others from the start
   (the trainer equivalence modules with the heaviest fixtures: about half of the rerun).
@@ -22,21 +28,28 @@ unit tier is what surely starts nothing.
 limits were measured on. Limits inside a test (a rank's collective timeout, ``run_ranks``' own bound) are
 the test's measured design and stay as written.
 
+**One spawn timeout**: ``tests.support.timeouts.SPAWN_TIMEOUT_S`` bounds one spawn of a module's ranks
+(``run_ranks``' ``timeout_s``) and the pytest limits built on it; a module that needs more says so with an
+explicit multiple of it (tests/unit/test_tiers.py fails a module that sets a spawn timeout of its own).
+
 **GPUs only when asked**: unless ``REFIMPL_TEST_GPU=1``, this module hides the GPUs at import
 (``CUDA_VISIBLE_DEVICES=""``, before torch initialises CUDA; the ranks and child Pythons inherit it), so the
 suite runs on CPU and gloo on a GPU box too, as its bitwise references were measured. Tests marked ``gpu``
-(tests/test_gpu.py: what only CUDA and NCCL show) are deselected, the reason printed after collection,
-unless ``REFIMPL_TEST_GPU=1`` and CUDA is there: ``REFIMPL_TEST_GPU=1 pytest -m gpu tests/test_gpu.py``.
+(tests/ranks/test_gpu.py: what only CUDA and NCCL show) are deselected, the reason printed after collection,
+unless ``REFIMPL_TEST_GPU=1`` and CUDA is there: ``REFIMPL_TEST_GPU=1 pytest -m gpu tests/ranks/test_gpu.py``.
 
 **Session fixtures** for work several modules repeat: ``corpus`` (the trainer tests' 20 kB pseudo-text and
-its token cache) and ``one_device_references`` (tests/one_device.py's one-device runs, computed once per set
-of trainer flags and step count: test_train_tp and test_train_cp compare their layouts with the same runs).
+its token cache: every module that trains on it takes this one, tests/unit/test_tiers.py checks that none
+writes its own) and ``one_device_references`` (tests/support/one_device.py's one-device runs, computed once
+per set of trainer flags and step count: test_train_tp and test_train_cp compare their layouts with the same
+runs).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -45,41 +58,41 @@ _GPU_DESELECTED = pytest.StashKey[str]()  # the collection report's line on the 
 if os.environ.get(GPU_ENV) != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch initialises CUDA: the suite runs on CPU and gloo
 
-SPAWN = {
-    "test_boundary_bytes", "test_checkpoint", "test_checkpoint_fully_shard", "test_comm",
-    "test_context_parallel_gpt", "test_data_parallel",
-    "test_elastic", "test_elastic_3d", "test_launch", "test_mesh", "test_notebook", "test_notebook_lifetime",
-    "test_p2p_strict", "test_param_placements", "test_parallelize", "test_pipeline_gpt", "test_planner_3d",
-    "test_planner_cp", "test_planner_pp", "test_planner_tp", "test_precision", "test_rank_lifetime",
-    "test_ring_attention", "test_tp_communications", "test_tp_layers", "test_tp_plan", "test_tp_transformer",
-    "test_train", "test_train_3d", "test_train_zero3", "test_fsdp_tp", "test_planner_zero3",
-    "test_train_checkpoint", "test_train_cp", "test_train_pp", "test_train_tp", "test_train_llama",
-    "test_ulysses",
-    "test_vocab_parallel", "test_zero", "test_chapters", "test_expert_parallel", "test_fp8_communication",
-    "test_moe_model", "test_train_moe", "test_train_fp8", "test_planner_moe", "test_fp8_zero3", "test_gpu",
-    "test_device_lint", "test_train_pairs", "test_readme", "test_bring_your_own_model",
-    "test_parallelize_byom", "test_shaped_link", "test_overlap", "test_collective_matmul",
+TESTS = Path(__file__).resolve().parent
+# A module's tiers are the folders it lies in (docs/ARCHITECTURE.md, "Tests"): each folder below tests/
+# named here gives its markers to every module under it, at any depth; the other folders (unit/, trainer/,
+# planner/, course/, support/ ...) say what is tested and give none.
+FOLDER_MARKERS: dict[str, tuple[str, ...]] = {
+    "ranks": ("spawn",),  # the test starts rank processes
+    "cli": ("subprocess",),  # the test runs a child Python
+    "chapters": ("chapter", "spawn", "subprocess"),  # nbval's kernel, and the chapter's engines
+    "browser": ("browser", "subprocess"),  # JupyterLab's server, driven in chromium
+    # Tests that mostly wait, judged by a clock (a hang named within its timeout, a process gone within a
+    # bound, an elastic restart loop, a browser's redraw): tools/run_tests.py runs them in their own lane,
+    # one after the other, beside the computing tests. test_chapters marks its own (08's bubble, timed) per
+    # parameter.
+    "serial": ("serial",),
+    # Computing tests for the second lane (above): the README's runs and the device lint (no numerics), the
+    # trainer equivalence modules with the heaviest fixtures (numerics: about half of CI's rerun, which
+    # would otherwise run in one lane).
+    "lane2": ("lane2",),
 }
-SUBPROCESS = {
-    "test_browser", "test_chapters", "test_deploy", "test_elastic", "test_exercises", "test_notebook",
-    "test_p2p_strict", "test_plan_cli", "test_planner_layout", "test_pp_schedules", "test_rank_lifetime",
-    "test_train", "test_train_fp8", "test_device_lint", "test_bench_gpu", "test_readme", "test_shaped_link",
-    "test_overlap", "test_history",
-}
-CHAPTER = {"test_chapters"}
-BROWSER = {"test_browser"}
-# Tests that mostly wait, judged by a clock (a hang named within its timeout, a process gone within a bound,
-# an elastic restart loop, a browser's redraw): tools/run_tests.py runs them in their own lane, one after
-# the other, beside the computing tests. test_chapters marks its own (08's bubble, timed) per parameter.
-SERIAL = {"test_elastic", "test_elastic_3d", "test_p2p_strict", "test_rank_lifetime",
-          "test_notebook_lifetime", "test_browser", "test_shaped_link"}
-# Computing tests for the second lane (above): the README's runs and the device lint (no numerics), the
-# trainer equivalence modules with the heaviest fixtures (numerics: about half of CI's rerun, which
-# would otherwise run in one lane).
-LANE2 = {"test_readme", "test_device_lint", "test_train_pairs", "test_train_3d", "test_train_zero3",
-         "test_zero", "test_train_moe", "test_train_llama"}
-TIERS = {"spawn": SPAWN, "subprocess": SUBPROCESS, "chapter": CHAPTER, "browser": BROWSER, "serial": SERIAL,
-         "lane2": LANE2}
+TIERS = ("spawn", "subprocess", "chapter", "browser", "serial", "lane2")
+
+
+def folder_markers(path: Path) -> set[str]:
+    """The tiers of the test module at ``path`` (under tests/): the markers of the folders it lies in."""
+    path = Path(path).resolve()
+    if TESTS not in path.parents:
+        return set()
+    folders = path.relative_to(TESTS).parts[:-1]
+    return {marker for folder in folders for marker in FOLDER_MARKERS.get(folder, ())}
+
+
+def tier_folders(tier: str) -> list[Path]:
+    """The outermost folders under tests/ whose modules all carry ``tier`` (their name gives it)."""
+    found = [d for d in sorted(TESTS.rglob("*")) if d.is_dir() and tier in FOLDER_MARKERS.get(d.name, ())]
+    return [d for d in found if not any(other in d.parents for other in found)]
 
 
 def timeout_scale() -> float:
@@ -125,11 +138,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     _deselect_gpu_tests(config, items)
     scale = timeout_scale()
     default = float(config.getini("timeout") or 0)
+    markers: dict[Path, set[str]] = {}
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
-        for marker, modules in TIERS.items():
-            if module in modules:
-                item.add_marker(marker)
+        for marker in sorted(markers.setdefault(item.path, folder_markers(item.path))):
+            item.add_marker(marker)
         if scale != 1 and (limit := scaled_timeout(item.get_closest_marker("timeout"), default, scale)):
             item.add_marker(pytest.mark.timeout(limit), append=False)  # first: the closest marker wins
 
@@ -156,11 +168,11 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.fixture(scope="session")
 def one_device_references(tmp_path_factory: pytest.TempPathFactory, corpus: dict) -> Callable[..., dict]:
-    """``get(flags, steps=n)``: ``tests.one_device.one_device_losses`` for the trainer's ``flags`` on
+    """``get(flags, steps=n)``: ``tests.support.one_device.one_device_losses`` for the trainer's ``flags`` on
     ``corpus``, computed the first time a module asks for those flags and steps and handed to the next
     (a read-only dict: a module that adds entries copies it first)."""
     from refimpl.train import build_parser
-    from tests.one_device import one_device_losses
+    from tests.support.one_device import one_device_losses
 
     cache: dict[tuple, dict] = {}
 

@@ -16,9 +16,10 @@ CI's numerics rerun). So two lanes run at the same time, each a pytest process a
 
 1. **the first lane**: every computing test not marked ``lane2``; its output streams as it runs;
 2. **the second lane**: the ``serial`` tests, in order, then the computing tests marked ``lane2`` (some
-   of the slowest chapters, tests/test_chapters.py, and the modules of tests/conftest.py's ``LANE2``:
-   chosen so that both lanes end together); its output is printed when it ends. CI's numerics rerun
-   selects no serial test, so there the second lane computes from the start.
+   of the slowest chapters, tests/course/chapters/test_chapters.py, and the modules in
+   tests/'s ``lane2/`` folders, tests/conftest.py: chosen so that both lanes end together); its output is
+   printed when it ends. CI's numerics rerun selects no serial test, so there the second lane computes from
+   the start.
 
 The serial tests therefore run beside one busy pytest process, never beside several: their bounds were
 measured with load on the machine (their modules say how) and must hold under it (the design's rule:
@@ -41,34 +42,36 @@ from typing import IO
 
 NO_TESTS = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
 ROOT = Path(__file__).resolve().parents[1]
+CHAPTERS = ROOT / "tests" / "course" / "chapters" / "test_chapters.py"  # it marks its own lanes
 NOT_UNIT = ("spawn", "subprocess", "chapter", "browser")  # tests/conftest.py's tiers that start a process
 UNIT = " and ".join(f"not {tier}" for tier in NOT_UNIT)
 
 
 def unit_command(marker: str | None, rest: list[str]) -> list[str]:
     """``make test-unit``: the tests that start no process, ``-m UNIT`` (and ``marker``, if given), in one
-    pytest process. The modules of the other tiers (tests/conftest.py gives the markers per module) are not
+    pytest process. The folders of the other tiers (tests/conftest.py gives the markers by folder) are not
     even imported (``--ignore``): ``-m`` deselects every test in them, but only once it has collected the
     whole suite (13 s of CPU to collect instead of 8 s). ``-m`` stays: the same tests are chosen."""
     if str(ROOT) not in sys.path:  # run as a script: tools/ is on the path, not the repository
         sys.path.insert(0, str(ROOT))
-    from tests.conftest import TIERS  # (it also hides the GPUs in os.environ, as it does in pytest)
+    from tests.conftest import tier_folders  # (it also hides the GPUs in os.environ, as it does in pytest)
 
-    others = sorted(set().union(*(TIERS[tier] for tier in NOT_UNIT)))
+    others = {folder for tier in NOT_UNIT for folder in tier_folders(tier)}
+    others = sorted(f for f in others if not others & set(f.parents))  # the outermost of them
     return [sys.executable, "-m", "pytest", "-q", "-m", f"({marker}) and {UNIT}" if marker else UNIT,
-            *(f"--ignore={ROOT / 'tests' / module}.py" for module in others), *rest]
+            *(f"--ignore={folder}" for folder in others), *rest]
 
 
 def tier_files(tier: str) -> list[str]:
-    """The files that can hold ``tier``'s tests: tests/conftest.py's modules of that tier and
-    tests/test_chapters.py, which marks its chapters itself (tests/test_tiers.py checks that no other module
-    does). The second lane's commands collect only these: each pytest process otherwise imports the whole
-    suite to deselect most of it (about 12 s of CPU per command)."""
+    """The files and folders that can hold ``tier``'s tests: tests/conftest.py's folders of that tier and
+    tests/course/chapters/test_chapters.py, which marks its chapters itself (tests/unit/test_tiers.py checks
+    that no other module does). The second lane's commands collect only these: each pytest process
+    otherwise imports the whole suite to deselect most of it (about 12 s of CPU per command)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from tests.conftest import TIERS
+    from tests.conftest import tier_folders
 
-    return [str(ROOT / "tests" / f"{module}.py") for module in sorted(TIERS[tier] | {"test_chapters"})]
+    return [*(str(folder) for folder in tier_folders(tier)), str(CHAPTERS)]
 
 
 def _names_tests(rest: list[str]) -> bool:

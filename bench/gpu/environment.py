@@ -36,7 +36,7 @@ SMI_FIELDS = ("name", "driver_version", "clocks.sm", "clocks.max.sm", "clocks.me
 
 def has_module(name: str) -> bool:
     """Whether ``import name`` would find the module (without importing it; a finder that refuses it, as
-    tests/test_bench_gpu.py's stand-in for a bare image does, counts as missing)."""
+    tests/cli/test_bench_gpu.py's stand-in for a bare image does, counts as missing)."""
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):

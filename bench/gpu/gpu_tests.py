@@ -1,9 +1,9 @@
 """The ``gpu``-marked tests, run by bench/gpu/check.py when pytest is importable.
 
 The tests stay on the CPU unless asked (docs/ARCHITECTURE.md, "GPUs"): ``REFIMPL_TEST_GPU=1`` asks. Only the
-modules that mention the marker are handed to pytest (``pytest.mark.gpu`` in a module, or a ``GPU = {...}``
-set of modules in tests/conftest.py, as its other tiers are given): collecting the whole suite would import
-what a bare GPU image lacks (ipyparallel, nbval, ...) and fail on that instead. ``--smoke`` only collects
+modules that mention the marker are handed to pytest (``pytest.mark.gpu`` in a module, at any depth under
+tests/): collecting the whole suite would import what a bare GPU image lacks (ipyparallel, nbval, ...) and
+fail on that instead. ``--smoke`` only collects
 them: a CPU cannot run what they check.
 """
 
@@ -18,18 +18,14 @@ from pathlib import Path
 from bench.gpu.environment import has_module
 
 MARK = re.compile(r"mark\.gpu\b")
-TIER = re.compile(r"^GPU\s*=\s*\{([^}]*)\}", re.M)
 
 
 def gpu_test_files(root: Path) -> list[str]:
-    """The test modules that carry the ``gpu`` marker (module docstring), relative to ``root``."""
+    """The test modules under tests/ (at any depth) that carry the ``gpu`` marker (module docstring),
+    relative to ``root``."""
     tests = root / "tests"
-    found = {p for p in tests.glob("test_*.py") if MARK.search(p.read_text(encoding="utf-8"))}
-    conftest = tests / "conftest.py"
-    tier = TIER.search(conftest.read_text(encoding="utf-8")) if conftest.exists() else None
-    if tier:
-        found |= {tests / f"{name}.py" for name in re.findall(r"[\"'](\w+)[\"']", tier.group(1))}
-    return sorted(str(p.relative_to(root)) for p in found if p.exists())
+    found = {p for p in tests.rglob("test_*.py") if MARK.search(p.read_text(encoding="utf-8"))}
+    return sorted(str(p.relative_to(root)) for p in found)
 
 
 def _verdict(code: int) -> str:

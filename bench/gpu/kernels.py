@@ -7,7 +7,7 @@ element by element, within ``2 (2^-8 |ref| + A (|a| @ |b|))``: the output's roun
 times a stated factor 2. ``A = K 2^-24`` where the kernel accumulates in float32 (every CPU kernel, and CUDA's
 bf16 GEMMs); fp8 on CUDA adds ``min(K, 128) 2^-14``: Hopper's fp8 tensor cores keep about 14 bits while
 they accumulate (DeepSeek-V3, section 3.3.2), and cuBLAS without fast accumulation moves the partial sum to
-float32 every 128 terms (the same model as tests/test_gpu.py's). The figure recorded is the largest
+float32 every 128 terms (the same model as tests/ranks/test_gpu.py's). The figure recorded is the largest
 ``|out - ref| / bound``: at most 1 passes. A negative control keeps the bound honest: the output doubled
 (a scale applied twice) must exceed it.
 

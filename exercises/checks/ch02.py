@@ -12,7 +12,7 @@ Starting ranks costs seconds, so one run per world size checks all three functio
 read its verdicts (cached per file content); a function that fails on 3 ranks is not run again on 2. A
 function that hangs or crashes a rank spoils that run; the functions are then rerun one by one to find
 the culprit. A stub is recognised without starting any rank.
-``MUTANTS`` holds one plausible wrong implementation per task (tests/test_exercises.py).
+``MUTANTS`` holds one plausible wrong implementation per task (tests/course/cli/test_exercises.py).
 """
 
 from __future__ import annotations

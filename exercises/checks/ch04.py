@@ -315,7 +315,8 @@ TASKS = [
          check=check_rows_of_2d_shard),
 ]
 
-# Plausible wrong answers, each of which must fail its own task and only that one (tests/test_exercises.py).
+# Plausible wrong answers, each of which must fail its own task and only that one
+# (tests/course/cli/test_exercises.py).
 MUTANTS = {
     "04.1 shard_rows": '''
 from exercises.reference.ch04 import *  # noqa: F403

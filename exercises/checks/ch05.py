@@ -11,7 +11,8 @@
   only the block's input saved for backward (measured with ``saved_tensors_hooks``), the block's forward
   run again during backward, parameter names unchanged.
 
-``MUTANTS`` holds one plausible wrong implementation per task (tests/test_exercises.py grades them).
+``MUTANTS`` holds one plausible wrong implementation per task (tests/course/cli/test_exercises.py grades
+them).
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ backward separately.
   forward exchanges at most three float32 tensors of the target's size, the backward nothing.
 * sequence parallelism's three conjugates and the fused-qkv shard: ``exercises.checks.ch06_sequence``.
 
-``MUTANTS`` holds plausible wrong implementations, several for some tasks (tests/test_exercises.py grades
-each and expects exactly its task to fail).
+``MUTANTS`` holds plausible wrong implementations, several for some tasks (tests/course/cli/test_exercises.py
+grades each and expects exactly its task to fail).
 """
 
 from __future__ import annotations

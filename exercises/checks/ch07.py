@@ -24,7 +24,8 @@ The ring forward and backward on real ranks and Ulysses' all-to-alls: ``exercise
 
 ``FACTOR`` covers the worst ratio error / spread measured for refimpl's answers and for the independent
 right ones in ``ch07_mutants.CORRECT`` (stated beside it). ``MUTANTS`` holds plausible wrong
-implementations, several per task (tests/test_exercises.py grades each and expects its task alone to fail).
+implementations, several per task (tests/course/cli/test_exercises.py grades each and expects its task alone
+to fail).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Wrong answers (``MUTANTS``) and independent right ones (``CORRECT``) for chapter 07's checks.
 
-``exercises/checks/ch07.py`` re-exports both; tests/test_exercises.py grades every mutant (its task, and
-only its task, must fail) and every ``CORRECT`` source (its task must pass). Each source is a whole module
-that takes refimpl's answers (``exercises/reference/ch07.py``) for the other tasks and replaces one name.
-The right implementations are written here independently of refimpl (a learner's way: the weights
+``exercises/checks/ch07.py`` re-exports both; tests/course/cli/test_exercises.py grades every mutant (its
+task, and only its task, must fail) and every ``CORRECT`` source (its task must pass). Each source is a whole
+module that takes refimpl's answers (``exercises/reference/ch07.py``) for the other tasks and replaces one
+name. The right implementations are written here independently of refimpl (a learner's way: the weights
 ``e^(lse_i - max)`` rather than refimpl's sigmoid, ``torch.softmax`` and ``torch.logsumexp`` for a block),
 and every mutant is that same code with one line changed (``_mutate`` insists that the line is there).
 """

@@ -20,7 +20,7 @@ Tasks 4 and 5 (the executor on 2 ranks over real stages, the split backward) are
 ``ch08_stages``.
 
 ``MUTANTS`` (in ``ch08_mutants``) holds plausible wrong implementations, several per task
-(tests/test_exercises.py grades each and expects its task alone to fail).
+(tests/course/cli/test_exercises.py grades each and expects its task alone to fail).
 """
 
 from __future__ import annotations

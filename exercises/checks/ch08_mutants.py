@@ -1,10 +1,10 @@
 """Wrong answers (``MUTANTS``) and independent right ones (``CORRECT``) for chapter 08's checks.
 
-``exercises/checks/ch08.py`` re-exports both; tests/test_exercises.py grades every mutant (its task, and
-only its task, must fail) and every ``CORRECT`` source (its task must pass). Each source is a whole module
-that takes refimpl's answers (``exercises/reference/ch08.py``) for the other tasks and replaces one name.
-The right implementations are written here independently of refimpl (a learner's way: counters instead of
-index arithmetic, the peer as ``stage % pp_size`` inline, a dictionary of finished actions and the rank
+``exercises/checks/ch08.py`` re-exports both; tests/course/cli/test_exercises.py grades every mutant (its
+task, and only its task, must fail) and every ``CORRECT`` source (its task must pass). Each source is a whole
+module that takes refimpl's answers (``exercises/reference/ch08.py``) for the other tasks and replaces one
+name. The right implementations are written here independently of refimpl (a learner's way: counters instead
+of index arithmetic, the peer as ``stage % pp_size`` inline, a dictionary of finished actions and the rank
 that ran each, blocking receives with ``torch.distributed``, a closure per deferred weight gradient), and
 every mutant is that same code with a line or two changed (``_mutate`` insists that each is there).
 """

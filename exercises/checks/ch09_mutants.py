@@ -1,9 +1,9 @@
 """Wrong answers (``MUTANTS``) and independent right ones (``CORRECT``) for chapter 09's checks.
 
-``exercises/checks/ch09.py`` re-exports both; tests/test_exercises.py grades every mutant (its task, and
-only its task, must fail) and every ``CORRECT`` source (its task must pass). Each source is a whole module
-that takes refimpl's answers (``exercises/reference/ch09.py``) for the other tasks and replaces its task's
-names. The right implementations are written here independently of refimpl (a learner's way: loops over
+``exercises/checks/ch09.py`` re-exports both; tests/course/cli/test_exercises.py grades every mutant (its
+task, and only its task, must fail) and every ``CORRECT`` source (its task must pass). Each source is a whole
+module that takes refimpl's answers (``exercises/reference/ch09.py``) for the other tasks and replaces its
+task's names. The right implementations are written here independently of refimpl (a learner's way: loops over
 experts and over ``k``, ``nonzero`` and ``argsort`` instead of refimpl's scatter and ``bincount`` tricks),
 and every mutant is that same code with one line changed (``_mutate`` insists that the line is there).
 """

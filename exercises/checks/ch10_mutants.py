@@ -1,12 +1,12 @@
 """Wrong answers (``MUTANTS``) and independent right ones (``CORRECT``) for chapter 10's checks.
 
-``exercises/checks/ch10.py`` re-exports both; tests/test_exercises.py grades every mutant (its task, and
-only its task, must fail) and every ``CORRECT`` source (its task must pass). Each source is a whole module
-that takes refimpl's answers (``exercises/reference/ch10.py``) for the other tasks and replaces its task's
-names. The right implementations are written here independently of refimpl (a learner's way: the quotient
-in float64 rounded once to fp32, ``frexp`` for the power of two, a dequantize-and-matmul GEMM in fp32 and
-one on ``torch._scaled_mm`` in the layouts a GPU takes, the layer's backward casting each operand through a
-helper), and every mutant is that same code with one line
+``exercises/checks/ch10.py`` re-exports both; tests/course/cli/test_exercises.py grades every mutant (its
+task, and only its task, must fail) and every ``CORRECT`` source (its task must pass). Each source is a whole
+module that takes refimpl's answers (``exercises/reference/ch10.py``) for the other tasks and replaces its
+task's names. The right implementations are written here independently of refimpl (a learner's way: the
+quotient in float64 rounded once to fp32, ``frexp`` for the power of two, a dequantize-and-matmul GEMM in fp32
+and one on ``torch._scaled_mm`` in the layouts a GPU takes, the layer's backward casting each operand through
+a helper), and every mutant is that same code with one line
 changed (``_mutate`` insists that the line is there).
 """
 

@@ -13,7 +13,8 @@
   grid, a 1-D tensor with an empty shard, a replica written in slabs, a 0-d tensor; refimpl's
   ``plan_pieces``); the copies it plans must reproduce every element exactly once.
 
-``MUTANTS`` holds one plausible wrong implementation per task (tests/test_exercises.py grades them).
+``MUTANTS`` holds one plausible wrong implementation per task (tests/course/cli/test_exercises.py grades
+them).
 """
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ All in one process, integer and float arithmetic:
   counting gives (relative 1e-5; one gradient counted twice or not at all moves it by about 1%). The average
   group is also checked against ``refimpl.distributed.ParallelDims.groups_of`` over the grid of layouts.
 
-``MUTANTS``: plausible wrong implementations, one per task or a list (tests/test_exercises.py grades each and
-expects its task alone to fail): tp taken as the outermost axis; ZeRO sharded over dp only (cp forgotten);
-gradients averaged over dp only (cp forgotten), replicated parameters counted on every tp rank, the tied
-embedding's pipeline copy counted twice.
+``MUTANTS``: plausible wrong implementations, one per task or a list (tests/course/cli/test_exercises.py
+grades each and expects its task alone to fail): tp taken as the outermost axis; ZeRO sharded over dp only (cp
+forgotten); gradients averaged over dp only (cp forgotten), replicated parameters counted on every tp rank,
+the tied embedding's pipeline copy counted twice.
 """
 
 from __future__ import annotations

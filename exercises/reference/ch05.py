@@ -1,6 +1,6 @@
 """refimpl's answers to the exercises of chapter 05, under the exercise's names and signatures.
 
-The grader's self-test grades this module and expects full marks (tests/test_exercises.py).
+The grader's self-test grades this module and expects full marks (tests/course/cli/test_exercises.py).
 """
 
 from __future__ import annotations

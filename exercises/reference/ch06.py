@@ -2,7 +2,7 @@
 
 The layers are built with refimpl's ``from_linear`` (``ColumnParallelLinear(linear, group=...)`` here is a
 function returning refimpl's layer). The grader's self-test grades this module and expects full marks
-(tests/test_exercises.py).
+(tests/course/cli/test_exercises.py).
 """
 
 from __future__ import annotations

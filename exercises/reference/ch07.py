@@ -4,7 +4,7 @@ The merge and the split are refimpl's own functions; one ring step is refimpl's 
 as ``refimpl.parallel.context_parallel.ring_attention.ring_attention`` composes them for each (query
 chunk, key chunk) pair it does not skip. The ring forward and backward are refimpl's ``ring_attention``
 (contiguous layout) and its autograd backward ring; Ulysses' all-to-alls are refimpl's. The grader's
-self-test grades this module and expects full marks (tests/test_exercises.py).
+self-test grades this module and expects full marks (tests/course/cli/test_exercises.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 ``Costs``, where a ``B`` without ``W`` s costs ``backward + weight``), the executor its
 ``run_schedule`` over the rank's one stage, the split linear ``linear_deferred_weight``, which
 ``defer_weight_gradients`` puts into every ``nn.Linear`` of a stage. The grader's self-test grades
-this module and expects full marks (tests/test_exercises.py).
+this module and expects full marks (tests/course/cli/test_exercises.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ differs from refimpl's, a thin adapter calls refimpl's code: ``route`` and ``upd
 ``refimpl.parallel.expert_parallel.TopKRouter`` on the given gate, ``reduce_expert_gradients`` hands
 refimpl's the gradients with the placement of an expert's (reduced over ``expert_dp``) and
 ``N = edp x ep``. The grader's self-test grades this module and expects full marks
-(tests/test_exercises.py).
+(tests/course/cli/test_exercises.py).
 """
 
 from __future__ import annotations

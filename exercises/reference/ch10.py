@@ -2,7 +2,7 @@
 
 All are refimpl's own functions (``refimpl.precision.fp8``: the scales, the cast, the scaled GEMM on
 ``torch._scaled_mm`` and the linear layer's three fp8 GEMMs). The grader's self-test grades this module
-and expects full marks (tests/test_exercises.py).
+and expects full marks (tests/course/cli/test_exercises.py).
 """
 
 from __future__ import annotations

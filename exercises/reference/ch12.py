@@ -7,7 +7,7 @@ the ``dp x cp`` ZeRO group; the gradient average over the ``dp x cp`` group
 ``refimpl.parallel.tensor_parallel.grad_norm`` (a replicated parameter on tp rank 0, a sharded one on every
 rank) and ``refimpl.parallel.pipeline_parallel.PipelineModule.is_tied_copy`` (the last stage's copy of a
 tied embedding left out). The grader's self-test grades this module and expects full marks
-(tests/test_exercises.py).
+(tests/course/cli/test_exercises.py).
 """
 
 from __future__ import annotations
