@@ -682,7 +682,6 @@ plt.close(fig)
 # `refimpl/launch/shaped_link.py`) the link sets the pace. `refimpl.parallel.overlap.zero3_overlap` times
 # 6 layers of 1024 x 1024, one unit each, on 2 ranks, with and without prefetch, alternating (median of
 # 5): the same gradients, bitwise, and the prefetching run at most 0.9 of the time.
-
 #
 # **What the planner predicts.** `refimpl.planner.step_time` writes the step as a program, the units'
 # computes and the collectives in the order a rank issues them, and runs it on two streams: the compute,

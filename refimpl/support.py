@@ -7,21 +7,21 @@ model is touched and before a plan is made; ``python -m refimpl.train --list-lay
 A row leaves the table when the combination is built (docs/ARCHITECTURE.md: how a new technique plugs in).
 
 Each row is a predicate over a ``refimpl.config.ParallelConfig`` and the reason a learner needs:
-what the combination would do wrong, and what to use instead. tests/test_support.py holds, per row, a
+what the combination would do wrong, and what to use instead. tests/unit/test_support.py holds, per row, a
 configuration it refuses and the nearest one it lets through.
 
 Mixture-of-experts models and expert parallelism (chapter 09) have their own rows,
 ``MOE_SUPPORT_TABLE``: each applies to a layout with ``ep > 1`` (expert parallelism implies MoE
 blocks), or to any layout when the caller says the model has MoE blocks (``check_supported(config,
 moe=True)``: the trainer and ``refimpl.parallel.parallelize``, which know the model); their cases
-are tests/test_moe_model.py's.
+are tests/ranks/test_moe_model.py's.
 
 What a layout needs of the model and the sequence (tensor parallelism splits the heads, the MLP width and
 the vocabulary; sequence parallelism and context parallelism split the sequence) is
 ``shape_refusals``, the one rule set: the trainer's preflight raises its sentences
 (``refimpl.train.layout.check_shapes``) and the planner's search asks it with the table
-(``python -m refimpl.plan`` ranks no layout the trainer would refuse; tests/test_plan_cli.py runs its top
-layouts through the trainer's validation).
+(``python -m refimpl.plan`` ranks no layout the trainer would refuse; tests/planner/cli/test_plan_cli.py runs
+its top layouts through the trainer's validation).
 """
 
 from __future__ import annotations

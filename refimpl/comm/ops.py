@@ -24,8 +24,8 @@ made visible on gloo (a gloo send completes when the peer has posted the receive
 ``batch_isend_irecv`` group is posted whole and then its handles are waited, before it returns, as
 NCCL runs the fused group before anything queued behind it. Code that finishes under strict mode on gloo
 does not deadlock on NCCL for that reason; code that only works because gloo lets calls overtake each
-other hangs (tests/test_p2p_strict.py, a negative control included). Strict mode adds no state: the
-environment is the switch.
+other hangs (tests/ranks/cli/serial/test_p2p_strict.py, a negative control included). Strict mode adds no
+state: the environment is the switch.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ A tensor made from Python data (``torch.tensor(list, device=...)``, the ``lift_f
 apart as ``host tensor``: on a GPU it is a blocking host-to-device copy (ATen's non-blocking-free copy
 synchronises the stream), not a device-to-host read, but as costly in a hot loop.
 
-Used by tests/test_expert_parallel.py and tests/test_moe_model.py to hold an MoE layer to its budget of
-host syncs per micro-batch; ``sync_name`` is also the device lint's definition of a sync
+Used by tests/ranks/test_expert_parallel.py and tests/ranks/test_moe_model.py to hold an MoE layer to its
+budget of host syncs per micro-batch; ``sync_name`` is also the device lint's definition of a sync
 (``refimpl.distributed.device_lint``: the trainer's syncs per step). For CPU runs: on CUDA a ``.cpu()``
 is counted twice (the call and its copy).
 """

@@ -206,7 +206,8 @@ class ParallelDims:
 
         ``timeout_s`` bounds every collective on these groups (pass ``ctx.timeout_s``): without it torch
         gives a new group its 30-minute default, and a hung rank would stall the others for 30 minutes
-        instead of failing them within the run's timeout (``tests/test_elastic.py``'s hung rank)."""
+        instead of failing them within the run's timeout (``tests/ranks/cli/serial/test_elastic.py``'s hung
+        rank)."""
         self.check(world_size)
         keys = [(a,) for a in AXES] + [axes for _, axes in VIEWS]
         groups, members = build_groups(self.grid, keys, rank=rank, world_size=world_size,

@@ -12,7 +12,8 @@ run longer than ``timeout_s`` is killed too. No rank outlives the caller, even o
 test's timeout): each rank watches the caller's pid and kills itself when the caller exits
 (``refimpl.distributed.env.exit_with_process``, a pidfd). Its parent, the fork server, is no help: it
 exits only when the caller and every rank have closed its "alive" pipe, so without the watch a rank blocked
-in a receive stays until its collective timeout, one in a loop for ever (``tests/test_rank_lifetime.py``).
+in a receive stays until its collective timeout, one in a loop for ever
+(``tests/ranks/cli/serial/test_rank_lifetime.py``).
 
 ``fn`` must be importable (defined at module level in an importable module): spawned processes cannot
 receive functions defined in a notebook; notebooks use ``refimpl.launch.start_ranks`` instead.

@@ -17,7 +17,7 @@ seen before. A parameter is any ``nn.Parameter`` autograd saves, the model's or 
 model for the forward: ZeRO-3's gathered full weights (``FullyShardedDataParallel``'s ``sp.unsharded``,
 FSDP2's alike) are parameters (``nn.Parameter``) that ``model.parameters()`` does not list (it yields the
 shards), so a LayerNorm's gathered weight, saved as itself, is a weight, not an activation
-(tests/test_planner_zero3.py).
+(tests/planner/ranks/test_planner_zero3.py).
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ trainer's own setup, batch and schedule):
   alive between the schedule's actions, at their most (each storage once, parameters and autocast's weight
   copies left out; a saved tensor counts until autograd frees it, a sent one until its storage is freed,
   whoever kept it: the runtime's send, or the stage output the backward needs), read whenever the executor
-  reads its clock (an action's start, ready and end), as tests/test_planner_pp.py counts them for chapter
-  08. The sent tensors are seen through ``refimpl.comm.CommTracer``'s ``on_send`` (every send, plain
-  or in a ``batch_isend_irecv`` group), not by patching the ops; under zbh1 what each queued weight
+  reads its clock (an action's start, ready and end), as tests/planner/ranks/test_planner_pp.py counts them
+  for chapter 08. The sent tensors are seen through ``refimpl.comm.CommTracer``'s ``on_send`` (every send,
+  plain or in a ``batch_isend_irecv`` group), not by patching the ops; under zbh1 what each queued weight
   gradient keeps until its ``W`` (the seam declares it) through its store's ``on_push``.
 
 Both activation meters know a storage by its identity (``refimpl.measure.activations.storage_key``),
@@ -24,11 +24,12 @@ not its address, and take every saved ``nn.Parameter`` for a parameter: under Ze
 gathers for its forward are ``nn.Parameter`` objects the module's ``parameters()`` do not list (those are
 the shards), freed after the forward by shrinking their storage to 0 bytes, whose address the allocator
 then gives to an activation; keyed by address the meters skipped that activation and counted the gathered
-LayerNorm weights (saved as themselves) as activations (tests/test_planner_zero3.py, with and without
-pipeline parallelism). Under ZeRO-3 the **state** is the rank's shards (the model's parameters when the
-step begins), their gradients and the optimizer's state: the gathered full weights and gradients, freed
+LayerNorm weights (saved as themselves) as activations (tests/planner/ranks/test_planner_zero3.py, with and
+without pipeline parallelism). Under ZeRO-3 the **state** is the rank's shards (the model's parameters when
+the step begins), their gradients and the optimizer's state: the gathered full weights and gradients, freed
 once the gradients are reduce-scattered (per unit, or under pipeline parallelism after the schedule), are
-not parameters of the module and are not counted; tests/test_planner_zero3.py measures them freed there.
+not parameters of the module and are not counted; tests/planner/ranks/test_planner_zero3.py measures them
+freed there.
 
 The probe is a set of the trainer's hooks (``train(..., hooks=probe)``): nothing of the trainer, the
 ops or the executor is replaced.

@@ -19,7 +19,7 @@ code, interleaved pairs, would). Supported: GQA and MQA, tied and untied embeddi
 ``to_dict()``; older versions under ``rope_theta`` / ``rope_scaling``: both are read). Anything else (other
 rope types, ``attention_bias``, ``mlp_bias``, a ``head_dim`` other than ``hidden / heads``) is a
 ``ValueError`` naming the field. Proven in float64: logits and every gradient equal to
-``LlamaForCausalLM``'s (tests/test_convert.py).
+``LlamaForCausalLM``'s (tests/unit/models/test_convert.py).
 """
 
 from __future__ import annotations
@@ -300,8 +300,9 @@ def deepseek_v3_state_from_hf(hf_config: Mapping,
 
 def deepseek_v3_from_hf(hf_config: Mapping, hf_state_dict: Mapping[str, torch.Tensor]) -> GPT:
     """Our model in its DeepSeek-V3 form with HF's weights loaded (the state dict's dtype kept):
-    ``model(input_ids [b, s]) -> logits [b, s, v]``, equal to ``DeepseekV3ForCausalLM``'s (tests/test_mla.py:
-    float64 logits and every gradient, dense and MoE blocks, with and without the query latent)."""
+    ``model(input_ids [b, s]) -> logits [b, s, v]``, equal to ``DeepseekV3ForCausalLM``'s
+    (tests/unit/models/test_mla.py: float64 logits and every gradient, dense and MoE blocks, with and without
+    the query latent)."""
     config = deepseek_v3_config_from_hf(hf_config)
     embed = hf_state_dict["model.embed_tokens.weight"]
     with torch.device("meta"):

@@ -38,7 +38,7 @@ is a ``refimpl.nn.linear.Linear`` (the one linear seam), with biases when ``conf
 RoPE is rotate-half on the ``r`` rotated dims (``refimpl.models.rope``), Hugging Face's convention with
 ``rope_interleave=False``; DeepSeek's own checkpoints pair the dims interleaved, which
 ``refimpl.models.convert.deepseek_v3_from_hf`` turns into halves by permuting the rows of the rotated part
-of the projections (proven equal to ``transformers.DeepseekV3ForCausalLM``: tests/test_mla.py).
+of the projections (proven equal to ``transformers.DeepseekV3ForCausalLM``: tests/unit/models/test_mla.py).
 
 Not built (refused by ``refimpl.support.shape_refusals``): tensor parallelism (the heads of the up
 projections and ``dense`` would split, the down projections and the shared rotated key would be replicated;

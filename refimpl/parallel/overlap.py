@@ -25,7 +25,7 @@ control changes when, not what. CPU tensors over gloo (``run_ranks(..., backend=
 The data-parallel and ZeRO-3 workers also time the same step without communication (the plain layers) in
 the same rounds, ``median["compute"]``: the compute the planner's time model takes
 (``refimpl.planner.step_time.layer_stack_step``, checked against these measurements in
-tests/test_overlap.py).
+tests/ranks/cli/test_overlap.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """A step's time on a link: its compute plus the communication nothing hides (chapters 03 and 04), the
-planner's time model, checked against the shaped link (``refimpl.parallel.overlap``, tests/test_overlap.py).
+planner's time model, checked against the shaped link (``refimpl.parallel.overlap``,
+tests/ranks/cli/test_overlap.py).
 
 A step is a **program**, its operations in the order the rank issues them: ``Compute`` pieces (seconds:
 FLOPs over the rate the cores reach) and ``Collective`` s (seconds: their bytes over the link). Two
@@ -27,7 +28,7 @@ The programs of two layouts, as the course's overlap workers run them: ``data_pa
 bucketed all-reduce launched from the gradient hook, chapter 03) and ``zero3_program`` (ZeRO-3's
 all-gathers with and without prefetch, its reduce-scatters blocking in backward, chapter 04);
 ``layer_stack_step`` predicts both variants of a worker of ``refimpl.parallel.overlap`` from its shapes,
-its measured compute and the link's rate. Measured against the shaped link in tests/test_overlap.py.
+its measured compute and the link's rate. Measured against the shaped link in tests/ranks/cli/test_overlap.py.
 """
 
 from __future__ import annotations

@@ -241,8 +241,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_grou
     of one is plain SDPA. ``timeline``: records the forward's compute and transfer spans per ring step
     (``refimpl.parallel.context_parallel.ring_timeline.RingTimeline``). ``overlap=False`` is the
     serialized control: each exchange is waited for as soon as it is posted, before the block it could
-    have hidden behind (the same arithmetic, bitwise; tests/test_overlap.py times the two on a shaped
-    link). Liu et al. 2023; chapter 07.
+    have hidden behind (the same arithmetic, bitwise; tests/ranks/cli/test_overlap.py times the two on a
+    shaped link). Liu et al. 2023; chapter 07.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")

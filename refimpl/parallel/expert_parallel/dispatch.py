@@ -28,7 +28,7 @@ the ranks' tokens concatenated. The matmuls then get identical operands, and the
 learn the counts once per dispatch; everything else is sized from that one read: ``expert_counts``
 (a ``scatter_add_``, not ``bincount``), ``split_sizes`` (input splits, output splits and local counts
 in one ``.tolist()``), ``sort_by_expert(..., counts=, kept=)`` and ``expert_major_order(recv, total)``
-(``refimpl.distributed.host_syncs`` counts them; the budget is in tests/test_expert_parallel.py).
+(``refimpl.distributed.host_syncs`` counts them; the budget is in tests/ranks/test_expert_parallel.py).
 """
 
 from __future__ import annotations

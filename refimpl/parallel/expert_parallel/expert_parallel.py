@@ -35,7 +35,7 @@ dispatcher one of the exchanged counts (input splits, output splits and local co
 Everything else stays on the device: counts by ``scatter_add_`` (not ``bincount``), the kept count and
 ``repeat_interleave`` sizes from the host read, ``_grouped_mm``'s offsets from the device counts, the dropped
 count and ``kept_per_expert`` read only when asked for (``MoE.dropped_fraction`` is a host read). Before:
-11 per forward at ep 1, 16 with the all-to-all dispatcher (tests/test_expert_parallel.py).
+11 per forward at ep 1, 16 with the all-to-all dispatcher (tests/ranks/test_expert_parallel.py).
 
 Two constructors: ``MoE(dim=..., hidden=..., num_experts=..., top_k=..., ep_group=...)`` holds the local
 slice of ``.GroupedExperts``' 3-D weights (the efficient path); ``MoE.from_modules`` takes any

@@ -13,8 +13,8 @@ is what the top-2 and top-8 recipes do (GShard's top-2, Lepikhin et al. 2020, Al
 softmax over the k chosen logits is this; DeepSeek-V3 eq. 13, on its sigmoid scores); Switch's top-1
 multiplies the expert's output by the raw probability ``p_i(x)`` (Fedus et al. 2021, eq. 2). At ``k = 1`` a
 renormalised weight is ``s / s = 1`` whatever the logits: the task's loss then gives the router **no
-gradient** (only the auxiliary losses train it; measured on the course GPT, tests/test_moe_model.py: router
-gradient norm 6.8e-10 at ``k = 1`` renormalised, 4.8e-3 with the raw score, 1.0e-2 at ``k = 2``). So
+gradient** (only the auxiliary losses train it; measured on the course GPT, tests/ranks/test_moe_model.py:
+router gradient norm 6.8e-10 at ``k = 1`` renormalised, 4.8e-3 with the raw score, 1.0e-2 at ``k = 2``). So
 ``normalize_topk=None`` (the default) means ``k > 1``: Switch at ``k = 1``, GShard / Mixtral / DeepSeek-V3
 above; ``True`` or ``False`` forces it. ``b`` is DeepSeek-V3's **auxiliary-loss-free expert bias**
 (``expert_bias=True``; zero until updated): it only steers the choice, never the combine weights, and

@@ -27,7 +27,7 @@ last). No schedule deadlocks on NCCL this way (the plan's rounds), and a sent te
 after its send, wherever its receiver is: an input gradient is held from the end of its ``B`` to the start
 of the next action; a stage output lives until its backward anyway (``autograd.backward`` needs it), so
 1F1B's rank ``r`` holds ``min(p - r, m)`` micro-batches' activations and outputs whatever ``m``
-(tests/test_pipeline_memory.py).
+(tests/planner/ranks/test_planner_pp.py measures it).
 
 Every action is timed (``PipelineEvent``), including the wait for its input: the chapter's Gantt
 chart and the measured bubble come from these events. The stamps are the stages' device's

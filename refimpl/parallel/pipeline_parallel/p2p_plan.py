@@ -20,8 +20,8 @@ first action, between two actions, after the last) and waits for it before its n
 * **Local rule** (one stage per rank and no table: only this rank's list is known): the sends of each
   action with the receives of the next action (Megatron-LM's ``send_forward_recv_backward`` /
   ``send_backward_recv_forward``). Deadlock-free for GPipe, 1F1B, ZB-H1 and one-chunk interleaving
-  (checked by ``strict_deadlock`` in tests/test_p2p_strict.py), **not** for interleaved 1F1B with
-  several chunks: there a rank sends a gradient in the same group as it receives an activation while its
+  (checked by ``strict_deadlock`` in tests/ranks/cli/serial/test_p2p_strict.py), **not** for interleaved 1F1B
+  with several chunks: there a rank sends a gradient in the same group as it receives an activation while its
   peer first needs to send it something else, hence the rounds for multi-stage lists.
 
 Messages between two ranks in one direction are posted in the order they are sent and awaited in the

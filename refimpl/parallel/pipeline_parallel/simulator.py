@@ -21,7 +21,7 @@ Bubble: the idle share of the ranks' time, ``1 - sum(busy) / (p x makespan)``. W
 (Qi et al. 2023, section 6) with chunk costs ``t_F``, ``t_B``, ``t_W`` (half a stage's) idles each rank
 ``I = (p-1) max(t_B, 2 (t_B - t_W))``: bubble ``I / (2 m (t_F + t_B + t_W) + I)``, exactly for ``m >= 2p``
 with ``t_F <= t_B`` and ``t_W <= t_B`` (the regime the paper's V is built for), a lower bound otherwise
-(tests/test_pp_schedules.py checks both on a grid); at equal costs ``(p-1)/(6m + p - 1)`` against ZB-H1's
+(tests/cli/test_pp_schedules.py checks both on a grid); at equal costs ``(p-1)/(6m + p - 1)`` against ZB-H1's
 ``(p-1)/(3m + p - 1)``, half its idle time (found with this simulator, chapter 08).
 In flight: a micro-batch is in flight on a rank from the start of its forward to the end of its backward
 (of its ``W`` when split); ``Simulation.peak_in_flight`` is the most at once per rank, the micro-batches

@@ -44,11 +44,11 @@ Backward, each is the other (the adjoint of an all-gather is a reduce-scatter): 
 it).
 
 Numerics: the all-gather side's forward multiplies the same rows as one matmul over ``[b, s, in]`` (bitwise on
-the CPU kernels measured by tests/test_collective_matmul.py), but its ``dA`` sums the tokens chunk by chunk,
-and the reduce-scatter adds the ``t`` partial sums in ring order, not in the collective's: another order of
-the same sum, within ``2 gamma_n sum |terms|`` of it (``gamma_n = n u / (1 - n u)``, Higham's bound for a
-sum of ``n`` terms, ``u`` the unit roundoff), not bitwise. ``serialized=True`` is the timing control: the same
-code, each transfer waited for as soon as it is posted (bitwise the same results, no overlap).
+the CPU kernels measured by tests/ranks/test_collective_matmul.py), but its ``dA`` sums the tokens chunk by
+chunk, and the reduce-scatter adds the ``t`` partial sums in ring order, not in the collective's: another
+order of the same sum, within ``2 gamma_n sum |terms|`` of it (``gamma_n = n u / (1 - n u)``, Higham's bound
+for a sum of ``n`` terms, ``u`` the unit roundoff), not bitwise. ``serialized=True`` is the timing control:
+the same code, each transfer waited for as soon as it is posted (bitwise the same results, no overlap).
 
 On GPUs PyTorch's ``torch.distributed._symmetric_memory`` fuses these (``fused_all_gather_matmul``,
 ``fused_matmul_reduce_scatter``, torchtitan's async TP) with copy engines over NVLink; here the ring is

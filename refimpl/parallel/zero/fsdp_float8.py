@@ -16,7 +16,7 @@ with ZeRO-3's row cut as soon as every rank casts with the whole tensor's scale:
 Since the cast is elementwise and the scale is the whole tensor's, ``concat_r W8[r]`` is bit for bit the
 cast one device makes of the full fp32 ``W`` (and ZeRO 0-2 make: they cast the fp32 weight under autocast),
 never the cast of a bf16 copy (a second rounding; what gathering in ``param_dtype`` hands the layer). A
-shard cast with its own ``a_r`` would give other bytes (tests/test_fp8_zero3.py's negative control).
+shard cast with its own ``a_r`` would give other bytes (tests/ranks/test_fp8_zero3.py's negative control).
 
 **Wiring** (``enable_float8_all_gather``, called by ``refimpl.parallel.parallelize`` under
 ``--precision fp8 --zero-stage 3``): every weight registered only in tensorwise fp8 layers

@@ -12,7 +12,7 @@ and the gather moves one byte per element instead of bf16's two::
     y     = scaled_mm(x8, W8^T, 1/sx, 1/scale)          the gathered bytes and the scale feed the GEMM
 
 The bytes are exactly those of casting the unsharded ``W`` with its own amax (max over the shards' amaxes
-is the amax), so nothing changes numerically (tests/test_fp8_communication.py checks it bitwise). gloo
+is the amax), so nothing changes numerically (tests/ranks/test_fp8_communication.py checks it bitwise). gloo
 refuses float8 dtypes in collectives (torch 2.13: "Invalid scalar type"), so the bytes travel as a
 **uint8 view** of the fp8 tensor and are viewed back after the gather; NCCL would take them either way.
 The shards follow ZeRO's cut (``refimpl.distributed.placement.chunk_range``: ``ceil(rows / N)`` rows

@@ -222,7 +222,7 @@ class Float8Matmul:
     """The fp8 product as the linear seam's matmul (``refimpl.nn.linear.SplitMatmul``): called, it is
     ``float8_linear``; ``input_grad`` and ``weight_grad`` are the same backward GEMMs, for the seam's
     own backward (a sequence gather, a deferred ``dW``), so such a layer stays fp8 in all three GEMMs, with
-    the same casts as ``float8_linear``'s backward (bitwise: tests/test_linear_seam.py)."""
+    the same casts as ``float8_linear``'s backward (bitwise: tests/unit/nn/test_linear_seam.py)."""
 
     config: Float8Config
     sharded: ShardedScales | None = None

@@ -20,7 +20,7 @@ scale puts ``amax * scale`` above ``fmax``, and amax saturates. ``exp2(floor(log
 ``_round_scale_down_to_power_of_2``, 0.18) is not exact: for a scale one ulp below ``2^k`` the fp32
 ``log2`` rounds to the integer ``k`` (measured for k in -30..30: at every ``k >= 3`` and ``k <= -2``, where
 fp32's spacing near ``k`` is coarser than the distance), and the scale rounds **up**. The exponent ``frexp``
-gives is exact (tests/test_fp8.py plants such amaxes).
+gives is exact (tests/unit/precision/test_fp8.py plants such amaxes).
 
 **Granularity** (``cast_to_float8``): *tensorwise* is one scale for the whole tensor (torchao's
 default); one outlier then pushes every other value toward the subnormals. *Rowwise* is one scale per

@@ -1,5 +1,5 @@
 """``refimpl.planner.step_time``: the two-stream schedule of a step's program, on programs whose times are
-worked out by hand (the measured check against the shaped link is tests/test_overlap.py's).
+worked out by hand (the measured check against the shaped link is tests/ranks/cli/test_overlap.py's).
 
 - a collective launched after a compute piece runs beside the next piece, and the step ends when both
   streams are done; serialized, the compute waits for it: ``T = sum compute + sum comm``;
