@@ -26,7 +26,7 @@ from typing import TypedDict
 
 import torch
 
-from refimpl.config import ConfigError, ModelConfig, ParallelConfig
+from refimpl.config import ModelConfig, ParallelConfig
 from refimpl.distributed.mesh import ParallelDims
 from refimpl.measure.state import StateMemory
 from refimpl.planner.activations import BlockSplit, activation_bytes, outside_block_bytes
@@ -53,9 +53,9 @@ from refimpl.planner.pipeline import pipeline_memory_per_rank, pipeline_state_me
 from refimpl.planner.run_memory import RunMemory
 from refimpl.planner.zero_state import zero3_peak_gathered_bytes, zero_memory
 from refimpl.precision.policy import compute_dtype_of
-from refimpl.support import check_supported
+from refimpl.support import check_modelled, check_supported
 
-__all__ = ["RunMemory", "check_dense", "run_memory_of", "run_memory_per_rank", "state_memory",
+__all__ = ["RunMemory", "run_memory_of", "run_memory_per_rank", "state_memory",
            "state_memory_per_rank"]
 
 
@@ -90,30 +90,13 @@ class _PipelineOptions(TypedDict, total=False):
     zero3_reshard_per_microbatch: bool
 
 
-def check_dense(config: ModelConfig, what: str, *, ep: int = 1) -> None:
-    """Refuse an MoE model or ``ep > 1`` (chapter 09) where the planner's terms would be a dense run's:
-    ``refimpl.planner.run_prediction.predict_run`` does not model the MoE run's bytes per group (the
-    expert gradients' collectives on edp, the norm's on ep, the routing-dependent all-to-alls); their memory
-    (``run_memory_per_rank``) and all-to-all bytes are ``refimpl.planner.experts``'."""
-    if config.num_experts or ep > 1:
-        raise ConfigError(f"{what}: the planner does not model an MoE run's bytes per process group yet (the "
-                          "expert gradients on edp, the all-to-alls on ep); run_memory_of plans its memory, "
-                          "refimpl.planner.experts.all_to_all_bytes its all-to-alls")
-
-
 def unmodelled_attention(config: ModelConfig) -> list[str]:
     """What of ``config``'s attention the exact terms do not count (empty: modelled): multi-head latent
     attention (the DeepSeek-V3 form, ``refimpl.models.mla``), whose latents, norms and rotated parts save
-    other tensors than the activation terms here; its parameters and FLOPs are counted
-    (``refimpl.planner.params_flops.param_count``), its layouts estimated (``python -m refimpl.plan``)."""
+    other tensors than the activation terms here (``refimpl.support.NOT_MODELLED_TABLE``'s row ``mla``);
+    its parameters and FLOPs are counted (``refimpl.planner.params_flops.param_count``), its layouts
+    estimated (``python -m refimpl.plan``)."""
     return ["multi-head latent attention"] if config.attention_type == "mla" else []
-
-
-def check_attention_modelled(config: ModelConfig, what: str) -> None:
-    """A ConfigError naming what ``unmodelled_attention`` lists."""
-    if unmodelled := unmodelled_attention(config):
-        raise ConfigError(f"{what}: the planner's exact terms do not model {', '.join(unmodelled)} yet "
-                          "(python -m refimpl.plan estimates its layouts)")
 
 
 def state_memory(
@@ -310,7 +293,7 @@ def run_memory_of(config: ModelConfig, parallel: ParallelConfig, *, world_size: 
     ``micro_batch`` sequences per step."""
     # what the trainer refuses is not planned, nor what the terms do not count
     check_supported(dataclasses.replace(parallel, dp=None), moe=bool(config.num_experts))
-    check_attention_modelled(config, "run_memory_of")
+    check_modelled(config, parallel, what="run_memory_of", memory=True)
     dims = ParallelDims.from_world(world_size, **parallel.degrees)
     pipeline: _PipelineOptions = {} if dims.pp == 1 else {
         "pp_schedule": parallel.pp_schedule, "virtual_stages": parallel.virtual_stages,

@@ -85,11 +85,10 @@ bytes, ``refimpl.planner.run_terms.data_parallel_bytes``), with cp, and ZeRO 0-2
 (each stage's fp8 layers' float32 inputs, ``refimpl.planner.pipeline.pipeline_memory_per_rank``; under
 ZB-H1 the tensorwise fp8 layers' deferred dW operands at one byte,
 ``refimpl.planner.pipeline.stage_deferred_bytes``).
-Refused, each with its reason: fp16 (not run); tensor-parallel traffic in bf16 or fp8 (under autocast the
-activations it moves are 16-bit); fp8 under pp with ZeRO-3, or rowwise with ZB-H1 (not measured); ZB-H1 with
-sequence parallelism, activation checkpointing under pp in bf16 (not measured); ZeRO-3 without
-``reshard_after_forward`` (not the trainer's); MoE models (their bytes per group). Proven against the trainer,
-to the byte: tests/test_planner_3d.py (8 ranks: 1F1B, ring attention, ZeRO 0/1, fp32/bf16, with and without
+Refused in the words of the support tables (``refimpl.support``): what the trainer refuses, and what
+the planner does not model (``NOT_MODELLED_TABLE``: fp16, 16-bit tensor-parallel traffic, zbv, ...).
+Proven against the trainer, to the byte:
+tests/test_planner_3d.py (8 ranks: 1F1B, ring attention, ZeRO 0/1, fp32/bf16, with and without
 sequence parallelism; ZeRO-3 over the stages' TP blocks, with every block checkpointed too; checkpointing
 under GPipe, interleaved 1F1B and ZB-H1 with tp, and under 1F1B with cp; ZB-H1 with tp; ZeRO-3 with cp; HSDP
 under the pipeline; sequence parallelism with ZeRO 1-3 under the pipeline) and tests/test_planner_zero3.py
@@ -116,17 +115,11 @@ from refimpl.parallel.pipeline_parallel.simulator import bubble_formula
 from refimpl.planner.activations import BlockSplit, local_tokens
 from refimpl.planner.communication import context_parallel_bytes
 from refimpl.planner.fp8 import fp8_weights
-from refimpl.planner.memory import (
-    check_attention_modelled,
-    check_dense,
-    run_memory_per_rank,
-    state_memory_per_rank,
-)
+from refimpl.planner.memory import run_memory_per_rank, state_memory_per_rank
 from refimpl.planner.param_table import ParamSpec, ParamTable, param_table
 from refimpl.planner.params_flops import param_shapes
 from refimpl.planner.pipeline import (
     PER_STEP,
-    ZBV_NOT_MODELLED,
     PipelineRankMemory,
     _walk,
     pipeline_memory_per_rank,
@@ -148,7 +141,7 @@ from refimpl.planner.run_terms import (
 )
 from refimpl.planner.zero_state import Shape, sharded_numel
 from refimpl.precision.policy import compute_dtype_of
-from refimpl.support import check_supported
+from refimpl.support import check_modelled, check_supported
 
 __all__ = ["RankPrediction", "RunPrediction", "predict_run"]
 
@@ -232,20 +225,17 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     Every ZeRO stage (``parallel.zero_stage``), HSDP (``parallel.dp_replicate``), the blocks
     ``parallel.activation_checkpointing`` selects, fp32 or bf16 are modelled, and fp8 (ZeRO 0-3 at pp = 1,
     with cp too; under pp ZeRO 0-2, zbh1 tensorwise); a combination the trainer refuses
-    (``refimpl.support.check_supported``) or that is not modelled raises a ValueError naming it: fp16;
-    tp > 1 with bf16 or fp8; zbh1 with sequence parallelism; the zbv schedule; activation checkpointing
-    with pp > 1 in bf16; ZeRO-3 with ``reshard_after_forward`` off; ``tp_comm_overlap``; an MoE model.
+    (``refimpl.support.check_supported``) or the planner does not model (``refimpl.support.
+    NOT_MODELLED_TABLE``) raises a ``refimpl.config.ConfigError`` in its rows' words.
     """
     if world_size is None:
         if parallel.dp is None:
             raise ValueError("predict_run needs parallel.dp or the world_size to derive it from")
         world_size = parallel.dp * parallel.cp * parallel.tp * parallel.pp
     check_supported(parallel)  # what the trainer refuses is not predicted (refimpl/support.py)
-    check_dense(config, "predict_run", ep=parallel.ep)  # MoE: not modelled (refimpl/planner/memory.py)
-    check_attention_modelled(config, "predict_run")  # nor multi-head latent attention
+    check_modelled(config, parallel)  # nor what the planner does not model (its NOT_MODELLED_TABLE)
     dims = ParallelDims.from_world(world_size, **parallel.degrees)
     checkpointed = parallel.checkpointed_blocks(config.num_layers)
-    _check_modelled(parallel, dims, checkpointed)
     run = _run_of(config, parallel, dims, seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
                   grad_clip=grad_clip, checkpointed=checkpointed)
     ranks = [_predict_rank(run, rank) for rank in range(dims.world_size)]
@@ -253,45 +243,6 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     bubble = (bubble_formula(parallel.pp_schedule, pp_size=pp, num_microbatches=m, virtual_stages=v) if pp > 1
               else None)
     return RunPrediction(dims=dims, microbatches=m, micro_batch=run.b, bubble=bubble, ranks=ranks)
-
-
-def _check_modelled(parallel: ParallelConfig, dims: ParallelDims, checkpointed: list[int]) -> None:
-    """A ValueError naming what of ``parallel`` at ``dims`` (``checkpointed``: its checkpointed blocks)
-    ``predict_run`` does not model (its docstring)."""
-    zero_stage, precision, sequence_parallel = (parallel.zero_stage, parallel.precision,
-                                                parallel.sequence_parallel)
-    if precision not in ("fp32", "bf16", "fp8"):
-        raise ValueError(f"predict_run models fp32, bf16 and fp8, got {precision!r}")
-    if parallel.pp_schedule == "zbv" and dims.pp > 1:
-        raise ValueError(f"predict_run: {ZBV_NOT_MODELLED}")
-    if precision == "fp8" and parallel.pp > 1 and parallel.pp_schedule == "zbh1" \
-            and parallel.fp8_scaling == "rowwise":
-        raise ValueError("predict_run models zbh1's deferred fp8 weight gradients with tensorwise scaling "
-                         "(rowwise keeps per-row scales: not measured)")
-    if precision == "fp8" and parallel.pp > 1 and zero_stage == 3:
-        raise ValueError("predict_run models --precision fp8 with ZeRO 0-3 at pp = 1 and ZeRO 0-2 under pp "
-                         "(what tests/test_train_fp8.py measures; the stages' fp8 gathers are not measured "
-                         "against it)")
-    if dims.tp > 1 and precision != "fp32":
-        raise ValueError("predict_run models the tensor-parallel traffic in fp32 only (under autocast the "
-                         "activations it moves are 16-bit)")
-    if sequence_parallel and dims.tp == 1:
-        raise ValueError("predict_run models sequence parallelism with tp > 1, and with ZeRO 1-3 at pp = 1 "
-                         "only (under the pipeline the tp sum of the ZeRO shards' gradients is not measured)")
-
-    if dims.pp > 1 and checkpointed and precision != "fp32":
-        raise ValueError("predict_run models activation checkpointing under pp in fp32 (measured); in 16 "
-                         "bits it is not measured")
-    if parallel.pp_schedule == "zbh1" and dims.pp > 1 and sequence_parallel:
-        raise ValueError("predict_run models zbh1 without sequence parallelism (the deferred column layers' "
-                         "gathered inputs under SP are not measured)")
-    if parallel.tp_comm_overlap:
-        raise ValueError("predict_run models the sequence-parallel linears' all-gathers and reduce-scatters; "
-                         "--tp-comm-overlap's rings (the same bytes as point-to-point steps, other transient "
-                         "buffers) are not measured against it")
-    if zero_stage == 3 and not parallel.reshard_after_forward:
-        raise ValueError("predict_run models ZeRO-3 with reshard_after_forward (the trainer's setting): "
-                         "without it no unit is gathered again for backward")
 
 
 @dataclass(frozen=True, kw_only=True)
