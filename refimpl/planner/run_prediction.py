@@ -103,49 +103,28 @@ Ulysses goes through the same terms but is not run there.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from refimpl.comm.tracer import wire_bytes
 from refimpl.config import ModelConfig, ParallelConfig, micro_batches
 from refimpl.distributed.mesh import Coordinates, ParallelDims
 from refimpl.measure.state import StateMemory
-from refimpl.parallel.pipeline_parallel import Action, build_schedule, stage_rank
+from refimpl.parallel.pipeline_parallel import build_schedule, stage_rank
 from refimpl.parallel.pipeline_parallel.simulator import bubble_formula
 from refimpl.planner.activations import BlockSplit, local_tokens
 from refimpl.planner.communication import context_parallel_bytes
 from refimpl.planner.fp8 import fp8_weights
 from refimpl.planner.memory import run_memory_per_rank, state_memory_per_rank
-from refimpl.planner.param_table import ParamSpec, ParamTable, param_table
+from refimpl.planner.param_table import param_table
 from refimpl.planner.params_flops import param_shapes
-from refimpl.planner.pipeline import (
-    PER_STEP,
-    PipelineRankMemory,
-    _walk,
-    pipeline_memory_per_rank,
-    stage_deferred_bytes,
-)
+from refimpl.planner.pipeline import PER_STEP, _walk, pipeline_memory_per_rank, stage_deferred_bytes
 from refimpl.planner.pipeline_stages import pipeline_state_memory, stage_layers, stage_params
-from refimpl.planner.run_memory import RunMemory
-from refimpl.planner.run_terms import (
-    DP_KEY,
-    SHARD_KEY,
-    data_parallel_bytes,
-    recompute_tp_payloads,
-    shard_group_rank,
-    shared_qkv_elements,
-    sixteen_bit_weight_activations,
-    sp_gradient_payload,
-    stage_zero3_units,
-    tp_stage_payloads,
-)
-from refimpl.planner.zero_state import Shape, sharded_numel
+from refimpl.planner.run_terms import STEP_BYTES, Rank, Run, shard_group_rank, sixteen_bit_weight_activations
+from refimpl.planner.zero_state import sharded_numel
 from refimpl.precision.policy import compute_dtype_of
 from refimpl.support import check_modelled, check_supported
 
 __all__ = ["RankPrediction", "RunPrediction", "predict_run"]
 
-_SCALAR = 4  # a float32 scalar: the loss, the gradient norm's sum of squares
 WINDOW = "the step's token window [B/dp, s+1] (int64; ids and labels are views of it)"
 LABELS_COPY = "the labels flattened for the loss (int64; a copy: rows of the window are strided)"
 _TRANSIENT = ("logits + their gradient (transient)", "recomputed block (backward)")
@@ -177,11 +156,6 @@ class RunPrediction:
     micro_batch: int
     bubble: float | None
     ranks: list[RankPrediction] = field(default_factory=list)
-
-
-def _add(out: dict[str, float], key: str, op: str, payload: float, n: int) -> None:
-    if n > 1 and payload:
-        out[key] = out.get(key, 0.0) + wire_bytes(op, payload, n)
 
 
 def _held_with_label_copies(config: ModelConfig, rank_memory, parallel: ParallelConfig, *, actions,
@@ -238,51 +212,24 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     checkpointed = parallel.checkpointed_blocks(config.num_layers)
     run = _run_of(config, parallel, dims, seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
                   grad_clip=grad_clip, checkpointed=checkpointed)
-    ranks = [_predict_rank(run, rank) for rank in range(dims.world_size)]
+    ranks = []
+    for rank in range(dims.world_size):
+        r, sent = _rank_of(run, rank), dict[str, float]()
+        for term in STEP_BYTES:  # each technique's declared bytes per group (refimpl.planner.run_terms)
+            for key, nbytes in term(run, r).items():
+                sent[key] = sent.get(key, 0.0) + nbytes
+        ranks.append(RankPrediction(rank=rank, coords=r.coords, state=_state(run, r),
+                                    activations=_held(run, r), bytes_sent=sent))
     pp, m, v = dims.pp, run.m, parallel.virtual_stages
     bubble = (bubble_formula(parallel.pp_schedule, pp_size=pp, num_microbatches=m, virtual_stages=v) if pp > 1
               else None)
     return RunPrediction(dims=dims, microbatches=m, micro_batch=run.b, bubble=bubble, ranks=ranks)
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Run:
-    """What every rank's prediction reads, computed once by ``_run_of``: the run's options; ``m``
-    micro-batches per step of ``b`` sequences (``per_rank`` per data-parallel rank) of ``s_c`` tokens on
-    each rank, ``x = b s_c h`` and ``tokens = b s_c``; ``n = dp x cp`` ranks, ``shard_n`` of them in a ZeRO
-    shard group; the stages' blocks (``ranges``), the parameters (``table``), ZeRO-3's units (and which of
-    their tensors fp8 gathers); one layer's context-parallel bytes; under pipeline parallelism the pipeline
-    ranks' memory (``pipe``) and actions (``schedule``), else the one rank's (``flat``)."""
-
-    config: ModelConfig
-    parallel: ParallelConfig
-    dims: ParallelDims
-    seq_len: int
-    grad_clip: float | None
-    checkpointed: list[int]
-    m: int
-    b: int
-    per_rank: int
-    s_c: int
-    x: int
-    tokens: int
-    n: int
-    shard_n: int
-    num_stages: int
-    ranges: list[range]
-    table: ParamTable
-    units: Sequence[Sequence[Shape]]
-    fp8_units: list[list[bool]] | None
-    cp_layer: dict[str, int] | None
-    pipe: list[PipelineRankMemory] | None
-    schedule: list[list[Action]] | None
-    flat: RunMemory | None
-
-
 def _run_of(config: ModelConfig, parallel: ParallelConfig, dims: ParallelDims, *, seq_len: int,
             global_batch: int, micro_batch: int | None, grad_clip: float | None,
-            checkpointed: list[int]) -> _Run:
-    """``predict_run``'s ``_Run``: the batch split as the trainer splits it, the stages, the parameters and
+            checkpointed: list[int]) -> Run:
+    """``predict_run``'s ``Run``: the batch split as the trainer splits it, the stages, the parameters and
     the memory terms of the run's ranks."""
     precision, sequence_parallel = parallel.precision, parallel.sequence_parallel
     cp_method, cp_layout, pp_schedule = parallel.cp_method, parallel.cp_layout, parallel.pp_schedule
@@ -319,136 +266,65 @@ def _run_of(config: ModelConfig, parallel: ParallelConfig, dims: ParallelDims, *
     shard_n = n // dims.dp_replicate  # the ranks ZeRO shards over: dp x cp, or HSDP's shard group
     cp_layer = context_parallel_bytes(config, micro_batch=b, seq_len=seq_len, cp=cp, method=cp_method, tp=tp,
                                       compute_dtype=compute_dtype_of(precision)) if cp > 1 else None
-    return _Run(config=config, parallel=parallel, dims=dims, seq_len=seq_len, grad_clip=grad_clip,
-                checkpointed=checkpointed, m=m, b=b, per_rank=per_rank, s_c=s_c, x=b * s_c * h,
-                tokens=b * s_c, n=n, shard_n=shard_n, num_stages=num_stages, ranges=ranges, table=table,
-                units=units, fp8_units=fp8_units, cp_layer=cp_layer, pipe=pipe, schedule=schedule, flat=flat)
+    return Run(config=config, parallel=parallel, dims=dims, seq_len=seq_len, grad_clip=grad_clip,
+               checkpointed=checkpointed, m=m, b=b, per_rank=per_rank, s_c=s_c, x=b * s_c * h,
+               tokens=b * s_c, n=n, shard_n=shard_n, num_stages=num_stages, ranges=ranges, table=table,
+               units=units, fp8_units=fp8_units, cp_layer=cp_layer, pipe=pipe, schedule=schedule, flat=flat)
 
 
-def _predict_rank(run: _Run, rank: int) -> RankPrediction:
-    """Rank ``rank``'s prediction (module docstring): the bytes it sends per step, the activations it holds
-    at its peak and its state at rest."""
-    config, dims, pp, tp = run.config, run.dims, run.dims.pp, run.dims.tp
-    c = dims.coordinates(rank)
-    group_rank = shard_group_rank(dims, rank)  # the rank's index in the group ZeRO shards over
+def _rank_of(run: Run, rank: int) -> Rank:
+    """Rank ``rank`` as its terms read it (``refimpl.planner.run_terms.Rank``)."""
+    config, pp, tp = run.config, run.dims.pp, run.dims.tp
+    c = run.dims.coordinates(rank)
     stages = [st for st in range(run.num_stages) if stage_rank(st, pp_size=pp) == c.pp]
-    held_params = [q for st in stages for q in stage_params(config, stage=st, num_stages=run.num_stages,
-                                                            blocks=run.ranges[st], tp=tp)]
-    shapes = [q.shape for q in held_params]
-    if pp == 1:
-        shapes = param_shapes(config, tp=tp)
-    sent: dict[str, float] = {}
-    _add_microbatch_bytes(run, sent, stages=stages)
-    _add_step_bytes(run, sent, c=c, stages=stages, held_params=held_params, shapes=shapes,
-                    group_rank=group_rank)
-    held, state = _held_and_state(run, c=c, stages=stages, group_rank=group_rank)
-    if run.parallel.zero_stage == 1:  # the shards' gradients, reduced before the step (finish_gradients)
-        shard_grads = 4 * sharded_numel(shapes, group_rank, run.n)
-        state = dataclasses.replace(state, grads=state.grads + shard_grads)
-    return RankPrediction(rank=rank, coords=c, state=state, activations=held, bytes_sent=sent)
+    params = [q for st in stages for q in stage_params(config, stage=st, num_stages=run.num_stages,
+                                                       blocks=run.ranges[st], tp=tp)]
+    shapes = param_shapes(config, tp=tp) if pp == 1 else [q.shape for q in params]
+    return Rank(coords=c, stages=stages, params=params, shapes=shapes,
+                group_rank=shard_group_rank(run.dims, rank))
 
 
-def _add_microbatch_bytes(run: _Run, sent: dict[str, float], *, stages: list[int]) -> None:
-    """Add to ``sent`` what the rank sends per micro-batch: each of its ``stages``' tp collectives, cp
-    attention traffic and pipeline boundaries, then what the recomputed forwards of its checkpointed blocks
-    send again in every backward."""
-    config, pp, tp, m = run.config, run.dims.pp, run.dims.tp, run.m
-    sequence_parallel, cp_layer = run.parallel.sequence_parallel, run.cp_layer
-    for st in stages:  # per micro-batch: tp collectives, cp attention, pipeline boundaries
-        first, last = st == 0, st == run.num_stages - 1
-        if tp > 1:
-            for op, payload in tp_stage_payloads(config, layers=len(run.ranges[st]), first=first, last=last,
-                                                 x=run.x, tokens=run.tokens, tp=tp,
-                                                 sequence_parallel=sequence_parallel).items():
-                _add(sent, "tp", op, m * payload, tp)
-        if cp_layer is not None:
-            per_layer = cp_layer["forward"] + cp_layer["backward"]
-            sent["cp"] = sent.get("cp", 0.0) + m * len(run.ranges[st]) * per_layer
-        if pp > 1:  # float32 [b, s_c/u, h]
-            boundary = 4 * run.b * (run.s_c // (tp if sequence_parallel else 1)) * config.hidden_size
-            sent["pp"] = sent.get("pp", 0.0) + m * boundary * ((not last) + (not first))
-    recomputed = [i for st in stages for i in run.ranges[st] if i in run.checkpointed]  # this rank's blocks
-    if recomputed:  # the recomputed forwards of the rank's checkpointed blocks, in every backward
-        if tp > 1:
-            shared = shared_qkv_elements(config, tp=tp, tokens=run.tokens)
-            for op, payload in recompute_tp_payloads(checkpointed=len(recomputed), x=run.x, shared_qkv=shared,
-                                                     sequence_parallel=sequence_parallel).items():
-                _add(sent, "tp", op, m * payload, tp)
-        if cp_layer is not None:
-            sent["cp"] = sent.get("cp", 0.0) + m * len(recomputed) * cp_layer["forward"]
-
-
-def _add_step_bytes(run: _Run, sent: dict[str, float], *, c: Coordinates, stages: list[int],
-                    held_params: list[ParamSpec], shapes: Sequence[Shape], group_rank: int) -> None:
-    """Add to ``sent`` what the rank (``c``, holding ``stages`` and their ``held_params``, ``shapes`` the
-    tensors its ZeRO 0-2 shards) sends once per step: the sequence-parallel gradients' all-reduce, the tied
-    embedding's gradient and the step loss over the pipeline, the gradient norm's scalars, data
-    parallelism's gradients and parameters, the loss's mean."""
-    config, parallel, pp, tp, n = run.config, run.parallel, run.dims.pp, run.dims.tp, run.n
-    zero_stage, shard_n, replicas = parallel.zero_stage, run.shard_n, run.dims.dp_replicate
-    if parallel.sequence_parallel:  # the s/t-token parameters' gradients (LayerNorms, row biases)
-        replicated = [q.shape for q in held_params if q.sequence_parallel_gradient]
-        _add(sent, "tp", "all_reduce", sp_gradient_payload(replicated, zero_stage=zero_stage, n=shard_n,
-                                                           group_rank=group_rank), tp)
-    if pp > 1:
-        if config.tie_word_embeddings and c.pp in (stage_rank(0, pp_size=pp),
-                                                   stage_rank(run.num_stages - 1, pp_size=pp)):
-            tied = (sharded_numel([run.table.head.shape], group_rank, shard_n)
-                    if zero_stage in (2, 3) and shard_n > 1
-                    else run.table.head.numel)  # ZeRO-2/3 keep (and exchange) only their gradient shard
-            sent["pp"] = sent.get("pp", 0.0) + 4 * tied  # the embedding's gradient, both ways
-        _add(sent, "pp", "all_reduce", _SCALAR, pp)  # the step loss, from the last stage
-    if run.grad_clip is not None:  # the norm's sum of squares over the groups its gradients are split over
-        _add(sent, "pp", "all_reduce", _SCALAR, pp)
-        _add(sent, "tp", "all_reduce", _SCALAR, tp)
-        if zero_stage:  # the ZeRO shards: over dp x cp, under HSDP the shard group (dp_shard placements)
-            _add(sent, DP_KEY if replicas == 1 else SHARD_KEY, "all_reduce", _SCALAR, shard_n)
-    unit_lists: list[Sequence[Sequence[Shape]]]
-    if zero_stage == 3 and pp > 1:  # each stage its own wrapper (parallelize's _shard_stages)
-        unit_lists = [stage_zero3_units(run.table, stage=st, num_stages=run.num_stages, blocks=run.ranges[st])
-                      for st in stages]
-    else:
-        unit_lists = [run.units if zero_stage == 3 else [shapes]]
-    zero3_kept = pp > 1 and not parallel.zero3_reshard_per_microbatch  # the stages gathered once per step
-    for unit_shapes in unit_lists:
-        for key, sent_bytes in data_parallel_bytes(unit_shapes, zero_stage=zero_stage, dp_cp=n,
-                                                   replicas=replicas, microbatches=run.m,
-                                                   gather_bytes=2 if parallel.fsdp_mixed_precision else 4,
-                                                   zero3_kept=zero3_kept,
-                                                   fp8=run.fp8_units if zero_stage == 3 else None).items():
-            sent[key] = sent.get(key, 0.0) + sent_bytes
-    _add(sent, DP_KEY, "all_reduce", _SCALAR, n)  # the loss's mean over dp x cp
-
-
-def _held_and_state(run: _Run, *, c: Coordinates, stages: list[int],
-                    group_rank: int) -> tuple[dict[str, int], StateMemory]:
-    """The activations the rank (``c``, holding ``stages``) holds at its peak, by term, and its state at
-    rest, sharded over its ZeRO group (``group_rank``: its index there)."""
-    config, parallel, dims, b, seq_len = run.config, run.parallel, run.dims, run.b, run.seq_len
-    tp, cp, window = dims.tp, dims.cp, 8 * run.per_rank * (seq_len + 1)
+def _held(run: Run, r: Rank) -> dict[str, int]:
+    """The activations rank ``r`` holds at its peak, by term (module docstring): the pipeline rank's held
+    bytes or the one micro-batch's, the step's token window in place of the ids and labels (tp = cp = 1)."""
+    config, parallel, dims, b, seq_len, c = run.config, run.parallel, run.dims, run.b, run.seq_len, r.coords
+    views, window = dims.tp == 1 and dims.cp == 1, 8 * run.per_rank * (seq_len + 1)
     if dims.pp > 1:
         assert run.pipe is not None and run.schedule is not None  # built for pp > 1 (_run_of)
         held = dict(run.pipe[c.pp].peak_terms)
-        if tp == 1 and cp == 1 and b > 1 and run.num_stages - 1 in stages:  # labels copied per micro-batch
+        if views and b > 1 and run.num_stages - 1 in r.stages:  # labels copied per micro-batch
             held = _held_with_label_copies(config, run.pipe[c.pp], parallel, actions=run.schedule[c.pp],
                                            ranges=run.ranges, micro_batch=b, seq_len=seq_len)
-        if tp == 1 and cp == 1 and any([held.pop(k, 0) for k in PER_STEP]):
+        if views and any([held.pop(k, 0) for k in PER_STEP]):
             held[WINDOW] = window  # ids on the first stage, labels on the last
-        state = pipeline_state_memory(config, pp=dims.pp, pp_rank=c.pp,
-                                      virtual_stages=parallel.virtual_stages, balance=parallel.pp_balance,
-                                      tp=tp, zero_stage=parallel.zero_stage, zero_shards=run.shard_n,
-                                      dp_rank=group_rank)  # HSDP: over the rank's shard group
-        return held, state
+        return held
     assert run.flat is not None  # built for pp = 1 (_run_of)
     held = {k: val for k, val in run.flat.activations.items() if k not in _TRANSIENT}
-    if parallel.fsdp_mixed_precision:  # ZeRO-3 in 16 bits computes in the gathered 16-bit weights: a 16-bit
-        held |= sixteen_bit_weight_activations(config, checkpointed_blocks=run.checkpointed,  # residual
+    if parallel.fsdp_mixed_precision:  # ZeRO-3 in 16 bits computes in the gathered 16-bit weights
+        held |= sixteen_bit_weight_activations(config, checkpointed_blocks=run.checkpointed,
                                                compute_dtype=compute_dtype_of(parallel.precision),
-                                               micro_batch=b, seq_len=seq_len, cp=cp,
+                                               micro_batch=b, seq_len=seq_len, cp=dims.cp,
                                                cp_method=parallel.cp_method, cp_layout=parallel.cp_layout)
-    if tp == 1 and cp == 1:  # the ids and labels of every micro-batch: views of the window
+    if views:  # the ids and labels of every micro-batch: views of the window
         held["token ids, labels, positions"] -= 2 * 8 * run.tokens
         held[WINDOW] = window
         if b > 1:  # lm_loss's labels.flatten() copies the strided [b, s] view of the [b, s+1] rows
             held[LABELS_COPY] = 8 * run.tokens
-    return held, state_memory_per_rank(config, dims, zero_stage=parallel.zero_stage, dp_rank=group_rank)
+    return held
+
+
+def _state(run: Run, r: Rank) -> StateMemory:
+    """Rank ``r``'s state where the trainer steps, sharded over its ZeRO group (HSDP: its shard group);
+    ZeRO-1 holds its reduced gradient shards then too (``finish_gradients``)."""
+    parallel, dims = run.parallel, run.dims
+    if dims.pp > 1:
+        state = pipeline_state_memory(run.config, pp=dims.pp, pp_rank=r.coords.pp, tp=dims.tp,
+                                      virtual_stages=parallel.virtual_stages, balance=parallel.pp_balance,
+                                      zero_stage=parallel.zero_stage, zero_shards=run.shard_n,
+                                      dp_rank=r.group_rank)
+    else:
+        state = state_memory_per_rank(run.config, dims, zero_stage=parallel.zero_stage, dp_rank=r.group_rank)
+    if parallel.zero_stage == 1:
+        shard_grads = 4 * sharded_numel(r.shapes, r.group_rank, run.n)
+        state = dataclasses.replace(state, grads=state.grads + shard_grads)
+    return state
