@@ -17,8 +17,9 @@
   ``refimpl.planner.pipeline``: per pipeline rank, the activations it holds at its peak under a
   schedule (chapter 08);
 * ``refimpl.planner.run_prediction``: one trainer run at a layout, per rank: state, held
-  activations, bytes per process group per step, the bubble (chapter 12); ``refimpl.planner.run_terms``:
-  its terms for ZeRO-2/3, HSDP, activation checkpointing and ZeRO-3's 16-bit weights;
+  activations, bytes per process group per step, the bubble (chapter 12); ``refimpl.planner.step_bytes``:
+  each technique's declared bytes per group it adds up (``STEP_BYTES``), their formulas
+  ``refimpl.planner.run_terms``';
 * ``refimpl.planner.layout``: the layout (``ParallelDims``-like degrees) that per-rank functions take.
 
 Each figure is checked in a chapter against a measurement from ``refimpl.measure``, a different source.

@@ -4,100 +4,34 @@ The composition of the planner's terms for ``python -m refimpl.train --dp D --tp
 (the mesh ``pp x dp x cp x tp``, ``refimpl.distributed.mesh``; Narayanan et al. 2021, "Efficient
 large-scale language model training on GPU clusters using Megatron-LM", section 3), per rank:
 
-* **state** (``refimpl.measure.state.StateMemory``), read where the trainer steps (the gradients
-  reduced): fp32 weights, gradients and AdamW state of the rank's tensor-parallel shards of its pipeline
-  stages, sharded by ZeRO stage (Rajbhandari et al. 2020; 1: the AdamW state, 2: and the gradients, 3: and
-  the weights) over the ``dp x cp`` ranks, under HSDP over the rank's shard group:
-  ``refimpl.planner.memory.state_memory_per_rank``,
-  ``refimpl.planner.pipeline.pipeline_state_memory``, the rank's index in the group
-  ``refimpl.planner.run_terms.shard_group_rank``. ZeRO-1 also holds its reduced gradient shards
-  then (``finish_gradients`` reduce-scatters into them before the loss scaler and the step read them). ZeRO-3:
-  the shards only, with or without pp: the full weights and gradients a unit gathers are freed once its
-  gradients are reduce-scattered (pp: once per step after the schedule, ``finish_gradient_sync``, or in
-  every backward with ``--zero3-reshard-per-microbatch``), before the step (measured: no full tensor is
-  allocated there, tests/test_planner_zero3.py). That is not the peak a step reaches: the gathered units
-  or stages that the memory preflight adds on top of the state
-  (``refimpl.planner.memory.run_memory_per_rank``, under pp
-  ``refimpl.planner.pipeline.pipeline_memory_per_rank``'s ZeRO-3 term) are not predicted here;
-* **activations**: the bytes saved for backward that the rank holds at its peak: one micro-batch's
-  (``refimpl.planner.memory.run_memory_per_rank``'s saved terms, Korthikanti et al. 2022; a backward
-  frees them before the next forward; a checkpointed block keeps its input only) or, under pipeline
-  parallelism, the schedule's held bytes
-  (``refimpl.planner.pipeline.PipelineRankMemory.peak_held``: the micro-batches in flight and the
-  sends kept). Where the trainer saves the token ids and labels themselves (no tp, no cp), they are
-  views of the step's batch window ``[B/dp, s+1]`` (``refimpl.data``'s ``batch``): its whole int64
-  storage, ``8 (B/dp) (s+1)``, is held once, not the ids' and labels' ``8 b s`` each; at ``b > 1`` the
-  labels' ``[b, s]`` view is strided, and ``lm_loss``'s ``labels.flatten()`` saves a copy, ``8 b s`` (under
-  pipeline parallelism the last stage then holds that copy per micro-batch in flight and no window:
-  ``_held_with_label_copies``).
-  Under sequence parallelism the embedding's output is the reduce-scatter's ``[b, s_c/t, h]`` shard
-  itself (no view of a whole ``[b, s_c, h]``), so the planner's per-layer terms hold at every micro-batch
-  size, ``b = 1`` too. ZeRO-3 saves the gathered weights, whose storage it frees after each unit's forward
-  (under pp, by default, after the step's last backward): weights, not activations, so in fp32 it holds
-  what ZeRO-2 holds (measured, tests/test_planner_zero3.py, with and without pp); in bf16 it computes in
-  16-bit weights, a 16-bit residual stream
+* **state** (``refimpl.measure.state.StateMemory``), where the trainer steps: fp32 weights, gradients and
+  AdamW state of the rank's tensor-parallel shards of its stages, sharded by ZeRO stage (Rajbhandari et
+  al. 2020; 1: the AdamW state, 2: and the gradients, 3: and the weights) over ``dp x cp`` (HSDP: the
+  rank's shard group, ``refimpl.planner.run_terms.shard_group_rank``); ZeRO-1 holds its reduced gradient
+  shards then too; ZeRO-3 its shards only (a unit's gathered tensors are freed before the step; the
+  gathered units the memory preflight adds, ``refimpl.planner.memory.run_memory_per_rank``, are not
+  predicted here);
+* **activations**: the bytes saved for backward the rank holds at its peak (Korthikanti et al. 2022): one
+  micro-batch's (``run_memory_per_rank``), or the schedule's under pp
+  (``refimpl.planner.pipeline.PipelineRankMemory``: micro-batches in flight, sends kept). Without tp and
+  cp the ids and labels are views of the step's window ``[B/dp, s+1]``, held once, ``8 (B/dp) (s+1)``
+  bytes; at ``b > 1`` ``lm_loss``'s ``labels.flatten()`` copies the strided labels, ``8 b s`` (under pp
+  per micro-batch in flight on the last stage: ``_held_with_label_copies``). ZeRO-3 saves gathered
+  weights, not activations; in 16 bits it computes in 16-bit weights, a 16-bit residual stream
   (``refimpl.planner.run_terms.sixteen_bit_weight_activations``);
-* **bytes sent per step** by process group, under the keys of the trainer's ``metrics.jsonl``
-  (``refimpl.train.loop``: ``"tp"``, ``"cp"``, ``"pp"``, ``"dp x cp"``, under HSDP also ``"dp_shard x
-  cp"`` and ``"dp_replicate"``; the ring model for collectives, ``refimpl.comm.tracer.wire_bytes``,
-  the tensors' bytes for point-to-point sends). Read from the trainer's code, per step with ``A``
-  micro-batches of ``b`` sequences, ``s_c = s/cp`` tokens each:
-
-  - ``tp``: every micro-batch's tensor-parallel collectives of the rank's blocks, on the first stage the
-    vocab-parallel embedding's (under sequence parallelism a reduce-scatter forward and an all-gather
-    backward instead of one all-reduce), on the last the head's and the vocab-parallel loss's three ``b s_c``
-    all-reduces (``refimpl.planner.communication.tensor_parallel_collectives``, split by stage);
-    per micro-batch and checkpointed block the collectives its recomputed forward repeats before
-    checkpoint's early stop (``refimpl.planner.run_terms.recompute_tp_payloads``); under sequence
-    parallelism once per step the ``s/t``-token gradients' all-reduce (under ZeRO the rank's row shards
-    of them); the gradient norm's float32 scalar (clipping on);
-  - ``cp``: every micro-batch's attention traffic of the rank's blocks
-    (``refimpl.planner.communication.context_parallel_bytes``), and a checkpointed block's forward
-    exchanges again in its recomputation;
-  - ``pp``: per micro-batch each stage's ``[b, s_c/u, h]`` float32 output (not the last stage) and input
-    gradient (not the first), ``u = t`` under sequence parallelism; the tied embedding's gradient between
-    the first and the last rank (``sync_tied_embeddings``, both ways; under ZeRO-2 the rank's shard of it,
-    ``gradient_holder``; under ZeRO-3 too: the stage's registered parameter is the rank's shard again when
-    the exchange runs, after the gradients' reduce-scatter, and its ``.grad`` the shard's); the step loss's
-    and the norm's float32 scalars (``PipelineModule.step``'s all-reduce, the pipeline clip);
-  - ``dp x cp`` (under HSDP ``dp_shard x cp`` and ``dp_replicate``): data parallelism's gradients and
-    parameters (``refimpl.planner.run_terms.data_parallel_bytes``: ZeRO-0's all-reduce once per
-    step; ZeRO-1's reduce-scatter and all-gather of padded shards; ZeRO-2's reduce-scatter per micro-batch;
-    ZeRO-3's per micro-batch gathers of every unit, again before its backward but the root, and its
-    reduce-scatters, HSDP's all-reduce of each unit's shard over the replicas; under pp each stage's units,
-    its root the stage's tensors outside its blocks, by default each gathered and reduce-scattered once per
-    step, with ``--zero3-reshard-per-microbatch`` per micro-batch); the loss average's scalar
-    (over ``dp x cp`` under HSDP too); under ZeRO 1-3 the norm's scalar (the shards are disjoint over the
-    group; under HSDP over the shard group only, the replicas hold the same shard);
-
+* **bytes sent per step** by ``metrics.jsonl`` group key (``"tp"``, ``"cp"``, ``"pp"``, ``"dp x cp"``,
+  under HSDP ``"dp_shard x cp"`` and ``"dp_replicate"``; collectives by the ring model,
+  ``refimpl.comm.tracer.wire_bytes``, sends by their tensors' bytes): the sum of the terms each technique
+  declares, ``refimpl.planner.step_bytes.STEP_BYTES`` (tensor, context and pipeline parallelism, the
+  gradient norm, data parallelism and ZeRO), each derived in its docstring;
 * **bubble**: the schedule's textbook idle share
   (``refimpl.parallel.pipeline_parallel.simulator.bubble_formula``), None without pipeline parallelism.
 
-Modelled: fp32 or bf16 (autocast; ZeRO-3: FSDP2's mixed precision, bf16 gathers and compute, fp32 reductions),
-ZeRO 0-3, HSDP, activation checkpointing (any block selection), tensor, sequence and context parallelism, and
-under pipeline parallelism all of them together: ZeRO-3 with 1F1B, GPipe, interleaved 1F1B or ZB-H1 (fp32 and
-bf16), both ZeRO-3 modes (ZB-H1: gathered once per step, the trainer's only mode with it), with tp, cp or
-HSDP; checkpointing under every schedule in fp32 (the recomputed blocks' tp and cp traffic counted per
-stage); sequence parallelism with ZeRO 1-3; ZB-H1's deferred weight-gradient operands, the rank's tp shards
-of them (a tied vocab-parallel head defers nothing). fp8 (bf16 autocast, the linears' GEMMs in fp8:
-refimpl/planner/fp8.py's terms) at tp = 1: ZeRO 0-3 at pp = 1 (ZeRO-3: the fp8 weights gathered as e4m3
-bytes, ``refimpl.planner.run_terms.data_parallel_bytes``), with cp, and ZeRO 0-2 under the pipeline
-(each stage's fp8 layers' float32 inputs, ``refimpl.planner.pipeline.pipeline_memory_per_rank``; under
-ZB-H1 the tensorwise fp8 layers' deferred dW operands at one byte,
-``refimpl.planner.pipeline.stage_deferred_bytes``).
-Refused in the words of the support tables (``refimpl.support``): what the trainer refuses, and what
-the planner does not model (``NOT_MODELLED_TABLE``: fp16, 16-bit tensor-parallel traffic, zbv, ...).
-Proven against the trainer, to the byte:
-tests/test_planner_3d.py (8 ranks: 1F1B, ring attention, ZeRO 0/1, fp32/bf16, with and without
-sequence parallelism; ZeRO-3 over the stages' TP blocks, with every block checkpointed too; checkpointing
-under GPipe, interleaved 1F1B and ZB-H1 with tp, and under 1F1B with cp; ZB-H1 with tp; ZeRO-3 with cp; HSDP
-under the pipeline; sequence parallelism with ZeRO 1-3 under the pipeline) and tests/test_planner_zero3.py
-(4 ranks: ZeRO-2/3, 2-D ZeRO-3 with tp, HSDP with and without cp, checkpointing with tp, sequence parallelism
-and ring attention, bf16 ZeRO-3, ZeRO-2 under the pipeline, ZeRO-1 with sequence parallelism, ZeRO-3 under
-the pipeline: dp 2 x pp 2, 1F1B, GPipe, interleaved (2 virtual stages), ZB-H1 in fp32 and bf16 and 1F1B in
-bf16, gathered once per step or per micro-batch; ZeRO-1 and ZeRO-3 with every block checkpointed under 1F1B)
-and tests/test_train_fp8.py (2 ranks: fp8 at dp 2, ZeRO 0, 2 and 3, at cp 2, at pp 2 under 1F1B and ZB-H1).
-Ulysses goes through the same terms but is not run there.
+What it does not model is refused in the words of ``refimpl.support.NOT_MODELLED_TABLE``. Proven to the
+byte against the trainer: tests/test_planner_3d.py (8 ranks: 1F1B, GPipe, interleaved and ZB-H1 with tp,
+cp, sequence parallelism, ZeRO 0-3, HSDP and checkpointing), tests/test_planner_zero3.py (4 ranks: ZeRO-2/3,
+HSDP, bf16 ZeRO-3, ZeRO-3 under every schedule, gathered per step or per micro-batch),
+tests/test_train_fp8.py (fp8) and tests/test_train_pairs.py (every pair of techniques).
 """
 
 from __future__ import annotations
@@ -118,7 +52,8 @@ from refimpl.planner.param_table import param_table
 from refimpl.planner.params_flops import param_shapes
 from refimpl.planner.pipeline import PER_STEP, _walk, pipeline_memory_per_rank, stage_deferred_bytes
 from refimpl.planner.pipeline_stages import pipeline_state_memory, stage_layers, stage_params
-from refimpl.planner.run_terms import STEP_BYTES, Rank, Run, shard_group_rank, sixteen_bit_weight_activations
+from refimpl.planner.run_terms import shard_group_rank, sixteen_bit_weight_activations
+from refimpl.planner.step_bytes import STEP_BYTES, Rank, Run
 from refimpl.planner.zero_state import sharded_numel
 from refimpl.precision.policy import compute_dtype_of
 from refimpl.support import check_modelled, check_supported
@@ -215,7 +150,7 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     ranks = []
     for rank in range(dims.world_size):
         r, sent = _rank_of(run, rank), dict[str, float]()
-        for term in STEP_BYTES:  # each technique's declared bytes per group (refimpl.planner.run_terms)
+        for term in STEP_BYTES:  # each technique's declared bytes per group (step_bytes.py)
             for key, nbytes in term(run, r).items():
                 sent[key] = sent.get(key, 0.0) + nbytes
         ranks.append(RankPrediction(rank=rank, coords=r.coords, state=_state(run, r),
@@ -273,7 +208,7 @@ def _run_of(config: ModelConfig, parallel: ParallelConfig, dims: ParallelDims, *
 
 
 def _rank_of(run: Run, rank: int) -> Rank:
-    """Rank ``rank`` as its terms read it (``refimpl.planner.run_terms.Rank``)."""
+    """Rank ``rank`` as its terms read it (``refimpl.planner.step_bytes.Rank``)."""
     config, pp, tp = run.config, run.dims.pp, run.dims.tp
     c = run.dims.coordinates(rank)
     stages = [st for st in range(run.num_stages) if stage_rank(st, pp_size=pp) == c.pp]
