@@ -22,7 +22,7 @@ from refimpl.comm.tracer import wire_bytes
 from refimpl.config import ModelConfig
 from refimpl.distributed.mesh import ParallelDims
 from refimpl.planner.activations import activation_bytes, local_tokens
-from refimpl.planner.communication import zero_collectives
+from refimpl.planner.communication import tp_stage_collectives, zero_collectives
 from refimpl.planner.zero_state import Shape, padded_numel, sharded_numel
 
 __all__ = ["DP_KEY", "REPLICA_KEY", "SHARD_KEY", "add_wire_bytes", "data_parallel_bytes", "final_norm_16",
@@ -170,20 +170,11 @@ def final_norm_16(config: ModelConfig, p: int, tokens: int) -> int:
 
 def tp_stage_payloads(config: ModelConfig, *, layers: int, first: bool, last: bool, x: int, tokens: int,
                       sequence_parallel: bool, tp: int = 1) -> dict[str, int]:
-    """One micro-batch's tensor-parallel payloads (float32 bytes) on a stage holding ``layers`` blocks
-    (first / last stage: the embedding / the head and loss), ``x = b s_c h``, ``tokens = b s_c``: the
-    stage's part of ``refimpl.planner.communication.tensor_parallel_collectives`` (the parts of all
-    stages add up to it)."""
-    f, la = int(first), int(last)
-    # fewer key/value heads than tp: each block's qkv output gathered (backward: reduced-scattered)
-    shared = 4 * layers * shared_qkv_elements(config, tp=tp, tokens=tokens)
-    if not sequence_parallel:  # f/g all-reduces: 4 per block, the embedding's sum, the head's f
-        out = {"all_reduce": 4 * (4 * layers * x + f * x + la * (x + 3 * tokens))}
-        return out | ({"all_gather": shared, "reduce_scatter": shared} if shared else {})
-    # SP: the embedding reduce-scatters into the sequence shard (backward: all-gather)
-    return {"all_reduce": 4 * la * 3 * tokens,
-            "all_gather": 4 * (6 * layers + f + 2 * la) * x + shared,
-            "reduce_scatter": 4 * (4 * layers + f + la) * x + shared}
+    """One micro-batch's tensor-parallel payloads (float32 bytes) on a stage holding ``layers`` blocks:
+    ``refimpl.planner.communication.tp_stage_collectives``' payloads."""
+    return {op: payload for op, (_, payload) in tp_stage_collectives(
+        layers=layers, first=first, last=last, x=x, tokens=tokens, sequence_parallel=sequence_parallel,
+        shared_qkv=shared_qkv_elements(config, tp=tp, tokens=tokens)).items()}
 
 
 def stage_zero3_units(table, *, stage: int, num_stages: int, blocks: range) -> list[list[tuple[int, ...]]]:
