@@ -37,9 +37,9 @@ from dataclasses import dataclass
 
 from refimpl.config import ConfigError, ModelConfig, ParallelConfig
 
-__all__ = ["MOE_SUPPORT_TABLE", "NOT_MODELLED_TABLE", "SUPPORT_TABLE", "NotModelled", "Unsupported",
-           "check_modelled", "check_supported", "describe_support_table", "not_modelled", "refusals",
-           "shape_refusals"]
+__all__ = ["MOE_NOT_MODELLED", "MOE_SUPPORT_TABLE", "NOT_MODELLED_TABLE", "SUPPORT_TABLE", "NotModelled",
+           "Unsupported", "check_modelled", "check_supported", "describe_support_table", "not_modelled",
+           "refusals", "shape_refusals"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,12 +157,25 @@ class NotModelled:
     memory: bool = False
 
 
+MOE_NOT_MODELLED: tuple[tuple[str, Callable[[ModelConfig, ParallelConfig], bool]], ...] = (
+    ("pp > 1", lambda m, c: c.pp > 1), ("cp > 1", lambda m, c: c.cp > 1),
+    ("sequence parallelism", lambda m, c: c.sequence_parallel), ("fp8", lambda m, c: c.precision == "fp8"),
+    ("shared experts", lambda m, c: m.moe_shared_experts > 0))
+"""What of an MoE layout the planner's terms do not count (``NOT_MODELLED_TABLE``'s ``moe-layout``; the
+trainer runs each): the stage split, the sequence's parts and the tp ranks' own tokens, fp8's converted
+layers, DeepSeekMoE's shared experts' saved tensors (``refimpl.planner.experts.unmodelled_moe``)."""
+
 NOT_MODELLED_TABLE: tuple[NotModelled, ...] = (
     NotModelled(
         name="moe-bytes", applies=lambda m, c: bool(m.num_experts) or c.ep > 1,
         reason="the planner does not model an MoE run's bytes per process group yet (the expert gradients on "
                "edp, the all-to-alls on ep); run_memory_of plans its memory, "
                "refimpl.planner.experts.all_to_all_bytes its all-to-alls"),
+    NotModelled(
+        name="moe-layout",
+        applies=lambda m, c: bool(m.num_experts) and any(on(m, c) for _, on in MOE_NOT_MODELLED),
+        reason="the planner models MoE blocks at pp = 1 without cp, sequence parallelism, fp8 or shared "
+               "experts"),
     NotModelled(
         name="mla", memory=True, applies=lambda m, c: m.attention_type == "mla",
         reason="the planner's exact terms do not model multi-head latent attention yet (python -m "

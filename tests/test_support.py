@@ -211,6 +211,7 @@ def test_mla_under_tp_or_cp_is_refused_by_the_shape_rules_naming_the_flags(refus
 SMALL = dict(vocab_size=64, max_seq_len=8, num_layers=2, hidden_size=16, num_attention_heads=2)
 NOT_MODELLED_CASES = {
     "moe-bytes": (dict(num_experts=2, top_k=1), dict(dp=2), dict(dp=2)),
+    "moe-layout": (dict(num_experts=2, top_k=1), dict(dp=1, pp=2), dict(dp=1, pp=2)),
     "mla": (dict(DEEPSEEK_V3, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
                  v_head_dim=4, num_experts=0, moe_shared_experts=0, moe_first_dense=0),
             dict(dp=2), dict(dp=2)),
@@ -240,10 +241,12 @@ def test_each_not_modelled_row_refuses_its_case_in_its_words_and_predicts_the_ne
     fields, refused, neighbour = NOT_MODELLED_CASES[name]
     model = ModelConfig(**{**SMALL, **fields})
     (row,) = [r for r in NOT_MODELLED_TABLE if r.name == name]
-    assert [r.name for r in NOT_MODELLED_TABLE if r.applies(model, ParallelConfig(**refused))] == [name]
+    applies = [r.name for r in NOT_MODELLED_TABLE if r.applies(model, ParallelConfig(**refused))]
+    assert applies == ["moe-bytes", name] if name == "moe-layout" else applies == [name]  # MoE: both
     with pytest.raises(ConfigError) as info:
         predict_run(model, ParallelConfig(**refused), seq_len=8, global_batch=4)
-    assert str(info.value) == f"predict_run: {row.reason}"
+    reasons = [r.reason for r in NOT_MODELLED_TABLE if r.name in applies]
+    assert str(info.value) == "predict_run: " + "; and ".join(reasons) and row.reason in reasons
     assert row.reason in " ".join(describe_support_table().split())
-    if name not in ("moe-bytes", "mla"):  # the model itself is not modelled: no neighbour layout
+    if name not in ("moe-bytes", "moe-layout", "mla"):  # the model is not modelled: no neighbour layout
         assert predict_run(model, ParallelConfig(**neighbour), seq_len=8, global_batch=4).ranks
