@@ -142,26 +142,15 @@ def tensor_parallel_collectives(*, num_layers: int, hidden_size: int, micro_batc
                                 sequence_parallel: bool = False, bytes_per_element: int = 4,
                                 config: ModelConfig | None = None) -> dict[str, tuple[int, int]]:
     """The collectives one rank of ``refimpl.parallel.tensor_parallel.apply_tensor_parallel``'s GPT
-    issues in one forward + backward of a micro-batch ``[b, s]``, float32: ``{op: (count, payload)}``.
-
-    Without SP (``L`` blocks, ``x = b s h`` elements): all-reduces of ``x`` forward: the vocab-parallel
-    embedding's sum and each block's two row layers (``g``); backward: each block's two column layers and
-    the head (``f``): ``4 L + 2`` of ``x``; plus the vocab-parallel loss's three all-reduces of ``b s``
-    (max, target logit, sum of exponentials), forward. With SP: the loss's three all-reduces stay; the
-    embedding reduce-scatters its partial lookups into the sequence shard (``reduce_scatter_embeddings``;
-    backward: an all-gather); each block's ``f``/``g`` pair becomes an all-gather (column input, forward;
-    its backward a reduce-scatter) and a reduce-scatter (row output, forward; its backward an all-gather),
-    the head's input is all-gathered (backward: reduce-scatter), and
-    each of the ``2 L + 1`` column layers (the head too) all-gathers its saved ``s/t`` input again in
-    backward (``refimpl.parallel.tensor_parallel.sequence_parallel_linear``); after
-    backward one all-reduce of ``h`` per replicated parameter that saw ``s/t`` tokens (each block's two
-    LayerNorms' weight and bias and two row biases, the final LayerNorm). The payload is the full tensor
-    (the tracer's ``nbytes``); ``wire_bytes`` gives the ring model's bytes sent. ``{}`` at ``tp = 1``.
-
-    ``config`` (None: GPT-2's form) gives the block's form: RMSNorm has one parameter to sum under SP and
-    no biases mean no row biases (the Llama form: ``2 L + 1`` sums of ``h``); with fewer key/value heads
-    ``g`` than ``t`` each block also all-gathers its qkv output, ``b s (a + 2 g) d``, forward, and
-    reduce-scatters its gradient backward (``refimpl.models.gpt_sharding.SharedKeyValueQKV``).
+    issues in one forward + backward of a micro-batch ``[b, s]``, float32: ``{op: (count, payload)}``
+    (module docstring; ``{}`` at ``tp = 1``): ``tp_stage_collectives`` of the whole model (embedding, ``L``
+    blocks, head and the vocab-parallel loss's three all-reduces of ``b s``) and, with SP, after backward
+    one all-reduce of ``h`` per replicated parameter that saw ``s/t`` tokens (each block's two norms'
+    weights and biases and two row biases, the final norm's). The payload is the full tensor (the tracer's
+    ``nbytes``); ``wire_bytes`` gives the ring model's bytes sent. ``config`` (None: GPT-2's form) gives the
+    block's form: RMSNorm has one parameter to sum, no biases no row biases (the Llama form: ``2 L + 1``
+    sums of ``h``); with fewer key/value heads ``g`` than ``t`` each block also all-gathers its qkv output,
+    ``b s (a + 2 g) d``, and reduce-scatters its gradient (``refimpl.models.gpt_sharding.SharedKeyValueQKV``).
     """
     if tp == 1:
         return {}
