@@ -17,22 +17,10 @@ the assumptions printed under the table:
   (``refimpl.planner.presets.MODEL_PRESETS``: its count printed beside the published one; the two MoE
   models with the weights a token multiplies beside the activated size their cards print);
 * **mixture of experts** (the DeepSeek-V3 form): the routed experts split over ``ep`` of the ``dp x cp``
-  ranks (searched over the degrees that divide the experts and ``dp x cp``; ``--layout ...,ep=64``) and
-  replicated over tp, their state sharded by ZeRO over the ``dp x cp / ep`` ranks holding the same experts;
-  the FLOPs count the weights a token uses (``k`` routed and the shared experts); the all-to-all bytes
-  are what refimpl's expert parallelism sends for uniform routing;
-* **memory per GPU** (Rajbhandari et al. 2020; Korthikanti et al. 2022): the ZeRO table
-  (``refimpl.planner.zero_state.zero_memory_paper``, bf16 weights and gradients, fp32 master weights
-  and Adam moments, ``K = 12``) over a rank's ``N / (tp pp)`` parameters, sharded over the ``dp x cp``
-  ranks (``dp/R x cp`` under HSDP of ``R`` replicas): stage 1 the optimizer, 2 the gradients too, 3 the
-  weights too, plus ZeRO-3's gathered blocks; activations of the ``pp`` micro-batches the first 1F1B stage
-  holds, with sequence parallelism (``34 s b h / t`` per layer, ``+ 5 a s^2 b / t`` with ``--no-flash``), or
-  with recomputation each layer's input, ``2 s b h / t``, plus one layer recomputed;
-* **time per step**: the FLOPs ``(6 N + 12 L h s) x tokens`` at ``--mfu`` of the dense bf16 peak (a third
-  more when recomputing: one more forward), stretched by the 1F1B bubble ``(pp-1)/(m+pp-1)``, plus the
-  bytes of TP's collectives, of dp's gradient all-reduce (1.5 times it at ZeRO-3: the weights all-gathered
-  for forward and for backward), of the pipeline's sends (``boundary_bytes``, float32) and of CP's ring,
-  each at the link it crosses (NVLink inside a node, the network between), none overlapped (an upper
+  ranks, searched over the degrees that divide the experts and ``dp x cp`` (``--layout ...,ep=64``);
+* **memory per GPU, bytes per axis, time per step**: ``evaluate_layout``'s terms (the ZeRO table with
+  ``K = 12``, Korthikanti et al.'s activations, the ring model's bytes at the link each axis crosses, the
+  FLOPs at ``--mfu`` of the dense bf16 peak stretched by the 1F1B bubble, none overlapped: an upper
   bound). Bytes are the ring algorithm's, ``2 (n-1)/n`` of an all-reduce's payload: a model, not what NCCL
   does on every box (inside an HGX H100 node it picks NVLS, NVLink SHARP, or a tree as well as rings).
 

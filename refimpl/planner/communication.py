@@ -56,8 +56,8 @@ from refimpl.config import ModelConfig
 from refimpl.planner.activations import METHODS, local_tokens
 from refimpl.planner.zero_state import Shape, check_zero_stage, padded_numel
 
-__all__ = ["context_parallel_bytes", "ring_bytes_sent", "tensor_parallel_collectives", "wire_bytes",
-           "zero_collectives", "zero_comm_bytes"]
+__all__ = ["context_parallel_bytes", "ring_bytes_sent", "tensor_parallel_collectives", "tp_stage_collectives",
+           "wire_bytes", "zero_collectives", "zero_comm_bytes"]
 
 
 def ring_bytes_sent(numel: int, n: int, rank: int, element_size: int, *, op: str = "all_reduce") -> int:
@@ -142,44 +142,51 @@ def tensor_parallel_collectives(*, num_layers: int, hidden_size: int, micro_batc
                                 sequence_parallel: bool = False, bytes_per_element: int = 4,
                                 config: ModelConfig | None = None) -> dict[str, tuple[int, int]]:
     """The collectives one rank of ``refimpl.parallel.tensor_parallel.apply_tensor_parallel``'s GPT
-    issues in one forward + backward of a micro-batch ``[b, s]``, float32: ``{op: (count, payload)}``.
-
-    Without SP (``L`` blocks, ``x = b s h`` elements): all-reduces of ``x`` forward: the vocab-parallel
-    embedding's sum and each block's two row layers (``g``); backward: each block's two column layers and
-    the head (``f``): ``4 L + 2`` of ``x``; plus the vocab-parallel loss's three all-reduces of ``b s``
-    (max, target logit, sum of exponentials), forward. With SP: the loss's three all-reduces stay; the
-    embedding reduce-scatters its partial lookups into the sequence shard (``reduce_scatter_embeddings``;
-    backward: an all-gather); each block's ``f``/``g`` pair becomes an all-gather (column input, forward;
-    its backward a reduce-scatter) and a reduce-scatter (row output, forward; its backward an all-gather),
-    the head's input is all-gathered (backward: reduce-scatter), and
-    each of the ``2 L + 1`` column layers (the head too) all-gathers its saved ``s/t`` input again in
-    backward (``refimpl.parallel.tensor_parallel.sequence_parallel_linear``); after
-    backward one all-reduce of ``h`` per replicated parameter that saw ``s/t`` tokens (each block's two
-    LayerNorms' weight and bias and two row biases, the final LayerNorm). The payload is the full tensor
-    (the tracer's ``nbytes``); ``wire_bytes`` gives the ring model's bytes sent. ``{}`` at ``tp = 1``.
-
-    ``config`` (None: GPT-2's form) gives the block's form: RMSNorm has one parameter to sum under SP and
-    no biases mean no row biases (the Llama form: ``2 L + 1`` sums of ``h``); with fewer key/value heads
-    ``g`` than ``t`` each block also all-gathers its qkv output, ``b s (a + 2 g) d``, forward, and
-    reduce-scatters its gradient backward (``refimpl.models.gpt_sharding.SharedKeyValueQKV``).
+    issues in one forward + backward of a micro-batch ``[b, s]``, float32: ``{op: (count, payload)}``
+    (module docstring; ``{}`` at ``tp = 1``): ``tp_stage_collectives`` of the whole model (embedding, ``L``
+    blocks, head and the vocab-parallel loss's three all-reduces of ``b s``) and, with SP, after backward
+    one all-reduce of ``h`` per replicated parameter that saw ``s/t`` tokens (each block's two norms'
+    weights and biases and two row biases, the final norm's). The payload is the full tensor (the tracer's
+    ``nbytes``); ``wire_bytes`` gives the ring model's bytes sent. ``config`` (None: GPT-2's form) gives the
+    block's form: RMSNorm has one parameter to sum, no biases no row biases (the Llama form: ``2 L + 1``
+    sums of ``h``); with fewer key/value heads ``g`` than ``t`` each block also all-gathers its qkv output,
+    ``b s (a + 2 g) d``, and reduce-scatters its gradient (``refimpl.models.gpt_sharding.SharedKeyValueQKV``).
     """
     if tp == 1:
         return {}
-    L, e = num_layers, bytes_per_element  # noqa: N806 (the paper's L)
-    x, loss = micro_batch * seq_len * hidden_size, 3 * micro_batch * seq_len
-    shared: dict[str, tuple[int, int]] = {}
-    if config is not None and config.query_groups < tp:
-        qkv = micro_batch * seq_len * (config.num_attention_heads + 2 * config.query_groups) \
-            * config.head_dim
-        shared = {"all_gather": (L, e * L * qkv), "reduce_scatter": (L, e * L * qkv)}
+    tokens, shared = micro_batch * seq_len, 0
+    if config is not None and config.query_groups < tp:  # each block's qkv output gathered
+        shared = tokens * (config.num_attention_heads + 2 * config.query_groups) * config.head_dim
+    out = tp_stage_collectives(layers=num_layers, first=True, last=True, x=tokens * hidden_size,
+                               tokens=tokens, sequence_parallel=sequence_parallel, shared_qkv=shared,
+                               bytes_per_element=bytes_per_element)
     if not sequence_parallel:
-        return _summed({"all_reduce": (4 * L + 2 + 3, e * ((4 * L + 2) * x + loss))}, shared)
+        return out
     per_norm = 1 if config is not None and config.normalization == "rmsnorm" else 2
     biases = 0 if config is not None and not config.add_bias else 2
-    n = (2 * per_norm + biases) * L + per_norm  # the s/t-token parameters, summed after backward
-    return _summed({"all_reduce": (3 + n, e * (loss + n * hidden_size)),
-                    "all_gather": (6 * L + 3, e * (6 * L + 3) * x),
-                    "reduce_scatter": (4 * L + 2, e * (4 * L + 2) * x)}, shared)
+    n = (2 * per_norm + biases) * num_layers + per_norm  # the s/t-token parameters, summed after backward
+    return _summed(out, {"all_reduce": (n, bytes_per_element * n * hidden_size)})
+
+
+def tp_stage_collectives(*, layers: int, first: bool, last: bool, x: int, tokens: int,
+                         sequence_parallel: bool, shared_qkv: int = 0,
+                         bytes_per_element: int = 4) -> dict[str, tuple[int, int]]:
+    """One micro-batch's tensor-parallel collectives ``{op: (count, payload)}`` of a pipeline stage holding
+    ``layers`` blocks, ``first`` / ``last``: with the embedding / the head and the loss (both: the whole
+    model, ``tensor_parallel_collectives`` without the SP gradients' sums); ``x = b s h``, ``tokens = b s``,
+    ``shared_qkv``: a block's qkv elements gathered when fewer key/value heads than ranks share them.
+    Without SP ``4 L + f + l`` all-reduces of ``x`` and the loss's three of ``b s``; with SP all-gathers
+    ``(6 L + f + 2 l) x`` and reduce-scatters ``(4 L + f + l) x`` (the ``f``/``g`` pairs, the embedding's
+    reduce-scatter, the column layers' inputs gathered again in backward)."""
+    L, f, la, e = layers, int(first), int(last), bytes_per_element  # noqa: N806 (the paper's L)
+    qkv = (L, e * L * shared_qkv)
+    shared = {"all_gather": qkv, "reduce_scatter": qkv} if shared_qkv else {}
+    if not sequence_parallel:
+        n = 4 * L + f + la
+        return _summed({"all_reduce": (n + 3 * la, e * (n * x + 3 * la * tokens))}, shared)
+    gathers, scatters = 6 * L + f + 2 * la, 4 * L + f + la
+    return _summed({"all_reduce": (3 * la, e * 3 * la * tokens), "all_gather": (gathers, e * gathers * x),
+                    "reduce_scatter": (scatters, e * scatters * x)}, shared)
 
 
 def _summed(a: dict[str, tuple[int, int]], b: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:

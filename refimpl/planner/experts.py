@@ -71,12 +71,13 @@ from dataclasses import dataclass
 
 import torch
 
-from refimpl.config import ConfigError, ModelConfig
+from refimpl.config import ConfigError, ModelConfig, ParallelConfig
 from refimpl.measure.state import StateMemory
 from refimpl.planner.activations import activation_bytes_per_layer
 from refimpl.planner.layout import Layout, tensor_parallel_degree, zero_shard_degree
 from refimpl.planner.param_table import param_table
 from refimpl.planner.zero_state import zero_memory
+from refimpl.support import MOE_NOT_MODELLED, not_modelled
 
 __all__ = ["DENSE_MLP_TERMS", "ExpertLoad", "all_to_all_bytes", "autocast_weight_elements", "check_moe_plan",
            "expert_parallel_degree", "is_expert_tensor", "moe_activation_bytes", "moe_mlp_saved_terms",
@@ -273,26 +274,20 @@ def all_to_all_bytes(config: ModelConfig, load: ExpertLoad, *, compute_dtype: to
 
 def unmodelled_moe(config: ModelConfig, *, pp: int = 1, cp: int = 1, zero_stage: int = 0,
                    sequence_parallel: bool = False, precision: str = "fp32") -> list[str]:
-    """What of an MoE layout the planner does not model (empty for a dense model): pipeline or context
-    parallelism and sequence parallelism (the trainer runs them with MoE blocks; their stage split, the
-    sequence's parts and the tp ranks' own tokens are not in these terms) and fp8 (its converted layers'
-    terms, ``refimpl.planner.fp8``, are not counted for an MoE model) and DeepSeekMoE's shared experts
-    (``moe_shared_experts``: their saved tensors are not among ``moe_mlp_saved_terms``; their state
-    is, as dense tensors). ``zero_stage`` is accepted for the callers' uniformity: ZeRO 0-3 are modelled."""
+    """What of an MoE layout the planner does not model, by name (``refimpl.support.MOE_NOT_MODELLED``;
+    empty for a dense model). ``zero_stage`` is accepted for the callers' uniformity: ZeRO 0-3 are
+    modelled."""
     if not config.num_experts:
         return []
-    return [name for name, on in (("pp > 1", pp > 1), ("cp > 1", cp > 1),
-                                  ("sequence parallelism", sequence_parallel), ("fp8", precision == "fp8"),
-                                  ("shared experts", config.moe_shared_experts > 0))
-            if on]
+    layout = ParallelConfig(pp=pp, cp=cp, sequence_parallel=sequence_parallel, precision=precision)
+    return [name for name, on in MOE_NOT_MODELLED if on(config, layout)]
 
 
 def check_moe_plan(config: ModelConfig, *, what: str, **layout) -> None:
-    """Refuse, in one line, what ``unmodelled_moe`` names (``layout``: its keyword arguments)."""
-    unmodelled = unmodelled_moe(config, **layout)
-    if unmodelled:
-        raise ConfigError(f"{what}: the planner models MoE blocks at pp = 1 without cp, sequence "
-                          f"parallelism, fp8 or shared experts; not {', '.join(unmodelled)}")
+    """Refuse, in one line, what ``unmodelled_moe`` names (``layout``: its keyword arguments), in the words
+    of ``refimpl.support.NOT_MODELLED_TABLE``'s row ``moe-layout``."""
+    if unmodelled := unmodelled_moe(config, **layout):
+        raise ConfigError(f"{what}: {not_modelled('moe-layout')}; not {', '.join(unmodelled)}")
 
 
 def autocast_weight_elements(config: ModelConfig, *, tp: int = 1, ep: int = 1) -> int:

@@ -26,7 +26,7 @@ from typing import TypedDict
 
 import torch
 
-from refimpl.config import ConfigError, ModelConfig, ParallelConfig
+from refimpl.config import ModelConfig, ParallelConfig
 from refimpl.distributed.mesh import ParallelDims
 from refimpl.measure.state import StateMemory
 from refimpl.planner.activations import BlockSplit, activation_bytes, outside_block_bytes
@@ -53,11 +53,10 @@ from refimpl.planner.pipeline import pipeline_memory_per_rank, pipeline_state_me
 from refimpl.planner.run_memory import RunMemory
 from refimpl.planner.zero_state import zero3_peak_gathered_bytes, zero_memory
 from refimpl.precision.policy import compute_dtype_of
-from refimpl.support import check_supported
+from refimpl.support import check_modelled, check_supported
 
-__all__ = ["RunMemory", "check_dense", "run_memory_of", "run_memory_per_rank", "state_memory",
+__all__ = ["RunMemory", "run_memory_of", "run_memory_per_rank", "state_memory",
            "state_memory_per_rank"]
-
 
 
 class _ActivationArgs(BlockSplit):
@@ -90,30 +89,13 @@ class _PipelineOptions(TypedDict, total=False):
     zero3_reshard_per_microbatch: bool
 
 
-def check_dense(config: ModelConfig, what: str, *, ep: int = 1) -> None:
-    """Refuse an MoE model or ``ep > 1`` (chapter 09) where the planner's terms would be a dense run's:
-    ``refimpl.planner.run_prediction.predict_run`` does not model the MoE run's bytes per group (the
-    expert gradients' collectives on edp, the norm's on ep, the routing-dependent all-to-alls); their memory
-    (``run_memory_per_rank``) and all-to-all bytes are ``refimpl.planner.experts``'."""
-    if config.num_experts or ep > 1:
-        raise ConfigError(f"{what}: the planner does not model an MoE run's bytes per process group yet (the "
-                          "expert gradients on edp, the all-to-alls on ep); run_memory_of plans its memory, "
-                          "refimpl.planner.experts.all_to_all_bytes its all-to-alls")
-
-
 def unmodelled_attention(config: ModelConfig) -> list[str]:
     """What of ``config``'s attention the exact terms do not count (empty: modelled): multi-head latent
     attention (the DeepSeek-V3 form, ``refimpl.models.mla``), whose latents, norms and rotated parts save
-    other tensors than the activation terms here; its parameters and FLOPs are counted
-    (``refimpl.planner.params_flops.param_count``), its layouts estimated (``python -m refimpl.plan``)."""
+    other tensors than the activation terms here (``refimpl.support.NOT_MODELLED_TABLE``'s row ``mla``);
+    its parameters and FLOPs are counted (``refimpl.planner.params_flops.param_count``), its layouts
+    estimated (``python -m refimpl.plan``)."""
     return ["multi-head latent attention"] if config.attention_type == "mla" else []
-
-
-def check_attention_modelled(config: ModelConfig, what: str) -> None:
-    """A ConfigError naming what ``unmodelled_attention`` lists."""
-    if unmodelled := unmodelled_attention(config):
-        raise ConfigError(f"{what}: the planner's exact terms do not model {', '.join(unmodelled)} yet "
-                          "(python -m refimpl.plan estimates its layouts)")
 
 
 def state_memory(
@@ -143,23 +125,12 @@ def state_memory_per_rank(config: ModelConfig, dims: Layout, *, zero_stage: int 
                           pp_rank: int = 0, virtual_stages: int = 1,
                           pp_balance: str = "layers") -> StateMemory:
     """Weights, gradients and AdamW state held at rest by rank ``dp_rank`` of the ``dp x cp`` group of
-    layout ``dims``.
-
-    fp32 weights and gradients, two fp32 moments and a ``step`` scalar per tensor of the rank's parameters:
-    under tensor parallelism (``dims.tp = t > 1``, chapter 06) the sharded tensors' ``1/t`` blocks and the
-    replicated ones whole (``refimpl.planner.params_flops.param_shapes`` with ``tp``), then sharded
-    over the ``N = dp * cp`` ranks that replicate them (context parallelism replicates the parameters as
-    data parallelism does; ``refimpl.parallel.parallelize`` shards over the ``dp x cp`` group) by ZeRO
-    ``zero_stage`` with the runtime's shard rule, dim 0 of each local tensor
-    (``refimpl.planner.zero_state.zero_memory``). ``dp_rank``: the rank's index in that group,
-    ``dp_i * cp + cp_i`` (the group's ranks ascending; ``dp_i`` when ``cp = 1``). Stage 0 at ``tp = 1`` is
-    ``state_memory``, the full replica. ZeRO-3 over tensor-parallel shards (2-D sharding) shards each
-    rank's blocks again, dim 0 of the local tensor, as the runtime does. An MoE model (chapter 09, ZeRO
-    0-2, pp = 1): the rank's ``E/ep`` experts sharded over the expert-data-parallel group, the rest over
-    ``dp x cp`` (``refimpl.planner.experts.moe_state_memory_per_rank``). Pipeline parallelism
-    (``dims.pp > 1``,
-    chapter 08, ZeRO 0-2): the parameters of pipeline rank ``pp_rank``'s stages (``virtual_stages`` per
-    rank, split by ``pp_balance``; ``refimpl.planner.pipeline.stage_param_shapes``), whole.
+    layout ``dims``: fp32 weights and gradients, two fp32 moments and a ``step`` scalar per tensor of the
+    rank's tensor-parallel shards (chapter 06, ``refimpl.planner.params_flops.param_shapes``), sharded over
+    the ``dp x cp`` ranks that replicate them by ZeRO ``zero_stage`` with the runtime's rule, dim 0 of each
+    local tensor (``refimpl.planner.zero_state.zero_memory``; ``dp_rank = dp_i cp + cp_i``). An MoE model
+    (chapter 09): ``refimpl.planner.experts.moe_state_memory_per_rank``; pipeline parallelism (chapter 08):
+    the parameters of pipeline rank ``pp_rank``'s stages (``refimpl.planner.pipeline.pipeline_state_memory``).
     """
     shards, tp, pp = zero_shard_degree(dims), tensor_parallel_degree(dims), pipeline_parallel_degree(dims)
     if config.num_experts:  # experts split over ep, their state sharded over edp (refimpl/planner/experts.py)
@@ -181,43 +152,21 @@ def run_memory_per_rank(config: ModelConfig, dims: Layout, *, micro_batch: int, 
                         zero3_reshard_per_microbatch: bool = False,
                         expert_loads: Sequence[ExpertLoad] | None = None) -> RunMemory:
     """The peak bytes one rank of a training run laid out as ``dims`` needs, before anything runs (chapters
-    01, 04 and 05; the trainer's preflight).
+    01, 04 and 05; the trainer's preflight), by term.
 
-    ``dims``: the layout (``refimpl.distributed.ParallelDims`` or any object with ``dp, cp, tp, pp``).
-    Pipeline parallelism (``dims.pp = p > 1``, chapter 08; with ``tp`` (and ``sequence_parallel``), ``cp``
-    (``cp_method``, ``cp_layout``) inside the stages and ZeRO 0 or 1 over ``dp x cp``, as
-    ``refimpl.parallel.parallelize`` builds it; ZeRO-3 refused
-    as parallelize refuses them): the WORST pipeline rank's figures
-    (``refimpl.planner.pipeline.pipeline_memory_per_rank``: its stages' state, the activations of
-    the micro-batches it holds at its peak under ``pp_schedule`` with ``virtual_stages`` chunks per rank,
-    ``num_microbatches`` per step, default ``p``; ``pp_balance`` the stage split);
-    ``micro_batch`` is then the pipeline micro-batch; ``RunMemory.describe`` names the rank.
-
-    Otherwise: model state (``state_memory_per_rank``,
-    Rajbhandari et al. 2020): fp32 weights, fp32 gradients and AdamW's two fp32 moments of the rank's
-    tensor-parallel shards, each full or sharded over the ``dims.dp x dims.cp`` ranks by ZeRO
-    ``zero_stage``; ZeRO-3 adds the gathered root unit and the largest block (its forward/backward peak,
-    ``refimpl.planner.zero_state.zero3_peak_gathered_bytes``). ``precision`` bf16/fp16 computes under
-    autocast over fp32 weights and so adds autocast's cached 16-bit copies of the rank's matmul weights;
-    fp8 (pp = 1) is bf16 with the fp8 layers' terms of ``refimpl.planner.fp8`` (no bf16 copy of their
-    weights, a transient fp8 cast, their fp32 LayerNorm-fed inputs saved).
-
-    Activations of one micro-batch ``b`` of sequences of ``s`` tokens on one rank (Korthikanti et al. 2022,
-    as ``refimpl.planner.activations.activation_bytes`` counts our block exactly, with ``dims.tp`` and
-    ``sequence_parallel``, and with ``dims.cp``: the rank's ``s/cp`` tokens by the terms of ``cp_method``,
-    ring attention or Ulysses, ``cp_layout`` the ring's zigzag or contiguous split): the saved tensors of
-    every block (a checkpointed block keeps only its input and
-    recomputes the largest block's tensors in backward), plus what the model saves outside the blocks
-    (``refimpl.planner.activations.outside_block_bytes``: final LayerNorm, head input, the log-softmax
-    or, tensor-parallel, the vocab-parallel loss's softmax shard, ids and masks). All of that is what
-    ``refimpl.measure.activations.SavedTensorMeter`` measures, to the byte. The logits and their
-    float32 gradient, ``(p + 4) (s/cp) b V_t`` (``V_t = ceil(V/t)``), are transient buffers on top (not
-    saved tensors: an estimate of the loss's peak, not a measured figure).
-
-    MoE blocks (chapter 09; pp = 1, ZeRO 0-2, no cp or sequence parallelism, ``dims.ep`` the expert-parallel
-    degree): the rank's experts' state over the expert-data-parallel group, each MoE block's saved tensors
-    for ``expert_loads`` (one ``refimpl.planner.experts.ExpertLoad`` per MoE block, measured counts;
-    default uniform routing) and no autocast copy of the fp32 routers (``refimpl.planner.experts``).
+    State (``state_memory_per_rank``, Rajbhandari et al. 2020): fp32 weights, gradients and AdamW's two
+    moments of the rank's tensor-parallel shards, sharded over ``dp x cp`` by ZeRO ``zero_stage``; ZeRO-3
+    adds the gathered root unit and the largest block (``refimpl.planner.zero_state.
+    zero3_peak_gathered_bytes``); bf16 adds autocast's 16-bit copies of the matmul weights, fp8 the terms of
+    ``refimpl.planner.fp8``. Activations: one micro-batch's saved tensors at the rank's ``s/cp`` tokens
+    (Korthikanti et al. 2022 as ``refimpl.planner.activations`` counts our block exactly: what
+    ``refimpl.measure.activations.SavedTensorMeter`` measures; a checkpointed block keeps its input), the
+    tensors saved outside the blocks, and on top the transient logits and their float32 gradient,
+    ``(p + 4) (s/cp) b V_t`` (an estimate). MoE blocks (chapter 09): the experts' state over the
+    expert-data-parallel group and each block's saved tensors for ``expert_loads``
+    (``refimpl.planner.experts``). Pipeline parallelism (``dims.pp > 1``, chapter 08): the worst pipeline
+    rank's figures under ``pp_schedule`` (``refimpl.planner.pipeline.pipeline_memory_per_rank``;
+    ``num_microbatches`` default ``pp``); ``RunMemory.describe`` names the rank.
     """
     check_moe_plan(config, what="run_memory_per_rank", pp=pipeline_parallel_degree(dims),
                    cp=context_parallel_degree(dims), zero_stage=zero_stage,
@@ -310,7 +259,7 @@ def run_memory_of(config: ModelConfig, parallel: ParallelConfig, *, world_size: 
     ``micro_batch`` sequences per step."""
     # what the trainer refuses is not planned, nor what the terms do not count
     check_supported(dataclasses.replace(parallel, dp=None), moe=bool(config.num_experts))
-    check_attention_modelled(config, "run_memory_of")
+    check_modelled(config, parallel, what="run_memory_of", memory=True)
     dims = ParallelDims.from_world(world_size, **parallel.degrees)
     pipeline: _PipelineOptions = {} if dims.pp == 1 else {
         "pp_schedule": parallel.pp_schedule, "virtual_stages": parallel.virtual_stages,

@@ -78,15 +78,13 @@ from refimpl.planner.run_memory import RunMemory
 from refimpl.planner.run_terms import final_norm_16
 from refimpl.planner.zero_state import zero3_peak_gathered_bytes
 from refimpl.precision.policy import compute_dtype_of
-from refimpl.support import check_supported
+from refimpl.support import check_supported, not_modelled
 
 __all__ = ["PER_STEP", "ZBV_NOT_MODELLED", "PipelineRankMemory", "pipeline_memory_per_rank",
            "pipeline_state_memory", "stage_deferred_bytes", "stage_layers", "stage_param_shapes",
            "stage_saved_bytes"]
 
-ZBV_NOT_MODELLED = ("the planner does not model the zbv schedule (ZB-V's V placement: two chunks per rank, "
-                    "the first and the last stage on rank 0, its deferred weight gradients in flight): plan "
-                    "with zbh1, whose memory the planner models, or measure zbv with the trainer")
+ZBV_NOT_MODELLED = not_modelled("zbv")  # refimpl/support.py
 
 PER_STEP = ("token ids (the step's batch, int64)", "labels (the step's batch, int64)")
 FP8_INPUTS = "fp8 layers' float32 LayerNorm-fed inputs"  # --precision fp8 (refimpl/planner/fp8.py)

@@ -1,48 +1,14 @@
-"""The terms ``refimpl.planner.run_prediction.predict_run`` adds for ZeRO-2/3, HSDP, activation
-checkpointing and ZeRO-3's 16-bit weights (chapters 04, 05 and 10), each read from the runtime's code and
-proven against the trainer to the byte in tests/test_planner_zero3.py.
+"""The formulas the techniques' declared terms read (``refimpl.planner.step_bytes``; chapters 04-08 and
+10), each read from the runtime's code and proven against the trainer to the byte
+(tests/test_planner_zero3.py, tests/test_planner_3d.py):
 
-* ``data_parallel_bytes``: the bytes one rank sends per step for the gradients and parameters of data
-  parallelism, by ``metrics.jsonl`` group key. ZeRO-0: one all-reduce of the gradients over ``dp x cp``
-  per step (``DataParallelBucket`` under ``no_sync`` but the last micro-batch; ``reduce_gradients_`` after
-  the pipeline's last backward). ZeRO-1: one reduce-scatter of the padded gradients and one all-gather of
-  the stepped parameters (``ShardedOptimizer.step``). ZeRO-2: the reduce-scatter in every backward, so once
-  per micro-batch (``ShardedOptimizer._on_grad_ready``: the buckets of a backward cover all its gradients,
-  flushed at its end; bucket sizes move the same padded total), the all-gather once, after the step.
-  ZeRO-3 (``FullyShardedDataParallel``): per micro-batch, every unit (each block, the root) all-gathered
-  for forward and every unit but the root again before its backward (the root is kept from forward to the
-  end of backward; a checkpointed block's recomputation runs after its pre-backward gather and gathers
-  nothing), and one reduce-scatter per unit with trainable parameters
-  (``refimpl.planner.communication.zero_collectives``); the gathers in ``param_dtype`` (bf16 under
-  ZeRO-3's mixed precision: 2 bytes), the reductions in ``reduce_dtype`` (fp32). HSDP (``dp_replicate``
-  R > 1): the same over the shard group ``"dp_shard x cp"`` of ``dp/R cp`` ranks, and each unit's reduced
-  padded shard all-reduced over the R replicas (``"dp_replicate"``; ``fsdp_communications.
-  reduce_scatter_grads``). ZeRO-3 under pipeline parallelism (``refimpl.parallel.parallelize.
-  _shard_stages``: each stage sharded in place over ``dp x cp``, its own root unit, the stage's modules
-  outside its blocks): by default (``zero3_kept``) every unit of the stage all-gathered once per step, in
-  the first forward, and kept through the micro-batches (``reshard_after_forward=False``, the root's
-  pre-forward hook finds it gathered), the full gradients accumulated over the micro-batches
-  (``set_requires_gradient_sync(False)``) and reduce-scattered once per unit after the schedule
-  (``finish_gradient_sync`` from ``PipelineModule.after_backward``): one all-gather and one reduce-scatter
-  of each unit's padded tensors per step, whatever ``m``; with ``--zero3-reshard-per-microbatch`` the
-  pp = 1 schedule per micro-batch, ``m`` times: a unit's forward gathers it, its backward again but the
-  root's, and reduce-scatters it. The root is gathered ``m`` times whatever the schedule: every backward
-  ends by freeing all units (``_finish_backward``), and the next action (a forward, or a backward's
-  pre-backward hook) gathers it again, so it is gathered once per backward.
-* ``recompute_tp_payloads``, the tensor-parallel collectives a checkpointed block's recomputed forward
-  repeats in backward: ``torch.utils.checkpoint``'s non-reentrant early stop ends the recomputation once
-  the block's last saved tensor (the second MLP linear's input) is rebuilt, so the attention's row layer
-  reduces again (``g``: one all-reduce of ``b s_c h``; under sequence parallelism the QKV and first MLP
-  column inputs' two all-gathers and the attention's reduce-scatter) and the MLP's row layer does not.
-  Context parallelism's attention runs again too: its forward exchanges, once per checkpointed block and
-  micro-batch (``refimpl.planner.communication.context_parallel_bytes``' ``"forward"``).
+* ``data_parallel_bytes``: ZeRO 0-3 and HSDP's gradients and parameters (its docstring);
+* ``tp_stage_payloads`` and ``recompute_tp_payloads``: a stage's tensor-parallel collectives, and those a
+  checkpointed block's recomputed forward repeats (``torch.utils.checkpoint``'s non-reentrant early stop
+  ends it at the second MLP linear's input: the attention's row layer reduces again, the MLP's does not);
 * ``sixteen_bit_weight_activations``: ZeRO-3 in bf16 computes in the gathered 16-bit weights (FSDP2's
-  ``MixedPrecisionPolicy``, no autocast), so the residual stream, the LayerNorms' inputs and statistics
-  and a checkpointed block's input are 16-bit too (``refimpl.planner.activations.
-  activation_bytes_per_layer`` with ``residual_dtype``), and outside the blocks the final LayerNorm's input
-  and statistics and the head's input; the loss's log-softmax stays float32 (``lm_loss`` casts the logits).
-* ``shard_group_rank``: a rank's index in the group ZeRO shards over (``dp x cp``, or HSDP's shard
-  group), the ``dp_rank`` of ``refimpl.planner.memory.state_memory_per_rank``.
+  ``MixedPrecisionPolicy``), so the residual stream and the norms' inputs are 16-bit too;
+* ``shard_group_rank``: a rank's index in the group ZeRO shards over.
 """
 
 from __future__ import annotations
@@ -56,17 +22,18 @@ from refimpl.comm.tracer import wire_bytes
 from refimpl.config import ModelConfig
 from refimpl.distributed.mesh import ParallelDims
 from refimpl.planner.activations import activation_bytes, local_tokens
-from refimpl.planner.communication import zero_collectives
+from refimpl.planner.communication import tp_stage_collectives, zero_collectives
 from refimpl.planner.zero_state import Shape, padded_numel, sharded_numel
 
-__all__ = ["DP_KEY", "REPLICA_KEY", "SHARD_KEY", "data_parallel_bytes", "final_norm_16",
+__all__ = ["DP_KEY", "REPLICA_KEY", "SHARD_KEY", "add_wire_bytes", "data_parallel_bytes", "final_norm_16",
            "recompute_tp_payloads", "shard_group_rank", "shared_qkv_elements",
            "sixteen_bit_weight_activations", "sp_gradient_payload", "stage_zero3_units", "tp_stage_payloads"]
 
 DP_KEY, SHARD_KEY, REPLICA_KEY = "dp x cp", "dp_shard x cp", "dp_replicate"  # metrics.jsonl's group keys
 
 
-def _add(out: dict[str, float], key: str, op: str, payload: float, n: int) -> None:
+def add_wire_bytes(out: dict[str, float], key: str, op: str, payload: float, n: int) -> None:
+    """Add to ``out[key]`` the wire bytes of ``op`` on ``payload`` bytes over ``n`` ranks (none at one)."""
     if n > 1 and payload:
         out[key] = out.get(key, 0.0) + wire_bytes(op, payload, n)
 
@@ -85,25 +52,32 @@ def data_parallel_bytes(unit_shapes: Sequence[Sequence[Shape]], *, zero_stage: i
                         replicas: int = 1, microbatches: int = 1, gather_bytes: int = 4,
                         zero3_kept: bool = False,
                         fp8: Sequence[Sequence[bool]] | None = None) -> dict[str, float]:
-    """Wire bytes one rank sends per step for data parallelism's gradients and parameters (module
-    docstring), by group key; not the loss's or the norm's scalars. ``unit_shapes``: the rank's parameter
+    """Wire bytes one rank sends per step for data parallelism's gradients and parameters, by group key;
+    not the loss's or the norm's scalars. ZeRO-0: one all-reduce over ``dp x cp`` per step; ZeRO-1: one
+    reduce-scatter of the padded gradients and one all-gather of the stepped parameters; ZeRO-2: the
+    reduce-scatter in every backward (``m`` per step), the all-gather once. ZeRO-3 per micro-batch: every
+    unit all-gathered for forward and all but the root again before backward (the root is kept; a
+    checkpointed block's recomputation gathers nothing), one reduce-scatter per unit
+    (``refimpl.planner.communication.zero_collectives``), gathers in ``param_dtype``, reductions in fp32;
+    HSDP (``replicas`` R > 1): the same over the shard group, each unit's reduced shard all-reduced over
+    the R replicas. Under pp (``zero3_kept``) each unit of a stage gathered once per step and its
+    accumulated gradients reduced once (``finish_gradient_sync``). ``unit_shapes``: the rank's parameter
     shapes (its tensor-parallel blocks; pp: its stages' tensors), cut into ZeRO-3's units, the root first
     (stages 0-2 use only their union; ZeRO-3 under pp: one stage's units, its root first, called per
     stage); ``dp_cp``: the ``dp x cp`` ranks; ``replicas``: HSDP's R (ZeRO-3); ``microbatches``: backwards
-    per step; ``gather_bytes``: ZeRO-3's ``param_dtype`` size; ``zero3_kept``: ZeRO-3 under pp by default,
-    each unit gathered once per step and kept, its accumulated gradients reduced once (module docstring);
-    ``fp8`` (ZeRO-3 at pp = 1 under ``--precision fp8``): per unit, which tensors are gathered as e4m3, one
-    byte per element beside the others' ``gather_bytes``, each gather preceded by the MAX all-reduce of the
-    unit's fp32 amaxes (``refimpl.parallel.zero.fsdp_float8``)."""
+    per step; ``gather_bytes``: ZeRO-3's ``param_dtype`` size; ``fp8`` (ZeRO-3 at pp = 1 under
+    ``--precision fp8``): per unit, which tensors are gathered as e4m3, one byte per element beside the
+    others' ``gather_bytes``, each gather preceded by the MAX all-reduce of the unit's fp32 amaxes
+    (``refimpl.parallel.zero.fsdp_float8``)."""
     out: dict[str, float] = {}
     shapes = [s for unit in unit_shapes for s in unit]
     m, n = microbatches, dp_cp
     if zero_stage == 0:
-        _add(out, DP_KEY, "all_reduce", 4 * sum(math.prod(s) for s in shapes), n)
+        add_wire_bytes(out, DP_KEY, "all_reduce", 4 * sum(math.prod(s) for s in shapes), n)
     elif zero_stage in (1, 2):
         grads = 4 * padded_numel(shapes, n)
-        _add(out, DP_KEY, "reduce_scatter", (m if zero_stage == 2 else 1) * grads, n)
-        _add(out, DP_KEY, "all_gather", grads, n)
+        add_wire_bytes(out, DP_KEY, "reduce_scatter", (m if zero_stage == 2 else 1) * grads, n)
+        add_wire_bytes(out, DP_KEY, "all_gather", grads, n)
     else:
         shard = n // replicas
         key = DP_KEY if replicas == 1 else SHARD_KEY
@@ -114,23 +88,23 @@ def data_parallel_bytes(unit_shapes: Sequence[Sequence[Shape]], *, zero_stage: i
             gathered = sum(t * sum(padded_numel([s], shard) * (1 if f else gather_bytes)
                                    for s, f in zip(unit, flags, strict=True))
                            for t, unit, flags in zip(times, unit_shapes, fp8, strict=True) if unit)
-            _add(out, key, "all_gather", m * gathered, shard)
+            add_wire_bytes(out, key, "all_gather", m * gathered, shard)
             amaxes = sum(t * 4 * sum(flags) for t, flags in zip(times, fp8, strict=True))
             if amaxes:
-                _add(out, key, "all_reduce", m * amaxes, shard)
+                add_wire_bytes(out, key, "all_reduce", m * amaxes, shard)
         elif zero3_kept:  # each unit gathered once per step (padded rows), every unit with a root's count
             gathered = gather_bytes * sum(padded_numel(unit, shard) for unit in unit_shapes)
-            _add(out, key, "all_gather", gathered, shard)
+            add_wire_bytes(out, key, "all_gather", gathered, shard)
         else:
             gathers = zero_collectives(unit_shapes, shard, 3, bytes_per_element=gather_bytes)
             if "all_gather" in gathers:
-                _add(out, key, "all_gather", m * gathers["all_gather"][1], shard)
+                add_wire_bytes(out, key, "all_gather", m * gathers["all_gather"][1], shard)
         reductions = 1 if zero3_kept else m  # the accumulated full gradients once, or every backward's
         for op, (_, payload) in zero_collectives(unit_shapes, shard, 3, replicas=replicas).items():
             if op == "reduce_scatter":
-                _add(out, key, op, reductions * payload, shard)
+                add_wire_bytes(out, key, op, reductions * payload, shard)
             elif op == "all_reduce":  # HSDP: each unit's reduced shard over the replicas
-                _add(out, REPLICA_KEY, op, reductions * payload, replicas)
+                add_wire_bytes(out, REPLICA_KEY, op, reductions * payload, replicas)
     return out
 
 
@@ -196,20 +170,11 @@ def final_norm_16(config: ModelConfig, p: int, tokens: int) -> int:
 
 def tp_stage_payloads(config: ModelConfig, *, layers: int, first: bool, last: bool, x: int, tokens: int,
                       sequence_parallel: bool, tp: int = 1) -> dict[str, int]:
-    """One micro-batch's tensor-parallel payloads (float32 bytes) on a stage holding ``layers`` blocks
-    (first / last stage: the embedding / the head and loss), ``x = b s_c h``, ``tokens = b s_c``: the
-    stage's part of ``refimpl.planner.communication.tensor_parallel_collectives`` (the parts of all
-    stages add up to it)."""
-    f, la = int(first), int(last)
-    # fewer key/value heads than tp: each block's qkv output gathered (backward: reduced-scattered)
-    shared = 4 * layers * shared_qkv_elements(config, tp=tp, tokens=tokens)
-    if not sequence_parallel:  # f/g all-reduces: 4 per block, the embedding's sum, the head's f
-        out = {"all_reduce": 4 * (4 * layers * x + f * x + la * (x + 3 * tokens))}
-        return out | ({"all_gather": shared, "reduce_scatter": shared} if shared else {})
-    # SP: the embedding reduce-scatters into the sequence shard (backward: all-gather)
-    return {"all_reduce": 4 * la * 3 * tokens,
-            "all_gather": 4 * (6 * layers + f + 2 * la) * x + shared,
-            "reduce_scatter": 4 * (4 * layers + f + la) * x + shared}
+    """One micro-batch's tensor-parallel payloads (float32 bytes) on a stage holding ``layers`` blocks:
+    ``refimpl.planner.communication.tp_stage_collectives``' payloads."""
+    return {op: payload for op, (_, payload) in tp_stage_collectives(
+        layers=layers, first=first, last=last, x=x, tokens=tokens, sequence_parallel=sequence_parallel,
+        shared_qkv=shared_qkv_elements(config, tp=tp, tokens=tokens)).items()}
 
 
 def stage_zero3_units(table, *, stage: int, num_stages: int, blocks: range) -> list[list[tuple[int, ...]]]:

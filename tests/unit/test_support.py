@@ -205,3 +205,48 @@ def test_mla_under_tp_or_cp_is_refused_by_the_shape_rules_naming_the_flags(refus
     with pytest.raises(ConfigError, match=flag):
         check_shapes(TrainConfig(model=model, data=DataConfig(seq_len=16, global_batch_size=4)),
                      ParallelConfig(**refused))
+
+
+# row name -> (model fields over SMALL, a layout the planner does not model, the neighbour it predicts)
+SMALL = dict(vocab_size=64, max_seq_len=8, num_layers=2, hidden_size=16, num_attention_heads=2)
+NOT_MODELLED_CASES = {
+    "moe-bytes": (dict(num_experts=2, top_k=1), dict(dp=2), dict(dp=2)),
+    "moe-layout": (dict(num_experts=2, top_k=1), dict(dp=1, pp=2), dict(dp=1, pp=2)),
+    "mla": (dict(DEEPSEEK_V3, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+                 v_head_dim=4, num_experts=0, moe_shared_experts=0, moe_first_dense=0),
+            dict(dp=2), dict(dp=2)),
+    "fp16": ({}, dict(dp=2, precision="fp16"), dict(dp=2, precision="bf16")),
+    "zbv": ({}, dict(dp=1, pp=2, pp_schedule="zbv", virtual_stages=2), dict(dp=1, pp=2, pp_schedule="zbh1")),
+    "fp8-zbh1-rowwise": ({}, dict(dp=1, pp=2, pp_schedule="zbh1", precision="fp8", fp8_scaling="rowwise"),
+                         dict(dp=1, pp=2, pp_schedule="zbh1", precision="fp8")),
+    "fp8-pp-zero3": ({}, dict(dp=2, pp=2, precision="fp8", zero_stage=3),
+                     dict(dp=2, pp=2, precision="fp8", zero_stage=2)),
+    "tp-16-bit": ({}, dict(dp=1, tp=2, precision="bf16"), dict(dp=1, tp=2)),
+    "pp-checkpointing-16-bit": ({}, dict(dp=1, pp=2, precision="bf16", activation_checkpointing="all"),
+                                dict(dp=1, pp=2, activation_checkpointing="all")),
+    "zbh1-sp": ({}, dict(dp=1, pp=2, tp=2, pp_schedule="zbh1", sequence_parallel=True),
+                dict(dp=1, pp=2, tp=2, sequence_parallel=True)),
+    "tp-comm-overlap": ({}, dict(dp=1, tp=2, sequence_parallel=True, tp_comm_overlap=True),
+                        dict(dp=1, tp=2, sequence_parallel=True)),
+    "zero3-no-reshard": ({}, dict(dp=2, zero_stage=3, reshard_after_forward=False), dict(dp=2, zero_stage=3)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NOT_MODELLED_CASES))
+def test_each_not_modelled_row_refuses_its_case_in_its_words_and_predicts_the_neighbour(name):
+    from refimpl.planner import predict_run
+    from refimpl.support import NOT_MODELLED_TABLE
+
+    assert sorted(row.name for row in NOT_MODELLED_TABLE) == sorted(NOT_MODELLED_CASES)
+    fields, refused, neighbour = NOT_MODELLED_CASES[name]
+    model = ModelConfig(**{**SMALL, **fields})
+    (row,) = [r for r in NOT_MODELLED_TABLE if r.name == name]
+    applies = [r.name for r in NOT_MODELLED_TABLE if r.applies(model, ParallelConfig(**refused))]
+    assert applies == ["moe-bytes", name] if name == "moe-layout" else applies == [name]  # MoE: both
+    with pytest.raises(ConfigError) as info:
+        predict_run(model, ParallelConfig(**refused), seq_len=8, global_batch=4)
+    reasons = [r.reason for r in NOT_MODELLED_TABLE if r.name in applies]
+    assert str(info.value) == "predict_run: " + "; and ".join(reasons) and row.reason in reasons
+    assert row.reason in " ".join(describe_support_table().split())
+    if name not in ("moe-bytes", "moe-layout", "mla"):  # the model is not modelled: no neighbour layout
+        assert predict_run(model, ParallelConfig(**neighbour), seq_len=8, global_batch=4).ranks
