@@ -197,7 +197,8 @@ NOT_MODELLED_TABLE: tuple[NotModelled, ...] = (
     NotModelled(
         name="fp8-pp-zero3", applies=lambda m, c: c.precision == "fp8" and c.pp > 1 and c.zero_stage == 3,
         reason="predict_run models --precision fp8 with ZeRO 0-3 at pp = 1 and ZeRO 0-2 under pp (what "
-               "tests/test_train_fp8.py measures; the stages' fp8 gathers are not measured against it)"),
+               "tests/trainer/ranks/cli/test_train_fp8.py measures; the stages' fp8 gathers are not "
+               "measured against it)"),
     NotModelled(
         name="tp-16-bit", applies=lambda m, c: c.tp > 1 and c.precision != "fp32",
         reason="predict_run models the tensor-parallel traffic in fp32 only (under autocast the activations "

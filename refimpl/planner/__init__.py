@@ -13,6 +13,8 @@
 * ``refimpl.planner.communication``: bytes of the ring collectives, of ZeRO's and of tensor
   parallelism's collectives, and of context parallelism's ring and all-to-alls;
 * ``refimpl.planner.time_model``: the alpha-beta cost model fitted to measured times;
+  ``refimpl.planner.step_time``: a step's time on a link, its compute plus the transfers nothing hides,
+  and which ones it assumes hidden (chapters 03-04, checked on the shaped link);
 * ``refimpl.planner.pipeline_stages``: the pipeline's stages and the parameters each holds;
   ``refimpl.planner.pipeline``: per pipeline rank, the activations it holds at its peak under a
   schedule (chapter 08);

@@ -50,7 +50,7 @@ Context parallelism (``cp`` ranks, chapter 07): ``seq_len`` stays the whole sequ
 ``s_c = s/cp`` of its tokens, and everything but attention acts on each token alone, so every term above
 holds ``s_c`` tokens (SP then splits ``s_c`` over ``t``). Attention saves other tensors than SDPA's
 (measured with ``refimpl.measure.activations.SavedTensorMeter`` on a rank of
-``refimpl.parallel.context_parallel.apply_context_parallel``'s GPT, tests/test_planner_cp.py):
+``refimpl.parallel.context_parallel.apply_context_parallel``'s GPT, tests/planner/ranks/test_planner_cp.py):
 
 * ring attention (Liu et al. 2023; the zig-zag layout, ``2 cp`` chunks with rank ``r`` holding chunks ``r``
   and ``2 cp - 1 - r``, as Megatron-LM's context parallelism balances causal work, or contiguous: the same
@@ -70,8 +70,8 @@ Per layer and rank, attention's ``(4 p) sbh/t + 4 a sb/t`` becomes at ``s_c`` to
     (4 p + q) s_c bh/t + q a s_c b/t         ring
     5 p s_c bh/t + 4 a s_c b/t               Ulysses
 
-**The Llama form** (chapter 01; measured the same way, tests/test_planner_3d.py at seven layouts), per
-rank with ``a_t`` query and ``g_t`` key/value heads (``g/t``, or one that ``t/g`` ranks share):
+**The Llama form** (chapter 01; measured the same way, tests/planner/ranks/test_planner_3d.py at seven
+layouts), per rank with ``a_t`` query and ``g_t`` key/value heads (``g/t``, or one that ``t/g`` ranks share):
 
 * RMSNorm keeps its input, ``rstd`` and ``x * rstd``, in float32 at least (a 16-bit input is upcast and
   its float32 copy kept): ``(2 n sbh + n sb)/u`` per norm with ``n = max(r, 4)``;
@@ -87,8 +87,9 @@ rank with ``a_t`` query and ``g_t`` key/value heads (``g/t``, or one that ``t/g`
 So in 16-bit under autocast (p = 2, q = r = 4, f = 4h): ring ``s_c bh (12 + 28/t) + 16 s_c b + 4 a s_c b/t``,
 Ulysses ``s_c bh (12 + 26/t) + 16 s_c b + 4 a s_c b/t``, against SDPA's ``12 + 24/t`` at ``s_c`` tokens:
 both pay ``2/t`` for the projection's copy, the ring ``2/t`` more for its float32 output.
-``refimpl.measure.activations.SavedTensorMeter`` measures the same numbers (tests/test_activations.py,
-tests/test_planner_tp.py at tp 2 and 4, tests/test_planner_cp.py at cp 2 and 4 and tp 2 x cp 2);
+``refimpl.measure.activations.SavedTensorMeter`` measures the same numbers
+(tests/unit/measure/test_activations.py, tests/planner/ranks/test_planner_tp.py at tp 2 and 4,
+tests/planner/ranks/test_planner_cp.py at cp 2 and 4 and tp 2 x cp 2);
 ``refimpl.planner.memory.run_memory_per_rank`` adds them up per rank.
 """
 

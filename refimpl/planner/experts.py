@@ -45,8 +45,8 @@ weights to autocast's dtype itself, as torchtitan does))::
     + 4 T k h              the combine's fp32 unpermuted outputs, dropped assignments included
 
 (``refimpl.measure.activations.SavedTensorMeter`` measures these, to the byte, for the counts the
-forward produced; tests/test_planner_moe.py). The attention half of the block is the dense block's
-(``refimpl.planner.activations.activation_bytes_per_layer`` without its MLP terms); under tp the MoE
+forward produced; tests/planner/ranks/test_planner_moe.py). The attention half of the block is the dense
+block's (``refimpl.planner.activations.activation_bytes_per_layer`` without its MLP terms); under tp the MoE
 MLP sees every token, ``T = b s`` on every tp rank. Autocast keeps 16-bit copies of the linears' weights
 and the experts' but not of the fp32 routers' (``autocast_weight_elements``). At ep 1 dropless only
 ``A = R = k T`` enters: uniform routing is exact there.

@@ -4,7 +4,7 @@ The trainer (``refimpl.precision.fp8.apply_float8_training``) gives fp8 GEMMs to
 plain GPT but the first (block 0's ``query_key_value``) and the last (the output layer: tied, the word
 embedding), and keeps any weight that is not a multiple of 16 in both dims in bf16. Around them the run is
 bf16 autocast over fp32 weights, so against ``--precision bf16`` two terms change, both measured with
-``refimpl.measure.activations.SavedTensorMeter`` (tests/test_train_fp8.py):
+``refimpl.measure.activations.SavedTensorMeter`` (tests/trainer/ranks/cli/test_train_fp8.py):
 
 * **weight copies**: autocast keeps a bf16 copy of each weight it multiplies (``2`` bytes per element);
   an fp8 layer keeps none, it saves the fp32 Parameter itself and casts it to fp8 (``1`` byte per element)

@@ -88,7 +88,7 @@ MEMORY_FRACTION = 0.9  # of a GPU's memory a plan may use: the rest for the allo
 
 # what refimpl's pipeline sends at a stage boundary: the residual stream, float32 under autocast too (the
 # residual add of an fp32 input and a bf16 block output promotes to fp32; the receivers allocate float32:
-# refimpl.parallel.pipeline_parallel), measured per send in tests/test_boundary_bytes.py. Megatron-LM
+# refimpl.parallel.pipeline_parallel), measured per send in tests/ranks/test_boundary_bytes.py. Megatron-LM
 # sends its params dtype, bf16: half of this.
 BOUNDARY_BYTES_PER_ELEMENT = 4
 
@@ -256,9 +256,9 @@ def _expert_all_to_all(config: ModelConfig, *, tokens: int, micro_batch: int, tp
                        microbatches: int, recompute: bool) -> float:
     """Bytes one GPU sends per step in the MoE blocks' all-to-alls: what refimpl's expert parallelism sends
     for uniform routing (``refimpl.planner.experts.all_to_all_bytes``, byte-exact against the trainer in
-    tests/test_planner_moe.py: fp32 rows dispatched, bf16 rows returned, the gradients back, the recomputed
-    forward's again) for each of the ``b s / (cp t)`` tokens this GPU routes (sequence parallelism: each tp
-    rank routes its own), per MoE block of its stage and micro-batch."""
+    tests/planner/ranks/test_planner_moe.py: fp32 rows dispatched, bf16 rows returned, the gradients back, the
+    recomputed forward's again) for each of the ``b s / (cp t)`` tokens this GPU routes (sequence parallelism:
+    each tp rank routes its own), per MoE block of its stage and micro-batch."""
     if ep == 1:
         return 0.0
     load = ExpertLoad.uniform(config, micro_batch * tokens // tp, ep=ep)

@@ -217,10 +217,11 @@ def _zero3_gathered(config: ModelConfig, *, mine: list[int], ranges, shapes, tp:
     (``refimpl.planner.memory.run_memory_per_rank``), not the state the rank holds where the trainer
     steps. By default the rank's stages gathered with their full gradients, ``2 p numel``, reached once the
     last backward has accumulated them, before ``finish_gradient_sync``; per micro-batch the stage's root
-    unit beside its largest block, within a block's forward or backward. tests/test_planner_zero3.py
-    measures the full tensors between the schedule's actions: the first term to the byte; per micro-batch
-    the root alone (the block is gathered within an action). By the optimizer step every full tensor is
-    freed: ``refimpl.planner.run_prediction.predict_run``'s state is the shards alone."""
+    unit beside its largest block, within a block's forward or backward.
+    tests/planner/ranks/test_planner_zero3.py measures the full tensors between the schedule's actions: the
+    first term to the byte; per micro-batch the root alone (the block is gathered within an action). By the
+    optimizer step every full tensor is freed: ``refimpl.planner.run_prediction.predict_run``'s state is the
+    shards alone."""
     numel = sum(math.prod(s) for s in shapes)
     if not per_microbatch:  # the stages gathered once and kept, their gradients accumulated whole
         return {"ZeRO-3 gathered stages and their full gradients (kept through the step)": 2 * p * numel}

@@ -14,7 +14,7 @@ part of the 671B, nor of our model.
 
 ``published`` is the total the model card prints and ``published_active`` the parameters it says a token
 activates, as printed ("8.03B", "1T"). ``refimpl.planner.param_count`` of the preset gives the total to
-its last printed digit (tests/test_planner.py); the activated count is the weights a token multiplies
+its last printed digit (tests/planner/test_planner.py); the activated count is the weights a token multiplies
 (``ParamCount.matmul``: attention, the router, the ``k`` routed and the shared experts, the output layer;
 the embedding is a lookup): DeepSeek-V3's 36.6B prints as its 37B (with the embedding table it would be
 37.6B).

@@ -28,10 +28,11 @@ large-scale language model training on GPU clusters using Megatron-LM", section 
   (``refimpl.parallel.pipeline_parallel.simulator.bubble_formula``), None without pipeline parallelism.
 
 What it does not model is refused in the words of ``refimpl.support.NOT_MODELLED_TABLE``. Proven to the
-byte against the trainer: tests/test_planner_3d.py (8 ranks: 1F1B, GPipe, interleaved and ZB-H1 with tp,
-cp, sequence parallelism, ZeRO 0-3, HSDP and checkpointing), tests/test_planner_zero3.py (4 ranks: ZeRO-2/3,
-HSDP, bf16 ZeRO-3, ZeRO-3 under every schedule, gathered per step or per micro-batch),
-tests/test_train_fp8.py (fp8) and tests/test_train_pairs.py (every pair of techniques).
+byte against the trainer: tests/planner/ranks/test_planner_3d.py (8 ranks: 1F1B, GPipe, interleaved and ZB-H1
+with tp, cp, sequence parallelism, ZeRO 0-3, HSDP and checkpointing),
+tests/planner/ranks/test_planner_zero3.py (4 ranks: ZeRO-2/3, HSDP, bf16 ZeRO-3, ZeRO-3 under every schedule,
+gathered per step or per micro-batch), tests/trainer/ranks/cli/test_train_fp8.py (fp8) and
+tests/trainer/ranks/lane2/test_train_pairs.py (every pair of techniques).
 """
 
 from __future__ import annotations
@@ -100,9 +101,9 @@ def _held_with_label_copies(config: ModelConfig, rank_memory, parallel: Parallel
     step's window: at ``b > 1`` (tp = cp = 1) a micro-batch's labels, rows ``[b, s]`` of the window
     ``[B/dp, s+1]``, are strided, and ``lm_loss``'s ``labels.flatten()`` saves a copy, ``8 b s`` per
     micro-batch in flight, in place of the planner's per-step labels term (measured, both 1F1B and GPipe:
-    tests/test_planner_zero3.py). The rank's actions walked again (``refimpl.planner.pipeline._walk``)
-    with that term moved into the last stage's micro-batch bytes; ``actions``: the rank's of
-    ``refimpl.parallel.pipeline_parallel.build_schedule``."""
+    tests/planner/ranks/test_planner_zero3.py). The rank's actions walked again
+    (``refimpl.planner.pipeline._walk``) with that term moved into the last stage's micro-batch bytes;
+    ``actions``: the rank's of ``refimpl.parallel.pipeline_parallel.build_schedule``."""
     num_stages, b, h = len(ranges), micro_batch, config.hidden_size
     saved = {st: dict(terms) for st, terms in rank_memory.saved.items()}
     del saved[num_stages - 1][PER_STEP[1]]

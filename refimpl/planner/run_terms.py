@@ -1,6 +1,6 @@
 """The formulas the techniques' declared terms read (``refimpl.planner.step_bytes``; chapters 04-08 and
 10), each read from the runtime's code and proven against the trainer to the byte
-(tests/test_planner_zero3.py, tests/test_planner_3d.py):
+(tests/planner/ranks/test_planner_zero3.py, tests/planner/ranks/test_planner_3d.py):
 
 * ``data_parallel_bytes``: ZeRO 0-3 and HSDP's gradients and parameters (its docstring);
 * ``tp_stage_payloads`` and ``recompute_tp_payloads``: a stage's tensor-parallel collectives, and those a

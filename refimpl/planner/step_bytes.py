@@ -7,8 +7,9 @@ A term is a function of the run (``Run``, computed once) and one rank (``Rank``)
 tensors' bytes. ``STEP_BYTES`` lists them: tensor parallelism (chapter 06), context parallelism (07),
 pipeline parallelism (08), the gradient norm (04) and data parallelism with ZeRO (03-05); each docstring
 gives its formula, the formulas themselves are ``refimpl.planner.run_terms``'. A technique that moves
-bytes adds its term here; the byte-exact tests (tests/test_planner_3d.py, tests/test_planner_zero3.py,
-tests/test_train_pairs.py) check the sum against the trainer's ``metrics.jsonl``.
+bytes adds its term here; the byte-exact tests (tests/planner/ranks/test_planner_3d.py,
+tests/planner/ranks/test_planner_zero3.py, tests/trainer/ranks/lane2/test_train_pairs.py) check the sum
+against the trainer's ``metrics.jsonl``.
 """
 
 from __future__ import annotations
