@@ -40,46 +40,53 @@ from pathlib import Path
 
 import torch
 
+from refimpl.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+
 WORLD = 8
-MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-heads", "4", "--seq-len", "64",
-         "--batch-size", "16"]
-QUICK = ["--num-layers", "4", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
-         "--batch-size", "8"]
-LAYOUTS = {  # dp x tp x pp -> the trainer's flags at world size 8
-    "8x1x1": ["--dp", "8"],
-    "4x2x1": ["--tp", "2"],
-    "2x2x2 ZeRO-1": ["--tp", "2", "--pp", "2", "--zero-stage", "1", "--microbatches", "2"],
-    "1x4x2": ["--tp", "4", "--pp", "2", "--microbatches", "4"],
-    "2x1x4 bf16": ["--pp", "4", "--microbatches", "4", "--precision", "bf16"],
-    "1x2x4": ["--tp", "2", "--pp", "4", "--microbatches", "4"],
-    "2x1x2 cp 2": ["--cp", "2", "--pp", "2", "--microbatches", "2"],
+
+
+def _run_config(*, layers: int, hidden: int, seq_len: int, batch: int) -> TrainConfig:
+    """A GPT of ``layers`` blocks of width ``hidden``, 4 heads, ``seq_len`` tokens, a global batch of
+    ``batch`` sequences, AdamW at 1e-3 after 1 warm-up step (its corpus, steps and folder set per run)."""
+    return TrainConfig(model=ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=4,
+                                         max_seq_len=seq_len),
+                       data=DataConfig(seq_len=seq_len, global_batch_size=batch),
+                       optim=OptimConfig(lr=1e-3, warmup_steps=1), log_every=1000)
+
+
+MODEL = _run_config(layers=4, hidden=64, seq_len=64, batch=16)
+QUICK = _run_config(layers=4, hidden=32, seq_len=16, batch=8)
+LAYOUTS = {  # dp x tp x pp -> the trainer's layout at world size 8
+    "8x1x1": ParallelConfig(dp=8),
+    "4x2x1": ParallelConfig(tp=2),
+    "2x2x2 ZeRO-1": ParallelConfig(tp=2, pp=2, zero_stage=1, microbatches=2),
+    "1x4x2": ParallelConfig(tp=4, pp=2, microbatches=4),
+    "2x1x4 bf16": ParallelConfig(pp=4, microbatches=4, precision="bf16"),
+    "1x2x4": ParallelConfig(tp=2, pp=4, microbatches=4),
+    "2x1x2 cp 2": ParallelConfig(cp=2, pp=2, microbatches=2),
 }
 
 
-def _run(ctx, name: str, model: list[str], steps: int, root: Path) -> dict:
+def _run(ctx, name: str, model: TrainConfig, steps: int, root: Path) -> dict:
     """One layout's run on this rank: its records' elapsed seconds, bytes per group and idle share."""
-    from refimpl.train import build_parser, config_from_args, options_from_args, train
+    from refimpl.train import RunOptions, train
 
-    args = build_parser().parse_args([*model, *LAYOUTS[name], "--steps", str(steps), "--lr", "1e-3",
-                                      "--warmup-steps", "1", "--log-every", "1000", "--checkpoint-every",
-                                      "0", "--data", str(root / "corpus.txt"), "--cache-dir",
-                                      str(root / "cache"), "--out", str(root / name.replace(" ", "-"))])
-    options = dataclasses.replace(options_from_args(args), checkpoint=None)
+    config = dataclasses.replace(model, steps=steps, out=str(root / name.replace(" ", "-")),
+                                 data=dataclasses.replace(model.data, data=str(root / "corpus.txt"),
+                                                          cache_dir=str(root / "cache")))
+    options = RunOptions(parallel=LAYOUTS[name], report=False)  # no checkpoint, no report at the end
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-        records = train(config_from_args(args), ctx, options)  # its progress bar, log lines and sample
+        records = train(config, ctx, options)  # its progress bar and log lines
     return {"elapsed": [r["elapsed_s"] for r in records], "bytes": [r["bytes_sent"] for r in records],
             "idle": [r.get("pipeline_idle") for r in records]}
 
 
-def _predict(model: list[str], name: str):
+def _predict(model: TrainConfig, name: str):
     from refimpl.planner import predict_run
-    from refimpl.train import build_parser, config_from_args, options_from_args
 
-    args = build_parser().parse_args([*model, *LAYOUTS[name]])
-    config, options = config_from_args(args), options_from_args(args)
-    return predict_run(config.model, options.parallel, world_size=WORLD, seq_len=config.data.seq_len,
-                       global_batch=config.data.global_batch_size, micro_batch=config.data.micro_batch_size,
-                       grad_clip=config.optim.grad_clip)
+    return predict_run(model.model, LAYOUTS[name], world_size=WORLD, seq_len=model.data.seq_len,
+                       global_batch=model.data.global_batch_size, micro_batch=model.data.micro_batch_size,
+                       grad_clip=model.optim.grad_clip)
 
 
 def _step_time(per_rank: list[dict], warmup: int) -> float:

@@ -697,52 +697,57 @@ else:
 
 # %%
 import contextlib
+import dataclasses
 import io
 import shutil
 import tempfile
 from pathlib import Path
 
-import refimpl.train as trainer
+from refimpl.config import DataConfig, OptimConfig, ParallelConfig, TrainConfig
 from refimpl.data import make_corpus_file
 from refimpl.distributed import DistributedContext
+from refimpl.train import RunOptions, train
 
 work = Path(tempfile.mkdtemp(prefix="chapter07-"))
 corpus = make_corpus_file(work / "corpus.txt", num_bytes=20_000)
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
-        "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--steps", "6", "--log-every", "100",
-        "--checkpoint-every", "0"]
+# the tiny run: 2 blocks of width 32, 4 heads, 16 tokens, a global batch of 4 sequences, 6 steps
+TINY = TrainConfig(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, max_seq_len=16),
+                   data=DataConfig(data=str(corpus), cache_dir=str(work / "cache"), seq_len=16,
+                                   global_batch_size=4),
+                   optim=OptimConfig(lr=1e-2, warmup_steps=2), steps=6, log_every=100)
+LLAMA_GQA = {**LLAMA, "num_key_value_heads": 2}  # RoPE, RMSNorm, SwiGLU, GQA 4/2
 
 
-def trainer_losses(ctx, folder, name, *extra):
-    """The trainer's per-step losses for TINY + extra (its progress and sample text kept out of the page)."""
-    folder = Path(folder)
-    args = trainer.build_parser().parse_args([*TINY, "--data", str(folder / "corpus.txt"), "--cache-dir",
-                                              str(folder / "cache"), "--out", str(folder / name), *extra])
+def tiny(name, *, model=None, **data):
+    """TINY writing to work/name, with the model fields and the data fields given replaced."""
+    return dataclasses.replace(TINY, out=str(work / name), model=dataclasses.replace(TINY.model, **(model or {})),
+                               data=dataclasses.replace(TINY.data, **data))
+
+
+def trainer_losses(ctx, config):
+    """The trainer's per-step losses for `config` on one device (its progress kept out of the page)."""
     with contextlib.redirect_stdout(io.StringIO()):
-        records = trainer.train(trainer.config_from_args(args), ctx, trainer.options_from_args(args))
+        records = train(config, ctx, RunOptions(report=False))  # no report at the end
     return [r["loss"] for r in records]
 
 
 here_device = torch.device(ranks.run(lambda: str(device))[0])  # rank 0's: the ranks' kernels
 here = DistributedContext(rank=0, world_size=1, local_rank=0, device=here_device, backend="gloo")
-LLAMA_FLAGS = ["--arch", "llama", "--num-kv-heads", "2"]  # RoPE, RMSNorm, SwiGLU, GQA 4/2
-runs = {"one device": trainer_losses(here, work, "one-device"),
-        "one device, 1 sequence per micro-batch": trainer_losses(here, work, "one-device-micro",
-                                                                 "--micro-batch-size", "1")}
-llama_runs = {"one device": trainer_losses(here, work, "one-device-llama", *LLAMA_FLAGS),
-              "one device, 1 sequence per micro-batch": trainer_losses(here, work, "one-device-llama-micro",
-                                                                       *LLAMA_FLAGS, "--micro-batch-size", "1")}
-plt.close("all")  # the trainer's own loss figures (saved in its folder) are not this page's
+runs = {"one device": trainer_losses(here, tiny("one-device")),
+        "one device, 1 sequence per micro-batch": trainer_losses(here, tiny("one-device-micro",
+                                                                            micro_batch_size=1))}
+llama_runs = {"one device": trainer_losses(here, tiny("one-device-llama", model=LLAMA_GQA)),
+              "one device, 1 sequence per micro-batch": trainer_losses(
+                  here, tiny("one-device-llama-micro", model=LLAMA_GQA, micro_batch_size=1))}
 
 # %%
 # %%px
-import pathlib
 from contextlib import redirect_stdout
 from io import StringIO
 
 import refimpl.parallel.context_parallel.context_parallel as cp_module
 from refimpl.distributed.env import DistributedContext as RankContext
-from refimpl.train import build_parser, config_from_args, options_from_args, train
+from refimpl.train import RunOptions, train  # noqa: F811 (the engines' own import)
 
 ctx = RankContext(rank=rank, world_size=world_size, local_rank=rank, device=device,
                   backend=dist.get_backend(), timeout_s=120)
@@ -753,30 +758,32 @@ def positions_from_zero(seq_len, device, *, rank, size, layout):
     return torch.arange(seq_len, device=device)
 
 
-def cp_runs(folder, tiny):
-    def losses(name, *extra):
-        where = pathlib.Path(folder)
-        args = build_parser().parse_args([*tiny, "--data", str(where / "corpus.txt"), "--cache-dir",
-                                          str(where / "cache"), "--out", str(where / name), *extra])
+def cp_runs(plans):
+    """Each plan's per-step losses on this rank: ``plans[name] = (TrainConfig, ParallelConfig)``; the
+    names with "from 0" run with the wrong positions."""
+    def losses(name):
+        config, parallel = plans[name]
         with redirect_stdout(StringIO()):
-            return [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args))]
+            return [r["loss"] for r in train(config, ctx, RunOptions(parallel=parallel, report=False))]
 
-    llama = ["--arch", "llama", "--num-kv-heads", "2"]
-    out = {"cp 2 x dp 2, ring": losses("cp2-ring", "--cp", "2", "--cp-method", "ring"),
-           "cp 2 x dp 2, Ulysses": losses("cp2-ulysses", "--cp", "2", "--cp-method", "ulysses"),
-           "Llama: cp 2 x dp 2, ring": losses("cp2-ring-llama", "--cp", "2", *llama)}
+    out = {name: losses(name) for name in plans if "from 0" not in name}
     right = cp_module._positions
     cp_module._positions = positions_from_zero
     try:
-        out["cp 2 x dp 2, ring, positions from 0"] = losses("cp2-wrong", "--cp", "2", "--cp-method", "ring")
-        out["Llama: cp 2 x dp 2, ring, RoPE from 0"] = losses("cp2-wrong-llama", "--cp", "2", *llama)
+        out |= {name: losses(name) for name in plans if "from 0" in name}
     finally:
         cp_module._positions = right
     return out
 
 
 # %%
-per_rank = ranks.run(lambda folder, tiny: cp_runs(folder, tiny), str(work), TINY)
+RING, ULYSSES = ParallelConfig(cp=2, cp_method="ring"), ParallelConfig(cp=2, cp_method="ulysses")
+plans = {"cp 2 x dp 2, ring": (tiny("cp2-ring"), RING),
+         "cp 2 x dp 2, Ulysses": (tiny("cp2-ulysses"), ULYSSES),
+         "Llama: cp 2 x dp 2, ring": (tiny("cp2-ring-llama", model=LLAMA_GQA), RING),
+         "cp 2 x dp 2, ring, positions from 0": (tiny("cp2-wrong"), RING),
+         "Llama: cp 2 x dp 2, ring, RoPE from 0": (tiny("cp2-wrong-llama", model=LLAMA_GQA), RING)}
+per_rank = ranks.run(cp_runs, plans)
 assert all(r == per_rank[0] for r in per_rank), "every rank reports the same global losses"
 llama_runs |= {k.removeprefix("Llama: "): v for k, v in per_rank[0].items() if k.startswith("Llama: ")}
 runs |= {k: v for k, v in per_rank[0].items() if not k.startswith("Llama: ")}

@@ -49,7 +49,15 @@ import torch
 from IPython.display import display
 from matplotlib.patches import Rectangle
 
-from refimpl.config import ConfigError, ModelConfig
+from refimpl.config import (
+    LLAMA,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from refimpl.data import make_corpus_file
 from refimpl.distributed import DistributedContext, ParallelDims
 from refimpl.launch import start_ranks
@@ -63,15 +71,32 @@ from refimpl.planner import (
     param_count,
     zero_memory_paper,
 )
-from refimpl.train import build_parser, config_from_args, options_from_args, train
+from refimpl.train import RunOptions, build_parser, config_from_args, train
 
 torch.set_num_threads(1)  # the one-device references run here with one thread, as each rank does
 WORK = Path(tempfile.mkdtemp(prefix="ch12-"))
 CORPUS = make_corpus_file(WORK / "corpus.txt", num_bytes=20_000)
-# the tiny model of this chapter: 4 blocks of width 32, 4 heads, 16 tokens, a global batch of 8 sequences
-TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16", "--batch-size", "8",
-        "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "1000", "--checkpoint-every", "0",
-        "--data", str(CORPUS), "--cache-dir", str(WORK / "cache")]
+# the tiny run of this chapter: 4 blocks of width 32, 4 heads, 16 tokens, a global batch of 8 sequences;
+# every run below is this TrainConfig with a field or two replaced, and a ParallelConfig for its layout
+TINY = TrainConfig(model=ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, max_seq_len=16),
+                   data=DataConfig(data=str(CORPUS), cache_dir=str(WORK / "cache"), seq_len=16,
+                                   global_batch_size=8),
+                   optim=OptimConfig(lr=1e-2, warmup_steps=2), log_every=1000)
+# the command line that builds the same run (`python -m refimpl.train ...` parses exactly this)
+TINY_FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
+              "--batch-size", "8", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "1000",
+              "--data", str(CORPUS), "--cache-dir", str(WORK / "cache")]
+assert config_from_args(build_parser().parse_args(TINY_FLAGS)) == TINY
+
+
+def tiny(out=None, *, model=None, **data):
+    """TINY writing to `out`, with the model fields and the data fields given replaced."""
+    return dataclasses.replace(TINY, out=str(out or TINY.out),
+                               model=dataclasses.replace(TINY.model, **(model or {})),
+                               data=dataclasses.replace(TINY.data, **data))
+
+
+QUIET = RunOptions(report=False)  # no checkpoint, no report at the end: the chapter reads the records
 print("torch", torch.__version__, "| work folder", WORK)
 
 # %% [markdown]
@@ -99,17 +124,19 @@ print("torch", torch.__version__, "| work folder", WORK)
 
 # %%
 ranks = start_ranks(8, timeout_s=120)
-_ = ranks.view.push({"TINY": TINY, "WORK": str(WORK)})
+_ = ranks.view.push({"TINY": TINY, "WORK": str(WORK), "tiny": tiny, "QUIET": QUIET})
 ranks
 
 # %%
 # %%px
 # the engines' own imports (the same names as the kernel's)
 import contextlib  # noqa: F811
+import dataclasses  # noqa: F811
 import io  # noqa: F811
 
+from refimpl.config import ParallelConfig  # noqa: F811
 from refimpl.distributed import DistributedContext, ParallelDims  # noqa: F811
-from refimpl.train import build_parser, config_from_args, options_from_args, train  # noqa: F811
+from refimpl.train import RunOptions, train  # noqa: F811
 
 ctx = DistributedContext(rank=rank, world_size=world_size, local_rank=rank, device=device,
                          backend=dist.get_backend(), timeout_s=120)
@@ -166,8 +193,9 @@ fig.tight_layout()
 # ## 2. The 3D trainer trains the one-device model
 #
 # On each of the 8 ranks the cell below calls the trainer in process, `refimpl.train.train(config, ctx,
-# options)`, what `python -m refimpl.train --dp 2 --tp 2 --pp 2 --microbatches 2 --arch llama --num-kv-heads 2`
-# runs on each process, on the model in the form people train today (chapter 01: RMSNorm, RoPE, 4 query heads
+# options)` with the layout as a config object, `RunOptions(parallel=ParallelConfig(dp=2, tp=2, pp=2,
+# microbatches=2))`: what `python -m refimpl.train --dp 2 --tp 2 --pp 2 --microbatches 2 --arch llama
+# --num-kv-heads 2` builds from its flags and runs on each process, on the model in the form people train today (chapter 01: RMSNorm, RoPE, 4 query heads
 # in 2 key/value groups, SwiGLU, no biases, `make train`'s default):
 # `parallelize` applies tensor parallelism (Megatron's column and row layers, a vocabulary-parallel
 # embedding and loss), cuts the model into 2 stages run by the 1F1B schedule over 2 micro-batches, and
@@ -201,19 +229,19 @@ one_ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.de
                              backend=ranks.backend)
 
 
-def quiet_train(out, *flags):
-    """The trainer in this process, its log kept out of the notebook; the per-step records."""
-    args = build_parser().parse_args([*TINY, "--steps", str(STEPS), "--out", str(out), *flags])
-    options = dataclasses.replace(options_from_args(args), checkpoint=None)  # nothing saved at the end
+def quiet_train(config, parallel):
+    """The trainer in this process at `parallel`, its log kept out of the notebook; the per-step records."""
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        return train(config_from_args(args), one_ctx, options)
+        return train(dataclasses.replace(config, steps=STEPS), one_ctx,
+                     dataclasses.replace(QUIET, parallel=parallel))
 
 
-LLAMA_FLAGS = ["--arch", "llama", "--num-kv-heads", "2"]  # the Llama form (GQA: 2 groups of 2 query heads)
-one = {(precision, order): [r["loss"] for r in quiet_train(WORK / f"one-{precision}-{order}", *LLAMA_FLAGS,
-                                                           "--precision", precision, *extra)]
+LLAMA_GQA = {**LLAMA, "num_key_value_heads": 2}  # the Llama form (GQA: 2 groups of 2 query heads)
+one = {(precision, order): [r["loss"] for r in quiet_train(
+           tiny(WORK / f"one-{precision}-{order}", model=LLAMA_GQA, **micro), ParallelConfig(precision=precision))]
        for precision in ("fp32", "bf16")
-       for order, extra in (("batch", []), ("micro", ["--micro-batch-size", "1"]))}
+       for order, micro in (("batch", {}), ("micro", {"micro_batch_size": 1}))}
+_ = ranks.view.push({"LLAMA_GQA": LLAMA_GQA})  # the ranks train the same form below
 
 
 def tolerance(precision):
@@ -243,10 +271,9 @@ def own_rows_unreduced(grads, specs, group, *, divide_factor=None):
     return unpack_reduce_scatter(packed[dist.get_rank(group)].clone(), specs)
 
 
-def run_3d(name, *flags, skip_dp_average=False):
-    """This rank's records of the trainer at ``flags``; skip_dp_average: the negative control."""
-    args = build_parser().parse_args([*TINY, "--out", f"{WORK}/{name}", *flags])
-    options = dataclasses.replace(options_from_args(args), checkpoint=None)  # nothing saved at the end
+def run_3d(name, parallel, *, steps, skip_dp_average=False):
+    """This rank's records of the 3-D run at `parallel`; skip_dp_average: the negative control."""
+    config = dataclasses.replace(tiny(f"{WORK}/{name}", model=LLAMA_GQA), steps=steps)
     build, reduce_scatter = loop.build_setup, sharded_optimizer.reduce_scatter_mean
     if skip_dp_average:  # the bug: no rank averages its gradients over dp (ZeRO-0 and ZeRO-1 alike)
         def build_without_average(*a, **k):
@@ -257,19 +284,18 @@ def run_3d(name, *flags, skip_dp_average=False):
         sharded_optimizer.reduce_scatter_mean = own_rows_unreduced
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            return train(config_from_args(args), ctx, options)
+            return train(config, ctx, dataclasses.replace(QUIET, parallel=parallel))
     finally:
         loop.build_setup, sharded_optimizer.reduce_scatter_mean = build, reduce_scatter
 
 
-LAYOUT_3D = ["--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2", "--steps", "5",
-             "--arch", "llama", "--num-kv-heads", "2"]  # the Llama form, as the one-device runs
-runs_3d = {"fp32": run_3d("3d-fp32", *LAYOUT_3D),
-           "zero1-bf16": run_3d("3d-zero1-bf16", *LAYOUT_3D, "--zero-stage", "1", "--precision", "bf16"),
-           "no dp average": run_3d("3d-broken", *LAYOUT_3D, "--steps", "3", skip_dp_average=True),  # fails at once
+LAYOUT_3D = ParallelConfig(dp=2, tp=2, pp=2, microbatches=2)  # the Llama form, as the one-device runs
+ZERO1_BF16 = dataclasses.replace(LAYOUT_3D, zero_stage=1, precision="bf16")
+runs_3d = {"fp32": run_3d("3d-fp32", LAYOUT_3D, steps=5),
+           "zero1-bf16": run_3d("3d-zero1-bf16", ZERO1_BF16, steps=5),
+           "no dp average": run_3d("3d-broken", LAYOUT_3D, steps=3, skip_dp_average=True),  # fails at once
            # the 5 steps of the correct bf16 run (its drift grows with the steps)
-           "no dp average bf16": run_3d("3d-broken-bf16", *LAYOUT_3D, "--zero-stage", "1",
-                                        "--precision", "bf16", skip_dp_average=True)}
+           "no dp average bf16": run_3d("3d-broken-bf16", ZERO1_BF16, steps=5, skip_dp_average=True)}
 
 # %%
 per_rank = ranks.run(lambda: {k: [r["loss"] for r in v] for k, v in runs_3d.items()})
@@ -344,9 +370,8 @@ from refimpl.data import to_device  # noqa: E402
 from refimpl.train import build_setup, check_fits, resolve  # noqa: E402
 from refimpl.train.step import NO_POINTS, optimizer_step, pipeline_forward_backward, reduce_gradients  # noqa: E402
 
-args = build_parser().parse_args([*TINY, *LAYOUT_3D, "--out", f"{WORK}/walk"])
-config, options = config_from_args(args), options_from_args(args)
-layout = resolve(config, options, ctx.world_size)  # every rule of the layout, once
+config = dataclasses.replace(tiny(f"{WORK}/walk", model=LLAMA_GQA), steps=5)
+layout = resolve(config, RunOptions(parallel=LAYOUT_3D), ctx.world_size)  # every rule of the layout, once
 setup = build_setup(config, ctx, layout)  # the model parallelized on the layout's groups (collective)
 dp_rank = layout.dims.coordinates(ctx.rank).dp
 inputs, labels = (to_device(t, ctx.device) for t in check_fits(config).batch(0, dp_rank, layout.dims.dp))
@@ -404,13 +429,13 @@ assert all(w["2. reduce_gradients: gradients agree"] and w["4. optimizer_step: w
 # processes as section 2: ZeRO-1 at 2 x 2 x 2, bf16 at 2 x 1 x 4.
 
 # %%
-LAYOUTS = {  # dp x tp x pp -> the trainer's flags at world size 8
-    "8x1x1": ["--dp", "8"],
-    "4x2x1": ["--tp", "2"],
-    "2x2x2 zero1": ["--tp", "2", "--pp", "2", "--zero-stage", "1", "--microbatches", "2"],
-    "1x4x2": ["--tp", "4", "--pp", "2", "--microbatches", "4"],
-    "2x1x4 bf16": ["--pp", "4", "--microbatches", "4", "--precision", "bf16"],
-    "1x2x4": ["--tp", "2", "--pp", "4", "--microbatches", "4"],
+LAYOUTS = {  # dp x tp x pp -> the trainer's layout at world size 8
+    "8x1x1": ParallelConfig(dp=8),
+    "4x2x1": ParallelConfig(tp=2),
+    "2x2x2 zero1": ParallelConfig(tp=2, pp=2, zero_stage=1, microbatches=2),
+    "1x4x2": ParallelConfig(tp=4, pp=2, microbatches=4),
+    "2x1x4 bf16": ParallelConfig(pp=4, microbatches=4, precision="bf16"),
+    "1x2x4": ParallelConfig(tp=2, pp=4, microbatches=4),
 }
 _ = ranks.view.push({"LAYOUTS": LAYOUTS})
 
@@ -419,12 +444,11 @@ _ = ranks.view.push({"LAYOUTS": LAYOUTS})
 from refimpl.measure.run_measurement import TrainerProbe
 
 layout_runs = {}
-for name, flags in LAYOUTS.items():
-    args = build_parser().parse_args([*TINY, *flags, "--steps", "2", "--out", f"{WORK}/{name}"])
-    options = dataclasses.replace(options_from_args(args), checkpoint=None)  # nothing saved at the end
+for name, parallel in LAYOUTS.items():
     probe = TrainerProbe(step=1)  # the trainer's hooks: it measures step 1 from inside the run
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        records = train(config_from_args(args), ctx, options, hooks=probe)
+        records = train(dataclasses.replace(tiny(f"{WORK}/{name}"), steps=2), ctx,
+                        dataclasses.replace(QUIET, parallel=parallel), hooks=probe)
     layout_runs[name] = {"bytes": [r["bytes_sent"] for r in records],
                          "idle": [r.get("pipeline_idle") for r in records],
                          "state": probe.measured.state, "activations": probe.measured.activations}
@@ -439,13 +463,11 @@ for name in LAYOUTS:  # rank 0's records are the lines of the metrics.jsonl file
 
 
 def prediction(name, **change):
-    """predict_run on the trainer's own parsed flags for layout `name` (`change`: a wrong variant)."""
-    args = build_parser().parse_args([*TINY, *LAYOUTS[name], "--steps", "2"])
-    config, options = config_from_args(args), options_from_args(args)
-    parallel = dataclasses.replace(options.parallel, **change)  # the run's ParallelConfig, or the variant's
-    return predict_run(config.model, parallel, world_size=8, seq_len=config.data.seq_len,
-                       global_batch=config.data.global_batch_size, micro_batch=config.data.micro_batch_size,
-                       grad_clip=config.optim.grad_clip)
+    """predict_run on the trainer's own configs for layout `name` (`change`: a wrong variant)."""
+    parallel = dataclasses.replace(LAYOUTS[name], **change)  # the run's ParallelConfig, or the variant's
+    return predict_run(TINY.model, parallel, world_size=8, seq_len=TINY.data.seq_len,
+                       global_batch=TINY.data.global_batch_size, micro_batch=TINY.data.micro_batch_size,
+                       grad_clip=TINY.optim.grad_clip)
 
 
 def agrees(plan, name):
@@ -562,13 +584,14 @@ fig.tight_layout()
 # gathered within an action to the root unit held between actions).
 
 # %%
-def trade_flags(mode, m):
-    """dp 2 x pp 4, ZeRO-3, 8 sequences per dp rank in m micro-batches, gathered in the mode given."""
-    return ["--dp", "2", "--pp", "4", "--zero-stage", "3", "--batch-size", "16", "--microbatches", str(m),
-            *(["--zero3-reshard-per-microbatch"] if mode == "per micro-batch" else [])]
+def trade_layout(mode, m):
+    """dp 2 x pp 4, ZeRO-3, 8 sequences per dp rank (a batch of 16) in m micro-batches, gathered in the mode
+    given."""
+    return ParallelConfig(dp=2, pp=4, zero_stage=3, microbatches=m,
+                          zero3_reshard_per_microbatch=mode == "per micro-batch")
 
 
-TRADE = {(mode, m): trade_flags(mode, m) for mode in ("once per step", "per micro-batch") for m in (2, 8)}
+TRADE = {(mode, m): trade_layout(mode, m) for mode in ("once per step", "per micro-batch") for m in (2, 8)}
 _ = ranks.view.push({"TRADE": TRADE})
 
 # %%
@@ -601,12 +624,11 @@ class GatheredPeak:
 
 
 trade_runs = {}
-for key, flags in TRADE.items():
-    args = build_parser().parse_args([*TINY, *flags, "--steps", "2", "--out", f"{WORK}/trade-{key[0]}-{key[1]}"])
-    options = dataclasses.replace(options_from_args(args), checkpoint=None)
+for key, parallel in TRADE.items():
+    config = dataclasses.replace(tiny(f"{WORK}/trade-{key[0]}-{key[1]}", global_batch_size=16), steps=2)
     peak = GatheredPeak()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        records = train(config_from_args(args), ctx, options, hooks=peak)
+        records = train(config, ctx, dataclasses.replace(QUIET, parallel=parallel), hooks=peak)
     trade_runs[key] = {"dp bytes": records[-1]["bytes_sent"]["dp x cp"], "held": peak.peak}
 
 # %%
@@ -617,9 +639,8 @@ trade_measured = ranks.run(lambda: trade_runs)
 
 def trade_prediction(mode, m):
     """Per rank: (dp bytes per step from predict_run, the preflight's ZeRO-3 term, its root unit alone)."""
-    args = build_parser().parse_args([*TINY, *trade_flags(mode, m)])
-    config, options = config_from_args(args), options_from_args(args)
-    plan = predict_run(config.model, options.parallel, world_size=8, seq_len=config.data.seq_len,
+    config = tiny(global_batch_size=16)
+    plan = predict_run(config.model, trade_layout(mode, m), world_size=8, seq_len=config.data.seq_len,
                        global_batch=config.data.global_batch_size, micro_batch=config.data.micro_batch_size,
                        grad_clip=config.optim.grad_clip)
     out = []

@@ -70,7 +70,7 @@ def plot_loss(
 def plot_timed_overlap(timed: Mapping[str, float], *, title: str, xlabel: str,
                        path: str | os.PathLike | None = None):
     """One overlap measurement as two bars, its serialized control above the overlapped run
-    (``timed``: ``refimpl.parallel.overlap.time_overlap``'s result; chapters 03 and 07)."""
+    (``timed``: ``refimpl.parallel.overlap.time_overlap``'s result; chapters 03, 07 and 09)."""
     fig, ax = plt.subplots(figsize=(5, 1.8))
     ax.barh(["serialized", "overlapped"], [timed["serialized"], timed["overlapped"]],
             color=["tab:grey", "tab:blue"])

@@ -44,6 +44,8 @@ the block also runs an always-on MLP of ``N_s x`` the expert width on every toke
 weights are dense ones, not under ``moe.experts.``: every rank holds them whole, expert parallelism leaves
 them alone and their gradients are averaged over ``dp x cp`` like the attention's (under sequence
 parallelism summed over tp too, as every parameter of the block: ``MoEMLP.sequence_parallel_parameters``).
+Under expert parallelism they run while the dispatch's all-to-all carries the tokens to their experts
+(DeepSeek-V3 section 3.2.2; ``MoE(x, beside=...)``): the same sum, its time hidden behind the transfer.
 The first ``moe_first_dense`` blocks keep the dense MLP (DeepSeek-V3's ``first_k_dense_replace``:
 ``ModelConfig.is_moe_layer``).
 
@@ -189,15 +191,15 @@ class MoEMLP(nn.Module):
         return self.moe.num_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.moe(x)
+        shared = self.shared_experts  # DeepSeekMoE: every token through the shared experts too, added to
+        # the routed output; under expert parallelism computed while the dispatch's tokens travel
+        y = self.moe(x, beside=None if shared is None else (lambda: shared(x)))
         routing = self.moe.routing
         assert routing is not None  # the forward just set it
         self.aux_loss = sequence_balance_loss(routing.scores, routing.expert_ids,
                                               sequences=x.shape[0] if x.dim() == 3 else 1,
                                               coeff=self.aux_loss_coeff, score_func=self.score_func,
                                               cp_group=self.cp_group, sp_group=self.sp_group)
-        if self.shared_experts is not None:  # DeepSeekMoE: every token through the shared experts too
-            y = y + self.shared_experts(x)
         return y
 
     @torch.no_grad()

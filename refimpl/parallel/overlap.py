@@ -16,7 +16,11 @@ A control is the same code with ``wait()`` before the compute the transfer could
 * ``collective_matmul_overlap``: a sequence-parallel MLP (column -> GeLU -> row, tp 2) through
   ``refimpl.parallel.tensor_parallel.collective_matmul`` against ``serialized=True`` (each ring transfer
   waited for before the chunk's matmul); 512 tokens per rank, hidden 512, 1024 MLP columns per rank,
-  forward and backward (chapter 06).
+  forward and backward (chapter 06);
+* ``moe_dispatch_overlap``: an MoE layer (``refimpl.parallel.expert_parallel.MoE``, 4 experts, top 2,
+  ep 2, 1024 tokens of 512 per rank) whose shared expert (an MLP 512 -> 1024 -> 512) runs while the
+  dispatch's all-to-all carries the tokens (``MoE(x, beside=...)``, DeepSeek-V3's overlap), against
+  ``overlap_dispatch = False`` (the wait, then the shared expert); forward only (chapter 09).
 
 Each worker alternates the two kinds of step (a barrier before each, the first of each a warm-up) and
 returns per rank the median seconds of each, ``{"median": {"overlapped": s, "serialized": s}, "equal":
@@ -42,11 +46,12 @@ from torch import nn
 from refimpl.parallel.context_parallel.ring_attention import ring_attention
 from refimpl.parallel.data_parallel import DataParallelBucket
 from refimpl.parallel.data_parallel.data_parallel_communications import PendingReduce, allreduce_hook
+from refimpl.parallel.expert_parallel import MoE
 from refimpl.parallel.tensor_parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from refimpl.parallel.zero.fully_sharded_data_parallel import FullyShardedDataParallel
 
-__all__ = ["collective_matmul_overlap", "data_parallel_overlap", "overlap_ratio", "ring_overlap",
-           "serialized_hook", "time_overlap", "zero3_overlap"]
+__all__ = ["collective_matmul_overlap", "data_parallel_overlap", "moe_dispatch_overlap", "overlap_ratio",
+           "ring_overlap", "serialized_hook", "time_overlap", "zero3_overlap"]
 
 WIDTH, ROWS, REPEATS = 1024, 1024, 5
 
@@ -159,6 +164,26 @@ def collective_matmul_overlap(ctx: Any, *, tokens: int = 512, hidden: int = 512,
         return run
 
     return _interleaved({"overlapped": step(False), "serialized": step(True)})
+
+
+def moe_dispatch_overlap(ctx: Any, *, tokens: int = 1024, hidden: int = 512, shared_ffn: int = 1024) -> dict:
+    """An MoE layer's forward with a shared expert computed while the dispatch travels against
+    ``overlap_dispatch = False`` (module docstring); ``shared_ffn``: the shared expert's hidden width."""
+    torch.set_num_threads(1)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(ctx.rank))  # [T, h]
+    torch.manual_seed(0)
+    shared = nn.Sequential(nn.Linear(hidden, shared_ffn), nn.GELU(), nn.Linear(shared_ffn, hidden))
+
+    def step(overlap: bool):
+        moe = MoE(dim=hidden, hidden=hidden, num_experts=4, top_k=2, ep_group=dist.group.WORLD, seed=0)
+        moe.overlap_dispatch = overlap
+
+        def run() -> list[torch.Tensor]:
+            with torch.no_grad():
+                return [moe(x, beside=lambda: shared(x))]
+        return run
+
+    return _interleaved({"overlapped": step(True), "serialized": step(False)})
 
 
 def overlap_ratio(per_rank: list[dict]) -> float:

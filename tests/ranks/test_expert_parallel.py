@@ -235,6 +235,28 @@ def _round_trip(group, x: torch.Tensor, seed: int) -> dict:
                 kept_ids=routing.kept_ids, dropped=routing.dropped_fraction)
 
 
+def _beside_the_dispatch(group, x: torch.Tensor, g: torch.Tensor) -> dict:
+    """A shared expert (one linear layer) added to the MoE's output three ways: after the layer (the
+    reference), computed while the dispatch travels (``beside``, ``dispatch_beside``) and after the
+    dispatch's wait (``overlap_dispatch = False``, the control): outputs and every gradient, and the
+    bytes the dispatch sent."""
+    out = {}
+    for way in ("after", "beside", "control"):
+        moe = _build("grouped_capacity", group, "alltoall")
+        moe.overlap_dispatch = way != "control"
+        shared = nn.Linear(H, H)
+        with torch.no_grad():
+            shared.weight.copy_(_randn((H, H), 40, H**-0.5))
+            shared.bias.copy_(_randn((H,), 41, 0.1))
+        xx = x.clone().requires_grad_()
+        y = moe(xx) + shared(xx) if way == "after" else moe(xx, beside=lambda s=shared, t=xx: s(t))
+        ((y * g).sum() + moe.aux_loss).backward()
+        out[way] = {"y": y.detach(), "dx": xx.grad, "shared": [p.grad for p in shared.parameters()],
+                    "experts": _expert_grads(moe), "router": [p.grad for p in moe.router.parameters()],
+                    "traffic": (moe.traffic.forward_bytes, moe.traffic.backward_bytes)}
+    return out
+
+
 def _host_syncs(case: str, group, x: torch.Tensor, dispatcher: str) -> tuple[list[str], list[str]]:
     """The host syncs (``"what @ file:line"``) of one forward and of its backward."""
     moe = _build(case, group, dispatcher)
@@ -264,6 +286,7 @@ def _ranks(ctx, world: int) -> dict:
                     for case in CASES for disp in DISPATCH}
     out["uniform"] = _uniform_splits("modules_dropless", group, x[rank])
     out["round_trip"] = _round_trip(group, x[rank], 30 + rank)
+    out["beside"] = _beside_the_dispatch(group, x[rank], g[rank])
     moe = _build("grouped_sigmoid", group)
     moe(x[rank])
     out["bias"] = (moe.router.expert_bias.clone(), moe.update_expert_bias(0.5, group=group).clone())
@@ -408,6 +431,29 @@ def test_round_trip_with_identity_experts_is_exact(ranks):
             counts.append(sum(len(t) for t in rows))
         assert torch.equal(trip["received"], torch.cat(expected)), owner
         assert trip["counts"] == counts, (owner, trip["counts"], counts)
+
+
+def test_shared_experts_beside_the_dispatch_change_nothing(ranks):
+    """DeepSeek-V3's overlap (``MoE(x, beside=...)``: the shared experts computed while the dispatch's
+    all-to-all travels) and its serialized control give the layer-then-add reference's output and every
+    gradient bit for bit (the same operations, in another order of time), and the dispatch sends the
+    same bytes both ways."""
+    _, per_rank = ranks
+    for rank, r in enumerate(per_rank):
+        ways = r["beside"]
+        for way in ("beside", "control"):
+            for key in ("y", "dx", "shared", "experts", "router", "traffic"):
+                assert _same(ways[way][key], ways["after"][key]), (rank, way, key)
+        assert ways["beside"]["traffic"][0] > 0  # tokens left the rank
+
+
+def _same(a, b) -> bool:
+    """Bitwise equal, through lists and dicts of tensors (and plain values)."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
 @pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)

@@ -44,7 +44,7 @@ router ``nn.Linear`` and any expert modules and runs them one by one (the genera
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +69,7 @@ from refimpl.parallel.expert_parallel.expert_parallel_communications import (
     exchange_counts,
     gather_no_grad,
     gather_tokens,
+    post_all_to_all_tokens,
     reduce_scatter_tokens,
 )
 from refimpl.parallel.expert_parallel.experts import GroupedExperts, LoopedExperts
@@ -98,19 +99,61 @@ class Dispatched:
     device_counts: torch.Tensor | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Routes:
+    """The dispatch's bookkeeping before any token moves: this rank's sort, the exchanged counts ``recv
+    [N, E/N]``, the rows sent to / received from each rank, the rows per local expert."""
+
+    plan: SortPlan
+    recv: torch.Tensor
+    input_splits: list[int]
+    output_splits: list[int]
+    local: list[int]
+
+    @classmethod
+    def of(cls, routing: Routing, *, num_experts: int, group: Group) -> _Routes:
+        ids = routing.kept_ids
+        counts = expert_counts(ids, num_experts)                    # [E] on the device
+        recv = exchange_counts(counts, group)                       # [N, E/N]: rank q's rows for my expert j
+        input_splits, output_splits, local = split_sizes(counts, recv)  # the one host sync
+        plan = sort_by_expert(ids, num_experts, counts=counts, kept=sum(input_splits))
+        return cls(plan=plan, recv=recv, input_splits=input_splits, output_splits=output_splits, local=local)
+
+    def dispatched(self, got: torch.Tensor) -> Dispatched:
+        """The received rows ``got`` (rank-major) regrouped expert-major for the local experts."""
+        order = expert_major_order(self.recv, total=sum(self.output_splits))
+        return Dispatched(tokens=got.index_select(0, order), counts=self.local, plan=self.plan, order=order,
+                          input_splits=self.input_splits, output_splits=self.output_splits,
+                          device_counts=self.recv.sum(0))
+
+
 def dispatch_all_to_all(x: torch.Tensor, routing: Routing, *, num_experts: int, group: Group,
                         traffic: AllToAllTraffic | None = None) -> Dispatched:
     """Send the tokens ``x [T, h]`` of this rank's kept assignments to their experts' ranks (module
     docstring). One device-to-host read: the exchanged counts (``.split_sizes``)."""
-    ids = routing.kept_ids
-    counts = expert_counts(ids, num_experts)                    # [E] on the device
-    recv = exchange_counts(counts, group)                       # [N, E/N]: rank q's rows for my expert j
-    input_splits, output_splits, local = split_sizes(counts, recv)  # the one host sync
-    plan = sort_by_expert(ids, num_experts, counts=counts, kept=sum(input_splits))
-    got = all_to_all_tokens(permute(x, plan), output_splits, input_splits, group, traffic)  # rank-major
-    order = expert_major_order(recv, total=sum(output_splits))
-    return Dispatched(tokens=got.index_select(0, order), counts=local, plan=plan, order=order,
-                      input_splits=input_splits, output_splits=output_splits, device_counts=recv.sum(0))
+    routes = _Routes.of(routing, num_experts=num_experts, group=group)
+    got = all_to_all_tokens(permute(x, routes.plan), routes.output_splits, routes.input_splits, group,
+                            traffic)  # rank-major
+    return routes.dispatched(got)
+
+
+def dispatch_beside(x: torch.Tensor, routing: Routing, beside: Callable[[], torch.Tensor], *,
+                    num_experts: int, group: Group, traffic: AllToAllTraffic | None = None,
+                    overlap: bool = True) -> tuple[Dispatched, torch.Tensor]:
+    """``dispatch_all_to_all`` with ``beside()`` computed while the tokens travel (DeepSeek-V3, section
+    3.2.2: the shared experts overlap the dispatch): the all-to-all posted
+    (``.expert_parallel_communications.post_all_to_all_tokens``), ``beside()`` run, then the wait.
+    ``overlap=False`` is the serialized control: the wait first, then ``beside()`` (the same results,
+    bitwise). Several ranks only."""
+    routes = _Routes.of(routing, num_experts=num_experts, group=group)
+    pending = post_all_to_all_tokens(permute(x, routes.plan), routes.output_splits, routes.input_splits,
+                                     group, traffic)
+    if not overlap:
+        got = pending.wait()
+    out = beside()
+    if overlap:
+        got = pending.wait()
+    return routes.dispatched(got), out
 
 
 def undispatch_all_to_all(y: torch.Tensor, d: Dispatched, group: Group,
@@ -119,6 +162,13 @@ def undispatch_all_to_all(y: torch.Tensor, d: Dispatched, group: Group,
     sorted order (``d.plan``), ready for ``.combine``."""
     back = y.index_select(0, inverse_permutation(d.order))     # rank-major again
     return all_to_all_tokens(back, d.input_splits, d.output_splits, group, traffic)
+
+
+def _plus(y: torch.Tensor, shared: torch.Tensor | Callable[[], torch.Tensor] | None) -> torch.Tensor:
+    """``y`` plus the shared output (computed here when given as a function), after the routed one."""
+    if shared is None:
+        return y
+    return y + (shared() if callable(shared) else shared)
 
 
 def _local_plan(ids: torch.Tensor, num_experts: int) -> tuple[SortPlan, list[int]]:
@@ -218,6 +268,7 @@ class MoE(nn.Module):
         self.z_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
         self.traffic = AllToAllTraffic()
+        self.overlap_dispatch = True  # False: the serialized control of dispatch_beside
 
     @property
     def kept_per_expert(self) -> torch.Tensor | None:
@@ -229,32 +280,43 @@ class MoE(nn.Module):
         """The last forward's dropped share of the assignments (a host read: call it outside the step)."""
         return None if self.routing is None else self.routing.dropped_fraction
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, beside: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        """``moe(x)``; ``beside()``: a computation of ``x``'s shape added to the output, run while the
+        tokens travel (``forward_routed``)."""
         if x.dim() not in (2, 3) or x.shape[-1] != self.dim:
             raise ValueError(f"MoE expects [b, s, {self.dim}] or [T, {self.dim}], got {tuple(x.shape)}")
         tokens = x.reshape(-1, self.dim)
         routing = self.router(tokens)
-        y = self.forward_routed(tokens, routing)
+        flat = None if beside is None else (lambda: beside().reshape(-1, self.dim))  # [T, h], as tokens
+        y = self.forward_routed(tokens, routing, beside=flat)
         self.routing, self.aux_loss, self.z_loss = routing, routing.aux_loss, routing.z_loss
         self.tokens_per_expert = routing.tokens_per_expert
         return y.view(x.shape)
 
-    def forward_routed(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """``[T, h]`` tokens already routed -> ``[T, h]`` (``x.dtype``): dispatch, local experts, combine."""
+    def forward_routed(self, x: torch.Tensor, routing: Routing, *,
+                       beside: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        """``[T, h]`` tokens already routed -> ``[T, h]`` (``x.dtype``): dispatch, local experts, combine;
+        plus ``beside()`` (``[T, h]``, e.g. the shared experts), which the all-to-all dispatcher runs while
+        the tokens travel (``dispatch_beside``; ``overlap_dispatch = False``: after them, the control)."""
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"unknown dispatcher {self.dispatcher!r}; expected one of {DISPATCHERS}")
         self.traffic = AllToAllTraffic()
+        shared = None
         if self.ep_size == 1:  # every expert here: either dispatcher on one rank is this, no collective
             plan, counts = _local_plan(routing.kept_ids, self.num_experts)
             y = self.experts(permute(x, plan), counts, plan.counts)
-            return combine(y, routing.kept_weights, plan).to(x.dtype)
+            return _plus(combine(y, routing.kept_weights, plan).to(x.dtype), beside)
         if self.dispatcher == "allgather":
-            return self._forward_allgather(x, routing).to(x.dtype)
-        d = dispatch_all_to_all(x, routing, num_experts=self.num_experts, group=self.ep_group,
-                                traffic=self.traffic)
+            return _plus(self._forward_allgather(x, routing).to(x.dtype), beside)
+        if beside is None:
+            d = dispatch_all_to_all(x, routing, num_experts=self.num_experts, group=self.ep_group,
+                                    traffic=self.traffic)
+        else:  # DeepSeek-V3: the shared experts run while the tokens travel
+            d, shared = dispatch_beside(x, routing, beside, num_experts=self.num_experts, group=self.ep_group,
+                                        traffic=self.traffic, overlap=self.overlap_dispatch)
         y = self.experts(d.tokens, d.counts, d.device_counts)
         back = undispatch_all_to_all(y, d, self.ep_group, self.traffic)
-        return combine(back, routing.kept_weights, d.plan).to(x.dtype)
+        return _plus(combine(back, routing.kept_weights, d.plan).to(x.dtype), shared)
 
     def _forward_allgather(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Every rank's tokens and routing gathered; my experts' share of every token's output; the shares
@@ -285,4 +347,5 @@ class MoE(nn.Module):
                 f"dispatcher={self.dispatcher}")
 
 
-__all__ = ["DISPATCHERS", "Dispatched", "MoE", "dispatch_all_to_all", "undispatch_all_to_all"]
+__all__ = ["DISPATCHERS", "Dispatched", "MoE", "dispatch_all_to_all", "dispatch_beside",
+           "undispatch_all_to_all"]

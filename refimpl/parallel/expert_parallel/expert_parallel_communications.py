@@ -10,7 +10,10 @@ other how many rows it will send (``exchange_counts``, an all-to-all of ``N x E/
 * ``all_to_all_tokens`` ``(x, output_splits, input_splits)``: forward sends rows
   ``x[sum(input_splits[:q]) : sum(input_splits[:q+1])]`` to rank ``q`` and receives ``output_splits[q]`` rows
   from it; backward is the same collective with the splits swapped (the all-to-all is a permutation of
-  rows across ranks, its adjoint the inverse permutation): the conjugate pair is the function itself.
+  rows across ranks, its adjoint the inverse permutation): the conjugate pair is the function itself;
+* ``post_all_to_all_tokens``: the same all-to-all posted and not waited for (``PendingTokens.wait``
+  joins its rows to the graph), so that work independent of the tokens runs while they travel
+  (DeepSeek-V3's shared experts during the dispatch, ``refimpl.parallel.expert_parallel.MoE``).
 
 gloo's ``all_to_all_single`` takes uneven and zero split sizes (torch 2.13); the list form
 ``dist.all_to_all`` refuses uneven ones. A rank sends its own block to itself too; only the other blocks go
@@ -37,6 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -125,6 +129,62 @@ class _AllToAllTokens(torch.autograd.Function):
         if ctx.traffic is not None:
             ctx.traffic.add(_sent_to_others(dy, output_splits, ctx.group), backward=True)
         return _all_to_all_uneven(dy, input_splits, output_splits, ctx.group), None, None, None, None
+
+
+class _ReceivedTokens(torch.autograd.Function):
+    """The rows an all-to-all posted earlier received (``PendingTokens``), joined to the graph of the rows
+    it sent: forward hands them on; backward, the reverse all-to-all, as ``_AllToAllTokens``'."""
+
+    @staticmethod
+    def forward(ctx, x, received, splits, group, traffic):  # splits: (output_splits, input_splits)
+        ctx.splits, ctx.group, ctx.traffic = splits, group, traffic
+        return received.view_as(received)
+
+    @staticmethod
+    def backward(ctx, dy):
+        output_splits, input_splits = ctx.splits
+        if ctx.traffic is not None:
+            ctx.traffic.add(_sent_to_others(dy, output_splits, ctx.group), backward=True)
+        return _all_to_all_uneven(dy, input_splits, output_splits, ctx.group), None, None, None, None
+
+
+@dataclass(kw_only=True, eq=False)
+class PendingTokens:
+    """An all-to-all of tokens in flight (``post_all_to_all_tokens``): ``wait()`` gives what
+    ``all_to_all_tokens`` would have returned, in the graph of the rows sent (``x``), whose contiguous
+    copy ``sent`` it keeps alive until then (NCCL reads it from its own stream)."""
+
+    x: torch.Tensor
+    sent: torch.Tensor
+    received: torch.Tensor
+    work: Any  # the async collective's handle
+    splits: tuple[list[int], list[int]]  # (output_splits, input_splits)
+    group: Group
+    traffic: AllToAllTraffic | None
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return _ReceivedTokens.apply(self.x, self.received, self.splits, self.group, self.traffic)
+
+
+def post_all_to_all_tokens(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
+                           group: Group, traffic: AllToAllTraffic | None = None) -> PendingTokens:
+    """``all_to_all_tokens`` posted, not waited for: what runs before ``wait()`` overlaps the transfer
+    (DeepSeek-V3's shared experts while the tokens travel, chapter 09). Several ranks only."""
+    n = group_rank_size(group)[1]
+    if len(output_splits) != n or len(input_splits) != n or n == 1:
+        raise ValueError(f"a posted all-to-all needs several ranks and {n} split sizes each, got "
+                         f"{list(output_splits)} and {list(input_splits)}")
+    sent = x.detach().contiguous()
+    if sent.shape[0] != sum(input_splits):
+        raise ValueError(f"all-to-all: {sent.shape[0]} rows but input splits {list(input_splits)}")
+    if traffic is not None:
+        traffic.add(_sent_to_others(sent, input_splits, group), backward=False)
+    received = sent.new_empty((sum(output_splits), *sent.shape[1:]))
+    work = ops.all_to_all_single(received, sent, list(output_splits), list(input_splits), group=group,
+                                 async_op=True)
+    return PendingTokens(x=x, sent=sent, received=received, work=work,
+                         splits=(list(output_splits), list(input_splits)), group=group, traffic=traffic)
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -222,10 +282,12 @@ def check_equal_tokens(num_tokens: int, group: Group, device: torch.device) -> N
 
 __all__ = [
     "AllToAllTraffic",
+    "PendingTokens",
     "all_to_all_tokens",
     "check_equal_tokens",
     "exchange_counts",
     "gather_no_grad",
     "gather_tokens",
+    "post_all_to_all_tokens",
     "reduce_scatter_tokens",
 ]
