@@ -783,7 +783,7 @@ plans = {"cp 2 x dp 2, ring": (tiny("cp2-ring"), RING),
          "Llama: cp 2 x dp 2, ring": (tiny("cp2-ring-llama", model=LLAMA_GQA), RING),
          "cp 2 x dp 2, ring, positions from 0": (tiny("cp2-wrong"), RING),
          "Llama: cp 2 x dp 2, ring, RoPE from 0": (tiny("cp2-wrong-llama", model=LLAMA_GQA), RING)}
-per_rank = ranks.run(cp_runs, plans)
+per_rank = ranks.run(lambda plans: cp_runs(plans), plans)  # cp_runs: the engines' own
 assert all(r == per_rank[0] for r in per_rank), "every rank reports the same global losses"
 llama_runs |= {k.removeprefix("Llama: "): v for k, v in per_rank[0].items() if k.startswith("Llama: ")}
 runs |= {k: v for k, v in per_rank[0].items() if not k.startswith("Llama: ")}

@@ -166,16 +166,18 @@ def collective_matmul_overlap(ctx: Any, *, tokens: int = 512, hidden: int = 512,
     return _interleaved({"overlapped": step(False), "serialized": step(True)})
 
 
-def moe_dispatch_overlap(ctx: Any, *, tokens: int = 1024, hidden: int = 512, shared_ffn: int = 1024) -> dict:
+def moe_dispatch_overlap(ctx: Any, *, tokens: int = 1024, hidden: int = 512, shared_ffn: int = 1024,
+                         expert_ffn: int = 128) -> dict:
     """An MoE layer's forward with a shared expert computed while the dispatch travels against
-    ``overlap_dispatch = False`` (module docstring); ``shared_ffn``: the shared expert's hidden width."""
+    ``overlap_dispatch = False`` (module docstring); ``shared_ffn``, ``expert_ffn``: the shared expert's and
+    each routed expert's hidden width (narrow experts: the transfers and the shared expert dominate)."""
     torch.set_num_threads(1)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(ctx.rank))  # [T, h]
     torch.manual_seed(0)
     shared = nn.Sequential(nn.Linear(hidden, shared_ffn), nn.GELU(), nn.Linear(shared_ffn, hidden))
 
     def step(overlap: bool):
-        moe = MoE(dim=hidden, hidden=hidden, num_experts=4, top_k=2, ep_group=dist.group.WORLD, seed=0)
+        moe = MoE(dim=hidden, hidden=expert_ffn, num_experts=4, top_k=2, ep_group=dist.group.WORLD, seed=0)
         moe.overlap_dispatch = overlap
 
         def run() -> list[torch.Tensor]:
