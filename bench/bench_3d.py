@@ -89,6 +89,13 @@ def _predict(model: TrainConfig, name: str):
                        grad_clip=model.optim.grad_clip)
 
 
+def _describe(model: TrainConfig) -> str:
+    """The run as the trainer's flags would say it."""
+    m, d = model.model, model.data
+    return (f"--num-layers {m.num_layers} --hidden-size {m.hidden_size} --num-heads {m.num_attention_heads} "
+            f"--seq-len {d.seq_len} --batch-size {d.global_batch_size}")
+
+
 def _step_time(per_rank: list[dict], warmup: int) -> float:
     """The slowest rank's median step duration after ``warmup`` steps."""
     medians = []
@@ -124,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     elapsed, load1 = time.perf_counter() - start, os.getloadavg()[0]
     print(f"# bench_3d: world {WORLD} on {_cpu()}, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, Python {platform.python_version()}; "
-          f"{' '.join(model)}, {steps} steps ({warmup} warm-up), {repeats} rounds; "
+          f"{_describe(model)}, {steps} steps ({warmup} warm-up), {repeats} rounds; "
           f"load average {load0:.1f} at the start, "
           f"{load1:.1f} at the end; {elapsed:.0f} s")
     base = [_step_time([out["8x1x1"][i] for out in per_rank], warmup) for i in range(repeats)]
