@@ -103,7 +103,7 @@ import torch
 from refimpl.config import CP_METHODS, ModelConfig
 
 __all__ = ["METHODS", "ActivationBreakdown", "BlockSplit", "activation_bytes", "activation_bytes_per_layer",
-           "korthikanti_bytes_per_layer", "local_tokens", "outside_block_bytes"]
+           "check_tp", "korthikanti_bytes_per_layer", "local_tokens", "outside_block_bytes"]
 
 METHODS = CP_METHODS  # the context-parallel methods, named in refimpl.config
 
@@ -132,15 +132,21 @@ def _attention_layout(config: ModelConfig, tp: int) -> tuple[int, int, bool]:
     return a_t, g_t, g_t > 1 and a_t // g_t > 1
 
 
-def _check_tp(config: ModelConfig, *, tp: int, sequence_parallel: bool, seq_len: int, cp: int = 1) -> int:
-    """``u``, the split of the sequence-parallel regions (``tp`` under SP, else 1), after the sizes check
-    (``seq_len``: the tokens the rank's tensor-parallel group holds, ``s/cp`` of ``cp`` ranks)."""
+def check_tp(config: ModelConfig, tp: int) -> None:
+    """A ValueError unless ``tp`` is a positive integer that divides the heads and the FFN width (the
+    planner's tensor-parallel sizes check; ``param_table`` adds the untied vocabulary)."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be a positive integer, got {tp!r}")
     for what, size in (("num_attention_heads", config.num_attention_heads),
                        ("ffn_hidden_size", config.ffn_size)):
         if size % tp:
             raise ValueError(f"tensor parallelism: {what}={size} does not divide by tp={tp}")
+
+
+def _check_tp(config: ModelConfig, *, tp: int, sequence_parallel: bool, seq_len: int, cp: int = 1) -> int:
+    """``u``, the split of the sequence-parallel regions (``tp`` under SP, else 1), after ``check_tp``
+    (``seq_len``: the tokens the rank's tensor-parallel group holds, ``s/cp`` of ``cp`` ranks)."""
+    check_tp(config, tp)
     if sequence_parallel and seq_len % tp:
         tokens = f"seq_len={seq_len}" if cp == 1 else f"the {seq_len} tokens of each rank (seq_len / cp={cp})"
         raise ValueError(f"sequence parallelism: {tokens} does not divide by tp={tp}")

@@ -21,8 +21,8 @@ measures.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
-from typing import TypedDict
 
 import torch
 
@@ -66,27 +66,6 @@ class _ActivationArgs(BlockSplit):
     micro_batch: int
     seq_len: int
     compute_dtype: torch.dtype
-
-
-class _MoEActivationArgs(TypedDict):
-    """The keyword arguments of ``moe_activation_bytes`` but the checkpointed blocks."""
-
-    micro_batch: int
-    seq_len: int
-    compute_dtype: torch.dtype
-    tp: int
-    ep: int
-    loads: Sequence[ExpertLoad] | None
-
-
-class _PipelineOptions(TypedDict, total=False):
-    """The pipeline options ``run_memory_of`` passes to ``run_memory_per_rank`` (none at pp = 1)."""
-
-    pp_schedule: str
-    virtual_stages: int
-    pp_balance: str
-    num_microbatches: int | None
-    zero3_reshard_per_microbatch: bool
 
 
 def unmodelled_attention(config: ModelConfig) -> list[str]:
@@ -230,10 +209,9 @@ def _activation_terms(config: ModelConfig, dims: Layout, *, micro_batch: int, se
     chosen = set(checkpointed_blocks)
     kw = _ActivationArgs(micro_batch=b, seq_len=seq_len, compute_dtype=compute, **split)
     if config.num_experts:  # MoE blocks: their saved tensors for the routed rows (refimpl/planner/experts.py)
-        moe = _MoEActivationArgs(micro_batch=b, seq_len=seq_len, compute_dtype=compute, tp=tp, ep=ep,
-                                 loads=expert_loads)
-        saved = moe_activation_bytes(config, checkpointed_blocks=chosen, **moe)
-        full = moe_activation_bytes(config, **moe)
+        moe = functools.partial(moe_activation_bytes, config, micro_batch=b, seq_len=seq_len,
+                                compute_dtype=compute, tp=tp, ep=ep, loads=expert_loads)
+        saved, full = moe(checkpointed_blocks=chosen), moe()
     else:
         saved = activation_bytes(config, checkpointed_blocks=chosen, **kw)
         full = activation_bytes(config, **kw)
@@ -261,12 +239,11 @@ def run_memory_of(config: ModelConfig, parallel: ParallelConfig, *, world_size: 
     check_supported(dataclasses.replace(parallel, dp=None), moe=bool(config.num_experts))
     check_modelled(config, parallel, what="run_memory_of", memory=True)
     dims = ParallelDims.from_world(world_size, **parallel.degrees)
-    pipeline: _PipelineOptions = {} if dims.pp == 1 else {
-        "pp_schedule": parallel.pp_schedule, "virtual_stages": parallel.virtual_stages,
-        "pp_balance": parallel.pp_balance, "num_microbatches": num_microbatches or parallel.microbatches,
-        "zero3_reshard_per_microbatch": parallel.zero3_reshard_per_microbatch}
     return run_memory_per_rank(config, dims, micro_batch=micro_batch, seq_len=seq_len,
                                zero_stage=parallel.zero_stage, precision=parallel.precision,
                                checkpointed_blocks=parallel.checkpointed_blocks(config.num_layers),
                                sequence_parallel=parallel.sequence_parallel, cp_method=parallel.cp_method,
-                               cp_layout=parallel.cp_layout, **pipeline)
+                               cp_layout=parallel.cp_layout, pp_schedule=parallel.pp_schedule,
+                               virtual_stages=parallel.virtual_stages, pp_balance=parallel.pp_balance,
+                               num_microbatches=num_microbatches or parallel.microbatches,
+                               zero3_reshard_per_microbatch=parallel.zero3_reshard_per_microbatch)
