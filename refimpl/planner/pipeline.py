@@ -3,7 +3,7 @@
 zero bubble).
 
 The model is cut into ``S = p v`` stages as the runtime cuts it, and a rank holds the parameters of its
-stages (``refimpl.planner.pipeline_stages``: ``stage_layers``, ``stage_param_shapes``,
+stages (``refimpl.planner.pipeline_stages``: ``stage_layers``, ``rank_param_shapes``,
 ``pipeline_state_memory``, re-exported here); stage ``s`` lives on rank ``s mod p``.
 
 One micro-batch of ``b`` sequences of ``s`` tokens saves ``A(s)`` bytes for backward in stage ``s``: the
@@ -72,17 +72,15 @@ from refimpl.planner.pipeline_stages import (
     stage_deferred_bytes,
     stage_layers,
     stage_matmul_weights,
-    stage_param_shapes,
 )
 from refimpl.planner.run_memory import RunMemory
 from refimpl.planner.run_terms import final_norm_16
-from refimpl.planner.zero_state import zero3_peak_gathered_bytes
+from refimpl.planner.zero_state import zero3_peak_gathered_bytes, zero_memory
 from refimpl.precision.policy import compute_dtype_of
 from refimpl.support import check_supported, not_modelled
 
 __all__ = ["PER_STEP", "ZBV_NOT_MODELLED", "PipelineRankMemory", "pipeline_memory_per_rank",
-           "pipeline_state_memory", "stage_deferred_bytes", "stage_layers", "stage_param_shapes",
-           "stage_saved_bytes"]
+           "pipeline_state_memory", "stage_deferred_bytes", "stage_layers", "stage_saved_bytes"]
 
 ZBV_NOT_MODELLED = not_modelled("zbv")  # refimpl/support.py
 
@@ -162,6 +160,7 @@ class PipelineRankMemory:
     peak_terms: dict[str, int]
     transient: dict[str, int] = field(default_factory=dict)
     memory: RunMemory
+    deferred: dict[int, int] | None = None  # zbh1: per stage, what a B leaves to its W (stage_deferred_bytes)
 
     @property
     def params(self) -> int:
@@ -254,17 +253,15 @@ def _transient_terms(config: ModelConfig, *, mine: list[int], ranges: list[range
     return transient
 
 
-def _rank_state(config: ModelConfig, *, rank: int, mine: list[int], ranges: list[range],
-                shapes: list[tuple[int, ...]], pp: int, virtual_stages: int, balance: str, tp: int,
-                precision: str, zero_stage: int, zero_shards: int, dp_rank: int,
+def _rank_state(config: ModelConfig, *, mine: list[int], ranges: list[range], shapes: list[tuple[int, ...]],
+                tp: int, precision: str, zero_stage: int, zero_shards: int, dp_rank: int,
                 zero3_reshard_per_microbatch: bool) -> dict[str, int]:
-    """``pipeline_memory_per_rank``'s model state of pipeline rank ``rank`` (its stages ``mine``, their
+    """``pipeline_memory_per_rank``'s model state of a pipeline rank (its stages ``mine``, their
     parameters' ``shapes``), by term: weights, gradients and AdamW state under ZeRO ``zero_stage`` over
-    ``zero_shards`` ranks, ZeRO-3's gathered tensors, autocast's 16-bit weight copies (fp8: but the fp8
-    layers', and their transient cast)."""
+    ``zero_shards`` ranks (``pipeline_state_memory``), ZeRO-3's gathered tensors, autocast's 16-bit weight
+    copies (fp8: but the fp8 layers', and their transient cast)."""
     p, num_stages = compute_dtype_of(precision).itemsize, len(ranges)
-    zero = pipeline_state_memory(config, pp=pp, pp_rank=rank, virtual_stages=virtual_stages, balance=balance,
-                                 tp=tp, zero_stage=zero_stage, zero_shards=zero_shards, dp_rank=dp_rank)
+    zero = zero_memory(shapes, zero_shards, zero_stage, rank=dp_rank)
     state = {"weights": zero.weights, "grads": zero.grads, "AdamW state": zero.optimizer}
     if zero_stage == 3 and zero_shards > 1:
         state.update(_zero3_gathered(config, mine=mine, ranges=ranges, shapes=shapes, tp=tp, p=p,
@@ -345,14 +342,13 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
         transient = _transient_terms(config, mine=mine, ranges=ranges, boundary=boundary, micro_batch=b,
                                      seq_len=seq_len, tokens=s, compute=compute,
                                      checkpointed_blocks=checkpointed_blocks, split=sp)
-        state = _rank_state(config, rank=r, mine=mine, ranges=ranges, shapes=shapes, pp=pp, virtual_stages=v,
-                            balance=balance, tp=tp, precision=precision, zero_stage=zero_stage,
-                            zero_shards=zero_shards, dp_rank=dp_rank,
+        state = _rank_state(config, mine=mine, ranges=ranges, shapes=shapes, tp=tp, precision=precision,
+                            zero_stage=zero_stage, zero_shards=zero_shards, dp_rank=dp_rank,
                             zero3_reshard_per_microbatch=zero3_reshard_per_microbatch)
         out.append(PipelineRankMemory(rank=r, stages=tuple(mine), blocks=tuple(ranges[st] for st in mine),
                                       param_shapes=shapes, saved=saved, in_flight=flying,
                                       peak_in_flight=sim.peak_in_flight[r], peak_terms=terms,
-                                      transient=transient,
+                                      transient=transient, deferred=deferred,
                                       memory=RunMemory(state=state, activations={**terms, **transient},
                                                        rank=r)))
     return out

@@ -25,7 +25,7 @@ from refimpl.planner.param_table import ParamSpec, param_table
 from refimpl.planner.zero_state import zero_memory
 
 __all__ = ["block_of", "pipeline_state_memory", "rank_param_shapes", "stage_deferred_bytes", "stage_layers",
-           "stage_matmul_weights", "stage_param_shapes", "stage_params"]
+           "stage_matmul_weights", "stage_params"]
 
 
 def _numel(specs: tuple[ParamSpec, ...]) -> int:
@@ -59,13 +59,6 @@ def stage_params(config: ModelConfig, *, stage: int, num_stages: int, blocks: ra
     return out
 
 
-def stage_param_shapes(config: ModelConfig, *, stage: int, num_stages: int, blocks: range,
-                       tp: int = 1) -> list[tuple[int, ...]]:
-    """The shapes of ``stage_params``, in the model's order
-    (``refimpl.planner.params_flops.param_shapes``)."""
-    return [p.shape for p in stage_params(config, stage=stage, num_stages=num_stages, blocks=blocks, tp=tp)]
-
-
 def stage_matmul_weights(config: ModelConfig, *, stage: int, num_stages: int, blocks: range,
                          tp: int = 1) -> int:
     """Elements of the weights stage ``stage`` multiplies: its blocks' linear layers' and, on the last
@@ -77,16 +70,17 @@ def stage_matmul_weights(config: ModelConfig, *, stage: int, num_stages: int, bl
 
 def rank_param_shapes(config: ModelConfig, *, pp: int, rank: int, ranges: list[range],
                       tp: int = 1) -> list[tuple[int, ...]]:
-    """The parameter shapes of pipeline rank ``rank``'s stages (``ranges``: every stage's blocks)."""
-    return [x for st in range(len(ranges)) if stage_rank(st, pp_size=pp) == rank
-            for x in stage_param_shapes(config, stage=st, num_stages=len(ranges), blocks=ranges[st], tp=tp)]
+    """The parameter shapes of pipeline rank ``rank``'s stages (``ranges``: every stage's blocks), in the
+    model's order (``refimpl.planner.params_flops.param_shapes``)."""
+    return [q.shape for st in range(len(ranges)) if stage_rank(st, pp_size=pp) == rank
+            for q in stage_params(config, stage=st, num_stages=len(ranges), blocks=ranges[st], tp=tp)]
 
 
 def pipeline_state_memory(config: ModelConfig, *, pp: int, pp_rank: int, virtual_stages: int = 1,
                           balance: str = "layers", tp: int = 1, zero_stage: int = 0, zero_shards: int = 1,
                           dp_rank: int = 0) -> StateMemory:
     """fp32 weights, gradients and AdamW state(two moments, a ``step`` per tensor) of the parameters of
-    pipeline rank ``pp_rank``'s stages (``stage_param_shapes``, the tensor-parallel shards of ``tp``
+    pipeline rank ``pp_rank``'s stages (``rank_param_shapes``, the tensor-parallel shards of ``tp``
     ranks), whole, or with ``zero_stage`` 1 (Rajbhandari et al. 2020; the runtime's ShardedOptimizer over the
     stages; 2: the gradients too; 3: the weights too, at rest) the AdamW state sharded over the
     ``zero_shards`` (``dp x cp``) ranks, dim 0 of each tensor, as held by the group's rank ``dp_rank``
