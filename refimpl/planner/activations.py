@@ -245,10 +245,6 @@ class ActivationBreakdown:
         return sum(self.terms.values())
 
 
-def _nbytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def activation_bytes_per_layer(
     config: ModelConfig,
     *,
@@ -280,7 +276,7 @@ def activation_bytes_per_layer(
     f, t = config.ffn_size, tp
     s = local_tokens(config, seq_len=seq_len, cp=cp, cp_method=cp_method, cp_layout=cp_layout, tp=tp)
     u = _check_tp(config, tp=tp, sequence_parallel=sequence_parallel, seq_len=s, cp=cp)
-    p, r = _nbytes(compute_dtype), _nbytes(residual_dtype)
+    p, r = compute_dtype.itemsize, residual_dtype.itemsize
     if checkpointed:
         return ActivationBreakdown(terms={"block input (checkpoint)": r * s * b * h // u})
     a_t, g_t, copied = _attention_layout(config, t)
@@ -371,7 +367,7 @@ def outside_block_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int,
     b, h, v, t = micro_batch, config.hidden_size, config.vocab_size, tp
     s = local_tokens(config, seq_len=seq_len, cp=cp, cp_method=cp_method, cp_layout=cp_layout, tp=tp)
     u = _check_tp(config, tp=tp, sequence_parallel=sequence_parallel, seq_len=s, cp=cp)
-    p = _nbytes(compute_dtype)
+    p = compute_dtype.itemsize
     norm = 4 * s * b * h + (4 * s * b + 4 * s * b * h if config.normalization == "rmsnorm" else 2 * 4 * s * b)
     positions = 0 if config.position_embedding == "rope" else s
     if t == 1:

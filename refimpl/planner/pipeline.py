@@ -108,7 +108,7 @@ def stage_saved_bytes(config: ModelConfig, *, stage: int, num_stages: int, block
     final LayerNorm and head inputs in that dtype, as
     ``refimpl.planner.run_terms.sixteen_bit_weight_activations`` counts them at pp 1)."""
     b, v, tp = micro_batch, config.vocab_size, split.get("tp", 1)
-    p, chosen = torch.empty((), dtype=compute_dtype).element_size(), set(checkpointed_blocks)
+    p, chosen = compute_dtype.itemsize, set(checkpointed_blocks)
     kw = {"micro_batch": b, "seq_len": seq_len, "compute_dtype": compute_dtype, **split}
     layer_kw = kw if residual_dtype is None else {**kw, "residual_dtype": residual_dtype}
     terms = {"block activations": sum(activation_bytes_per_layer(config, checkpointed=i in chosen,
