@@ -182,20 +182,20 @@ def local_tokens(config: ModelConfig, *, seq_len: int, cp: int, cp_method: str, 
 def korthikanti_bytes_per_layer(*, seq_len: int, micro_batch: int, hidden_size: int, num_heads: int,
                                 tp: int = 1, sequence_parallel: bool = False) -> int:
     """A Megatron GPT layer in 16 bits per rank (Korthikanti et al. 2022, eqs. 1, 2 and 4):
-    ``s b h (10 + 24/t + 5 a s/(h t))``, with sequence parallelism ``s b h (34/t + 5 a s/(h t))``.
-    Exact integers when ``t`` divides ``a`` (and so ``h``)."""
-    s, b, h, a, t = seq_len, micro_batch, hidden_size, num_heads, tp
-    if a % t or h % t:
-        raise ValueError(f"tp={t} must divide num_heads={a} and hidden_size={h}")
-    outside = 10 * s * b * h // (t if sequence_parallel else 1)
-    return outside + 24 * s * b * h // t + 5 * (a // t) * s * s * b
+    ``s b h (10 + 24/t + 5 a s/(h t))``, with sequence parallelism ``s b h (34/t + 5 a s/(h t))``; the
+    paper's GPT-2 form (``f = 4h``, dropout, no flash) of ``paper_bytes_per_layer``. Exact integers when
+    ``t`` divides ``a`` (and so ``h``)."""
+    gpt = ModelConfig(num_layers=1, hidden_size=hidden_size, num_attention_heads=num_heads,
+                      max_seq_len=seq_len)
+    return paper_bytes_per_layer(gpt, seq_len=seq_len, micro_batch=micro_batch, tp=tp,
+                                 sequence_parallel=sequence_parallel)
 
 
 def paper_bytes_per_layer(config: ModelConfig, *, seq_len: int, micro_batch: int, tp: int = 1,
                           sequence_parallel: bool = False, flash: bool = False, dropout: bool = True,
                           key_len: int | None = None, moe: bool = False) -> int:
-    """Korthikanti et al.'s 16-bit count (``korthikanti_bytes_per_layer``) for a layer of ``config``'s
-    form, per rank of ``tp``: the same tensors, at the model's own sizes.
+    """Korthikanti et al.'s 16-bit count for a layer of ``config``'s form, per rank of ``tp``: the paper's
+    tensors at the model's own sizes.
 
     Outside the tensor-parallel regions (``/t`` under sequence parallelism): the two norms' inputs ``4 sbh``,
     the QKV and MLP inputs ``4 sbh``, the two dropout masks ``2 sbh`` (``dropout``). Inside (``/t``): Q and

@@ -1,21 +1,11 @@
-"""The memory of a training run per rank, before anything runs: model state and activations (chapters 01,
-04, 05, 06, 07 and 10).
-
-* ``state_memory``: weights, gradients and optimizer state of one unsharded replica (chapter 01;
-  Kingma & Ba 2015 for Adam's two moments);
-* ``state_memory_per_rank``: the same per rank of a layout: the tensor-parallel shards of the rank
-  (Shoeybi et al. 2019, chapter 06; ``refimpl.planner.params_flops.param_shapes`` with ``tp``), then
-  sharded by ZeRO stage over the ``dp x cp`` ranks that replicate them (Rajbhandari et al. 2020,
-  ``refimpl.planner.zero_state``; chapter 04; context parallelism replicates the parameters as data
-  parallelism does, chapter 07);
-* ``run_memory_per_rank``: state plus one micro-batch's activations (Korthikanti et al. 2022,
-  ``refimpl.planner.activations``; chapter 05), term by term: what the trainer's preflight compares
-  with the machine's memory before any process starts.
-
-Every function that answers per rank takes the layout ``dims`` (``refimpl.planner.layout``): tensor,
-context and pipeline parallelism (chapter 08, ``refimpl.planner.pipeline``) join here. The
-``refimpl.measure.state.StateMemory`` returned is the one ``refimpl.measure.state_bytes``
-measures.
+"""The memory of a training run per rank, before anything runs (chapters 01, 04, 05, 06, 07 and 10):
+``state_memory`` (one unsharded replica; Kingma & Ba 2015 for Adam's two moments),
+``state_memory_per_rank`` (a layout's tensor-parallel shards, Shoeybi et al. 2019, sharded by ZeRO over
+the ``dp x cp`` ranks that replicate them, Rajbhandari et al. 2020) and ``run_memory_per_rank`` (state
+plus one micro-batch's activations, Korthikanti et al. 2022, term by term: what the trainer's preflight
+compares with the machine's memory). Every per-rank function takes the layout ``dims``
+(``refimpl.planner.layout``); the ``refimpl.measure.state.StateMemory`` returned is the one
+``refimpl.measure.state_bytes`` measures.
 """
 
 from __future__ import annotations

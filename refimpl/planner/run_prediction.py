@@ -122,13 +122,9 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     trainer derives it). ``global_batch`` sequences of ``seq_len`` tokens per step, split over ``dp``;
     ``micro_batch`` (``--micro-batch-size``) and, under pipeline parallelism, ``parallel.microbatches``
     (``--microbatches``, default per-rank batch / ``micro_batch``, else ``pp``) as the trainer reads them;
-    ``grad_clip`` None: no norm.
-
-    Every ZeRO stage (``parallel.zero_stage``), HSDP (``parallel.dp_replicate``), the blocks
-    ``parallel.activation_checkpointing`` selects, fp32 or bf16 are modelled, and fp8 (ZeRO 0-3 at pp = 1,
-    with cp too; under pp ZeRO 0-2, zbh1 tensorwise); a combination the trainer refuses
-    (``refimpl.support.check_supported``) or the planner does not model (``refimpl.support.
-    NOT_MODELLED_TABLE``) raises a ``refimpl.config.ConfigError`` in its rows' words.
+    ``grad_clip`` None: no norm. A combination the trainer refuses (``refimpl.support.check_supported``)
+    or the planner does not model (``refimpl.support.NOT_MODELLED_TABLE``) raises a
+    ``refimpl.config.ConfigError`` in its rows' words.
     """
     if world_size is None:
         if parallel.dp is None:
