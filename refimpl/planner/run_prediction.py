@@ -51,8 +51,7 @@ from refimpl.planner.fp8 import fp8_weights
 from refimpl.planner.memory import run_memory_per_rank, state_memory_per_rank
 from refimpl.planner.param_table import param_table
 from refimpl.planner.params_flops import param_shapes
-from refimpl.planner.pipeline import PER_STEP, _walk, pipeline_memory_per_rank
-from refimpl.planner.pipeline_stages import stage_layers, stage_params
+from refimpl.planner.pipeline import PER_STEP, _walk, pipeline_memory_per_rank, stage_layers, stage_params
 from refimpl.planner.run_terms import shard_group_rank, sixteen_bit_weight_activations
 from refimpl.planner.step_bytes import STEP_BYTES, Rank, Run
 from refimpl.planner.zero_state import sharded_numel, zero_memory
