@@ -40,9 +40,9 @@ output gradient of a backward ``4 s b h`` (stage ``s < S - 1``), and the largest
 recomputation.
 
 Inside the other axes (chapter 12, as ``refimpl.parallel.parallelize`` builds it: tensor and context
-parallelism first, then the split): the stages hold the tensor-parallel shards of ``t`` ranks (the tied
-copy a vocab-parallel shard, ``ceil(V/t)`` rows), and every term above is the rank's: the blocks' and the
-embedding's and loss's at ``s_c = s/cp`` tokens by ``cp_method`` (``refimpl.planner.activations``;
+parallelism first, then the split): the stages hold the tensor-parallel shards of ``t`` ranks, and every
+term above is the rank's: the blocks' and the embedding's and loss's at ``s_c = s/cp`` tokens by
+``cp_method`` (``refimpl.planner.activations``;
 under tp the vocab-parallel embedding's local ids and mask, the loss's softmax shard ``4 s_c b V/t``,
 target index and masks, per micro-batch), the boundaries ``O = G = 4 (s_c/u) b h`` (``u = t`` under
 sequence parallelism, else 1), the logits ``(p + 4) s_c b ceil(V/t)``. ZeRO-1 (a ShardedOptimizer over
