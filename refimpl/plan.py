@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, TypedDict
+from typing import Any
 
 from refimpl.config import ARCHS, ConfigError, ModelConfig
 from refimpl.planner import PEAK_FLOPS, STAGES, param_count
@@ -93,28 +93,6 @@ def _expert_degrees(config: ModelConfig, ranks: int) -> list[int]:
     return [e for e in _divisors(ranks) if config.num_experts % e == 0] if config.num_experts else [1]
 
 
-class _Degrees(TypedDict):
-    """One layout of ``plan_layouts``: the keyword arguments ``evaluate_layout`` and ``layout_refusals``
-    share."""
-
-    dp: int
-    tp: int
-    pp: int
-    cp: int
-    seq_len: int
-    global_batch: int
-    micro_batch: int
-
-
-class _Combination(TypedDict):
-    """One combination ``plan_layouts`` searches at a layout (ZeRO stage, recomputation, HSDP, ep)."""
-
-    zero_stage: int
-    recompute: bool
-    dp_replicate: int
-    ep: int
-
-
 def plan_layouts(config: ModelConfig, *, gpus: int, gpu: str, gpus_per_node: int, seq_len: int,
                  global_batch: int, micro_batch: int = 1, mfu: float = 0.5, recompute: bool | None = False,
                  flash: bool = True, zero_stages: tuple[int, ...] = (1,), hsdp: bool = False
@@ -133,18 +111,20 @@ def plan_layouts(config: ModelConfig, *, gpus: int, gpu: str, gpus_per_node: int
                 if gpus % (tp * pp * cp) or global_batch % (gpus // (tp * pp * cp) * b):
                     continue
                 dp = gpus // (tp * pp * cp)
-                layout = _Degrees(dp=dp, tp=tp, pp=pp, cp=cp, seq_len=s, global_batch=global_batch,
-                                  micro_batch=b)
-                combos = [_Combination(zero_stage=z, recompute=r, dp_replicate=rep, ep=ep)
-                          for z in zero_stages for r in recomputes
-                          for rep in (_divisors(dp) if hsdp else (1,))
-                          for ep in _expert_degrees(config, dp * cp)]
+                layout = dict(dp=dp, tp=tp, pp=pp, cp=cp, seq_len=s, global_batch=global_batch,
+                              micro_batch=b)
                 # what the trainer refuses is not searched: the support table's rows (HSDP is ZeRO-3's), the
                 # shapes tensor and context parallelism cannot split
-                combos = [c for c in combos if not layout_refusals(config, **layout, **c)]
+                combos = [(z, r, rep, ep) for z in zero_stages for r in recomputes
+                          for rep in (_divisors(dp) if hsdp else (1,))
+                          for ep in _expert_degrees(config, dp * cp)
+                          if not layout_refusals(config, **layout, zero_stage=z, recompute=r,
+                                                 dp_replicate=rep, ep=ep)]
                 if combos:
-                    plans.append(choose([evaluate_layout(config, **layout, **c, gpu=gpu, mfu=mfu, flash=flash,
-                                                         gpus_per_node=gpus_per_node) for c in combos]))
+                    plans.append(choose([evaluate_layout(config, **layout, zero_stage=z, recompute=r,
+                                                         dp_replicate=rep, ep=ep, gpu=gpu, mfu=mfu,
+                                                         flash=flash, gpus_per_node=gpus_per_node)
+                                         for z, r, rep, ep in combos]))
     return sorted(plans, key=lambda p: (not p.fits, p.step_s))
 
 

@@ -15,9 +15,8 @@
 * ``refimpl.planner.time_model``: the alpha-beta cost model fitted to measured times;
   ``refimpl.planner.step_time``: a step's time on a link, its compute plus the transfers nothing hides,
   and which ones it assumes hidden (chapters 03-04, checked on the shaped link);
-* ``refimpl.planner.pipeline_stages``: the pipeline's stages and the parameters each holds;
-  ``refimpl.planner.pipeline``: per pipeline rank, the activations it holds at its peak under a
-  schedule (chapter 08);
+* ``refimpl.planner.pipeline``: the pipeline's stages, the parameters each holds and, per pipeline rank,
+  the activations it holds at its peak under a schedule (chapter 08);
 * ``refimpl.planner.run_prediction``: one trainer run at a layout, per rank: state, held
   activations, bytes per process group per step, the bubble (chapter 12); ``refimpl.planner.step_bytes``:
   each technique's declared bytes per group it adds up (``STEP_BYTES``), their formulas

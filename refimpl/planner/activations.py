@@ -103,7 +103,7 @@ import torch
 from refimpl.config import CP_METHODS, ModelConfig
 
 __all__ = ["METHODS", "ActivationBreakdown", "BlockSplit", "activation_bytes", "activation_bytes_per_layer",
-           "korthikanti_bytes_per_layer", "local_tokens", "outside_block_bytes"]
+           "check_tp", "korthikanti_bytes_per_layer", "local_tokens", "outside_block_bytes"]
 
 METHODS = CP_METHODS  # the context-parallel methods, named in refimpl.config
 
@@ -132,15 +132,21 @@ def _attention_layout(config: ModelConfig, tp: int) -> tuple[int, int, bool]:
     return a_t, g_t, g_t > 1 and a_t // g_t > 1
 
 
-def _check_tp(config: ModelConfig, *, tp: int, sequence_parallel: bool, seq_len: int, cp: int = 1) -> int:
-    """``u``, the split of the sequence-parallel regions (``tp`` under SP, else 1), after the sizes check
-    (``seq_len``: the tokens the rank's tensor-parallel group holds, ``s/cp`` of ``cp`` ranks)."""
+def check_tp(config: ModelConfig, tp: int) -> None:
+    """A ValueError unless ``tp`` is a positive integer that divides the heads and the FFN width (the
+    planner's tensor-parallel sizes check; ``param_table`` adds the untied vocabulary)."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be a positive integer, got {tp!r}")
     for what, size in (("num_attention_heads", config.num_attention_heads),
                        ("ffn_hidden_size", config.ffn_size)):
         if size % tp:
             raise ValueError(f"tensor parallelism: {what}={size} does not divide by tp={tp}")
+
+
+def _check_tp(config: ModelConfig, *, tp: int, sequence_parallel: bool, seq_len: int, cp: int = 1) -> int:
+    """``u``, the split of the sequence-parallel regions (``tp`` under SP, else 1), after ``check_tp``
+    (``seq_len``: the tokens the rank's tensor-parallel group holds, ``s/cp`` of ``cp`` ranks)."""
+    check_tp(config, tp)
     if sequence_parallel and seq_len % tp:
         tokens = f"seq_len={seq_len}" if cp == 1 else f"the {seq_len} tokens of each rank (seq_len / cp={cp})"
         raise ValueError(f"sequence parallelism: {tokens} does not divide by tp={tp}")
@@ -176,20 +182,20 @@ def local_tokens(config: ModelConfig, *, seq_len: int, cp: int, cp_method: str, 
 def korthikanti_bytes_per_layer(*, seq_len: int, micro_batch: int, hidden_size: int, num_heads: int,
                                 tp: int = 1, sequence_parallel: bool = False) -> int:
     """A Megatron GPT layer in 16 bits per rank (Korthikanti et al. 2022, eqs. 1, 2 and 4):
-    ``s b h (10 + 24/t + 5 a s/(h t))``, with sequence parallelism ``s b h (34/t + 5 a s/(h t))``.
-    Exact integers when ``t`` divides ``a`` (and so ``h``)."""
-    s, b, h, a, t = seq_len, micro_batch, hidden_size, num_heads, tp
-    if a % t or h % t:
-        raise ValueError(f"tp={t} must divide num_heads={a} and hidden_size={h}")
-    outside = 10 * s * b * h // (t if sequence_parallel else 1)
-    return outside + 24 * s * b * h // t + 5 * (a // t) * s * s * b
+    ``s b h (10 + 24/t + 5 a s/(h t))``, with sequence parallelism ``s b h (34/t + 5 a s/(h t))``; the
+    paper's GPT-2 form (``f = 4h``, dropout, no flash) of ``paper_bytes_per_layer``. Exact integers when
+    ``t`` divides ``a`` (and so ``h``)."""
+    gpt = ModelConfig(num_layers=1, hidden_size=hidden_size, num_attention_heads=num_heads,
+                      max_seq_len=seq_len)
+    return paper_bytes_per_layer(gpt, seq_len=seq_len, micro_batch=micro_batch, tp=tp,
+                                 sequence_parallel=sequence_parallel)
 
 
 def paper_bytes_per_layer(config: ModelConfig, *, seq_len: int, micro_batch: int, tp: int = 1,
                           sequence_parallel: bool = False, flash: bool = False, dropout: bool = True,
                           key_len: int | None = None, moe: bool = False) -> int:
-    """Korthikanti et al.'s 16-bit count (``korthikanti_bytes_per_layer``) for a layer of ``config``'s
-    form, per rank of ``tp``: the same tensors, at the model's own sizes.
+    """Korthikanti et al.'s 16-bit count for a layer of ``config``'s form, per rank of ``tp``: the paper's
+    tensors at the model's own sizes.
 
     Outside the tensor-parallel regions (``/t`` under sequence parallelism): the two norms' inputs ``4 sbh``,
     the QKV and MLP inputs ``4 sbh``, the two dropout masks ``2 sbh`` (``dropout``). Inside (``/t``): Q and
@@ -239,10 +245,6 @@ class ActivationBreakdown:
         return sum(self.terms.values())
 
 
-def _nbytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def activation_bytes_per_layer(
     config: ModelConfig,
     *,
@@ -274,7 +276,7 @@ def activation_bytes_per_layer(
     f, t = config.ffn_size, tp
     s = local_tokens(config, seq_len=seq_len, cp=cp, cp_method=cp_method, cp_layout=cp_layout, tp=tp)
     u = _check_tp(config, tp=tp, sequence_parallel=sequence_parallel, seq_len=s, cp=cp)
-    p, r = _nbytes(compute_dtype), _nbytes(residual_dtype)
+    p, r = compute_dtype.itemsize, residual_dtype.itemsize
     if checkpointed:
         return ActivationBreakdown(terms={"block input (checkpoint)": r * s * b * h // u})
     a_t, g_t, copied = _attention_layout(config, t)
@@ -365,7 +367,7 @@ def outside_block_bytes(config: ModelConfig, *, micro_batch: int, seq_len: int,
     b, h, v, t = micro_batch, config.hidden_size, config.vocab_size, tp
     s = local_tokens(config, seq_len=seq_len, cp=cp, cp_method=cp_method, cp_layout=cp_layout, tp=tp)
     u = _check_tp(config, tp=tp, sequence_parallel=sequence_parallel, seq_len=s, cp=cp)
-    p = _nbytes(compute_dtype)
+    p = compute_dtype.itemsize
     norm = 4 * s * b * h + (4 * s * b + 4 * s * b * h if config.normalization == "rmsnorm" else 2 * 4 * s * b)
     positions = 0 if config.position_embedding == "rope" else s
     if t == 1:

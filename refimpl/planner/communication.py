@@ -53,7 +53,7 @@ import torch
 from refimpl.comm.ring import chunk_sizes
 from refimpl.comm.tracer import wire_bytes
 from refimpl.config import ModelConfig
-from refimpl.planner.activations import METHODS, local_tokens
+from refimpl.planner.activations import METHODS, check_tp, local_tokens
 from refimpl.planner.zero_state import Shape, check_zero_stage, padded_numel
 
 __all__ = ["context_parallel_bytes", "ring_bytes_sent", "tensor_parallel_collectives", "tp_stage_collectives",
@@ -214,13 +214,11 @@ def context_parallel_bytes(config: ModelConfig, *, micro_batch: int, seq_len: in
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or config.num_attention_heads % tp:
-        raise ValueError(f"tp={tp!r} must be a positive integer dividing num_attention_heads="
-                         f"{config.num_attention_heads}")
+    check_tp(config, tp)
     s = local_tokens(config, seq_len=seq_len, cp=cp, cp_method=method, cp_layout=None, tp=tp)
     if cp == 1:
         return {"forward": 0, "backward": 0}
-    p = torch.empty((), dtype=compute_dtype).element_size()
+    p = compute_dtype.itemsize
     x = micro_batch * (config.num_attention_heads // tp) * s * config.head_dim  # one rank's q
     x_kv = micro_batch * (config.query_groups // tp) * s * config.head_dim  # its k or v
     if method == "ring":

@@ -180,17 +180,13 @@ class ExpertLoad:
         return cls.from_counts([kept] * ep, ep_rank)
 
 
-def _bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _uses_grouped_mm(config: ModelConfig, compute_dtype: torch.dtype) -> bool:
     """``refimpl.parallel.expert_parallel.GroupedExperts.uses_grouped_mm`` for the layer's input (the
     LayerNorm's fp32 output) computed in ``compute_dtype`` (fp32, or autocast's, to which the grouped
     experts cast it): 16-byte strides in that dtype. As on CPU and on an sm90 / sm100 GPU in bf16; where
     CUDA would take ``_grouped_mm``'s fallback (fp32, fp16) the layer runs its loop, which saves the same
     bytes but the ``4 L`` offsets (``refimpl.parallel.expert_parallel.grouped_mm_runs_fused``)."""
-    size = _bytes(compute_dtype)
+    size = compute_dtype.itemsize
     return (config.hidden_size * size) % 16 == 0 and (config.expert_hidden_size * size) % 16 == 0
 
 
@@ -203,7 +199,7 @@ def moe_mlp_saved_terms(config: ModelConfig, load: ExpertLoad, *, micro_batch: i
     a, r, local = load.sent, load.computed, len(load.received)
     if len(load.kept) != e:
         raise ValueError(f"the load counts {len(load.kept)} experts, the block has {e}")
-    q = _bytes(compute_dtype)  # the experts compute, save and return in it (module docstring)
+    q = compute_dtype.itemsize  # the experts compute, save and return in it (module docstring)
     grouped = _uses_grouped_mm(config, compute_dtype)
     swiglu = config.moe_activation == "swiglu"
     terms = {
@@ -264,7 +260,7 @@ def all_to_all_bytes(config: ModelConfig, load: ExpertLoad, *, compute_dtype: to
     ep, h, e = load.ep, config.hidden_size, config.num_experts
     if ep == 1:
         return {}
-    q = _bytes(compute_dtype)
+    q = compute_dtype.itemsize
     out_rows, in_rows = load.sent - load.to_self, load.computed - load.to_self  # A - A_self, R - A_self
     forwards = 2 if recomputed else 1
     return {"count exchange (ring model)": forwards * (ep - 1) / ep * 8 * e,

@@ -54,22 +54,20 @@ def _check(dims: Layout) -> None:
 
 
 def data_parallel_degree(dims: Layout) -> int:
-    """``dims.dp``, the number of ranks that read different batches, after checking that ``dims`` is a
-    layout: positive integer degrees."""
+    """``dims.dp``, the ranks that read different batches (each degree function checks that ``dims`` is a
+    layout: positive integer degrees)."""
     _check(dims)
     return dims.dp
 
 
 def tensor_parallel_degree(dims: Layout) -> int:
-    """``dims.tp``, the number of ranks the sharded tensors and the activations are split over (chapter
-    06), after the same check as ``data_parallel_degree``."""
+    """``dims.tp``, the ranks the sharded tensors and the activations are split over (chapter 06)."""
     _check(dims)
     return dims.tp
 
 
 def context_parallel_degree(dims: Layout) -> int:
-    """``dims.cp``, the number of ranks each sequence is split over (``s/cp`` tokens each, chapter 07),
-    after the same check as ``data_parallel_degree``."""
+    """``dims.cp``, the ranks each sequence is split over (``s/cp`` tokens each, chapter 07)."""
     _check(dims)
     return dims.cp
 
@@ -77,14 +75,13 @@ def context_parallel_degree(dims: Layout) -> int:
 def zero_shard_degree(dims: Layout) -> int:
     """``dims.dp * dims.cp``: the ranks that hold the same model shard and see other tokens, the group the
     gradients are averaged and ZeRO shards the state over (``refimpl.parallel.parallelize`` uses
-    ``refimpl.distributed.mesh.LOSS_AXES``); the same check as ``data_parallel_degree``. Under HSDP
+    ``refimpl.distributed.mesh.LOSS_AXES``). Under HSDP
     (``dims.dp_replicate`` R > 1) ZeRO-3 shards over a shard group only: ``dp / R * cp``."""
     _check(dims)
     return dims.dp // getattr(dims, "dp_replicate", 1) * dims.cp
 
 
 def pipeline_parallel_degree(dims: Layout) -> int:
-    """``dims.pp``, the number of pipeline ranks the stages are spread over (chapter 08), after the same
-    check as ``data_parallel_degree``."""
+    """``dims.pp``, the pipeline ranks the stages are spread over (chapter 08)."""
     _check(dims)
     return dims.pp

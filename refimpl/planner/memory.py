@@ -1,28 +1,18 @@
-"""The memory of a training run per rank, before anything runs: model state and activations (chapters 01,
-04, 05, 06, 07 and 10).
-
-* ``state_memory``: weights, gradients and optimizer state of one unsharded replica (chapter 01;
-  Kingma & Ba 2015 for Adam's two moments);
-* ``state_memory_per_rank``: the same per rank of a layout: the tensor-parallel shards of the rank
-  (Shoeybi et al. 2019, chapter 06; ``refimpl.planner.params_flops.param_shapes`` with ``tp``), then
-  sharded by ZeRO stage over the ``dp x cp`` ranks that replicate them (Rajbhandari et al. 2020,
-  ``refimpl.planner.zero_state``; chapter 04; context parallelism replicates the parameters as data
-  parallelism does, chapter 07);
-* ``run_memory_per_rank``: state plus one micro-batch's activations (Korthikanti et al. 2022,
-  ``refimpl.planner.activations``; chapter 05), term by term: what the trainer's preflight compares
-  with the machine's memory before any process starts.
-
-Every function that answers per rank takes the layout ``dims`` (``refimpl.planner.layout``): tensor,
-context and pipeline parallelism (chapter 08, ``refimpl.planner.pipeline``) join here. The
-``refimpl.measure.state.StateMemory`` returned is the one ``refimpl.measure.state_bytes``
-measures.
+"""The memory of a training run per rank, before anything runs (chapters 01, 04, 05, 06, 07 and 10):
+``state_memory`` (one unsharded replica; Kingma & Ba 2015 for Adam's two moments),
+``state_memory_per_rank`` (a layout's tensor-parallel shards, Shoeybi et al. 2019, sharded by ZeRO over
+the ``dp x cp`` ranks that replicate them, Rajbhandari et al. 2020) and ``run_memory_per_rank`` (state
+plus one micro-batch's activations, Korthikanti et al. 2022, term by term: what the trainer's preflight
+compares with the machine's memory). Every per-rank function takes the layout ``dims``
+(``refimpl.planner.layout``); the ``refimpl.measure.state.StateMemory`` returned is the one
+``refimpl.measure.state_bytes`` measures.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
-from typing import TypedDict
 
 import torch
 
@@ -66,27 +56,6 @@ class _ActivationArgs(BlockSplit):
     micro_batch: int
     seq_len: int
     compute_dtype: torch.dtype
-
-
-class _MoEActivationArgs(TypedDict):
-    """The keyword arguments of ``moe_activation_bytes`` but the checkpointed blocks."""
-
-    micro_batch: int
-    seq_len: int
-    compute_dtype: torch.dtype
-    tp: int
-    ep: int
-    loads: Sequence[ExpertLoad] | None
-
-
-class _PipelineOptions(TypedDict, total=False):
-    """The pipeline options ``run_memory_of`` passes to ``run_memory_per_rank`` (none at pp = 1)."""
-
-    pp_schedule: str
-    virtual_stages: int
-    pp_balance: str
-    num_microbatches: int | None
-    zero3_reshard_per_microbatch: bool
 
 
 def unmodelled_attention(config: ModelConfig) -> list[str]:
@@ -230,10 +199,9 @@ def _activation_terms(config: ModelConfig, dims: Layout, *, micro_batch: int, se
     chosen = set(checkpointed_blocks)
     kw = _ActivationArgs(micro_batch=b, seq_len=seq_len, compute_dtype=compute, **split)
     if config.num_experts:  # MoE blocks: their saved tensors for the routed rows (refimpl/planner/experts.py)
-        moe = _MoEActivationArgs(micro_batch=b, seq_len=seq_len, compute_dtype=compute, tp=tp, ep=ep,
-                                 loads=expert_loads)
-        saved = moe_activation_bytes(config, checkpointed_blocks=chosen, **moe)
-        full = moe_activation_bytes(config, **moe)
+        moe = functools.partial(moe_activation_bytes, config, micro_batch=b, seq_len=seq_len,
+                                compute_dtype=compute, tp=tp, ep=ep, loads=expert_loads)
+        saved, full = moe(checkpointed_blocks=chosen), moe()
     else:
         saved = activation_bytes(config, checkpointed_blocks=chosen, **kw)
         full = activation_bytes(config, **kw)
@@ -261,12 +229,11 @@ def run_memory_of(config: ModelConfig, parallel: ParallelConfig, *, world_size: 
     check_supported(dataclasses.replace(parallel, dp=None), moe=bool(config.num_experts))
     check_modelled(config, parallel, what="run_memory_of", memory=True)
     dims = ParallelDims.from_world(world_size, **parallel.degrees)
-    pipeline: _PipelineOptions = {} if dims.pp == 1 else {
-        "pp_schedule": parallel.pp_schedule, "virtual_stages": parallel.virtual_stages,
-        "pp_balance": parallel.pp_balance, "num_microbatches": num_microbatches or parallel.microbatches,
-        "zero3_reshard_per_microbatch": parallel.zero3_reshard_per_microbatch}
     return run_memory_per_rank(config, dims, micro_batch=micro_batch, seq_len=seq_len,
                                zero_stage=parallel.zero_stage, precision=parallel.precision,
                                checkpointed_blocks=parallel.checkpointed_blocks(config.num_layers),
                                sequence_parallel=parallel.sequence_parallel, cp_method=parallel.cp_method,
-                               cp_layout=parallel.cp_layout, **pipeline)
+                               cp_layout=parallel.cp_layout, pp_schedule=parallel.pp_schedule,
+                               virtual_stages=parallel.virtual_stages, pp_balance=parallel.pp_balance,
+                               num_microbatches=num_microbatches or parallel.microbatches,
+                               zero3_reshard_per_microbatch=parallel.zero3_reshard_per_microbatch)

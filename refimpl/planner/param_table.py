@@ -30,6 +30,7 @@ from torch import nn
 from refimpl.config import ModelConfig
 from refimpl.parallel.declarations import declared
 from refimpl.parallel.tensor_parallel import ParamSplit, param_split
+from refimpl.planner.activations import check_tp
 
 __all__ = ["ParamSpec", "ParamTable", "param_table"]
 
@@ -95,12 +96,7 @@ def _splits(config: ModelConfig, t: int) -> dict[str, ParamSplit]:
 
 
 def _check_tp(config: ModelConfig, t: int) -> None:
-    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-        raise ValueError(f"tp must be a positive integer, got {t!r}")
-    for what, size in (("num_attention_heads", config.num_attention_heads),
-                       ("ffn_hidden_size", config.ffn_size)):
-        if size % t:
-            raise ValueError(f"tensor parallelism: {what}={size} does not divide by tp={t}")
+    check_tp(config, t)
     v = config.vocab_size
     if not config.tie_word_embeddings and v % t:
         raise ValueError(f"tensor parallelism: an untied output layer needs vocab_size={v} to divide by "

@@ -2,9 +2,14 @@
 (chapter 08; Huang et al. 2019, GPipe; Narayanan et al. 2021, 1F1B and interleaved 1F1B; Qi et al. 2023,
 zero bubble).
 
-The model is cut into ``S = p v`` stages as the runtime cuts it, and a rank holds the parameters of its
-stages (``refimpl.planner.pipeline_stages``: ``stage_layers``, ``stage_param_shapes``,
-``pipeline_state_memory``, re-exported here); stage ``s`` lives on rank ``s mod p``.
+The model is cut into ``S = p v`` stages as the runtime cuts it (``stage_layers``:
+``refimpl.parallel.pipeline_parallel.split_blocks``, by blocks or by parameters, on the tensor-parallel
+shards of ``refimpl.planner.param_table.param_table``; no model built); stage ``s`` lives on rank
+``s mod p``. A stage holds its blocks' parameters (``layers.{i}.*``), the first also the embedding's, the
+last the final LayerNorm's and the output layer's; a tied embedding's copy there too (its own tensor,
+another rank holds the original; under tp a vocab-parallel shard, ``ceil(V/t)`` rows). The weights a stage
+multiplies (autocast's 16-bit copies) are its blocks' linear weights and, on the last stage, the output
+layer's.
 
 One micro-batch of ``b`` sequences of ``s`` tokens saves ``A(s)`` bytes for backward in stage ``s``: the
 blocks' terms of ``refimpl.planner.activations.activation_bytes_per_layer`` for its blocks (a
@@ -35,9 +40,9 @@ output gradient of a backward ``4 s b h`` (stage ``s < S - 1``), and the largest
 recomputation.
 
 Inside the other axes (chapter 12, as ``refimpl.parallel.parallelize`` builds it: tensor and context
-parallelism first, then the split): the stages hold the tensor-parallel shards of ``t`` ranks (the tied
-copy a vocab-parallel shard, ``ceil(V/t)`` rows), and every term above is the rank's: the blocks' and the
-embedding's and loss's at ``s_c = s/cp`` tokens by ``cp_method`` (``refimpl.planner.activations``;
+parallelism first, then the split): the stages hold the tensor-parallel shards of ``t`` ranks, and every
+term above is the rank's: the blocks' and the embedding's and loss's at ``s_c = s/cp`` tokens by
+``cp_method`` (``refimpl.planner.activations``;
 under tp the vocab-parallel embedding's local ids and mask, the loss's softmax shard ``4 s_c b V/t``,
 target index and masks, per micro-batch), the boundaries ``O = G = 4 (s_c/u) b h`` (``u = t`` under
 sequence parallelism, else 1), the logits ``(p + 4) s_c b ceil(V/t)``. ZeRO-1 (a ShardedOptimizer over
@@ -50,13 +55,22 @@ step by default, one unit at a time with ``zero3_reshard_per_microbatch``).
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from refimpl.config import ModelConfig, ParallelConfig
-from refimpl.parallel.pipeline_parallel import SCHEDULES, build_schedule, simulate, stage_rank
+from refimpl.measure.state import StateMemory
+from refimpl.parallel.pipeline_parallel import (
+    SCHEDULES,
+    Balance,
+    build_schedule,
+    simulate,
+    split_blocks,
+    stage_rank,
+)
 from refimpl.planner.activations import (
     BlockSplit,
     activation_bytes_per_layer,
@@ -64,30 +78,121 @@ from refimpl.planner.activations import (
     outside_block_bytes,
 )
 from refimpl.planner.fp8 import fp8_extra_saved_bytes, fp8_weights
-from refimpl.planner.param_table import param_table
-from refimpl.planner.pipeline_stages import (
-    block_of,
-    pipeline_state_memory,
-    rank_param_shapes,
-    stage_deferred_bytes,
-    stage_layers,
-    stage_matmul_weights,
-    stage_param_shapes,
-)
+from refimpl.planner.param_table import ParamSpec, param_table
 from refimpl.planner.run_memory import RunMemory
 from refimpl.planner.run_terms import final_norm_16
-from refimpl.planner.zero_state import zero3_peak_gathered_bytes
+from refimpl.planner.zero_state import zero3_peak_gathered_bytes, zero_memory
 from refimpl.precision.policy import compute_dtype_of
 from refimpl.support import check_supported, not_modelled
 
-__all__ = ["PER_STEP", "ZBV_NOT_MODELLED", "PipelineRankMemory", "pipeline_memory_per_rank",
-           "pipeline_state_memory", "stage_deferred_bytes", "stage_layers", "stage_param_shapes",
-           "stage_saved_bytes"]
+__all__ = ["PER_STEP", "ZBV_NOT_MODELLED", "PipelineRankMemory", "block_of", "pipeline_memory_per_rank",
+           "pipeline_state_memory", "rank_param_shapes", "stage_deferred_bytes", "stage_layers",
+           "stage_matmul_weights", "stage_params", "stage_saved_bytes"]
 
 ZBV_NOT_MODELLED = not_modelled("zbv")  # refimpl/support.py
 
 PER_STEP = ("token ids (the step's batch, int64)", "labels (the step's batch, int64)")
 FP8_INPUTS = "fp8 layers' float32 LayerNorm-fed inputs"  # --precision fp8 (refimpl/planner/fp8.py)
+
+
+def _numel(specs: tuple[ParamSpec, ...]) -> int:
+    return sum(p.numel for p in specs)
+
+
+def stage_layers(config: ModelConfig, *, num_stages: int, balance: str = "layers",
+                 tp: int = 1) -> list[range]:
+    """The blocks of each stage, by the runtime's rule (``split_blocks``, ``balance`` ``"layers"`` or
+    ``"parameters"``, on the tensor-parallel shards' sizes: the embedding counts towards the first stage,
+    the final LayerNorm and the head, tied or not, towards the last)."""
+    table = param_table(config, tp=tp)
+    return split_blocks([_numel(block) for block in table.blocks], num_stages,
+                        balance=cast(Balance, balance),  # split_blocks refuses another value
+                        first_extra=_numel(table.embedding),
+                        last_extra=_numel(table.final_layernorm) + table.head.numel)
+
+
+def stage_params(config: ModelConfig, *, stage: int, num_stages: int, blocks: range,
+                 tp: int = 1) -> list[ParamSpec]:
+    """The parameters stage ``stage`` of ``num_stages`` holds (with ``blocks``) on one of ``tp``
+    tensor-parallel ranks: its blocks', the embedding's on the first, the final LayerNorm's and the output
+    layer's on the last (a tied embedding: the last stage's own copy when ``num_stages > 1``)."""
+    table = param_table(config, tp=tp)
+    out = list(table.embedding) if stage == 0 else []
+    for i in blocks:
+        out += table.blocks[i]
+    if stage == num_stages - 1:
+        out += table.final_layernorm
+        out += table.output_layer or ((table.head,) if num_stages > 1 else ())
+    return out
+
+
+def stage_matmul_weights(config: ModelConfig, *, stage: int, num_stages: int, blocks: range,
+                         tp: int = 1) -> int:
+    """Elements of the weights stage ``stage`` multiplies: its blocks' linear layers' and, on the last
+    stage, the output layer's (tied: the embedding shard; the first stage only looks it up)."""
+    table = param_table(config, tp=tp)
+    head = table.head.numel if stage == num_stages - 1 else 0
+    return head + sum(p.numel for i in blocks for p in table.blocks[i] if p.matmul)
+
+
+def rank_param_shapes(config: ModelConfig, *, pp: int, rank: int, ranges: list[range],
+                      tp: int = 1) -> list[tuple[int, ...]]:
+    """The parameter shapes of pipeline rank ``rank``'s stages (``ranges``: every stage's blocks), in the
+    model's order (``refimpl.planner.params_flops.param_shapes``)."""
+    return [q.shape for st in range(len(ranges)) if stage_rank(st, pp_size=pp) == rank
+            for q in stage_params(config, stage=st, num_stages=len(ranges), blocks=ranges[st], tp=tp)]
+
+
+def pipeline_state_memory(config: ModelConfig, *, pp: int, pp_rank: int, virtual_stages: int = 1,
+                          balance: str = "layers", tp: int = 1, zero_stage: int = 0, zero_shards: int = 1,
+                          dp_rank: int = 0) -> StateMemory:
+    """fp32 weights, gradients and AdamW state(two moments, a ``step`` per tensor) of the parameters of
+    pipeline rank ``pp_rank``'s stages (``rank_param_shapes``, the tensor-parallel shards of ``tp``
+    ranks), whole, or with ``zero_stage`` 1 (Rajbhandari et al. 2020; the runtime's ShardedOptimizer over the
+    stages; 2: the gradients too; 3: the weights too, at rest) the AdamW state sharded over the
+    ``zero_shards`` (``dp x cp``) ranks, dim 0 of each tensor, as held by the group's rank ``dp_rank``
+    (``refimpl.planner.zero_state.zero_memory``)."""
+    ranges = stage_layers(config, num_stages=pp * virtual_stages, balance=balance, tp=tp)
+    shapes = rank_param_shapes(config, pp=pp, rank=pp_rank, ranges=ranges, tp=tp)
+    return zero_memory(shapes, zero_shards, zero_stage, rank=dp_rank)
+
+
+def block_of(name: str) -> int | None:
+    """The block index of a parameter name of the plain GPT (``layers.5.mlp...`` -> 5), None outside."""
+    return int(name.split(".")[1]) if name.startswith("layers.") else None
+
+
+def stage_deferred_bytes(config: ModelConfig, *, stage: int, num_stages: int, blocks: range, micro_batch: int,
+                         seq_len: int, compute_dtype: torch.dtype = torch.float32,
+                         fp8_layers: Collection[str] = (), tp: int = 1) -> int:
+    """What a ``B`` of ZB-H1 leaves for its ``W`` in stage ``stage``
+    (``refimpl.parallel.pipeline_parallel.defer_weight_gradients``): every linear layer's input ``X``
+    and output gradient ``dY`` for ``dW = dY^T X``, in the compute dtype (``p`` bytes, measured: also the
+    inputs that come from a float32 LayerNorm under autocast): per block ``p s b (8 h + 2 f)`` (QKV ``h``
+    in, ``3 h`` out; the projection ``h``, ``h``; the MLP ``h``, ``f`` and ``f``, ``h``), on the last stage
+    the output layer's ``p s b (h + V)``. A tensorwise fp8 layer (its weight named in ``fp8_layers``,
+    ``--precision fp8``) keeps the two fp8 operands of its weight-gradient GEMM instead, one byte per
+    element, and their two fp32 scales (``refimpl.precision.fp8.Float8Matmul``'s ``weight_grad``).
+    Under tensor parallelism (``tp`` ranks, without sequence parallelism) each rank's layers are its
+    shards: the column layers' outputs (QKV's ``3h/t``, the MLP's ``f/t``, an untied head's ``V/t``) and the
+    row layers' inputs (``h/t``, ``f/t``) split over tp, the rest whole; a tied vocab-parallel head
+    (``refimpl.parallel.tensor_parallel.TiedVocabParallelHead``, not a seam layer) computes its weight
+    gradient in ``B`` and leaves nothing (measured)."""
+    p, h, f = compute_dtype.itemsize, config.hidden_size, config.ffn_size
+    v = -(-config.vocab_size // tp)
+    qkv = (config.num_attention_heads + 2 * config.query_groups) * config.head_dim  # 3h without GQA
+    up = (2 if config.activation == "swiglu" else 1) * f  # SwiGLU's gate and up rows
+    linears = (("self_attention.query_key_value", h, qkv // tp), ("self_attention.dense", h // tp, h),
+               ("mlp.dense_h_to_4h", h, up // tp), ("mlp.dense_4h_to_h", f // tp, h))  # (name, in, out)
+    tokens = seq_len * micro_batch
+    total = 0
+    for i in blocks:
+        for name, d_in, d_out in linears:
+            fp8 = f"layers.{i}.{name}.weight" in fp8_layers
+            total += (1 if fp8 else p) * tokens * (d_in + d_out) + (2 * 4 if fp8 else 0)
+    if stage == num_stages - 1 and (tp == 1 or not config.tie_word_embeddings):
+        total += p * tokens * (h + v)  # the output layer (kept in bf16 under fp8)
+    return total
 
 
 def stage_saved_bytes(config: ModelConfig, *, stage: int, num_stages: int, blocks: range, micro_batch: int,
@@ -110,7 +215,7 @@ def stage_saved_bytes(config: ModelConfig, *, stage: int, num_stages: int, block
     final LayerNorm and head inputs in that dtype, as
     ``refimpl.planner.run_terms.sixteen_bit_weight_activations`` counts them at pp 1)."""
     b, v, tp = micro_batch, config.vocab_size, split.get("tp", 1)
-    p, chosen = torch.empty((), dtype=compute_dtype).element_size(), set(checkpointed_blocks)
+    p, chosen = compute_dtype.itemsize, set(checkpointed_blocks)
     kw = {"micro_batch": b, "seq_len": seq_len, "compute_dtype": compute_dtype, **split}
     layer_kw = kw if residual_dtype is None else {**kw, "residual_dtype": residual_dtype}
     terms = {"block activations": sum(activation_bytes_per_layer(config, checkpointed=i in chosen,
@@ -162,6 +267,7 @@ class PipelineRankMemory:
     peak_terms: dict[str, int]
     transient: dict[str, int] = field(default_factory=dict)
     memory: RunMemory
+    deferred: dict[int, int] | None = None  # zbh1: per stage, what a B leaves to its W (stage_deferred_bytes)
 
     @property
     def params(self) -> int:
@@ -254,17 +360,15 @@ def _transient_terms(config: ModelConfig, *, mine: list[int], ranges: list[range
     return transient
 
 
-def _rank_state(config: ModelConfig, *, rank: int, mine: list[int], ranges: list[range],
-                shapes: list[tuple[int, ...]], pp: int, virtual_stages: int, balance: str, tp: int,
-                precision: str, zero_stage: int, zero_shards: int, dp_rank: int,
+def _rank_state(config: ModelConfig, *, mine: list[int], ranges: list[range], shapes: list[tuple[int, ...]],
+                tp: int, precision: str, zero_stage: int, zero_shards: int, dp_rank: int,
                 zero3_reshard_per_microbatch: bool) -> dict[str, int]:
-    """``pipeline_memory_per_rank``'s model state of pipeline rank ``rank`` (its stages ``mine``, their
+    """``pipeline_memory_per_rank``'s model state of a pipeline rank (its stages ``mine``, their
     parameters' ``shapes``), by term: weights, gradients and AdamW state under ZeRO ``zero_stage`` over
-    ``zero_shards`` ranks, ZeRO-3's gathered tensors, autocast's 16-bit weight copies (fp8: but the fp8
-    layers', and their transient cast)."""
+    ``zero_shards`` ranks (``pipeline_state_memory``), ZeRO-3's gathered tensors, autocast's 16-bit weight
+    copies (fp8: but the fp8 layers', and their transient cast)."""
     p, num_stages = compute_dtype_of(precision).itemsize, len(ranges)
-    zero = pipeline_state_memory(config, pp=pp, pp_rank=rank, virtual_stages=virtual_stages, balance=balance,
-                                 tp=tp, zero_stage=zero_stage, zero_shards=zero_shards, dp_rank=dp_rank)
+    zero = zero_memory(shapes, zero_shards, zero_stage, rank=dp_rank)
     state = {"weights": zero.weights, "grads": zero.grads, "AdamW state": zero.optimizer}
     if zero_stage == 3 and zero_shards > 1:
         state.update(_zero3_gathered(config, mine=mine, ranges=ranges, shapes=shapes, tp=tp, p=p,
@@ -345,14 +449,13 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
         transient = _transient_terms(config, mine=mine, ranges=ranges, boundary=boundary, micro_batch=b,
                                      seq_len=seq_len, tokens=s, compute=compute,
                                      checkpointed_blocks=checkpointed_blocks, split=sp)
-        state = _rank_state(config, rank=r, mine=mine, ranges=ranges, shapes=shapes, pp=pp, virtual_stages=v,
-                            balance=balance, tp=tp, precision=precision, zero_stage=zero_stage,
-                            zero_shards=zero_shards, dp_rank=dp_rank,
+        state = _rank_state(config, mine=mine, ranges=ranges, shapes=shapes, tp=tp, precision=precision,
+                            zero_stage=zero_stage, zero_shards=zero_shards, dp_rank=dp_rank,
                             zero3_reshard_per_microbatch=zero3_reshard_per_microbatch)
         out.append(PipelineRankMemory(rank=r, stages=tuple(mine), blocks=tuple(ranges[st] for st in mine),
                                       param_shapes=shapes, saved=saved, in_flight=flying,
                                       peak_in_flight=sim.peak_in_flight[r], peak_terms=terms,
-                                      transient=transient,
+                                      transient=transient, deferred=deferred,
                                       memory=RunMemory(state=state, activations={**terms, **transient},
                                                        rank=r)))
     return out

@@ -1,9 +1,6 @@
-"""The planner's answer for one rank's memory, term by term: ``RunMemory`` (chapters 01, 05, 08 and 10).
-
-``refimpl.planner.memory.run_memory_per_rank`` (data, tensor and context parallelism) and
-``refimpl.planner.pipeline.pipeline_memory_per_rank`` (one per pipeline rank) both return it; the
-trainer's preflight prints ``RunMemory.describe`` when a run would not fit.
-"""
+"""``RunMemory``, one rank's planned bytes by term (chapters 01, 05, 08 and 10): what
+``refimpl.planner.memory.run_memory_per_rank`` and ``refimpl.planner.pipeline.pipeline_memory_per_rank``
+return, and the trainer's preflight prints (``RunMemory.describe``) when a run would not fit."""
 
 from __future__ import annotations
 

@@ -51,11 +51,10 @@ from refimpl.planner.fp8 import fp8_weights
 from refimpl.planner.memory import run_memory_per_rank, state_memory_per_rank
 from refimpl.planner.param_table import param_table
 from refimpl.planner.params_flops import param_shapes
-from refimpl.planner.pipeline import PER_STEP, _walk, pipeline_memory_per_rank, stage_deferred_bytes
-from refimpl.planner.pipeline_stages import pipeline_state_memory, stage_layers, stage_params
+from refimpl.planner.pipeline import PER_STEP, _walk, pipeline_memory_per_rank, stage_layers, stage_params
 from refimpl.planner.run_terms import shard_group_rank, sixteen_bit_weight_activations
 from refimpl.planner.step_bytes import STEP_BYTES, Rank, Run
-from refimpl.planner.zero_state import sharded_numel
+from refimpl.planner.zero_state import sharded_numel, zero_memory
 from refimpl.precision.policy import compute_dtype_of
 from refimpl.support import check_modelled, check_supported
 
@@ -94,28 +93,20 @@ class RunPrediction:
     ranks: list[RankPrediction] = field(default_factory=list)
 
 
-def _held_with_label_copies(config: ModelConfig, rank_memory, parallel: ParallelConfig, *, actions,
-                            ranges: list[range], micro_batch: int, seq_len: int) -> dict[str, int]:
-    """The held bytes at the peak of the pipeline rank holding the last stage (``rank_memory``, its
-    ``refimpl.planner.pipeline.PipelineRankMemory``) where the labels are not held as a view of the
-    step's window: at ``b > 1`` (tp = cp = 1) a micro-batch's labels, rows ``[b, s]`` of the window
-    ``[B/dp, s+1]``, are strided, and ``lm_loss``'s ``labels.flatten()`` saves a copy, ``8 b s`` per
-    micro-batch in flight, in place of the planner's per-step labels term (measured, both 1F1B and GPipe:
-    tests/planner/ranks/test_planner_zero3.py). The rank's actions walked again
-    (``refimpl.planner.pipeline._walk``) with that term moved into the last stage's micro-batch bytes;
-    ``actions``: the rank's of ``refimpl.parallel.pipeline_parallel.build_schedule``."""
-    num_stages, b, h = len(ranges), micro_batch, config.hidden_size
-    saved = {st: dict(terms) for st, terms in rank_memory.saved.items()}
-    del saved[num_stages - 1][PER_STEP[1]]
-    saved[num_stages - 1][LABELS_COPY] = 8 * b * seq_len
-    compute = compute_dtype_of(parallel.precision)
-    deferred = None if parallel.pp_schedule != "zbh1" else {
-        st: stage_deferred_bytes(config, stage=st, num_stages=num_stages, blocks=ranges[st], micro_batch=b,
-                                 seq_len=seq_len, compute_dtype=compute,
-                                 fp8_layers={q.name for q in fp8_weights(config)}
-                                 if parallel.precision == "fp8" else ()) for st in saved}
-    terms, _ = _walk(actions, saved=saved, deferred=deferred, num_stages=num_stages,
-                     outputs=4 * b * seq_len * h)  # float32 [b, s, h] at each boundary (tp = cp = 1)
+def _held_with_label_copies(run: Run, pp_rank: int) -> dict[str, int]:
+    """The held bytes at the peak of pipeline rank ``pp_rank``, which holds the last stage, where the labels
+    are not held as a view of the step's window: at ``b > 1`` (tp = cp = 1) a micro-batch's labels, rows
+    ``[b, s]`` of the window ``[B/dp, s+1]``, are strided, and ``lm_loss``'s ``labels.flatten()`` saves a
+    copy, ``8 b s`` per micro-batch in flight, in place of the planner's per-step labels term (measured,
+    both 1F1B and GPipe: tests/planner/ranks/test_planner_zero3.py). The rank's actions walked again
+    (``refimpl.planner.pipeline._walk``) with that term moved into the last stage's micro-batch bytes."""
+    assert run.pipe is not None and run.schedule is not None  # built for pp > 1 (_run_of)
+    last, b, s, memory = run.num_stages - 1, run.b, run.seq_len, run.pipe[pp_rank]
+    saved = {st: dict(terms) for st, terms in memory.saved.items()}
+    del saved[last][PER_STEP[1]]
+    saved[last][LABELS_COPY] = 8 * b * s
+    terms, _ = _walk(run.schedule[pp_rank], saved=saved, deferred=memory.deferred, num_stages=last + 1,
+                     outputs=4 * b * s * run.config.hidden_size)  # float32 [b, s, h] at each boundary
     return terms
 
 
@@ -130,13 +121,9 @@ def predict_run(config: ModelConfig, parallel: ParallelConfig, *, seq_len: int, 
     trainer derives it). ``global_batch`` sequences of ``seq_len`` tokens per step, split over ``dp``;
     ``micro_batch`` (``--micro-batch-size``) and, under pipeline parallelism, ``parallel.microbatches``
     (``--microbatches``, default per-rank batch / ``micro_batch``, else ``pp``) as the trainer reads them;
-    ``grad_clip`` None: no norm.
-
-    Every ZeRO stage (``parallel.zero_stage``), HSDP (``parallel.dp_replicate``), the blocks
-    ``parallel.activation_checkpointing`` selects, fp32 or bf16 are modelled, and fp8 (ZeRO 0-3 at pp = 1,
-    with cp too; under pp ZeRO 0-2, zbh1 tensorwise); a combination the trainer refuses
-    (``refimpl.support.check_supported``) or the planner does not model (``refimpl.support.
-    NOT_MODELLED_TABLE``) raises a ``refimpl.config.ConfigError`` in its rows' words.
+    ``grad_clip`` None: no norm. A combination the trainer refuses (``refimpl.support.check_supported``)
+    or the planner does not model (``refimpl.support.NOT_MODELLED_TABLE``) raises a
+    ``refimpl.config.ConfigError`` in its rows' words.
     """
     if world_size is None:
         if parallel.dp is None:
@@ -226,11 +213,10 @@ def _held(run: Run, r: Rank) -> dict[str, int]:
     config, parallel, dims, b, seq_len, c = run.config, run.parallel, run.dims, run.b, run.seq_len, r.coords
     views, window = dims.tp == 1 and dims.cp == 1, 8 * run.per_rank * (seq_len + 1)
     if dims.pp > 1:
-        assert run.pipe is not None and run.schedule is not None  # built for pp > 1 (_run_of)
+        assert run.pipe is not None  # built for pp > 1 (_run_of)
         held = dict(run.pipe[c.pp].peak_terms)
         if views and b > 1 and run.num_stages - 1 in r.stages:  # labels copied per micro-batch
-            held = _held_with_label_copies(config, run.pipe[c.pp], parallel, actions=run.schedule[c.pp],
-                                           ranges=run.ranges, micro_batch=b, seq_len=seq_len)
+            held = _held_with_label_copies(run, c.pp)
         if views and any([held.pop(k, 0) for k in PER_STEP]):
             held[WINDOW] = window  # ids on the first stage, labels on the last
         return held
@@ -253,11 +239,8 @@ def _state(run: Run, r: Rank) -> StateMemory:
     """Rank ``r``'s state where the trainer steps, sharded over its ZeRO group (HSDP: its shard group);
     ZeRO-1 holds its reduced gradient shards then too (``finish_gradients``)."""
     parallel, dims = run.parallel, run.dims
-    if dims.pp > 1:
-        state = pipeline_state_memory(run.config, pp=dims.pp, pp_rank=r.coords.pp, tp=dims.tp,
-                                      virtual_stages=parallel.virtual_stages, balance=parallel.pp_balance,
-                                      zero_stage=parallel.zero_stage, zero_shards=run.shard_n,
-                                      dp_rank=r.group_rank)
+    if dims.pp > 1:  # the shapes of the rank's stages (pipeline_state_memory's)
+        state = zero_memory(r.shapes, run.shard_n, parallel.zero_stage, rank=r.group_rank)
     else:
         state = state_memory_per_rank(run.config, dims, zero_stage=parallel.zero_stage, dp_rank=r.group_rank)
     if parallel.zero_stage == 1:

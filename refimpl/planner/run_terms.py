@@ -151,7 +151,7 @@ def sixteen_bit_weight_activations(config: ModelConfig, *, checkpointed_blocks: 
     kw = {"micro_batch": micro_batch, "seq_len": seq_len, "compute_dtype": compute_dtype,
           "residual_dtype": compute_dtype, "cp": cp, "cp_method": cp_method, "cp_layout": cp_layout}
     blocks = sum(activation_bytes(config, checkpointed_blocks=set(checkpointed_blocks), **kw))
-    p = torch.empty((), dtype=compute_dtype).element_size()
+    p = compute_dtype.itemsize
     tokens = micro_batch * local_tokens(config, seq_len=seq_len, cp=cp, cp_method=cp_method,
                                         cp_layout=cp_layout, tp=1)
     return {"block activations": blocks,

@@ -75,11 +75,7 @@ def shard_rows(dim0: int, rank: int, world_size: int) -> tuple[int, int]:
 
 
 def _rows_and_row_numel(shape: Shape) -> tuple[int, int]:
-    shape = tuple(shape)
-    if not shape:
-        return 1, 1
-    rows = shape[0]
-    return rows, math.prod(shape[1:])
+    return (shape[0], math.prod(shape[1:])) if len(shape) else (1, 1)
 
 
 def sharded_numel(shapes: Sequence[Shape], rank: int, world_size: int) -> int:
