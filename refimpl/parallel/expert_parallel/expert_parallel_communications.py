@@ -125,10 +125,16 @@ class _AllToAllTokens(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        output_splits, input_splits = ctx.splits
-        if ctx.traffic is not None:
-            ctx.traffic.add(_sent_to_others(dy, output_splits, ctx.group), backward=True)
-        return _all_to_all_uneven(dy, input_splits, output_splits, ctx.group), None, None, None, None
+        return _reverse_all_to_all(ctx, dy), None, None, None, None
+
+
+def _reverse_all_to_all(ctx, dy: torch.Tensor) -> torch.Tensor:
+    """The backward of an all-to-all of tokens: ``dy`` by the same collective, splits swapped (its bytes to
+    other ranks booked as backward traffic)."""
+    output_splits, input_splits = ctx.splits
+    if ctx.traffic is not None:
+        ctx.traffic.add(_sent_to_others(dy, output_splits, ctx.group), backward=True)
+    return _all_to_all_uneven(dy, input_splits, output_splits, ctx.group)
 
 
 class _ReceivedTokens(torch.autograd.Function):
@@ -142,10 +148,7 @@ class _ReceivedTokens(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        output_splits, input_splits = ctx.splits
-        if ctx.traffic is not None:
-            ctx.traffic.add(_sent_to_others(dy, output_splits, ctx.group), backward=True)
-        return _all_to_all_uneven(dy, input_splits, output_splits, ctx.group), None, None, None, None
+        return _reverse_all_to_all(ctx, dy), None, None, None, None
 
 
 @dataclass(kw_only=True, eq=False)
