@@ -17,9 +17,9 @@ A control is the same code with ``wait()`` before the compute the transfer could
   ``refimpl.parallel.tensor_parallel.collective_matmul`` against ``serialized=True`` (each ring transfer
   waited for before the chunk's matmul); 512 tokens per rank, hidden 512, 1024 MLP columns per rank,
   forward and backward (chapter 06);
-* ``moe_dispatch_overlap``: an MoE layer (``refimpl.parallel.expert_parallel.MoE``, 4 experts, top 2,
-  ep 2, 1024 tokens of 512 per rank) whose shared expert (an MLP 512 -> 1024 -> 512) runs while the
-  dispatch's all-to-all carries the tokens (``MoE(x, beside=...)``, DeepSeek-V3's overlap), against
+* ``moe_dispatch_overlap``: an MoE layer (``refimpl.parallel.expert_parallel.MoE``, 4 experts 128
+  wide, top 2, ep 2, 1024 tokens of 512 per rank) whose shared expert (an MLP 512 -> 1024 -> 512) runs
+  while the dispatch's all-to-all carries the tokens (``MoE(x, beside=...)``, DeepSeek-V3's overlap), against
   ``overlap_dispatch = False`` (the wait, then the shared expert); forward only (chapter 09).
 
 Each worker alternates the two kinds of step (a barrier before each, the first of each a warm-up) and

@@ -35,12 +35,13 @@ matmul). Output and every gradient bitwise equal; measured 0.81 and 0.87 (about 
 load average 2, 0.73-0.84 in bench/bench_collective_matmul.py; with 256 MLP columns per rank (a quarter of
 the compute per chunk, the same bytes) 0.91: a transfer hides only behind a matmul about as long as it.
 
-The MoE dispatch (``refimpl.parallel.expert_parallel.MoE``, ep 2, 4 experts, top 2, 1024 tokens of 512
-per rank, forward): the shared expert (an MLP 512 -> 1024 -> 512) computed while the dispatch's
+The MoE dispatch (``refimpl.parallel.expert_parallel.MoE``, ep 2, 4 experts 128 wide, top 2, 1024 tokens
+of 512 per rank, forward): the shared expert (an MLP 512 -> 1024 -> 512) computed while the dispatch's
 all-to-all carries the tokens (``MoE(x, beside=...)``, as DeepSeek-V3 overlaps its shared experts), against
-the control that waits for the tokens first. Outputs bitwise equal; measured 0.75 (0.20 s against 0.27 s)
-beside a fresh-clone CI run; with a shared expert twice as wide, 0.875: the transfer hides behind at most
-the shared expert's compute. Only the dispatch overlaps: the combine's all-to-all and the backward wait.
+the control that waits for the tokens first. Outputs bitwise equal; measured 0.78 (0.77-0.84, three
+measurements, bench/bench_overlap.py on an idle machine), 0.80 and 0.82 at load average 9-13. With experts
+512 wide the routed compute diluted the saving (0.75 once, then 0.91-1.14 under heavier load, missing the
+bar). Only the dispatch overlaps: the combine's all-to-all and the backward wait.
 
 Beside other work the claim weakens: with a test of 8 ranks running alongside (load average 3.5) and the
 ranks at the default priority, DP 0.874 then 0.996, ZeRO-3 0.879, the ring 0.865: gloo's communication
