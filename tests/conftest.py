@@ -41,14 +41,14 @@ unless ``REFIMPL_TEST_GPU=1`` and CUDA is there: ``REFIMPL_TEST_GPU=1 pytest -m 
 **Session fixtures** for work several modules repeat: ``corpus`` (the trainer tests' 20 kB pseudo-text and
 its token cache: every module that trains on it takes this one, tests/unit/test_tiers.py checks that none
 writes its own) and ``one_device_references`` (tests/support/one_device.py's one-device runs, computed once
-per set of trainer flags and step count: test_train_tp and test_train_cp compare their layouts with the same
+per ``TrainConfig`` and step count: test_train_tp, _cp and _zero3 compare their layouts with the same
 runs).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -167,22 +167,18 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.fixture(scope="session")
-def one_device_references(tmp_path_factory: pytest.TempPathFactory, corpus: dict) -> Callable[..., dict]:
-    """``get(flags, steps=n)``: ``tests.support.one_device.one_device_losses`` for the trainer's ``flags`` on
-    ``corpus``, computed the first time a module asks for those flags and steps and handed to the next
-    (a read-only dict: a module that adds entries copies it first)."""
-    from refimpl.train import build_parser
+def one_device_references(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict]:
+    """``get(config, steps=n)``: ``tests.support.one_device.one_device_losses`` of the ``TrainConfig``
+    ``config``, computed the first time a module asks for that config and step count and handed to the
+    next (a read-only dict: a module that adds entries copies it first)."""
     from tests.support.one_device import one_device_losses
 
     cache: dict[tuple, dict] = {}
 
-    def get(flags: Sequence[str], *, steps: int) -> dict:
-        key = (tuple(flags), steps)
+    def get(config, *, steps: int) -> dict:
+        key = (config, steps)
         if key not in cache:
-            def args_for(out, *extra: str):
-                return build_parser().parse_args([*flags, "--data", str(corpus["corpus"]), "--cache-dir",
-                                                  str(corpus["cache"]), "--out", str(out), *extra])
-            cache[key] = one_device_losses(args_for, tmp_path_factory.mktemp("one_device"), steps=steps)
+            cache[key] = one_device_losses(config, tmp_path_factory.mktemp("one_device"), steps=steps)
         return cache[key]
 
     return get

@@ -20,6 +20,7 @@ every element of every parameter. Negative control: the same gradients scaled by
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -27,10 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from refimpl.config import ParallelConfig, TrainConfig
 from refimpl.distributed import DistributedContext
 from refimpl.distributed.placement import LocalShard
 from refimpl.measure import order_tolerance
-from refimpl.train import config_from_args, options_from_args, train
+from refimpl.train import RunOptions, train
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # what a rank's probe keeps of the first step's gradients: name -> (box offsets, global shape, values)
@@ -47,27 +49,28 @@ def first_step_gradients(into: dict) -> Callable[[int, dict[str, LocalShard]], N
     return probe
 
 
-def one_device_losses(args_for: Callable[..., object], root: Path, *, steps: int,
-                      precisions: Mapping[str, Sequence[str]] | None = None) -> dict:
-    """``{(precision, "batch" | "micro"): losses}`` of ``steps`` one-device steps in this process (one
-    thread, as each rank runs; the caller's RNG states and thread count restored), and under
-    ``("grads", precision, order)`` the first step's gradients (``Pieces``, whole tensors).
-    ``args_for(out, *flags)`` parses the trainer's flags for a run in ``out``; ``precisions``: name -> the
-    trainer's flags of each precision (default ``PRECISIONS`` as ``--precision NAME``; "fp32" must be
-    one of them: the 16-bit rule reads it)."""
+def one_device_losses(config: TrainConfig, root: Path, *, steps: int, parallel: ParallelConfig | None = None,
+                      precisions: Sequence[str] | Mapping[str, ParallelConfig] = PRECISIONS) -> dict:
+    """``{(precision, "batch" | "micro"): losses}`` of ``steps`` one-device steps of ``config`` in this
+    process (one thread, as each rank runs; the caller's RNG states and thread count restored), and under
+    ``("grads", precision, order)`` the first step's gradients (``Pieces``, whole tensors). ``parallel``:
+    the techniques at a world of one (e.g. ``zero_stage=3``: FSDP2's 16-bit arithmetic), its precision
+    replaced by each of ``precisions`` ("fp32" must be one of them: the 16-bit rule reads it)."""
     state = random.getstate(), np.random.get_state(), torch.random.get_rng_state(), torch.get_num_threads()
     torch.set_num_threads(1)
     ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     try:
         out = {}
-        chosen = precisions if precisions is not None else {p: ["--precision", p] for p in PRECISIONS}
-        for precision, flags in chosen.items():
-            for order, extra in (("batch", []), ("micro", ["--micro-batch-size", "1"])):
-                args = args_for(root / f"{precision}-{order}", *flags, "--steps", str(steps), *extra)
+        layouts = precisions if isinstance(precisions, Mapping) else {
+            p: dataclasses.replace(parallel or ParallelConfig(), precision=p) for p in precisions}
+        for precision, layout in layouts.items():
+            options = RunOptions(parallel=layout, report=False)
+            for order, micro_batch in (("batch", None), ("micro", 1)):
+                run = dataclasses.replace(config, out=str(root / f"{precision}-{order}"), steps=steps,
+                                          data=dataclasses.replace(config.data, micro_batch_size=micro_batch))
                 grads: dict = {}
                 out[precision, order] = [r["loss"] for r in train(
-                    config_from_args(args), ctx, options_from_args(args),
-                    gradient_probe=first_step_gradients(grads))]
+                    run, ctx, options, gradient_probe=first_step_gradients(grads))]
                 out["grads", precision, order] = grads
         return out
     finally:

@@ -3,7 +3,7 @@ with ``--dp`` (ZeRO-0 and ZeRO-1), ``--tp`` (with sequence parallelism; zbh1 wit
 ``--precision`` (fp16 with its loss scaler) and activation checkpointing, and a ``pp 2 x dp 2`` ZeRO-1
 checkpoint (written under the plain GPT's names) resumes at ``dp 4`` with ZeRO-0.
 
-One spawn of 4 ranks runs each layout through ``refimpl.train.train``; the one-device references run in
+One spawn of 4 ranks trains each layout (tests/support/trainer_runs.py); the one-device references run in
 this process. Tolerance (the numerics rule, as tests/trainer/ranks/test_train_tp.py): ``FACTOR x spread``,
 ``spread`` the largest difference between two one-device runs in two summation orders (the whole batch at once
 vs one sequence per micro-batch), in 16 bits at least ``|16-bit - fp32|`` on one device. picotron's DP x PP
@@ -22,78 +22,64 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from refimpl.config import ParallelConfig
 from refimpl.launch import run_ranks
 from refimpl.models import GPT
-from refimpl.train import build_parser, build_setup, config_from_args, options_from_args, train
+from refimpl.train import RunOptions, build_setup
 from refimpl.train.gradients import gradient_shards
 from refimpl.train.layout import resolve
 from refimpl.train.step import train_step
 from tests.support import timeouts
-from tests.support.one_device import (
-    _gradient_tolerances,
-    assert_gradients_like_one_device,
-    assert_trains_like_one_device,
-    first_step_gradients,
-    one_device_losses,
-    tolerance,
-)
+from tests.support.one_device import _gradient_tolerances, first_step_gradients, one_device_losses, tolerance
+from tests.support.trainer_runs import Case, layout_tests, run_case, run_layouts, tiny
 
 # the one spawn timeout x 2: 4 ranks train the GPT under each schedule; it was 420 s
 SPAWN_TIMEOUT_S = 2 * timeouts.SPAWN_TIMEOUT_S
 FACTOR = 4.0
 STEPS = 4
-TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
-        "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
-        "--checkpoint-every", "0", "--no-report"]
-# name -> (flags at world size 4, the one-device precision it is compared with)
+LAYERS = 4  # the model's blocks: 4 stages at pp 4, 2 chunks per rank interleaved at pp 2
+
+
+def _pp(**fields) -> Case:
+    """A pipeline layout of ``ParallelConfig`` ``fields``, 2 micro-batches unless said."""
+    return Case(parallel=ParallelConfig(**{"microbatches": 2, **fields}))
+
+
+# the layouts at world size 4 (each compared with one device at its precision)
 LAYOUTS = {
-    "pp2-dp2-1f1b-zero1": (["--pp", "2", "--microbatches", "2", "--zero-stage", "1", "--steps",
-                            str(STEPS + 2), "--checkpoint-every", str(STEPS)], "fp32"),  # resumed at dp 4
-    "pp4-gpipe": (["--pp", "4", "--pp-schedule", "gpipe", "--microbatches", "4", "--report"],  # its sample
-                  "fp32"),
-    "pp2-dp2-interleaved": (["--pp", "2", "--pp-schedule", "interleaved", "--virtual-stages", "2",
-                             "--microbatches", "2", "--pp-balance", "parameters"], "fp32"),
-    "pp4-zbh1-bf16": (["--pp", "4", "--pp-schedule", "zbh1", "--microbatches", "4", "--precision", "bf16"],
-                      "bf16"),
-    "pp2-dp2-fp16-actckpt": (["--pp", "2", "--microbatches", "2", "--precision", "fp16",
-                              "--activation-checkpointing"], "fp16"),
+    "pp2-dp2-1f1b-zero1": Case(parallel=ParallelConfig(pp=2, microbatches=2, zero_stage=1), steps=STEPS + 2,
+                               checkpoint_every=STEPS),  # resumed at dp 4
+    "pp4-gpipe": Case(parallel=ParallelConfig(pp=4, pp_schedule="gpipe", microbatches=4),
+                      report=True),  # its sample
+    "pp2-dp2-interleaved": _pp(pp=2, pp_schedule="interleaved", virtual_stages=2, pp_balance="parameters"),
+    "pp4-zbh1-bf16": _pp(pp=4, pp_schedule="zbh1", microbatches=4, precision="bf16"),
+    "pp2-dp2-fp16-actckpt": _pp(pp=2, precision="fp16", activation_checkpointing="all"),
     # tensor parallelism inside the stages: the tied embedding's copy is a vocab-parallel shard
-    "pp2-tp2-sp": (["--pp", "2", "--tp", "2", "--sequence-parallel", "--microbatches", "2"], "fp32"),
+    "pp2-tp2-sp": _pp(pp=2, tp=2, sequence_parallel=True),
     # zbh1 with tp: the TP layers (and SP's gather-then-linear) defer their block's dW to the W actions
-    "pp2-tp2-sp-zbh1": (["--pp", "2", "--tp", "2", "--sequence-parallel", "--pp-schedule", "zbh1",
-                         "--microbatches", "2"], "fp32"),
-    "pp2-tp2-zbh1-bf16": (["--pp", "2", "--tp", "2", "--pp-schedule", "zbh1", "--microbatches", "2",
-                           "--precision", "bf16"], "bf16"),  # f in front, autocast inside the seam
-    "pp2-tp2-interleaved-bf16": (["--pp", "2", "--tp", "2", "--pp-schedule", "interleaved",
-                                  "--virtual-stages", "2", "--microbatches", "4", "--precision", "bf16"],
-                                 "bf16"),
+    "pp2-tp2-sp-zbh1": _pp(pp=2, tp=2, sequence_parallel=True, pp_schedule="zbh1"),
+    "pp2-tp2-zbh1-bf16": _pp(pp=2, tp=2, pp_schedule="zbh1", precision="bf16"),  # f in front, autocast inside
+    "pp2-tp2-interleaved-bf16": _pp(pp=2, tp=2, pp_schedule="interleaved", virtual_stages=2, microbatches=4,
+                                    precision="bf16"),
     # context parallelism inside the stages: the boundaries carry each rank's s/cp tokens
-    "pp2-cp2-ring": (["--pp", "2", "--cp", "2", "--microbatches", "2"], "fp32"),
+    "pp2-cp2-ring": _pp(pp=2, cp=2),
     # ZeRO-2: each micro-batch's gradients reduce-scattered and freed in backward, the tied embedding's
     # exchange made of the two ends' shards
-    "pp2-dp2-zero2": (["--pp", "2", "--microbatches", "2", "--zero-stage", "2"], "fp32"),
+    "pp2-dp2-zero2": _pp(pp=2, zero_stage=2),
     # ZeRO-2 under zbh1: a weight's gradient is reduce-scattered after its W action (WeightGradStore's
     # after_flush), the rest in backward as above
-    "pp2-dp2-zero2-zbh1": (["--pp", "2", "--microbatches", "2", "--zero-stage", "2", "--pp-schedule",
-                            "zbh1"], "fp32"),
+    "pp2-dp2-zero2-zbh1": _pp(pp=2, zero_stage=2, pp_schedule="zbh1"),
     # zbh1 with activation checkpointing: the recomputed forward's saved weight comes back through the
     # checkpoint's saved-tensor hooks as another tensor object; each deferred dW must reach the Parameter
-    "pp2-dp2-zbh1-actckpt": (["--pp", "2", "--microbatches", "2", "--pp-schedule", "zbh1",
-                              "--activation-checkpointing"], "fp32"),
+    "pp2-dp2-zbh1-actckpt": _pp(pp=2, pp_schedule="zbh1", activation_checkpointing="all"),
     # ZB-V with ZeRO-1: the tied embedding's two ends are one tensor on pp rank 0 (stages 0 and 3), handed
     # to the optimizer once; stages 1 and 2 on pp rank 1 hand the turn over in place
-    "pp2-dp2-zbv-zero1": (["--pp", "2", "--microbatches", "2", "--pp-schedule", "zbv", "--virtual-stages",
-                           "2", "--zero-stage", "1"], "fp32"),
+    "pp2-dp2-zbv-zero1": _pp(pp=2, pp_schedule="zbv", virtual_stages=2, zero_stage=1),
 }
 # the layouts whose gradient norm is computed directly: ZeRO-1 (the norm summed over the dp shards), tensor
 # parallelism (a vocab-parallel tied embedding, replicas counted on tp rank 0)
-NORM_LAYOUTS = {"pp2-dp2-zero1": ["--pp", "2", "--microbatches", "2", "--zero-stage", "1"],
-                "pp2-tp2": ["--pp", "2", "--tp", "2", "--microbatches", "2"]}
-
-
-def _args(files: dict, out: Path, *extra: str):
-    return build_parser().parse_args([*TINY, "--steps", str(STEPS), "--data", str(files["corpus"]),
-                                      "--cache-dir", str(files["cache"]), "--out", str(out), *extra])
+NORM_LAYOUTS = {"pp2-dp2-zero1": ParallelConfig(pp=2, microbatches=2, zero_stage=1),
+                "pp2-tp2": ParallelConfig(pp=2, tp=2, microbatches=2)}
 
 
 @pytest.fixture(scope="module")
@@ -102,13 +88,19 @@ def files(tmp_path_factory, corpus: dict) -> dict:
     return {"root": tmp_path_factory.mktemp("train_pp"), **corpus}
 
 
+def _setup(ctx, files: dict, parallel: ParallelConfig, groups=None):
+    """The trainer's setup of ``parallel`` on this rank (``refimpl.train.build_setup``), and the config."""
+    config = tiny(files, num_layers=LAYERS, steps=STEPS)
+    options = RunOptions(parallel=parallel, report=False)
+    return build_setup(config, ctx, resolve(config, options, ctx.world_size), groups), config
+
+
 def _replicas_agree(ctx, files: dict, *, average: bool) -> bool:
     """One pp 2 x dp 2 step; whether the dp replicas of this rank's stages hold the same bits after it."""
-    args = _args(files, Path(files["root"]) / "sync", "--pp", "2", "--microbatches", "2")
-    config, options = config_from_args(args), options_from_args(args)
-    dims = options.parallel_dims(ctx.world_size)
+    parallel = ParallelConfig(pp=2, microbatches=2)
+    dims = RunOptions(parallel=parallel).parallel_dims(ctx.world_size)
     groups = dims.build(rank=ctx.rank, world_size=ctx.world_size, timeout_s=ctx.timeout_s)
-    setup = build_setup(config, ctx, resolve(config, options, ctx.world_size), groups)
+    setup, config = _setup(ctx, files, parallel, groups)
     if not average:
         setup.optim = replace(setup.optim, finish=None)  # the bug: this rank never averages over dp
     g = torch.Generator().manual_seed(1 + dims.coordinates(ctx.rank).dp)  # each dp rank its own batch
@@ -121,15 +113,14 @@ def _replicas_agree(ctx, files: dict, *, average: bool) -> bool:
     return torch.equal(*other)
 
 
-def _gradient_norm(ctx, files: dict, flags: list[str]) -> tuple[float, dict]:
-    """One step's forwards and backwards at the layout ``flags`` as ``train_step`` runs them, then the
+def _gradient_norm(ctx, files: dict, parallel: ParallelConfig) -> tuple[float, dict]:
+    """One step's forwards and backwards at the layout ``parallel`` as ``train_step`` runs them, then the
     norm the trainer clips by (its ``clip_fn``: summed over pp, tp and dp, the tied embedding once) and the
     gradients it was computed from (``tests.support.one_device.Pieces``)."""
-    args = _args(files, Path(files["root"]) / "norm", *flags)
-    config, options = config_from_args(args), options_from_args(args)
-    dims = options.parallel_dims(ctx.world_size)
-    setup = build_setup(config, ctx, resolve(config, options, ctx.world_size))
-    m = options.parallel.microbatches
+    setup, _ = _setup(ctx, files, parallel)
+    m = parallel.microbatches
+    assert m is not None
+    dims = RunOptions(parallel=parallel).parallel_dims(ctx.world_size)
     g = torch.Generator().manual_seed(1 + dims.coordinates(ctx.rank).dp)  # each dp rank its own batch
     tokens = torch.randint(0, 256, (2 * m, 17), generator=g)
     setup.pipeline.step(tokens[:, :-1], tokens[:, 1:], num_microbatches=m,
@@ -141,28 +132,20 @@ def _gradient_norm(ctx, files: dict, flags: list[str]) -> tuple[float, dict]:
 
 
 def _worker(ctx, files: dict) -> dict:
-    root = Path(files["root"])
-    out = {}
-    for name, (flags, _) in LAYOUTS.items():
-        args = _args(files, root / name, *flags, "--checkpoint-dir", str(root / name / "ckpt"))
-        grads: dict = {}
-        records = train(config_from_args(args), ctx, options_from_args(args),
-                        gradient_probe=first_step_gradients(grads))
-        out[name] = [r["loss"] for r in records]
-        out[name, "grads"] = grads
-        out[name, "records"] = [{k: r[k] for k in ("bytes_sent", "pipeline_idle")} for r in records]
+    root, base = Path(files["root"]), tiny(files, num_layers=LAYERS, steps=STEPS)
+    out = run_layouts(ctx, base, LAYOUTS, root)
     if ctx.rank == 0:  # the pp 2 x dp 2 checkpoint of step STEPS alone, resumed at dp 4 below
-        shutil.copytree(root / "pp2-dp2-1f1b-zero1" / "ckpt", root / "resumed-checkpoints")
+        shutil.copytree(root / "pp2-dp2-1f1b-zero1" / "checkpoints", root / "resumed-checkpoints")
         shutil.rmtree(root / "resumed-checkpoints" / f"step_{STEPS + 2:08d}")
     dist.barrier()
-    args = _args(files, root / "resumed", "--steps", str(STEPS + 2), "--checkpoint-every", str(STEPS),
-                 "--checkpoint-dir", str(root / "resumed-checkpoints"))
-    out["resumed at dp4"] = [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args))]
+    dp4 = Case(parallel=ParallelConfig(), steps=STEPS + 2, checkpoint_every=STEPS)
+    records = run_case(ctx, base, dp4, root / "resumed", checkpoint_dir=root / "resumed-checkpoints")
+    out["resumed at dp4"] = [r["loss"] for r in records]
     out["sample"] = (root / "pp4-gpipe" / "sample.txt").read_text() if ctx.rank == 0 else None
     out["replicas agree"] = _replicas_agree(ctx, files, average=True)
     out["replicas agree without the average"] = _replicas_agree(ctx, files, average=False)
-    for name, flags in NORM_LAYOUTS.items():
-        out[name, "norm"] = _gradient_norm(ctx, files, flags)
+    for name, parallel in NORM_LAYOUTS.items():
+        out[name, "norm"] = _gradient_norm(ctx, files, parallel)
     return out
 
 
@@ -174,35 +157,21 @@ def runs(files) -> list[dict]:
 @pytest.fixture(scope="module")
 def one_device(files, tmp_path_factory) -> dict:
     """One-device runs in this process: per precision the plain run and one in another summation order."""
-    root = tmp_path_factory.mktemp("one_device")
-    out = one_device_losses(lambda run, *flags: _args(files, run, *flags), root, steps=STEPS + 2)
-    return out
+    return one_device_losses(tiny(files, num_layers=LAYERS), tmp_path_factory.mktemp("one_device"),
+                             steps=STEPS + 2)
 
 
 def _tolerance(one_device: dict, precision: str) -> float:
     return tolerance(one_device, precision, factor=FACTOR)
 
 
-@pytest.mark.numerics
-@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_pipeline_layouts_train_like_one_device(runs, one_device, name):
-    assert_trains_like_one_device([out[name] for out in runs], one_device, LAYOUTS[name][1], factor=FACTOR,
-                                  name=name)
-
-
-@pytest.mark.numerics
-@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_pipeline_layouts_hand_the_optimizer_one_devices_gradients(runs, one_device, name):
-    """The first step's gradients before clipping and AdamW, every rank's boxes against one device's
-    (tests/support/one_device.py); negative control: the same gradients x m, what a pipeline whose loss is not
-    divided by its m micro-batches computes, fail."""
-    flags, precision = LAYOUTS[name]
-    m = int(flags[flags.index("--microbatches") + 1])
-    worst = assert_gradients_like_one_device([out[name, "grads"] for out in runs], one_device, precision,
-                                             factor=FACTOR, name=name, control=float(m))
-    print(f"{name}: worst gradient difference {worst:.3f} x its tolerance")
+# the losses and the first step's gradients (before clipping and AdamW, every rank's boxes) against one
+# device's (tests/support/one_device.py); negative control: the gradients x m, what a pipeline whose loss is
+# not divided by its m micro-batches computes
+(test_pipeline_layouts_train_like_one_device,
+ test_pipeline_layouts_hand_the_optimizer_one_devices_gradients) = layout_tests(
+    LAYOUTS, factor=FACTOR, timeout_s=2 * SPAWN_TIMEOUT_S,
+    control=lambda case: float(case.parallel.microbatches))
 
 
 @pytest.mark.numerics
@@ -241,7 +210,7 @@ def _whole(per_rank: list[dict]) -> dict[str, torch.Tensor]:
 @pytest.mark.numerics
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
 @pytest.mark.parametrize("name", list(NORM_LAYOUTS))
-def test_the_pipeline_gradient_norm_is_clip_grad_norm_of_the_same_gradients_on_one_device(runs, name):
+def test_the_pipeline_gradient_norm_is_clip_grad_norm_of_the_same_gradients_on_one_device(runs, files, name):
     """The norm the pipeline trainer clips by (summed over its stages, tp and dp ranks, the tied embedding
     counted once) equals ``torch.nn.utils.clip_grad_norm_`` over the same gradients in a plain GPT (whose
     tied embedding is one parameter). Tolerance: ``FACTOR x`` the spread of one device's norm over two
@@ -250,7 +219,7 @@ def test_the_pipeline_gradient_norm_is_clip_grad_norm_of_the_same_gradients_on_o
     norms = [out[name, "norm"][0] for out in runs]
     assert len(set(norms)) == 1, norms  # every rank clips by the same norm
     grads = _whole([out[name, "norm"][1] for out in runs])
-    model = GPT(config_from_args(build_parser().parse_args(TINY)).model, seed=0)
+    model = GPT(tiny(files, num_layers=LAYERS).model, seed=0)
     params = dict(model.named_parameters())
     assert sorted(grads) == sorted(params)  # tied: one parameter, one gradient
     for n, p in params.items():

@@ -3,7 +3,7 @@ ZeRO-1/2, ``--sequence-parallel`` (and ``--tp-comm-overlap``, the collective mat
 bytes as without it), ``--precision`` (fp16 with its loss scaler) and activation checkpointing
 (the recomputed forward repeats the collectives), and its checkpoints resume at another TP size.
 
-One spawn of 4 ranks runs each layout through ``refimpl.train.train``; the one-device references run in
+One spawn of 4 ranks trains each layout (tests/support/trainer_runs.py); the one-device references run in
 this process. Tolerance (the numerics rule): the layouts sum the same numbers in other orders, so their
 losses are compared within ``FACTOR x spread``, ``spread`` the largest difference between two one-device
 runs of the same arithmetic in two summation orders (the whole batch at once vs one sequence per
@@ -22,45 +22,33 @@ import torch
 import torch.distributed as dist
 
 from refimpl.checkpoint import CheckpointConfig, Checkpointer, load_training_state
+from refimpl.config import ParallelConfig
 from refimpl.launch import run_ranks
 from refimpl.models import GPT
 from refimpl.parallel.tensor_parallel import apply_tensor_parallel, full_state_dict
-from refimpl.train import build_parser, config_from_args, options_from_args, train
 from tests.support import timeouts
-from tests.support.one_device import (
-    assert_gradients_like_one_device,
-    assert_trains_like_one_device,
-    first_step_gradients,
-    tolerance,
-)
+from tests.support.one_device import tolerance
+from tests.support.trainer_runs import Case, layout_tests, run_case, run_layouts, tiny
 
 # the one spawn timeout x 2: 4 ranks train the GPT at each of the module's layouts; it was 420 s
 SPAWN_TIMEOUT_S = 2 * timeouts.SPAWN_TIMEOUT_S
 FACTOR = 4.0
 STEPS = 4
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
-        "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
-        "--checkpoint-every", "0", "--no-report"]
-# name -> (flags at world size 4, the one-device precision it is compared with)
+SP = {"sequence_parallel": True}
+# the layouts at world size 4 (each compared with one device at its precision)
 LAYOUTS = {
-    "tp2-dp2-zero1": (["--tp", "2", "--zero-stage", "1", "--steps", str(STEPS + 2), "--checkpoint-every",
-                       str(STEPS)], "fp32"),  # saves at STEPS: resumed at tp 4 below
-    "tp2-dp2-zero0-sp-accum": (["--tp", "2", "--sequence-parallel", "--micro-batch-size", "1"], "fp32"),
-    "tp4-sp": (["--tp", "4", "--sequence-parallel"], "fp32"),
+    "tp2-dp2-zero1": Case(parallel=ParallelConfig(tp=2, zero_stage=1), steps=STEPS + 2,
+                          checkpoint_every=STEPS),  # saves at STEPS: resumed at tp 4 below
+    "tp2-dp2-zero0-sp-accum": Case(parallel=ParallelConfig(tp=2, **SP), micro_batch_size=1),
+    "tp4-sp": Case(parallel=ParallelConfig(tp=4, **SP)),
     # the same run with the collective matmul (refimpl/parallel/tensor_parallel/collective_matmul.py)
-    "tp4-sp-overlap": (["--tp", "4", "--sequence-parallel", "--tp-comm-overlap"], "fp32"),
+    "tp4-sp-overlap": Case(parallel=ParallelConfig(tp=4, tp_comm_overlap=True, **SP)),
     # ZeRO-1 sums the s/t-token gradients' shards over tp before the step (the probe reads those shards)
-    "tp2-dp2-zero1-sp": (["--tp", "2", "--sequence-parallel", "--zero-stage", "1"], "fp32"),
-    "tp2-dp2-zero2-sp-bf16": (["--tp", "2", "--zero-stage", "2", "--sequence-parallel",
-                               "--precision", "bf16"], "bf16"),
-    "tp2-dp2-sp-fp16-actckpt": (["--tp", "2", "--sequence-parallel", "--precision", "fp16",
-                                 "--activation-checkpointing"], "fp16"),
+    "tp2-dp2-zero1-sp": Case(parallel=ParallelConfig(tp=2, zero_stage=1, **SP)),
+    "tp2-dp2-zero2-sp-bf16": Case(parallel=ParallelConfig(tp=2, zero_stage=2, precision="bf16", **SP)),
+    "tp2-dp2-sp-fp16-actckpt": Case(parallel=ParallelConfig(tp=2, precision="fp16",
+                                                            activation_checkpointing="all", **SP)),
 }
-
-
-def _args(files: dict, out: Path, *extra: str):
-    return build_parser().parse_args([*TINY, "--steps", str(STEPS), "--data", str(files["corpus"]),
-                                      "--cache-dir", str(files["cache"]), "--out", str(out), *extra])
 
 
 @pytest.fixture(scope="module")
@@ -74,44 +62,36 @@ def _load(folder: Path, model: torch.nn.Module) -> None:
 
 
 def _worker(ctx, files: dict) -> dict:
-    root = Path(files["root"])
-    out = {}
-    for name, (flags, _) in LAYOUTS.items():
-        args = _args(files, root / name, *flags, "--checkpoint-dir", str(root / name / "ckpt"))
-        grads: dict = {}
-        records = train(config_from_args(args), ctx, options_from_args(args),
-                        gradient_probe=first_step_gradients(grads))
-        out[name] = [r["loss"] for r in records]
-        out[name, "grads"] = grads
-        out[name, "bytes"] = [r["bytes_sent"] for r in records]
+    root, base = Path(files["root"]), tiny(files, steps=STEPS)
+    out = run_layouts(ctx, base, LAYOUTS, root)
     if ctx.rank == 0:  # the tp 2 x dp 2 checkpoint of step STEPS alone
-        shutil.copytree(root / "tp2-dp2-zero1" / "ckpt", root / "tp2-checkpoint")
+        shutil.copytree(root / "tp2-dp2-zero1" / "checkpoints", root / "tp2-checkpoint")
         shutil.rmtree(root / "tp2-checkpoint" / f"step_{STEPS + 2:08d}")
         shutil.copytree(root / "tp2-checkpoint", root / "resumed-checkpoints")  # the resumed run saves here
     dist.barrier()
     # that checkpoint loaded into a tp 4 model and gathered ...
-    config = config_from_args(_args(files, root / "unused"))
-    model = apply_tensor_parallel(GPT(config.model, seed=5), tp_group=dist.group.WORLD)
+    model = apply_tensor_parallel(GPT(base.model, seed=5), tp_group=dist.group.WORLD)
     _load(root / "tp2-checkpoint", model)
     out["tp4 load"] = {k: v.clone() for k, v in full_state_dict(model, dist.group.WORLD).items()}
     # ... and the run resumed from it at tp 4 for 2 more steps
-    args = _args(files, root / "resumed", *LAYOUTS["tp2-dp2-zero1"][0], "--tp", "4",
-                 "--checkpoint-dir", str(root / "resumed-checkpoints"))
-    out["resumed at tp4"] = [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args))]
+    tp4 = Case(parallel=ParallelConfig(tp=4, zero_stage=1), steps=STEPS + 2, checkpoint_every=STEPS)
+    records = run_case(ctx, base, tp4, root / "resumed", checkpoint_dir=root / "resumed-checkpoints")
+    out["resumed at tp4"] = [r["loss"] for r in records]
     return out
 
 
 @pytest.fixture(scope="module")
-def runs(files) -> dict:
+def runs(files) -> list[dict]:
     return run_ranks(_worker, 4, files, timeout_s=SPAWN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def one_device(files, one_device_references) -> dict:
     """One-device runs in this process: per precision the plain run and one in another summation order
-    (tests/conftest.py's, shared with test_train_cp: the same flags), and the tp 2 checkpoint at tp 1."""
-    out = dict(one_device_references([*TINY, "--steps", str(STEPS)], steps=STEPS + 2))
-    plain = GPT(config_from_args(_args(files, Path(files["root"]) / "x")).model, seed=7)
+    (tests/conftest.py's, shared with test_train_cp and _zero3: the same config), and the tp 2 checkpoint
+    at tp 1."""
+    out = dict(one_device_references(tiny(files), steps=STEPS + 2))
+    plain = GPT(tiny(files).model, seed=7)
     _load(Path(files["root"]) / "tp2-checkpoint", plain)
     out["tp1 load"] = {k: v.clone() for k, v in plain.state_dict().items()}
     return out
@@ -125,40 +105,27 @@ def _tolerance(one_device: dict, precision: str) -> float:
     return tolerance(one_device, precision, factor=FACTOR)
 
 
-@pytest.mark.numerics
-@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_tensor_parallel_layouts_train_like_one_device(runs, one_device, name):
-    assert_trains_like_one_device([out[name] for out in runs], one_device, LAYOUTS[name][1], factor=FACTOR,
-                                  name=name)
-
-
-@pytest.mark.numerics
-@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_tensor_parallel_layouts_hand_the_optimizer_one_devices_gradients(runs, one_device, name):
-    """The first step's gradients before clipping and AdamW, every rank's boxes against one device's
-    (tests/support/one_device.py); negative control: the same gradients x 2 (a sum over two replicas, not the
-    mean) fail."""
-    worst = assert_gradients_like_one_device([out[name, "grads"] for out in runs], one_device,
-                                             LAYOUTS[name][1], factor=FACTOR, name=name, control=2.0)
-    print(f"{name}: worst gradient difference {worst:.3f} x its tolerance")
+# the losses and the first step's gradients (before clipping and AdamW, every rank's boxes) against one
+# device's (tests/support/one_device.py); negative control: the gradients x 2 (a sum over two replicas)
+(test_tensor_parallel_layouts_train_like_one_device,
+ test_tensor_parallel_layouts_hand_the_optimizer_one_devices_gradients) = layout_tests(
+    LAYOUTS, factor=FACTOR, timeout_s=2 * SPAWN_TIMEOUT_S)
 
 
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
-def test_metrics_record_the_tp_bytes_of_the_formula_each_step(runs):
+def test_metrics_record_the_tp_bytes_of_the_formula_each_step(runs, files):
     """metrics.jsonl's per-step bytes on the tp group equal the planner's count of the TP collectives of
     one micro-batch (tp 4, SP, one micro-batch per step) plus the gradient norm's one-scalar all-reduce;
     the tracer books collectives by the ring model, the formula counts the calls and payloads."""
     from refimpl.planner import tensor_parallel_collectives, wire_bytes
 
-    model = config_from_args(build_parser().parse_args(TINY)).model
+    model = tiny(files).model
     calls = tensor_parallel_collectives(num_layers=model.num_layers, hidden_size=model.hidden_size,
                                         micro_batch=4, seq_len=16, tp=4, sequence_parallel=True)
     norm = wire_bytes("all_reduce", 4, 4)  # the gradient norm's float32 scalar over tp
     want = sum(wire_bytes(op, payload, 4) for op, (_, payload) in calls.items()) + norm
     for rank, out in enumerate(runs):
-        steps = out["tp4-sp", "bytes"]
+        steps = [r["bytes_sent"] for r in out["tp4-sp", "records"]]
         assert len(steps) == STEPS and all(s["tp"] == want for s in steps), (rank, steps[0], want)
         assert "dp x cp" not in steps[0]  # one replica: no loss or gradient average
     # negative control: without sequence parallelism the same model sends other bytes
@@ -168,12 +135,12 @@ def test_metrics_record_the_tp_bytes_of_the_formula_each_step(runs):
 
 
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
-def test_a_tp2_checkpoint_loads_bitwise_at_tp1_and_tp4_and_resumes_at_tp4(runs, one_device):
+def test_a_tp2_checkpoint_loads_bitwise_at_tp1_and_tp4_and_resumes_at_tp4(runs, one_device, files):
     tp1, tp4 = one_device["tp1 load"], runs[0]["tp4 load"]
     assert sorted(tp4) == sorted(k for k in tp1 if k != "output_layer.weight")  # tied: saved once
     for k, v in tp4.items():
         assert torch.equal(v, tp1[k]), k
-    fresh = GPT(config_from_args(build_parser().parse_args(TINY)).model, seed=0).state_dict()
+    fresh = GPT(tiny(files).model, seed=0).state_dict()
     assert not all(torch.equal(v, fresh[k]) for k, v in tp4.items())  # it did load trained weights
     resumed, tp2 = runs[0]["resumed at tp4"], runs[0]["tp2-dp2-zero1"]
     assert len(resumed) == 2  # a fresh --out: the two steps after the resume
@@ -192,4 +159,6 @@ def test_tp_comm_overlap_trains_like_the_same_run_without_it_and_sends_the_same_
     for out in runs:
         overlap, plain = np.array(out["tp4-sp-overlap"]), np.array(out["tp4-sp"])
         assert len(overlap) == STEPS and float(np.abs(overlap - plain).max()) <= tol, (overlap, plain, tol)
-        assert [s["tp"] for s in out["tp4-sp-overlap", "bytes"]] == [s["tp"] for s in out["tp4-sp", "bytes"]]
+        tp_bytes = {name: [r["bytes_sent"]["tp"] for r in out[name, "records"]]
+                    for name in ("tp4-sp-overlap", "tp4-sp")}
+        assert tp_bytes["tp4-sp-overlap"] == tp_bytes["tp4-sp"]

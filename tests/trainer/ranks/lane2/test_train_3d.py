@@ -42,12 +42,14 @@ from refimpl.train import build_parser, build_setup, config_from_args, main, opt
 from refimpl.train.layout import resolve
 from tests.support import timeouts
 from tests.support.one_device import (
+    PRECISIONS,
     assert_gradients_like_one_device,
     assert_trains_like_one_device,
     first_step_gradients,
     one_device_losses,
     tolerance,
 )
+from tests.support.trainer_runs import from_flags
 
 # the one spawn timeout x 2: 8 ranks then 4 train, save and resume the GPT; it was 420 s
 SPAWN_TIMEOUT_S = 2 * timeouts.SPAWN_TIMEOUT_S
@@ -163,10 +165,16 @@ def runs(files) -> dict:
     return {"eight": eight, "moved": eight[0]["moved"] | four[0] | one}
 
 
+def _references(files: dict, root: Path, *flags: str, precisions=PRECISIONS) -> dict:
+    """tests/support/one_device.py's references of the run ``flags`` describe (at a world of one)."""
+    config, options = from_flags(["--data", str(files["corpus"]), "--cache-dir", str(files["cache"]), *TINY,
+                                  *flags])
+    return one_device_losses(config, root, steps=STEPS + 2, parallel=options.parallel, precisions=precisions)
+
+
 @pytest.fixture(scope="module")
 def one_device(files, tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("one_device")
-    return one_device_losses(lambda run, *flags: _args(files, run, *flags), root, steps=STEPS + 2)
+    return _references(files, tmp_path_factory.mktemp("one_device"))
 
 
 @pytest.fixture(scope="module")
@@ -174,17 +182,13 @@ def one_device_zero3(files, tmp_path_factory) -> dict:
     """One device with ``--zero-stage 3`` (a world of one: nothing sharded): in 16 bits FSDP2's arithmetic,
     16-bit weights and activations throughout (no autocast, fp32 master weights), the reference a 16-bit
     ZeRO-3 layout computes like; in fp32 the plain model's."""
-    root = tmp_path_factory.mktemp("one_device_zero3")
-    return one_device_losses(lambda run, *flags: _args(files, run, "--zero-stage", "3", *flags), root,
-                             steps=STEPS + 2)
+    return _references(files, tmp_path_factory.mktemp("one_device_zero3"), "--zero-stage", "3")
 
 
 @pytest.fixture(scope="module")
 def one_device_llama(files, tmp_path_factory) -> dict:
     """One device training the Llama form, fp32."""
-    root = tmp_path_factory.mktemp("one_device_llama")
-    return one_device_losses(lambda run, *flags: _args(files, run, *LLAMA, *flags), root, steps=STEPS + 2,
-                             precisions={"fp32": ["--precision", "fp32"]})
+    return _references(files, tmp_path_factory.mktemp("one_device_llama"), *LLAMA, precisions=("fp32",))
 
 
 def _reference(name: str, one_device: dict, one_device_zero3: dict, one_device_llama: dict) -> dict:

@@ -133,12 +133,11 @@ def runs(files) -> list[dict]:
 def one_device(files) -> dict:
     """fp32 one-device runs of each model in this process, in two summation orders."""
     def references(model: str) -> dict:
-        def args_for(out, *extra: str):
-            return _args(files, out, *MODELS[model], *extra)
-        precisions = {p: ["--precision", p] for p in {"fp32", *(PRECISION.get(name, "fp32") for name, (m, _)
-                                                                in LAYOUTS.items() if m == model)}}
-        return one_device_losses(args_for, Path(files["root"]) / f"one-{model}", steps=STEPS,
-                                 precisions=precisions)
+        args = _args(files, Path(files["root"]), *MODELS[model])
+        precisions = sorted({"fp32", *(PRECISION.get(name, "fp32") for name, (m, _) in LAYOUTS.items()
+                                       if m == model)})
+        return one_device_losses(config_from_args(args), Path(files["root"]) / f"one-{model}", steps=STEPS,
+                                 parallel=options_from_args(args).parallel, precisions=precisions)
     return {model: references(model) for model in MODELS}
 
 

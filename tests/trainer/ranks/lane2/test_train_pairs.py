@@ -130,12 +130,11 @@ def one_device(files) -> dict:
     out = {}
     for (model, zero3), precisions in sorted(needed.items()):
         flags = MOE * (model == "moe") + ["--zero-stage", "3"] * zero3
-
-        def args_for(out_dir, *extra: str, flags=flags):
-            return _args(files, out_dir, *flags, *extra)
         root = Path(files["root"]) / f"one-device-{model}-zero{3 if zero3 else 0}"
-        out[model, zero3] = one_device_losses(args_for, root, steps=STEPS,
-                                              precisions={p: PRECISIONS[p] for p in sorted(precisions)})
+        layouts = {p: options_from_args(_args(files, root, *flags, *PRECISIONS[p])).parallel
+                   for p in sorted(precisions)}
+        out[model, zero3] = one_device_losses(config_from_args(_args(files, root, *flags)), root, steps=STEPS,
+                                              precisions=layouts)
     return out
 
 

@@ -1,8 +1,8 @@
 """The trainer with ``--zero-stage 3`` composed (chapter 04; issue "ZeRO-3 everywhere"): with activation
 checkpointing, with hybrid sharding (``--dp-replicate``) and with tensor parallelism (2-D sharding).
 
-One spawn of 4 ranks runs each layout through ``refimpl.train.train``; the one-device references are
-tests/conftest.py's (the same flags as test_train_tp and test_train_cp: computed once per session).
+One spawn of 4 ranks trains each layout (tests/support/trainer_runs.py); the one-device references are
+tests/conftest.py's (the same config as test_train_tp and test_train_cp: computed once per session).
 
 * **Like one device** (the numerics rule, tests/support/one_device.py): the losses, and the first step's
   gradients before clipping and AdamW, every rank's boxes of them (row shards, 2-D boxes of the TP blocks),
@@ -40,62 +40,55 @@ from refimpl.checkpoint import (
     read_manifest,
     save_training_state,
 )
+from refimpl.config import ParallelConfig
 from refimpl.distributed import DistributedContext
 from refimpl.launch import run_ranks
 from refimpl.models import GPT
-from refimpl.train import build_parser, build_setup, config_from_args, options_from_args, train
+from refimpl.train import RunOptions, build_setup
 from refimpl.train.layout import resolve
 from tests.support import timeouts
-from tests.support.one_device import (
-    assert_gradients_like_one_device,
-    assert_trains_like_one_device,
-    first_step_gradients,
-    tolerance,
-)
+from tests.support.one_device import tolerance
+from tests.support.trainer_runs import Case, layout_tests, run_case, run_layouts, tiny
 
 # the one spawn timeout x 2: 4 ranks train the GPT at each ZeRO-3 layout; it was 300 s
 SPAWN_TIMEOUT_S = 2 * timeouts.SPAWN_TIMEOUT_S
 FACTOR = 4.0
-STEPS = 4
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
-        "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
-        "--checkpoint-every", "0", "--no-report"]  # as test_train_tp and _cp: one set of references
+STEPS = 4  # the checkpoints' step; the runs go 2 steps further
 HSDP = "dp4-hsdp2-zero3"  # 2 replicas x 2-rank shard groups; its checkpoint moves across R
 TP2 = "tp2-dp2-zero3"  # 2-D sharding: ZeRO-3 rows of the tensor-parallel blocks
-# name -> (flags at world size 4, the one-device precision it is compared with)
+
+
+def _z3(*, checkpoint_every: int = 0, **fields) -> Case:
+    """A ZeRO-3 layout of ``ParallelConfig`` ``fields``."""
+    return Case(parallel=ParallelConfig(zero_stage=3, **fields), checkpoint_every=checkpoint_every)
+
+
+PP2 = {"pp": 2, "microbatches": 2}
+# the layouts at world size 4 (each compared with one device at its precision)
 LAYOUTS = {
-    "dp4-zero3": (["--zero-stage", "3"], "fp32"),
-    "dp4-zero3-actckpt": (["--zero-stage", "3", "--activation-checkpointing"], "fp32"),
-    "dp4-zero3-bf16": (["--zero-stage", "3", "--precision", "bf16"], "bf16"),
-    "dp4-zero3-bf16-actckpt-every2": (["--zero-stage", "3", "--precision", "bf16",
-                                       "--activation-checkpointing", "every-2"], "bf16"),
-    HSDP: (["--zero-stage", "3", "--dp-replicate", "2", "--checkpoint-every", str(STEPS)], "fp32"),
-    "dp4-hsdp2-zero3-bf16-actckpt": (["--zero-stage", "3", "--dp-replicate", "2", "--precision", "bf16",
-                                      "--activation-checkpointing"], "bf16"),
-    TP2: (["--tp", "2", "--zero-stage", "3", "--checkpoint-every", str(STEPS)], "fp32"),
-    "tp2-dp2-zero3-sp-actckpt": (["--tp", "2", "--zero-stage", "3", "--sequence-parallel",
-                                  "--activation-checkpointing"], "fp32"),
-    "tp2-dp2-zero3-bf16": (["--tp", "2", "--zero-stage", "3", "--precision", "bf16"], "bf16"),
-    "pp2-dp2-zero3": (["--pp", "2", "--microbatches", "2", "--zero-stage", "3"], "fp32"),
-    "pp2-dp2-zero3-reshard": (["--pp", "2", "--microbatches", "2", "--zero-stage", "3",
-                               "--zero3-reshard-per-microbatch"], "fp32"),
+    "dp4-zero3": _z3(),
+    "dp4-zero3-actckpt": _z3(activation_checkpointing="all"),
+    "dp4-zero3-bf16": _z3(precision="bf16"),
+    "dp4-zero3-bf16-actckpt-every2": _z3(precision="bf16", activation_checkpointing="every-2"),
+    HSDP: _z3(dp_replicate=2, checkpoint_every=STEPS),
+    "dp4-hsdp2-zero3-bf16-actckpt": _z3(dp_replicate=2, precision="bf16", activation_checkpointing="all"),
+    TP2: _z3(tp=2, checkpoint_every=STEPS),
+    "tp2-dp2-zero3-sp-actckpt": _z3(tp=2, sequence_parallel=True, activation_checkpointing="all"),
+    "tp2-dp2-zero3-bf16": _z3(tp=2, precision="bf16"),
+    "pp2-dp2-zero3": _z3(**PP2),
+    "pp2-dp2-zero3-reshard": _z3(**PP2, zero3_reshard_per_microbatch=True),
     # zbh1: the W actions add the weight gradients to the gathered stage before its one reduce-scatter
-    "pp2-dp2-zero3-zbh1": (["--pp", "2", "--microbatches", "2", "--zero-stage", "3", "--pp-schedule",
-                            "zbh1"], "fp32"),
-    "pp2-dp2-zero3-gpipe-actckpt": (["--pp", "2", "--microbatches", "2", "--zero-stage", "3", "--pp-schedule",
-                                     "gpipe", "--activation-checkpointing"], "fp32"),
+    "pp2-dp2-zero3-zbh1": _z3(**PP2, pp_schedule="zbh1"),
+    "pp2-dp2-zero3-gpipe-actckpt": _z3(**PP2, pp_schedule="gpipe", activation_checkpointing="all"),
 }
-# the tp 2 x dp 2 ZeRO-3 checkpoint of step STEPS, loaded and saved again at: name -> (world size, flags)
-MOVED_TO = {"tp4-zero1": (4, ["--tp", "4", "--zero-stage", "1"]), "dp4-zero3": (4, ["--zero-stage", "3"]),
-            "back at tp2-dp2-zero3": (4, ["--tp", "2", "--zero-stage", "3"]), "one rank": (1, [])}
-RESUMED_AT = {"R1 (plain ZeRO-3)": ["--zero-stage", "3"],  # HSDP's checkpoint of step STEPS resumed there
-              "R4 (shard groups of one)": ["--zero-stage", "3", "--dp-replicate", "4"]}
+# the tp 2 x dp 2 ZeRO-3 checkpoint of step STEPS, loaded and saved again at: name -> (world size, layout)
+MOVED_TO = {"tp4-zero1": (4, ParallelConfig(tp=4, zero_stage=1)),
+            "dp4-zero3": (4, ParallelConfig(zero_stage=3)),
+            "back at tp2-dp2-zero3": (4, ParallelConfig(tp=2, zero_stage=3)),
+            "one rank": (1, ParallelConfig())}
+RESUMED_AT = {"R1 (plain ZeRO-3)": ParallelConfig(zero_stage=3),  # HSDP's checkpoint of step STEPS resumed
+              "R4 (shard groups of one)": ParallelConfig(zero_stage=3, dp_replicate=4)}
 SAME_AS = {"dp4-zero3-actckpt": "dp4-zero3", "dp4-zero3-bf16-actckpt-every2": "dp4-zero3-bf16"}
-
-
-def _args(files: dict, out: Path, *extra: str):
-    return build_parser().parse_args([*TINY, "--steps", str(STEPS), "--data", str(files["corpus"]),
-                                      "--cache-dir", str(files["cache"]), "--out", str(out), *extra])
 
 
 @pytest.fixture(scope="module")
@@ -104,25 +97,15 @@ def files(tmp_path_factory, corpus) -> dict:
 
 
 def _worker(ctx, files: dict) -> dict:
-    out = {}
-    for name, (flags, _) in LAYOUTS.items():
-        args = _args(files, Path(files["root"]) / name, *flags, "--steps", str(STEPS + 2))
-        grads: dict = {}
-        records = train(config_from_args(args), ctx, options_from_args(args),
-                        gradient_probe=first_step_gradients(grads))
-        out[name] = [r["loss"] for r in records]
-        out[name, "grads"] = grads
-        out[name, "bytes"] = [r["bytes_sent"] for r in records]
-    root = Path(files["root"])
-    for name, flags in RESUMED_AT.items():  # the HSDP checkpoint of step STEPS, resumed at another R
-        folder = root / f"resumed {name}" / "ckpt"
+    root, base = Path(files["root"]), tiny(files, steps=STEPS + 2)
+    out = run_layouts(ctx, base, LAYOUTS, root)
+    for name, parallel in RESUMED_AT.items():  # the HSDP checkpoint of step STEPS, resumed at another R
+        folder = root / f"resumed {name}" / "checkpoints"
         if ctx.rank == 0:
             shutil.copytree(root / HSDP / "checkpoints" / f"step_{STEPS:08d}", folder / f"step_{STEPS:08d}")
         dist.barrier()
-        args = _args(files, root / f"resumed {name}", *flags, "--steps", str(STEPS + 2), "--checkpoint-dir",
-                     str(folder))
-        records = train(config_from_args(args), ctx, options_from_args(args))
-        out["resumed", name] = [r["loss"] for r in records]
+        resumed = run_case(ctx, base, Case(parallel=parallel), folder.parent)  # its folder's checkpoints
+        out["resumed", name] = [r["loss"] for r in resumed]
     if ctx.rank == 0:  # TP2's checkpoint of step STEPS alone (the run also saved its last step)
         step = f"step_{STEPS:08d}"
         shutil.copytree(root / TP2 / "checkpoints" / step, root / "tp2-saved" / step)
@@ -135,12 +118,11 @@ def _move(ctx, files: dict, world: int) -> None:
     """Load TP2's checkpoint of step STEPS at each MOVED_TO layout of ``world`` ranks and save it again."""
     root = Path(files["root"])
     source = Checkpointer(CheckpointConfig(folder=str(root / "tp2-saved")))
-    for name, (size, flags) in MOVED_TO.items():
+    for name, (size, parallel) in MOVED_TO.items():
         if size != world:
             continue
-        args = _args(files, root / "unused", *flags)
-        config = config_from_args(args)
-        setup = build_setup(config, ctx, resolve(config, options_from_args(args), ctx.world_size))
+        config = tiny(files, steps=STEPS)
+        setup = build_setup(config, ctx, resolve(config, RunOptions(parallel=parallel), ctx.world_size))
         load_training_state(source, source.find_latest_valid(), model=setup.state_module,
                             optimizer=setup.optimizer, restore_rng=False)
         with Checkpointer(CheckpointConfig(folder=str(root / f"moved {name}"))) as target:
@@ -161,25 +143,15 @@ def runs(files) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def one_device(one_device_references) -> dict:
-    return one_device_references([*TINY, "--steps", str(STEPS)], steps=STEPS + 2)
+def one_device(corpus, one_device_references) -> dict:
+    return one_device_references(tiny(corpus), steps=STEPS + 2)  # shared with test_train_tp and _cp
 
 
-@pytest.mark.numerics
-@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_zero3_layouts_train_like_one_device(runs, one_device, name):
-    assert_trains_like_one_device([out[name] for out in runs], one_device, LAYOUTS[name][1], factor=FACTOR,
-                                  name=name)
-
-
-@pytest.mark.numerics
-@pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_zero3_layouts_hand_the_optimizer_one_devices_gradients(runs, one_device, name):
-    worst = assert_gradients_like_one_device([out[name, "grads"] for out in runs], one_device,
-                                             LAYOUTS[name][1], factor=FACTOR, name=name, control=4.0)
-    print(f"{name}: worst gradient difference {worst:.3f} x its tolerance")
+# the losses and the first step's gradients (before clipping and AdamW, every rank's boxes) against one
+# device's (tests/support/one_device.py); negative control: the gradients x 4 (a sum over the replicas)
+(test_zero3_layouts_train_like_one_device,
+ test_zero3_layouts_hand_the_optimizer_one_devices_gradients) = layout_tests(
+    LAYOUTS, factor=FACTOR, timeout_s=2 * SPAWN_TIMEOUT_S, control=lambda case: 4.0)
 
 
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
@@ -217,7 +189,7 @@ def test_hsdp_bytes_per_group_equal_the_formula(runs):
     from refimpl.models import GPT
     from refimpl.planner import zero_collectives
 
-    config = config_from_args(_args({"corpus": "x", "cache": "x"}, Path("x"))).model
+    config = tiny({"corpus": Path("x"), "cache": Path("x")}).model  # the model alone: no data read
     units: list[list] = [[] for _ in range(1 + config.num_layers)]
     for name, p in GPT(config, seed=0).named_parameters():  # the wrapper's units: each block, the root
         units[1 + int(name.split(".")[1]) if name.startswith("layers.") else 0].append(tuple(p.shape))
@@ -226,7 +198,7 @@ def test_hsdp_bytes_per_group_equal_the_formula(runs):
     shard_group = wire_bytes("all_gather", ops["all_gather"][1], 2) + wire_bytes(
         "reduce_scatter", ops["reduce_scatter"][1], 2)
     for rank, out in enumerate(runs):
-        for step in out[HSDP, "bytes"]:
+        for step in (r["bytes_sent"] for r in out[HSDP, "records"]):
             assert step["dp_replicate"] == replicas, (rank, step, replicas)
             assert step["dp_shard x cp"] >= shard_group, (rank, step, shard_group)  # + the norm's scalar
             assert step["dp_shard x cp"] - shard_group < 64, (rank, step, shard_group)
@@ -255,7 +227,7 @@ def test_the_2d_checkpoint_reassembles_bitwise_at_another_layout(runs, files, na
     assert moved.keys() == original.keys()
     for key, tensor in original.items():
         assert torch.equal(moved[key], tensor), (name, key)
-    untrained = GPT(config_from_args(_args(files, root / "x")).model).state_dict()
+    untrained = GPT(tiny(files).model).state_dict()
     fresh = {f"model/{k}": v for k, v in untrained.items()}
     compared = [k for k in fresh if k in original]
     assert compared and any(not torch.equal(original[k], fresh[k]) for k in compared), sorted(original)[:4]
@@ -266,7 +238,7 @@ def _stage_units(pp_rank: int) -> list[list[tuple[int, ...]]]:
     final LayerNorm and head), then each block."""
     from refimpl.models.gpt_stages import build_stages
 
-    model = GPT(config_from_args(_args({"corpus": "x", "cache": "x"}, Path("x"))).model, seed=0)
+    model = GPT(tiny({"corpus": Path("x"), "cache": Path("x")}).model, seed=0)  # the model alone
     (stage,) = build_stages(model, pp_rank=pp_rank, pp_size=2).values()
     blocks = [[tuple(p.shape) for p in block.parameters()] for block in stage.layers]
     block_ids = {id(p) for block in stage.layers for p in block.parameters()}
@@ -292,7 +264,7 @@ def test_zero3_under_pp_gathers_once_per_step_or_per_microbatch(runs):
         per_micro = m * (wire_bytes("all_gather", ops["all_gather"][1], 2)
                          + wire_bytes("reduce_scatter", ops["reduce_scatter"][1], 2))
         for name, want in (("pp2-dp2-zero3", once), ("pp2-dp2-zero3-reshard", per_micro)):
-            for step in out[name, "bytes"]:
+            for step in (r["bytes_sent"] for r in out[name, "records"]):
                 assert 0 <= step["dp x cp"] - want < 64, (rank, name, step["dp x cp"], want)
 
 
