@@ -13,8 +13,8 @@ large-scale language model training on GPU clusters using Megatron-LM", section 
   predicted here);
 * **activations**: the bytes saved for backward the rank holds at its peak (Korthikanti et al. 2022): one
   micro-batch's (``run_memory_per_rank``), or the schedule's under pp
-  (``refimpl.planner.pipeline.PipelineRankMemory``: micro-batches in flight, sends kept). Without tp and
-  cp the ids and labels are views of the step's window ``[B/dp, s+1]``, held once, ``8 (B/dp) (s+1)``
+  (``refimpl.planner.pipeline_memory.PipelineRankMemory``: micro-batches in flight, sends kept). Without tp
+  and cp the ids and labels are views of the step's window ``[B/dp, s+1]``, held once, ``8 (B/dp) (s+1)``
   bytes; at ``b > 1`` ``lm_loss``'s ``labels.flatten()`` copies the strided labels, ``8 b s`` (under pp
   per micro-batch in flight on the last stage: ``_held_with_label_copies``). ZeRO-3 saves gathered
   weights, not activations; in 16 bits it computes in 16-bit weights, a 16-bit residual stream
@@ -51,7 +51,8 @@ from refimpl.planner.fp8 import fp8_weights
 from refimpl.planner.memory import run_memory_per_rank, state_memory_per_rank
 from refimpl.planner.param_table import param_table
 from refimpl.planner.params_flops import param_shapes
-from refimpl.planner.pipeline import PER_STEP, _walk, pipeline_memory_per_rank, stage_layers, stage_params
+from refimpl.planner.pipeline_memory import PER_STEP, _walk, pipeline_memory_per_rank
+from refimpl.planner.pipeline_stages import stage_layers, stage_params
 from refimpl.planner.run_terms import shard_group_rank, sixteen_bit_weight_activations
 from refimpl.planner.step_bytes import STEP_BYTES, Rank, Run
 from refimpl.planner.zero_state import sharded_numel, zero_memory
@@ -99,7 +100,8 @@ def _held_with_label_copies(run: Run, pp_rank: int) -> dict[str, int]:
     ``[b, s]`` of the window ``[B/dp, s+1]``, are strided, and ``lm_loss``'s ``labels.flatten()`` saves a
     copy, ``8 b s`` per micro-batch in flight, in place of the planner's per-step labels term (measured,
     both 1F1B and GPipe: tests/planner/ranks/test_planner_zero3.py). The rank's actions walked again
-    (``refimpl.planner.pipeline._walk``) with that term moved into the last stage's micro-batch bytes."""
+    (``refimpl.planner.pipeline_memory._walk``) with that term moved into the last stage's micro-batch
+    bytes."""
     assert run.pipe is not None and run.schedule is not None  # built for pp > 1 (_run_of)
     last, b, s, memory = run.num_stages - 1, run.b, run.seq_len, run.pipe[pp_rank]
     saved = {st: dict(terms) for st, terms in memory.saved.items()}

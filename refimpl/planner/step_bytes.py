@@ -37,7 +37,7 @@ from refimpl.planner.run_terms import (
 from refimpl.planner.zero_state import Shape, sharded_numel
 
 if TYPE_CHECKING:
-    from refimpl.planner.pipeline import PipelineRankMemory
+    from refimpl.planner.pipeline_memory import PipelineRankMemory
 
 __all__ = ["STEP_BYTES", "Rank", "Run", "context_parallel_step_bytes", "data_parallel_step_bytes",
            "gradient_norm_bytes", "pipeline_step_bytes", "tensor_parallel_step_bytes"]
