@@ -48,7 +48,7 @@ from refimpl.parallel.pipeline_parallel.simulator import bubble_formula
 from refimpl.planner.activations import BlockSplit, local_tokens
 from refimpl.planner.communication import context_parallel_bytes
 from refimpl.planner.fp8 import fp8_weights
-from refimpl.planner.memory import run_memory_per_rank, state_memory_per_rank
+from refimpl.planner.memory import run_memory_per_rank
 from refimpl.planner.param_table import param_table
 from refimpl.planner.params_flops import param_shapes
 from refimpl.planner.pipeline_memory import PER_STEP, _walk, pipeline_memory_per_rank
@@ -238,14 +238,11 @@ def _held(run: Run, r: Rank) -> dict[str, int]:
 
 
 def _state(run: Run, r: Rank) -> StateMemory:
-    """Rank ``r``'s state where the trainer steps, sharded over its ZeRO group (HSDP: its shard group);
-    ZeRO-1 holds its reduced gradient shards then too (``finish_gradients``)."""
-    parallel, dims = run.parallel, run.dims
-    if dims.pp > 1:  # the shapes of the rank's stages (pipeline_state_memory's)
-        state = zero_memory(r.shapes, run.shard_n, parallel.zero_stage, rank=r.group_rank)
-    else:
-        state = state_memory_per_rank(run.config, dims, zero_stage=parallel.zero_stage, dp_rank=r.group_rank)
-    if parallel.zero_stage == 1:
+    """Rank ``r``'s state where the trainer steps: its parameters (under pp its stages') sharded over its
+    ZeRO group (HSDP: its shard group), as ``state_memory_per_rank`` and ``pipeline_state_memory`` count
+    them; ZeRO-1 holds its reduced gradient shards then too (``finish_gradients``)."""
+    state = zero_memory(r.shapes, run.shard_n, run.parallel.zero_stage, rank=r.group_rank)
+    if run.parallel.zero_stage == 1:
         shard_grads = 4 * sharded_numel(r.shapes, r.group_rank, run.n)
         state = dataclasses.replace(state, grads=state.grads + shard_grads)
     return state
