@@ -256,18 +256,14 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
                              zero_stage: int = 0, zero_shards: int = 1, dp_rank: int = 0,
                              zero3_reshard_per_microbatch: bool = False,
                              residual_dtype: torch.dtype | None = None) -> list[PipelineRankMemory]:
-    """Every pipeline rank of ``pp`` ranks running ``schedule`` over ``num_microbatches`` micro-batches of
-    ``micro_batch`` sequences of ``seq_len`` tokens (module docstring), in rank order. ``precision``
-    ``fp32`` or ``bf16``/``fp16`` under autocast; ``checkpointed_blocks``: global block indices.
-    Inside the stages (chapter 12's composition, as ``refimpl.parallel.parallelize`` builds it): ``tp``
-    tensor-parallel ranks (``sequence_parallel``: the boundaries carry ``[b, s_c/t, h]``), ``cp``
-    context-parallel ranks (``cp_method``, ``cp_layout``; ``s_c = s/cp`` tokens), ZeRO ``zero_stage`` 0-3
-    over ``zero_shards`` ranks (``pipeline_state_memory``, group rank ``dp_rank``). ZeRO-3 adds what the
-    runtime holds gathered during a step: by default the rank's whole stages, weights and full gradients
-    in the compute dtype, kept through the micro-batches (gathered once, reduced once); with
-    ``zero3_reshard_per_microbatch`` one unit at a time beside the stage's root unit
-    (``refimpl.planner.zero_state.zero3_peak_gathered_bytes``). ``residual_dtype``: as
-    ``stage_saved_bytes`` (ZeRO-3 in 16 bits computes in 16-bit weights)."""
+    """Every pipeline rank of ``pp`` ranks, in rank order, running ``schedule`` over ``num_microbatches``
+    micro-batches of ``micro_batch`` sequences of ``seq_len`` tokens (module docstring). ``precision``
+    ``fp32``, or ``bf16``, ``fp16``, ``fp8`` under autocast; ``checkpointed_blocks``: global block indices;
+    ``tp``, ``sequence_parallel``, ``cp``, ``cp_method``, ``cp_layout``: the split inside the stages
+    (chapter 12, as ``refimpl.parallel.parallelize`` builds it); ZeRO ``zero_stage`` over ``zero_shards``
+    ranks as group rank ``dp_rank`` holds it, with ZeRO-3's tensors gathered for the step or per
+    micro-batch (``zero3_reshard_per_microbatch``): ``refimpl.planner.pipeline_stages.rank_state_terms``;
+    ``residual_dtype``: as ``stage_saved_bytes`` (ZeRO-3 in 16 bits computes in 16-bit weights)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {SCHEDULES}")
     if schedule == "zbv":
@@ -279,7 +275,7 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
     m, v = num_microbatches, virtual_stages
     table = build_schedule(schedule, pp_size=pp, num_microbatches=m, virtual_stages=v)
     sim = simulate(table, num_microbatches=m, virtual_stages=v)  # refuses an invalid or deadlocking table
-    num_stages, split = pp * v, schedule == "zbh1"
+    num_stages, zbh1 = pp * v, schedule == "zbh1"
     ranges = stage_layers(config, num_stages=num_stages, balance=balance, tp=tp)
     sp = BlockSplit(tp=tp, sequence_parallel=sequence_parallel, cp=cp, cp_method=cp_method,
                     cp_layout=cp_layout)
@@ -297,14 +293,14 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
         saved = {st: stage_saved_bytes(config, stage=st, num_stages=num_stages, blocks=ranges[st],
                                        micro_batch=b, seq_len=seq_len, num_microbatches=m,
                                        compute_dtype=compute, checkpointed_blocks=checkpointed_blocks,
-                                       deferred_weights=split, residual_dtype=residual_dtype, **sp)
+                                       deferred_weights=zbh1, residual_dtype=residual_dtype, **sp)
                  for st in mine}
-        if fp8_extra is not None and not split:  # fp8: the LayerNorm-fed fp8 layers keep their float32
+        if fp8_extra is not None and not zbh1:  # fp8: the LayerNorm-fed fp8 layers keep their float32
             for st in mine:  # inputs (under zbh1 every deferred linear does already: stage_saved_bytes)
                 extra = sum(fp8_extra[i] for i in ranges[st] if i not in set(checkpointed_blocks))
                 if extra:
                     saved[st][FP8_INPUTS] = extra
-        deferred = None if not split else {
+        deferred = None if not zbh1 else {
             st: stage_deferred_bytes(config, stage=st, num_stages=num_stages, blocks=ranges[st],
                                      micro_batch=b, seq_len=s, compute_dtype=compute,
                                      fp8_layers=fp8_names, tp=tp) for st in mine}
