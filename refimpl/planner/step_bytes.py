@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from refimpl.config import ModelConfig, ParallelConfig
 from refimpl.distributed.mesh import Coordinates, ParallelDims
 from refimpl.parallel.pipeline_parallel import Action, stage_rank
+from refimpl.planner.communication import shared_qkv_elements
 from refimpl.planner.param_table import ParamSpec, ParamTable
 from refimpl.planner.run_memory import RunMemory
 from refimpl.planner.run_terms import (
@@ -29,7 +30,6 @@ from refimpl.planner.run_terms import (
     add_wire_bytes,
     data_parallel_bytes,
     recompute_tp_payloads,
-    shared_qkv_elements,
     sp_gradient_payload,
     stage_zero3_units,
     tp_stage_payloads,
