@@ -580,7 +580,7 @@ fig.tight_layout()
 # `bytes_sent`) and the most full (gathered) bytes its units held between the schedule's actions
 # (`refimpl.parallel.zero.fsdp_unit.gathered_bytes`, read at the executor's clock), against the planner:
 # `predict_run`'s bytes and the memory preflight's ZeRO-3 term
-# (`refimpl.planner.pipeline.pipeline_memory_per_rank`, a peak: with resharding it adds the one block
+# (`refimpl.planner.pipeline_memory.pipeline_memory_per_rank`, a peak: with resharding it adds the one block
 # gathered within an action to the root unit held between actions).
 
 # %%
@@ -632,7 +632,7 @@ for key, parallel in TRADE.items():
     trade_runs[key] = {"dp bytes": records[-1]["bytes_sent"]["dp x cp"], "held": peak.peak}
 
 # %%
-from refimpl.planner.pipeline import pipeline_memory_per_rank
+from refimpl.planner.pipeline_memory import pipeline_memory_per_rank
 
 trade_measured = ranks.run(lambda: trade_runs)
 

@@ -66,6 +66,7 @@ __all__ = ["BOUNDARY_BYTES_PER_ELEMENT", "GPUS", "LayoutPlan", "boundary_bytes",
            "evaluate_stages", "main", "model_for", "plan_layouts"]
 
 LAYOUT_KEYS = {"dp": None, "tp": None, "pp": None, "cp": 1, "zero": None, "mb": None, "hsdp": 1, "ep": 1}
+RECOMPUTE = {"search": None, "none": False, "every": True}  # --recompute as plan_layouts' recompute
 
 
 def model_for(params: float, *, vocab_size: int, seq_len: int) -> ModelConfig:
@@ -170,15 +171,13 @@ def _assumptions(args: argparse.Namespace) -> str:
             "gathers each block once per forward and backward and holds 2 blocks' weights and 1 block's "
             "gradients full; under pp it keeps the stage gathered (bf16 weights and gradients) through "
             "the step, or, stage 3m, gathers and reduces per micro-batch; sequence parallelism; float32 "
-            "stage boundaries "
-            f"(what refimpl's pipeline sends); 1F1B; {args.mfu:.0%} of the "
+            f"stage boundaries (what refimpl's pipeline sends); 1F1B; {args.mfu:.0%} of the "
             f"{PEAK_FLOPS[args.gpu]['bf16'] / 1e12:.0f} TFLOP/s bf16 peak, one more forward when "
-            f"recomputing; MoE: the routed experts split over ep of the dp x cp ranks (replicated over tp), "
+            "recomputing; MoE: the routed experts split over ep of the dp x cp ranks (replicated over tp), "
             "each token's k rows dispatched in fp32 and returned in bf16 by all-to-all (what refimpl's "
-            "expert parallelism sends); "
-            f"NVLink {spec['nvlink'] / 1e9:.0f} GB/s and network {spec['network'] / 1e9:.0f} "
-            "GB/s per GPU and direction (data sheets); communication not overlapped (an upper bound); "
-            "recomputation: "
+            f"expert parallelism sends); NVLink {spec['nvlink'] / 1e9:.0f} GB/s and network "
+            f"{spec['network'] / 1e9:.0f} GB/s per GPU and direction (data sheets); communication not "
+            "overlapped (an upper bound); recomputation: "
             + {"search": "none or every block", "none": "none", "every": "every block"}[args.recompute]
             + ("" if args.flash else "; no flash attention (the s^2 scores kept)"))
 
@@ -191,8 +190,8 @@ def _report(config: ModelConfig, plans: list[LayoutPlan], args: argparse.Namespa
         best = min(plans, key=lambda p: p.memory_bytes)
         lines.append(f"none fits: the smallest needs {_gb(best.memory_bytes)} GB per GPU (dp {best.dp} x tp "
                      f"{best.tp} x pp {best.pp} x cp {best.cp}, ep {best.ep}, ZeRO-{best.zero_stage}, "
-                     "recompute "
-                     f"{'every block' if best.recompute else 'none'}); try more GPUs, a shorter --seq-len"
+                     f"recompute {'every block' if best.recompute else 'none'}); try more GPUs, a shorter "
+                     "--seq-len"
                      + ("" if args.zero_stages == STAGES and args.recompute == "search" else
                         ", or more of --zero-stages and --recompute"))
         return "\n".join(lines)
@@ -243,10 +242,9 @@ def _evaluate_given(config: ModelConfig, args: argparse.Namespace) -> tuple[dict
     stages = tuple(sorted({*args.zero_stages, *(() if layout["zero"] is None else (layout["zero"],))}))
     degrees = dict(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], cp=layout["cp"], seq_len=args.seq_len,
                    global_batch=args.global_batch, micro_batch=layout["mb"], ep=layout["ep"])
-    rows = evaluate_stages(
-        config, stages=stages, recompute={"search": None, "none": False, "every": True}[args.recompute],
-        dp_replicate=layout["hsdp"], **degrees, gpu=args.gpu, gpus_per_node=args.gpus_per_node, mfu=args.mfu,
-        flash=args.flash)
+    rows = evaluate_stages(config, stages=stages, recompute=RECOMPUTE[args.recompute], flash=args.flash,
+                           dp_replicate=layout["hsdp"], **degrees, gpu=args.gpu,
+                           gpus_per_node=args.gpus_per_node, mfu=args.mfu)
     refused = [z for z in stages if z not in {q.zero_stage for q in rows}]
     layout["refused"] = (refused, "; and ".join(layout_refusals(
         config, **degrees, zero_stage=refused[0], recompute=args.recompute == "every",
@@ -381,9 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             plans = plan_layouts(config, gpus=args.gpus, gpu=args.gpu, gpus_per_node=args.gpus_per_node,
                                  seq_len=args.seq_len, global_batch=args.global_batch,
-                                 micro_batch=args.micro_batch, mfu=args.mfu,
-                                 recompute={"search": None, "none": False, "every": True}[args.recompute],
-                                 flash=args.flash, zero_stages=args.zero_stages, hsdp=args.hsdp)
+                                 micro_batch=args.micro_batch, mfu=args.mfu, flash=args.flash, hsdp=args.hsdp,
+                                 recompute=RECOMPUTE[args.recompute], zero_stages=args.zero_stages)
             if not plans:
                 raise ConfigError(f"no layout of {args.gpus} GPUs divides the model "
                                   f"({config.num_attention_heads} heads, {config.num_layers} layers) and the "

@@ -15,8 +15,9 @@
 * ``refimpl.planner.time_model``: the alpha-beta cost model fitted to measured times;
   ``refimpl.planner.step_time``: a step's time on a link, its compute plus the transfers nothing hides,
   and which ones it assumes hidden (chapters 03-04, checked on the shaped link);
-* ``refimpl.planner.pipeline``: the pipeline's stages, the parameters each holds and, per pipeline rank,
-  the activations it holds at its peak under a schedule (chapter 08);
+* ``refimpl.planner.pipeline_stages``: the pipeline's stages, the parameters and state each rank holds;
+  ``refimpl.planner.pipeline_memory``: per pipeline rank, the activations it holds at its peak under a
+  schedule (chapter 08);
 * ``refimpl.planner.run_prediction``: one trainer run at a layout, per rank: state, held
   activations, bytes per process group per step, the bubble (chapter 12); ``refimpl.planner.step_bytes``:
   each technique's declared bytes per group it adds up (``STEP_BYTES``), their formulas
@@ -79,13 +80,13 @@ from refimpl.planner.params_flops import (
     param_count,
     param_shapes,
 )
-from refimpl.planner.pipeline import (
+from refimpl.planner.pipeline_memory import (
     PipelineRankMemory,
     pipeline_memory_per_rank,
-    pipeline_state_memory,
     stage_deferred_bytes,
     stage_saved_bytes,
 )
+from refimpl.planner.pipeline_stages import pipeline_state_memory
 from refimpl.planner.run_prediction import RankPrediction, RunPrediction, predict_run
 from refimpl.planner.run_terms import (
     data_parallel_bytes,

@@ -123,10 +123,8 @@ class BlockSplit(TypedDict):
 def _attention_layout(config: ModelConfig, tp: int) -> tuple[int, int, bool]:
     """``(a_t, g_t, copied)``: the query and key/value heads of one rank's attention under ``tp``
     (``t/g`` ranks share one key/value head when ``g < t``), and whether the queries reach attention as a
-    copy. The fused qkv output ``[b, s, g_t, a/g + 2, d]`` viewed as ``[b, a_t, s, d]`` queries merges the
-    group dim with the heads-per-group dim: a view when either is 1 (MHA, MQA, one group per rank), else a
-    contiguous copy, after which SDPA's output is contiguous too and the projection's input a second
-    copy."""
+    copy: the fused qkv output ``[b, s, g_t, a/g + 2, d]`` viewed as ``[b, a_t, s, d]`` merges the group
+    dim with the heads-per-group dim (module docstring, the Llama form)."""
     a, g = config.num_attention_heads, config.query_groups
     a_t, g_t = a // tp, max(g // tp, 1)
     return a_t, g_t, g_t > 1 and a_t // g_t > 1

@@ -56,8 +56,8 @@ from refimpl.config import ModelConfig
 from refimpl.planner.activations import METHODS, check_tp, local_tokens
 from refimpl.planner.zero_state import Shape, check_zero_stage, padded_numel
 
-__all__ = ["context_parallel_bytes", "ring_bytes_sent", "tensor_parallel_collectives", "tp_stage_collectives",
-           "wire_bytes", "zero_collectives", "zero_comm_bytes"]
+__all__ = ["context_parallel_bytes", "ring_bytes_sent", "shared_qkv_elements", "tensor_parallel_collectives",
+           "tp_stage_collectives", "wire_bytes", "zero_collectives", "zero_comm_bytes"]
 
 
 def ring_bytes_sent(numel: int, n: int, rank: int, element_size: int, *, op: str = "all_reduce") -> int:
@@ -154,9 +154,8 @@ def tensor_parallel_collectives(*, num_layers: int, hidden_size: int, micro_batc
     """
     if tp == 1:
         return {}
-    tokens, shared = micro_batch * seq_len, 0
-    if config is not None and config.query_groups < tp:  # each block's qkv output gathered
-        shared = tokens * (config.num_attention_heads + 2 * config.query_groups) * config.head_dim
+    tokens = micro_batch * seq_len
+    shared = 0 if config is None else shared_qkv_elements(config, tp=tp, tokens=tokens)
     out = tp_stage_collectives(layers=num_layers, first=True, last=True, x=tokens * hidden_size,
                                tokens=tokens, sequence_parallel=sequence_parallel, shared_qkv=shared,
                                bytes_per_element=bytes_per_element)
@@ -166,6 +165,15 @@ def tensor_parallel_collectives(*, num_layers: int, hidden_size: int, micro_batc
     biases = 0 if config is not None and not config.add_bias else 2
     n = (2 * per_norm + biases) * num_layers + per_norm  # the s/t-token parameters, summed after backward
     return _summed(out, {"all_reduce": (n, bytes_per_element * n * hidden_size)})
+
+
+def shared_qkv_elements(config: ModelConfig, *, tp: int, tokens: int) -> int:
+    """Elements of one block's qkv output that ``refimpl.models.gpt_sharding.SharedKeyValueQKV``
+    all-gathers (and reduce-scatters back) when ``t/g`` ranks share each key/value head, ``tokens (a + 2g)
+    d``; 0 when each rank holds whole query groups."""
+    if config.query_groups >= tp:
+        return 0
+    return tokens * (config.num_attention_heads + 2 * config.query_groups) * config.head_dim
 
 
 def tp_stage_collectives(*, layers: int, first: bool, last: bool, x: int, tokens: int,

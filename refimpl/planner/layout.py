@@ -13,7 +13,7 @@ parallelism (chapter 06: each rank holds ``1/tp`` of the sharded tensors,
 every sequence; ring attention, Liu et al. 2023, or Ulysses, Jacobs et al. 2023). The parameters are
 replicated over ``cp`` as over ``dp``, so the loss, the gradients and ZeRO's shards span the ``dp x cp``
 ranks (``refimpl.distributed.mesh.LOSS_AXES``): ``zero_shard_degree`` is ``dp * cp``.
-Pipeline parallelism (chapter 08: each pipeline rank holds its stages, ``refimpl.planner.pipeline``)
+Pipeline parallelism (chapter 08: each pipeline rank holds its stages, ``refimpl.planner.pipeline_stages``)
 composes with all three (chapter 12): the stages hold the tensor-parallel shards and the context-parallel
 attention, as ``refimpl.parallel.parallelize`` builds them.
 """

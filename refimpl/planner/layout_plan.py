@@ -12,20 +12,19 @@ and combination it searches, and what ``--layout`` prints; a chapter calls it di
   through the step, its bf16 weights and full gradients (``4 N / (tp pp)``), its collectives once per step;
   when that does not fit, the stage is gathered and reduced per micro-batch (``--zero3-reshard-per-
   microbatch``: ``m`` times the dp bytes) and holds, as without a pipeline, one block's bf16 weights being
-  used, the next one's prefetched and the
-  block's full bf16 gradients before their reduce-scatter, ``3 x 2 x`` a block's parameters ``/ tp``
+  used, the next one's prefetched and the block's full bf16 gradients before their reduce-scatter,
+  ``3 x 2 x`` a block's parameters ``/ tp``
   (``refimpl.planner.zero_state.zero3_peak_gathered_bytes`` with prefetch, blocks as units);
 * **activations**: one micro-batch of ``s/cp`` tokens per layer with sequence parallelism, ``34 s b h / t``
   plus ``5 a s^2 b / t`` without flash attention (Korthikanti et al. 2022; the Llama form at its own sizes:
   GQA's k/v, SwiGLU, no dropout, ``refimpl.planner.activations.paper_bytes_per_layer``), times
-  ``L/pp`` layers, times the
-  ``min(pp, m)`` micro-batches the first 1F1B stage holds; with recomputation every block keeps only its
-  input, ``2 s b h / t``, plus one block recomputed;
+  ``L/pp`` layers, times the ``min(pp, m)`` micro-batches the first 1F1B stage holds; with recomputation
+  every block keeps only its input, ``2 s b h / t``, plus one block recomputed;
 * **bytes each GPU sends per step**, per axis, by the ring model (``refimpl.comm.tracer.wire_bytes``):
   TP's collectives (``refimpl.planner.communication.tensor_parallel_collectives``; with fewer key/value
   heads than ``t``, each block's qkv output all-gathered and reduce-scattered back), the pipeline's
-  boundary sends (``boundary_bytes``), CP's ring
-  (``refimpl.planner.communication.context_parallel_bytes``) and dp: the bf16 gradient all-reduce
+  boundary sends (``boundary_bytes``), CP's ring (``refimpl.planner.communication.context_parallel_bytes``)
+  and dp: the bf16 gradient all-reduce
   (stages 0-2: a reduce-scatter and an all-gather move the same bytes), 1.5 times that at ZeRO-3 (an
   all-gather of the weights for forward and one for backward, a reduce-scatter of the gradients; each
   block gathered once per pass of the step, not per micro-batch); under HSDP these run within the shard
@@ -354,8 +353,7 @@ def evaluate_stages(config: ModelConfig, *, stages: tuple[int, ...] = STAGES, re
 def choose(candidates: list[LayoutPlan]) -> LayoutPlan:
     """The planner's rule for one layout: among the combinations that fit, the shortest step, ties (stages
     0-2 move the same bytes) to the lowest ZeRO stage, then no recomputation, no replication, the lowest
-    expert-parallel degree; when none
-    fits, the one needing the least memory."""
+    expert-parallel degree; when none fits, the one needing the least memory."""
     fit = [p for p in candidates if p.fits]
     if fit:
         return min(fit, key=lambda p: (p.step_s, p.zero_stage, p.recompute, p.dp_replicate, p.ep))

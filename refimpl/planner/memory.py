@@ -39,7 +39,8 @@ from refimpl.planner.layout import (
 )
 from refimpl.planner.param_table import param_table
 from refimpl.planner.params_flops import num_param_tensors, param_count, param_shapes
-from refimpl.planner.pipeline import pipeline_memory_per_rank, pipeline_state_memory
+from refimpl.planner.pipeline_memory import pipeline_memory_per_rank
+from refimpl.planner.pipeline_stages import pipeline_state_memory
 from refimpl.planner.run_memory import RunMemory
 from refimpl.planner.zero_state import zero3_peak_gathered_bytes, zero_memory
 from refimpl.precision.policy import compute_dtype_of
@@ -99,7 +100,8 @@ def state_memory_per_rank(config: ModelConfig, dims: Layout, *, zero_stage: int 
     the ``dp x cp`` ranks that replicate them by ZeRO ``zero_stage`` with the runtime's rule, dim 0 of each
     local tensor (``refimpl.planner.zero_state.zero_memory``; ``dp_rank = dp_i cp + cp_i``). An MoE model
     (chapter 09): ``refimpl.planner.experts.moe_state_memory_per_rank``; pipeline parallelism (chapter 08):
-    the parameters of pipeline rank ``pp_rank``'s stages (``refimpl.planner.pipeline.pipeline_state_memory``).
+    the parameters of pipeline rank ``pp_rank``'s stages
+    (``refimpl.planner.pipeline_stages.pipeline_state_memory``).
     """
     shards, tp, pp = zero_shard_degree(dims), tensor_parallel_degree(dims), pipeline_parallel_degree(dims)
     if config.num_experts:  # experts split over ep, their state sharded over edp (refimpl/planner/experts.py)
@@ -134,7 +136,7 @@ def run_memory_per_rank(config: ModelConfig, dims: Layout, *, micro_batch: int, 
     ``(p + 4) (s/cp) b V_t`` (an estimate). MoE blocks (chapter 09): the experts' state over the
     expert-data-parallel group and each block's saved tensors for ``expert_loads``
     (``refimpl.planner.experts``). Pipeline parallelism (``dims.pp > 1``, chapter 08): the worst pipeline
-    rank's figures under ``pp_schedule`` (``refimpl.planner.pipeline.pipeline_memory_per_rank``;
+    rank's figures under ``pp_schedule`` (``refimpl.planner.pipeline_memory.pipeline_memory_per_rank``;
     ``num_microbatches`` default ``pp``); ``RunMemory.describe`` names the rank.
     """
     check_moe_plan(config, what="run_memory_per_rank", pp=pipeline_parallel_degree(dims),

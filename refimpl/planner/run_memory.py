@@ -1,6 +1,7 @@
 """``RunMemory``, one rank's planned bytes by term (chapters 01, 05, 08 and 10): what
-``refimpl.planner.memory.run_memory_per_rank`` and ``refimpl.planner.pipeline.pipeline_memory_per_rank``
-return, and the trainer's preflight prints (``RunMemory.describe``) when a run would not fit."""
+``refimpl.planner.memory.run_memory_per_rank`` and
+``refimpl.planner.pipeline_memory.pipeline_memory_per_rank`` return, and the trainer's preflight prints
+(``RunMemory.describe``) when a run would not fit."""
 
 from __future__ import annotations
 

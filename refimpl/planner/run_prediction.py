@@ -13,8 +13,8 @@ large-scale language model training on GPU clusters using Megatron-LM", section 
   predicted here);
 * **activations**: the bytes saved for backward the rank holds at its peak (Korthikanti et al. 2022): one
   micro-batch's (``run_memory_per_rank``), or the schedule's under pp
-  (``refimpl.planner.pipeline.PipelineRankMemory``: micro-batches in flight, sends kept). Without tp and
-  cp the ids and labels are views of the step's window ``[B/dp, s+1]``, held once, ``8 (B/dp) (s+1)``
+  (``refimpl.planner.pipeline_memory.PipelineRankMemory``: micro-batches in flight, sends kept). Without tp
+  and cp the ids and labels are views of the step's window ``[B/dp, s+1]``, held once, ``8 (B/dp) (s+1)``
   bytes; at ``b > 1`` ``lm_loss``'s ``labels.flatten()`` copies the strided labels, ``8 b s`` (under pp
   per micro-batch in flight on the last stage: ``_held_with_label_copies``). ZeRO-3 saves gathered
   weights, not activations; in 16 bits it computes in 16-bit weights, a 16-bit residual stream
@@ -48,10 +48,11 @@ from refimpl.parallel.pipeline_parallel.simulator import bubble_formula
 from refimpl.planner.activations import BlockSplit, local_tokens
 from refimpl.planner.communication import context_parallel_bytes
 from refimpl.planner.fp8 import fp8_weights
-from refimpl.planner.memory import run_memory_per_rank, state_memory_per_rank
+from refimpl.planner.memory import run_memory_per_rank
 from refimpl.planner.param_table import param_table
 from refimpl.planner.params_flops import param_shapes
-from refimpl.planner.pipeline import PER_STEP, _walk, pipeline_memory_per_rank, stage_layers, stage_params
+from refimpl.planner.pipeline_memory import PER_STEP, _walk, pipeline_memory_per_rank
+from refimpl.planner.pipeline_stages import stage_layers, stage_params
 from refimpl.planner.run_terms import shard_group_rank, sixteen_bit_weight_activations
 from refimpl.planner.step_bytes import STEP_BYTES, Rank, Run
 from refimpl.planner.zero_state import sharded_numel, zero_memory
@@ -99,7 +100,8 @@ def _held_with_label_copies(run: Run, pp_rank: int) -> dict[str, int]:
     ``[b, s]`` of the window ``[B/dp, s+1]``, are strided, and ``lm_loss``'s ``labels.flatten()`` saves a
     copy, ``8 b s`` per micro-batch in flight, in place of the planner's per-step labels term (measured,
     both 1F1B and GPipe: tests/planner/ranks/test_planner_zero3.py). The rank's actions walked again
-    (``refimpl.planner.pipeline._walk``) with that term moved into the last stage's micro-batch bytes."""
+    (``refimpl.planner.pipeline_memory._walk``) with that term moved into the last stage's micro-batch
+    bytes."""
     assert run.pipe is not None and run.schedule is not None  # built for pp > 1 (_run_of)
     last, b, s, memory = run.num_stages - 1, run.b, run.seq_len, run.pipe[pp_rank]
     saved = {st: dict(terms) for st, terms in memory.saved.items()}
@@ -236,14 +238,11 @@ def _held(run: Run, r: Rank) -> dict[str, int]:
 
 
 def _state(run: Run, r: Rank) -> StateMemory:
-    """Rank ``r``'s state where the trainer steps, sharded over its ZeRO group (HSDP: its shard group);
-    ZeRO-1 holds its reduced gradient shards then too (``finish_gradients``)."""
-    parallel, dims = run.parallel, run.dims
-    if dims.pp > 1:  # the shapes of the rank's stages (pipeline_state_memory's)
-        state = zero_memory(r.shapes, run.shard_n, parallel.zero_stage, rank=r.group_rank)
-    else:
-        state = state_memory_per_rank(run.config, dims, zero_stage=parallel.zero_stage, dp_rank=r.group_rank)
-    if parallel.zero_stage == 1:
+    """Rank ``r``'s state where the trainer steps: its parameters (under pp its stages') sharded over its
+    ZeRO group (HSDP: its shard group), as ``state_memory_per_rank`` and ``pipeline_state_memory`` count
+    them; ZeRO-1 holds its reduced gradient shards then too (``finish_gradients``)."""
+    state = zero_memory(r.shapes, run.shard_n, run.parallel.zero_stage, rank=r.group_rank)
+    if run.parallel.zero_stage == 1:
         shard_grads = 4 * sharded_numel(r.shapes, r.group_rank, run.n)
         state = dataclasses.replace(state, grads=state.grads + shard_grads)
     return state

@@ -22,11 +22,11 @@ from refimpl.comm.tracer import wire_bytes
 from refimpl.config import ModelConfig
 from refimpl.distributed.mesh import ParallelDims
 from refimpl.planner.activations import activation_bytes, local_tokens
-from refimpl.planner.communication import tp_stage_collectives, zero_collectives
+from refimpl.planner.communication import shared_qkv_elements, tp_stage_collectives, zero_collectives
 from refimpl.planner.zero_state import Shape, padded_numel, sharded_numel
 
 __all__ = ["DP_KEY", "REPLICA_KEY", "SHARD_KEY", "add_wire_bytes", "data_parallel_bytes", "final_norm_16",
-           "recompute_tp_payloads", "shard_group_rank", "shared_qkv_elements",
+           "recompute_tp_payloads", "shard_group_rank",
            "sixteen_bit_weight_activations", "sp_gradient_payload", "stage_zero3_units", "tp_stage_payloads"]
 
 DP_KEY, SHARD_KEY, REPLICA_KEY = "dp x cp", "dp_shard x cp", "dp_replicate"  # metrics.jsonl's group keys
@@ -128,15 +128,6 @@ def recompute_tp_payloads(*, checkpointed: int, x: int, sequence_parallel: bool,
     if not sequence_parallel:
         return {"all_reduce": 4 * checkpointed * x} | gather
     return {"all_gather": 4 * checkpointed * (2 * x + shared_qkv), "reduce_scatter": 4 * checkpointed * x}
-
-
-def shared_qkv_elements(config: ModelConfig, *, tp: int, tokens: int) -> int:
-    """Elements of one block's qkv output that ``refimpl.models.gpt_sharding.SharedKeyValueQKV``
-    all-gathers (and reduce-scatters back) when ``t/g`` ranks share each key/value head, ``tokens (a + 2g)
-    d``; 0 when each rank holds whole query groups."""
-    if config.query_groups >= tp:
-        return 0
-    return tokens * (config.num_attention_heads + 2 * config.query_groups) * config.head_dim
 
 
 def sixteen_bit_weight_activations(config: ModelConfig, *, checkpointed_blocks: Sequence[int],

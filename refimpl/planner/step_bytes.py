@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from refimpl.config import ModelConfig, ParallelConfig
 from refimpl.distributed.mesh import Coordinates, ParallelDims
 from refimpl.parallel.pipeline_parallel import Action, stage_rank
+from refimpl.planner.communication import shared_qkv_elements
 from refimpl.planner.param_table import ParamSpec, ParamTable
 from refimpl.planner.run_memory import RunMemory
 from refimpl.planner.run_terms import (
@@ -29,7 +30,6 @@ from refimpl.planner.run_terms import (
     add_wire_bytes,
     data_parallel_bytes,
     recompute_tp_payloads,
-    shared_qkv_elements,
     sp_gradient_payload,
     stage_zero3_units,
     tp_stage_payloads,
@@ -37,7 +37,7 @@ from refimpl.planner.run_terms import (
 from refimpl.planner.zero_state import Shape, sharded_numel
 
 if TYPE_CHECKING:
-    from refimpl.planner.pipeline import PipelineRankMemory
+    from refimpl.planner.pipeline_memory import PipelineRankMemory
 
 __all__ = ["STEP_BYTES", "Rank", "Run", "context_parallel_step_bytes", "data_parallel_step_bytes",
            "gradient_norm_bytes", "pipeline_step_bytes", "tensor_parallel_step_bytes"]

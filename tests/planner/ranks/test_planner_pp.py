@@ -1,4 +1,4 @@
-"""The planner's pipeline terms (chapter 08, ``refimpl.planner.pipeline``) against what the runtime holds.
+"""The planner's pipeline terms (chapter 08, ``refimpl.planner.pipeline_*``) against what the runtime holds.
 
 * Parameters per pipeline rank: the shapes of ``build_stages``' stages on every rank (pp 4; pp 2 with 3
   chunks per rank; 7 blocks, so uneven stages; split by layers and by parameters, tied and untied
@@ -46,14 +46,13 @@ from refimpl.parallel.activation_checkpoint import apply_activation_checkpointin
 from refimpl.parallel.pipeline_parallel import PipelineModule, build_schedule
 from refimpl.parallel.pipeline_parallel.weight_grad import WeightGradStore, defer_weight_gradients
 from refimpl.planner import run_memory_per_rank, state_memory_per_rank
-from refimpl.planner.pipeline import (
+from refimpl.planner.pipeline_memory import (
     PER_STEP,
     pipeline_memory_per_rank,
-    pipeline_state_memory,
     stage_deferred_bytes,
-    stage_layers,
     stage_saved_bytes,
 )
+from refimpl.planner.pipeline_stages import pipeline_state_memory, stage_layers
 from refimpl.train.layout import resolve
 from tests.support.timeouts import SPAWN_TIMEOUT_S
 
@@ -221,7 +220,7 @@ def live(request):
 
 def _until_w(plan, config: ModelConfig, pp: int) -> int:
     """The wrong zbh1 plan: a micro-batch keeps all of its saved bytes until its W."""
-    from refimpl.planner import pipeline as planner_pipeline
+    from refimpl.planner import pipeline_memory as planner_pipeline
 
     table = build_schedule("zbh1", pp_size=pp, num_microbatches=M)[plan.rank]
     whole = {st: sum(v for k, v in t.items() if k not in PER_STEP) for st, t in plan.saved.items()}
@@ -388,7 +387,7 @@ def test_pipeline_inside_tensor_and_context_parallelism_holds_the_plan(composed)
 
 def planner_walk(plan, *, outputs: int) -> int:
     """A rank's held peak under 1F1B with another boundary size (the SP negative control)."""
-    from refimpl.planner import pipeline as planner_pipeline
+    from refimpl.planner import pipeline_memory as planner_pipeline
 
     table = build_schedule("1f1b", pp_size=2, num_microbatches=M)[plan.rank]
     terms, _ = planner_pipeline._walk(table, saved=plan.saved, deferred=None, num_stages=2, outputs=outputs)
@@ -451,7 +450,7 @@ def test_the_planner_refuses_zbv_by_name_and_plans_zbh1():
     """ZB-V's V placement and its deferred weight gradients are not modelled: the pipeline memory model and
     ``predict_run`` refuse ``zbv`` in one sentence naming it, where the same call with zbh1 plans."""
     from refimpl.config import ParallelConfig
-    from refimpl.planner.pipeline import ZBV_NOT_MODELLED
+    from refimpl.planner.pipeline_memory import ZBV_NOT_MODELLED
     from refimpl.planner.run_prediction import predict_run
 
     kwargs = dict(pp=2, num_microbatches=4, micro_batch=B, seq_len=S)

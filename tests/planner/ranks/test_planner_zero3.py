@@ -33,7 +33,7 @@ Per rank,
   pipeline.
 
 Also measured against the memory preflight's ZeRO-3 terms, which are peaks, not the state at the step
-(``refimpl.planner.pipeline.pipeline_memory_per_rank``): under the pipeline, gathered once per step,
+(``refimpl.planner.pipeline_memory.pipeline_memory_per_rank``): under the pipeline, gathered once per step,
 the most full bytes alive between the schedule's actions are the stage's weights and full gradients
 (the preflight's term, to the byte); gathered per micro-batch, the stage's root unit (the term adds one
 block, gathered within an action). At pp 1 at the first loss only the root unit is gathered (the blocks'
@@ -68,7 +68,7 @@ from refimpl.measure.run_measurement import TrainerProbe
 from refimpl.parallel.zero.fsdp_unit import gathered_bytes
 from refimpl.planner import activation_bytes, predict_run, sharded_numel
 from refimpl.planner.param_table import param_table
-from refimpl.planner.pipeline import pipeline_memory_per_rank
+from refimpl.planner.pipeline_memory import pipeline_memory_per_rank
 from refimpl.train import build_parser, config_from_args, options_from_args, train
 from refimpl.train.hooks import compose
 from tests.support import timeouts
@@ -249,7 +249,7 @@ def test_the_probe_reads_zero3_as_its_zero2_twin(runs):
 
 def _preflight(args, plan, rank: int):
     """The memory preflight's ``refimpl.planner.run_memory.RunMemory`` of ``rank`` under the pipeline
-    (``refimpl.planner.pipeline.pipeline_memory_per_rank`` at the layout, ZeRO-3 over the 2 dp ranks):
+    (``refimpl.planner.pipeline_memory.pipeline_memory_per_rank`` at the layout, ZeRO-3 over the 2 dp ranks):
     its ZeRO-3 term is the gathered tensors' peak."""
     config, parallel = config_from_args(args).model, options_from_args(args).parallel
     c = plan.ranks[rank].coords

@@ -1,15 +1,6 @@
-"""Pipeline parallelism in the planner: the parameters and the activation memory of each pipeline rank
-(chapter 08; Huang et al. 2019, GPipe; Narayanan et al. 2021, 1F1B and interleaved 1F1B; Qi et al. 2023,
-zero bubble).
-
-The model is cut into ``S = p v`` stages as the runtime cuts it (``stage_layers``:
-``refimpl.parallel.pipeline_parallel.split_blocks``, by blocks or by parameters, on the tensor-parallel
-shards of ``refimpl.planner.param_table.param_table``; no model built); stage ``s`` lives on rank
-``s mod p``. A stage holds its blocks' parameters (``layers.{i}.*``), the first also the embedding's, the
-last the final LayerNorm's and the output layer's; a tied embedding's copy there too (its own tensor,
-another rank holds the original; under tp a vocab-parallel shard, ``ceil(V/t)`` rows). The weights a stage
-multiplies (autocast's 16-bit copies) are its blocks' linear weights and, on the last stage, the output
-layer's.
+"""The activations a pipeline rank holds over the schedule (chapter 08; Huang et al. 2019, GPipe;
+Narayanan et al. 2021, 1F1B and interleaved 1F1B; Qi et al. 2023, zero bubble). The stages and what each
+holds: ``refimpl.planner.pipeline_stages``.
 
 One micro-batch of ``b`` sequences of ``s`` tokens saves ``A(s)`` bytes for backward in stage ``s``: the
 blocks' terms of ``refimpl.planner.activations.activation_bytes_per_layer`` for its blocks (a
@@ -42,35 +33,22 @@ recomputation.
 Inside the other axes (chapter 12, as ``refimpl.parallel.parallelize`` builds it: tensor and context
 parallelism first, then the split): the stages hold the tensor-parallel shards of ``t`` ranks, and every
 term above is the rank's: the blocks' and the embedding's and loss's at ``s_c = s/cp`` tokens by
-``cp_method`` (``refimpl.planner.activations``;
-under tp the vocab-parallel embedding's local ids and mask, the loss's softmax shard ``4 s_c b V/t``,
-target index and masks, per micro-batch), the boundaries ``O = G = 4 (s_c/u) b h`` (``u = t`` under
-sequence parallelism, else 1), the logits ``(p + 4) s_c b ceil(V/t)``. ZeRO-1 (a ShardedOptimizer over
-the stages) shards the AdamW state over the ``dp x cp`` ranks (``pipeline_state_memory``), ZeRO-2 the
-gradients too (its hooks keep a shard of each micro-batch's gradients), ZeRO-3 the weights too, at rest,
-with its gathered stages on top at the peak (``_zero3_gathered``: the whole stages kept through the
-step by default, one unit at a time with ``zero3_reshard_per_microbatch``).
+``cp_method`` (``refimpl.planner.activations``; under tp the vocab-parallel embedding's local ids and
+mask, the loss's softmax shard ``4 s_c b V/t``, target index and masks, per micro-batch), the boundaries
+``O = G = 4 (s_c/u) b h`` (``u = t`` under sequence parallelism, else 1), the logits
+``(p + 4) s_c b ceil(V/t)``. The rank's model state: ``refimpl.planner.pipeline_stages.rank_state_terms``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from refimpl.config import ModelConfig, ParallelConfig
-from refimpl.measure.state import StateMemory
-from refimpl.parallel.pipeline_parallel import (
-    SCHEDULES,
-    Balance,
-    build_schedule,
-    simulate,
-    split_blocks,
-    stage_rank,
-)
+from refimpl.parallel.pipeline_parallel import SCHEDULES, build_schedule, simulate, stage_rank
 from refimpl.planner.activations import (
     BlockSplit,
     activation_bytes_per_layer,
@@ -78,88 +56,20 @@ from refimpl.planner.activations import (
     outside_block_bytes,
 )
 from refimpl.planner.fp8 import fp8_extra_saved_bytes, fp8_weights
-from refimpl.planner.param_table import ParamSpec, param_table
+from refimpl.planner.param_table import Shape
+from refimpl.planner.pipeline_stages import rank_param_shapes, rank_state_terms, stage_layers
 from refimpl.planner.run_memory import RunMemory
 from refimpl.planner.run_terms import final_norm_16
-from refimpl.planner.zero_state import zero3_peak_gathered_bytes, zero_memory
 from refimpl.precision.policy import compute_dtype_of
 from refimpl.support import check_supported, not_modelled
 
-__all__ = ["PER_STEP", "ZBV_NOT_MODELLED", "PipelineRankMemory", "block_of", "pipeline_memory_per_rank",
-           "pipeline_state_memory", "rank_param_shapes", "stage_deferred_bytes", "stage_layers",
-           "stage_matmul_weights", "stage_params", "stage_saved_bytes"]
+__all__ = ["PER_STEP", "ZBV_NOT_MODELLED", "PipelineRankMemory", "pipeline_memory_per_rank",
+           "stage_deferred_bytes", "stage_saved_bytes"]
 
 ZBV_NOT_MODELLED = not_modelled("zbv")  # refimpl/support.py
 
 PER_STEP = ("token ids (the step's batch, int64)", "labels (the step's batch, int64)")
 FP8_INPUTS = "fp8 layers' float32 LayerNorm-fed inputs"  # --precision fp8 (refimpl/planner/fp8.py)
-
-
-def _numel(specs: tuple[ParamSpec, ...]) -> int:
-    return sum(p.numel for p in specs)
-
-
-def stage_layers(config: ModelConfig, *, num_stages: int, balance: str = "layers",
-                 tp: int = 1) -> list[range]:
-    """The blocks of each stage, by the runtime's rule (``split_blocks``, ``balance`` ``"layers"`` or
-    ``"parameters"``, on the tensor-parallel shards' sizes: the embedding counts towards the first stage,
-    the final LayerNorm and the head, tied or not, towards the last)."""
-    table = param_table(config, tp=tp)
-    return split_blocks([_numel(block) for block in table.blocks], num_stages,
-                        balance=cast(Balance, balance),  # split_blocks refuses another value
-                        first_extra=_numel(table.embedding),
-                        last_extra=_numel(table.final_layernorm) + table.head.numel)
-
-
-def stage_params(config: ModelConfig, *, stage: int, num_stages: int, blocks: range,
-                 tp: int = 1) -> list[ParamSpec]:
-    """The parameters stage ``stage`` of ``num_stages`` holds (with ``blocks``) on one of ``tp``
-    tensor-parallel ranks: its blocks', the embedding's on the first, the final LayerNorm's and the output
-    layer's on the last (a tied embedding: the last stage's own copy when ``num_stages > 1``)."""
-    table = param_table(config, tp=tp)
-    out = list(table.embedding) if stage == 0 else []
-    for i in blocks:
-        out += table.blocks[i]
-    if stage == num_stages - 1:
-        out += table.final_layernorm
-        out += table.output_layer or ((table.head,) if num_stages > 1 else ())
-    return out
-
-
-def stage_matmul_weights(config: ModelConfig, *, stage: int, num_stages: int, blocks: range,
-                         tp: int = 1) -> int:
-    """Elements of the weights stage ``stage`` multiplies: its blocks' linear layers' and, on the last
-    stage, the output layer's (tied: the embedding shard; the first stage only looks it up)."""
-    table = param_table(config, tp=tp)
-    head = table.head.numel if stage == num_stages - 1 else 0
-    return head + sum(p.numel for i in blocks for p in table.blocks[i] if p.matmul)
-
-
-def rank_param_shapes(config: ModelConfig, *, pp: int, rank: int, ranges: list[range],
-                      tp: int = 1) -> list[tuple[int, ...]]:
-    """The parameter shapes of pipeline rank ``rank``'s stages (``ranges``: every stage's blocks), in the
-    model's order (``refimpl.planner.params_flops.param_shapes``)."""
-    return [q.shape for st in range(len(ranges)) if stage_rank(st, pp_size=pp) == rank
-            for q in stage_params(config, stage=st, num_stages=len(ranges), blocks=ranges[st], tp=tp)]
-
-
-def pipeline_state_memory(config: ModelConfig, *, pp: int, pp_rank: int, virtual_stages: int = 1,
-                          balance: str = "layers", tp: int = 1, zero_stage: int = 0, zero_shards: int = 1,
-                          dp_rank: int = 0) -> StateMemory:
-    """fp32 weights, gradients and AdamW state(two moments, a ``step`` per tensor) of the parameters of
-    pipeline rank ``pp_rank``'s stages (``rank_param_shapes``, the tensor-parallel shards of ``tp``
-    ranks), whole, or with ``zero_stage`` 1 (Rajbhandari et al. 2020; the runtime's ShardedOptimizer over the
-    stages; 2: the gradients too; 3: the weights too, at rest) the AdamW state sharded over the
-    ``zero_shards`` (``dp x cp``) ranks, dim 0 of each tensor, as held by the group's rank ``dp_rank``
-    (``refimpl.planner.zero_state.zero_memory``)."""
-    ranges = stage_layers(config, num_stages=pp * virtual_stages, balance=balance, tp=tp)
-    shapes = rank_param_shapes(config, pp=pp, rank=pp_rank, ranges=ranges, tp=tp)
-    return zero_memory(shapes, zero_shards, zero_stage, rank=dp_rank)
-
-
-def block_of(name: str) -> int | None:
-    """The block index of a parameter name of the plain GPT (``layers.5.mlp...`` -> 5), None outside."""
-    return int(name.split(".")[1]) if name.startswith("layers.") else None
 
 
 def stage_deferred_bytes(config: ModelConfig, *, stage: int, num_stages: int, blocks: range, micro_batch: int,
@@ -250,7 +160,7 @@ def stage_saved_bytes(config: ModelConfig, *, stage: int, num_stages: int, block
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineRankMemory:
-    """One pipeline rank: its ``stages`` and their ``blocks``; ``params`` (elements) and ``param_shapes``;
+    """One pipeline rank: its ``stages`` and their ``blocks``, its ``param_shapes``;
     ``saved`` (per stage, one micro-batch's bytes, ``stage_saved_bytes``); ``in_flight``: the
     micro-batches held at the peak, ``peak_in_flight`` the simulator's most at once; ``peak_terms``: the
     held bytes at the peak by term; ``transient``: on top, within one action; ``memory``: the rank's
@@ -260,7 +170,7 @@ class PipelineRankMemory:
     rank: int
     stages: tuple[int, ...]
     blocks: tuple[range, ...]
-    param_shapes: list[tuple[int, ...]]
+    param_shapes: list[Shape]
     saved: dict[int, dict[str, int]]
     in_flight: int
     peak_in_flight: int
@@ -268,10 +178,6 @@ class PipelineRankMemory:
     transient: dict[str, int] = field(default_factory=dict)
     memory: RunMemory
     deferred: dict[int, int] | None = None  # zbh1: per stage, what a B leaves to its W (stage_deferred_bytes)
-
-    @property
-    def params(self) -> int:
-        return sum(math.prod(s) for s in self.param_shapes)
 
     @property
     def peak_held(self) -> int:
@@ -316,26 +222,6 @@ def _walk(actions, *, saved: dict[int, dict[str, int]], deferred: dict[int, int]
     return best[1], best[2]
 
 
-def _zero3_gathered(config: ModelConfig, *, mine: list[int], ranges, shapes, tp: int, p: int, shards: int,
-                    per_microbatch: bool) -> dict[str, int]:
-    """ZeRO-3's full tensors a pipeline rank holds at its peak during a step (see
-    ``pipeline_memory_per_rank``): a peak, on top of the sharded state, for the memory preflight
-    (``refimpl.planner.memory.run_memory_per_rank``), not the state the rank holds where the trainer
-    steps. By default the rank's stages gathered with their full gradients, ``2 p numel``, reached once the
-    last backward has accumulated them, before ``finish_gradient_sync``; per micro-batch the stage's root
-    unit beside its largest block, within a block's forward or backward.
-    tests/planner/ranks/test_planner_zero3.py measures the full tensors between the schedule's actions: the
-    first term to the byte; per micro-batch the root alone (the block is gathered within an action). By the
-    optimizer step every full tensor is freed: ``refimpl.planner.run_prediction.predict_run``'s state is the
-    shards alone."""
-    numel = sum(math.prod(s) for s in shapes)
-    if not per_microbatch:  # the stages gathered once and kept, their gradients accumulated whole
-        return {"ZeRO-3 gathered stages and their full gradients (kept through the step)": 2 * p * numel}
-    table = param_table(config, tp=tp)
-    blocks = [[q.shape for q in table.blocks[i]] for st in mine for i in ranges[st]]
-    root_numel = numel - sum(math.prod(s) for unit in blocks for s in unit)  # embedding, head: the root unit
-    gathered = zero3_peak_gathered_bytes([[(root_numel,)], *blocks], shards, bytes_per_element=p)
-    return {"ZeRO-3 gathered units (per micro-batch)": gathered.weights}
 
 
 def _transient_terms(config: ModelConfig, *, mine: list[int], ranges: list[range], boundary: int,
@@ -360,28 +246,6 @@ def _transient_terms(config: ModelConfig, *, mine: list[int], ranges: list[range
     return transient
 
 
-def _rank_state(config: ModelConfig, *, mine: list[int], ranges: list[range], shapes: list[tuple[int, ...]],
-                tp: int, precision: str, zero_stage: int, zero_shards: int, dp_rank: int,
-                zero3_reshard_per_microbatch: bool) -> dict[str, int]:
-    """``pipeline_memory_per_rank``'s model state of a pipeline rank (its stages ``mine``, their
-    parameters' ``shapes``), by term: weights, gradients and AdamW state under ZeRO ``zero_stage`` over
-    ``zero_shards`` ranks (``pipeline_state_memory``), ZeRO-3's gathered tensors, autocast's 16-bit weight
-    copies (fp8: but the fp8 layers', and their transient cast)."""
-    p, num_stages = compute_dtype_of(precision).itemsize, len(ranges)
-    zero = zero_memory(shapes, zero_shards, zero_stage, rank=dp_rank)
-    state = {"weights": zero.weights, "grads": zero.grads, "AdamW state": zero.optimizer}
-    if zero_stage == 3 and zero_shards > 1:
-        state.update(_zero3_gathered(config, mine=mine, ranges=ranges, shapes=shapes, tp=tp, p=p,
-                                     shards=zero_shards, per_microbatch=zero3_reshard_per_microbatch))
-    if p != 4:  # fp8: no bf16 copy of an fp8 weight, a transient 1-byte cast (refimpl/planner/fp8.py)
-        fp8 = [q for q in fp8_weights(config, tp=tp) if block_of(q.name) in
-               {i for st in mine for i in ranges[st]}] if precision == "fp8" else []
-        state["autocast weight copies"] = p * (sum(
-            stage_matmul_weights(config, stage=st, num_stages=num_stages, blocks=ranges[st], tp=tp)
-            for st in mine) - sum(q.numel for q in fp8))
-        if fp8:
-            state["fp8 weight cast (transient, largest layer)"] = max(q.numel for q in fp8)
-    return state
 
 
 def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: int, schedule: str = "1f1b",
@@ -392,18 +256,14 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
                              zero_stage: int = 0, zero_shards: int = 1, dp_rank: int = 0,
                              zero3_reshard_per_microbatch: bool = False,
                              residual_dtype: torch.dtype | None = None) -> list[PipelineRankMemory]:
-    """Every pipeline rank of ``pp`` ranks running ``schedule`` over ``num_microbatches`` micro-batches of
-    ``micro_batch`` sequences of ``seq_len`` tokens (module docstring), in rank order. ``precision``
-    ``fp32`` or ``bf16``/``fp16`` under autocast; ``checkpointed_blocks``: global block indices.
-    Inside the stages (chapter 12's composition, as ``refimpl.parallel.parallelize`` builds it): ``tp``
-    tensor-parallel ranks (``sequence_parallel``: the boundaries carry ``[b, s_c/t, h]``), ``cp``
-    context-parallel ranks (``cp_method``, ``cp_layout``; ``s_c = s/cp`` tokens), ZeRO ``zero_stage`` 0-3
-    over ``zero_shards`` ranks (``pipeline_state_memory``, group rank ``dp_rank``). ZeRO-3 adds what the
-    runtime holds gathered during a step: by default the rank's whole stages, weights and full gradients
-    in the compute dtype, kept through the micro-batches (gathered once, reduced once); with
-    ``zero3_reshard_per_microbatch`` one unit at a time beside the stage's root unit
-    (``refimpl.planner.zero_state.zero3_peak_gathered_bytes``). ``residual_dtype``: as
-    ``stage_saved_bytes`` (ZeRO-3 in 16 bits computes in 16-bit weights)."""
+    """Every pipeline rank of ``pp`` ranks, in rank order, running ``schedule`` over ``num_microbatches``
+    micro-batches of ``micro_batch`` sequences of ``seq_len`` tokens (module docstring). ``precision``
+    ``fp32``, or ``bf16``, ``fp16``, ``fp8`` under autocast; ``checkpointed_blocks``: global block indices;
+    ``tp``, ``sequence_parallel``, ``cp``, ``cp_method``, ``cp_layout``: the split inside the stages
+    (chapter 12, as ``refimpl.parallel.parallelize`` builds it); ZeRO ``zero_stage`` over ``zero_shards``
+    ranks as group rank ``dp_rank`` holds it, with ZeRO-3's tensors gathered for the step or per
+    micro-batch (``zero3_reshard_per_microbatch``): ``refimpl.planner.pipeline_stages.rank_state_terms``;
+    ``residual_dtype``: as ``stage_saved_bytes`` (ZeRO-3 in 16 bits computes in 16-bit weights)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {SCHEDULES}")
     if schedule == "zbv":
@@ -415,7 +275,7 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
     m, v = num_microbatches, virtual_stages
     table = build_schedule(schedule, pp_size=pp, num_microbatches=m, virtual_stages=v)
     sim = simulate(table, num_microbatches=m, virtual_stages=v)  # refuses an invalid or deadlocking table
-    num_stages, split = pp * v, schedule == "zbh1"
+    num_stages, zbh1 = pp * v, schedule == "zbh1"
     ranges = stage_layers(config, num_stages=num_stages, balance=balance, tp=tp)
     sp = BlockSplit(tp=tp, sequence_parallel=sequence_parallel, cp=cp, cp_method=cp_method,
                     cp_layout=cp_layout)
@@ -433,14 +293,14 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
         saved = {st: stage_saved_bytes(config, stage=st, num_stages=num_stages, blocks=ranges[st],
                                        micro_batch=b, seq_len=seq_len, num_microbatches=m,
                                        compute_dtype=compute, checkpointed_blocks=checkpointed_blocks,
-                                       deferred_weights=split, residual_dtype=residual_dtype, **sp)
+                                       deferred_weights=zbh1, residual_dtype=residual_dtype, **sp)
                  for st in mine}
-        if fp8_extra is not None and not split:  # fp8: the LayerNorm-fed fp8 layers keep their float32
+        if fp8_extra is not None and not zbh1:  # fp8: the LayerNorm-fed fp8 layers keep their float32
             for st in mine:  # inputs (under zbh1 every deferred linear does already: stage_saved_bytes)
                 extra = sum(fp8_extra[i] for i in ranges[st] if i not in set(checkpointed_blocks))
                 if extra:
                     saved[st][FP8_INPUTS] = extra
-        deferred = None if not split else {
+        deferred = None if not zbh1 else {
             st: stage_deferred_bytes(config, stage=st, num_stages=num_stages, blocks=ranges[st],
                                      micro_batch=b, seq_len=s, compute_dtype=compute,
                                      fp8_layers=fp8_names, tp=tp) for st in mine}
@@ -449,9 +309,9 @@ def pipeline_memory_per_rank(config: ModelConfig, *, pp: int, num_microbatches: 
         transient = _transient_terms(config, mine=mine, ranges=ranges, boundary=boundary, micro_batch=b,
                                      seq_len=seq_len, tokens=s, compute=compute,
                                      checkpointed_blocks=checkpointed_blocks, split=sp)
-        state = _rank_state(config, mine=mine, ranges=ranges, shapes=shapes, tp=tp, precision=precision,
-                            zero_stage=zero_stage, zero_shards=zero_shards, dp_rank=dp_rank,
-                            zero3_reshard_per_microbatch=zero3_reshard_per_microbatch)
+        state = rank_state_terms(config, mine=mine, ranges=ranges, shapes=shapes, tp=tp, precision=precision,
+                                 zero_stage=zero_stage, zero_shards=zero_shards, dp_rank=dp_rank,
+                                 zero3_reshard_per_microbatch=zero3_reshard_per_microbatch)
         out.append(PipelineRankMemory(rank=r, stages=tuple(mine), blocks=tuple(ranges[st] for st in mine),
                                       param_shapes=shapes, saved=saved, in_flight=flying,
                                       peak_in_flight=sim.peak_in_flight[r], peak_terms=terms,
