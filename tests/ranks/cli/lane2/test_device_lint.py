@@ -4,7 +4,8 @@
   controls: a host tensor into a collective, a non-contiguous tensor, a float8 sum, fp8 and grouped GEMMs
   that sm90 refuses);
 - the trainer under it at one layout of every family at 4 ranks (dp; ZeRO-1/2/3; HSDP; tp with SP and
-  cp ring and Ulysses, each x dp 2; pp 2 x dp 2 with each schedule; ep; fp16; bf16; fp8 tensorwise and
+  cp ring and Ulysses, each x dp 2; pp 2 x dp 2 with each schedule; ep, also with a shared expert beside
+  the posted dispatch; fp16; bf16; fp8 tensorwise and
   rowwise): zero violations, and a budget of host syncs per step;
 - ``REFIMPL_DEVICE_LINT=1`` on the command line (a pp 2 run: its idle-share all-reduce was a CPU tensor,
   which NCCL refuses).
@@ -183,6 +184,7 @@ LAYOUTS = {
     "pp2-zbh1": [*PP, "--pp-schedule", "zbh1"],
     "pp2-zbv": [*PP, "--pp-schedule", "zbv", "--virtual-stages", "2"],
     "ep2": MOE, "ep2-bf16": [*MOE, "--precision", "bf16"],
+    "ep2-shared": [*MOE, "--moe-shared-experts", "1"],  # the shared expert beside the posted dispatch
     "fp16": ["--precision", "fp16"], "bf16": ["--precision", "bf16"],
     "fp8-tensorwise": FP8, "fp8-rowwise": [*FP8, "--fp8-scaling", "rowwise"],
 }
