@@ -1,5 +1,5 @@
 """Each overlap of communication with computation the course builds, timed against its serialized control
-(chapters 03, 04, 06 and 07): run the workers here with ``run_ranks(worker, 2, link="1gbit")``
+(chapters 03, 04, 06, 07, 08 and 09): run the workers here with ``run_ranks(worker, 2, link="1gbit")``
 (``refimpl.launch.shaped_link``), where the link and not the two cores sets the pace.
 
 A control is the same code with ``wait()`` before the compute the transfer could hide behind:
@@ -21,6 +21,10 @@ A control is the same code with ``wait()`` before the compute the transfer could
   wide, top 2, ep 2, 1024 tokens of 512 per rank) whose shared expert (an MLP 512 -> 1024 -> 512) runs
   while the dispatch's all-to-all carries the tokens (``MoE(x, beside=...)``, DeepSeek-V3's overlap), against
   ``overlap_dispatch = False`` (the wait, then the shared expert); forward only (chapter 09).
+* ``pipeline_overlap``: a pipeline step (``refimpl.parallel.pipeline_parallel.run_schedule``, one
+  ``Linear(1024, 1024)`` per stage, interleaved 1F1B at p 2 with 2 stages per rank, 4 micro-batches of 256
+  rows) with ``overlap=True`` (a group waited for when an action needs what it receives) against the
+  default (every group waited for before the next action); forward and backward (chapter 08).
 
 Each worker alternates the two kinds of step (a barrier before each, the first of each a warm-up) and
 returns per rank the median seconds of each, ``{"median": {"overlapped": s, "serialized": s}, "equal":
@@ -51,7 +55,7 @@ from refimpl.parallel.tensor_parallel.collective_matmul import all_gather_matmul
 from refimpl.parallel.zero.fully_sharded_data_parallel import FullyShardedDataParallel
 
 __all__ = ["collective_matmul_overlap", "data_parallel_overlap", "moe_dispatch_overlap", "overlap_ratio",
-           "ring_overlap", "serialized_hook", "time_overlap", "zero3_overlap"]
+           "pipeline_overlap", "ring_overlap", "serialized_hook", "time_overlap", "zero3_overlap"]
 
 WIDTH, ROWS, REPEATS = 1024, 1024, 5
 
@@ -68,15 +72,15 @@ def _layers(n: int) -> nn.Module:
     return nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(n)])
 
 
-def _interleaved(steps: dict[str, Any], compute: Any = None) -> dict:
+def _interleaved(steps: dict[str, Any], compute: Any = None, repeats: int = REPEATS) -> dict:
     """Call each ``steps[name]()`` (one training step returning the tensors it ends with) in turn, a barrier
-    before each, ``REPEATS`` + 1 times (the first a warm-up): the medians and the bitwise check of the
+    before each, ``repeats`` + 1 times (the first a warm-up): the medians and the bitwise check of the
     two. ``compute``: the same step without communication, timed in the same rounds (``median["compute"]``:
     what the planner's time model, ``refimpl.planner.step_time``, takes as the step's compute)."""
     timed = steps if compute is None else {**steps, "compute": compute}
     times: dict[str, list[float]] = {name: [] for name in timed}
     ends: dict[str, list[torch.Tensor]] = {}
-    for i in range(REPEATS + 1):
+    for i in range(repeats + 1):
         for name, step in timed.items():
             dist.barrier()
             start = time.perf_counter()
@@ -186,6 +190,45 @@ def moe_dispatch_overlap(ctx: Any, *, tokens: int = 1024, hidden: int = 512, sha
         return run
 
     return _interleaved({"overlapped": step(True), "serialized": step(False)})
+
+
+class _Stage(nn.Sequential):
+    """A pipeline stage of ``Linear(WIDTH, WIDTH)`` layers with what the executor reads
+    (``refimpl.parallel.pipeline_parallel.stage``)."""
+
+    def __init__(self, layers: int, *, stage: int, num_stages: int) -> None:
+        torch.manual_seed(stage)
+        super().__init__(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)])
+        self.is_first, self.is_last, self.num_stages = stage == 0, stage == num_stages - 1, num_stages
+
+
+def pipeline_overlap(ctx: Any, *, schedule: str = "interleaved", virtual_stages: int = 2,
+                     microbatches: int = 4, rows: int = 256, layers: int = 3) -> dict:
+    """One step of ``schedule`` (``refimpl.parallel.pipeline_parallel.run_schedule``, ``virtual_stages``
+    stages of ``layers`` per rank, ``microbatches`` of ``rows`` x ``WIDTH``) with ``overlap=True`` against
+    its default (module docstring)."""
+    from refimpl.parallel.pipeline_parallel import build_schedule, run_schedule, stage_rank
+
+    torch.set_num_threads(1)
+    p, v = ctx.world_size, virtual_stages
+    stages: dict[int, nn.Module] = {s: _Stage(layers, stage=s, num_stages=p * v) for s in range(p * v)
+                                    if stage_rank(s, pp_size=p) == ctx.rank}
+    gen = torch.Generator().manual_seed(0)
+    x, y = (list(torch.randn(microbatches, 1, rows, WIDTH, generator=gen)) for _ in range(2))  # [1, rows, h]
+    actions = build_schedule(schedule, pp_size=p, num_microbatches=microbatches, virtual_stages=v)[ctx.rank]
+
+    def step(overlap: bool):
+        def run() -> list[torch.Tensor]:
+            for stage in stages.values():
+                stage.zero_grad(set_to_none=True)
+            loss = run_schedule(actions, stages=stages, pp_group=None, pp_size=p, inputs=x, labels=y,
+                                loss_fn=lambda o, t: (o - t).square().mean(),
+                                activation_shape=(1, rows, WIDTH), activation_dtype=torch.float32,
+                                overlap=overlap)
+            return [loss, *(_grad(q) for stage in stages.values() for q in stage.parameters())]
+        return run
+
+    return _interleaved({"overlapped": step(True), "serialized": step(False)}, repeats=2 * REPEATS)
 
 
 def overlap_ratio(per_rank: list[dict]) -> float:

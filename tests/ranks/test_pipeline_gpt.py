@@ -50,7 +50,8 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return lm_loss(logits, labels, num_tokens=M * B * S)  # the micro-batch's share of the step mean
 
 
-def _pipeline(pp: int, rank: int, name: str, v: int, tied: bool, *, sync_tied: bool = True) -> dict:
+def _pipeline(pp: int, rank: int, name: str, v: int, tied: bool, *, sync_tied: bool = True,
+              overlap: bool = False) -> dict:
     model = GPT(_config(tied), seed=0)
     placement = schedule_placement(name)  # ZB-V's V: stages r and 2 pp - 1 - r on rank r
     stages = build_stages(model, pp_rank=rank, pp_size=pp, virtual_stages=v, placement=placement)
@@ -62,7 +63,7 @@ def _pipeline(pp: int, rank: int, name: str, v: int, tied: bool, *, sync_tied: b
     loss = run_schedule(build_schedule(name, pp_size=pp, num_microbatches=M, virtual_stages=v)[rank],
                         stages=stages, pp_group=None, pp_size=pp, inputs=inputs.chunk(M),
                         labels=labels.chunk(M), loss_fn=_loss, activation_shape=(B, S, 16),
-                        activation_dtype=torch.float32, store=store, placement=placement)
+                        activation_dtype=torch.float32, store=store, placement=placement, overlap=overlap)
     first, last = stages.get(0), stages.get(pp * v - 1)
     if sync_tied and tied and pp > 1 and (first is None) != (last is None):  # the V: both ends on rank 0
         weight = first.embedding.word_embeddings.weight if first is not None else last.output_layer.weight
@@ -83,6 +84,7 @@ def _worker(ctx) -> dict:
     for name, v in CASES:
         for tied in (False, True):
             out[name, tied] = _pipeline(pp, ctx.rank, name, v, tied)
+        out[name, "overlap"] = _pipeline(pp, ctx.rank, name, v, True, overlap=True)
     out["no tied sync"] = _pipeline(pp, ctx.rank, "1f1b", 1, True, sync_tied=False)
     return out
 
@@ -141,6 +143,19 @@ def test_every_schedule_gives_one_device_loss_and_gradients(results, tied):
         ends = [r[("1f1b", True)]["grads"]["embedding.word_embeddings.weight"] for r in (per_rank[0],
                                                                                            per_rank[-1])]
         assert np.array_equal(*ends)
+
+
+@pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
+def test_every_schedule_overlapping_its_transfers_computes_the_same_bits(results):
+    """``run_schedule(..., overlap=True)`` waits for its transfers later (refimpl/parallel/pipeline_parallel/
+    executor.py): when, not what, so the loss and every gradient are the bits of the default's run."""
+    _, per_rank = results
+    for r in per_rank:
+        for name, _ in CASES:
+            got, want = r[name, "overlap"], r[name, True]
+            assert got["loss"] == want["loss"], name
+            assert got["grads"].keys() == want["grads"].keys(), name
+            assert all(np.array_equal(g, want["grads"][n]) for n, g in got["grads"].items()), name
 
 
 @pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)

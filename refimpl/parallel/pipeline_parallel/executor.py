@@ -29,6 +29,21 @@ of the next action; a stage output lives until its backward anyway (``autograd.b
 1F1B's rank ``r`` holds ``min(p - r, m)`` micro-batches' activations and outputs whatever ``m``
 (tests/planner/ranks/test_planner_pp.py measures it).
 
+``overlap=True`` waits later (Megatron-LM's ``overlap_p2p_comm``, which it offers for the interleaved
+schedule): a group is waited for when an action needs what it receives, and a group that only sends once
+the next action has computed (PyTorch's ``Schedule1F1B`` waits for its warm-up sends so). The plan does
+not change, so neither does the order in which NCCL runs the groups (in posting order, on its stream):
+only the host waits later, and on CUDA a ``wait()`` issued after the compute was queued lets the stream
+run that compute beside the transfer. Where the rounds post a receive ahead of the action that needs it
+(interleaved 1F1B: another chunk's work comes between a message's send and its use), two things change:
+the transfer travels while that work computes, and the rank no longer stands idle at a boundary until its
+peer has computed a message it does not need yet (the rounds count every action one unit long, a
+backward takes about two). In plain 1F1B and GPipe each input is needed by the very next action, and
+nothing moves (bench/RESULTS.md). Measured on a shaped link against ``overlap=False`` (its serialized
+control) in tests/ranks/cli/test_overlap.py and chapter 08. What it costs: a sent input gradient is held
+until its group is waited for, and the planner's held bytes (``refimpl.planner.pipeline_memory``) count
+the default, so the trainer runs the default.
+
 Every action is timed (``PipelineEvent``), including the wait for its input: the chapter's Gantt
 chart and the measured bubble come from these events. The stamps are the stages' device's
 (``refimpl.comm.device_clock.DeviceClock``): ``time.perf_counter`` on CPU; on CUDA events on the
@@ -89,7 +104,8 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, nn.Module],
                  table: Sequence[Sequence[Action]] | None = None,
                  clock: Callable[[], Stamp] | None = None,
                  aux_loss: Callable[[nn.Module], torch.Tensor | None] | None = None,
-                 num_stages: int | None = None, placement: Placement = "loop") -> torch.Tensor:
+                 num_stages: int | None = None, placement: Placement = "loop",
+                 overlap: bool = False) -> torch.Tensor:
     """Run ``actions`` (this rank's list) over ``stages`` (this rank's, by index); returns the sum of the
     micro-batch losses this rank computed (the last stage's rank; zero elsewhere), detached.
 
@@ -104,7 +120,8 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, nn.Module],
     measurement samples at its reads and returns a stamp, e.g. ``refimpl.comm.tracer.now``'s);
     ``aux_loss(stage)``: the stage's own loss of the forward just run, in the graph (None: none; an MoE
     stage's balance losses, module docstring); ``placement``: where the stages live
-    (``.schedules.stage_rank``: ``"v"`` for ZB-V).
+    (``.schedules.stage_rank``: ``"v"`` for ZB-V); ``overlap``: wait for a group only when its transfers
+    must be done (module docstring).
     """
     if num_stages is None:  # the stages' own count (the course GPT's stages carry it)
         num_stages = cast(int, next(iter(stages.values())).num_stages)  # a stage's attribute, not declared
@@ -121,17 +138,16 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, nn.Module],
                           device=device, group=pp_group,
                           what=f"transfers {plan[b]} after {actions[b - 1]!r}" if b else "first receives")
 
-    pending = post(0)
-    inbox: dict[Message, torch.Tensor] = {}
+    transfers = _Transfers(overlap=overlap)
+    transfers.post(post(0))
     for k, a in enumerate(actions):
         start = now()
-        if pending is not None:  # the last boundary's group: its sends released, its receives in
-            inbox |= pending.wait()
-            pending = None
         before, after = p2p_actions(a, num_stages=num_stages, pp_size=pp_size, placement=placement)
-        # the activation (F) or output grad (B): received, or handed over by this rank's neighbouring stage
-        key = (a.kind, a.stage, a.microbatch)
-        received = inbox.pop(message(before[0])) if before else run.handed.pop(key, None)
+        needed = message(before[0]) if before else None
+        received = transfers.take(needed)  # the activation (F) or output grad (B) received, or ...
+        if needed is None:  # ... handed over by this rank's neighbouring stage (or none: the first stage)
+            received = run.handed.pop((a.kind, a.stage, a.microbatch), None)
+        posted_before = len(transfers.pending)
         ready = now()
         if a.kind == "F":
             run.forward(a, received, after)
@@ -140,16 +156,48 @@ def run_schedule(actions: Sequence[Action], *, stages: dict[int, nn.Module],
         else:
             run.weights(a)
         received = None  # drop this action's tensors: what stays alive is saved, sent or queued
-        pending = post(k + 1)
+        transfers.release_sends(posted_before)
+        transfers.post(post(k + 1))
         if events is not None:
             events.append(PipelineEvent(kind=a.kind, stage=a.stage, microbatch=a.microbatch, start=start,
                                         ready=ready, end=now()))
-    if pending is not None:
-        pending.wait()
+    transfers.finish()
     if run.saved or run.handed:
         raise RuntimeError(f"the schedule left {len(run.saved)} forwards without their backward: "
                            f"{sorted(run.saved)[:4]} (and {sorted(run.handed)[:4]} handed over, not taken)")
     return run.total
+
+
+@dataclass(eq=False)
+class _Transfers:
+    """The groups this rank posted and has not waited for yet, in posting order, and what they received
+    (module docstring, "Transfers")."""
+
+    overlap: bool
+    pending: list[PostedGroup] = field(default_factory=list)
+    inbox: dict[Message, torch.Tensor] = field(default_factory=dict)
+
+    def post(self, group: PostedGroup | None) -> None:
+        if group is not None:
+            self.pending.append(group)
+
+    def take(self, needed: Message | None) -> torch.Tensor | None:
+        """Before an action: wait for every posted group, or with ``overlap`` only up to the one that
+        receives ``needed``; the received tensor (None: nothing needed)."""
+        while self.pending and (not self.overlap or (needed is not None and needed not in self.inbox)):
+            self.inbox |= self.pending.pop(0).wait()
+        return None if needed is None else self.inbox.pop(needed)
+
+    def release_sends(self, posted_before: int) -> None:
+        """After an action computed: wait for the groups posted before it that only send."""
+        for group in [g for g in self.pending[:posted_before] if not g.received]:
+            self.pending.remove(group)
+            group.wait()
+
+    def finish(self) -> None:
+        """At the end of the step: wait for every group left."""
+        while self.pending:
+            self.pending.pop(0).wait()
 
 
 @dataclass(kw_only=True, eq=False)

@@ -43,6 +43,16 @@ measurements, bench/bench_overlap.py on an idle machine), 0.80 and 0.82 at load 
 512 wide the routed compute diluted the saving (0.75 once, then 0.91-1.14 under heavier load, missing the
 bar). Only the dispatch overlaps: the combine's all-to-all and the backward wait.
 
+The pipeline's transfers (``refimpl.parallel.pipeline_parallel.run_schedule``, interleaved 1F1B at p 2,
+2 chunks per rank of one ``Linear(1024, 1024)``, 4 micro-batches of 256 x 1024, forward and backward):
+``overlap=True`` waits for a group only when an action needs what it receives (a group that only sends,
+once the next action has computed), so a receive the plan posts ahead of its use travels while another
+chunk's work computes; the control waits for every group before the next action. Loss and gradients
+bitwise equal; measured 0.84-0.93 (nine runs at 1 Gbit/s, about 0.32 s against 0.36 s): the overlapped
+step is about the compute plus the schedule's bubble, the control's exposed transfers about a tenth of
+the step, hence 10 repeats instead of 5 (the control's median moved by 10% between runs of 5). Plain
+1F1B and GPipe gain nothing (0.95-1.01): each input is needed by the very next action.
+
 Beside other work the claim weakens: with a test of 8 ranks running alongside (load average 3.5) and the
 ranks at the default priority, DP 0.874 then 0.996, ZeRO-3 0.879, the ring 0.865: gloo's communication
 thread needs a core while backward computes. ``refimpl.parallel.overlap.time_overlap`` therefore raises
@@ -72,6 +82,7 @@ from refimpl.parallel.overlap import (
     collective_matmul_overlap,
     data_parallel_overlap,
     moe_dispatch_overlap,
+    pipeline_overlap,
     ring_overlap,
     time_overlap,
     zero3_overlap,
@@ -84,13 +95,14 @@ WHY = shaped_link_unavailable()
 @pytest.mark.skipif(WHY is not None, reason=f"no shaped link on this machine: {WHY}")
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("worker", [data_parallel_overlap, zero3_overlap, ring_overlap,
-                                    collective_matmul_overlap, moe_dispatch_overlap],
+                                    collective_matmul_overlap, moe_dispatch_overlap, pipeline_overlap],
                          ids=["dp-buckets", "zero3-prefetch", "ring-attention", "collective-matmul",
-                              "moe-dispatch"])
+                              "moe-dispatch", "pipeline-interleaved"])
 def test_the_overlap_beats_its_serialized_control_on_a_shaped_link(worker):
     predicted = PREDICTED.get(worker)  # the planner's time model, checked against the same measurement
     accept = None if predicted is None else lambda timed: _prediction_missed(predicted, timed)
     timed = time_overlap(worker, link="1gbit", bar=0.9, accept=accept)  # bitwise-equal results, the bar
+    print(f"{worker.__name__}: {timed}")
     assert isinstance(timed, dict) and timed["ratio"] <= 0.9, timed
     if predicted is not None:
         _check_what_the_planner_assumes(predicted, timed)
