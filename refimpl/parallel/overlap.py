@@ -248,7 +248,7 @@ def time_overlap(worker: Any, *, link: str = "1gbit", bar: float = 0.9, attempts
     suite's other lane) gloo's communication thread may get no core for a whole measurement, and the
     overlap with it (measured: 0.996 once at load average 3.5); every try is kept in ``tries`` (its ratio,
     or its ratio and why it was not accepted), and when none passes an ``AssertionError`` lists them. What
-    the tests and chapters 03, 04 and 07 call."""
+    the tests and chapters 03, 04, 07, 08 and 09 call."""
     from refimpl.launch import run_ranks
     from refimpl.launch.shaped_link import shaped_link_unavailable
 

@@ -7,7 +7,8 @@ activation, unbatched, while its peer sends it a gradient, both waiting for the 
 1F1B at ``p = 2`` does exactly that in its steady state. The cure is to post transfers in **groups**
 (``batch_isend_irecv``, one fused NCCL launch whose sends and receives progress together) at points both
 ranks' programs agree on. The executor posts one group at each *boundary* of its action list (before the
-first action, between two actions, after the last) and waits for it before its next action computes.
+first action, between two actions, after the last) and waits for it before its next action computes (with
+``overlap``, only when an action needs what it receives: the same groups in the same order).
 ``plan[b]`` is the group of boundary ``b``: the sends of action ``b - 1`` and the receives posted there.
 
 * **Rounds** (when the whole table is known: passed in, or inferred for interleaved 1F1B by
