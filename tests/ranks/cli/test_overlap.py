@@ -44,14 +44,15 @@ measurements, bench/bench_overlap.py on an idle machine), 0.80 and 0.82 at load 
 bar). Only the dispatch overlaps: the combine's all-to-all and the backward wait.
 
 The pipeline's transfers (``refimpl.parallel.pipeline_parallel.run_schedule``, interleaved 1F1B at p 2,
-2 chunks per rank of one ``Linear(1024, 1024)``, 4 micro-batches of 256 x 1024, forward and backward):
+2 chunks per rank of 3 ``Linear(1024, 1024)``, 4 micro-batches of 256 x 1024, forward and backward):
 ``overlap=True`` waits for a group only when an action needs what it receives (a group that only sends,
 once the next action has computed), so a receive the plan posts ahead of its use travels while another
-chunk's work computes; the control waits for every group before the next action. Loss and gradients
-bitwise equal; measured 0.84-0.93 (nine runs at 1 Gbit/s, about 0.32 s against 0.36 s): the overlapped
-step is about the compute plus the schedule's bubble, the control's exposed transfers about a tenth of
-the step, hence 10 repeats instead of 5 (the control's median moved by 10% between runs of 5). Plain
-1F1B and GPipe gain nothing (0.95-1.01): each input is needed by the very next action.
+chunk's work computes, and the rank does not idle until its peer has computed a message it does not need
+yet; the control waits for every group before the next action. Loss and gradients bitwise equal;
+measured 0.81, 0.86, 0.86 in probes (about 0.63 s against 0.75 s) and 0.85-0.86 in
+bench/bench_overlap.py; 10 repeats instead of 5 (with one layer per chunk and 5 repeats the control's
+median moved by 10% between runs). Plain 1F1B gains nothing (0.97-1.08 there): each input is needed by
+the very next action.
 
 Beside other work the claim weakens: with a test of 8 ranks running alongside (load average 3.5) and the
 ranks at the default priority, DP 0.874 then 0.996, ZeRO-3 0.879, the ring 0.865: gloo's communication
