@@ -21,7 +21,7 @@ A control is the same code with ``wait()`` before the compute the transfer could
   wide, top 2, ep 2, 1024 tokens of 512 per rank) whose shared expert (an MLP 512 -> 1024 -> 512) runs
   while the dispatch's all-to-all carries the tokens (``MoE(x, beside=...)``, DeepSeek-V3's overlap), against
   ``overlap_dispatch = False`` (the wait, then the shared expert); forward only (chapter 09).
-* ``pipeline_overlap``: a pipeline step (``refimpl.parallel.pipeline_parallel.run_schedule``, one
+* ``pipeline_overlap``: a pipeline step (``refimpl.parallel.pipeline_parallel.run_schedule``, 3
   ``Linear(1024, 1024)`` per stage, interleaved 1F1B at p 2 with 2 stages per rank, 4 micro-batches of 256
   rows) with ``overlap=True`` (a group waited for when an action needs what it receives) against the
   default (every group waited for before the next action); forward and backward (chapter 08).
