@@ -52,8 +52,9 @@ def first_step_gradients(into: dict) -> Callable[[int, dict[str, LocalShard]], N
 def one_device_losses(config: TrainConfig, root: Path, *, steps: int, parallel: ParallelConfig | None = None,
                       precisions: Sequence[str] | Mapping[str, ParallelConfig] = PRECISIONS) -> dict:
     """``{(precision, "batch" | "micro"): losses}`` of ``steps`` one-device steps of ``config`` in this
-    process (one thread, as each rank runs; the caller's RNG states and thread count restored), and under
-    ``("grads", precision, order)`` the first step's gradients (``Pieces``, whole tensors). ``parallel``:
+    process (one thread, as each rank runs; the caller's RNG states and thread count restored), under
+    ``("grads", precision, order)`` the first step's gradients (``Pieces``, whole tensors) and under
+    ``("records", precision, order)`` the trainer's records. ``parallel``:
     the techniques at a world of one (e.g. ``zero_stage=3``: FSDP2's 16-bit arithmetic), its precision
     replaced by each of ``precisions`` ("fp32" must be one of them: the 16-bit rule reads it)."""
     state = random.getstate(), np.random.get_state(), torch.random.get_rng_state(), torch.get_num_threads()
@@ -69,9 +70,10 @@ def one_device_losses(config: TrainConfig, root: Path, *, steps: int, parallel: 
                 run = dataclasses.replace(config, out=str(root / f"{precision}-{order}"), steps=steps,
                                           data=dataclasses.replace(config.data, micro_batch_size=micro_batch))
                 grads: dict = {}
-                out[precision, order] = [r["loss"] for r in train(
-                    run, ctx, options, gradient_probe=first_step_gradients(grads))]
+                records = train(run, ctx, options, gradient_probe=first_step_gradients(grads))
+                out[precision, order] = [r["loss"] for r in records]
                 out["grads", precision, order] = grads
+                out["records", precision, order] = records
         return out
     finally:
         random.setstate(state[0])

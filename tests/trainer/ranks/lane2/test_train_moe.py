@@ -44,7 +44,6 @@ capacity is per rank's forward, ``refimpl.models.moe``):
 
 from __future__ import annotations
 
-import random
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -56,7 +55,6 @@ import torch.distributed as dist
 
 from refimpl.checkpoint import CheckpointConfig, Checkpointer, load_training_state
 from refimpl.config import OptimConfig
-from refimpl.distributed import DistributedContext
 from refimpl.distributed.placement import module_shards
 from refimpl.launch import run_ranks
 from refimpl.models import GPT
@@ -69,6 +67,7 @@ from tests.support.one_device import (
     assert_trains_like_one_device,
     first_step_gradients,
     gradient_ratios,
+    one_device_losses,
     tolerance,
 )
 
@@ -302,27 +301,10 @@ def runs(files) -> list[dict]:
 
 def _one_device(files: dict, flags: list[str], *, steps: int) -> dict:
     """tests/support/one_device.py's references in fp32 only (the whole batch, one sequence per micro-batch),
-    with the first step's gradients and the records; one thread as a rank, the caller's RNG restored."""
-    state = random.getstate(), np.random.get_state(), torch.random.get_rng_state(), torch.get_num_threads()
-    torch.set_num_threads(1)
-    ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    try:
-        out = {}
-        for order, extra in (("batch", []), ("micro", ["--micro-batch-size", "1"])):
-            args = _args(files, Path(files["root"]) / f"one-{'-'.join(flags) or 'aux'}-{order}", *flags,
-                         "--steps", str(steps), *extra)
-            grads: dict = {}
-            records = train(config_from_args(args), ctx, options_from_args(args),
-                            gradient_probe=first_step_gradients(grads))
-            out["fp32", order] = [r["loss"] for r in records]
-            out["grads", "fp32", order] = grads
-            out["records", order] = records
-        return out
-    finally:
-        random.setstate(state[0])
-        np.random.set_state(state[1])
-        torch.random.set_rng_state(state[2])
-        torch.set_num_threads(state[3])
+    with the first step's gradients and the records."""
+    args = _args(files, Path(files["root"]), *flags)
+    return one_device_losses(config_from_args(args), Path(files["root"]) / f"one-{'-'.join(flags) or 'aux'}",
+                             steps=steps, parallel=options_from_args(args).parallel, precisions=("fp32",))
 
 
 @pytest.fixture(scope="module")
@@ -455,7 +437,7 @@ def test_metrics_record_the_balance_loss_the_load_and_the_traffic(runs, one_devi
     stage's in its own backward), the load's mean and most over all blocks; under cp the ranks' halves of
     each sequence: the same figures as one device."""
     reference = one_device[LAYOUTS[name][1]]
-    want = reference["records", "batch"]
+    want = reference["records", "fp32", "batch"]
     tol = tolerance(reference, "fp32", factor=FACTOR)
     mean = 4 * 16 * 2 / 4  # k T / E over the global batch's T tokens
     for out in runs:
