@@ -649,14 +649,17 @@ for (pp, tied), (ok, exact, ratio) in ranks.run(lambda: zbv_equal)[0].items():
 # splits them), interleaved stages half of that, each including its real compute and padded with a
 # `sleep` (hooks on the stage; see `kernel_time` below). Sleeping ranks leave the CPU to the others.
 # What remains of the real world: the transfers, and the scheduling delays of a loaded machine, which only
-# add idle time; at p = 2 both pairs run each configuration and the less disturbed run counts, at p = 4
-# one run does; a configuration that still misses a check below is run up to twice more
-# (printed when it happens). The negative control is a valid schedule that is not a pipeline: each
-# micro-batch's forward and backward through both stages before the next one starts; its measured bubble
-# must miss $\frac{p-1}{m+p-1}$.
+# add idle time. So the runs take the machine's lock of timed runs (no other timed run of a test suite
+# meanwhile) and raise their priority where allowed (`refimpl.launch.timed.timed_section`); at p = 2 both
+# pairs run each configuration and the less disturbed run counts, at p = 4 one run does; a configuration
+# that still misses a check below is run up to twice more (printed when it happens). The negative
+# control is a valid schedule that is not a pipeline: each micro-batch's forward and backward through
+# both stages before the next one starts; its measured bubble must miss $\frac{p-1}{m+p-1}$.
 
 # %%
 # %%px
+from refimpl.launch.timed import timed_section
+
 U = 0.08  # seconds per forward of a whole stage
 
 
@@ -736,29 +739,29 @@ def timed_run(name, v, group, m, u=U, actions=None):
     return [(e.kind, e.stage, e.microbatch, e.start, e.ready, e.end) for e in events]
 
 
-SWEEP = {2: {"gpipe": (2, 4, 6), "1f1b": (2, 4, 6), "interleaved": (4,), "zbh1": (4,)},
-         4: {"gpipe": (4, 8), "1f1b": (4, 8), "interleaved": (4,), "zbh1": (4,)}}
-timed_run("1f1b", 1, dist.group.WORLD, 4, u=0.001)  # warm-up: first calls allocate and compile nothing later
-timed = {}
-for pp, group in pp_groups.items():
-    for name, v in CASES:
-        for m in SWEEP[pp][name]:
-            timed[(pp, name, m)] = [timed_run(name, v, group, m)]
-
-
-def rerun(keys):
-    """These configurations once more, as the sweep ran them (the retry of a run a loaded machine slowed)."""
-    v_of = dict(CASES)
-    return {(pp, name, m): [timed_run(name, v_of[name], pp_groups[pp], m)] for pp, name, m in keys}
-
-
 def one_at_a_time(pp, m):
     """Wrong on purpose (the negative control): every micro-batch's forward and backward before the next."""
     return [[a for i in range(m) for a in (Action("F", r, i), Action("B", r, i))] for r in range(pp)]
 
 
-me2 = dist.get_rank(pp_groups[2])
-control = timed_run("1f1b", 1, pp_groups[2], 4, actions=one_at_a_time(2, 4)[me2])
+def rerun(keys):
+    """These configurations once more, as the sweep ran them (the retry of a run a loaded machine slowed)."""
+    v_of = dict(CASES)
+    with timed_section():
+        return {(pp, name, m): [timed_run(name, v_of[name], pp_groups[pp], m)] for pp, name, m in keys}
+
+
+SWEEP = {2: {"gpipe": (2, 4, 6), "1f1b": (2, 4, 6), "interleaved": (4,), "zbh1": (4,)},
+         4: {"gpipe": (4, 8), "1f1b": (4, 8), "interleaved": (4,), "zbh1": (4,)}}
+timed_run("1f1b", 1, dist.group.WORLD, 4, u=0.001)  # warm-up: first calls allocate and compile nothing later
+timed = {}
+with timed_section():  # no other timed run on the machine meanwhile; these ranks at raised priority
+    for pp, group in pp_groups.items():
+        for name, v in CASES:
+            for m in SWEEP[pp][name]:
+                timed[(pp, name, m)] = [timed_run(name, v, group, m)]
+    me2 = dist.get_rank(pp_groups[2])
+    control = timed_run("1f1b", 1, pp_groups[2], 4, actions=one_at_a_time(2, 4)[me2])
 
 # %%
 per_rank = ranks.run(lambda: timed)

@@ -18,7 +18,6 @@ signal and a watch of the caller's pid), and the ranks with the helper, as alway
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import pickle
 import re
@@ -26,12 +25,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_link", "one_timed_run_at_a_time", "run_shaped", "shape_loopback", "shaped_link_unavailable"]
+from refimpl.launch.timed import one_timed_run_at_a_time, raise_this_process
+
+__all__ = ["check_link", "run_shaped", "shape_loopback", "shaped_link_unavailable"]
 
 RATE = re.compile(r"^(\d+(\.\d+)?)(kbit|mbit|gbit)$")
 
@@ -65,39 +65,14 @@ def shaped_link_unavailable() -> str | None:
     return None
 
 
-TIMING_LOCK = Path(tempfile.gettempdir()) / "refimpl-timed-runs.lock"
-
-
-@contextlib.contextmanager
-def one_timed_run_at_a_time(wait_s: float = 300.0) -> Iterator[bool]:
-    """Hold the machine's lock of timed runs (an ``flock`` on ``TIMING_LOCK``) while the body measures: two
-    timed runs at raised priority (a test lane's and another lane's chapter) would take each other's cores
-    and both measure that. Waits up to ``wait_s`` for the other to end, then measures anyway (it never
-    hangs and never fails for the lock); yields whether it holds the lock. The kernel drops the lock with
-    the process that held it."""
-    with open(TIMING_LOCK, "a") as handle:
-        deadline, held = time.monotonic() + wait_s, False
-        while not held and time.monotonic() < deadline:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                held = True
-            except OSError:  # another timed run holds it
-                time.sleep(0.2)
-        try:
-            yield held
-        finally:
-            if held:
-                fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def run_shaped(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, *,
                link: str, priority: int = 0) -> tuple:
     """``refimpl.launch.run_ranks`` behind ``link`` (module docstring): ``("ok", results)``, or
     ``("error", rank, message)`` for ``run_ranks`` to raise as ``refimpl.launch.RankFailed``.
-    ``priority`` > 0 raises the helper's and so the
-    ranks' scheduling priority by that much (``nice -priority``; where allowed, e.g. as root): timings on a
-    machine busy with other work then see the cores the ranks need. Such a timed run waits for any other
-    on the machine to end first (``one_timed_run_at_a_time``)."""
+    ``priority`` > 0 starts the helper in a session of its own and raises its and so the ranks' scheduling
+    priority by that much, the session's too (``refimpl.launch.timed.raise_this_process``; where allowed,
+    e.g. as root): timings on a machine busy with other work then see the cores the ranks need. Such a
+    timed run waits for any other on the machine to end first (``one_timed_run_at_a_time``)."""
     from refimpl.distributed.env import preexec_exit_with_parent
 
     rate = check_link(link)
@@ -112,16 +87,15 @@ def run_shaped(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dic
         die_with_caller = preexec_exit_with_parent()
 
         def preexec() -> None:
-            if priority > 0:
-                with contextlib.suppress(OSError):  # not allowed here: the default priority
-                    os.nice(-priority)
+            if priority > 0:  # in a session of its own (start_new_session): its autogroup is the ranks'
+                raise_this_process(priority)
             if die_with_caller is not None:
                 die_with_caller()
 
         with one_timed_run_at_a_time() if priority > 0 else contextlib.nullcontext():
             proc = subprocess.run(["unshare", "-rn", sys.executable, "-m", "refimpl.launch.shaped_helper",
                                    str(request), str(reply), rate], env=env, capture_output=True, text=True,
-                                  timeout=timeout_s + 60, preexec_fn=preexec)
+                                  timeout=timeout_s + 60, preexec_fn=preexec, start_new_session=priority > 0)
         if not reply.exists():
             return ("error", None, f"the shaped-link helper exited with {proc.returncode} without a result:\n"
                                    f"{proc.stderr[-3000:]}")

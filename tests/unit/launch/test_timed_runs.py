@@ -1,21 +1,49 @@
-"""Timed runs take turns (refimpl/launch/shaped_link.py, ``one_timed_run_at_a_time``): a second timed run
-waits while the first holds the machine's lock, measures anyway once its wait is up (it never hangs), and
-gets the lock once the first has let go."""
+"""Timed runs take turns (refimpl/launch/timed.py): a second timed run waits while the first holds the
+machine's lock, measures anyway once its wait is up (it never hangs), and gets the lock once the first
+has let go; a raised priority covers every thread of the process and is given back after."""
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 
-from refimpl.launch import shaped_link
+from refimpl.launch import timed
 
 
 def test_a_timed_run_waits_for_the_other_and_never_hangs(tmp_path, monkeypatch):
-    monkeypatch.setattr(shaped_link, "TIMING_LOCK", tmp_path / "timed-runs.lock")
-    with shaped_link.one_timed_run_at_a_time() as first:
+    monkeypatch.setattr(timed, "TIMING_LOCK", tmp_path / "timed-runs.lock")
+    with timed.one_timed_run_at_a_time() as first:
         assert first
         start = time.monotonic()
-        with shaped_link.one_timed_run_at_a_time(wait_s=0.5) as second:
+        with timed.one_timed_run_at_a_time(wait_s=0.5) as second:
             assert not second  # the first holds it: after its wait, the second measures without it
         assert 0.5 <= time.monotonic() - start < 5
-    with shaped_link.one_timed_run_at_a_time(wait_s=0.5) as third:
+    with timed.one_timed_run_at_a_time(wait_s=0.5) as third:
         assert third  # released
+
+
+def test_a_raised_priority_reaches_every_thread_and_is_given_back():
+    ready, done, seen = threading.Event(), threading.Event(), {}
+
+    def worker():  # started before the section, like gloo's threads before a notebook's timed cell
+        seen["tid"] = threading.get_native_id()
+        ready.set()
+        done.wait(10)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    ready.wait(10)
+    before = os.getpriority(os.PRIO_PROCESS, seen["tid"])
+    try:
+        group = timed._autogroup_nice()
+        with timed.raised_priority(5) as allowed:
+            inside = os.getpriority(os.PRIO_PROCESS, seen["tid"])
+            assert inside == (before - 5 if allowed else before)
+            if allowed and group is not None:  # the session's nice too (autogroup scheduling)
+                assert timed._autogroup_nice() == max(-20, group - 5)
+        assert timed._autogroup_nice() == group
+    finally:
+        done.set()
+        thread.join()
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before
