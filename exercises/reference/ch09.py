@@ -5,7 +5,7 @@ the dispatch bookkeeping, the count exchange and the autograd all-to-all;
 ``refimpl.parallel.expert_parallel_gpt``: the experts' gradient reduction). Where the exercise's signature
 differs from refimpl's, a thin adapter calls refimpl's code: ``route`` and ``update_expert_bias`` run a
 ``refimpl.parallel.expert_parallel.TopKRouter`` on the given gate, ``reduce_expert_gradients`` hands
-refimpl's the gradients with the placement of an expert's (reduced over ``expert_dp``) and
+refimpl's the gradients with the placement of an expert's (reduced over ``edp``) and
 ``N = edp x ep``. The grader's self-test grades this module and expects full marks
 (tests/course/cli/test_exercises.py).
 """
@@ -64,7 +64,7 @@ def update_expert_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> t
 
 
 def reduce_expert_gradients(grads: list[torch.Tensor], *, edp_group, ep_group) -> None:
-    expert = Placement(box=Box.full(()), reduce_over=("expert_dp",))  # all reduce_expert_gradients reads
+    expert = Placement(box=Box.full(()), reduce_over=("edp",))  # all reduce_expert_gradients reads
     held = [HeldGradient(name=f"expert.{i}", grad=g, placement=expert) for i, g in enumerate(grads)]
     n = group_rank_size(edp_group)[1] * group_rank_size(ep_group)[1]
-    _reduce_expert_gradients(held, [h.name for h in held], groups={"expert_dp": edp_group}, num_replicas=n)
+    _reduce_expert_gradients(held, [h.name for h in held], groups={"edp": edp_group}, num_replicas=n)

@@ -53,6 +53,18 @@ EXPERT_AXES = ("edp", "ep")  # dp x cp refactored for expert parallelism: ep inn
 KEY_ORDER = ("pp", "dp", "dp_replicate", "dp_shard", "edp", "ep", "cp", "tp")  # the axes groups are keyed by
 
 
+def group_name(*axes: str) -> str:
+    """The name of the group of ``axes``, the one vocabulary of groups: a placement's axes
+    (``refimpl.parallel.placements``), the keys of the bytes sent in ``metrics.jsonl`` and the planner's
+    predictions of them. The axes in ``KEY_ORDER`` joined by `` x ``: ``group_name("cp", "dp")`` is
+    ``"dp x cp"``, the expert groups ``"ep"`` and ``"edp"``, HSDP's ``"dp_shard x cp"`` and
+    ``"dp_replicate"``."""
+    unknown = sorted(set(axes) - set(KEY_ORDER))
+    if unknown or not axes:
+        raise ValueError(f"a group is named by axes of {KEY_ORDER}, not {axes}")
+    return " x ".join(a for a in KEY_ORDER if a in axes)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Coordinates:
     """One rank's position in the grid: ``rank = ((pp * DP + dp) * CP + cp) * TP + tp``."""
@@ -288,6 +300,10 @@ class ParallelGroups:
     def ranks(self, *axes: str) -> tuple[int, ...]:
         """The global ranks of this rank's group of ``axes``, ascending."""
         return self.members[self._key(axes)]
+
+    def named(self) -> dict[str, dist.ProcessGroup]:
+        """Every group by its ``group_name``."""
+        return {group_name(*axes): g for axes, g in self.groups.items()}
 
     def view(self, name: str) -> dist.ProcessGroup:
         """The group of the view ``name`` (``VIEWS``): ``view("loss")`` is ``group("dp", "cp")``."""

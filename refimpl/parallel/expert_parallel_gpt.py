@@ -30,7 +30,7 @@ reduce-scatter them over ``edp`` with the same divisor (``refimpl.parallel.zero.
 shard groups); ZeRO-3 makes each block's experts a unit of their own, sharded over ``edp`` and
 reduce-scattered there with the same divisor (``refimpl.parallel.zero.FullyShardedDataParallel``'s
 ``own_groups``; torchtitan's ``fully_shard`` of the experts on its ``efsdp`` mesh). Which group is read
-from the placement (``reduce_over``: ``expert_dp``), so a placement that says ``dp_cp`` gives the wrong,
+from the placement (``reduce_over``: ``edp``), so a placement that says ``dp x cp`` gives the wrong,
 averaged-over-``dp x cp`` gradient the tests' negative control plants.
 """
 
@@ -75,7 +75,7 @@ def expert_parameter_names(model: nn.Module) -> list[str]:
 def reduce_expert_gradients(held: Sequence[HeldGradient], names: Sequence[str], *,
                             groups: Mapping[str, dist.ProcessGroup | None], num_replicas: int) -> int:
     """For each gradient of ``names`` (the experts'): the sum over the group of every data-parallel axis
-    its placement reduces over (``expert_dp``, the ``edp`` group; not ``tp``, summed elsewhere), divided by
+    its placement reduces over (the ``edp`` group; not ``tp``, summed elsewhere), divided by
     ``num_replicas`` (``N = dp x cp``): the module docstring's ``g_e``. Returns how many were reduced."""
     todo = [h for h in held if h.name in set(names)]
     for h in todo:

@@ -6,7 +6,7 @@ needs for the layout, as an ``OptimizerSetup``, all read from the parameters' pl
 * one device, DP (ZeRO-0), tensor, context and pipeline parallelism, ZeRO-3: AdamW over the tensors this
   rank holds (ZeRO-3's are already shards);
 * ZeRO-1/2 (Rajbhandari et al. 2020, chapter 04): one ``refimpl.parallel.zero.ShardedOptimizer`` over
-  the ``dp x cp`` group; the gradients it steps are its row shards (placements narrowed over ``dp_cp``);
+  the ``dp x cp`` group; the gradients it steps are its row shards (placements narrowed over ``dp x cp``);
 * the gradient norm: one ``refimpl.parallel.placements.clip_grad_norm_`` over the held gradients,
   each element of the model counted once (a tensor-parallel replica on tp rank 0, a tied embedding's
   last-stage copy not at all, a ZeRO shard on its rank);
@@ -16,11 +16,11 @@ needs for the layout, as an ``OptimizerSetup``, all read from the parameters' pl
   parallelism the sum over ``tp`` of the gradients placed so
   (``refimpl.parallel.placements.reduce_gradients``);
 * expert parallelism (chapter 09): at ZeRO-0 the experts' gradients, left alone by the data-parallel
-  wrapper, are summed over the group their placement reduces over (``expert_dp``, the mesh's ``edp``) and
+  wrapper, are summed over the group their placement reduces over (the mesh's ``edp``) and
   divided by ``dp x cp``
   once per step (``refimpl.parallel.expert_parallel_gpt.reduce_expert_gradients``); at ZeRO-1/2 the
   sharded optimizer shards them over ``edp`` with the same divisor (its shard groups) and their optimizer
-  shards are placed over ``expert_dp``, the dense ones over ``dp_cp``.
+  shards are placed over ``edp``, the dense ones over ``dp x cp``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch import nn
 
 from refimpl.config import OptimConfig
 from refimpl.optim import adamw_foreach, build_optimizer, param_groups
-from refimpl.parallel.placements import HeldGradient, Placement, clip_grad_norm_, reduce_gradients
+from refimpl.parallel.placements import DP, EDP, HeldGradient, Placement, clip_grad_norm_, reduce_gradients
 from refimpl.precision import MixedPrecision, MixedPrecisionPolicy
 
 if TYPE_CHECKING:
@@ -96,12 +96,12 @@ class OptimizerInputs:
 def _sharded_optimizer(inputs: OptimizerInputs, config: OptimConfig) -> ShardedOptimizer:
     from refimpl.parallel.zero import ShardedOptimizer, ShardGroup
 
-    experts = ShardGroup(group=inputs.groups.get("expert_dp"), divide_factor=inputs.num_replicas)
+    experts = ShardGroup(group=inputs.groups.get(EDP), divide_factor=inputs.num_replicas)
     shard_groups: dict[torch.Tensor, ShardGroup] = {p: experts for n, p in inputs.held
                                                     if n in set(inputs.experts)}
     device = inputs.held[0][1].device if inputs.held else torch.device("cpu")
     return ShardedOptimizer(param_groups(inputs.module, config.weight_decay, inputs.named), torch.optim.AdamW,
-                            inputs.groups.get("dp_cp"), zero_stage=inputs.zero_stage,
+                            inputs.groups.get(DP), zero_stage=inputs.zero_stage,
                             bucket_numel=inputs.zero_bucket_numel, shard_groups=shard_groups, lr=config.lr,
                             betas=(config.beta1, config.beta2), eps=config.eps,
                             foreach=adamw_foreach(device))  # the shards' device: refimpl.optim
@@ -129,7 +129,7 @@ def build_optimizer_setup(inputs: OptimizerInputs, config: OptimConfig) -> Optim
                 g = sharded.shard(p).grad
                 if g is not None:
                     name = name_of[p]
-                    axis = "expert_dp" if name in inputs.experts else "dp_cp"  # the rows' group
+                    axis = EDP if name in inputs.experts else DP  # the rows' group
                     out.append(HeldGradient(name, g, placements[name].narrowed(specs[p], axis)))
             return out
 
@@ -155,7 +155,7 @@ def build_optimizer_setup(inputs: OptimizerInputs, config: OptimConfig) -> Optim
 
             # not the experts': they are summed over edp below (the pipeline's stages hold experts too)
             reduce_gradients_([p for n, p in held_params if n not in experts], inputs.policy,
-                              group=groups.get("dp_cp"))
+                              group=groups.get(DP))
         if experts:  # summed over the group their placement names (edp), divided by dp x cp
             from refimpl.parallel.expert_parallel_gpt import reduce_expert_gradients
 

@@ -20,7 +20,7 @@ from refimpl.nn.loss import lm_loss
 from refimpl.parallel.data_parallel import DataParallelBucket
 from refimpl.parallel.declarations import moe_layers
 from refimpl.parallel.optimizer_setup import OptimizerInputs, OptimizerSetup, build_optimizer_setup
-from refimpl.parallel.placements import Placement, record_placements
+from refimpl.parallel.placements import DP, DP_REPLICATE, DP_SHARD, EDP, EP, Placement, record_placements
 from refimpl.precision import MixedPrecision
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ class Parallelized:
     it too), ``placements`` each held parameter's ``refimpl.parallel.placements.Placement`` under the
     plain GPT's name (``record_parallel_placements``); under expert parallelism (chapter 09)
     ``ep_group`` and ``edp_group`` (the expert-parallel and expert-data-parallel groups) and ``experts`` the
-    names of the expert tensors (placed over the ``expert`` and ``expert_dp`` axes; empty without expert
+    names of the expert tensors (placed over the ``ep`` and ``edp`` groups; empty without expert
     parallelism).
     """
 
@@ -151,8 +151,8 @@ class Parallelized:
     def groups(self) -> dict[str, dist.ProcessGroup | None]:
         """The process group of each axis a placement names (None: an axis of one rank)."""
         return {"pp": None if self.pipeline is None else self.pipeline.pp_group, "tp": self.tp_group,
-                "dp_cp": self.group, "dp_shard": self.shard_group, "dp_replicate": self.replicate_group,
-                "expert": self.ep_group, "expert_dp": self.edp_group}
+                DP: self.group, DP_SHARD: self.shard_group, DP_REPLICATE: self.replicate_group,
+                EP: self.ep_group, EDP: self.edp_group}
 
 
 def context_parallel_options(config: ParallelConfig) -> tuple[Method, Layout | None]:
@@ -220,29 +220,29 @@ def record_parallel_placements(done: Parallelized, *, replicas: int) -> dict[str
         experts = set(done.experts)
         placed = record_placements({n: b for n, b in boxes.items() if n not in experts}, tp=tp,
                                    sequence_parallel=sp, pp=pipe is not None, tied_copy=tied)
-        out = {n: p.along("dp_cp", sharded=False, reduced=replicas > 1) for n, p in placed.items()}
+        out = {n: p.along(DP, sharded=False, reduced=replicas > 1) for n, p in placed.items()}
         for n in experts:  # split over ep, whole on each tp rank, averaged over the expert-data-parallel ones
-            p = Placement(box=boxes[n], sharded_over=("expert",))
+            p = Placement(box=boxes[n], sharded_over=(EP,))
             if tp:  # under sequence parallelism each tp rank's experts saw other tokens: summed over tp
                 p = p.along("tp", sharded=False, reduced=n in sp)
             if pipe is not None:  # a stage's own, like its dense tensors
                 p = p.along("pp", sharded=True)
-            out[n] = p.along("expert_dp", sharded=False, reduced=True)
+            out[n] = p.along(EDP, sharded=False, reduced=True)
         return {n: out[n] for n in boxes}
     experts = set(done.experts)  # ZeRO-3 shards them over their own group (parallelize's _expert_units)
     before = record_placements({n: inner[n] for n in boxes if n not in experts}, tp=tp, sequence_parallel=sp,
                                pp=pipe is not None, tied_copy=tied)
     placed = {n: replace(p, box=boxes[n]) for n, p in before.items()}
     if done.replicate_group is not None:  # HSDP
-        return {n: p.along("dp_shard", sharded=True, reduced=True).along("dp_replicate", sharded=False,
+        return {n: p.along(DP_SHARD, sharded=True, reduced=True).along(DP_REPLICATE, sharded=False,
                                                                           reduced=True)
                 for n, p in placed.items()}
-    out = {n: p.along("dp_cp", sharded=True, reduced=True) for n, p in placed.items()}
+    out = {n: p.along(DP, sharded=True, reduced=True) for n, p in placed.items()}
     for n in experts:  # the ep rank's experts, their rows sharded over the expert-data-parallel group
-        p = Placement(box=boxes[n], sharded_over=("expert",))
+        p = Placement(box=boxes[n], sharded_over=(EP,))
         if tp:
             p = p.along("tp", sharded=False, reduced=n in sp)
         if pipe is not None:
             p = p.along("pp", sharded=True)
-        out[n] = p.along("expert_dp", sharded=True, reduced=True)
+        out[n] = p.along(EDP, sharded=True, reduced=True)
     return {n: out[n] for n in boxes}

@@ -10,26 +10,28 @@ loses them. Here it is one record per parameter *name* (the plain GPT's), a ``Pl
 ``sequence_parallel_parameters()``) as each step of ``parallelize`` is applied, and held by its result:
 
 * ``box``: this rank's elements of the global tensor (``refimpl.distributed.placement.Box``);
-* ``sharded_over``: the axes whose ranks hold *disjoint* parts of it (``tp`` for a Megatron shard, ``dp_cp``
-  for a ZeRO row shard, ``pp`` for a stage's tensor: the other pipeline ranks hold other tensors);
-* ``replicated_over``: the axes whose ranks hold the *same* elements (a LayerNorm over ``tp``, every ZeRO-0
-  parameter over ``dp_cp``; the last stage's copy of a tied embedding over ``pp``; an HSDP shard over
-  ``dp_replicate``, the shard groups' counterparts);
-* ``reduce_over``: the axes its gradient is reduced over (``dp_cp``: averaged over the data-parallel
+* ``sharded_over``: the groups whose ranks hold *disjoint* parts of it (``tp`` for a Megatron shard,
+  ``dp x cp`` for a ZeRO row shard, ``pp`` for a stage's tensor: the other pipeline ranks hold other
+  tensors);
+* ``replicated_over``: the groups whose ranks hold the *same* elements (a LayerNorm over ``tp``, every
+  ZeRO-0 parameter over ``dp x cp``; the last stage's copy of a tied embedding over ``pp``; an HSDP shard
+  over ``dp_replicate``, the shard groups' counterparts);
+* ``reduce_over``: the groups its gradient is reduced over (``dp x cp``: averaged over the data-parallel
   replicas; ``tp``: summed, a sequence-parallel parameter that saw ``s/t`` tokens);
 * ``primary``: False for a copy another rank counts (the tied embedding's last-stage copy).
 
-Under expert parallelism (chapter 09) an expert tensor is sharded over ``expert`` (the ``ep`` group of
-the mesh: rows of its ``[E, ...]`` box), replicated over ``expert_dp`` (the mesh's ``edp`` group, the
-expert-data-parallel ranks, ``dp x cp / ep``) and its gradient reduced over ``expert_dp``; ``dp_cp`` is then
-the product ``expert x expert_dp`` of the same ranks (``FACTORS``).
+The groups are named as the mesh names them (``refimpl.distributed.mesh.group_name``: its axes joined by
+`` x ``), the names ``metrics.jsonl`` and the planner give the bytes each group sends. Under expert
+parallelism (chapter 09) an expert tensor is sharded over ``ep`` (rows of its ``[E, ...]`` box),
+replicated over ``edp`` (the expert-data-parallel ranks, ``dp x cp / ep``) and its gradient reduced over
+``edp``; ``dp x cp`` is then the product ``ep x edp`` of the same ranks (``FACTORS``).
 
 The global gradient norm (``clip_grad_norm_``) counts every element of the model once:
 ``||g||^2 = sum over ranks of sum_{counted} ||g_i||^2``, where a tensor is counted on a rank when it is
 primary and the rank is coordinate 0 of every replicated axis the sum is all-reduced over, and the sum is
 all-reduced over the axes anything is sharded over, in the order ``NORM_AXES`` (Megatron's
-``get_grad_norm_fp32``). The rule needs independent axes: when some placement names ``expert`` or
-``expert_dp``, a placement over ``dp_cp`` is read as over both (a dense replica is replicated over both, a
+``get_grad_norm_fp32``). The rule needs independent axes: when some placement names ``ep`` or
+``edp``, a placement over ``dp x cp`` is read as over both (a dense replica is replicated over both, a
 ZeRO row shard of it sharded over both), so a dense element is counted once, not ``ep`` times. Then
 ``g <- g min(1, max_norm / (||g|| + 1e-6))``, ``clip_grad_norm_``'s rule;
 with no sharded axis it *is* ``torch.nn.utils.clip_grad_norm_``.
@@ -46,20 +48,22 @@ from torch import nn
 
 from refimpl.comm import ops
 from refimpl.distributed.group_info import group_rank_size
+from refimpl.distributed.mesh import group_name
 from refimpl.distributed.placement import Box
 
-__all__ = ["AXES", "FACTORS", "NORM_AXES", "HeldGradient", "Placement", "clip_grad_norm_",
-           "record_placements",
+__all__ = ["AXES", "DP", "DP_REPLICATE", "DP_SHARD", "EDP", "EP", "FACTORS", "NORM_AXES", "HeldGradient",
+           "Placement", "clip_grad_norm_", "record_placements",
            "reduce_gradients", "scale_to_max_norm_", "sum_of_squares"]
 
-AXES = ("pp", "tp", "dp_cp", "dp_shard", "dp_replicate", "expert", "expert_dp")
-"""The axes a placement names: ``dp_cp`` is the data-parallel (dp x cp) group; under HSDP ZeRO-3 shards over
-``dp_shard`` (the ``dp_shard x cp`` ranks of a shard group) and replicates over ``dp_replicate``; under
-expert parallelism ``expert`` and ``expert_dp`` (the expert view of the dp x cp ranks: the mesh's ``ep`` and
-``edp`` groups)."""
+DP, DP_SHARD, DP_REPLICATE = group_name("dp", "cp"), group_name("dp_shard", "cp"), group_name("dp_replicate")
+EP, EDP = group_name("ep"), group_name("edp")
+AXES = ("pp", "tp", DP, DP_SHARD, DP_REPLICATE, EP, EDP)
+"""The groups a placement names: ``dp x cp`` is the data-parallel group; under HSDP ZeRO-3 shards over
+``dp_shard x cp`` (a shard group) and replicates over ``dp_replicate``; under expert parallelism ``ep``
+and ``edp`` (the expert view of the dp x cp ranks)."""
 NORM_AXES = AXES  # the order the norm's partial sums are all-reduced in
-FACTORS = {"dp_cp": ("expert", "expert_dp")}
-"""``dp_cp`` as independent axes when a placement names them (the expert view, ``dp x cp = ep x edp``)."""
+FACTORS = {DP: (EP, EDP)}
+"""``dp x cp`` as independent groups when a placement names them (the expert view, ``dp x cp = ep x edp``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +79,7 @@ class Placement:
     def __post_init__(self) -> None:
         for axis in (*self.sharded_over, *self.replicated_over, *self.reduce_over):
             if axis not in AXES:
-                raise ValueError(f"unknown axis {axis!r}: a placement names axes of {AXES}")
+                raise ValueError(f"unknown group {axis!r}: a placement names the groups {AXES}")
         if set(self.sharded_over) & set(self.replicated_over):
             raise ValueError(f"an axis cannot both shard and replicate a tensor: {self}")
 
@@ -151,7 +155,7 @@ def _counted(p: Placement, reduced: set[str], ranks: Mapping[str, int]) -> bool:
 
 
 def _factored(held: Sequence[HeldGradient]) -> list[HeldGradient]:
-    """``held`` with ``dp_cp`` read as its ``FACTORS`` when some placement names one of them."""
+    """``held`` with ``dp x cp`` read as its ``FACTORS`` when some placement names one of them."""
     named = {a for h in held for a in (*h.placement.sharded_over, *h.placement.replicated_over)}
     parts = {axis: factors for axis, factors in FACTORS.items() if named & set(factors)}
     if not parts:

@@ -20,7 +20,7 @@ import torch
 
 from refimpl.comm.tracer import wire_bytes
 from refimpl.config import ModelConfig
-from refimpl.distributed.mesh import ParallelDims
+from refimpl.distributed.mesh import ParallelDims, group_name
 from refimpl.planner.activations import activation_bytes, local_tokens
 from refimpl.planner.communication import shared_qkv_elements, tp_stage_collectives, zero_collectives
 from refimpl.planner.zero_state import Shape, padded_numel, sharded_numel
@@ -29,7 +29,9 @@ __all__ = ["DP_KEY", "REPLICA_KEY", "SHARD_KEY", "add_wire_bytes", "data_paralle
            "recompute_tp_payloads", "shard_group_rank",
            "sixteen_bit_weight_activations", "sp_gradient_payload", "stage_zero3_units", "tp_stage_payloads"]
 
-DP_KEY, SHARD_KEY, REPLICA_KEY = "dp x cp", "dp_shard x cp", "dp_replicate"  # metrics.jsonl's group keys
+# metrics.jsonl's group keys, named as the mesh and the placements name the groups
+DP_KEY, SHARD_KEY = group_name("dp", "cp"), group_name("dp_shard", "cp")
+REPLICA_KEY = group_name("dp_replicate")
 
 
 def add_wire_bytes(out: dict[str, float], key: str, op: str, payload: float, n: int) -> None:

@@ -148,7 +148,7 @@ def _run_steps(config: TrainConfig, ctx: DistributedContext, layout: Layout, set
     bar = progress(config.steps, enabled=ctx.is_main, initial=start)
     step = start
     tracer = CommTracer().__enter__()  # the bytes each step sends, per axis (metrics.jsonl); left in finally
-    axis_of = {None: "world"} | ({id(g): " x ".join(axes) for axes, g in groups.groups.items()}
+    axis_of = {None: "world"} | ({id(g): name for name, g in groups.named().items()}  # mesh.group_name's
                                  if groups is not None else {})
     try:
         for step in range(start, config.steps):

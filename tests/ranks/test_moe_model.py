@@ -388,17 +388,18 @@ def test_the_planner_plans_an_moe_memory_and_refuses_an_moe_run_prediction():
 
 def test_the_norm_reads_dp_cp_as_ep_x_edp_when_experts_are_placed():
     """One process (every axis of one rank): the norm is torch's; the factoring keeps the placements
-    valid (a dense replica over dp_cp becomes one over ep and edp)."""
+    valid (a dense replica over dp x cp becomes one over ep and edp)."""
     from refimpl.parallel.placements import _factored
 
     gen = torch.Generator().manual_seed(9)
     dense = HeldGradient("w", torch.randn(3, 4, generator=gen),
-                         Placement(box=Box.full((3, 4)), replicated_over=("dp_cp",), reduce_over=("dp_cp",)))
+                         Placement(box=Box.full((3, 4)), replicated_over=("dp x cp",),
+                                   reduce_over=("dp x cp",)))
     expert = HeldGradient("e", torch.randn(2, 4, generator=gen),
-                          Placement(box=Box.full((4, 4)).narrow(0, 0, 2), sharded_over=("expert",),
-                                    replicated_over=("expert_dp",), reduce_over=("expert_dp",)))
+                          Placement(box=Box.full((4, 4)).narrow(0, 0, 2), sharded_over=("ep",),
+                                    replicated_over=("edp",), reduce_over=("edp",)))
     factored = _factored([dense, expert])
-    assert factored[0].placement.replicated_over == ("expert", "expert_dp")
+    assert factored[0].placement.replicated_over == ("ep", "edp")
     assert factored[1].placement == expert.placement
     assert _factored([dense])[0].placement == dense.placement  # no expert axis: as it was
     want = torch.cat([dense.grad.flatten(), expert.grad.flatten()]).norm()

@@ -1,7 +1,7 @@
 """One placement per parameter (refimpl/parallel/placements.py): the record, the one gradient norm over it,
 and the import graph it untangled.
 
-* unit: a placement refuses an unknown axis and an axis that both shards and replicates; ``along`` and
+* unit: a placement refuses an unknown group and an axis that both shards and replicates; ``along`` and
   ``narrowed`` compose boxes; with no sharded axis the norm *is* ``torch.nn.utils.clip_grad_norm_``
   (bitwise); the tensor-parallel declarations (boxes, sequence-parallel names) are read from the modules,
   so they survive a wrapper that replaces parameters.
@@ -41,19 +41,19 @@ LAYOUTS = {  # name: (ParallelDims keywords, ParallelConfig technique keywords)
 
 
 def test_a_placement_refuses_what_cannot_be():
-    with pytest.raises(ValueError, match="unknown axis"):
-        Placement(box=Box.full((2,)), sharded_over=("ep",))
+    with pytest.raises(ValueError, match="unknown group"):
+        Placement(box=Box.full((2,)), sharded_over=("dp",))  # the batch view: no placement's group
     with pytest.raises(ValueError, match="both shard and replicate"):
         Placement(box=Box.full((2,)), sharded_over=("tp",), replicated_over=("tp",))
 
 
 def test_along_and_narrowed_compose_boxes():
     tp_rows = Box.chunk((8, 4), 0, 1, 2)  # rows [4, 8) of a column-parallel weight
-    p = Placement(box=tp_rows).along("tp", sharded=True).along("dp_cp", sharded=False, reduced=True)
-    assert (p.sharded_over, p.replicated_over, p.reduce_over) == (("tp",), ("dp_cp",), ("dp_cp",))
-    zero = p.narrowed(Box.chunk((4, 4), 0, 1, 2), "dp_cp")  # ZeRO-1's second half of those rows
+    p = Placement(box=tp_rows).along("tp", sharded=True).along("dp x cp", sharded=False, reduced=True)
+    assert (p.sharded_over, p.replicated_over, p.reduce_over) == (("tp",), ("dp x cp",), ("dp x cp",))
+    zero = p.narrowed(Box.chunk((4, 4), 0, 1, 2), "dp x cp")  # ZeRO-1's second half of those rows
     assert zero.box == Box((8, 4), (6, 0), (2, 4))
-    assert (zero.sharded_over, zero.replicated_over) == (("tp", "dp_cp"), ())
+    assert (zero.sharded_over, zero.replicated_over) == (("tp", "dp x cp"), ())
 
 
 def test_record_placements_reads_the_boxes():
@@ -74,7 +74,7 @@ def test_with_no_sharded_axis_the_norm_is_torchs():
     theirs = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
     for p, g in zip(theirs, grads, strict=True):
         p.grad = g.clone()
-    held = [HeldGradient(str(i), g, Placement(box=Box.full(g.shape), replicated_over=("dp_cp",)))
+    held = [HeldGradient(str(i), g, Placement(box=Box.full(g.shape), replicated_over=("dp x cp",)))
             for i, g in enumerate(ours)]
     n1 = clip_grad_norm_(held, 0.5, groups={}, device=torch.device("cpu"))
     n2 = torch.nn.utils.clip_grad_norm_(theirs, 0.5)
@@ -131,7 +131,7 @@ def _norms_on_rank(ctx) -> dict:
                 grads = [replace(h, placement=_whole_rows_summed_over_dp(h.placement)) for h in grads]
             wrong[control] = float(clip_grad_norm_(grads, 1e9, groups=gs, device=torch.device("cpu")))
         rows = [tuple(par.placements[n].box.shape) == tuple(p.shape)
-                and par.placements[n].sharded_over == ("dp_cp",) for n, p in held.items()]
+                and par.placements[n].sharded_over == ("dp x cp",) for n, p in held.items()]
         out[name] = {"norm": norm, "wrong": wrong, "zero3 rows": rows}
         dist.barrier()
     return out
@@ -147,8 +147,8 @@ def _as_own_tensor(p: Placement) -> Placement:
 
 def _whole_rows_summed_over_dp(p: Placement) -> Placement:
     """A control's placement for a full ZeRO-1 gradient: summed over dp x cp like a shard would be."""
-    return replace(p, sharded_over=p.sharded_over + ("dp_cp",),
-                   replicated_over=tuple(a for a in p.replicated_over if a != "dp_cp"))
+    return replace(p, sharded_over=p.sharded_over + ("dp x cp",),
+                   replicated_over=tuple(a for a in p.replicated_over if a != "dp x cp"))
 
 
 def _held(par) -> list:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from refimpl.distributed.placement import Box, module_shards
-from refimpl.parallel.placements import HeldGradient, Placement, clip_grad_norm_
+from refimpl.parallel.placements import DP, HeldGradient, Placement, clip_grad_norm_
 from refimpl.parallel.tensor_parallel.tp_communications import Group, group_size
 
 __all__ = ["clip_grad_norm_tensor_parallel_", "tensor_parallel_sharded"]
@@ -47,11 +47,11 @@ def clip_grad_norm_tensor_parallel_(grads: Sequence[torch.Tensor], sharded: Sequ
     """
     if len(grads) != len(sharded):
         raise ValueError(f"{len(grads)} gradients but {len(sharded)} sharded flags")
-    dp = () if dp_group is None or group_size(dp_group) == 1 else ("dp_cp",)
+    dp = () if dp_group is None or group_size(dp_group) == 1 else (DP,)
     held = [HeldGradient(str(i), g, Placement(box=Box.full(g.shape), sharded_over=(("tp",) if s else ()) + dp,
                                               replicated_over=() if s else ("tp",)))
             for i, (g, s) in enumerate(zip(grads, sharded, strict=True))]
     tp_axis = HeldGradient("", torch.zeros((), device=device),  # the sum goes over tp even if no shard here
                            Placement(box=Box.full(()), sharded_over=("tp",)))
-    return clip_grad_norm_([*held, tp_axis], max_norm, groups={"tp": tp_group, "dp_cp": dp_group},
+    return clip_grad_norm_([*held, tp_axis], max_norm, groups={"tp": tp_group, DP: dp_group},
                            device=device)

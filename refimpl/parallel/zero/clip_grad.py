@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from refimpl.distributed.placement import Box
 from refimpl.parallel.placements import (
+    DP,
     HeldGradient,
     Placement,
     clip_grad_norm_,
@@ -30,12 +31,12 @@ def clip_sharded_grad_norm_(grads: list[torch.Tensor], max_norm: float, *, devic
     ||g||^2 = sum over ranks of the local sums of squares (one all-reduce); then every shard is scaled by
     min(1, max_norm / (||g|| + 1e-6)), the rule of ``torch.nn.utils.clip_grad_norm_``. Returns ||g||.
     """
-    held = [HeldGradient(str(i), g, Placement(box=Box.full(g.shape), sharded_over=("dp_cp",)))
+    held = [HeldGradient(str(i), g, Placement(box=Box.full(g.shape), sharded_over=(DP,)))
             for i, g in enumerate(grads)]
     if not held:  # nothing held here; the other ranks' shards still need this rank's zero in the sum
         held = [HeldGradient("", torch.zeros((), device=device), Placement(box=Box.full(()),
-                                                                            sharded_over=("dp_cp",)))]
+                                                                            sharded_over=(DP,)))]
     if world_size > 1 and group is None:
         group = dist.group.WORLD  # torch's default group (a placement's None is an axis of one rank)
-    return clip_grad_norm_(held, max_norm, groups={"dp_cp": group if world_size > 1 else None},
+    return clip_grad_norm_(held, max_norm, groups={DP: group if world_size > 1 else None},
                            device=device)

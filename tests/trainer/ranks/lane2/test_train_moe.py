@@ -26,8 +26,8 @@ capacity is per rank's forward, ``refimpl.models.moe``):
 * the DeepSeek-V3 form (``--arch deepseek``: multi-head latent attention, sigmoid routing with the expert
   bias, a shared expert, the first block dense) at DeepSeek-V3's own ``--pp 2 --ep 2`` (dp 2), against its
   own one-device runs;
-* **negative control**: the same ``--ep 2 --dp 4`` run with the experts' placement saying ``dp_cp`` instead
-  of ``expert_dp`` (their gradients averaged over the dp x cp ranks, which hold other experts) fails the same
+* **negative control**: the same ``--ep 2 --dp 4`` run with the experts' placement saying ``dp x cp`` instead
+  of ``edp`` (their gradients averaged over the dp x cp ranks, which hold other experts) fails the same
   comparison on the expert tensors, by far;
 * metrics.jsonl's MoE figures: the balance loss equals one device's, tokens per expert mean is ``k T / E``
   of the global batch's ``T`` tokens, max at least that, nothing dropped; the all-to-alls show as bytes on
@@ -138,12 +138,12 @@ def _pieces(module: torch.nn.Module) -> dict:
 
 
 def _dp_cp_for_experts(step: int, setup) -> None:
-    """The negative control: the experts' placements say dp_cp, so their gradients are averaged over the dp
+    """The negative control: the experts' placements say dp x cp, so their gradients are averaged over the dp
     x cp ranks (which hold other experts) instead of summed over edp and divided by dp x cp."""
     if step == 0:
         for name, p in setup.parallel.placements.items():
-            if "expert_dp" in p.reduce_over:
-                setup.parallel.placements[name] = replace(p, reduce_over=("dp_cp",))
+            if "edp" in p.reduce_over:
+                setup.parallel.placements[name] = replace(p, reduce_over=("dp x cp",))
 
 
 def _first_stage_loss_dropped(step: int, setup) -> None:
