@@ -20,6 +20,7 @@ move between layouts.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -36,9 +37,11 @@ from refimpl.checkpoint import (
     save_training_state,
 )
 from refimpl.checkpoint.checkpointer import CheckpointConfig
+from refimpl.config import ParallelConfig, TrainConfig
 from refimpl.distributed import DistributedContext
 from refimpl.launch import run_ranks
-from refimpl.train import build_parser, build_setup, config_from_args, main, options_from_args, train
+from refimpl.model_config import LLAMA
+from refimpl.train import RunOptions, build_setup, main
 from refimpl.train.layout import resolve
 from tests.support import timeouts
 from tests.support.one_device import (
@@ -49,7 +52,7 @@ from tests.support.one_device import (
     one_device_losses,
     tolerance,
 )
-from tests.support.trainer_runs import from_flags
+from tests.support.trainer_runs import Case, run_case, tiny
 
 # the one spawn timeout x 2: 8 ranks then 4 train, save and resume the GPT; it was 420 s
 SPAWN_TIMEOUT_S = 2 * timeouts.SPAWN_TIMEOUT_S
@@ -57,35 +60,40 @@ FACTOR = 4.0
 STEPS = 4  # the checkpoint's step; the runs go 2 steps further
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
         "--batch-size", "8", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
-        "--steps", str(STEPS + 2), "--checkpoint-every", "0", "--no-report"]
-CUBE = ["--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2"]
+        "--steps", str(STEPS + 2), "--checkpoint-every", "0", "--no-report"]  # the refusals' command line
+
+
+def _cube(**options) -> ParallelConfig:
+    """dp 2 x tp 2 x pp 2, two micro-batches, and ``options``."""
+    return ParallelConfig(dp=2, tp=2, pp=2, microbatches=2, **options)
+
+
 SAVED = "2x2x2-zero1-bf16"  # the checkpoint moved between layouts
-LLAMA = ["--arch", "llama", "--num-kv-heads", "2"]  # the Llama form, against its own one-device runs
-# name -> (flags at world size 8, the one-device precision it is compared with)
-LAYOUTS = {
-    "2x2x2": ([*CUBE, "--checkpoint-every", str(STEPS)], "fp32"),
-    SAVED: ([*CUBE, "--zero-stage", "1", "--precision", "bf16", "--checkpoint-every", str(STEPS)], "bf16"),
-    "2x2x2-zero2-sp-interleaved": ([*CUBE, "--zero-stage", "2", "--sequence-parallel", "--pp-schedule",
-                                    "interleaved", "--virtual-stages", "2"], "fp32"),
-    "dp2-cp2-pp2-zero2-fp16-actckpt": (["--dp", "2", "--cp", "2", "--pp", "2", "--microbatches", "2",
-                                        "--zero-stage", "2", "--precision", "fp16",
-                                        "--activation-checkpointing"], "fp16"),
-    "2x2x2-zero3": ([*CUBE, "--zero-stage", "3"], "fp32"),  # ZeRO-3 over the TP blocks of each stage
-    "2x2x2-zero3-bf16": ([*CUBE, "--zero-stage", "3", "--precision", "bf16"], "bf16"),
-    "2x2x2-zero3-llama": ([*CUBE, "--zero-stage", "3", *LLAMA], "fp32"),  # RMSNorm, RoPE, GQA 4/2, SwiGLU
+LLAMA_LAYOUT = "2x2x2-zero3-llama"  # the Llama form (GQA 4/2), against its own one-device runs
+LAYOUTS = {  # at world size 8
+    "2x2x2": Case(parallel=_cube(), checkpoint_every=STEPS),
+    SAVED: Case(parallel=_cube(zero_stage=1, precision="bf16"), checkpoint_every=STEPS),
+    "2x2x2-zero2-sp-interleaved": Case(parallel=_cube(zero_stage=2, sequence_parallel=True,
+                                                      pp_schedule="interleaved", virtual_stages=2)),
+    "dp2-cp2-pp2-zero2-fp16-actckpt": Case(parallel=ParallelConfig(
+        dp=2, cp=2, pp=2, microbatches=2, zero_stage=2, precision="fp16", activation_checkpointing="all")),
+    "2x2x2-zero3": Case(parallel=_cube(zero_stage=3)),  # ZeRO-3 over the TP blocks of each stage
+    "2x2x2-zero3-bf16": Case(parallel=_cube(zero_stage=3, precision="bf16")),
+    LLAMA_LAYOUT: Case(parallel=_cube(zero_stage=3)),  # RMSNorm, RoPE, GQA 4/2, SwiGLU
 }
-# the layouts the checkpoint of SAVED moves to: name -> (world size, flags)
+# the layouts the checkpoint of SAVED moves to, in bf16: name -> (world size, layout)
 TARGETS = {
-    "2x2x2": (8, [*CUBE, "--zero-stage", "1"]),
-    "1x2x2": (4, ["--dp", "1", "--tp", "2", "--pp", "2", "--microbatches", "2", "--zero-stage", "1"]),
-    "tp4": (4, ["--dp", "1", "--tp", "4"]),
-    "one rank": (1, []),
+    "2x2x2": (8, _cube(zero_stage=1, precision="bf16")),
+    "1x2x2": (4, ParallelConfig(dp=1, tp=2, pp=2, microbatches=2, zero_stage=1, precision="bf16")),
+    "tp4": (4, ParallelConfig(dp=1, tp=4, precision="bf16")),
+    "one rank": (1, ParallelConfig(precision="bf16")),
 }
 
 
-def _args(files: dict, out: Path, *extra: str):
-    return build_parser().parse_args([*TINY, "--data", str(files["corpus"]), "--cache-dir",
-                                      str(files["cache"]), "--out", str(out), *extra])
+def _base(files: dict, *, llama: bool = False) -> TrainConfig:
+    """4 blocks, 8 sequences a step, STEPS + 2 steps; the Llama form with 2 key/value heads."""
+    model = {**LLAMA, "num_key_value_heads": 2} if llama else {}
+    return tiny(files, num_layers=4, batch_size=8, steps=STEPS + 2, **model)
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +102,11 @@ def files(tmp_path_factory, corpus: dict) -> dict:
     return {"root": tmp_path_factory.mktemp("train_3d"), **corpus}
 
 
-def _resave(ctx, files: dict, name: str, flags: list[str]) -> None:
-    """Load the SAVED checkpoint of step STEPS at the layout ``flags`` and save it again (a collective)."""
+def _resave(ctx, files: dict, name: str, parallel: ParallelConfig) -> None:
+    """Load the SAVED checkpoint of step STEPS at the layout ``parallel`` and save it again (a collective)."""
     root = Path(files["root"])
-    args = _args(files, root / "unused", *flags, "--precision", "bf16")
-    config, options = config_from_args(args), options_from_args(args)
-    setup = build_setup(config, ctx, resolve(config, options, ctx.world_size))
+    config = dataclasses.replace(_base(files), out=str(root / "unused"))
+    setup = build_setup(config, ctx, resolve(config, RunOptions(parallel=parallel), ctx.world_size))
     source = Checkpointer(CheckpointConfig(folder=str(root / "saved-checkpoint")))
     load_training_state(source, source.find_latest_valid(), model=setup.state_module,
                         optimizer=setup.optimizer, restore_rng=False)
@@ -107,36 +114,36 @@ def _resave(ctx, files: dict, name: str, flags: list[str]) -> None:
         save_training_state(target, STEPS, model=setup.state_module, optimizer=setup.optimizer)
 
 
-def _resume(ctx, files: dict, name: str, flags: list[str]) -> list[float]:
-    """Copy the SAVED checkpoint of step STEPS and resume the run from it at the layout ``flags``."""
+def _resume(ctx, files: dict, name: str, parallel: ParallelConfig) -> list[float]:
+    """Copy the SAVED checkpoint of step STEPS and resume the run from it at the layout ``parallel``."""
     root = Path(files["root"])
     folder = root / f"resumed-{name}" / "ckpt"
     if ctx.rank == 0:
         shutil.copytree(root / "saved-checkpoint", folder)
     if ctx.world_size > 1:
         dist.barrier()
-    args = _args(files, root / f"resumed-{name}", *flags, "--precision", "bf16", "--checkpoint-dir",
-                 str(folder))
-    return [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args))]
+    records = run_case(ctx, _base(files), Case(parallel=parallel), root / f"resumed-{name}",
+                       checkpoint_dir=folder)
+    return [r["loss"] for r in records]
 
 
 def _move(ctx, files: dict, world: int) -> dict:
     out = {}
-    for name, (size, flags) in TARGETS.items():
+    for name, (size, parallel) in TARGETS.items():
         if size == world:
-            _resave(ctx, files, name, flags)
-            out[name] = _resume(ctx, files, name, flags)
+            _resave(ctx, files, name, parallel)
+            out[name] = _resume(ctx, files, name, parallel)
     return out
 
 
 def _worker8(ctx, files: dict) -> dict:
     root = Path(files["root"])
     out = {}
-    for name, (flags, _) in LAYOUTS.items():
-        args = _args(files, root / name, *flags, "--checkpoint-dir", str(root / name / "ckpt"))
+    for name, case in LAYOUTS.items():
         grads: dict = {}
-        out[name] = [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args),
-                                              gradient_probe=first_step_gradients(grads))]
+        records = run_case(ctx, _base(files, llama=name == LLAMA_LAYOUT), case, root / name,
+                           checkpoint_dir=root / name / "ckpt", probe=first_step_gradients(grads))
+        out[name] = [r["loss"] for r in records]
         out[name, "grads"] = grads
     if ctx.rank == 0:  # the SAVED run's checkpoint of step STEPS alone
         shutil.copytree(root / SAVED / "ckpt", root / "saved-checkpoint")
@@ -165,16 +172,15 @@ def runs(files) -> dict:
     return {"eight": eight, "moved": eight[0]["moved"] | four[0] | one}
 
 
-def _references(files: dict, root: Path, *flags: str, precisions=PRECISIONS) -> dict:
-    """tests/support/one_device.py's references of the run ``flags`` describe (at a world of one)."""
-    config, options = from_flags(["--data", str(files["corpus"]), "--cache-dir", str(files["cache"]), *TINY,
-                                  *flags])
-    return one_device_losses(config, root, steps=STEPS + 2, parallel=options.parallel, precisions=precisions)
+def _references(config: TrainConfig, root: Path, parallel: ParallelConfig | None = None,
+                precisions=PRECISIONS) -> dict:
+    """tests/support/one_device.py's references of ``config`` at ``parallel`` (at a world of one)."""
+    return one_device_losses(config, root, steps=STEPS + 2, parallel=parallel, precisions=precisions)
 
 
 @pytest.fixture(scope="module")
 def one_device(files, tmp_path_factory) -> dict:
-    return _references(files, tmp_path_factory.mktemp("one_device"))
+    return _references(_base(files), tmp_path_factory.mktemp("one_device"))
 
 
 @pytest.fixture(scope="module")
@@ -182,13 +188,15 @@ def one_device_zero3(files, tmp_path_factory) -> dict:
     """One device with ``--zero-stage 3`` (a world of one: nothing sharded): in 16 bits FSDP2's arithmetic,
     16-bit weights and activations throughout (no autocast, fp32 master weights), the reference a 16-bit
     ZeRO-3 layout computes like; in fp32 the plain model's."""
-    return _references(files, tmp_path_factory.mktemp("one_device_zero3"), "--zero-stage", "3")
+    return _references(_base(files), tmp_path_factory.mktemp("one_device_zero3"),
+                       ParallelConfig(zero_stage=3))
 
 
 @pytest.fixture(scope="module")
 def one_device_llama(files, tmp_path_factory) -> dict:
     """One device training the Llama form, fp32."""
-    return _references(files, tmp_path_factory.mktemp("one_device_llama"), *LLAMA, precisions=("fp32",))
+    return _references(_base(files, llama=True), tmp_path_factory.mktemp("one_device_llama"),
+                       precisions=("fp32",))
 
 
 def _reference(name: str, one_device: dict, one_device_zero3: dict, one_device_llama: dict) -> dict:
@@ -196,11 +204,10 @@ def _reference(name: str, one_device: dict, one_device_zero3: dict, one_device_l
     activations (FSDP2's mixed precision), the others under autocast over fp32 weights (measured: the
     2x2x2 ZeRO-3 bf16 losses lie 2.8e-3 from the autocast bf16 run, 1.8x that rule's tolerance); the Llama
     form its own."""
-    flags, precision = LAYOUTS[name]
-    if "--arch" in flags:
+    if name == LLAMA_LAYOUT:
         return one_device_llama
-    zero3 = "--zero-stage" in flags and flags[flags.index("--zero-stage") + 1] == "3"
-    return one_device_zero3 if zero3 and precision != "fp32" else one_device
+    parallel = LAYOUTS[name].parallel
+    return one_device_zero3 if parallel.zero_stage == 3 and parallel.precision != "fp32" else one_device
 
 
 def _read_all(folder: Path) -> dict[str, torch.Tensor]:
@@ -221,8 +228,7 @@ def test_3d_layouts_at_8_ranks_train_like_one_device(runs, one_device, one_devic
                                                      name):
     assert_trains_like_one_device([out[name] for out in runs["eight"]],
                                   _reference(name, one_device, one_device_zero3, one_device_llama),
-                                  LAYOUTS[name][1],
-                                  factor=FACTOR, name=name)
+                                  LAYOUTS[name].precision, factor=FACTOR, name=name)
 
 
 @pytest.mark.numerics
@@ -234,11 +240,11 @@ def test_3d_layouts_hand_the_optimizer_one_devices_gradients(runs, one_device, o
     shards of them, the tied embedding on both pipeline ends) against one device's
     (tests/support/one_device.py); negative control: the same gradients x m (a pipeline loss not divided by
     its m micro-batches) fail."""
-    flags, precision = LAYOUTS[name]
-    m = int(flags[flags.index("--microbatches") + 1])
+    m = LAYOUTS[name].parallel.microbatches
+    assert m is not None
     worst = assert_gradients_like_one_device([out[name, "grads"] for out in runs["eight"]],
                                              _reference(name, one_device, one_device_zero3, one_device_llama),
-                                             precision,
+                                             LAYOUTS[name].precision,
                                              factor=FACTOR, name=name, control=float(m))
     print(f"{name}: worst gradient difference {worst:.3f} x its tolerance")
 
