@@ -29,14 +29,14 @@ from tests.support.one_device import (
 )
 
 
-def tiny(corpus: Mapping[str, Path], *, num_layers: int = 2, batch_size: int = 4, steps: int = 4,
-         **model: object) -> TrainConfig:
-    """The trainer tests' model and data: ``num_layers`` blocks of width 32, 4 heads, 16 tokens,
-    ``batch_size`` sequences a step from the shared corpus (``corpus``, tests/conftest.py's), lr 1e-2
-    after 2 warm-up steps; ``model``: more ``ModelConfig`` fields."""
+def tiny(corpus: Mapping[str, Path], *, num_layers: int = 2, hidden_size: int = 32, batch_size: int = 4,
+         steps: int = 4, **model: object) -> TrainConfig:
+    """The trainer tests' model and data: ``num_layers`` blocks of width ``hidden_size``, 4 heads, 16
+    tokens, ``batch_size`` sequences a step from the shared corpus (``corpus``, tests/conftest.py's), lr
+    1e-2 after 2 warm-up steps; ``model``: more ``ModelConfig`` fields."""
     return TrainConfig(
-        model=ModelConfig(num_layers=num_layers, hidden_size=32, num_attention_heads=4, max_seq_len=16,
-                          **model),  # type: ignore[arg-type]
+        model=ModelConfig(num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=4,
+                          max_seq_len=16, **model),  # type: ignore[arg-type]
         data=DataConfig(data=str(corpus["corpus"]), cache_dir=str(corpus["cache"]), seq_len=16,
                         global_batch_size=batch_size),
         optim=OptimConfig(lr=1e-2, warmup_steps=2), steps=steps, log_every=100)

@@ -27,13 +27,12 @@ from unittest import mock
 import pytest
 import torch.distributed as dist
 
-from refimpl.config import LLAMA, ModelConfig, ParallelConfig
+from refimpl.config import LLAMA, ModelConfig, ParallelConfig, TrainConfig
 from refimpl.launch import run_ranks
 from refimpl.models import GPT
 from refimpl.parallel.declarations import ContextParallelModules
 from refimpl.planner import context_parallel_bytes
 from refimpl.support import shape_refusals
-from refimpl.train import build_parser, config_from_args, options_from_args, train
 from tests.support import timeouts
 from tests.support.one_device import (
     assert_gradients_like_one_device,
@@ -42,47 +41,50 @@ from tests.support.one_device import (
     one_device_losses,
     tolerance,
 )
+from tests.support.trainer_runs import Case, run_case, tiny
 
 # the one spawn timeout x 2: 4 ranks train the Llama form at each layout; it was 300 s
 SPAWN_TIMEOUT_S = 2 * timeouts.SPAWN_TIMEOUT_S
 FACTOR = 4.0
 STEPS = 4
-TINY = ["--arch", "llama", "--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
-        "--batch-size", "8", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
-        "--checkpoint-every", "0", "--no-report", "--steps", str(STEPS)]
-MODELS = {"gqa": ["--num-kv-heads", "2"], "mqa": ["--num-kv-heads", "1"],
-          "moe": ["--num-kv-heads", "2", "--moe-experts", "4", "--moe-every", "2"],
+MODELS = {"gqa": {"num_key_value_heads": 2}, "mqa": {"num_key_value_heads": 1},
+          "moe": {"num_key_value_heads": 2, "num_experts": 4, "moe_every": 2, "moe_activation": "swiglu"},
           # interleaved: 2 chunks of 1 block per pp rank (at width 32 its two summation orders agree bitwise)
-          "gqa-4": ["--num-kv-heads", "2", "--num-layers", "4", "--hidden-size", "48"]}
-LAYOUTS = {  # name -> (model, the trainer's flags at world size 4)
-    "tp2-dp2-sp-zero1": ("gqa", ["--tp", "2", "--sequence-parallel", "--zero-stage", "1",
-                                 "--checkpoint-every", str(STEPS // 2)]),  # resumed at pp 2 x dp 2 below
-    "dp4-zero3-actckpt": ("gqa", ["--zero-stage", "3", "--activation-checkpointing"]),
-    "hsdp2x2-zero3": ("gqa", ["--zero-stage", "3", "--dp-replicate", "2"]),  # shards over 2, 2 replicas
-    "pp2-dp2-1f1b": ("gqa", ["--pp", "2", "--microbatches", "2"]),
-    "pp2-dp2-zbh1": ("gqa", ["--pp", "2", "--microbatches", "2", "--pp-schedule", "zbh1"]),
-    "pp2-dp2-gpipe": ("gqa", ["--pp", "2", "--microbatches", "2", "--pp-schedule", "gpipe"]),
-    "pp2-dp2-interleaved": ("gqa-4", ["--pp", "2", "--microbatches", "2", "--pp-schedule", "interleaved",
-                                      "--virtual-stages", "2"]),
+          "gqa-4": {"num_key_value_heads": 2, "num_layers": 4, "hidden_size": 48}}
+
+
+def _pp(**options) -> ParallelConfig:
+    """pp 2 (x dp 2) with two micro-batches, and ``options``."""
+    return ParallelConfig(pp=2, microbatches=2, **options)
+
+
+LAYOUTS = {  # name -> (model, the layout at world size 4)
+    "tp2-dp2-sp-zero1": ("gqa", Case(parallel=ParallelConfig(tp=2, sequence_parallel=True, zero_stage=1),
+                                     checkpoint_every=STEPS // 2)),  # resumed at pp 2 x dp 2 below
+    "dp4-zero3-actckpt": ("gqa", Case(parallel=ParallelConfig(zero_stage=3, activation_checkpointing="all"))),
+    "hsdp2x2-zero3": ("gqa", Case(parallel=ParallelConfig(zero_stage=3, dp_replicate=2))),  # 2 shards x 2
+    "pp2-dp2-1f1b": ("gqa", Case(parallel=_pp())),
+    "pp2-dp2-zbh1": ("gqa", Case(parallel=_pp(pp_schedule="zbh1"))),
+    "pp2-dp2-gpipe": ("gqa", Case(parallel=_pp(pp_schedule="gpipe"))),
+    "pp2-dp2-interleaved": ("gqa-4", Case(parallel=_pp(pp_schedule="interleaved", virtual_stages=2))),
     # ZB-V: stages 0 and 3 on pp rank 0 (the loss there), 1 and 2 on pp rank 1 (a local turn), B and W split
-    "pp2-dp2-zbv": ("gqa-4", ["--pp", "2", "--microbatches", "2", "--pp-schedule", "zbv",
-                              "--virtual-stages", "2"]),
-    "dp4-fp8": ("gqa", ["--precision", "fp8"]),  # the linears' three GEMMs in fp8 (chapter 10)
-    "tp2-dp2-mqa-zero2": ("mqa", ["--tp", "2", "--zero-stage", "2"]),  # 2 ranks share the k/v head
-    "tp4-gqa-sp": ("gqa", ["--tp", "4", "--sequence-parallel"]),  # 2 ranks share each of the 2 k/v heads
-    "tp4-mqa": ("mqa", ["--tp", "4"]),  # all 4 ranks share the one k/v head
-    "cp2-dp2-ring": ("mqa", ["--cp", "2"]),
-    "cp2-dp2-ulysses": ("gqa", ["--cp", "2", "--cp-method", "ulysses"]),
-    "dp4-ep2-moe": ("moe", ["--ep", "2"]),  # block 0 an MoE of SwiGLU experts, 2 per ep rank
+    "pp2-dp2-zbv": ("gqa-4", Case(parallel=_pp(pp_schedule="zbv", virtual_stages=2))),
+    "dp4-fp8": ("gqa", Case(parallel=ParallelConfig(precision="fp8"))),  # the linears' GEMMs in fp8 (ch. 10)
+    "tp2-dp2-mqa-zero2": ("mqa", Case(parallel=ParallelConfig(tp=2, zero_stage=2))),  # 2 ranks share k/v
+    "tp4-gqa-sp": ("gqa", Case(parallel=ParallelConfig(tp=4, sequence_parallel=True))),  # 2 per k/v head
+    "tp4-mqa": ("mqa", Case(parallel=ParallelConfig(tp=4))),  # all 4 ranks share the one k/v head
+    "cp2-dp2-ring": ("mqa", Case(parallel=ParallelConfig(cp=2))),
+    "cp2-dp2-ulysses": ("gqa", Case(parallel=ParallelConfig(cp=2, cp_method="ulysses"))),
+    "dp4-ep2-moe": ("moe", Case(parallel=ParallelConfig(ep=2))),  # block 0 an MoE of SwiGLU experts, 2 a rank
 }
 
 
 PRECISION = {"dp4-fp8": "fp8"}  # the layouts not in fp32, against one device in their precision
 
 
-def _args(files: dict, out: Path, *extra: str):
-    return build_parser().parse_args([*TINY, "--data", str(files["corpus"]), "--cache-dir",
-                                      str(files["cache"]), "--out", str(out), *extra])
+def _base(files: dict, model: str) -> TrainConfig:
+    """The Llama form, 2 blocks of width 32 (or ``MODELS[model]``'s), 8 sequences a step, STEPS steps."""
+    return tiny(files, **{"num_layers": 2, "batch_size": 8, "steps": STEPS, **LLAMA, **MODELS[model]})
 
 
 @pytest.fixture(scope="module")
@@ -101,26 +103,25 @@ DECLARED = GPT.context_parallel_modules
 
 def _worker(ctx, files: dict) -> dict:
     out = {}
-    for name, (model, flags) in {**LAYOUTS, "cp2-local-positions": LAYOUTS["cp2-dp2-ring"]}.items():
-        args = _args(files, Path(files["root"]) / name, *MODELS[model], *flags,
-                     "--checkpoint-dir", str(Path(files["root"]) / name / "ckpt"))
+    root = Path(files["root"])
+    for name, (model, case) in {**LAYOUTS, "cp2-local-positions": LAYOUTS["cp2-dp2-ring"]}.items():
         grads: dict = {}
         with mock.patch.object(GPT, "context_parallel_modules",
                                _local_positions if name == "cp2-local-positions" else DECLARED):
-            records = train(config_from_args(args), ctx, options_from_args(args),
-                            gradient_probe=first_step_gradients(grads))
+            records = run_case(ctx, _base(files, model), case, root / name,
+                               checkpoint_dir=root / name / "ckpt", probe=first_step_gradients(grads))
         out[name], out[name, "grads"] = [r["loss"] for r in records], grads
         out[name, "bytes"] = [r["bytes_sent"] for r in records]
-    root = Path(files["root"])
     if ctx.rank == 0:  # the tp 2 run's checkpoint of step STEPS / 2 alone, for a run at another layout
         shutil.copytree(root / "tp2-dp2-sp-zero1" / "ckpt", root / "resumed" / "ckpt")
         for later in (root / "resumed" / "ckpt").glob("step_*"):
             if int(later.name.removeprefix("step_")) > STEPS // 2:
                 shutil.rmtree(later)
     dist.barrier()
-    args = _args(files, root / "resumed", *MODELS["gqa"], *LAYOUTS["pp2-dp2-1f1b"][1],
-                 "--checkpoint-every", str(STEPS // 2), "--checkpoint-dir", str(root / "resumed" / "ckpt"))
-    out["resumed at pp2"] = [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args))]
+    resumed = dataclasses.replace(LAYOUTS["pp2-dp2-1f1b"][1], checkpoint_every=STEPS // 2)
+    records = run_case(ctx, _base(files, "gqa"), resumed, root / "resumed",
+                       checkpoint_dir=root / "resumed" / "ckpt")
+    out["resumed at pp2"] = [r["loss"] for r in records]
     return out
 
 
@@ -133,11 +134,10 @@ def runs(files) -> list[dict]:
 def one_device(files) -> dict:
     """fp32 one-device runs of each model in this process, in two summation orders."""
     def references(model: str) -> dict:
-        args = _args(files, Path(files["root"]), *MODELS[model])
         precisions = sorted({"fp32", *(PRECISION.get(name, "fp32") for name, (m, _) in LAYOUTS.items()
                                        if m == model)})
-        return one_device_losses(config_from_args(args), Path(files["root"]) / f"one-{model}", steps=STEPS,
-                                 parallel=options_from_args(args).parallel, precisions=precisions)
+        return one_device_losses(_base(files, model), Path(files["root"]) / f"one-{model}", steps=STEPS,
+                                 parallel=ParallelConfig(), precisions=precisions)
     return {model: references(model) for model in MODELS}
 
 
@@ -171,8 +171,7 @@ def test_the_cp_bytes_are_the_formula_at_the_key_value_heads(runs, name):
     """metrics.jsonl's bytes on the cp group per step equal ``num_layers x`` the planner's
     ``context_parallel_bytes`` (forward + backward) of the model, its K/V at their own head count; the
     same formula at the query heads (K/V repeated, picotron's ring) is not what the ranks sent."""
-    model, flags = LAYOUTS[name]
-    config = config_from_args(build_parser().parse_args([*TINY, *MODELS[model], *flags])).model
+    config = _base({"corpus": Path("unused"), "cache": Path("unused")}, LAYOUTS[name][0]).model
     method = "ulysses" if "ulysses" in name else "ring"
     micro = 8 // 2  # the global batch over dp 2, one micro-batch
 
