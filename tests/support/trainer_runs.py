@@ -22,6 +22,7 @@ import pytest
 from refimpl.checkpoint import CheckpointConfig
 from refimpl.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from refimpl.train import RunOptions, build_parser, config_from_args, options_from_args, train
+from refimpl.train.hooks import TrainHooks
 from tests.support.one_device import (
     assert_gradients_like_one_device,
     assert_trains_like_one_device,
@@ -66,15 +67,16 @@ class Case:
 
 
 def run_case(ctx, base: TrainConfig, case: Case, out: Path, *, checkpoint_dir: Path | None = None,
-             probe: Callable | None = None) -> list[dict]:
+             probe: Callable | None = None, hooks: TrainHooks | None = None) -> list[dict]:
     """Train ``case`` on this rank into ``out``; its records. ``checkpoint_dir``: where checkpoints are
-    saved and resumed from (default the trainer's, ``out / "checkpoints"``)."""
+    saved and resumed from (default the trainer's, ``out / "checkpoints"``); ``probe`` the first step's
+    gradients (``first_step_gradients``), or ``hooks`` (a negative control's, with its own probe)."""
     config = dataclasses.replace(base, out=str(out), steps=case.steps or base.steps,
                                  data=dataclasses.replace(base.data, micro_batch_size=case.micro_batch_size))
     checkpoint = CheckpointConfig(folder=str(checkpoint_dir or out / "checkpoints"),
                                   every_steps=case.checkpoint_every or None)
     options = RunOptions(parallel=case.parallel, checkpoint=checkpoint, report=case.report)
-    return train(config, ctx, options, gradient_probe=probe)
+    return train(config, ctx, options, hooks=hooks, gradient_probe=probe)
 
 
 def run_layouts(ctx, base: TrainConfig, cases: Mapping[str, Case], root: Path) -> dict:

@@ -54,11 +54,12 @@ import torch
 import torch.distributed as dist
 
 from refimpl.checkpoint import CheckpointConfig, Checkpointer, load_training_state
-from refimpl.config import OptimConfig
+from refimpl.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from refimpl.distributed.placement import module_shards
 from refimpl.launch import run_ranks
+from refimpl.model_config import DEEPSEEK_V3
 from refimpl.models import GPT
-from refimpl.train import build_parser, build_setup, config_from_args, options_from_args, train
+from refimpl.train import RunOptions, build_setup
 from refimpl.train.hooks import TrainHooks
 from refimpl.train.layout import resolve
 from tests.support import timeouts
@@ -70,56 +71,70 @@ from tests.support.one_device import (
     one_device_losses,
     tolerance,
 )
+from tests.support.trainer_runs import Case, run_case, tiny
 
 # the one spawn timeout x 2: 4 ranks train the MoE GPT at each layout; it was 300 s
 SPAWN_TIMEOUT_S = 2 * timeouts.SPAWN_TIMEOUT_S
 FACTOR = 4.0
 STEPS = 4
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
-        "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
-        "--checkpoint-every", "0", "--no-report", "--moe-experts", "4", "--moe-top-k", "2",
-        "--moe-aux-loss-coeff", "0.1"]
-BIAS = ["--moe-load-balance", "bias"]
-# the DeepSeek-V3 form, tiny: MLA latents of 16, rope 4 + nope 8 query/key dims, values 8; three blocks, the
-# first dense, two MoE blocks with a shared expert (its balancing: the expert bias, the form's default)
-DEEPSEEK = ["--arch", "deepseek", "--num-layers", "3", "--kv-lora-rank", "16", "--q-lora-rank", "16",
-            "--qk-rope-head-dim", "4", "--qk-nope-head-dim", "8", "--v-head-dim", "8",
-            "--moe-shared-experts", "1", "--moe-first-dense", "1"]
+AUX = {"num_experts": 4, "top_k": 2, "aux_loss_coeff": 0.1, "moe_activation": "gelu"}
+FORMS = {"aux": AUX, "bias": {**AUX, "moe_load_balance": "bias"},
+         # the DeepSeek-V3 form, tiny: MLA latents of 16, rope 4 + nope 8 query/key dims, values 8; three
+         # blocks, the first dense, two MoE blocks with a shared expert (its balancing: the expert bias, the
+         # form's default)
+         "deepseek": {**DEEPSEEK_V3, **{k: v for k, v in AUX.items() if k != "moe_activation"},
+                      "num_layers": 3, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 4,
+                      "qk_nope_head_dim": 8, "v_head_dim": 8, "moe_shared_experts": 1, "moe_first_dense": 1}}
 SAVED = "dp4-ep2"  # saves at STEPS, runs STEPS + 2: resumed at ep 4 and ep 1
-# name -> (flags at world size 4, the one-device reference: "aux" or "bias")
+# name -> (the model's form, which is also the one-device reference, and the layout at world size 4)
 LAYOUTS = {
-    SAVED: (["--ep", "2", "--steps", str(STEPS + 2), "--checkpoint-every", str(STEPS)], "aux"),
+    SAVED: ("aux", Case(parallel=ParallelConfig(ep=2), steps=STEPS + 2, checkpoint_every=STEPS)),
     # the expert state sharded over edp 2; the recomputed forward runs the all-to-alls again in backward
-    "dp4-ep2-zero2-bias-actckpt": (["--ep", "2", "--zero-stage", "2", *BIAS, "--activation-checkpointing"],
-                                   "bias"),
-    "tp2-dp2-ep2-zero1-accum": (["--tp", "2", "--ep", "2", "--zero-stage", "1", "--micro-batch-size", "1"],
-                                "aux"),
+    "dp4-ep2-zero2-bias-actckpt": ("bias", Case(parallel=ParallelConfig(ep=2, zero_stage=2,
+                                                                        activation_checkpointing="all"))),
+    "tp2-dp2-ep2-zero1-accum": ("aux", Case(parallel=ParallelConfig(tp=2, ep=2, zero_stage=1),
+                                            micro_batch_size=1)),
     # one MoE block per stage: stage 0's balance loss is backpropagated beside the received gradient
-    "pp2-dp2-ep2": (["--pp", "2", "--ep", "2", "--micro-batch-size", "1"], "aux"),
+    "pp2-dp2-ep2": ("aux", Case(parallel=ParallelConfig(pp=2, ep=2), micro_batch_size=1)),
     # zbh1's W actions add the experts' and routers' weight gradients; ZeRO-2 shards the experts over edp
-    "pp2-dp2-ep2-zbh1-zero2-bias": (["--pp", "2", "--ep", "2", "--pp-schedule", "zbh1", "--zero-stage", "2",
-                                     *BIAS], "bias"),
+    "pp2-dp2-ep2-zbh1-zero2-bias": ("bias", Case(parallel=ParallelConfig(pp=2, ep=2, pp_schedule="zbh1",
+                                                                         zero_stage=2))),
     # each sequence split over 2 cp ranks: the balance loss's counts summed over cp; ep 4 spans dp x cp
-    "cp2-dp2-ep4": (["--cp", "2", "--ep", "4"], "aux"),
+    "cp2-dp2-ep4": ("aux", Case(parallel=ParallelConfig(cp=2, ep=4))),
     # each tp rank routes its s/t tokens: counts summed over tp, router and expert gradients too
-    "tp2-sp-dp2-ep2-zero1": (["--tp", "2", "--sequence-parallel", "--ep", "2", "--zero-stage", "1"], "aux"),
+    "tp2-sp-dp2-ep2-zero1": ("aux", Case(parallel=ParallelConfig(tp=2, sequence_parallel=True, ep=2,
+                                                                 zero_stage=1))),
     # ZeRO-3: the dense weights sharded over dp 4, each MoE block's experts a unit of their own, sharded over
-    # edp 2 (their gradients summed there and divided by dp x cp), with accumulation
-    "dp4-ep2-zero3-accum": (["--ep", "2", "--zero-stage", "3", "--micro-batch-size", "1",
-                             "--checkpoint-every", str(STEPS)], "aux"),  # saved: loaded at pp 2 below
+    # edp 2 (their gradients summed there and divided by dp x cp), with accumulation; saved: loaded at pp 2
+    "dp4-ep2-zero3-accum": ("aux", Case(parallel=ParallelConfig(ep=2, zero_stage=3), micro_batch_size=1,
+                                        checkpoint_every=STEPS)),
     # ... and each pipeline stage sharded so, gathered once per step
-    "pp2-dp2-ep2-zero3-bias": (["--pp", "2", "--ep", "2", "--zero-stage", "3", *BIAS], "bias"),
+    "pp2-dp2-ep2-zero3-bias": ("bias", Case(parallel=ParallelConfig(pp=2, ep=2, zero_stage=3))),
     # the DeepSeek-V3 form at DeepSeek-V3's own pp x ep: stage 0 the dense block and an MoE block, stage 1
     # the other; the shared experts are dense weights (averaged over dp), the experts split over ep
-    "pp2-dp2-ep2-deepseek": ([*DEEPSEEK, "--pp", "2", "--ep", "2"], "deepseek"),
+    "pp2-dp2-ep2-deepseek": ("deepseek", Case(parallel=ParallelConfig(pp=2, ep=2))),
 }
 PIPELINED = [name for name in LAYOUTS if name.startswith("pp")]
 EXPERT = ".mlp.moe.experts."
 
 
-def _args(files: dict, out: Path, *extra: str):
-    return build_parser().parse_args([*TINY, "--steps", str(STEPS), "--data", str(files["corpus"]),
-                                      "--cache-dir", str(files["cache"]), "--out", str(out), *extra])
+def _model(form: str = "aux") -> ModelConfig:
+    """2 blocks (the DeepSeek form 3) of width 32, 4 heads, 16 tokens, of ``FORMS[form]``."""
+    return ModelConfig(**{"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "max_seq_len": 16,
+                          **FORMS[form]})
+
+
+def _base(files: dict, form: str = "aux") -> TrainConfig:
+    """``_model(form)`` trained STEPS steps on 4 sequences a step (tests/support/trainer_runs.py's tiny)."""
+    return replace(tiny(files, steps=STEPS), model=_model(form))
+
+
+def _control(ctx, files: dict, name: str, case: Case, before_step) -> dict:
+    """One step of a negative control at ``case`` (``before_step`` plants the bug): its gradients."""
+    grads: dict = {}
+    run_case(ctx, _base(files), replace(case, steps=1), Path(files["root"]) / name,
+             hooks=TrainHooks(before_step=before_step, gradient_probe=first_step_gradients(grads)))
+    return grads
 
 
 @pytest.fixture(scope="module")
@@ -230,42 +245,22 @@ def _norms(ctx, config) -> dict:
 def _worker(ctx, files: dict) -> dict:
     root = Path(files["root"])
     out = {}
-    for name, (flags, _) in LAYOUTS.items():
-        args = _args(files, root / name, *flags, "--checkpoint-dir", str(root / name / "ckpt"))
+    for name, (form, case) in LAYOUTS.items():
         grads: dict = {}
-        records = train(config_from_args(args), ctx, options_from_args(args),
-                        gradient_probe=first_step_gradients(grads))
+        records = run_case(ctx, _base(files, form), case, root / name, checkpoint_dir=root / name / "ckpt",
+                           probe=first_step_gradients(grads))
         out[name] = [r["loss"] for r in records]
         out[name, "grads"] = grads
         out[name, "records"] = records
-    grads = {}  # the negative control, one step
-    args = _args(files, root / "control", "--ep", "2", "--steps", "1")
-    train(config_from_args(args), ctx, options_from_args(args),
-          hooks=TrainHooks(before_step=_dp_cp_for_experts, gradient_probe=first_step_gradients(grads)))
-    out["control", "grads"] = grads
-    grads = {}  # the pipeline's negative control, one step
-    args = _args(files, root / "control-pp", *LAYOUTS["pp2-dp2-ep2"][0], "--steps", "1")
-    train(config_from_args(args), ctx, options_from_args(args),
-          hooks=TrainHooks(before_step=_first_stage_loss_dropped, gradient_probe=first_step_gradients(grads)))
-    out["control-pp", "grads"] = grads
-    grads = {}  # the context-parallel negative control, one step
-    args = _args(files, root / "control-cp", *LAYOUTS["cp2-dp2-ep4"][0], "--steps", "1")
-    train(config_from_args(args), ctx, options_from_args(args),
-          hooks=TrainHooks(before_step=_counts_not_summed_over_cp,
-                           gradient_probe=first_step_gradients(grads)))
-    out["control-cp", "grads"] = grads
-    grads = {}  # the sequence-parallel negative control, one step
-    args = _args(files, root / "control-sp", *LAYOUTS["tp2-sp-dp2-ep2-zero1"][0], "--steps", "1")
-    train(config_from_args(args), ctx, options_from_args(args),
-          hooks=TrainHooks(before_step=_balance_loss_not_split_over_sp,
-                           gradient_probe=first_step_gradients(grads)))
-    out["control-sp", "grads"] = grads
-    grads = {}  # the ZeRO-3 negative control, one step
-    args = _args(files, root / "control-zero3", "--ep", "2", "--zero-stage", "3", "--steps", "1")
-    train(config_from_args(args), ctx, options_from_args(args),
-          hooks=TrainHooks(before_step=_zero3_experts_averaged_over_edp,
-                           gradient_probe=first_step_gradients(grads)))
-    out["control-zero3", "grads"] = grads
+    # the negative controls, one step each
+    controls = {"control": (Case(parallel=ParallelConfig(ep=2)), _dp_cp_for_experts),
+                "control-pp": (LAYOUTS["pp2-dp2-ep2"][1], _first_stage_loss_dropped),
+                "control-cp": (LAYOUTS["cp2-dp2-ep4"][1], _counts_not_summed_over_cp),
+                "control-sp": (LAYOUTS["tp2-sp-dp2-ep2-zero1"][1], _balance_loss_not_split_over_sp),
+                "control-zero3": (Case(parallel=ParallelConfig(ep=2, zero_stage=3)),
+                                  _zero3_experts_averaged_over_edp)}
+    for name, (case, plant) in controls.items():
+        out[name, "grads"] = _control(ctx, files, name, case, plant)
     if ctx.rank == 0:  # the ep 2 checkpoint of step STEPS alone, a copy for each resumed run
         kept = root / "ep2-checkpoint"
         shutil.copytree(root / SAVED / "ckpt", kept)
@@ -274,23 +269,22 @@ def _worker(ctx, files: dict) -> dict:
             shutil.copytree(kept, root / f"resumed-ep{ep}-ckpt")
     dist.barrier()
     # that checkpoint loaded into an ep 4 run's model: each rank's boxes
-    args = _args(files, root / "unused", "--ep", "4")
-    config = config_from_args(args)
-    setup = build_setup(config, ctx, resolve(config, options_from_args(args), ctx.world_size))
+    config = replace(_base(files), out=str(root / "unused"))
+    ep4 = RunOptions(parallel=ParallelConfig(ep=4))
+    setup = build_setup(config, ctx, resolve(config, ep4, ctx.world_size))
     _load(root / "ep2-checkpoint", setup.state_module)
     out["ep4 load"] = _pieces(setup.state_module)
     # the ZeRO-3 run's checkpoint (experts' rows over edp inside their ep boxes) at pp 2 x dp 2 x ep 2, ZeRO-3
-    args = _args(files, root / "unused", "--pp", "2", "--ep", "2", "--zero-stage", "3")
-    config = config_from_args(args)
-    setup = build_setup(config, ctx, resolve(config, options_from_args(args), ctx.world_size))
+    zero3_pp2 = RunOptions(parallel=ParallelConfig(pp=2, ep=2, zero_stage=3))
+    setup = build_setup(config, ctx, resolve(config, zero3_pp2, ctx.world_size))
     _load(root / "dp4-ep2-zero3-accum" / "ckpt", setup.state_module)
     out["zero3 at pp2 load"] = _pieces(setup.state_module)
-    out["norms"] = _norms(ctx, config_from_args(args).model)
+    out["norms"] = _norms(ctx, _model())
     for ep in (4, 1):  # ... and the run resumed from it for 2 more steps (ep 1: plain data parallelism)
-        args = _args(files, root / f"resumed-ep{ep}", *LAYOUTS[SAVED][0], "--ep", str(ep),
-                     "--checkpoint-dir", str(root / f"resumed-ep{ep}-ckpt"))
-        out[f"resumed at ep{ep}"] = [r["loss"] for r in train(config_from_args(args), ctx,
-                                                              options_from_args(args))]
+        case = replace(LAYOUTS[SAVED][1], parallel=ParallelConfig(ep=ep))
+        records = run_case(ctx, _base(files), case, root / f"resumed-ep{ep}",
+                           checkpoint_dir=root / f"resumed-ep{ep}-ckpt")
+        out[f"resumed at ep{ep}"] = [r["loss"] for r in records]
     return out
 
 
@@ -299,12 +293,11 @@ def runs(files) -> list[dict]:
     return run_ranks(_worker, 4, files, timeout_s=SPAWN_TIMEOUT_S)
 
 
-def _one_device(files: dict, flags: list[str], *, steps: int) -> dict:
+def _one_device(files: dict, form: str, *, steps: int) -> dict:
     """tests/support/one_device.py's references in fp32 only (the whole batch, one sequence per micro-batch),
     with the first step's gradients and the records."""
-    args = _args(files, Path(files["root"]), *flags)
-    return one_device_losses(config_from_args(args), Path(files["root"]) / f"one-{'-'.join(flags) or 'aux'}",
-                             steps=steps, parallel=options_from_args(args).parallel, precisions=("fp32",))
+    return one_device_losses(_base(files, form), Path(files["root"]) / f"one-{form}", steps=steps,
+                             parallel=ParallelConfig(), precisions=("fp32",))
 
 
 @pytest.fixture(scope="module")
@@ -313,12 +306,11 @@ def one_device(files, runs) -> dict:
     # STEPS + 2 for bias too: on AVX2 kernels (an AMD EPYC here) its two orders gave the same bits for the
     # first STEPS steps (AdamW's first updates, about lr x sign(g), absorb the gradients' last-bit
     # differences), so there was no yardstick; at STEPS + 2 the orders part (one ulp of the loss)
-    out = {"aux": _one_device(files, [], steps=STEPS + 2), "bias": _one_device(files, BIAS, steps=STEPS + 2),
-           "deepseek": _one_device(files, DEEPSEEK, steps=STEPS + 2)}
-    plain = GPT(config_from_args(_args(files, Path(files["root"]) / "x")).model, seed=7)
+    out = {form: _one_device(files, form, steps=STEPS + 2) for form in FORMS}
+    plain = GPT(_model(), seed=7)
     _load(Path(files["root"]) / "ep2-checkpoint", plain)
     out["ep1 load"] = {k: v.clone() for k, v in plain.state_dict().items()}
-    plain = GPT(config_from_args(_args(files, Path(files["root"]) / "x")).model, seed=7)
+    plain = GPT(_model(), seed=7)
     _load(Path(files["root"]) / "dp4-ep2-zero3-accum" / "ckpt", plain)
     out["zero3 plain load"] = {k: v.clone() for k, v in plain.state_dict().items()}
     return out
@@ -328,7 +320,7 @@ def one_device(files, runs) -> dict:
 @pytest.mark.timeout(2 * SPAWN_TIMEOUT_S)
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_expert_parallel_layouts_train_like_one_device(runs, one_device, name):
-    reference = one_device[LAYOUTS[name][1]]
+    reference = one_device[LAYOUTS[name][0]]
     assert_trains_like_one_device([out[name][:STEPS] for out in runs], reference, "fp32", factor=FACTOR,
                                   name=name)
     want = reference["fp32", "batch"]
@@ -343,7 +335,7 @@ def test_expert_parallel_layouts_train_like_one_device(runs, one_device, name):
 def test_expert_parallel_layouts_hand_the_optimizer_one_devices_gradients(runs, one_device, name):
     """Every rank's boxes of the first step's gradients (experts: its rows of ``[E, ...]``) against one
     device's; negative control: x 2 fails."""
-    reference = one_device[LAYOUTS[name][1]]
+    reference = one_device[LAYOUTS[name][0]]
     per_rank = [out[name, "grads"] for out in runs]
     worst = assert_gradients_like_one_device(per_rank, reference, "fp32", factor=FACTOR, name=name,
                                              control=2.0)
@@ -436,7 +428,7 @@ def test_metrics_record_the_balance_loss_the_load_and_the_traffic(runs, one_devi
     """Under pp every rank reports every stage's blocks: the balance loss summed over the stages (each
     stage's in its own backward), the load's mean and most over all blocks; under cp the ranks' halves of
     each sequence: the same figures as one device."""
-    reference = one_device[LAYOUTS[name][1]]
+    reference = one_device[LAYOUTS[name][0]]
     want = reference["records", "fp32", "batch"]
     tol = tolerance(reference, "fp32", factor=FACTOR)
     mean = 4 * 16 * 2 / 4  # k T / E over the global batch's T tokens
@@ -459,7 +451,7 @@ def test_a_zero3_ep2_checkpoint_loads_bitwise_into_the_plain_gpt_and_at_pp2(runs
     loaded into the plain GPT and into a ``--pp 2 --dp 2 --ep 2 --zero-stage 3`` run: every rank's boxes
     there are the plain GPT's elements, bit for bit, and together they cover the model."""
     plain = one_device["zero3 plain load"]
-    fresh = GPT(config_from_args(build_parser().parse_args(TINY)).model, seed=0).state_dict()
+    fresh = GPT(_model(), seed=0).state_dict()
     assert not all(torch.equal(v, fresh[k]) for k, v in plain.items())  # it did load trained weights
     seen = set()
     for out in runs:
@@ -482,7 +474,7 @@ def test_an_ep2_checkpoint_loads_bitwise_at_ep1_and_ep4_and_resumes_there(runs, 
             assert tuple(shape) == tuple(plain[name].shape)
             box = tuple(slice(o, o + n) for o, n in zip(offsets, value.shape, strict=True))
             assert np.array_equal(value, plain[name][box].numpy()), name
-    fresh = GPT(config_from_args(build_parser().parse_args(TINY)).model, seed=0).state_dict()
+    fresh = GPT(_model(), seed=0).state_dict()
     assert not all(torch.equal(v, fresh[k]) for k, v in plain.items())  # it did load trained weights
     tol = tolerance(one_device["aux"], "fp32", factor=FACTOR)
     one = np.array(one_device["aux"]["fp32", "batch"][STEPS:])
