@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from refimpl.config import ModelConfig, ParallelConfig
+from refimpl.config import ModelConfig, ParallelConfig, TrainConfig
 from refimpl.distributed import DistributedContext, ParallelDims
 from refimpl.launch import run_ranks
 from refimpl.measure import measure_saved_activations
@@ -78,7 +78,6 @@ from refimpl.precision.fp8 import (
     float8_linear,
 )
 from refimpl.support import SUPPORT_TABLE
-from refimpl.train import build_parser, config_from_args, options_from_args, train
 from refimpl.train.hooks import TrainHooks
 from tests.support import timeouts
 from tests.support.one_device import (
@@ -86,6 +85,7 @@ from tests.support.one_device import (
     assert_trains_like_one_device,
     first_step_gradients,
 )
+from tests.support.trainer_runs import Case, run_case, tiny
 
 # the one spawn timeout x 2: 2 ranks train in fp8 at each recipe and layout; it was 300 s
 SPAWN_TIMEOUT_S = 2 * timeouts.SPAWN_TIMEOUT_S
@@ -93,26 +93,30 @@ FACTOR = 4.0
 STEPS = 4
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seq-len", "16",
         "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--log-every", "100",
-        "--checkpoint-every", "0", "--no-report", "--steps", str(STEPS)]
-FP8 = ["--precision", "fp8"]
+        "--checkpoint-every", "0", "--no-report", "--steps", str(STEPS)]  # the refusals' command line
 CONFIG = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, max_seq_len=16)  # the planner's
-ROWWISE = [*FP8, "--fp8-scaling", "rowwise"]
-LAYOUTS = {"dp2": FP8, "dp2-zero2": [*FP8, "--zero-stage", "2"], "dp2-zero3": [*FP8, "--zero-stage", "3"],
-           "tp2": [*FP8, "--tp", "2"],
-           "tp2-rowwise": [*ROWWISE, "--tp", "2"], "pp2": [*FP8, "--pp", "2"],
-           "tp2-sp": [*FP8, "--tp", "2", "--sequence-parallel"],
-           "pp2-zbh1": [*FP8, "--pp", "2", "--pp-schedule", "zbh1"], "cp2": [*FP8, "--cp", "2"]}
+
+
+def _fp8(*, micro_batch_size: int | None = None, **options) -> Case:
+    """fp8 (tensorwise unless ``options`` say otherwise) at ``options``' layout."""
+    return Case(parallel=ParallelConfig(**{"precision": "fp8", **options}), micro_batch_size=micro_batch_size)
+
+
+LAYOUTS = {"dp2": _fp8(), "dp2-zero2": _fp8(zero_stage=2), "dp2-zero3": _fp8(zero_stage=3), "tp2": _fp8(tp=2),
+           "tp2-rowwise": _fp8(fp8_scaling="rowwise", tp=2), "pp2": _fp8(pp=2),
+           "tp2-sp": _fp8(tp=2, sequence_parallel=True), "pp2-zbh1": _fp8(pp=2, pp_schedule="zbh1"),
+           "cp2": _fp8(cp=2)}
 PREDICTED = ("dp2", "dp2-zero2", "dp2-zero3", "pp2", "cp2", "pp2-zbh1")  # where predict_run is checked
-# one-device runs: label -> flags (the "micro" order: one sequence per micro-batch)
-ONE_DEVICE = {("fp8", "batch"): FP8, ("fp8", "micro"): [*FP8, "--micro-batch-size", "1"],
-              ("fp8-rowwise", "batch"): ROWWISE,
-              ("fp8-rowwise", "micro"): [*ROWWISE, "--micro-batch-size", "1"],
-              ("fp32", "batch"): [], ("fp8", "halves"): [*FP8, "--micro-batch-size", "2"]}
+# one-device runs: label -> layout (the "micro" order: one sequence per micro-batch)
+ONE_DEVICE = {("fp8", "batch"): _fp8(), ("fp8", "micro"): _fp8(micro_batch_size=1),
+              ("fp8-rowwise", "batch"): _fp8(fp8_scaling="rowwise"),
+              ("fp8-rowwise", "micro"): _fp8(fp8_scaling="rowwise", micro_batch_size=1),
+              ("fp32", "batch"): Case(parallel=ParallelConfig()), ("fp8", "halves"): _fp8(micro_batch_size=2)}
 
 
-def _args(files: dict, out: Path, *extra: str):
-    return build_parser().parse_args([*TINY, "--data", str(files["corpus"]), "--cache-dir",
-                                      str(files["cache"]), "--out", str(out), *extra])
+def _base(files: dict) -> TrainConfig:
+    """2 blocks of width 32, 4 sequences a step, STEPS steps (tests/support/trainer_runs.py's tiny)."""
+    return tiny(files, steps=STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -212,15 +216,15 @@ def _worker(ctx, files: dict) -> dict:
     out = {"layers": _layer_check(ctx)}
     for sp in (False, True):
         out["saved per block", sp] = _saved_per_block(dist.group.WORLD, sequence_parallel=sp)
-    for name, flags in LAYOUTS.items():
-        args, grads = _args(files, Path(files["root"]) / name, *flags), {}
+    for name, case in LAYOUTS.items():
+        grads: dict = {}
         if name in PREDICTED:  # predict_run's figures of step 1
             probe = TrainerProbe(step=1)
             probe.gradient_probe = first_step_gradients(grads)
         else:
             probe = TrainHooks(gradient_probe=first_step_gradients(grads))
         with _CountScaledMM() as fp8_gemms:
-            records = train(config_from_args(args), ctx, options_from_args(args), hooks=probe)
+            records = run_case(ctx, _base(files), case, Path(files["root"]) / name, hooks=probe)
         out[name], out[name, "grads"] = [r["loss"] for r in records], grads
         out[name, "fp8 GEMMs"], out[name, "bytes"] = fp8_gemms.calls, records[1]["bytes_sent"]
         if name in PREDICTED:
@@ -233,12 +237,11 @@ def runs(files) -> list[dict]:
     return run_ranks(_worker, 2, files, timeout_s=SPAWN_TIMEOUT_S)
 
 
-def _one(files: dict, name: str, flags: list[str]) -> tuple[list[float], dict]:
+def _one(files: dict, name: str, case: Case) -> tuple[list[float], dict]:
     ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    args, grads = _args(files, Path(files["root"]) / name, *flags), {}
-    losses = [r["loss"] for r in train(config_from_args(args), ctx, options_from_args(args),
-                                       gradient_probe=first_step_gradients(grads))]
-    return losses, grads
+    grads: dict = {}
+    records = run_case(ctx, _base(files), case, Path(files["root"]) / name, probe=first_step_gradients(grads))
+    return [r["loss"] for r in records], grads
 
 
 @pytest.fixture(scope="module")
@@ -250,8 +253,8 @@ def one_device(files) -> dict:
     torch.set_num_threads(1)
     try:
         out: dict = {}
-        for (label, order), flags in ONE_DEVICE.items():
-            out[label, order], out["grads", label, order] = _one(files, f"{label}-{order}", flags)
+        for (label, order), case in ONE_DEVICE.items():
+            out[label, order], out["grads", label, order] = _one(files, f"{label}-{order}", case)
         ends = first_and_last_linear
         with pytest.MonkeyPatch.context() as patch:  # block 1's dense_h_to_4h kept in bf16 too
             patch.setattr("refimpl.precision.fp8.first_and_last_linear",
@@ -323,7 +326,7 @@ def test_sequence_parallelism_and_zbh1_run_every_gemm_in_fp8(runs, name, plain):
         print(name, rank, out[name, "fp8 GEMMs"])
 
 
-REFUSED = {"fp8-zero3-rowwise": ["--zero-stage", "3", *ROWWISE],
+REFUSED = {"fp8-zero3-rowwise": ["--zero-stage", "3", "--precision", "fp8", "--fp8-scaling", "rowwise"],
            "fp8-scaling-without-fp8": ["--fp8-scaling", "rowwise"]}
 
 
@@ -358,14 +361,13 @@ def test_predict_run_equals_the_fp8_run_to_the_byte(runs, files, name):
     whose peak has a W pending)."""
     from refimpl.planner import predict_run
 
-    args = _args(files, Path(files["root"]) / name, *LAYOUTS[name])
-    config, options = config_from_args(args), options_from_args(args)
+    config, case = _base(files), LAYOUTS[name]
 
     def predict(precision: str):
-        return predict_run(config.model, dataclasses.replace(options.parallel, precision=precision),
+        return predict_run(config.model, dataclasses.replace(case.parallel, precision=precision),
                            world_size=2, seq_len=config.data.seq_len,
                            global_batch=config.data.global_batch_size,
-                           micro_batch=config.data.micro_batch_size, grad_clip=config.optim.grad_clip)
+                           micro_batch=case.micro_batch_size, grad_clip=config.optim.grad_clip)
     plan, bf16 = predict("fp8"), predict("bf16")
     if name.endswith("zbh1"):  # the fp8 layers' deferred dW operands: one byte per element, not bf16's two
         assert any(out[name, "measured"]["activations"] != bf16.ranks[rank].activation_bytes
