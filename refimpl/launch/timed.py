@@ -113,14 +113,17 @@ def raised_priority(by: int) -> Iterator[bool]:
 
 
 @contextlib.contextmanager
-def timed_section(*, priority: int = 10, group: Any = None) -> Iterator[None]:
+def timed_section(*, priority: int = 10, group: Any = None, wait_s: float = 60.0) -> Iterator[None]:
     """For ranks that are already running (a notebook's engines; every rank of ``group`` enters it): the
-    group's rank 0 holds the lock of timed runs, every rank raises its priority by ``priority``, and a
-    barrier before and after the body makes them measure together and let go after the last."""
+    group's rank 0 holds the lock of timed runs (waiting for it at most ``wait_s``: the other ranks wait
+    in a barrier meanwhile, so keep it under the process group's timeout), every rank raises its priority
+    by ``priority``, and a barrier before and after the body makes them measure together and let go after
+    the last."""
     import torch.distributed as dist
 
     first = dist.get_rank(group) == 0
-    with one_timed_run_at_a_time() if first else contextlib.nullcontext(), raised_priority(priority):
+    lock = one_timed_run_at_a_time(wait_s) if first else contextlib.nullcontext()
+    with lock, raised_priority(priority):
         dist.barrier(group=group)
         yield
         dist.barrier(group=group)

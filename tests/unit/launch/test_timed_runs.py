@@ -47,3 +47,20 @@ def test_a_raised_priority_reaches_every_thread_and_is_given_back():
         done.set()
         thread.join()
     assert os.getpriority(os.PRIO_PROCESS, 0) == before
+
+
+def test_a_timed_section_waits_for_the_lock_no_longer_than_it_is_told(tmp_path, monkeypatch):
+    """The other ranks wait in a barrier while rank 0 waits for the lock: ``wait_s`` bounds that wait
+    (under the process group's timeout), then the section measures without the lock."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(timed, "TIMING_LOCK", tmp_path / "timed-runs.lock")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        with timed.one_timed_run_at_a_time():  # another timed run holds the lock
+            start = time.monotonic()
+            with timed.timed_section(wait_s=0.5):
+                waited = time.monotonic() - start
+        assert 0.5 <= waited < 5, waited
+    finally:
+        dist.destroy_process_group()
