@@ -5,11 +5,13 @@ On a machine busy with other work (a test suite's other lane), a timed run measu
 rank woken late adds idle time, and two timed runs at raised priority take each other's cores. So a timed
 run holds the machine's lock of timed runs (an ``flock`` on ``TIMING_LOCK`` in the temp folder) while it
 measures, and raises its scheduling priority (where allowed, e.g. as root). Two levels of priority:
-Linux's autogroup scheduling (on by default on desktops, and on the host of this project's CI) shares the
-CPU fairly between *sessions* first, and a thread's ``nice`` counts only within its session. Measured on
-one core: a process at ``nice -10`` in a session of its own got 0.50 of it against one at ``nice 0`` in
+Linux's autogroup scheduling (on by default on desktops, and on this project's development machine) shares
+the CPU fairly between *sessions* first, and a thread's ``nice`` counts only within its session. Measured
+on one core: a process at ``nice -10`` in a session of its own got 0.50 of it against one at ``nice 0`` in
 another session, and 0.90 once its session's nice (``/proc/self/autogroup``) was -10. So a timed run
-lowers both, and ``run_shaped`` starts its helper in a session of its own.
+lowers both, and ``run_shaped`` starts its helper in a session of its own. Where autogroup scheduling
+does not apply to a process (the file reads empty, as in this project's CI sandbox), the threads' nice
+alone counts, and it is all that is raised.
 
 ``one_timed_run_at_a_time`` is the lock (``refimpl.launch.shaped_link.run_shaped`` takes it for its
 helper), ``raise_this_process`` the priority of a process about to start ranks (its session's too),

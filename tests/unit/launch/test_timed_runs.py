@@ -1,6 +1,7 @@
 """Timed runs take turns (refimpl/launch/timed.py): a second timed run waits while the first holds the
 machine's lock, measures anyway once its wait is up (it never hangs), and gets the lock once the first
-has let go; a raised priority covers every thread of the process and is given back after."""
+has let go; a raised priority covers every thread of the process (its session too, where autogroup
+scheduling applies) and is given back after."""
 
 from __future__ import annotations
 
@@ -64,3 +65,16 @@ def test_a_timed_section_waits_for_the_lock_no_longer_than_it_is_told(tmp_path, 
         assert 0.5 <= waited < 5, waited
     finally:
         dist.destroy_process_group()
+
+
+def test_where_autogroup_does_not_apply_only_the_threads_are_raised(tmp_path, monkeypatch):
+    """In a sandbox whose processes sit outside autogroup scheduling (this project's CI) the file reads
+    empty: there is no session nice to raise or give back, and the threads' priority still is."""
+    empty = tmp_path / "autogroup"
+    empty.write_text("")
+    monkeypatch.setattr(timed, "AUTOGROUP", empty)
+    assert timed._autogroup_nice() is None
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    with timed.raised_priority(3) as allowed:
+        assert os.getpriority(os.PRIO_PROCESS, 0) == (before - 3 if allowed else before)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before and empty.read_text() == ""
