@@ -19,11 +19,12 @@ from collections.abc import Sequence
 import torch
 
 from refimpl.comm.tracer import wire_bytes
-from refimpl.config import ModelConfig
+from refimpl.config import ConfigError, ModelConfig
 from refimpl.distributed.mesh import ParallelDims, group_name
 from refimpl.planner.activations import activation_bytes, local_tokens
 from refimpl.planner.communication import shared_qkv_elements, tp_stage_collectives, zero_collectives
 from refimpl.planner.zero_state import Shape, padded_numel, sharded_numel
+from refimpl.support import not_modelled
 
 __all__ = ["DP_KEY", "REPLICA_KEY", "SHARD_KEY", "add_wire_bytes", "data_parallel_bytes", "final_norm_16",
            "recompute_tp_payloads", "shard_group_rank",
@@ -85,7 +86,7 @@ def data_parallel_bytes(unit_shapes: Sequence[Sequence[Shape]], *, zero_stage: i
         key = DP_KEY if replicas == 1 else SHARD_KEY
         if fp8 is not None:  # per tensor: e4m3 bytes or gather_bytes; the root once, the blocks twice
             if zero3_kept:
-                raise ValueError("fp8 gathers under the pipeline are not modelled")
+                raise ConfigError(not_modelled("fp8-pp-zero3"))  # refimpl/support.py
             times = [1 if u == 0 else 2 for u in range(len(unit_shapes))]
             gathered = sum(t * sum(padded_numel([s], shard) * (1 if f else gather_bytes)
                                    for s, f in zip(unit, flags, strict=True))

@@ -250,3 +250,15 @@ def test_each_not_modelled_row_refuses_its_case_in_its_words_and_predicts_the_ne
     assert row.reason in " ".join(describe_support_table().split())
     if name not in ("moe-bytes", "moe-layout", "mla"):  # the model is not modelled: no neighbour layout
         assert predict_run(model, ParallelConfig(**neighbour), seq_len=8, global_batch=4).ranks
+
+
+def test_the_data_parallel_term_refuses_fp8_gathers_under_pp_in_the_tables_words():
+    """Called below ``predict_run`` (which checks the table first), the term refuses with the row's reason;
+    its neighbour, the same unit under ZeRO-3 in fp32, is counted."""
+    from refimpl.planner.run_terms import data_parallel_bytes
+    from refimpl.support import not_modelled
+
+    with pytest.raises(ConfigError) as info:
+        data_parallel_bytes([[(4, 4)]], zero_stage=3, dp_cp=2, zero3_kept=True, fp8=[[True]])
+    assert str(info.value) == not_modelled("fp8-pp-zero3")
+    assert data_parallel_bytes([[(4, 4)]], zero_stage=3, dp_cp=2, zero3_kept=True)
